@@ -1,0 +1,153 @@
+//! The `multihead` command: replay and check PyTorch parity cases.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use multihead::parity::{self, Case};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// PyTorch-exact multi-head attention: tools around the `multihead` library.
+#[derive(Parser, Debug)]
+#[command(name = "multihead", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Replay one PyTorch parity case and write what this library computes.
+    Replay {
+        /// The case directory (case.json + case.safetensors).
+        case_dir: PathBuf,
+        /// Where to write the results (safetensors).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Replay cases and compare with PyTorch's expected tensors. A directory without a
+    /// case.json is searched for cases below it.
+    Check {
+        /// Case directories, or directories holding case directories.
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
+        /// Print every compared tensor, not just the worst per case.
+        #[arg(long)]
+        verbose: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Replay { case_dir, out } => replay(&case_dir, &out),
+        Command::Check { dirs, verbose } => check(&dirs, verbose),
+    }
+}
+
+fn replay(case_dir: &Path, out: &Path) -> ExitCode {
+    let run = || -> multihead::Result<()> {
+        let case = Case::load(case_dir)?;
+        let result = parity::replay(&case)?;
+        multihead::state_dict::save_safetensors(result.iter().map(|(k, t)| (k.as_str(), t)), out)
+    };
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("multihead replay: {}: {e}", case_dir.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Finds case directories: `dir` itself when it holds a case.json, otherwise every case below
+/// it, in sorted order.
+fn find_cases(dir: &Path, out: &mut Vec<PathBuf>) {
+    if dir.join("case.json").is_file() {
+        out.push(dir.to_path_buf());
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        // Not a directory we can read: keep it, so that check reports it as a failed case.
+        out.push(dir.to_path_buf());
+        return;
+    };
+    let mut subdirs: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    subdirs.sort();
+    for sub in subdirs {
+        find_cases(&sub, out);
+    }
+}
+
+fn check(dirs: &[PathBuf], verbose: bool) -> ExitCode {
+    let mut cases = Vec::new();
+    for d in dirs {
+        find_cases(d, &mut cases);
+    }
+    let (mut passed, mut failed) = (0usize, 0usize);
+    for dir in &cases {
+        let outcome = Case::load(dir).and_then(|case| parity::check(&case));
+        match outcome {
+            Ok(checks) if !checks.is_empty() => {
+                let ok = checks.iter().all(|c| c.passed);
+                let worst = checks
+                    .iter()
+                    .max_by(|a, b| a.worst_ratio.total_cmp(&b.worst_ratio))
+                    .expect("checks is not empty");
+                println!(
+                    "{} {}: worst {} max|diff| {:.3e} ({:.3} of tolerance){}",
+                    if ok { "ok  " } else { "FAIL" },
+                    dir.display(),
+                    worst.name,
+                    worst.max_abs,
+                    worst.worst_ratio,
+                    worst
+                        .note
+                        .as_deref()
+                        .map(|n| format!(" [{n}]"))
+                        .unwrap_or_default()
+                );
+                if verbose || !ok {
+                    for c in checks.iter().filter(|c| verbose || !c.passed) {
+                        println!(
+                            "     {} {}: max|diff| {:.3e} ({:.3} of tolerance){}",
+                            if c.passed { "ok  " } else { "FAIL" },
+                            c.name,
+                            c.max_abs,
+                            c.worst_ratio,
+                            c.note
+                                .as_deref()
+                                .map(|n| format!(" [{n}]"))
+                                .unwrap_or_default()
+                        );
+                    }
+                }
+                if ok {
+                    passed += 1;
+                } else {
+                    failed += 1;
+                }
+            }
+            Ok(_) => {
+                println!("FAIL {}: the case has no expect.* tensors", dir.display());
+                failed += 1;
+            }
+            Err(e) => {
+                println!("FAIL {}: {e}", dir.display());
+                failed += 1;
+            }
+        }
+    }
+    println!("{passed} passed, {failed} failed");
+    if failed == 0 && passed > 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}

@@ -1,0 +1,20 @@
+//! Framework-free CPU kernels for multi-head attention.
+//!
+//! This crate holds the pieces of `multihead` that work on plain slices and know nothing about
+//! tensors or autograd. Every kernel has a naive reference twin beside it, and the tests compare
+//! the two.
+//!
+//! Today it holds the counter-based dropout generator ([`dropout`]), which the attention forward
+//! and backward share so that a backward pass can regenerate the forward's mask without storing
+//! it.
+//!
+//! ```
+//! use multihead_kernels::dropout::DropoutKey;
+//!
+//! let key = DropoutKey { seed: 42, offset: 0 };
+//! // Whether element (batch*heads index 3, row 1, column 7) is kept at p = 0.1:
+//! let kept = key.keep(3, 1, 7, 0.1);
+//! assert_eq!(kept, key.keep(3, 1, 7, 0.1)); // the same key always gives the same answer
+//! ```
+
+pub mod dropout;

@@ -1,0 +1,90 @@
+//! The library's one error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in `multihead`.
+///
+/// Messages are lowercase, name the operation and the argument, and give both shapes when two
+/// shapes disagree, for example
+/// `multi_head_attention_forward: attn_mask: expected a 2-D mask of shape (L, S) = (3, 5), got (5, 3)`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A tensor argument has the wrong rank or shape.
+    #[error("{op}: {arg}: {msg}")]
+    Shape {
+        /// The operation that rejected the argument (PyTorch's function name).
+        op: &'static str,
+        /// The argument's PyTorch name.
+        arg: &'static str,
+        /// What was expected and what was given.
+        msg: String,
+    },
+    /// A tensor argument has the wrong dtype.
+    #[error("{op}: {arg}: {msg}")]
+    DType {
+        /// The operation that rejected the argument.
+        op: &'static str,
+        /// The argument's PyTorch name.
+        arg: &'static str,
+        /// What was expected and what was given.
+        msg: String,
+    },
+    /// A constructor or call argument that is not a tensor is out of range or inconsistent.
+    #[error("{op}: {arg}: {msg}")]
+    Config {
+        /// The operation or constructor.
+        op: &'static str,
+        /// The argument's PyTorch name.
+        arg: &'static str,
+        /// What is wrong.
+        msg: String,
+    },
+    /// Strict state_dict loading found keys missing from the file or keys the module does not
+    /// have.
+    #[error("load_state_dict: missing keys {missing:?}, unexpected keys {unexpected:?}")]
+    StateDictKeys {
+        /// Keys the module needs that the state_dict lacks.
+        missing: Vec<String>,
+        /// Keys in the state_dict that the module does not have.
+        unexpected: Vec<String>,
+    },
+    /// A state_dict entry has the wrong shape for the module.
+    #[error("load_state_dict: {key}: expected shape {expected:?}, got {got:?}")]
+    StateDictShape {
+        /// The PyTorch key.
+        key: String,
+        /// The shape the module needs.
+        expected: Vec<usize>,
+        /// The shape in the state_dict.
+        got: Vec<usize>,
+    },
+    /// A parity case or safetensors file could not be read or is malformed.
+    #[error("{path}: {msg}")]
+    File {
+        /// The file or case directory.
+        path: PathBuf,
+        /// What is wrong with it.
+        msg: String,
+    },
+    /// An error raised inside candle.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+/// `Result` with [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Formats a shape as PyTorch prints a tuple: `(2, 3, 5)`.
+pub(crate) fn fmt_shape(dims: &[usize]) -> String {
+    match dims {
+        [d] => format!("({d},)"),
+        _ => format!(
+            "({})",
+            dims.iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}

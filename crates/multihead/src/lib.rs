@@ -1,0 +1,68 @@
+//! # multihead
+//!
+//! PyTorch's `nn.MultiheadAttention` and `F.scaled_dot_product_attention` for Rust, on
+//! [candle](https://docs.rs/candle-core), with PyTorch's numbers, state_dict keys and masks.
+//!
+//! * [`MultiheadAttention`] mirrors `torch.nn.MultiheadAttention`: packed or separate
+//!   projections, `bias_k`/`bias_v`, zero attention, bool and float masks with PyTorch's polarity,
+//!   `is_causal`, batched and unbatched input, `batch_first`, dropout on the attention weights,
+//!   averaged or per-head weights.
+//! * [`functional`] has `scaled_dot_product_attention` and `multi_head_attention_forward`.
+//! * [`state_dict`] loads and saves PyTorch state_dicts as safetensors, strictly, by PyTorch's keys.
+//! * [`parity`] replays PyTorch golden cases and compares with PyTorch's results.
+//!
+//! Everything is differentiable through candle's autograd: inputs and every parameter get their
+//! gradients.
+//!
+//! ## A tour
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::{VarBuilder, VarMap};
+//! use multihead::{Mask, MhaConfig, MhaOptions, MultiheadAttention};
+//!
+//! let dev = Device::Cpu;
+//! let vars = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev);
+//! // nn.MultiheadAttention(embed_dim=32, num_heads=4, batch_first=True)
+//! let mha = MultiheadAttention::new(MhaConfig::new(32, 4).with_batch_first(true), vb)?;
+//!
+//! let x = Tensor::randn(0f32, 1.0, (2, 6, 32), &dev)?; // (N, L, E)
+//! let causal = multihead::generate_square_subsequent_mask(6, DType::F32, &dev)?;
+//! let out = mha.forward(&x, &x, &x, &MhaOptions::default().attn_mask(Mask::Float(causal)))?;
+//! assert_eq!(out.output.dims(), &[2, 6, 32]);
+//! assert_eq!(out.attn_weights.unwrap().dims(), &[2, 6, 6]); // averaged over heads
+//!
+//! // Gradients reach every parameter.
+//! let grads = out.output.sqr()?.sum_all()?.backward()?;
+//! assert!(vars.all_vars().iter().all(|v| grads.get(v.as_tensor()).is_some()));
+//! # Ok::<(), multihead::Error>(())
+//! ```
+//!
+//! ## Where this library differs from PyTorch on purpose
+//! * A fully masked query row gives a zero attention row and zero weights on every path.
+//!   PyTorch gives NaN on its `need_weights=True` path and zeros on its SDPA path.
+//! * `dropout` must lie in `[0, 1)`, checked at construction; PyTorch checks late or not at all.
+//! * Dropout draws from this crate's seeded counter-based generator ([`manual_seed`]), so masks
+//!   are reproducible but are not PyTorch's mt19937 masks.
+//! * Masks are typed: [`Mask::Bool`] (a `u8` tensor) or [`Mask::Float`] (added to the scores).
+
+#![warn(missing_docs)]
+
+pub mod error;
+pub mod functional;
+pub mod linear;
+pub mod mask;
+pub mod multihead_attention;
+pub mod parity;
+pub mod random;
+pub mod state_dict;
+pub mod tolerance;
+
+pub use error::{Error, Result};
+pub use functional::{MhaOptions, MhaOutput, SdpaOptions};
+pub use linear::Linear;
+pub use mask::{generate_square_subsequent_mask, Mask};
+pub use multihead_attention::{MhaConfig, MultiheadAttention};
+pub use random::manual_seed;
+pub use state_dict::NamedParameters;
+pub use tolerance::Tolerance;

@@ -1,0 +1,203 @@
+//! Attention masks: PyTorch's two kinds (bool and additive float) and their polarity.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{fmt_shape, Error, Result};
+
+/// An attention or key-padding mask, as PyTorch accepts it.
+///
+/// PyTorch tells the two kinds apart by dtype; candle has no bool dtype, so the kind is explicit:
+///
+/// * [`Mask::Bool`] holds a `u8` tensor (any non-zero value is `True`). In
+///   [`MultiheadAttention`](crate::MultiheadAttention) and
+///   [`multi_head_attention_forward`](crate::functional::multi_head_attention_forward), `True`
+///   means the position may **not** be attended (it becomes `-inf`). In
+///   [`scaled_dot_product_attention`](crate::functional::scaled_dot_product_attention) the
+///   polarity is SDPA's: `True` means the position **may** be attended.
+/// * [`Mask::Float`] holds a float tensor of the query's dtype that is **added** to the scaled
+///   scores; `-inf` forbids a position.
+///
+/// Integer masks are rejected, as in PyTorch: a `Bool` mask must be `u8` and a `Float` mask must
+/// have a float dtype.
+///
+/// # Shapes
+/// See the function that takes the mask: `(L, S)` or `(N·H, L, S)` for an `attn_mask`, `(N, S)`
+/// for a `key_padding_mask`.
+///
+/// # Example
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use multihead::Mask;
+///
+/// // Batch of 2 sequences of 3 keys; the last key of the second sequence is padding.
+/// let kpm = Mask::Bool(Tensor::new(&[[0u8, 0, 0], [0, 0, 1]], &Device::Cpu)?);
+/// assert!(kpm.is_bool());
+/// # Ok::<(), multihead::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub enum Mask {
+    /// A boolean mask stored as `u8` (non-zero is `True`).
+    Bool(Tensor),
+    /// An additive float mask of the query's dtype.
+    Float(Tensor),
+}
+
+impl Mask {
+    /// The tensor inside.
+    pub fn tensor(&self) -> &Tensor {
+        match self {
+            Mask::Bool(t) | Mask::Float(t) => t,
+        }
+    }
+
+    /// Whether this is a [`Mask::Bool`].
+    pub fn is_bool(&self) -> bool {
+        matches!(self, Mask::Bool(_))
+    }
+
+    /// The mask's dimensions.
+    pub fn dims(&self) -> &[usize] {
+        self.tensor().dims()
+    }
+
+    /// Checks the dtype rule: bool masks are `u8`, float masks have a float dtype.
+    pub(crate) fn check_kind(&self, op: &'static str, arg: &'static str) -> Result<()> {
+        let ok = match self {
+            Mask::Bool(t) => t.dtype() == DType::U8,
+            Mask::Float(t) => t.dtype().is_float(),
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::DType {
+                op,
+                arg,
+                msg: format!(
+                    "only bool (u8) and floating types of {arg} are supported, got a {} mask of dtype {:?}",
+                    if self.is_bool() { "bool" } else { "float" },
+                    self.tensor().dtype()
+                ),
+            })
+        }
+    }
+
+    /// Converts to an additive float mask of `dtype` with MultiheadAttention's polarity
+    /// (`True` = masked = `-inf`). A float mask must already have `dtype`; it is never cast.
+    pub(crate) fn to_additive(
+        &self,
+        dtype: DType,
+        op: &'static str,
+        arg: &'static str,
+    ) -> Result<Tensor> {
+        self.check_kind(op, arg)?;
+        match self {
+            Mask::Bool(t) => bool_to_additive(t, dtype, true),
+            Mask::Float(t) => {
+                check_float_dtype(t, dtype, op, arg)?;
+                Ok(t.clone())
+            }
+        }
+    }
+
+    /// Converts to an additive float mask with SDPA's polarity (`True` = keep).
+    pub(crate) fn to_additive_sdpa(
+        &self,
+        dtype: DType,
+        op: &'static str,
+        arg: &'static str,
+    ) -> Result<Tensor> {
+        self.check_kind(op, arg)?;
+        match self {
+            Mask::Bool(t) => bool_to_additive(t, dtype, false),
+            Mask::Float(t) => {
+                check_float_dtype(t, dtype, op, arg)?;
+                Ok(t.clone())
+            }
+        }
+    }
+}
+
+fn check_float_dtype(t: &Tensor, dtype: DType, op: &'static str, arg: &'static str) -> Result<()> {
+    if t.dtype() == dtype {
+        Ok(())
+    } else {
+        Err(Error::DType {
+            op,
+            arg,
+            msg: format!(
+                "a float mask must have the query's dtype {dtype:?}, got {:?}",
+                t.dtype()
+            ),
+        })
+    }
+}
+
+/// `True` (non-zero) becomes `-inf` when `true_masks`, otherwise `False` does; the rest is 0.
+fn bool_to_additive(t: &Tensor, dtype: DType, true_masks: bool) -> Result<Tensor> {
+    let neg_inf = Tensor::full(f64::NEG_INFINITY, t.shape(), t.device())?.to_dtype(dtype)?;
+    let zeros = Tensor::zeros(t.shape(), dtype, t.device())?;
+    let out = if true_masks {
+        t.where_cond(&neg_inf, &zeros)?
+    } else {
+        t.where_cond(&zeros, &neg_inf)?
+    };
+    Ok(out)
+}
+
+/// A causal mask aligned to the upper left: row `i` may attend columns `0..=i`, the rest is
+/// `-inf`. Shape `(l, s)`; this is the mask SDPA's `is_causal=True` uses, also when `l != s`.
+pub(crate) fn causal_upper_left(
+    l: usize,
+    s: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let mut data = vec![0f64; l * s];
+    for i in 0..l {
+        for j in (i + 1).min(s)..s {
+            data[i * s + j] = f64::NEG_INFINITY;
+        }
+    }
+    Ok(Tensor::from_vec(data, (l, s), device)?.to_dtype(dtype)?)
+}
+
+/// A square causal mask, as `torch.nn.Transformer.generate_square_subsequent_mask(sz)`:
+/// `0.0` on and below the diagonal, `-inf` above it.
+///
+/// # Shapes
+/// Returns `(sz, sz)`; `sz = 0` gives `(0, 0)`.
+///
+/// # Example
+/// ```
+/// use candle_core::{DType, Device};
+/// let m = multihead::generate_square_subsequent_mask(3, DType::F32, &Device::Cpu)?;
+/// assert_eq!(m.to_vec2::<f32>()?[0], vec![0.0, f32::NEG_INFINITY, f32::NEG_INFINITY]);
+/// # Ok::<(), multihead::Error>(())
+/// ```
+// Mirrors torch.nn.Transformer.generate_square_subsequent_mask.
+pub fn generate_square_subsequent_mask(sz: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    causal_upper_left(sz, sz, dtype, device)
+}
+
+/// Checks that a mask has exactly `expected` dimensions.
+pub(crate) fn expect_dims(
+    t: &Tensor,
+    expected: &[usize],
+    op: &'static str,
+    arg: &'static str,
+    what: &str,
+) -> Result<()> {
+    if t.dims() == expected {
+        Ok(())
+    } else {
+        Err(Error::Shape {
+            op,
+            arg,
+            msg: format!(
+                "expected {what} {}, got {}",
+                fmt_shape(expected),
+                fmt_shape(t.dims())
+            ),
+        })
+    }
+}

@@ -1,0 +1,1187 @@
+#!/usr/bin/env python3
+"""Write seeded PyTorch golden *cases* for the multihead parity tests.
+
+A case is a directory holding ``case.json`` and ``case.safetensors``; the layout is
+fixed by the project's parity-case file contract (``parity-case-format.md``,
+format_version 1). PyTorch is the reference: every number in a case is what PyTorch
+computed.
+
+Commands::
+
+    python3 tools/gen_cases.py fixtures --out tests/fixtures/mha
+        the fixed, named, committed set (deterministic: fixed seeds, one thread)
+    python3 tools/gen_cases.py random --count N --seed S --out DIR
+        N random valid configurations, for cases the Rust port has never seen
+    python3 tools/gen_cases.py verify DIR [DIR ...]
+        re-run every case found under DIR in PyTorch from its stored tensors and
+        check the file contract and that every ``expect.*`` tensor reproduces
+
+Adding a module kind (TransformerEncoderLayer, ...): write a ``make_case(cfg, out_dir)``
+that builds the module from a config dict, runs it and writes the case with
+``write_case``; a ``replay(meta, tensors)`` for ``verify``; fixture and random config
+generators; and register them in ``MODULE_KINDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import warnings
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+MHA = "torch.nn.MultiheadAttention"
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.uint8: "uint8",
+    torch.bool: "bool",
+}
+
+# Always both dtypes, whatever the case's own dtype is.
+SUGGESTED_TOLERANCE = {
+    "float32": {
+        "forward": {"rtol": 1e-5, "atol": 1e-5},
+        "grad": {"rtol": 1e-4, "atol": 1e-4},
+    },
+    "float64": {
+        "forward": {"rtol": 1e-10, "atol": 1e-10},
+        "grad": {"rtol": 1e-10, "atol": 1e-10},
+    },
+}
+
+
+class SkipCase(Exception):
+    """The drawn configuration is not a usable case (PyTorch raised, or NaN, ...)."""
+
+
+# --------------------------------------------------------------------------------------
+# Generic case writing / reading
+# --------------------------------------------------------------------------------------
+
+
+def seed_for(name: str) -> int:
+    """A stable seed derived from the case name (independent of list order)."""
+    return zlib.crc32(name.encode("utf-8")) & 0x7FFFFFFF
+
+
+def store(t: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """Tensor as stored in safetensors (bool -> uint8), plus its logical dtype name."""
+    t = t.detach()
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8).contiguous(), "bool"
+    return t.clone().contiguous(), DTYPE_NAMES[t.dtype]
+
+
+def format_json(meta: dict) -> str:
+    """Compact, diff-friendly JSON: one line per top-level key and per tensor entry."""
+
+    def one(v):
+        return json.dumps(v, separators=(", ", ": "))
+
+    lines = []
+    for key, val in meta.items():
+        if key == "tensors":
+            rows = [f"    {one(n)}: {one(info)}" for n, info in val.items()]
+            lines.append(f'  "tensors": {{\n' + ",\n".join(rows) + "\n  }")
+        else:
+            lines.append(f"  {one(key)}: {one(val)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def write_case(out_dir: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``case.json`` (meta plus the ``tensors`` table) and ``case.safetensors``.
+
+    ``tensors`` maps contract names to tensors in their *logical* dtype; bool masks are
+    converted to uint8 here. The directory is deleted and recreated.
+    """
+    stored: dict[str, torch.Tensor] = {}
+    table: dict[str, dict] = {}
+    for name, t in tensors.items():
+        s, logical = store(t)
+        stored[name] = s
+        table[name] = {
+            "shape": list(s.shape),
+            "dtype": DTYPE_NAMES[s.dtype],
+            "logical_dtype": logical,
+        }
+    meta = dict(meta)
+    meta["tensors"] = table
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    (out_dir / "case.json").write_text(format_json(meta))
+    save_file(stored, str(out_dir / "case.safetensors"))
+
+
+def load_case(case_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    meta = json.loads((case_dir / "case.json").read_text())
+    tensors = load_file(str(case_dir / "case.safetensors"))
+    return meta, tensors
+
+
+def logical(tensors: dict[str, torch.Tensor], meta: dict, name: str) -> torch.Tensor:
+    """A stored tensor back in its logical dtype (uint8 masks -> bool)."""
+    t = tensors[name]
+    if meta["tensors"][name]["logical_dtype"] == "bool":
+        return t != 0
+    return t
+
+
+def has_nan(ts) -> bool:
+    return any(torch.isnan(t).any().item() for t in ts if t.is_floating_point())
+
+
+# --------------------------------------------------------------------------------------
+# torch.nn.MultiheadAttention
+# --------------------------------------------------------------------------------------
+#
+# Config dict (keys with defaults in MHA_DEFAULTS):
+#   name, description, seed (optional: derived from name)
+#   E, H, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first, dtype
+#   training, grad_mode
+#   L, S, N            N=None means unbatched (2-D inputs)
+#   alias              "none" | "self" (q is k is v) | "kv" (k is v) | "kq" (k is q, v distinct)
+#   need_weights, average_attn_weights, is_causal, weights_in_loss
+#   attn_mask          None or {"type": "bool"|"float", "dims": 2|3,
+#                                "pattern": "random"|"causal", "full_row": bool}
+#   kpm                None or {"type": "bool"|"float", "full_row": bool}
+#   (full_row: one query row, or one batch element, gets every user key masked.)
+
+MHA_DEFAULTS = dict(
+    E=6,
+    H=2,
+    dropout=0.0,
+    bias=True,
+    add_bias_kv=False,
+    add_zero_attn=False,
+    kdim=None,
+    vdim=None,
+    batch_first=False,
+    dtype="float32",
+    training=True,
+    grad_mode=True,
+    L=3,
+    S=4,
+    N=2,
+    alias="none",
+    need_weights=True,
+    average_attn_weights=True,
+    is_causal=False,
+    weights_in_loss=False,
+    attn_mask=None,
+    kpm=None,
+)
+
+
+def mha_full_config(cfg: dict) -> dict:
+    c = dict(MHA_DEFAULTS)
+    c.update(cfg)
+    if c["alias"] == "self":
+        c["S"] = c["L"]
+    if c["alias"] == "kq":
+        c["S"] = c["L"]
+    if c.get("seed") is None:
+        c["seed"] = seed_for(c["name"])
+    return c
+
+
+def _mask_blocked(c: dict, gen_bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Boolean "blocked" patterns for attn_mask ((L,S) or (N*H,L,S)) and kpm ((N,S)).
+
+    Rows are repaired so that no (batch, head, query) row is fully blocked, then the
+    requested full rows are applied.
+    """
+    L, S, H = c["L"], c["S"], c["H"]
+    N = c["N"] if c["N"] is not None else 1
+    am, kp = c["attn_mask"], c["kpm"]
+    a = k = None
+    if am is not None:
+        shape = (L, S) if am["dims"] == 2 else (N * H, L, S)
+        if am.get("pattern", "random") == "causal":
+            a = torch.ones(L, S, dtype=torch.bool).triu(1)
+            if am["dims"] == 3:
+                a = a.expand(N * H, L, S).clone()
+        else:
+            a = gen_bool(shape, 0.3)
+    if kp is not None:
+        k = gen_bool((N, S), 0.3)
+
+    # Repair fully blocked rows of the combined mask.
+    while True:
+        comb = torch.zeros(N, H, L, S, dtype=torch.bool)
+        if a is not None:
+            comb |= a.view(1, 1, L, S) if a.dim() == 2 else a.view(N, H, L, S)
+        if k is not None:
+            comb |= k.view(N, 1, 1, S)
+        full = comb.all(-1).nonzero()
+        if len(full) == 0:
+            break
+        b, h, l = (int(x) for x in full[0])
+        s = int(torch.randint(0, S, (1,)))
+        if a is not None:
+            if a.dim() == 2:
+                a[l, s] = False
+            else:
+                a[b * H + h, l, s] = False
+        if k is not None:
+            k[b, s] = False
+
+    if am is not None and am.get("full_row"):
+        if a.dim() == 2:
+            a[L - 1, :] = True
+        else:
+            a[(N - 1) * H + (H - 1), 0, :] = True  # last batch element, last head, row 0
+    if kp is not None and kp.get("full_row"):
+        k[N - 1, :] = True
+    return a, k
+
+
+def _to_mask(blocked: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    if kind == "bool":
+        return blocked.clone()
+    vals = torch.randn(blocked.shape, dtype=dtype)
+    return vals.masked_fill(blocked, float("-inf"))
+
+
+def mha_fast_path_expected(c: dict) -> bool:
+    """Spec §2.7: would PyTorch take the native fast path for this config?"""
+    float_mask = (c["attn_mask"] or {}).get("type") == "float" or (c["kpm"] or {}).get(
+        "type"
+    ) == "float"
+    packed = c["kdim"] in (None, c["E"]) and c["vdim"] in (None, c["E"])
+    return (
+        not float_mask
+        and torch.backends.mha.get_fastpath_enabled()
+        and c["N"] is not None
+        and c["alias"] == "self"
+        and packed
+        and not c["training"]
+        and c["H"] % 2 == 0
+        and c["batch_first"]
+        and not c["add_bias_kv"]
+        and not c["add_zero_attn"]
+        and not c["grad_mode"]
+        and c["bias"]
+    )
+
+
+class _FastPathSpy:
+    """Records whether torch._native_multi_head_attention ran during the call."""
+
+    def __enter__(self):
+        self.hit = False
+        self._orig = torch._native_multi_head_attention
+
+        def spy(*a, **kw):
+            self.hit = True
+            return self._orig(*a, **kw)
+
+        torch._native_multi_head_attention = spy
+        return self
+
+    def __exit__(self, *exc):
+        torch._native_multi_head_attention = self._orig
+        return False
+
+
+def mha_constructor(c: dict) -> dict:
+    return {
+        "embed_dim": c["E"],
+        "num_heads": c["H"],
+        "dropout": c["dropout"],
+        "bias": c["bias"],
+        "add_bias_kv": c["add_bias_kv"],
+        "add_zero_attn": c["add_zero_attn"],
+        "kdim": c["kdim"],
+        "vdim": c["vdim"],
+        "batch_first": c["batch_first"],
+        "dtype": c["dtype"],
+    }
+
+
+def mha_build(ctor: dict) -> torch.nn.MultiheadAttention:
+    kw = dict(ctor)
+    kw["dtype"] = DTYPES[kw["dtype"]]
+    return torch.nn.MultiheadAttention(**kw)
+
+
+def mha_call(mha, q, k, v, call: dict, attn_mask, kpm, grad_mode: bool, g, g_w):
+    """Run the forward (and backward when grad_mode). Returns (out, weights, fast_hit)."""
+    kwargs = dict(
+        key_padding_mask=kpm,
+        need_weights=call["need_weights"],
+        attn_mask=attn_mask,
+        average_attn_weights=call["average_attn_weights"],
+        is_causal=call["is_causal"],
+    )
+    with warnings.catch_warnings():
+        # mixed bool/float masks warn (deprecated but supported); keep the output quiet
+        warnings.simplefilter("ignore", UserWarning)
+        with _FastPathSpy() as spy:
+            if grad_mode:
+                out, w = mha(q, k, v, **kwargs)
+            else:
+                with torch.no_grad():
+                    out, w = mha(q, k, v, **kwargs)
+    if grad_mode:
+        loss = (out * g).sum()
+        if g_w is not None:
+            loss = loss + (w * g_w).sum()
+        loss.backward()
+    return out, w, spy.hit
+
+
+def mha_inputs_order(alias: str) -> list[str]:
+    """Distinct float inputs for an aliasing mode (these get expect.grad.<arg>)."""
+    return {
+        "none": ["query", "key", "value"],
+        "self": ["query"],
+        "kv": ["query", "key"],
+        "kq": ["query", "value"],
+    }[alias]
+
+
+def mha_aliasing(alias: str) -> dict:
+    return {
+        "key_is_query": alias in ("self", "kq"),
+        "value_is_key": alias in ("self", "kv"),
+    }
+
+
+def alias_from_meta(aliasing: dict) -> str:
+    kq, vk = aliasing["key_is_query"], aliasing["value_is_key"]
+    if kq and vk:
+        return "self"
+    if vk:
+        return "kv"
+    if kq:
+        return "kq"
+    return "none"
+
+
+def mha_describe(c: dict) -> str:
+    """A one-line description for generated (random) configs."""
+    parts = []
+    packed = c["kdim"] in (None, c["E"]) and c["vdim"] in (None, c["E"])
+    parts.append("packed" if packed else f"separate kdim={c['kdim']} vdim={c['vdim']}")
+    parts.append({"none": "distinct q/k/v", "self": "self-attention", "kv": "key is value",
+                  "kq": "key is query"}[c["alias"]])
+    parts.append(f"E={c['E']} H={c['H']} L={c['L']} S={c['S']}")
+    parts.append("unbatched" if c["N"] is None else f"N={c['N']}")
+    if c["batch_first"]:
+        parts.append("batch_first")
+    if not c["bias"]:
+        parts.append("no bias")
+    if c["add_bias_kv"]:
+        parts.append("add_bias_kv")
+    if c["add_zero_attn"]:
+        parts.append("add_zero_attn")
+    am, kp = c["attn_mask"], c["kpm"]
+    if am:
+        parts.append(f"{am['type']} {am['dims']}-D attn_mask"
+                     + (" (causal)" if am.get("pattern") == "causal" else "")
+                     + (" with a fully masked row" if am.get("full_row") else ""))
+    if kp:
+        parts.append(f"{kp['type']} kpm" + (" with a fully padded batch element"
+                                            if kp.get("full_row") else ""))
+    if c["is_causal"]:
+        parts.append("is_causal")
+    parts.append(f"need_weights={c['need_weights']}")
+    if c["need_weights"]:
+        parts.append("averaged weights" if c["average_attn_weights"] else "per-head weights")
+        if c["weights_in_loss"]:
+            parts.append("weights in loss")
+    if c["grad_mode"]:
+        parts.append("training" if c["training"] else "eval with grad")
+    else:
+        parts.append("eval+no_grad")
+    if c["dropout"]:
+        parts.append(f"dropout={c['dropout']}")
+    parts.append(c["dtype"])
+    return ", ".join(parts)
+
+
+def mha_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> dict:
+    """Build nn.MultiheadAttention from a config, run it, and write the case.
+
+    Returns the meta dict. Raises SkipCase when PyTorch raises or the result has NaN
+    (unless allow_nan). With out_dir None nothing is written (used for trial runs).
+    """
+    c = mha_full_config(cfg)
+    dtype = DTYPES[c["dtype"]]
+    E, H, L, S, N = c["E"], c["H"], c["L"], c["S"], c["N"]
+    alias = c["alias"]
+    kdim = c["kdim"] if c["kdim"] is not None else E
+    vdim = c["vdim"] if c["vdim"] is not None else E
+    if alias == "self" and not (kdim == vdim == E and L == S):
+        raise SkipCase("self-attention needs kdim == vdim == E and L == S")
+    if alias == "kv" and kdim != vdim:
+        raise SkipCase("key-is-value needs kdim == vdim")
+    if alias == "kq" and not (kdim == E and L == S):
+        raise SkipCase("key-is-query needs kdim == E and L == S")
+    if c["grad_mode"] and c["training"] and c["dropout"] != 0.0:
+        raise SkipCase("graded training cases use dropout 0")
+    if not c["grad_mode"] and c["training"]:
+        raise SkipCase("grad_mode false means eval mode")
+
+    torch.manual_seed(c["seed"])
+    ctor = mha_constructor(c)
+    try:
+        mha = mha_build(ctor)
+    except (AssertionError, ValueError, RuntimeError) as e:
+        raise SkipCase(f"constructor raised: {e}") from e
+    with torch.no_grad():
+        for p in (mha.in_proj_bias, mha.out_proj.bias):
+            if p is not None:
+                p.add_(torch.randn_like(p) * 0.1)
+    mha.train(c["training"])
+
+    def shape(seq, feat):
+        if N is None:
+            return (seq, feat)
+        return (N, seq, feat) if c["batch_first"] else (seq, N, feat)
+
+    q = torch.randn(shape(L, E), dtype=dtype)
+    if alias == "self":
+        k = v = q
+    elif alias == "kv":
+        k = torch.randn(shape(S, kdim), dtype=dtype)
+        v = k
+    elif alias == "kq":
+        k = q
+        v = torch.randn(shape(S, vdim), dtype=dtype)
+    else:
+        k = torch.randn(shape(S, kdim), dtype=dtype)
+        v = torch.randn(shape(S, vdim), dtype=dtype)
+
+    def gen_bool(shp, p):
+        return torch.rand(shp) < p
+
+    a_blk, k_blk = _mask_blocked(c, gen_bool)
+    attn_mask = kpm = None
+    if a_blk is not None:
+        attn_mask = _to_mask(a_blk, c["attn_mask"]["type"], dtype)
+    if k_blk is not None:
+        kpm = _to_mask(k_blk, c["kpm"]["type"], dtype)
+        if N is None:
+            kpm = kpm.view(S)
+    # for unbatched, a 3-D mask is (H,L,S), which is (N*H,L,S) with N=1: nothing to do
+
+    distinct = mha_inputs_order(alias)
+    leaves = {"query": q, "key": k, "value": v}
+    if c["grad_mode"]:
+        for n in distinct:
+            leaves[n].requires_grad_(True)
+
+    call = {
+        "need_weights": c["need_weights"],
+        "average_attn_weights": c["average_attn_weights"],
+        "is_causal": c["is_causal"],
+        "attn_mask": c["attn_mask"]["type"] if c["attn_mask"] else None,
+        "key_padding_mask": c["kpm"]["type"] if c["kpm"] else None,
+    }
+    # Upstream gradients, drawn before the call: g has the output shape, g_w the weights shape.
+    out_shape = shape(L, E)
+    g = torch.randn(out_shape, dtype=dtype) if c["grad_mode"] else None
+    weights_in_loss = c["grad_mode"] and c["need_weights"] and c["weights_in_loss"]
+    g_w = None
+    if weights_in_loss:
+        s_prime = S + int(c["add_bias_kv"]) + int(c["add_zero_attn"])
+        wshape = (L, s_prime) if c["average_attn_weights"] else (H, L, s_prime)
+        if N is not None:
+            wshape = (N,) + wshape
+        g_w = torch.randn(wshape, dtype=dtype)
+
+    try:
+        out, w, fast_hit = mha_call(mha, q, k, v, call, attn_mask, kpm, c["grad_mode"], g, g_w)
+    except (AssertionError, RuntimeError, ValueError) as e:
+        raise SkipCase(f"PyTorch raised: {type(e).__name__}: {e}") from e
+
+    if fast_hit != mha_fast_path_expected(c):
+        raise RuntimeError(f"{c['name']}: fast-path prediction wrong (hit={fast_hit})")
+    if fast_hit and c["is_causal"]:
+        # The fast path drops the is_causal hint (spec §2.6); not what the slow path does.
+        raise SkipCase("is_causal on the fast path")
+
+    tensors: dict[str, torch.Tensor] = {}
+    for key, val in mha.state_dict().items():
+        tensors[f"param.{key}"] = val
+    tensors["input.query"] = q
+    tensors["input.key"] = k
+    tensors["input.value"] = v
+    if attn_mask is not None:
+        tensors["input.attn_mask"] = attn_mask
+    if kpm is not None:
+        tensors["input.key_padding_mask"] = kpm
+    if c["grad_mode"]:
+        tensors["grad.output"] = g
+        if g_w is not None:
+            tensors["grad.attn_weights"] = g_w
+    tensors["expect.output"] = out
+    if w is not None:
+        tensors["expect.attn_weights"] = w
+    if c["grad_mode"]:
+        for n in distinct:
+            tensors[f"expect.grad.{n}"] = leaves[n].grad
+        params = dict(mha.named_parameters())
+        for key in mha.state_dict().keys():
+            tensors[f"expect.grad.param.{key}"] = params[key].grad
+
+    expects = [t for n, t in tensors.items() if n.startswith("expect.")]
+    nan = has_nan(expects)
+    if nan and not allow_nan:
+        raise SkipCase("result contains NaN")
+
+    if fast_hit:
+        path = "fast (torch._native_multi_head_attention)"
+    elif c["need_weights"]:
+        path = "slow, explicit softmax (need_weights=True)"
+    else:
+        path = "slow, scaled_dot_product_attention (need_weights=False)"
+    causal_applied = (
+        c["is_causal"] and attn_mask is not None and kpm is None
+        and not c["need_weights"] and not fast_hit
+    )
+
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "module": MHA,
+        "constructor": ctor,
+        "training": c["training"],
+        "grad_mode": c["grad_mode"],
+        "call": call,
+        "aliasing": mha_aliasing(alias),
+        "suggested_tolerance": SUGGESTED_TOLERANCE,
+        "seed": c["seed"],
+        "torch_version": torch.__version__,
+        "description": c.get("description") or mha_describe(c),
+        "nan": nan,
+        "pytorch_path": path,
+        "is_causal_applied": causal_applied,
+    }
+    if out_dir is not None:
+        write_case(out_dir, meta, tensors)
+    meta["tensors"] = {n: list(t.shape) for n, t in tensors.items()}
+    return meta
+
+
+def mha_expected_names(meta: dict) -> set[str]:
+    """The tensor names the contract requires for an MHA case (params excluded)."""
+    call, alias = meta["call"], alias_from_meta(meta["aliasing"])
+    names = {"input.query", "input.key", "input.value", "expect.output"}
+    if call["attn_mask"]:
+        names.add("input.attn_mask")
+    if call["key_padding_mask"]:
+        names.add("input.key_padding_mask")
+    if call["need_weights"]:
+        names.add("expect.attn_weights")
+    if meta["grad_mode"]:
+        names.add("grad.output")
+        names.update(f"expect.grad.{n}" for n in mha_inputs_order(alias))
+    return names
+
+
+def mha_replay(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Re-run a stored MHA case in PyTorch. Returns results named like expect.* (minus prefix)."""
+    mha = mha_build(meta["constructor"])
+    params = {n[len("param."):]: t for n, t in tensors.items() if n.startswith("param.")}
+    mha.load_state_dict(params, strict=True)
+    mha.train(meta["training"])
+    alias = alias_from_meta(meta["aliasing"])
+    grad_mode = meta["grad_mode"]
+
+    q = tensors["input.query"].clone()
+    k = q if meta["aliasing"]["key_is_query"] else tensors["input.key"].clone()
+    if meta["aliasing"]["value_is_key"]:
+        v = k
+    else:
+        v = tensors["input.value"].clone()
+    # aliased copies in the file must be bit-identical to what they alias
+    if meta["aliasing"]["key_is_query"]:
+        assert torch.equal(tensors["input.key"], tensors["input.query"]), "key != query"
+    if meta["aliasing"]["value_is_key"]:
+        assert torch.equal(tensors["input.value"], tensors["input.key"]), "value != key"
+    leaves = {"query": q, "key": k, "value": v}
+    if grad_mode:
+        for n in mha_inputs_order(alias):
+            leaves[n].requires_grad_(True)
+    attn_mask = logical(tensors, meta, "input.attn_mask") if "input.attn_mask" in tensors else None
+    kpm = (logical(tensors, meta, "input.key_padding_mask")
+           if "input.key_padding_mask" in tensors else None)
+    g = tensors.get("grad.output")
+    g_w = tensors.get("grad.attn_weights")
+    out, w, _ = mha_call(mha, q, k, v, meta["call"], attn_mask, kpm, grad_mode, g, g_w)
+    res = {"output": out.detach()}
+    if w is not None:
+        res["attn_weights"] = w.detach()
+    if grad_mode:
+        for n in mha_inputs_order(alias):
+            res[f"grad.{n}"] = leaves[n].grad
+        named = dict(mha.named_parameters())
+        for key in mha.state_dict().keys():
+            res[f"grad.param.{key}"] = named[key].grad
+    return res
+
+
+def mha_check_contract(meta: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
+    errs = []
+    ctor_keys = {"embed_dim", "num_heads", "dropout", "bias", "add_bias_kv", "add_zero_attn",
+                 "kdim", "vdim", "batch_first", "dtype"}
+    if set(meta["constructor"]) != ctor_keys:
+        errs.append(f"constructor keys {sorted(meta['constructor'])}")
+    call_keys = {"need_weights", "average_attn_weights", "is_causal", "attn_mask",
+                 "key_padding_mask"}
+    if set(meta["call"]) != call_keys:
+        errs.append(f"call keys {sorted(meta['call'])}")
+    mha = mha_build(meta["constructor"])
+    want = mha_expected_names(meta)
+    want.update(f"param.{k}" for k in mha.state_dict())
+    if meta["grad_mode"]:
+        want.update(f"expect.grad.param.{k}" for k in mha.state_dict())
+        if "grad.attn_weights" in tensors:
+            if not meta["call"]["need_weights"]:
+                errs.append("grad.attn_weights without need_weights")
+            want.add("grad.attn_weights")
+    have = set(tensors)
+    if have != want:
+        errs.append(f"missing {sorted(want - have)}, unexpected {sorted(have - want)}")
+    return errs
+
+
+# --------------------------------------------------------------------------------------
+# MHA fixture set (committed) and random configs
+# --------------------------------------------------------------------------------------
+
+F64 = {"dtype": "float64"}
+EVAL = {"training": False, "grad_mode": False}
+
+
+def _bm(dims=2, pattern="random", full_row=False):
+    return {"type": "bool", "dims": dims, "pattern": pattern, "full_row": full_row}
+
+
+def _fm(dims=2, pattern="random", full_row=False):
+    return {"type": "float", "dims": dims, "pattern": pattern, "full_row": full_row}
+
+
+def _bk(full_row=False):
+    return {"type": "bool", "full_row": full_row}
+
+
+def _fk(full_row=False):
+    return {"type": "float", "full_row": full_row}
+
+
+def mha_fixture_configs() -> list[dict]:
+    C = []
+
+    def add(name, desc, **kw):
+        C.append(dict(name=name, description=desc, **kw))
+
+    # --- layouts and aliasing (§2.5 step 5) ---
+    add("packed_self_nomask_f32", "packed weights, self-attention (one fused in-projection), no mask",
+        alias="self", L=5)
+    add("packed_self_nomask_f64", "packed weights, self-attention, no mask, float64",
+        alias="self", L=5, **F64)
+    add("packed_kv_nomask_f32", "packed weights, key is value (q projected alone, k/v fused), L != S",
+        alias="kv", L=4, S=5)
+    add("packed_distinct_nomask_f32", "packed weights, distinct q/k/v (three chunked linears), L != S",
+        L=4, S=6)
+    add("packed_distinct_nomask_f64", "packed weights, distinct q/k/v, L != S, float64",
+        L=5, S=3, **F64)
+    add("packed_kq_nomask_f32", "packed weights, key is query but value distinct (three linears)",
+        alias="kq", L=5)
+    add("packed_explicit_kdim_vdim_eq_e_f32",
+        "kdim == vdim == E passed explicitly keeps the packed layout; self-attention",
+        alias="self", L=4, kdim=6, vdim=6)
+    add("separate_kdim_vdim_f32", "separate q/k/v weights with kdim=5 != vdim=7, distinct inputs",
+        kdim=5, vdim=7, L=4, S=6)
+    add("separate_kdim_vdim_f64", "separate weights, kdim=3 != vdim=6, distinct inputs, float64",
+        kdim=3, vdim=6, L=3, S=5, **F64)
+    add("separate_kv_f32", "separate weights with kdim == vdim = 4 != E, key is value",
+        kdim=4, vdim=4, alias="kv", L=4, S=5)
+    add("separate_kq_vdim_f64", "separate weights (vdim=5 only), key is query, value distinct",
+        vdim=5, alias="kq", L=4, **F64)
+    add("separate_kdim_only_f32", "separate weights with only kdim=4 set (vdim = E)",
+        kdim=4, L=3, S=5)
+    add("separate_vdim_only_e12_f32", "separate weights with only vdim=5 set (kdim = E), E=12 H=4",
+        E=12, H=4, vdim=5, L=3, S=4)
+
+    # --- bias flag ---
+    add("packed_nobias_self_f32", "bias=False (no in_proj_bias, no out_proj.bias), self-attention",
+        bias=False, alias="self", L=5)
+    add("packed_nobias_distinct_f64", "bias=False, packed, distinct inputs, float64",
+        bias=False, L=3, S=4, **F64)
+    add("separate_nobias_f32", "bias=False with separate weights kdim=3 vdim=5",
+        bias=False, kdim=3, vdim=5)
+
+    # --- add_bias_kv / add_zero_attn (§2.5 steps 7, 9) ---
+    add("packed_bias_kv_f32", "add_bias_kv: bias_k/bias_v appended as an extra key position",
+        add_bias_kv=True)
+    add("packed_bias_kv_self_f64", "add_bias_kv with self-attention, float64",
+        add_bias_kv=True, alias="self", L=4, **F64)
+    add("packed_zero_attn_f32", "add_zero_attn: an all-zero key/value appended per head",
+        add_zero_attn=True)
+    add("packed_zero_attn_kv_f64", "add_zero_attn with key is value, float64",
+        add_zero_attn=True, alias="kv", L=3, S=5, **F64)
+    add("packed_bias_kv_zero_attn_f32", "add_bias_kv and add_zero_attn together (S' = S+2)",
+        add_bias_kv=True, add_zero_attn=True, L=4, S=3)
+    add("separate_bias_kv_zero_attn_f64",
+        "add_bias_kv and add_zero_attn with separate weights kdim=5 vdim=3, float64",
+        add_bias_kv=True, add_zero_attn=True, kdim=5, vdim=3, **F64)
+    add("packed_bias_kv_nobias_f32", "add_bias_kv with bias=False (state_dict has bias_k/v only)",
+        add_bias_kv=True, bias=False, alias="self", L=4)
+    add("bias_kv_kpm_all_masked_f32",
+        "add_bias_kv with one batch element's user keys all padded: weight goes to bias_k (finite)",
+        add_bias_kv=True, kpm=_bk(full_row=True))
+    add("zero_attn_kpm_all_masked_f64",
+        "add_zero_attn with one batch element's keys all padded (float kpm): attends zero key",
+        add_zero_attn=True, kpm=_fk(full_row=True), **F64)
+    add("bias_kv_zero_attn_attn_row_masked_per_head_f32",
+        "add_bias_kv+add_zero_attn, a bool attn_mask row all True, per-head weights (finite)",
+        add_bias_kv=True, add_zero_attn=True, attn_mask=_bm(full_row=True),
+        average_attn_weights=False)
+
+    # --- batch_first ---
+    add("batch_first_self_f32", "batch_first=True, self-attention", batch_first=True,
+        alias="self", L=5)
+    add("batch_first_distinct_f64", "batch_first=True, distinct inputs, L != S, float64",
+        batch_first=True, L=3, S=6, **F64)
+    add("batch_first_separate_bool_kpm_f32",
+        "batch_first=True, separate weights kdim=4 vdim=6, bool key_padding_mask",
+        batch_first=True, kdim=4, vdim=6, kpm=_bk())
+    add("batch_first_bias_kv_zero_attn_f32", "batch_first=True with add_bias_kv and add_zero_attn",
+        batch_first=True, add_bias_kv=True, add_zero_attn=True, alias="kv", L=4, S=3)
+    add("batch_first_kv_both_masks_per_head_f64",
+        "batch_first=True, key is value, 3-D float attn_mask + bool kpm, per-head weights",
+        batch_first=True, alias="kv", attn_mask=_fm(dims=3), kpm=_bk(),
+        average_attn_weights=False, **F64)
+
+    # --- unbatched (2-D inputs, §2.5 step 1/14) ---
+    add("unbatched_self_f32", "unbatched 2-D input, self-attention", N=None, alias="self", L=5)
+    add("unbatched_distinct_f64", "unbatched 2-D input, distinct q/k/v, L != S, float64",
+        N=None, L=3, S=6, **F64)
+    add("unbatched_bool_mask2d_f32", "unbatched with a 2-D (L,S) bool attn_mask",
+        N=None, attn_mask=_bm())
+    add("unbatched_float_mask3d_f32", "unbatched with a 3-D (H,L,S) float attn_mask with -inf entries",
+        N=None, E=8, H=4, attn_mask=_fm(dims=3))
+    add("unbatched_bool_mask3d_per_head_f64",
+        "unbatched with a 3-D (H,L,S) bool attn_mask, per-head weights (H,L,S)",
+        N=None, attn_mask=_bm(dims=3), average_attn_weights=False, **F64)
+    add("unbatched_bool_kpm_f64", "unbatched with a 1-D bool key_padding_mask, float64",
+        N=None, kpm=_bk(), **F64)
+    add("unbatched_float_kpm_f32", "unbatched with a 1-D float key_padding_mask",
+        N=None, kpm=_fk(), alias="kv")
+    add("unbatched_batch_first_self_f32", "unbatched input with batch_first=True (flag has no effect)",
+        N=None, batch_first=True, alias="self", L=4)
+    add("unbatched_separate_bias_kv_zero_attn_masks_f64",
+        "unbatched, separate weights, add_bias_kv+add_zero_attn, bool 3-D mask and bool kpm",
+        N=None, kdim=3, vdim=5, add_bias_kv=True, add_zero_attn=True,
+        attn_mask=_bm(dims=3), kpm=_bk(), **F64)
+    add("unbatched_need_weights_false_f32", "unbatched, need_weights=False (SDPA branch), float mask",
+        N=None, need_weights=False, attn_mask=_fm())
+
+    # --- attn_mask / key_padding_mask (§2.4, §2.5 steps 6, 11) ---
+    add("self_bool_mask2d_f32", "self-attention with a 2-D (L,S) bool attn_mask",
+        alias="self", L=5, attn_mask=_bm())
+    add("distinct_bool_mask2d_f64", "distinct inputs, 2-D bool attn_mask, L != S, float64",
+        attn_mask=_bm(), **F64)
+    add("distinct_bool_mask3d_f32", "distinct inputs, 3-D (N*H,L,S) bool attn_mask (index b*H+h)",
+        E=8, H=4, attn_mask=_bm(dims=3))
+    add("distinct_float_mask2d_f32", "2-D float attn_mask: random finite values and some -inf",
+        attn_mask=_fm())
+    add("distinct_float_mask3d_f64", "3-D (N*H,L,S) float attn_mask with -inf entries, float64",
+        attn_mask=_fm(dims=3), N=3, **F64)
+    add("self_bool_kpm_f32", "self-attention with a bool key_padding_mask",
+        alias="self", L=5, kpm=_bk())
+    add("kv_float_kpm_f32", "key is value with a float key_padding_mask (-inf and finite values)",
+        alias="kv", kpm=_fk())
+    add("distinct_float_kpm_f64", "distinct inputs with a float key_padding_mask, N=3, float64",
+        N=3, kpm=_fk(), **F64)
+    add("both_masks_bool_f32", "2-D bool attn_mask + bool kpm merged (-inf + -inf)",
+        attn_mask=_bm(), kpm=_bk())
+    add("both_masks_float_f64", "3-D float attn_mask + float kpm merged by addition, float64",
+        attn_mask=_fm(dims=3), kpm=_fk(), **F64)
+    add("both_masks_bool_attn_float_kpm_f32",
+        "mixed types: bool attn_mask + float kpm (deprecated, warns, still merged)",
+        attn_mask=_bm(), kpm=_fk())
+    add("both_masks_float_attn_bool_kpm_f64",
+        "mixed types: 3-D float attn_mask + bool kpm, float64",
+        attn_mask=_fm(dims=3), kpm=_bk(), **F64)
+    add("both_masks_bool3d_sdpa_f32",
+        "3-D bool attn_mask + bool kpm on the SDPA branch (need_weights=False)",
+        attn_mask=_bm(dims=3), kpm=_bk(), need_weights=False)
+
+    # --- is_causal (§2.6) ---
+    add("causal_sdpa_self_bool_f32",
+        "is_causal with a causal bool mask, need_weights=False, no kpm: SDPA causal mask used",
+        alias="self", L=5, attn_mask=_bm(pattern="causal"), is_causal=True, need_weights=False)
+    add("causal_sdpa_float_mask_f64",
+        "is_causal with a float mask (-inf above the diagonal, random finite below), SDPA causal, f64",
+        alias="self", L=4, attn_mask=_fm(pattern="causal"), is_causal=True,
+        need_weights=False, **F64)
+    add("causal_sdpa_noncausal_mask_discarded_f32",
+        "is_causal with a random (non-causal) mask, need_weights=False: the mask is discarded",
+        attn_mask=_bm(), is_causal=True, need_weights=False, L=5, S=5)
+    add("causal_sdpa_l_lt_s_f32",
+        "is_causal with L < S (4 < 6): SDPA upper-left causal alignment, supplied mask dropped",
+        attn_mask=_fm(), is_causal=True, need_weights=False, L=4, S=6)
+    add("causal_sdpa_l_gt_s_f64",
+        "is_causal with L > S (6 > 3): upper-left alignment, later rows see all keys, float64",
+        attn_mask=_bm(), is_causal=True, need_weights=False, L=6, S=3, **F64)
+    add("causal_with_kpm_hint_ignored_f32",
+        "is_causal with a kpm, need_weights=False: hint ignored, random attn_mask + kpm used",
+        attn_mask=_bm(), kpm=_bk(), is_causal=True, need_weights=False)
+    add("causal_need_weights_hint_ignored_f32",
+        "is_causal with need_weights=True: hint ignored, the random attn_mask is used",
+        attn_mask=_fm(), is_causal=True, need_weights=True)
+    add("causal_need_weights_per_head_kpm_f64",
+        "is_causal with need_weights=True and a kpm, per-head weights: hint ignored, float64",
+        attn_mask=_bm(dims=3), kpm=_fk(), is_causal=True, average_attn_weights=False, **F64)
+    add("causal_sdpa_bias_kv_f32",
+        "is_causal with add_bias_kv, L <= S: bias column never visible, bias_k/v grads are 0",
+        add_bias_kv=True, attn_mask=_bm(pattern="causal"), is_causal=True,
+        need_weights=False, alias="self", L=4)
+    add("causal_sdpa_bias_kv_zero_attn_l_gt_s_f64",
+        "is_causal with add_bias_kv+add_zero_attn and L > S: late rows see the extra columns",
+        add_bias_kv=True, add_zero_attn=True, attn_mask=_bm(), is_causal=True,
+        need_weights=False, L=6, S=3, **F64)
+    add("causal_sdpa_unbatched_f32", "is_causal, unbatched, need_weights=False, 3-D (H,L,S) mask",
+        N=None, alias="self", L=5, attn_mask=_bm(dims=3, pattern="causal"), is_causal=True,
+        need_weights=False)
+    add("causal_sdpa_batch_first_mask3d_f64",
+        "is_causal, batch_first, 3-D float mask (discarded), need_weights=False, float64",
+        batch_first=True, attn_mask=_fm(dims=3), is_causal=True, need_weights=False,
+        L=5, S=5, alias="kv", **F64)
+
+    # --- need_weights / average_attn_weights / weights in the loss ---
+    add("per_head_weights_f32", "average_attn_weights=False: per-head weights (N,H,L,S)",
+        average_attn_weights=False, E=8, H=4)
+    add("per_head_weights_bias_kv_zero_attn_f64",
+        "per-head weights with add_bias_kv+add_zero_attn (weights have S+2 columns), float64",
+        average_attn_weights=False, add_bias_kv=True, add_zero_attn=True, **F64)
+    add("weights_in_loss_avg_f32", "averaged weights are part of the loss (grad.attn_weights)",
+        weights_in_loss=True, attn_mask=_bm())
+    add("weights_in_loss_per_head_f64", "per-head weights in the loss, float64",
+        weights_in_loss=True, average_attn_weights=False, alias="kv", **F64)
+    add("weights_in_loss_both_masks_f32",
+        "per-head weights in the loss with float 3-D attn_mask and bool kpm, batch_first",
+        weights_in_loss=True, average_attn_weights=False, attn_mask=_fm(dims=3), kpm=_bk(),
+        batch_first=True)
+    add("weights_in_loss_unbatched_bias_kv_f64",
+        "averaged weights in the loss, unbatched, add_bias_kv, float64",
+        weights_in_loss=True, N=None, add_bias_kv=True, **F64)
+    add("need_weights_false_self_f32", "need_weights=False (SDPA branch), self-attention, no mask",
+        need_weights=False, alias="self", L=5)
+    add("need_weights_false_float_mask_f64",
+        "need_weights=False with a 2-D float attn_mask, distinct inputs, float64",
+        need_weights=False, attn_mask=_fm(), **F64)
+    add("need_weights_false_avg_false_f32",
+        "need_weights=False with average_attn_weights=False (no effect; weights None)",
+        need_weights=False, average_attn_weights=False, kpm=_bk())
+    add("need_weights_false_separate_bias_kv_zero_attn_f32",
+        "need_weights=False, separate weights, add_bias_kv+add_zero_attn, bool kpm",
+        need_weights=False, kdim=5, vdim=4, add_bias_kv=True, add_zero_attn=True, kpm=_bk())
+
+    # --- head counts and sizes ---
+    add("heads3_e6_f64", "odd head count H=3 (E=6, hd=2), float64", E=6, H=3, attn_mask=_bm(),
+        **F64)
+    add("heads5_e10_f32", "odd head count H=5 (E=10, hd=2)", E=10, H=5, kpm=_bk())
+    add("head_dim1_e3_h3_f32", "head_dim 1 (E=3, H=3)", E=3, H=3, alias="self", L=4)
+    add("head_dim1_e3_h3_sdpa_f64", "head_dim 1 (E=3, H=3) on the SDPA branch, float64",
+        E=3, H=3, need_weights=False, attn_mask=_fm(), **F64)
+    add("heads1_e4_f32", "a single head (E=4, H=1)", E=4, H=1)
+    add("heads8_e16_f32", "H=8 heads on E=16 (hd=2), 3-D bool mask, per-head weights",
+        E=16, H=8, attn_mask=_bm(dims=3), average_attn_weights=False, L=2, S=3)
+    add("single_query_l1_f32", "a single query (L=1)", L=1, S=5, attn_mask=_bm())
+    add("single_query_l1_sdpa_f64", "a single query (L=1) on the SDPA branch, float64",
+        L=1, S=6, need_weights=False, kpm=_bk(), **F64)
+    add("single_key_s1_f64", "a single key (S=1), float64", L=4, S=1, **F64)
+    add("single_key_s1_zero_attn_f32", "a single key (S=1) with add_zero_attn", L=3, S=1,
+        add_zero_attn=True)
+    add("batch1_n1_f32", "batch of one (N=1) with a 3-D mask", N=1, attn_mask=_fm(dims=3))
+    add("l1_s1_n1_bias_kv_f32", "L=1, S=1, N=1 with add_bias_kv", L=1, S=1, N=1, add_bias_kv=True)
+    add("largest_e12_l7_s7_n3_f32", "longest fixture: E=12 H=4 L=S=7 N=3, self-attn, bool kpm",
+        E=12, H=4, L=7, N=3, alias="self", kpm=_bk())
+
+    # --- fully masked rows (only with need_weights=False: PyTorch's finite SDPA answer) ---
+    add("fully_masked_kpm_sdpa_f32",
+        "one batch element fully padded (bool kpm), need_weights=False: rows = out_proj.bias",
+        kpm=_bk(full_row=True), need_weights=False)
+    add("fully_masked_attn_row_sdpa_f64",
+        "a bool attn_mask row all True, need_weights=False: that output row = out_proj.bias",
+        attn_mask=_bm(full_row=True), need_weights=False, **F64)
+    add("fully_masked_float_attn_row_sdpa_f32",
+        "a 3-D float attn_mask row all -inf, need_weights=False (finite SDPA answer)",
+        attn_mask=_fm(dims=3, full_row=True), need_weights=False)
+    add("fully_masked_both_masks_sdpa_f32",
+        "bool attn_mask row all True plus a fully padded batch element, need_weights=False",
+        attn_mask=_bm(full_row=True), kpm=_bk(full_row=True), need_weights=False, N=3)
+    add("fully_masked_kpm_sdpa_unbatched_f64",
+        "unbatched with every key padded (1-D kpm), need_weights=False, float64",
+        N=None, kpm=_bk(full_row=True), need_weights=False, **F64)
+    add("fully_masked_kpm_sdpa_eval_f32",
+        "eval+no_grad, fully padded batch element, need_weights=False, slow path (seq-first)",
+        kpm=_bk(full_row=True), need_weights=False, alias="self", L=5, **EVAL)
+
+    # --- eval + no_grad ---
+    add("eval_distinct_f32", "eval mode, no_grad, distinct inputs (forward only)", **EVAL)
+    add("eval_self_f64", "eval mode, no_grad, self-attention seq-first (slow path), float64",
+        alias="self", L=5, attn_mask=_bm(), **EVAL, **F64)
+    add("eval_dropout03_f32", "dropout=0.3 in eval mode: inactive, forward only",
+        dropout=0.3, attn_mask=_fm(), **EVAL)
+    add("eval_dropout03_sdpa_f64", "dropout=0.3 in eval mode on the SDPA branch, float64",
+        dropout=0.3, need_weights=False, kpm=_bk(), **EVAL, **F64)
+    add("eval_fastpath_self_bool_kpm_f32",
+        "eval+no_grad batch_first self-attn, even H, bool kpm, dropout=0.3: native fast path",
+        batch_first=True, alias="self", L=5, kpm=_bk(), dropout=0.3, **EVAL)
+    add("eval_fastpath_bool_mask_sdpa_f32",
+        "native fast path with a 2-D bool attn_mask and need_weights=False",
+        batch_first=True, alias="self", L=5, attn_mask=_bm(), need_weights=False, **EVAL)
+    add("eval_fastpath_per_head_f64",
+        "native fast path, both bool masks, per-head weights, float64",
+        batch_first=True, alias="self", L=4, E=8, H=4, attn_mask=_bm(), kpm=_bk(),
+        average_attn_weights=False, **EVAL, **F64)
+    add("eval_odd_heads_batch_first_self_f32",
+        "eval+no_grad batch_first self-attn with odd H=3 (fast path skipped)",
+        E=6, H=3, batch_first=True, alias="self", L=4, kpm=_bk(), **EVAL)
+    add("eval_float_mask_batch_first_self_f32",
+        "eval+no_grad batch_first self-attn with a float mask (fast path skipped)",
+        batch_first=True, alias="self", L=4, attn_mask=_fm(), **EVAL)
+    add("eval_unbatched_bias_kv_f32", "eval+no_grad, unbatched, add_bias_kv", N=None,
+        add_bias_kv=True, kpm=_bk(), **EVAL)
+    add("eval_causal_sdpa_f64", "eval+no_grad, is_causal with need_weights=False (slow SDPA)",
+        attn_mask=_bm(), is_causal=True, need_weights=False, L=5, S=5, **EVAL, **F64)
+    add("eval_grad_dropout03_f64",
+        "eval mode with gradients recorded (training=false, grad_mode=true), dropout=0.3 inactive",
+        training=False, grad_mode=True, dropout=0.3, attn_mask=_bm(), kpm=_bk(), **F64)
+    return C
+
+
+def mha_random_config(rng: random.Random, index: int) -> dict:
+    E = rng.choice([3, 4, 6, 8, 12, 16])
+    H = rng.choice([d for d in range(1, E + 1) if E % d == 0])
+    L, S = rng.randint(1, 7), rng.randint(1, 7)
+    N = None if rng.random() < 0.2 else rng.randint(1, 3)
+    # aliasing first, then shapes it permits: self needs kdim == vdim == E and L == S,
+    # key-is-value needs kdim == vdim, key-is-query needs kdim == E and L == S
+    alias = rng.choices(["none", "self", "kv", "kq"], weights=[40, 30, 20, 10])[0]
+    kdim = rng.choice([None, None, E, rng.randint(1, 9)])
+    vdim = rng.choice([None, None, E, rng.randint(1, 9)])
+    if alias == "self":
+        S = L
+        kdim = vdim = rng.choice([None, E])
+    elif alias == "kv":
+        vdim = kdim
+    elif alias == "kq":
+        S = L
+        kdim = rng.choice([None, E])
+    grad_mode = rng.random() < 0.7
+    training = grad_mode and rng.random() < 0.8
+    dropout = 0.0 if training else rng.choice([0.0, 0.0, 0.1, 0.3])
+    am = None
+    if rng.random() < 0.5:
+        am = {"type": rng.choice(["bool", "float"]), "dims": rng.choice([2, 3]),
+              "pattern": "causal" if rng.random() < 0.2 else "random",
+              "full_row": rng.random() < 0.1}
+    kp = None
+    if rng.random() < 0.4:
+        kp = {"type": rng.choice(["bool", "float"]), "full_row": rng.random() < 0.1}
+    need_weights = rng.random() < 0.6
+    is_causal = am is not None and rng.random() < 0.3
+    return dict(
+        name=f"random_{index:04d}",
+        E=E, H=H, dropout=dropout, bias=rng.random() < 0.8,
+        add_bias_kv=rng.random() < 0.25, add_zero_attn=rng.random() < 0.25,
+        kdim=kdim, vdim=vdim, batch_first=rng.random() < 0.5,
+        dtype=rng.choice(["float32", "float64"]),
+        training=training, grad_mode=grad_mode, L=L, S=S, N=N, alias=alias,
+        need_weights=need_weights, average_attn_weights=rng.random() < 0.6,
+        is_causal=is_causal, weights_in_loss=need_weights and rng.random() < 0.5,
+        attn_mask=am, kpm=kp,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Module-kind registry
+# --------------------------------------------------------------------------------------
+
+MODULE_KINDS = {
+    MHA: {
+        "make_case": mha_make_case,
+        "replay": mha_replay,
+        "check_contract": mha_check_contract,
+        "fixtures": mha_fixture_configs,
+        "random": mha_random_config,
+    },
+}
+
+
+# --------------------------------------------------------------------------------------
+# verify
+# --------------------------------------------------------------------------------------
+
+REQUIRED_KEYS = ["format_version", "module", "constructor", "training", "grad_mode", "call",
+                 "aliasing", "tensors", "suggested_tolerance"]
+
+
+def verify_case(case_dir: Path) -> tuple[bool, str]:
+    meta, tensors = load_case(case_dir)
+    errs = [f"missing key {k}" for k in REQUIRED_KEYS if k not in meta]
+    if errs:
+        return False, "; ".join(errs)
+    if meta["format_version"] != FORMAT_VERSION:
+        errs.append(f"format_version {meta['format_version']}")
+    kind = MODULE_KINDS.get(meta["module"])
+    if kind is None:
+        return False, f"unknown module {meta['module']}"
+    # tensors table vs file
+    if set(meta["tensors"]) != set(tensors):
+        errs.append("tensors table does not match the file")
+    for name, t in tensors.items():
+        info = meta["tensors"].get(name)
+        if info is None:
+            continue
+        if info["shape"] != list(t.shape) or info["dtype"] != DTYPE_NAMES.get(t.dtype):
+            errs.append(f"{name}: table {info} vs file {list(t.shape)} {t.dtype}")
+        want_logical = "bool" if t.dtype == torch.uint8 else DTYPE_NAMES.get(t.dtype)
+        if info["logical_dtype"] != want_logical:
+            errs.append(f"{name}: logical_dtype {info['logical_dtype']}")
+        if t.is_floating_point() and t.dtype != DTYPES[meta["constructor"]["dtype"]]:
+            errs.append(f"{name}: dtype {t.dtype} is not the case dtype")
+    errs += kind["check_contract"](meta, tensors)
+    if errs:
+        return False, "; ".join(errs)
+
+    res = kind["replay"](meta, tensors)
+    tol = meta["suggested_tolerance"][meta["constructor"]["dtype"]]
+    worst = 0.0
+    for name, exp in tensors.items():
+        if not name.startswith("expect."):
+            continue
+        key = name[len("expect."):]
+        got = res.get(key)
+        if got is None:
+            errs.append(f"{name}: not produced by the replay")
+            continue
+        t = tol["grad" if key.startswith("grad.") else "forward"]
+        if got.shape != exp.shape:
+            errs.append(f"{name}: shape {list(got.shape)} vs {list(exp.shape)}")
+            continue
+        if not torch.allclose(got, exp, rtol=t["rtol"], atol=t["atol"], equal_nan=True):
+            errs.append(f"{name}: max abs err {(got - exp).abs().max().item():.3g}")
+        finite = torch.isfinite(exp) & torch.isfinite(got)
+        if finite.any():
+            worst = max(worst, (got - exp)[finite].abs().max().item())
+    if set(res) - {n[len("expect."):] for n in tensors if n.startswith("expect.")}:
+        errs.append(f"replay produced unexpected {sorted(set(res))}")
+    if meta.get("nan") is not None and meta["nan"] != has_nan(
+            [t for n, t in tensors.items() if n.startswith("expect.")]):
+        errs.append("nan flag is wrong")
+    if errs:
+        return False, "; ".join(errs)
+    return True, f"worst abs err {worst:.3g}"
+
+
+def find_cases(roots: list[Path]) -> list[Path]:
+    out = []
+    for r in roots:
+        if (r / "case.json").exists():
+            out.append(r)
+        else:
+            out += sorted(p.parent for p in r.rglob("case.json"))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------
+
+
+def cmd_fixtures(args) -> int:
+    out = Path(args.out)
+    names = set()
+    n = 0
+    for module, kind in MODULE_KINDS.items():
+        for cfg in kind["fixtures"]():
+            if cfg["name"] in names:
+                raise SystemExit(f"duplicate case name {cfg['name']}")
+            names.add(cfg["name"])
+            try:
+                kind["make_case"](cfg, out / cfg["name"])
+            except SkipCase as e:
+                raise SystemExit(f"fixture {cfg['name']} is invalid: {e}")
+            n += 1
+    stale = [p.parent.name for p in out.glob("*/case.json") if p.parent.name not in names]
+    if stale:
+        print(f"note: {len(stale)} case dirs not in the fixed set were left alone: {stale}",
+              file=sys.stderr)
+    print(f"wrote {n} cases to {out}")
+    return 0
+
+
+def cmd_random(args) -> int:
+    out = Path(args.out)
+    rng = random.Random(args.seed)
+    kind = MODULE_KINDS[MHA]
+    written, tries = 0, 0
+    while written < args.count:
+        tries += 1
+        if tries > 100 * args.count + 100:
+            raise SystemExit("too many rejected draws")
+        cfg = kind["random"](rng, written)
+        cfg["seed"] = rng.randrange(2**31)
+        try:
+            # writes only once the case is known to be usable
+            kind["make_case"](cfg, out / cfg["name"])
+        except SkipCase:
+            continue
+        written += 1
+    print(f"wrote {written} random cases to {out} ({tries - written} draws rejected)")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    cases = find_cases([Path(d) for d in args.dirs])
+    failed = 0
+    for c in cases:
+        try:
+            ok, msg = verify_case(c)
+        except Exception as e:  # noqa: BLE001 - report any failure per case
+            ok, msg = False, f"{type(e).__name__}: {e}"
+        failed += not ok
+        if not ok or args.verbose:
+            print(f"{'ok  ' if ok else 'FAIL'} {c}: {msg}")
+    print(f"{len(cases) - failed} passed, {failed} failed")
+    return 1 if failed or not cases else 0
+
+
+def main(argv=None) -> int:
+    torch.set_num_threads(1)  # bit-for-bit reproducible reruns
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("fixtures", help="write the fixed, committed set")
+    f.add_argument("--out", required=True)
+    r = sub.add_parser("random", help="write N random valid cases")
+    r.add_argument("--count", type=int, required=True)
+    r.add_argument("--seed", type=int, required=True)
+    r.add_argument("--out", required=True)
+    v = sub.add_parser("verify", help="re-run cases in PyTorch and check the contract")
+    v.add_argument("dirs", nargs="+")
+    v.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    return {"fixtures": cmd_fixtures, "random": cmd_random, "verify": cmd_verify}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
