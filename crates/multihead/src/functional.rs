@@ -491,6 +491,26 @@ impl Aliasing {
     }
 }
 
+/// `Tensor::cat` that leaves out empty pieces (candle's CPU copy mishandles zero-sized inputs).
+fn cat_nonempty(parts: &[&Tensor], dim: usize) -> Result<Tensor> {
+    let kept: Vec<&Tensor> = parts
+        .iter()
+        .copied()
+        .filter(|t| t.elem_count() > 0)
+        .collect();
+    match kept.as_slice() {
+        [] => {
+            let mut dims = parts[0].dims().to_vec();
+            dims[dim] = parts.iter().map(|t| t.dim(dim).unwrap_or(0)).sum();
+            Ok(Tensor::zeros(dims, parts[0].dtype(), parts[0].device())?)
+        }
+        [one] if one.dim(dim)? == parts.iter().map(|t| t.dim(dim).unwrap_or(0)).sum::<usize>() => {
+            Ok((*one).clone())
+        }
+        _ => Ok(Tensor::cat(&kept, dim)?),
+    }
+}
+
 fn shape_err(arg: &'static str, msg: String) -> Error {
     Error::Shape { op: MHA, arg, msg }
 }
@@ -828,6 +848,33 @@ pub(crate) fn mha_forward_impl(
         (attn_mask, false)
     };
 
+    // --- empty batch or query: nothing to compute (PyTorch returns empty tensors) ---
+    if n == 0 || l == 0 {
+        let s2 = s + params.bias_k.is_some() as usize + params.add_zero_attn as usize;
+        let output = Tensor::zeros((l, n, e), dtype, query.device())?;
+        let weights = if !opts.need_weights {
+            None
+        } else if opts.average_attn_weights {
+            Some(Tensor::zeros((n, l, s2), dtype, query.device())?)
+        } else {
+            Some(Tensor::zeros((n, h, l, s2), dtype, query.device())?)
+        };
+        return Ok(if unbatched {
+            MhaOutput {
+                output: output.squeeze(1)?,
+                attn_weights: match weights {
+                    Some(w) => Some(w.squeeze(0)?),
+                    None => None,
+                },
+            }
+        } else {
+            MhaOutput {
+                output,
+                attn_weights: weights,
+            }
+        });
+    }
+
     // --- input projection (spec §2.5 step 5) ---
     let bias_chunk = |i: usize| -> Result<Option<Tensor>> {
         match params.in_proj_bias {
@@ -919,7 +966,7 @@ pub(crate) fn mha_forward_impl(
                     *last = 1;
                 }
                 let z = Tensor::zeros(dims, m.dtype(), m.device())?;
-                Ok(Some(Tensor::cat(&[&m, &z], m.rank() - 1)?))
+                Ok(Some(cat_nonempty(&[&m, &z], m.rank() - 1)?))
             }
             None => Ok(None),
         }
@@ -952,8 +999,8 @@ pub(crate) fn mha_forward_impl(
             }
             let bk = bk.reshape((1, 1, e))?.broadcast_as((1, n, e))?;
             let bv = bv.reshape((1, 1, e))?.broadcast_as((1, n, e))?;
-            k = Tensor::cat(&[&k, &bk], 0)?;
-            v = Tensor::cat(&[&v, &bv], 0)?;
+            k = cat_nonempty(&[&k, &bk], 0)?;
+            v = cat_nonempty(&[&v, &bv], 0)?;
             attn_mask = pad_col(attn_mask)?;
             kpm = pad_col(kpm)?;
         }
@@ -969,6 +1016,9 @@ pub(crate) fn mha_forward_impl(
     // --- split heads (step 8): (L, N, E) -> (N*H, L, hd) ---
     let split = |t: &Tensor| -> Result<Tensor> {
         let len = t.dim(0)?;
+        if t.elem_count() == 0 {
+            return Ok(Tensor::zeros((n * h, len, hd), t.dtype(), t.device())?);
+        }
         Ok(t.contiguous()?
             .reshape((len, n * h, hd))?
             .transpose(0, 1)?
@@ -980,8 +1030,8 @@ pub(crate) fn mha_forward_impl(
     // --- zero attention (step 9) ---
     if params.add_zero_attn {
         let z = Tensor::zeros((n * h, 1, hd), dtype, k.device())?;
-        k = Tensor::cat(&[&k, &z], 1)?;
-        v = Tensor::cat(&[&v, &z], 1)?;
+        k = cat_nonempty(&[&k, &z], 1)?;
+        v = cat_nonempty(&[&v, &z], 1)?;
         attn_mask = pad_col(attn_mask)?;
         kpm = pad_col(kpm)?;
     }

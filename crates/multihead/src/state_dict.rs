@@ -185,7 +185,16 @@ pub fn load_strict<M: NamedParameters>(
             data.insert(k.clone(), Var::from_tensor(&t)?);
         }
     }
-    let module = build(VarBuilder::from_varmap(&vm, dtype, device))?;
+    let module = build(VarBuilder::from_varmap(&vm, dtype, device)).map_err(|e| match e {
+        Error::StateDictShape { key, expected, got } if got.is_empty() => {
+            let got = state
+                .get(&key)
+                .map(|t| t.dims().to_vec())
+                .unwrap_or_default();
+            Error::StateDictShape { key, expected, got }
+        }
+        other => other,
+    })?;
     let names = module.named_parameters();
     check_keys(
         names.iter().map(|(k, _)| k.as_str()),

@@ -1,0 +1,56 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use multihead::{MhaConfig, MultiheadAttention, NamedParameters, Tolerance};
+
+pub fn dev() -> Device {
+    Device::Cpu
+}
+
+/// A deterministic pseudo-random tensor (sin-based, so the tests need no RNG state).
+pub fn det(shape: &[usize], dtype: DType, salt: f64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let data: Vec<f64> = (0..n)
+        .map(|i| ((i as f64 + 1.0) * 0.7311 + salt * 13.17).sin())
+        .collect();
+    Tensor::from_vec(data, shape, &dev())
+        .and_then(|t| t.to_dtype(dtype))
+        .expect("tensor")
+}
+
+/// Builds an MHA whose parameters are deterministic, non-trivial values (biases included).
+pub fn mha(cfg: MhaConfig, dtype: DType) -> (MultiheadAttention, VarMap) {
+    let vm = VarMap::new();
+    let m =
+        MultiheadAttention::new(cfg, VarBuilder::from_varmap(&vm, dtype, &dev())).expect("builds");
+    for (i, (_, t)) in m.named_parameters().iter().enumerate() {
+        let data = vm.data().lock().expect("lock");
+        for var in data.values() {
+            if var.as_tensor().id() == t.id() {
+                let v = det(t.dims(), dtype, i as f64 + 0.5)
+                    .affine(0.4, 0.0)
+                    .expect("affine");
+                var.set(&v).expect("set");
+            }
+        }
+    }
+    (m, vm)
+}
+
+pub fn var(t: &Tensor) -> Var {
+    Var::from_tensor(t).expect("var")
+}
+
+pub fn assert_close(actual: &Tensor, expected: &Tensor, tol: Tolerance, what: &str) {
+    let c = tol.compare(actual, expected).expect("compare");
+    assert!(
+        c.passed(),
+        "{what}: max|diff| {:.3e} ({:.2}x tolerance), shapes {:?} vs {:?}",
+        c.max_abs,
+        c.worst_ratio,
+        actual.dims(),
+        expected.dims()
+    );
+}

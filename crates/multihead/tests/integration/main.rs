@@ -1,0 +1,8 @@
+//! The integration tests, in one binary.
+
+mod behaviour;
+mod common;
+mod errors;
+mod golden;
+mod properties;
+mod state_dict;
