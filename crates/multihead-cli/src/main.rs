@@ -4,6 +4,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+
+mod demo;
+mod plot;
 use multihead::parity::{self, Case};
 
 #[global_allocator]
@@ -19,6 +22,28 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Train a small Transformer built from this crate to reverse digit sequences, then draw
+    /// its attention.
+    Demo {
+        /// Training steps.
+        #[arg(long, default_value_t = 1500)]
+        steps: usize,
+        /// Seed for data, initialisation and dropout: the same seed gives the same run.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Where to write the attention heat maps.
+        #[arg(long, default_value = "attention.png")]
+        out: PathBuf,
+        /// Sequences per training step.
+        #[arg(long, default_value_t = 64)]
+        batch: usize,
+        /// Digits per sequence.
+        #[arg(long, default_value_t = 10)]
+        seq_len: usize,
+        /// No progress bar.
+        #[arg(long)]
+        quiet: bool,
+    },
     /// Replay one PyTorch parity case and write what this library computes.
     Replay {
         /// The case directory (case.json + case.safetensors).
@@ -42,6 +67,29 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Demo {
+            steps,
+            seed,
+            out,
+            batch,
+            seq_len,
+            quiet,
+        } => {
+            match demo::run(demo::DemoArgs {
+                steps,
+                seed,
+                out,
+                batch,
+                seq_len,
+                quiet,
+            }) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("multihead demo: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Replay { case_dir, out } => replay(&case_dir, &out),
         Command::Check { dirs, verbose } => check(&dirs, verbose),
     }

@@ -48,8 +48,10 @@
 
 #![warn(missing_docs)]
 
+pub mod activation;
 pub mod error;
 pub mod functional;
+pub mod layer_norm;
 pub mod linear;
 pub mod mask;
 pub mod multihead_attention;
@@ -57,9 +59,12 @@ pub mod parity;
 pub mod random;
 pub mod state_dict;
 pub mod tolerance;
+pub mod transformer;
 
+pub use activation::Activation;
 pub use error::{Error, Result};
 pub use functional::{MhaOptions, MhaOutput, SdpaOptions};
+pub use layer_norm::LayerNorm;
 pub use linear::Linear;
 pub use mask::{generate_square_subsequent_mask, Mask};
 pub use multihead_attention::{MhaConfig, MultiheadAttention};

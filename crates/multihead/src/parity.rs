@@ -19,6 +19,11 @@ use crate::mask::Mask;
 use crate::multihead_attention::{MhaConfig, MultiheadAttention};
 use crate::state_dict::{load_safetensors, load_strict, NamedParameters};
 use crate::tolerance::Tolerance;
+use crate::transformer::{
+    DecoderMasks, LayerConfig, NormConfig, Transformer, TransformerConfig, TransformerDecoder,
+    TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer, TransformerMasks,
+};
+use crate::Activation;
 
 /// A loaded parity case.
 #[derive(Debug)]
@@ -204,6 +209,11 @@ pub fn replay(case: &Case) -> Result<ReplayResult> {
         "torch.nn.MultiheadAttention" | "torch.nn.modules.activation.MultiheadAttention" => {
             replay_mha(case)
         }
+        "torch.nn.TransformerEncoderLayer"
+        | "torch.nn.TransformerDecoderLayer"
+        | "torch.nn.TransformerEncoder"
+        | "torch.nn.TransformerDecoder"
+        | "torch.nn.Transformer" => replay_transformer(case),
         other => Err(case_err(&case.dir, format!("unsupported module {other:?}"))),
     }
 }
@@ -383,4 +393,203 @@ pub fn check(case: &Case) -> Result<Vec<TensorCheck>> {
         }
     }
     Ok(checks)
+}
+
+/// Reads the Transformer layer arguments (`d_model`, `nhead`, `dim_feedforward`, ...).
+pub fn layer_config(v: &Value) -> Result<LayerConfig> {
+    let bad = |k: &str| Error::File {
+        path: PathBuf::from("case.json"),
+        msg: format!("constructor.{k} is missing or invalid"),
+    };
+    let d_model = opt_usize(v.get("d_model")).ok_or_else(|| bad("d_model"))?;
+    let nhead = opt_usize(v.get("nhead")).ok_or_else(|| bad("nhead"))?;
+    let mut cfg = LayerConfig::new(d_model, nhead);
+    if let Some(x) = opt_usize(v.get("dim_feedforward")) {
+        cfg.dim_feedforward = x;
+    }
+    if let Some(x) = v.get("dropout").and_then(Value::as_f64) {
+        cfg.dropout = x;
+    }
+    if let Some(x) = v.get("activation").and_then(Value::as_str) {
+        cfg.activation = Activation::from_name(x)?;
+    }
+    if let Some(x) = v.get("layer_norm_eps").and_then(Value::as_f64) {
+        cfg.layer_norm_eps = x;
+    }
+    let b = |k: &str, d: bool| v.get(k).and_then(Value::as_bool).unwrap_or(d);
+    cfg.batch_first = b("batch_first", false);
+    cfg.norm_first = b("norm_first", false);
+    cfg.bias = b("bias", true);
+    Ok(cfg)
+}
+
+fn stack_config(case: &Case, ctor: &Value) -> Result<(LayerConfig, usize, Option<NormConfig>)> {
+    let layer = ctor
+        .get("layer")
+        .ok_or_else(|| case_err(&case.dir, "constructor.layer is missing"))?;
+    let cfg = layer_config(layer)?;
+    let n = opt_usize(ctor.get("num_layers"))
+        .ok_or_else(|| case_err(&case.dir, "constructor.num_layers is missing"))?;
+    let norm = match ctor.get("norm") {
+        Some(Value::Object(o)) => Some(NormConfig {
+            eps: o.get("eps").and_then(Value::as_f64).unwrap_or(1e-5),
+            bias: o
+                .get("bias")
+                .and_then(Value::as_bool)
+                .unwrap_or_else(|| case.tensors.contains_key("param.norm.bias")),
+        }),
+        _ => None,
+    };
+    Ok((cfg, n, norm))
+}
+
+/// A built Transformer-family module.
+enum Built {
+    EncoderLayer(TransformerEncoderLayer),
+    DecoderLayer(TransformerDecoderLayer),
+    Encoder(TransformerEncoder),
+    Decoder(TransformerDecoder),
+    Transformer(Transformer),
+}
+
+impl NamedParameters for Built {
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        match self {
+            Built::EncoderLayer(m) => m.named_parameters(),
+            Built::DecoderLayer(m) => m.named_parameters(),
+            Built::Encoder(m) => m.named_parameters(),
+            Built::Decoder(m) => m.named_parameters(),
+            Built::Transformer(m) => m.named_parameters(),
+        }
+    }
+}
+
+fn replay_transformer(case: &Case) -> Result<ReplayResult> {
+    let dtype = case.dtype()?;
+    let dev = Device::Cpu;
+    let ctor = case
+        .meta
+        .get("constructor")
+        .ok_or_else(|| case_err(&case.dir, "case.json has no constructor"))?
+        .clone();
+    let module = case.module().to_string();
+    let state = params_of(case);
+    let (mut built, vm) = load_strict(&state, dtype, &dev, |vb| {
+        Ok(match module.as_str() {
+            "torch.nn.TransformerEncoderLayer" => {
+                Built::EncoderLayer(TransformerEncoderLayer::new(layer_config(&ctor)?, vb)?)
+            }
+            "torch.nn.TransformerDecoderLayer" => {
+                Built::DecoderLayer(TransformerDecoderLayer::new(layer_config(&ctor)?, vb)?)
+            }
+            "torch.nn.TransformerEncoder" => {
+                let (cfg, n, norm) = stack_config(case, &ctor)?;
+                Built::Encoder(TransformerEncoder::new(cfg, n, norm, vb)?)
+            }
+            "torch.nn.TransformerDecoder" => {
+                let (cfg, n, norm) = stack_config(case, &ctor)?;
+                Built::Decoder(TransformerDecoder::new(cfg, n, norm, vb)?)
+            }
+            _ => {
+                let cfg = TransformerConfig {
+                    layer: layer_config(&ctor)?,
+                    num_encoder_layers: opt_usize(ctor.get("num_encoder_layers")).unwrap_or(6),
+                    num_decoder_layers: opt_usize(ctor.get("num_decoder_layers")).unwrap_or(6),
+                };
+                Built::Transformer(Transformer::new(cfg, vb)?)
+            }
+        })
+    })?;
+    let training = case.top_flag("training", true);
+    let grad_mode = case.top_flag("grad_mode", false);
+    match &mut built {
+        Built::EncoderLayer(m) => m.train(training),
+        Built::DecoderLayer(m) => m.train(training),
+        Built::Encoder(m) => {
+            m.train(training);
+            m.set_inference_mode(!grad_mode);
+        }
+        Built::Decoder(m) => m.train(training),
+        Built::Transformer(m) => {
+            m.train(training);
+            m.set_inference_mode(!grad_mode);
+        }
+    }
+    let call = case.meta.get("call").cloned().unwrap_or(Value::Null);
+    let hint = |k: &str| call.get(k).and_then(Value::as_bool);
+    let float_inputs: &[&str] = match &built {
+        Built::EncoderLayer(_) | Built::Encoder(_) => &["src"],
+        Built::DecoderLayer(_) | Built::Decoder(_) => &["tgt", "memory"],
+        Built::Transformer(_) => &["src", "tgt"],
+    };
+    let mut inputs: BTreeMap<&str, Var> = BTreeMap::new();
+    for name in float_inputs {
+        inputs.insert(name, input_var(case, name, dtype)?);
+    }
+    let inp = |name: &str| -> Result<Tensor> {
+        inputs
+            .get(name)
+            .map(|v| v.as_tensor().clone())
+            .ok_or_else(|| case_err(&case.dir, format!("missing input.{name}")))
+    };
+    let decoder_masks = |tgt_causal_default: Option<bool>| -> Result<DecoderMasks> {
+        Ok(DecoderMasks {
+            tgt_mask: case.mask("tgt_mask")?,
+            memory_mask: case.mask("memory_mask")?,
+            tgt_key_padding_mask: case.mask("tgt_key_padding_mask")?,
+            memory_key_padding_mask: case.mask("memory_key_padding_mask")?,
+            tgt_is_causal: hint("tgt_is_causal").or(tgt_causal_default),
+            memory_is_causal: hint("memory_is_causal").unwrap_or(false),
+        })
+    };
+    let output = match &built {
+        Built::EncoderLayer(m) => m.forward(
+            &inp("src")?,
+            case.mask("src_mask")?.as_ref(),
+            case.mask("src_key_padding_mask")?.as_ref(),
+            hint("is_causal").unwrap_or(false),
+        )?,
+        Built::Encoder(m) => m.forward(
+            &inp("src")?,
+            case.mask("mask")?.as_ref(),
+            case.mask("src_key_padding_mask")?.as_ref(),
+            hint("is_causal"),
+        )?,
+        Built::DecoderLayer(m) => {
+            m.forward(&inp("tgt")?, &inp("memory")?, &decoder_masks(Some(false))?)?
+        }
+        Built::Decoder(m) => m.forward(&inp("tgt")?, &inp("memory")?, &decoder_masks(None)?)?,
+        Built::Transformer(m) => {
+            let masks = TransformerMasks {
+                src_mask: case.mask("src_mask")?,
+                src_key_padding_mask: case.mask("src_key_padding_mask")?,
+                src_is_causal: hint("src_is_causal"),
+                decoder: decoder_masks(None)?,
+            };
+            m.forward(&inp("src")?, &inp("tgt")?, &masks)?
+        }
+    };
+    let mut result = ReplayResult::new();
+    result.insert("output".into(), output.contiguous()?);
+    if !grad_mode {
+        return Ok(result);
+    }
+    let g = case
+        .tensor("grad.output")
+        .ok_or_else(|| case_err(&case.dir, "grad_mode is true but grad.output is missing"))?;
+    let grads = output.mul(g)?.sum_all()?.backward()?;
+    let grad_of = |t: &Tensor| -> Result<Tensor> {
+        match grads.get(t) {
+            Some(g) => Ok(g.contiguous()?),
+            None => Ok(t.zeros_like()?),
+        }
+    };
+    for (name, v) in &inputs {
+        result.insert(format!("grad.{name}"), grad_of(v.as_tensor())?);
+    }
+    for (name, t) in built.named_parameters() {
+        result.insert(format!("grad.param.{name}"), grad_of(&t)?);
+    }
+    drop(vm);
+    Ok(result)
 }

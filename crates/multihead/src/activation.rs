@@ -1,0 +1,80 @@
+//! Activations and dropout for the Transformer layers, with PyTorch's exact gradients.
+
+use candle_core::Tensor;
+
+use crate::error::{Error, Result};
+use crate::random::{next_dropout_key, DropoutKey};
+
+/// The feed-forward activation of the Transformer layers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Activation {
+    /// `F.relu` (PyTorch's default). The gradient at exactly 0 is 0, as in PyTorch.
+    #[default]
+    Relu,
+    /// `F.gelu`, the exact erf form: `x · Φ(x)`.
+    Gelu,
+    /// `nn.GELU(approximate="tanh")`.
+    GeluTanh,
+}
+
+impl Activation {
+    /// Parses PyTorch's activation strings (`"relu"`, `"gelu"`); anything else is the error
+    /// PyTorch raises.
+    pub fn from_name(name: &str) -> Result<Self> {
+        match name {
+            "relu" => Ok(Self::Relu),
+            "gelu" => Ok(Self::Gelu),
+            "gelu_tanh" => Ok(Self::GeluTanh),
+            other => Err(Error::Config {
+                op: "TransformerEncoderLayer",
+                arg: "activation",
+                msg: format!("activation should be relu/gelu, not {other}"),
+            }),
+        }
+    }
+
+    /// Applies the activation.
+    // Mirrors torch.nn.functional.relu / torch.nn.functional.gelu.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            // x * (x > 0): gradient (x > 0), 0 at x = 0 like PyTorch's threshold_backward.
+            Self::Relu => x.mul(&x.gt(0f64)?.to_dtype(x.dtype())?)?,
+            // 0.5 x (1 + erf(x / sqrt 2)), composed so that candle's exact erf gradient is used.
+            Self::Gelu => {
+                let cdf = ((x / std::f64::consts::SQRT_2)?.erf()? + 1.0)?;
+                (x.mul(&cdf)? * 0.5)?
+            }
+            Self::GeluTanh => {
+                let inner =
+                    ((x + (x.powf(3.0)? * 0.044715)?)? * (2.0 / std::f64::consts::PI).sqrt())?;
+                (x.mul(&(inner.tanh()? + 1.0)?)? * 0.5)?
+            }
+        })
+    }
+}
+
+/// Dropout on any tensor (`F.dropout(x, p, training)`): in training, zeroes each element with
+/// probability `p` and scales the rest by `1/(1-p)`; the identity otherwise. Draws the next
+/// key from the global generator ([`manual_seed`](crate::manual_seed)).
+pub fn dropout(x: &Tensor, p: f64, training: bool) -> Result<Tensor> {
+    if !training || p == 0.0 {
+        return Ok(x.clone());
+    }
+    dropout_with_key(x, p, next_dropout_key())
+}
+
+/// [`dropout`] with an explicit key; element `i` of the flattened tensor uses counter `(0, 0, i)`.
+pub fn dropout_with_key(x: &Tensor, p: f64, key: DropoutKey) -> Result<Tensor> {
+    if !(0.0..1.0).contains(&p) {
+        return Err(Error::Config {
+            op: "dropout",
+            arg: "p",
+            msg: format!("dropout probability has to be in [0, 1), got {p}"),
+        });
+    }
+    let n = x.elem_count();
+    let mut data = vec![0f64; n];
+    multihead_kernels::dropout::fill_scale_mask(key, p, 1, 1, n, &mut data);
+    let mask = Tensor::from_vec(data, x.shape(), x.device())?.to_dtype(x.dtype())?;
+    Ok(x.mul(&mask)?)
+}

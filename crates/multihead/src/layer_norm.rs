@@ -1,0 +1,90 @@
+//! `torch.nn.LayerNorm` over the last dimension, composed from candle primitives so that its
+//! gradients reach the input, the weight and the bias (candle 0.11's `LayerNorm` module drops
+//! them on contiguous input).
+
+use candle_core::{Tensor, D};
+use candle_nn::{Init, VarBuilder};
+
+use crate::error::{Error, Result};
+use crate::state_dict::get_param;
+
+/// Layer normalisation over the last dimension with a learned elementwise affine transform:
+/// `y = (x - mean) / sqrt(var + eps) * weight + bias` (biased variance, as PyTorch).
+///
+/// Keys: `weight` `(d,)` (initialised to 1) and `bias` `(d,)` (initialised to 0, absent when
+/// `bias = false`).
+///
+/// # Shapes
+/// * input `(*, d)`, output `(*, d)`.
+///
+/// # Example
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use multihead::LayerNorm;
+///
+/// let vm = VarMap::new();
+/// let ln = LayerNorm::new(4, 1e-5, true, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))?;
+/// let y = ln.forward(&Tensor::new(&[[1f32, 2., 3., 4.]], &Device::Cpu)?)?;
+/// let mean = y.mean_all()?.to_scalar::<f32>()?;
+/// assert!(mean.abs() < 1e-6);
+/// # Ok::<(), multihead::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    eps: f64,
+}
+
+impl LayerNorm {
+    /// `nn.LayerNorm(d, eps, bias=bias)` under `vb`'s `weight` and `bias` keys.
+    pub fn new(d: usize, eps: f64, bias: bool, vb: VarBuilder) -> Result<Self> {
+        let weight = get_param(&vb, &[d], "weight", Init::Const(1.0))?;
+        let bias = if bias {
+            Some(get_param(&vb, &[d], "bias", Init::Const(0.0))?)
+        } else {
+            None
+        };
+        Ok(Self { weight, bias, eps })
+    }
+
+    /// `eps`.
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+
+    /// The parameters with their keys relative to the module (`weight`, `bias`).
+    pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut v = vec![("weight".to_string(), self.weight.clone())];
+        if let Some(b) = &self.bias {
+            v.push(("bias".to_string(), b.clone()));
+        }
+        v
+    }
+
+    /// Normalises over the last dimension.
+    // Mirrors torch.nn.LayerNorm.forward (torch.nn.functional.layer_norm).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let d = self.weight.dim(0)?;
+        if x.dims().last() != Some(&d) {
+            return Err(Error::Shape {
+                op: "layer_norm",
+                arg: "input",
+                msg: format!(
+                    "expected the last dimension to be {d}, got input of shape {:?}",
+                    x.dims()
+                ),
+            });
+        }
+        let mean = x.mean_keepdim(D::Minus1)?;
+        let xc = x.broadcast_sub(&mean)?;
+        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+        let rstd = (var + self.eps)?.sqrt()?.recip()?;
+        let y = xc.broadcast_mul(&rstd)?.broadcast_mul(&self.weight)?;
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}

@@ -1,0 +1,192 @@
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
+
+use super::encoder_layer::linear_params;
+use super::{prefixed, LayerConfig};
+use crate::activation::dropout;
+use crate::error::Result;
+use crate::layer_norm::LayerNorm;
+use crate::linear::Linear;
+use crate::mask::Mask;
+use crate::{MhaOptions, MultiheadAttention, NamedParameters};
+
+/// The masks and causal hints of a decoder call, PyTorch's argument names, all off by default.
+#[derive(Clone, Debug, Default)]
+pub struct DecoderMasks {
+    /// `tgt_mask` `(T, T)` or `(N·nhead, T, T)`.
+    pub tgt_mask: Option<Mask>,
+    /// `memory_mask` `(T, S)` or `(N·nhead, T, S)`.
+    pub memory_mask: Option<Mask>,
+    /// `tgt_key_padding_mask` `(N, T)` or `(T,)`.
+    pub tgt_key_padding_mask: Option<Mask>,
+    /// `memory_key_padding_mask` `(N, S)` or `(S,)`.
+    pub memory_key_padding_mask: Option<Mask>,
+    /// `tgt_is_causal`: for a layer, the hint (default false); for [`TransformerDecoder`](super::TransformerDecoder),
+    /// `None` detects a causal `tgt_mask`.
+    pub tgt_is_causal: Option<bool>,
+    /// `memory_is_causal`. Default false.
+    pub memory_is_causal: bool,
+}
+
+/// `torch.nn.TransformerDecoderLayer`: self-attention, cross-attention over the encoder's
+/// memory, and a feed-forward block, each with a residual connection and LayerNorm.
+///
+/// Keys: `self_attn.*`, `multihead_attn.*`, `linear1.*`, `linear2.*`, `norm1.*`..`norm3.*`.
+///
+/// # Shapes
+/// * tgt `(T, N, E)`, memory `(S, N, E)`; `(N, T, E)`/`(N, S, E)` with `batch_first`;
+///   `(T, E)`/`(S, E)` unbatched. Output like tgt.
+///
+/// # Example
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use multihead::transformer::{DecoderMasks, LayerConfig, TransformerDecoderLayer};
+///
+/// let vm = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+/// let layer = TransformerDecoderLayer::new(LayerConfig::new(8, 2).with_dim_feedforward(16), vb)?;
+/// let tgt = Tensor::randn(0f32, 1.0, (4, 2, 8), &Device::Cpu)?;
+/// let memory = Tensor::randn(0f32, 1.0, (6, 2, 8), &Device::Cpu)?;
+/// assert_eq!(layer.forward(&tgt, &memory, &DecoderMasks::default())?.dims(), &[4, 2, 8]);
+/// # Ok::<(), multihead::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct TransformerDecoderLayer {
+    cfg: LayerConfig,
+    self_attn: MultiheadAttention,
+    multihead_attn: MultiheadAttention,
+    linear1: Linear,
+    linear2: Linear,
+    norm1: LayerNorm,
+    norm2: LayerNorm,
+    norm3: LayerNorm,
+    training: bool,
+}
+
+impl TransformerDecoderLayer {
+    /// Builds the layer from `vb` under PyTorch's keys.
+    pub fn new(cfg: LayerConfig, vb: VarBuilder) -> Result<Self> {
+        let self_attn = MultiheadAttention::new(cfg.mha_config(), vb.pp("self_attn"))?;
+        let multihead_attn = MultiheadAttention::new(cfg.mha_config(), vb.pp("multihead_attn"))?;
+        let linear1 = Linear::new(cfg.d_model, cfg.dim_feedforward, cfg.bias, vb.pp("linear1"))?;
+        let linear2 = Linear::new(cfg.dim_feedforward, cfg.d_model, cfg.bias, vb.pp("linear2"))?;
+        let eps = cfg.layer_norm_eps;
+        let norm1 = LayerNorm::new(cfg.d_model, eps, cfg.bias, vb.pp("norm1"))?;
+        let norm2 = LayerNorm::new(cfg.d_model, eps, cfg.bias, vb.pp("norm2"))?;
+        let norm3 = LayerNorm::new(cfg.d_model, eps, cfg.bias, vb.pp("norm3"))?;
+        Ok(Self {
+            cfg,
+            self_attn,
+            multihead_attn,
+            linear1,
+            linear2,
+            norm1,
+            norm2,
+            norm3,
+            training: true,
+        })
+    }
+
+    /// The constructor arguments.
+    pub fn config(&self) -> &LayerConfig {
+        &self.cfg
+    }
+
+    /// Sets training mode.
+    pub fn train(&mut self, mode: bool) {
+        self.training = mode;
+        self.self_attn.train(mode);
+        self.multihead_attn.train(mode);
+    }
+
+    /// Sets evaluation mode.
+    pub fn eval(&mut self) {
+        self.train(false);
+    }
+
+    fn sa_block(
+        &self,
+        x: &Tensor,
+        mask: Option<&Mask>,
+        kpm: Option<&Mask>,
+        is_causal: bool,
+    ) -> Result<Tensor> {
+        let mut opts = MhaOptions::default()
+            .need_weights(false)
+            .is_causal(is_causal);
+        opts.attn_mask = mask.cloned();
+        opts.key_padding_mask = kpm.cloned();
+        dropout(
+            &self.self_attn.forward(x, x, x, &opts)?.output,
+            self.cfg.dropout,
+            self.training,
+        )
+    }
+
+    fn mha_block(
+        &self,
+        x: &Tensor,
+        mem: &Tensor,
+        mask: Option<&Mask>,
+        kpm: Option<&Mask>,
+        is_causal: bool,
+    ) -> Result<Tensor> {
+        let mut opts = MhaOptions::default()
+            .need_weights(false)
+            .is_causal(is_causal);
+        opts.attn_mask = mask.cloned();
+        opts.key_padding_mask = kpm.cloned();
+        dropout(
+            &self.multihead_attn.forward(x, mem, mem, &opts)?.output,
+            self.cfg.dropout,
+            self.training,
+        )
+    }
+
+    fn ff_block(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.cfg.activation.forward(&self.linear1.forward(x)?)?;
+        let h = dropout(&h, self.cfg.dropout, self.training)?;
+        dropout(&self.linear2.forward(&h)?, self.cfg.dropout, self.training)
+    }
+
+    /// Runs the layer; `masks.tgt_is_causal = None` means `false` here.
+    // Mirrors torch.nn.TransformerDecoderLayer.forward.
+    pub fn forward(&self, tgt: &Tensor, memory: &Tensor, masks: &DecoderMasks) -> Result<Tensor> {
+        let tc = masks.tgt_is_causal.unwrap_or(false);
+        let mc = masks.memory_is_causal;
+        let (tm, tk) = (masks.tgt_mask.as_ref(), masks.tgt_key_padding_mask.as_ref());
+        let (mm, mk) = (
+            masks.memory_mask.as_ref(),
+            masks.memory_key_padding_mask.as_ref(),
+        );
+        let x = tgt;
+        if self.cfg.norm_first {
+            let x = (x + self.sa_block(&self.norm1.forward(x)?, tm, tk, tc)?)?;
+            let x = (&x + self.mha_block(&self.norm2.forward(&x)?, memory, mm, mk, mc)?)?;
+            Ok((&x + self.ff_block(&self.norm3.forward(&x)?)?)?)
+        } else {
+            let x = self.norm1.forward(&(x + self.sa_block(x, tm, tk, tc)?)?)?;
+            let x = self
+                .norm2
+                .forward(&(&x + self.mha_block(&x, memory, mm, mk, mc)?)?)?;
+            self.norm3.forward(&(&x + self.ff_block(&x)?)?)
+        }
+    }
+}
+
+impl NamedParameters for TransformerDecoderLayer {
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut v = prefixed("self_attn", self.self_attn.named_parameters());
+        v.extend(prefixed(
+            "multihead_attn",
+            self.multihead_attn.named_parameters(),
+        ));
+        v.extend(prefixed("linear1", linear_params(&self.linear1)));
+        v.extend(prefixed("linear2", linear_params(&self.linear2)));
+        v.extend(prefixed("norm1", self.norm1.named_parameters()));
+        v.extend(prefixed("norm2", self.norm2.named_parameters()));
+        v.extend(prefixed("norm3", self.norm3.named_parameters()));
+        v
+    }
+}

@@ -1,0 +1,183 @@
+use candle_core::{DType, Tensor};
+use candle_nn::VarBuilder;
+
+use super::{
+    detect_is_causal, prefixed, seq_len, LayerConfig, NormConfig, TransformerEncoderLayer,
+};
+use crate::error::Result;
+use crate::layer_norm::LayerNorm;
+use crate::mask::Mask;
+use crate::NamedParameters;
+
+/// `torch.nn.TransformerEncoder`: `num_layers` encoder layers and an optional final LayerNorm.
+///
+/// Keys: `layers.{i}.*` and `norm.*`. Fresh layers are initialised independently (PyTorch
+/// deep-copies one layer, so its layers start identical; load a state_dict to match exactly).
+///
+/// PyTorch behaviours mirrored:
+/// * `is_causal = None` detects a causal `mask` of size `(S, S)` (float `-inf` above the
+///   diagonal, or the bool equivalent) and passes `is_causal = true` to the layers.
+/// * In inference ([`eval`](Self::eval) plus [`set_inference_mode`](Self::set_inference_mode),
+///   PyTorch's eval with gradients off), with a left-aligned `src_key_padding_mask`, no `mask`,
+///   batched input and an eligible layer (post-norm, `batch_first`, `bias`, even `nhead`),
+///   PyTorch runs a nested-tensor path whose padded positions come out as 0 before the final
+///   norm. This encoder returns the same.
+///
+/// # Shapes
+/// * src `(S, N, E)`, `(N, S, E)` with `batch_first`, or `(S, E)`; mask `(S, S)` or
+///   `(N·nhead, S, S)`; src_key_padding_mask `(N, S)` or `(S,)`. Output like src.
+///
+/// # Example
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use multihead::transformer::{LayerConfig, NormConfig, TransformerEncoder};
+///
+/// let vm = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+/// let cfg = LayerConfig::new(8, 2).with_dim_feedforward(16);
+/// let enc = TransformerEncoder::new(cfg, 2, Some(NormConfig::default()), vb)?;
+/// let x = Tensor::randn(0f32, 1.0, (5, 3, 8), &Device::Cpu)?;
+/// let causal = multihead::generate_square_subsequent_mask(5, DType::F32, &Device::Cpu)?;
+/// let y = enc.forward(&x, Some(&multihead::Mask::Float(causal)), None, None)?;
+/// assert_eq!(y.dims(), &[5, 3, 8]);
+/// # Ok::<(), multihead::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct TransformerEncoder {
+    layers: Vec<TransformerEncoderLayer>,
+    norm: Option<LayerNorm>,
+    training: bool,
+    inference_mode: bool,
+    enable_nested_tensor: bool,
+}
+
+impl TransformerEncoder {
+    /// Builds `num_layers` layers under `layers.{i}` and the optional final norm under `norm`.
+    pub fn new(
+        layer: LayerConfig,
+        num_layers: usize,
+        norm: Option<NormConfig>,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let layers = (0..num_layers)
+            .map(|i| TransformerEncoderLayer::new(layer.clone(), vb.pp(format!("layers.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = match norm {
+            Some(n) => Some(LayerNorm::new(layer.d_model, n.eps, n.bias, vb.pp("norm"))?),
+            None => None,
+        };
+        Ok(Self {
+            layers,
+            norm,
+            training: true,
+            inference_mode: false,
+            enable_nested_tensor: true,
+        })
+    }
+
+    /// The layers.
+    pub fn layers(&self) -> &[TransformerEncoderLayer] {
+        &self.layers
+    }
+
+    /// Sets training mode on every layer.
+    pub fn train(&mut self, mode: bool) {
+        self.training = mode;
+        self.layers.iter_mut().for_each(|l| l.train(mode));
+    }
+
+    /// Sets evaluation mode.
+    pub fn eval(&mut self) {
+        self.train(false);
+    }
+
+    /// Declares that no gradients are needed (PyTorch's `torch.no_grad()`/`inference_mode()`):
+    /// with eval mode this enables PyTorch's inference-only behaviours described above.
+    pub fn set_inference_mode(&mut self, on: bool) {
+        self.inference_mode = on;
+    }
+
+    /// PyTorch's `enable_nested_tensor` (default `true`).
+    pub fn set_enable_nested_tensor(&mut self, on: bool) {
+        self.enable_nested_tensor = on;
+    }
+
+    fn nested_path_eligible(&self) -> bool {
+        let Some(first) = self.layers.first() else {
+            return false;
+        };
+        let c = first.config();
+        self.enable_nested_tensor && !c.norm_first && c.batch_first && c.bias && c.nhead % 2 == 0
+    }
+
+    /// Runs the stack. `is_causal = None` detects a causal mask, as PyTorch does.
+    // Mirrors torch.nn.TransformerEncoder.forward.
+    pub fn forward(
+        &self,
+        src: &Tensor,
+        mask: Option<&Mask>,
+        src_key_padding_mask: Option<&Mask>,
+        is_causal: Option<bool>,
+    ) -> Result<Tensor> {
+        let batch_first = self
+            .layers
+            .first()
+            .map(|l| l.config().batch_first)
+            .unwrap_or(false);
+        let is_causal = detect_is_causal(mask, is_causal, seq_len(src, batch_first)?)?;
+        // PyTorch's nested-tensor ("sparsity") fast path, in inference only.
+        let padded = match src_key_padding_mask {
+            Some(kpm)
+                if !self.training
+                    && self.inference_mode
+                    && mask.is_none()
+                    && src.rank() == 3
+                    && self.nested_path_eligible() =>
+            {
+                let p = kpm.tensor().ne(0f64)?;
+                left_aligned(&p)?.then_some(p)
+            }
+            _ => None,
+        };
+        let mut x = src.clone();
+        if let Some(p) = &padded {
+            // The nested path drops padded tokens entirely: nonzero kpm entries are padding.
+            let kpm = Mask::Bool(p.clone());
+            for layer in &self.layers {
+                x = layer.forward(&x, None, Some(&kpm), false)?;
+            }
+            // (N, S) padding -> zero those positions of (N, S, E).
+            let keep = p.eq(0f64)?.to_dtype(x.dtype())?.unsqueeze(2)?;
+            x = x.broadcast_mul(&keep)?;
+        } else {
+            for layer in &self.layers {
+                x = layer.forward(&x, mask, src_key_padding_mask, is_causal)?;
+            }
+        }
+        match &self.norm {
+            Some(n) => n.forward(&x),
+            None => Ok(x),
+        }
+    }
+}
+
+/// Whether every row of a `(N, S)` padding mask is `False…False True…True`.
+fn left_aligned(p: &Tensor) -> Result<bool> {
+    let (n, s) = p.dims2()?;
+    let v = p.to_dtype(DType::U8)?.flatten_all()?.to_vec1::<u8>()?;
+    Ok((0..n).all(|i| v[i * s..(i + 1) * s].windows(2).all(|w| w[0] <= w[1])))
+}
+
+impl NamedParameters for TransformerEncoder {
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut v = Vec::new();
+        for (i, l) in self.layers.iter().enumerate() {
+            v.extend(prefixed(&format!("layers.{i}"), l.named_parameters()));
+        }
+        if let Some(n) = &self.norm {
+            v.extend(prefixed("norm", n.named_parameters()));
+        }
+        v
+    }
+}

@@ -1,0 +1,161 @@
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
+
+use super::{prefixed, LayerConfig};
+use crate::activation::dropout;
+use crate::error::Result;
+use crate::layer_norm::LayerNorm;
+use crate::linear::Linear;
+use crate::mask::Mask;
+use crate::{MhaOptions, MultiheadAttention, NamedParameters};
+
+/// `torch.nn.TransformerEncoderLayer`: self-attention and a feed-forward block, each with a
+/// residual connection and LayerNorm (after the block by default, before it with
+/// `norm_first`).
+///
+/// Keys: `self_attn.*`, `linear1.*`, `linear2.*`, `norm1.*`, `norm2.*`. Starts in training mode,
+/// as PyTorch modules do (dropout defaults to 0.1): call [`eval`](Self::eval) for inference.
+///
+/// # Shapes
+/// * src `(S, N, E)`, `(N, S, E)` with `batch_first`, or `(S, E)` unbatched.
+/// * src_mask `(S, S)` or `(N·nhead, S, S)`; src_key_padding_mask `(N, S)` or `(S,)`.
+/// * output: like src.
+///
+/// # Example
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
+///
+/// let vm = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+/// let mut layer = TransformerEncoderLayer::new(LayerConfig::new(16, 4).with_dim_feedforward(32), vb)?;
+/// layer.eval();
+/// let x = Tensor::randn(0f32, 1.0, (7, 2, 16), &Device::Cpu)?;
+/// assert_eq!(layer.forward(&x, None, None, false)?.dims(), &[7, 2, 16]);
+/// # Ok::<(), multihead::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct TransformerEncoderLayer {
+    cfg: LayerConfig,
+    self_attn: MultiheadAttention,
+    linear1: Linear,
+    linear2: Linear,
+    norm1: LayerNorm,
+    norm2: LayerNorm,
+    training: bool,
+}
+
+impl TransformerEncoderLayer {
+    /// Builds the layer from `vb` under PyTorch's keys.
+    pub fn new(cfg: LayerConfig, vb: VarBuilder) -> Result<Self> {
+        let self_attn = MultiheadAttention::new(cfg.mha_config(), vb.pp("self_attn"))?;
+        let linear1 = Linear::new(cfg.d_model, cfg.dim_feedforward, cfg.bias, vb.pp("linear1"))?;
+        let linear2 = Linear::new(cfg.dim_feedforward, cfg.d_model, cfg.bias, vb.pp("linear2"))?;
+        let norm1 = LayerNorm::new(cfg.d_model, cfg.layer_norm_eps, cfg.bias, vb.pp("norm1"))?;
+        let norm2 = LayerNorm::new(cfg.d_model, cfg.layer_norm_eps, cfg.bias, vb.pp("norm2"))?;
+        Ok(Self {
+            cfg,
+            self_attn,
+            linear1,
+            linear2,
+            norm1,
+            norm2,
+            training: true,
+        })
+    }
+
+    /// The constructor arguments.
+    pub fn config(&self) -> &LayerConfig {
+        &self.cfg
+    }
+
+    /// The self-attention block.
+    pub fn self_attn(&self) -> &MultiheadAttention {
+        &self.self_attn
+    }
+
+    /// Sets training mode.
+    pub fn train(&mut self, mode: bool) {
+        self.training = mode;
+        self.self_attn.train(mode);
+    }
+
+    /// Sets evaluation mode.
+    pub fn eval(&mut self) {
+        self.train(false);
+    }
+
+    /// Whether the layer is in training mode.
+    pub fn is_training(&self) -> bool {
+        self.training
+    }
+
+    fn sa_block(
+        &self,
+        x: &Tensor,
+        mask: Option<&Mask>,
+        kpm: Option<&Mask>,
+        is_causal: bool,
+    ) -> Result<Tensor> {
+        let mut opts = MhaOptions::default()
+            .need_weights(false)
+            .is_causal(is_causal);
+        opts.attn_mask = mask.cloned();
+        opts.key_padding_mask = kpm.cloned();
+        let out = self.self_attn.forward(x, x, x, &opts)?.output;
+        dropout(&out, self.cfg.dropout, self.training)
+    }
+
+    fn ff_block(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.cfg.activation.forward(&self.linear1.forward(x)?)?;
+        let h = dropout(&h, self.cfg.dropout, self.training)?;
+        dropout(&self.linear2.forward(&h)?, self.cfg.dropout, self.training)
+    }
+
+    /// Runs the layer. `is_causal` is PyTorch's hint: it needs `src_mask` (see
+    /// [`MhaOptions::is_causal`]).
+    // Mirrors torch.nn.TransformerEncoderLayer.forward.
+    pub fn forward(
+        &self,
+        src: &Tensor,
+        src_mask: Option<&Mask>,
+        src_key_padding_mask: Option<&Mask>,
+        is_causal: bool,
+    ) -> Result<Tensor> {
+        let x = src;
+        if self.cfg.norm_first {
+            let x = (x + self.sa_block(
+                &self.norm1.forward(x)?,
+                src_mask,
+                src_key_padding_mask,
+                is_causal,
+            )?)?;
+            Ok((&x + self.ff_block(&self.norm2.forward(&x)?)?)?)
+        } else {
+            let x = self
+                .norm1
+                .forward(&(x + self.sa_block(x, src_mask, src_key_padding_mask, is_causal)?)?)?;
+            self.norm2.forward(&(&x + self.ff_block(&x)?)?)
+        }
+    }
+}
+
+impl NamedParameters for TransformerEncoderLayer {
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut v = prefixed("self_attn", self.self_attn.named_parameters());
+        v.extend(prefixed("linear1", linear_params(&self.linear1)));
+        v.extend(prefixed("linear2", linear_params(&self.linear2)));
+        v.extend(prefixed("norm1", self.norm1.named_parameters()));
+        v.extend(prefixed("norm2", self.norm2.named_parameters()));
+        v
+    }
+}
+
+pub(crate) fn linear_params(l: &Linear) -> Vec<(String, Tensor)> {
+    let mut v = vec![("weight".to_string(), l.weight().clone())];
+    if let Some(b) = l.bias() {
+        v.push(("bias".to_string(), b.clone()));
+    }
+    v
+}

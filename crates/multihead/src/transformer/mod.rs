@@ -1,0 +1,189 @@
+//! The Transformer layers of `torch.nn`, built on [`MultiheadAttention`](crate::MultiheadAttention).
+//!
+//! * [`TransformerEncoderLayer`] and [`TransformerDecoderLayer`]: one block each, post-norm or
+//!   pre-norm (`norm_first`), ReLU or exact GELU.
+//! * [`TransformerEncoder`] and [`TransformerDecoder`]: stacks of layers with an optional final
+//!   norm and PyTorch's causal-mask detection.
+//! * [`Transformer`]: the encoder-decoder model.
+//!
+//! State_dict keys are PyTorch's (`self_attn.in_proj_weight`, `linear1.weight`, `norm1.bias`,
+//! `layers.0.…`, `encoder.norm.weight`, …).
+
+mod decoder;
+mod decoder_layer;
+mod encoder;
+mod encoder_layer;
+#[allow(clippy::module_inception)]
+mod transformer;
+
+pub use decoder::TransformerDecoder;
+pub use decoder_layer::{DecoderMasks, TransformerDecoderLayer};
+pub use encoder::TransformerEncoder;
+pub use encoder_layer::TransformerEncoderLayer;
+pub use transformer::{Transformer, TransformerConfig, TransformerMasks};
+
+use crate::activation::Activation;
+
+/// The constructor arguments shared by [`TransformerEncoderLayer`] and
+/// [`TransformerDecoderLayer`], with PyTorch's defaults.
+///
+/// # Example
+/// ```
+/// use multihead::transformer::LayerConfig;
+/// let cfg = LayerConfig::new(512, 8).with_dim_feedforward(1024).with_batch_first(true);
+/// assert_eq!(cfg.dropout, 0.1);
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerConfig {
+    /// `d_model`: the feature size.
+    pub d_model: usize,
+    /// `nhead`: attention heads; must divide `d_model`.
+    pub nhead: usize,
+    /// `dim_feedforward`. Default 2048.
+    pub dim_feedforward: usize,
+    /// `dropout`, used by every dropout of the layer and inside its attention. Default 0.1.
+    pub dropout: f64,
+    /// `activation`. Default ReLU.
+    pub activation: Activation,
+    /// `layer_norm_eps`. Default 1e-5.
+    pub layer_norm_eps: f64,
+    /// `batch_first`. Default `false`.
+    pub batch_first: bool,
+    /// `norm_first` (pre-norm). Default `false`.
+    pub norm_first: bool,
+    /// `bias`: biases of the linear layers, the attention and the LayerNorms. Default `true`.
+    pub bias: bool,
+}
+
+impl LayerConfig {
+    /// PyTorch's defaults for `d_model` and `nhead`.
+    pub fn new(d_model: usize, nhead: usize) -> Self {
+        Self {
+            d_model,
+            nhead,
+            dim_feedforward: 2048,
+            dropout: 0.1,
+            activation: Activation::Relu,
+            layer_norm_eps: 1e-5,
+            batch_first: false,
+            norm_first: false,
+            bias: true,
+        }
+    }
+    /// Sets `dim_feedforward`.
+    pub fn with_dim_feedforward(mut self, v: usize) -> Self {
+        self.dim_feedforward = v;
+        self
+    }
+    /// Sets `dropout`.
+    pub fn with_dropout(mut self, v: f64) -> Self {
+        self.dropout = v;
+        self
+    }
+    /// Sets `activation`.
+    pub fn with_activation(mut self, v: Activation) -> Self {
+        self.activation = v;
+        self
+    }
+    /// Sets `layer_norm_eps`.
+    pub fn with_layer_norm_eps(mut self, v: f64) -> Self {
+        self.layer_norm_eps = v;
+        self
+    }
+    /// Sets `batch_first`.
+    pub fn with_batch_first(mut self, v: bool) -> Self {
+        self.batch_first = v;
+        self
+    }
+    /// Sets `norm_first`.
+    pub fn with_norm_first(mut self, v: bool) -> Self {
+        self.norm_first = v;
+        self
+    }
+    /// Sets `bias`.
+    pub fn with_bias(mut self, v: bool) -> Self {
+        self.bias = v;
+        self
+    }
+    pub(crate) fn mha_config(&self) -> crate::MhaConfig {
+        crate::MhaConfig::new(self.d_model, self.nhead)
+            .with_dropout(self.dropout)
+            .with_bias(self.bias)
+            .with_batch_first(self.batch_first)
+    }
+}
+
+/// The final LayerNorm of an encoder or decoder stack (`norm=nn.LayerNorm(d_model, eps, bias=bias)`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NormConfig {
+    /// `eps`. Default 1e-5.
+    pub eps: f64,
+    /// `bias`. Default true.
+    pub bias: bool,
+}
+
+impl Default for NormConfig {
+    fn default() -> Self {
+        Self {
+            eps: 1e-5,
+            bias: true,
+        }
+    }
+}
+
+/// Prefixes relative parameter names.
+pub(crate) fn prefixed(
+    prefix: &str,
+    params: Vec<(String, candle_core::Tensor)>,
+) -> Vec<(String, candle_core::Tensor)> {
+    params
+        .into_iter()
+        .map(|(k, t)| (format!("{prefix}.{k}"), t))
+        .collect()
+}
+
+/// The sequence length of a Transformer input (`_get_seq_len`).
+pub(crate) fn seq_len(x: &candle_core::Tensor, batch_first: bool) -> crate::Result<usize> {
+    Ok(match x.rank() {
+        2 => x.dim(0)?,
+        _ => x.dim(if batch_first { 1 } else { 0 })?,
+    })
+}
+
+/// PyTorch's `_detect_is_causal_mask`: an explicit hint wins; otherwise the mask is causal when
+/// it is `(sz, sz)` and equals the `-inf`-above-the-diagonal mask (a bool mask after conversion).
+pub(crate) fn detect_is_causal(
+    mask: Option<&crate::Mask>,
+    hint: Option<bool>,
+    sz: usize,
+) -> crate::Result<bool> {
+    if let Some(h) = hint {
+        return Ok(h);
+    }
+    let Some(mask) = mask else { return Ok(false) };
+    if mask.dims() != [sz, sz] {
+        return Ok(false);
+    }
+    let t = mask.tensor();
+    let vals: Vec<f64> = match mask {
+        crate::Mask::Bool(t) => t
+            .flatten_all()?
+            .to_vec1::<u8>()?
+            .into_iter()
+            .map(|b| if b != 0 { f64::NEG_INFINITY } else { 0.0 })
+            .collect(),
+        crate::Mask::Float(_) => t
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F64)?
+            .to_vec1::<f64>()?,
+    };
+    for i in 0..sz {
+        for j in 0..sz {
+            let want = if j > i { f64::NEG_INFINITY } else { 0.0 };
+            if vals[i * sz + j] != want {
+                return Ok(false);
+            }
+        }
+    }
+    Ok(true)
+}
