@@ -9,17 +9,23 @@ computed.
 Commands::
 
     python3 tools/gen_cases.py fixtures --out tests/fixtures/mha
-        the fixed, named, committed set (deterministic: fixed seeds, one thread)
-    python3 tools/gen_cases.py random --count N --seed S --out DIR
-        N random valid configurations, for cases the Rust port has never seen
+    python3 tools/gen_cases.py fixtures --kind transformers --out tests/fixtures/transformer
+        the fixed, named, committed sets (deterministic: fixed seeds, one thread);
+        --kind picks the set (default mha)
+    python3 tools/gen_cases.py random --count N --seed S --out DIR [--kinds KINDS]
+        N random valid configurations, for cases the Rust port has never seen;
+        KINDS is e.g. mha (default), transformers, encoder_layer,decoder, all
     python3 tools/gen_cases.py verify DIR [DIR ...]
         re-run every case found under DIR in PyTorch from its stored tensors and
         check the file contract and that every ``expect.*`` tensor reproduces
 
-Adding a module kind (TransformerEncoderLayer, ...): write a ``make_case(cfg, out_dir)``
-that builds the module from a config dict, runs it and writes the case with
-``write_case``; a ``replay(meta, tensors)`` for ``verify``; fixture and random config
-generators; and register them in ``MODULE_KINDS``.
+Module kinds: torch.nn.MultiheadAttention (mha) and the transformer modules
+TransformerEncoderLayer (encoder_layer), TransformerDecoderLayer (decoder_layer),
+TransformerEncoder (encoder), TransformerDecoder (decoder), Transformer (transformer).
+Adding a module kind: write a ``make_case(cfg, out_dir)`` that builds the module from a
+config dict, runs it and writes the case with ``write_case``; a ``replay(meta, tensors)``
+and ``check_contract(meta, tensors)`` for ``verify``; fixture and random config
+generators; and register them in ``MODULE_KINDS`` (and ``KIND_NAMES``).
 """
 
 from __future__ import annotations
@@ -1013,6 +1019,849 @@ def mha_random_config(rng: random.Random, index: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------
+# Transformer layers: TransformerEncoderLayer, TransformerDecoderLayer, TransformerEncoder,
+# TransformerDecoder, Transformer (spec §4)
+# --------------------------------------------------------------------------------------
+#
+# Config dict (keys with defaults in TF_DEFAULTS):
+#   name, description, seed (optional: derived from name), module (class path)
+#   d_model, nhead, dim_feedforward, dropout, activation ("relu"|"gelu"), layer_norm_eps,
+#   batch_first, norm_first, bias, dtype
+#   num_layers, norm (bool), norm_eps      TransformerEncoder / TransformerDecoder
+#   num_encoder_layers, num_decoder_layers Transformer
+#   training, grad_mode
+#   S (src / memory length), T (tgt length), N (None = unbatched 2-D inputs)
+#   masks   {forward arg name: spec}. Attention masks: {"type": "bool"|"float",
+#           "dims": 2|3, "pattern": "random"|"causal"|"none"} ("none": nothing blocked,
+#           float values 0 / bool all False). Key-padding masks: {"type": "bool"|"float"}.
+#   flags   {forward arg name: True|False}: the is_causal-style keyword arguments that
+#           are passed. An absent flag is not passed (recorded as null in ``call``).
+#
+# Masks are drawn so that no (batch, head, query) row is ever fully blocked and no
+# sequence is ever fully padded: the fused eval fast paths give NaN there (spec §3.1),
+# and no transformer case may hold NaN.
+
+ENC_LAYER = "torch.nn.TransformerEncoderLayer"
+DEC_LAYER = "torch.nn.TransformerDecoderLayer"
+ENCODER = "torch.nn.TransformerEncoder"
+DECODER = "torch.nn.TransformerDecoder"
+TRANSFORMER = "torch.nn.Transformer"
+TF_MODULES = [ENC_LAYER, DEC_LAYER, ENCODER, DECODER, TRANSFORMER]
+
+# Short names for the command line (--kind / --kinds).
+KIND_NAMES = {
+    "mha": MHA,
+    "encoder_layer": ENC_LAYER,
+    "decoder_layer": DEC_LAYER,
+    "encoder": ENCODER,
+    "decoder": DECODER,
+    "transformer": TRANSFORMER,
+}
+
+# Per module: float inputs (get expect.grad.<arg>), attention blocks
+# (attn-mask arg, key-padding-mask arg, query seq, key seq) and the is_causal-style flags.
+TF_SIGNATURES = {
+    ENC_LAYER: {
+        "inputs": ["src"],
+        "blocks": [("src_mask", "src_key_padding_mask", "S", "S")],
+        "flags": ["is_causal"],
+    },
+    ENCODER: {
+        "inputs": ["src"],
+        "blocks": [("mask", "src_key_padding_mask", "S", "S")],
+        "flags": ["is_causal"],
+    },
+    DEC_LAYER: {
+        "inputs": ["tgt", "memory"],
+        "blocks": [("tgt_mask", "tgt_key_padding_mask", "T", "T"),
+                   ("memory_mask", "memory_key_padding_mask", "T", "S")],
+        "flags": ["tgt_is_causal", "memory_is_causal"],
+    },
+    DECODER: {
+        "inputs": ["tgt", "memory"],
+        "blocks": [("tgt_mask", "tgt_key_padding_mask", "T", "T"),
+                   ("memory_mask", "memory_key_padding_mask", "T", "S")],
+        "flags": ["tgt_is_causal", "memory_is_causal"],
+    },
+    TRANSFORMER: {
+        "inputs": ["src", "tgt"],
+        "blocks": [("src_mask", "src_key_padding_mask", "S", "S"),
+                   ("tgt_mask", "tgt_key_padding_mask", "T", "T"),
+                   ("memory_mask", "memory_key_padding_mask", "T", "S")],
+        "flags": ["src_is_causal", "tgt_is_causal", "memory_is_causal"],
+    },
+}
+
+# Forward keyword order of the masks in each signature (call dict order).
+def tf_mask_names(module: str) -> list[str]:
+    sig = TF_SIGNATURES[module]
+    return [b[0] for b in sig["blocks"]] + [b[1] for b in sig["blocks"]]
+
+
+TF_DEFAULTS = dict(
+    d_model=8,
+    nhead=2,
+    dim_feedforward=16,
+    dropout=0.0,
+    activation="relu",
+    layer_norm_eps=1e-5,
+    batch_first=False,
+    norm_first=False,
+    bias=True,
+    dtype="float32",
+    num_layers=2,
+    norm=False,
+    norm_eps=None,  # None: the layer's layer_norm_eps
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    training=True,
+    grad_mode=True,
+    S=4,
+    T=3,
+    N=2,
+    masks=None,
+    flags=None,
+)
+
+LAYER_CTOR_KEYS = ["d_model", "nhead", "dim_feedforward", "dropout", "activation",
+                   "layer_norm_eps", "batch_first", "norm_first", "bias", "dtype"]
+TRANSFORMER_CTOR_KEYS = ["d_model", "nhead", "num_encoder_layers", "num_decoder_layers",
+                         "dim_feedforward", "dropout", "activation", "layer_norm_eps",
+                         "batch_first", "norm_first", "bias", "dtype"]
+
+
+def tf_full_config(cfg: dict) -> dict:
+    c = dict(TF_DEFAULTS)
+    c.update(cfg)
+    c["masks"] = dict(c["masks"] or {})
+    c["flags"] = dict(c["flags"] or {})
+    if c.get("seed") is None:
+        c["seed"] = seed_for(c["name"])
+    return c
+
+
+def tf_constructor(c: dict) -> dict:
+    layer = {k: c[k] for k in LAYER_CTOR_KEYS}
+    m = c["module"]
+    if m in (ENC_LAYER, DEC_LAYER):
+        return layer
+    if m in (ENCODER, DECODER):
+        eps = c["norm_eps"] if c["norm_eps"] is not None else c["layer_norm_eps"]
+        return {
+            "layer": layer,
+            "num_layers": c["num_layers"],
+            "norm": {"eps": eps} if c["norm"] else None,
+            "dtype": c["dtype"],
+        }
+    return {k: c[k] for k in TRANSFORMER_CTOR_KEYS}
+
+
+def _layer_kwargs(ctor: dict) -> dict:
+    kw = dict(ctor)
+    kw["dtype"] = DTYPES[kw["dtype"]]
+    return kw
+
+
+def tf_build(module: str, ctor: dict) -> torch.nn.Module:
+    """Build the module from a contract ``constructor`` dict (PyTorch defaults elsewhere)."""
+    nn = torch.nn
+    with warnings.catch_warnings():
+        # enable_nested_tensor / bias=False notices at construction
+        warnings.simplefilter("ignore", UserWarning)
+        if module == ENC_LAYER:
+            return nn.TransformerEncoderLayer(**_layer_kwargs(ctor))
+        if module == DEC_LAYER:
+            return nn.TransformerDecoderLayer(**_layer_kwargs(ctor))
+        if module in (ENCODER, DECODER):
+            lk = _layer_kwargs(ctor["layer"])
+            norm = None
+            if ctor["norm"] is not None:
+                norm = nn.LayerNorm(lk["d_model"], eps=ctor["norm"]["eps"],
+                                    dtype=DTYPES[ctor["dtype"]])
+            if module == ENCODER:
+                return nn.TransformerEncoder(nn.TransformerEncoderLayer(**lk),
+                                             ctor["num_layers"], norm=norm)
+            return nn.TransformerDecoder(nn.TransformerDecoderLayer(**lk),
+                                         ctor["num_layers"], norm=norm)
+        if module == TRANSFORMER:
+            return nn.Transformer(**_layer_kwargs(ctor))
+    raise ValueError(f"unknown module {module}")
+
+
+class _TfSpy:
+    """Records which PyTorch paths ran: the fused encoder-layer kernel, MHA's native fast
+    path, TransformerEncoder's nested-tensor path, and what causal-mask detection said."""
+
+    _TORCH_FNS = {
+        "fused_encoder_layer": "_transformer_encoder_layer_fwd",
+        "native_mha": "_native_multi_head_attention",
+        "nested": "_nested_tensor_from_mask",
+    }
+
+    def __enter__(self):
+        self.hits = {k: 0 for k in self._TORCH_FNS}
+        self.detected: list[bool] = []
+        self._orig = {}
+        for key, fn in self._TORCH_FNS.items():
+            orig = getattr(torch, fn)
+            self._orig[fn] = orig
+
+            def spy(*a, _key=key, _orig=orig, **kw):
+                self.hits[_key] += 1
+                return _orig(*a, **kw)
+
+            setattr(torch, fn, spy)
+        tmod = torch.nn.modules.transformer
+        self._orig_detect = tmod._detect_is_causal_mask
+
+        def detect(*a, **kw):
+            r = self._orig_detect(*a, **kw)
+            self.detected.append(bool(r))
+            return r
+
+        tmod._detect_is_causal_mask = detect
+        return self
+
+    def __exit__(self, *exc):
+        for fn, orig in self._orig.items():
+            setattr(torch, fn, orig)
+        torch.nn.modules.transformer._detect_is_causal_mask = self._orig_detect
+        return False
+
+
+def tf_call(model, module: str, inputs: dict, masks: dict, flags: dict, grad_mode: bool, g):
+    """Run the forward (and the backward of sum(out * g) when grad_mode). Returns (out, spy)."""
+    kwargs = {}
+    for name in tf_mask_names(module):
+        if masks.get(name) is not None:
+            kwargs[name] = masks[name]
+    for name in TF_SIGNATURES[module]["flags"]:
+        if flags.get(name) is not None:
+            kwargs[name] = flags[name]
+    args = [inputs[n] for n in TF_SIGNATURES[module]["inputs"]]
+    with warnings.catch_warnings():
+        # mixed bool/float masks and nested-tensor notices warn; keep the output quiet
+        warnings.simplefilter("ignore", UserWarning)
+        with _TfSpy() as spy:
+            if grad_mode:
+                out = model(*args, **kwargs)
+            else:
+                with torch.no_grad():
+                    out = model(*args, **kwargs)
+    if grad_mode:
+        (out * g).sum().backward()
+    return out, spy
+
+
+def _tf_blocked(c: dict) -> dict[str, torch.Tensor]:
+    """Boolean "blocked" patterns for every requested mask, repaired so that no
+    (batch, head, query) row is fully blocked (hence no sequence fully padded)."""
+    H = c["nhead"]
+    N = c["N"] if c["N"] is not None else 1
+    out: dict[str, torch.Tensor] = {}
+    for am_name, kp_name, lq, sk in TF_SIGNATURES[c["module"]]["blocks"]:
+        L, S = c[lq], c[sk]
+        am, kp = c["masks"].get(am_name), c["masks"].get(kp_name)
+        a = k = None
+        if am is not None:
+            shape = (L, S) if am.get("dims", 2) == 2 else (N * H, L, S)
+            pattern = am.get("pattern", "random")
+            if pattern == "causal":
+                a = torch.ones(L, S, dtype=torch.bool).triu(1)
+                if len(shape) == 3:
+                    a = a.expand(shape).clone()
+            elif pattern == "none":
+                a = torch.zeros(shape, dtype=torch.bool)
+            else:
+                a = torch.rand(shape) < 0.3
+        if kp is not None:
+            k = torch.rand(N, S) < 0.3
+        while a is not None or k is not None:
+            comb = torch.zeros(N, H, L, S, dtype=torch.bool)
+            if a is not None:
+                comb |= a.view(1, 1, L, S) if a.dim() == 2 else a.view(N, H, L, S)
+            if k is not None:
+                comb |= k.view(N, 1, 1, S)
+            full = comb.all(-1).nonzero()
+            if len(full) == 0:
+                break
+            b, h, l = (int(x) for x in full[0])
+            arow = None
+            if a is not None:
+                arow = a[l] if a.dim() == 2 else a[b * H + h, l]
+            free = (~arow).nonzero().flatten() if arow is not None else torch.arange(S)
+            if k is not None and len(free) > 0:
+                # keep the attention mask's pattern (causal stays causal): unpad a key
+                k[b, int(free[int(torch.randint(0, len(free), (1,)))])] = False
+            else:
+                s = int(torch.randint(0, S, (1,)))
+                if a.dim() == 2:
+                    a[l, s] = False
+                else:
+                    a[b * H + h, l, s] = False
+                if k is not None:
+                    k[b, s] = False
+        if a is not None:
+            out[am_name] = a
+        if k is not None:
+            out[kp_name] = k
+    return out
+
+
+def _tf_mask_tensor(blocked: torch.Tensor, spec: dict, dtype: torch.dtype) -> torch.Tensor:
+    if spec["type"] == "bool":
+        return blocked.clone()
+    if spec.get("pattern") in ("causal", "none") or spec.get("binary"):
+        # exactly 0 / -inf, as Transformer.generate_square_subsequent_mask gives
+        return torch.zeros(blocked.shape, dtype=dtype).masked_fill(blocked, float("-inf"))
+    return torch.randn(blocked.shape, dtype=dtype).masked_fill(blocked, float("-inf"))
+
+
+def tf_perturb(model: torch.nn.Module) -> None:
+    """Move every parameter off its init: LayerNorm weights off 1, biases off 0, and the
+    stacked layers (deep copies) apart from each other."""
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.add_(torch.randn_like(p) * 0.02)
+
+
+def tf_describe(c: dict) -> str:
+    m = c["module"]
+    parts = [m.split(".")[-1]]
+    parts.append(f"d={c['d_model']} H={c['nhead']} ff={c['dim_feedforward']}")
+    if m in (ENCODER, DECODER):
+        parts.append(f"{c['num_layers']} layers" + (" + final norm" if c["norm"] else ""))
+    if m == TRANSFORMER:
+        parts.append(f"{c['num_encoder_layers']} enc / {c['num_decoder_layers']} dec layers")
+    parts.append(c["activation"])
+    parts.append("pre-norm" if c["norm_first"] else "post-norm")
+    if not c["bias"]:
+        parts.append("bias=False")
+    parts.append(f"eps={c['layer_norm_eps']:g}")
+    if c["batch_first"]:
+        parts.append("batch_first")
+    lens = []
+    if m in (ENC_LAYER, ENCODER, TRANSFORMER):
+        lens.append(f"S={c['S']}")
+    if m in (DEC_LAYER, DECODER, TRANSFORMER):
+        lens.append(f"T={c['T']}")
+    if m in (DEC_LAYER, DECODER):
+        lens.append(f"S(memory)={c['S']}")
+    parts.append(" ".join(lens))
+    parts.append("unbatched" if c["N"] is None else f"N={c['N']}")
+    for name, spec in c["masks"].items():
+        if spec is None:
+            continue
+        if name.endswith("key_padding_mask"):
+            zi = " (0/-inf)" if spec["type"] == "float" and spec.get("binary") else ""
+            parts.append(f"{spec['type']} {name}{zi}")
+        else:
+            pat = spec.get("pattern", "random")
+            if spec["type"] == "float" and spec.get("binary") and pat == "random":
+                pat = "random 0/-inf"
+            parts.append(f"{spec['type']} {spec.get('dims', 2)}-D {pat} {name}")
+    for name, val in c["flags"].items():
+        parts.append(f"{name}={val}")
+    if c["grad_mode"]:
+        parts.append("training" if c["training"] else "eval with grad")
+    else:
+        parts.append("eval+no_grad")
+    if c["dropout"]:
+        parts.append(f"dropout={c['dropout']}")
+    parts.append(c["dtype"])
+    return ", ".join(parts)
+
+
+def tf_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> dict:
+    """Build a transformer module from a config, run it, and write the case.
+
+    Raises SkipCase when the config is not a usable case: PyTorch raised, a result is
+    not finite, or TransformerEncoder's nested-tensor path ran (it pads the output with
+    zeros, which is not the layer semantics the cases pin down). ``allow_nan`` is
+    accepted for symmetry with MHA and ignored: transformer cases are always finite.
+    """
+    c = tf_full_config(cfg)
+    m = c["module"]
+    sig = TF_SIGNATURES[m]
+    dtype = DTYPES[c["dtype"]]
+    if c["grad_mode"] and c["training"] and c["dropout"] != 0.0:
+        raise SkipCase("graded training cases use dropout 0")
+    if not c["grad_mode"] and c["training"]:
+        raise SkipCase("grad_mode false means eval mode")
+    if c["d_model"] % c["nhead"]:
+        raise SkipCase("nhead must divide d_model")
+    unknown = set(c["masks"]) - set(tf_mask_names(m))
+    unknown |= set(c["flags"]) - set(sig["flags"])
+    if unknown:
+        raise ValueError(f"{c['name']}: {m} has no argument {sorted(unknown)}")
+
+    torch.manual_seed(c["seed"])
+    ctor = tf_constructor(c)
+    try:
+        model = tf_build(m, ctor)
+    except (AssertionError, ValueError, RuntimeError) as e:
+        raise SkipCase(f"constructor raised: {e}") from e
+    tf_perturb(model)
+    model.train(c["training"])
+
+    N, E = c["N"], c["d_model"]
+
+    def shape(seq):
+        if N is None:
+            return (seq, E)
+        return (N, seq, E) if c["batch_first"] else (seq, N, E)
+
+    seq_of = {"src": c["S"], "memory": c["S"], "tgt": c["T"]}
+    inputs = {n: torch.randn(shape(seq_of[n]), dtype=dtype) for n in sig["inputs"]}
+
+    blocked = _tf_blocked(c)
+    masks: dict[str, torch.Tensor] = {}
+    for name, blk in blocked.items():
+        t = _tf_mask_tensor(blk, c["masks"][name], dtype)
+        if name.endswith("key_padding_mask") and N is None:
+            t = t.view(-1)
+        masks[name] = t
+    # for unbatched input a 3-D mask is (H,L,S), which is (N*H,L,S) with N=1
+
+    if c["grad_mode"]:
+        for t in inputs.values():
+            t.requires_grad_(True)
+    out_seq = c["S"] if m in (ENC_LAYER, ENCODER) else c["T"]
+    g = torch.randn(shape(out_seq), dtype=dtype) if c["grad_mode"] else None
+
+    try:
+        out, spy = tf_call(model, m, inputs, masks, c["flags"], c["grad_mode"], g)
+    except (AssertionError, RuntimeError, ValueError) as e:
+        raise SkipCase(f"PyTorch raised: {type(e).__name__}: {e}") from e
+    if spy.hits["nested"]:
+        raise SkipCase("TransformerEncoder took the nested-tensor path (pads with zeros)")
+    if spy.hits["fused_encoder_layer"] and any(
+            t.is_floating_point() and (torch.isfinite(t) & (t != 0)).any().item()
+            for t in masks.values()):
+        # The fused kernel reads a float mask as a bool one (nonzero = blocked), unlike
+        # the slow path, which adds it: only 0/-inf float masks mean the same there.
+        raise SkipCase("float mask with finite nonzero values on the fused encoder-layer path")
+
+    call: dict = {}
+    for name in sig["flags"]:
+        call[name] = c["flags"].get(name)
+    for name in tf_mask_names(m):
+        call[name] = c["masks"][name]["type"] if name in masks else None
+
+    tensors: dict[str, torch.Tensor] = {}
+    state = model.state_dict()
+    for key, val in state.items():
+        tensors[f"param.{key}"] = val
+    for n in sig["inputs"]:
+        tensors[f"input.{n}"] = inputs[n]
+    for name in tf_mask_names(m):
+        if name in masks:
+            tensors[f"input.{name}"] = masks[name]
+    if c["grad_mode"]:
+        tensors["grad.output"] = g
+    tensors["expect.output"] = out
+    if c["grad_mode"]:
+        for n in sig["inputs"]:
+            tensors[f"expect.grad.{n}"] = inputs[n].grad
+        params = dict(model.named_parameters())
+        for key in state.keys():
+            gp = params[key].grad
+            tensors[f"expect.grad.param.{key}"] = gp if gp is not None else torch.zeros_like(
+                params[key])
+
+    expects = [t for n, t in tensors.items() if n.startswith("expect.")]
+    if not all(torch.isfinite(t).all().item() for t in expects):
+        raise SkipCase("result is not finite")
+
+    paths = []
+    if spy.hits["fused_encoder_layer"]:
+        paths.append("fused encoder layer (torch._transformer_encoder_layer_fwd)")
+    if spy.hits["native_mha"]:
+        paths.append("MHA native fast path (torch._native_multi_head_attention)")
+    path = " + ".join(paths) if paths else "slow (Python composition, MHA via SDPA)"
+
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "module": m,
+        "constructor": ctor,
+        "training": c["training"],
+        "grad_mode": c["grad_mode"],
+        "call": call,
+        "aliasing": {},
+        "suggested_tolerance": SUGGESTED_TOLERANCE,
+        "seed": c["seed"],
+        "torch_version": torch.__version__,
+        "description": c.get("description") or tf_describe(c),
+        "nan": False,
+        "pytorch_path": path,
+    }
+    if spy.detected:
+        # TransformerEncoder / TransformerDecoder / Transformer: what
+        # _detect_is_causal_mask returned (encoder first for Transformer)
+        meta["is_causal_detected"] = spy.detected
+    if out_dir is not None:
+        write_case(out_dir, meta, tensors)
+    meta["tensors"] = {n: list(t.shape) for n, t in tensors.items()}
+    return meta
+
+
+def tf_replay(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Re-run a stored transformer case in PyTorch. Results are named like expect.*."""
+    m = meta["module"]
+    sig = TF_SIGNATURES[m]
+    model = tf_build(m, meta["constructor"])
+    params = {n[len("param."):]: t for n, t in tensors.items() if n.startswith("param.")}
+    model.load_state_dict(params, strict=True)
+    model.train(meta["training"])
+    grad_mode = meta["grad_mode"]
+    inputs = {n: tensors[f"input.{n}"].clone() for n in sig["inputs"]}
+    if grad_mode:
+        for t in inputs.values():
+            t.requires_grad_(True)
+    masks = {}
+    for name in tf_mask_names(m):
+        if f"input.{name}" in tensors:
+            masks[name] = logical(tensors, meta, f"input.{name}").clone()
+    out, _ = tf_call(model, m, inputs, masks, meta["call"], grad_mode, tensors.get("grad.output"))
+    res = {"output": out.detach()}
+    if grad_mode:
+        for n in sig["inputs"]:
+            res[f"grad.{n}"] = inputs[n].grad
+        named = dict(model.named_parameters())
+        for key in model.state_dict().keys():
+            gp = named[key].grad
+            res[f"grad.param.{key}"] = gp if gp is not None else torch.zeros_like(named[key])
+    return res
+
+
+def tf_check_contract(meta: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
+    errs = []
+    m = meta["module"]
+    sig = TF_SIGNATURES[m]
+    ctor = meta["constructor"]
+    if m in (ENC_LAYER, DEC_LAYER):
+        if list(ctor) != LAYER_CTOR_KEYS:
+            errs.append(f"constructor keys {list(ctor)}")
+    elif m in (ENCODER, DECODER):
+        if list(ctor) != ["layer", "num_layers", "norm", "dtype"]:
+            errs.append(f"constructor keys {list(ctor)}")
+        elif list(ctor["layer"]) != LAYER_CTOR_KEYS:
+            errs.append(f"layer constructor keys {list(ctor['layer'])}")
+        elif ctor["layer"]["dtype"] != ctor["dtype"]:
+            errs.append("layer dtype differs from the case dtype")
+        elif ctor["norm"] is not None and list(ctor["norm"]) != ["eps"]:
+            errs.append(f"norm keys {list(ctor['norm'])}")
+    elif list(ctor) != TRANSFORMER_CTOR_KEYS:
+        errs.append(f"constructor keys {list(ctor)}")
+    want_call = sig["flags"] + tf_mask_names(m)
+    if list(meta["call"]) != want_call:
+        errs.append(f"call keys {list(meta['call'])}, want {want_call}")
+    if meta["aliasing"] != {}:
+        errs.append("aliasing must be {} for transformer cases")
+    if errs:
+        return errs
+    for name in tf_mask_names(m):
+        kind = meta["call"][name]
+        info = meta["tensors"].get(f"input.{name}")
+        if (kind is None) != (info is None):
+            errs.append(f"call[{name}]={kind} but tensor {'absent' if info is None else 'present'}")
+        elif info is not None:
+            want = "bool" if kind == "bool" else ctor["dtype"]
+            if info["logical_dtype"] != want:
+                errs.append(f"input.{name}: logical_dtype {info['logical_dtype']} vs call {kind}")
+    model = tf_build(m, ctor)
+    want = {f"param.{k}" for k in model.state_dict()}
+    want.update(f"input.{n}" for n in sig["inputs"])
+    want.update(f"input.{n}" for n in tf_mask_names(m) if meta["call"][n] is not None)
+    want.add("expect.output")
+    if meta["grad_mode"]:
+        want.add("grad.output")
+        want.update(f"expect.grad.{n}" for n in sig["inputs"])
+        want.update(f"expect.grad.param.{k}" for k in model.state_dict())
+    have = set(tensors)
+    if have != want:
+        errs.append(f"missing {sorted(want - have)}, unexpected {sorted(have - want)}")
+    if not all(torch.isfinite(t).all().item() for n, t in tensors.items()
+               if n.startswith("expect.")):
+        errs.append("transformer case holds a non-finite expect.* value")
+    return errs
+
+
+# --------------------------------------------------------------------------------------
+# Transformer fixture set (committed) and random configs
+# --------------------------------------------------------------------------------------
+
+
+def _am(kind="bool", pattern="random", dims=2, binary=False):
+    spec = {"type": kind, "pattern": pattern, "dims": dims}
+    if binary:
+        spec["binary"] = True  # float values exactly 0 / -inf
+    return spec
+
+
+def _kp(kind="bool", binary=False):
+    spec = {"type": kind}
+    if binary:
+        spec["binary"] = True
+    return spec
+
+
+def tf_fixture_configs() -> list[dict]:
+    C = []
+
+    EL, DL, EN, DE, TR = ENC_LAYER, DEC_LAYER, ENCODER, DECODER, TRANSFORMER
+
+    def add(module, name, desc, **kw):
+        if module in (EN, DE, TR):
+            # stacks stay small: d=6 ff=12 (float32) or d=4 ff=8 (float64) unless given
+            small = kw.get("dtype") == "float64"
+            kw.setdefault("d_model", 4 if small else 6)
+            kw.setdefault("dim_feedforward", 8 if small else 12)
+        C.append(dict(module=module, name=name, description=desc, **kw))
+
+    GELU = {"activation": "gelu"}
+    EVAL01 = {"training": False, "grad_mode": False, "dropout": 0.1}
+
+    # --- TransformerEncoderLayer ---
+    add(EL, "enc_layer_basic_f32", "encoder layer, post-norm, relu, no masks")
+    add(EL, "enc_layer_basic_f64", "encoder layer, post-norm, relu, no masks, float64", **F64)
+    add(EL, "enc_layer_norm_first_f32", "encoder layer, pre-norm (norm_first), bool kpm",
+        norm_first=True, masks={"src_key_padding_mask": _kp()})
+    add(EL, "enc_layer_norm_first_gelu_f64", "encoder layer, pre-norm, gelu, float64",
+        norm_first=True, **GELU, **F64)
+    add(EL, "enc_layer_eps1e2_f64", "encoder layer, large layer_norm_eps=1e-2, float64",
+        layer_norm_eps=1e-2, **F64)
+    add(EL, "enc_layer_nobias_f32",
+        "encoder layer, bias=False (no MHA, linear or LayerNorm biases), float src_mask",
+        bias=False, masks={"src_mask": _am("float")})
+    add(EL, "enc_layer_batch_first_f32", "encoder layer, batch_first, bool src_mask + bool kpm",
+        batch_first=True, masks={"src_mask": _am(), "src_key_padding_mask": _kp()})
+    add(EL, "enc_layer_unbatched_f32", "encoder layer, unbatched 2-D src, bool src_mask",
+        N=None, masks={"src_mask": _am()})
+    add(EL, "enc_layer_unbatched_float_kpm_f64",
+        "encoder layer, unbatched, 1-D float key padding mask, gelu, float64",
+        N=None, masks={"src_key_padding_mask": _kp("float")}, **GELU, **F64)
+    add(EL, "enc_layer_causal_float_f32",
+        "encoder layer, float causal src_mask (generate_square_subsequent_mask), is_causal not passed",
+        S=5, masks={"src_mask": _am("float", "causal")})
+    add(EL, "enc_layer_causal_bool_is_causal_f32",
+        "encoder layer, bool causal src_mask with is_causal=True (SDPA causal)",
+        S=5, masks={"src_mask": _am("bool", "causal")}, flags={"is_causal": True})
+    add(EL, "enc_layer_is_causal_with_kpm_f64",
+        "encoder layer, float causal mask, is_causal=True plus a bool kpm (hint ignored), float64",
+        S=5, masks={"src_mask": _am("float", "causal"), "src_key_padding_mask": _kp()},
+        flags={"is_causal": True}, **F64)
+    add(EL, "enc_layer_mixed_masks_f32",
+        "encoder layer, bool src_mask + float kpm (mixed types are canonicalised to float)",
+        masks={"src_mask": _am(), "src_key_padding_mask": _kp("float")})
+    add(EL, "enc_layer_heads3_d6_mask3d_f32",
+        "encoder layer, odd nhead=3 (d=6), 3-D (N*H,S,S) float src_mask",
+        d_model=6, nhead=3, masks={"src_mask": _am("float", dims=3)})
+    add(EL, "enc_layer_d16_h4_ff32_f32",
+        "encoder layer, largest: d=16 nhead=4 ff=32 S=6 N=3, bool 3-D src_mask",
+        d_model=16, nhead=4, dim_feedforward=32, S=6, N=3, masks={"src_mask": _am(dims=3)})
+    add(EL, "enc_layer_eval_fused_f32",
+        "encoder layer, eval+no_grad, batch_first, even nhead, dropout=0.1 (inactive): fused fast path, bool kpm",
+        batch_first=True, masks={"src_key_padding_mask": _kp()}, **EVAL01)
+    add(EL, "enc_layer_eval_fused_norm_first_gelu_f64",
+        "encoder layer, eval+no_grad fused fast path, pre-norm, gelu, 0/-inf float src_mask, float64",
+        batch_first=True, norm_first=True, masks={"src_mask": _am("float", binary=True)}, **GELU,
+        **EVAL01, **F64)
+    add(EL, "enc_layer_eval_grad_f64",
+        "encoder layer, eval mode with gradients recorded, dropout=0.1 inactive, float64",
+        training=False, grad_mode=True, dropout=0.1, masks={"src_key_padding_mask": _kp()}, **F64)
+
+    # --- TransformerDecoderLayer ---
+    add(DL, "dec_layer_basic_f32", "decoder layer, post-norm, relu, no masks (T=3, S=4)")
+    add(DL, "dec_layer_basic_f64", "decoder layer, no masks, float64", T=4, S=3, **F64)
+    add(DL, "dec_layer_norm_first_gelu_f32", "decoder layer, pre-norm, gelu, bool memory kpm",
+        norm_first=True, masks={"memory_key_padding_mask": _kp()}, **GELU)
+    add(DL, "dec_layer_nobias_f64", "decoder layer, bias=False, float64, float tgt kpm",
+        bias=False, masks={"tgt_key_padding_mask": _kp("float")}, **F64)
+    add(DL, "dec_layer_all_masks_f32",
+        "decoder layer, float causal tgt_mask, bool memory_mask, bool tgt and memory kpm",
+        T=4, S=5, masks={"tgt_mask": _am("float", "causal"), "memory_mask": _am(),
+                         "tgt_key_padding_mask": _kp(), "memory_key_padding_mask": _kp()})
+    add(DL, "dec_layer_tgt_is_causal_f64",
+        "decoder layer, bool causal tgt_mask with tgt_is_causal=True, float64",
+        T=5, masks={"tgt_mask": _am("bool", "causal")}, flags={"tgt_is_causal": True}, **F64)
+    add(DL, "dec_layer_memory_is_causal_f32",
+        "decoder layer, causal float memory_mask (T=S) with memory_is_causal=True, tgt_is_causal=False",
+        T=4, S=4, masks={"memory_mask": _am("float", "causal")},
+        flags={"tgt_is_causal": False, "memory_is_causal": True})
+    add(DL, "dec_layer_batch_first_float_masks_f32",
+        "decoder layer, batch_first, 3-D float memory_mask and float memory kpm",
+        batch_first=True, masks={"memory_mask": _am("float", dims=3),
+                                 "memory_key_padding_mask": _kp("float")})
+    add(DL, "dec_layer_unbatched_f64",
+        "decoder layer, unbatched, bool tgt_mask, 1-D bool memory kpm, float64",
+        N=None, masks={"tgt_mask": _am(), "memory_key_padding_mask": _kp()}, **F64)
+    add(DL, "dec_layer_heads3_d6_eps1e2_f32",
+        "decoder layer, nhead=3 (d=6), layer_norm_eps=1e-2, 3-D bool tgt_mask",
+        d_model=6, nhead=3, layer_norm_eps=1e-2, masks={"tgt_mask": _am(dims=3)})
+    add(DL, "dec_layer_eps1e6_gelu_f64", "decoder layer, gelu, layer_norm_eps=1e-6, float64",
+        layer_norm_eps=1e-6, masks={"memory_mask": _am("float")}, **GELU, **F64)
+    add(DL, "dec_layer_eval_mha_fast_f32",
+        "decoder layer, eval+no_grad, batch_first, bool tgt kpm, dropout=0.1: self-attention on MHA fast path",
+        batch_first=True, masks={"tgt_key_padding_mask": _kp(), "memory_key_padding_mask": _kp()},
+        **EVAL01)
+    add(DL, "dec_layer_eval_seq_first_f64",
+        "decoder layer, eval+no_grad, seq-first (slow path), float causal tgt_mask, float64",
+        masks={"tgt_mask": _am("float", "causal")}, **EVAL01, **F64)
+
+    # --- TransformerEncoder ---
+    add(EN, "encoder_2l_nonorm_f32", "TransformerEncoder, 2 layers, no final norm, bool kpm",
+        masks={"src_key_padding_mask": _kp()})
+    add(EN, "encoder_3l_norm_f64",
+        "TransformerEncoder, 3 layers + final LayerNorm, single head (d=4 nhead=1 ff=8), float64",
+        d_model=4, nhead=1, dim_feedforward=8, num_layers=3, norm=True, **F64)
+    add(EN, "encoder_2l_norm_first_gelu_norm_eps1e6_f32",
+        "TransformerEncoder, 2 pre-norm gelu layers, eps=1e-6, final norm eps=1e-6",
+        norm_first=True, layer_norm_eps=1e-6, norm=True, **GELU)
+    add(EN, "encoder_causal_detect_float_f32",
+        "TransformerEncoder, float causal mask, is_causal not passed: detected as causal",
+        S=5, masks={"mask": _am("float", "causal")})
+    add(EN, "encoder_causal_detect_bool_kpm_f64",
+        "TransformerEncoder, bool causal mask + bool kpm, is_causal not passed: detected (MHA then ignores the hint), float64",
+        S=5, norm=True, masks={"mask": _am("bool", "causal"), "src_key_padding_mask": _kp()},
+        d_model=6, dim_feedforward=12, **F64)
+    add(EN, "encoder_is_causal_explicit_f32",
+        "TransformerEncoder, explicit is_causal=True with its bool causal mask, 3 layers",
+        S=5, num_layers=3, masks={"mask": _am("bool", "causal")}, flags={"is_causal": True})
+    add(EN, "encoder_random_mask_not_causal_f32",
+        "TransformerEncoder, random float mask: detection says not causal",
+        masks={"mask": _am("float")})
+    add(EN, "encoder_unbatched_kpm_f64",
+        "TransformerEncoder, unbatched, 1-D bool kpm, final norm eps=1e-2, float64",
+        N=None, norm=True, norm_eps=1e-2, masks={"src_key_padding_mask": _kp()}, **F64)
+    add(EN, "encoder_batch_first_nobias_f32",
+        "TransformerEncoder, batch_first, bias=False layers, final norm, float kpm",
+        batch_first=True, bias=False, norm=True, masks={"src_key_padding_mask": _kp("float")})
+    add(EN, "encoder_heads3_eps1e2_f32",
+        "TransformerEncoder, nhead=3 (d=6), layer_norm_eps=1e-2, 3-D bool causal mask (3-D: not detected as causal)",
+        d_model=6, nhead=3, layer_norm_eps=1e-2, masks={"mask": _am("bool", "causal", dims=3)})
+    add(EN, "encoder_eval_seq_first_kpm_f32",
+        "TransformerEncoder, eval+no_grad, seq-first, bool kpm, dropout=0.1 inactive (slow path)",
+        norm=True, masks={"src_key_padding_mask": _kp()}, **EVAL01)
+    add(EN, "encoder_eval_fused_causal_f64",
+        "TransformerEncoder, eval+no_grad, batch_first, float causal mask (detected): fused layer path, float64",
+        batch_first=True, S=5, masks={"mask": _am("float", "causal")}, **EVAL01, **F64)
+
+    # --- TransformerDecoder ---
+    add(DE, "decoder_2l_nonorm_f32", "TransformerDecoder, 2 layers, no final norm")
+    add(DE, "decoder_3l_norm_f64",
+        "TransformerDecoder, 3 layers + final LayerNorm, d=4 nhead=2 ff=8, memory kpm, float64",
+        d_model=4, dim_feedforward=8, num_layers=3, norm=True,
+        masks={"memory_key_padding_mask": _kp()}, **F64)
+    add(DE, "decoder_causal_detect_float_f32",
+        "TransformerDecoder, float causal tgt_mask, tgt_is_causal not passed: detected",
+        T=5, masks={"tgt_mask": _am("float", "causal")})
+    add(DE, "decoder_causal_detect_bool_kpm_f32",
+        "TransformerDecoder, bool causal tgt_mask + bool tgt and memory kpm: detected, hint ignored",
+        T=4, norm=True, masks={"tgt_mask": _am("bool", "causal"),
+                               "tgt_key_padding_mask": _kp(), "memory_key_padding_mask": _kp()})
+    add(DE, "decoder_tgt_is_causal_explicit_f64",
+        "TransformerDecoder, explicit tgt_is_causal=True with float causal tgt_mask, memory_is_causal=False, d=4 nhead=4 (head dim 1), float64",
+        T=4, d_model=4, nhead=4, dim_feedforward=8, masks={"tgt_mask": _am("float", "causal")},
+        flags={"tgt_is_causal": True, "memory_is_causal": False}, **F64)
+    add(DE, "decoder_norm_first_gelu_batch_first_f32",
+        "TransformerDecoder, pre-norm gelu, batch_first, final norm, float memory_mask",
+        norm_first=True, batch_first=True, norm=True, masks={"memory_mask": _am("float")},
+        **GELU)
+    add(DE, "decoder_unbatched_nobias_f32",
+        "TransformerDecoder, unbatched, bias=False, bool tgt kpm and memory_mask",
+        N=None, bias=False, masks={"tgt_key_padding_mask": _kp(), "memory_mask": _am()})
+    add(DE, "decoder_heads3_eps1e6_f64",
+        "TransformerDecoder, nhead=3 (d=6), ff=12, eps=1e-6, final norm eps=1e-5, float64",
+        d_model=6, nhead=3, dim_feedforward=12, layer_norm_eps=1e-6, norm=True, norm_eps=1e-5, **F64)
+    add(DE, "decoder_eval_mha_fast_f32",
+        "TransformerDecoder, eval+no_grad, batch_first, bool causal tgt_mask + bool tgt kpm, dropout=0.1",
+        batch_first=True, T=4, masks={"tgt_mask": _am("bool", "causal"),
+                                      "tgt_key_padding_mask": _kp()}, **EVAL01)
+
+    # --- Transformer ---
+    add(TR, "transformer_basic_f32", "Transformer, 1 encoder + 1 decoder layer, no masks",
+        d_model=6, nhead=2, dim_feedforward=12)
+    add(TR, "transformer_all_masks_f32",
+        "Transformer, 2 encoder + 1 decoder layers, all six masks: bool src_mask, float causal tgt_mask, float memory_mask, bool kpms",
+        num_encoder_layers=2, num_decoder_layers=1, S=5, T=4,
+        masks={"src_mask": _am(), "tgt_mask": _am("float", "causal"),
+               "memory_mask": _am("float"), "src_key_padding_mask": _kp(),
+               "tgt_key_padding_mask": _kp(), "memory_key_padding_mask": _kp()})
+    add(TR, "transformer_all_masks_batch_first_f64",
+        "Transformer, batch_first, all six masks (3-D bool src_mask, bool causal tgt_mask, float kpms), d=4 ff=8, float64",
+        batch_first=True, d_model=4, dim_feedforward=8, num_decoder_layers=2, S=4, T=4,
+        masks={"src_mask": _am(dims=3), "tgt_mask": _am("bool", "causal"),
+               "memory_mask": _am(), "src_key_padding_mask": _kp("float"),
+               "tgt_key_padding_mask": _kp("float"), "memory_key_padding_mask": _kp("float")},
+        **F64)
+    add(TR, "transformer_norm_first_gelu_nobias_f32",
+        "Transformer, pre-norm, gelu, bias=False, float causal tgt_mask",
+        norm_first=True, bias=False, masks={"tgt_mask": _am("float", "causal")}, **GELU)
+    add(TR, "transformer_unbatched_f64",
+        "Transformer, unbatched, bool src_mask, float causal tgt_mask, 1-D bool memory kpm, d=4 ff=8, float64",
+        N=None, d_model=4, dim_feedforward=8, masks={"src_mask": _am(), "tgt_mask": _am("float", "causal"),
+                       "memory_key_padding_mask": _kp()}, **F64)
+    add(TR, "transformer_causal_flags_f32",
+        "Transformer, src_is_causal=True and tgt_is_causal=True with causal masks, memory_is_causal=False",
+        S=4, T=4, masks={"src_mask": _am("bool", "causal"), "tgt_mask": _am("float", "causal")},
+        flags={"src_is_causal": True, "tgt_is_causal": True, "memory_is_causal": False})
+    add(TR, "transformer_heads3_eps1e2_f32",
+        "Transformer, nhead=3 (d=6), layer_norm_eps=1e-2, batch_first, bool kpms",
+        d_model=6, nhead=3, layer_norm_eps=1e-2, batch_first=True,
+        masks={"src_key_padding_mask": _kp(), "tgt_key_padding_mask": _kp()})
+    add(TR, "transformer_eval_f32",
+        "Transformer, eval+no_grad, seq-first, dropout=0.1 inactive, float causal tgt_mask + bool src kpm",
+        masks={"tgt_mask": _am("float", "causal"), "src_key_padding_mask": _kp()}, **EVAL01)
+    return C
+
+
+def tf_random_config(rng: random.Random, index: int, module: str) -> dict:
+    d_model = rng.choice([4, 6, 8, 12, 16])
+    nhead = rng.choice([h for h in range(1, d_model + 1) if d_model % h == 0 and h <= 8])
+    grad_mode = rng.random() < 0.7
+    training = grad_mode and rng.random() < 0.8
+    dropout = 0.0 if training else rng.choice([0.0, 0.1, 0.3])
+    N = None if rng.random() < 0.2 else rng.randint(1, 3)
+    S, T = rng.randint(1, 6), rng.randint(1, 6)
+    masks, flags = {}, {}
+    for am_name, kp_name, lq, sk in TF_SIGNATURES[module]["blocks"]:
+        square = lq == sk or S == T
+        if rng.random() < 0.5:
+            pattern = "causal" if square and rng.random() < 0.4 else rng.choice(["random", "none"])
+            masks[am_name] = _am(rng.choice(["bool", "float"]), pattern,
+                                 2 if rng.random() < 0.75 else 3, binary=rng.random() < 0.3)
+        if rng.random() < 0.4:
+            masks[kp_name] = _kp(rng.choice(["bool", "float"]), binary=rng.random() < 0.3)
+    for flag in TF_SIGNATURES[module]["flags"]:
+        r = rng.random()
+        if r < 0.6:
+            continue  # not passed
+        # is_causal=True only with a causal mask of the block it belongs to
+        am_name = {"is_causal": TF_SIGNATURES[module]["blocks"][0][0],
+                   "src_is_causal": "src_mask", "tgt_is_causal": "tgt_mask",
+                   "memory_is_causal": "memory_mask"}[flag]
+        causal = (masks.get(am_name) or {}).get("pattern") == "causal"
+        flags[flag] = causal and r < 0.85
+    return dict(
+        name=f"random_{index:04d}",
+        module=module,
+        d_model=d_model, nhead=nhead, dim_feedforward=rng.choice([4, 8, 16, 32]),
+        dropout=dropout, activation=rng.choice(["relu", "gelu"]),
+        layer_norm_eps=rng.choice([1e-5, 1e-6, 1e-2]),
+        batch_first=rng.random() < 0.5, norm_first=rng.random() < 0.4,
+        bias=rng.random() < 0.8, dtype=rng.choice(["float32", "float64"]),
+        num_layers=rng.randint(1, 3), norm=rng.random() < 0.5,
+        norm_eps=rng.choice([None, 1e-5, 1e-6]),
+        num_encoder_layers=rng.randint(1, 2), num_decoder_layers=rng.randint(1, 2),
+        training=training, grad_mode=grad_mode, S=S, T=T, N=N, masks=masks, flags=flags,
+    )
+
+
+# --------------------------------------------------------------------------------------
 # Module-kind registry
 # --------------------------------------------------------------------------------------
 
@@ -1025,6 +1874,54 @@ MODULE_KINDS = {
         "random": mha_random_config,
     },
 }
+
+
+def _tf_kind(module: str) -> dict:
+    short = next(k for k, v in KIND_NAMES.items() if v == module)
+
+    def fixtures():
+        return [c for c in tf_fixture_configs() if c["module"] == module]
+
+    def rand(rng, index):
+        cfg = tf_random_config(rng, index, module)
+        cfg["name"] = f"random_{index:04d}_{short}"
+        return cfg
+
+    return {
+        "make_case": tf_make_case,
+        "replay": tf_replay,
+        "check_contract": tf_check_contract,
+        "fixtures": fixtures,
+        "random": rand,
+    }
+
+
+for _m in TF_MODULES:
+    MODULE_KINDS[_m] = _tf_kind(_m)
+
+# Groups usable wherever kinds are named on the command line.
+KIND_GROUPS = {
+    "transformers": TF_MODULES,
+    "all": [MHA] + TF_MODULES,
+}
+
+
+def resolve_kinds(spec: str) -> list[str]:
+    """'mha', 'encoder_layer,decoder', 'transformers', 'all' -> module class paths."""
+    out: list[str] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if part in KIND_GROUPS:
+            mods = KIND_GROUPS[part]
+        elif part in KIND_NAMES:
+            mods = [KIND_NAMES[part]]
+        elif part in MODULE_KINDS:
+            mods = [part]
+        else:
+            raise SystemExit(f"unknown kind {part!r}; use one of "
+                             f"{sorted(KIND_NAMES) + sorted(KIND_GROUPS)}")
+        out += [m for m in mods if m not in out]
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -1112,7 +2009,8 @@ def cmd_fixtures(args) -> int:
     out = Path(args.out)
     names = set()
     n = 0
-    for module, kind in MODULE_KINDS.items():
+    for module in resolve_kinds(args.kind):
+        kind = MODULE_KINDS[module]
         for cfg in kind["fixtures"]():
             if cfg["name"] in names:
                 raise SystemExit(f"duplicate case name {cfg['name']}")
@@ -1133,12 +2031,15 @@ def cmd_fixtures(args) -> int:
 def cmd_random(args) -> int:
     out = Path(args.out)
     rng = random.Random(args.seed)
-    kind = MODULE_KINDS[MHA]
+    modules = resolve_kinds(args.kinds)
     written, tries = 0, 0
     while written < args.count:
         tries += 1
         if tries > 100 * args.count + 100:
             raise SystemExit("too many rejected draws")
+        # with one kind the draw sequence is the same as before kinds existed
+        module = modules[0] if len(modules) == 1 else rng.choice(modules)
+        kind = MODULE_KINDS[module]
         cfg = kind["random"](rng, written)
         cfg["seed"] = rng.randrange(2**31)
         try:
@@ -1170,12 +2071,18 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)  # bit-for-bit reproducible reruns
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
+    kinds_help = ("comma-separated: mha, encoder_layer, decoder_layer, encoder, decoder, "
+                  "transformer, or the groups transformers (the five transformer modules), all")
     f = sub.add_parser("fixtures", help="write the fixed, committed set")
     f.add_argument("--out", required=True)
+    f.add_argument("--kind", default="mha",
+                   help=f"which fixed sets to write (default mha); {kinds_help}")
     r = sub.add_parser("random", help="write N random valid cases")
     r.add_argument("--count", type=int, required=True)
     r.add_argument("--seed", type=int, required=True)
     r.add_argument("--out", required=True)
+    r.add_argument("--kinds", default="mha",
+                   help=f"module kinds to draw from, uniformly (default mha); {kinds_help}")
     v = sub.add_parser("verify", help="re-run cases in PyTorch and check the contract")
     v.add_argument("dirs", nargs="+")
     v.add_argument("-v", "--verbose", action="store_true")

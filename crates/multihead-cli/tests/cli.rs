@@ -26,27 +26,16 @@ fn tmp(name: &str) -> PathBuf {
 fn replay_writes_every_result_the_contract_names() {
     let case = fixtures().join("weights_in_loss_unbatched_bias_kv_f64");
     let out = tmp("replay").join("result.safetensors");
-    let status = bin()
-        .arg("replay")
-        .arg(&case)
-        .arg("--out")
-        .arg(&out)
-        .status()
-        .expect("runs");
+    let status = bin().arg("replay").arg(&case).arg("--out").arg(&out).status().expect("runs");
     assert!(status.success());
     let result = load_safetensors(&out, &Device::Cpu).expect("result");
     let expected = load_safetensors(case.join("case.safetensors"), &Device::Cpu).expect("case");
     let mut compared = 0;
     for (name, e) in expected.iter().filter(|(k, _)| k.starts_with("expect.")) {
         let key = &name["expect.".len()..];
-        let a = result
-            .get(key)
-            .unwrap_or_else(|| panic!("result lacks {key}"));
+        let a = result.get(key).unwrap_or_else(|| panic!("result lacks {key}"));
         assert_eq!(a.dtype(), e.dtype(), "{key} keeps the case dtype");
-        assert!(
-            Tolerance::F64.compare(a, e).expect("compare").passed(),
-            "{key}"
-        );
+        assert!(Tolerance::F64.compare(a, e).expect("compare").passed(), "{key}");
         compared += 1;
     }
     assert_eq!(compared, result.len(), "no extra results");
@@ -58,31 +47,19 @@ fn replay_of_a_bad_case_fails_with_one_line_and_writes_nothing() {
     let dir = tmp("bad");
     let case = dir.join("case");
     std::fs::create_dir_all(&case).expect("dir");
-    std::fs::write(
-        case.join("case.json"),
-        r#"{"format_version": 1, "module": "torch.nn.Conv2d"}"#,
-    )
-    .expect("write");
+    std::fs::write(case.join("case.json"), r#"{"format_version": 1, "module": "torch.nn.Conv2d"}"#)
+        .expect("write");
     std::fs::copy(
         fixtures().join("packed_self_nomask_f32/case.safetensors"),
         case.join("case.safetensors"),
     )
     .expect("copy");
     let out = dir.join("result.safetensors");
-    let o = bin()
-        .arg("replay")
-        .arg(&case)
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .expect("runs");
+    let o = bin().arg("replay").arg(&case).arg("--out").arg(&out).output().expect("runs");
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
-    assert!(
-        err.contains("torch.nn.Conv2d") && err.contains(&case.display().to_string()),
-        "{err}"
-    );
+    assert!(err.contains("torch.nn.Conv2d") && err.contains(&case.display().to_string()), "{err}");
     assert!(!out.exists());
 }
 
@@ -96,10 +73,6 @@ fn check_ends_with_the_count_line() {
         .output()
         .expect("runs");
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert_eq!(
-        stdout.trim_end().lines().last(),
-        Some("2 passed, 1 failed"),
-        "{stdout}"
-    );
+    assert_eq!(stdout.trim_end().lines().last(), Some("2 passed, 1 failed"), "{stdout}");
     assert!(!o.status.success());
 }

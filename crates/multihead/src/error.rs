@@ -79,12 +79,6 @@ pub type Result<T> = std::result::Result<T, Error>;
 pub(crate) fn fmt_shape(dims: &[usize]) -> String {
     match dims {
         [d] => format!("({d},)"),
-        _ => format!(
-            "({})",
-            dims.iter()
-                .map(|d| d.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
+        _ => format!("({})", dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
     }
 }

@@ -150,10 +150,7 @@ fn repeat_interleave(x: &Tensor, r: usize, dim: usize) -> Result<Tensor> {
     expanded.insert(dim + 1, r);
     let mut merged: Vec<usize> = x.dims().to_vec();
     merged[dim] *= r;
-    Ok(x.unsqueeze(dim + 1)?
-        .broadcast_as(expanded)?
-        .contiguous()?
-        .reshape(merged)?)
+    Ok(x.unsqueeze(dim + 1)?.broadcast_as(expanded)?.contiguous()?.reshape(merged)?)
 }
 
 /// Broadcasts shapes by NumPy's rule (aligned on the right).
@@ -161,16 +158,8 @@ fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
     let n = a.len().max(b.len());
     let mut out = vec![0; n];
     for i in 0..n {
-        let da = if i + a.len() >= n {
-            a[i + a.len() - n]
-        } else {
-            1
-        };
-        let db = if i + b.len() >= n {
-            b[i + b.len() - n]
-        } else {
-            1
-        };
+        let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
+        let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
         out[i] = match (da, db) {
             (x, y) if x == y => x,
             (1, y) => y,
@@ -309,18 +298,9 @@ pub fn scaled_dot_product_attention(
         v.push(b);
         v
     };
-    let q = query
-        .broadcast_as(with(&batch, l, e))?
-        .contiguous()?
-        .reshape((bsz, l, e))?;
-    let k = key
-        .broadcast_as(with(&batch, s, e))?
-        .contiguous()?
-        .reshape((bsz, s, e))?;
-    let v = value
-        .broadcast_as(with(&batch, s, ev))?
-        .contiguous()?
-        .reshape((bsz, s, ev))?;
+    let q = query.broadcast_as(with(&batch, l, e))?.contiguous()?.reshape((bsz, l, e))?;
+    let k = key.broadcast_as(with(&batch, s, e))?.contiguous()?.reshape((bsz, s, e))?;
+    let v = value.broadcast_as(with(&batch, s, ev))?.contiguous()?.reshape((bsz, s, ev))?;
 
     let mask = if let Some(m) = &opts.attn_mask {
         let add = m.to_additive_sdpa(query.dtype(), SDPA, "attn_mask")?;
@@ -344,12 +324,8 @@ pub fn scaled_dot_product_attention(
         None
     };
     let scale = opts.scale.unwrap_or_else(|| 1.0 / (e as f64).sqrt());
-    let dropout = (opts.dropout_p > 0.0).then(|| {
-        (
-            opts.dropout_p,
-            opts.dropout_key.unwrap_or_else(next_dropout_key),
-        )
-    });
+    let dropout = (opts.dropout_p > 0.0)
+        .then(|| (opts.dropout_p, opts.dropout_key.unwrap_or_else(next_dropout_key)));
     let (out, _) = attention_core(&q, &k, &v, mask.as_ref(), scale, dropout, false)?;
     Ok(out.reshape(with(&batch, l, ev))?)
 }
@@ -484,20 +460,13 @@ pub(crate) struct Aliasing {
 
 impl Aliasing {
     pub(crate) fn of(query: &Tensor, key: &Tensor, value: &Tensor) -> Self {
-        Self {
-            key_is_query: query.id() == key.id(),
-            value_is_key: key.id() == value.id(),
-        }
+        Self { key_is_query: query.id() == key.id(), value_is_key: key.id() == value.id() }
     }
 }
 
 /// `Tensor::cat` that leaves out empty pieces (candle's CPU copy mishandles zero-sized inputs).
 fn cat_nonempty(parts: &[&Tensor], dim: usize) -> Result<Tensor> {
-    let kept: Vec<&Tensor> = parts
-        .iter()
-        .copied()
-        .filter(|t| t.elem_count() > 0)
-        .collect();
+    let kept: Vec<&Tensor> = parts.iter().copied().filter(|t| t.elem_count() > 0).collect();
     match kept.as_slice() {
         [] => {
             let mut dims = parts[0].dims().to_vec();
@@ -585,11 +554,7 @@ pub(crate) fn mha_forward_impl(
         }
     };
     let want = if unbatched { 2 } else { 3 };
-    let which = if unbatched {
-        "unbatched (2-D)"
-    } else {
-        "batched (3-D)"
-    };
+    let which = if unbatched { "unbatched (2-D)" } else { "batched (3-D)" };
     if key.rank() != want || value.rank() != want {
         return Err(shape_err(
             "key",
@@ -775,11 +740,7 @@ pub(crate) fn mha_forward_impl(
     // --- masks: shapes ---
     let kpm = match &opts.key_padding_mask {
         Some(m) => {
-            let t = if unbatched {
-                m.tensor().unsqueeze(0)?
-            } else {
-                m.tensor().clone()
-            };
+            let t = if unbatched { m.tensor().unsqueeze(0)? } else { m.tensor().clone() };
             if t.dims() != [n, s] {
                 let (exp, got) = if unbatched {
                     (vec![s], m.dims().to_vec())
@@ -788,11 +749,7 @@ pub(crate) fn mha_forward_impl(
                 };
                 return Err(shape_err(
                     "key_padding_mask",
-                    format!(
-                        "expected shape {} (N, S), got {}",
-                        fmt_shape(&exp),
-                        fmt_shape(&got)
-                    ),
+                    format!("expected shape {} (N, S), got {}", fmt_shape(&exp), fmt_shape(&got)),
                 ));
             }
             let t = match m {
@@ -808,13 +765,7 @@ pub(crate) fn mha_forward_impl(
             let add = m.to_additive(dtype, MHA, "attn_mask")?;
             match add.rank() {
                 2 => {
-                    expect_dims(
-                        &add,
-                        &[l, s],
-                        MHA,
-                        "attn_mask",
-                        "a 2-D mask of shape (L, S) =",
-                    )?;
+                    expect_dims(&add, &[l, s], MHA, "attn_mask", "a 2-D mask of shape (L, S) =")?;
                     Some(add.unsqueeze(0)?)
                 }
                 _ => {
@@ -868,10 +819,7 @@ pub(crate) fn mha_forward_impl(
                 },
             }
         } else {
-            MhaOutput {
-                output,
-                attn_weights: weights,
-            }
+            MhaOutput { output, attn_weights: weights }
         });
     }
 
@@ -899,19 +847,9 @@ pub(crate) fn mha_forward_impl(
             if alias.key_is_query && alias.value_is_key {
                 bias_chunk(0)?; // validates the bias shape
                 let qkv = linear(&query, w, params.in_proj_bias, MHA, "query")?;
-                (
-                    qkv.narrow(2, 0, e)?,
-                    qkv.narrow(2, e, e)?,
-                    qkv.narrow(2, 2 * e, e)?,
-                )
+                (qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?)
             } else if alias.value_is_key {
-                let q = linear(
-                    &query,
-                    &w.narrow(0, 0, e)?,
-                    bias_chunk(0)?.as_ref(),
-                    MHA,
-                    "query",
-                )?;
+                let q = linear(&query, &w.narrow(0, 0, e)?, bias_chunk(0)?.as_ref(), MHA, "query")?;
                 let bkv = match (bias_chunk(1)?, bias_chunk(2)?) {
                     (Some(bk), Some(bv)) => Some(Tensor::cat(&[bk, bv], 0)?),
                     _ => None,
@@ -920,35 +858,13 @@ pub(crate) fn mha_forward_impl(
                 (q, kv.narrow(2, 0, e)?, kv.narrow(2, e, e)?)
             } else {
                 (
-                    linear(
-                        &query,
-                        &w.narrow(0, 0, e)?,
-                        bias_chunk(0)?.as_ref(),
-                        MHA,
-                        "query",
-                    )?,
-                    linear(
-                        &key,
-                        &w.narrow(0, e, e)?,
-                        bias_chunk(1)?.as_ref(),
-                        MHA,
-                        "key",
-                    )?,
-                    linear(
-                        &value,
-                        &w.narrow(0, 2 * e, e)?,
-                        bias_chunk(2)?.as_ref(),
-                        MHA,
-                        "value",
-                    )?,
+                    linear(&query, &w.narrow(0, 0, e)?, bias_chunk(0)?.as_ref(), MHA, "query")?,
+                    linear(&key, &w.narrow(0, e, e)?, bias_chunk(1)?.as_ref(), MHA, "key")?,
+                    linear(&value, &w.narrow(0, 2 * e, e)?, bias_chunk(2)?.as_ref(), MHA, "value")?,
                 )
             }
         }
-        InProj::Separate {
-            q: wq,
-            k: wk,
-            v: wv,
-        } => (
+        InProj::Separate { q: wq, k: wk, v: wv } => (
             linear(&query, wq, bias_chunk(0)?.as_ref(), MHA, "query")?,
             linear(&key, wk, bias_chunk(1)?.as_ref(), MHA, "key")?,
             linear(&value, wv, bias_chunk(2)?.as_ref(), MHA, "value")?,
@@ -1019,10 +935,7 @@ pub(crate) fn mha_forward_impl(
         if t.elem_count() == 0 {
             return Ok(Tensor::zeros((n * h, len, hd), t.dtype(), t.device())?);
         }
-        Ok(t.contiguous()?
-            .reshape((len, n * h, hd))?
-            .transpose(0, 1)?
-            .contiguous()?)
+        Ok(t.contiguous()?.reshape((len, n * h, hd))?.transpose(0, 1)?.contiguous()?)
     };
     let q = split(&q)?;
     let mut k = split(&k)?;
@@ -1041,11 +954,11 @@ pub(crate) fn mha_forward_impl(
         Some(causal_upper_left(l, s2, dtype, k.device())?.unsqueeze(0)?)
     } else {
         let kpm = match kpm {
-            Some(m) => Some(
-                m.reshape((n, 1, 1, s2))?
-                    .broadcast_as((n, h, 1, s2))?
-                    .reshape((n * h, 1, s2))?,
-            ),
+            Some(m) => Some(m.reshape((n, 1, 1, s2))?.broadcast_as((n, h, 1, s2))?.reshape((
+                n * h,
+                1,
+                s2,
+            ))?),
             None => None,
         };
         match (attn_mask, kpm) {
@@ -1062,22 +975,12 @@ pub(crate) fn mha_forward_impl(
     let (attn, weights) =
         attention_core(&q, &k, &v, mask.as_ref(), scale, dropout, opts.need_weights)?;
     let attn = attn.transpose(0, 1)?.contiguous()?.reshape((l * n, e))?;
-    let out = linear(
-        &attn,
-        params.out_proj_weight,
-        params.out_proj_bias,
-        MHA,
-        "attn_output",
-    )?;
+    let out = linear(&attn, params.out_proj_weight, params.out_proj_bias, MHA, "attn_output")?;
     let out = out.reshape((l, n, e))?;
     let weights = match weights {
         Some(w) => {
             let w = w.reshape((n, h, l, s2))?;
-            Some(if opts.average_attn_weights {
-                w.mean(1)?
-            } else {
-                w
-            })
+            Some(if opts.average_attn_weights { w.mean(1)? } else { w })
         }
         None => None,
     };
@@ -1091,9 +994,6 @@ pub(crate) fn mha_forward_impl(
             },
         })
     } else {
-        Ok(MhaOutput {
-            output: out,
-            attn_weights: weights,
-        })
+        Ok(MhaOutput { output: out, attn_weights: weights })
     }
 }

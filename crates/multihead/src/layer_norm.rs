@@ -6,7 +6,7 @@ use candle_core::{Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
 use crate::error::{Error, Result};
-use crate::state_dict::get_param;
+use crate::state_dict::{get_param, NamedParameters};
 
 /// Layer normalisation over the last dimension with a learned elementwise affine transform:
 /// `y = (x - mean) / sqrt(var + eps) * weight + bias` (biased variance, as PyTorch).
@@ -41,26 +41,13 @@ impl LayerNorm {
     /// `nn.LayerNorm(d, eps, bias=bias)` under `vb`'s `weight` and `bias` keys.
     pub fn new(d: usize, eps: f64, bias: bool, vb: VarBuilder) -> Result<Self> {
         let weight = get_param(&vb, &[d], "weight", Init::Const(1.0))?;
-        let bias = if bias {
-            Some(get_param(&vb, &[d], "bias", Init::Const(0.0))?)
-        } else {
-            None
-        };
+        let bias = if bias { Some(get_param(&vb, &[d], "bias", Init::Const(0.0))?) } else { None };
         Ok(Self { weight, bias, eps })
     }
 
     /// `eps`.
     pub fn eps(&self) -> f64 {
         self.eps
-    }
-
-    /// The parameters with their keys relative to the module (`weight`, `bias`).
-    pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut v = vec![("weight".to_string(), self.weight.clone())];
-        if let Some(b) = &self.bias {
-            v.push(("bias".to_string(), b.clone()));
-        }
-        v
     }
 
     /// Normalises over the last dimension.
@@ -86,5 +73,15 @@ impl LayerNorm {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
+    }
+}
+
+impl NamedParameters for LayerNorm {
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut v = vec![("weight".to_string(), self.weight.clone())];
+        if let Some(b) = &self.bias {
+            v.push(("bias".to_string(), b.clone()));
+        }
+        v
     }
 }

@@ -4,6 +4,7 @@ use candle_core::Tensor;
 use candle_nn::{Init, VarBuilder};
 
 use crate::error::{fmt_shape, Error, Result};
+use crate::state_dict::NamedParameters;
 
 /// A linear layer `y = x Wᵀ + b`, stored as PyTorch stores it (`weight` is `[out, in]`), so a
 /// PyTorch state_dict loads unchanged.
@@ -40,24 +41,12 @@ impl Linear {
         bias: bool,
         vb: VarBuilder,
     ) -> Result<Self> {
-        let bound = if in_features > 0 {
-            1.0 / (in_features as f64).sqrt()
-        } else {
-            0.0
-        };
-        let init = Init::Uniform {
-            lo: -bound,
-            up: bound,
-        };
+        let bound = if in_features > 0 { 1.0 / (in_features as f64).sqrt() } else { 0.0 };
+        let init = Init::Uniform { lo: -bound, up: bound };
         let weight =
             crate::state_dict::get_param(&vb, &[out_features, in_features], "weight", init)?;
         let bias = if bias {
-            Some(crate::state_dict::get_param(
-                &vb,
-                &[out_features],
-                "bias",
-                init,
-            )?)
+            Some(crate::state_dict::get_param(&vb, &[out_features], "bias", init)?)
         } else {
             None
         };
@@ -83,6 +72,16 @@ impl Linear {
     // Mirrors torch.nn.Linear.forward.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         linear(x, &self.weight, self.bias.as_ref(), "linear", "input")
+    }
+}
+
+impl NamedParameters for Linear {
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut v = vec![("weight".to_string(), self.weight.clone())];
+        if let Some(b) = &self.bias {
+            v.push(("bias".to_string(), b.clone()));
+        }
+        v
     }
 }
 

@@ -124,10 +124,7 @@ fn check_float_dtype(t: &Tensor, dtype: DType, op: &'static str, arg: &'static s
         Err(Error::DType {
             op,
             arg,
-            msg: format!(
-                "a float mask must have the query's dtype {dtype:?}, got {:?}",
-                t.dtype()
-            ),
+            msg: format!("a float mask must have the query's dtype {dtype:?}, got {:?}", t.dtype()),
         })
     }
 }
@@ -136,11 +133,8 @@ fn check_float_dtype(t: &Tensor, dtype: DType, op: &'static str, arg: &'static s
 fn bool_to_additive(t: &Tensor, dtype: DType, true_masks: bool) -> Result<Tensor> {
     let neg_inf = Tensor::full(f64::NEG_INFINITY, t.shape(), t.device())?.to_dtype(dtype)?;
     let zeros = Tensor::zeros(t.shape(), dtype, t.device())?;
-    let out = if true_masks {
-        t.where_cond(&neg_inf, &zeros)?
-    } else {
-        t.where_cond(&zeros, &neg_inf)?
-    };
+    let out =
+        if true_masks { t.where_cond(&neg_inf, &zeros)? } else { t.where_cond(&zeros, &neg_inf)? };
     Ok(out)
 }
 
@@ -193,11 +187,7 @@ pub(crate) fn expect_dims(
         Err(Error::Shape {
             op,
             arg,
-            msg: format!(
-                "expected {what} {}, got {}",
-                fmt_shape(expected),
-                fmt_shape(t.dims())
-            ),
+            msg: format!("expected {what} {}, got {}", fmt_shape(expected), fmt_shape(t.dims())),
         })
     }
 }

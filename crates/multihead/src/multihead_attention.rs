@@ -149,10 +149,7 @@ impl MhaConfig {
             return Err(Error::Config {
                 op: OP,
                 arg: "dropout",
-                msg: format!(
-                    "dropout probability has to be in [0, 1), got {}",
-                    self.dropout
-                ),
+                msg: format!("dropout probability has to be in [0, 1), got {}", self.dropout),
             });
         }
         Ok(())
@@ -231,20 +228,12 @@ impl MultiheadAttention {
         let e = cfg.embed_dim;
         let xavier = |fan_out: usize, fan_in: usize| {
             let bound = (6.0 / (fan_in + fan_out) as f64).sqrt();
-            Init::Uniform {
-                lo: -bound,
-                up: bound,
-            }
+            Init::Uniform { lo: -bound, up: bound }
         };
         let zero = Init::Const(0.0);
         let (in_proj_weight, q, k, v) = if cfg.packed() {
             (
-                Some(get_param(
-                    &vb,
-                    &[3 * e, e],
-                    "in_proj_weight",
-                    xavier(3 * e, e),
-                )?),
+                Some(get_param(&vb, &[3 * e, e], "in_proj_weight", xavier(3 * e, e))?),
                 None,
                 None,
                 None,
@@ -258,16 +247,10 @@ impl MultiheadAttention {
                 Some(get_param(&vb, &[e, vd], "v_proj_weight", xavier(e, vd))?),
             )
         };
-        let in_proj_bias = if cfg.bias {
-            Some(get_param(&vb, &[3 * e], "in_proj_bias", zero)?)
-        } else {
-            None
-        };
+        let in_proj_bias =
+            if cfg.bias { Some(get_param(&vb, &[3 * e], "in_proj_bias", zero)?) } else { None };
         let (bias_k, bias_v) = if cfg.add_bias_kv {
-            let init = Init::Randn {
-                mean: 0.0,
-                stdev: 1.0 / (e as f64).sqrt(),
-            };
+            let init = Init::Randn { mean: 0.0, stdev: 1.0 / (e as f64).sqrt() };
             (
                 Some(get_param(&vb, &[1, 1, e], "bias_k", init)?),
                 Some(get_param(&vb, &[1, 1, e], "bias_v", init)?),
@@ -277,20 +260,8 @@ impl MultiheadAttention {
         };
         let out_vb = vb.pp("out_proj");
         let bound = 1.0 / (e as f64).sqrt();
-        let out_w = get_param(
-            &out_vb,
-            &[e, e],
-            "weight",
-            Init::Uniform {
-                lo: -bound,
-                up: bound,
-            },
-        )?;
-        let out_b = if cfg.bias {
-            Some(get_param(&out_vb, &[e], "bias", zero)?)
-        } else {
-            None
-        };
+        let out_w = get_param(&out_vb, &[e, e], "weight", Init::Uniform { lo: -bound, up: bound })?;
+        let out_b = if cfg.bias { Some(get_param(&out_vb, &[e], "bias", zero)?) } else { None };
         Ok(Self {
             cfg,
             in_proj_weight,
@@ -399,10 +370,7 @@ impl MultiheadAttention {
                 opts,
                 self.training,
             )?;
-            Ok(MhaOutput {
-                output: out.output.transpose(0, 1)?,
-                attn_weights: out.attn_weights,
-            })
+            Ok(MhaOutput { output: out.output.transpose(0, 1)?, attn_weights: out.attn_weights })
         } else {
             mha_forward_impl(query, key, value, alias, &params, opts, self.training)
         }
@@ -410,9 +378,7 @@ impl MultiheadAttention {
 
     /// Self-attention of `x` over itself, without weights: `mha(x, x, x, need_weights=False)[0]`.
     pub fn self_attention(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self
-            .forward(x, x, x, &MhaOptions::default().need_weights(false))?
-            .output)
+        Ok(self.forward(x, x, x, &MhaOptions::default().need_weights(false))?.output)
     }
 
     /// Cross-attention of `x` over `context` (used as key and value), with an optional key

@@ -37,10 +37,7 @@ pub struct Case {
 }
 
 fn case_err(dir: &Path, msg: impl Into<String>) -> Error {
-    Error::File {
-        path: dir.to_path_buf(),
-        msg: msg.into(),
-    }
+    Error::File { path: dir.to_path_buf(), msg: msg.into() }
 }
 
 impl Case {
@@ -62,28 +59,18 @@ impl Case {
             }
         }
         let tensors = load_safetensors(dir.join("case.safetensors"), &Device::Cpu)?;
-        Ok(Self {
-            dir: dir.to_path_buf(),
-            meta,
-            tensors,
-        })
+        Ok(Self { dir: dir.to_path_buf(), meta, tensors })
     }
 
     /// The module's PyTorch class path.
     pub fn module(&self) -> &str {
-        self.meta
-            .get("module")
-            .and_then(Value::as_str)
-            .unwrap_or("")
+        self.meta.get("module").and_then(Value::as_str).unwrap_or("")
     }
 
     /// The case's dtype (`constructor.dtype`).
     pub fn dtype(&self) -> Result<DType> {
         let ctor = self.meta.get("constructor");
-        let name = ctor
-            .and_then(|c| c.get("dtype"))
-            .and_then(Value::as_str)
-            .unwrap_or("float32");
+        let name = ctor.and_then(|c| c.get("dtype")).and_then(Value::as_str).unwrap_or("float32");
         match name.trim_start_matches("torch.") {
             "float32" | "float" => Ok(DType::F32),
             "float64" | "double" => Ok(DType::F64),
@@ -92,18 +79,11 @@ impl Case {
     }
 
     fn flag(&self, section: &str, key: &str, default: bool) -> bool {
-        self.meta
-            .get(section)
-            .and_then(|s| s.get(key))
-            .and_then(Value::as_bool)
-            .unwrap_or(default)
+        self.meta.get(section).and_then(|s| s.get(key)).and_then(Value::as_bool).unwrap_or(default)
     }
 
     fn top_flag(&self, key: &str, default: bool) -> bool {
-        self.meta
-            .get(key)
-            .and_then(Value::as_bool)
-            .unwrap_or(default)
+        self.meta.get(key).and_then(Value::as_bool).unwrap_or(default)
     }
 
     /// The tolerance for an `expect.*` tensor: `suggested_tolerance` when the case gives one
@@ -113,11 +93,7 @@ impl Case {
         let Some(st) = self.meta.get("suggested_tolerance") else {
             return fallback;
         };
-        let dname = if dtype == DType::F64 {
-            "float64"
-        } else {
-            "float32"
-        };
+        let dname = if dtype == DType::F64 { "float64" } else { "float32" };
         let per_dtype = st.get(dname).unwrap_or(st);
         let kind = if grad {
             per_dtype
@@ -130,10 +106,7 @@ impl Case {
         let Some(kind) = kind.or(Some(per_dtype)) else {
             return fallback;
         };
-        match (
-            kind.get("rtol").and_then(Value::as_f64),
-            kind.get("atol").and_then(Value::as_f64),
-        ) {
+        match (kind.get("rtol").and_then(Value::as_f64), kind.get("atol").and_then(Value::as_f64)) {
             (Some(rel), Some(abs)) => Tolerance { rel, abs },
             _ => fallback,
         }
@@ -147,11 +120,7 @@ impl Case {
         let Some(t) = self.tensor(&format!("input.{name}")) else {
             return Ok(None);
         };
-        let call_kind = self
-            .meta
-            .get("call")
-            .and_then(|c| c.get(name))
-            .and_then(Value::as_str);
+        let call_kind = self.meta.get("call").and_then(|c| c.get(name)).and_then(Value::as_str);
         let logical = self
             .meta
             .get("tensors")
@@ -164,11 +133,7 @@ impl Case {
             (_, Some("bool")) => true,
             _ => t.dtype() == DType::U8,
         };
-        Ok(Some(if is_bool {
-            Mask::Bool(t.to_dtype(DType::U8)?)
-        } else {
-            Mask::Float(t.clone())
-        }))
+        Ok(Some(if is_bool { Mask::Bool(t.to_dtype(DType::U8)?) } else { Mask::Float(t.clone()) }))
     }
 }
 
@@ -225,10 +190,7 @@ fn input_var(case: &Case, name: &str, dtype: DType) -> Result<Var> {
     if t.dtype() != dtype {
         return Err(case_err(
             &case.dir,
-            format!(
-                "input.{name} has dtype {:?}, the case dtype is {dtype:?}",
-                t.dtype()
-            ),
+            format!("input.{name} has dtype {:?}, the case dtype is {dtype:?}", t.dtype()),
         ));
     }
     Ok(Var::from_tensor(t)?)
@@ -254,10 +216,7 @@ fn replay_mha(case: &Case) -> Result<ReplayResult> {
         if t.dtype() != dtype {
             return Err(case_err(
                 &case.dir,
-                format!(
-                    "param.{k} has dtype {:?}, the case dtype is {dtype:?}",
-                    t.dtype()
-                ),
+                format!("param.{k} has dtype {:?}, the case dtype is {dtype:?}", t.dtype()),
             ));
         }
     }
@@ -268,23 +227,12 @@ fn replay_mha(case: &Case) -> Result<ReplayResult> {
     let key_is_query = case.flag("aliasing", "key_is_query", false);
     let value_is_key = case.flag("aliasing", "value_is_key", false);
     let q = input_var(case, "query", dtype)?;
-    let k = if key_is_query {
-        q.clone()
-    } else {
-        input_var(case, "key", dtype)?
-    };
-    let v = if value_is_key {
-        k.clone()
-    } else {
-        input_var(case, "value", dtype)?
-    };
+    let k = if key_is_query { q.clone() } else { input_var(case, "key", dtype)? };
+    let v = if value_is_key { k.clone() } else { input_var(case, "value", dtype)? };
 
     let call = case.meta.get("call");
-    let cflag = |k: &str, d: bool| {
-        call.and_then(|c| c.get(k))
-            .and_then(Value::as_bool)
-            .unwrap_or(d)
-    };
+    let cflag =
+        |k: &str, d: bool| call.and_then(|c| c.get(k)).and_then(Value::as_bool).unwrap_or(d);
     let mut opts = MhaOptions::default()
         .need_weights(cflag("need_weights", true))
         .average_attn_weights(cflag("average_attn_weights", true))
@@ -307,10 +255,7 @@ fn replay_mha(case: &Case) -> Result<ReplayResult> {
     let mut loss = out.output.mul(g)?.sum_all()?;
     if let Some(gw) = case.tensor("grad.attn_weights") {
         let w = out.attn_weights.as_ref().ok_or_else(|| {
-            case_err(
-                &case.dir,
-                "grad.attn_weights is given but the call returns no weights",
-            )
+            case_err(&case.dir, "grad.attn_weights is given but the call returns no weights")
         })?;
         loss = loss.add(&w.mul(gw)?.sum_all()?)?;
     }
@@ -355,11 +300,8 @@ pub fn check(case: &Case) -> Result<Vec<TensorCheck>> {
     let result = replay(case)?;
     let dtype = case.dtype()?;
     let mut checks = Vec::new();
-    let mut names: Vec<&String> = case
-        .tensors
-        .keys()
-        .filter(|k| k.starts_with("expect."))
-        .collect();
+    let mut names: Vec<&String> =
+        case.tensors.keys().filter(|k| k.starts_with("expect.")).collect();
     names.sort();
     for name in names {
         let expected = &case.tensors[name];
@@ -375,11 +317,7 @@ pub fn check(case: &Case) -> Result<Vec<TensorCheck>> {
                     max_abs: c.max_abs,
                     worst_ratio: c.worst_ratio,
                     note: c.shape_mismatch.then(|| {
-                        format!(
-                            "shape {:?} vs expected {:?}",
-                            actual.dims(),
-                            expected.dims()
-                        )
+                        format!("shape {:?} vs expected {:?}", actual.dims(), expected.dims())
                     }),
                 });
             }
@@ -424,9 +362,8 @@ pub fn layer_config(v: &Value) -> Result<LayerConfig> {
 }
 
 fn stack_config(case: &Case, ctor: &Value) -> Result<(LayerConfig, usize, Option<NormConfig>)> {
-    let layer = ctor
-        .get("layer")
-        .ok_or_else(|| case_err(&case.dir, "constructor.layer is missing"))?;
+    let layer =
+        ctor.get("layer").ok_or_else(|| case_err(&case.dir, "constructor.layer is missing"))?;
     let cfg = layer_config(layer)?;
     let n = opt_usize(ctor.get("num_layers"))
         .ok_or_else(|| case_err(&case.dir, "constructor.num_layers is missing"))?;

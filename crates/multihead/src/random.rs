@@ -7,10 +7,7 @@ pub use multihead_kernels::dropout::DropoutKey;
 /// PyTorch's default seed, `torch.initial_seed()` in a fresh process.
 pub const DEFAULT_SEED: u64 = 67_280_421_310_721;
 
-static GLOBAL: Mutex<DropoutKey> = Mutex::new(DropoutKey {
-    seed: DEFAULT_SEED,
-    offset: 0,
-});
+static GLOBAL: Mutex<DropoutKey> = Mutex::new(DropoutKey { seed: DEFAULT_SEED, offset: 0 });
 
 /// Seeds the generator that dropout draws from, like `torch.manual_seed(seed)`.
 ///

@@ -27,11 +27,8 @@ pub(crate) fn get_param(
     name: &str,
     init: Init,
 ) -> Result<Tensor> {
-    let full = if vb.prefix().is_empty() {
-        name.to_string()
-    } else {
-        format!("{}.{name}", vb.prefix())
-    };
+    let full =
+        if vb.prefix().is_empty() { name.to_string() } else { format!("{}.{name}", vb.prefix()) };
     match vb.get_with_hints(shape, name, init) {
         Ok(t) => {
             if t.dims() != shape {
@@ -46,15 +43,8 @@ pub(crate) fn get_param(
         Err(e) => {
             let msg = e.to_string();
             if msg.contains("shape mismatch") {
-                let got = vb
-                    .get_unchecked(name)
-                    .map(|t| t.dims().to_vec())
-                    .unwrap_or_default();
-                Err(Error::StateDictShape {
-                    key: full,
-                    expected: shape.to_vec(),
-                    got,
-                })
+                let got = vb.get_unchecked(name).map(|t| t.dims().to_vec()).unwrap_or_default();
+                Err(Error::StateDictShape { key: full, expected: shape.to_vec(), got })
             } else {
                 Err(Error::Candle(e))
             }
@@ -63,10 +53,7 @@ pub(crate) fn get_param(
 }
 
 fn file_err(path: &Path, msg: impl Into<String>) -> Error {
-    Error::File {
-        path: path.to_path_buf(),
-        msg: msg.into(),
-    }
+    Error::File { path: path.to_path_buf(), msg: msg.into() }
 }
 
 /// Reads every tensor of a safetensors file.
@@ -96,10 +83,7 @@ pub fn load_safetensors(
             S::U32 => Tensor::from_raw_buffer(data, DType::U32, &shape, device)?,
             S::I64 => Tensor::from_raw_buffer(data, DType::I64, &shape, device)?,
             other => {
-                return Err(file_err(
-                    path,
-                    format!("tensor {name}: unsupported dtype {other:?}"),
-                ))
+                return Err(file_err(path, format!("tensor {name}: unsupported dtype {other:?}")))
             }
         };
         out.insert(name, t);
@@ -141,10 +125,7 @@ pub fn check_keys<'a>(
     if missing.is_empty() && unexpected.is_empty() {
         Ok(())
     } else {
-        Err(Error::StateDictKeys {
-            missing,
-            unexpected,
-        })
+        Err(Error::StateDictKeys { missing, unexpected })
     }
 }
 
@@ -187,19 +168,13 @@ pub fn load_strict<M: NamedParameters>(
     }
     let module = build(VarBuilder::from_varmap(&vm, dtype, device)).map_err(|e| match e {
         Error::StateDictShape { key, expected, got } if got.is_empty() => {
-            let got = state
-                .get(&key)
-                .map(|t| t.dims().to_vec())
-                .unwrap_or_default();
+            let got = state.get(&key).map(|t| t.dims().to_vec()).unwrap_or_default();
             Error::StateDictShape { key, expected, got }
         }
         other => other,
     })?;
     let names = module.named_parameters();
-    check_keys(
-        names.iter().map(|(k, _)| k.as_str()),
-        state.keys().map(|k| k.as_str()),
-    )?;
+    check_keys(names.iter().map(|(k, _)| k.as_str()), state.keys().map(|k| k.as_str()))?;
     Ok((module, vm))
 }
 

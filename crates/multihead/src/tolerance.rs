@@ -17,20 +17,11 @@ pub struct Tolerance {
 
 impl Tolerance {
     /// f32 forward values: rtol 1e-5, atol 1e-5.
-    pub const F32_FORWARD: Tolerance = Tolerance {
-        rel: 1e-5,
-        abs: 1e-5,
-    };
+    pub const F32_FORWARD: Tolerance = Tolerance { rel: 1e-5, abs: 1e-5 };
     /// f32 gradients: rtol 1e-4, atol 1e-4.
-    pub const F32_GRAD: Tolerance = Tolerance {
-        rel: 1e-4,
-        abs: 1e-4,
-    };
+    pub const F32_GRAD: Tolerance = Tolerance { rel: 1e-4, abs: 1e-4 };
     /// f64 forward values and gradients: rtol 1e-10, atol 1e-10.
-    pub const F64: Tolerance = Tolerance {
-        rel: 1e-10,
-        abs: 1e-10,
-    };
+    pub const F64: Tolerance = Tolerance { rel: 1e-10, abs: 1e-10 };
 
     /// The project's default for a dtype: forward or gradient.
     pub fn for_dtype(dtype: DType, grad: bool) -> Tolerance {
@@ -63,14 +54,8 @@ impl Tolerance {
                 shape_mismatch: true,
             });
         }
-        let a = actual
-            .flatten_all()?
-            .to_dtype(DType::F64)?
-            .to_vec1::<f64>()?;
-        let e = expected
-            .flatten_all()?
-            .to_dtype(DType::F64)?
-            .to_vec1::<f64>()?;
+        let a = actual.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+        let e = expected.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
         let mut worst = 0f64;
         let mut max_abs = 0f64;
         for (&x, &y) in a.iter().zip(&e) {
@@ -87,11 +72,7 @@ impl Tolerance {
                 worst = worst.max(d / (self.abs + self.rel * y.abs()));
             }
         }
-        Ok(Comparison {
-            worst_ratio: worst,
-            max_abs,
-            shape_mismatch: false,
-        })
+        Ok(Comparison { worst_ratio: worst, max_abs, shape_mismatch: false })
     }
 }
 

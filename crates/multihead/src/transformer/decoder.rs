@@ -69,20 +69,13 @@ impl TransformerDecoder {
     /// Runs the stack.
     // Mirrors torch.nn.TransformerDecoder.forward.
     pub fn forward(&self, tgt: &Tensor, memory: &Tensor, masks: &DecoderMasks) -> Result<Tensor> {
-        let batch_first = self
-            .layers
-            .first()
-            .map(|l| l.config().batch_first)
-            .unwrap_or(false);
+        let batch_first = self.layers.first().map(|l| l.config().batch_first).unwrap_or(false);
         let causal = detect_is_causal(
             masks.tgt_mask.as_ref(),
             masks.tgt_is_causal,
             seq_len(tgt, batch_first)?,
         )?;
-        let layer_masks = DecoderMasks {
-            tgt_is_causal: Some(causal),
-            ..masks.clone()
-        };
+        let layer_masks = DecoderMasks { tgt_is_causal: Some(causal), ..masks.clone() };
         let mut x = tgt.clone();
         for layer in &self.layers {
             x = layer.forward(&x, memory, &layer_masks)?;

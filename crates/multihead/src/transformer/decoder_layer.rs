@@ -1,7 +1,6 @@
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
-use super::encoder_layer::linear_params;
 use super::{prefixed, LayerConfig};
 use crate::activation::dropout;
 use crate::error::Result;
@@ -112,16 +111,10 @@ impl TransformerDecoderLayer {
         kpm: Option<&Mask>,
         is_causal: bool,
     ) -> Result<Tensor> {
-        let mut opts = MhaOptions::default()
-            .need_weights(false)
-            .is_causal(is_causal);
+        let mut opts = MhaOptions::default().need_weights(false).is_causal(is_causal);
         opts.attn_mask = mask.cloned();
         opts.key_padding_mask = kpm.cloned();
-        dropout(
-            &self.self_attn.forward(x, x, x, &opts)?.output,
-            self.cfg.dropout,
-            self.training,
-        )
+        dropout(&self.self_attn.forward(x, x, x, &opts)?.output, self.cfg.dropout, self.training)
     }
 
     fn mha_block(
@@ -132,9 +125,7 @@ impl TransformerDecoderLayer {
         kpm: Option<&Mask>,
         is_causal: bool,
     ) -> Result<Tensor> {
-        let mut opts = MhaOptions::default()
-            .need_weights(false)
-            .is_causal(is_causal);
+        let mut opts = MhaOptions::default().need_weights(false).is_causal(is_causal);
         opts.attn_mask = mask.cloned();
         opts.key_padding_mask = kpm.cloned();
         dropout(
@@ -156,10 +147,7 @@ impl TransformerDecoderLayer {
         let tc = masks.tgt_is_causal.unwrap_or(false);
         let mc = masks.memory_is_causal;
         let (tm, tk) = (masks.tgt_mask.as_ref(), masks.tgt_key_padding_mask.as_ref());
-        let (mm, mk) = (
-            masks.memory_mask.as_ref(),
-            masks.memory_key_padding_mask.as_ref(),
-        );
+        let (mm, mk) = (masks.memory_mask.as_ref(), masks.memory_key_padding_mask.as_ref());
         let x = tgt;
         if self.cfg.norm_first {
             let x = (x + self.sa_block(&self.norm1.forward(x)?, tm, tk, tc)?)?;
@@ -167,9 +155,7 @@ impl TransformerDecoderLayer {
             Ok((&x + self.ff_block(&self.norm3.forward(&x)?)?)?)
         } else {
             let x = self.norm1.forward(&(x + self.sa_block(x, tm, tk, tc)?)?)?;
-            let x = self
-                .norm2
-                .forward(&(&x + self.mha_block(&x, memory, mm, mk, mc)?)?)?;
+            let x = self.norm2.forward(&(&x + self.mha_block(&x, memory, mm, mk, mc)?)?)?;
             self.norm3.forward(&(&x + self.ff_block(&x)?)?)
         }
     }
@@ -178,12 +164,9 @@ impl TransformerDecoderLayer {
 impl NamedParameters for TransformerDecoderLayer {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         let mut v = prefixed("self_attn", self.self_attn.named_parameters());
-        v.extend(prefixed(
-            "multihead_attn",
-            self.multihead_attn.named_parameters(),
-        ));
-        v.extend(prefixed("linear1", linear_params(&self.linear1)));
-        v.extend(prefixed("linear2", linear_params(&self.linear2)));
+        v.extend(prefixed("multihead_attn", self.multihead_attn.named_parameters()));
+        v.extend(prefixed("linear1", self.linear1.named_parameters()));
+        v.extend(prefixed("linear2", self.linear2.named_parameters()));
         v.extend(prefixed("norm1", self.norm1.named_parameters()));
         v.extend(prefixed("norm2", self.norm2.named_parameters()));
         v.extend(prefixed("norm3", self.norm3.named_parameters()));

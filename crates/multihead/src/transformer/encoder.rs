@@ -67,13 +67,7 @@ impl TransformerEncoder {
             Some(n) => Some(LayerNorm::new(layer.d_model, n.eps, n.bias, vb.pp("norm"))?),
             None => None,
         };
-        Ok(Self {
-            layers,
-            norm,
-            training: true,
-            inference_mode: false,
-            enable_nested_tensor: true,
-        })
+        Ok(Self { layers, norm, training: true, inference_mode: false, enable_nested_tensor: true })
     }
 
     /// The layers.
@@ -120,11 +114,7 @@ impl TransformerEncoder {
         src_key_padding_mask: Option<&Mask>,
         is_causal: Option<bool>,
     ) -> Result<Tensor> {
-        let batch_first = self
-            .layers
-            .first()
-            .map(|l| l.config().batch_first)
-            .unwrap_or(false);
+        let batch_first = self.layers.first().map(|l| l.config().batch_first).unwrap_or(false);
         let is_causal = detect_is_causal(mask, is_causal, seq_len(src, batch_first)?)?;
         // PyTorch's nested-tensor ("sparsity") fast path, in inference only.
         let padded = match src_key_padding_mask {

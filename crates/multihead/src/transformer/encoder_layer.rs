@@ -54,15 +54,7 @@ impl TransformerEncoderLayer {
         let linear2 = Linear::new(cfg.dim_feedforward, cfg.d_model, cfg.bias, vb.pp("linear2"))?;
         let norm1 = LayerNorm::new(cfg.d_model, cfg.layer_norm_eps, cfg.bias, vb.pp("norm1"))?;
         let norm2 = LayerNorm::new(cfg.d_model, cfg.layer_norm_eps, cfg.bias, vb.pp("norm2"))?;
-        Ok(Self {
-            cfg,
-            self_attn,
-            linear1,
-            linear2,
-            norm1,
-            norm2,
-            training: true,
-        })
+        Ok(Self { cfg, self_attn, linear1, linear2, norm1, norm2, training: true })
     }
 
     /// The constructor arguments.
@@ -98,9 +90,7 @@ impl TransformerEncoderLayer {
         kpm: Option<&Mask>,
         is_causal: bool,
     ) -> Result<Tensor> {
-        let mut opts = MhaOptions::default()
-            .need_weights(false)
-            .is_causal(is_causal);
+        let mut opts = MhaOptions::default().need_weights(false).is_causal(is_causal);
         opts.attn_mask = mask.cloned();
         opts.key_padding_mask = kpm.cloned();
         let out = self.self_attn.forward(x, x, x, &opts)?.output;
@@ -144,18 +134,10 @@ impl TransformerEncoderLayer {
 impl NamedParameters for TransformerEncoderLayer {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         let mut v = prefixed("self_attn", self.self_attn.named_parameters());
-        v.extend(prefixed("linear1", linear_params(&self.linear1)));
-        v.extend(prefixed("linear2", linear_params(&self.linear2)));
+        v.extend(prefixed("linear1", self.linear1.named_parameters()));
+        v.extend(prefixed("linear2", self.linear2.named_parameters()));
         v.extend(prefixed("norm1", self.norm1.named_parameters()));
         v.extend(prefixed("norm2", self.norm2.named_parameters()));
         v
     }
-}
-
-pub(crate) fn linear_params(l: &Linear) -> Vec<(String, Tensor)> {
-    let mut v = vec![("weight".to_string(), l.weight().clone())];
-    if let Some(b) = l.bias() {
-        v.push(("bias".to_string(), b.clone()));
-    }
-    v
 }

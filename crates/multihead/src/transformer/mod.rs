@@ -124,10 +124,7 @@ pub struct NormConfig {
 
 impl Default for NormConfig {
     fn default() -> Self {
-        Self {
-            eps: 1e-5,
-            bias: true,
-        }
+        Self { eps: 1e-5, bias: true }
     }
 }
 
@@ -136,10 +133,7 @@ pub(crate) fn prefixed(
     prefix: &str,
     params: Vec<(String, candle_core::Tensor)>,
 ) -> Vec<(String, candle_core::Tensor)> {
-    params
-        .into_iter()
-        .map(|(k, t)| (format!("{prefix}.{k}"), t))
-        .collect()
+    params.into_iter().map(|(k, t)| (format!("{prefix}.{k}"), t)).collect()
 }
 
 /// The sequence length of a Transformer input (`_get_seq_len`).
@@ -172,10 +166,9 @@ pub(crate) fn detect_is_causal(
             .into_iter()
             .map(|b| if b != 0 { f64::NEG_INFINITY } else { 0.0 })
             .collect(),
-        crate::Mask::Float(_) => t
-            .flatten_all()?
-            .to_dtype(candle_core::DType::F64)?
-            .to_vec1::<f64>()?,
+        crate::Mask::Float(_) => {
+            t.flatten_all()?.to_dtype(candle_core::DType::F64)?.to_vec1::<f64>()?
+        }
     };
     for i in 0..sz {
         for j in 0..sz {

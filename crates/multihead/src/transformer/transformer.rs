@@ -23,11 +23,7 @@ pub struct TransformerConfig {
 
 impl Default for TransformerConfig {
     fn default() -> Self {
-        Self {
-            layer: LayerConfig::new(512, 8),
-            num_encoder_layers: 6,
-            num_decoder_layers: 6,
-        }
+        Self { layer: LayerConfig::new(512, 8), num_encoder_layers: 6, num_decoder_layers: 6 }
     }
 }
 
@@ -81,10 +77,7 @@ pub struct Transformer {
 impl Transformer {
     /// Builds the model from `vb` under PyTorch's keys.
     pub fn new(cfg: TransformerConfig, vb: VarBuilder) -> Result<Self> {
-        let norm = Some(NormConfig {
-            eps: cfg.layer.layer_norm_eps,
-            bias: cfg.layer.bias,
-        });
+        let norm = Some(NormConfig { eps: cfg.layer.layer_norm_eps, bias: cfg.layer.bias });
         let encoder = TransformerEncoder::new(
             cfg.layer.clone(),
             cfg.num_encoder_layers,
@@ -97,11 +90,7 @@ impl Transformer {
             norm,
             vb.pp("decoder"),
         )?;
-        Ok(Self {
-            cfg,
-            encoder,
-            decoder,
-        })
+        Ok(Self { cfg, encoder, decoder })
     }
 
     /// The encoder.
@@ -137,11 +126,7 @@ impl Transformer {
         let bf = self.cfg.layer.batch_first;
         let is_batched = src.rank() == 3;
         if is_batched {
-            let (bs, bt) = if bf {
-                (src.dim(0)?, tgt.dim(0)?)
-            } else {
-                (src.dim(1)?, tgt.dim(1)?)
-            };
+            let (bs, bt) = if bf { (src.dim(0)?, tgt.dim(0)?) } else { (src.dim(1)?, tgt.dim(1)?) };
             if tgt.rank() != 3 || bs != bt {
                 return Err(Error::Shape {
                     op: "Transformer",

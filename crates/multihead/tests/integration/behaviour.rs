@@ -12,11 +12,7 @@ use crate::common::{assert_close, det, dev, mha, var};
 const F64: DType = DType::F64;
 
 fn param(m: &impl NamedParameters, key: &str) -> Tensor {
-    m.named_parameters()
-        .into_iter()
-        .find(|(k, _)| k == key)
-        .map(|(_, t)| t)
-        .expect("param")
+    m.named_parameters().into_iter().find(|(k, _)| k == key).map(|(_, t)| t).expect("param")
 }
 
 #[test]
@@ -24,21 +20,14 @@ fn packed_in_proj_equals_separate_q_k_v() {
     let (m, _vm) = mha(MhaConfig::new(8, 2), F64);
     let w = param(&m, "in_proj_weight");
     let b = param(&m, "in_proj_bias");
-    let (wq, wk, wv) = (
-        w.narrow(0, 0, 8).unwrap(),
-        w.narrow(0, 8, 8).unwrap(),
-        w.narrow(0, 16, 8).unwrap(),
-    );
+    let (wq, wk, wv) =
+        (w.narrow(0, 0, 8).unwrap(), w.narrow(0, 8, 8).unwrap(), w.narrow(0, 16, 8).unwrap());
     let ow = param(&m, "out_proj.weight");
     let ob = param(&m, "out_proj.bias");
     let sep = MhaParams {
         embed_dim_to_check: 8,
         num_heads: 2,
-        in_proj: InProj::Separate {
-            q: &wq,
-            k: &wk,
-            v: &wv,
-        },
+        in_proj: InProj::Separate { q: &wq, k: &wk, v: &wv },
         in_proj_bias: Some(&b),
         bias_k: None,
         bias_v: None,
@@ -48,10 +37,7 @@ fn packed_in_proj_equals_separate_q_k_v() {
         out_proj_bias: Some(&ob),
     };
     let x = det(&[4, 3, 8], F64, 1.0);
-    for (k, v) in [
-        (x.clone(), x.clone()),
-        (det(&[5, 3, 8], F64, 2.0), det(&[5, 3, 8], F64, 3.0)),
-    ] {
+    for (k, v) in [(x.clone(), x.clone()), (det(&[5, 3, 8], F64, 2.0), det(&[5, 3, 8], F64, 3.0))] {
         let packed = m.forward(&x, &k, &v, &MhaOptions::default()).unwrap();
         let separate =
             multi_head_attention_forward(&x, &k, &v, &sep, &MhaOptions::default(), true).unwrap();
@@ -74,17 +60,9 @@ fn padding_with_a_key_mask_equals_no_padding() {
     let padded = Tensor::cat(&[&kv, &garbage], 1).unwrap();
     let kpm = Mask::Bool(Tensor::new(&[[0u8, 0, 0, 0, 1, 1, 1]], &dev()).unwrap());
     for need_weights in [true, false] {
-        let plain = m
-            .forward(
-                &q,
-                &kv,
-                &kv,
-                &MhaOptions::default().need_weights(need_weights),
-            )
-            .unwrap();
-        let opts = MhaOptions::default()
-            .need_weights(need_weights)
-            .key_padding_mask(kpm.clone());
+        let plain =
+            m.forward(&q, &kv, &kv, &MhaOptions::default().need_weights(need_weights)).unwrap();
+        let opts = MhaOptions::default().need_weights(need_weights).key_padding_mask(kpm.clone());
         let masked = m.forward(&q, &padded, &padded, &opts).unwrap();
         assert_close(&masked.output, &plain.output, Tolerance::F64, "output");
         if need_weights {
@@ -119,9 +97,7 @@ fn is_causal_equals_an_explicit_causal_mask() {
             &x,
             &x,
             &x,
-            &MhaOptions::default()
-                .need_weights(false)
-                .attn_mask(Mask::Float(causal.clone())),
+            &MhaOptions::default().need_weights(false).attn_mask(Mask::Float(causal.clone())),
         )
         .unwrap();
     // The hint discards the given mask (PyTorch's rule), even a non-causal one.
@@ -144,9 +120,7 @@ fn is_causal_equals_an_explicit_causal_mask() {
     let v = det(&[2, 3, 7, 5], F64, 3.0);
     let a =
         scaled_dot_product_attention(&q, &k, &v, &SdpaOptions::default().is_causal(true)).unwrap();
-    let keep: Vec<u8> = (0..4)
-        .flat_map(|i| (0..7).map(move |j| (j <= i) as u8))
-        .collect();
+    let keep: Vec<u8> = (0..4).flat_map(|i| (0..7).map(move |j| (j <= i) as u8)).collect();
     let keep = Tensor::from_vec(keep, (4, 7), &dev()).unwrap();
     let b = scaled_dot_product_attention(
         &q,
@@ -160,24 +134,14 @@ fn is_causal_equals_an_explicit_causal_mask() {
 
 #[test]
 fn unbatched_equals_a_batch_of_one_and_batch_first_equals_transpose() {
-    let (m, _vm) = mha(
-        MhaConfig::new(6, 3)
-            .with_add_bias_kv(true)
-            .with_add_zero_attn(true),
-        F64,
-    );
+    let (m, _vm) = mha(MhaConfig::new(6, 3).with_add_bias_kv(true).with_add_zero_attn(true), F64);
     let q = det(&[4, 6], F64, 1.0);
     let k = det(&[5, 6], F64, 2.0);
     let mask = Mask::Bool(
-        Tensor::new(
-            &[[0u8, 1, 0, 0, 0], [0, 0, 0, 1, 0], [1, 0, 0, 0, 0], [0; 5]],
-            &dev(),
-        )
-        .unwrap(),
+        Tensor::new(&[[0u8, 1, 0, 0, 0], [0, 0, 0, 1, 0], [1, 0, 0, 0, 0], [0; 5]], &dev())
+            .unwrap(),
     );
-    let opts = MhaOptions::default()
-        .attn_mask(mask)
-        .average_attn_weights(false);
+    let opts = MhaOptions::default().attn_mask(mask).average_attn_weights(false);
     let un = m.forward(&q, &k, &k, &opts).unwrap();
     let b1 = m
         .forward(
@@ -187,12 +151,7 @@ fn unbatched_equals_a_batch_of_one_and_batch_first_equals_transpose() {
             &opts,
         )
         .unwrap();
-    assert_close(
-        &un.output,
-        &b1.output.squeeze(1).unwrap(),
-        Tolerance::F64,
-        "output",
-    );
+    assert_close(&un.output, &b1.output.squeeze(1).unwrap(), Tolerance::F64, "output");
     assert_close(
         un.attn_weights.as_ref().unwrap(),
         &b1.attn_weights.unwrap().squeeze(0).unwrap(),
@@ -212,12 +171,7 @@ fn unbatched_equals_a_batch_of_one_and_batch_first_equals_transpose() {
     let a = seq.forward(&x, &x, &x, &MhaOptions::default()).unwrap();
     let xt = x.transpose(0, 1).unwrap().contiguous().unwrap();
     let b = bf.forward(&xt, &xt, &xt, &MhaOptions::default()).unwrap();
-    assert_close(
-        &b.output.transpose(0, 1).unwrap(),
-        &a.output,
-        Tolerance::F64,
-        "batch_first",
-    );
+    assert_close(&b.output.transpose(0, 1).unwrap(), &a.output, Tolerance::F64, "batch_first");
     assert_close(
         b.attn_weights.as_ref().unwrap(),
         a.attn_weights.as_ref().unwrap(),
@@ -235,9 +189,7 @@ fn fully_masked_rows_give_zero_attention_on_every_path() {
     let bias = param(&m, "out_proj.bias");
     for need_weights in [true, false] {
         let qv = var(&q);
-        let opts = MhaOptions::default()
-            .key_padding_mask(kpm.clone())
-            .need_weights(need_weights);
+        let opts = MhaOptions::default().key_padding_mask(kpm.clone()).need_weights(need_weights);
         let out = m.forward(qv.as_tensor(), &k, &k, &opts).unwrap();
         // Batch element 1 has every key padded: its rows equal out_proj.bias.
         let row = out.output.narrow(1, 1, 1).unwrap().reshape((3, 8)).unwrap();
@@ -261,21 +213,8 @@ fn fully_masked_rows_give_zero_attention_on_every_path() {
             );
         }
         // Gradients are finite.
-        let grads = out
-            .output
-            .sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        let g = grads
-            .get(qv.as_tensor())
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap();
+        let grads = out.output.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        let g = grads.get(qv.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
         assert!(g.iter().all(|x| x.is_finite()));
     }
 }
@@ -302,13 +241,8 @@ fn loss(
 fn gradients_of_every_parameter_match_finite_differences() {
     let configs = [
         MhaConfig::new(6, 2),
-        MhaConfig::new(6, 3)
-            .with_kdim(4)
-            .with_vdim(5)
-            .with_add_bias_kv(true),
-        MhaConfig::new(4, 2)
-            .with_add_zero_attn(true)
-            .with_bias(false),
+        MhaConfig::new(6, 3).with_kdim(4).with_vdim(5).with_add_bias_kv(true),
+        MhaConfig::new(4, 2).with_add_zero_attn(true).with_bias(false),
     ];
     for cfg in configs {
         let (m, vm) = mha(cfg.clone(), F64);
@@ -326,57 +260,35 @@ fn gradients_of_every_parameter_match_finite_differences() {
             ("key".to_string(), k.as_tensor().clone()),
             ("value".to_string(), v.as_tensor().clone()),
         ]) {
-            let g = grads
-                .get(&t)
-                .unwrap_or_else(|| panic!("{cfg:?}: no gradient for {name}"));
+            let g = grads.get(&t).unwrap_or_else(|| panic!("{cfg:?}: no gradient for {name}"));
             let g = g.flatten_all().unwrap().to_vec1::<f64>().unwrap();
             // Central differences on a few entries of each tensor.
             let data = vm.data().lock().unwrap();
-            let target: Option<candle_core::Var> = data
-                .values()
-                .find(|v| v.as_tensor().id() == t.id())
-                .cloned();
+            let target: Option<candle_core::Var> =
+                data.values().find(|v| v.as_tensor().id() == t.id()).cloned();
             drop(data);
             let target = target.unwrap_or_else(|| {
-                [&q, &k, &v]
-                    .into_iter()
-                    .find(|v| v.as_tensor().id() == t.id())
-                    .unwrap()
-                    .clone()
+                [&q, &k, &v].into_iter().find(|v| v.as_tensor().id() == t.id()).unwrap().clone()
             });
-            let base = target
-                .as_tensor()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f64>()
-                .unwrap();
+            let base = target.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap();
             for idx in [0, base.len() / 2, base.len() - 1] {
                 let h = 1e-6;
                 let mut plus = base.clone();
                 plus[idx] += h;
-                target
-                    .set(&Tensor::from_vec(plus, t.dims(), &dev()).unwrap())
-                    .unwrap();
+                target.set(&Tensor::from_vec(plus, t.dims(), &dev()).unwrap()).unwrap();
                 let lp = loss(&m, q.as_tensor(), k.as_tensor(), v.as_tensor(), &opts)
                     .to_scalar::<f64>()
                     .unwrap();
                 let mut minus = base.clone();
                 minus[idx] -= h;
-                target
-                    .set(&Tensor::from_vec(minus, t.dims(), &dev()).unwrap())
-                    .unwrap();
+                target.set(&Tensor::from_vec(minus, t.dims(), &dev()).unwrap()).unwrap();
                 let lm = loss(&m, q.as_tensor(), k.as_tensor(), v.as_tensor(), &opts)
                     .to_scalar::<f64>()
                     .unwrap();
-                target
-                    .set(&Tensor::from_vec(base.clone(), t.dims(), &dev()).unwrap())
-                    .unwrap();
+                target.set(&Tensor::from_vec(base.clone(), t.dims(), &dev()).unwrap()).unwrap();
                 let fd = (lp - lm) / (2.0 * h);
                 // Central differences are accurate to O(h^2) plus rounding of about 1e-10 / h.
-                let tol = Tolerance {
-                    rel: 1e-6,
-                    abs: 1e-7,
-                };
+                let tol = Tolerance { rel: 1e-6, abs: 1e-7 };
                 assert!(
                     tol.close(g[idx], fd),
                     "{cfg:?} {name}[{idx}]: autograd {} vs finite difference {fd}",
@@ -397,12 +309,7 @@ fn dropout_is_seeded_counted_and_off_in_eval() {
     let b = m.forward(&x, &x, &x, &opts).unwrap();
     multihead::manual_seed(3);
     let a2 = m.forward(&x, &x, &x, &opts).unwrap();
-    assert_close(
-        &a2.output,
-        &a.output,
-        Tolerance { rel: 0.0, abs: 0.0 },
-        "same seed",
-    );
+    assert_close(&a2.output, &a.output, Tolerance { rel: 0.0, abs: 0.0 }, "same seed");
     let diff = a
         .output
         .sub(&b.output)
@@ -414,61 +321,26 @@ fn dropout_is_seeded_counted_and_off_in_eval() {
         .max_keepdim(1)
         .unwrap();
     assert!(
-        diff.flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap()
-            > 1e-3,
+        diff.flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap() > 1e-3,
         "next call draws a new mask"
     );
     // About half the weights are zeroed; survivors are scaled by 2, so rows sum to ~1 on average.
-    let w = a
-        .attn_weights
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap();
+    let w = a.attn_weights.unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
     let zeros = w.iter().filter(|x| **x == 0.0).count() as f64 / w.len() as f64;
     assert!((zeros - 0.5).abs() < 0.06, "dropped fraction {zeros}");
     // need_weights=False with the same key gives the same output.
     let key = DropoutKey { seed: 9, offset: 1 };
-    let with_w = m
-        .forward(&x, &x, &x, &opts.clone().dropout_key(key))
-        .unwrap();
-    let without = m
-        .forward(
-            &x,
-            &x,
-            &x,
-            &opts.clone().dropout_key(key).need_weights(false),
-        )
-        .unwrap();
-    assert_close(
-        &without.output,
-        &with_w.output,
-        Tolerance::F64,
-        "same key, both branches",
-    );
+    let with_w = m.forward(&x, &x, &x, &opts.clone().dropout_key(key)).unwrap();
+    let without =
+        m.forward(&x, &x, &x, &opts.clone().dropout_key(key).need_weights(false)).unwrap();
+    assert_close(&without.output, &with_w.output, Tolerance::F64, "same key, both branches");
     // Eval mode: no dropout, weights rows sum to one.
     m.eval();
     let e1 = m.forward(&x, &x, &x, &opts).unwrap();
     let e2 = m.forward(&x, &x, &x, &opts).unwrap();
-    assert_close(
-        &e1.output,
-        &e2.output,
-        Tolerance { rel: 0.0, abs: 0.0 },
-        "eval",
-    );
+    assert_close(&e1.output, &e2.output, Tolerance { rel: 0.0, abs: 0.0 }, "eval");
     let sums = e1.attn_weights.unwrap().sum(3).unwrap();
-    assert_close(
-        &sums,
-        &sums.ones_like().unwrap(),
-        Tolerance::F64,
-        "rows sum to 1",
-    );
+    assert_close(&sums, &sums.ones_like().unwrap(), Tolerance::F64, "rows sum to 1");
 }
 
 #[test]
@@ -486,11 +358,8 @@ fn sdpa_gqa_equals_repeated_heads_and_bool_polarity_is_keep() {
     assert_close(&gqa, &manual, Tolerance::F64, "gqa");
     assert_eq!(gqa.dims(), &[2, 4, 3, 7]);
 
-    let keep = Tensor::new(
-        &[[1u8, 0, 1, 1, 0, 1], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]],
-        &dev(),
-    )
-    .unwrap();
+    let keep = Tensor::new(&[[1u8, 0, 1, 1, 0, 1], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], &dev())
+        .unwrap();
     let neg: Vec<f64> = keep
         .flatten_all()
         .unwrap()
@@ -516,15 +385,8 @@ fn sdpa_gqa_equals_repeated_heads_and_bool_polarity_is_keep() {
     .unwrap();
     assert_close(&a, &b, Tolerance::F64, "bool keep == float 0/-inf");
     // Row 1 is fully masked: zeros, not NaN.
-    let row = a
-        .narrow(2, 1, 1)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
+    let row =
+        a.narrow(2, 1, 1).unwrap().abs().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
     assert_eq!(row, 0.0);
 }
 
@@ -581,21 +443,11 @@ fn the_module_composes_with_candle_layers() {
     )
     .unwrap();
     let x = det(&[2, 5, 8], DType::F32, 1.0);
-    let y = lin
-        .forward(
-            &candle_core::Module::forward(&m, &x)
-                .unwrap()
-                .relu()
-                .unwrap(),
-        )
-        .unwrap();
+    let y = lin.forward(&candle_core::Module::forward(&m, &x).unwrap().relu().unwrap()).unwrap();
     assert_eq!(y.dims(), &[2, 5, 3]);
     let grads = y.sum_all().unwrap().backward().unwrap();
     for v in vm.all_vars() {
-        assert!(
-            grads.get(v.as_tensor()).is_some(),
-            "a variable got no gradient"
-        );
+        assert!(grads.get(v.as_tensor()).is_some(), "a variable got no gradient");
     }
     assert_eq!(vm.all_vars().len(), 6);
 }

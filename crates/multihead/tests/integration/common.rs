@@ -12,12 +12,8 @@ pub fn dev() -> Device {
 /// A deterministic pseudo-random tensor (sin-based, so the tests need no RNG state).
 pub fn det(shape: &[usize], dtype: DType, salt: f64) -> Tensor {
     let n: usize = shape.iter().product();
-    let data: Vec<f64> = (0..n)
-        .map(|i| ((i as f64 + 1.0) * 0.7311 + salt * 13.17).sin())
-        .collect();
-    Tensor::from_vec(data, shape, &dev())
-        .and_then(|t| t.to_dtype(dtype))
-        .expect("tensor")
+    let data: Vec<f64> = (0..n).map(|i| ((i as f64 + 1.0) * 0.7311 + salt * 13.17).sin()).collect();
+    Tensor::from_vec(data, shape, &dev()).and_then(|t| t.to_dtype(dtype)).expect("tensor")
 }
 
 /// Builds an MHA whose parameters are deterministic, non-trivial values (biases included).
@@ -29,9 +25,7 @@ pub fn mha(cfg: MhaConfig, dtype: DType) -> (MultiheadAttention, VarMap) {
         let data = vm.data().lock().expect("lock");
         for var in data.values() {
             if var.as_tensor().id() == t.id() {
-                let v = det(t.dims(), dtype, i as f64 + 0.5)
-                    .affine(0.4, 0.0)
-                    .expect("affine");
+                let v = det(t.dims(), dtype, i as f64 + 0.5).affine(0.4, 0.0).expect("affine");
                 var.set(&v).expect("set");
             }
         }

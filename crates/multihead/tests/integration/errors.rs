@@ -41,14 +41,7 @@ fn query_rank() {
         let q = t(shape);
         let (e, s) = mha_err(MhaConfig::new(8, 2), &q, &q, &q, MhaOptions::default());
         assert!(matches!(e, Error::Shape { arg: "query", .. }), "{e:?}");
-        contains_all(
-            &s,
-            &[
-                "multi_head_attention_forward",
-                "query",
-                &format!("{}-D", shape.len()),
-            ],
-        );
+        contains_all(&s, &["multi_head_attention_forward", "query", &format!("{}-D", shape.len())]);
     }
 }
 
@@ -62,10 +55,7 @@ fn key_value_rank_batched_and_unbatched() {
         MhaOptions::default(),
     );
     assert!(matches!(e, Error::Shape { arg: "key", .. }));
-    contains_all(
-        &s,
-        &["batched (3-D)", "3-D but found 2-D and 3-D", "(5, 8)"],
-    );
+    contains_all(&s, &["batched (3-D)", "3-D but found 2-D and 3-D", "(5, 8)"]);
     let (_, s) = mha_err(
         MhaConfig::new(8, 2),
         &t(&[3, 8]),
@@ -81,13 +71,7 @@ fn key_padding_mask_rank() {
     let q = t(&[3, 2, 8]);
     let opts = MhaOptions::default().key_padding_mask(Mask::Bool(u8s(&[2, 3, 3])));
     let (e, s) = mha_err(MhaConfig::new(8, 2), &q, &q, &q, opts);
-    assert!(matches!(
-        e,
-        Error::Shape {
-            arg: "key_padding_mask",
-            ..
-        }
-    ));
+    assert!(matches!(e, Error::Shape { arg: "key_padding_mask", .. }));
     contains_all(&s, &["key_padding_mask", "2-D but found 3-D", "(2, 3, 3)"]);
     let q = t(&[3, 8]);
     let opts = MhaOptions::default().key_padding_mask(Mask::Bool(u8s(&[1, 3])));
@@ -100,13 +84,7 @@ fn attn_mask_rank_and_unbatched_3d_shape() {
     let q = t(&[3, 2, 8]);
     let opts = MhaOptions::default().attn_mask(Mask::Bool(u8s(&[3])));
     let (e, s) = mha_err(MhaConfig::new(8, 2), &q, &q, &q, opts);
-    assert!(matches!(
-        e,
-        Error::Shape {
-            arg: "attn_mask",
-            ..
-        }
-    ));
+    assert!(matches!(e, Error::Shape { arg: "attn_mask", .. }));
     contains_all(&s, &["attn_mask", "2-D or 3-D but found 1-D"]);
     let q = t(&[3, 8]);
     let k = t(&[5, 8]);
@@ -120,18 +98,9 @@ fn mask_dtypes_must_be_bool_or_float() {
     let q = t(&[3, 2, 8]);
     let int_mask = Tensor::zeros((3, 3), DType::I64, &dev()).expect("zeros");
     for (arg, opts) in [
-        (
-            "attn_mask",
-            MhaOptions::default().attn_mask(Mask::Bool(int_mask.clone())),
-        ),
-        (
-            "attn_mask",
-            MhaOptions::default().attn_mask(Mask::Float(u8s(&[3, 3]))),
-        ),
-        (
-            "key_padding_mask",
-            MhaOptions::default().key_padding_mask(Mask::Bool(t(&[2, 3]))),
-        ),
+        ("attn_mask", MhaOptions::default().attn_mask(Mask::Bool(int_mask.clone()))),
+        ("attn_mask", MhaOptions::default().attn_mask(Mask::Float(u8s(&[3, 3])))),
+        ("key_padding_mask", MhaOptions::default().key_padding_mask(Mask::Bool(t(&[2, 3])))),
     ] {
         let (e, s) = mha_err(MhaConfig::new(8, 2), &q, &q, &q, opts);
         assert!(matches!(e, Error::DType { .. }), "{e:?}");
@@ -142,28 +111,9 @@ fn mask_dtypes_must_be_bool_or_float() {
 #[test]
 fn is_causal_needs_a_mask() {
     let q = t(&[3, 2, 8]);
-    let (e, s) = mha_err(
-        MhaConfig::new(8, 2),
-        &q,
-        &q,
-        &q,
-        MhaOptions::default().is_causal(true),
-    );
-    assert!(matches!(
-        e,
-        Error::Config {
-            arg: "is_causal",
-            ..
-        }
-    ));
-    contains_all(
-        &s,
-        &[
-            "need attn_mask",
-            "is_causal",
-            "generate_square_subsequent_mask",
-        ],
-    );
+    let (e, s) = mha_err(MhaConfig::new(8, 2), &q, &q, &q, MhaOptions::default().is_causal(true));
+    assert!(matches!(e, Error::Config { arg: "is_causal", .. }));
+    contains_all(&s, &["need attn_mask", "is_causal", "generate_square_subsequent_mask"]);
 }
 
 #[test]
@@ -171,13 +121,7 @@ fn query_embedding_dim() {
     let q = t(&[3, 2, 10]);
     let (e, s) = mha_err(MhaConfig::new(8, 2), &q, &q, &q, MhaOptions::default());
     assert!(matches!(e, Error::Shape { arg: "query", .. }));
-    contains_all(
-        &s,
-        &[
-            "was expecting embedding dimension of 8, but got 10",
-            "(3, 2, 10)",
-        ],
-    );
+    contains_all(&s, &["was expecting embedding dimension of 8, but got 10", "(3, 2, 10)"]);
 }
 
 #[test]
@@ -190,18 +134,9 @@ fn packed_key_value_shapes() {
         MhaOptions::default(),
     );
     assert!(matches!(e, Error::Shape { arg: "value", .. }));
-    contains_all(
-        &s,
-        &["key shape (5, 2, 8) does not match value shape (6, 2, 8)"],
-    );
+    contains_all(&s, &["key shape (5, 2, 8) does not match value shape (6, 2, 8)"]);
     let k = t(&[5, 2, 10]);
-    let (e, s) = mha_err(
-        MhaConfig::new(8, 2),
-        &t(&[3, 2, 8]),
-        &k,
-        &k,
-        MhaOptions::default(),
-    );
+    let (e, s) = mha_err(MhaConfig::new(8, 2), &t(&[3, 2, 8]), &k, &k, MhaOptions::default());
     assert!(matches!(e, Error::Shape { arg: "key", .. }));
     contains_all(&s, &["key has 10 features", "(24, 8)", "(5, 2, 10)"]);
 }
@@ -209,44 +144,22 @@ fn packed_key_value_shapes() {
 #[test]
 fn separate_key_value_shapes() {
     let cfg = MhaConfig::new(8, 2).with_kdim(3).with_vdim(5);
-    let (e, s) = mha_err(
-        cfg.clone(),
-        &t(&[3, 2, 8]),
-        &t(&[5, 2, 3]),
-        &t(&[6, 2, 5]),
-        MhaOptions::default(),
-    );
+    let (e, s) =
+        mha_err(cfg.clone(), &t(&[3, 2, 8]), &t(&[5, 2, 3]), &t(&[6, 2, 5]), MhaOptions::default());
     assert!(matches!(e, Error::Shape { arg: "value", .. }));
     contains_all(&s, &["(5, 2)", "(6, 2)"]);
-    let (e, s) = mha_err(
-        cfg,
-        &t(&[3, 2, 8]),
-        &t(&[5, 2, 4]),
-        &t(&[5, 2, 5]),
-        MhaOptions::default(),
-    );
+    let (e, s) =
+        mha_err(cfg, &t(&[3, 2, 8]), &t(&[5, 2, 4]), &t(&[5, 2, 5]), MhaOptions::default());
     assert!(matches!(e, Error::Shape { arg: "key", .. }));
-    contains_all(
-        &s,
-        &["expecting key weights shape of (8, 4), but got (8, 3)"],
-    );
+    contains_all(&s, &["expecting key weights shape of (8, 4), but got (8, 3)"]);
 }
 
 #[test]
 fn batch_mismatch() {
     let k = t(&[5, 4, 8]);
-    let (e, s) = mha_err(
-        MhaConfig::new(8, 2),
-        &t(&[3, 2, 8]),
-        &k,
-        &k,
-        MhaOptions::default(),
-    );
+    let (e, s) = mha_err(MhaConfig::new(8, 2), &t(&[3, 2, 8]), &k, &k, MhaOptions::default());
     assert!(matches!(e, Error::Shape { arg: "key", .. }));
-    contains_all(
-        &s,
-        &["batch size 4", "batch size 2", "(3, 2, 8)", "(5, 4, 8)"],
-    );
+    contains_all(&s, &["batch size 4", "batch size 2", "(3, 2, 8)", "(5, 4, 8)"]);
 }
 
 #[test]
@@ -260,13 +173,7 @@ fn attn_mask_shapes() {
     for bad in [[1, 3, 5], [2, 3, 5]] {
         let opts = MhaOptions::default().attn_mask(Mask::Bool(u8s(&bad)));
         let (e, s) = mha_err(MhaConfig::new(8, 2), &q, &k, &k, opts);
-        assert!(matches!(
-            e,
-            Error::Shape {
-                arg: "attn_mask",
-                ..
-            }
-        ));
+        assert!(matches!(e, Error::Shape { arg: "attn_mask", .. }));
         contains_all(&s, &["(4, 3, 5)", &format!("({}, 3, 5)", bad[0])]);
     }
 }
@@ -278,13 +185,7 @@ fn key_padding_mask_shapes() {
     for bad in [[3, 5], [2, 6]] {
         let opts = MhaOptions::default().key_padding_mask(Mask::Bool(u8s(&bad)));
         let (e, s) = mha_err(MhaConfig::new(8, 2), &q, &k, &k, opts);
-        assert!(matches!(
-            e,
-            Error::Shape {
-                arg: "key_padding_mask",
-                ..
-            }
-        ));
+        assert!(matches!(e, Error::Shape { arg: "key_padding_mask", .. }));
         contains_all(&s, &["(2, 5)", &format!("({}, {})", bad[0], bad[1])]);
     }
 }
@@ -301,13 +202,7 @@ fn dtype_mismatches() {
             .attn_mask(Mask::Float(det(&[3, 3], DType::F64, 0.2)))
             .need_weights(need_weights);
         let (e, s) = mha_err(MhaConfig::new(8, 2), &q, &q, &q, opts);
-        assert!(matches!(
-            e,
-            Error::DType {
-                arg: "attn_mask",
-                ..
-            }
-        ));
+        assert!(matches!(e, Error::DType { arg: "attn_mask", .. }));
         contains_all(&s, &["attn_mask", "F32", "F64"]);
     }
 }
@@ -321,20 +216,11 @@ fn constructor_checks() {
             .expect_err("invalid config")
             .to_string()
     };
-    contains_all(
-        &build(MhaConfig::new(0, 1)),
-        &["embed_dim=0", "greater than 0"],
-    );
+    contains_all(&build(MhaConfig::new(0, 1)), &["embed_dim=0", "greater than 0"]);
     contains_all(&build(MhaConfig::new(8, 0)), &["num_heads=0"]);
-    contains_all(
-        &build(MhaConfig::new(8, 3)),
-        &["divisible", "embed_dim=8", "num_heads=3"],
-    );
+    contains_all(&build(MhaConfig::new(8, 3)), &["divisible", "embed_dim=8", "num_heads=3"]);
     for p in [1.5, -0.1, 1.0, f64::NAN] {
-        contains_all(
-            &build(MhaConfig::new(8, 2).with_dropout(p)),
-            &["dropout", "[0, 1)"],
-        );
+        contains_all(&build(MhaConfig::new(8, 2).with_dropout(p)), &["dropout", "[0, 1)"]);
     }
 }
 
@@ -343,27 +229,14 @@ fn sdpa_checks() {
     let q = t(&[2, 4, 3, 8]);
     let k = t(&[2, 4, 5, 8]);
     let sd = |q: &Tensor, k: &Tensor, v: &Tensor, o: SdpaOptions| {
-        scaled_dot_product_attention(q, k, v, &o)
-            .expect_err("rejected")
-            .to_string()
+        scaled_dot_product_attention(q, k, v, &o).expect_err("rejected").to_string()
     };
-    contains_all(
-        &sd(&t(&[8]), &k, &k, SdpaOptions::default()),
-        &["at least 2 dimensional", "1-D"],
-    );
+    contains_all(&sd(&t(&[8]), &k, &k, SdpaOptions::default()), &["at least 2 dimensional", "1-D"]);
     let k64 = det(&[2, 4, 5, 8], DType::F64, 0.0);
-    contains_all(
-        &sd(&q, &k64, &k64, SdpaOptions::default()),
-        &["same dtype", "F32", "F64"],
-    );
+    contains_all(&sd(&q, &k64, &k64, SdpaOptions::default()), &["same dtype", "F32", "F64"]);
     let mask = Mask::Bool(u8s(&[3, 5]));
     contains_all(
-        &sd(
-            &q,
-            &k,
-            &k,
-            SdpaOptions::default().attn_mask(mask).is_causal(true),
-        ),
+        &sd(&q, &k, &k, SdpaOptions::default().attn_mask(mask).is_causal(true)),
         &["attn_mask", "is_causal"],
     );
     let k3 = t(&[2, 3, 5, 8]);
@@ -376,20 +249,9 @@ fn sdpa_checks() {
         &["do not broadcast", "(2, 4, 3, 8)", "(2, 3, 5, 8)"],
     );
     contains_all(
-        &sd(
-            &q,
-            &k,
-            &k,
-            SdpaOptions::default().attn_mask(Mask::Float(t(&[3, 4]))),
-        ),
+        &sd(&q, &k, &k, SdpaOptions::default().attn_mask(Mask::Float(t(&[3, 4])))),
         &["attn_mask", "(3, 4)", "(2, 4, 3, 5)"],
     );
-    contains_all(
-        &sd(&q, &k, &k, SdpaOptions::default().dropout_p(1.5)),
-        &["dropout", "1.5"],
-    );
-    contains_all(
-        &sd(&q, &t(&[2, 4, 5, 7]), &k, SdpaOptions::default()),
-        &["key", "(2, 4, 5, 7)"],
-    );
+    contains_all(&sd(&q, &k, &k, SdpaOptions::default().dropout_p(1.5)), &["dropout", "1.5"]);
+    contains_all(&sd(&q, &t(&[2, 4, 5, 7]), &k, SdpaOptions::default()), &["key", "(2, 4, 5, 7)"]);
 }

@@ -8,9 +8,7 @@ use multihead::parity::{self, Case};
 use multihead::Tolerance;
 
 fn fixture_root(kind: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(kind)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(kind)
 }
 
 fn case_dirs(kind: &str) -> Vec<PathBuf> {
@@ -26,10 +24,19 @@ fn case_dirs(kind: &str) -> Vec<PathBuf> {
 
 #[test]
 fn every_mha_golden_case_matches_pytorch() {
-    let dirs = case_dirs("mha");
+    replay_all("mha", 60, 500);
+}
+
+#[test]
+fn every_transformer_golden_case_matches_pytorch() {
+    replay_all("transformer", 40, 400);
+}
+
+fn replay_all(kind: &str, min_cases: usize, min_tensors: usize) {
+    let dirs = case_dirs(kind);
     assert!(
-        dirs.len() >= 60,
-        "expected at least 60 MHA cases, found {}",
+        dirs.len() >= min_cases,
+        "expected at least {min_cases} {kind} cases, found {}",
         dirs.len()
     );
     let mut failures = Vec::new();
@@ -38,11 +45,7 @@ fn every_mha_golden_case_matches_pytorch() {
         let case = Case::load(dir).expect("case loads");
         let dtype = case.dtype().expect("case dtype");
         let result = parity::replay(&case).expect("case replays");
-        for (name, expected) in case
-            .tensors
-            .iter()
-            .filter(|(k, _)| k.starts_with("expect."))
-        {
+        for (name, expected) in case.tensors.iter().filter(|(k, _)| k.starts_with("expect.")) {
             let key = &name["expect.".len()..];
             let tol = Tolerance::for_dtype(dtype, key.starts_with("grad."));
             let Some(actual) = result.get(key) else {
@@ -61,13 +64,8 @@ fn every_mha_golden_case_matches_pytorch() {
             }
         }
     }
-    assert!(compared > 500, "compared only {compared} tensors");
-    assert!(
-        failures.is_empty(),
-        "{} mismatches:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert!(compared > min_tensors, "compared only {compared} tensors");
+    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
 }
 
 #[test]
@@ -75,18 +73,15 @@ fn golden_cases_cover_gradients_for_inputs_and_every_parameter() {
     // For every grad-mode case, the replay must produce a gradient for each distinct input and
     // each parameter, and PyTorch's expected set must be exactly what the replay produced.
     let mut grad_cases = 0;
-    for dir in case_dirs("mha") {
+    for dir in case_dirs("mha").into_iter().chain(case_dirs("transformer")) {
         let case = Case::load(&dir).expect("case loads");
         if case.meta["grad_mode"] != serde_json::Value::Bool(true) {
             continue;
         }
         grad_cases += 1;
         let result = parity::replay(&case).expect("replays");
-        let produced: Vec<&str> = result
-            .keys()
-            .filter(|k| k.starts_with("grad."))
-            .map(|k| k.as_str())
-            .collect();
+        let produced: Vec<&str> =
+            result.keys().filter(|k| k.starts_with("grad.")).map(|k| k.as_str()).collect();
         let mut expected: Vec<&str> = case
             .tensors
             .keys()
@@ -94,18 +89,11 @@ fn golden_cases_cover_gradients_for_inputs_and_every_parameter() {
             .collect();
         expected.sort();
         assert_eq!(produced, expected, "{}", dir.display());
-        let params = case
-            .tensors
-            .keys()
-            .filter(|k| k.starts_with("param."))
-            .count();
-        let param_grads = produced
-            .iter()
-            .filter(|k| k.starts_with("grad.param."))
-            .count();
+        let params = case.tensors.keys().filter(|k| k.starts_with("param.")).count();
+        let param_grads = produced.iter().filter(|k| k.starts_with("grad.param.")).count();
         assert_eq!(params, param_grads, "{}", dir.display());
     }
-    assert!(grad_cases >= 40, "only {grad_cases} gradient cases");
+    assert!(grad_cases >= 80, "only {grad_cases} gradient cases");
 }
 
 #[test]

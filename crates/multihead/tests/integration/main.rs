@@ -2,7 +2,9 @@
 
 mod behaviour;
 mod common;
+mod cos_init;
 mod errors;
 mod golden;
 mod properties;
 mod state_dict;
+mod transformer;

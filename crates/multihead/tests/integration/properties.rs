@@ -69,11 +69,7 @@ fn draw() -> impl Strategy<Value = Draw> {
         any::<bool>(),
         any::<bool>(),
     );
-    let d = (
-        any::<bool>(),
-        any::<bool>(),
-        prop_oneof![9 => Just(false), 1 => Just(true)],
-    );
+    let d = (any::<bool>(), any::<bool>(), prop_oneof![9 => Just(false), 1 => Just(true)]);
     (a, b, c, d).prop_map(|(a, b, c, d)| Draw {
         e: a.0,
         h: a.1,
@@ -123,11 +119,7 @@ fn mask_tensor(shape: &[usize], density: u8, float: bool, dtype: DType, salt: f6
 
 fn run(d: &Draw) -> Result<(), TestCaseError> {
     let mdtype = if d.module_f64 { DType::F64 } else { DType::F32 };
-    let idtype = if d.input_f64 != d.module_f64 {
-        DType::F64
-    } else {
-        mdtype
-    };
+    let idtype = if d.input_f64 != d.module_f64 { DType::F64 } else { mdtype };
     let mut cfg = MhaConfig::new(d.e, d.h)
         .with_bias(d.bias)
         .with_add_bias_kv(d.bias_kv)
@@ -161,10 +153,7 @@ fn run(d: &Draw) -> Result<(), TestCaseError> {
     let (k, v) = if d.self_attn {
         (q.clone(), q.clone())
     } else {
-        (
-            det(&shape(s, cfg.kdim()), idtype, 2.0),
-            det(&shape(d.s_value, cfg.vdim()), idtype, 3.0),
-        )
+        (det(&shape(s, cfg.kdim()), idtype, 2.0), det(&shape(d.s_value, cfg.vdim()), idtype, 3.0))
     };
     let s_eff = if d.self_attn { l } else { s };
     let nb = if d.unbatched { 1 } else { n };
@@ -174,51 +163,15 @@ fn run(d: &Draw) -> Result<(), TestCaseError> {
         .is_causal(d.is_causal);
     let lead = if d.unbatched { d.h } else { nb * d.h };
     opts.attn_mask = match d.attn_mask {
-        1 => Some(mask_tensor(
-            &[l, s_eff],
-            d.mask_density,
-            d.mask_float,
-            mdtype,
-            0.5,
-        )),
-        2 => Some(mask_tensor(
-            &[lead, l, s_eff],
-            d.mask_density,
-            d.mask_float,
-            mdtype,
-            0.7,
-        )),
-        3 => Some(mask_tensor(
-            &[1, l + 1, s_eff],
-            d.mask_density,
-            d.mask_float,
-            mdtype,
-            0.9,
-        )),
+        1 => Some(mask_tensor(&[l, s_eff], d.mask_density, d.mask_float, mdtype, 0.5)),
+        2 => Some(mask_tensor(&[lead, l, s_eff], d.mask_density, d.mask_float, mdtype, 0.7)),
+        3 => Some(mask_tensor(&[1, l + 1, s_eff], d.mask_density, d.mask_float, mdtype, 0.9)),
         _ => None,
     };
     opts.key_padding_mask = match (d.kpm, d.unbatched) {
-        (1, false) => Some(mask_tensor(
-            &[nb, s_eff],
-            d.mask_density,
-            d.kpm_float,
-            mdtype,
-            0.3,
-        )),
-        (1, true) => Some(mask_tensor(
-            &[s_eff],
-            d.mask_density,
-            d.kpm_float,
-            mdtype,
-            0.3,
-        )),
-        (2, _) => Some(mask_tensor(
-            &[nb + 1, s_eff],
-            d.mask_density,
-            d.kpm_float,
-            mdtype,
-            0.3,
-        )),
+        (1, false) => Some(mask_tensor(&[nb, s_eff], d.mask_density, d.kpm_float, mdtype, 0.3)),
+        (1, true) => Some(mask_tensor(&[s_eff], d.mask_density, d.kpm_float, mdtype, 0.3)),
+        (2, _) => Some(mask_tensor(&[nb + 1, s_eff], d.mask_density, d.kpm_float, mdtype, 0.3)),
         _ => None,
     };
     match m.forward(&q, &k, &v, &opts) {
@@ -239,11 +192,7 @@ fn run(d: &Draw) -> Result<(), TestCaseError> {
                 .and_then(|t| t.flatten_all())
                 .and_then(|t| t.to_vec1::<f64>())
                 .expect("values");
-            prop_assert!(
-                vals.iter().all(|x| x.is_finite()),
-                "non-finite output for {:?}",
-                d
-            );
+            prop_assert!(vals.iter().all(|x| x.is_finite()), "non-finite output for {:?}", d);
             let s2 = s_eff + d.bias_kv as usize + d.zero_attn as usize;
             match (&out.attn_weights, d.need_weights) {
                 (Some(w), true) => {

@@ -15,50 +15,21 @@ fn keys(m: &MultiheadAttention) -> Vec<String> {
 #[test]
 fn keys_and_order_are_pytorchs() {
     let (m, _) = mha(MhaConfig::new(8, 2), DType::F32);
-    assert_eq!(
-        keys(&m),
-        [
-            "in_proj_weight",
-            "in_proj_bias",
-            "out_proj.weight",
-            "out_proj.bias"
-        ]
-    );
+    assert_eq!(keys(&m), ["in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"]);
     // Spec §1.2's example.
     let (m, _) = mha(
-        MhaConfig::new(8, 2)
-            .with_bias(false)
-            .with_add_bias_kv(true)
-            .with_kdim(3)
-            .with_vdim(5),
+        MhaConfig::new(8, 2).with_bias(false).with_add_bias_kv(true).with_kdim(3).with_vdim(5),
         DType::F32,
     );
     assert_eq!(
         keys(&m),
-        [
-            "q_proj_weight",
-            "k_proj_weight",
-            "v_proj_weight",
-            "bias_k",
-            "bias_v",
-            "out_proj.weight"
-        ]
+        ["q_proj_weight", "k_proj_weight", "v_proj_weight", "bias_k", "bias_v", "out_proj.weight"]
     );
-    let shapes: Vec<Vec<usize>> = m
-        .named_parameters()
-        .iter()
-        .map(|(_, t)| t.dims().to_vec())
-        .collect();
+    let shapes: Vec<Vec<usize>> =
+        m.named_parameters().iter().map(|(_, t)| t.dims().to_vec()).collect();
     assert_eq!(
         shapes,
-        [
-            vec![8, 8],
-            vec![8, 3],
-            vec![8, 5],
-            vec![1, 1, 8],
-            vec![1, 1, 8],
-            vec![8, 8]
-        ]
+        [vec![8, 8], vec![8, 3], vec![8, 5], vec![1, 1, 8], vec![1, 1, 8], vec![8, 8]]
     );
     // kdim == vdim == E passed explicitly stays packed.
     let (m, _) = mha(MhaConfig::new(8, 2).with_kdim(8).with_vdim(8), DType::F32);
@@ -76,14 +47,7 @@ fn fresh_parameters_follow_pytorch_init() {
     .unwrap();
     let p: HashMap<String, Tensor> = m.named_parameters().into_iter().collect();
     let max_abs = |k: &str| {
-        p[k].abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap()
+        p[k].abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
     };
     let xavier = (6.0 / (4.0 * e as f64)).sqrt();
     assert!(max_abs("in_proj_weight") <= xavier && max_abs("in_proj_weight") > 0.8 * xavier);
@@ -95,18 +59,12 @@ fn fresh_parameters_follow_pytorch_init() {
     assert_eq!(max_abs("out_proj.bias"), 0.0);
     let bk = p["bias_k"].flatten_all().unwrap().to_vec1::<f64>().unwrap();
     let std = (bk.iter().map(|x| x * x).sum::<f64>() / bk.len() as f64).sqrt();
-    assert!(
-        (std - out_bound).abs() < 0.5 * out_bound,
-        "bias_k std {std}"
-    );
+    assert!((std - out_bound).abs() < 0.5 * out_bound, "bias_k std {std}");
 }
 
 #[test]
 fn safetensors_round_trip_gives_the_same_module() {
-    let cfg = MhaConfig::new(6, 3)
-        .with_kdim(4)
-        .with_vdim(5)
-        .with_add_bias_kv(true);
+    let cfg = MhaConfig::new(6, 3).with_kdim(4).with_vdim(5).with_add_bias_kv(true);
     let (m, _) = mha(cfg.clone(), DType::F64);
     let dir = std::env::temp_dir().join(format!("multihead-sd-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -114,22 +72,15 @@ fn safetensors_round_trip_gives_the_same_module() {
     save_state_dict(&m, &path).unwrap();
     let loaded = load_safetensors(&path, &dev()).unwrap();
     assert_eq!(loaded.len(), 8);
-    let (m2, vm) = load_strict_file(&path, DType::F64, &dev(), |vb| {
-        MultiheadAttention::new(cfg, vb)
-    })
-    .unwrap();
+    let (m2, vm) =
+        load_strict_file(&path, DType::F64, &dev(), |vb| MultiheadAttention::new(cfg, vb)).unwrap();
     assert_eq!(vm.all_vars().len(), 8);
     let q = det(&[3, 2, 6], DType::F64, 1.0);
     let k = det(&[4, 2, 4], DType::F64, 2.0);
     let v = det(&[4, 2, 5], DType::F64, 3.0);
     let a = m.forward(&q, &k, &v, &MhaOptions::default()).unwrap();
     let b = m2.forward(&q, &k, &v, &MhaOptions::default()).unwrap();
-    assert_close(
-        &b.output,
-        &a.output,
-        Tolerance { rel: 0.0, abs: 0.0 },
-        "round trip",
-    );
+    assert_close(&b.output, &a.output, Tolerance { rel: 0.0, abs: 0.0 }, "round trip");
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -138,20 +89,14 @@ fn strict_loading_names_missing_and_unexpected_keys_and_bad_shapes() {
     let (m, _) = mha(MhaConfig::new(8, 2), DType::F32);
     let mut state: HashMap<String, Tensor> = m.named_parameters().into_iter().collect();
     state.remove("in_proj_bias");
-    state.insert(
-        "bias_k".into(),
-        Tensor::zeros((1, 1, 8), DType::F32, &dev()).unwrap(),
-    );
+    state.insert("bias_k".into(), Tensor::zeros((1, 1, 8), DType::F32, &dev()).unwrap());
     let err = load_strict(&state, DType::F32, &dev(), |vb| {
         MultiheadAttention::new(MhaConfig::new(8, 2), vb)
     })
     .map(|(m, _)| m)
     .expect_err("strict");
     match &err {
-        Error::StateDictKeys {
-            missing,
-            unexpected,
-        } => {
+        Error::StateDictKeys { missing, unexpected } => {
             assert_eq!(missing, &["in_proj_bias"]);
             assert_eq!(unexpected, &["bias_k"]);
         }
@@ -160,10 +105,7 @@ fn strict_loading_names_missing_and_unexpected_keys_and_bad_shapes() {
     assert!(err.to_string().contains("missing keys [\"in_proj_bias\"]"));
 
     let mut state: HashMap<String, Tensor> = m.named_parameters().into_iter().collect();
-    state.insert(
-        "in_proj_weight".into(),
-        Tensor::zeros((24, 6), DType::F32, &dev()).unwrap(),
-    );
+    state.insert("in_proj_weight".into(), Tensor::zeros((24, 6), DType::F32, &dev()).unwrap());
     let err = load_strict(&state, DType::F32, &dev(), |vb| {
         MultiheadAttention::new(MhaConfig::new(8, 2), vb)
     })

