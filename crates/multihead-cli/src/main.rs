@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod demo;
 mod embed;
 mod plot;
@@ -63,6 +64,45 @@ enum Command {
         /// The texts; read one per line from stdin when none are given.
         texts: Vec<String>,
     },
+    /// Time MultiheadAttention (batch_first, f32) on one shape.
+    Bench {
+        /// Batch size N.
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        /// Target (query) length L.
+        #[arg(long, default_value_t = 512)]
+        tgt_len: usize,
+        /// Source (key/value) length S; equal to L means self-attention.
+        #[arg(long, default_value_t = 512)]
+        src_len: usize,
+        /// Embedding size E.
+        #[arg(long, default_value_t = 512)]
+        embed_dim: usize,
+        /// Heads H.
+        #[arg(long, default_value_t = 8)]
+        num_heads: usize,
+        /// Causal attention (a causal mask with the is_causal hint).
+        #[arg(long)]
+        causal: bool,
+        /// Return the (head-averaged) attention weights.
+        #[arg(long)]
+        need_weights: bool,
+        /// Time forward plus backward (gradients of inputs and parameters).
+        #[arg(long)]
+        backward: bool,
+        /// Worker threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Timed iterations.
+        #[arg(long, default_value_t = 10)]
+        iters: usize,
+        /// Untimed warm-up iterations.
+        #[arg(long, default_value_t = 2)]
+        warmup: usize,
+        /// Print one JSON line.
+        #[arg(long)]
+        json: bool,
+    },
     /// Replay one PyTorch parity case and write what this library computes.
     Replay {
         /// The case directory (case.json + case.safetensors).
@@ -101,6 +141,42 @@ fn main() -> ExitCode {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("multihead embed: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Bench {
+            batch,
+            tgt_len,
+            src_len,
+            embed_dim,
+            num_heads,
+            causal,
+            need_weights,
+            backward,
+            threads,
+            iters,
+            warmup,
+            json,
+        } => {
+            let args = bench::BenchArgs {
+                batch,
+                tgt_len,
+                src_len,
+                embed_dim,
+                num_heads,
+                causal,
+                need_weights,
+                backward,
+                threads,
+                iters,
+                warmup,
+                json,
+            };
+            match bench::run(args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("multihead bench: {e:#}");
                     ExitCode::FAILURE
                 }
             }

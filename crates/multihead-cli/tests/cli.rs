@@ -1,6 +1,8 @@
 //! The `multihead` binary keeps the parity-case contract: replay writes the named results or
 //! nothing; check ends with `N passed, N failed`.
 
+#![allow(clippy::unwrap_used)]
+
 use std::path::PathBuf;
 use std::process::Command;
 

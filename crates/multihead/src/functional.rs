@@ -256,6 +256,9 @@ pub fn scaled_dot_product_attention(
             ),
         });
     }
+    if let Some(out) = sdpa_fused(query, key, value, opts)? {
+        return Ok(out);
+    }
     let mut key = key.clone();
     let mut value = value.clone();
     if opts.enable_gqa && qr >= 3 && kr >= 3 && vr >= 3 {
@@ -328,6 +331,61 @@ pub fn scaled_dot_product_attention(
         .then(|| (opts.dropout_p, opts.dropout_key.unwrap_or_else(next_dropout_key)));
     let (out, _) = attention_core(&q, &k, &v, mask.as_ref(), scale, dropout, false)?;
     Ok(out.reshape(with(&batch, l, ev))?)
+}
+
+/// The fused kernels for 4-D f32 `(B, H, L, E)` inputs without batch broadcasting; `None` when
+/// the composed path must run.
+fn sdpa_fused(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    opts: &SdpaOptions,
+) -> Result<Option<Tensor>> {
+    use crate::fused::{Convention, FlashAttention, OwnedMask};
+    if !crate::fused::usable(query) || query.rank() != 4 || key.rank() != 4 || value.rank() != 4 {
+        return Ok(None);
+    }
+    let (b, hq, l, e) = query.dims4()?;
+    let (bk, hk, s, _) = key.dims4()?;
+    let (bv, hv, _, ev) = value.dims4()?;
+    let heads_ok = hk == hv && (hk == hq || (opts.enable_gqa && hk > 0 && hq % hk == 0));
+    if bk != b || bv != b || !heads_ok || l == 0 || s == 0 || b == 0 || hq == 0 {
+        return Ok(None);
+    }
+    let mut masks = Vec::new();
+    if let Some(m) = &opts.attn_mask {
+        let add = m.to_additive_sdpa(query.dtype(), SDPA, "attn_mask")?;
+        if add.rank() > 4 {
+            return Ok(None);
+        }
+        let mut dims = vec![1usize; 4 - add.rank()];
+        dims.extend_from_slice(add.dims());
+        let full = [b, hq, l, s];
+        if dims.iter().zip(full).any(|(&d, f)| d != 1 && d != f) {
+            return Ok(None); // the composed path reports the broadcast error
+        }
+        let mut strides = [0usize; 4];
+        let mut acc = 1;
+        for i in (0..4).rev() {
+            strides[i] = if dims[i] == 1 { 0 } else { acc };
+            acc *= dims[i];
+        }
+        masks.push(OwnedMask::new(&add.contiguous()?, strides)?);
+    }
+    let dims = multihead_kernels::attention::AttnDims {
+        batch: b,
+        heads_q: hq,
+        heads_kv: hk,
+        l,
+        s,
+        d: e,
+        dv: ev,
+    };
+    let scale = opts.scale.unwrap_or_else(|| 1.0 / (e as f64).sqrt()) as f32;
+    let dropout = (opts.dropout_p > 0.0)
+        .then(|| (opts.dropout_p, opts.dropout_key.unwrap_or_else(next_dropout_key)));
+    let op = FlashAttention::new(dims, scale, opts.is_causal, masks, dropout, Convention::Bhtd);
+    Ok(Some(op.apply(query, key, value)?))
 }
 
 /// How the query, key and value projections are stored.
@@ -611,7 +669,7 @@ pub(crate) fn mha_forward_impl(
             msg: format!("embed_dim and num_heads must be greater than 0, got embed_dim={e_check} and num_heads={h}"),
         });
     }
-    if e_check % h != 0 {
+    if !e_check.is_multiple_of(h) {
         return Err(Error::Config {
             op: MHA,
             arg: "num_heads",
@@ -842,11 +900,13 @@ pub(crate) fn mha_forward_impl(
             None => Ok(None),
         }
     };
+    let mut packed: Option<Tensor> = None;
     let (q, k, v) = match params.in_proj {
         InProj::Packed(w) => {
             if alias.key_is_query && alias.value_is_key {
                 bias_chunk(0)?; // validates the bias shape
                 let qkv = linear(&query, w, params.in_proj_bias, MHA, "query")?;
+                packed = Some(qkv.clone());
                 (qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?)
             } else if alias.value_is_key {
                 let q = linear(&query, &w.narrow(0, 0, e)?, bias_chunk(0)?.as_ref(), MHA, "query")?;
@@ -870,6 +930,77 @@ pub(crate) fn mha_forward_impl(
             linear(&value, wv, bias_chunk(2)?.as_ref(), MHA, "value")?,
         ),
     };
+    // --- the fused flash-attention kernels (f32, CPU; spec §2.5 steps 8-13 in one op) ---
+    let p_drop = if training { params.dropout_p } else { 0.0 };
+    let weights_ok = !opts.need_weights
+        || !crate::fused::grad_enabled()
+        || !(q.track_op() || k.track_op() || v.track_op());
+    if crate::fused::usable(&q)
+        && params.bias_k.is_none()
+        && !params.add_zero_attn
+        && s > 0
+        && weights_ok
+    {
+        use crate::fused::{Convention, FlashAttention, OwnedMask};
+        let dims = multihead_kernels::attention::AttnDims {
+            batch: n,
+            heads_q: h,
+            heads_kv: h,
+            l,
+            s,
+            d: hd,
+            dv: hd,
+        };
+        let mut masks = Vec::new();
+        if let Some(a) = &attn_mask {
+            let strides = if a.dim(0)? == 1 { [0, 0, s, 1] } else { [h * l * s, l * s, s, 1] };
+            masks.push(OwnedMask::new(a, strides)?);
+        }
+        if let Some(p) = &kpm {
+            masks.push(OwnedMask::new(p, [s, 0, 0, 1])?);
+        }
+        let dropout =
+            (p_drop > 0.0).then(|| (p_drop, opts.dropout_key.unwrap_or_else(next_dropout_key)));
+        let scale = (1.0 / (hd as f64).sqrt()) as f32;
+        let op = FlashAttention::new(
+            dims,
+            scale,
+            causal,
+            masks,
+            dropout,
+            Convention::SeqFirst { heads: h },
+        );
+        let attn = match &packed {
+            Some(qkv) => op.apply_packed(qkv)?,
+            None => op.apply(&q, &k, &v)?,
+        }; // (L, N, E)
+        let out = linear(
+            &attn.reshape((l * n, e))?,
+            params.out_proj_weight,
+            params.out_proj_bias,
+            MHA,
+            "attn_output",
+        )?
+        .reshape((l, n, e))?;
+        let weights = if opts.need_weights {
+            let w = op.weights(&q, &k, opts.average_attn_weights)?;
+            Some(if opts.average_attn_weights { w.squeeze(1)? } else { w })
+        } else {
+            None
+        };
+        return Ok(if unbatched {
+            MhaOutput {
+                output: out.squeeze(1)?,
+                attn_weights: match weights {
+                    Some(w) => Some(w.squeeze(0)?),
+                    None => None,
+                },
+            }
+        } else {
+            MhaOutput { output: out, attn_weights: weights }
+        });
+    }
+
     let mut k = k;
     let mut v = v;
     let mut attn_mask = attn_mask;

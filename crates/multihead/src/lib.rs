@@ -51,6 +51,7 @@
 pub mod activation;
 pub mod error;
 pub mod functional;
+pub mod fused;
 pub mod layer_norm;
 pub mod linear;
 pub mod mask;

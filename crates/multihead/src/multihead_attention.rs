@@ -105,11 +105,7 @@ impl MhaConfig {
     }
     /// `embed_dim / num_heads`.
     pub fn head_dim(&self) -> usize {
-        if self.num_heads == 0 {
-            0
-        } else {
-            self.embed_dim / self.num_heads
-        }
+        self.embed_dim.checked_div(self.num_heads).unwrap_or(0)
     }
     /// PyTorch's `_qkv_same_embed_dim`: the in-projection is packed into `in_proj_weight`.
     pub fn packed(&self) -> bool {

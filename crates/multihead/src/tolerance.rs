@@ -59,12 +59,11 @@ impl Tolerance {
         let mut worst = 0f64;
         let mut max_abs = 0f64;
         for (&x, &y) in a.iter().zip(&e) {
-            if !self.close(x, y) {
-                if x.is_nan() || y.is_nan() || x.is_infinite() || y.is_infinite() {
-                    worst = f64::INFINITY;
-                    max_abs = f64::INFINITY;
-                    continue;
-                }
+            let both_finite = x.is_finite() && y.is_finite();
+            if !both_finite && !self.close(x, y) {
+                worst = f64::INFINITY;
+                max_abs = f64::INFINITY;
+                continue;
             }
             if x.is_finite() && y.is_finite() {
                 let d = (x - y).abs();

@@ -1,9 +1,12 @@
 //! The integration tests, in one binary.
 
+#![allow(clippy::unwrap_used)]
+
 mod behaviour;
 mod common;
 mod cos_init;
 mod errors;
+mod fused;
 mod golden;
 mod properties;
 mod state_dict;

@@ -1,0 +1,210 @@
+//! Run-time dispatch (scalar / AVX2+FMA / AVX-512F), per-thread scratch and the parallel
+//! task loop shared by the three entry points.
+
+use std::cell::{Cell, RefCell};
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+#[cfg(target_arch = "x86_64")]
+use super::simd::{Avx2, Avx512};
+use super::simd::{Scalar, Simd};
+
+/// Which instruction set the kernels use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SimdLevel {
+    /// Portable scalar code (what non-x86 machines run).
+    Scalar,
+    /// AVX2 with FMA, 8 lanes.
+    Avx2,
+    /// AVX-512F and AVX-512DQ, 16 lanes.
+    Avx512,
+}
+
+impl SimdLevel {
+    /// Lanes of one vector at this level.
+    pub fn lanes(self) -> usize {
+        match self {
+            SimdLevel::Scalar => 1,
+            SimdLevel::Avx2 => 8,
+            SimdLevel::Avx512 => 16,
+        }
+    }
+}
+
+static DETECTED: OnceLock<SimdLevel> = OnceLock::new();
+
+thread_local! {
+    static FORCED: Cell<Option<SimdLevel>> = const { Cell::new(None) };
+}
+
+/// The best level this CPU supports (detected once, then cached).
+pub fn detected_simd_level() -> SimdLevel {
+    *DETECTED.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq") {
+                return SimdLevel::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return SimdLevel::Avx2;
+            }
+        }
+        SimdLevel::Scalar
+    })
+}
+
+/// The level the entry points use on this thread: the forced level (see [`with_simd_level`])
+/// capped at what the CPU supports, or else the detected level.
+pub fn simd_level() -> SimdLevel {
+    let detected = detected_simd_level();
+    match FORCED.with(|f| f.get()) {
+        Some(forced) => forced.min(detected),
+        None => detected,
+    }
+}
+
+/// Runs `f` with the kernels forced to `level` (capped at what the CPU supports) for calls
+/// made from this thread. Meant for tests and benchmarks; returns `f`'s result.
+///
+/// ```
+/// use multihead_kernels::attention::{simd_level, with_simd_level, SimdLevel};
+/// with_simd_level(SimdLevel::Scalar, || assert_eq!(simd_level(), SimdLevel::Scalar));
+/// ```
+pub fn with_simd_level<R>(level: SimdLevel, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<SimdLevel>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let prev = self.0;
+            FORCED.with(|c| c.set(prev));
+        }
+    }
+    let _restore = Restore(FORCED.with(|c| c.replace(Some(level))));
+    f()
+}
+
+/// A 64-byte aligned, growable f32 buffer. Its contents are unspecified between uses.
+struct Scratch {
+    buf: Vec<f32>,
+}
+
+impl Scratch {
+    fn get(&mut self, len: usize) -> &mut [f32] {
+        const ALIGN: usize = 16; // floats per 64 bytes
+        if self.buf.len() < len + ALIGN {
+            // Grow geometrically so that shapes creeping upward do not reallocate each call.
+            let new_len = (len + ALIGN).max(self.buf.len() * 3 / 2);
+            self.buf = vec![0.0; new_len];
+        }
+        let off = self.buf.as_ptr().align_offset(64).min(ALIGN);
+        &mut self.buf[off..off + len]
+    }
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch { buf: Vec::new() }) };
+}
+
+/// Runs `f` on this thread's scratch buffer of `len` floats (64-byte aligned, contents
+/// unspecified). Reused across calls, so steady-state calls do not allocate.
+pub(crate) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut s) => f(s.get(len)),
+        // Re-entered on the same thread (not expected): use a private buffer.
+        Err(_) => f(Scratch { buf: Vec::new() }.get(len)),
+    })
+}
+
+/// Carves 64-byte aligned pieces out of a scratch slice.
+pub(crate) struct Carver<'a> {
+    rest: &'a mut [f32],
+}
+
+impl<'a> Carver<'a> {
+    pub(crate) fn new(buf: &'a mut [f32]) -> Self {
+        Carver { rest: buf }
+    }
+    /// The next `n` floats (the cursor then moves to the next multiple of 16).
+    pub(crate) fn take(&mut self, n: usize) -> &'a mut [f32] {
+        let padded = round16(n);
+        let rest = std::mem::take(&mut self.rest);
+        let (head, tail) = rest.split_at_mut(padded);
+        self.rest = tail;
+        &mut head[..n]
+    }
+}
+
+/// `n` rounded up to a multiple of 16 (the carving granularity).
+pub(crate) fn round16(n: usize) -> usize {
+    n.div_ceil(16) * 16
+}
+
+/// A unit of parallel work: one call of [`Task::run`] per task index.
+pub(crate) trait Task: Sync {
+    /// How many tasks.
+    fn count(&self) -> usize;
+    /// Scratch floats one task needs at `lanes` lanes (including carving padding).
+    fn scratch_len(&self, lanes: usize) -> usize;
+    /// Runs task `t`.
+    ///
+    /// # Safety
+    ///
+    /// `S`'s instruction set must be available; `buf` has `scratch_len(S::LANES)` floats; the
+    /// task must only write memory that no other task index writes.
+    unsafe fn run<S: Simd>(&self, t: usize, buf: &mut [f32]);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq")]
+unsafe fn run_avx512<T: Task>(task: &T, t: usize, buf: &mut [f32]) {
+    // SAFETY: the caller checked AVX-512F; the rest is forwarded.
+    unsafe { task.run::<Avx512>(t, buf) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_avx2<T: Task>(task: &T, t: usize, buf: &mut [f32]) {
+    // SAFETY: the caller checked AVX2 and FMA; the rest is forwarded.
+    unsafe { task.run::<Avx2>(t, buf) }
+}
+
+fn run_scalar<T: Task>(task: &T, t: usize, buf: &mut [f32]) {
+    // SAFETY: scalar code needs no feature; `buf` is sized by the caller; tasks write
+    // disjoint memory (the `Task` implementor's invariant).
+    unsafe { task.run::<Scalar>(t, buf) }
+}
+
+/// Runs every task of `task` on the current rayon pool at `level` (which must not exceed
+/// [`detected_simd_level`]).
+pub(crate) fn par_run<T: Task>(level: SimdLevel, task: &T) {
+    let level = level.min(detected_simd_level());
+    let len = task.scratch_len(level.lanes());
+    (0..task.count()).into_par_iter().for_each(|t| {
+        with_scratch(len, |buf| match level {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `level <= detected_simd_level()`, so the CPU has AVX-512F and DQ.
+            SimdLevel::Avx512 => unsafe { run_avx512(task, t, buf) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `level <= detected_simd_level()`, so the CPU has AVX2 and FMA.
+            SimdLevel::Avx2 => unsafe { run_avx2(task, t, buf) },
+            _ => run_scalar(task, t, buf),
+        })
+    });
+}
+
+/// A raw pointer that may be shared across the pool's threads. Tasks write disjoint
+/// elements through it (checked by the entry points' validation).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SyncPtr<T>(pub *mut T);
+// SAFETY: only used for outputs whose tasks write disjoint elements (see `Task::run`).
+unsafe impl<T> Send for SyncPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for SyncPtr<T> {}
+
+/// A raw read-only pointer shareable across threads (inputs outlive the parallel loop).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ConstPtr<T>(pub *const T);
+// SAFETY: the pointee is only read while the borrowed input slice is alive.
+unsafe impl<T> Send for ConstPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for ConstPtr<T> {}

@@ -1,0 +1,473 @@
+//! Fused (flash) attention on f32 slices: forward, backward and the attention-weights pass.
+//!
+//! Every tensor is a strided view of a 4-D array `[batch, heads, seq, dim]` whose last
+//! dimension is contiguous ([`Layout4`] holds the other three element strides), so a caller
+//! can hand in, for example, `q`, `k` and `v` straight out of a packed `[B, L, 3, H, D]`
+//! projection without copying.
+//!
+//! # Semantics
+//!
+//! With `hk = h / (heads_q / heads_kv)` (grouped-query attention):
+//!
+//! * `score[b,h,i,j] = scale · q[b,h,i,:]·k[b,hk,j,:] + mask0[b,h,i,j] + mask1[b,h,i,j]`, where a
+//!   bool mask contributes `0` or `-inf`, and `causal` adds `-inf` where `j > i` (upper-left
+//!   aligned: row `i` sees columns `0..=i`).
+//! * `P = softmax_j(score)`. A row whose scores are all `-inf` gets `P = 0` (output row 0, not
+//!   NaN) and `lse = +inf`; a row containing `+inf` gives NaN, like PyTorch.
+//! * Dropout multiplies `P[b,h,i,j]` by `1/(1-p)` if kept and `0` if dropped, where kept is
+//!   [`keep_from_row`](crate::dropout::keep_from_row)`(key.row_state(b*heads_q + h, i), j, p)`.
+//!   The backward regenerates the same mask; nothing is stored.
+//! * `out = (P∘m) v`, `lse[b,h,i] = log Σ_j exp(score)`.
+//! * Backward (FlashAttention-2): `D_i = rowsum(dO_i ∘ O_i)`,
+//!   `dS = P ∘ (m ∘ (dO vᵀ) − D)`, `dq = scale · dS k`, `dk = scale · dSᵀ q`,
+//!   `dv = (P∘m)ᵀ dO`; `dk`/`dv` of a kv head sum over its query heads.
+//!
+//! Results are bitwise identical for any rayon thread count: every output element is
+//! produced by exactly one task, in a fixed order (forward: one task per
+//! `(batch, head, query block)`; backward: one per `(batch, kv head)`; weights: one per
+//! `(batch, head, query block)`, or `(batch, query block)` when averaging heads).
+//! They differ (within rounding) between SIMD levels.
+//!
+//! # Example
+//!
+//! ```
+//! use multihead_kernels::attention::{flash_forward, AttnDims, AttnParams, Layout4, MaskView};
+//!
+//! let (b, h, l, d) = (2, 4, 5, 8);
+//! // Self-attention: q, k, v read straight out of a packed [B, L, 3, H, D] projection.
+//! let dims = AttnDims { batch: b, heads_q: h, heads_kv: h, l, s: l, d, dv: d };
+//! let qkv = vec![0.5f32; b * l * 3 * h * d];
+//! let lay = Layout4 { batch: l * 3 * h * d, head: d, seq: 3 * h * d };
+//! // A (B, S) key-padding mask, true = masked, viewed as [B, H, L, S].
+//! let pad = vec![0u8; b * l];
+//! let mut p = AttnParams::new(dims);
+//! p.masks[0] = Some(MaskView::Bool { data: &pad, strides: [l, 0, 0, 1], true_means_masked: true });
+//! // The output as [B, L, H, D] (batch-first), the log-sum-exp as [B, H, L].
+//! let mut out = vec![0f32; b * l * h * d];
+//! let ol = Layout4 { batch: l * h * d, head: d, seq: h * d };
+//! let mut lse = vec![0f32; b * h * l];
+//! flash_forward(&p, &qkv, lay, &qkv[h * d..], lay, &qkv[2 * h * d..], lay, &mut out, ol, &mut lse)?;
+//! assert!(out.iter().all(|&x| (x - 0.5).abs() < 1e-6));
+//! # Ok::<(), multihead_kernels::attention::KernelError>(())
+//! ```
+//!
+//! # Performance
+//!
+//! The kernels dispatch at run time to AVX-512F, AVX2+FMA or scalar code
+//! ([`detected_simd_level`]); no `target-cpu` flag is needed. Scores are computed transposed
+//! (`Sᵀ = K · (scale·Q)ᵀ`, keys as rows, queries as vector lanes), so the softmax's row
+//! reductions are vertical vector operations and K, V, Q and dO rows are read in place by
+//! register-tiled micro-kernels (see `gemm.rs`) without packing. Work runs on the current rayon
+//! pool; per-thread scratch is reused across calls.
+
+mod backward;
+mod exec;
+mod forward;
+mod gemm;
+mod mask;
+pub mod reference;
+mod simd;
+mod tile;
+mod weights;
+
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+
+use crate::dropout::DropoutKey;
+
+pub use exec::{detected_simd_level, simd_level, with_simd_level, SimdLevel};
+
+/// Element strides of a 4-D tensor `[batch, heads, seq, dim]`; the last dimension is
+/// contiguous (stride 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Layout4 {
+    /// Stride between batch entries.
+    pub batch: usize,
+    /// Stride between heads.
+    pub head: usize,
+    /// Stride between sequence positions.
+    pub seq: usize,
+}
+
+impl Layout4 {
+    /// The row-major layout of a contiguous `[batch, heads, seq, dim]` tensor.
+    pub fn contiguous(heads: usize, seq: usize, dim: usize) -> Self {
+        Layout4 { batch: heads * seq * dim, head: seq * dim, seq: dim }
+    }
+
+    /// Element offset of row `(b, h, i)`.
+    #[inline(always)]
+    pub fn offset(&self, b: usize, h: usize, i: usize) -> usize {
+        b * self.batch + h * self.head + i * self.seq
+    }
+}
+
+/// Problem sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AttnDims {
+    /// Batch size.
+    pub batch: usize,
+    /// Query heads (also the heads of `out`, `lse`, `dq` and the masks).
+    pub heads_q: usize,
+    /// Key/value heads; must divide `heads_q` (query head `h` uses kv head
+    /// `h / (heads_q / heads_kv)`).
+    pub heads_kv: usize,
+    /// Query length.
+    pub l: usize,
+    /// Key/value length.
+    pub s: usize,
+    /// Query/key head dimension.
+    pub d: usize,
+    /// Value head dimension.
+    pub dv: usize,
+}
+
+/// A mask viewed as `[batch, heads_q, l, s]` with element strides (0 = broadcast).
+#[derive(Clone, Copy, Debug)]
+pub enum MaskView<'a> {
+    /// Added to the scores.
+    Additive {
+        /// The mask values.
+        data: &'a [f32],
+        /// Element strides of `[batch, head, l, s]`.
+        strides: [usize; 4],
+    },
+    /// A bool mask (`u8`, nonzero = true) that contributes `-inf` (masked) or `0`.
+    Bool {
+        /// The mask values.
+        data: &'a [u8],
+        /// Element strides of `[batch, head, l, s]`.
+        strides: [usize; 4],
+        /// PyTorch's `attn_mask`/`key_padding_mask` polarity is `true` = masked; SDPA's bool
+        /// `attn_mask` is `true` = attend (`false` here).
+        true_means_masked: bool,
+    },
+}
+
+impl MaskView<'_> {
+    /// The element strides.
+    pub fn strides(&self) -> [usize; 4] {
+        match self {
+            MaskView::Additive { strides, .. } | MaskView::Bool { strides, .. } => *strides,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            MaskView::Additive { data, .. } => data.len(),
+            MaskView::Bool { data, .. } => data.len(),
+        }
+    }
+}
+
+/// Everything but the tensors.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnParams<'a> {
+    /// Sizes.
+    pub dims: AttnDims,
+    /// Multiplies `q·k` (usually `1/sqrt(d)`; any value, negative included).
+    pub scale: f32,
+    /// Upper-left causal masking: row `i` sees columns `0..=i`.
+    pub causal: bool,
+    /// Up to two masks, summed (e.g. `attn_mask` and `key_padding_mask`).
+    pub masks: [Option<MaskView<'a>>; 2],
+    /// Dropout on the attention probabilities: `(p, key)` with `p` in `[0, 1)`. `p` is f64 like
+    /// [`keep_from_row`](crate::dropout::keep_from_row), so the mask matches the composed
+    /// implementation bit for bit.
+    pub dropout: Option<(f64, DropoutKey)>,
+}
+
+impl<'a> AttnParams<'a> {
+    /// Parameters with no mask, no dropout, not causal, `scale = 1/sqrt(d)`.
+    pub fn new(dims: AttnDims) -> Self {
+        AttnParams {
+            dims,
+            scale: 1.0 / (dims.d.max(1) as f32).sqrt(),
+            causal: false,
+            masks: [None, None],
+            dropout: None,
+        }
+    }
+
+    /// The dropout `(p, key)` if it does anything (`p > 0`).
+    fn active_dropout(&self) -> Option<(f64, DropoutKey)> {
+        self.dropout.filter(|(p, _)| *p > 0.0)
+    }
+
+    fn has_mask(&self) -> bool {
+        self.masks.iter().any(|m| m.is_some())
+    }
+}
+
+/// Why a kernel refused its arguments. Nothing is written when an error is returned.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum KernelError {
+    /// `heads_kv` is zero (with `heads_q > 0`) or does not divide `heads_q`.
+    InvalidHeads {
+        /// Query heads.
+        heads_q: usize,
+        /// Key/value heads.
+        heads_kv: usize,
+    },
+    /// A slice is shorter than its layout needs.
+    SliceTooShort {
+        /// Which argument.
+        name: &'static str,
+        /// Elements the layout addresses (largest offset + 1).
+        needed: usize,
+        /// The slice's length.
+        len: usize,
+    },
+    /// A size or offset computation overflowed `usize`.
+    Overflow {
+        /// Which argument.
+        name: &'static str,
+    },
+    /// An output layout maps two elements to the same address (it would be written twice).
+    OverlappingOutput {
+        /// Which argument.
+        name: &'static str,
+    },
+    /// The dropout probability is not in `[0, 1)`.
+    InvalidDropout {
+        /// The probability given.
+        p: f64,
+    },
+}
+
+impl fmt::Display for KernelError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KernelError::InvalidHeads { heads_q, heads_kv } => {
+                write!(f, "heads_kv ({heads_kv}) must be positive and divide heads_q ({heads_q})")
+            }
+            KernelError::SliceTooShort { name, needed, len } => {
+                write!(f, "`{name}` has {len} elements but its layout addresses {needed}")
+            }
+            KernelError::Overflow { name } => {
+                write!(f, "the layout of `{name}` overflows the address space")
+            }
+            KernelError::OverlappingOutput { name } => write!(
+                f,
+                "the layout of output `{name}` maps different elements to the same address"
+            ),
+            KernelError::InvalidDropout { p } => {
+                write!(f, "dropout probability has to be in [0, 1), got {p}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for KernelError {}
+
+// ---------------------------------------------------------------------------------------------
+// Validation
+
+/// Elements addressed by a strided view: largest offset + 1 (0 if any size is 0).
+fn span(name: &'static str, sizes: [usize; 4], strides: [usize; 4]) -> Result<usize, KernelError> {
+    if sizes.contains(&0) {
+        return Ok(0);
+    }
+    let mut last = 0usize;
+    for (&n, &st) in sizes.iter().zip(&strides) {
+        last = (n - 1)
+            .checked_mul(st)
+            .and_then(|x| x.checked_add(last))
+            .ok_or(KernelError::Overflow { name })?;
+    }
+    last.checked_add(1).ok_or(KernelError::Overflow { name })
+}
+
+fn check_len(name: &'static str, needed: usize, len: usize) -> Result<(), KernelError> {
+    if needed > len {
+        Err(KernelError::SliceTooShort { name, needed, len })
+    } else {
+        Ok(())
+    }
+}
+
+/// Checks that a `[batch, heads, seq, dim]` view fits its slice; for outputs, also that no two
+/// elements share an address.
+fn check_tensor(
+    name: &'static str,
+    len: usize,
+    sizes: [usize; 4],
+    l: Layout4,
+    output: bool,
+) -> Result<(), KernelError> {
+    let strides = [l.batch, l.head, l.seq, 1];
+    check_len(name, span(name, sizes, strides)?, len)?;
+    if output && !sizes.contains(&0) {
+        let mut dims: Vec<(usize, usize)> =
+            sizes.iter().zip(strides).filter(|(&n, _)| n > 1).map(|(&n, st)| (n, st)).collect();
+        dims.sort_by_key(|&(_, st)| st);
+        let mut extent = 0usize; // largest offset reachable through the smaller strides
+        for (n, st) in dims {
+            if st <= extent {
+                return Err(KernelError::OverlappingOutput { name });
+            }
+            extent = extent
+                .checked_add((n - 1).checked_mul(st).ok_or(KernelError::Overflow { name })?)
+                .ok_or(KernelError::Overflow { name })?;
+        }
+    }
+    Ok(())
+}
+
+fn check_params(p: &AttnParams<'_>) -> Result<(), KernelError> {
+    let d = &p.dims;
+    if d.heads_q > 0 && (d.heads_kv == 0 || !d.heads_q.is_multiple_of(d.heads_kv)) {
+        return Err(KernelError::InvalidHeads { heads_q: d.heads_q, heads_kv: d.heads_kv });
+    }
+    if let Some((pr, _)) = p.dropout {
+        if !(0.0..1.0).contains(&pr) {
+            return Err(KernelError::InvalidDropout { p: pr });
+        }
+    }
+    for (m, name) in p.masks.iter().zip(["masks[0]", "masks[1]"]) {
+        if let Some(m) = m {
+            let needed = span(name, [d.batch, d.heads_q, d.l, d.s], m.strides())?;
+            check_len(name, needed, m.len())?;
+        }
+    }
+    Ok(())
+}
+
+fn product(name: &'static str, xs: &[usize]) -> Result<usize, KernelError> {
+    xs.iter().try_fold(1usize, |a, &x| a.checked_mul(x)).ok_or(KernelError::Overflow { name })
+}
+
+// Block sizes (tuned on Zen 5 at D = 64; 64/512 and 128/256 measure the same within noise).
+/// Query block rows (forward and weights): 4 AVX-512 vectors of queries.
+const FWD_BR: usize = 64;
+/// Key block rows (forward and weights): the 256 x 64 score tile is 64 KiB (L2).
+const FWD_BC: usize = 256;
+/// Query block rows (backward).
+const BWD_BR: usize = 64;
+/// Key block rows (backward): two 128 x 64 tiles (P, dS) of 32 KiB each.
+const BWD_BC: usize = 128;
+
+// ---------------------------------------------------------------------------------------------
+// Entry points
+
+/// The attention forward: writes `out` (`[batch, heads_q, l, dv]` through `ol`) and the
+/// row log-sum-exp `lse` (`[batch, heads_q, l]`, contiguous; `+inf` for fully masked rows).
+///
+/// `q`: `[batch, heads_q, l, d]`, `k`: `[batch, heads_kv, s, d]`, `v`: `[batch, heads_kv, s,
+/// dv]`, each through its layout. See the [module docs](self) for the exact semantics.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_forward(
+    p: &AttnParams<'_>,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    v: &[f32],
+    vl: Layout4,
+    out: &mut [f32],
+    ol: Layout4,
+    lse: &mut [f32],
+) -> Result<(), KernelError> {
+    check_params(p)?;
+    let d = p.dims;
+    check_tensor("q", q.len(), [d.batch, d.heads_q, d.l, d.d], ql, false)?;
+    check_tensor("k", k.len(), [d.batch, d.heads_kv, d.s, d.d], kl, false)?;
+    check_tensor("v", v.len(), [d.batch, d.heads_kv, d.s, d.dv], vl, false)?;
+    check_tensor("out", out.len(), [d.batch, d.heads_q, d.l, d.dv], ol, true)?;
+    check_len("lse", product("lse", &[d.batch, d.heads_q, d.l])?, lse.len())?;
+    if d.batch == 0 || d.heads_q == 0 || d.l == 0 {
+        return Ok(());
+    }
+    let task = forward::FwdTask::new(p, q, ql, k, kl, v, vl, out, ol, lse, FWD_BR, FWD_BC);
+    exec::par_run(simd_level(), &task);
+    Ok(())
+}
+
+/// The attention backward (FlashAttention-2 recomputation from `lse`). Overwrites `dq`
+/// (`[batch, heads_q, l, d]`), `dk` (`[batch, heads_kv, s, d]`) and `dv`
+/// (`[batch, heads_kv, s, dv]`), each through its layout.
+///
+/// `out` and `lse` are what [`flash_forward`] returned for the same arguments; `dout` is the
+/// gradient of `out` (`[batch, heads_q, l, dv]`).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward(
+    p: &AttnParams<'_>,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    v: &[f32],
+    vl: Layout4,
+    out: &[f32],
+    ol: Layout4,
+    dout: &[f32],
+    dol: Layout4,
+    lse: &[f32],
+    dq: &mut [f32],
+    dql: Layout4,
+    dk: &mut [f32],
+    dkl: Layout4,
+    dv: &mut [f32],
+    dvl: Layout4,
+) -> Result<(), KernelError> {
+    check_params(p)?;
+    let d = p.dims;
+    check_tensor("q", q.len(), [d.batch, d.heads_q, d.l, d.d], ql, false)?;
+    check_tensor("k", k.len(), [d.batch, d.heads_kv, d.s, d.d], kl, false)?;
+    check_tensor("v", v.len(), [d.batch, d.heads_kv, d.s, d.dv], vl, false)?;
+    check_tensor("out", out.len(), [d.batch, d.heads_q, d.l, d.dv], ol, false)?;
+    check_tensor("dout", dout.len(), [d.batch, d.heads_q, d.l, d.dv], dol, false)?;
+    check_len("lse", product("lse", &[d.batch, d.heads_q, d.l])?, lse.len())?;
+    check_tensor("dq", dq.len(), [d.batch, d.heads_q, d.l, d.d], dql, true)?;
+    check_tensor("dk", dk.len(), [d.batch, d.heads_kv, d.s, d.d], dkl, true)?;
+    check_tensor("dv", dv.len(), [d.batch, d.heads_kv, d.s, d.dv], dvl, true)?;
+    if d.batch == 0 || d.heads_q == 0 {
+        return Ok(());
+    }
+    let task = backward::BwdTask::new(
+        p, q, ql, k, kl, v, vl, out, ol, dout, dol, lse, dq, dql, dk, dkl, dv, dvl, BWD_BR, BWD_BC,
+    );
+    exec::par_run(simd_level(), &task);
+    Ok(())
+}
+
+/// The attention probabilities `exp(scale·q·k + mask − lse)` times the dropout multipliers
+/// (the same ones the forward used), written to `weights`: `[batch, heads_q, l, s]`
+/// contiguous, or `[batch, 1, l, s]` averaged over the heads when `average_heads`.
+///
+/// `lse` is what [`flash_forward`] returned. Costs about half a forward pass and never needs
+/// more than `batch·l·s` (or `batch·heads·l·s`) output memory.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_weights(
+    p: &AttnParams<'_>,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    lse: &[f32],
+    average_heads: bool,
+    weights: &mut [f32],
+) -> Result<(), KernelError> {
+    check_params(p)?;
+    let d = p.dims;
+    check_tensor("q", q.len(), [d.batch, d.heads_q, d.l, d.d], ql, false)?;
+    check_tensor("k", k.len(), [d.batch, d.heads_kv, d.s, d.d], kl, false)?;
+    check_len("lse", product("lse", &[d.batch, d.heads_q, d.l])?, lse.len())?;
+    let hw = if average_heads { 1 } else { d.heads_q };
+    check_len("weights", product("weights", &[d.batch, hw, d.l, d.s])?, weights.len())?;
+    if d.batch == 0 || d.l == 0 || d.s == 0 {
+        return Ok(());
+    }
+    if d.heads_q == 0 {
+        // The mean over no heads: PyTorch gives NaN; there is nothing to average here.
+        weights[..d.batch * d.l * d.s].fill(f32::NAN);
+        return Ok(());
+    }
+    let task =
+        weights::WeightsTask::new(p, q, ql, k, kl, lse, average_heads, weights, FWD_BR, FWD_BC);
+    exec::par_run(simd_level(), &task);
+    Ok(())
+}

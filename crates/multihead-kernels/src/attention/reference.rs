@@ -1,0 +1,226 @@
+//! Naive f64 twins of the attention entry points, for tests.
+//!
+//! Plain loops that materialise the full `[batch, heads_q, l, s]` score matrix and compute the
+//! gradients by the textbook formulas (`dS = P∘(dP − rowsum(P∘dP))` with `dP = m∘(dO vᵀ)`).
+//! Inputs use the same strided layouts as the kernels; outputs are contiguous f64 arrays.
+
+use super::{AttnParams, Layout4, MaskView};
+use crate::dropout::keep_from_row;
+
+fn mask_at(m: &MaskView<'_>, b: usize, h: usize, i: usize, j: usize) -> f64 {
+    let st = m.strides();
+    let idx = b * st[0] + h * st[1] + i * st[2] + j * st[3];
+    match m {
+        MaskView::Additive { data, .. } => data[idx] as f64,
+        MaskView::Bool { data, true_means_masked, .. } => {
+            if (data[idx] != 0) == *true_means_masked {
+                f64::NEG_INFINITY
+            } else {
+                0.0
+            }
+        }
+    }
+}
+
+/// The scores `scale·q·k + masks` (and causal `-inf`), `[batch, heads_q, l, s]`.
+pub fn scores(p: &AttnParams<'_>, q: &[f32], ql: Layout4, k: &[f32], kl: Layout4) -> Vec<f64> {
+    let d = p.dims;
+    let g = d.heads_q / d.heads_kv.max(1);
+    let mut out = vec![0.0; d.batch * d.heads_q * d.l * d.s];
+    for b in 0..d.batch {
+        for h in 0..d.heads_q {
+            let hk = h / g;
+            for i in 0..d.l {
+                for j in 0..d.s {
+                    let qo = ql.offset(b, h, i);
+                    let ko = kl.offset(b, hk, j);
+                    let dot: f64 = (0..d.d).map(|c| q[qo + c] as f64 * k[ko + c] as f64).sum();
+                    let mut x = p.scale as f64 * dot;
+                    for m in p.masks.iter().flatten() {
+                        x += mask_at(m, b, h, i, j);
+                    }
+                    if p.causal && j > i {
+                        x += f64::NEG_INFINITY;
+                    }
+                    out[((b * d.heads_q + h) * d.l + i) * d.s + j] = x;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The softmax probabilities (before dropout) `[batch, heads_q, l, s]` and the row log-sum-exp
+/// `[batch, heads_q, l]` (`+inf` and `P = 0` for fully masked rows).
+pub fn probabilities(
+    p: &AttnParams<'_>,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+) -> (Vec<f64>, Vec<f64>) {
+    let d = p.dims;
+    let mut s = scores(p, q, ql, k, kl);
+    let mut lse = vec![f64::INFINITY; d.batch * d.heads_q * d.l];
+    if d.s == 0 {
+        return (s, lse);
+    }
+    for (r, row) in s.chunks_mut(d.s).enumerate() {
+        let mx = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        if mx == f64::NEG_INFINITY {
+            row.iter_mut().for_each(|x| *x = 0.0);
+            lse[r] = f64::INFINITY;
+            continue;
+        }
+        let mut sum = 0.0;
+        for x in row.iter_mut() {
+            *x = (*x - mx).exp();
+            sum += *x;
+        }
+        row.iter_mut().for_each(|x| *x /= sum);
+        lse[r] = mx + sum.ln();
+    }
+    (s, lse)
+}
+
+/// The dropout multipliers `[batch, heads_q, l, s]` (all 1 without dropout).
+pub fn dropout_multipliers(p: &AttnParams<'_>) -> Vec<f64> {
+    let d = p.dims;
+    let mut m = vec![1.0; d.batch * d.heads_q * d.l * d.s];
+    if let Some((pr, key)) = p.dropout.filter(|(pr, _)| *pr > 0.0) {
+        let kept = 1.0 / (1.0 - pr);
+        for bh in 0..d.batch * d.heads_q {
+            for i in 0..d.l {
+                let state = key.row_state(bh as u64, i as u64);
+                for j in 0..d.s {
+                    m[(bh * d.l + i) * d.s + j] =
+                        if keep_from_row(state, j as u64, pr) { kept } else { 0.0 };
+                }
+            }
+        }
+    }
+    m
+}
+
+/// The forward: `out` `[batch, heads_q, l, dv]` and `lse` `[batch, heads_q, l]`.
+#[allow(clippy::too_many_arguments)]
+pub fn forward(
+    p: &AttnParams<'_>,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    v: &[f32],
+    vl: Layout4,
+) -> (Vec<f64>, Vec<f64>) {
+    let d = p.dims;
+    let g = d.heads_q / d.heads_kv.max(1);
+    let (pr, lse) = probabilities(p, q, ql, k, kl);
+    let m = dropout_multipliers(p);
+    let mut out = vec![0.0; d.batch * d.heads_q * d.l * d.dv];
+    for b in 0..d.batch {
+        for h in 0..d.heads_q {
+            for i in 0..d.l {
+                let r = (b * d.heads_q + h) * d.l + i;
+                for j in 0..d.s {
+                    let w = pr[r * d.s + j] * m[r * d.s + j];
+                    let vo = vl.offset(b, h / g, j);
+                    for c in 0..d.dv {
+                        out[r * d.dv + c] += w * v[vo + c] as f64;
+                    }
+                }
+            }
+        }
+    }
+    (out, lse)
+}
+
+/// The attention weights (`P∘m`), `[batch, heads_q, l, s]`, or averaged over heads
+/// `[batch, 1, l, s]`.
+pub fn weights(
+    p: &AttnParams<'_>,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    average_heads: bool,
+) -> Vec<f64> {
+    let d = p.dims;
+    let (pr, _) = probabilities(p, q, ql, k, kl);
+    let m = dropout_multipliers(p);
+    let w: Vec<f64> = pr.iter().zip(&m).map(|(a, b)| a * b).collect();
+    if !average_heads {
+        return w;
+    }
+    let n = d.l * d.s;
+    let mut avg = vec![0.0; d.batch * n];
+    for b in 0..d.batch {
+        for h in 0..d.heads_q {
+            for x in 0..n {
+                avg[b * n + x] += w[(b * d.heads_q + h) * n + x];
+            }
+        }
+        for x in 0..n {
+            avg[b * n + x] /= d.heads_q as f64;
+        }
+    }
+    avg
+}
+
+/// The backward: `(dq [batch, heads_q, l, d], dk [batch, heads_kv, s, d], dv [batch, heads_kv,
+/// s, dv])`, contiguous, from the textbook formulas.
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    p: &AttnParams<'_>,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    v: &[f32],
+    vl: Layout4,
+    dout: &[f32],
+    dol: Layout4,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let d = p.dims;
+    let g = d.heads_q / d.heads_kv.max(1);
+    let (pr, _) = probabilities(p, q, ql, k, kl);
+    let m = dropout_multipliers(p);
+    let mut dq = vec![0.0; d.batch * d.heads_q * d.l * d.d];
+    let mut dk = vec![0.0; d.batch * d.heads_kv * d.s * d.d];
+    let mut dvv = vec![0.0; d.batch * d.heads_kv * d.s * d.dv];
+    let scale = p.scale as f64;
+    let mut dp = vec![0.0; d.s];
+    for b in 0..d.batch {
+        for h in 0..d.heads_q {
+            let hk = h / g;
+            for i in 0..d.l {
+                let r = (b * d.heads_q + h) * d.l + i;
+                let doo = dol.offset(b, h, i);
+                // dP_ij = m_ij (dO_i · v_j)
+                for (j, x) in dp.iter_mut().enumerate() {
+                    let vo = vl.offset(b, hk, j);
+                    let dot: f64 = (0..d.dv).map(|c| dout[doo + c] as f64 * v[vo + c] as f64).sum();
+                    *x = m[r * d.s + j] * dot;
+                }
+                let rowsum: f64 = (0..d.s).map(|j| pr[r * d.s + j] * dp[j]).sum();
+                for j in 0..d.s {
+                    let pij = pr[r * d.s + j];
+                    let ds = pij * (dp[j] - rowsum);
+                    let ko = kl.offset(b, hk, j);
+                    let qo = ql.offset(b, h, i);
+                    let kr = ((b * d.heads_kv + hk) * d.s + j) * d.d;
+                    for c in 0..d.d {
+                        dq[r * d.d + c] += scale * ds * k[ko + c] as f64;
+                        dk[kr + c] += scale * ds * q[qo + c] as f64;
+                    }
+                    let vr = ((b * d.heads_kv + hk) * d.s + j) * d.dv;
+                    let w = pij * m[r * d.s + j];
+                    for c in 0..d.dv {
+                        dvv[vr + c] += w * dout[doo + c] as f64;
+                    }
+                }
+            }
+        }
+    }
+    (dq, dk, dvv)
+}

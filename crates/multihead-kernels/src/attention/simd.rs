@@ -1,0 +1,595 @@
+//! A small SIMD abstraction over f32 vectors: a scalar fallback, AVX2+FMA and AVX-512F.
+//!
+//! The attention kernels are written once, generic over [`Simd`], and instantiated inside
+//! `#[target_feature]` wrappers (see [`super::exec`]). Every method here is `#[inline(always)]`
+//! so that, once inlined into such a wrapper, the intrinsics are compiled with the wrapper's
+//! features.
+
+#[cfg(target_arch = "x86_64")]
+use core::arch::x86_64::*;
+
+/// Vector operations on f32 lanes.
+///
+/// # Safety
+///
+/// Implementations for an instruction set may only be used (any method called) on a CPU that
+/// supports that instruction set; the dispatcher in [`super::exec`] checks this at run time.
+/// Pointer arguments must be valid for the lanes they touch (masked lanes are not touched).
+pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
+    /// Lanes per vector.
+    const LANES: usize;
+    /// Most vectors per micro-tile row.
+    const NV_MAX: usize;
+    /// A vector of `LANES` f32.
+    type V: Copy;
+    /// A lane mask selecting the first lanes of a vector (tail handling).
+    type M: Copy;
+
+    /// Micro-tile rows for a tile `nv` vectors wide (keeps the accumulators in registers).
+    fn mr(nv: usize) -> usize;
+
+    /// All lanes `x`.
+    unsafe fn splat(x: f32) -> Self::V;
+    /// Unaligned load of `LANES` values.
+    unsafe fn load(p: *const f32) -> Self::V;
+    /// Unaligned store of `LANES` values.
+    unsafe fn store(p: *mut f32, v: Self::V);
+    /// The mask of the first `n` lanes, `0 < n < LANES`.
+    unsafe fn tail_mask(n: usize) -> Self::M;
+    /// The mask of all lanes.
+    unsafe fn full_mask() -> Self::M;
+    /// Load of the masked lanes (others 0); unmasked lanes are not read.
+    unsafe fn load_m(p: *const f32, m: Self::M) -> Self::V;
+    /// Store of the masked lanes only.
+    unsafe fn store_m(p: *mut f32, v: Self::V, m: Self::M);
+    /// `a + b`.
+    unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+    /// `a - b`.
+    unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
+    /// `a * b`.
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+    /// `a * b + c` (fused where the hardware has FMA).
+    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// x86 `maxps` semantics: `if a > b { a } else { b }` (so a NaN in `b` propagates).
+    unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
+    /// `e^x`, relative error below 2e-7; `exp(-inf) = 0`, NaN propagates.
+    unsafe fn exp(x: Self::V) -> Self::V;
+    /// The sum of the lanes (in a fixed order).
+    unsafe fn reduce_add(v: Self::V) -> f32;
+    /// `C (+)= A B` over the whole [`GemmArgs`] problem (see [`super::gemm`]).
+    unsafe fn gemm(g: &super::gemm::GemmArgs);
+
+    /// Dropout multipliers of one key column for `LANES` query rows: lane `i` is `mult` if
+    /// `mix(states[i] ^ col_term) >> 40 >= thresh` (kept) and `0` otherwise — exactly
+    /// [`keep_from_row`](crate::dropout::keep_from_row) (see `dropout::keep_threshold`).
+    #[inline(always)]
+    unsafe fn dropout(states: *const u64, col_term: u64, thresh: u64, mult: f32) -> Self::V {
+        let mut tmp = [0f32; 16];
+        for (i, x) in tmp.iter_mut().take(Self::LANES).enumerate() {
+            // SAFETY: the caller guarantees `LANES` readable states.
+            let state = unsafe { *states.add(i) };
+            if crate::dropout::mix(state ^ col_term) >> 40 >= thresh {
+                *x = mult;
+            }
+        }
+        // SAFETY: `tmp` holds 16 >= LANES floats.
+        unsafe { Self::load(tmp.as_ptr()) }
+    }
+
+    /// `dst[c*ldd + r] (+)= f * src[r*ld + c]` for `r < rows`, `c < n` (a scaled transpose;
+    /// accumulates when `acc`). Nothing outside that range is touched.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn transpose(
+        dst: *mut f32,
+        ldd: usize,
+        src: *const f32,
+        ld: usize,
+        rows: usize,
+        n: usize,
+        f: f32,
+        acc: bool,
+    ) {
+        for r in 0..rows {
+            for c in 0..n {
+                // SAFETY: the caller guarantees both index ranges are valid.
+                unsafe {
+                    let x = f * *src.add(r * ld + c);
+                    let d = dst.add(c * ldd + r);
+                    *d = if acc { *d + x } else { x };
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar
+
+/// The portable fallback: one lane, plain f32 arithmetic.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Scalar;
+
+// SAFETY: plain scalar code runs on every CPU.
+unsafe impl Simd for Scalar {
+    const LANES: usize = 1;
+    const NV_MAX: usize = 4;
+    type V = f32;
+    type M = ();
+
+    #[inline(always)]
+    fn mr(_nv: usize) -> usize {
+        4
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> f32 {
+        x
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> f32 {
+        // SAFETY: the caller guarantees `p` is valid for one read.
+        unsafe { *p }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: f32) {
+        // SAFETY: the caller guarantees `p` is valid for one write.
+        unsafe { *p = v }
+    }
+    #[inline(always)]
+    unsafe fn tail_mask(_n: usize) {}
+    #[inline(always)]
+    unsafe fn full_mask() {}
+    #[inline(always)]
+    unsafe fn load_m(p: *const f32, _m: ()) -> f32 {
+        // SAFETY: with one lane, a tail never occurs; a "full" mask load is a plain load.
+        unsafe { *p }
+    }
+    #[inline(always)]
+    unsafe fn store_m(p: *mut f32, v: f32, _m: ()) {
+        // SAFETY: as for `load_m`.
+        unsafe { *p = v }
+    }
+    #[inline(always)]
+    unsafe fn add(a: f32, b: f32) -> f32 {
+        a + b
+    }
+    #[inline(always)]
+    unsafe fn sub(a: f32, b: f32) -> f32 {
+        a - b
+    }
+    #[inline(always)]
+    unsafe fn mul(a: f32, b: f32) -> f32 {
+        a * b
+    }
+    #[inline(always)]
+    unsafe fn fma(a: f32, b: f32, c: f32) -> f32 {
+        // Not `mul_add`: without hardware FMA that is a slow libm call.
+        a * b + c
+    }
+    #[inline(always)]
+    unsafe fn max(a: f32, b: f32) -> f32 {
+        if a > b {
+            a
+        } else {
+            b
+        }
+    }
+    #[inline(always)]
+    unsafe fn exp(x: f32) -> f32 {
+        x.exp()
+    }
+    #[inline(always)]
+    unsafe fn reduce_add(v: f32) -> f32 {
+        v
+    }
+    #[inline(always)]
+    unsafe fn gemm(g: &super::gemm::GemmArgs) {
+        // SAFETY: forwarded contract.
+        unsafe { super::gemm::gemm_scalar(g) }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared exp constants (Cephes expf: Cody-Waite reduction and a degree-5 polynomial for
+// (e^r - 1 - r) / r^2 on |r| <= ln2/2; about 1 ulp).
+
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_359_4; // 0.693359375, exact in few bits
+const LN2_LO: f32 = -2.121_944_4e-4;
+const P0: f32 = 1.987_569_1e-4;
+const P1: f32 = 1.398_199_9e-3;
+const P2: f32 = 8.333_452e-3;
+const P3: f32 = 4.166_579_6e-2;
+const P4: f32 = 1.666_666_5e-1;
+const P5: f32 = 0.5;
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 + FMA
+
+/// AVX2 with FMA: 8 lanes, 16 registers.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+static AVX2_TAIL: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
+
+// SAFETY: only used behind `is_x86_feature_detected!("avx2") && ..("fma")` (see `exec`).
+#[cfg(target_arch = "x86_64")]
+unsafe impl Simd for Avx2 {
+    const LANES: usize = 8;
+    const NV_MAX: usize = 2;
+    type V = __m256;
+    type M = __m256i;
+
+    #[inline(always)]
+    fn mr(nv: usize) -> usize {
+        if nv >= 2 {
+            6
+        } else {
+            8
+        }
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> __m256 {
+        // SAFETY: AVX is available (trait contract).
+        unsafe { _mm256_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable floats at `p`.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: __m256) {
+        // SAFETY: the caller guarantees 8 writable floats at `p`.
+        unsafe { _mm256_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn tail_mask(n: usize) -> __m256i {
+        debug_assert!(n < 8);
+        // SAFETY: `8 - n` is in 1..=8, so 8 ints from there lie inside the 16-int table.
+        unsafe { _mm256_loadu_si256(AVX2_TAIL.as_ptr().add(8 - n) as *const __m256i) }
+    }
+    #[inline(always)]
+    unsafe fn full_mask() -> __m256i {
+        // SAFETY: AVX is available (trait contract).
+        unsafe { _mm256_set1_epi32(-1) }
+    }
+    #[inline(always)]
+    unsafe fn load_m(p: *const f32, m: __m256i) -> __m256 {
+        // SAFETY: `vmaskmovps` does not touch masked-off lanes; the caller guarantees the
+        // selected lanes are readable.
+        unsafe { _mm256_maskload_ps(p, m) }
+    }
+    #[inline(always)]
+    unsafe fn store_m(p: *mut f32, v: __m256, m: __m256i) {
+        // SAFETY: as for `load_m`, for writes.
+        unsafe { _mm256_maskstore_ps(p, m, v) }
+    }
+    #[inline(always)]
+    unsafe fn add(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX is available (trait contract).
+        unsafe { _mm256_add_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn sub(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX is available (trait contract).
+        unsafe { _mm256_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX is available (trait contract).
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+        // SAFETY: FMA is available (trait contract).
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn max(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX is available (trait contract).
+        unsafe { _mm256_max_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn exp(x: __m256) -> __m256 {
+        // SAFETY: AVX2 and FMA are available (trait contract); no memory is touched.
+        unsafe {
+            // Clamp into the normal range; max/min take the NaN from their second operand.
+            let xc = _mm256_min_ps(_mm256_set1_ps(88.72), _mm256_max_ps(_mm256_set1_ps(-87.33), x));
+            let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm256_mul_ps(xc, _mm256_set1_ps(LOG2E)),
+            );
+            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), xc);
+            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+            let mut p = _mm256_set1_ps(P0);
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P1));
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P2));
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P3));
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P4));
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P5));
+            let r2 = _mm256_mul_ps(r, r);
+            let e = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));
+            // 2^n for n in [-126, 128]: n = 128 only for x >= 88.72, patched to inf below.
+            let ni = _mm256_cvtps_epi32(n);
+            let pow = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+                ni,
+                _mm256_set1_epi32(127),
+            )));
+            let y = _mm256_mul_ps(e, pow);
+            // Below the normal range: 0 (this also maps -inf to exactly 0).
+            let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.33));
+            let y = _mm256_andnot_ps(tiny, y);
+            let huge = _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(88.72));
+            _mm256_blendv_ps(y, _mm256_set1_ps(f32::INFINITY), huge)
+        }
+    }
+    #[inline(always)]
+    unsafe fn reduce_add(v: __m256) -> f32 {
+        // SAFETY: AVX is available (trait contract); register-only operations.
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_shuffle_ps::<0x55>(s, s));
+            _mm_cvtss_f32(s)
+        }
+    }
+    #[inline(always)]
+    unsafe fn gemm(g: &super::gemm::GemmArgs) {
+        // SAFETY: forwarded contract (AVX2+FMA present).
+        unsafe { super::gemm::gemm_avx2(g) }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512F
+
+/// AVX-512F (+DQ for the vectorised dropout generator): 16 lanes, 32 registers.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Avx512;
+
+// SAFETY: only used behind `is_x86_feature_detected!` for avx512f and avx512dq (see `exec`).
+#[cfg(target_arch = "x86_64")]
+unsafe impl Simd for Avx512 {
+    const LANES: usize = 16;
+    const NV_MAX: usize = 4;
+    type V = __m512;
+    type M = __mmask16;
+
+    #[inline(always)]
+    fn mr(nv: usize) -> usize {
+        match nv {
+            4 => 6,
+            3 => 8,
+            _ => 12,
+        }
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract).
+        unsafe { _mm512_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable floats at `p`.
+        unsafe { _mm512_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: __m512) {
+        // SAFETY: the caller guarantees 16 writable floats at `p`.
+        unsafe { _mm512_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn tail_mask(n: usize) -> __mmask16 {
+        debug_assert!(n < 16);
+        ((1u32 << n) - 1) as __mmask16
+    }
+    #[inline(always)]
+    unsafe fn full_mask() -> __mmask16 {
+        0xffff
+    }
+    #[inline(always)]
+    unsafe fn load_m(p: *const f32, m: __mmask16) -> __m512 {
+        // SAFETY: masked-off lanes are not accessed (no fault); the caller guarantees the
+        // selected lanes are readable.
+        unsafe { _mm512_maskz_loadu_ps(m, p) }
+    }
+    #[inline(always)]
+    unsafe fn store_m(p: *mut f32, v: __m512, m: __mmask16) {
+        // SAFETY: as for `load_m`, for writes.
+        unsafe { _mm512_mask_storeu_ps(p, m, v) }
+    }
+    #[inline(always)]
+    unsafe fn add(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract).
+        unsafe { _mm512_add_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn sub(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract).
+        unsafe { _mm512_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract).
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract).
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn max(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract).
+        unsafe { _mm512_max_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn exp(x: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract); no memory is touched.
+        unsafe {
+            // Clamp (NaN kept: max/min return their second operand when unordered). At -110
+            // the scaled result rounds to exactly 0, at +110 to +inf.
+            let xc = _mm512_min_ps(_mm512_set1_ps(110.0), _mm512_max_ps(_mm512_set1_ps(-110.0), x));
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)),
+            );
+            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc);
+            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+            let mut p = _mm512_set1_ps(P0);
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P1));
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P2));
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P3));
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P4));
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P5));
+            let r2 = _mm512_mul_ps(r, r);
+            let e = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
+            // Flush results below the normal range to 0 (no denormal P values downstream);
+            // NaN compares "not less than" and is kept.
+            let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(-87.33));
+            _mm512_maskz_scalef_ps(keep, e, n)
+        }
+    }
+    #[inline(always)]
+    unsafe fn reduce_add(v: __m512) -> f32 {
+        // SAFETY: AVX-512F is available (trait contract).
+        unsafe { _mm512_reduce_add_ps(v) }
+    }
+    #[inline(always)]
+    unsafe fn gemm(g: &super::gemm::GemmArgs) {
+        // SAFETY: forwarded contract (AVX-512F present).
+        unsafe { super::gemm::gemm_avx512(g) }
+    }
+    #[inline(always)]
+    unsafe fn dropout(states: *const u64, col_term: u64, thresh: u64, mult: f32) -> __m512 {
+        // SAFETY: AVX-512F and AVX-512DQ are available (trait contract: the AVX-512 level
+        // requires both); the caller guarantees 16 readable states.
+        unsafe {
+            #[inline(always)]
+            unsafe fn half(z: __m512i, ct: __m512i, t: __m512i) -> __mmask8 {
+                // SAFETY: as in the enclosing function (SplitMix64's finaliser, lane-wise).
+                unsafe {
+                    let mut z = _mm512_xor_si512(z, ct);
+                    z = _mm512_xor_si512(z, _mm512_srli_epi64::<30>(z));
+                    z = _mm512_mullo_epi64(z, _mm512_set1_epi64(0xBF58_476D_1CE4_E5B9u64 as i64));
+                    z = _mm512_xor_si512(z, _mm512_srli_epi64::<27>(z));
+                    z = _mm512_mullo_epi64(z, _mm512_set1_epi64(0x94D0_49BB_1331_11EBu64 as i64));
+                    z = _mm512_xor_si512(z, _mm512_srli_epi64::<31>(z));
+                    _mm512_cmpge_epu64_mask(_mm512_srli_epi64::<40>(z), t)
+                }
+            }
+            let ct = _mm512_set1_epi64(col_term as i64);
+            let t = _mm512_set1_epi64(thresh as i64);
+            let lo = half(_mm512_loadu_si512(states as *const __m512i), ct, t);
+            let hi = half(_mm512_loadu_si512(states.add(8) as *const __m512i), ct, t);
+            let k = (lo as u16) | ((hi as u16) << 8);
+            _mm512_maskz_mov_ps(k, _mm512_set1_ps(mult))
+        }
+    }
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn transpose(
+        dst: *mut f32,
+        ldd: usize,
+        src: *const f32,
+        ld: usize,
+        rows: usize,
+        n: usize,
+        f: f32,
+        acc: bool,
+    ) {
+        // SAFETY: AVX-512F is available (trait contract); loads and stores are masked to
+        // `r < rows`, `c < n`, which the caller guarantees valid.
+        unsafe {
+            let fv = _mm512_set1_ps(f);
+            let mut rb = 0;
+            while rb < rows {
+                let nr = (rows - rb).min(16);
+                let rmask: __mmask16 = if nr == 16 { 0xffff } else { ((1u32 << nr) - 1) as u16 };
+                let mut cb = 0;
+                while cb < n {
+                    let nc = (n - cb).min(16);
+                    let cmask: __mmask16 =
+                        if nc == 16 { 0xffff } else { ((1u32 << nc) - 1) as u16 };
+                    // Fixed-size, fully unrolled loops keep the 16 rows in registers.
+                    let mut x = [_mm512_setzero_ps(); 16];
+                    if nr == 16 && nc == 16 {
+                        for (r, xr) in x.iter_mut().enumerate() {
+                            *xr = _mm512_loadu_ps(src.add((rb + r) * ld + cb));
+                        }
+                        let y = transpose16(x);
+                        for (c, yc) in y.iter().enumerate() {
+                            let p = dst.add((cb + c) * ldd + rb);
+                            let mut v = _mm512_mul_ps(*yc, fv);
+                            if acc {
+                                v = _mm512_add_ps(v, _mm512_loadu_ps(p));
+                            }
+                            _mm512_storeu_ps(p, v);
+                        }
+                        cb += 16;
+                        continue;
+                    }
+                    // Edge blocks: rows past `nr` load nothing (mask 0) from a valid row.
+                    for (r, xr) in x.iter_mut().enumerate() {
+                        let m = if r < nr { cmask } else { 0 };
+                        *xr = _mm512_maskz_loadu_ps(m, src.add((rb + r.min(nr - 1)) * ld + cb));
+                    }
+                    let y = transpose16(x);
+                    for (c, yc) in y.iter().enumerate() {
+                        if c < nc {
+                            let p = dst.add((cb + c) * ldd + rb);
+                            let mut v = _mm512_mul_ps(*yc, fv);
+                            if acc {
+                                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(rmask, p));
+                            }
+                            _mm512_mask_storeu_ps(p, rmask, v);
+                        }
+                    }
+                    cb += 16;
+                }
+                rb += 16;
+            }
+        }
+    }
+}
+
+/// Transposes a 16 x 16 block held as 16 row vectors: `out[c]` lane `r` is `rows[r]` lane `c`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+    // SAFETY: AVX-512F is available (caller); register-only shuffles.
+    unsafe {
+        // Stage 1: interleave rows pairwise (32-bit, within 128-bit lanes).
+        let mut t = [_mm512_setzero_ps(); 16];
+        for p in 0..8 {
+            t[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+            t[2 * p + 1] = _mm512_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+        }
+        // Stage 2: 64-bit interleave. u[4g + m] lane k = column 4k + m of rows 4g..4g+4.
+        let mut u = [_mm512_setzero_ps(); 16];
+        for g in 0..4 {
+            let (a0, a1) = (_mm512_castps_pd(t[4 * g]), _mm512_castps_pd(t[4 * g + 2]));
+            let (b0, b1) = (_mm512_castps_pd(t[4 * g + 1]), _mm512_castps_pd(t[4 * g + 3]));
+            u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a1));
+            u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a1));
+            u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b0, b1));
+            u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b0, b1));
+        }
+        // Stages 3-4: gather the 128-bit lanes. Column 4k + m = lane k of u[m], u[4+m],
+        // u[8+m], u[12+m].
+        let mut out = [_mm512_setzero_ps(); 16];
+        for m in 0..4 {
+            let v0 = _mm512_shuffle_f32x4::<0x88>(u[m], u[4 + m]);
+            let v1 = _mm512_shuffle_f32x4::<0x88>(u[8 + m], u[12 + m]);
+            let v2 = _mm512_shuffle_f32x4::<0xDD>(u[m], u[4 + m]);
+            let v3 = _mm512_shuffle_f32x4::<0xDD>(u[8 + m], u[12 + m]);
+            out[m] = _mm512_shuffle_f32x4::<0x88>(v0, v1);
+            out[8 + m] = _mm512_shuffle_f32x4::<0xDD>(v0, v1);
+            out[4 + m] = _mm512_shuffle_f32x4::<0x88>(v2, v3);
+            out[12 + m] = _mm512_shuffle_f32x4::<0xDD>(v2, v3);
+        }
+        out
+    }
+}

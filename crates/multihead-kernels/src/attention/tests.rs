@@ -1,0 +1,694 @@
+//! Kernel-vs-reference tests over awkward shapes, masks, layouts, SIMD levels and thread counts.
+
+#![allow(clippy::unwrap_used)]
+
+use super::reference;
+use super::*;
+use crate::dropout::DropoutKey;
+
+/// Deterministic pseudo-random floats in [-1, 1).
+fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn levels() -> Vec<SimdLevel> {
+    [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512]
+        .into_iter()
+        .filter(|&l| l <= detected_simd_level())
+        .collect()
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum MaskKind {
+    /// Additive [L, S], broadcast over batch and heads, with some -inf.
+    AddLS,
+    /// Bool key padding (N, S) viewed with strides [s, 0, 0, 1], true = masked.
+    KeyPad,
+    /// Bool [L, S] with true = attend.
+    BoolAttend,
+    /// Additive per-head [B*H, L, S].
+    PerHead,
+    /// Key padding that masks every key of batch 0 and row 1 of an [L, S] bool mask.
+    FullRows,
+    /// Additive [L, S] stored transposed ([S, L] in memory: strides [0, 0, 1, l]).
+    AddTransposed,
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    l: usize,
+    s: usize,
+    d: usize,
+    dv: usize,
+    causal: bool,
+    scale: Option<f32>,
+    masks: Vec<MaskKind>,
+    dropout: Option<f64>,
+    /// q, k, v read out of a packed [B, L, 3, H, D] buffer; out/dq written as [B, L, H, D].
+    packed: bool,
+}
+
+impl Case {
+    fn new(b: usize, h: usize, l: usize, s: usize, d: usize) -> Self {
+        Case {
+            b,
+            hq: h,
+            hkv: h,
+            l,
+            s,
+            d,
+            dv: d,
+            causal: false,
+            scale: None,
+            masks: vec![],
+            dropout: None,
+            packed: false,
+        }
+    }
+}
+
+/// Owned mask data for a case.
+enum MaskData {
+    F(Vec<f32>, [usize; 4]),
+    B(Vec<u8>, [usize; 4], bool),
+}
+
+fn make_mask(c: &Case, kind: MaskKind, seed: u64) -> MaskData {
+    let (b, h, l, s) = (c.b, c.hq, c.l, c.s);
+    let r = rand_vec(b * h * l * s + l * s + b * s + 1, seed);
+    match kind {
+        MaskKind::AddLS => {
+            let data = (0..l * s)
+                .map(|x| if r[x] > 0.8 { f32::NEG_INFINITY } else { r[x] * 2.0 })
+                .collect();
+            MaskData::F(data, [0, 0, s, 1])
+        }
+        MaskKind::KeyPad => {
+            // Mask a suffix of the keys per batch (never all of them).
+            let data = (0..b * s)
+                .map(|x| {
+                    let (bb, j) = (x / s, x % s);
+                    (j > 0 && j >= s - (bb % 3).min(s - 1)) as u8
+                })
+                .collect();
+            MaskData::B(data, [s, 0, 0, 1], true)
+        }
+        MaskKind::BoolAttend => {
+            let data = (0..l * s).map(|x| (x % s == 0 || r[x] > -0.5) as u8).collect();
+            MaskData::B(data, [0, 0, s, 1], false)
+        }
+        MaskKind::AddTransposed => {
+            let data = (0..l * s).map(|x| r[x] * 2.0).collect();
+            MaskData::F(data, [0, 0, 1, l])
+        }
+        MaskKind::PerHead => {
+            let data = (0..b * h * l * s).map(|x| r[x] * 3.0).collect();
+            MaskData::F(data, [h * l * s, l * s, s, 1])
+        }
+        MaskKind::FullRows => {
+            // Viewed as [B, 1, L, S] bool (true = masked): batch 0 fully masked, row 1 of
+            // every other batch fully masked, the rest open.
+            let data = (0..b * l * s)
+                .map(|x| {
+                    let (bb, i) = (x / (l * s), x / s % l);
+                    (bb == 0 || i == 1) as u8
+                })
+                .collect();
+            MaskData::B(data, [l * s, 0, s, 1], true)
+        }
+    }
+}
+
+fn view(m: &MaskData) -> MaskView<'_> {
+    match m {
+        MaskData::F(d, st) => MaskView::Additive { data: d, strides: *st },
+        MaskData::B(d, st, t) => MaskView::Bool { data: d, strides: *st, true_means_masked: *t },
+    }
+}
+
+struct Inputs {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    dout: Vec<f32>,
+    ql: Layout4,
+    kl: Layout4,
+    vl: Layout4,
+    /// Offsets of q, k, v inside their buffers (packed layout shares one buffer).
+    qo: usize,
+    ko: usize,
+    vo: usize,
+    ol: Layout4,
+    out_len: usize,
+    dql: Layout4,
+    dq_len: usize,
+}
+
+fn inputs(c: &Case, seed: u64) -> Inputs {
+    let dol = Layout4::contiguous(c.hq, c.l, c.dv);
+    let dout = rand_vec(c.b * c.hq * c.l * c.dv, seed + 7);
+    if c.packed {
+        assert!(c.l == c.s && c.hq == c.hkv && c.d == c.dv);
+        let (h, l, d) = (c.hq, c.l, c.d);
+        let buf = rand_vec(c.b * l * 3 * h * d, seed);
+        let lay = Layout4 { batch: l * 3 * h * d, head: d, seq: 3 * h * d };
+        let blhd = Layout4 { batch: l * h * d, head: d, seq: h * d };
+        let _ = dol;
+        Inputs {
+            q: buf.clone(),
+            k: buf.clone(),
+            v: buf,
+            dout,
+            ql: lay,
+            kl: lay,
+            vl: lay,
+            qo: 0,
+            ko: h * d,
+            vo: 2 * h * d,
+            ol: blhd,
+            out_len: c.b * l * h * d,
+            dql: blhd,
+            dq_len: c.b * l * h * d,
+        }
+    } else {
+        Inputs {
+            q: rand_vec(c.b * c.hq * c.l * c.d, seed),
+            k: rand_vec(c.b * c.hkv * c.s * c.d, seed + 1),
+            v: rand_vec(c.b * c.hkv * c.s * c.dv, seed + 2),
+            dout,
+            ql: Layout4::contiguous(c.hq, c.l, c.d),
+            kl: Layout4::contiguous(c.hkv, c.s, c.d),
+            vl: Layout4::contiguous(c.hkv, c.s, c.dv),
+            qo: 0,
+            ko: 0,
+            vo: 0,
+            ol: Layout4::contiguous(c.hq, c.l, c.dv),
+            out_len: c.b * c.hq * c.l * c.dv,
+            dql: Layout4::contiguous(c.hq, c.l, c.d),
+            dq_len: c.b * c.hq * c.l * c.d,
+        }
+    }
+}
+
+/// |got - exp| <= tol + tol·|exp| for every element of a `[b, h, n, w]` view, NaN/inf must match.
+#[allow(clippy::too_many_arguments)]
+fn assert_close(
+    what: &str,
+    c: &Case,
+    got: &[f32],
+    gl: Layout4,
+    exp: &[f64],
+    sizes: [usize; 4],
+    tol: f64,
+) {
+    let el = Layout4::contiguous(sizes[1], sizes[2], sizes[3]);
+    for b in 0..sizes[0] {
+        for h in 0..sizes[1] {
+            for i in 0..sizes[2] {
+                for x in 0..sizes[3] {
+                    let g = got[gl.offset(b, h, i) + x] as f64;
+                    let e = exp[el.offset(b, h, i) + x];
+                    let ok = if e.is_finite() {
+                        (g - e).abs() <= tol + tol * e.abs()
+                    } else {
+                        g == e || (g.is_nan() && e.is_nan())
+                    };
+                    assert!(
+                        ok,
+                        "{what}[{b},{h},{i},{x}]: got {g}, expected {e} (level {:?}) in {c:?}",
+                        simd_level()
+                    );
+                }
+            }
+        }
+    }
+}
+
+struct Results {
+    out: Vec<f32>,
+    lse: Vec<f32>,
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+    w: Vec<f32>,
+    wavg: Vec<f32>,
+}
+
+fn params<'a>(c: &Case, masks: &'a [MaskData]) -> AttnParams<'a> {
+    let mut p = AttnParams::new(AttnDims {
+        batch: c.b,
+        heads_q: c.hq,
+        heads_kv: c.hkv,
+        l: c.l,
+        s: c.s,
+        d: c.d,
+        dv: c.dv,
+    });
+    if let Some(s) = c.scale {
+        p.scale = s;
+    }
+    p.causal = c.causal;
+    for (slot, m) in p.masks.iter_mut().zip(masks) {
+        *slot = Some(view(m));
+    }
+    p.dropout = c.dropout.map(|pr| (pr, DropoutKey { seed: 5, offset: 9 }));
+    p
+}
+
+fn run_kernels(c: &Case, p: &AttnParams<'_>, x: &Inputs) -> Results {
+    let dm = p.dims;
+    let mut out = vec![f32::NAN; x.out_len];
+    let mut lse = vec![f32::NAN; dm.batch * dm.heads_q * dm.l];
+    let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
+    flash_forward(p, q, x.ql, k, x.kl, v, x.vl, &mut out, x.ol, &mut lse).unwrap();
+    let dkl = Layout4::contiguous(c.hkv, c.s, c.d);
+    let dvl = Layout4::contiguous(c.hkv, c.s, c.dv);
+    let mut dq = vec![f32::NAN; x.dq_len];
+    let mut dk = vec![f32::NAN; c.b * c.hkv * c.s * c.d];
+    let mut dv = vec![f32::NAN; c.b * c.hkv * c.s * c.dv];
+    let dol = Layout4::contiguous(c.hq, c.l, c.dv);
+    flash_backward(
+        p, q, x.ql, k, x.kl, v, x.vl, &out, x.ol, &x.dout, dol, &lse, &mut dq, x.dql, &mut dk, dkl,
+        &mut dv, dvl,
+    )
+    .unwrap();
+    let mut w = vec![f32::NAN; c.b * c.hq * c.l * c.s];
+    attention_weights(p, q, x.ql, k, x.kl, &lse, false, &mut w).unwrap();
+    let mut wavg = vec![f32::NAN; c.b * c.l * c.s];
+    attention_weights(p, q, x.ql, k, x.kl, &lse, true, &mut wavg).unwrap();
+    Results { out, lse, dq, dk, dv, w, wavg }
+}
+
+fn check_case(c: &Case) {
+    let masks: Vec<MaskData> =
+        c.masks.iter().enumerate().map(|(n, &k)| make_mask(c, k, 100 + n as u64)).collect();
+    let p = params(c, &masks);
+    let x = inputs(c, 42);
+    let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
+    let (eout, else_) = reference::forward(&p, q, x.ql, k, x.kl, v, x.vl);
+    let dol = Layout4::contiguous(c.hq, c.l, c.dv);
+    let (edq, edk, edv) = reference::backward(&p, q, x.ql, k, x.kl, v, x.vl, &x.dout, dol);
+    let ew = reference::weights(&p, q, x.ql, k, x.kl, false);
+    let ewavg = reference::weights(&p, q, x.ql, k, x.kl, true);
+    let lsel = Layout4::contiguous(c.hq, c.l, 1);
+    for level in levels() {
+        with_simd_level(level, || {
+            let r = run_kernels(c, &p, &x);
+            let (b, hq, hkv, l, s) = (c.b, c.hq, c.hkv, c.l, c.s);
+            assert_close("out", c, &r.out, x.ol, &eout, [b, hq, l, c.dv], 1e-5);
+            assert_close("lse", c, &r.lse, lsel, &else_, [b, hq, l, 1], 1e-5);
+            assert_close("dq", c, &r.dq, x.dql, &edq, [b, hq, l, c.d], 1e-4);
+            let dkl = Layout4::contiguous(hkv, s, c.d);
+            let dvl = Layout4::contiguous(hkv, s, c.dv);
+            assert_close("dk", c, &r.dk, dkl, &edk, [b, hkv, s, c.d], 1e-4);
+            assert_close("dv", c, &r.dv, dvl, &edv, [b, hkv, s, c.dv], 1e-4);
+            let wl = Layout4::contiguous(hq, l, s);
+            assert_close("weights", c, &r.w, wl, &ew, [b, hq, l, s], 1e-5);
+            let wal = Layout4::contiguous(1, l, s);
+            assert_close("weights(avg)", c, &r.wavg, wal, &ewavg, [b, 1, l, s], 1e-5);
+            for g in [&r.dq, &r.dk, &r.dv] {
+                assert!(g.iter().all(|x| x.is_finite()), "non-finite gradient in {c:?}");
+            }
+        });
+    }
+}
+
+#[test]
+fn plain_sizes() {
+    for &(l, s, d) in &[
+        (1, 1, 1),
+        (3, 3, 7),
+        (63, 65, 32),
+        (64, 64, 64),
+        (65, 63, 80),
+        (257, 257, 64),
+        (1, 257, 128),
+        (257, 3, 7),
+        (65, 257, 128),
+        (130, 64, 32),
+    ] {
+        check_case(&Case::new(2, 2, l, s, d));
+    }
+}
+
+#[test]
+fn value_dim_differs() {
+    let mut c = Case::new(1, 2, 65, 63, 32);
+    c.dv = 80;
+    check_case(&c);
+    let mut c = Case::new(2, 1, 3, 257, 7);
+    c.dv = 1;
+    check_case(&c);
+}
+
+#[test]
+fn causal_shapes() {
+    for &(l, s, d) in
+        &[(64, 64, 64), (63, 257, 32), (257, 65, 64), (3, 1, 7), (1, 3, 80), (200, 200, 128)]
+    {
+        let mut c = Case::new(2, 2, l, s, d);
+        c.causal = true;
+        check_case(&c);
+    }
+}
+
+#[test]
+fn custom_scales() {
+    for &scale in &[-0.37f32, 0.0, 2.5] {
+        let mut c = Case::new(1, 2, 65, 64, 32);
+        c.scale = Some(scale);
+        check_case(&c);
+    }
+}
+
+#[test]
+fn every_mask_kind() {
+    for &kind in &[
+        MaskKind::AddLS,
+        MaskKind::KeyPad,
+        MaskKind::BoolAttend,
+        MaskKind::PerHead,
+        MaskKind::FullRows,
+        MaskKind::AddTransposed,
+    ] {
+        let mut c = Case::new(3, 2, 65, 257, 32);
+        c.masks = vec![kind];
+        check_case(&c);
+    }
+}
+
+#[test]
+fn two_masks_and_causal() {
+    let mut c = Case::new(3, 2, 63, 65, 64);
+    c.masks = vec![MaskKind::AddLS, MaskKind::KeyPad];
+    check_case(&c);
+    c.causal = true;
+    c.masks = vec![MaskKind::PerHead, MaskKind::BoolAttend];
+    check_case(&c);
+    // A row-major float mask as the second (accumulated) mask, and a transposed one.
+    c.masks = vec![MaskKind::KeyPad, MaskKind::AddLS];
+    check_case(&c);
+    c.causal = false;
+    c.masks = vec![MaskKind::AddTransposed, MaskKind::PerHead];
+    check_case(&c);
+}
+
+#[test]
+fn fully_masked_rows_give_zeros_and_finite_grads() {
+    let mut c = Case::new(2, 2, 65, 64, 32);
+    c.masks = vec![MaskKind::FullRows];
+    check_case(&c);
+    c.masks = vec![MaskKind::FullRows, MaskKind::AddLS];
+    c.dropout = Some(0.2);
+    check_case(&c);
+    // S = 0: every row is fully masked.
+    check_case(&Case::new(1, 2, 5, 0, 8));
+}
+
+#[test]
+fn grouped_query_attention() {
+    let mut c = Case::new(2, 4, 65, 63, 32);
+    c.hkv = 2;
+    check_case(&c);
+    let mut c = Case::new(1, 6, 64, 130, 64);
+    c.hkv = 1;
+    c.causal = true;
+    c.masks = vec![MaskKind::KeyPad];
+    check_case(&c);
+}
+
+#[test]
+fn dropout_matches_reference() {
+    let mut c = Case::new(2, 2, 65, 257, 32);
+    c.dropout = Some(0.3);
+    check_case(&c);
+    c.causal = true;
+    c.hkv = 1;
+    c.dropout = Some(0.9);
+    check_case(&c);
+}
+
+#[test]
+fn packed_strided_inputs() {
+    let mut c = Case::new(2, 3, 65, 65, 32);
+    c.packed = true;
+    check_case(&c);
+    c.causal = true;
+    c.masks = vec![MaskKind::KeyPad];
+    c.dropout = Some(0.1);
+    check_case(&c);
+}
+
+#[test]
+fn thread_count_does_not_change_bits() {
+    let mut c = Case::new(2, 4, 200, 131, 64);
+    c.hkv = 2;
+    c.causal = true;
+    c.masks = vec![MaskKind::AddLS];
+    c.dropout = Some(0.25);
+    let masks: Vec<MaskData> = c.masks.iter().map(|&k| make_mask(&c, k, 3)).collect();
+    let p = params(&c, &masks);
+    let x = inputs(&c, 1);
+    for level in levels() {
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| with_simd_level(level, || run_kernels(&c, &p, &x)))
+        };
+        let a = run(1);
+        for threads in [2, 3] {
+            let b = run(threads);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for (what, x, y) in [
+                ("out", &a.out, &b.out),
+                ("lse", &a.lse, &b.lse),
+                ("dq", &a.dq, &b.dq),
+                ("dk", &a.dk, &b.dk),
+                ("dv", &a.dv, &b.dv),
+                ("w", &a.w, &b.w),
+                ("wavg", &a.wavg, &b.wavg),
+            ] {
+                assert!(bits(x) == bits(y), "{what} differs at {threads} threads ({level:?})");
+            }
+        }
+    }
+}
+
+#[test]
+fn plus_inf_score_gives_nan_row() {
+    let c = Case::new(1, 1, 2, 3, 4);
+    let mut mask = vec![0.0f32; 6];
+    mask[4] = f32::INFINITY; // row 1, key 1
+    let mut p = params(&c, &[]);
+    p.masks[0] = Some(MaskView::Additive { data: &mask, strides: [0, 0, 3, 1] });
+    let x = inputs(&c, 3);
+    for level in levels() {
+        with_simd_level(level, || {
+            let mut out = vec![0.0; 8];
+            let mut lse = vec![0.0; 2];
+            flash_forward(&p, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse)
+                .unwrap();
+            assert!(out[..4].iter().all(|v| v.is_finite()));
+            assert!(out[4..].iter().all(|v| v.is_nan()), "{out:?}");
+        });
+    }
+}
+
+#[test]
+fn bad_arguments_are_errors_not_panics() {
+    let c = Case::new(2, 2, 5, 6, 4);
+    let p = params(&c, &[]);
+    let x = inputs(&c, 1);
+    let mut out = vec![0.0; x.out_len];
+    let mut lse = vec![0.0; 20];
+    // q too short.
+    let e = flash_forward(&p, &x.q[..10], x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse);
+    assert!(matches!(e, Err(KernelError::SliceTooShort { name: "q", .. })), "{e:?}");
+    // lse too short.
+    let e = flash_forward(&p, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse[..3]);
+    assert!(matches!(e, Err(KernelError::SliceTooShort { name: "lse", .. })));
+    // Overlapping output layout.
+    let ol = Layout4 { batch: 0, head: 4, seq: 4 };
+    let e = flash_forward(&p, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, ol, &mut lse);
+    assert!(matches!(e, Err(KernelError::OverlappingOutput { name: "out" })));
+    // Rows overlapping inside the head dimension.
+    let ol = Layout4 { batch: 40, head: 20, seq: 2 };
+    let e = flash_forward(&p, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, ol, &mut lse);
+    assert!(matches!(e, Err(KernelError::OverlappingOutput { .. })));
+    // Heads.
+    let mut p2 = p;
+    p2.dims.heads_kv = 3;
+    let e = flash_forward(&p2, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse);
+    assert!(matches!(e, Err(KernelError::InvalidHeads { .. })));
+    p2.dims.heads_kv = 0;
+    let e = flash_forward(&p2, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse);
+    assert!(matches!(e, Err(KernelError::InvalidHeads { .. })));
+    // Dropout.
+    for bad in [1.0, -0.1, f64::NAN] {
+        let mut p3 = p;
+        p3.dropout = Some((bad, DropoutKey { seed: 0, offset: 0 }));
+        let e = flash_forward(&p3, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse);
+        assert!(matches!(e, Err(KernelError::InvalidDropout { .. })));
+    }
+    // Mask too short for its strides.
+    let m = [0.0f32; 5];
+    let mut p4 = p;
+    p4.masks[1] = Some(MaskView::Additive { data: &m, strides: [0, 0, 6, 1] });
+    let e = flash_forward(&p4, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse);
+    assert!(matches!(e, Err(KernelError::SliceTooShort { name: "masks[1]", .. })));
+    // Overflowing strides.
+    let huge = Layout4 { batch: usize::MAX / 2, head: 1, seq: 1 };
+    let e = flash_forward(&p, &x.q, huge, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse);
+    assert!(matches!(
+        e,
+        Err(KernelError::Overflow { .. }) | Err(KernelError::SliceTooShort { .. })
+    ));
+    // Backward and weights outputs.
+    let mut small = vec![0.0; 3];
+    let mut dk = vec![0.0; 2 * 2 * 6 * 4];
+    let mut dv = dk.clone();
+    let dol = x.ol;
+    let e = flash_backward(
+        &p, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &out, x.ol, &x.dout, dol, &lse, &mut small, x.dql,
+        &mut dk, x.kl, &mut dv, x.vl,
+    );
+    assert!(matches!(e, Err(KernelError::SliceTooShort { name: "dq", .. })));
+    let e = attention_weights(&p, &x.q, x.ql, &x.k, x.kl, &lse, false, &mut small);
+    assert!(matches!(e, Err(KernelError::SliceTooShort { name: "weights", .. })));
+    assert!(!format!("{}", e.unwrap_err()).is_empty());
+}
+
+#[test]
+fn empty_shapes_are_fine() {
+    for (b, h, l, s, d) in [(0, 2, 3, 3, 4), (1, 2, 0, 3, 4), (1, 1, 3, 3, 0)] {
+        check_case(&Case::new(b, h, l, s, d));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The vector exp
+
+fn exp_max_rel_error(level: SimdLevel) -> f64 {
+    use super::simd::Simd;
+    let xs: Vec<f32> = (0..200_001)
+        .map(|i| -87.0 + 97.0 * i as f32 / 200_000.0)
+        .chain([0.0, -0.0, 1e-8, -1e-8, 0.5 * std::f32::consts::LN_2])
+        .collect();
+    fn run<S: Simd>(xs: &[f32]) -> Vec<f32> {
+        let mut out = vec![0.0; xs.len() + 16];
+        let mut x = xs.to_vec();
+        x.resize(xs.len().div_ceil(16) * 16, 0.0);
+        for (i, chunk) in x.chunks(S::LANES).enumerate() {
+            // SAFETY: only called at a level the CPU supports; chunks hold LANES floats.
+            unsafe { S::store(out.as_mut_ptr().add(i * S::LANES), S::exp(S::load(chunk.as_ptr()))) }
+        }
+        out.truncate(xs.len());
+        out
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn run512(xs: &[f32]) -> Vec<f32> {
+        run::<super::simd::Avx512>(xs)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run256(xs: &[f32]) -> Vec<f32> {
+        run::<super::simd::Avx2>(xs)
+    }
+    let ys = match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `levels()` only yields supported levels.
+        SimdLevel::Avx512 => unsafe { run512(&xs) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        SimdLevel::Avx2 => unsafe { run256(&xs) },
+        _ => run::<super::simd::Scalar>(&xs),
+    };
+    xs.iter()
+        .zip(&ys)
+        .map(|(&x, &y)| {
+            let e = (x as f64).exp();
+            ((y as f64 - e) / e).abs()
+        })
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn vector_exp_is_accurate_and_handles_specials() {
+    for level in levels() {
+        let err = exp_max_rel_error(level);
+        assert!(err < 2e-7, "{level:?}: max relative error {err}");
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::simd::Simd;
+        #[target_feature(enable = "avx512f")]
+        unsafe fn specials512() -> [f32; 16] {
+            let mut x = [0f32; 16];
+            x[..6].copy_from_slice(&[
+                f32::NEG_INFINITY,
+                -200.0,
+                -100.0,
+                f32::NAN,
+                200.0,
+                f32::INFINITY,
+            ]);
+            let mut y = [0f32; 16];
+            // SAFETY: 16 floats each; AVX-512F enabled.
+            unsafe {
+                super::simd::Avx512::store(
+                    y.as_mut_ptr(),
+                    super::simd::Avx512::exp(super::simd::Avx512::load(x.as_ptr())),
+                )
+            };
+            y
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn specials256() -> [f32; 16] {
+            let mut x = [0f32; 16];
+            x[..6].copy_from_slice(&[
+                f32::NEG_INFINITY,
+                -200.0,
+                -100.0,
+                f32::NAN,
+                200.0,
+                f32::INFINITY,
+            ]);
+            let mut y = [0f32; 16];
+            for c in 0..2 {
+                // SAFETY: 8 floats per chunk; AVX2 enabled.
+                unsafe {
+                    super::simd::Avx2::store(
+                        y.as_mut_ptr().add(8 * c),
+                        super::simd::Avx2::exp(super::simd::Avx2::load(x.as_ptr().add(8 * c))),
+                    )
+                };
+            }
+            y
+        }
+        let mut outs = vec![];
+        if detected_simd_level() >= SimdLevel::Avx512 {
+            // SAFETY: checked above.
+            outs.push(unsafe { specials512() });
+        }
+        if detected_simd_level() >= SimdLevel::Avx2 {
+            // SAFETY: checked above.
+            outs.push(unsafe { specials256() });
+        }
+        for y in outs {
+            assert_eq!(&y[..3], &[0.0, 0.0, 0.0]);
+            assert!(y[3].is_nan());
+            assert_eq!(&y[4..6], &[f32::INFINITY, f32::INFINITY]);
+        }
+    }
+}

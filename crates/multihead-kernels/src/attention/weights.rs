@@ -1,0 +1,178 @@
+//! The attention-weights pass: recomputes `P = exp(scale·q·k + mask − lse)` (times the dropout
+//! multipliers) block by block and writes it out, optionally averaged over heads.
+//!
+//! One task per `(batch, head, query block)`, or per `(batch, query block)` when averaging, in
+//! which case the task sums the heads in order `0..heads_q` (deterministic) and divides once.
+
+use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
+use super::mask::{build_mask_tile, causal_fill, TilePos};
+use super::simd::Simd;
+use super::tile::{pack_transposed, scale_row, score_tile, BlockDropout, MAX_BR};
+use super::{AttnParams, Layout4};
+
+pub(crate) struct WeightsTask<'a> {
+    p: &'a AttnParams<'a>,
+    q: ConstPtr<f32>,
+    ql: Layout4,
+    k: ConstPtr<f32>,
+    kl: Layout4,
+    lse: ConstPtr<f32>,
+    w: SyncPtr<f32>,
+    average: bool,
+    br: usize,
+    bc: usize,
+    nq: usize,
+}
+
+impl<'a> WeightsTask<'a> {
+    /// The arguments were validated by `attention_weights`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        p: &'a AttnParams<'a>,
+        q: &'a [f32],
+        ql: Layout4,
+        k: &'a [f32],
+        kl: Layout4,
+        lse: &'a [f32],
+        average: bool,
+        w: &'a mut [f32],
+        br: usize,
+        bc: usize,
+    ) -> Self {
+        assert!(br <= MAX_BR && br > 0 && bc > 0);
+        WeightsTask {
+            p,
+            q: ConstPtr(q.as_ptr()),
+            ql,
+            k: ConstPtr(k.as_ptr()),
+            kl,
+            lse: ConstPtr(lse.as_ptr()),
+            w: SyncPtr(w.as_mut_ptr()),
+            average,
+            br,
+            bc,
+            nq: p.dims.l.div_ceil(br),
+        }
+    }
+}
+
+impl Task for WeightsTask<'_> {
+    fn count(&self) -> usize {
+        let d = &self.p.dims;
+        d.batch * if self.average { 1 } else { d.heads_q } * self.nq
+    }
+
+    fn scratch_len(&self, lanes: usize) -> usize {
+        let d = &self.p.dims;
+        let brp = self.br.div_ceil(lanes) * lanes;
+        round16(d.d * brp) + 2 * round16(self.bc * brp) + round16(brp)
+    }
+
+    #[inline(always)]
+    unsafe fn run<S: Simd>(&self, t: usize, buf: &mut [f32]) {
+        let p = self.p;
+        let dm = &p.dims;
+        let l = S::LANES;
+        let (bh_out, qb) = (t / self.nq, t % self.nq);
+        let (b, heads, hw, nh_out) = if self.average {
+            (bh_out, 0..dm.heads_q, 0, 1)
+        } else {
+            let h = bh_out % dm.heads_q;
+            (bh_out / dm.heads_q, h..h + 1, h, dm.heads_q)
+        };
+        let i0 = qb * self.br;
+        let br = self.br.min(dm.l - i0);
+        let brp = br.div_ceil(l) * l;
+        let nvec = brp / l;
+        let (d, s) = (dm.d, dm.s);
+        let has_mask = p.has_mask();
+
+        let mut cv = Carver::new(buf);
+        let qt = cv.take(d * brp);
+        let st = cv.take(self.bc * brp);
+        let mt = cv.take(if has_mask { self.bc * brp } else { 0 });
+        let lsev = cv.take(brp);
+
+        // SAFETY: rows addressed below were validated by `attention_weights`; this task alone
+        // writes rows `i0..i0+br` of `weights[b, hw]` (a contiguous `[batch, hw, l, s]` array).
+        unsafe {
+            let wrow = |i: usize| self.w.0.add(((b * nh_out + hw) * dm.l + i0 + i) * s);
+            for (n, h) in heads.clone().enumerate() {
+                let hk = h / (dm.heads_q / dm.heads_kv);
+                let bh = b * dm.heads_q + h;
+                pack_transposed::<S>(
+                    qt,
+                    brp,
+                    self.q.0.add(self.ql.offset(b, h, i0)),
+                    self.ql.seq,
+                    br,
+                    d,
+                    p.scale,
+                );
+                let lse_row = self.lse.0.add(bh * dm.l + i0);
+                for (i, x) in lsev.iter_mut().enumerate() {
+                    *x = if i < br { *lse_row.add(i) } else { f32::INFINITY };
+                }
+                let dropout =
+                    p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
+                let kbase = self.k.0.add(self.kl.offset(b, hk, 0));
+                let mut j0 = 0;
+                while j0 < s {
+                    let bc = self.bc.min(s - j0);
+                    let pos = TilePos { b, h, i0, br, brp, j0, bc };
+                    let all_masked = (p.causal && j0 >= i0 + br)
+                        || (has_mask && !build_mask_tile::<S>(&p.masks, pos, mt));
+                    if all_masked {
+                        if n == 0 {
+                            for i in 0..br {
+                                std::ptr::write_bytes(wrow(i).add(j0), 0, bc);
+                            }
+                        }
+                        j0 += bc;
+                        continue;
+                    }
+                    score_tile::<S>(
+                        kbase.add(j0 * self.kl.seq),
+                        self.kl.seq,
+                        d,
+                        qt.as_ptr(),
+                        brp,
+                        st.as_mut_ptr(),
+                        bc,
+                        p.causal.then_some(i0 as isize - j0 as isize),
+                    );
+                    if p.causal && j0 + bc > i0 + 1 {
+                        causal_fill(st, brp, i0, j0, bc, f32::NEG_INFINITY);
+                    }
+                    let stp = st.as_mut_ptr();
+                    let mtp = mt.as_ptr();
+                    for vi in 0..nvec {
+                        let lv = S::load(lsev.as_ptr().add(vi * l));
+                        for j in 0..bc {
+                            let off = j * brp + vi * l;
+                            let mut x = S::load(stp.add(off));
+                            if has_mask {
+                                x = S::add(x, S::load(mtp.add(off)));
+                            }
+                            let mut e = S::exp(S::sub(x, lv));
+                            if let Some(dr) = &dropout {
+                                e = S::mul(e, dr.vector::<S>(vi * l, j0 + j));
+                            }
+                            S::store(stp.add(off), e);
+                        }
+                    }
+                    // Transpose the [key][query] tile into the [query][key] output rows.
+                    // w[i][j0 + j] (+)= st[j][i]: a transpose with `bc` source rows of `br`.
+                    S::transpose(wrow(0).add(j0), s, st.as_ptr(), brp, bc, br, 1.0, n > 0);
+                    j0 += bc;
+                }
+            }
+            if self.average && dm.heads_q > 1 {
+                let f = 1.0 / dm.heads_q as f32;
+                for i in 0..br {
+                    scale_row::<S>(wrow(i), wrow(i), s, f);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,442 @@
+//! The fused flash-attention kernels of `multihead-kernels`, entered into candle as a
+//! `CustomOp3` with a backward, so that candle's autograd runs them.
+//!
+//! The op reads q, k and v through their strides (for MultiheadAttention, straight from the
+//! in-projection output, with no transposing copy), writes the attention output, keeps the row
+//! log-sum-exp for the backward, and never materialises an `L × S` matrix. The composed candle
+//! path in [`functional`](crate::functional) stays as the reference and for f64.
+
+use std::cell::Cell;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Shape, Tensor};
+use multihead_kernels::attention::{
+    attention_weights, flash_backward, flash_forward, AttnDims, AttnParams, Layout4, MaskView,
+};
+use multihead_kernels::dropout::DropoutKey;
+
+use crate::error::Result;
+
+thread_local! {
+    static FUSED: Cell<bool> = Cell::new(std::env::var_os("MULTIHEAD_NO_FUSED").is_none());
+    static GRAD: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Runs `f` as PyTorch's `torch.no_grad()` block: the caller promises not to back-propagate
+/// through what `f` computes, which lets attention that returns its weights use the fused
+/// kernels (their weights carry no gradient).
+///
+/// # Example
+/// ```
+/// let inside = multihead::fused::no_grad(multihead::fused::grad_enabled);
+/// assert!(!inside && multihead::fused::grad_enabled());
+/// ```
+pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
+    let old = GRAD.with(|c| c.replace(false));
+    let r = f();
+    GRAD.with(|c| c.set(old));
+    r
+}
+
+/// Whether gradients may be needed (false inside [`no_grad`]).
+pub fn grad_enabled() -> bool {
+    GRAD.with(|c| c.get())
+}
+
+/// Runs `f` with the fused kernels enabled or disabled on this thread (the composed candle path
+/// is used when disabled). They are enabled by default unless the environment variable
+/// `MULTIHEAD_NO_FUSED` is set.
+///
+/// # Example
+/// ```
+/// let on = multihead::fused::with_fused_kernels(false, multihead::fused::fused_kernels_enabled);
+/// assert!(!on);
+/// ```
+pub fn with_fused_kernels<R>(enabled: bool, f: impl FnOnce() -> R) -> R {
+    let old = FUSED.with(|c| c.replace(enabled));
+    let r = f();
+    FUSED.with(|c| c.set(old));
+    r
+}
+
+/// Whether the fused kernels are enabled on this thread.
+pub fn fused_kernels_enabled() -> bool {
+    FUSED.with(|c| c.get())
+}
+
+/// Whether the fused path can run on tensors of this dtype and device.
+pub(crate) fn usable(t: &Tensor) -> bool {
+    fused_kernels_enabled() && t.dtype() == DType::F32 && matches!(t.device(), Device::Cpu)
+}
+
+/// How the op's 3-D or 4-D inputs map to the kernel's `[batch, head, seq, dim]`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Convention {
+    /// `(T, N, H·D)`: MultiheadAttention's sequence-first projections.
+    SeqFirst { heads: usize },
+    /// `(B, H, T, D)`.
+    Bhtd,
+}
+
+impl Convention {
+    /// The kernel layout of a tensor with this layout, and its start offset.
+    fn layout4(&self, l: &Layout) -> candle_core::Result<(usize, Layout4)> {
+        let dims = l.dims();
+        let st = l.stride();
+        match (self, dims.len()) {
+            (Convention::SeqFirst { heads }, 3) => {
+                let hd = dims[2] / heads.max(&1);
+                if st[2] != 1 && dims[2] > 1 {
+                    candle_core::bail!("flash attention: the feature dimension must be contiguous");
+                }
+                Ok((l.start_offset(), Layout4 { batch: st[1], head: hd, seq: st[0] }))
+            }
+            (Convention::Bhtd, 4) => {
+                if st[3] != 1 && dims[3] > 1 {
+                    candle_core::bail!("flash attention: the last dimension must be contiguous");
+                }
+                Ok((l.start_offset(), Layout4 { batch: st[0], head: st[1], seq: st[2] }))
+            }
+            _ => candle_core::bail!("flash attention: unexpected rank {}", dims.len()),
+        }
+    }
+
+    /// The output shape for query dims and the value head size.
+    fn out_shape(&self, q: &[usize], dv: usize) -> Vec<usize> {
+        match self {
+            Convention::SeqFirst { heads } => vec![q[0], q[1], heads * dv],
+            Convention::Bhtd => vec![q[0], q[1], q[2], dv],
+        }
+    }
+}
+
+/// An owned mask in the kernel's `[batch, head, l, s]` view.
+#[derive(Clone, Debug)]
+pub(crate) struct OwnedMask {
+    pub data: Vec<f32>,
+    pub strides: [usize; 4],
+}
+
+impl OwnedMask {
+    /// Copies an additive f32 mask tensor and views it through `strides`.
+    pub(crate) fn new(t: &Tensor, strides: [usize; 4]) -> Result<Self> {
+        Ok(Self { data: t.flatten_all()?.to_vec1::<f32>()?, strides })
+    }
+}
+
+/// The flash-attention op for one call. Clones share the saved log-sum-exp.
+#[derive(Clone)]
+pub(crate) struct FlashAttention {
+    pub dims: AttnDims,
+    pub scale: f32,
+    pub causal: bool,
+    pub masks: Arc<Vec<OwnedMask>>,
+    pub dropout: Option<(f64, DropoutKey)>,
+    pub conv: Convention,
+    lse: Arc<Mutex<Vec<f32>>>,
+}
+
+impl FlashAttention {
+    pub(crate) fn new(
+        dims: AttnDims,
+        scale: f32,
+        causal: bool,
+        masks: Vec<OwnedMask>,
+        dropout: Option<(f64, DropoutKey)>,
+        conv: Convention,
+    ) -> Self {
+        Self {
+            dims,
+            scale,
+            causal,
+            masks: Arc::new(masks),
+            dropout,
+            conv,
+            lse: Arc::new(Mutex::new(Vec::new())),
+        }
+    }
+
+    fn params(&self) -> AttnParams<'_> {
+        let mut p = AttnParams::new(self.dims);
+        p.scale = self.scale;
+        p.causal = self.causal;
+        p.dropout = self.dropout;
+        for (slot, m) in p.masks.iter_mut().zip(self.masks.iter()) {
+            *slot = Some(MaskView::Additive { data: &m.data, strides: m.strides });
+        }
+        p
+    }
+
+    /// The head-averaged (`(N, 1, L, S)`) or per-head (`(N, H, L, S)`) attention weights of the
+    /// forward that ran, from the saved log-sum-exp. No gradient flows through them.
+    pub(crate) fn weights(&self, q: &Tensor, k: &Tensor, average: bool) -> Result<Tensor> {
+        let (qs, ql) = q.storage_and_layout();
+        let (ks, kl) = k.storage_and_layout();
+        let (q_off, q4) = self.conv.layout4(ql)?;
+        let (k_off, k4) = self.conv.layout4(kl)?;
+        let d = self.dims;
+        let hw = if average { 1 } else { d.heads_q };
+        let mut w = vec![0f32; d.batch * hw * d.l * d.s];
+        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
+        attention_weights(
+            &self.params(),
+            &f32s(&qs)?[q_off..],
+            q4,
+            &f32s(&ks)?[k_off..],
+            k4,
+            &lse,
+            average,
+            &mut w,
+        )
+        .map_err(|e| candle_core::Error::Msg(format!("flash attention weights: {e}")))?;
+        Ok(Tensor::from_vec(w, (d.batch, hw, d.l, d.s), q.device())?)
+    }
+}
+
+fn f32s(s: &candle_core::Storage) -> candle_core::Result<&[f32]> {
+    match s {
+        candle_core::Storage::Cpu(CpuStorage::F32(v)) => Ok(v),
+        _ => candle_core::bail!("flash attention: expected f32 tensors on the CPU"),
+    }
+}
+
+fn cpu_f32(s: &CpuStorage) -> candle_core::Result<&[f32]> {
+    match s {
+        CpuStorage::F32(v) => Ok(v),
+        _ => candle_core::bail!("flash attention: expected f32 tensors"),
+    }
+}
+
+fn contiguous_layout4(conv: Convention, dims: &[usize]) -> candle_core::Result<Layout4> {
+    Ok(conv.layout4(&Layout::contiguous(dims))?.1)
+}
+
+impl CustomOp3 for FlashAttention {
+    fn name(&self) -> &'static str {
+        "flash-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (q_off, q4) = self.conv.layout4(l1)?;
+        let (k_off, k4) = self.conv.layout4(l2)?;
+        let (v_off, v4) = self.conv.layout4(l3)?;
+        let out_dims = self.conv.out_shape(l1.dims(), self.dims.dv);
+        let o4 = contiguous_layout4(self.conv, &out_dims)?;
+        let mut out = vec![0f32; out_dims.iter().product()];
+        let d = self.dims;
+        let mut lse = vec![0f32; d.batch * d.heads_q * d.l];
+        flash_forward(
+            &self.params(),
+            &cpu_f32(s1)?[q_off..],
+            q4,
+            &cpu_f32(s2)?[k_off..],
+            k4,
+            &cpu_f32(s3)?[v_off..],
+            v4,
+            &mut out,
+            o4,
+            &mut lse,
+        )
+        .map_err(|e| candle_core::Error::Msg(format!("flash attention forward: {e}")))?;
+        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
+        Ok((CpuStorage::F32(out), Shape::from(out_dims)))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let grad = grad_res.contiguous()?;
+        let (qs, ql) = q.storage_and_layout();
+        let (ks, kl) = k.storage_and_layout();
+        let (vs, vl) = v.storage_and_layout();
+        let (os, ol) = res.storage_and_layout();
+        let (gs, gl) = grad.storage_and_layout();
+        let (q_off, q4) = self.conv.layout4(ql)?;
+        let (k_off, k4) = self.conv.layout4(kl)?;
+        let (v_off, v4) = self.conv.layout4(vl)?;
+        let (o_off, o4) = self.conv.layout4(ol)?;
+        let (g_off, g4) = self.conv.layout4(gl)?;
+        let mut dq = vec![0f32; q.elem_count()];
+        let mut dk = vec![0f32; k.elem_count()];
+        let mut dv = vec![0f32; v.elem_count()];
+        let dq4 = contiguous_layout4(self.conv, q.dims())?;
+        let dk4 = contiguous_layout4(self.conv, k.dims())?;
+        let dv4 = contiguous_layout4(self.conv, v.dims())?;
+        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
+        flash_backward(
+            &self.params(),
+            &f32s(&qs)?[q_off..],
+            q4,
+            &f32s(&ks)?[k_off..],
+            k4,
+            &f32s(&vs)?[v_off..],
+            v4,
+            &f32s(&os)?[o_off..],
+            o4,
+            &f32s(&gs)?[g_off..],
+            g4,
+            &lse,
+            &mut dq,
+            dq4,
+            &mut dk,
+            dk4,
+            &mut dv,
+            dv4,
+        )
+        .map_err(|e| candle_core::Error::Msg(format!("flash attention backward: {e}")))?;
+        let dev = q.device();
+        Ok((
+            Some(Tensor::from_vec(dq, q.shape(), dev)?),
+            Some(Tensor::from_vec(dk, k.shape(), dev)?),
+            Some(Tensor::from_vec(dv, v.shape(), dev)?),
+        ))
+    }
+}
+
+thread_local! {
+    static CALLS: Cell<usize> = const { Cell::new(0) };
+}
+
+/// How many times the fused attention op has run on this thread (tests use it to see which
+/// path ran).
+pub fn fused_call_count() -> usize {
+    CALLS.with(|c| c.get())
+}
+
+impl FlashAttention {
+    /// Applies the op to `(q, k, v)`; the result is differentiable through [`CustomOp3::bwd`].
+    pub(crate) fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        CALLS.with(|c| c.set(c.get() + 1));
+        Ok(q.apply_op3_arc(k, v, Arc::new(Box::new(self.clone())))?)
+    }
+}
+
+/// The same op on one packed `(L, N, 3E)` in-projection output (self-attention): q, k and v are
+/// read at feature offsets `0`, `E` and `2E`, and the backward returns one `(L, N, 3E)`
+/// gradient instead of three that candle would pad and add.
+pub(crate) struct PackedQkv(pub FlashAttention);
+
+impl PackedQkv {
+    /// The layouts of q, k and v inside a packed `(L, N, 3E)` layout.
+    fn parts(&self, l: &Layout) -> candle_core::Result<[(usize, Layout4); 3]> {
+        let dims = l.dims();
+        let st = l.stride();
+        if dims.len() != 3 || !dims[2].is_multiple_of(3) || (st[2] != 1 && dims[2] > 1) {
+            candle_core::bail!(
+                "flash attention: expected a packed (L, N, 3E) input with contiguous features"
+            );
+        }
+        let e = dims[2] / 3;
+        let heads = match self.0.conv {
+            Convention::SeqFirst { heads } => heads.max(1),
+            Convention::Bhtd => {
+                candle_core::bail!("flash attention: packed input is sequence-first")
+            }
+        };
+        let l4 = Layout4 { batch: st[1], head: e / heads, seq: st[0] };
+        let o = l.start_offset();
+        Ok([(o, l4), (o + e, l4), (o + 2 * e, l4)])
+    }
+}
+
+impl CustomOp1 for PackedQkv {
+    fn name(&self) -> &'static str {
+        "flash-attention-packed"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let [(qo, q4), (ko, k4), (vo, v4)] = self.parts(l)?;
+        let x = cpu_f32(s)?;
+        let dims = l.dims();
+        let out_dims = vec![dims[0], dims[1], dims[2] / 3];
+        let o4 = contiguous_layout4(self.0.conv, &out_dims)?;
+        let mut out = vec![0f32; out_dims.iter().product()];
+        let d = self.0.dims;
+        let mut lse = vec![0f32; d.batch * d.heads_q * d.l];
+        flash_forward(
+            &self.0.params(),
+            &x[qo..],
+            q4,
+            &x[ko..],
+            k4,
+            &x[vo..],
+            v4,
+            &mut out,
+            o4,
+            &mut lse,
+        )
+        .map_err(|e| candle_core::Error::Msg(format!("flash attention forward: {e}")))?;
+        *self.0.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
+        Ok((CpuStorage::F32(out), Shape::from(out_dims)))
+    }
+
+    fn bwd(
+        &self,
+        qkv: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let grad = grad_res.contiguous()?;
+        let (xs, xl) = qkv.storage_and_layout();
+        let (os, ol) = res.storage_and_layout();
+        let (gs, gl) = grad.storage_and_layout();
+        let [(qo, q4), (ko, k4), (vo, v4)] = self.parts(xl)?;
+        let (o_off, o4) = self.0.conv.layout4(ol)?;
+        let (g_off, g4) = self.0.conv.layout4(gl)?;
+        let dims = qkv.dims().to_vec();
+        let (l, n, e) = (dims[0], dims[1], dims[2] / 3);
+        // Planar [3][L][N][E]: three disjoint blocks for dq, dk and dv.
+        let block = l * n * e;
+        let mut planar = vec![0f32; 3 * block];
+        let (dq, rest) = planar.split_at_mut(block);
+        let (dk, dv) = rest.split_at_mut(block);
+        let d4 = contiguous_layout4(self.0.conv, &[l, n, e])?;
+        let x = f32s(&xs)?;
+        let lse = self.0.lse.lock().unwrap_or_else(|e| e.into_inner());
+        flash_backward(
+            &self.0.params(),
+            &x[qo..],
+            q4,
+            &x[ko..],
+            k4,
+            &x[vo..],
+            v4,
+            &f32s(&os)?[o_off..],
+            o4,
+            &f32s(&gs)?[g_off..],
+            g4,
+            &lse,
+            dq,
+            d4,
+            dk,
+            d4,
+            dv,
+            d4,
+        )
+        .map_err(|e| candle_core::Error::Msg(format!("flash attention backward: {e}")))?;
+        drop(lse);
+        let planar = Tensor::from_vec(planar, (3, l, n, e), qkv.device())?;
+        Ok(Some(planar.permute((1, 2, 0, 3))?.contiguous()?.reshape((l, n, 3 * e))?))
+    }
+}
+
+impl FlashAttention {
+    /// Applies the op to a packed `(L, N, 3E)` self-attention projection.
+    pub(crate) fn apply_packed(&self, qkv: &Tensor) -> Result<Tensor> {
+        CALLS.with(|c| c.set(c.get() + 1));
+        Ok(qkv.apply_op1_arc(Arc::new(Box::new(PackedQkv(self.clone()))))?)
+    }
+}

@@ -1,0 +1,224 @@
+//! The fused flash-attention path (f32, CPU) against the composed candle path: outputs, weights
+//! and every gradient, over masks, causal hints, dropout and layouts.
+
+use candle_core::{DType, Tensor};
+use multihead::fused::{no_grad, with_fused_kernels};
+use multihead::random::DropoutKey;
+use multihead::{Mask, MhaConfig, MhaOptions, NamedParameters, Tolerance};
+
+use crate::common::{assert_close, det, dev, mha, var};
+
+struct Run {
+    output: Tensor,
+    weights: Option<Tensor>,
+    grads: Vec<(String, Tensor)>,
+}
+
+fn run(
+    cfg: &MhaConfig,
+    opts: &MhaOptions,
+    l: usize,
+    s: usize,
+    n: usize,
+    training: bool,
+    fused: bool,
+) -> Run {
+    with_fused_kernels(fused, || {
+        let (mut m, _vm) = mha(cfg.clone(), DType::F32);
+        m.train(training);
+        let q = var(&det(&[l, n, cfg.embed_dim], DType::F32, 1.0));
+        let k = var(&det(&[s, n, cfg.kdim()], DType::F32, 2.0));
+        let v = var(&det(&[s, n, cfg.vdim()], DType::F32, 3.0));
+        let out = m.forward(q.as_tensor(), k.as_tensor(), v.as_tensor(), opts).expect("forward");
+        let g = det(out.output.dims(), DType::F32, 4.0);
+        let grads = out.output.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+        let mut named: Vec<(String, Tensor)> = m
+            .named_parameters()
+            .into_iter()
+            .map(|(k, t)| (k, grads.get(&t).expect("param grad").clone()))
+            .collect();
+        for (name, t) in [("query", &q), ("key", &k), ("value", &v)] {
+            named.push((name.into(), grads.get(t.as_tensor()).expect("input grad").clone()));
+        }
+        Run { output: out.output, weights: out.attn_weights, grads: named }
+    })
+}
+
+fn compare(
+    cfg: MhaConfig,
+    opts: MhaOptions,
+    l: usize,
+    s: usize,
+    n: usize,
+    training: bool,
+    what: &str,
+) {
+    let a = run(&cfg, &opts, l, s, n, training, true);
+    let b = run(&cfg, &opts, l, s, n, training, false);
+    assert_close(&a.output, &b.output, Tolerance::F32_FORWARD, &format!("{what}: output"));
+    if let (Some(x), Some(y)) = (&a.weights, &b.weights) {
+        assert_close(x, y, Tolerance::F32_FORWARD, &format!("{what}: weights"));
+    }
+    for ((name, x), (_, y)) in a.grads.iter().zip(&b.grads) {
+        assert_close(x, y, Tolerance::F32_GRAD, &format!("{what}: grad {name}"));
+    }
+}
+
+fn bool_mask(shape: &[usize], salt: f64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let bits: Vec<u8> = (0..n).map(|i| (((i as f64 + salt) * 0.618).fract() < 0.3) as u8).collect();
+    Tensor::from_vec(bits, shape, &dev()).unwrap()
+}
+
+#[test]
+fn fused_equals_composed_without_and_with_masks() {
+    let cfg = MhaConfig::new(16, 4);
+    compare(cfg.clone(), MhaOptions::default().need_weights(false), 70, 70, 2, true, "plain");
+    compare(cfg.clone(), MhaOptions::default().need_weights(false), 9, 130, 3, true, "cross L<S");
+    let attn = Mask::Bool(bool_mask(&[33, 65], 0.2));
+    let kpm = Mask::Float(det(&[2, 65], DType::F32, 5.0));
+    let opts = MhaOptions::default().need_weights(false).attn_mask(attn).key_padding_mask(kpm);
+    compare(cfg.clone(), opts, 33, 65, 2, true, "both masks");
+    let per_head = Mask::Float(det(&[2 * 4, 20, 20], DType::F32, 6.0));
+    compare(
+        cfg.clone(),
+        MhaOptions::default().need_weights(false).attn_mask(per_head),
+        20,
+        20,
+        2,
+        true,
+        "3-D mask",
+    );
+    let causal =
+        Mask::Float(multihead::generate_square_subsequent_mask(40, DType::F32, &dev()).unwrap());
+    compare(
+        cfg.clone(),
+        MhaOptions::default().need_weights(false).attn_mask(causal).is_causal(true),
+        40,
+        40,
+        2,
+        true,
+        "causal",
+    );
+    // Fully padded batch element: zeros on both paths, finite gradients.
+    let kpm = Mask::Bool(Tensor::new(&[[1u8; 7], [0, 0, 0, 1, 1, 0, 0]], &dev()).unwrap());
+    compare(
+        cfg.clone(),
+        MhaOptions::default().need_weights(false).key_padding_mask(kpm),
+        5,
+        7,
+        2,
+        true,
+        "fully masked",
+    );
+    compare(
+        MhaConfig::new(12, 3).with_kdim(5).with_vdim(7),
+        MhaOptions::default().need_weights(false),
+        6,
+        8,
+        2,
+        true,
+        "separate",
+    );
+}
+
+#[test]
+fn fused_dropout_draws_the_composed_mask() {
+    let cfg = MhaConfig::new(16, 2).with_dropout(0.3);
+    let opts =
+        MhaOptions::default().need_weights(false).dropout_key(DropoutKey { seed: 5, offset: 2 });
+    compare(cfg, opts, 24, 24, 2, true, "dropout");
+}
+
+#[test]
+fn fused_weights_in_no_grad_equal_the_composed_weights() {
+    let cfg = MhaConfig::new(16, 4);
+    let (m, _vm) = mha(cfg, DType::F32);
+    let q = det(&[12, 2, 16], DType::F32, 1.0);
+    let k = det(&[17, 2, 16], DType::F32, 2.0);
+    let mask = Mask::Bool(bool_mask(&[12, 17], 0.4));
+    for average in [true, false] {
+        let opts = MhaOptions::default().attn_mask(mask.clone()).average_attn_weights(average);
+        let fused = no_grad(|| m.forward(&q, &k, &k, &opts)).unwrap();
+        let composed = with_fused_kernels(false, || m.forward(&q, &k, &k, &opts)).unwrap();
+        assert_close(&fused.output, &composed.output, Tolerance::F32_FORWARD, "output");
+        assert_close(
+            fused.attn_weights.as_ref().unwrap(),
+            composed.attn_weights.as_ref().unwrap(),
+            Tolerance::F32_FORWARD,
+            "weights",
+        );
+    }
+}
+
+#[test]
+fn sdpa_fused_equals_composed_with_gqa_masks_and_gradients() {
+    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    let q0 = det(&[2, 4, 33, 8], DType::F32, 1.0);
+    let k0 = det(&[2, 2, 47, 8], DType::F32, 2.0);
+    let v0 = det(&[2, 2, 47, 6], DType::F32, 3.0);
+    let masks = [
+        None,
+        Some(Mask::Bool(bool_mask(&[33, 47], 0.1))),
+        Some(Mask::Float(det(&[2, 1, 33, 47], DType::F32, 4.0))),
+        Some(Mask::Float(det(&[1, 47], DType::F32, 5.0))),
+    ];
+    for (i, mask) in masks.into_iter().enumerate() {
+        for causal in [false, true] {
+            if causal && mask.is_some() {
+                continue;
+            }
+            let mut opts = SdpaOptions::default().enable_gqa(true).is_causal(causal).scale(0.3);
+            opts.attn_mask = mask.clone();
+            let go = |fused: bool| {
+                with_fused_kernels(fused, || {
+                    let (q, k, v) = (var(&q0), var(&k0), var(&v0));
+                    let before = multihead::fused::fused_call_count();
+                    let out = scaled_dot_product_attention(
+                        q.as_tensor(),
+                        k.as_tensor(),
+                        v.as_tensor(),
+                        &opts,
+                    )
+                    .unwrap();
+                    assert_eq!(multihead::fused::fused_call_count() > before, fused, "path taken");
+                    let g = out
+                        .mul(&det(out.dims(), DType::F32, 6.0))
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .backward()
+                        .unwrap();
+                    let grads: Vec<Tensor> = [&q, &k, &v]
+                        .iter()
+                        .map(|t| g.get(t.as_tensor()).unwrap().clone())
+                        .collect();
+                    (out, grads)
+                })
+            };
+            let (a, ga) = go(true);
+            let (b, gb) = go(false);
+            assert_close(&a, &b, Tolerance::F32_FORWARD, &format!("mask {i} causal {causal}"));
+            for (x, y) in ga.iter().zip(&gb) {
+                assert_close(x, y, Tolerance::F32_GRAD, &format!("grad, mask {i} causal {causal}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn the_module_takes_the_fused_path_on_f32_and_not_on_f64() {
+    let x32 = det(&[5, 2, 8], DType::F32, 1.0);
+    let (m32, _a) = mha(MhaConfig::new(8, 2), DType::F32);
+    let before = multihead::fused::fused_call_count();
+    m32.forward(&x32, &x32, &x32, &MhaOptions::default().need_weights(false)).unwrap();
+    assert!(multihead::fused::fused_call_count() > before);
+    let (m64, _b) = mha(MhaConfig::new(8, 2), DType::F64);
+    let x64 = det(&[5, 2, 8], DType::F64, 1.0);
+    let before = multihead::fused::fused_call_count();
+    with_fused_kernels(true, || {
+        m64.forward(&x64, &x64, &x64, &MhaOptions::default().need_weights(false))
+    })
+    .unwrap();
+    assert_eq!(multihead::fused::fused_call_count(), before, "f64 stays on the composed path");
+}

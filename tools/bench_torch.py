@@ -1,0 +1,1037 @@
+#!/usr/bin/env python3
+"""Benchmark `multihead` against PyTorch's `nn.MultiheadAttention` on the issue's shapes.
+
+One run times, for every shape and mode, PyTorch and then the Rust binary
+(`target/release/multihead bench ... --json`) on the same configuration, each in its own
+process, so both memory figures are per-process peaks. It writes
+
+* ``BENCHMARKS.md``          tables per mode, thread scaling, and the issue's targets (met/missed)
+* ``docs/benchmarks.json``   every raw measurement
+* ``docs/benchmarks.png``    grouped bars of the speed-up (PyTorch time / multihead time)
+
+Usage (from the repository root; the Rust binary must be built with ``cargo build --release``)::
+
+    python3 tools/bench_torch.py            # full run, about 5-15 minutes on 2 cores
+    python3 tools/bench_torch.py --quick    # shapes a, c, e with few iterations: a smoke test
+
+How PyTorch is timed (mirrors ``crates/multihead-cli/src/bench.rs``):
+
+* ``nn.MultiheadAttention(E, H, batch_first=True).eval()``, f32, ``torch.manual_seed(0)``,
+  input ``x = torch.randn(B, L, E)``; self-attention ``mha(x, x, x)`` when L == S.
+* forward modes run under ``torch.no_grad()`` (the Rust forward builds no gradients either),
+  twice: with PyTorch's eval fast path (``torch._native_multi_head_attention``, the default) and
+  with it switched off (``torch.backends.mha.set_fastpath_enabled(False)``, so
+  ``F.multi_head_attention_forward`` and SDPA); the faster one is the baseline (the fast path
+  materialises L×S per head and is 2-3x slower at long L, the SDPA path is slower at short L).
+  ``need_weights`` is False unless the mode says so (then head-averaged weights are returned).
+* causal: ``attn_mask=nn.Transformer.generate_square_subsequent_mask(L)`` and
+  ``is_causal=True`` when need_weights is False (with weights, the mask alone).
+* backward: ``x`` and all parameters require grad; ``out.sum().backward()``; gradients are
+  reset to None before each call, outside the timed region.
+* ``torch.set_num_threads(T)`` (and OMP/MKL_NUM_THREADS=T in the child's environment).
+* warm-up, then min and median over N timed calls. N is chosen from a time budget by the
+  PyTorch child (from its warm-up time, at least ``--min-iters``); the Rust binary then runs with
+  the same warm-up and iteration counts.
+
+Memory: each child reports its peak RSS (``ru_maxrss``; the parent also collects it with
+``wait4``) and, for PyTorch, the RSS just before the first call. The Rust binary reports only its
+peak (``peak_rss_mib``, VmHWM); if it also prints ``baseline_rss_mib`` that is used, otherwise the
+baseline is estimated as the peak of a 1-token run of the same E/H/threads plus the inputs it
+holds (``q`` and its ``Var`` copy: 2 x B x (L+S') x E x 4 bytes). Raw peaks are reported as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import resource
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PEAK_GFLOPS = 538.0  # f32 AVX-512 FMA peak of the 2-core Zen 5 machine (perf-notes.md)
+NOISY = 0.10  # flag a configuration when other processes used more than this share of the CPUs
+
+SHAPES = {
+    # name: (B, L, S, E, H, causal, label)
+    "a": (8, 512, 512, 512, 8, False, "(a) B=8 L=S=512 E=512 H=8"),
+    "b": (1, 4096, 4096, 512, 8, False, "(b) B=1 L=S=4096 E=512 H=8"),
+    "c": (32, 128, 128, 256, 4, False, "(c) B=32 L=S=128 E=256 H=4"),
+    "d": (1, 16384, 16384, 256, 4, False, "(d) B=1 L=S=16384 E=256 H=4"),
+    "e": (8, 512, 512, 512, 8, True, "(e) = (a) causal"),
+}
+MODES = {
+    # name: (need_weights, backward, title)
+    "fwd": (False, False, "Forward, need_weights=False"),
+    "nw": (True, False, "Forward, need_weights=True (head-averaged weights)"),
+    "bwd": (False, True, "Forward + backward (need_weights=False)"),
+}
+QUICK_SHAPES = ["a", "c", "e"]
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------------
+
+
+def model_flops(b, l, s, e, causal, backward):
+    """Projections 2·E²·(2·B·L + 2·B·S), core 4·B·L·S·E (halved when causal), x3 with backward."""
+    proj = 2.0 * e * e * (2.0 * b * l + 2.0 * b * s)
+    core = 4.0 * b * l * s * e * (0.5 if causal else 1.0)
+    return (proj + core) * (3.0 if backward else 1.0)
+
+
+def torch_weights_bytes_estimate(b, l, s, h):
+    """Bytes PyTorch needs for need_weights=True: scores and their softmax, B·H·L·S f32 each,
+    plus the head-averaged B·L·S output."""
+    return 2 * b * h * l * s * 4 + b * l * s * 4
+
+
+def read_status_kib(field):
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Child: time PyTorch on one configuration, print one JSON line
+# --------------------------------------------------------------------------------------------
+
+
+def run_child(a):
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(a.threads)
+    if a.no_fastpath:
+        # nn.MultiheadAttention then goes through F.multi_head_attention_forward (SDPA's flash
+        # kernel when need_weights is False) instead of torch._native_multi_head_attention.
+        torch.backends.mha.set_fastpath_enabled(False)
+    torch.manual_seed(0)
+    b, l, s, e, h = a.batch, a.tgt_len, a.src_len, a.embed_dim, a.num_heads
+
+    mha = nn.MultiheadAttention(e, h, batch_first=True)
+    mha.eval()
+    x = torch.randn(b, l, e)
+    kv = x if s == l else torch.randn(b, s, e)
+    kwargs = {"need_weights": a.need_weights}
+    if a.causal:
+        if s == l:
+            mask = nn.Transformer.generate_square_subsequent_mask(l)
+        else:
+            mask = torch.triu(torch.full((l, s), float("-inf")), diagonal=1)
+        kwargs["attn_mask"] = mask
+        kwargs["is_causal"] = not a.need_weights
+    if a.backward:
+        x.requires_grad_(True)
+        if kv is not x:
+            kv.requires_grad_(True)
+
+    def reset_grads():
+        if a.backward:
+            mha.zero_grad(set_to_none=True)
+            x.grad = None
+            if kv is not x:
+                kv.grad = None
+
+    def step():
+        if a.backward:
+            out, _ = mha(x, kv, kv, **kwargs)
+            out.sum().backward()
+            return out
+        with torch.no_grad():
+            out, w = mha(x, kv, kv, **kwargs)
+        return out, w
+
+    gc.collect()
+    baseline_kib = read_status_kib("VmRSS")
+
+    # Warm-up: one call, a second one if the first was short; then choose the iteration count.
+    warm_times = []
+    n_warm = a.warmup if a.warmup is not None else max(1, a.warmup_max)
+    for i in range(n_warm):
+        reset_grads()
+        t = time.perf_counter()
+        r = step()
+        warm_times.append(time.perf_counter() - t)
+        del r
+        if a.warmup is None and warm_times[-1] > a.second_warmup_below_s:
+            break
+    if a.iters is not None:
+        iters = a.iters
+    else:
+        per_call = warm_times[-1]
+        iters = int(a.budget_s / max(per_call, 1e-6))
+        iters = max(a.min_iters, min(a.max_iters, iters))
+
+    times = []
+    for _ in range(iters):
+        reset_grads()
+        t = time.perf_counter()
+        r = step()
+        times.append((time.perf_counter() - t) * 1e3)
+        del r
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    res = {
+        "min_ms": min(times),
+        "median_ms": statistics.median(times),
+        "times_ms": times,
+        "iters": iters,
+        "warmup": len(warm_times),
+        "warmup_ms": [t * 1e3 for t in warm_times],
+        "peak_rss_mib": ru.ru_maxrss / 1024.0,  # Linux: KiB
+        "vmhwm_mib": (read_status_kib("VmHWM") or 0) / 1024.0,
+        "baseline_rss_mib": (baseline_kib or 0) / 1024.0,
+        "torch_threads": torch.get_num_threads(),
+        "fastpath_enabled": torch.backends.mha.get_fastpath_enabled(),
+        "torch_version": torch.__version__,
+    }
+    print(json.dumps(res), flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Parent: run processes, collect results
+# --------------------------------------------------------------------------------------------
+
+
+_children_cpu_s = 0.0  # CPU seconds used by every process this script started
+
+
+def busy_cpu_seconds():
+    """CPU seconds spent busy on the whole machine since boot (all CPUs, from /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def run_process(cmd, timeout_s, env=None):
+    """Run cmd; return (rc, stdout, stderr, ru_maxrss_mib, wall_s, timed_out). The child's own
+    rusage comes from wait4, so its peak RSS is that process's alone."""
+    with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env, cwd=REPO)
+        deadline = t0 + timeout_s
+        timed_out = False
+        status, ru = None, None
+        while True:
+            pid, st, rus = os.wait4(p.pid, os.WNOHANG)
+            if pid == p.pid:
+                status, ru = st, rus
+                break
+            if time.perf_counter() > deadline:
+                timed_out = True
+                os.kill(p.pid, signal.SIGKILL)
+                _, status, ru = os.wait4(p.pid, 0)
+                break
+            time.sleep(0.02)
+        wall = time.perf_counter() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)  # reaped here; keep Popen quiet
+        fo.seek(0)
+        fe.seek(0)
+        out = fo.read().decode(errors="replace")
+        err = fe.read().decode(errors="replace")
+    global _children_cpu_s
+    _children_cpu_s += ru.ru_utime + ru.ru_stime
+    return p.returncode, out, err, ru.ru_maxrss / 1024.0, wall, timed_out
+
+
+def last_json_line(text):
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def shape_args(b, l, s, e, h):
+    return ["--batch", str(b), "--tgt-len", str(l), "--src-len", str(s), "--embed-dim", str(e),
+            "--num-heads", str(h)]
+
+
+def run_torch(cfg, opts, fastpath=True, counts=None):
+    """Time PyTorch in a child. counts=(warmup, iters) fixes them; otherwise the child picks."""
+    b, l, s, e, h = cfg["B"], cfg["L"], cfg["S"], cfg["E"], cfg["H"]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *shape_args(b, l, s, e, h),
+           "--threads", str(cfg["threads"]), "--budget-s", str(opts.budget),
+           "--min-iters", str(opts.min_iters), "--max-iters", str(opts.max_iters),
+           "--warmup-max", str(opts.warmup_max)]
+    if counts is not None:
+        cmd += ["--warmup", str(counts[0]), "--iters", str(counts[1])]
+    if not fastpath:
+        cmd.append("--no-fastpath")
+    if cfg["causal"]:
+        cmd.append("--causal")
+    if cfg["need_weights"]:
+        cmd.append("--need-weights")
+    if cfg["backward"]:
+        cmd.append("--backward")
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(cfg["threads"])
+    env["MKL_NUM_THREADS"] = str(cfg["threads"])
+    rc, out, err, ru_mib, wall, to = run_process(cmd, opts.timeout, env)
+    res = last_json_line(out)
+    if rc != 0 or res is None:
+        return None, {"error": "timed out" if to else f"exit {rc}", "stderr_tail": err[-2000:],
+                      "wall_s": wall}
+    res["wait4_maxrss_mib"] = ru_mib
+    res["wall_s"] = wall
+    res["cmd"] = shlex.join(cmd)
+    res["path"] = ("autograd + SDPA" if cfg["backward"] else
+                   "fast path" if fastpath else "SDPA path (fast path off)")
+    return res, None
+
+
+_rust_tiny_cache = {}
+
+
+def rust_cmd(opts, b, l, s, e, h, threads, causal, nw, bwd, warmup, iters):
+    cmd = [str(opts.bin), "bench", *shape_args(b, l, s, e, h), "--threads", str(threads),
+           "--iters", str(iters), "--warmup", str(warmup), "--json"]
+    if causal:
+        cmd.append("--causal")
+    if nw:
+        cmd.append("--need-weights")
+    if bwd:
+        cmd.append("--backward")
+    return cmd
+
+
+def rust_tiny_peak(opts, e, h, threads):
+    key = (e, h, threads)
+    if key not in _rust_tiny_cache:
+        cmd = rust_cmd(opts, 1, 1, 1, e, h, threads, False, False, False, 0, 1)
+        rc, out, err, ru_mib, wall, to = run_process(cmd, 120)
+        r = last_json_line(out) if rc == 0 else None
+        _rust_tiny_cache[key] = (r or {}).get("peak_rss_mib", ru_mib if rc == 0 else None)
+    return _rust_tiny_cache[key]
+
+
+def run_rust(cfg, opts, warmup, iters):
+    b, l, s, e, h = cfg["B"], cfg["L"], cfg["S"], cfg["E"], cfg["H"]
+    cmd = rust_cmd(opts, b, l, s, e, h, cfg["threads"], cfg["causal"], cfg["need_weights"],
+                   cfg["backward"], warmup, iters)
+    rc, out, err, ru_mib, wall, to = run_process(cmd, opts.timeout)
+    res = last_json_line(out)
+    if rc != 0 or res is None:
+        return None, {"error": "timed out" if to else f"exit {rc}", "stderr_tail": err[-2000:],
+                      "wall_s": wall, "cmd": shlex.join(cmd)}
+    res["wait4_maxrss_mib"] = ru_mib
+    res["wall_s"] = wall
+    res["cmd"] = shlex.join(cmd)
+    if res.get("baseline_rss_mib") is not None:
+        res["baseline_source"] = "reported by the binary"
+    else:
+        tiny = rust_tiny_peak(opts, e, h, cfg["threads"])
+        if tiny is not None:
+            inputs = 2 * b * (l + (s if s != l else 0)) * e * 4 / 2**20
+            res["baseline_rss_mib"] = tiny + inputs
+            res["baseline_source"] = (f"estimated: 1-token run peak {tiny:.1f} MiB + inputs "
+                                      f"(x and its Var copy) {inputs:.1f} MiB")
+    return res, None
+
+
+def build_configs(opts):
+    shapes = opts.shapes or (QUICK_SHAPES if opts.quick else list(SHAPES))
+    modes = opts.modes or list(MODES)
+    skip = set(opts.skip or [])
+    cfgs = []
+    for sh in shapes:
+        b, l, s, e, h, causal, label = SHAPES[sh]
+        for md in modes:
+            nw, bwd, _ = MODES[md]
+            thread_list = [opts.threads]
+            if sh == "a" and md == "fwd" and not opts.no_scaling:
+                thread_list.append(1)
+            for t in thread_list:
+                if f"{sh}:{md}" in skip or sh in skip:
+                    continue
+                cfgs.append({"case": sh, "label": label, "mode": md, "threads": t, "B": b,
+                             "L": l, "S": s, "E": e, "H": h, "causal": causal,
+                             "need_weights": nw, "backward": bwd,
+                             "flops": model_flops(b, l, s, e, causal, bwd)})
+    return cfgs
+
+
+def cpu_busy_fraction(seconds=1.0):
+    """Share of all CPUs busy over `seconds` (from /proc/stat): other load on the machine."""
+    def snap():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + (v[4] if len(v) > 4 else 0)
+        return idle, sum(v)
+    try:
+        i0, t0 = snap()
+        time.sleep(seconds)
+        i1, t1 = snap()
+        return 1.0 - (i1 - i0) / max(1, t1 - t0)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def collect_meta(opts, argv):
+    import torch
+
+    model = "unknown"
+    procs = 0
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model == "unknown":
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("processor"):
+                    procs += 1
+    except OSError:
+        pass
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line
+                    break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_gib = int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except Exception:
+            return ""
+
+    binp = Path(opts.bin)
+    script = Path(__file__).resolve()
+    try:
+        script_shown = str(script.relative_to(Path.cwd()))
+    except ValueError:
+        script_shown = str(script)
+    return {
+        "command": shlex.join(["python3", script_shown, *argv]),
+        "cwd": str(Path.cwd()),
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "cpu_model": model,
+        "logical_cpus": procs,
+        "os_cpu_count": os.cpu_count(),
+        "avx512f": " avx512f " in flags.replace("\n", " ") + " ",
+        "mem_total_gib": mem_gib,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch_version": torch.__version__,
+        "parallel_info": torch.__config__.parallel_info(),
+        "git_head": git("rev-parse", "--short", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "binary": str(binp),
+        "binary_mtime": (_dt.datetime.fromtimestamp(binp.stat().st_mtime, _dt.timezone.utc)
+                         .strftime("%Y-%m-%d %H:%M:%S UTC") if binp.exists() else None),
+        "quick": opts.quick,
+        "budget_s": opts.budget,
+        "min_iters": opts.min_iters,
+        "max_iters": opts.max_iters,
+        "peak_gflops": PEAK_GFLOPS,
+        "loadavg_start": os.getloadavg(),
+        "cpu_busy_before_start": cpu_busy_fraction(),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+def fmt(x, nd=1, unit=""):
+    if x is None:
+        return "n/a"
+    return f"{x:.{nd}f}{unit}"
+
+
+def find(results, case, mode, threads):
+    for r in results:
+        if r["case"] == case and r["mode"] == mode and r["threads"] == threads:
+            return r
+    return None
+
+
+def derived(r):
+    """Speed-up and throughput figures for one result record."""
+    t, u = r.get("torch"), r.get("rust")
+    d = {}
+    d["t_min"] = t["min_ms"] if t else None
+    d["u_min"] = u["min_ms"] if u else None
+    d["speedup"] = (t["min_ms"] / u["min_ms"]) if (t and u) else None
+    d["u_gflops"] = r["flops"] / (u["min_ms"] * 1e-3) / 1e9 if u else None
+    d["t_gflops"] = r["flops"] / (t["min_ms"] * 1e-3) / 1e9 if t else None
+    for k, v in (("t", t), ("u", u)):
+        if v:
+            d[k + "_peak"] = v["peak_rss_mib"]
+            base = v.get("baseline_rss_mib")
+            d[k + "_delta"] = v["peak_rss_mib"] - base if base is not None else None
+        else:
+            d[k + "_peak"] = d[k + "_delta"] = None
+    return d
+
+
+def mem_cell(peak, delta):
+    if peak is None:
+        return "n/a"
+    return f"{peak:.0f} ({fmt(delta, 0)})"
+
+
+def ms_cell(res):
+    if not res:
+        return "n/a"
+    mark = {"fast path": " F", "SDPA path (fast path off)": " S"}.get(res.get("path"), "")
+    return f"{res['min_ms']:.2f} ({res['median_ms']:.2f}){mark}"
+
+
+def cell_missing(r, which):
+    """Why a side has no result: skip note or error."""
+    if which == "torch" and r.get("torch_skip"):
+        return "skipped"
+    err = r.get(which + "_error")
+    if err:
+        return f"failed ({err['error']})"
+    return "n/a"
+
+
+def verdict_ratio(value, target, ge=True):
+    """'met (+x%)' or 'missed (needs ...)' for value >= target (or <= when ge is False)."""
+    if value is None:
+        return "not measured", None
+    ok = value >= target if ge else value <= target
+    if ge:
+        pct = (value / target - 1) * 100
+    else:
+        pct = (1 - value / target) * 100
+    if ok:
+        return f"**met** ({pct:+.0f}% margin)", True
+    return f"**missed** by {abs(pct):.0f}%", False
+
+
+def write_report(meta, results, opts, elapsed_s):
+    lines = []
+    add = lines.append
+    md_title = "Benchmarks: multihead vs PyTorch `nn.MultiheadAttention` (CPU, f32)"
+    add(f"# {md_title}\n")
+    tb = [r["torch"]["baseline_rss_mib"] for r in results if r.get("torch")]
+    if meta["quick"]:
+        add("> **Quick mode** (`--quick`): few iterations and only shapes a, c, e. A smoke test of "
+            "the harness, not numbers to quote.\n")
+    add("Generated by `tools/bench_torch.py`; raw data in [`docs/benchmarks.json`]"
+        "(docs/benchmarks.json).\n")
+    add("## Setup\n")
+    add(f"- Command: `{meta['command']}` (run from `{meta['cwd']}`)")
+    add(f"- Date: {meta['date_utc']}; total wall time {elapsed_s / 60:.1f} min")
+    add(f"- Machine: {meta['cpu_model']}, {meta['logical_cpus']} logical CPUs"
+        f"{', AVX-512' if meta['avx512f'] else ''}"
+        f"{', %.0f GiB RAM' % meta['mem_total_gib'] if meta['mem_total_gib'] else ''}; "
+        f"{meta['platform']}")
+    la0 = ", ".join(f"{x:.2f}" for x in meta["loadavg_start"])
+    la1 = ", ".join(f"{x:.2f}" for x in meta.get("loadavg_end", ()))
+    busy = meta.get("cpu_busy_before_start")
+    add(f"- Load average at start: {la0}; at end: {la1}; CPU busy in the second before the run: "
+        f"{fmt(busy * 100 if busy is not None else None, 0, '%')}")
+    add(f"- PyTorch {meta['torch_version']}, Python {meta['python']}")
+    add(f"- multihead: `{meta['binary']}` (built {meta['binary_mtime']}), git {meta['git_head']}"
+        f"{' with uncommitted changes' if meta['git_dirty'] else ''}")
+    warm = ("1 warm-up call" if opts.warmup_max <= 1 else
+            f"up to {opts.warmup_max} warm-up calls (stopping after one that takes over 1 s)")
+    add(f"- Iterations: {warm}, then N timed calls with N "
+        f"from a {meta['budget_s']:g} s budget, {meta['min_iters']} ≤ N ≤ {meta['max_iters']}; "
+        "both libraries use the same warm-up and N. Times are min (median) ms.")
+    add("- Every configuration runs PyTorch in its own child process, then the Rust binary, one "
+        "after the other (never concurrently).")
+    warns = []
+    noisy_n = sum(1 for r in results if r.get("foreign_cpu_share", 0) > NOISY)
+    if noisy_n:
+        warns.append(f"> **Warning:** in {noisy_n} of {len(results)} configurations (marked †) "
+                     f"other processes used more than {NOISY * 100:.0f}% of the CPUs while they "
+                     "ran; those times are suspect. PyTorch's OpenMP threads slow down badly "
+                     "when they share cores.\n")
+    if busy is not None and busy > 0.1:
+        warns.append("> **Warning:** the machine was not quiet when this run started (other "
+                     f"processes used {busy * 100:.0f}% of the CPUs). Rerun on a quiet machine "
+                     "before quoting these numbers.\n")
+    if warns:
+        add("")
+        for w in warns:
+            add(w)
+    add("\nPyTorch threading (`torch.__config__.parallel_info()` in the parent; each child calls "
+        "`torch.set_num_threads(T)`):\n")
+    add("```")
+    add(meta["parallel_info"].rstrip())
+    add("```\n")
+    add("Model flops: projections 2·E²·(2·B·L + 2·B·S), attention core 4·B·L·S·E (halved when "
+        "causal), x3 for forward+backward; the same count for need_weights=True. GFLOP/s are "
+        f"whole-module figures (projections included) over the min time; % peak is against "
+        f"{PEAK_GFLOPS:.0f} GFLOP/s, the 2-core f32 AVX-512 FMA peak.\n")
+    add("Memory: peak RSS of the process (MiB), and in parentheses the peak minus the process's "
+        "RSS before the first call (Δ). PyTorch's baseline is measured in the child after building "
+        "the module and inputs. For multihead the baseline is "
+        + ("reported by the binary." if any((r.get("rust") or {}).get("baseline_source") ==
+                                            "reported by the binary" for r in results)
+           else "estimated (the binary reports only its peak): the peak of a 1-token run with "
+                "the same E, H and threads, plus its inputs (x and the Var copy the bench "
+                "makes).")
+        + (" PyTorch's baseline (interpreter, libtorch, module and inputs) was "
+           f"{min(tb):.0f}-{max(tb):.0f} MiB, which its raw peaks include." if tb else "")
+        + "\n")
+    if opts.torch_paths == "both":
+        add("Forward modes run PyTorch under `torch.no_grad()` twice per configuration: with its "
+            "eval fast path (`torch._native_multi_head_attention`, the default under no_grad) and "
+            "with the fast path switched off (`torch.backends.mha.set_fastpath_enabled(False)`: "
+            "`F.multi_head_attention_forward`, which calls SDPA's flash kernel when need_weights "
+            "is False). The table keeps the faster of the two, marked F or S; both are in the "
+            "JSON. The fast path materialises L×S scores per head and is much slower at long L; "
+            "the SDPA path is slower on short sequences. Forward+backward runs with grad "
+            "enabled, input and parameters requiring grad, `out.sum().backward()`.\n")
+    else:
+        add("Forward modes run PyTorch under `torch.no_grad()` (its eval fast path); "
+            "forward+backward runs with grad enabled, input and parameters requiring grad, "
+            "`out.sum().backward()`.\n")
+    if opts.png_written:
+        add(f"![speed-up per case and mode]({os.path.relpath(opts.png, Path(opts.md).parent)})\n")
+
+    for md, (nw, bwd, title) in MODES.items():
+        rows = [r for r in results if r["mode"] == md and r["threads"] == opts.threads]
+        if not rows:
+            continue
+        add(f"## {title}, {opts.threads} threads\n")
+        add("| case | PyTorch min (median) ms | multihead min (median) ms | speed-up (torch/ours) "
+            "| multihead GFLOP/s | % of 538 peak | PyTorch GFLOP/s | PyTorch peak MiB (Δ) "
+            "| multihead peak MiB (Δ) | iters |")
+        add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in rows:
+            d = derived(r)
+            tcell = ms_cell(r.get("torch")) if r.get("torch") else cell_missing(r, "torch")
+            ucell = ms_cell(r.get("rust")) if r.get("rust") else cell_missing(r, "rust")
+            iters = (r.get("torch") or r.get("rust") or {}).get("iters", "")
+            noisy = " †" if r.get("foreign_cpu_share", 0) > NOISY else ""
+            add(f"| {r['label']}{noisy} | {tcell} | {ucell} | {fmt(d['speedup'], 2, 'x')} "
+                f"| {fmt(d['u_gflops'])} "
+                f"| {fmt(d['u_gflops'] / PEAK_GFLOPS * 100 if d['u_gflops'] else None, 0, '%')} "
+                f"| {fmt(d['t_gflops'])} | {mem_cell(d['t_peak'], d['t_delta'])} "
+                f"| {mem_cell(d['u_peak'], d['u_delta'])} | {iters} |")
+        notes = [r for r in rows if r.get("torch_skip") or r.get("torch_error")
+                 or r.get("rust_error") or r.get("foreign_cpu_share", 0) > NOISY]
+        for r in notes:
+            if r.get("torch_skip"):
+                add(f"\n- {r['label']}: PyTorch skipped: {r['torch_skip']}")
+            if r.get("foreign_cpu_share", 0) > NOISY:
+                add(f"\n- † {r['label']}: other processes used "
+                    f"{r['foreign_cpu_share'] * 100:.0f}% of the CPUs while it ran; its times "
+                    "are suspect.")
+            for side in ("torch", "rust"):
+                if r.get(side + "_error"):
+                    e = r[side + "_error"]
+                    tail = e.get("stderr_tail", "").strip().splitlines()[-1:] or [""]
+                    add(f"\n- {r['label']}: {'PyTorch' if side == 'torch' else 'multihead'} "
+                        f"{e['error']} after {e['wall_s']:.0f} s: `{tail[0][:200]}`")
+        add("")
+
+    # Thread scaling
+    r1, r2 = find(results, "a", "fwd", 1), find(results, "a", "fwd", opts.threads)
+    if r1 and r2:
+        add(f"## Thread scaling, (a) forward need_weights=False\n")
+        add("| library | 1 thread min ms | "
+            f"{opts.threads} threads min ms | scaling |")
+        add("| --- | ---: | ---: | ---: |")
+        for side, name in (("torch", "PyTorch"), ("rust", "multihead")):
+            a1, a2 = (r1.get(side) or {}).get("min_ms"), (r2.get(side) or {}).get("min_ms")
+            sc = a1 / a2 if (a1 and a2) else None
+            add(f"| {name} | {fmt(a1, 2)} | {fmt(a2, 2)} | {fmt(sc, 2, 'x')} |")
+        if max(r1.get("foreign_cpu_share", 0), r2.get("foreign_cpu_share", 0)) > NOISY:
+            add("\n† Other processes used over 10% of the CPUs during one of these runs.")
+        add("")
+
+    targets = evaluate_targets(results, opts)
+    add("## Targets (from the issue)\n")
+    add("Evaluated automatically from the measurements above. \"Margin\" is relative to the "
+        "target; a missed speed-up target also says what multihead's time must come down to.\n")
+    n_met = sum(1 for t in targets if t["met"] is True)
+    n_all = sum(1 for t in targets if t["met"] is not None)
+    add(f"**{n_met} of {n_all} checks met.**\n")
+    add("| target | case | measured | required | verdict |")
+    add("| --- | --- | ---: | ---: | --- |")
+    for t in targets:
+        add(f"| {t['target']} | {t['case']} | {t['measured']} | {t['required']} "
+            f"| {t['verdict']} |")
+    add("")
+    add("Notes: the GFLOP/s target is stated for attention, but the bench reports whole-module "
+        "GFLOP/s (model flops of the projections plus the core over the module's time), which is "
+        "what is compared here. Training memory per token is (peak RSS during forward+backward − "
+        "the baseline RSS before the first call) / (B·L); the baseline holds the inputs and "
+        "parameters, the output and gradients are counted in the peak.\n")
+    Path(opts.md).write_text("\n".join(lines))
+    return targets
+
+
+def evaluate_targets(results, opts):
+    T = opts.threads
+    out = []
+
+    def noisy(*recs):
+        return " †" if any(r and r.get("foreign_cpu_share", 0) > NOISY for r in recs) else ""
+
+    def add(target, case, measured, required, verdict_met):
+        verdict, met = verdict_met
+        out.append({"target": target, "case": case, "measured": measured, "required": required,
+                    "verdict": verdict, "met": met})
+
+    def speed_target(mode, factor, cases, name):
+        for c in cases:
+            r = find(results, c, mode, T)
+            if r is None:
+                continue
+            d = derived(r)
+            if d["speedup"] is None:
+                why = r.get("torch_skip") and "PyTorch skipped" or "not measured"
+                out.append({"target": name, "case": c, "measured": why, "required": f"≥{factor}x",
+                            "verdict": "n/a", "met": None})
+                continue
+            v, met = verdict_ratio(d["speedup"], factor)
+            if not met:
+                need = d["t_min"] / factor
+                v += f": ours must be ≤ {need:.2f} ms (now {d['u_min']:.2f} ms)"
+            add(name, c + noisy(r), f"{d['speedup']:.2f}x ({d['t_min']:.2f} / {d['u_min']:.2f} ms)",
+                f"≥{factor}x", (v, met))
+
+    speed_target("fwd", 2.0, ["a", "b", "c", "e"], "forward need_weights=False ≥2.0x faster")
+    speed_target("nw", 2.5, list(SHAPES), "forward need_weights=True ≥2.5x faster")
+    # need_weights=True at most 1.35x our own need_weights=False
+    for c in SHAPES:
+        rn, rf = find(results, c, "nw", T), find(results, c, "fwd", T)
+        if not (rn and rf):
+            continue
+        un, uf = (rn.get("rust") or {}).get("min_ms"), (rf.get("rust") or {}).get("min_ms")
+        if un is None or uf is None:
+            continue
+        ratio = un / uf
+        v, met = verdict_ratio(ratio, 1.35, ge=False)
+        if not met:
+            v += f": need_weights=True must be ≤ {1.35 * uf:.2f} ms (now {un:.2f} ms)"
+        add("need_weights=True ≤1.35x our need_weights=False", c + noisy(rn, rf),
+            f"{ratio:.2f}x ({un:.2f} / {uf:.2f} ms)", "≤1.35x", (v, met))
+    speed_target("bwd", 2.0, list(SHAPES), "forward+backward ≥2.0x faster")
+    for c in SHAPES:
+        r = find(results, c, "fwd", T)
+        if not r or not r.get("rust"):
+            continue
+        g = derived(r)["u_gflops"]
+        v, met = verdict_ratio(g, 350.0)
+        add("forward ≥350 GFLOP/s (whole module, need_weights=False)", c + noisy(r),
+            f"{g:.0f} GFLOP/s ({g / PEAK_GFLOPS * 100:.0f}% of peak)", "≥350", (v, met))
+    r1, r2 = find(results, "a", "fwd", 1), find(results, "a", "fwd", T)
+    if r1 and r2 and r1.get("rust") and r2.get("rust"):
+        sc = r1["rust"]["min_ms"] / r2["rust"]["min_ms"]
+        tsc = (r1["torch"]["min_ms"] / r2["torch"]["min_ms"]
+               if r1.get("torch") and r2.get("torch") else None)
+        v, met = verdict_ratio(sc, 1.9)
+        add(f"{T} threads ≥1.9x faster than 1 thread", "a (forward)" + noisy(r1, r2),
+            f"{sc:.2f}x ({r1['rust']['min_ms']:.2f} / {r2['rust']['min_ms']:.2f} ms); "
+            f"PyTorch {fmt(tsc, 2, 'x')}", "≥1.9x", (v, met))
+    r = find(results, "d", "bwd", T)
+    if r and r.get("rust"):
+        tokens = r["B"] * r["L"]
+        d = derived(r)
+        ours = d["u_delta"] * 1024 / tokens if d["u_delta"] is not None else None
+        theirs = d["t_delta"] * 1024 / tokens if d["t_delta"] is not None else None
+        v, met = verdict_ratio(ours, 11.0, ge=False)
+        add("training memory ≤11 KiB per token beyond inputs", "d (forward+backward)" + noisy(r),
+            f"{fmt(ours, 1)} KiB/token (Δ {fmt(d['u_delta'], 0)} MiB); PyTorch "
+            f"{fmt(theirs, 1)} KiB/token (Δ {fmt(d['t_delta'], 0)} MiB)", "≤11 KiB",
+            (v, met))
+    elif any(r["case"] == "d" for r in results) or not opts.quick:
+        out.append({"target": "training memory ≤11 KiB per token beyond inputs",
+                    "case": "d (forward+backward)", "measured": "not measured", "required": "≤11",
+                    "verdict": "n/a", "met": None})
+    return out
+
+
+def write_chart(results, opts):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart (pip install matplotlib)", file=sys.stderr)
+        return False
+    cases = [c for c in SHAPES if any(r["case"] == c for r in results)]
+    groups = [(c, opts.threads) for c in cases]
+    if find(results, "a", "fwd", 1):
+        groups.append(("a", 1))
+    modes = [m for m in MODES if any(r["mode"] == m for r in results)]
+    width = 0.8 / max(1, len(modes))
+    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(groups) + 2), 4.8))
+    vals_all = []
+    present = {g: [m for m in modes if find(results, g[0], m, g[1])] for g in groups}
+    for m in modes:
+        xs, ys, missing, marks = [], [], [], []
+        for gi, (c, t) in enumerate(groups):
+            r = find(results, c, m, t)
+            if r is None:
+                continue
+            k, n = present[(c, t)].index(m), len(present[(c, t)])
+            x = gi + (k - (n - 1) / 2) * width
+            sp = derived(r)["speedup"]
+            if sp is None:
+                missing.append(x)
+            else:
+                xs.append(x)
+                ys.append(sp)
+                marks.append(" †" if r.get("foreign_cpu_share", 0) > NOISY else "")
+                vals_all.append(sp)
+        ax.bar(xs, ys, width, label=MODES[m][2].split(" (")[0])
+        for bx, by, mk in zip(xs, ys, marks):
+            ax.annotate(f"{by:.2f}{mk}", (bx, by), ha="center", va="bottom", fontsize=7)
+        for mx in missing:
+            ax.annotate("n/a", (mx, 1.0), ha="center", va="bottom", fontsize=7, color="grey")
+    logy = bool(vals_all) and (min(vals_all) < 0.5 or max(vals_all) > 8)
+    if logy:
+        from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+
+        ax.set_yscale("log", base=2)
+        lo, hi = min(vals_all + [1.0]) / 1.3, max(vals_all + [2.0]) * 1.3
+        ax.set_ylim(lo, hi)
+        ticks = [2.0**k for k in range(-8, 8) if lo <= 2.0**k <= hi]
+        ax.yaxis.set_major_locator(FixedLocator(ticks))
+        ax.yaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.axhline(2.0, color="red", linestyle="--", linewidth=1, label="2x target")
+    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"({c})" + (f", {t} thread{'s' if t > 1 else ''}" if t != opts.threads
+                                    else "") for c, t in groups])
+    ax.set_ylabel("speed-up: PyTorch time / multihead time" + (" (log)" if logy else ""))
+    title = f"multihead vs PyTorch MultiheadAttention, f32, {opts.threads} threads (min times)"
+    if opts.quick:
+        title += " [quick mode]"
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=4, frameon=False)
+    if any(r.get("foreign_cpu_share", 0) > NOISY for r in results):
+        fig.text(0.01, 0.01, "† other processes used the CPUs during that run", fontsize=7)
+    fig.tight_layout()
+    Path(opts.png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(opts.png, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="shapes a, c, e only, budget 1 s, 3-5 iterations, 1 warm-up")
+    p.add_argument("--shapes", type=lambda s: s.split(","), help="comma list from a,b,c,d,e")
+    p.add_argument("--modes", type=lambda s: s.split(","), help="comma list from fwd,nw,bwd")
+    p.add_argument("--skip", type=lambda s: s.split(","),
+                   help="comma list of CASE or CASE:MODE to leave out, e.g. d:nw")
+    p.add_argument("--threads", type=int, default=2, help="threads for every case (default 2)")
+    p.add_argument("--no-scaling", action="store_true", help="skip the 1-thread run of (a)")
+    p.add_argument("--budget", type=float, help="seconds of timed calls per configuration and "
+                   "library (default 8, quick 1)")
+    p.add_argument("--min-iters", type=int, default=3)
+    p.add_argument("--max-iters", type=int, help="default 100, quick 5")
+    p.add_argument("--warmup-max", type=int, help="warm-up calls, 2 at most (default), quick 1")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per process before it is killed (default 900, quick 300)")
+    p.add_argument("--retries", type=int, help="rerun a configuration during which other "
+                   "processes used over 10%% of the CPUs, keeping the quietest attempt "
+                   "(default 1, quick 0)")
+    p.add_argument("--torch-weights-limit-gib", type=float, default=8.0,
+                   help="skip PyTorch need_weights=True when its L×S buffers would exceed this")
+    p.add_argument("--torch-paths", choices=["both", "fast"], default="both",
+                   help="forward modes: time PyTorch with its eval fast path and with the fast "
+                   "path off (SDPA) and keep the faster (both, default), or the fast path only")
+    p.add_argument("--bin", default=str(REPO / "target/release/multihead"))
+    p.add_argument("--md", default=str(REPO / "BENCHMARKS.md"))
+    p.add_argument("--json", dest="json_out", default=str(REPO / "docs/benchmarks.json"))
+    p.add_argument("--png", default=str(REPO / "docs/benchmarks.png"))
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    # child mode (internal)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--tgt-len", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--src-len", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--embed-dim", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--num-heads", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--causal", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--need-weights", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--backward", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--budget-s", type=float, default=8.0, help=argparse.SUPPRESS)
+    p.add_argument("--iters", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--warmup", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--no-fastpath", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--second-warmup-below-s", type=float, default=1.0, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.budget is None:
+        a.budget = 1.0 if a.quick else 8.0
+    if a.max_iters is None:
+        a.max_iters = 5 if a.quick else 100
+    if a.warmup_max is None:
+        a.warmup_max = 1 if a.quick else 2
+    if a.retries is None:
+        a.retries = 0 if a.quick else 1
+    if a.timeout is None:
+        a.timeout = 300.0 if a.quick else 900.0
+    a.min_iters = max(1, a.min_iters)
+    a.max_iters = max(a.min_iters, a.max_iters)
+    for name in a.shapes or []:
+        if name not in SHAPES:
+            p.error(f"unknown shape {name!r}")
+    for name in a.modes or []:
+        if name not in MODES:
+            p.error(f"unknown mode {name!r}")
+    return a
+
+
+def run_config(c, opts, results):
+    """PyTorch (one or two forward paths), then the Rust binary, on one configuration."""
+    rec = dict(c)
+    rec["loadavg_before"] = os.getloadavg()
+    busy0, own0, wall0 = busy_cpu_seconds(), _children_cpu_s, time.perf_counter()
+    warmup, iters = opts.warmup_max, opts.min_iters
+    if c.get("torch_skip"):
+        rec["torch"] = None
+        # Choose Rust's counts from the forward need_weights=False run of the same shape.
+        prev = find(results, c["case"], "fwd", c["threads"])
+        if prev and prev.get("torch"):
+            warmup, iters = prev["torch"]["warmup"], prev["torch"]["iters"]
+    else:
+        t, err = run_torch(c, opts)
+        if err:
+            rec["torch_error"] = err
+        else:
+            warmup, iters = t["warmup"], t["iters"]
+        rec["torch"] = t
+        if not c["backward"] and opts.torch_paths == "both":
+            # Forward: PyTorch's eval fast path (torch._native_multi_head_attention) is slower
+            # than its SDPA path on long sequences and faster on short ones; compare against
+            # the faster of the two.
+            t2, err2 = run_torch(c, opts, fastpath=False, counts=(warmup, iters))
+            rec["torch_variants"] = {"fast_path": t, "sdpa_path": t2}
+            if err2:
+                rec["torch_error_sdpa_path"] = err2
+            if t2 and (t is None or t2["min_ms"] < t["min_ms"]):
+                rec["torch"] = t2
+                rec.pop("torch_error", None)
+                warmup, iters = t2["warmup"], t2["iters"]
+    rec["warmup"], rec["iters"] = warmup, iters
+    u, err = run_rust(c, opts, warmup, iters)
+    rec["rust"] = u
+    if err:
+        rec["rust_error"] = err
+    busy1, wall1 = busy_cpu_seconds(), time.perf_counter()
+    if busy0 is not None and busy1 is not None:
+        # CPU time the rest of the machine used while this configuration ran, as a share of all
+        # CPUs over that time (this script's parent counts as foreign, but it mostly sleeps).
+        foreign = max(0.0, (busy1 - busy0) - (_children_cpu_s - own0))
+        rec["foreign_cpu_share"] = foreign / max(1e-9, (wall1 - wall0) * (os.cpu_count() or 1))
+    return rec
+
+
+def main(argv):
+    opts = parse_args(argv)
+    if opts.child:
+        run_child(opts)
+        return 0
+    cfgs = build_configs(opts)
+    limit = opts.torch_weights_limit_gib * 2**30
+    for c in cfgs:
+        if c["need_weights"]:
+            need = torch_weights_bytes_estimate(c["B"], c["L"], c["S"], c["H"])
+            if need > limit:
+                c["torch_skip"] = (f"need_weights=True would materialise about {need / 2**30:.1f} "
+                                   f"GiB (scores and softmax, B·H·L·S f32 each, plus the B·L·S "
+                                   f"average) > {opts.torch_weights_limit_gib:g} GiB limit")
+    if opts.dry_run:
+        for c in cfgs:
+            print(f"{c['label']:32s} {c['mode']:4s} T={c['threads']} "
+                  f"{c['flops'] / 1e9:8.1f} GFLOP"
+                  + (f"  PyTorch skipped: {c['torch_skip']}" if c.get("torch_skip") else ""))
+        return 0
+    if not Path(opts.bin).exists():
+        print(f"missing {opts.bin}: run `cargo build --release` first", file=sys.stderr)
+        return 2
+
+    meta = collect_meta(opts, argv)
+    t_start = time.perf_counter()
+    results = []
+    print(f"{len(cfgs)} configurations; {meta['cpu_model']}, torch {meta['torch_version']}",
+          flush=True)
+    for i, c in enumerate(cfgs, 1):
+        attempts = []
+        for attempt in range(1 + max(0, opts.retries)):
+            head = (f"[{i}/{len(cfgs)} {time.perf_counter() - t_start:6.0f}s] {c['label']} "
+                    f"{c['mode']} T={c['threads']}" + (f" retry {attempt}" if attempt else ""))
+            rec = run_config(c, opts, results)
+            d = derived(rec)
+            print(f"{head}: torch {fmt(d['t_min'], 2)} ms, multihead {fmt(d['u_min'], 2)} ms, "
+                  f"speed-up {fmt(d['speedup'], 2, 'x')}, iters {rec['iters']}"
+                  + (f" | torch: {rec['torch_error']['error']}" if rec.get("torch_error") else "")
+                  + (f" | multihead: {rec['rust_error']['error']}" if rec.get("rust_error")
+                     else "")
+                  + (f" | other processes used {rec['foreign_cpu_share'] * 100:.0f}% of the CPUs"
+                     if rec.get("foreign_cpu_share", 0) > NOISY else ""),
+                  flush=True)
+            attempts.append(rec)
+            if rec.get("foreign_cpu_share", 0) <= NOISY:
+                break
+        # Keep the quietest attempt; the others stay in the JSON.
+        best = min(attempts, key=lambda r: r.get("foreign_cpu_share", 0))
+        if len(attempts) > 1:
+            best["noisy_attempts"] = [r for r in attempts if r is not best]
+        results.append(best)
+
+    elapsed = time.perf_counter() - t_start
+    meta["loadavg_end"] = os.getloadavg()
+    meta["elapsed_s"] = elapsed
+    Path(opts.json_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(opts.md).parent.mkdir(parents=True, exist_ok=True)
+    opts.png_written = write_chart(results, opts)
+    targets = write_report(meta, results, opts, elapsed)
+    for r in results:
+        r["derived"] = derived(r)
+    Path(opts.json_out).write_text(json.dumps({"meta": meta, "results": results,
+                                               "targets": targets}, indent=1) + "\n")
+    print(f"done in {elapsed / 60:.1f} min: wrote {opts.md}, {opts.json_out}"
+          + (f", {opts.png}" if opts.png_written else ""), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
