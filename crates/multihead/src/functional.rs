@@ -585,9 +585,11 @@ pub fn multi_head_attention_forward(
     training: bool,
 ) -> Result<MhaOutput> {
     let alias = Aliasing::of(query, key, value);
-    mha_forward_impl(query, key, value, alias, params, opts, training)
+    mha_forward_impl(query, key, value, alias, params, opts, training, false)
 }
 
+// Internal: the functional signature plus the aliasing and layout the module knows.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn mha_forward_impl(
     query: &Tensor,
     key: &Tensor,
@@ -596,6 +598,7 @@ pub(crate) fn mha_forward_impl(
     params: &MhaParams,
     opts: &MhaOptions,
     training: bool,
+    batch_first: bool,
 ) -> Result<MhaOutput> {
     // --- ranks (spec §2.2) ---
     let unbatched = match query.rank() {
@@ -696,9 +699,16 @@ pub(crate) fn mha_forward_impl(
     } else {
         (query.clone(), key.clone(), value.clone())
     };
-    let (l, n, e) = query.dims3()?;
-    let (s, nk, kf) = key.dims3()?;
-    let (sv, nv, vf) = value.dims3()?;
+    // Batched `batch_first` input stays `(N, L, E)` through the projections (they are
+    // row-wise) and the fused kernels; the composed path transposes after projecting.
+    let batch_first = batch_first && !unbatched;
+    let seq_first_dims = |t: &Tensor| -> Result<(usize, usize, usize)> {
+        let (a, b, c) = t.dims3()?;
+        Ok(if batch_first { (b, a, c) } else { (a, b, c) })
+    };
+    let (l, n, e) = seq_first_dims(&query)?;
+    let (s, nk, kf) = seq_first_dims(&key)?;
+    let (sv, nv, vf) = seq_first_dims(&value)?;
     if e != e_check {
         return Err(shape_err(
             "query",
@@ -860,7 +870,11 @@ pub(crate) fn mha_forward_impl(
     // --- empty batch or query: nothing to compute (PyTorch returns empty tensors) ---
     if n == 0 || l == 0 {
         let s2 = s + params.bias_k.is_some() as usize + params.add_zero_attn as usize;
-        let output = Tensor::zeros((l, n, e), dtype, query.device())?;
+        let output = if batch_first {
+            Tensor::zeros((n, l, e), dtype, query.device())?
+        } else {
+            Tensor::zeros((l, n, e), dtype, query.device())?
+        };
         let weights = if !opts.need_weights {
             None
         } else if opts.average_attn_weights {
@@ -968,20 +982,13 @@ pub(crate) fn mha_forward_impl(
             causal,
             masks,
             dropout,
-            Convention::SeqFirst { heads: h },
+            Convention::SeqFirst { heads: h, batch_first },
         );
         let attn = match &packed {
             Some(qkv) => op.apply_packed(qkv)?,
             None => op.apply(&q, &k, &v)?,
-        }; // (L, N, E)
-        let out = linear(
-            &attn.reshape((l * n, e))?,
-            params.out_proj_weight,
-            params.out_proj_bias,
-            MHA,
-            "attn_output",
-        )?
-        .reshape((l, n, e))?;
+        }; // (L, N, E), or (N, L, E) with batch_first
+        let out = linear(&attn, params.out_proj_weight, params.out_proj_bias, MHA, "attn_output")?;
         let weights = if opts.need_weights {
             let w = op.weights(&q, &k, opts.average_attn_weights)?;
             Some(if opts.average_attn_weights { w.squeeze(1)? } else { w })
@@ -1001,6 +1008,11 @@ pub(crate) fn mha_forward_impl(
         });
     }
 
+    let (q, k, v) = if batch_first {
+        (q.transpose(0, 1)?, k.transpose(0, 1)?, v.transpose(0, 1)?)
+    } else {
+        (q, k, v)
+    };
     let mut k = k;
     let mut v = v;
     let mut attn_mask = attn_mask;
@@ -1108,6 +1120,7 @@ pub(crate) fn mha_forward_impl(
     let attn = attn.transpose(0, 1)?.contiguous()?.reshape((l * n, e))?;
     let out = linear(&attn, params.out_proj_weight, params.out_proj_bias, MHA, "attn_output")?;
     let out = out.reshape((l, n, e))?;
+    let out = if batch_first { out.transpose(0, 1)? } else { out };
     let weights = match weights {
         Some(w) => {
             let w = w.reshape((n, h, l, s2))?;

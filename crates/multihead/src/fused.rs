@@ -72,8 +72,8 @@ pub(crate) fn usable(t: &Tensor) -> bool {
 /// How the op's 3-D or 4-D inputs map to the kernel's `[batch, head, seq, dim]`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Convention {
-    /// `(T, N, H·D)`: MultiheadAttention's sequence-first projections.
-    SeqFirst { heads: usize },
+    /// `(T, N, H·D)`: MultiheadAttention's projections; `(N, T, H·D)` with `batch_first`.
+    SeqFirst { heads: usize, batch_first: bool },
     /// `(B, H, T, D)`.
     Bhtd,
 }
@@ -84,12 +84,13 @@ impl Convention {
         let dims = l.dims();
         let st = l.stride();
         match (self, dims.len()) {
-            (Convention::SeqFirst { heads }, 3) => {
+            (Convention::SeqFirst { heads, batch_first }, 3) => {
                 let hd = dims[2] / heads.max(&1);
                 if st[2] != 1 && dims[2] > 1 {
                     candle_core::bail!("flash attention: the feature dimension must be contiguous");
                 }
-                Ok((l.start_offset(), Layout4 { batch: st[1], head: hd, seq: st[0] }))
+                let (batch, seq) = if *batch_first { (st[0], st[1]) } else { (st[1], st[0]) };
+                Ok((l.start_offset(), Layout4 { batch, head: hd, seq }))
             }
             (Convention::Bhtd, 4) => {
                 if st[3] != 1 && dims[3] > 1 {
@@ -104,7 +105,7 @@ impl Convention {
     /// The output shape for query dims and the value head size.
     fn out_shape(&self, q: &[usize], dv: usize) -> Vec<usize> {
         match self {
-            Convention::SeqFirst { heads } => vec![q[0], q[1], heads * dv],
+            Convention::SeqFirst { heads, .. } => vec![q[0], q[1], heads * dv],
             Convention::Bhtd => vec![q[0], q[1], q[2], dv],
         }
     }
@@ -340,13 +341,12 @@ impl PackedQkv {
             );
         }
         let e = dims[2] / 3;
-        let heads = match self.0.conv {
-            Convention::SeqFirst { heads } => heads.max(1),
-            Convention::Bhtd => {
-                candle_core::bail!("flash attention: packed input is sequence-first")
-            }
+        let (heads, batch_first) = match self.0.conv {
+            Convention::SeqFirst { heads, batch_first } => (heads.max(1), batch_first),
+            Convention::Bhtd => candle_core::bail!("flash attention: packed input is 3-D"),
         };
-        let l4 = Layout4 { batch: st[1], head: e / heads, seq: st[0] };
+        let (batch, seq) = if batch_first { (st[0], st[1]) } else { (st[1], st[0]) };
+        let l4 = Layout4 { batch, head: e / heads, seq };
         let o = l.start_offset();
         Ok([(o, l4), (o + e, l4), (o + 2 * e, l4)])
     }

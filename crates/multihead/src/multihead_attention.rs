@@ -348,28 +348,16 @@ impl MultiheadAttention {
     ) -> Result<MhaOutput> {
         let alias = Aliasing::of(query, key, value);
         let params = self.params()?;
-        if self.cfg.batch_first && query.rank() == 3 {
-            // (N, L, E) -> (L, N, E); the aliasing was read before the transposes.
-            let t = |x: &Tensor| -> Result<Tensor> {
-                if x.rank() == 3 {
-                    Ok(x.transpose(0, 1)?)
-                } else {
-                    Ok(x.clone())
-                }
-            };
-            let out = mha_forward_impl(
-                &t(query)?,
-                &t(key)?,
-                &t(value)?,
-                alias,
-                &params,
-                opts,
-                self.training,
-            )?;
-            Ok(MhaOutput { output: out.output.transpose(0, 1)?, attn_weights: out.attn_weights })
-        } else {
-            mha_forward_impl(query, key, value, alias, &params, opts, self.training)
-        }
+        mha_forward_impl(
+            query,
+            key,
+            value,
+            alias,
+            &params,
+            opts,
+            self.training,
+            self.cfg.batch_first,
+        )
     }
 
     /// Self-attention of `x` over itself, without weights: `mha(x, x, x, need_weights=False)[0]`.
