@@ -9,19 +9,43 @@ use candle_nn::{VarBuilder, VarMap};
 use multihead::{Mask, MhaConfig, MhaOptions, MultiheadAttention};
 
 /// The benchmark's settings.
-#[derive(Debug, Clone)]
+#[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
+    /// Batch size N.
+    #[arg(long, default_value_t = 8)]
     pub batch: usize,
+    /// Target (query) length L.
+    #[arg(long, default_value_t = 512)]
     pub tgt_len: usize,
+    /// Source (key/value) length S; equal to L means self-attention.
+    #[arg(long, default_value_t = 512)]
     pub src_len: usize,
+    /// Embedding size E.
+    #[arg(long, default_value_t = 512)]
     pub embed_dim: usize,
+    /// Heads H.
+    #[arg(long, default_value_t = 8)]
     pub num_heads: usize,
+    /// Causal attention (a causal mask with the is_causal hint).
+    #[arg(long)]
     pub causal: bool,
+    /// Return the (head-averaged) attention weights.
+    #[arg(long)]
     pub need_weights: bool,
+    /// Time forward plus backward (gradients of inputs and parameters).
+    #[arg(long)]
     pub backward: bool,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
     pub threads: Option<usize>,
+    /// Timed iterations.
+    #[arg(long, default_value_t = 10)]
     pub iters: usize,
+    /// Untimed warm-up iterations.
+    #[arg(long, default_value_t = 2)]
     pub warmup: usize,
+    /// Print one JSON line.
+    #[arg(long)]
     pub json: bool,
 }
 

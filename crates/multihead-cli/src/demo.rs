@@ -13,13 +13,28 @@ use multihead::MhaOptions;
 use crate::plot::{save_grid, Panel};
 
 /// Settings of the demo run.
+#[derive(clap::Args, Debug, Clone)]
 pub struct DemoArgs {
+    /// Training steps.
+    #[arg(long, default_value_t = 1500)]
     pub steps: usize,
+    /// Seed for data, initialisation and dropout: the same seed gives the same run.
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Where to write the attention heat maps.
+    #[arg(long, default_value = "attention.png")]
     pub out: PathBuf,
+    /// Sequences per training step.
+    #[arg(long, default_value_t = 64)]
     pub batch: usize,
+    /// Digits per sequence.
+    #[arg(long, default_value_t = 10)]
     pub seq_len: usize,
+    /// No progress bar.
+    #[arg(long)]
     pub quiet: bool,
+    /// Exit with an error when the held-out accuracy ends below this fraction.
+    #[arg(long)]
     pub require_accuracy: Option<f32>,
 }
 

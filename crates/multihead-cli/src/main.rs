@@ -26,29 +26,7 @@ struct Cli {
 enum Command {
     /// Train a small Transformer built from this crate to reverse digit sequences, then draw
     /// its attention.
-    Demo {
-        /// Training steps.
-        #[arg(long, default_value_t = 1500)]
-        steps: usize,
-        /// Seed for data, initialisation and dropout: the same seed gives the same run.
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        /// Where to write the attention heat maps.
-        #[arg(long, default_value = "attention.png")]
-        out: PathBuf,
-        /// Sequences per training step.
-        #[arg(long, default_value_t = 64)]
-        batch: usize,
-        /// Digits per sequence.
-        #[arg(long, default_value_t = 10)]
-        seq_len: usize,
-        /// No progress bar.
-        #[arg(long)]
-        quiet: bool,
-        /// Exit with an error when the held-out accuracy ends below this fraction.
-        #[arg(long)]
-        require_accuracy: Option<f32>,
-    },
+    Demo(demo::DemoArgs),
     /// Sentence embeddings with all-MiniLM-L6-v2 built from this crate's encoder layers.
     Embed {
         /// The model directory (config.json, tokenizer.json, model.safetensors), or the unpacked
@@ -65,44 +43,7 @@ enum Command {
         texts: Vec<String>,
     },
     /// Time MultiheadAttention (batch_first, f32) on one shape.
-    Bench {
-        /// Batch size N.
-        #[arg(long, default_value_t = 8)]
-        batch: usize,
-        /// Target (query) length L.
-        #[arg(long, default_value_t = 512)]
-        tgt_len: usize,
-        /// Source (key/value) length S; equal to L means self-attention.
-        #[arg(long, default_value_t = 512)]
-        src_len: usize,
-        /// Embedding size E.
-        #[arg(long, default_value_t = 512)]
-        embed_dim: usize,
-        /// Heads H.
-        #[arg(long, default_value_t = 8)]
-        num_heads: usize,
-        /// Causal attention (a causal mask with the is_causal hint).
-        #[arg(long)]
-        causal: bool,
-        /// Return the (head-averaged) attention weights.
-        #[arg(long)]
-        need_weights: bool,
-        /// Time forward plus backward (gradients of inputs and parameters).
-        #[arg(long)]
-        backward: bool,
-        /// Worker threads (default: all cores).
-        #[arg(long)]
-        threads: Option<usize>,
-        /// Timed iterations.
-        #[arg(long, default_value_t = 10)]
-        iters: usize,
-        /// Untimed warm-up iterations.
-        #[arg(long, default_value_t = 2)]
-        warmup: usize,
-        /// Print one JSON line.
-        #[arg(long)]
-        json: bool,
-    },
+    Bench(bench::BenchArgs),
     /// Replay one PyTorch parity case and write what this library computes.
     Replay {
         /// The case directory (case.json + case.safetensors).
@@ -126,63 +67,24 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Demo { steps, seed, out, batch, seq_len, quiet, require_accuracy } => {
-            let args = demo::DemoArgs { steps, seed, out, batch, seq_len, quiet, require_accuracy };
-            match demo::run(args) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("multihead demo: {e:#}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
+        Command::Demo(args) => finish("demo", demo::run(args)),
         Command::Embed { model, json, batch, texts } => {
-            match embed::run(&model, json, batch, texts) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("multihead embed: {e:#}");
-                    ExitCode::FAILURE
-                }
-            }
+            finish("embed", embed::run(&model, json, batch, texts))
         }
-        Command::Bench {
-            batch,
-            tgt_len,
-            src_len,
-            embed_dim,
-            num_heads,
-            causal,
-            need_weights,
-            backward,
-            threads,
-            iters,
-            warmup,
-            json,
-        } => {
-            let args = bench::BenchArgs {
-                batch,
-                tgt_len,
-                src_len,
-                embed_dim,
-                num_heads,
-                causal,
-                need_weights,
-                backward,
-                threads,
-                iters,
-                warmup,
-                json,
-            };
-            match bench::run(args) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("multihead bench: {e:#}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
+        Command::Bench(args) => finish("bench", bench::run(args)),
         Command::Replay { case_dir, out } => replay(&case_dir, &out),
         Command::Check { dirs, verbose } => check(&dirs, verbose),
+    }
+}
+
+/// Turns a command's result into the exit code, printing the error chain on stderr.
+fn finish(command: &str, result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("multihead {command}: {e:#}");
+            ExitCode::FAILURE
+        }
     }
 }
 

@@ -157,6 +157,40 @@ impl FlashAttention {
         }
     }
 
+    /// Runs the kernel backward from the saved log-sum-exp into `d` (dq, dk, dv).
+    fn backward_into(
+        &self,
+        x: [(&[f32], Layout4); 3],
+        out: (&[f32], Layout4),
+        grad: (&[f32], Layout4),
+        d: [(&mut [f32], Layout4); 3],
+    ) -> candle_core::Result<()> {
+        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
+        let [(q, q4), (k, k4), (v, v4)] = x;
+        let [(dq, dq4), (dk, dk4), (dv, dv4)] = d;
+        flash_backward(
+            &self.params(),
+            q,
+            q4,
+            k,
+            k4,
+            v,
+            v4,
+            out.0,
+            out.1,
+            grad.0,
+            grad.1,
+            &lse,
+            dq,
+            dq4,
+            dk,
+            dk4,
+            dv,
+            dv4,
+        )
+        .map_err(|e| candle_core::Error::Msg(format!("flash attention backward: {e}")))
+    }
+
     fn params(&self) -> AttnParams<'_> {
         let mut p = AttnParams::new(self.dims);
         p.scale = self.scale;
@@ -276,28 +310,12 @@ impl CustomOp3 for FlashAttention {
         let dq4 = contiguous_layout4(self.conv, q.dims())?;
         let dk4 = contiguous_layout4(self.conv, k.dims())?;
         let dv4 = contiguous_layout4(self.conv, v.dims())?;
-        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
-        flash_backward(
-            &self.params(),
-            &f32s(&qs)?[q_off..],
-            q4,
-            &f32s(&ks)?[k_off..],
-            k4,
-            &f32s(&vs)?[v_off..],
-            v4,
-            &f32s(&os)?[o_off..],
-            o4,
-            &f32s(&gs)?[g_off..],
-            g4,
-            &lse,
-            &mut dq,
-            dq4,
-            &mut dk,
-            dk4,
-            &mut dv,
-            dv4,
-        )
-        .map_err(|e| candle_core::Error::Msg(format!("flash attention backward: {e}")))?;
+        self.backward_into(
+            [(&f32s(&qs)?[q_off..], q4), (&f32s(&ks)?[k_off..], k4), (&f32s(&vs)?[v_off..], v4)],
+            (&f32s(&os)?[o_off..], o4),
+            (&f32s(&gs)?[g_off..], g4),
+            [(&mut dq, dq4), (&mut dk, dk4), (&mut dv, dv4)],
+        )?;
         let dev = q.device();
         Ok((
             Some(Tensor::from_vec(dq, q.shape(), dev)?),
@@ -405,29 +423,12 @@ impl CustomOp1 for PackedQkv {
         let (dk, dv) = rest.split_at_mut(block);
         let d4 = contiguous_layout4(self.0.conv, &[l, n, e])?;
         let x = f32s(&xs)?;
-        let lse = self.0.lse.lock().unwrap_or_else(|e| e.into_inner());
-        flash_backward(
-            &self.0.params(),
-            &x[qo..],
-            q4,
-            &x[ko..],
-            k4,
-            &x[vo..],
-            v4,
-            &f32s(&os)?[o_off..],
-            o4,
-            &f32s(&gs)?[g_off..],
-            g4,
-            &lse,
-            dq,
-            d4,
-            dk,
-            d4,
-            dv,
-            d4,
-        )
-        .map_err(|e| candle_core::Error::Msg(format!("flash attention backward: {e}")))?;
-        drop(lse);
+        self.0.backward_into(
+            [(&x[qo..], q4), (&x[ko..], k4), (&x[vo..], v4)],
+            (&f32s(&os)?[o_off..], o4),
+            (&f32s(&gs)?[g_off..], g4),
+            [(dq, d4), (dk, d4), (dv, d4)],
+        )?;
         let planar = Tensor::from_vec(planar, (3, l, n, e), qkv.device())?;
         Ok(Some(planar.permute((1, 2, 0, 3))?.contiguous()?.reshape((l, n, 3 * e))?))
     }

@@ -1,13 +1,12 @@
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
-use super::{prefixed, LayerConfig};
-use crate::activation::dropout;
+use super::{attention_block, feed_forward, prefixed, LayerConfig};
 use crate::error::Result;
 use crate::layer_norm::LayerNorm;
 use crate::linear::Linear;
 use crate::mask::Mask;
-use crate::{MhaOptions, MultiheadAttention, NamedParameters};
+use crate::{MultiheadAttention, NamedParameters};
 
 /// The masks and causal hints of a decoder call, PyTorch's argument names, all off by default.
 #[derive(Clone, Debug, Default)]
@@ -104,41 +103,38 @@ impl TransformerDecoderLayer {
         self.train(false);
     }
 
-    fn sa_block(
+    fn self_block(
         &self,
         x: &Tensor,
         mask: Option<&Mask>,
         kpm: Option<&Mask>,
-        is_causal: bool,
+        causal: bool,
     ) -> Result<Tensor> {
-        let mut opts = MhaOptions::default().need_weights(false).is_causal(is_causal);
-        opts.attn_mask = mask.cloned();
-        opts.key_padding_mask = kpm.cloned();
-        dropout(&self.self_attn.forward(x, x, x, &opts)?.output, self.cfg.dropout, self.training)
+        let (p, t) = (self.cfg.dropout, self.training);
+        attention_block(&self.self_attn, x, x, mask, kpm, causal, p, t)
     }
 
-    fn mha_block(
+    fn cross_block(
         &self,
         x: &Tensor,
         mem: &Tensor,
         mask: Option<&Mask>,
         kpm: Option<&Mask>,
-        is_causal: bool,
+        causal: bool,
     ) -> Result<Tensor> {
-        let mut opts = MhaOptions::default().need_weights(false).is_causal(is_causal);
-        opts.attn_mask = mask.cloned();
-        opts.key_padding_mask = kpm.cloned();
-        dropout(
-            &self.multihead_attn.forward(x, mem, mem, &opts)?.output,
-            self.cfg.dropout,
-            self.training,
-        )
+        let (p, t) = (self.cfg.dropout, self.training);
+        attention_block(&self.multihead_attn, x, mem, mask, kpm, causal, p, t)
     }
 
-    fn ff_block(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.cfg.activation.forward(&self.linear1.forward(x)?)?;
-        let h = dropout(&h, self.cfg.dropout, self.training)?;
-        dropout(&self.linear2.forward(&h)?, self.cfg.dropout, self.training)
+    fn feed_forward(&self, x: &Tensor) -> Result<Tensor> {
+        feed_forward(
+            &self.linear1,
+            &self.linear2,
+            self.cfg.activation,
+            self.cfg.dropout,
+            self.training,
+            x,
+        )
     }
 
     /// Runs the layer; `masks.tgt_is_causal = None` means `false` here.
@@ -150,13 +146,13 @@ impl TransformerDecoderLayer {
         let (mm, mk) = (masks.memory_mask.as_ref(), masks.memory_key_padding_mask.as_ref());
         let x = tgt;
         if self.cfg.norm_first {
-            let x = (x + self.sa_block(&self.norm1.forward(x)?, tm, tk, tc)?)?;
-            let x = (&x + self.mha_block(&self.norm2.forward(&x)?, memory, mm, mk, mc)?)?;
-            Ok((&x + self.ff_block(&self.norm3.forward(&x)?)?)?)
+            let x = (x + self.self_block(&self.norm1.forward(x)?, tm, tk, tc)?)?;
+            let x = (&x + self.cross_block(&self.norm2.forward(&x)?, memory, mm, mk, mc)?)?;
+            Ok((&x + self.feed_forward(&self.norm3.forward(&x)?)?)?)
         } else {
-            let x = self.norm1.forward(&(x + self.sa_block(x, tm, tk, tc)?)?)?;
-            let x = self.norm2.forward(&(&x + self.mha_block(&x, memory, mm, mk, mc)?)?)?;
-            self.norm3.forward(&(&x + self.ff_block(&x)?)?)
+            let x = self.norm1.forward(&(x + self.self_block(x, tm, tk, tc)?)?)?;
+            let x = self.norm2.forward(&(&x + self.cross_block(&x, memory, mm, mk, mc)?)?)?;
+            self.norm3.forward(&(&x + self.feed_forward(&x)?)?)
         }
     }
 }

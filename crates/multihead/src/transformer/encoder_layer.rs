@@ -1,13 +1,12 @@
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
-use super::{prefixed, LayerConfig};
-use crate::activation::dropout;
+use super::{attention_block, feed_forward, prefixed, LayerConfig};
 use crate::error::Result;
 use crate::layer_norm::LayerNorm;
 use crate::linear::Linear;
 use crate::mask::Mask;
-use crate::{MhaOptions, MultiheadAttention, NamedParameters};
+use crate::{MultiheadAttention, NamedParameters};
 
 /// `torch.nn.TransformerEncoderLayer`: self-attention and a feed-forward block, each with a
 /// residual connection and LayerNorm (after the block by default, before it with
@@ -83,28 +82,30 @@ impl TransformerEncoderLayer {
         self.training
     }
 
-    fn sa_block(
+    fn attend(
         &self,
         x: &Tensor,
         mask: Option<&Mask>,
         kpm: Option<&Mask>,
-        is_causal: bool,
+        causal: bool,
     ) -> Result<Tensor> {
-        let mut opts = MhaOptions::default().need_weights(false).is_causal(is_causal);
-        opts.attn_mask = mask.cloned();
-        opts.key_padding_mask = kpm.cloned();
-        let out = self.self_attn.forward(x, x, x, &opts)?.output;
-        dropout(&out, self.cfg.dropout, self.training)
+        let (p, t) = (self.cfg.dropout, self.training);
+        attention_block(&self.self_attn, x, x, mask, kpm, causal, p, t)
     }
 
-    fn ff_block(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.cfg.activation.forward(&self.linear1.forward(x)?)?;
-        let h = dropout(&h, self.cfg.dropout, self.training)?;
-        dropout(&self.linear2.forward(&h)?, self.cfg.dropout, self.training)
+    fn feed_forward(&self, x: &Tensor) -> Result<Tensor> {
+        feed_forward(
+            &self.linear1,
+            &self.linear2,
+            self.cfg.activation,
+            self.cfg.dropout,
+            self.training,
+            x,
+        )
     }
 
     /// Runs the layer. `is_causal` is PyTorch's hint: it needs `src_mask` (see
-    /// [`MhaOptions::is_causal`]).
+    /// [`MhaOptions::is_causal`](crate::MhaOptions::is_causal)).
     // Mirrors torch.nn.TransformerEncoderLayer.forward.
     pub fn forward(
         &self,
@@ -115,18 +116,18 @@ impl TransformerEncoderLayer {
     ) -> Result<Tensor> {
         let x = src;
         if self.cfg.norm_first {
-            let x = (x + self.sa_block(
+            let x = (x + self.attend(
                 &self.norm1.forward(x)?,
                 src_mask,
                 src_key_padding_mask,
                 is_causal,
             )?)?;
-            Ok((&x + self.ff_block(&self.norm2.forward(&x)?)?)?)
+            Ok((&x + self.feed_forward(&self.norm2.forward(&x)?)?)?)
         } else {
             let x = self
                 .norm1
-                .forward(&(x + self.sa_block(x, src_mask, src_key_padding_mask, is_causal)?)?)?;
-            self.norm2.forward(&(&x + self.ff_block(&x)?)?)
+                .forward(&(x + self.attend(x, src_mask, src_key_padding_mask, is_causal)?)?)?;
+            self.norm2.forward(&(&x + self.feed_forward(&x)?)?)
         }
     }
 }

@@ -128,6 +128,38 @@ impl Default for NormConfig {
     }
 }
 
+/// `dropout(attn(x, mem, mem, need_weights=False)[0])`: a layer's attention block.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_block(
+    attn: &crate::MultiheadAttention,
+    x: &candle_core::Tensor,
+    mem: &candle_core::Tensor,
+    mask: Option<&crate::Mask>,
+    kpm: Option<&crate::Mask>,
+    is_causal: bool,
+    p: f64,
+    training: bool,
+) -> crate::Result<candle_core::Tensor> {
+    let mut opts = crate::MhaOptions::default().need_weights(false).is_causal(is_causal);
+    opts.attn_mask = mask.cloned();
+    opts.key_padding_mask = kpm.cloned();
+    crate::activation::dropout(&attn.forward(x, mem, mem, &opts)?.output, p, training)
+}
+
+/// `dropout(linear2(dropout(activation(linear1(x)))))`: a layer's feed-forward block.
+pub(crate) fn feed_forward(
+    linear1: &crate::Linear,
+    linear2: &crate::Linear,
+    activation: Activation,
+    p: f64,
+    training: bool,
+    x: &candle_core::Tensor,
+) -> crate::Result<candle_core::Tensor> {
+    let h = activation.forward(&linear1.forward(x)?)?;
+    let h = crate::activation::dropout(&h, p, training)?;
+    crate::activation::dropout(&linear2.forward(&h)?, p, training)
+}
+
 /// Prefixes relative parameter names.
 pub(crate) fn prefixed(
     prefix: &str,
