@@ -222,3 +222,60 @@ fn the_module_takes_the_fused_path_on_f32_and_not_on_f64() {
     .unwrap();
     assert_eq!(multihead::fused::fused_call_count(), before, "f64 stays on the composed path");
 }
+
+#[test]
+fn fused_linear_equals_candle_matmul_forward_and_backward() {
+    use candle_nn::{VarBuilder, VarMap};
+    for bias in [true, false] {
+        for shape in [vec![7usize, 5], vec![3, 4, 5], vec![2, 1, 3, 5]] {
+            for transposed in [false, true] {
+                let go = |fused: bool| {
+                    with_fused_kernels(fused, || {
+                        let vm = VarMap::new();
+                        let lin = multihead::Linear::new(
+                            5,
+                            6,
+                            bias,
+                            VarBuilder::from_varmap(&vm, DType::F32, &dev()),
+                        )
+                        .unwrap();
+                        for (i, (_, t)) in lin.named_parameters().iter().enumerate() {
+                            let v = vm
+                                .all_vars()
+                                .into_iter()
+                                .find(|v| v.as_tensor().id() == t.id())
+                                .unwrap();
+                            v.set(&det(v.dims(), DType::F32, i as f64 + 0.2)).unwrap();
+                        }
+                        let x = var(&det(&shape, DType::F32, 1.0));
+                        let input = if transposed && shape.len() == 3 {
+                            x.as_tensor().transpose(0, 1).unwrap()
+                        } else {
+                            x.as_tensor().clone()
+                        };
+                        let y = lin.forward(&input).unwrap();
+                        let g = y
+                            .mul(&det(y.dims(), DType::F32, 2.0))
+                            .unwrap()
+                            .sum_all()
+                            .unwrap()
+                            .backward()
+                            .unwrap();
+                        let mut grads = vec![g.get(x.as_tensor()).unwrap().clone()];
+                        for (_, t) in lin.named_parameters() {
+                            grads.push(g.get(&t).unwrap().clone());
+                        }
+                        (y, grads)
+                    })
+                };
+                let (a, ga) = go(true);
+                let (b, gb) = go(false);
+                let what = format!("bias {bias} shape {shape:?} transposed {transposed}");
+                assert_close(&a, &b, Tolerance::F32_FORWARD, &what);
+                for (x, y) in ga.iter().zip(&gb) {
+                    assert_close(x, y, Tolerance::F32_GRAD, &what);
+                }
+            }
+        }
+    }
+}
