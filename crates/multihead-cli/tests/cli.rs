@@ -78,3 +78,32 @@ fn check_ends_with_the_count_line() {
     assert_eq!(stdout.trim_end().lines().last(), Some("2 passed, 1 failed"), "{stdout}");
     assert!(!o.status.success());
 }
+
+#[test]
+fn demo_is_reproducible_for_a_seed() {
+    let dir = tmp("demo");
+    let run = |name: &str, seed: &str| {
+        let out = dir.join(name);
+        let o = bin()
+            .args(["demo", "--quiet", "--steps", "40", "--seed", seed, "--out"])
+            .arg(&out)
+            .output()
+            .expect("runs");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let text = String::from_utf8_lossy(&o.stdout).to_string();
+        // Drop the wall-clock time, keep accuracy and predictions.
+        let lines: Vec<String> = text
+            .lines()
+            .filter(|l| !l.starts_with("wrote"))
+            .map(|l| l.split(" in ").next().unwrap_or(l).to_string())
+            .collect();
+        (lines, std::fs::read(out).expect("png"))
+    };
+    let (a, pa) = run("a.png", "7");
+    let (b, pb) = run("b.png", "7");
+    let (_, pc) = run("c.png", "8");
+    assert_eq!(a, b);
+    assert_eq!(pa, pb, "same seed, same attention.png");
+    assert_ne!(pa, pc, "another seed, another run");
+    assert!(pa.starts_with(b"\x89PNG"));
+}
