@@ -279,3 +279,76 @@ fn fused_linear_equals_candle_matmul_forward_and_backward() {
         }
     }
 }
+
+#[test]
+fn fused_long_key_path_equals_composed() {
+    // From 2048 keys on, the fused path copies K and V per head first; check it like the rest.
+    for batch_first in [false, true] {
+        let cfg = MhaConfig::new(8, 2).with_batch_first(batch_first);
+        let n = 2;
+        let kpm = Mask::Bool(bool_mask(&[n, 2048], 0.3));
+        let self_opts = MhaOptions::default().need_weights(false).key_padding_mask(kpm);
+        let go = |fused: bool, opts: &MhaOptions, l: usize, s: usize, cross: bool| {
+            with_fused_kernels(fused, || {
+                let (m, _vm) = mha(cfg.clone(), DType::F32);
+                let shape =
+                    |len: usize| if batch_first { vec![n, len, 8] } else { vec![len, n, 8] };
+                let q = var(&det(&shape(l), DType::F32, 1.0));
+                let kv = if cross { var(&det(&shape(s), DType::F32, 2.0)) } else { q.clone() };
+                let before = multihead::fused::fused_call_count();
+                let out =
+                    m.forward(q.as_tensor(), kv.as_tensor(), kv.as_tensor(), opts).unwrap().output;
+                assert_eq!(multihead::fused::fused_call_count() > before, fused);
+                let g = out
+                    .mul(&det(out.dims(), DType::F32, 3.0))
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                let mut grads = vec![g.get(q.as_tensor()).unwrap().clone()];
+                if cross {
+                    grads.push(g.get(kv.as_tensor()).unwrap().clone());
+                }
+                for (_, t) in m.named_parameters() {
+                    grads.push(g.get(&t).unwrap().clone());
+                }
+                (out, grads)
+            })
+        };
+        for (opts, l, s, cross) in [
+            (self_opts.clone(), 2048, 2048, false),
+            (
+                MhaOptions::default().need_weights(false).attn_mask(Mask::Float(det(
+                    &[5, 2100],
+                    DType::F32,
+                    4.0,
+                ))),
+                5,
+                2100,
+                true,
+            ),
+        ] {
+            let (a, ga) = go(true, &opts, l, s, cross);
+            let (b, gb) = go(false, &opts, l, s, cross);
+            let what = format!("batch_first {batch_first} L {l} S {s}");
+            assert_close(&a, &b, Tolerance::F32_FORWARD, &what);
+            for (x, y) in ga.iter().zip(&gb) {
+                // Parameter gradients sum over N·L = 4096 rows in different orders on the two
+                // paths: scale the absolute tolerance with the gradient's size (f32 eps · rows).
+                let max = y
+                    .abs()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .max(0)
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap() as f64;
+                let tol =
+                    Tolerance { rel: 1e-4, abs: 1e-4 + 4096.0 * f32::EPSILON as f64 * max * 1e-2 };
+                assert_close(x, y, tol, &what);
+            }
+        }
+    }
+}
