@@ -2,8 +2,8 @@ use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
 use super::{
-    detect_is_causal, prefixed, seq_len, DecoderMasks, LayerConfig, NormConfig,
-    TransformerDecoderLayer,
+    build_stack, detect_is_causal, final_norm, seq_len, stack_parameters, DecoderMasks,
+    LayerConfig, NormConfig, TransformerDecoderLayer,
 };
 use crate::error::Result;
 use crate::layer_norm::LayerNorm;
@@ -46,13 +46,9 @@ impl TransformerDecoder {
         norm: Option<NormConfig>,
         vb: VarBuilder,
     ) -> Result<Self> {
-        let layers = (0..num_layers)
-            .map(|i| TransformerDecoderLayer::new(layer.clone(), vb.pp(format!("layers.{i}"))))
-            .collect::<Result<Vec<_>>>()?;
-        let norm = match norm {
-            Some(n) => Some(LayerNorm::new(layer.d_model, n.eps, n.bias, vb.pp("norm"))?),
-            None => None,
-        };
+        let (layers, norm) = build_stack(num_layers, layer.d_model, norm, &vb, |vb| {
+            TransformerDecoderLayer::new(layer.clone(), vb)
+        })?;
         Ok(Self { layers, norm })
     }
 
@@ -80,22 +76,12 @@ impl TransformerDecoder {
         for layer in &self.layers {
             x = layer.forward(&x, memory, &layer_masks)?;
         }
-        match &self.norm {
-            Some(n) => n.forward(&x),
-            None => Ok(x),
-        }
+        final_norm(self.norm.as_ref(), x)
     }
 }
 
 impl NamedParameters for TransformerDecoder {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut v = Vec::new();
-        for (i, l) in self.layers.iter().enumerate() {
-            v.extend(prefixed(&format!("layers.{i}"), l.named_parameters()));
-        }
-        if let Some(n) = &self.norm {
-            v.extend(prefixed("norm", n.named_parameters()));
-        }
-        v
+        stack_parameters(&self.layers, self.norm.as_ref())
     }
 }

@@ -2,7 +2,8 @@ use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 
 use super::{
-    detect_is_causal, prefixed, seq_len, LayerConfig, NormConfig, TransformerEncoderLayer,
+    build_stack, detect_is_causal, final_norm, seq_len, stack_parameters, LayerConfig, NormConfig,
+    TransformerEncoderLayer,
 };
 use crate::error::Result;
 use crate::layer_norm::LayerNorm;
@@ -60,13 +61,9 @@ impl TransformerEncoder {
         norm: Option<NormConfig>,
         vb: VarBuilder,
     ) -> Result<Self> {
-        let layers = (0..num_layers)
-            .map(|i| TransformerEncoderLayer::new(layer.clone(), vb.pp(format!("layers.{i}"))))
-            .collect::<Result<Vec<_>>>()?;
-        let norm = match norm {
-            Some(n) => Some(LayerNorm::new(layer.d_model, n.eps, n.bias, vb.pp("norm"))?),
-            None => None,
-        };
+        let (layers, norm) = build_stack(num_layers, layer.d_model, norm, &vb, |vb| {
+            TransformerEncoderLayer::new(layer.clone(), vb)
+        })?;
         Ok(Self { layers, norm, training: true, inference_mode: false, enable_nested_tensor: true })
     }
 
@@ -145,10 +142,7 @@ impl TransformerEncoder {
                 x = layer.forward(&x, mask, src_key_padding_mask, is_causal)?;
             }
         }
-        match &self.norm {
-            Some(n) => n.forward(&x),
-            None => Ok(x),
-        }
+        final_norm(self.norm.as_ref(), x)
     }
 }
 
@@ -161,13 +155,6 @@ fn left_aligned(p: &Tensor) -> Result<bool> {
 
 impl NamedParameters for TransformerEncoder {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut v = Vec::new();
-        for (i, l) in self.layers.iter().enumerate() {
-            v.extend(prefixed(&format!("layers.{i}"), l.named_parameters()));
-        }
-        if let Some(n) = &self.norm {
-            v.extend(prefixed("norm", n.named_parameters()));
-        }
-        v
+        stack_parameters(&self.layers, self.norm.as_ref())
     }
 }

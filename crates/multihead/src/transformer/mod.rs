@@ -160,6 +160,52 @@ pub(crate) fn feed_forward(
     crate::activation::dropout(&linear2.forward(&h)?, p, training)
 }
 
+/// Builds `num_layers` layers under `layers.{i}` and the optional final norm under `norm`:
+/// the shared constructor of [`TransformerEncoder`] and [`TransformerDecoder`].
+pub(crate) fn build_stack<T>(
+    num_layers: usize,
+    d_model: usize,
+    norm: Option<NormConfig>,
+    vb: &candle_nn::VarBuilder,
+    layer: impl Fn(candle_nn::VarBuilder) -> crate::Result<T>,
+) -> crate::Result<(Vec<T>, Option<crate::LayerNorm>)> {
+    let layers = (0..num_layers)
+        .map(|i| layer(vb.pp(format!("layers.{i}"))))
+        .collect::<crate::Result<Vec<_>>>()?;
+    let norm = match norm {
+        Some(n) => Some(crate::LayerNorm::new(d_model, n.eps, n.bias, vb.pp("norm"))?),
+        None => None,
+    };
+    Ok((layers, norm))
+}
+
+/// The keys of a stack: `layers.{i}.*` then `norm.*`.
+pub(crate) fn stack_parameters<T: crate::NamedParameters>(
+    layers: &[T],
+    norm: Option<&crate::LayerNorm>,
+) -> Vec<(String, candle_core::Tensor)> {
+    use crate::NamedParameters;
+    let mut v = Vec::new();
+    for (i, l) in layers.iter().enumerate() {
+        v.extend(prefixed(&format!("layers.{i}"), l.named_parameters()));
+    }
+    if let Some(n) = norm {
+        v.extend(prefixed("norm", n.named_parameters()));
+    }
+    v
+}
+
+/// Applies the optional final norm of a stack.
+pub(crate) fn final_norm(
+    norm: Option<&crate::LayerNorm>,
+    x: candle_core::Tensor,
+) -> crate::Result<candle_core::Tensor> {
+    match norm {
+        Some(n) => n.forward(&x),
+        None => Ok(x),
+    }
+}
+
 /// Prefixes relative parameter names.
 pub(crate) fn prefixed(
     prefix: &str,
