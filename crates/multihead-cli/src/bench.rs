@@ -107,7 +107,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             std::hint::black_box(grads);
         } else {
             // Inference, as PyTorch's forward under torch.no_grad().
-            let out = multihead::fused::no_grad(|| mha.forward(&q, &kv, &kv, &opts))?;
+            let out = multihead::no_grad(|| mha.forward(&q, &kv, &kv, &opts))?;
             std::hint::black_box(out);
         }
         Ok(())

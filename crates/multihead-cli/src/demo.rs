@@ -163,7 +163,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
         "multihead demo: a 2-layer Transformer encoder (d_model {d}, 4 heads, {n_params} parameters) learns to reverse {l}-digit sequences"
     );
     let (held_x, held_y) = batch(args.seed, u64::MAX, 1000, l, &dev)?;
-    let pb = if args.quiet {
+    // A progress bar on a terminal; plain lines (one per 100 steps) when stdout is a file or
+    // a pipe, so logs stay readable.
+    use std::io::IsTerminal;
+    let plain = !args.quiet && !std::io::stdout().is_terminal();
+    let pb = if args.quiet || plain {
         indicatif::ProgressBar::hidden()
     } else {
         indicatif::ProgressBar::new(args.steps as u64)
@@ -187,12 +191,16 @@ pub fn run(args: DemoArgs) -> Result<()> {
         if step % 25 == 0 || step + 1 == args.steps {
             let acc = accuracy(&logits, &y)?;
             let held_acc = accuracy(&model.logits(&held_x)?, &held_y)?;
-            pb.set_message(format!(
+            let msg = format!(
                 "loss {:.4}  train acc {:5.1}%  held-out acc {:5.1}%",
                 loss.to_scalar::<f32>()?,
                 100.0 * acc,
                 100.0 * held_acc
-            ));
+            );
+            if plain && (step % 100 == 0 || step + 1 == args.steps) {
+                println!("step {:>5}/{}  {msg}", step + 1, args.steps);
+            }
+            pb.set_message(msg);
         }
         pb.inc(1);
     }

@@ -37,13 +37,42 @@ fn read_config(dir: &Path) -> Result<BertConfig> {
     if v.get("hidden_act").and_then(|x| x.as_str()) != Some("gelu") {
         bail!("config.json: only hidden_act \"gelu\" is supported");
     }
-    Ok(BertConfig {
+    let cfg = BertConfig {
         hidden: get("hidden_size")?,
         layers: get("num_hidden_layers")?,
         heads: get("num_attention_heads")?,
         intermediate: get("intermediate_size")?,
-        eps: v.get("layer_norm_eps").and_then(|x| x.as_f64()).unwrap_or(1e-12),
-    })
+        eps: match v.get("layer_norm_eps") {
+            None => 1e-12,
+            Some(x) => x.as_f64().context("config.json: layer_norm_eps must be a number")?,
+        },
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+impl BertConfig {
+    /// Rejects what would give NaN or absurd sizes instead of embeddings.
+    fn validate(&self) -> Result<()> {
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            bail!("config.json: layer_norm_eps must be a positive finite number, got {}", self.eps);
+        }
+        if self.hidden == 0 || self.heads == 0 || self.hidden % self.heads != 0 {
+            bail!(
+                "config.json: hidden_size ({}) must be a positive multiple of num_attention_heads ({})",
+                self.hidden,
+                self.heads
+            );
+        }
+        if self.intermediate == 0 || self.layers == 0 || self.layers > 1024 {
+            bail!(
+                "config.json: intermediate_size ({}) must be positive and num_hidden_layers ({}) between 1 and 1024",
+                self.intermediate,
+                self.layers
+            );
+        }
+        Ok(())
+    }
 }
 
 /// all-MiniLM-L6-v2 built from this crate's layers.

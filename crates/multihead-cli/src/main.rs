@@ -1,4 +1,5 @@
-//! The `multihead` command: replay and check PyTorch parity cases.
+//! The `multihead` command: the demo, sentence embeddings, benchmarks, and PyTorch parity
+//! cases (replay, check).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -9,15 +10,25 @@ mod bench;
 mod demo;
 mod embed;
 mod plot;
-use multihead::parity::{self, Case};
+use multihead::Backend;
+use multihead_parity::{self as parity, Case};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// PyTorch-exact multi-head attention: tools around the `multihead` library.
+///
+/// demo: train a small Transformer and draw its attention; embed: all-MiniLM-L6-v2 sentence
+/// embeddings; bench: time MultiheadAttention; replay: run one PyTorch parity case; check:
+/// replay parity cases and compare with PyTorch's numbers.
 #[derive(Parser, Debug)]
-#[command(name = "multihead", version, about)]
+#[command(name = "multihead", version, about, long_about)]
 struct Cli {
+    /// Which attention implementation runs: auto (fused kernels where they apply), composed
+    /// (candle operations only) or fused (the kernels, or an error). The environment variable
+    /// MULTIHEAD_NO_FUSED=1 means composed.
+    #[arg(long, global = true)]
+    backend: Option<Backend>,
     #[command(subcommand)]
     command: Command,
 }
@@ -66,7 +77,16 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command {
+    let backend = match cli.backend {
+        Some(b) => b,
+        None if std::env::var_os("MULTIHEAD_NO_FUSED").is_some() => Backend::Composed,
+        None => Backend::Auto,
+    };
+    multihead::with_backend(backend, || run(cli.command))
+}
+
+fn run(command: Command) -> ExitCode {
+    match command {
         Command::Demo(args) => finish("demo", demo::run(args)),
         Command::Embed { model, json, batch, texts } => {
             finish("embed", embed::run(&model, json, batch, texts))
@@ -103,41 +123,31 @@ fn replay(case_dir: &Path, out: &Path) -> ExitCode {
     }
 }
 
-/// Finds case directories: `dir` itself when it holds a case.json, otherwise every case below
-/// it, in sorted order.
-fn find_cases(dir: &Path, out: &mut Vec<PathBuf>) {
-    if dir.join("case.json").is_file() {
-        out.push(dir.to_path_buf());
-        return;
-    }
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        // Not a directory we can read: keep it, so that check reports it as a failed case.
-        out.push(dir.to_path_buf());
-        return;
-    };
-    let mut subdirs: Vec<PathBuf> =
-        entries.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.is_dir()).collect();
-    subdirs.sort();
-    for sub in subdirs {
-        find_cases(&sub, out);
-    }
-}
-
 fn check(dirs: &[PathBuf], verbose: bool) -> ExitCode {
-    let mut cases = Vec::new();
-    for d in dirs {
-        find_cases(d, &mut cases);
+    let found = parity::find_cases(dirs);
+    for note in &found.notes {
+        eprintln!("multihead check: {note}");
+    }
+    if found.cases.is_empty() {
+        let roots: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+        eprintln!(
+            "multihead check: no case found under {} (a case is a directory holding case.json and case.safetensors)",
+            roots.join(", ")
+        );
+        println!("0 passed, 0 failed");
+        return ExitCode::FAILURE;
     }
     let (mut passed, mut failed) = (0usize, 0usize);
-    for dir in &cases {
+    for dir in &found.cases {
         let outcome = Case::load(dir).and_then(|case| parity::check(&case));
         match outcome {
             Ok(checks) if !checks.is_empty() => {
                 let ok = checks.iter().all(|c| c.passed);
-                let worst = checks
-                    .iter()
-                    .max_by(|a, b| a.worst_ratio.total_cmp(&b.worst_ratio))
-                    .expect("checks is not empty");
+                let Some(worst) =
+                    checks.iter().max_by(|a, b| a.worst_ratio.total_cmp(&b.worst_ratio))
+                else {
+                    continue;
+                };
                 println!(
                     "{} {}: worst {} max|diff| {:.3e} ({:.3} of tolerance){}",
                     if ok { "ok  " } else { "FAIL" },

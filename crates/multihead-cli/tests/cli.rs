@@ -8,7 +8,7 @@ use std::process::Command;
 
 use candle_core::Device;
 use multihead::state_dict::load_safetensors;
-use multihead::Tolerance;
+use multihead_parity::Tolerance;
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_multihead"))

@@ -42,12 +42,14 @@ pub enum Error {
     },
     /// Strict state_dict loading found keys missing from the file or keys the module does not
     /// have.
-    #[error("load_state_dict: missing keys {missing:?}, unexpected keys {unexpected:?}")]
+    #[error("load_state_dict: missing keys {missing:?}, unexpected keys {unexpected:?}{hint}")]
     StateDictKeys {
         /// Keys the module needs that the state_dict lacks.
         missing: Vec<String>,
         /// Keys in the state_dict that the module does not have.
         unexpected: Vec<String>,
+        /// When the two sides differ by a prefix, which one and what to do (else empty).
+        hint: String,
     },
     /// A state_dict entry has the wrong shape for the module.
     #[error("load_state_dict: {key}: expected shape {expected:?}, got {got:?}")]
@@ -67,9 +69,31 @@ pub enum Error {
         /// What is wrong with it.
         msg: String,
     },
+    /// A tensor the call needs is larger than this machine can allocate, or its size overflows
+    /// `usize`. Nothing was allocated.
+    #[error("{op}: {what}: {msg}")]
+    Alloc {
+        /// The operation that needed the memory.
+        op: &'static str,
+        /// What the memory was for (PyTorch's name where there is one).
+        what: &'static str,
+        /// The size asked for and what to do instead.
+        msg: String,
+    },
     /// An error raised inside candle.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+}
+
+/// Lets `?` turn a multihead error into a candle error, so these layers work inside
+/// `candle_nn::Module` code. A wrapped candle error comes back unchanged.
+impl From<Error> for candle_core::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Candle(c) => c,
+            other => candle_core::Error::wrap(other),
+        }
+    }
 }
 
 /// `Result` with [`Error`].

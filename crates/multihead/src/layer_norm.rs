@@ -40,6 +40,7 @@ pub struct LayerNorm {
 impl LayerNorm {
     /// `nn.LayerNorm(d, eps, bias=bias)` under `vb`'s `weight` and `bias` keys.
     pub fn new(d: usize, eps: f64, bias: bool, vb: VarBuilder) -> Result<Self> {
+        check_eps(eps, "LayerNorm", "eps")?;
         let weight = get_param(&vb, &[d], "weight", Init::Const(1.0))?;
         let bias = if bias { Some(get_param(&vb, &[d], "bias", Init::Const(0.0))?) } else { None };
         Ok(Self { weight, bias, eps })
@@ -83,5 +84,19 @@ impl NamedParameters for LayerNorm {
             v.push(("bias".to_string(), b.clone()));
         }
         v
+    }
+}
+
+/// `eps` must be finite and `>= 0` (a negative one gives NaN for constant rows; PyTorch does not
+/// check).
+pub(crate) fn check_eps(eps: f64, op: &'static str, arg: &'static str) -> Result<()> {
+    if eps.is_finite() && eps >= 0.0 {
+        Ok(())
+    } else {
+        Err(crate::Error::Config {
+            op,
+            arg,
+            msg: format!("{arg} must be finite and >= 0, got {eps}; PyTorch's default is 1e-5"),
+        })
     }
 }

@@ -9,7 +9,6 @@
 //!   averaged or per-head weights.
 //! * [`functional`] has `scaled_dot_product_attention` and `multi_head_attention_forward`.
 //! * [`state_dict`] loads and saves PyTorch state_dicts as safetensors, strictly, by PyTorch's keys.
-//! * [`parity`] replays PyTorch golden cases and compares with PyTorch's results.
 //!
 //! Everything is differentiable through candle's autograd: inputs and every parameter get their
 //! gradients.
@@ -49,26 +48,27 @@
 #![warn(missing_docs)]
 
 pub mod activation;
+mod alloc;
 pub mod error;
 pub mod functional;
 pub mod fused;
 pub mod layer_norm;
 pub mod linear;
 pub mod mask;
+pub mod mode;
 pub mod multihead_attention;
-pub mod parity;
 pub mod random;
 pub mod state_dict;
-pub mod tolerance;
 pub mod transformer;
 
 pub use activation::Activation;
 pub use error::{Error, Result};
+pub use fused::dispatch::{Path, Plan, Reason};
 pub use functional::{MhaOptions, MhaOutput, SdpaOptions};
 pub use layer_norm::LayerNorm;
 pub use linear::Linear;
 pub use mask::{generate_square_subsequent_mask, Mask};
+pub use mode::{default_backend, grad_enabled, no_grad, with_backend, Backend};
 pub use multihead_attention::{MhaConfig, MultiheadAttention};
 pub use random::manual_seed;
 pub use state_dict::NamedParameters;
-pub use tolerance::Tolerance;

@@ -69,14 +69,21 @@ impl Mask {
         if ok {
             Ok(())
         } else {
+            let got = self.tensor().dtype();
+            let instead = match self {
+                Mask::Bool(_) => format!(
+                    "Mask::Bool holds a u8 tensor (non-zero = True), got {got:?}; convert it with \
+                     `t.ne(0.0)?` (which gives u8), or pass Mask::Float for a mask added to the scores"
+                ),
+                Mask::Float(_) => format!(
+                    "Mask::Float holds a float tensor added to the scores, got {got:?}; pass \
+                     Mask::Bool for a boolean (u8) mask, or convert with `t.to_dtype(DType::F32)?`"
+                ),
+            };
             Err(Error::DType {
                 op,
                 arg,
-                msg: format!(
-                    "only bool (u8) and floating types of {arg} are supported, got a {} mask of dtype {:?}",
-                    if self.is_bool() { "bool" } else { "float" },
-                    self.tensor().dtype()
-                ),
+                msg: format!("only bool (u8) and floating types of {arg} are supported: {instead}"),
             })
         }
     }

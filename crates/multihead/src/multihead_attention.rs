@@ -4,7 +4,10 @@ use candle_core::{DType, Tensor};
 use candle_nn::{Init, VarBuilder};
 
 use crate::error::{Error, Result};
-use crate::functional::{mha_forward_impl, Aliasing, InProj, MhaOptions, MhaOutput, MhaParams};
+use crate::functional::{
+    mha_forward_impl, mha_plan_impl, Aliasing, InProj, MhaOptions, MhaOutput, MhaParams,
+};
+use crate::fused::dispatch::Plan;
 use crate::linear::Linear;
 use crate::mask::Mask;
 use crate::state_dict::{get_param, NamedParameters};
@@ -147,6 +150,28 @@ impl MhaConfig {
                 arg: "dropout",
                 msg: format!("dropout probability has to be in [0, 1), got {}", self.dropout),
             });
+        }
+        // Every parameter's element count must fit in usize (and in isize bytes): a size that
+        // overflows would otherwise wrap to a small or empty parameter.
+        let shapes = [
+            ("in_proj_weight", [e.checked_mul(3), Some(e)]),
+            ("k_proj_weight", [Some(e), Some(self.kdim())]),
+            ("v_proj_weight", [Some(e), Some(self.vdim())]),
+        ];
+        for (arg, [a, b]) in shapes {
+            let bytes = a.zip(b).and_then(|(a, b)| a.checked_mul(b)).and_then(|n| n.checked_mul(8));
+            if bytes.is_none_or(|b| b > isize::MAX as usize) {
+                return Err(Error::Config {
+                    op: OP,
+                    arg,
+                    msg: format!(
+                        "embed_dim={e}, kdim={}, vdim={} give a parameter with more elements than \
+                         can be addressed; use smaller sizes",
+                        self.kdim(),
+                        self.vdim()
+                    ),
+                });
+            }
         }
         Ok(())
     }
@@ -358,6 +383,40 @@ impl MultiheadAttention {
             self.training,
             self.cfg.batch_first,
         )
+    }
+
+    /// The path [`forward`](Self::forward) takes for these arguments (the fused kernels or the
+    /// composed candle path) and why, without running it. Bad arguments give the error
+    /// `forward` would.
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use multihead::{MhaConfig, MhaOptions, MultiheadAttention, Path};
+    ///
+    /// let vm = VarMap::new();
+    /// let mha = MultiheadAttention::new(MhaConfig::new(8, 2), VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))?;
+    /// let x = Tensor::zeros((3, 1, 8), DType::F32, &Device::Cpu)?; // (L, N, E)
+    /// // Weights with gradients recorded need the composed path ...
+    /// let plan = mha.explain(&x, &x, &x, &MhaOptions::default())?;
+    /// assert_eq!(plan.path, Path::Composed);
+    /// println!("{plan}");
+    /// // ... without weights, the fused kernels run.
+    /// let plan = mha.explain(&x, &x, &x, &MhaOptions::default().need_weights(false))?;
+    /// assert_eq!(plan.path, Path::Fused);
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
+    pub fn explain(
+        &self,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        opts: &MhaOptions,
+    ) -> Result<Plan> {
+        let alias = Aliasing::of(query, key, value);
+        let params = self.params()?;
+        mha_plan_impl(query, key, value, alias, &params, opts, self.training, self.cfg.batch_first)
     }
 
     /// Self-attention of `x` over itself, without weights: `mha(x, x, x, need_weights=False)[0]`.

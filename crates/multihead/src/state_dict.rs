@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Init, VarBuilder, VarMap};
@@ -29,6 +30,18 @@ pub(crate) fn get_param(
 ) -> Result<Tensor> {
     let full =
         if vb.prefix().is_empty() { name.to_string() } else { format!("{}.{name}", vb.prefix()) };
+    crate::alloc::elements("get_param", "parameter", shape)?;
+    if !vb.contains_tensor(name) {
+        // The builder will create it: make sure it can be allocated first.
+        crate::alloc::ensure(
+            "get_param",
+            "parameter",
+            shape,
+            vb.dtype(),
+            1,
+            "this parameter is too large for this machine; check the module's sizes",
+        )?;
+    }
     match vb.get_with_hints(shape, name, init) {
         Ok(t) => {
             if t.dims() != shape {
@@ -112,26 +125,207 @@ pub fn save_state_dict<M: NamedParameters>(module: &M, path: impl AsRef<Path>) -
     save_safetensors(params.iter().map(|(k, t)| (k.as_str(), t)), path)
 }
 
+/// What a non-strict load found: PyTorch's `load_state_dict(strict=False)` return value.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Keys the module has that the state_dict lacks (they keep their fresh initialisation).
+    pub missing_keys: Vec<String>,
+    /// Keys in the state_dict that the module does not have (ignored).
+    pub unexpected_keys: Vec<String>,
+}
+
+impl LoadReport {
+    /// Whether the keys matched exactly.
+    pub fn is_exact(&self) -> bool {
+        self.missing_keys.is_empty() && self.unexpected_keys.is_empty()
+    }
+}
+
 /// Compares the keys a module has with the keys a state_dict has, as PyTorch's strict
-/// `load_state_dict` does.
+/// `load_state_dict` does. The error names every missing and unexpected key and, when the
+/// two sides differ by a prefix (a checkpoint saved from `model.encoder` loaded into the
+/// encoder), says which.
 pub fn check_keys<'a>(
     module_keys: impl IntoIterator<Item = &'a str>,
     state_keys: impl IntoIterator<Item = &'a str>,
 ) -> Result<()> {
-    let m: BTreeSet<&str> = module_keys.into_iter().collect();
-    let s: BTreeSet<&str> = state_keys.into_iter().collect();
-    let missing: Vec<String> = m.difference(&s).map(|k| k.to_string()).collect();
-    let unexpected: Vec<String> = s.difference(&m).map(|k| k.to_string()).collect();
-    if missing.is_empty() && unexpected.is_empty() {
+    let report = compare_keys(module_keys, state_keys);
+    if report.is_exact() {
         Ok(())
     } else {
-        Err(Error::StateDictKeys { missing, unexpected })
+        let hint = prefix_hint(&report.missing_keys, &report.unexpected_keys);
+        Err(Error::StateDictKeys {
+            missing: report.missing_keys,
+            unexpected: report.unexpected_keys,
+            hint,
+        })
     }
+}
+
+fn compare_keys<'a>(
+    module_keys: impl IntoIterator<Item = &'a str>,
+    state_keys: impl IntoIterator<Item = &'a str>,
+) -> LoadReport {
+    let m: BTreeSet<&str> = module_keys.into_iter().collect();
+    let s: BTreeSet<&str> = state_keys.into_iter().collect();
+    LoadReport {
+        missing_keys: m.difference(&s).map(|k| k.to_string()).collect(),
+        unexpected_keys: s.difference(&m).map(|k| k.to_string()).collect(),
+    }
+}
+
+/// When every unexpected key is a missing key with one extra leading prefix (or the other way
+/// round), names that prefix and what to do.
+fn prefix_hint(missing: &[String], unexpected: &[String]) -> String {
+    let common_prefix = |longer: &[String], shorter: &[String]| -> Option<String> {
+        let first = longer.first()?;
+        let shorter_set: BTreeSet<&str> = shorter.iter().map(String::as_str).collect();
+        // Try every dot-separated prefix of the first longer key.
+        let mut cut = 0;
+        while let Some(dot) = first[cut..].find('.') {
+            cut += dot + 1;
+            let prefix = &first[..cut];
+            let all = longer.iter().all(|k| {
+                k.strip_prefix(prefix).is_some_and(|rest| shorter_set.contains(rest))
+            });
+            if all && longer.len() == shorter.len() {
+                return Some(prefix.to_string());
+            }
+        }
+        None
+    };
+    if missing.is_empty() || unexpected.is_empty() {
+        return String::new();
+    }
+    if let Some(p) = common_prefix(unexpected, missing) {
+        return format!(
+            "; every key in the file starts with {p:?}: build the module under              vb.pp({:?}) or strip the prefix from the file's keys",
+            p.trim_end_matches('.')
+        );
+    }
+    if let Some(p) = common_prefix(missing, unexpected) {
+        return format!(
+            "; the module's keys start with {p:?} but the file's do not: build the              sub-module from the root VarBuilder, or save the file from the parent module"
+        );
+    }
+    String::new()
+}
+
+/// A strict load stops building after this many missing keys (a module far larger than its
+/// state_dict, such as a stack of 10⁹ layers, is reported, not built).
+const MAX_MISSING: usize = 4096;
+
+/// A `VarBuilder` backend for loading: present keys come from the state_dict's variables;
+/// a missing key is recorded and, when strict, answered with a placeholder that allocates
+/// nothing (a stride-0 view of one zero), so a module with huge missing parameters is
+/// reported, not allocated.
+struct Loader {
+    vars: VarMap,
+    present: BTreeSet<String>,
+    strict: bool,
+    missing: Arc<Mutex<Vec<String>>>,
+}
+
+impl candle_nn::var_builder::SimpleBackend for Loader {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        h: Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        if self.present.contains(name) {
+            return self.vars.get(s, name, h, dtype, dev);
+        }
+        let mut missing = self.missing.lock().unwrap_or_else(|e| e.into_inner());
+        if self.strict && missing.len() >= MAX_MISSING {
+            candle_core::bail!("more than {MAX_MISSING} parameters are missing");
+        }
+        missing.push(name.to_string());
+        drop(missing);
+        if self.strict {
+            Tensor::zeros((), dtype, dev)?.broadcast_as(s)
+        } else {
+            self.vars.get(s, name, h, dtype, dev)
+        }
+    }
+
+    fn get_unchecked(&self, name: &str, _dtype: DType, _dev: &Device) -> candle_core::Result<Tensor> {
+        let data = self.vars.data().lock().unwrap_or_else(|e| e.into_inner());
+        match data.get(name) {
+            Some(v) => Ok(v.as_tensor().clone()),
+            None => candle_core::bail!("cannot find tensor {name}"),
+        }
+    }
+
+    /// Whether `get` can answer without allocating: a present key, or any key when strict
+    /// (missing ones get a placeholder). `get_param` probes the allocation otherwise.
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.strict || self.present.contains(name)
+    }
+}
+
+/// Loads `state` into a module built by `build`: strict (missing keys are an error, before
+/// anything is allocated for them) or not (missing keys keep their fresh initialisation).
+fn load_with<M: NamedParameters>(
+    state: &HashMap<String, Tensor>,
+    dtype: DType,
+    device: &Device,
+    strict: bool,
+    build: impl FnOnce(VarBuilder) -> Result<M>,
+) -> Result<(M, VarMap, LoadReport)> {
+    let vm = VarMap::new();
+    {
+        let mut data = vm.data().lock().unwrap_or_else(|e| e.into_inner());
+        for (k, t) in state {
+            let t = t.to_dtype(dtype)?.to_device(device)?;
+            data.insert(k.clone(), Var::from_tensor(&t)?);
+        }
+    }
+    let missing = Arc::new(Mutex::new(Vec::new()));
+    let loader = Loader {
+        vars: vm.clone(),
+        present: state.keys().cloned().collect(),
+        strict,
+        missing: missing.clone(),
+    };
+    let built = build(VarBuilder::from_backend(Box::new(loader), dtype, device.clone()));
+    let recorded = std::mem::take(&mut *missing.lock().unwrap_or_else(|e| e.into_inner()));
+    let module = match built {
+        Ok(m) => m,
+        // A strict load with missing keys: report the keys, not what the placeholders caused.
+        Err(_) if strict && !recorded.is_empty() => {
+            let unexpected = compare_keys(recorded.iter().map(String::as_str), state.keys().map(String::as_str));
+            return Err(Error::StateDictKeys {
+                missing: unexpected.missing_keys,
+                unexpected: Vec::new(),
+                hint: String::new(),
+            });
+        }
+        Err(Error::StateDictShape { key, expected, got }) if got.is_empty() => {
+            let got = state.get(&key).map(|t| t.dims().to_vec()).unwrap_or_default();
+            return Err(Error::StateDictShape { key, expected, got });
+        }
+        Err(e) => return Err(e),
+    };
+    let names = module.named_parameters();
+    let report = compare_keys(names.iter().map(|(k, _)| k.as_str()), state.keys().map(|k| k.as_str()));
+    if strict && !report.is_exact() {
+        let hint = prefix_hint(&report.missing_keys, &report.unexpected_keys);
+        return Err(Error::StateDictKeys {
+            missing: report.missing_keys,
+            unexpected: report.unexpected_keys,
+            hint,
+        });
+    }
+    Ok((module, vm, report))
 }
 
 /// Loads a state_dict strictly: puts every tensor into a fresh [`VarMap`] as a trainable
 /// variable of `dtype`, builds the module from it with `build`, and fails with
 /// [`Error::StateDictKeys`] if the module and the state_dict do not have the same keys.
+/// Missing keys are found before anything is allocated for them.
 ///
 /// Returns the module and the `VarMap` that holds its parameters (hand its `all_vars()` to an
 /// optimiser to train).
@@ -158,26 +352,74 @@ pub fn load_strict<M: NamedParameters>(
     device: &Device,
     build: impl FnOnce(VarBuilder) -> Result<M>,
 ) -> Result<(M, VarMap)> {
-    let vm = VarMap::new();
-    {
-        let mut data = vm.data().lock().unwrap_or_else(|e| e.into_inner());
-        for (k, t) in state {
-            let t = t.to_dtype(dtype)?.to_device(device)?;
-            data.insert(k.clone(), Var::from_tensor(&t)?);
-        }
-    }
-    let module = build(VarBuilder::from_varmap(&vm, dtype, device)).map_err(|e| match e {
-        Error::StateDictShape { key, expected, got } if got.is_empty() => {
-            let got = state.get(&key).map(|t| t.dims().to_vec()).unwrap_or_default();
-            Error::StateDictShape { key, expected, got }
-        }
-        other => other,
-    })?;
-    let names = module.named_parameters();
-    check_keys(names.iter().map(|(k, _)| k.as_str()), state.keys().map(|k| k.as_str()))?;
-    Ok((module, vm))
+    let (m, vm, _) = load_with(state, dtype, device, true, build)?;
+    Ok((m, vm))
 }
 
+/// Loads a state_dict non-strictly, like PyTorch's `load_state_dict(strict=False)`: keys the
+/// module lacks are ignored, parameters the state_dict lacks keep their fresh initialisation,
+/// and the [`LoadReport`] lists both. Shapes must still match.
+///
+/// # Example
+/// ```
+/// use std::collections::HashMap;
+/// use candle_core::{DType, Device, Tensor};
+/// use multihead::{state_dict, Linear};
+///
+/// let dev = Device::Cpu;
+/// let mut state = HashMap::new();
+/// state.insert("weight".to_string(), Tensor::zeros((3, 4), DType::F32, &dev)?);
+/// state.insert("extra".to_string(), Tensor::zeros(2, DType::F32, &dev)?);
+/// let (_lin, _vars, report) =
+///     state_dict::load(&state, DType::F32, &dev, |vb| Linear::new(4, 3, true, vb))?;
+/// assert_eq!(report.missing_keys, ["bias"]);
+/// assert_eq!(report.unexpected_keys, ["extra"]);
+/// # Ok::<(), multihead::Error>(())
+/// ```
+pub fn load<M: NamedParameters>(
+    state: &HashMap<String, Tensor>,
+    dtype: DType,
+    device: &Device,
+    build: impl FnOnce(VarBuilder) -> Result<M>,
+) -> Result<(M, VarMap, LoadReport)> {
+    load_with(state, dtype, device, false, build)
+}
+
+/// [`load`] from a safetensors file.
+pub fn load_file<M: NamedParameters>(
+    path: impl AsRef<Path>,
+    dtype: DType,
+    device: &Device,
+    build: impl FnOnce(VarBuilder) -> Result<M>,
+) -> Result<(M, VarMap, LoadReport)> {
+    let state = load_safetensors(path, device)?;
+    load(&state, dtype, device, build)
+}
+
+/// A sub-module's parameters under a prefix, as PyTorch names them inside a parent module:
+/// `prefixed("encoder", &enc)` gives `encoder.layers.0.linear1.weight`, ... Use it to write a
+/// parent's [`NamedParameters`] from its children.
+///
+/// # Example
+/// ```
+/// use candle_core::{DType, Device};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use multihead::{state_dict::prefixed, Linear};
+///
+/// let vm = VarMap::new();
+/// let head = Linear::new(4, 2, true, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))?;
+/// let keys: Vec<String> = prefixed("classifier", &head).into_iter().map(|(k, _)| k).collect();
+/// assert_eq!(keys, ["classifier.weight", "classifier.bias"]);
+/// # Ok::<(), multihead::Error>(())
+/// ```
+pub fn prefixed<M: NamedParameters + ?Sized>(prefix: &str, module: &M) -> Vec<(String, Tensor)> {
+    let prefix = prefix.trim_end_matches('.');
+    module
+        .named_parameters()
+        .into_iter()
+        .map(|(k, t)| if prefix.is_empty() { (k, t) } else { (format!("{prefix}.{k}"), t) })
+        .collect()
+}
 /// [`load_strict`] from a safetensors file.
 pub fn load_strict_file<M: NamedParameters>(
     path: impl AsRef<Path>,

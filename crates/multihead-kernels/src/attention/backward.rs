@@ -9,7 +9,7 @@
 
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
-use super::mask::{build_mask_tile, causal_fill, TilePos};
+use super::mask::{build_mask_tile, causal_add, causal_fill, TilePos};
 use super::simd::Simd;
 use super::tile::{pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR};
 use super::{AttnParams, Layout4};
@@ -36,6 +36,8 @@ pub(crate) struct BwdTask<'a> {
     br: usize,
     bc: usize,
     nq: usize,
+    /// Per `(batch, kv head)`: whether its keys and values are all finite (empty: all are).
+    pub(crate) finite: &'a [bool],
 }
 
 impl<'a> BwdTask<'a> {
@@ -86,6 +88,7 @@ impl<'a> BwdTask<'a> {
             br,
             bc,
             nq: p.dims.l.div_ceil(br),
+            finite: &[],
         }
     }
 }
@@ -167,23 +170,27 @@ impl Task for BwdTask<'_> {
                     let dropout =
                         p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
 
-                    let jend = if p.causal { s.min(i0 + br) } else { s };
+                    let finite = self.finite.get(b * dm.heads_kv + hk).copied().unwrap_or(true);
+                    let clip = p.causal && finite;
+                    let jend = if clip { s.min(i0 + br) } else { s };
                     let mut first = true;
                     let mut j0 = 0;
                     while j0 < jend {
                         let bc = self.bc.min(jend - j0);
                         let pos = TilePos { b, h, i0, br, brp, j0, bc };
-                        if has_mask && !build_mask_tile::<S>(&p.masks, pos, mt) {
+                        if has_mask && !build_mask_tile::<S>(&p.masks, pos, mt) && finite {
                             j0 += bc;
                             continue;
                         }
                         let kj = kbase.add(j0 * self.kl.seq);
                         let vj = vbase.add(j0 * self.vl.seq);
-                        let diag = p.causal.then_some(i0 as isize - j0 as isize);
+                        let diag = clip.then_some(i0 as isize - j0 as isize);
                         let (stp, dpp) = (st.as_mut_ptr(), dpt.as_mut_ptr());
                         score_tile::<S>(kj, self.kl.seq, d, qt.as_ptr(), brp, stp, bc, diag);
                         score_tile::<S>(vj, self.vl.seq, dv, dot.as_ptr(), brp, dpp, bc, diag);
-                        if p.causal && j0 + bc > i0 + 1 {
+                        if p.causal && !clip && j0 + bc > i0 + 1 {
+                            causal_add(st, brp, i0, j0, bc);
+                        } else if p.causal && j0 + bc > i0 + 1 {
                             // Entries the banded products skipped: P = 0 there, and dP must be
                             // finite so that dS = P (dP - D) is exactly 0.
                             causal_fill(st, brp, i0, j0, bc, f32::NEG_INFINITY);

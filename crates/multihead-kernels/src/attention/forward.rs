@@ -7,7 +7,7 @@
 
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
-use super::mask::{build_mask_tile, causal_fill, TilePos};
+use super::mask::{build_mask_tile, causal_add, causal_fill, TilePos};
 use super::simd::Simd;
 use super::tile::{pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR};
 use super::{AttnParams, Layout4};
@@ -26,6 +26,8 @@ pub(crate) struct FwdTask<'a> {
     br: usize,
     bc: usize,
     nq: usize,
+    /// Per `(batch, kv head)`: whether its keys and values are all finite (empty: all are).
+    pub(crate) finite: &'a [bool],
 }
 
 impl<'a> FwdTask<'a> {
@@ -60,6 +62,7 @@ impl<'a> FwdTask<'a> {
             br,
             bc,
             nq: p.dims.l.div_ceil(br),
+            finite: &[],
         }
     }
 }
@@ -120,7 +123,11 @@ impl Task for FwdTask<'_> {
             mrun.fill(f32::MIN);
             lrun.fill(0.0);
 
-            let jend = if p.causal { dm.s.min(i0 + br) } else { dm.s };
+            // A head with a non-finite key or value reads every key (no tile is skipped, causal
+            // masking is added), so NaN reaches the output exactly as on the composed path.
+            let finite = self.finite.get(b * dm.heads_kv + hk).copied().unwrap_or(true);
+            let clip = p.causal && finite;
+            let jend = if clip { dm.s.min(i0 + br) } else { dm.s };
             let kbase = self.k.0.add(self.kl.offset(b, hk, 0));
             let vbase = self.v.0.add(self.vl.offset(b, hk, 0));
             let mut first = true;
@@ -128,11 +135,11 @@ impl Task for FwdTask<'_> {
             while j0 < jend {
                 let bc = self.bc.min(jend - j0);
                 let pos = TilePos { b, h, i0, br, brp, j0, bc };
-                if has_mask && !build_mask_tile::<S>(&p.masks, pos, mt) {
+                if has_mask && !build_mask_tile::<S>(&p.masks, pos, mt) && finite {
                     j0 += bc;
                     continue;
                 }
-                let diag = p.causal.then_some(i0 as isize - j0 as isize);
+                let diag = clip.then_some(i0 as isize - j0 as isize);
                 score_tile::<S>(
                     kbase.add(j0 * self.kl.seq),
                     self.kl.seq,
@@ -143,8 +150,10 @@ impl Task for FwdTask<'_> {
                     bc,
                     diag,
                 );
-                if p.causal && j0 + bc > i0 + 1 {
+                if clip && j0 + bc > i0 + 1 {
                     causal_fill(st, brp, i0, j0, bc, f32::NEG_INFINITY);
+                } else if p.causal && j0 + bc > i0 + 1 {
+                    causal_add(st, brp, i0, j0, bc);
                 }
                 let stp = st.as_mut_ptr();
                 let mtp = mt.as_ptr();
@@ -216,8 +225,12 @@ impl Task for FwdTask<'_> {
             for i in 0..br {
                 let dst = self.out.0.add(self.ol.offset(b, h, i0 + i));
                 let sum = lrun[i];
-                if first || sum == 0.0 {
+                if first || (sum == 0.0 && finite) {
                     zero_row(dst, dv);
+                    *lse_row.add(i) = f32::INFINITY;
+                } else if sum == 0.0 {
+                    // Fully masked row of a non-finite head: Σ 0·V, NaN where V is not finite.
+                    scale_row::<S>(dst, o.as_ptr().add(i * dv), dv, 1.0);
                     *lse_row.add(i) = f32::INFINITY;
                 } else {
                     scale_row::<S>(dst, o.as_ptr().add(i * dv), dv, 1.0 / sum);

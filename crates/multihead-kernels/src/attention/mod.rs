@@ -350,6 +350,42 @@ const BWD_BR: usize = 64;
 /// Key block rows (backward): two 128 x 64 tiles (P, dS) of 32 KiB each.
 const BWD_BC: usize = 128;
 
+/// Per `(batch, kv head)`: whether every key (and value, when given) is finite. Empty when
+/// nothing can be skipped anyway (no mask, not causal): the kernels then read every key.
+///
+/// The kernels skip key tiles that the masks or the causal diagonal hide entirely; that is
+/// exact only when the hidden keys and values are finite (PyTorch adds masks, so NaN + −inf
+/// and 0·NaN are NaN). Heads with a non-finite key or value therefore read every key. The
+/// scan reads K and V once, `batch·heads_kv·s·(d + dv)` floats, next to the `l` times more
+/// work of attention itself.
+fn finite_heads(
+    p: &AttnParams<'_>,
+    k: &[f32],
+    kl: Layout4,
+    d: usize,
+    v: Option<(&[f32], Layout4)>,
+) -> Vec<bool> {
+    let dm = p.dims;
+    if !p.causal && !p.has_mask() {
+        return Vec::new();
+    }
+    let rows_finite = |x: &[f32], l: Layout4, b: usize, h: usize, width: usize| {
+        (0..dm.s).all(|j| {
+            let o = l.offset(b, h, j);
+            x[o..o + width].iter().all(|f| f.is_finite())
+        })
+    };
+    let mut out = Vec::with_capacity(dm.batch * dm.heads_kv);
+    for b in 0..dm.batch {
+        for h in 0..dm.heads_kv {
+            let kf = rows_finite(k, kl, b, h, d);
+            let vf = v.is_none_or(|(v, vl)| rows_finite(v, vl, b, h, dm.dv));
+            out.push(kf && vf);
+        }
+    }
+    out
+}
+
 // ---------------------------------------------------------------------------------------------
 // Entry points
 
@@ -381,7 +417,9 @@ pub fn flash_forward(
     if d.batch == 0 || d.heads_q == 0 || d.l == 0 {
         return Ok(());
     }
-    let task = forward::FwdTask::new(p, q, ql, k, kl, v, vl, out, ol, lse, FWD_BR, FWD_BC);
+    let finite = finite_heads(p, k, kl, d.d, Some((v, vl)));
+    let mut task = forward::FwdTask::new(p, q, ql, k, kl, v, vl, out, ol, lse, FWD_BR, FWD_BC);
+    task.finite = &finite;
     exec::par_run(simd_level(), &task);
     Ok(())
 }
@@ -427,9 +465,11 @@ pub fn flash_backward(
     if d.batch == 0 || d.heads_q == 0 {
         return Ok(());
     }
-    let task = backward::BwdTask::new(
+    let finite = finite_heads(p, k, kl, d.d, Some((v, vl)));
+    let mut task = backward::BwdTask::new(
         p, q, ql, k, kl, v, vl, out, ol, dout, dol, lse, dq, dql, dk, dkl, dv, dvl, BWD_BR, BWD_BC,
     );
+    task.finite = &finite;
     exec::par_run(simd_level(), &task);
     Ok(())
 }
@@ -466,8 +506,10 @@ pub fn attention_weights(
         weights[..d.batch * d.l * d.s].fill(f32::NAN);
         return Ok(());
     }
-    let task =
+    let finite = finite_heads(p, k, kl, d.d, None);
+    let mut task =
         weights::WeightsTask::new(p, q, ql, k, kl, lse, average_heads, weights, FWD_BR, FWD_BC);
+    task.finite = &finite;
     exec::par_run(simd_level(), &task);
     Ok(())
 }

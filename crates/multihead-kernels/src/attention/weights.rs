@@ -5,7 +5,7 @@
 //! which case the task sums the heads in order `0..heads_q` (deterministic) and divides once.
 
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
-use super::mask::{build_mask_tile, causal_fill, TilePos};
+use super::mask::{build_mask_tile, causal_add, causal_fill, TilePos};
 use super::simd::Simd;
 use super::tile::{pack_transposed, scale_row, score_tile, BlockDropout, MAX_BR};
 use super::{AttnParams, Layout4};
@@ -22,6 +22,8 @@ pub(crate) struct WeightsTask<'a> {
     br: usize,
     bc: usize,
     nq: usize,
+    /// Per `(batch, kv head)`: whether its keys are all finite (empty: all are).
+    pub(crate) finite: &'a [bool],
 }
 
 impl<'a> WeightsTask<'a> {
@@ -52,6 +54,7 @@ impl<'a> WeightsTask<'a> {
             br,
             bc,
             nq: p.dims.l.div_ceil(br),
+            finite: &[],
         }
     }
 }
@@ -116,12 +119,15 @@ impl Task for WeightsTask<'_> {
                 let dropout =
                     p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
                 let kbase = self.k.0.add(self.kl.offset(b, hk, 0));
+                let finite = self.finite.get(b * dm.heads_kv + hk).copied().unwrap_or(true);
+                let clip = p.causal && finite;
                 let mut j0 = 0;
                 while j0 < s {
                     let bc = self.bc.min(s - j0);
                     let pos = TilePos { b, h, i0, br, brp, j0, bc };
-                    let all_masked = (p.causal && j0 >= i0 + br)
-                        || (has_mask && !build_mask_tile::<S>(&p.masks, pos, mt));
+                    // A non-finite head builds its mask tile and never skips it.
+                    let all_masked = (clip && j0 >= i0 + br)
+                        || (has_mask && !build_mask_tile::<S>(&p.masks, pos, mt) && finite);
                     if all_masked {
                         if n == 0 {
                             for i in 0..br {
@@ -139,10 +145,12 @@ impl Task for WeightsTask<'_> {
                         brp,
                         st.as_mut_ptr(),
                         bc,
-                        p.causal.then_some(i0 as isize - j0 as isize),
+                        clip.then_some(i0 as isize - j0 as isize),
                     );
-                    if p.causal && j0 + bc > i0 + 1 {
+                    if clip && j0 + bc > i0 + 1 {
                         causal_fill(st, brp, i0, j0, bc, f32::NEG_INFINITY);
+                    } else if p.causal && j0 + bc > i0 + 1 {
+                        causal_add(st, brp, i0, j0, bc);
                     }
                     let stp = st.as_mut_ptr();
                     let mtp = mt.as_ptr();

@@ -65,6 +65,7 @@ pub struct TransformerDecoderLayer {
 impl TransformerDecoderLayer {
     /// Builds the layer from `vb` under PyTorch's keys.
     pub fn new(cfg: LayerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
         let self_attn = MultiheadAttention::new(cfg.mha_config(), vb.pp("self_attn"))?;
         let multihead_attn = MultiheadAttention::new(cfg.mha_config(), vb.pp("multihead_attn"))?;
         let linear1 = Linear::new(cfg.d_model, cfg.dim_feedforward, cfg.bias, vb.pp("linear1"))?;

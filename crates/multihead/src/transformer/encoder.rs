@@ -18,8 +18,8 @@ use crate::NamedParameters;
 /// PyTorch behaviours mirrored:
 /// * `is_causal = None` detects a causal `mask` of size `(S, S)` (float `-inf` above the
 ///   diagonal, or the bool equivalent) and passes `is_causal = true` to the layers.
-/// * In inference ([`eval`](Self::eval) plus [`set_inference_mode`](Self::set_inference_mode),
-///   PyTorch's eval with gradients off), with a left-aligned `src_key_padding_mask`, no `mask`,
+/// * In inference ([`eval`](Self::eval) inside [`no_grad`](crate::no_grad), PyTorch's eval
+///   under `torch.no_grad()`), with a left-aligned `src_key_padding_mask`, no `mask`,
 ///   batched input and an eligible layer (post-norm, `batch_first`, `bias`, even `nhead`),
 ///   PyTorch runs a nested-tensor path whose padded positions come out as 0 before the final
 ///   norm. This encoder returns the same.
@@ -49,7 +49,6 @@ pub struct TransformerEncoder {
     layers: Vec<TransformerEncoderLayer>,
     norm: Option<LayerNorm>,
     training: bool,
-    inference_mode: bool,
     enable_nested_tensor: bool,
 }
 
@@ -64,7 +63,7 @@ impl TransformerEncoder {
         let (layers, norm) = build_stack(num_layers, layer.d_model, norm, &vb, |vb| {
             TransformerEncoderLayer::new(layer.clone(), vb)
         })?;
-        Ok(Self { layers, norm, training: true, inference_mode: false, enable_nested_tensor: true })
+        Ok(Self { layers, norm, training: true, enable_nested_tensor: true })
     }
 
     /// The layers.
@@ -81,12 +80,6 @@ impl TransformerEncoder {
     /// Sets evaluation mode.
     pub fn eval(&mut self) {
         self.train(false);
-    }
-
-    /// Declares that no gradients are needed (PyTorch's `torch.no_grad()`/`inference_mode()`):
-    /// with eval mode this enables PyTorch's inference-only behaviours described above.
-    pub fn set_inference_mode(&mut self, on: bool) {
-        self.inference_mode = on;
     }
 
     /// PyTorch's `enable_nested_tensor` (default `true`).
@@ -117,7 +110,7 @@ impl TransformerEncoder {
         let padded = match src_key_padding_mask {
             Some(kpm)
                 if !self.training
-                    && self.inference_mode
+                    && !crate::mode::grad_enabled()
                     && mask.is_none()
                     && src.rank() == 3
                     && self.nested_path_eligible() =>

@@ -48,6 +48,7 @@ pub struct TransformerEncoderLayer {
 impl TransformerEncoderLayer {
     /// Builds the layer from `vb` under PyTorch's keys.
     pub fn new(cfg: LayerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
         let self_attn = MultiheadAttention::new(cfg.mha_config(), vb.pp("self_attn"))?;
         let linear1 = Linear::new(cfg.d_model, cfg.dim_feedforward, cfg.bias, vb.pp("linear1"))?;
         let linear2 = Linear::new(cfg.dim_feedforward, cfg.d_model, cfg.bias, vb.pp("linear2"))?;

@@ -114,11 +114,6 @@ impl Transformer {
         self.train(false);
     }
 
-    /// See [`TransformerEncoder::set_inference_mode`].
-    pub fn set_inference_mode(&mut self, on: bool) {
-        self.encoder.set_inference_mode(on);
-    }
-
     /// Encodes `src` and decodes `tgt` against it.
     // Mirrors torch.nn.Transformer.forward.
     pub fn forward(&self, src: &Tensor, tgt: &Tensor, masks: &TransformerMasks) -> Result<Tensor> {

@@ -5,7 +5,8 @@ use multihead::functional::{
     multi_head_attention_forward, scaled_dot_product_attention, InProj, MhaParams, SdpaOptions,
 };
 use multihead::random::DropoutKey;
-use multihead::{Mask, MhaConfig, MhaOptions, NamedParameters, Tolerance};
+use multihead::{Mask, MhaConfig, MhaOptions, NamedParameters};
+use multihead_parity::Tolerance;
 
 use crate::common::{assert_close, det, dev, mha, var};
 

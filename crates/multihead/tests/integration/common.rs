@@ -3,7 +3,8 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
-use multihead::{MhaConfig, MultiheadAttention, NamedParameters, Tolerance};
+use multihead::{MhaConfig, MultiheadAttention, NamedParameters};
+use multihead_parity::Tolerance;
 
 pub fn dev() -> Device {
     Device::Cpu

@@ -7,8 +7,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
-use multihead::parity::{self, Case};
-use multihead::Tolerance;
+use multihead_parity::{self as parity, Case, Tolerance};
 use serde_json::{json, Value};
 
 /// A nested JSON list as (shape, flat values).
@@ -70,7 +69,7 @@ fn pytorch_cos_initialised_golden_values() {
             "grad_mode": false,
             "call": call,
         });
-        let case = Case { dir: PathBuf::from(name), meta, tensors };
+        let case = Case::from_parts(name, meta, tensors).expect("case");
         let out =
             parity::replay(&case).unwrap_or_else(|err| panic!("{name}: {err}"))["output"].clone();
         let expected = tensor(&e["output"], dtype);
@@ -109,7 +108,7 @@ fn cpp_frontend_encoder_layer_numbers() {
         Tensor::new(&[[[20f32, 30., 40., 50.]]], &Device::Cpu).expect("src"),
     );
     let meta = json!({"format_version": 1, "module": e["module"], "constructor": e["constructor"], "training": false, "grad_mode": false, "call": {}});
-    let out = parity::replay(&Case { dir: PathBuf::from("cpp"), meta, tensors }).expect("replay")
+    let out = parity::replay(&Case::from_parts("cpp", meta, tensors).expect("case")).expect("replay")
         ["output"]
         .flatten_all()
         .and_then(|t| t.to_vec1::<f32>())

@@ -1,9 +1,10 @@
-//! Every bad input of spec §2.2 gets a typed error whose message names the argument and the
-//! shapes; never a panic.
+//! Every bad input of `docs/pytorch-behaviour.md` §2 gets a typed error whose message names the
+//! argument and the shapes; never a panic. Each is tried with every backend forced: validation
+//! runs before the path is chosen, so the error is the same on every path.
 
 use candle_core::{DType, Tensor};
 use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
-use multihead::{Error, Mask, MhaConfig, MhaOptions};
+use multihead::{Backend, Error, Mask, MhaConfig, MhaOptions};
 
 use crate::common::{det, dev, mha};
 
@@ -24,9 +25,16 @@ fn mha_err(
     opts: MhaOptions,
 ) -> (Error, String) {
     let (m, _vm) = mha(cfg, DType::F32);
-    let e = m.forward(q, k, v, &opts).expect_err("must be rejected");
-    let s = e.to_string();
-    (e, s)
+    let mut first: Option<(Error, String)> = None;
+    for backend in [Backend::Auto, Backend::Composed, Backend::Fused] {
+        let e = m.forward(q, k, v, &opts.clone().backend(backend)).expect_err("must be rejected");
+        let s = e.to_string();
+        match &first {
+            Some((_, s0)) => assert_eq!(&s, s0, "{backend:?} gives another error"),
+            None => first = Some((e, s)),
+        }
+    }
+    first.expect("three backends ran")
 }
 
 fn contains_all(msg: &str, parts: &[&str]) {
@@ -229,7 +237,15 @@ fn sdpa_checks() {
     let q = t(&[2, 4, 3, 8]);
     let k = t(&[2, 4, 5, 8]);
     let sd = |q: &Tensor, k: &Tensor, v: &Tensor, o: SdpaOptions| {
-        scaled_dot_product_attention(q, k, v, &o).expect_err("rejected").to_string()
+        let errs: Vec<String> = [Backend::Auto, Backend::Composed, Backend::Fused]
+            .into_iter()
+            .map(|b| {
+                let o = o.clone().backend(b);
+                scaled_dot_product_attention(q, k, v, &o).expect_err("rejected").to_string()
+            })
+            .collect();
+        assert!(errs.iter().all(|e| e == &errs[0]), "backends disagree: {errs:?}");
+        errs[0].clone()
     };
     contains_all(&sd(&t(&[8]), &k, &k, SdpaOptions::default()), &["at least 2 dimensional", "1-D"]);
     let k64 = det(&[2, 4, 5, 8], DType::F64, 0.0);

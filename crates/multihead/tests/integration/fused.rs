@@ -2,11 +2,22 @@
 //! and every gradient, over masks, causal hints, dropout and layouts.
 
 use candle_core::{DType, Tensor};
-use multihead::fused::{no_grad, with_fused_kernels};
+use multihead::functional::explain_sdpa;
+use multihead::{no_grad, with_backend, Backend, Path};
 use multihead::random::DropoutKey;
-use multihead::{Mask, MhaConfig, MhaOptions, NamedParameters, Tolerance};
+use multihead::{Mask, MhaConfig, MhaOptions, NamedParameters};
+use multihead_parity::Tolerance;
 
 use crate::common::{assert_close, det, dev, mha, var};
+
+/// `Auto` takes the fused kernels where they apply; `Composed` never does.
+fn backend(fused: bool) -> Backend {
+    if fused {
+        Backend::Auto
+    } else {
+        Backend::Composed
+    }
+}
 
 struct Run {
     output: Tensor,
@@ -23,7 +34,7 @@ fn run(
     training: bool,
     fused: bool,
 ) -> Run {
-    with_fused_kernels(fused, || {
+    with_backend(backend(fused), || {
         let (mut m, _vm) = mha(cfg.clone(), DType::F32);
         m.train(training);
         let q = var(&det(&[l, n, cfg.embed_dim], DType::F32, 1.0));
@@ -140,7 +151,7 @@ fn fused_weights_in_no_grad_equal_the_composed_weights() {
     for average in [true, false] {
         let opts = MhaOptions::default().attn_mask(mask.clone()).average_attn_weights(average);
         let fused = no_grad(|| m.forward(&q, &k, &k, &opts)).unwrap();
-        let composed = with_fused_kernels(false, || m.forward(&q, &k, &k, &opts)).unwrap();
+        let composed = with_backend(Backend::Composed, || m.forward(&q, &k, &k, &opts)).unwrap();
         assert_close(&fused.output, &composed.output, Tolerance::F32_FORWARD, "output");
         assert_close(
             fused.attn_weights.as_ref().unwrap(),
@@ -171,9 +182,10 @@ fn sdpa_fused_equals_composed_with_gqa_masks_and_gradients() {
             let mut opts = SdpaOptions::default().enable_gqa(true).is_causal(causal).scale(0.3);
             opts.attn_mask = mask.clone();
             let go = |fused: bool| {
-                with_fused_kernels(fused, || {
+                with_backend(backend(fused), || {
                     let (q, k, v) = (var(&q0), var(&k0), var(&v0));
-                    let before = multihead::fused::fused_call_count();
+                    let plan = explain_sdpa(q.as_tensor(), k.as_tensor(), v.as_tensor(), &opts);
+                    assert_eq!(plan.unwrap().path == Path::Fused, fused, "path taken");
                     let out = scaled_dot_product_attention(
                         q.as_tensor(),
                         k.as_tensor(),
@@ -181,7 +193,6 @@ fn sdpa_fused_equals_composed_with_gqa_masks_and_gradients() {
                         &opts,
                     )
                     .unwrap();
-                    assert_eq!(multihead::fused::fused_call_count() > before, fused, "path taken");
                     let g = out
                         .mul(&det(out.dims(), DType::F32, 6.0))
                         .unwrap()
@@ -210,17 +221,17 @@ fn sdpa_fused_equals_composed_with_gqa_masks_and_gradients() {
 fn the_module_takes_the_fused_path_on_f32_and_not_on_f64() {
     let x32 = det(&[5, 2, 8], DType::F32, 1.0);
     let (m32, _a) = mha(MhaConfig::new(8, 2), DType::F32);
-    let before = multihead::fused::fused_call_count();
-    m32.forward(&x32, &x32, &x32, &MhaOptions::default().need_weights(false)).unwrap();
-    assert!(multihead::fused::fused_call_count() > before);
+    let opts = MhaOptions::default().need_weights(false);
+    assert_eq!(m32.explain(&x32, &x32, &x32, &opts).unwrap().path, Path::Fused);
     let (m64, _b) = mha(MhaConfig::new(8, 2), DType::F64);
     let x64 = det(&[5, 2, 8], DType::F64, 1.0);
-    let before = multihead::fused::fused_call_count();
-    with_fused_kernels(true, || {
-        m64.forward(&x64, &x64, &x64, &MhaOptions::default().need_weights(false))
-    })
-    .unwrap();
-    assert_eq!(multihead::fused::fused_call_count(), before, "f64 stays on the composed path");
+    let plan = m64.explain(&x64, &x64, &x64, &opts).unwrap();
+    assert_eq!(plan.path, Path::Composed, "f64 stays on the composed path");
+    assert!(plan.to_string().contains("F64"), "{plan}");
+    // Forcing the fused kernels on f64 is an error that says why, not a silent fall-back.
+    let forced = opts.clone().backend(Backend::Fused);
+    let err = m64.forward(&x64, &x64, &x64, &forced).unwrap_err().to_string();
+    assert!(err.contains("Backend::Fused") && err.contains("F64"), "{err}");
 }
 
 #[test]
@@ -230,7 +241,7 @@ fn fused_linear_equals_candle_matmul_forward_and_backward() {
         for shape in [vec![7usize, 5], vec![3, 4, 5], vec![2, 1, 3, 5]] {
             for transposed in [false, true] {
                 let go = |fused: bool| {
-                    with_fused_kernels(fused, || {
+                    with_backend(backend(fused), || {
                         let vm = VarMap::new();
                         let lin = multihead::Linear::new(
                             5,
@@ -289,16 +300,16 @@ fn fused_long_key_path_equals_composed() {
         let kpm = Mask::Bool(bool_mask(&[n, 2048], 0.3));
         let self_opts = MhaOptions::default().need_weights(false).key_padding_mask(kpm);
         let go = |fused: bool, opts: &MhaOptions, l: usize, s: usize, cross: bool| {
-            with_fused_kernels(fused, || {
+            with_backend(backend(fused), || {
                 let (m, _vm) = mha(cfg.clone(), DType::F32);
                 let shape =
                     |len: usize| if batch_first { vec![n, len, 8] } else { vec![len, n, 8] };
                 let q = var(&det(&shape(l), DType::F32, 1.0));
                 let kv = if cross { var(&det(&shape(s), DType::F32, 2.0)) } else { q.clone() };
-                let before = multihead::fused::fused_call_count();
+                let plan = m.explain(q.as_tensor(), kv.as_tensor(), kv.as_tensor(), opts).unwrap();
+                assert_eq!(plan.path == Path::Fused, fused);
                 let out =
                     m.forward(q.as_tensor(), kv.as_tensor(), kv.as_tensor(), opts).unwrap().output;
-                assert_eq!(multihead::fused::fused_call_count() > before, fused);
                 let g = out
                     .mul(&det(out.dims(), DType::F32, 3.0))
                     .unwrap()

@@ -4,8 +4,7 @@
 use std::path::PathBuf;
 
 use candle_core::DType;
-use multihead::parity::{self, Case};
-use multihead::Tolerance;
+use multihead_parity::{self as parity, Case};
 
 fn fixture_root(kind: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(kind)
@@ -32,8 +31,11 @@ fn every_transformer_golden_case_matches_pytorch() {
     replay_all("transformer", 40, 400);
 }
 
+/// Runs `multihead check`'s own check on every case of a fixture folder.
 fn replay_all(kind: &str, min_cases: usize, min_tensors: usize) {
-    let dirs = case_dirs(kind);
+    let found = parity::find_cases(&[fixture_root(kind)]);
+    assert!(found.notes.is_empty(), "{:?}", found.notes);
+    let dirs = found.cases;
     assert!(
         dirs.len() >= min_cases,
         "expected at least {min_cases} {kind} cases, found {}",
@@ -42,26 +44,25 @@ fn replay_all(kind: &str, min_cases: usize, min_tensors: usize) {
     let mut failures = Vec::new();
     let mut compared = 0usize;
     for dir in &dirs {
-        let case = Case::load(dir).expect("case loads");
-        let dtype = case.dtype().expect("case dtype");
-        let result = parity::replay(&case).expect("case replays");
-        for (name, expected) in case.tensors.iter().filter(|(k, _)| k.starts_with("expect.")) {
-            let key = &name["expect.".len()..];
-            let tol = Tolerance::for_dtype(dtype, key.starts_with("grad."));
-            let Some(actual) = result.get(key) else {
-                failures.push(format!("{}: replay produced no {key}", dir.display()));
-                continue;
-            };
-            let c = tol.compare(actual, expected).expect("compare");
-            compared += 1;
-            if !c.passed() {
-                failures.push(format!(
-                    "{}: {key}: max|diff| {:.3e} ({:.2}x tolerance)",
-                    dir.display(),
-                    c.max_abs,
-                    c.worst_ratio
-                ));
+        let report = parity::check_dir(dir);
+        match &report.checks {
+            Ok(checks) => {
+                compared += checks.len();
+                for c in checks.iter().filter(|c| !c.passed) {
+                    failures.push(format!(
+                        "{}: {}: max|diff| {:.3e} ({:.2}x tolerance){}",
+                        dir.display(),
+                        c.name,
+                        c.max_abs,
+                        c.worst_ratio,
+                        c.note.as_deref().unwrap_or("")
+                    ));
+                }
             }
+            Err(e) => failures.push(format!("{}: {e}", dir.display())),
+        }
+        if report.checks.as_ref().is_ok_and(|c| c.is_empty()) {
+            failures.push(format!("{}: no expect.* tensors", dir.display()));
         }
     }
     assert!(compared > min_tensors, "compared only {compared} tensors");
@@ -75,7 +76,7 @@ fn golden_cases_cover_gradients_for_inputs_and_every_parameter() {
     let mut grad_cases = 0;
     for dir in case_dirs("mha").into_iter().chain(case_dirs("transformer")) {
         let case = Case::load(&dir).expect("case loads");
-        if case.meta["grad_mode"] != serde_json::Value::Bool(true) {
+        if !case.meta.grad_mode {
             continue;
         }
         grad_cases += 1;
@@ -100,7 +101,7 @@ fn golden_cases_cover_gradients_for_inputs_and_every_parameter() {
 fn golden_cases_cover_both_dtypes() {
     let dtypes: Vec<DType> = case_dirs("mha")
         .iter()
-        .map(|d| Case::load(d).and_then(|c| c.dtype()).expect("dtype"))
+        .map(|d| Case::load(d).map(|c| c.dtype()).expect("dtype"))
         .collect();
     assert!(dtypes.iter().filter(|d| **d == DType::F64).count() >= 20);
     assert!(dtypes.iter().filter(|d| **d == DType::F32).count() >= 20);

@@ -8,6 +8,7 @@ mod cos_init;
 mod errors;
 mod fused;
 mod golden;
+mod hardening;
 mod properties;
 mod state_dict;
 mod transformer;

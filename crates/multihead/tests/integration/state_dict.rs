@@ -4,7 +4,8 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Tensor};
 use multihead::state_dict::{load_safetensors, load_strict, load_strict_file, save_state_dict};
-use multihead::{Error, MhaConfig, MhaOptions, MultiheadAttention, NamedParameters, Tolerance};
+use multihead::{Error, MhaConfig, MhaOptions, MultiheadAttention, NamedParameters};
+use multihead_parity::Tolerance;
 
 use crate::common::{assert_close, det, dev, mha};
 
@@ -96,7 +97,7 @@ fn strict_loading_names_missing_and_unexpected_keys_and_bad_shapes() {
     .map(|(m, _)| m)
     .expect_err("strict");
     match &err {
-        Error::StateDictKeys { missing, unexpected } => {
+        Error::StateDictKeys { missing, unexpected, .. } => {
             assert_eq!(missing, &["in_proj_bias"]);
             assert_eq!(unexpected, &["bias_k"]);
         }

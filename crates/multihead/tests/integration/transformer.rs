@@ -6,7 +6,8 @@ use multihead::transformer::{
     DecoderMasks, LayerConfig, NormConfig, Transformer, TransformerConfig, TransformerDecoderLayer,
     TransformerEncoder, TransformerEncoderLayer, TransformerMasks,
 };
-use multihead::{Activation, Mask, NamedParameters, Tolerance};
+use multihead::{Activation, Mask, NamedParameters};
+use multihead_parity::Tolerance;
 
 use crate::common::{assert_close, det, dev};
 
@@ -117,8 +118,8 @@ fn encoder_inference_zeroes_padded_positions_like_pytorchs_nested_path() {
     let x = det(&[2, 4, 8], F64, 1.0);
     let kpm = Mask::Bool(Tensor::new(&[[0u8, 0, 1, 1], [0, 0, 0, 0]], &dev()).unwrap());
     let training_like = enc.forward(&x, None, Some(&kpm), None).unwrap();
-    enc.set_inference_mode(true);
-    let inference = enc.forward(&x, None, Some(&kpm), None).unwrap();
+    // PyTorch's `with torch.no_grad():` in eval mode.
+    let inference = multihead::no_grad(|| enc.forward(&x, None, Some(&kpm), None)).unwrap();
     assert_close(
         &inference.narrow(1, 0, 2).unwrap(),
         &training_like.narrow(1, 0, 2).unwrap(),

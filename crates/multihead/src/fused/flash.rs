@@ -1,73 +1,23 @@
-//! The fused flash-attention kernels of `multihead-kernels`, entered into candle as a
-//! `CustomOp3` with a backward, so that candle's autograd runs them.
+//! The flash-attention kernels of `multihead-kernels` entered into candle as a `CustomOp3`
+//! (or a `CustomOp1` on a packed projection) with a backward, so that candle's autograd runs
+//! them.
 //!
 //! The op reads q, k and v through their strides (for MultiheadAttention, straight from the
 //! in-projection output, with no transposing copy), writes the attention output, keeps the row
 //! log-sum-exp for the backward, and never materialises an `L × S` matrix. The composed candle
 //! path in [`functional`](crate::functional) stays as the reference and for f64.
+//!
+//! Every buffer is allocated fallibly: a size that cannot be allocated is an error.
 
-use std::cell::Cell;
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Shape, Tensor};
 use multihead_kernels::attention::{
     attention_weights, flash_backward, flash_forward, AttnDims, AttnParams, Layout4, MaskView,
 };
 use multihead_kernels::dropout::DropoutKey;
 
 use crate::error::Result;
-
-thread_local! {
-    static FUSED: Cell<bool> = Cell::new(std::env::var_os("MULTIHEAD_NO_FUSED").is_none());
-    static GRAD: Cell<bool> = const { Cell::new(true) };
-}
-
-/// Runs `f` as PyTorch's `torch.no_grad()` block: the caller promises not to back-propagate
-/// through what `f` computes, which lets attention that returns its weights use the fused
-/// kernels (their weights carry no gradient).
-///
-/// # Example
-/// ```
-/// let inside = multihead::fused::no_grad(multihead::fused::grad_enabled);
-/// assert!(!inside && multihead::fused::grad_enabled());
-/// ```
-pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
-    let old = GRAD.with(|c| c.replace(false));
-    let r = f();
-    GRAD.with(|c| c.set(old));
-    r
-}
-
-/// Whether gradients may be needed (false inside [`no_grad`]).
-pub fn grad_enabled() -> bool {
-    GRAD.with(|c| c.get())
-}
-
-/// Runs `f` with the fused kernels enabled or disabled on this thread (the composed candle path
-/// is used when disabled). They are enabled by default unless the environment variable
-/// `MULTIHEAD_NO_FUSED` is set.
-///
-/// # Example
-/// ```
-/// let on = multihead::fused::with_fused_kernels(false, multihead::fused::fused_kernels_enabled);
-/// assert!(!on);
-/// ```
-pub fn with_fused_kernels<R>(enabled: bool, f: impl FnOnce() -> R) -> R {
-    let old = FUSED.with(|c| c.replace(enabled));
-    let r = f();
-    FUSED.with(|c| c.set(old));
-    r
-}
-
-/// Whether the fused kernels are enabled on this thread.
-pub fn fused_kernels_enabled() -> bool {
-    FUSED.with(|c| c.get())
-}
-
-/// Whether the fused path can run on tensors of this dtype and device.
-pub(crate) fn usable(t: &Tensor) -> bool {
-    fused_kernels_enabled() && t.dtype() == DType::F32 && matches!(t.device(), Device::Cpu)
-}
 
 /// How the op's 3-D or 4-D inputs map to the kernel's `[batch, head, seq, dim]`.
 #[derive(Clone, Copy, Debug)]
@@ -211,7 +161,8 @@ impl FlashAttention {
         let (k_off, k4) = self.conv.layout4(kl)?;
         let d = self.dims;
         let hw = if average { 1 } else { d.heads_q };
-        let mut w = vec![0f32; d.batch * hw * d.l * d.s];
+        let n = crate::alloc::elements("attention_weights", "attn_weights", &[d.batch, hw, d.l, d.s])?;
+        let mut w = crate::alloc::try_zeros::<f32>(n, "flash attention weights")?;
         let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
         attention_weights(
             &self.params(),
@@ -265,9 +216,9 @@ impl CustomOp3 for FlashAttention {
         let (v_off, v4) = self.conv.layout4(l3)?;
         let out_dims = self.conv.out_shape(l1.dims(), self.dims.dv);
         let o4 = contiguous_layout4(self.conv, &out_dims)?;
-        let mut out = vec![0f32; out_dims.iter().product()];
+        let mut out = crate::alloc::try_zeros::<f32>(out_dims.iter().product(), "flash attention output")?;
         let d = self.dims;
-        let mut lse = vec![0f32; d.batch * d.heads_q * d.l];
+        let mut lse = crate::alloc::try_zeros::<f32>(d.batch * d.heads_q * d.l, "flash attention lse")?;
         flash_forward(
             &self.params(),
             &cpu_f32(s1)?[q_off..],
@@ -304,9 +255,9 @@ impl CustomOp3 for FlashAttention {
         let (v_off, v4) = self.conv.layout4(vl)?;
         let (o_off, o4) = self.conv.layout4(ol)?;
         let (g_off, g4) = self.conv.layout4(gl)?;
-        let mut dq = vec![0f32; q.elem_count()];
-        let mut dk = vec![0f32; k.elem_count()];
-        let mut dv = vec![0f32; v.elem_count()];
+        let mut dq = crate::alloc::try_zeros::<f32>(q.elem_count(), "flash attention dq")?;
+        let mut dk = crate::alloc::try_zeros::<f32>(k.elem_count(), "flash attention dk")?;
+        let mut dv = crate::alloc::try_zeros::<f32>(v.elem_count(), "flash attention dv")?;
         let dq4 = contiguous_layout4(self.conv, q.dims())?;
         let dk4 = contiguous_layout4(self.conv, k.dims())?;
         let dv4 = contiguous_layout4(self.conv, v.dims())?;
@@ -325,20 +276,9 @@ impl CustomOp3 for FlashAttention {
     }
 }
 
-thread_local! {
-    static CALLS: Cell<usize> = const { Cell::new(0) };
-}
-
-/// How many times the fused attention op has run on this thread (tests use it to see which
-/// path ran).
-pub fn fused_call_count() -> usize {
-    CALLS.with(|c| c.get())
-}
-
 impl FlashAttention {
     /// Applies the op to `(q, k, v)`; the result is differentiable through [`CustomOp3::bwd`].
     pub(crate) fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        CALLS.with(|c| c.set(c.get() + 1));
         Ok(q.apply_op3_arc(k, v, Arc::new(Box::new(self.clone())))?)
     }
 }
@@ -381,9 +321,9 @@ impl CustomOp1 for PackedQkv {
         let dims = l.dims();
         let out_dims = vec![dims[0], dims[1], dims[2] / 3];
         let o4 = contiguous_layout4(self.0.conv, &out_dims)?;
-        let mut out = vec![0f32; out_dims.iter().product()];
+        let mut out = crate::alloc::try_zeros::<f32>(out_dims.iter().product(), "flash attention output")?;
         let d = self.0.dims;
-        let mut lse = vec![0f32; d.batch * d.heads_q * d.l];
+        let mut lse = crate::alloc::try_zeros::<f32>(d.batch * d.heads_q * d.l, "flash attention lse")?;
         flash_forward(
             &self.0.params(),
             &x[qo..],
@@ -418,7 +358,7 @@ impl CustomOp1 for PackedQkv {
         let (l, n, e) = (dims[0], dims[1], dims[2] / 3);
         // Planar [3][L][N][E]: three disjoint blocks for dq, dk and dv.
         let block = l * n * e;
-        let mut planar = vec![0f32; 3 * block];
+        let mut planar = crate::alloc::try_zeros::<f32>(3 * block, "flash attention dqkv")?;
         let (dq, rest) = planar.split_at_mut(block);
         let (dk, dv) = rest.split_at_mut(block);
         let d4 = contiguous_layout4(self.0.conv, &[l, n, e])?;
@@ -437,7 +377,6 @@ impl CustomOp1 for PackedQkv {
 impl FlashAttention {
     /// Applies the op to a packed `(L, N, 3E)` self-attention projection.
     pub(crate) fn apply_packed(&self, qkv: &Tensor) -> Result<Tensor> {
-        CALLS.with(|c| c.set(c.get() + 1));
         Ok(qkv.apply_op1_arc(Arc::new(Box::new(PackedQkv(self.clone()))))?)
     }
 }

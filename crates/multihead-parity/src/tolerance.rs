@@ -2,7 +2,7 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::error::Result;
+use multihead::Result;
 
 /// An elementwise tolerance: `actual` is close to `expected` when
 /// `|actual - expected| <= abs + rel * |expected|`, or both are NaN, or both are the same

@@ -1,0 +1,185 @@
+//! Hostile and malformed inputs to the `multihead` binary: each gets a clear error and a
+//! non-zero exit, never a hang, an abort or a silent default.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_multihead"))
+}
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("multihead-hostile-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Copies a fixture case and rewrites its case.json with `edit`.
+fn edited_case(fixture: &str, name: &str, edit: impl FnOnce(&mut Value)) -> PathBuf {
+    let src = fixtures().join(fixture);
+    let dir = tmp(name).join("case");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("case.safetensors"), dir.join("case.safetensors")).unwrap();
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(src.join("case.json")).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(dir.join("case.json"), serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    dir
+}
+
+/// `multihead check DIR`, which must finish within a minute.
+fn check(dir: &Path) -> Output {
+    let start = Instant::now();
+    let o = bin().arg("check").arg(dir).output().unwrap();
+    assert!(start.elapsed() < Duration::from_secs(60), "check took {:?}", start.elapsed());
+    o
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+// Finding 7: missing parameters were created (and allocated) before the key check.
+#[test]
+fn replay_with_missing_parameters_and_a_huge_embed_dim_reports_the_keys() {
+    // 3·E² = 1.2·10⁹ elements (4.8 GB) under the limit: the keys are reported, nothing is
+    // allocated for them.
+    let dir = edited_case("mha/packed_self_nomask_f32", "huge", |v| {
+        v["constructor"]["embed_dim"] = 20000.into();
+        v["constructor"]["num_heads"] = 8.into();
+    });
+    // Keep only the inputs: every param.* key is missing.
+    let st = multihead::state_dict::load_safetensors(dir.join("case.safetensors"), &candle_core::Device::Cpu).unwrap();
+    let inputs: Vec<(String, candle_core::Tensor)> =
+        st.into_iter().filter(|(k, _)| !k.starts_with("param.")).collect();
+    multihead::state_dict::save_safetensors(inputs.iter().map(|(k, t)| (k.as_str(), t)), dir.join("case.safetensors")).unwrap();
+    let start = Instant::now();
+    let o = bin().arg("replay").arg(&dir).arg("--out").arg(dir.join("r.safetensors")).output().unwrap();
+    assert!(start.elapsed() < Duration::from_secs(30));
+    assert!(!o.status.success());
+    let t = text(&o);
+    assert!(t.contains("missing keys") && t.contains("in_proj_weight"), "{t}");
+    assert!(!dir.join("r.safetensors").exists());
+    // Over the limit (E = 200000): rejected from case.json alone.
+    let dir = edited_case("mha/packed_self_nomask_f32", "huger", |v| {
+        v["constructor"]["embed_dim"] = 200000.into();
+    });
+    let t = text(&check(&dir));
+    assert!(t.contains("in_proj_weight") && t.contains("limit"), "{t}");
+}
+
+#[test]
+fn stack_sizes_over_the_limit_are_rejected_before_building() {
+    let dir = edited_case("transformer/encoder_2l_nonorm_f32", "layers", |v| {
+        v["constructor"]["num_layers"] = 1_000_000_000u64.into();
+    });
+    let t = text(&check(&dir));
+    assert!(t.contains("constructor.num_layers") && t.contains("1024"), "{t}");
+    let dir = edited_case("transformer/encoder_2l_nonorm_f32", "layers_float", |v| {
+        v["constructor"]["num_layers"] = serde_json::json!(1e9);
+    });
+    let t = text(&check(&dir));
+    assert!(t.contains("num_layers"), "{t}");
+}
+
+#[test]
+fn check_survives_a_symlink_loop_and_says_when_it_finds_no_case() {
+    let root = tmp("loop");
+    std::os::unix::fs::symlink(&root, root.join("again")).unwrap();
+    std::fs::create_dir_all(root.join("empty")).unwrap();
+    let o = check(&root);
+    assert!(!o.status.success(), "no case is a failure");
+    let t = text(&o);
+    assert!(t.contains("no case found"), "{t}");
+    assert!(t.contains("already visited"), "{t}");
+    // A loop next to a real case: the case runs once.
+    let case = root.join("one");
+    std::fs::create_dir_all(&case).unwrap();
+    for f in ["case.json", "case.safetensors"] {
+        std::fs::copy(fixtures().join("mha/packed_self_nomask_f32").join(f), case.join(f)).unwrap();
+    }
+    let o = check(&root);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("1 passed, 0 failed"));
+}
+
+// Finding 8: case.json keys were read by string with silent defaults.
+#[test]
+fn misspelt_missing_and_unknown_case_keys_are_errors_that_name_the_key() {
+    let cases: Vec<(&str, Box<dyn FnOnce(&mut Value)>, &str)> = vec![
+        ("misspelt", Box::new(|v: &mut Value| {
+            let c = v["constructor"].as_object_mut().unwrap();
+            let b = c.remove("batch_first").unwrap();
+            c.insert("batch_frist".into(), b);
+        }), "batch_frist"),
+        ("missing", Box::new(|v: &mut Value| {
+            v["constructor"].as_object_mut().unwrap().remove("embed_dim");
+        }), "embed_dim"),
+        ("unknown_call", Box::new(|v: &mut Value| {
+            v["call"]["need_weight"] = true.into();
+        }), "call.need_weight"),
+        ("missing_top", Box::new(|v: &mut Value| {
+            v.as_object_mut().unwrap().remove("grad_mode");
+        }), "grad_mode"),
+        ("wrong_type", Box::new(|v: &mut Value| {
+            v["constructor"]["num_heads"] = "two".into();
+        }), "constructor.num_heads"),
+        ("device", Box::new(|v: &mut Value| {
+            v["constructor"]["device"] = "cuda".into();
+        }), "constructor.device"),
+        ("dtype_mismatch", Box::new(|v: &mut Value| {
+            v["constructor"]["dtype"] = "float64".into();
+        }), "is stored as F32"),
+    ];
+    for (name, edit, expect) in cases {
+        let dir = edited_case("mha/packed_self_nomask_f32", name, edit);
+        let o = check(&dir);
+        assert!(!o.status.success(), "{name}");
+        let t = text(&o);
+        assert!(t.contains(expect), "{name}: {t}");
+    }
+    // Informative top-level keys stay ignored.
+    let dir = edited_case("mha/packed_self_nomask_f32", "informative", |v| {
+        v["generated_by"] = "someone else's tool".into();
+    });
+    assert!(check(&dir).status.success());
+}
+
+#[test]
+fn a_stack_whose_dtype_stands_only_in_the_layer_replays_in_that_dtype() {
+    let dir = edited_case("transformer/encoder_3l_norm_f64", "layer_dtype", |v| {
+        v["constructor"].as_object_mut().unwrap().remove("dtype");
+        assert_eq!(v["constructor"]["layer"]["dtype"], "float64");
+    });
+    let o = check(&dir);
+    assert!(o.status.success(), "{}", text(&o));
+    let dir = edited_case("transformer/encoder_3l_norm_f64", "dtype_conflict", |v| {
+        v["constructor"]["layer"]["dtype"] = "float32".into();
+    });
+    let t = text(&check(&dir));
+    assert!(t.contains("disagree"), "{t}");
+}
+
+// Finding 9: an invalid model config gave NaN embeddings and exit 0.
+#[test]
+fn embed_rejects_an_invalid_config() {
+    let dir = tmp("embed");
+    let config = serde_json::json!({
+        "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 16, "hidden_act": "gelu", "layer_norm_eps": -1.0
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let o = bin().arg("embed").arg("--model").arg(&dir).arg("hello").output().unwrap();
+    assert!(!o.status.success());
+    let t = text(&o);
+    assert!(t.contains("layer_norm_eps") && t.contains("-1"), "{t}");
+}

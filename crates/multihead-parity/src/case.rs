@@ -1,0 +1,209 @@
+//! A parity case on disk: `case.json` read strictly, `case.safetensors`, and the checks that
+//! tie them together (`docs/case-format.md`).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, Var};
+use multihead::state_dict::load_safetensors;
+use multihead::{Error, Mask, Result};
+use serde_json::Value;
+
+use crate::meta::{CaseMeta, MaskKind, Module};
+use crate::tolerance::Tolerance;
+
+/// `case.json` files larger than this are refused before they are read.
+const MAX_JSON_BYTES: u64 = 16 << 20;
+
+/// A loaded parity case.
+#[derive(Debug)]
+pub struct Case {
+    /// The case directory.
+    pub dir: PathBuf,
+    /// `case.json`, typed.
+    pub meta: CaseMeta,
+    /// The module with its constructor and call arguments.
+    pub module: Module,
+    /// The case's dtype.
+    pub dtype: DType,
+    /// Every tensor of `case.safetensors`.
+    pub tensors: HashMap<String, Tensor>,
+}
+
+pub(crate) fn case_err(dir: &Path, msg: impl Into<String>) -> Error {
+    Error::File { path: dir.to_path_buf(), msg: msg.into() }
+}
+
+/// A dtype name of the case format.
+fn dtype_of(name: &str) -> Option<DType> {
+    match name.trim_start_matches("torch.") {
+        "float32" | "float" => Some(DType::F32),
+        "float64" | "double" => Some(DType::F64),
+        _ => None,
+    }
+}
+
+/// Whether `input.<name>` is a mask (its dtype is the mask's own).
+fn is_mask_name(name: &str) -> bool {
+    name.ends_with("mask")
+}
+
+impl Case {
+    /// Reads `case.json` and `case.safetensors` from `dir`, strictly: unknown or missing keys,
+    /// sizes over the limits and tensors whose dtype is not the case's are errors.
+    pub fn load(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        let json_path = dir.join("case.json");
+        let size = std::fs::metadata(&json_path)
+            .map_err(|e| case_err(dir, format!("cannot read case.json: {e}")))?
+            .len();
+        if size > MAX_JSON_BYTES {
+            return Err(case_err(dir, format!("case.json has {size} bytes, over the limit of {MAX_JSON_BYTES}")));
+        }
+        let text = std::fs::read_to_string(&json_path)
+            .map_err(|e| case_err(dir, format!("cannot read case.json: {e}")))?;
+        let value: Value = serde_json::from_str(&text)
+            .map_err(|e| case_err(dir, format!("case.json is not valid JSON: {e}")))?;
+        // Read and check case.json before the tensors: a bad case costs no tensor memory.
+        Self::parse_meta(dir, value.clone())?;
+        let tensors = load_safetensors(dir.join("case.safetensors"), &Device::Cpu)?;
+        Self::from_parts(dir, value, tensors)
+    }
+
+    fn parse_meta(dir: &Path, value: Value) -> Result<(CaseMeta, Module, DType, &'static str)> {
+        // The module first: a case for another module fails on that, not on its other keys.
+        if let Some(m) = value.get("module").and_then(Value::as_str) {
+            if !crate::meta::SUPPORTED_MODULES.contains(&m) {
+                return Err(case_err(dir, format!("case.json: unsupported module {m:?}; supported: {:?}", crate::meta::SUPPORTED_MODULES)));
+            }
+        }
+        let meta: CaseMeta = serde_path_to_error::deserialize(value).map_err(|e| {
+            let path = e.path().to_string();
+            let at = if path == "." { String::new() } else { format!("{path}: ") };
+            case_err(dir, format!("case.json: {at}{}", e.inner()))
+        })?;
+        if meta.format_version != 1 {
+            return Err(case_err(dir, format!("unsupported format_version {}, expected 1", meta.format_version)));
+        }
+        let module = Module::parse(&meta).map_err(|m| case_err(dir, format!("case.json: {m}")))?;
+        let (name, source) = module.dtype_name().map_err(|m| case_err(dir, format!("case.json: {m}")))?;
+        let dtype = dtype_of(&name)
+            .ok_or_else(|| case_err(dir, format!("{source}: unsupported dtype {name:?}; use float32 or float64")))?;
+        Ok((meta, module, dtype, source))
+    }
+
+    /// A case from its `case.json` value and its tensors (what [`Case::load`] reads from
+    /// disk), with the same checks.
+    pub fn from_parts(
+        dir: impl AsRef<Path>,
+        case_json: Value,
+        tensors: HashMap<String, Tensor>,
+    ) -> Result<Self> {
+        let dir = dir.as_ref();
+        let (meta, module, dtype, source) = Self::parse_meta(dir, case_json)?;
+        let case = Self { dir: dir.to_path_buf(), meta, module, dtype, tensors };
+        case.check_tensor_dtypes(source)?;
+        Ok(case)
+    }
+
+    /// Every float tensor of the case (parameters, inputs, gradients, expected results) must
+    /// have the case's dtype; a mask is u8 or the case's float dtype.
+    fn check_tensor_dtypes(&self, source: &str) -> Result<()> {
+        for (name, t) in &self.tensors {
+            let mask = name.strip_prefix("input.").is_some_and(is_mask_name);
+            let ok = if mask { t.dtype() == DType::U8 || t.dtype() == self.dtype } else { t.dtype() == self.dtype };
+            if !ok {
+                return Err(case_err(
+                    &self.dir,
+                    format!(
+                        "{name} is stored as {:?} but the case dtype ({source}) is {:?}",
+                        t.dtype(),
+                        self.dtype
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The module's PyTorch class path.
+    pub fn module_name(&self) -> &str {
+        &self.meta.module
+    }
+
+    /// The case's dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The tolerance for an `expect.*` tensor: `suggested_tolerance` when the case gives one
+    /// for this dtype, otherwise [`Tolerance::for_dtype`].
+    pub fn tolerance(&self, grad: bool) -> Tolerance {
+        let fallback = Tolerance::for_dtype(self.dtype, grad);
+        let Some(st) = &self.meta.suggested_tolerance else {
+            return fallback;
+        };
+        let dname = if self.dtype == DType::F64 { "float64" } else { "float32" };
+        let per_dtype = st.get(dname).unwrap_or(st);
+        let kind = if grad {
+            per_dtype.get("grad").or_else(|| per_dtype.get("gradients")).or_else(|| per_dtype.get("backward"))
+        } else {
+            per_dtype.get("forward")
+        };
+        let kind = kind.unwrap_or(per_dtype);
+        match (kind.get("rtol").and_then(Value::as_f64), kind.get("atol").and_then(Value::as_f64)) {
+            (Some(rel), Some(abs)) if rel >= 0.0 && abs >= 0.0 => Tolerance { rel, abs },
+            _ => fallback,
+        }
+    }
+
+    /// A tensor of the case by name.
+    pub fn tensor(&self, name: &str) -> Option<&Tensor> {
+        self.tensors.get(name)
+    }
+
+    /// The `param.*` tensors by PyTorch key.
+    pub fn params(&self) -> HashMap<String, Tensor> {
+        self.tensors
+            .iter()
+            .filter_map(|(k, t)| k.strip_prefix("param.").map(|p| (p.to_string(), t.clone())))
+            .collect()
+    }
+
+    /// `input.<name>` as a trainable variable.
+    pub(crate) fn input_var(&self, name: &str) -> Result<Var> {
+        let t = self
+            .tensor(&format!("input.{name}"))
+            .ok_or_else(|| case_err(&self.dir, format!("missing tensor input.{name}")))?;
+        Ok(Var::from_tensor(t)?)
+    }
+
+    /// `input.<name>` as a mask: the kind from `call`, else the tensor's logical dtype. A kind
+    /// in `call` without the tensor, or the tensor with `call` saying null, is an error.
+    pub(crate) fn mask(&self, name: &str, kind: Option<MaskKind>) -> Result<Option<Mask>> {
+        let t = self.tensor(&format!("input.{name}"));
+        let said = self.meta.call.get(name);
+        let t = match (t, kind, said) {
+            (None, Some(k), _) => {
+                return Err(case_err(&self.dir, format!("call.{name} is {k:?} but input.{name} is missing")))
+            }
+            (None, None, _) => return Ok(None),
+            (Some(_), None, Some(Value::Null)) => {
+                return Err(case_err(&self.dir, format!("input.{name} is stored but call.{name} is null")))
+            }
+            (Some(t), _, _) => t,
+        };
+        let logical = self
+            .meta
+            .tensors
+            .get(&format!("input.{name}"))
+            .and_then(|m| m.logical_dtype.as_deref());
+        let is_bool = match (kind, logical) {
+            (Some(MaskKind::Bool), _) => true,
+            (Some(MaskKind::Float), _) => false,
+            (None, Some("bool")) => true,
+            _ => t.dtype() == DType::U8,
+        };
+        Ok(Some(if is_bool { Mask::Bool(t.to_dtype(DType::U8)?) } else { Mask::Float(t.clone()) }))
+    }
+}

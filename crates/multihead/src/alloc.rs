@@ -1,0 +1,102 @@
+//! Sizes checked before memory is taken: a size that overflows or cannot be allocated is an
+//! [`Error::Alloc`], never an abort.
+//!
+//! candle allocates its tensors infallibly (an allocation failure aborts the process), so a
+//! call that is about to make a large tensor first asks the allocator for the same number of
+//! bytes with [`Vec::try_reserve`] and gives them back. The kernels' own buffers are allocated
+//! fallibly with [`try_zeros`].
+
+use candle_core::DType;
+
+use crate::error::{fmt_shape, Error, Result};
+
+/// The product of `dims`, or an [`Error::Alloc`] naming `what` when it overflows.
+pub(crate) fn elements(op: &'static str, what: &'static str, dims: &[usize]) -> Result<usize> {
+    dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| Error::Alloc {
+        op,
+        what,
+        msg: format!("a tensor of shape {} has more elements than fit in usize", fmt_shape(dims)),
+    })
+}
+
+/// Human-readable bytes: `12.0 GiB`.
+fn human(bytes: u128) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u])
+}
+
+/// Checks that `count` tensors of shape `dims` and `dtype` can be allocated now: the size must
+/// fit in `usize` and the allocator must grant it. `hint` says what to do instead.
+pub(crate) fn ensure(
+    op: &'static str,
+    what: &'static str,
+    dims: &[usize],
+    dtype: DType,
+    count: usize,
+    hint: &str,
+) -> Result<()> {
+    let n = elements(op, what, dims)?;
+    let bytes = (n as u128) * (dtype.size_in_bytes() as u128) * (count as u128);
+    let fail = || Error::Alloc {
+        op,
+        what,
+        msg: format!(
+            "{} of shape {} ({dtype:?}) need {}, which cannot be allocated; {hint}",
+            if count == 1 { "a tensor".to_string() } else { format!("{count} tensors") },
+            fmt_shape(dims),
+            human(bytes)
+        ),
+    };
+    let bytes = usize::try_from(bytes).map_err(|_| fail())?;
+    if bytes > memory_limit() {
+        return Err(fail());
+    }
+    if bytes < (64 << 20) {
+        return Ok(()); // small: not worth a probe
+    }
+    let mut probe: Vec<u8> = Vec::new();
+    probe.try_reserve_exact(bytes).map_err(|_| fail())?;
+    Ok(())
+}
+
+/// The machine's RAM plus swap in bytes (Linux: `/proc/meminfo`), read once; `usize::MAX`
+/// where unknown. No single buffer larger than this can ever be backed, whatever the kernel's
+/// overcommit policy would promise.
+fn memory_limit() -> usize {
+    static LIMIT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {
+            return usize::MAX;
+        };
+        let kib = |key: &str| -> Option<u64> {
+            let line = text.lines().find(|l| l.starts_with(key))?;
+            line.split_whitespace().nth(1)?.parse().ok()
+        };
+        match kib("MemTotal:") {
+            Some(mem) => {
+                let total = (mem + kib("SwapTotal:").unwrap_or(0)).saturating_mul(1024);
+                usize::try_from(total).unwrap_or(usize::MAX)
+            }
+            None => usize::MAX,
+        }
+    })
+}
+
+/// A zeroed `Vec` of `n` elements, or a candle error when it cannot be allocated.
+pub(crate) fn try_zeros<T: Clone + Default>(n: usize, what: &str) -> candle_core::Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        candle_core::Error::Msg(format!(
+            "{what}: {n} elements of {} bytes cannot be allocated",
+            std::mem::size_of::<T>()
+        ))
+    })?;
+    v.resize(n, T::default());
+    Ok(v)
+}

@@ -1,0 +1,132 @@
+//! The attention core both functional APIs share: a softmax that keeps fully masked rows at
+//! zero, dropout on the weights, and `softmax(scale · q kᵀ + mask) v` composed from candle
+//! operations (so candle's autograd differentiates it; candle's own `softmax_last_dim` drops
+//! gradients on contiguous input).
+
+use candle_core::{Tensor, D};
+
+use crate::error::{Error, Result};
+use crate::random::DropoutKey;
+
+/// Softmax over the last dimension that gives a zero row, not NaN, when every entry of the row
+/// is `-inf` (PyTorch's `_safe_softmax`). A row holding `+inf` is NaN, as in PyTorch.
+///
+/// The row maximum is subtracted for stability and detached: softmax does not depend on it, so
+/// its gradient is zero and need not be propagated.
+pub fn safe_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let m = x.max_keepdim(D::Minus1)?.detach();
+    // A row of all -inf has max -inf; use 0 there so that exp(-inf - 0) = 0 instead of NaN.
+    let m = m.eq(f64::NEG_INFINITY)?.where_cond(&m.zeros_like()?, &m)?;
+    let e = x.broadcast_sub(&m)?.exp()?;
+    let s = e.sum_keepdim(D::Minus1)?;
+    // Every row with a finite entry has s >= 1 (its maximum contributes exp(0)); s = 0 only for
+    // fully masked rows, whose e is all zeros, so dividing by 1 there gives the zero row.
+    let s = s.eq(0f64)?.where_cond(&s.ones_like()?, &s)?;
+    Ok(e.broadcast_div(&s)?)
+}
+
+/// Multiplies `w` `(B, L, S)` by a dropout mask drawn from `key`: dropped entries become 0 and
+/// kept entries are scaled by `1 / (1 - p)`. Element `(b, i, j)` uses the counter `(b, i, j)`.
+pub(crate) fn apply_dropout(w: &Tensor, p: f64, key: DropoutKey) -> Result<Tensor> {
+    let (b, l, s) = w.dims3()?;
+    let n = crate::alloc::elements("dropout", "attention weights", &[b, l, s])?;
+    let mut data = crate::alloc::try_zeros::<f64>(n, "dropout mask")?;
+    multihead_kernels::dropout::fill_scale_mask(key, p, b, l, s, &mut data);
+    let mask = Tensor::from_vec(data, (b, l, s), w.device())?.to_dtype(w.dtype())?;
+    Ok(w.mul(&mask)?)
+}
+
+/// The attention core on flattened batches: `softmax(scale · q kᵀ + mask) v`.
+///
+/// `q` `(B, L, D)`, `k` `(B, S, D)`, `v` `(B, S, Dv)`, `mask` broadcastable to `(B, L, S)`.
+/// Returns the output `(B, L, Dv)` and, when asked, the (post-dropout) weights `(B, L, S)`.
+pub(crate) fn attention_core(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+    dropout: Option<(f64, DropoutKey)>,
+    want_weights: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (b, l, _) = q.dims3()?;
+    let s = k.dim(1)?;
+    let dv = v.dim(2)?;
+    if b == 0 || l == 0 || s == 0 {
+        // Nothing to attend: PyTorch's softmax over an empty row is empty and bmm gives zeros.
+        let out = Tensor::zeros((b, l, dv), q.dtype(), q.device())?;
+        let w = Tensor::zeros((b, l, s), q.dtype(), q.device())?;
+        return Ok((out, want_weights.then_some(w)));
+    }
+    let scores = q.affine(scale, 0.0)?.matmul(&k.t()?)?;
+    let scores = match mask {
+        Some(m) => scores.broadcast_add(m)?,
+        None => scores,
+    };
+    let mut w = safe_softmax_last_dim(&scores)?;
+    if let Some((p, key)) = dropout {
+        if p > 0.0 {
+            w = apply_dropout(&w, p, key)?;
+        }
+    }
+    let out = w.matmul(v)?;
+    Ok((out, want_weights.then_some(w)))
+}
+
+pub(crate) fn check_dropout(p: f64, op: &'static str) -> Result<()> {
+    if (0.0..1.0).contains(&p) {
+        Ok(())
+    } else {
+        Err(Error::Config {
+            op,
+            arg: "dropout_p",
+            msg: format!("dropout probability has to be in [0, 1), got {p}"),
+        })
+    }
+}
+
+/// `repeat_interleave(x, r, dim)`.
+pub(crate) fn repeat_interleave(x: &Tensor, r: usize, dim: usize) -> Result<Tensor> {
+    if r == 1 {
+        return Ok(x.clone());
+    }
+    let mut expanded: Vec<usize> = x.dims().to_vec();
+    expanded.insert(dim + 1, r);
+    let mut merged: Vec<usize> = x.dims().to_vec();
+    merged[dim] *= r;
+    Ok(x.unsqueeze(dim + 1)?.broadcast_as(expanded)?.contiguous()?.reshape(merged)?)
+}
+
+/// Broadcasts shapes by NumPy's rule (aligned on the right).
+pub(crate) fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let n = a.len().max(b.len());
+    let mut out = vec![0; n];
+    for i in 0..n {
+        let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
+        let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
+        out[i] = match (da, db) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => return None,
+        };
+    }
+    Some(out)
+}
+
+/// `Tensor::cat` that leaves out empty pieces (candle's CPU copy mishandles zero-sized inputs).
+pub(crate) fn cat_nonempty(parts: &[&Tensor], dim: usize) -> Result<Tensor> {
+    let kept: Vec<&Tensor> = parts.iter().copied().filter(|t| t.elem_count() > 0).collect();
+    match kept.as_slice() {
+        [] => {
+            let mut dims = parts[0].dims().to_vec();
+            dims[dim] = parts.iter().map(|t| t.dim(dim).unwrap_or(0)).sum();
+            Ok(Tensor::zeros(dims, parts[0].dtype(), parts[0].device())?)
+        }
+        [one] if one.dim(dim)? == parts.iter().map(|t| t.dim(dim).unwrap_or(0)).sum::<usize>() => {
+            Ok((*one).clone())
+        }
+        _ => Ok(Tensor::cat(&kept, dim)?),
+    }
+}
+

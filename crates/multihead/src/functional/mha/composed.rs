@@ -1,0 +1,110 @@
+//! Step 3b, composed: PyTorch's slow path from the projections to the concatenated heads
+//! (`docs/pytorch-behaviour.md` §3, steps 7-13), in candle operations.
+
+use candle_core::Tensor;
+
+use super::project::Projected;
+use super::validate::MhaCall;
+use super::MHA;
+use crate::error::Result;
+use crate::functional::core::{attention_core, cat_nonempty};
+use crate::mask::causal_upper_left;
+use crate::random::DropoutKey;
+
+/// Appends a zero column to an additive mask (for the `bias_k` and zero-attention keys, which
+/// are never masked).
+fn pad_col(m: Option<Tensor>) -> Result<Option<Tensor>> {
+    match m {
+        Some(m) => {
+            let mut dims = m.dims().to_vec();
+            if let Some(last) = dims.last_mut() {
+                *last = 1;
+            }
+            let z = Tensor::zeros(dims, m.dtype(), m.device())?;
+            Ok(Some(cat_nonempty(&[&m, &z], m.rank() - 1)?))
+        }
+        None => Ok(None),
+    }
+}
+
+/// The attention output `(L, N, E)` (`(N, L, E)` with `batch_first`) and, when asked, the
+/// weights `(N, L, S')` or `(N, H, L, S')`.
+pub(crate) fn attend(
+    call: &MhaCall,
+    proj: Projected,
+    dropout: Option<(f64, DropoutKey)>,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (l, n, e, h, hd) = (call.l, call.n, call.e, call.h, call.hd);
+    let s2 = call.s_total();
+    crate::alloc::ensure(
+        MHA,
+        "attention scores",
+        &[n, h, l, s2],
+        call.dtype,
+        3,
+        "the composed path builds (N·H, L, S) score matrices: use f32 on the CPU with \
+         need_weights=false (the fused kernels never build them), or a smaller batch",
+    )?;
+    let Projected { q, k, v, .. } = proj;
+    let (q, mut k, mut v) = if call.batch_first {
+        (q.transpose(0, 1)?, k.transpose(0, 1)?, v.transpose(0, 1)?)
+    } else {
+        (q, k, v)
+    };
+    let mut attn_mask = call.attn_mask.clone();
+    let mut kpm = call.kpm.clone();
+    // bias_k / bias_v (step 7); validation checked both are given with shape (1, 1, E) or (E,).
+    if let (Some(bk), Some(bv)) = (call.params.bias_k, call.params.bias_v) {
+        let bk = bk.reshape((1, 1, e))?.broadcast_as((1, n, e))?;
+        let bv = bv.reshape((1, 1, e))?.broadcast_as((1, n, e))?;
+        k = cat_nonempty(&[&k, &bk], 0)?;
+        v = cat_nonempty(&[&v, &bv], 0)?;
+        attn_mask = pad_col(attn_mask)?;
+        kpm = pad_col(kpm)?;
+    }
+    // Split heads (step 8): (T, N, E) -> (N·H, T, hd).
+    let split = |t: &Tensor| -> Result<Tensor> {
+        let len = t.dim(0)?;
+        if t.elem_count() == 0 {
+            return Ok(Tensor::zeros((n * h, len, hd), t.dtype(), t.device())?);
+        }
+        Ok(t.contiguous()?.reshape((len, n * h, hd))?.transpose(0, 1)?.contiguous()?)
+    };
+    let q = split(&q)?;
+    let mut k = split(&k)?;
+    let mut v = split(&v)?;
+    // Zero attention (step 9).
+    if call.params.add_zero_attn {
+        let z = Tensor::zeros((n * h, 1, hd), call.dtype, k.device())?;
+        k = cat_nonempty(&[&k, &z], 1)?;
+        v = cat_nonempty(&[&v, &z], 1)?;
+        attn_mask = pad_col(attn_mask)?;
+        kpm = pad_col(kpm)?;
+    }
+    // Merge the masks by addition (step 11).
+    let mask = if call.causal {
+        Some(causal_upper_left(l, s2, call.dtype, k.device())?.unsqueeze(0)?)
+    } else {
+        let kpm = match kpm {
+            Some(m) => Some(m.reshape((n, 1, 1, s2))?.broadcast_as((n, h, 1, s2))?.reshape((n * h, 1, s2))?),
+            None => None,
+        };
+        match (attn_mask, kpm) {
+            (Some(a), Some(p)) => Some(a.broadcast_add(&p)?),
+            (a, p) => a.or(p),
+        }
+    };
+    // Attention (steps 12-13), then the heads concatenated back.
+    let scale = 1.0 / (hd as f64).sqrt();
+    let (attn, weights) = attention_core(&q, &k, &v, mask.as_ref(), scale, dropout, call.need_weights)?;
+    let attn = attn.transpose(0, 1)?.contiguous()?.reshape((l, n, e))?;
+    let attn = if call.batch_first { attn.transpose(0, 1)? } else { attn };
+    let weights = match weights {
+        Some(w) => {
+            let w = w.reshape((n, h, l, s2))?;
+            Some(if call.average_attn_weights { w.mean(1)? } else { w })
+        }
+        None => None,
+    };
+    Ok((attn, weights))
+}

@@ -1,0 +1,326 @@
+//! `F.multi_head_attention_forward` in three steps: [`validate`] every argument, plan the path
+//! ([`crate::fused::dispatch`]), run it: [`project`] the inputs, then the [`composed`] candle
+//! path or the fused kernels ([`fused`]), then the output projection.
+
+mod composed;
+mod fused;
+mod project;
+mod validate;
+
+use candle_core::Tensor;
+
+use crate::error::Result;
+use crate::fused::dispatch::{decide, dtype_device_blocker, Path, Plan, Reason};
+use crate::linear::linear;
+use crate::mask::Mask;
+use crate::mode::{grad_enabled, Backend};
+use crate::random::{next_dropout_key, DropoutKey};
+use validate::MhaCall;
+
+pub(crate) const MHA: &str = "multi_head_attention_forward";
+
+/// How the query, key and value projections are stored.
+#[derive(Clone, Copy, Debug)]
+pub enum InProj<'a> {
+    /// One packed `(3E, E)` weight: rows `[0:E]` project q, `[E:2E]` k, `[2E:3E]` v
+    /// (`in_proj_weight`).
+    Packed(&'a Tensor),
+    /// Separate weights `q_proj_weight (E, E)`, `k_proj_weight (E, kdim)`,
+    /// `v_proj_weight (E, vdim)`.
+    Separate {
+        /// `q_proj_weight`, `(E, E)`.
+        q: &'a Tensor,
+        /// `k_proj_weight`, `(E, kdim)`.
+        k: &'a Tensor,
+        /// `v_proj_weight`, `(E, vdim)`.
+        v: &'a Tensor,
+    },
+}
+
+/// The parameters of [`multi_head_attention_forward`], by PyTorch's argument names.
+#[derive(Clone, Copy, Debug)]
+pub struct MhaParams<'a> {
+    /// `embed_dim_to_check`: the query's feature size must equal it.
+    pub embed_dim_to_check: usize,
+    /// `num_heads`.
+    pub num_heads: usize,
+    /// `in_proj_weight` or `q/k/v_proj_weight`.
+    pub in_proj: InProj<'a>,
+    /// `in_proj_bias`, `(3E,)`.
+    pub in_proj_bias: Option<&'a Tensor>,
+    /// `bias_k`, `(1, 1, E)` or `(E,)`.
+    pub bias_k: Option<&'a Tensor>,
+    /// `bias_v`, `(1, 1, E)` or `(E,)`.
+    pub bias_v: Option<&'a Tensor>,
+    /// `add_zero_attn`.
+    pub add_zero_attn: bool,
+    /// `dropout_p`, applied to the attention weights when training. Must lie in `[0, 1)`.
+    pub dropout_p: f64,
+    /// `out_proj_weight`, `(E, E)`.
+    pub out_proj_weight: &'a Tensor,
+    /// `out_proj_bias`, `(E,)`.
+    pub out_proj_bias: Option<&'a Tensor>,
+}
+
+/// The call options of multi-head attention, with PyTorch's defaults.
+#[derive(Clone, Debug)]
+pub struct MhaOptions {
+    /// `key_padding_mask` `(N, S)` or `(S,)`: `True` (or `-inf`) marks padding keys. Default `None`.
+    pub key_padding_mask: Option<Mask>,
+    /// Return the attention weights. Default `true`, as in PyTorch.
+    pub need_weights: bool,
+    /// `attn_mask` `(L, S)` or `(N·H, L, S)` (`(H, L, S)` unbatched): `True` (or `-inf`) forbids
+    /// a position; float values are added. Default `None`.
+    pub attn_mask: Option<Mask>,
+    /// Average the returned weights over heads. Default `true`.
+    pub average_attn_weights: bool,
+    /// The causal hint, PyTorch's rules (`docs/pytorch-behaviour.md` §4): it requires an `attn_mask`; when
+    /// `need_weights` is false and there is no `key_padding_mask`, the mask is replaced by an
+    /// upper-left causal mask; otherwise the mask is used as given. Default `false`.
+    pub is_causal: bool,
+    /// The dropout key; `None` draws the next one from the global generator when dropout is
+    /// active. Default `None`.
+    pub dropout_key: Option<DropoutKey>,
+    /// Which implementation runs; `Auto` follows [`default_backend`](crate::default_backend).
+    /// Default `Auto`.
+    pub backend: Backend,
+}
+
+impl Default for MhaOptions {
+    fn default() -> Self {
+        Self {
+            key_padding_mask: None,
+            need_weights: true,
+            attn_mask: None,
+            average_attn_weights: true,
+            is_causal: false,
+            dropout_key: None,
+            backend: Backend::Auto,
+        }
+    }
+}
+
+impl MhaOptions {
+    /// Sets `key_padding_mask`.
+    pub fn key_padding_mask(mut self, mask: Mask) -> Self {
+        self.key_padding_mask = Some(mask);
+        self
+    }
+    /// Sets `need_weights`.
+    pub fn need_weights(mut self, need: bool) -> Self {
+        self.need_weights = need;
+        self
+    }
+    /// Sets `attn_mask`.
+    pub fn attn_mask(mut self, mask: Mask) -> Self {
+        self.attn_mask = Some(mask);
+        self
+    }
+    /// Sets `average_attn_weights`.
+    pub fn average_attn_weights(mut self, average: bool) -> Self {
+        self.average_attn_weights = average;
+        self
+    }
+    /// Sets `is_causal`.
+    pub fn is_causal(mut self, causal: bool) -> Self {
+        self.is_causal = causal;
+        self
+    }
+    /// Sets the dropout key.
+    pub fn dropout_key(mut self, key: DropoutKey) -> Self {
+        self.dropout_key = Some(key);
+        self
+    }
+    /// Sets the backend.
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+}
+
+/// What multi-head attention returns.
+#[derive(Clone, Debug)]
+pub struct MhaOutput {
+    /// `attn_output`: `(L, N, E)`, `(N, L, E)` with `batch_first`, or `(L, E)` unbatched.
+    pub output: Tensor,
+    /// `attn_weights`, when `need_weights`: `(N, L, S')` averaged or `(N, H, L, S')` per head
+    /// (`(L, S')` / `(H, L, S')` unbatched), where `S'` counts the `bias_k` and zero-attention
+    /// columns.
+    pub attn_weights: Option<Tensor>,
+}
+
+/// Which inputs are the same tensor; this picks the projection grouping, as in PyTorch.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Aliasing {
+    pub key_is_query: bool,
+    pub value_is_key: bool,
+}
+
+impl Aliasing {
+    pub(crate) fn of(query: &Tensor, key: &Tensor, value: &Tensor) -> Self {
+        Self { key_is_query: query.id() == key.id(), value_is_key: key.id() == value.id() }
+    }
+}
+
+/// Multi-head attention on sequence-first input, as `torch.nn.functional.multi_head_attention_forward`.
+///
+/// Follows PyTorch's slow path step by step (`docs/pytorch-behaviour.md` §3): input projection (grouped by which
+/// inputs are the same tensor), `bias_k`/`bias_v`, head split, zero attention, mask merge,
+/// scaled dot-product attention with dropout on the weights when `training`, output projection.
+/// Fully masked query rows give a zero attention row (so the output row is `out_proj_bias`) and
+/// zero weights on every path; PyTorch gives NaN on its `need_weights=True` path there.
+///
+/// Every argument is checked once, before a path is chosen; then the fused kernels or the
+/// composed candle path run (see [`explain_mha`] for which, and why). Both accept the same
+/// arguments and give the same numbers.
+///
+/// # Shapes
+/// * `query` `(L, N, E)` or `(L, E)`; `key` `(S, N, kdim)` or `(S, kdim)`; `value`
+///   `(S, N, vdim)` or `(S, vdim)`.
+/// * output `(L, N, E)` or `(L, E)`; weights `(N, L, S')` or `(N, H, L, S')`.
+///
+/// # Example
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use multihead::functional::{multi_head_attention_forward, InProj, MhaOptions, MhaParams};
+///
+/// let dev = Device::Cpu;
+/// let (e, h) = (8, 2);
+/// let w_in = Tensor::randn(0f32, 0.3, (3 * e, e), &dev)?;
+/// let w_out = Tensor::randn(0f32, 0.3, (e, e), &dev)?;
+/// let params = MhaParams {
+///     embed_dim_to_check: e, num_heads: h, in_proj: InProj::Packed(&w_in), in_proj_bias: None,
+///     bias_k: None, bias_v: None, add_zero_attn: false, dropout_p: 0.0,
+///     out_proj_weight: &w_out, out_proj_bias: None,
+/// };
+/// let x = Tensor::randn(0f32, 1.0, (5, 3, e), &dev)?; // (L, N, E)
+/// let out = multi_head_attention_forward(&x, &x, &x, &params, &MhaOptions::default(), true)?;
+/// assert_eq!(out.output.dims(), &[5, 3, 8]);
+/// assert_eq!(out.attn_weights.unwrap().dims(), &[3, 5, 5]);
+/// # Ok::<(), multihead::Error>(())
+/// ```
+// Mirrors torch.nn.functional.multi_head_attention_forward.
+pub fn multi_head_attention_forward(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    params: &MhaParams,
+    opts: &MhaOptions,
+    training: bool,
+) -> Result<MhaOutput> {
+    let alias = Aliasing::of(query, key, value);
+    mha_forward_impl(query, key, value, alias, params, opts, training, false)
+}
+
+/// The path [`multi_head_attention_forward`] takes for these arguments, and why, without
+/// running it. Bad arguments give the same error the call would.
+pub fn explain_mha(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    params: &MhaParams,
+    opts: &MhaOptions,
+    training: bool,
+) -> Result<Plan> {
+    let alias = Aliasing::of(query, key, value);
+    mha_plan_impl(query, key, value, alias, params, opts, training, false)
+}
+
+/// Whether a gradient will be recorded through the attention: grad mode is on and an input or
+/// an in-projection parameter is tracked by candle.
+fn records_grad(call: &MhaCall) -> bool {
+    let p = call.params;
+    let mut tracked = [&call.query, &call.key, &call.value].iter().any(|t| t.track_op());
+    tracked |= match p.in_proj {
+        InProj::Packed(w) => w.track_op(),
+        InProj::Separate { q, k, v } => q.track_op() || k.track_op() || v.track_op(),
+    };
+    tracked |= p.in_proj_bias.is_some_and(|b| b.track_op());
+    grad_enabled() && tracked
+}
+
+/// Step 2: the one decision between the fused kernels and the composed path.
+fn plan(call: &MhaCall, backend: Backend) -> Result<Plan> {
+    let p = call.params;
+    let blocker = dtype_device_blocker(&call.query)
+        .or_else(|| p.bias_k.is_some().then_some(Reason::BiasKv))
+        .or_else(|| p.add_zero_attn.then_some(Reason::ZeroAttn))
+        .or_else(|| (call.need_weights && records_grad(call)).then_some(Reason::WeightsWithGrad));
+    decide(MHA, backend, blocker)
+}
+
+// Internal: validate and plan with the aliasing and layout the module knows.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mha_plan_impl(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    alias: Aliasing,
+    params: &MhaParams,
+    opts: &MhaOptions,
+    training: bool,
+    batch_first: bool,
+) -> Result<Plan> {
+    let call = validate::validate(query, key, value, alias, params, opts, training, batch_first)?;
+    plan(&call, opts.backend)
+}
+
+// Internal: the functional signature plus the aliasing and layout the module knows.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mha_forward_impl(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    alias: Aliasing,
+    params: &MhaParams,
+    opts: &MhaOptions,
+    training: bool,
+    batch_first: bool,
+) -> Result<MhaOutput> {
+    let call = validate::validate(query, key, value, alias, params, opts, training, batch_first)?;
+    let plan = plan(&call, opts.backend)?;
+    if call.n == 0 || call.l == 0 {
+        return empty_output(&call);
+    }
+    let dropout = (call.dropout_p > 0.0)
+        .then(|| (call.dropout_p, opts.dropout_key.unwrap_or_else(next_dropout_key)));
+    let proj = project::project(&call)?;
+    let (attn, weights) = match plan.path {
+        Path::Fused => fused::attend(&call, &proj, dropout, records_grad(&call))?,
+        Path::Composed => composed::attend(&call, proj, dropout)?,
+    }; // attn: (L, N, E), or (N, L, E) with batch_first
+    let p = call.params;
+    let out = linear(&attn, p.out_proj_weight, p.out_proj_bias, MHA, "attn_output")?;
+    finish(&call, out, weights)
+}
+
+/// Drops the batch of one of unbatched input (step 14).
+fn finish(call: &MhaCall, output: Tensor, weights: Option<Tensor>) -> Result<MhaOutput> {
+    if !call.unbatched {
+        return Ok(MhaOutput { output, attn_weights: weights });
+    }
+    Ok(MhaOutput {
+        output: output.squeeze(1)?,
+        attn_weights: match weights {
+            Some(w) => Some(w.squeeze(0)?),
+            None => None,
+        },
+    })
+}
+
+/// An empty batch or query: nothing to compute (PyTorch returns empty tensors).
+fn empty_output(call: &MhaCall) -> Result<MhaOutput> {
+    let (n, l, e, h, dtype, dev) = (call.n, call.l, call.e, call.h, call.dtype, call.query.device());
+    let output = if call.batch_first {
+        Tensor::zeros((n, l, e), dtype, dev)?
+    } else {
+        Tensor::zeros((l, n, e), dtype, dev)?
+    };
+    let s2 = call.s_total();
+    let weights = match (call.need_weights, call.average_attn_weights) {
+        (false, _) => None,
+        (true, true) => Some(Tensor::zeros((n, l, s2), dtype, dev)?),
+        (true, false) => Some(Tensor::zeros((n, h, l, s2), dtype, dev)?),
+    };
+    finish(call, output, weights)
+}

@@ -1,0 +1,63 @@
+//! Step 3a: the input projections (`docs/pytorch-behaviour.md` §3, step 5), grouped by which
+//! inputs are the same tensor, as PyTorch groups them.
+
+use candle_core::Tensor;
+
+use super::validate::MhaCall;
+use super::{InProj, MHA};
+use crate::error::Result;
+use crate::linear::linear;
+
+/// The projected query, key and value, in the caller's layout (`(T, N, E)`, or `(N, T, E)`
+/// with `batch_first`). `packed` is the one `(·, ·, 3E)` projection of self-attention, when
+/// there is one (q, k and v are views into it).
+pub(crate) struct Projected {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub packed: Option<Tensor>,
+}
+
+/// Projects `call`'s inputs.
+pub(crate) fn project(call: &MhaCall) -> Result<Projected> {
+    let e = call.e;
+    let p = call.params;
+    // Validation checked the bias shape `(3E,)`.
+    let bias = |i: usize| -> Result<Option<Tensor>> {
+        Ok(match p.in_proj_bias {
+            Some(b) => Some(b.narrow(0, i * e, e)?),
+            None => None,
+        })
+    };
+    let (query, key, value) = (&call.query, &call.key, &call.value);
+    let alias = call.alias;
+    let proj = match p.in_proj {
+        InProj::Packed(w) if alias.key_is_query && alias.value_is_key => {
+            let qkv = linear(query, w, p.in_proj_bias, MHA, "query")?;
+            let (q, k, v) = (qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?);
+            Projected { q, k, v, packed: Some(qkv) }
+        }
+        InProj::Packed(w) if alias.value_is_key => {
+            let q = linear(query, &w.narrow(0, 0, e)?, bias(0)?.as_ref(), MHA, "query")?;
+            let bkv = match p.in_proj_bias {
+                Some(b) => Some(b.narrow(0, e, 2 * e)?),
+                None => None,
+            };
+            let kv = linear(key, &w.narrow(0, e, 2 * e)?, bkv.as_ref(), MHA, "key")?;
+            Projected { q, k: kv.narrow(2, 0, e)?, v: kv.narrow(2, e, e)?, packed: None }
+        }
+        InProj::Packed(w) => Projected {
+            q: linear(query, &w.narrow(0, 0, e)?, bias(0)?.as_ref(), MHA, "query")?,
+            k: linear(key, &w.narrow(0, e, e)?, bias(1)?.as_ref(), MHA, "key")?,
+            v: linear(value, &w.narrow(0, 2 * e, e)?, bias(2)?.as_ref(), MHA, "value")?,
+            packed: None,
+        },
+        InProj::Separate { q: wq, k: wk, v: wv } => Projected {
+            q: linear(query, wq, bias(0)?.as_ref(), MHA, "query")?,
+            k: linear(key, wk, bias(1)?.as_ref(), MHA, "key")?,
+            v: linear(value, wv, bias(2)?.as_ref(), MHA, "value")?,
+            packed: None,
+        },
+    };
+    Ok(proj)
+}

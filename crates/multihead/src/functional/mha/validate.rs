@@ -1,0 +1,432 @@
+//! Step 1 of multi-head attention: check every parameter and input once, before a path is
+//! chosen (PyTorch's checks, `docs/pytorch-behaviour.md` §2, plus the parameter shapes that
+//! PyTorch leaves to its kernels).
+//!
+//! What comes out, [`MhaCall`], is what both paths run on: batched inputs, the sizes, and the
+//! masks already converted to additive float masks of the parameter dtype.
+
+use candle_core::{DType, Tensor};
+
+use super::{Aliasing, InProj, MhaOptions, MhaParams, MHA};
+use crate::error::{fmt_shape, Error, Result};
+use crate::mask::{expect_dims, Mask};
+
+/// A validated call of multi-head attention.
+pub(crate) struct MhaCall<'a> {
+    /// The inputs with a batch dimension (unbatched input gets a batch of one at dim 1), in the
+    /// caller's layout: `(L, N, E)`, or `(N, L, E)` when `batch_first`.
+    pub query: Tensor,
+    pub key: Tensor,
+    pub value: Tensor,
+    pub unbatched: bool,
+    pub batch_first: bool,
+    pub alias: Aliasing,
+    pub params: &'a MhaParams<'a>,
+    pub dtype: DType,
+    /// Target length, batch, embedding, heads, head size, source length.
+    pub l: usize,
+    pub n: usize,
+    pub e: usize,
+    pub h: usize,
+    pub hd: usize,
+    pub s: usize,
+    /// The additive key padding mask `(N, S)`.
+    pub kpm: Option<Tensor>,
+    /// The additive attention mask, `(1, L, S)` or `(N·H, L, S)`.
+    pub attn_mask: Option<Tensor>,
+    /// The `is_causal` hint replaced the attention mask (`docs/pytorch-behaviour.md` §4).
+    pub causal: bool,
+    /// Dropout probability in effect (0 unless training).
+    pub dropout_p: f64,
+    pub need_weights: bool,
+    pub average_attn_weights: bool,
+}
+
+impl MhaCall<'_> {
+    /// `S'`: the keys the softmax runs over, with the `bias_k` and zero-attention columns.
+    pub fn s_total(&self) -> usize {
+        self.s + self.params.bias_k.is_some() as usize + self.params.add_zero_attn as usize
+    }
+}
+
+fn shape_err(arg: &'static str, msg: String) -> Error {
+    Error::Shape { op: MHA, arg, msg }
+}
+
+fn dtype_err(arg: &'static str, got: DType, want: DType) -> Error {
+    Error::DType {
+        op: MHA,
+        arg,
+        msg: format!(
+            "{arg} has dtype {got:?} but the parameters have dtype {want:?}; convert it with \
+             .to_dtype(DType::{want:?})"
+        ),
+    }
+}
+
+/// A parameter must be exactly `dims` with the parameter dtype.
+fn expect_param(arg: &'static str, t: &Tensor, dims: &[usize], dtype: DType) -> Result<()> {
+    if t.dims() != dims {
+        return Err(shape_err(
+            arg,
+            format!("expected shape {}, got {}", fmt_shape(dims), fmt_shape(t.dims())),
+        ));
+    }
+    if t.dtype() != dtype {
+        return Err(dtype_err(arg, t.dtype(), dtype));
+    }
+    Ok(())
+}
+
+/// Checks the ranks of the inputs and masks; returns whether the call is unbatched.
+fn check_ranks(query: &Tensor, key: &Tensor, value: &Tensor, opts: &MhaOptions) -> Result<bool> {
+    let unbatched = match query.rank() {
+        3 => false,
+        2 => true,
+        r => {
+            return Err(shape_err(
+                "query",
+                format!(
+                    "query should be unbatched 2-D or batched 3-D tensor but received {r}-D query tensor of shape {}",
+                    fmt_shape(query.dims())
+                ),
+            ))
+        }
+    };
+    let want = if unbatched { 2 } else { 3 };
+    let which = if unbatched { "unbatched (2-D)" } else { "batched (3-D)" };
+    if key.rank() != want || value.rank() != want {
+        return Err(shape_err(
+            "key",
+            format!(
+                "for {which} query, expected key and value to be {want}-D but found {}-D and {}-D tensors respectively (key {}, value {})",
+                key.rank(),
+                value.rank(),
+                fmt_shape(key.dims()),
+                fmt_shape(value.dims())
+            ),
+        ));
+    }
+    if let Some(m) = &opts.key_padding_mask {
+        m.check_kind(MHA, "key_padding_mask")?;
+        if m.dims().len() != want - 1 {
+            return Err(shape_err(
+                "key_padding_mask",
+                format!(
+                    "for {which} query, expected key_padding_mask to be None or {}-D but found {}-D tensor of shape {} instead",
+                    want - 1,
+                    m.dims().len(),
+                    fmt_shape(m.dims())
+                ),
+            ));
+        }
+    }
+    if let Some(m) = &opts.attn_mask {
+        m.check_kind(MHA, "attn_mask")?;
+        if !matches!(m.dims().len(), 2 | 3) {
+            return Err(shape_err(
+                "attn_mask",
+                format!(
+                    "for {which} query, expected attn_mask to be None, 2-D or 3-D but found {}-D tensor of shape {} instead",
+                    m.dims().len(),
+                    fmt_shape(m.dims())
+                ),
+            ));
+        }
+    }
+    if opts.is_causal && opts.attn_mask.is_none() {
+        return Err(Error::Config {
+            op: MHA,
+            arg: "is_causal",
+            msg: "need attn_mask if specifying the is_causal hint; you may use generate_square_subsequent_mask to create this mask".into(),
+        });
+    }
+    Ok(unbatched)
+}
+
+/// Checks the non-tensor configuration and every parameter's dtype and device.
+fn check_config(params: &MhaParams, inputs: [(&'static str, &Tensor); 3]) -> Result<DType> {
+    let (h, e) = (params.num_heads, params.embed_dim_to_check);
+    if h == 0 || e == 0 {
+        return Err(Error::Config {
+            op: MHA,
+            arg: "num_heads",
+            msg: format!("embed_dim and num_heads must be greater than 0, got embed_dim={e} and num_heads={h}"),
+        });
+    }
+    if !e.is_multiple_of(h) {
+        return Err(Error::Config {
+            op: MHA,
+            arg: "num_heads",
+            msg: format!("embed_dim {e} must be divisible by num_heads {h}"),
+        });
+    }
+    super::super::core::check_dropout(params.dropout_p, MHA)?;
+    let dtype = params.out_proj_weight.dtype();
+    if !dtype.is_float() {
+        return Err(Error::DType {
+            op: MHA,
+            arg: "out_proj_weight",
+            msg: format!("parameters must have a float dtype, got {dtype:?}"),
+        });
+    }
+    let device = params.out_proj_weight.device();
+    let mut all: Vec<(&'static str, &Tensor)> = inputs.to_vec();
+    match params.in_proj {
+        InProj::Packed(w) => all.push(("in_proj_weight", w)),
+        InProj::Separate { q, k, v } => {
+            all.extend([("q_proj_weight", q), ("k_proj_weight", k), ("v_proj_weight", v)])
+        }
+    }
+    let optional = [
+        ("in_proj_bias", params.in_proj_bias),
+        ("bias_k", params.bias_k),
+        ("bias_v", params.bias_v),
+        ("out_proj_bias", params.out_proj_bias),
+    ];
+    all.extend(optional.into_iter().filter_map(|(a, t)| t.map(|t| (a, t))));
+    for (arg, t) in all {
+        if t.dtype() != dtype {
+            return Err(dtype_err(arg, t.dtype(), dtype));
+        }
+        if !t.device().same_device(device) {
+            return Err(Error::Config {
+                op: MHA,
+                arg,
+                msg: format!(
+                    "{arg} is on {:?} but the parameters are on {device:?}; move it with .to_device()",
+                    t.device()
+                ),
+            });
+        }
+    }
+    Ok(dtype)
+}
+
+/// The in-projection weights against the input feature sizes.
+fn check_in_proj(
+    params: &MhaParams,
+    (e, kf, vf): (usize, usize, usize),
+    key: &Tensor,
+    value: &Tensor,
+    kv_lead: ((usize, usize), (usize, usize)),
+    dtype: DType,
+) -> Result<()> {
+    match params.in_proj {
+        InProj::Packed(w) => {
+            if key.dims() != value.dims() {
+                return Err(shape_err(
+                    "value",
+                    format!(
+                        "key shape {} does not match value shape {}",
+                        fmt_shape(key.dims()),
+                        fmt_shape(value.dims())
+                    ),
+                ));
+            }
+            expect_param("in_proj_weight", w, &[3 * e, e], dtype)?;
+            if kf != e {
+                return Err(shape_err(
+                    "key",
+                    format!(
+                        "key has {kf} features but the packed in_proj_weight {} expects embed_dim {e} (key shape {})",
+                        fmt_shape(w.dims()),
+                        fmt_shape(key.dims())
+                    ),
+                ));
+            }
+        }
+        InProj::Separate { q, k, v } => {
+            let ((s, nk), (sv, nv)) = kv_lead;
+            if (s, nk) != (sv, nv) {
+                return Err(shape_err(
+                    "value",
+                    format!(
+                        "key's sequence and batch dims {} do not match value's {}",
+                        fmt_shape(&[s, nk]),
+                        fmt_shape(&[sv, nv])
+                    ),
+                ));
+            }
+            // PyTorch's wording: the weights are checked against the inputs' feature sizes.
+            for (arg, input, w, want) in
+                [("query", "query", q, [e, e]), ("key", "key", k, [e, kf]), ("value", "value", v, [e, vf])]
+            {
+                if w.dims() != want {
+                    return Err(shape_err(
+                        arg,
+                        format!(
+                            "expecting {input} weights shape of {}, but got {}",
+                            fmt_shape(&want),
+                            fmt_shape(w.dims())
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    if let Some(b) = params.in_proj_bias {
+        expect_param("in_proj_bias", b, &[3 * e], dtype)?;
+    }
+    expect_param("out_proj_weight", params.out_proj_weight, &[e, e], dtype)?;
+    if let Some(b) = params.out_proj_bias {
+        expect_param("out_proj_bias", b, &[e], dtype)?;
+    }
+    match (params.bias_k, params.bias_v) {
+        (Some(bk), Some(bv)) => {
+            for (arg, b) in [("bias_k", bk), ("bias_v", bv)] {
+                if !(b.dims() == [1, 1, e] || b.dims() == [e]) {
+                    return Err(shape_err(
+                        arg,
+                        format!(
+                            "expected shape {} or {}, got {}",
+                            fmt_shape(&[1, 1, e]),
+                            fmt_shape(&[e]),
+                            fmt_shape(b.dims())
+                        ),
+                    ));
+                }
+            }
+        }
+        (None, None) => {}
+        (bk, _) => {
+            let (given, missing) = if bk.is_some() { ("bias_k", "bias_v") } else { ("bias_v", "bias_k") };
+            return Err(Error::Config {
+                op: MHA,
+                arg: given,
+                msg: format!(
+                    "bias_k and bias_v must both be given or both be None, got {given} without {missing}"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Converts and checks the masks against `(N, L, S, H)`.
+fn convert_masks(
+    opts: &MhaOptions,
+    unbatched: bool,
+    (n, l, s, h): (usize, usize, usize, usize),
+    dtype: DType,
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    let kpm = match &opts.key_padding_mask {
+        Some(m) => {
+            let t = if unbatched { m.tensor().unsqueeze(0)? } else { m.tensor().clone() };
+            if t.dims() != [n, s] {
+                let (exp, got) =
+                    if unbatched { (vec![s], m.dims().to_vec()) } else { (vec![n, s], t.dims().to_vec()) };
+                return Err(shape_err(
+                    "key_padding_mask",
+                    format!("expected shape {} (N, S), got {}", fmt_shape(&exp), fmt_shape(&got)),
+                ));
+            }
+            let t = match m {
+                Mask::Bool(_) => Mask::Bool(t),
+                Mask::Float(_) => Mask::Float(t),
+            };
+            Some(t.to_additive(dtype, MHA, "key_padding_mask")?)
+        }
+        None => None,
+    };
+    let attn_mask = match &opts.attn_mask {
+        Some(m) => {
+            let add = m.to_additive(dtype, MHA, "attn_mask")?;
+            if add.rank() == 2 {
+                expect_dims(&add, &[l, s], MHA, "attn_mask", "a 2-D mask of shape (L, S) =")?;
+                Some(add.unsqueeze(0)?)
+            } else if unbatched {
+                let what = "an unbatched 3-D mask of shape (H, L, S) =";
+                expect_dims(&add, &[h, l, s], MHA, "attn_mask", what)?;
+                Some(add)
+            } else {
+                let nh = n.checked_mul(h).unwrap_or(usize::MAX);
+                expect_dims(&add, &[nh, l, s], MHA, "attn_mask", "a 3-D mask of shape (N*H, L, S) =")?;
+                Some(add)
+            }
+        }
+        None => None,
+    };
+    Ok((kpm, attn_mask))
+}
+
+/// Validates a call of multi-head attention.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn validate<'a>(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    alias: Aliasing,
+    params: &'a MhaParams<'a>,
+    opts: &MhaOptions,
+    training: bool,
+    batch_first: bool,
+) -> Result<MhaCall<'a>> {
+    let unbatched = check_ranks(query, key, value, opts)?;
+    let dtype = check_config(params, [("query", query), ("key", key), ("value", value)])?;
+    let (query, key, value) = if unbatched {
+        (query.unsqueeze(1)?, key.unsqueeze(1)?, value.unsqueeze(1)?)
+    } else {
+        (query.clone(), key.clone(), value.clone())
+    };
+    // Batched `batch_first` input stays `(N, L, E)`: the projections are row-wise.
+    let batch_first = batch_first && !unbatched;
+    let seq_first = |t: &Tensor| -> Result<(usize, usize, usize)> {
+        let (a, b, c) = t.dims3()?;
+        Ok(if batch_first { (b, a, c) } else { (a, b, c) })
+    };
+    let (l, n, e) = seq_first(&query)?;
+    let (s, nk, kf) = seq_first(&key)?;
+    let (sv, nv, vf) = seq_first(&value)?;
+    let e_check = params.embed_dim_to_check;
+    if e != e_check {
+        return Err(shape_err(
+            "query",
+            format!(
+                "was expecting embedding dimension of {e_check}, but got {e} (query shape {})",
+                fmt_shape(query.dims())
+            ),
+        ));
+    }
+    check_in_proj(params, (e, kf, vf), &key, &value, ((s, nk), (sv, nv)), dtype)?;
+    if nk != n {
+        return Err(shape_err(
+            "key",
+            format!(
+                "key batch size {nk} does not match query batch size {n} (query {}, key {})",
+                fmt_shape(query.dims()),
+                fmt_shape(key.dims())
+            ),
+        ));
+    }
+    let h = params.num_heads;
+    let (kpm, attn_mask) = convert_masks(opts, unbatched, (n, l, s, h), dtype)?;
+    // The is_causal hint (docs/pytorch-behaviour.md §4).
+    let (attn_mask, causal) = if opts.is_causal && kpm.is_none() && !opts.need_weights {
+        (None, true)
+    } else {
+        (attn_mask, false)
+    };
+    Ok(MhaCall {
+        query,
+        key,
+        value,
+        unbatched,
+        batch_first,
+        alias,
+        params,
+        dtype,
+        l,
+        n,
+        e,
+        h,
+        hd: e / h,
+        s,
+        kpm,
+        attn_mask,
+        causal,
+        dropout_p: if training { params.dropout_p } else { 0.0 },
+        need_weights: opts.need_weights,
+        average_attn_weights: opts.average_attn_weights,
+    })
+}

@@ -1,0 +1,20 @@
+//! The `torch.nn.functional` equivalents: [`scaled_dot_product_attention`] and
+//! [`multi_head_attention_forward`].
+//!
+//! Each call runs in three steps: every argument is validated once; one function plans the
+//! path (the fused CPU kernels or the composed candle operations, see
+//! [`Plan`](crate::Plan)); the path runs. Both paths accept the same arguments and give the
+//! same numbers; [`explain_sdpa`] and [`explain_mha`] say which runs and why.
+//!
+//! The composed path is built from candle operations, so candle's autograd differentiates it
+//! for every input and parameter; the fused kernels enter candle as custom ops with a
+//! backward.
+
+mod core;
+mod mha;
+mod sdpa;
+
+pub use self::core::safe_softmax_last_dim;
+pub(crate) use mha::{mha_forward_impl, mha_plan_impl, Aliasing};
+pub use mha::{explain_mha, multi_head_attention_forward, InProj, MhaOptions, MhaOutput, MhaParams};
+pub use sdpa::{explain_sdpa, scaled_dot_product_attention, SdpaOptions};

@@ -1,0 +1,406 @@
+//! `F.scaled_dot_product_attention`: validate, plan, run.
+
+use candle_core::Tensor;
+
+use super::core::{attention_core, broadcast_shapes, check_dropout, repeat_interleave};
+use crate::error::{fmt_shape, Error, Result};
+use crate::fused::dispatch::{decide, dtype_device_blocker, Path, Plan, Reason};
+use crate::mask::{causal_upper_left, Mask};
+use crate::mode::Backend;
+use crate::random::{next_dropout_key, DropoutKey};
+
+const SDPA: &str = "scaled_dot_product_attention";
+
+/// Options of [`scaled_dot_product_attention`], with PyTorch's defaults.
+#[derive(Clone, Debug, Default)]
+pub struct SdpaOptions {
+    /// A mask broadcastable to `(..., Hq, L, S)`. **SDPA polarity**: a bool `True` means the
+    /// position may be attended. A float mask is added to the scaled scores. Default `None`.
+    pub attn_mask: Option<Mask>,
+    /// Dropout probability on the attention weights, always applied when `> 0` (SDPA has no
+    /// training flag). Must lie in `[0, 1)`. Default `0.0`.
+    pub dropout_p: f64,
+    /// Apply an upper-left aligned causal mask (row `i` sees keys `0..=i`). Cannot be combined
+    /// with `attn_mask`. Default `false`.
+    pub is_causal: bool,
+    /// The score scale; `None` means `1/√E` with E the query's last dimension. Default `None`.
+    pub scale: Option<f64>,
+    /// Repeat key and value heads to the query's head count (grouped-query attention).
+    /// Default `false`.
+    pub enable_gqa: bool,
+    /// The dropout key; `None` draws the next one from the global generator
+    /// ([`manual_seed`](crate::manual_seed)). Default `None`.
+    pub dropout_key: Option<DropoutKey>,
+    /// Which implementation runs; `Auto` follows [`default_backend`](crate::default_backend).
+    /// Default `Auto`.
+    pub backend: Backend,
+}
+
+impl SdpaOptions {
+    /// Sets `attn_mask`.
+    pub fn attn_mask(mut self, mask: Mask) -> Self {
+        self.attn_mask = Some(mask);
+        self
+    }
+    /// Sets `dropout_p`.
+    pub fn dropout_p(mut self, p: f64) -> Self {
+        self.dropout_p = p;
+        self
+    }
+    /// Sets `is_causal`.
+    pub fn is_causal(mut self, causal: bool) -> Self {
+        self.is_causal = causal;
+        self
+    }
+    /// Sets `scale`.
+    pub fn scale(mut self, scale: f64) -> Self {
+        self.scale = Some(scale);
+        self
+    }
+    /// Sets `enable_gqa`.
+    pub fn enable_gqa(mut self, gqa: bool) -> Self {
+        self.enable_gqa = gqa;
+        self
+    }
+    /// Sets the dropout key.
+    pub fn dropout_key(mut self, key: DropoutKey) -> Self {
+        self.dropout_key = Some(key);
+        self
+    }
+    /// Sets the backend.
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+}
+
+/// A validated SDPA call.
+struct SdpaCall {
+    /// The broadcast batch dimensions (everything before `L`/`S`, heads included).
+    batch: Vec<usize>,
+    l: usize,
+    s: usize,
+    e: usize,
+    ev: usize,
+    /// The mask, additive, in the query's dtype (not yet broadcast).
+    mask: Option<Tensor>,
+    scale: f64,
+}
+
+fn shape_err(arg: &'static str, msg: String) -> Error {
+    Error::Shape { op: SDPA, arg, msg }
+}
+
+/// `dims` with its last two entries replaced.
+fn with(lead: &[usize], a: usize, b: usize) -> Vec<usize> {
+    let mut v = lead.to_vec();
+    v.extend([a, b]);
+    v
+}
+
+/// The ranks, dtypes and option checks of SDPA.
+fn check_basics(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaOptions) -> Result<()> {
+    let (qr, kr, vr) = (query.rank(), key.rank(), value.rank());
+    if qr < 2 || kr < 2 || vr < 2 {
+        return Err(shape_err(
+            "query",
+            format!(
+                "expected query, key, and value to all be at least 2 dimensional, got {}-D, {}-D and {}-D",
+                qr, kr, vr
+            ),
+        ));
+    }
+    if query.dtype() != key.dtype() || query.dtype() != value.dtype() || !query.dtype().is_float() {
+        return Err(Error::DType {
+            op: SDPA,
+            arg: "query",
+            msg: format!(
+                "expected query, key, and value to have the same dtype, and a float one, got {:?}, {:?} and {:?}",
+                query.dtype(),
+                key.dtype(),
+                value.dtype()
+            ),
+        });
+    }
+    for (arg, t) in [("key", key), ("value", value)] {
+        if !t.device().same_device(query.device()) {
+            return Err(Error::Config {
+                op: SDPA,
+                arg,
+                msg: format!("{arg} is on {:?} but query is on {:?}", t.device(), query.device()),
+            });
+        }
+    }
+    check_dropout(opts.dropout_p, SDPA)?;
+    if opts.scale.is_some_and(|s| !s.is_finite()) {
+        return Err(Error::Config {
+            op: SDPA,
+            arg: "scale",
+            msg: format!("scale must be finite, got {:?}", opts.scale),
+        });
+    }
+    if opts.is_causal && opts.attn_mask.is_some() {
+        return Err(Error::Config {
+            op: SDPA,
+            arg: "attn_mask",
+            msg: "explicit attn_mask should not be set when is_causal=true; pass one or the other"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+/// The batch dimensions of key and value as attention sees them: with `enable_gqa`, their head
+/// dimension repeated to the query's.
+fn gqa_batches(query: &Tensor, key: &Tensor, value: &Tensor, gqa: bool) -> Result<[Vec<usize>; 2]> {
+    let (qr, kr, vr) = (query.rank(), key.rank(), value.rank());
+    let mut kb = key.dims()[..kr - 2].to_vec();
+    let mut vb = value.dims()[..vr - 2].to_vec();
+    if gqa && qr >= 3 && kr >= 3 && vr >= 3 {
+        let hq = query.dim(qr - 3)?;
+        let (hk, hv) = (key.dim(kr - 3)?, value.dim(vr - 3)?);
+        if hk == 0 || hv == 0 || hq % hk != 0 || hq % hv != 0 {
+            return Err(shape_err(
+                "key",
+                format!(
+                    "number of heads in key and value must divide the number of heads in query: query {} key {} value {}",
+                    fmt_shape(query.dims()),
+                    fmt_shape(key.dims()),
+                    fmt_shape(value.dims())
+                ),
+            ));
+        }
+        kb[kr - 3] = hq;
+        vb[vr - 3] = hq;
+    }
+    Ok([kb, vb])
+}
+
+/// Step 1: every check, for both paths.
+fn validate(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaOptions) -> Result<SdpaCall> {
+    check_basics(query, key, value, opts)?;
+    let (qr, kr, vr) = (query.rank(), key.rank(), value.rank());
+    let (l, e) = (query.dim(qr - 2)?, query.dim(qr - 1)?);
+    let (s, ek) = (key.dim(kr - 2)?, key.dim(kr - 1)?);
+    let (sv, ev) = (value.dim(vr - 2)?, value.dim(vr - 1)?);
+    if ek != e {
+        return Err(shape_err(
+            "key",
+            format!(
+                "the key's last dimension must equal the query's: key {} vs query {}",
+                fmt_shape(key.dims()),
+                fmt_shape(query.dims())
+            ),
+        ));
+    }
+    if sv != s {
+        return Err(shape_err(
+            "value",
+            format!(
+                "key and value must have the same sequence length: key {} vs value {}",
+                fmt_shape(key.dims()),
+                fmt_shape(value.dims())
+            ),
+        ));
+    }
+    let [kb, vb] = gqa_batches(query, key, value, opts.enable_gqa)?;
+    let batch = broadcast_shapes(&query.dims()[..qr - 2], &kb)
+        .and_then(|b| broadcast_shapes(&b, &vb))
+        .ok_or_else(|| {
+            shape_err(
+                "key",
+                format!(
+                    "the batch dimensions of query {}, key {} and value {} do not broadcast",
+                    fmt_shape(query.dims()),
+                    fmt_shape(key.dims()),
+                    fmt_shape(value.dims())
+                ),
+            )
+        })?;
+    crate::alloc::elements(SDPA, "output", &with(&batch, l, ev))?;
+    let mask = match &opts.attn_mask {
+        Some(m) => {
+            let add = m.to_additive_sdpa(query.dtype(), SDPA, "attn_mask")?;
+            let full = with(&batch, l, s);
+            if broadcast_shapes(add.dims(), &full).is_none_or(|b| b != full) {
+                return Err(shape_err(
+                    "attn_mask",
+                    format!(
+                        "attn_mask of shape {} does not broadcast to the attention shape {}",
+                        fmt_shape(add.dims()),
+                        fmt_shape(&full)
+                    ),
+                ));
+            }
+            Some(add)
+        }
+        None => None,
+    };
+    let scale = opts.scale.unwrap_or_else(|| 1.0 / (e as f64).sqrt());
+    Ok(SdpaCall { batch, l, s, e, ev, mask, scale })
+}
+
+/// Step 2: the path, and why.
+fn plan(query: &Tensor, key: &Tensor, value: &Tensor, call: &SdpaCall, backend: Backend) -> Result<Plan> {
+    let blocker = dtype_device_blocker(query).or_else(|| {
+        if query.rank() != 4 || key.rank() != 4 || value.rank() != 4 {
+            return Some(Reason::NotFourD);
+        }
+        let (qd, kd, vd) = (query.dims(), key.dims(), value.dims());
+        if kd[1] != vd[1] {
+            return Some(Reason::KvHeads);
+        }
+        if kd[0] != qd[0] || vd[0] != qd[0] || (kd[1] != qd[1] && call.batch[1] != qd[1]) {
+            return Some(Reason::BroadcastBatch);
+        }
+        if kd[1] != qd[1] && !(kd[1] > 0 && qd[1] % kd[1] == 0) {
+            return Some(Reason::BroadcastBatch);
+        }
+        if call.mask.as_ref().is_some_and(|m| m.rank() > 4) {
+            return Some(Reason::MaskRank);
+        }
+        None
+    });
+    decide(SDPA, backend, blocker)
+}
+
+/// The path [`scaled_dot_product_attention`] takes for these arguments, and why, without
+/// running it. Bad arguments give the same error the call would.
+///
+/// # Example
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use multihead::functional::{explain_sdpa, SdpaOptions};
+/// use multihead::Path;
+///
+/// let q = Tensor::zeros((1, 2, 3, 4), candle_core::DType::F32, &Device::Cpu)?; // (N, H, L, E)
+/// assert_eq!(explain_sdpa(&q, &q, &q, &SdpaOptions::default())?.path, Path::Fused);
+/// # Ok::<(), multihead::Error>(())
+/// ```
+pub fn explain_sdpa(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaOptions) -> Result<Plan> {
+    let call = validate(query, key, value, opts)?;
+    plan(query, key, value, &call, opts.backend)
+}
+
+/// Scaled dot-product attention: `softmax(q kᵀ · scale + mask) v`, with optional dropout on the
+/// weights.
+///
+/// Fully masked rows give zeros, as PyTorch's CPU backends do. The fused kernels run for 4-D
+/// f32 CPU input (see [`explain_sdpa`]); every other call runs the composed candle path, with
+/// the same checks and the same numbers.
+///
+/// # Shapes
+/// * `query` `(..., Hq, L, E)`, `key` `(..., H, S, E)`, `value` `(..., H, S, Ev)`, at least 2-D;
+///   leading dimensions broadcast. With `enable_gqa`, `Hq` must be a multiple of `H`.
+/// * `attn_mask` broadcastable to `(..., Hq, L, S)`.
+/// * output `(..., Hq, L, Ev)`.
+///
+/// # Example
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+///
+/// let q = Tensor::randn(0f32, 1.0, (2, 4, 5, 8), &Device::Cpu)?; // (N, H, L, E)
+/// let k = Tensor::randn(0f32, 1.0, (2, 4, 7, 8), &Device::Cpu)?; // (N, H, S, E)
+/// let v = Tensor::randn(0f32, 1.0, (2, 4, 7, 8), &Device::Cpu)?;
+/// let out = scaled_dot_product_attention(&q, &k, &v, &SdpaOptions::default().is_causal(true))?;
+/// assert_eq!(out.dims(), &[2, 4, 5, 8]);
+/// # Ok::<(), multihead::Error>(())
+/// ```
+// Mirrors torch.nn.functional.scaled_dot_product_attention.
+pub fn scaled_dot_product_attention(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    opts: &SdpaOptions,
+) -> Result<Tensor> {
+    let call = validate(query, key, value, opts)?;
+    let plan = plan(query, key, value, &call, opts.backend)?;
+    let out_dims = with(&call.batch, call.l, call.ev);
+    if out_dims.contains(&0) || call.s == 0 {
+        // Nothing to attend: an empty softmax row gives a zero output row on both paths.
+        return Ok(Tensor::zeros(out_dims, query.dtype(), query.device())?);
+    }
+    let dropout = (opts.dropout_p > 0.0)
+        .then(|| (opts.dropout_p, opts.dropout_key.unwrap_or_else(next_dropout_key)));
+    match plan.path {
+        Path::Fused => run_fused(query, key, value, &call, opts, dropout),
+        Path::Composed => run_composed(query, key, value, &call, opts, dropout),
+    }
+}
+
+/// Step 3, composed: broadcast to `(B, L, ·)`, then the attention core.
+fn run_composed(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    call: &SdpaCall,
+    opts: &SdpaOptions,
+    dropout: Option<(f64, DropoutKey)>,
+) -> Result<Tensor> {
+    let SdpaCall { batch, l, s, e, ev, .. } = call;
+    let (l, s, e, ev) = (*l, *s, *e, *ev);
+    let bsz: usize = batch.iter().product();
+    crate::alloc::ensure(
+        SDPA,
+        "attention scores",
+        &[bsz, l, s],
+        query.dtype(),
+        3,
+        "the composed path builds (..., L, S) score matrices; use f32 on the CPU (the fused kernels never build them) or smaller inputs",
+    )?;
+    let (qr, kr, vr) = (query.rank(), key.rank(), value.rank());
+    let (mut key, mut value) = (key.clone(), value.clone());
+    if opts.enable_gqa && qr >= 3 && kr >= 3 && vr >= 3 {
+        let hq = query.dim(qr - 3)?;
+        key = repeat_interleave(&key, hq / key.dim(kr - 3)?, kr - 3)?;
+        value = repeat_interleave(&value, hq / value.dim(vr - 3)?, vr - 3)?;
+    }
+    let q = query.broadcast_as(with(batch, l, e))?.contiguous()?.reshape((bsz, l, e))?;
+    let k = key.broadcast_as(with(batch, s, e))?.contiguous()?.reshape((bsz, s, e))?;
+    let v = value.broadcast_as(with(batch, s, ev))?.contiguous()?.reshape((bsz, s, ev))?;
+    let mask = match &call.mask {
+        Some(m) => Some(m.broadcast_as(with(batch, l, s))?.contiguous()?.reshape((bsz, l, s))?),
+        None if opts.is_causal => Some(causal_upper_left(l, s, query.dtype(), query.device())?),
+        None => None,
+    };
+    let (out, _) = attention_core(&q, &k, &v, mask.as_ref(), call.scale, dropout, false)?;
+    Ok(out.reshape(with(batch, l, ev))?)
+}
+
+/// Step 3, fused: the flash-attention op on `(B, H, T, D)` input.
+fn run_fused(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    call: &SdpaCall,
+    opts: &SdpaOptions,
+    dropout: Option<(f64, DropoutKey)>,
+) -> Result<Tensor> {
+    use crate::fused::flash::{Convention, FlashAttention, OwnedMask};
+    let (b, hq, l, e) = query.dims4()?;
+    let hk = key.dim(1)?;
+    let mut masks = Vec::new();
+    if let Some(add) = &call.mask {
+        let mut dims = vec![1usize; 4 - add.rank()];
+        dims.extend_from_slice(add.dims());
+        let mut strides = [0usize; 4];
+        let mut acc = 1;
+        for i in (0..4).rev() {
+            strides[i] = if dims[i] == 1 { 0 } else { acc };
+            acc *= dims[i];
+        }
+        masks.push(OwnedMask::new(&add.contiguous()?, strides)?);
+    }
+    let dims = multihead_kernels::attention::AttnDims {
+        batch: b,
+        heads_q: hq,
+        heads_kv: hk,
+        l,
+        s: call.s,
+        d: e,
+        dv: call.ev,
+    };
+    let op = FlashAttention::new(dims, call.scale as f32, opts.is_causal, masks, dropout, Convention::Bhtd);
+    op.apply(query, key, value)
+}

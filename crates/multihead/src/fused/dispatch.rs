@@ -1,0 +1,144 @@
+//! Step 2 of every call: the one place that picks the fused kernels or the composed candle
+//! path, and says why.
+
+use std::fmt;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{Error, Result};
+use crate::mode::Backend;
+
+/// The implementation a call runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Path {
+    /// The fused CPU kernels of `multihead-kernels` (flash attention, fused linear).
+    Fused,
+    /// candle operations composed as PyTorch's reference implementation computes them.
+    Composed,
+}
+
+/// Why a call takes its path.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum Reason {
+    /// Every condition of the fused kernels holds.
+    Eligible,
+    /// The backend was `Composed` (per call or for the scope).
+    Requested,
+    /// The fused kernels are f32 only.
+    DType(DType),
+    /// The fused kernels run on the CPU only.
+    Device,
+    /// `bias_k`/`bias_v` add key columns the fused kernels do not take.
+    BiasKv,
+    /// `add_zero_attn` adds a key column the fused kernels do not take.
+    ZeroAttn,
+    /// The weights were asked for while gradients are recorded; the fused weights carry none.
+    WeightsWithGrad,
+    /// SDPA inputs are not all 4-D `(N, H, L, E)`.
+    NotFourD,
+    /// SDPA batch dimensions that broadcast (differ between query, key and value).
+    BroadcastBatch,
+    /// SDPA key and value head counts differ.
+    KvHeads,
+    /// An attention mask of more than 4 dimensions.
+    MaskRank,
+    /// The input's rows are not evenly strided (a fused linear needs `(m, k)` rows).
+    Layout,
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Reason::Eligible => write!(f, "every condition of the fused kernels holds"),
+            Reason::Requested => write!(f, "the composed path was requested (Backend::Composed)"),
+            Reason::DType(d) => write!(f, "the fused kernels take f32 tensors, these are {d:?}"),
+            Reason::Device => write!(f, "the fused kernels run on the CPU only"),
+            Reason::BiasKv => {
+                write!(f, "bias_k/bias_v append key columns, which the fused kernels do not take")
+            }
+            Reason::ZeroAttn => {
+                write!(f, "add_zero_attn appends a key column, which the fused kernels do not take")
+            }
+            Reason::WeightsWithGrad => write!(
+                f,
+                "need_weights=true while gradients are recorded: the fused kernels' weights carry \
+                 no gradient (run under multihead::no_grad or set need_weights=false)"
+            ),
+            Reason::NotFourD => write!(f, "the fused SDPA takes 4-D (N, H, L, E) inputs"),
+            Reason::BroadcastBatch => {
+                write!(f, "query, key and value have different batch sizes (broadcast)")
+            }
+            Reason::KvHeads => write!(f, "key and value have different head counts"),
+            Reason::MaskRank => write!(f, "the mask has more than 4 dimensions"),
+            Reason::Layout => write!(f, "the input rows are not evenly strided"),
+        }
+    }
+}
+
+/// The path a call takes and why: what [`MultiheadAttention::explain`] and
+/// [`explain_sdpa`](crate::functional::explain_sdpa) return. Its `Display` is one line.
+///
+/// [`MultiheadAttention::explain`]: crate::MultiheadAttention::explain
+///
+/// # Example
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use multihead::functional::{explain_sdpa, SdpaOptions};
+/// use multihead::Path;
+///
+/// let q = Tensor::zeros((1, 2, 3, 4), candle_core::DType::F64, &Device::Cpu)?;
+/// let plan = explain_sdpa(&q, &q, &q, &SdpaOptions::default())?;
+/// assert_eq!(plan.path, Path::Composed);
+/// assert!(plan.to_string().contains("F64"));
+/// # Ok::<(), multihead::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// The operation planned (PyTorch's function name).
+    pub op: &'static str,
+    /// The path that runs.
+    pub path: Path,
+    /// Why that path.
+    pub reason: Reason,
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = match self.path {
+            Path::Fused => "fused CPU kernels",
+            Path::Composed => "composed candle operations",
+        };
+        write!(f, "{}: {what}, because {}", self.op, self.reason)
+    }
+}
+
+/// Decides between the paths. `blocker` is the first condition of the fused kernels that
+/// fails, if any. A forced `Fused` backend with a blocker is an error that says why.
+pub(crate) fn decide(op: &'static str, backend: Backend, blocker: Option<Reason>) -> Result<Plan> {
+    let plan = |path, reason| Ok(Plan { op, path, reason });
+    match (backend.resolve(), blocker) {
+        (Backend::Composed, _) => plan(Path::Composed, Reason::Requested),
+        (Backend::Fused, Some(r)) => Err(Error::Config {
+            op,
+            arg: "backend",
+            msg: format!(
+                "Backend::Fused was requested but cannot run this call: {r}; use Backend::Auto \
+                 to fall back to the composed path"
+            ),
+        }),
+        (_, Some(r)) => plan(Path::Composed, r),
+        (_, None) => plan(Path::Fused, Reason::Eligible),
+    }
+}
+
+/// The dtype and device conditions every fused kernel shares.
+pub(crate) fn dtype_device_blocker(t: &Tensor) -> Option<Reason> {
+    if t.dtype() != DType::F32 {
+        Some(Reason::DType(t.dtype()))
+    } else if !matches!(t.device(), Device::Cpu) {
+        Some(Reason::Device)
+    } else {
+        None
+    }
+}

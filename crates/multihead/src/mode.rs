@@ -1,0 +1,139 @@
+//! Per-thread modes: gradient recording (PyTorch's `torch.no_grad()`) and the default
+//! attention backend.
+//!
+//! Both are thread-local, like PyTorch's grad mode. They are read once, on the calling thread,
+//! when a call is planned; the kernels that then run on rayon's worker threads do not read them.
+//! A closure that itself spawns work on other threads (for example `rayon::scope` around
+//! several forwards) must enter [`no_grad`] or [`with_backend`] inside each task.
+//!
+//! Both scopes restore the previous mode when they end, also when the closure panics and the
+//! panic is caught further up.
+
+use std::cell::Cell;
+
+/// Which implementation runs attention and linear layers.
+///
+/// * `Auto` (the default): the fused CPU kernels where they apply (f32 on the CPU, no
+///   `bias_k`/`zero_attn`, weights only when no gradient is recorded), the composed candle
+///   path otherwise. Both give PyTorch's numbers.
+/// * `Composed`: always the composed candle operations (the reference; f64 and every device).
+/// * `Fused`: always the fused kernels; a call they cannot run is an error that says why,
+///   instead of a silent fall-back.
+///
+/// Set it per call ([`MhaOptions::backend`](crate::MhaOptions::backend),
+/// [`SdpaOptions::backend`](crate::SdpaOptions::backend)) or for a scope ([`with_backend`]).
+/// The plan of a call says which path runs and why: see
+/// [`MultiheadAttention::plan`](crate::MultiheadAttention::plan).
+///
+/// # Example
+/// ```
+/// use multihead::{with_backend, default_backend, Backend};
+/// assert_eq!(with_backend(Backend::Composed, default_backend), Backend::Composed);
+/// assert_eq!(default_backend(), Backend::Auto);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// Fused kernels where they apply, composed otherwise.
+    #[default]
+    Auto,
+    /// Always the composed candle path.
+    Composed,
+    /// Always the fused kernels, or an error.
+    Fused,
+}
+
+impl Backend {
+    /// `self`, or the thread's default ([`default_backend`]) when `self` is `Auto`.
+    pub fn resolve(self) -> Backend {
+        match self {
+            Backend::Auto => default_backend(),
+            other => other,
+        }
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> crate::Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Backend::Auto),
+            "composed" => Ok(Backend::Composed),
+            "fused" => Ok(Backend::Fused),
+            other => Err(crate::Error::Config {
+                op: "Backend::from_str",
+                arg: "backend",
+                msg: format!("unknown backend {other:?}; use auto, composed or fused"),
+            }),
+        }
+    }
+}
+
+thread_local! {
+    static BACKEND: Cell<Backend> = const { Cell::new(Backend::Auto) };
+    static GRAD: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Restores a thread-local cell when dropped (also during unwinding).
+struct Restore<T: Copy + 'static> {
+    key: &'static std::thread::LocalKey<Cell<T>>,
+    old: T,
+}
+
+impl<T: Copy + 'static> Restore<T> {
+    fn set(key: &'static std::thread::LocalKey<Cell<T>>, value: T) -> Self {
+        Restore { key, old: key.with(|c| c.replace(value)) }
+    }
+}
+
+impl<T: Copy + 'static> Drop for Restore<T> {
+    fn drop(&mut self) {
+        let old = self.old;
+        self.key.with(|c| c.set(old));
+    }
+}
+
+/// Runs `f` as PyTorch's `with torch.no_grad():` block on this thread.
+///
+/// Inside it:
+/// * attention that returns its weights may use the fused kernels (their weights carry no
+///   gradient);
+/// * in eval mode, [`TransformerEncoder`](crate::transformer::TransformerEncoder) takes
+///   PyTorch's inference-only path (padded positions of the output are zero), so the numbers
+///   are those PyTorch gives under `torch.no_grad()`.
+///
+/// candle records a graph whenever a parameter is a `Var`; `no_grad` is a promise not to call
+/// `backward` on what `f` computes. See the [module docs](self) for threads.
+///
+/// # Example
+/// ```
+/// let inside = multihead::no_grad(multihead::grad_enabled);
+/// assert!(!inside && multihead::grad_enabled());
+/// ```
+pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
+    let _restore = Restore::set(&GRAD, false);
+    f()
+}
+
+/// Whether gradients may be needed on this thread (false inside [`no_grad`]).
+pub fn grad_enabled() -> bool {
+    GRAD.with(|c| c.get())
+}
+
+/// Runs `f` with `backend` as this thread's default (what [`Backend::Auto`] options resolve
+/// to).
+///
+/// # Example
+/// ```
+/// use multihead::{with_backend, Backend};
+/// let inner = with_backend(Backend::Composed, || multihead::default_backend());
+/// assert_eq!(inner, Backend::Composed);
+/// ```
+pub fn with_backend<R>(backend: Backend, f: impl FnOnce() -> R) -> R {
+    let _restore = Restore::set(&BACKEND, backend);
+    f()
+}
+
+/// This thread's default backend: [`Backend::Auto`] unless inside [`with_backend`].
+pub fn default_backend() -> Backend {
+    BACKEND.with(|c| c.get())
+}

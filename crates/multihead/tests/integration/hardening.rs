@@ -1,0 +1,281 @@
+//! Regression tests for the hardening issue: each finding of bad input that used to panic,
+//! abort, hang or give silently wrong numbers, on the fused and the composed path alike.
+
+use candle_core::{DType, IndexOp, Tensor};
+use multihead::functional::{
+    multi_head_attention_forward, scaled_dot_product_attention, InProj, MhaParams, SdpaOptions,
+};
+use multihead::{
+    grad_enabled, no_grad, with_backend, Backend, Error, Linear, Mask, MhaConfig, MhaOptions,
+};
+use multihead_parity::Tolerance;
+
+use crate::common::{assert_close, det, dev, mha};
+
+const BACKENDS: [Backend; 3] = [Backend::Auto, Backend::Composed, Backend::Fused];
+
+fn t(shape: &[usize]) -> Tensor {
+    det(shape, DType::F32, 0.3)
+}
+
+/// `y` of a Linear on each backend; all must agree (or all fail with the same message).
+fn linear_all(w: &Tensor, b: Option<&Tensor>, x: &Tensor) -> multihead::Result<Tensor> {
+    let lin = Linear::from_weights(w.clone(), b.cloned());
+    let runs: Vec<multihead::Result<Tensor>> =
+        [Backend::Composed, Backend::Fused].into_iter().map(|be| with_backend(be, || lin.forward(x))).collect();
+    match (&runs[0], &runs[1]) {
+        (Ok(a), Ok(b)) => assert_close(b, a, Tolerance::F32_FORWARD, "fused vs composed linear"),
+        (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
+        (a, b) => panic!("the paths disagree: composed {a:?}, fused {b:?}"),
+    }
+    runs.into_iter().next().expect("two runs")
+}
+
+// Finding 1: the fused linear never checked its bias.
+#[test]
+fn linear_bias_shapes_are_checked_and_views_are_read_through_their_strides() {
+    let w = t(&[6, 5]);
+    let x = det(&[4, 5], DType::F32, 1.0);
+    // Shorter, longer and 2-D biases: a typed error naming the bias, on both paths.
+    for bad in [t(&[5]), t(&[7]), t(&[1, 6]), t(&[6, 1])] {
+        let e = linear_all(&w, Some(&bad), &x).expect_err("bad bias");
+        assert!(matches!(e, Error::Shape { arg: "bias", .. }), "{e:?}");
+        assert!(e.to_string().contains("(6,)"), "{e}");
+    }
+    // A broadcast (stride-0) bias and a strided one (a column of a matrix) give the numbers of
+    // the same bias made contiguous.
+    let reference = linear_all(&w, Some(&Tensor::full(0.25f32, 6, &dev()).unwrap()), &x).unwrap();
+    let broadcast = Tensor::new(&[0.25f32], &dev()).unwrap().broadcast_as(6).unwrap();
+    assert_close(&linear_all(&w, Some(&broadcast), &x).unwrap(), &reference, Tolerance::F32_FORWARD, "stride 0");
+    let m = det(&[6, 3], DType::F32, 2.0);
+    let column = m.i((.., 1)).unwrap();
+    assert!(!column.is_contiguous());
+    let want = linear_all(&w, Some(&column.contiguous().unwrap()), &x).unwrap();
+    assert_close(&linear_all(&w, Some(&column), &x).unwrap(), &want, Tolerance::F32_FORWARD, "strided");
+    // A bias of another dtype, and a 1-D or 3-D weight.
+    let e = linear_all(&w, Some(&det(&[6], DType::F64, 0.0)), &x).expect_err("dtype");
+    assert!(matches!(e, Error::DType { arg: "bias", .. }), "{e:?}");
+    let e = linear_all(&t(&[6]), None, &x).expect_err("1-D weight");
+    assert!(matches!(e, Error::Shape { arg: "weight", .. }), "{e:?}");
+}
+
+/// `multi_head_attention_forward` with the given parameters on every backend: the same error
+/// text everywhere.
+fn mha_fn_err(params: &MhaParams, x: &Tensor) -> String {
+    let errs: Vec<String> = BACKENDS
+        .iter()
+        .map(|&b| {
+            let opts = MhaOptions::default().need_weights(false).backend(b);
+            multi_head_attention_forward(x, x, x, params, &opts, false).expect_err("rejected").to_string()
+        })
+        .collect();
+    assert!(errs.iter().all(|e| e == &errs[0]), "paths disagree: {errs:?}");
+    errs[0].clone()
+}
+
+#[test]
+fn functional_mha_checks_every_parameter_shape() {
+    let e = 8;
+    let (w_in, b_in, w_out, b_out) = (t(&[3 * e, e]), t(&[3 * e]), t(&[e, e]), t(&[e]));
+    let base = MhaParams {
+        embed_dim_to_check: e,
+        num_heads: 2,
+        in_proj: InProj::Packed(&w_in),
+        in_proj_bias: Some(&b_in),
+        bias_k: None,
+        bias_v: None,
+        add_zero_attn: false,
+        dropout_p: 0.0,
+        out_proj_weight: &w_out,
+        out_proj_bias: Some(&b_out),
+    };
+    let x = det(&[3, 2, e], DType::F32, 1.0);
+    let short = t(&[3 * e - 1]);
+    let long = t(&[3 * e + 5]);
+    let tall = t(&[e + 4, e]);
+    let b2 = t(&[1, e]);
+    let cases: Vec<(&str, MhaParams)> = vec![
+        ("in_proj_bias", MhaParams { in_proj_bias: Some(&short), ..base }),
+        ("in_proj_bias", MhaParams { in_proj_bias: Some(&long), ..base }),
+        ("out_proj_weight", MhaParams { out_proj_weight: &tall, ..base }),
+        ("out_proj_bias", MhaParams { out_proj_bias: Some(&b2), ..base }),
+    ];
+    for (arg, params) in cases {
+        let msg = mha_fn_err(&params, &x);
+        assert!(msg.contains(arg) && msg.contains("expected shape"), "{arg}: {msg}");
+    }
+}
+
+// Finding 2: bias_v without bias_k.
+#[test]
+fn bias_v_without_bias_k_is_rejected_on_every_path_and_dtype() {
+    for dtype in [DType::F32, DType::F64] {
+        let e = 8;
+        let (w_in, w_out, bv) = (det(&[3 * e, e], dtype, 0.1), det(&[e, e], dtype, 0.2), det(&[1, 1, e], dtype, 0.3));
+        let params = MhaParams {
+            embed_dim_to_check: e,
+            num_heads: 2,
+            in_proj: InProj::Packed(&w_in),
+            in_proj_bias: None,
+            bias_k: None,
+            bias_v: Some(&bv),
+            add_zero_attn: false,
+            dropout_p: 0.0,
+            out_proj_weight: &w_out,
+            out_proj_bias: None,
+        };
+        let msg = mha_fn_err(&params, &det(&[3, 2, e], dtype, 1.0));
+        assert!(msg.contains("bias_k and bias_v must both be given"), "{msg}");
+        assert!(msg.contains("bias_v without bias_k"), "{msg}");
+    }
+}
+
+// Finding 3: the modes leaked when the closure panicked.
+#[test]
+fn no_grad_and_with_backend_are_restored_after_a_caught_panic() {
+    let r = std::panic::catch_unwind(|| no_grad(|| panic!("inside no_grad")));
+    assert!(r.is_err());
+    assert!(grad_enabled(), "grad mode leaked out of a panicking no_grad");
+    let r = std::panic::catch_unwind(|| with_backend(Backend::Composed, || panic!("inside")));
+    assert!(r.is_err());
+    assert_eq!(multihead::default_backend(), Backend::Auto);
+}
+
+// Finding 4: weights larger than memory aborted the process.
+#[test]
+fn attention_weights_larger_than_memory_are_a_typed_error() {
+    // Fused weights under no_grad: (1024, 4096, 4096) f32 = 64 GiB.
+    let (m, _vm) = mha(MhaConfig::new(8, 2).with_batch_first(true), DType::F32);
+    let x = Tensor::zeros((1024, 4096, 8), DType::F32, &dev()).unwrap();
+    let e = no_grad(|| m.forward(&x, &x, &x, &MhaOptions::default())).expect_err("too large");
+    assert!(matches!(e, Error::Alloc { what: "attn_weights", .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(msg.contains("64.0 GiB") && msg.contains("need_weights=false"), "{msg}");
+    // Composed with gradients: (64·2, 65536, 65536) scores = 2 TiB each.
+    let (m, _vm) = mha(MhaConfig::new(8, 2), DType::F32);
+    let x = Tensor::zeros((65536, 64, 8), DType::F32, &dev()).unwrap();
+    let x = candle_core::Var::from_tensor(&x).unwrap();
+    let e = m.forward(x.as_tensor(), x.as_tensor(), x.as_tensor(), &MhaOptions::default()).expect_err("too large");
+    assert!(matches!(e, Error::Alloc { what: "attention scores", .. }), "{e:?}");
+    // SDPA on the composed path (f64).
+    let q = Tensor::zeros((64, 2, 65536, 4), DType::F64, &dev()).unwrap();
+    let e = scaled_dot_product_attention(&q, &q, &q, &SdpaOptions::default()).expect_err("too large");
+    assert!(matches!(e, Error::Alloc { .. }), "{e:?}");
+}
+
+// Finding 6: sizes that overflow built modules with empty parameters.
+#[test]
+fn constructor_sizes_that_overflow_are_rejected() {
+    use candle_nn::{VarBuilder, VarMap};
+    for cfg in [MhaConfig::new(1 << 32, 1), MhaConfig::new(8, 2).with_kdim(usize::MAX / 4)] {
+        let vm = VarMap::new();
+        let e = multihead::MultiheadAttention::new(cfg, VarBuilder::from_varmap(&vm, DType::F32, &dev()))
+            .expect_err("overflow");
+        assert!(matches!(e, Error::Config { .. }), "{e:?}");
+        assert!(vm.all_vars().is_empty(), "nothing may be created");
+    }
+    // Large but addressable: an allocation error, not an abort.
+    let vm = VarMap::new();
+    let e = Linear::new(1 << 20, 1 << 20, true, VarBuilder::from_varmap(&vm, DType::F32, &dev()))
+        .expect_err("4 TiB weight");
+    assert!(matches!(e, Error::Alloc { .. }), "{e:?}");
+}
+
+/// Output and attention weights of an MHA call with the composed and the auto (fused) backend.
+fn both_paths(
+    m: &multihead::MultiheadAttention,
+    q: &Tensor,
+    kv: &Tensor,
+    opts: &MhaOptions,
+) -> [(Tensor, Option<Tensor>); 2] {
+    [Backend::Composed, Backend::Auto].map(|b| {
+        let out = no_grad(|| m.forward(q, kv, kv, &opts.clone().backend(b))).expect("runs");
+        (out.output, out.attn_weights)
+    })
+}
+
+/// Same NaN positions, and the finite values close.
+fn assert_same_nan_pattern(a: &Tensor, b: &Tensor, what: &str) {
+    let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(x.is_nan(), y.is_nan(), "{what}: element {i}: {x} vs {y}");
+        if x.is_finite() {
+            assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "{what}: element {i}: {x} vs {y}");
+        }
+    }
+}
+
+// Finding 5: whether a NaN in a padded key reached the output depended on the tile size.
+#[test]
+fn nan_in_masked_keys_and_values_propagates_identically_on_every_path() {
+    let (e, h, n) = (8, 2, 2);
+    let s = 530; // key tiles of 256: keys 255/256 straddle a boundary, 512.. is a short tile
+    let (m, _vm) = mha(MhaConfig::new(e, h).with_batch_first(true), DType::F32);
+    let q = det(&[n, 5, e], DType::F32, 1.0);
+    for pos in [3usize, 255, 256, 300, 520] {
+        for in_value in [false, true] {
+            // Batch 0 pads keys 200.. (so `pos` >= 200 lies in fully padded tiles); batch 1 open.
+            let mut pad = vec![0u8; n * s];
+            pad[200..s].iter_mut().for_each(|p| *p = 1);
+            let kpm = Mask::Bool(Tensor::from_vec(pad, (n, s), &dev()).unwrap());
+            let mut data = det(&[n, s, e], DType::F32, 2.0).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            data[pos * e + if in_value { 3 } else { 0 }] = f32::NAN;
+            let kv = Tensor::from_vec(data, (n, s, e), &dev()).unwrap();
+            for need_weights in [false, true] {
+                let opts = MhaOptions::default().key_padding_mask(kpm.clone()).need_weights(need_weights);
+                let [(oc, wc), (of, wf)] = both_paths(&m, &q, &kv, &opts);
+                let what = format!("pos {pos} value {in_value} weights {need_weights}");
+                assert_same_nan_pattern(&of, &oc, &what);
+                // PyTorch's arithmetic: NaN + (-inf) and 0·NaN are NaN, so batch 0 is NaN.
+                let b0 = of.get(0).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert!(b0.iter().all(|x| x.is_nan()), "{what}: batch 0 must be NaN");
+                let b1 = of.get(1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert!(b1.iter().all(|x| x.is_finite()), "{what}: batch 1 must stay finite");
+                if let (Some(wc), Some(wf)) = (wc, wf) {
+                    assert_same_nan_pattern(&wf, &wc, &format!("{what}: weights"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn nan_in_future_keys_under_is_causal_and_sdpa_masks_agree_across_paths() {
+    let (b, h, l, s, d) = (1, 2, 300, 300, 8);
+    let q = det(&[b, h, l, d], DType::F32, 1.0);
+    let v = det(&[b, h, s, d], DType::F32, 3.0);
+    for pos in [0usize, 255, 256, 299] {
+        let mut data = det(&[b, h, s, d], DType::F32, 2.0).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        data[pos * d + 1] = f32::NAN; // head 0
+        let k = Tensor::from_vec(data, (b, h, s, d), &dev()).unwrap();
+        // A fully masked key range (SDPA polarity: False = masked) over the NaN, and causal.
+        let mut keep = vec![1u8; l * s];
+        for i in 0..l {
+            for j in 250..s {
+                keep[i * s + j] = 0;
+            }
+        }
+        let mask = Mask::Bool(Tensor::from_vec(keep, (l, s), &dev()).unwrap());
+        for opts in [SdpaOptions::default().is_causal(true), SdpaOptions::default().attn_mask(mask.clone())] {
+            let run = |be| scaled_dot_product_attention(&q, &k, &v, &opts.clone().backend(be)).unwrap();
+            let (c, f) = (run(Backend::Composed), run(Backend::Fused));
+            assert_same_nan_pattern(&f, &c, &format!("pos {pos}"));
+            let head1 = f.i((0, 1)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(head1.iter().all(|x| x.is_finite()), "head 1 has no NaN key");
+        }
+    }
+}
+
+// The ecosystem: our errors convert into candle's, so the layers work in candle_nn code.
+#[test]
+fn multihead_errors_convert_into_candle_errors() {
+    fn candle_code(m: &multihead::MultiheadAttention, x: &Tensor) -> candle_core::Result<Tensor> {
+        Ok(m.self_attention(x)?)
+    }
+    let (m, _vm) = mha(MhaConfig::new(8, 2), DType::F32);
+    let err = candle_code(&m, &t(&[3, 2, 7])).expect_err("wrong width");
+    assert!(err.to_string().contains("embedding dimension of 8"), "{err}");
+    assert!(candle_code(&m, &t(&[3, 2, 8])).is_ok());
+}
