@@ -18,6 +18,11 @@
 //!   [`keep_from_row`](crate::dropout::keep_from_row)`(key.row_state(b*heads_q + h, i), j, p)`.
 //!   The backward regenerates the same mask; nothing is stored.
 //! * `out = (P∘m) v`, `lse[b,h,i] = log Σ_j exp(score)`.
+//! * Non-finite keys and values follow that arithmetic exactly, as PyTorch's does: masks are
+//!   added (NaN + −inf is NaN) and every value is multiplied by its weight (0·NaN is NaN), so
+//!   a NaN key of a `(batch, kv head)` makes all its rows NaN and a NaN value makes its column
+//!   NaN, masked or not. The kernels skip key tiles the masks or the causal diagonal hide only
+//!   for heads whose keys and values are all finite (one scan of K and V per call).
 //! * Backward (FlashAttention-2): `D_i = rowsum(dO_i ∘ O_i)`,
 //!   `dS = P ∘ (m ∘ (dO vᵀ) − D)`, `dq = scale · dS k`, `dk = scale · dSᵀ q`,
 //!   `dv = (P∘m)ᵀ dO`; `dk`/`dv` of a kv head sum over its query heads.

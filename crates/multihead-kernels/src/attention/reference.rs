@@ -66,6 +66,12 @@ pub fn probabilities(
         return (s, lse);
     }
     for (r, row) in s.chunks_mut(d.s).enumerate() {
+        // A NaN score (a NaN key, or +inf + -inf) makes the whole row NaN, as in PyTorch.
+        if row.iter().any(|x| x.is_nan()) {
+            row.iter_mut().for_each(|x| *x = f64::NAN);
+            lse[r] = f64::NAN;
+            continue;
+        }
         let mx = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         if mx == f64::NEG_INFINITY {
             row.iter_mut().for_each(|x| *x = 0.0);

@@ -692,3 +692,56 @@ fn vector_exp_is_accurate_and_handles_specials() {
         }
     }
 }
+
+/// NaN at `(pos, col)` of K or V in a `[1, 1, s, d]` tensor; a key padding mask hides keys
+/// `200..`; the kernels' output and weights have the reference's NaN positions and values at
+/// every SIMD level, also when the NaN sits in a fully masked key tile (PyTorch adds masks, so
+/// NaN + -inf and 0·NaN are NaN), and with causal masking instead of the padding.
+#[test]
+fn nan_in_masked_keys_and_values_follows_the_reference_at_tile_boundaries() {
+    let (l, s, d) = (70usize, 600usize, 4usize);
+    let dims = AttnDims { batch: 1, heads_q: 1, heads_kv: 1, l, s, d, dv: d };
+    let (ql, kl) = (Layout4::contiguous(1, l, d), Layout4::contiguous(1, s, d));
+    let q = rand_vec(l * d, 1);
+    let pad: Vec<u8> = (0..s).map(|j| (j >= 200) as u8).collect();
+    for causal in [false, true] {
+        for pos in [0usize, 255, 256, 511, 599] {
+            for in_v in [false, true] {
+                let mut k = rand_vec(s * d, 2);
+                let mut v = rand_vec(s * d, 3);
+                if in_v { v[pos * d + 1] = f32::NAN } else { k[pos * d + 1] = f32::NAN }
+                let mut p = AttnParams::new(dims);
+                p.causal = causal;
+                if !causal {
+                    p.masks[0] = Some(MaskView::Bool { data: &pad, strides: [s, 0, 0, 1], true_means_masked: true });
+                }
+                let (eout, _) = reference::forward(&p, &q, ql, &k, kl, &v, kl);
+                let ew = reference::weights(&p, &q, ql, &k, kl, false);
+                for level in levels() {
+                    with_simd_level(level, || {
+                        let mut out = vec![0f32; l * d];
+                        let mut lse = vec![0f32; l];
+                        flash_forward(&p, &q, ql, &k, kl, &v, kl, &mut out, ql, &mut lse).unwrap();
+                        let mut w = vec![0f32; l * s];
+                        attention_weights(&p, &q, ql, &k, kl, &lse, false, &mut w).unwrap();
+                        let what = format!("{level:?} causal {causal} pos {pos} in_v {in_v}");
+                        for (name, got, want) in [("out", &out, &eout), ("weights", &w, &ew)] {
+                            for (i, (&g, &e)) in got.iter().zip(want.iter()).enumerate() {
+                                assert_eq!(g.is_nan(), e.is_nan(), "{what}: {name}[{i}] {g} vs {e}");
+                                if e.is_finite() {
+                                    assert!((g as f64 - e).abs() <= 1e-5 * (1.0 + e.abs()), "{what}: {name}[{i}]");
+                                }
+                            }
+                        }
+                        // A NaN key, visible or not, makes every row NaN; a NaN value makes its
+                        // column NaN in every row (0·NaN is NaN).
+                        for (i, x) in out.iter().enumerate() {
+                            let col_hit = i % d == 1;
+                            assert_eq!(x.is_nan(), !in_v || col_hit, "{what}: out[{i}] = {x}");
+                        }
+                    });
+                }
+            }
+        }
+    }
+}
