@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reproduce PyTorch's own cos-initialised golden tests for the Transformer layers.
 
-PyTorch's deterministic Transformer tests (spec §6.2, §6.3, §6.6) build a small model
+PyTorch's deterministic Transformer tests (test_transformerencoder, test_transformerdecoder and the C++ frontend's transformer tests) build a small model
 (d_model=4, nhead=2, dim_feedforward=16, dropout=0.0), overwrite every parameter ``p`` of
 the *layer* with ``cos(arange(p.numel()).float().view(p.shape))`` (computed in float32,
 then copied into the model's dtype), and compare the output on fixed inputs with

@@ -2,7 +2,7 @@
 """Write seeded PyTorch golden *cases* for the multihead parity tests.
 
 A case is a directory holding ``case.json`` and ``case.safetensors``; the layout is
-fixed by the project's parity-case file contract (``parity-case-format.md``,
+fixed by the project's parity-case file contract (``docs/case-format.md``,
 format_version 1). PyTorch is the reference: every number in a case is what PyTorch
 computed.
 
@@ -516,7 +516,7 @@ def mha_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> d
     if fast_hit != mha_fast_path_expected(c):
         raise RuntimeError(f"{c['name']}: fast-path prediction wrong (hit={fast_hit})")
     if fast_hit and c["is_causal"]:
-        # The fast path drops the is_causal hint (spec §2.6); not what the slow path does.
+        # The fast path drops the is_causal hint (docs/pytorch-behaviour.md §4); not what the slow path does.
         raise SkipCase("is_causal on the fast path")
 
     tensors: dict[str, torch.Tensor] = {}
@@ -1020,7 +1020,7 @@ def mha_random_config(rng: random.Random, index: int) -> dict:
 
 # --------------------------------------------------------------------------------------
 # Transformer layers: TransformerEncoderLayer, TransformerDecoderLayer, TransformerEncoder,
-# TransformerDecoder, Transformer (spec §4)
+# TransformerDecoder, Transformer (docs/pytorch-behaviour.md §7)
 # --------------------------------------------------------------------------------------
 #
 # Config dict (keys with defaults in TF_DEFAULTS):
@@ -1038,7 +1038,7 @@ def mha_random_config(rng: random.Random, index: int) -> dict:
 #           are passed. An absent flag is not passed (recorded as null in ``call``).
 #
 # Masks are drawn so that no (batch, head, query) row is ever fully blocked and no
-# sequence is ever fully padded: the fused eval fast paths give NaN there (spec §3.1),
+# sequence is ever fully padded: the fused eval fast paths give NaN there (docs/pytorch-behaviour.md §5),
 # and no transformer case may hold NaN.
 
 ENC_LAYER = "torch.nn.TransformerEncoderLayer"

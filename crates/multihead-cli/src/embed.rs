@@ -57,7 +57,7 @@ impl BertConfig {
         if !(self.eps.is_finite() && self.eps > 0.0) {
             bail!("config.json: layer_norm_eps must be a positive finite number, got {}", self.eps);
         }
-        if self.hidden == 0 || self.heads == 0 || self.hidden % self.heads != 0 {
+        if self.hidden == 0 || self.heads == 0 || !self.hidden.is_multiple_of(self.heads) {
             bail!(
                 "config.json: hidden_size ({}) must be a positive multiple of num_attention_heads ({})",
                 self.hidden,

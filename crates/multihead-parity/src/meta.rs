@@ -384,7 +384,7 @@ impl Module {
                 bounded("constructor.num_layers", ctor.num_layers, MAX_LAYERS)?;
                 if ctor.norm.as_ref().is_some_and(|n| !n.elementwise_affine) {
                     return Err(
-                        "constructor.norm.elementwise_affine = false is not supported".into(),
+                        "constructor.norm.elementwise_affine = false is not supported".into()
                     );
                 }
                 if meta.module.ends_with("Encoder") {
@@ -395,7 +395,10 @@ impl Module {
             }
             "torch.nn.Transformer" => {
                 let ctor: TransformerCtor = typed(c, "constructor")?;
-                for (key, v) in [("custom_encoder", &ctor.custom_encoder), ("custom_decoder", &ctor.custom_decoder)] {
+                for (key, v) in [
+                    ("custom_encoder", &ctor.custom_encoder),
+                    ("custom_decoder", &ctor.custom_decoder),
+                ] {
                     if v.as_ref().is_some_and(|v| !v.is_null()) {
                         return Err(format!("constructor.{key} must be null"));
                     }
@@ -415,9 +418,13 @@ impl Module {
     /// The call keys this module's forward takes (PyTorch's argument names).
     pub fn call_keys(&self) -> &'static [&'static str] {
         match self {
-            Module::Mha(..) => {
-                &["need_weights", "average_attn_weights", "is_causal", "attn_mask", "key_padding_mask"]
-            }
+            Module::Mha(..) => &[
+                "need_weights",
+                "average_attn_weights",
+                "is_causal",
+                "attn_mask",
+                "key_padding_mask",
+            ],
             Module::EncoderLayer(..) => &["src_mask", "src_key_padding_mask", "is_causal"],
             Module::Encoder(..) => &["mask", "src_key_padding_mask", "is_causal"],
             Module::DecoderLayer(..) | Module::Decoder(..) => &[
@@ -466,7 +473,10 @@ impl Module {
                 vec![("constructor.device", &c.device)]
             }
             Module::Encoder(c, _) | Module::Decoder(c, _) => {
-                vec![("constructor.device", &c.device), ("constructor.layer.device", &c.layer.device)]
+                vec![
+                    ("constructor.device", &c.device),
+                    ("constructor.layer.device", &c.layer.device),
+                ]
             }
             Module::Transformer(c, _) => vec![("constructor.device", &c.device)],
         };
@@ -491,10 +501,10 @@ impl Module {
             Module::Transformer(c, _) => (&c.dtype, &None),
         };
         match (top, layer) {
-            (Some(a), Some(b)) if a.trim_start_matches("torch.") != b.trim_start_matches("torch.") => {
-                Err(format!(
-                    "constructor.dtype {a:?} and constructor.layer.dtype {b:?} disagree"
-                ))
+            (Some(a), Some(b))
+                if a.trim_start_matches("torch.") != b.trim_start_matches("torch.") =>
+            {
+                Err(format!("constructor.dtype {a:?} and constructor.layer.dtype {b:?} disagree"))
             }
             (Some(a), _) => Ok((a.clone(), "constructor.dtype")),
             (None, Some(b)) => Ok((b.clone(), "constructor.layer.dtype")),

@@ -78,7 +78,7 @@ fn gradients<'a>(
     Ok(out)
 }
 
-fn upstream<'a>(case: &'a Case) -> Result<&'a Tensor> {
+fn upstream(case: &Case) -> Result<&Tensor> {
     case.tensor("grad.output")
         .ok_or_else(|| case_err(&case.dir, "grad_mode is true but grad.output is missing"))
 }
@@ -88,8 +88,9 @@ fn replay_mha(case: &Case, ctor: &MhaCtor) -> Result<ReplayResult> {
         return Err(case_err(&case.dir, "not a MultiheadAttention case"));
     };
     let cfg = mha_config(ctor);
-    let (mut mha, _vars) =
-        load_strict(&case.params(), case.dtype, &Device::Cpu, |vb| MultiheadAttention::new(cfg, vb))?;
+    let (mut mha, _vars) = load_strict(&case.params(), case.dtype, &Device::Cpu, |vb| {
+        MultiheadAttention::new(cfg, vb)
+    })?;
     mha.train(case.meta.training);
     let alias = case.meta.aliasing;
     let q = case.input_var("query")?;
@@ -215,7 +216,11 @@ fn build(case: &Case) -> Result<Built> {
     Ok(built)
 }
 
-fn decoder_masks(case: &Case, c: &LayerCallArgs, tgt_causal_default: Option<bool>) -> Result<DecoderMasks> {
+fn decoder_masks(
+    case: &Case,
+    c: &LayerCallArgs,
+    tgt_causal_default: Option<bool>,
+) -> Result<DecoderMasks> {
     Ok(DecoderMasks {
         tgt_mask: case.mask("tgt_mask", c.tgt_mask)?,
         memory_mask: case.mask("memory_mask", c.memory_mask)?,
@@ -257,11 +262,14 @@ fn forward(case: &Case, built: &Built, inputs: &BTreeMap<&str, Var>) -> Result<T
         Built::DecoderLayer(m) => {
             m.forward(&inp("tgt")?, &inp("memory")?, &decoder_masks(case, call, Some(false))?)?
         }
-        Built::Decoder(m) => m.forward(&inp("tgt")?, &inp("memory")?, &decoder_masks(case, call, None)?)?,
+        Built::Decoder(m) => {
+            m.forward(&inp("tgt")?, &inp("memory")?, &decoder_masks(case, call, None)?)?
+        }
         Built::Transformer(m) => {
             let masks = TransformerMasks {
                 src_mask: case.mask("src_mask", call.src_mask)?,
-                src_key_padding_mask: case.mask("src_key_padding_mask", call.src_key_padding_mask)?,
+                src_key_padding_mask: case
+                    .mask("src_key_padding_mask", call.src_key_padding_mask)?,
                 src_is_causal: call.src_is_causal,
                 decoder: decoder_masks(case, call, None)?,
             };

@@ -49,6 +49,7 @@
 
 pub mod activation;
 mod alloc;
+pub mod embedding;
 pub mod error;
 pub mod functional;
 pub mod fused;
@@ -62,9 +63,10 @@ pub mod state_dict;
 pub mod transformer;
 
 pub use activation::Activation;
+pub use embedding::Embedding;
 pub use error::{Error, Result};
-pub use fused::dispatch::{Path, Plan, Reason};
 pub use functional::{MhaOptions, MhaOutput, SdpaOptions};
+pub use fused::dispatch::{Path, Plan, Reason};
 pub use layer_norm::LayerNorm;
 pub use linear::Linear;
 pub use mask::{generate_square_subsequent_mask, Mask};

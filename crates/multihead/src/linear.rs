@@ -204,7 +204,11 @@ fn validate_linear(
             return Err(Error::DType {
                 op,
                 arg: "bias",
-                msg: format!("bias dtype {:?} does not match the input dtype {:?}", b.dtype(), x.dtype()),
+                msg: format!(
+                    "bias dtype {:?} does not match the input dtype {:?}",
+                    b.dtype(),
+                    x.dtype()
+                ),
             });
         }
     }
@@ -214,7 +218,11 @@ fn validate_linear(
                 return Err(Error::Config {
                     op,
                     arg: name,
-                    msg: format!("{name} is on {:?} but the input is on {:?}", t.device(), x.device()),
+                    msg: format!(
+                        "{name} is on {:?} but the input is on {:?}",
+                        t.device(),
+                        x.device()
+                    ),
                 });
             }
         }

@@ -23,7 +23,7 @@ use std::cell::Cell;
 /// Set it per call ([`MhaOptions::backend`](crate::MhaOptions::backend),
 /// [`SdpaOptions::backend`](crate::SdpaOptions::backend)) or for a scope ([`with_backend`]).
 /// The plan of a call says which path runs and why: see
-/// [`MultiheadAttention::plan`](crate::MultiheadAttention::plan).
+/// [`MultiheadAttention::explain`](crate::MultiheadAttention::explain).
 ///
 /// # Example
 /// ```

@@ -19,6 +19,8 @@ const OP: &str = "MultiheadAttention";
 /// `MhaConfig::new(embed_dim, num_heads)` then `with_*` for the rest. The parameter dtype
 /// (PyTorch's `dtype=`) is the dtype of the [`VarBuilder`] the module is built from.
 ///
+/// [`VarBuilder`]: https://docs.rs/candle-nn/0.11/candle_nn/var_builder/type.VarBuilder.html
+///
 /// # Example
 /// ```
 /// use multihead::MhaConfig;
@@ -240,7 +242,7 @@ pub struct MultiheadAttention {
 impl MultiheadAttention {
     /// Builds the module from `vb` under PyTorch's keys, in `vb`'s dtype.
     ///
-    /// Fresh parameters follow PyTorch's initialisation (spec §1.4): Xavier-uniform over the
+    /// Fresh parameters follow PyTorch's initialisation (`docs/pytorch-behaviour.md` §1): Xavier-uniform over the
     /// packed `(3E, E)` in-projection (or per separate weight), `out_proj.weight` uniform in
     /// `±1/√E`, biases zero, `bias_k`/`bias_v` normal with std `1/√E`. They are drawn from
     /// candle's generator, which cannot be seeded: load a state_dict for reproducible weights.

@@ -4,6 +4,9 @@
 //! PyTorch key, so the builder *is* the map of the checkpoint. Strict loading puts the file's
 //! tensors into a [`VarMap`] (so they train), builds the module from it, and then compares the
 //! keys the module asked for with the keys the file has.
+//!
+//! [`VarBuilder`]: https://docs.rs/candle-nn/0.11/candle_nn/var_builder/type.VarBuilder.html
+//! [`VarMap`]: https://docs.rs/candle-nn/0.11/candle_nn/var_map/struct.VarMap.html
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
@@ -185,9 +188,9 @@ fn prefix_hint(missing: &[String], unexpected: &[String]) -> String {
         while let Some(dot) = first[cut..].find('.') {
             cut += dot + 1;
             let prefix = &first[..cut];
-            let all = longer.iter().all(|k| {
-                k.strip_prefix(prefix).is_some_and(|rest| shorter_set.contains(rest))
-            });
+            let all = longer
+                .iter()
+                .all(|k| k.strip_prefix(prefix).is_some_and(|rest| shorter_set.contains(rest)));
             if all && longer.len() == shorter.len() {
                 return Some(prefix.to_string());
             }
@@ -251,7 +254,12 @@ impl candle_nn::var_builder::SimpleBackend for Loader {
         }
     }
 
-    fn get_unchecked(&self, name: &str, _dtype: DType, _dev: &Device) -> candle_core::Result<Tensor> {
+    fn get_unchecked(
+        &self,
+        name: &str,
+        _dtype: DType,
+        _dev: &Device,
+    ) -> candle_core::Result<Tensor> {
         let data = self.vars.data().lock().unwrap_or_else(|e| e.into_inner());
         match data.get(name) {
             Some(v) => Ok(v.as_tensor().clone()),
@@ -296,7 +304,8 @@ fn load_with<M: NamedParameters>(
         Ok(m) => m,
         // A strict load with missing keys: report the keys, not what the placeholders caused.
         Err(_) if strict && !recorded.is_empty() => {
-            let unexpected = compare_keys(recorded.iter().map(String::as_str), state.keys().map(String::as_str));
+            let unexpected =
+                compare_keys(recorded.iter().map(String::as_str), state.keys().map(String::as_str));
             return Err(Error::StateDictKeys {
                 missing: unexpected.missing_keys,
                 unexpected: Vec::new(),
@@ -310,7 +319,8 @@ fn load_with<M: NamedParameters>(
         Err(e) => return Err(e),
     };
     let names = module.named_parameters();
-    let report = compare_keys(names.iter().map(|(k, _)| k.as_str()), state.keys().map(|k| k.as_str()));
+    let report =
+        compare_keys(names.iter().map(|(k, _)| k.as_str()), state.keys().map(|k| k.as_str()));
     if strict && !report.is_exact() {
         let hint = prefix_hint(&report.missing_keys, &report.unexpected_keys);
         return Err(Error::StateDictKeys {
@@ -322,7 +332,7 @@ fn load_with<M: NamedParameters>(
     Ok((module, vm, report))
 }
 
-/// Loads a state_dict strictly: puts every tensor into a fresh [`VarMap`] as a trainable
+/// Loads a state_dict strictly: puts every tensor into a fresh `VarMap` as a trainable
 /// variable of `dtype`, builds the module from it with `build`, and fails with
 /// [`Error::StateDictKeys`] if the module and the state_dict do not have the same keys.
 /// Missing keys are found before anything is allocated for them.

@@ -709,11 +709,19 @@ fn nan_in_masked_keys_and_values_follows_the_reference_at_tile_boundaries() {
             for in_v in [false, true] {
                 let mut k = rand_vec(s * d, 2);
                 let mut v = rand_vec(s * d, 3);
-                if in_v { v[pos * d + 1] = f32::NAN } else { k[pos * d + 1] = f32::NAN }
+                if in_v {
+                    v[pos * d + 1] = f32::NAN
+                } else {
+                    k[pos * d + 1] = f32::NAN
+                }
                 let mut p = AttnParams::new(dims);
                 p.causal = causal;
                 if !causal {
-                    p.masks[0] = Some(MaskView::Bool { data: &pad, strides: [s, 0, 0, 1], true_means_masked: true });
+                    p.masks[0] = Some(MaskView::Bool {
+                        data: &pad,
+                        strides: [s, 0, 0, 1],
+                        true_means_masked: true,
+                    });
                 }
                 let (eout, _) = reference::forward(&p, &q, ql, &k, kl, &v, kl);
                 let ew = reference::weights(&p, &q, ql, &k, kl, false);
@@ -727,9 +735,16 @@ fn nan_in_masked_keys_and_values_follows_the_reference_at_tile_boundaries() {
                         let what = format!("{level:?} causal {causal} pos {pos} in_v {in_v}");
                         for (name, got, want) in [("out", &out, &eout), ("weights", &w, &ew)] {
                             for (i, (&g, &e)) in got.iter().zip(want.iter()).enumerate() {
-                                assert_eq!(g.is_nan(), e.is_nan(), "{what}: {name}[{i}] {g} vs {e}");
+                                assert_eq!(
+                                    g.is_nan(),
+                                    e.is_nan(),
+                                    "{what}: {name}[{i}] {g} vs {e}"
+                                );
                                 if e.is_finite() {
-                                    assert!((g as f64 - e).abs() <= 1e-5 * (1.0 + e.abs()), "{what}: {name}[{i}]");
+                                    assert!(
+                                        (g as f64 - e).abs() <= 1e-5 * (1.0 + e.abs()),
+                                        "{what}: {name}[{i}]"
+                                    );
                                 }
                             }
                         }

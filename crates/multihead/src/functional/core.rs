@@ -129,4 +129,3 @@ pub(crate) fn cat_nonempty(parts: &[&Tensor], dim: usize) -> Result<Tensor> {
         _ => Ok(Tensor::cat(&kept, dim)?),
     }
 }
-

@@ -15,6 +15,8 @@ mod mha;
 mod sdpa;
 
 pub use self::core::safe_softmax_last_dim;
+pub use mha::{
+    explain_mha, multi_head_attention_forward, InProj, MhaOptions, MhaOutput, MhaParams,
+};
 pub(crate) use mha::{mha_forward_impl, mha_plan_impl, Aliasing};
-pub use mha::{explain_mha, multi_head_attention_forward, InProj, MhaOptions, MhaOutput, MhaParams};
 pub use sdpa::{explain_sdpa, scaled_dot_product_attention, SdpaOptions};

@@ -241,7 +241,13 @@ fn validate(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaOptions) ->
 }
 
 /// Step 2: the path, and why.
-fn plan(query: &Tensor, key: &Tensor, value: &Tensor, call: &SdpaCall, backend: Backend) -> Result<Plan> {
+fn plan(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    call: &SdpaCall,
+    backend: Backend,
+) -> Result<Plan> {
     let blocker = dtype_device_blocker(query).or_else(|| {
         if query.rank() != 4 || key.rank() != 4 || value.rank() != 4 {
             return Some(Reason::NotFourD);
@@ -277,7 +283,12 @@ fn plan(query: &Tensor, key: &Tensor, value: &Tensor, call: &SdpaCall, backend: 
 /// assert_eq!(explain_sdpa(&q, &q, &q, &SdpaOptions::default())?.path, Path::Fused);
 /// # Ok::<(), multihead::Error>(())
 /// ```
-pub fn explain_sdpa(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaOptions) -> Result<Plan> {
+pub fn explain_sdpa(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    opts: &SdpaOptions,
+) -> Result<Plan> {
     let call = validate(query, key, value, opts)?;
     plan(query, key, value, &call, opts.backend)
 }
@@ -401,6 +412,13 @@ fn run_fused(
         d: e,
         dv: call.ev,
     };
-    let op = FlashAttention::new(dims, call.scale as f32, opts.is_causal, masks, dropout, Convention::Bhtd);
+    let op = FlashAttention::new(
+        dims,
+        call.scale as f32,
+        opts.is_causal,
+        masks,
+        dropout,
+        Convention::Bhtd,
+    );
     op.apply(query, key, value)
 }

@@ -161,7 +161,8 @@ impl FlashAttention {
         let (k_off, k4) = self.conv.layout4(kl)?;
         let d = self.dims;
         let hw = if average { 1 } else { d.heads_q };
-        let n = crate::alloc::elements("attention_weights", "attn_weights", &[d.batch, hw, d.l, d.s])?;
+        let n =
+            crate::alloc::elements("attention_weights", "attn_weights", &[d.batch, hw, d.l, d.s])?;
         let mut w = crate::alloc::try_zeros::<f32>(n, "flash attention weights")?;
         let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
         attention_weights(
@@ -216,9 +217,11 @@ impl CustomOp3 for FlashAttention {
         let (v_off, v4) = self.conv.layout4(l3)?;
         let out_dims = self.conv.out_shape(l1.dims(), self.dims.dv);
         let o4 = contiguous_layout4(self.conv, &out_dims)?;
-        let mut out = crate::alloc::try_zeros::<f32>(out_dims.iter().product(), "flash attention output")?;
+        let mut out =
+            crate::alloc::try_zeros::<f32>(out_dims.iter().product(), "flash attention output")?;
         let d = self.dims;
-        let mut lse = crate::alloc::try_zeros::<f32>(d.batch * d.heads_q * d.l, "flash attention lse")?;
+        let mut lse =
+            crate::alloc::try_zeros::<f32>(d.batch * d.heads_q * d.l, "flash attention lse")?;
         flash_forward(
             &self.params(),
             &cpu_f32(s1)?[q_off..],
@@ -321,9 +324,11 @@ impl CustomOp1 for PackedQkv {
         let dims = l.dims();
         let out_dims = vec![dims[0], dims[1], dims[2] / 3];
         let o4 = contiguous_layout4(self.0.conv, &out_dims)?;
-        let mut out = crate::alloc::try_zeros::<f32>(out_dims.iter().product(), "flash attention output")?;
+        let mut out =
+            crate::alloc::try_zeros::<f32>(out_dims.iter().product(), "flash attention output")?;
         let d = self.0.dims;
-        let mut lse = crate::alloc::try_zeros::<f32>(d.batch * d.heads_q * d.l, "flash attention lse")?;
+        let mut lse =
+            crate::alloc::try_zeros::<f32>(d.batch * d.heads_q * d.l, "flash attention lse")?;
         flash_forward(
             &self.0.params(),
             &x[qo..],

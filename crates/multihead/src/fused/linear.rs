@@ -265,4 +265,3 @@ impl candle_core::CustomOp3 for FusedLinear {
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }
-

@@ -108,8 +108,8 @@ fn cpp_frontend_encoder_layer_numbers() {
         Tensor::new(&[[[20f32, 30., 40., 50.]]], &Device::Cpu).expect("src"),
     );
     let meta = json!({"format_version": 1, "module": e["module"], "constructor": e["constructor"], "training": false, "grad_mode": false, "call": {}});
-    let out = parity::replay(&Case::from_parts("cpp", meta, tensors).expect("case")).expect("replay")
-        ["output"]
+    let out = parity::replay(&Case::from_parts("cpp", meta, tensors).expect("case"))
+        .expect("replay")["output"]
         .flatten_all()
         .and_then(|t| t.to_vec1::<f32>())
         .expect("values");

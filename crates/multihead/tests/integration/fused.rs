@@ -3,8 +3,8 @@
 
 use candle_core::{DType, Tensor};
 use multihead::functional::explain_sdpa;
-use multihead::{no_grad, with_backend, Backend, Path};
 use multihead::random::DropoutKey;
+use multihead::{no_grad, with_backend, Backend, Path};
 use multihead::{Mask, MhaConfig, MhaOptions, NamedParameters};
 use multihead_parity::Tolerance;
 

@@ -99,10 +99,8 @@ fn golden_cases_cover_gradients_for_inputs_and_every_parameter() {
 
 #[test]
 fn golden_cases_cover_both_dtypes() {
-    let dtypes: Vec<DType> = case_dirs("mha")
-        .iter()
-        .map(|d| Case::load(d).map(|c| c.dtype()).expect("dtype"))
-        .collect();
+    let dtypes: Vec<DType> =
+        case_dirs("mha").iter().map(|d| Case::load(d).map(|c| c.dtype()).expect("dtype")).collect();
     assert!(dtypes.iter().filter(|d| **d == DType::F64).count() >= 20);
     assert!(dtypes.iter().filter(|d| **d == DType::F32).count() >= 20);
 }

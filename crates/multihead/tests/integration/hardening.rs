@@ -21,8 +21,10 @@ fn t(shape: &[usize]) -> Tensor {
 /// `y` of a Linear on each backend; all must agree (or all fail with the same message).
 fn linear_all(w: &Tensor, b: Option<&Tensor>, x: &Tensor) -> multihead::Result<Tensor> {
     let lin = Linear::from_weights(w.clone(), b.cloned());
-    let runs: Vec<multihead::Result<Tensor>> =
-        [Backend::Composed, Backend::Fused].into_iter().map(|be| with_backend(be, || lin.forward(x))).collect();
+    let runs: Vec<multihead::Result<Tensor>> = [Backend::Composed, Backend::Fused]
+        .into_iter()
+        .map(|be| with_backend(be, || lin.forward(x)))
+        .collect();
     match (&runs[0], &runs[1]) {
         (Ok(a), Ok(b)) => assert_close(b, a, Tolerance::F32_FORWARD, "fused vs composed linear"),
         (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
@@ -46,12 +48,22 @@ fn linear_bias_shapes_are_checked_and_views_are_read_through_their_strides() {
     // the same bias made contiguous.
     let reference = linear_all(&w, Some(&Tensor::full(0.25f32, 6, &dev()).unwrap()), &x).unwrap();
     let broadcast = Tensor::new(&[0.25f32], &dev()).unwrap().broadcast_as(6).unwrap();
-    assert_close(&linear_all(&w, Some(&broadcast), &x).unwrap(), &reference, Tolerance::F32_FORWARD, "stride 0");
+    assert_close(
+        &linear_all(&w, Some(&broadcast), &x).unwrap(),
+        &reference,
+        Tolerance::F32_FORWARD,
+        "stride 0",
+    );
     let m = det(&[6, 3], DType::F32, 2.0);
     let column = m.i((.., 1)).unwrap();
     assert!(!column.is_contiguous());
     let want = linear_all(&w, Some(&column.contiguous().unwrap()), &x).unwrap();
-    assert_close(&linear_all(&w, Some(&column), &x).unwrap(), &want, Tolerance::F32_FORWARD, "strided");
+    assert_close(
+        &linear_all(&w, Some(&column), &x).unwrap(),
+        &want,
+        Tolerance::F32_FORWARD,
+        "strided",
+    );
     // A bias of another dtype, and a 1-D or 3-D weight.
     let e = linear_all(&w, Some(&det(&[6], DType::F64, 0.0)), &x).expect_err("dtype");
     assert!(matches!(e, Error::DType { arg: "bias", .. }), "{e:?}");
@@ -66,7 +78,9 @@ fn mha_fn_err(params: &MhaParams, x: &Tensor) -> String {
         .iter()
         .map(|&b| {
             let opts = MhaOptions::default().need_weights(false).backend(b);
-            multi_head_attention_forward(x, x, x, params, &opts, false).expect_err("rejected").to_string()
+            multi_head_attention_forward(x, x, x, params, &opts, false)
+                .expect_err("rejected")
+                .to_string()
         })
         .collect();
     assert!(errs.iter().all(|e| e == &errs[0]), "paths disagree: {errs:?}");
@@ -111,7 +125,8 @@ fn functional_mha_checks_every_parameter_shape() {
 fn bias_v_without_bias_k_is_rejected_on_every_path_and_dtype() {
     for dtype in [DType::F32, DType::F64] {
         let e = 8;
-        let (w_in, w_out, bv) = (det(&[3 * e, e], dtype, 0.1), det(&[e, e], dtype, 0.2), det(&[1, 1, e], dtype, 0.3));
+        let (w_in, w_out, bv) =
+            (det(&[3 * e, e], dtype, 0.1), det(&[e, e], dtype, 0.2), det(&[1, 1, e], dtype, 0.3));
         let params = MhaParams {
             embed_dim_to_check: e,
             num_heads: 2,
@@ -155,11 +170,14 @@ fn attention_weights_larger_than_memory_are_a_typed_error() {
     let (m, _vm) = mha(MhaConfig::new(8, 2), DType::F32);
     let x = Tensor::zeros((65536, 64, 8), DType::F32, &dev()).unwrap();
     let x = candle_core::Var::from_tensor(&x).unwrap();
-    let e = m.forward(x.as_tensor(), x.as_tensor(), x.as_tensor(), &MhaOptions::default()).expect_err("too large");
+    let e = m
+        .forward(x.as_tensor(), x.as_tensor(), x.as_tensor(), &MhaOptions::default())
+        .expect_err("too large");
     assert!(matches!(e, Error::Alloc { what: "attention scores", .. }), "{e:?}");
     // SDPA on the composed path (f64).
     let q = Tensor::zeros((64, 2, 65536, 4), DType::F64, &dev()).unwrap();
-    let e = scaled_dot_product_attention(&q, &q, &q, &SdpaOptions::default()).expect_err("too large");
+    let e =
+        scaled_dot_product_attention(&q, &q, &q, &SdpaOptions::default()).expect_err("too large");
     assert!(matches!(e, Error::Alloc { .. }), "{e:?}");
 }
 
@@ -169,8 +187,11 @@ fn constructor_sizes_that_overflow_are_rejected() {
     use candle_nn::{VarBuilder, VarMap};
     for cfg in [MhaConfig::new(1 << 32, 1), MhaConfig::new(8, 2).with_kdim(usize::MAX / 4)] {
         let vm = VarMap::new();
-        let e = multihead::MultiheadAttention::new(cfg, VarBuilder::from_varmap(&vm, DType::F32, &dev()))
-            .expect_err("overflow");
+        let e = multihead::MultiheadAttention::new(
+            cfg,
+            VarBuilder::from_varmap(&vm, DType::F32, &dev()),
+        )
+        .expect_err("overflow");
         assert!(matches!(e, Error::Config { .. }), "{e:?}");
         assert!(vm.all_vars().is_empty(), "nothing may be created");
     }
@@ -220,11 +241,13 @@ fn nan_in_masked_keys_and_values_propagates_identically_on_every_path() {
             let mut pad = vec![0u8; n * s];
             pad[200..s].iter_mut().for_each(|p| *p = 1);
             let kpm = Mask::Bool(Tensor::from_vec(pad, (n, s), &dev()).unwrap());
-            let mut data = det(&[n, s, e], DType::F32, 2.0).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let mut data =
+                det(&[n, s, e], DType::F32, 2.0).flatten_all().unwrap().to_vec1::<f32>().unwrap();
             data[pos * e + if in_value { 3 } else { 0 }] = f32::NAN;
             let kv = Tensor::from_vec(data, (n, s, e), &dev()).unwrap();
             for need_weights in [false, true] {
-                let opts = MhaOptions::default().key_padding_mask(kpm.clone()).need_weights(need_weights);
+                let opts =
+                    MhaOptions::default().key_padding_mask(kpm.clone()).need_weights(need_weights);
                 let [(oc, wc), (of, wf)] = both_paths(&m, &q, &kv, &opts);
                 let what = format!("pos {pos} value {in_value} weights {need_weights}");
                 assert_same_nan_pattern(&of, &oc, &what);
@@ -247,7 +270,8 @@ fn nan_in_future_keys_under_is_causal_and_sdpa_masks_agree_across_paths() {
     let q = det(&[b, h, l, d], DType::F32, 1.0);
     let v = det(&[b, h, s, d], DType::F32, 3.0);
     for pos in [0usize, 255, 256, 299] {
-        let mut data = det(&[b, h, s, d], DType::F32, 2.0).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let mut data =
+            det(&[b, h, s, d], DType::F32, 2.0).flatten_all().unwrap().to_vec1::<f32>().unwrap();
         data[pos * d + 1] = f32::NAN; // head 0
         let k = Tensor::from_vec(data, (b, h, s, d), &dev()).unwrap();
         // A fully masked key range (SDPA polarity: False = masked) over the NaN, and causal.
@@ -258,8 +282,11 @@ fn nan_in_future_keys_under_is_causal_and_sdpa_masks_agree_across_paths() {
             }
         }
         let mask = Mask::Bool(Tensor::from_vec(keep, (l, s), &dev()).unwrap());
-        for opts in [SdpaOptions::default().is_causal(true), SdpaOptions::default().attn_mask(mask.clone())] {
-            let run = |be| scaled_dot_product_attention(&q, &k, &v, &opts.clone().backend(be)).unwrap();
+        for opts in
+            [SdpaOptions::default().is_causal(true), SdpaOptions::default().attn_mask(mask.clone())]
+        {
+            let run =
+                |be| scaled_dot_product_attention(&q, &k, &v, &opts.clone().backend(be)).unwrap();
             let (c, f) = (run(Backend::Composed), run(Backend::Fused));
             assert_same_nan_pattern(&f, &c, &format!("pos {pos}"));
             let head1 = f.i((0, 1)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();

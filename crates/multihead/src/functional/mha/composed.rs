@@ -86,7 +86,11 @@ pub(crate) fn attend(
         Some(causal_upper_left(l, s2, call.dtype, k.device())?.unsqueeze(0)?)
     } else {
         let kpm = match kpm {
-            Some(m) => Some(m.reshape((n, 1, 1, s2))?.broadcast_as((n, h, 1, s2))?.reshape((n * h, 1, s2))?),
+            Some(m) => Some(m.reshape((n, 1, 1, s2))?.broadcast_as((n, h, 1, s2))?.reshape((
+                n * h,
+                1,
+                s2,
+            ))?),
             None => None,
         };
         match (attn_mask, kpm) {
@@ -96,7 +100,8 @@ pub(crate) fn attend(
     };
     // Attention (steps 12-13), then the heads concatenated back.
     let scale = 1.0 / (hd as f64).sqrt();
-    let (attn, weights) = attention_core(&q, &k, &v, mask.as_ref(), scale, dropout, call.need_weights)?;
+    let (attn, weights) =
+        attention_core(&q, &k, &v, mask.as_ref(), scale, dropout, call.need_weights)?;
     let attn = attn.transpose(0, 1)?.contiguous()?.reshape((l, n, e))?;
     let attn = if call.batch_first { attn.transpose(0, 1)? } else { attn };
     let weights = match weights {

@@ -48,7 +48,15 @@ pub(crate) fn attend(
         };
         return Ok((attn, w));
     }
-    let dims = multihead_kernels::attention::AttnDims { batch: n, heads_q: h, heads_kv: h, l, s, d: hd, dv: hd };
+    let dims = multihead_kernels::attention::AttnDims {
+        batch: n,
+        heads_q: h,
+        heads_kv: h,
+        l,
+        s,
+        d: hd,
+        dv: hd,
+    };
     let mut masks = Vec::new();
     if let Some(a) = &call.attn_mask {
         let strides = if a.dim(0)? == 1 { [0, 0, s, 1] } else { [h * l * s, l * s, s, 1] };
@@ -60,9 +68,8 @@ pub(crate) fn attend(
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let conv = Convention::SeqFirst { heads: h, batch_first: call.batch_first };
     let op = FlashAttention::new(dims, scale, call.causal, masks, dropout, conv);
-    let per_head = s >= LONG_KEYS
-        && !call.need_weights
-        && !(records_grad && s >= LONG_KEYS_TRAINING_MAX);
+    let per_head =
+        s >= LONG_KEYS && !call.need_weights && !(records_grad && s >= LONG_KEYS_TRAINING_MAX);
     let attn = if per_head {
         per_head_attention(call, proj, &op)?
     } else {

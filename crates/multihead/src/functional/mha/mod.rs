@@ -310,7 +310,8 @@ fn finish(call: &MhaCall, output: Tensor, weights: Option<Tensor>) -> Result<Mha
 
 /// An empty batch or query: nothing to compute (PyTorch returns empty tensors).
 fn empty_output(call: &MhaCall) -> Result<MhaOutput> {
-    let (n, l, e, h, dtype, dev) = (call.n, call.l, call.e, call.h, call.dtype, call.query.device());
+    let (n, l, e, h, dtype, dev) =
+        (call.n, call.l, call.e, call.h, call.dtype, call.query.device());
     let output = if call.batch_first {
         Tensor::zeros((n, l, e), dtype, dev)?
     } else {

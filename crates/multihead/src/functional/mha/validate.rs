@@ -249,9 +249,11 @@ fn check_in_proj(
                 ));
             }
             // PyTorch's wording: the weights are checked against the inputs' feature sizes.
-            for (arg, input, w, want) in
-                [("query", "query", q, [e, e]), ("key", "key", k, [e, kf]), ("value", "value", v, [e, vf])]
-            {
+            for (arg, input, w, want) in [
+                ("query", "query", q, [e, e]),
+                ("key", "key", k, [e, kf]),
+                ("value", "value", v, [e, vf]),
+            ] {
                 if w.dims() != want {
                     return Err(shape_err(
                         arg,
@@ -290,7 +292,8 @@ fn check_in_proj(
         }
         (None, None) => {}
         (bk, _) => {
-            let (given, missing) = if bk.is_some() { ("bias_k", "bias_v") } else { ("bias_v", "bias_k") };
+            let (given, missing) =
+                if bk.is_some() { ("bias_k", "bias_v") } else { ("bias_v", "bias_k") };
             return Err(Error::Config {
                 op: MHA,
                 arg: given,
@@ -314,8 +317,11 @@ fn convert_masks(
         Some(m) => {
             let t = if unbatched { m.tensor().unsqueeze(0)? } else { m.tensor().clone() };
             if t.dims() != [n, s] {
-                let (exp, got) =
-                    if unbatched { (vec![s], m.dims().to_vec()) } else { (vec![n, s], t.dims().to_vec()) };
+                let (exp, got) = if unbatched {
+                    (vec![s], m.dims().to_vec())
+                } else {
+                    (vec![n, s], t.dims().to_vec())
+                };
                 return Err(shape_err(
                     "key_padding_mask",
                     format!("expected shape {} (N, S), got {}", fmt_shape(&exp), fmt_shape(&got)),
@@ -340,8 +346,14 @@ fn convert_masks(
                 expect_dims(&add, &[h, l, s], MHA, "attn_mask", what)?;
                 Some(add)
             } else {
-                let nh = n.checked_mul(h).unwrap_or(usize::MAX);
-                expect_dims(&add, &[nh, l, s], MHA, "attn_mask", "a 3-D mask of shape (N*H, L, S) =")?;
+                let nh = n.saturating_mul(h);
+                expect_dims(
+                    &add,
+                    &[nh, l, s],
+                    MHA,
+                    "attn_mask",
+                    "a 3-D mask of shape (N*H, L, S) =",
+                )?;
                 Some(add)
             }
         }
