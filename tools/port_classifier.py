@@ -13,7 +13,9 @@ The logits are also computed in train mode (dropout is 0) with autograd on; the 
 unless the two agree to 1e-6.
 
 ``--verify PATH`` loads a state_dict that the Rust example saved (strictly, by PyTorch's keys),
-runs it on the reference ids/pad and prints the logits.
+runs it on the reference ids/pad and prints the logits. If the example's logits lie next to it
+(``PATH`` with ``.safetensors`` replaced by ``.logits.safetensors``), it fails unless they agree
+to 1e-5.
 
 Usage::
 
@@ -127,6 +129,12 @@ def verify(path: Path, ref_dir: Path) -> None:
     print(logits)
     print(f"max |logits - untrained reference logits| = "
           f"{(logits - ref['logits']).abs().max().item():.4f}")
+    rust = path.with_name(path.name.removesuffix(".safetensors") + ".logits.safetensors")
+    if rust.exists():
+        diff = (logits - load_file(str(rust))["logits"]).abs().max().item()
+        print(f"max |PyTorch logits - Rust logits ({rust.name})| = {diff:.3e}")
+        if not diff <= 1e-5:
+            sys.exit(f"error: PyTorch and Rust disagree by {diff:.3e} (> 1e-5)")
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ fn bench_shape(c: &mut Criterion, b: usize, h: usize, l: usize, d: usize, causal
     let lay = Layout4::contiguous(h, l, d);
     let n = b * h * l * d;
     let (q, k, v, dout) = (rand_vec(n, 1), rand_vec(n, 2), rand_vec(n, 3), rand_vec(n, 4));
-    let (mut o, mut lse) = (vec![0.0; n], vec![0.0; b * h * l]);
+    let (mut o, mut lse) = (vec![0.0; n], vec![0.0; 2 * b * h * l]);
     let (mut dq, mut dk, mut dv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
     let flops = 4 * (b * h * l * l * d) as u64 / if causal { 2 } else { 1 };
     let name = format!("B{b}_H{h}_L{l}_D{d}{}", if causal { "_causal" } else { "" });

@@ -77,7 +77,7 @@ fn main() {
             k: rand_vec(b * h * s * d, 2),
             v: rand_vec(b * h * s * d, 3),
             o: vec![0.0; b * h * l * d],
-            lse: vec![0.0; b * h * l],
+            lse: vec![0.0; 2 * b * h * l],
             dout: rand_vec(b * h * l * d, 4),
             dq: vec![0.0; b * h * l * d],
             dk: vec![0.0; b * h * s * d],

@@ -25,7 +25,9 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder};
-use multihead::state_dict::{load_safetensors, load_strict_file, prefixed, save_state_dict};
+use multihead::state_dict::{
+    load_safetensors, load_strict_file, prefixed, save_safetensors, save_state_dict,
+};
 use multihead::transformer::{LayerConfig, TransformerEncoder};
 use multihead::{Embedding, Linear, Mask, NamedParameters};
 
@@ -94,19 +96,21 @@ impl XorShift {
 }
 
 /// A batch of the synthetic task: random lengths 1..=len, tokens 1..40, padding token 0 on
-/// the right; the label is (how many tokens are > 20) mod 3.
+/// the right; the label is the third of the vocabulary (1..=13, 14..=26, 27..=39) that most
+/// of the row's tokens come from (ties go to the lower third).
 fn batch(rng: &mut XorShift, n: usize, len: usize) -> Res<(Tensor, Tensor, Tensor)> {
     let (mut ids, mut pad, mut labels) = (vec![0u32; n * len], vec![1u8; n * len], Vec::new());
     for b in 0..n {
         let real = 1 + rng.below(len as u64) as usize;
-        let mut big = 0;
+        let mut counts = [0usize; CLASSES];
         for t in 0..real {
             let tok = 1 + rng.below(VOCAB as u64 - 1) as u32;
-            big += usize::from(tok > 20);
+            counts[(tok as usize - 1) / 13] += 1;
             ids[b * len + t] = tok;
             pad[b * len + t] = 0;
         }
-        labels.push((big % CLASSES) as u32);
+        let top = (0..CLASSES).fold(0, |best, c| if counts[c] > counts[best] { c } else { best });
+        labels.push(top as u32);
     }
     let dev = Device::Cpu;
     Ok((
@@ -127,12 +131,12 @@ fn main() -> Res<()> {
     let dev = Device::Cpu;
 
     // (a) Load PyTorch's state_dict strictly and compare with PyTorch's logits.
-    let (model, vars) = load_strict_file(fixtures.join("model.safetensors"), DType::F32, &dev, |vb| {
-        Classifier::new(vb)
-    })?;
+    let weights = fixtures.join("model.safetensors");
+    let (model, vars) = load_strict_file(weights, DType::F32, &dev, |vb| Classifier::new(vb))?;
     println!("loaded {} parameters by PyTorch's keys", model.named_parameters().len());
     let reference = load_safetensors(fixtures.join("reference.safetensors"), &dev)?;
-    let get = |k: &str| reference.get(k).ok_or_else(|| format!("reference.safetensors lacks {k:?}"));
+    let get =
+        |k: &str| reference.get(k).ok_or_else(|| format!("reference.safetensors lacks {k:?}"));
     let (ids, pad, expected) = (get("ids")?, get("pad")?, get("logits")?);
     // The dropout is 0, so training mode computes what PyTorch's eval mode does.
     let logits = multihead::no_grad(|| model.forward(ids, pad))?;
@@ -161,9 +165,14 @@ fn main() -> Res<()> {
         return Err(format!("training did not lower the loss ({first:.4} -> {last:.4})").into());
     }
 
-    // (c) Save under PyTorch's keys, for `model.load_state_dict(load_file(path), strict=True)`.
+    // (c) Save under PyTorch's keys, for `model.load_state_dict(load_file(path), strict=True)`,
+    // and our logits on the reference ids next to them, for the verifier to compare.
+    let trained = multihead::no_grad(|| model.forward(ids, pad))?;
+    println!("trained logits on the reference ids (PyTorch should print the same):\n{trained}");
     std::fs::create_dir_all(root.join("target"))?;
     save_state_dict(&model, root.join("target/classifier_trained.safetensors"))?;
+    let logits_path = root.join("target/classifier_trained.logits.safetensors");
+    save_safetensors([("logits", &trained)], logits_path)?;
     println!("saved target/classifier_trained.safetensors; check it in PyTorch with");
     println!("  python3 tools/port_classifier.py --verify target/classifier_trained.safetensors");
     Ok(())

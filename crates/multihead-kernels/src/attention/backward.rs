@@ -2,7 +2,7 @@
 //! head and `dq` of its query heads, so no reduction crosses tasks.
 //!
 //! For each query head of the group and each query block `i` (outer), each key block `j`
-//! (inner): recompute `Sᵀ = K_j·(scale·Q_i)ᵀ`, `P = exp(S + mask − lse)`, `dPᵀ = V_j·dO_iᵀ`,
+//! (inner): recompute `Sᵀ = K_j·(scale·Q_i)ᵀ`, `P = exp(S + mask − max − ln Σ)`, `dPᵀ = V_j·dO_iᵀ`,
 //! then `dS = P∘(m∘dP − D)`, `dV_j += (P∘m)ᵀ dO_i`, `dK_j += dSᵀ Q_i`, `dQ_i += dS K_j`
 //! (five GEMMs). `dk`/`dv` accumulate in the output rows, `dq` in scratch; `scale` is applied
 //! to `dk` and `dq` once at the end.
@@ -105,7 +105,7 @@ impl Task for BwdTask<'_> {
             + round16(d.dv * brp)
             + 3 * round16(self.bc * brp)
             + round16(self.br * d.d)
-            + 2 * round16(brp)
+            + 3 * round16(brp)
     }
 
     #[inline(always)]
@@ -128,6 +128,7 @@ impl Task for BwdTask<'_> {
         let dqa = cv.take(self.br * d);
         let dvec = cv.take(brp_max);
         let lsev = cv.take(brp_max);
+        let maxv = cv.take(brp_max);
 
         // SAFETY: every row pointer addresses a row validated by `flash_backward`; scratch
         // pieces are sized by `scratch_len`; this task alone writes `dk[b, hk]`, `dv[b, hk]`
@@ -154,17 +155,19 @@ impl Task for BwdTask<'_> {
                     let dorow = self.dout.0.add(self.dol.offset(b, h, i0));
                     pack_transposed::<S>(qt, brp, qrow, self.ql.seq, br, d, p.scale);
                     pack_transposed::<S>(dot, brp, dorow, self.dol.seq, br, dv, 1.0);
-                    let lse_row = self.lse.0.add(bh * dm.l + i0);
+                    let rows = dm.batch * dm.heads_q * dm.l;
+                    let max_row = self.lse.0.add(bh * dm.l + i0);
+                    let lse_row = self.lse.0.add(rows + bh * dm.l + i0);
                     for i in 0..brp {
                         if i < br {
                             let orow = self.o.0.add(self.ol.offset(b, h, i0 + i));
                             let drow = dorow.add(i * self.dol.seq);
                             dvec[i] = super::tile::dot::<S>(orow, drow, dv);
-                            lsev[i] = *lse_row.add(i);
+                            (maxv[i], lsev[i]) = (*max_row.add(i), *lse_row.add(i));
                         } else {
                             // Padding lanes: P = exp(x - inf) = 0, so they contribute nothing.
                             dvec[i] = 0.0;
-                            lsev[i] = f32::INFINITY;
+                            (maxv[i], lsev[i]) = (0.0, f32::INFINITY);
                         }
                     }
                     let dropout =
@@ -199,6 +202,7 @@ impl Task for BwdTask<'_> {
                         let mtp = mt.as_ptr();
                         for vi in 0..nvec {
                             let lv = S::load(lsev.as_ptr().add(vi * l));
+                            let mv = S::load(maxv.as_ptr().add(vi * l));
                             let dd = S::load(dvec.as_ptr().add(vi * l));
                             for j in 0..bc {
                                 let off = j * brp + vi * l;
@@ -206,7 +210,7 @@ impl Task for BwdTask<'_> {
                                 if has_mask {
                                     x = S::add(x, S::load(mtp.add(off)));
                                 }
-                                let pe = S::exp(S::sub(x, lv));
+                                let pe = S::exp(S::sub(S::sub(x, mv), lv));
                                 let dp = S::load(dpp.add(off));
                                 let (pm, ds) = match &dropout {
                                     Some(dr) => {

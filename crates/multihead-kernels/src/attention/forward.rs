@@ -109,7 +109,7 @@ impl Task for FwdTask<'_> {
         // SAFETY: all row pointers below address rows validated by `flash_forward` (b < batch,
         // h < heads_q, hk < heads_kv, rows < l or s, `d`/`dv` contiguous floats each); scratch
         // pieces are sized by `scratch_len`; this task alone writes rows `i0..i0+br` of
-        // `out[b, h]` and `lse[b, h]` (the output layout was checked to be non-overlapping).
+        // `out[b, h]` and the statistics of `[b, h]` (the output layout was checked to be non-overlapping).
         unsafe {
             pack_transposed::<S>(
                 qt,
@@ -221,20 +221,25 @@ impl Task for FwdTask<'_> {
                 j0 += bc;
             }
 
-            let lse_row = self.lse.0.add((b * dm.heads_q + h) * dm.l + i0);
+            // Row statistics: the max and the log of the sum, kept apart so that a row whose max
+            // is huge (a -1e9 or finfo.min mask over the whole row) keeps its precision.
+            let rows = dm.batch * dm.heads_q * dm.l;
+            let r0 = (b * dm.heads_q + h) * dm.l + i0;
+            let max_row = self.lse.0.add(r0);
+            let lse_row = self.lse.0.add(rows + r0);
             for i in 0..br {
                 let dst = self.out.0.add(self.ol.offset(b, h, i0 + i));
                 let sum = lrun[i];
                 if first || (sum == 0.0 && finite) {
                     zero_row(dst, dv);
-                    *lse_row.add(i) = f32::INFINITY;
+                    (*max_row.add(i), *lse_row.add(i)) = (0.0, f32::INFINITY);
                 } else if sum == 0.0 {
                     // Fully masked row of a non-finite head: Σ 0·V, NaN where V is not finite.
                     scale_row::<S>(dst, o.as_ptr().add(i * dv), dv, 1.0);
-                    *lse_row.add(i) = f32::INFINITY;
+                    (*max_row.add(i), *lse_row.add(i)) = (0.0, f32::INFINITY);
                 } else {
                     scale_row::<S>(dst, o.as_ptr().add(i * dv), dv, 1.0 / sum);
-                    *lse_row.add(i) = mrun[i] + sum.ln();
+                    (*max_row.add(i), *lse_row.add(i)) = (mrun[i], sum.ln());
                 }
             }
         }

@@ -13,11 +13,17 @@
 //!   bool mask contributes `0` or `-inf`, and `causal` adds `-inf` where `j > i` (upper-left
 //!   aligned: row `i` sees columns `0..=i`).
 //! * `P = softmax_j(score)`. A row whose scores are all `-inf` gets `P = 0` (output row 0, not
-//!   NaN) and `lse = +inf`; a row containing `+inf` gives NaN, like PyTorch.
+//!   NaN) and `ln Σ = +inf`; a row containing `+inf` gives NaN, like PyTorch.
 //! * Dropout multiplies `P[b,h,i,j]` by `1/(1-p)` if kept and `0` if dropped, where kept is
 //!   [`keep_from_row`](crate::dropout::keep_from_row)`(key.row_state(b*heads_q + h, i), j, p)`.
 //!   The backward regenerates the same mask; nothing is stored.
-//! * `out = (P∘m) v`, `lse[b,h,i] = log Σ_j exp(score)`.
+//! * `out = (P∘m) v`. The forward also returns the row statistics the backward and the weights
+//!   pass recompute `P` from, in two halves of one `stats` buffer of `2·batch·heads_q·l`
+//!   floats: `stats[r]` is the row max `M` and `stats[R + r]` is `ln Σ_j exp(score − M)`
+//!   (`R = batch·heads_q·l`, `r = (b·heads_q + h)·l + i`), so `P = exp((score − M) − ln Σ)`.
+//!   Kept apart, they stay exact when `M` is huge (a row masked by `-1e9` or `f32::MIN`
+//!   everywhere gets uniform weights, as in PyTorch); their sum is the log-sum-exp. A fully
+//!   masked row has `M = 0`, `ln Σ = +inf`.
 //! * Non-finite keys and values follow that arithmetic exactly, as PyTorch's does: masks are
 //!   added (NaN + −inf is NaN) and every value is multiplied by its weight (0·NaN is NaN), so
 //!   a NaN key of a `(batch, kv head)` makes all its rows NaN and a NaN value makes its column
@@ -50,7 +56,7 @@
 //! // The output as [B, L, H, D] (batch-first), the log-sum-exp as [B, H, L].
 //! let mut out = vec![0f32; b * l * h * d];
 //! let ol = Layout4 { batch: l * h * d, head: d, seq: h * d };
-//! let mut lse = vec![0f32; b * h * l];
+//! let mut lse = vec![0f32; 2 * b * h * l]; // row maxima, then log-sums
 //! flash_forward(&p, &qkv, lay, &qkv[h * d..], lay, &qkv[2 * h * d..], lay, &mut out, ol, &mut lse)?;
 //! assert!(out.iter().all(|&x| (x - 0.5).abs() < 1e-6));
 //! # Ok::<(), multihead_kernels::attention::KernelError>(())
@@ -394,8 +400,9 @@ fn finite_heads(
 // ---------------------------------------------------------------------------------------------
 // Entry points
 
-/// The attention forward: writes `out` (`[batch, heads_q, l, dv]` through `ol`) and the
-/// row log-sum-exp `lse` (`[batch, heads_q, l]`, contiguous; `+inf` for fully masked rows).
+/// The attention forward: writes `out` (`[batch, heads_q, l, dv]` through `ol`) and the row
+/// statistics `lse` (`2·batch·heads_q·l` floats: the row maxima, then `ln Σ exp(score − max)`;
+/// see the [module docs](self)).
 ///
 /// `q`: `[batch, heads_q, l, d]`, `k`: `[batch, heads_kv, s, d]`, `v`: `[batch, heads_kv, s,
 /// dv]`, each through its layout. See the [module docs](self) for the exact semantics.
@@ -418,7 +425,7 @@ pub fn flash_forward(
     check_tensor("k", k.len(), [d.batch, d.heads_kv, d.s, d.d], kl, false)?;
     check_tensor("v", v.len(), [d.batch, d.heads_kv, d.s, d.dv], vl, false)?;
     check_tensor("out", out.len(), [d.batch, d.heads_q, d.l, d.dv], ol, true)?;
-    check_len("lse", product("lse", &[d.batch, d.heads_q, d.l])?, lse.len())?;
+    check_len("lse", product("lse", &[2, d.batch, d.heads_q, d.l])?, lse.len())?;
     if d.batch == 0 || d.heads_q == 0 || d.l == 0 {
         return Ok(());
     }
@@ -463,7 +470,7 @@ pub fn flash_backward(
     check_tensor("v", v.len(), [d.batch, d.heads_kv, d.s, d.dv], vl, false)?;
     check_tensor("out", out.len(), [d.batch, d.heads_q, d.l, d.dv], ol, false)?;
     check_tensor("dout", dout.len(), [d.batch, d.heads_q, d.l, d.dv], dol, false)?;
-    check_len("lse", product("lse", &[d.batch, d.heads_q, d.l])?, lse.len())?;
+    check_len("lse", product("lse", &[2, d.batch, d.heads_q, d.l])?, lse.len())?;
     check_tensor("dq", dq.len(), [d.batch, d.heads_q, d.l, d.d], dql, true)?;
     check_tensor("dk", dk.len(), [d.batch, d.heads_kv, d.s, d.d], dkl, true)?;
     check_tensor("dv", dv.len(), [d.batch, d.heads_kv, d.s, d.dv], dvl, true)?;
@@ -500,7 +507,7 @@ pub fn attention_weights(
     let d = p.dims;
     check_tensor("q", q.len(), [d.batch, d.heads_q, d.l, d.d], ql, false)?;
     check_tensor("k", k.len(), [d.batch, d.heads_kv, d.s, d.d], kl, false)?;
-    check_len("lse", product("lse", &[d.batch, d.heads_q, d.l])?, lse.len())?;
+    check_len("lse", product("lse", &[2, d.batch, d.heads_q, d.l])?, lse.len())?;
     let hw = if average_heads { 1 } else { d.heads_q };
     check_len("weights", product("weights", &[d.batch, hw, d.l, d.s])?, weights.len())?;
     if d.batch == 0 || d.l == 0 || d.s == 0 {

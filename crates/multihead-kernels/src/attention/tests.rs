@@ -269,7 +269,8 @@ fn params<'a>(c: &Case, masks: &'a [MaskData]) -> AttnParams<'a> {
 fn run_kernels(c: &Case, p: &AttnParams<'_>, x: &Inputs) -> Results {
     let dm = p.dims;
     let mut out = vec![f32::NAN; x.out_len];
-    let mut lse = vec![f32::NAN; dm.batch * dm.heads_q * dm.l];
+    let rows = dm.batch * dm.heads_q * dm.l;
+    let mut lse = vec![f32::NAN; 2 * rows];
     let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
     flash_forward(p, q, x.ql, k, x.kl, v, x.vl, &mut out, x.ol, &mut lse).unwrap();
     let dkl = Layout4::contiguous(c.hkv, c.s, c.d);
@@ -287,7 +288,9 @@ fn run_kernels(c: &Case, p: &AttnParams<'_>, x: &Inputs) -> Results {
     attention_weights(p, q, x.ql, k, x.kl, &lse, false, &mut w).unwrap();
     let mut wavg = vec![f32::NAN; c.b * c.l * c.s];
     attention_weights(p, q, x.ql, k, x.kl, &lse, true, &mut wavg).unwrap();
-    Results { out, lse, dq, dk, dv, w, wavg }
+    // The log-sum-exp from the two halves of the row statistics, for comparison.
+    let lse_sum = (0..rows).map(|r| lse[r] + lse[rows + r]).collect();
+    Results { out, lse: lse_sum, dq, dk, dv, w, wavg }
 }
 
 fn check_case(c: &Case) {
@@ -495,7 +498,7 @@ fn plus_inf_score_gives_nan_row() {
     for level in levels() {
         with_simd_level(level, || {
             let mut out = vec![0.0; 8];
-            let mut lse = vec![0.0; 2];
+            let mut lse = vec![0.0; 4];
             flash_forward(&p, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse)
                 .unwrap();
             assert!(out[..4].iter().all(|v| v.is_finite()));
@@ -510,7 +513,7 @@ fn bad_arguments_are_errors_not_panics() {
     let p = params(&c, &[]);
     let x = inputs(&c, 1);
     let mut out = vec![0.0; x.out_len];
-    let mut lse = vec![0.0; 20];
+    let mut lse = vec![0.0; 40];
     // q too short.
     let e = flash_forward(&p, &x.q[..10], x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse);
     assert!(matches!(e, Err(KernelError::SliceTooShort { name: "q", .. })), "{e:?}");
@@ -728,7 +731,7 @@ fn nan_in_masked_keys_and_values_follows_the_reference_at_tile_boundaries() {
                 for level in levels() {
                     with_simd_level(level, || {
                         let mut out = vec![0f32; l * d];
-                        let mut lse = vec![0f32; l];
+                        let mut lse = vec![0f32; 2 * l];
                         flash_forward(&p, &q, ql, &k, kl, &v, kl, &mut out, ql, &mut lse).unwrap();
                         let mut w = vec![0f32; l * s];
                         attention_weights(&p, &q, ql, &k, kl, &lse, false, &mut w).unwrap();
@@ -757,6 +760,50 @@ fn nan_in_masked_keys_and_values_follows_the_reference_at_tile_boundaries() {
                     });
                 }
             }
+        }
+    }
+}
+
+/// A row masked by a huge finite value everywhere (HF-style `-1e9` or `f32::MIN` masks) gets
+/// uniform weights, as the composed softmax gives, also in the weights pass and the backward.
+#[test]
+fn rows_with_a_huge_finite_mask_keep_their_precision() {
+    let (l, s, d) = (3usize, 5usize, 4usize);
+    let dims = AttnDims { batch: 1, heads_q: 1, heads_kv: 1, l, s, d, dv: d };
+    let (ql, kl) = (Layout4::contiguous(1, l, d), Layout4::contiguous(1, s, d));
+    let (q, k, v) = (rand_vec(l * d, 4), rand_vec(s * d, 5), rand_vec(s * d, 6));
+    for fill in [-1e9f32, f32::MIN, -3.0e38] {
+        // Row 0 is masked by `fill` everywhere; row 1 at two keys; row 2 is open.
+        let mut mask = vec![0f32; l * s];
+        mask[..s].iter_mut().for_each(|m| *m = fill);
+        mask[s] = fill;
+        mask[s + 3] = fill;
+        let mut p = AttnParams::new(dims);
+        p.masks[0] = Some(MaskView::Additive { data: &mask, strides: [0, 0, s, 1] });
+        let ew = reference::weights(&p, &q, ql, &k, kl, false);
+        for level in levels() {
+            with_simd_level(level, || {
+                let mut out = vec![0f32; l * d];
+                let mut lse = vec![0f32; 2 * l];
+                flash_forward(&p, &q, ql, &k, kl, &v, kl, &mut out, ql, &mut lse).unwrap();
+                let mut w = vec![0f32; l * s];
+                attention_weights(&p, &q, ql, &k, kl, &lse, false, &mut w).unwrap();
+                // Row 0: in f32, score + fill rounds to fill for every key (|score| < 32), so
+                // the weights are uniform, as PyTorch's f32 softmax gives. (The f64 reference
+                // keeps the scores' differences there, so it is the oracle for rows 1 and 2.)
+                for (j, &g) in w[..s].iter().enumerate() {
+                    assert!(
+                        (g - 1.0 / s as f32).abs() <= 1e-6,
+                        "{level:?} fill {fill}: w[0][{j}] {g}"
+                    );
+                }
+                for (i, (&g, &e)) in w.iter().zip(&ew).enumerate().skip(s) {
+                    assert!(
+                        (g as f64 - e).abs() <= 1e-5,
+                        "{level:?} fill {fill}: w[{i}] {g} vs {e}"
+                    );
+                }
+            });
         }
     }
 }

@@ -1,4 +1,4 @@
-//! The attention-weights pass: recomputes `P = exp(scale·q·k + mask − lse)` (times the dropout
+//! The attention-weights pass: recomputes `P = exp(scale·q·k + mask − max − ln Σ)` (times the dropout
 //! multipliers) block by block and writes it out, optionally averaged over heads.
 //!
 //! One task per `(batch, head, query block)`, or per `(batch, query block)` when averaging, in
@@ -68,7 +68,7 @@ impl Task for WeightsTask<'_> {
     fn scratch_len(&self, lanes: usize) -> usize {
         let d = &self.p.dims;
         let brp = self.br.div_ceil(lanes) * lanes;
-        round16(d.d * brp) + 2 * round16(self.bc * brp) + round16(brp)
+        round16(d.d * brp) + 2 * round16(self.bc * brp) + 2 * round16(brp)
     }
 
     #[inline(always)]
@@ -95,6 +95,7 @@ impl Task for WeightsTask<'_> {
         let st = cv.take(self.bc * brp);
         let mt = cv.take(if has_mask { self.bc * brp } else { 0 });
         let lsev = cv.take(brp);
+        let maxv = cv.take(brp);
 
         // SAFETY: rows addressed below were validated by `attention_weights`; this task alone
         // writes rows `i0..i0+br` of `weights[b, hw]` (a contiguous `[batch, hw, l, s]` array).
@@ -112,9 +113,15 @@ impl Task for WeightsTask<'_> {
                     d,
                     p.scale,
                 );
-                let lse_row = self.lse.0.add(bh * dm.l + i0);
-                for (i, x) in lsev.iter_mut().enumerate() {
-                    *x = if i < br { *lse_row.add(i) } else { f32::INFINITY };
+                let rows = dm.batch * dm.heads_q * dm.l;
+                let max_row = self.lse.0.add(bh * dm.l + i0);
+                let lse_row = self.lse.0.add(rows + bh * dm.l + i0);
+                for i in 0..brp {
+                    (maxv[i], lsev[i]) = if i < br {
+                        (*max_row.add(i), *lse_row.add(i))
+                    } else {
+                        (0.0, f32::INFINITY)
+                    };
                 }
                 let dropout =
                     p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
@@ -156,13 +163,14 @@ impl Task for WeightsTask<'_> {
                     let mtp = mt.as_ptr();
                     for vi in 0..nvec {
                         let lv = S::load(lsev.as_ptr().add(vi * l));
+                        let mv = S::load(maxv.as_ptr().add(vi * l));
                         for j in 0..bc {
                             let off = j * brp + vi * l;
                             let mut x = S::load(stp.add(off));
                             if has_mask {
                                 x = S::add(x, S::load(mtp.add(off)));
                             }
-                            let mut e = S::exp(S::sub(x, lv));
+                            let mut e = S::exp(S::sub(S::sub(x, mv), lv));
                             if let Some(dr) = &dropout {
                                 e = S::mul(e, dr.vector::<S>(vi * l, j0 + j));
                             }

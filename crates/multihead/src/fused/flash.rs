@@ -220,8 +220,10 @@ impl CustomOp3 for FlashAttention {
         let mut out =
             crate::alloc::try_zeros::<f32>(out_dims.iter().product(), "flash attention output")?;
         let d = self.dims;
-        let mut lse =
-            crate::alloc::try_zeros::<f32>(d.batch * d.heads_q * d.l, "flash attention lse")?;
+        let mut lse = crate::alloc::try_zeros::<f32>(
+            2 * d.batch * d.heads_q * d.l,
+            "flash attention row statistics",
+        )?;
         flash_forward(
             &self.params(),
             &cpu_f32(s1)?[q_off..],
@@ -327,8 +329,10 @@ impl CustomOp1 for PackedQkv {
         let mut out =
             crate::alloc::try_zeros::<f32>(out_dims.iter().product(), "flash attention output")?;
         let d = self.0.dims;
-        let mut lse =
-            crate::alloc::try_zeros::<f32>(d.batch * d.heads_q * d.l, "flash attention lse")?;
+        let mut lse = crate::alloc::try_zeros::<f32>(
+            2 * d.batch * d.heads_q * d.l,
+            "flash attention row statistics",
+        )?;
         flash_forward(
             &self.0.params(),
             &x[qo..],

@@ -7,6 +7,7 @@ mod common;
 mod cos_init;
 mod errors;
 mod fused;
+mod fuzz;
 mod golden;
 mod hardening;
 mod properties;
