@@ -31,6 +31,14 @@ fn every_transformer_golden_case_matches_pytorch() {
     replay_all("transformer", 40, 400);
 }
 
+#[test]
+fn every_golden_case_matches_pytorch_on_the_composed_path_too() {
+    multihead::with_backend(multihead::Backend::Composed, || {
+        replay_all("mha", 60, 500);
+        replay_all("transformer", 40, 400);
+    });
+}
+
 /// Runs `multihead check`'s own check on every case of a fixture folder.
 fn replay_all(kind: &str, min_cases: usize, min_tensors: usize) {
     let found = parity::find_cases(&[fixture_root(kind)]);
