@@ -202,13 +202,13 @@ fn prefix_hint(missing: &[String], unexpected: &[String]) -> String {
     }
     if let Some(p) = common_prefix(unexpected, missing) {
         return format!(
-            "; every key in the file starts with {p:?}: build the module under              vb.pp({:?}) or strip the prefix from the file's keys",
+            "; every key in the file starts with {p:?}: build the module under vb.pp({:?}) or strip the prefix from the file's keys",
             p.trim_end_matches('.')
         );
     }
     if let Some(p) = common_prefix(missing, unexpected) {
         return format!(
-            "; the module's keys start with {p:?} but the file's do not: build the              sub-module from the root VarBuilder, or save the file from the parent module"
+            "; the module's keys start with {p:?} but the file's do not: build the sub-module from the root VarBuilder, or save the file from the parent module"
         );
     }
     String::new()
@@ -227,6 +227,8 @@ struct Loader {
     present: BTreeSet<String>,
     strict: bool,
     missing: Arc<Mutex<Vec<String>>>,
+    /// Every key the module asked for, by its full path.
+    requested: Arc<Mutex<BTreeSet<String>>>,
 }
 
 impl candle_nn::var_builder::SimpleBackend for Loader {
@@ -238,6 +240,7 @@ impl candle_nn::var_builder::SimpleBackend for Loader {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
+        self.requested.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_string());
         if self.present.contains(name) {
             return self.vars.get(s, name, h, dtype, dev);
         }
@@ -292,11 +295,13 @@ fn load_with<M: NamedParameters>(
         }
     }
     let missing = Arc::new(Mutex::new(Vec::new()));
+    let requested = Arc::new(Mutex::new(BTreeSet::new()));
     let loader = Loader {
         vars: vm.clone(),
         present: state.keys().cloned().collect(),
         strict,
         missing: missing.clone(),
+        requested: requested.clone(),
     };
     let built = build(VarBuilder::from_backend(Box::new(loader), dtype, device.clone()));
     let recorded = std::mem::take(&mut *missing.lock().unwrap_or_else(|e| e.into_inner()));
@@ -318,9 +323,10 @@ fn load_with<M: NamedParameters>(
         }
         Err(e) => return Err(e),
     };
-    let names = module.named_parameters();
-    let report =
-        compare_keys(names.iter().map(|(k, _)| k.as_str()), state.keys().map(|k| k.as_str()));
+    // The keys the module asked for, by full path (a module built under `vb.pp("model")`
+    // asks for `model.…`), against the file's.
+    let asked = std::mem::take(&mut *requested.lock().unwrap_or_else(|e| e.into_inner()));
+    let report = compare_keys(asked.iter().map(String::as_str), state.keys().map(String::as_str));
     if strict && !report.is_exact() {
         let hint = prefix_hint(&report.missing_keys, &report.unexpected_keys);
         return Err(Error::StateDictKeys {

@@ -119,3 +119,56 @@ fn strict_loading_names_missing_and_unexpected_keys_and_bad_shapes() {
         "{msg}"
     );
 }
+
+#[test]
+fn a_prefix_mismatch_is_named_and_non_strict_loading_reports_the_keys() {
+    use multihead::state_dict::{load, prefixed};
+    let (m, _) = mha(MhaConfig::new(8, 2), DType::F32);
+    // A checkpoint saved from a parent module: every key starts with "model.".
+    let state: HashMap<String, Tensor> = prefixed("model.attn", &m).into_iter().collect();
+    let err = load_strict(&state, DType::F32, &dev(), |vb| {
+        MultiheadAttention::new(MhaConfig::new(8, 2), vb)
+    })
+    .map(|(m, _)| m)
+    .expect_err("prefix");
+    let msg = err.to_string();
+    assert!(msg.contains("\"model.attn.\"") && msg.contains("vb.pp(\"model.attn\")"), "{msg}");
+    // Built under the prefix, the same state loads.
+    let (sub, _) = load_strict(&state, DType::F32, &dev(), |vb| {
+        MultiheadAttention::new(MhaConfig::new(8, 2), vb.pp("model").pp("attn"))
+    })
+    .expect("loads under the prefix");
+    assert_eq!(sub.named_parameters().len(), 4);
+
+    // strict=False: missing keys keep their initialisation, unexpected ones are reported.
+    let mut state: HashMap<String, Tensor> = m.named_parameters().into_iter().collect();
+    let kept = state.remove("out_proj.bias").expect("key");
+    state.insert("extra.weight".into(), kept.clone());
+    let (loaded, _vars, report) =
+        load(&state, DType::F32, &dev(), |vb| MultiheadAttention::new(MhaConfig::new(8, 2), vb))
+            .expect("non-strict");
+    assert_eq!(report.missing_keys, ["out_proj.bias"]);
+    assert_eq!(report.unexpected_keys, ["extra.weight"]);
+    let w = loaded.named_parameters().into_iter().find(|(k, _)| k == "in_proj_weight").unwrap().1;
+    let want = m.named_parameters().into_iter().find(|(k, _)| k == "in_proj_weight").unwrap().1;
+    assert_close(&w, &want, Tolerance { rel: 0.0, abs: 0.0 }, "loaded weight");
+}
+
+#[test]
+fn embedding_loads_by_its_pytorch_key_and_rejects_bad_indices() {
+    use multihead::Embedding;
+    let mut state = HashMap::new();
+    let table = det(&[5, 3], DType::F32, 1.0);
+    state.insert("weight".to_string(), table.clone());
+    let (emb, _) = load_strict(&state, DType::F32, &dev(), |vb| Embedding::new(5, 3, vb)).unwrap();
+    let ids = Tensor::new(&[[4u32, 0], [2, 2]], &dev()).unwrap();
+    let out = emb.forward(&ids).unwrap();
+    assert_eq!(out.dims(), &[2, 2, 3]);
+    assert_close(&out.get(0).unwrap().get(0).unwrap(), &table.get(4).unwrap(), Tolerance { rel: 0.0, abs: 0.0 }, "row 4");
+    for bad in [Tensor::new(&[5u32], &dev()).unwrap(), Tensor::new(&[-1i64], &dev()).unwrap()] {
+        let e = emb.forward(&bad).expect_err("out of range");
+        assert!(e.to_string().contains("out of range for an embedding of 5 rows"), "{e}");
+    }
+    let e = emb.forward(&Tensor::new(&[1f32], &dev()).unwrap()).expect_err("float ids");
+    assert!(matches!(e, Error::DType { .. }), "{e:?}");
+}
