@@ -1,16 +1,49 @@
-//! `multihead bench`: times `MultiheadAttention` (forward, or forward plus backward) on one
-//! shape, the way `tools/bench_torch.py` times PyTorch.
+//! `multihead bench`: times `MultiheadAttention`, `TransformerEncoderLayer` or
+//! `TransformerDecoderLayer` (forward, or forward plus backward) on one shape, the way
+//! `tools/bench_torch.py` times PyTorch.
 
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
-use multihead::{Mask, MhaConfig, MhaOptions, MultiheadAttention};
+use multihead::transformer::{
+    DecoderMasks, LayerConfig, TransformerDecoderLayer, TransformerEncoderLayer,
+};
+use multihead::{Activation, Mask, MhaConfig, MhaOptions, MultiheadAttention};
 
-/// The benchmark's settings.
+/// What `multihead bench` times.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Module {
+    /// `nn.MultiheadAttention` (query of length L over keys of length S).
+    Mha,
+    /// `nn.TransformerEncoderLayer` on `(N, L, E)`.
+    EncoderLayer,
+    /// `nn.TransformerDecoderLayer`: target `(N, L, E)` over memory `(N, S, E)`.
+    DecoderLayer,
+}
+
+/// The benchmark's settings. Layers use dropout 0 and `batch_first`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
+    /// The module to time.
+    #[arg(long, value_enum, default_value_t = Module::Mha)]
+    pub module: Module,
+    /// `dim_feedforward` of the layers.
+    #[arg(long, default_value_t = 2048)]
+    pub dim_feedforward: usize,
+    /// The layers' activation: relu or gelu (exact erf).
+    #[arg(long, default_value = "relu")]
+    pub activation: String,
+    /// Evaluation: the module in eval mode, under `multihead::no_grad` (PyTorch's
+    /// `module.eval()` and `torch.no_grad()`). Forward-only MHA runs are always this; forward-only
+    /// layer runs without it run in training mode with gradients recorded.
+    #[arg(long)]
+    pub eval: bool,
+    /// Pad keys: row b of N pads its last floor(b·S/(2N)) keys (up to half), with a bool key
+    /// padding mask (the memory's for the decoder layer).
+    #[arg(long)]
+    pub key_padding: bool,
     /// Batch size N.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
@@ -49,13 +82,34 @@ pub struct BenchArgs {
     pub json: bool,
 }
 
-/// Model flops of one call: projections `2·E²·(2·B·L + 2·B·S)`, attention core `4·B·L·S·E`
-/// (halved when causal), times 3 with the backward.
+/// Model flops of one call, times 3 with the backward. Attention over `l` queries and `s`
+/// keys: projections `2·E²·(2·B·l + 2·B·s)`, core `4·B·l·s·E` (halved when causal). The
+/// encoder layer adds the feed-forward block `4·B·L·E·F`; the decoder layer is self-attention
+/// (L over L, causal when asked), cross-attention (L over S) and the feed-forward block.
 pub fn model_flops(a: &BenchArgs) -> f64 {
     let (b, l, s, e) = (a.batch as f64, a.tgt_len as f64, a.src_len as f64, a.embed_dim as f64);
-    let proj = 2.0 * e * e * (2.0 * b * l + 2.0 * b * s);
-    let core = 4.0 * b * l * s * e * if a.causal { 0.5 } else { 1.0 };
-    (proj + core) * if a.backward { 3.0 } else { 1.0 }
+    let f = a.dim_feedforward as f64;
+    let attn = |l: f64, s: f64, causal: bool| {
+        2.0 * e * e * (2.0 * b * l + 2.0 * b * s)
+            + 4.0 * b * l * s * e * if causal { 0.5 } else { 1.0 }
+    };
+    let ff = 4.0 * b * l * e * f;
+    let fwd = match a.module {
+        Module::Mha => attn(l, s, a.causal),
+        Module::EncoderLayer => attn(l, l, a.causal) + ff,
+        Module::DecoderLayer => attn(l, l, a.causal) + attn(l, s, false) + ff,
+    };
+    fwd * if a.backward { 3.0 } else { 1.0 }
+}
+
+/// `(N, len)` bool key padding: row b pads its last floor(b·len/(2N)) keys.
+fn key_padding(n: usize, len: usize, dev: &Device) -> Result<Mask> {
+    let mut pad = vec![0u8; n * len];
+    for b in 0..n {
+        let k = b * len / (2 * n);
+        pad[b * len + len - k..(b + 1) * len].iter_mut().for_each(|x| *x = 1);
+    }
+    Ok(Mask::Bool(Tensor::from_vec(pad, (n, len), dev)?))
 }
 
 /// A `/proc/self/status` memory line (`VmHWM`: peak resident, `VmRSS`: current) in MiB.
@@ -72,6 +126,93 @@ pub fn run(a: BenchArgs) -> Result<()> {
         std::env::set_var("RAYON_NUM_THREADS", t.to_string());
         rayon::ThreadPoolBuilder::new().num_threads(t).build_global().ok();
     }
+    let step = workload(&a)?;
+    let baseline = status_mib("VmRSS:").context("reading memory")?;
+    for _ in 0..a.warmup {
+        step()?;
+    }
+    let mut times = Vec::with_capacity(a.iters);
+    for _ in 0..a.iters.max(1) {
+        let t = Instant::now();
+        step()?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    report(&a, times, baseline)
+}
+
+/// One timed call of the chosen module.
+type Step<'a> = Box<dyn Fn() -> Result<()> + 'a>;
+
+fn workload(a: &BenchArgs) -> Result<Step<'_>> {
+    match a.module {
+        Module::Mha => mha_workload(a),
+        Module::EncoderLayer | Module::DecoderLayer => layer_workload(a),
+    }
+}
+
+/// Runs `f` the way the flags ask: under `no_grad` when evaluating.
+fn graded<T>(a: &BenchArgs, f: impl FnOnce() -> T) -> T {
+    if a.eval && !a.backward {
+        multihead::no_grad(f)
+    } else {
+        f()
+    }
+}
+
+fn layer_workload(a: &BenchArgs) -> Result<Step<'_>> {
+    let dev = Device::Cpu;
+    let vm = VarMap::new();
+    let cfg = LayerConfig::new(a.embed_dim, a.num_heads)
+        .with_dim_feedforward(a.dim_feedforward)
+        .with_dropout(0.0)
+        .with_activation(Activation::from_name(&a.activation)?)
+        .with_batch_first(true);
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev);
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (a.batch, a.tgt_len, a.embed_dim), &dev)?)?;
+    let memory =
+        Var::from_tensor(&Tensor::randn(0f32, 1.0, (a.batch, a.src_len, a.embed_dim), &dev)?)?;
+    let training = !a.eval || a.backward;
+    let kpm =
+        |len| if a.key_padding { key_padding(a.batch, len, &dev).map(Some) } else { Ok(None) };
+    let causal = match a.causal {
+        true => Some(Mask::Float(multihead::generate_square_subsequent_mask(
+            a.tgt_len,
+            DType::F32,
+            &dev,
+        )?)),
+        false => None,
+    };
+    let run: Box<dyn Fn() -> Result<Tensor>> = if a.module == Module::EncoderLayer {
+        let mut layer = TransformerEncoderLayer::new(cfg, vb)?;
+        layer.train(training);
+        let pad = kpm(a.tgt_len)?;
+        let x = x.as_tensor().clone();
+        Box::new(move || Ok(layer.forward(&x, causal.as_ref(), pad.as_ref(), causal.is_some())?))
+    } else {
+        let mut layer = TransformerDecoderLayer::new(cfg, vb)?;
+        layer.train(training);
+        let masks = DecoderMasks {
+            tgt_is_causal: Some(causal.is_some()),
+            tgt_mask: causal,
+            memory_key_padding_mask: kpm(a.src_len)?,
+            ..Default::default()
+        };
+        let (x, memory) = (x.as_tensor().clone(), memory.as_tensor().clone());
+        Box::new(move || Ok(layer.forward(&x, &memory, &masks)?))
+    };
+    let _keep = vm;
+    Ok(Box::new(move || {
+        let out = graded(a, &run)?;
+        if a.backward {
+            std::hint::black_box(out.sum_all()?.backward()?);
+        } else {
+            std::hint::black_box(out);
+        }
+        Ok(())
+    }))
+}
+
+fn mha_workload(a: &BenchArgs) -> Result<Step<'_>> {
     let dev = Device::Cpu;
     let vm = VarMap::new();
     let cfg = MhaConfig::new(a.embed_dim, a.num_heads).with_batch_first(true);
@@ -98,9 +239,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
         };
         opts = opts.attn_mask(Mask::Float(m)).is_causal(!a.need_weights);
     }
+    if a.key_padding {
+        opts = opts.key_padding_mask(key_padding(a.batch, a.src_len, &dev)?);
+    }
     let qv = Var::from_tensor(&q)?;
     let kvv = if a.src_len == a.tgt_len { qv.clone() } else { Var::from_tensor(&kv)? };
-    let step = || -> Result<()> {
+    Ok(Box::new(move || -> Result<()> {
+        let _keep = &vm;
         if a.backward {
             let out = mha.forward(qv.as_tensor(), kvv.as_tensor(), kvv.as_tensor(), &opts)?;
             let grads = out.output.sum_all()?.backward()?;
@@ -111,21 +256,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
             std::hint::black_box(out);
         }
         Ok(())
-    };
-    let baseline = status_mib("VmRSS:").context("reading memory")?;
-    for _ in 0..a.warmup {
-        step()?;
-    }
-    let mut times = Vec::with_capacity(a.iters);
-    for _ in 0..a.iters.max(1) {
-        let t = Instant::now();
-        step()?;
-        times.push(t.elapsed().as_secs_f64() * 1e3);
-    }
+    }))
+}
+
+/// Prints the timing (one line, or one JSON object).
+fn report(a: &BenchArgs, mut times: Vec<f64>, baseline: f64) -> Result<()> {
     times.sort_by(f64::total_cmp);
     let min = times[0];
     let median = times[times.len() / 2];
-    let gflops = model_flops(&a) / (min * 1e-3) / 1e9;
+    let gflops = model_flops(a) / (min * 1e-3) / 1e9;
     let rss = status_mib("VmHWM:").context("reading peak memory")?;
     if a.json {
         println!(
@@ -136,11 +275,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 "threads": a.threads, "batch": a.batch, "tgt_len": a.tgt_len, "src_len": a.src_len,
                 "embed_dim": a.embed_dim, "num_heads": a.num_heads, "causal": a.causal,
                 "need_weights": a.need_weights, "backward": a.backward, "iters": times.len(),
+                "module": format!("{:?}", a.module), "dim_feedforward": a.dim_feedforward,
+                "activation": a.activation, "eval": a.eval, "key_padding": a.key_padding,
             })
         );
     } else {
         println!(
-            "MultiheadAttention {} B={} L={} S={} E={} H={}{}{}: min {min:.2} ms, median {median:.2} ms, {gflops:.1} GFLOP/s, peak RSS {rss:.0} MiB ({baseline:.0} MiB before the first call)",
+            "{:?} {} B={} L={} S={} E={} H={}{}{}: min {min:.2} ms, median {median:.2} ms, {gflops:.1} GFLOP/s, peak RSS {rss:.0} MiB ({baseline:.0} MiB before the first call)",
+            a.module,
             if a.backward { "forward+backward" } else { "forward" },
             a.batch,
             a.tgt_len,

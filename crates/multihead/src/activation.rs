@@ -1,6 +1,6 @@
 //! Activations and dropout for the Transformer layers, with PyTorch's exact gradients.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::error::{Error, Result};
 use crate::random::{next_dropout_key, DropoutKey};
@@ -36,6 +36,7 @@ impl Activation {
     /// Applies the activation.
     // Mirrors torch.nn.functional.relu / torch.nn.functional.gelu.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        crate::alloc::expect_float("activation", "input", x.dtype())?;
         Ok(match self {
             // x * (x > 0): gradient (x > 0), 0 at x = 0 like PyTorch's threshold_backward.
             Self::Relu => x.mul(&x.gt(0f64)?.to_dtype(x.dtype())?)?,
@@ -57,6 +58,13 @@ impl Activation {
 /// probability `p` and scales the rest by `1/(1-p)`; the identity otherwise. Draws the next
 /// key from the global generator ([`manual_seed`](crate::manual_seed)).
 pub fn dropout(x: &Tensor, p: f64, training: bool) -> Result<Tensor> {
+    if !(0.0..1.0).contains(&p) {
+        return Err(Error::Config {
+            op: "dropout",
+            arg: "p",
+            msg: format!("dropout probability has to be in [0, 1), got {p}"),
+        });
+    }
     if !training || p == 0.0 {
         return Ok(x.clone());
     }
@@ -72,8 +80,9 @@ pub fn dropout_with_key(x: &Tensor, p: f64, key: DropoutKey) -> Result<Tensor> {
             msg: format!("dropout probability has to be in [0, 1), got {p}"),
         });
     }
+    crate::alloc::ensure("dropout", "input", x.dims(), DType::F64, 1, "use a smaller input")?;
     let n = x.elem_count();
-    let mut data = vec![0f64; n];
+    let mut data = crate::alloc::try_zeros::<f64>(n, "dropout mask")?;
     multihead_kernels::dropout::fill_scale_mask(key, p, 1, 1, n, &mut data);
     let mask = Tensor::from_vec(data, x.shape(), x.device())?.to_dtype(x.dtype())?;
     Ok(x.mul(&mask)?)

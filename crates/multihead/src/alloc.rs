@@ -100,3 +100,18 @@ pub(crate) fn try_zeros<T: Clone + Default>(n: usize, what: &str) -> candle_core
     v.resize(n, T::default());
     Ok(v)
 }
+
+/// Checks that `dtype` is a float dtype, the rule of every layer here.
+pub(crate) fn expect_float(op: &'static str, arg: &'static str, dtype: DType) -> Result<()> {
+    if dtype.is_float() {
+        Ok(())
+    } else {
+        Err(Error::DType {
+            op,
+            arg,
+            msg: format!(
+                "expected a float tensor, got {dtype:?}; convert it with .to_dtype(DType::F32)"
+            ),
+        })
+    }
+}

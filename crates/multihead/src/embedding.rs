@@ -44,6 +44,7 @@ impl Embedding {
 
     /// Wraps an existing `(num_embeddings, embedding_dim)` weight.
     pub fn from_weight(weight: Tensor) -> Result<Self> {
+        crate::alloc::expect_float(OP, "weight", weight.dtype())?;
         if weight.rank() != 2 {
             return Err(Error::Shape {
                 op: OP,
@@ -67,6 +68,10 @@ impl Embedding {
     // Mirrors torch.nn.Embedding.forward.
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let (rows, dim) = self.weight.dims2()?;
+        let mut out_dims = ids.dims().to_vec();
+        out_dims.push(dim);
+        crate::alloc::ensure(OP, "output", &out_dims, self.weight.dtype(), 1, "use fewer indices")?;
+        crate::alloc::ensure(OP, "input", ids.dims(), DType::I64, 2, "use fewer indices")?;
         let flat = match ids.dtype() {
             DType::U8 | DType::U32 | DType::I64 => ids.flatten_all()?.to_dtype(DType::I64)?,
             other => {

@@ -55,6 +55,18 @@ impl LayerNorm {
     // Mirrors torch.nn.LayerNorm.forward (torch.nn.functional.layer_norm).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let d = self.weight.dim(0)?;
+        crate::alloc::expect_float("layer_norm", "input", x.dtype())?;
+        if x.dtype() != self.weight.dtype() {
+            return Err(Error::DType {
+                op: "layer_norm",
+                arg: "input",
+                msg: format!(
+                    "input dtype {:?} does not match the weight dtype {:?}",
+                    x.dtype(),
+                    self.weight.dtype()
+                ),
+            });
+        }
         if x.dims().last() != Some(&d) {
             return Err(Error::Shape {
                 op: "layer_norm",
@@ -65,6 +77,8 @@ impl LayerNorm {
                 ),
             });
         }
+        // The composed form holds about four input-sized tensors.
+        crate::alloc::ensure("layer_norm", "input", x.dims(), x.dtype(), 4, "use a smaller input")?;
         let mean = x.mean_keepdim(D::Minus1)?;
         let xc = x.broadcast_sub(&mean)?;
         let var = xc.sqr()?.mean_keepdim(D::Minus1)?;

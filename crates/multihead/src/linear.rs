@@ -74,7 +74,7 @@ impl Linear {
     /// Applies the layer.
     // Mirrors torch.nn.Linear.forward.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        linear(x, &self.weight, self.bias.as_ref(), "linear", "input")
+        linear(x, &self.weight, self.bias.as_ref(), "linear", "input", Backend::Auto)
     }
 }
 
@@ -98,16 +98,18 @@ impl candle_core::Module for Linear {
 ///
 /// `weight` must be 2-D `(out, in)` and `bias` 1-D `(out,)`, both of `x`'s dtype; a strided or
 /// broadcast bias is fine (it is made contiguous, differentiably, before the fused op reads it).
+/// `backend` is the caller's (a per-call choice reaches the projections too).
 pub(crate) fn linear(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
     op: &'static str,
     arg: &'static str,
+    backend: Backend,
 ) -> Result<Tensor> {
     let (out_f, in_f, out_dims) = validate_linear(x, weight, bias, op, arg)?;
     let m = out_dims[..out_dims.len() - 1].iter().product::<usize>();
-    let plan = plan_linear(x, op)?;
+    let plan = plan_linear(x, op, backend)?;
     crate::alloc::ensure(op, "output", &out_dims, x.dtype(), 1, "use a smaller input")?;
     if m == 0 || in_f == 0 {
         // gemm has nothing to multiply; the product is zero (plus the bias).
@@ -132,8 +134,8 @@ pub(crate) fn linear(
 
 /// The path `F.linear` takes for `x` (f32 CPU: the fused op, unless the backend says
 /// otherwise).
-pub(crate) fn plan_linear(x: &Tensor, op: &'static str) -> Result<Plan> {
-    crate::fused::dispatch::decide(op, Backend::Auto, dtype_device_blocker(x))
+pub(crate) fn plan_linear(x: &Tensor, op: &'static str, backend: Backend) -> Result<Plan> {
+    crate::fused::dispatch::decide(op, backend, dtype_device_blocker(x))
 }
 
 /// Checks `F.linear`'s arguments; returns `(out_features, in_features, output dims)`.

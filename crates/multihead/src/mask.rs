@@ -138,6 +138,8 @@ fn check_float_dtype(t: &Tensor, dtype: DType, op: &'static str, arg: &'static s
 
 /// `True` (non-zero) becomes `-inf` when `true_masks`, otherwise `False` does; the rest is 0.
 fn bool_to_additive(t: &Tensor, dtype: DType, true_masks: bool) -> Result<Tensor> {
+    // Three mask-sized float tensors (a broadcast view costs its full size here).
+    crate::alloc::ensure("mask", "bool mask", t.dims(), dtype, 3, "pass a smaller mask")?;
     let neg_inf = Tensor::full(f64::NEG_INFINITY, t.shape(), t.device())?.to_dtype(dtype)?;
     let zeros = Tensor::zeros(t.shape(), dtype, t.device())?;
     let out =
@@ -153,7 +155,10 @@ pub(crate) fn causal_upper_left(
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor> {
-    let mut data = vec![0f64; l * s];
+    crate::alloc::expect_float("causal mask", "dtype", dtype)?;
+    let n = crate::alloc::elements("causal mask", "mask", &[l, s])?;
+    crate::alloc::ensure("causal mask", "mask", &[l, s], DType::F64, 2, "use shorter sequences")?;
+    let mut data = crate::alloc::try_zeros::<f64>(n, "causal mask")?;
     for i in 0..l {
         for j in (i + 1).min(s)..s {
             data[i * s + j] = f64::NEG_INFINITY;
@@ -164,6 +169,8 @@ pub(crate) fn causal_upper_left(
 
 /// A square causal mask, as `torch.nn.Transformer.generate_square_subsequent_mask(sz)`:
 /// `0.0` on and below the diagonal, `-inf` above it.
+///
+/// `dtype` must be a float dtype (an integer mask could not hold `-inf`).
 ///
 /// # Shapes
 /// Returns `(sz, sz)`; `sz = 0` gives `(0, 0)`.

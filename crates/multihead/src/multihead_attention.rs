@@ -248,6 +248,7 @@ impl MultiheadAttention {
     /// candle's generator, which cannot be seeded: load a state_dict for reproducible weights.
     pub fn new(cfg: MhaConfig, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
+        crate::alloc::expect_float(OP, "dtype", vb.dtype())?;
         let e = cfg.embed_dim;
         let xavier = |fan_out: usize, fan_in: usize| {
             let bound = (6.0 / (fan_in + fan_out) as f64).sqrt();

@@ -36,7 +36,8 @@ pub(crate) struct BwdTask<'a> {
     br: usize,
     bc: usize,
     nq: usize,
-    /// Per `(batch, kv head)`: whether its keys and values are all finite (empty: all are).
+    /// Per `(batch, query head)`: whether its queries, keys and values are all finite (empty:
+    /// all are).
     pub(crate) finite: &'a [bool],
 }
 
@@ -173,7 +174,7 @@ impl Task for BwdTask<'_> {
                     let dropout =
                         p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
 
-                    let finite = self.finite.get(b * dm.heads_kv + hk).copied().unwrap_or(true);
+                    let finite = self.finite.get(b * dm.heads_q + h).copied().unwrap_or(true);
                     let clip = p.causal && finite;
                     let jend = if clip { s.min(i0 + br) } else { s };
                     let mut first = true;

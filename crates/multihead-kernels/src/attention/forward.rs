@@ -26,7 +26,8 @@ pub(crate) struct FwdTask<'a> {
     br: usize,
     bc: usize,
     nq: usize,
-    /// Per `(batch, kv head)`: whether its keys and values are all finite (empty: all are).
+    /// Per `(batch, query head)`: whether its queries, keys and values are all finite (empty:
+    /// all are).
     pub(crate) finite: &'a [bool],
 }
 
@@ -125,7 +126,7 @@ impl Task for FwdTask<'_> {
 
             // A head with a non-finite key or value reads every key (no tile is skipped, causal
             // masking is added), so NaN reaches the output exactly as on the composed path.
-            let finite = self.finite.get(b * dm.heads_kv + hk).copied().unwrap_or(true);
+            let finite = self.finite.get(b * dm.heads_q + h).copied().unwrap_or(true);
             let clip = p.causal && finite;
             let jend = if clip { dm.s.min(i0 + br) } else { dm.s };
             let kbase = self.k.0.add(self.kl.offset(b, hk, 0));

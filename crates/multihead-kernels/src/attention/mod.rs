@@ -24,11 +24,12 @@
 //!   Kept apart, they stay exact when `M` is huge (a row masked by `-1e9` or `f32::MIN`
 //!   everywhere gets uniform weights, as in PyTorch); their sum is the log-sum-exp. A fully
 //!   masked row has `M = 0`, `ln Σ = +inf`.
-//! * Non-finite keys and values follow that arithmetic exactly, as PyTorch's does: masks are
-//!   added (NaN + −inf is NaN) and every value is multiplied by its weight (0·NaN is NaN), so
-//!   a NaN key of a `(batch, kv head)` makes all its rows NaN and a NaN value makes its column
-//!   NaN, masked or not. The kernels skip key tiles the masks or the causal diagonal hide only
-//!   for heads whose keys and values are all finite (one scan of K and V per call).
+//! * Non-finite values follow that arithmetic exactly, as PyTorch's does: masks are added
+//!   (NaN + −inf is NaN) and every value is multiplied by its weight (0·NaN is NaN), so a NaN
+//!   key of a `(batch, kv head)` makes all its rows NaN, a NaN query its row, and a NaN value
+//!   its column, masked or not. The kernels skip key tiles the masks or the causal diagonal
+//!   hide only for heads whose queries, keys and values are all finite (one scan of Q, K and V
+//!   per call).
 //! * Backward (FlashAttention-2): `D_i = rowsum(dO_i ∘ O_i)`,
 //!   `dS = P ∘ (m ∘ (dO vᵀ) − D)`, `dq = scale · dS k`, `dk = scale · dSᵀ q`,
 //!   `dv = (P∘m)ᵀ dO`; `dk`/`dv` of a kv head sum over its query heads.
@@ -361,19 +362,18 @@ const BWD_BR: usize = 64;
 /// Key block rows (backward): two 128 x 64 tiles (P, dS) of 32 KiB each.
 const BWD_BC: usize = 128;
 
-/// Per `(batch, kv head)`: whether every key (and value, when given) is finite. Empty when
-/// nothing can be skipped anyway (no mask, not causal): the kernels then read every key.
+/// Per `(batch, query head)`: whether its queries and the keys (and values, when given) of
+/// its kv head are all finite. Empty when nothing can be skipped anyway (no mask, not causal):
+/// the kernels then read every key.
 ///
 /// The kernels skip key tiles that the masks or the causal diagonal hide entirely; that is
-/// exact only when the hidden keys and values are finite (PyTorch adds masks, so NaN + −inf
-/// and 0·NaN are NaN). Heads with a non-finite key or value therefore read every key. The
-/// scan reads K and V once, `batch·heads_kv·s·(d + dv)` floats, next to the `l` times more
-/// work of attention itself.
+/// exact only when the hidden scores and values are finite (PyTorch adds masks, so NaN + −inf
+/// and 0·NaN are NaN). Heads with a non-finite query, key or value therefore read every key.
+/// The scan reads Q, K and V once, next to the many times more work of attention itself.
 fn finite_heads(
     p: &AttnParams<'_>,
-    k: &[f32],
-    kl: Layout4,
-    d: usize,
+    (q, ql): (&[f32], Layout4),
+    (k, kl): (&[f32], Layout4),
     v: Option<(&[f32], Layout4)>,
 ) -> Vec<bool> {
     let dm = p.dims;
@@ -383,18 +383,27 @@ fn finite_heads(
     // A float is finite unless its exponent bits are all ones; the max of the exponent fields
     // over a row is an integer reduction the compiler vectorises.
     const EXP: u32 = 0x7f80_0000;
-    let rows_finite = |x: &[f32], l: Layout4, b: usize, h: usize, width: usize| {
-        (0..dm.s).all(|j| {
+    let rows_finite = |x: &[f32], l: Layout4, b: usize, h: usize, rows: usize, width: usize| {
+        (0..rows).all(|j| {
             let o = l.offset(b, h, j);
             x[o..o + width].iter().fold(0u32, |m, f| m.max(f.to_bits() & EXP)) < EXP
         })
     };
     use rayon::prelude::*;
-    (0..dm.batch * dm.heads_kv)
+    let kv: Vec<bool> = (0..dm.batch * dm.heads_kv)
         .into_par_iter()
         .map(|bh| {
             let (b, h) = (bh / dm.heads_kv, bh % dm.heads_kv);
-            rows_finite(k, kl, b, h, d) && v.is_none_or(|(v, vl)| rows_finite(v, vl, b, h, dm.dv))
+            rows_finite(k, kl, b, h, dm.s, dm.d)
+                && v.is_none_or(|(v, vl)| rows_finite(v, vl, b, h, dm.s, dm.dv))
+        })
+        .collect();
+    let group = dm.heads_q / dm.heads_kv.max(1);
+    (0..dm.batch * dm.heads_q)
+        .into_par_iter()
+        .map(|bh| {
+            let (b, h) = (bh / dm.heads_q, bh % dm.heads_q);
+            kv[b * dm.heads_kv + h / group.max(1)] && rows_finite(q, ql, b, h, dm.l, dm.d)
         })
         .collect()
 }
@@ -431,7 +440,7 @@ pub fn flash_forward(
     if d.batch == 0 || d.heads_q == 0 || d.l == 0 {
         return Ok(());
     }
-    let finite = finite_heads(p, k, kl, d.d, Some((v, vl)));
+    let finite = finite_heads(p, (q, ql), (k, kl), Some((v, vl)));
     let mut task = forward::FwdTask::new(p, q, ql, k, kl, v, vl, out, ol, lse, FWD_BR, FWD_BC);
     task.finite = &finite;
     exec::par_run(simd_level(), &task);
@@ -479,7 +488,7 @@ pub fn flash_backward(
     if d.batch == 0 || d.heads_q == 0 {
         return Ok(());
     }
-    let finite = finite_heads(p, k, kl, d.d, Some((v, vl)));
+    let finite = finite_heads(p, (q, ql), (k, kl), Some((v, vl)));
     let mut task = backward::BwdTask::new(
         p, q, ql, k, kl, v, vl, out, ol, dout, dol, lse, dq, dql, dk, dkl, dv, dvl, BWD_BR, BWD_BC,
     );
@@ -520,7 +529,7 @@ pub fn attention_weights(
         weights[..d.batch * d.l * d.s].fill(f32::NAN);
         return Ok(());
     }
-    let finite = finite_heads(p, k, kl, d.d, None);
+    let finite = finite_heads(p, (q, ql), (k, kl), None);
     let mut task =
         weights::WeightsTask::new(p, q, ql, k, kl, lse, average_heads, weights, FWD_BR, FWD_BC);
     task.finite = &finite;

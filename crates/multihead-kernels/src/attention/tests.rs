@@ -807,3 +807,32 @@ fn rows_with_a_huge_finite_mask_keep_their_precision() {
         }
     }
 }
+
+/// A NaN query in a query block whose keys are all masked: the row is NaN (NaN + -inf), as
+/// the reference and PyTorch give, not the zero row of a skipped tile.
+#[test]
+fn nan_query_in_a_fully_masked_block_is_nan() {
+    let (l, s, d) = (70usize, 300usize, 4usize);
+    let dims = AttnDims { batch: 1, heads_q: 1, heads_kv: 1, l, s, d, dv: d };
+    let (ql, kl) = (Layout4::contiguous(1, l, d), Layout4::contiguous(1, s, d));
+    let mut q = rand_vec(l * d, 7);
+    q[66 * d] = f32::NAN; // in the second query block, which is fully masked
+    let (k, v) = (rand_vec(s * d, 8), rand_vec(s * d, 9));
+    let mut mask = vec![0f32; l * s];
+    mask[64 * s..].iter_mut().for_each(|m| *m = f32::NEG_INFINITY);
+    let mut p = AttnParams::new(dims);
+    p.masks[0] = Some(MaskView::Additive { data: &mask, strides: [0, 0, s, 1] });
+    let (eout, _) = reference::forward(&p, &q, ql, &k, kl, &v, kl);
+    for level in levels() {
+        with_simd_level(level, || {
+            let mut out = vec![0f32; l * d];
+            let mut lse = vec![0f32; 2 * l];
+            flash_forward(&p, &q, ql, &k, kl, &v, kl, &mut out, ql, &mut lse).unwrap();
+            for (i, (&g, &e)) in out.iter().zip(&eout).enumerate() {
+                assert_eq!(g.is_nan(), e.is_nan(), "{level:?}: out[{i}] {g} vs {e}");
+            }
+            assert!(out[66 * d..67 * d].iter().all(|x| x.is_nan()));
+            assert!(out[65 * d..66 * d].iter().all(|&x| x == 0.0));
+        });
+    }
+}

@@ -22,7 +22,7 @@ pub(crate) struct WeightsTask<'a> {
     br: usize,
     bc: usize,
     nq: usize,
-    /// Per `(batch, kv head)`: whether its keys are all finite (empty: all are).
+    /// Per `(batch, query head)`: whether its queries and keys are all finite (empty: all are).
     pub(crate) finite: &'a [bool],
 }
 
@@ -126,7 +126,7 @@ impl Task for WeightsTask<'_> {
                 let dropout =
                     p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
                 let kbase = self.k.0.add(self.kl.offset(b, hk, 0));
-                let finite = self.finite.get(b * dm.heads_kv + hk).copied().unwrap_or(true);
+                let finite = self.finite.get(b * dm.heads_q + h).copied().unwrap_or(true);
                 let clip = p.causal && finite;
                 let mut j0 = 0;
                 while j0 < s {

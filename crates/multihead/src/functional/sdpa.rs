@@ -246,7 +246,7 @@ fn plan(
     key: &Tensor,
     value: &Tensor,
     call: &SdpaCall,
-    backend: Backend,
+    opts: &SdpaOptions,
 ) -> Result<Plan> {
     let blocker = dtype_device_blocker(query).or_else(|| {
         if query.rank() != 4 || key.rank() != 4 || value.rank() != 4 {
@@ -265,9 +265,12 @@ fn plan(
         if call.mask.as_ref().is_some_and(|m| m.rank() > 4) {
             return Some(Reason::MaskRank);
         }
+        if crate::fused::dispatch::mask_records_grad(opts.attn_mask.as_ref()) {
+            return Some(Reason::MaskGrad);
+        }
         None
     });
-    decide(SDPA, backend, blocker)
+    decide(SDPA, opts.backend, blocker)
 }
 
 /// The path [`scaled_dot_product_attention`] takes for these arguments, and why, without
@@ -290,7 +293,7 @@ pub fn explain_sdpa(
     opts: &SdpaOptions,
 ) -> Result<Plan> {
     let call = validate(query, key, value, opts)?;
-    plan(query, key, value, &call, opts.backend)
+    plan(query, key, value, &call, opts)
 }
 
 /// Scaled dot-product attention: `softmax(q kᵀ · scale + mask) v`, with optional dropout on the
@@ -326,8 +329,9 @@ pub fn scaled_dot_product_attention(
     opts: &SdpaOptions,
 ) -> Result<Tensor> {
     let call = validate(query, key, value, opts)?;
-    let plan = plan(query, key, value, &call, opts.backend)?;
+    let plan = plan(query, key, value, &call, opts)?;
     let out_dims = with(&call.batch, call.l, call.ev);
+    crate::alloc::ensure(SDPA, "output", &out_dims, query.dtype(), 1, "use smaller inputs")?;
     if out_dims.contains(&0) || call.s == 0 {
         // Nothing to attend: an empty softmax row gives a zero output row on both paths.
         return Ok(Tensor::zeros(out_dims, query.dtype(), query.device())?);
@@ -360,6 +364,10 @@ fn run_composed(
         3,
         "the composed path builds (..., L, S) score matrices; use f32 on the CPU (the fused kernels never build them) or smaller inputs",
     )?;
+    // The broadcast copies of q, k and v.
+    let hint = "broadcast inputs are copied to full size on the composed path; use smaller inputs";
+    crate::alloc::ensure(SDPA, "query", &[bsz, l, e], query.dtype(), 1, hint)?;
+    crate::alloc::ensure(SDPA, "key", &[bsz, s, e + ev], query.dtype(), 1, hint)?;
     let (qr, kr, vr) = (query.rank(), key.rank(), value.rank());
     let (mut key, mut value) = (key.clone(), value.clone());
     if opts.enable_gqa && qr >= 3 && kr >= 3 && vr >= 3 {
@@ -420,5 +428,11 @@ fn run_fused(
         dropout,
         Convention::Bhtd,
     );
-    op.apply(query, key, value)
+    // The kernels read rows; a view whose last dimension is strided (a transpose, a broadcast)
+    // is copied first (differentiably).
+    let rows = |t: &Tensor| -> Result<Tensor> {
+        let (d, st) = (t.dims(), t.stride());
+        Ok(if d[3] > 1 && st[3] != 1 { t.contiguous()? } else { t.clone() })
+    };
+    op.apply(&rows(query)?, &rows(key)?, &rows(value)?)
 }

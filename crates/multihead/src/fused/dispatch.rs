@@ -45,6 +45,9 @@ pub enum Reason {
     MaskRank,
     /// The input's rows are not evenly strided (a fused linear needs `(m, k)` rows).
     Layout,
+    /// A float mask is part of the graph (a learned bias); the fused kernels copy masks and
+    /// give them no gradient.
+    MaskGrad,
 }
 
 impl fmt::Display for Reason {
@@ -72,6 +75,11 @@ impl fmt::Display for Reason {
             Reason::KvHeads => write!(f, "key and value have different head counts"),
             Reason::MaskRank => write!(f, "the mask has more than 4 dimensions"),
             Reason::Layout => write!(f, "the input rows are not evenly strided"),
+            Reason::MaskGrad => write!(
+                f,
+                "a float mask records a gradient (a learned bias), which the fused kernels do not \
+                 propagate"
+            ),
         }
     }
 }
@@ -141,4 +149,9 @@ pub(crate) fn dtype_device_blocker(t: &Tensor) -> Option<Reason> {
     } else {
         None
     }
+}
+
+/// Whether a float mask takes part in the autograd graph while gradients are wanted.
+pub(crate) fn mask_records_grad(mask: Option<&crate::Mask>) -> bool {
+    crate::mode::grad_enabled() && matches!(mask, Some(crate::Mask::Float(t)) if t.track_op())
 }

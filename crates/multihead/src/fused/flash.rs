@@ -71,6 +71,15 @@ pub(crate) struct OwnedMask {
 impl OwnedMask {
     /// Copies an additive f32 mask tensor and views it through `strides`.
     pub(crate) fn new(t: &Tensor, strides: [usize; 4]) -> Result<Self> {
+        // A broadcast (stride-0) view costs its full size here.
+        crate::alloc::ensure(
+            "flash attention",
+            "mask",
+            t.dims(),
+            t.dtype(),
+            2,
+            "pass a smaller mask",
+        )?;
         Ok(Self { data: t.flatten_all()?.to_vec1::<f32>()?, strides })
     }
 }

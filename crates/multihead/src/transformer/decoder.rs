@@ -46,6 +46,7 @@ impl TransformerDecoder {
         norm: Option<NormConfig>,
         vb: VarBuilder,
     ) -> Result<Self> {
+        super::check_stack_size(&layer, num_layers, true, vb.dtype())?;
         let (layers, norm) = build_stack(num_layers, layer.d_model, norm, &vb, |vb| {
             TransformerDecoderLayer::new(layer.clone(), vb)
         })?;

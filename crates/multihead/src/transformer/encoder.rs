@@ -60,6 +60,7 @@ impl TransformerEncoder {
         norm: Option<NormConfig>,
         vb: VarBuilder,
     ) -> Result<Self> {
+        super::check_stack_size(&layer, num_layers, false, vb.dtype())?;
         let (layers, norm) = build_stack(num_layers, layer.d_model, norm, &vb, |vb| {
             TransformerEncoderLayer::new(layer.clone(), vb)
         })?;
@@ -113,6 +114,9 @@ impl TransformerEncoder {
                     && !crate::mode::grad_enabled()
                     && mask.is_none()
                     && src.rank() == 3
+                    && kpm.dims() == [src.dim(0)?, src.dim(1)?]
+                    && kpm.tensor().dtype()
+                        == if kpm.is_bool() { DType::U8 } else { src.dtype() }
                     && self.nested_path_eligible() =>
             {
                 let p = kpm.tensor().ne(0f64)?;

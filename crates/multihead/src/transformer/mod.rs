@@ -181,6 +181,41 @@ pub(crate) fn feed_forward(
     crate::activation::dropout(&linear2.forward(&h)?, p, training)
 }
 
+/// The parameters of one layer: attention blocks (`4E² + 4E` each), the feed-forward block
+/// (`2·E·F + F + E`) and the norms (`2E` each).
+fn layer_params(cfg: &LayerConfig, decoder: bool) -> Option<usize> {
+    let (e, f) = (cfg.d_model, cfg.dim_feedforward);
+    let attn = e.checked_mul(e)?.checked_mul(4)?.checked_add(e.checked_mul(4)?)?;
+    let ff = e.checked_mul(f)?.checked_mul(2)?.checked_add(f)?.checked_add(e)?;
+    let (blocks, norms) = if decoder { (2, 3) } else { (1, 2) };
+    attn.checked_mul(blocks)?.checked_add(ff)?.checked_add(e.checked_mul(2 * norms)?)
+}
+
+/// Checks up front that a stack's parameters fit in memory, so that an absurd `num_layers`
+/// is an error at once instead of a long allocation loop.
+pub(crate) fn check_stack_size(
+    cfg: &LayerConfig,
+    num_layers: usize,
+    decoder: bool,
+    dtype: candle_core::DType,
+) -> crate::Result<()> {
+    cfg.validate()?;
+    let total = layer_params(cfg, decoder).and_then(|p| p.checked_mul(num_layers));
+    let total = total.ok_or_else(|| crate::Error::Alloc {
+        op: "TransformerStack",
+        what: "parameters",
+        msg: format!("{num_layers} layers of d_model {} overflow usize", cfg.d_model),
+    })?;
+    crate::alloc::ensure(
+        "TransformerStack",
+        "parameters",
+        &[total],
+        dtype,
+        1,
+        "use fewer layers or smaller layers",
+    )
+}
+
 /// Builds `num_layers` layers under `layers.{i}` and the optional final norm under `norm`:
 /// the shared constructor of [`TransformerEncoder`] and [`TransformerDecoder`].
 pub(crate) fn build_stack<T>(
@@ -254,9 +289,18 @@ pub(crate) fn detect_is_causal(
         return Ok(h);
     }
     let Some(mask) = mask else { return Ok(false) };
+    mask.check_kind("_detect_is_causal_mask", "mask")?;
     if mask.dims() != [sz, sz] {
         return Ok(false);
     }
+    crate::alloc::ensure(
+        "_detect_is_causal_mask",
+        "mask",
+        &[sz, sz],
+        candle_core::DType::F64,
+        2,
+        "pass is_causal explicitly to skip the detection, or use a smaller mask",
+    )?;
     let t = mask.tensor();
     let vals: Vec<f64> = match mask {
         crate::Mask::Bool(t) => t

@@ -120,6 +120,17 @@ impl Transformer {
         let d = self.cfg.layer.d_model;
         let bf = self.cfg.layer.batch_first;
         let is_batched = src.rank() == 3;
+        if !matches!(src.rank(), 2 | 3) || tgt.rank() != src.rank() {
+            return Err(Error::Shape {
+                op: "Transformer",
+                arg: "tgt",
+                msg: format!(
+                    "src and tgt must both be 2-D (unbatched) or both 3-D (batched), got src {:?} and tgt {:?}",
+                    src.dims(),
+                    tgt.dims()
+                ),
+            });
+        }
         if is_batched {
             let (bs, bt) = if bf { (src.dim(0)?, tgt.dim(0)?) } else { (src.dim(1)?, tgt.dim(1)?) };
             if tgt.rank() != 3 || bs != bt {

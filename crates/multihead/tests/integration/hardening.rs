@@ -306,3 +306,127 @@ fn multihead_errors_convert_into_candle_errors() {
     assert!(err.to_string().contains("embedding dimension of 8"), "{err}");
     assert!(candle_code(&m, &t(&[3, 2, 8])).is_ok());
 }
+
+// Review findings (an adversarial pass after the first fixes).
+
+#[test]
+fn a_learned_float_mask_gets_its_gradient_on_every_path() {
+    let q = det(&[1, 2, 4, 8], DType::F32, 1.0);
+    let k = det(&[1, 2, 6, 8], DType::F32, 2.0);
+    let bias = candle_core::Var::from_tensor(&det(&[1, 2, 4, 6], DType::F32, 3.0)).unwrap();
+    let grads: Vec<Tensor> = [Backend::Composed, Backend::Auto]
+        .into_iter()
+        .map(|b| {
+            let opts =
+                SdpaOptions::default().attn_mask(Mask::Float(bias.as_tensor().clone())).backend(b);
+            let out = scaled_dot_product_attention(&q, &k, &k, &opts).unwrap();
+            let g = out.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+            g.get(bias.as_tensor()).expect("the mask's gradient").clone()
+        })
+        .collect();
+    assert_close(&grads[1], &grads[0], Tolerance::F32_GRAD, "mask gradient");
+    let opts = SdpaOptions::default().attn_mask(Mask::Float(bias.as_tensor().clone()));
+    let plan = multihead::functional::explain_sdpa(&q, &k, &k, &opts).unwrap();
+    assert_eq!(plan.reason, multihead::Reason::MaskGrad, "{plan}");
+    // Under no_grad the fused kernels may take it.
+    let plan = no_grad(|| multihead::functional::explain_sdpa(&q, &k, &k, &opts)).unwrap();
+    assert_eq!(plan.path, multihead::Path::Fused);
+}
+
+#[test]
+fn sdpa_reads_transposed_and_broadcast_views_on_the_fused_path() {
+    let q = det(&[1, 2, 8, 5], DType::F32, 1.0).transpose(2, 3).unwrap(); // last stride 5
+    let k = det(&[1, 2, 6, 8], DType::F32, 2.0);
+    let v = det(&[1, 1, 1, 1], DType::F32, 3.0).broadcast_as((1, 2, 6, 8)).unwrap();
+    let run =
+        |b| scaled_dot_product_attention(&q, &k, &v, &SdpaOptions::default().backend(b)).unwrap();
+    assert_close(&run(Backend::Fused), &run(Backend::Composed), Tolerance::F32_FORWARD, "views");
+}
+
+#[test]
+fn broadcast_views_that_would_expand_beyond_memory_are_alloc_errors() {
+    let l = 1usize << 17;
+    let (m, _vm) = mha(MhaConfig::new(8, 1), DType::F32);
+    let x = Tensor::zeros((1, 1, 8), DType::F32, &dev()).unwrap().broadcast_as((l, 1, 8)).unwrap();
+    for mask in [
+        Mask::Float(
+            Tensor::zeros((1, 1), DType::F32, &dev()).unwrap().broadcast_as((l, l)).unwrap(),
+        ),
+        Mask::Bool(Tensor::zeros((1, 1), DType::U8, &dev()).unwrap().broadcast_as((l, l)).unwrap()),
+    ] {
+        for b in BACKENDS {
+            let opts = MhaOptions::default().attn_mask(mask.clone()).need_weights(false).backend(b);
+            let e = no_grad(|| m.forward(&x, &x, &x, &opts)).expect_err("64 GiB mask");
+            assert!(matches!(e, Error::Alloc { .. }), "{b:?}: {e:?}");
+        }
+    }
+    let e = multihead::generate_square_subsequent_mask(1 << 32, DType::F32, &dev())
+        .expect_err("overflow");
+    assert!(matches!(e, Error::Alloc { .. }), "{e:?}");
+    let e = multihead::generate_square_subsequent_mask(3, DType::U8, &dev()).expect_err("int");
+    assert!(matches!(e, Error::DType { .. }), "{e:?}");
+    let ids = Tensor::zeros(1, DType::U32, &dev()).unwrap().broadcast_as(1usize << 38).unwrap();
+    let emb = multihead::Embedding::from_weight(t(&[10, 4])).unwrap();
+    assert!(matches!(emb.forward(&ids), Err(Error::Alloc { .. })));
+    let q = Tensor::zeros((1, 1, 1, 8), DType::F32, &dev())
+        .unwrap()
+        .broadcast_as((1, 1, 1 << 37, 8))
+        .unwrap();
+    let kv = Tensor::zeros((1, 1, 0, 8), DType::F32, &dev()).unwrap();
+    let e = scaled_dot_product_attention(&q, &kv, &kv, &SdpaOptions::default()).expect_err("4 TiB");
+    assert!(matches!(e, Error::Alloc { .. }), "{e:?}");
+    let x = Tensor::zeros(1, DType::F32, &dev()).unwrap().broadcast_as(1usize << 38).unwrap();
+    assert!(matches!(multihead::activation::dropout(&x, 0.5, true), Err(Error::Alloc { .. })));
+    let cfg = multihead::transformer::LayerConfig::new(8, 2).with_dim_feedforward(8);
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let e = multihead::transformer::TransformerEncoder::new(cfg, 1 << 40, None, vb)
+        .expect_err("2^40 layers");
+    assert!(matches!(e, Error::Alloc { .. }), "{e:?}");
+}
+
+#[test]
+fn integer_inputs_to_float_layers_are_typed_errors() {
+    use candle_nn::{VarBuilder, VarMap};
+    let vm = VarMap::new();
+    let ln =
+        multihead::LayerNorm::new(4, 1e-5, true, VarBuilder::from_varmap(&vm, DType::F32, &dev()))
+            .unwrap();
+    for x in [
+        Tensor::ones((2, 4), DType::U32, &dev()).unwrap(),
+        Tensor::zeros((2, 4), DType::F64, &dev()).unwrap(),
+    ] {
+        assert!(matches!(ln.forward(&x), Err(Error::DType { .. })), "{:?}", x.dtype());
+    }
+    let u = Tensor::ones(3, DType::U32, &dev()).unwrap();
+    assert!(matches!(multihead::Activation::Gelu.forward(&u), Err(Error::DType { .. })));
+    let e = multihead::MultiheadAttention::new(
+        MhaConfig::new(8, 2),
+        VarBuilder::from_varmap(&vm, DType::U32, &dev()),
+    );
+    assert!(matches!(e, Err(Error::DType { .. })));
+}
+
+#[test]
+fn a_per_call_composed_backend_governs_the_projections_too() {
+    let e = 8;
+    let (w_in, w_out) = (det(&[3 * e, e], DType::F64, 0.1), det(&[e, e], DType::F64, 0.2));
+    let params = MhaParams {
+        embed_dim_to_check: e,
+        num_heads: 2,
+        in_proj: InProj::Packed(&w_in),
+        in_proj_bias: None,
+        bias_k: None,
+        bias_v: None,
+        add_zero_attn: false,
+        dropout_p: 0.0,
+        out_proj_weight: &w_out,
+        out_proj_bias: None,
+    };
+    let x = det(&[3, 2, e], DType::F64, 1.0);
+    let opts = MhaOptions::default().backend(Backend::Composed);
+    let r = with_backend(Backend::Fused, || {
+        multi_head_attention_forward(&x, &x, &x, &params, &opts, false)
+    });
+    assert!(r.is_ok(), "{:?}", r.err());
+}

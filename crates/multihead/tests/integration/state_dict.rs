@@ -164,7 +164,12 @@ fn embedding_loads_by_its_pytorch_key_and_rejects_bad_indices() {
     let ids = Tensor::new(&[[4u32, 0], [2, 2]], &dev()).unwrap();
     let out = emb.forward(&ids).unwrap();
     assert_eq!(out.dims(), &[2, 2, 3]);
-    assert_close(&out.get(0).unwrap().get(0).unwrap(), &table.get(4).unwrap(), Tolerance { rel: 0.0, abs: 0.0 }, "row 4");
+    assert_close(
+        &out.get(0).unwrap().get(0).unwrap(),
+        &table.get(4).unwrap(),
+        Tolerance { rel: 0.0, abs: 0.0 },
+        "row 4",
+    );
     for bad in [Tensor::new(&[5u32], &dev()).unwrap(), Tensor::new(&[-1i64], &dev()).unwrap()] {
         let e = emb.forward(&bad).expect_err("out of range");
         assert!(e.to_string().contains("out of range for an embedding of 5 rows"), "{e}");

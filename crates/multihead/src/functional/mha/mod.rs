@@ -240,13 +240,16 @@ fn records_grad(call: &MhaCall) -> bool {
 }
 
 /// Step 2: the one decision between the fused kernels and the composed path.
-fn plan(call: &MhaCall, backend: Backend) -> Result<Plan> {
+fn plan(call: &MhaCall, opts: &MhaOptions) -> Result<Plan> {
     let p = call.params;
+    let masks_grad = crate::fused::dispatch::mask_records_grad(opts.attn_mask.as_ref())
+        || crate::fused::dispatch::mask_records_grad(opts.key_padding_mask.as_ref());
     let blocker = dtype_device_blocker(&call.query)
+        .or_else(|| masks_grad.then_some(Reason::MaskGrad))
         .or_else(|| p.bias_k.is_some().then_some(Reason::BiasKv))
         .or_else(|| p.add_zero_attn.then_some(Reason::ZeroAttn))
         .or_else(|| (call.need_weights && records_grad(call)).then_some(Reason::WeightsWithGrad));
-    decide(MHA, backend, blocker)
+    decide(MHA, opts.backend, blocker)
 }
 
 // Internal: validate and plan with the aliasing and layout the module knows.
@@ -262,7 +265,7 @@ pub(crate) fn mha_plan_impl(
     batch_first: bool,
 ) -> Result<Plan> {
     let call = validate::validate(query, key, value, alias, params, opts, training, batch_first)?;
-    plan(&call, opts.backend)
+    plan(&call, opts)
 }
 
 // Internal: the functional signature plus the aliasing and layout the module knows.
@@ -278,7 +281,7 @@ pub(crate) fn mha_forward_impl(
     batch_first: bool,
 ) -> Result<MhaOutput> {
     let call = validate::validate(query, key, value, alias, params, opts, training, batch_first)?;
-    let plan = plan(&call, opts.backend)?;
+    let plan = plan(&call, opts)?;
     if call.n == 0 || call.l == 0 {
         return empty_output(&call);
     }
@@ -290,7 +293,7 @@ pub(crate) fn mha_forward_impl(
         Path::Composed => composed::attend(&call, proj, dropout)?,
     }; // attn: (L, N, E), or (N, L, E) with batch_first
     let p = call.params;
-    let out = linear(&attn, p.out_proj_weight, p.out_proj_bias, MHA, "attn_output")?;
+    let out = linear(&attn, p.out_proj_weight, p.out_proj_bias, MHA, "attn_output", call.backend)?;
     finish(&call, out, weights)
 }
 

@@ -33,29 +33,37 @@ pub(crate) fn project(call: &MhaCall) -> Result<Projected> {
     let alias = call.alias;
     let proj = match p.in_proj {
         InProj::Packed(w) if alias.key_is_query && alias.value_is_key => {
-            let qkv = linear(query, w, p.in_proj_bias, MHA, "query")?;
+            let qkv = linear(query, w, p.in_proj_bias, MHA, "query", call.backend)?;
             let (q, k, v) = (qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?);
             Projected { q, k, v, packed: Some(qkv) }
         }
         InProj::Packed(w) if alias.value_is_key => {
-            let q = linear(query, &w.narrow(0, 0, e)?, bias(0)?.as_ref(), MHA, "query")?;
+            let q =
+                linear(query, &w.narrow(0, 0, e)?, bias(0)?.as_ref(), MHA, "query", call.backend)?;
             let bkv = match p.in_proj_bias {
                 Some(b) => Some(b.narrow(0, e, 2 * e)?),
                 None => None,
             };
-            let kv = linear(key, &w.narrow(0, e, 2 * e)?, bkv.as_ref(), MHA, "key")?;
+            let kv = linear(key, &w.narrow(0, e, 2 * e)?, bkv.as_ref(), MHA, "key", call.backend)?;
             Projected { q, k: kv.narrow(2, 0, e)?, v: kv.narrow(2, e, e)?, packed: None }
         }
         InProj::Packed(w) => Projected {
-            q: linear(query, &w.narrow(0, 0, e)?, bias(0)?.as_ref(), MHA, "query")?,
-            k: linear(key, &w.narrow(0, e, e)?, bias(1)?.as_ref(), MHA, "key")?,
-            v: linear(value, &w.narrow(0, 2 * e, e)?, bias(2)?.as_ref(), MHA, "value")?,
+            q: linear(query, &w.narrow(0, 0, e)?, bias(0)?.as_ref(), MHA, "query", call.backend)?,
+            k: linear(key, &w.narrow(0, e, e)?, bias(1)?.as_ref(), MHA, "key", call.backend)?,
+            v: linear(
+                value,
+                &w.narrow(0, 2 * e, e)?,
+                bias(2)?.as_ref(),
+                MHA,
+                "value",
+                call.backend,
+            )?,
             packed: None,
         },
         InProj::Separate { q: wq, k: wk, v: wv } => Projected {
-            q: linear(query, wq, bias(0)?.as_ref(), MHA, "query")?,
-            k: linear(key, wk, bias(1)?.as_ref(), MHA, "key")?,
-            v: linear(value, wv, bias(2)?.as_ref(), MHA, "value")?,
+            q: linear(query, wq, bias(0)?.as_ref(), MHA, "query", call.backend)?,
+            k: linear(key, wk, bias(1)?.as_ref(), MHA, "key", call.backend)?,
+            v: linear(value, wv, bias(2)?.as_ref(), MHA, "value", call.backend)?,
             packed: None,
         },
     };

@@ -40,6 +40,8 @@ pub(crate) struct MhaCall<'a> {
     pub dropout_p: f64,
     pub need_weights: bool,
     pub average_attn_weights: bool,
+    /// The caller's backend (it governs the projections as well as attention).
+    pub backend: crate::mode::Backend,
 }
 
 impl MhaCall<'_> {
@@ -440,5 +442,6 @@ pub(crate) fn validate<'a>(
         dropout_p: if training { params.dropout_p } else { 0.0 },
         need_weights: opts.need_weights,
         average_attn_weights: opts.average_attn_weights,
+        backend: opts.backend,
     })
 }
