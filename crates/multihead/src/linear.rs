@@ -110,6 +110,10 @@ pub(crate) fn linear(
     let (out_f, in_f, out_dims) = validate_linear(x, weight, bias, op, arg)?;
     let m = out_dims[..out_dims.len() - 1].iter().product::<usize>();
     let plan = plan_linear(x, op, backend)?;
+    // Inside no_grad: no graph (its nodes would keep every input alive).
+    let (x, weight) = (&crate::mode::graph_input(x), &crate::mode::graph_input(weight));
+    let bias = bias.map(crate::mode::graph_input);
+    let bias = bias.as_ref();
     crate::alloc::ensure(op, "output", &out_dims, x.dtype(), 1, "use a smaller input")?;
     if m == 0 || in_f == 0 {
         // gemm has nothing to multiply; the product is zero (plus the bias).

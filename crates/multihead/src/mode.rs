@@ -11,6 +11,8 @@
 
 use std::cell::Cell;
 
+use candle_core::Tensor;
+
 /// Which implementation runs attention and linear layers.
 ///
 /// * `Auto` (the default): the fused CPU kernels where they apply (f32 on the CPU, no
@@ -101,8 +103,12 @@ impl<T: Copy + 'static> Drop for Restore<T> {
 ///   PyTorch's inference-only path (padded positions of the output are zero), so the numbers
 ///   are those PyTorch gives under `torch.no_grad()`.
 ///
-/// candle records a graph whenever a parameter is a `Var`; `no_grad` is a promise not to call
-/// `backward` on what `f` computes. See the [module docs](self) for threads.
+/// * no autograd graph is recorded: the layers detach their inputs and parameters, so that
+///   intermediate tensors are freed as soon as they are used (candle otherwise records a graph
+///   whenever a parameter is a `Var`, and the graph keeps every intermediate alive).
+///
+/// `backward` on what `f` computes therefore gives no gradients. See the
+/// [module docs](self) for threads.
 ///
 /// # Example
 /// ```
@@ -112,6 +118,17 @@ impl<T: Copy + 'static> Drop for Restore<T> {
 pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
     let _restore = Restore::set(&GRAD, false);
     f()
+}
+
+/// `t` itself, or, inside [`no_grad`], `t` detached from candle's autograd graph: the layers
+/// pass their inputs and parameters through this, so that inference builds no graph and
+/// keeps no intermediate tensor alive.
+pub(crate) fn graph_input(t: &Tensor) -> Tensor {
+    if grad_enabled() {
+        t.clone()
+    } else {
+        t.detach()
+    }
 }
 
 /// Whether gradients may be needed on this thread (false inside [`no_grad`]).
