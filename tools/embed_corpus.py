@@ -103,7 +103,7 @@ class Gen:
             return self.c(["several", "many", "a few", "three", "twelve", "some", "the"]) + " " + \
                 (self.c(ADJS) + " " if self.p(0.5) else "") + self.c(PLURALS)
         det = self.c(["the", "the", "a", "this", "that", "our", "their", "an old friend's"])
-        adjs = [self.c(ADJS) for _ in range(self.r.choice([0, 0, 1, 1, 2]))]
+        adjs = self.r.sample(ADJS, self.r.choice([0, 0, 1, 1, 2]))
         noun = self.c(NOUNS)
         words = " ".join([*adjs, noun])
         if det == "a" and words[0] in "aeiou":
@@ -124,12 +124,13 @@ class Gen:
         return self.c(PREPS) + " " + self.np_()
 
     def clause(self):
-        subj = self.subject()
         adv = (self.c(ADVERBS) + " ") if self.p(0.25) else ""
         if self.p(0.25):
-            body = f"{subj} {adv}{self.c(INTRANSITIVE)}"
-        else:
-            body = f"{subj} {adv}{self.c(TRANSITIVE)} {self.np_()}"
+            # people and groups arrive late or disagree; bridges do not
+            subj = self.c(NAMES) if self.p(0.5) else self.c(GROUPS)
+            return f"{subj} {adv}{self.c(INTRANSITIVE)}" + "".join(
+                " " + self.pp() for _ in range(self.r.choice([0, 1, 1])))
+        body = f"{self.subject()} {adv}{self.c(TRANSITIVE)} {self.np_()}"
         for _ in range(self.r.choice([0, 0, 1, 1, 2])):
             body += " " + self.pp()
         return body

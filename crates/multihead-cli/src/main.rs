@@ -13,8 +13,12 @@ mod plot;
 use multihead::Backend;
 use multihead_parity::{self as parity, Case};
 
+/// mimalloc, with freed blocks of 1 MiB and more kept for reuse (up to 4 GiB): every training
+/// or inference step allocates the same large tensors again, and reusing them avoids faulting
+/// fresh pages in each time (see `multihead::memory`).
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: multihead::memory::ReuseLarge<mimalloc::MiMalloc> =
+    multihead::memory::ReuseLarge::new(mimalloc::MiMalloc, 4 << 30);
 
 /// PyTorch-exact multi-head attention: tools around the `multihead` library.
 ///

@@ -56,6 +56,7 @@ pub mod fused;
 pub mod layer_norm;
 pub mod linear;
 pub mod mask;
+pub mod memory;
 pub mod mode;
 pub mod multihead_attention;
 pub mod random;
