@@ -5,7 +5,8 @@
 //! the two.
 //!
 //! It holds the fused (flash) attention kernels ([`attention`]: forward, backward and the
-//! attention-weights pass, with run-time AVX-512 / AVX2 / scalar dispatch) and the counter-based
+//! attention-weights pass, with run-time AVX-512 / AVX2 / scalar dispatch), LayerNorm
+//! forward and backward ([`norm`]) and the counter-based
 //! dropout generator ([`dropout`]), which the attention forward and backward share so that a
 //! backward pass can regenerate the forward's mask without storing it.
 //!
@@ -20,3 +21,4 @@
 
 pub mod attention;
 pub mod dropout;
+pub mod norm;

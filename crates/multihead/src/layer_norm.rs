@@ -79,9 +79,17 @@ impl LayerNorm {
         }
         // The composed form holds about four input-sized tensors.
         crate::alloc::ensure("layer_norm", "input", x.dims(), x.dtype(), 4, "use a smaller input")?;
+        let plan = crate::fused::dispatch::decide(
+            "layer_norm",
+            crate::mode::Backend::Auto,
+            crate::fused::dispatch::dtype_device_blocker(x),
+        )?;
         let x = &crate::mode::graph_input(x);
         let weight = crate::mode::graph_input(&self.weight);
         let bias = self.bias.as_ref().map(crate::mode::graph_input);
+        if plan.path == crate::fused::dispatch::Path::Fused && x.elem_count() > 0 {
+            return crate::fused::norm::layer_norm(x, &weight, bias.as_ref(), self.eps);
+        }
         let mean = x.mean_keepdim(D::Minus1)?;
         let xc = x.broadcast_sub(&mean)?;
         let var = xc.sqr()?.mean_keepdim(D::Minus1)?;

@@ -73,12 +73,12 @@
 //! pool; per-thread scratch is reused across calls.
 
 mod backward;
-mod exec;
+pub(crate) mod exec;
 mod forward;
 mod gemm;
 mod mask;
 pub mod reference;
-mod simd;
+pub(crate) mod simd;
 mod tile;
 mod weights;
 

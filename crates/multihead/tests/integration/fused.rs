@@ -363,3 +363,55 @@ fn fused_long_key_path_equals_composed() {
         }
     }
 }
+
+#[test]
+fn fused_layer_norm_equals_the_composed_one_forward_and_backward() {
+    use candle_nn::{VarBuilder, VarMap};
+    for bias in [true, false] {
+        for shape in [vec![3usize, 1], vec![2, 5, 17], vec![70, 384], vec![4, 3, 1000]] {
+            let d = *shape.last().unwrap();
+            let go = |fused: bool| {
+                with_backend(backend(fused), || {
+                    let vm = VarMap::new();
+                    let ln = multihead::LayerNorm::new(
+                        d,
+                        1e-5,
+                        bias,
+                        VarBuilder::from_varmap(&vm, DType::F32, &dev()),
+                    )
+                    .unwrap();
+                    let mut named: Vec<(String, candle_core::Var)> = vm
+                        .data()
+                        .lock()
+                        .unwrap()
+                        .iter()
+                        .map(|(k, v)| (k.clone(), v.clone()))
+                        .collect();
+                    named.sort_by(|a, b| a.0.cmp(&b.0)); // the VarMap's order is a HashMap's
+                    for (i, (_, v)) in named.iter().enumerate() {
+                        v.set(&det(v.dims(), DType::F32, 7.0 + i as f64)).unwrap();
+                    }
+                    let x = var(&det(&shape, DType::F32, 1.0).affine(3.0, 0.5).unwrap());
+                    let y = ln.forward(x.as_tensor()).unwrap();
+                    let g = y
+                        .mul(&det(y.dims(), DType::F32, 2.0))
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .backward()
+                        .unwrap();
+                    let mut grads = vec![g.get(x.as_tensor()).unwrap().clone()];
+                    for (_, v) in &named {
+                        grads.push(g.get(v.as_tensor()).unwrap().clone());
+                    }
+                    (y, grads)
+                })
+            };
+            let ((a, ga), (b, gb)) = (go(true), go(false));
+            assert_close(&a, &b, Tolerance::F32_FORWARD, &format!("{shape:?} bias {bias}: y"));
+            for (x, y) in ga.iter().zip(&gb) {
+                assert_close(x, y, Tolerance::F32_GRAD, &format!("{shape:?} bias {bias}: grad"));
+            }
+        }
+    }
+}

@@ -1,0 +1,453 @@
+//! LayerNorm over the last dimension of contiguous f32 rows: the forward (which saves each
+//! row's mean and reciprocal standard deviation) and the backward, with the run-time AVX-512 /
+//! AVX2 / scalar dispatch of [`attention`](crate::attention), rayon over blocks of rows, and an
+//! f64 reference twin ([`reference`]).
+//!
+//! Forward, per row of `d` values (as `torch.nn.functional.layer_norm`, biased variance):
+//! `mean = Σx/d`, `var = Σ(x − mean)²/d`, `rstd = 1/√(var + eps)`,
+//! `y = (x − mean)·rstd·w + b`.
+//!
+//! Backward, with `x̂ = (x − mean)·rstd` and `g = dy∘w`:
+//! `dx = rstd·(g − mean(g) − x̂·mean(g∘x̂))`, `dw = Σ_rows dy∘x̂`, `db = Σ_rows dy`.
+//! The column sums are taken per block of [`BLOCK_ROWS`] rows and then added in block order,
+//! so results are bitwise identical for any thread count.
+//!
+//! ```
+//! use multihead_kernels::norm::{layer_norm_forward, NormStats};
+//!
+//! let (rows, d) = (2, 4);
+//! let x = [1.0f32, 2.0, 3.0, 4.0, -1.0, 0.0, 1.0, 0.0];
+//! let (w, b) = ([1.0f32; 4], [0.0f32; 4]);
+//! let mut y = [0.0f32; 8];
+//! let mut stats = NormStats::new(rows);
+//! layer_norm_forward(&x, d, &w, Some(&b), 1e-5, &mut y, &mut stats)?;
+//! assert!((y[0] + 1.3416).abs() < 1e-3); // (1 - 2.5) / √1.25
+//! # Ok::<(), multihead_kernels::attention::KernelError>(())
+//! ```
+
+use crate::attention::exec::{par_run, SyncPtr, Task};
+use crate::attention::simd::Simd;
+use crate::attention::{simd_level, KernelError};
+
+/// Rows per task; also the granularity of the deterministic column sums of the backward.
+pub const BLOCK_ROWS: usize = 32;
+
+/// The per-row statistics the forward saves for the backward.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NormStats {
+    /// Row means.
+    pub mean: Vec<f32>,
+    /// Row reciprocal standard deviations `1/√(var + eps)`.
+    pub rstd: Vec<f32>,
+}
+
+impl NormStats {
+    /// Zeroed statistics for `rows` rows.
+    pub fn new(rows: usize) -> Self {
+        NormStats { mean: vec![0.0; rows], rstd: vec![0.0; rows] }
+    }
+}
+
+fn check(name: &'static str, needed: usize, len: usize) -> Result<(), KernelError> {
+    if len < needed {
+        Err(KernelError::SliceTooShort { name, needed, len })
+    } else {
+        Ok(())
+    }
+}
+
+/// Checks the shared arguments; returns the row count.
+fn rows_of(x: &[f32], d: usize, w: &[f32], b: Option<&[f32]>) -> Result<usize, KernelError> {
+    check("weight", d, w.len())?;
+    if let Some(b) = b {
+        check("bias", d, b.len())?;
+    }
+    if d == 0 {
+        return Ok(0);
+    }
+    if x.len() % d != 0 {
+        return Err(KernelError::SliceTooShort {
+            name: "x",
+            needed: x.len().div_ceil(d) * d,
+            len: x.len(),
+        });
+    }
+    Ok(x.len() / d)
+}
+
+/// `Σ x` over `n` floats, and `Σ (x − m)²` when `m` is given, with vector accumulators.
+///
+/// # Safety
+/// `S` is available; `p` points to `n` floats.
+#[inline(always)]
+unsafe fn row_sum<S: Simd>(p: *const f32, n: usize, m: Option<f32>) -> f32 {
+    let l = S::LANES;
+    // SAFETY: loads stay below `n` (the tail is masked).
+    unsafe {
+        let mv = S::splat(m.unwrap_or(0.0));
+        let mut acc = S::splat(0.0);
+        let mut j = 0;
+        while j < n {
+            let mask = if j + l <= n { S::full_mask() } else { S::tail_mask(n - j) };
+            let x = S::load_m(p.add(j), mask);
+            let v = match m {
+                Some(_) => {
+                    // Masked-off lanes load 0, and (0 − m)² must not count: the tail goes
+                    // through a zeroed buffer.
+                    let c = S::sub(x, mv);
+                    let c2 = S::mul(c, c);
+                    if j + l <= n {
+                        c2
+                    } else {
+                        let mut tmp = [0f32; 16];
+                        S::store_m(tmp.as_mut_ptr(), c2, mask);
+                        S::load(tmp.as_ptr())
+                    }
+                }
+                None => x,
+            };
+            acc = S::add(acc, v);
+            j += l;
+        }
+        S::reduce_add(acc)
+    }
+}
+
+struct FwdTask<'a> {
+    x: &'a [f32],
+    d: usize,
+    rows: usize,
+    w: &'a [f32],
+    b: Option<&'a [f32]>,
+    eps: f32,
+    y: SyncPtr<f32>,
+    mean: SyncPtr<f32>,
+    rstd: SyncPtr<f32>,
+}
+
+impl Task for FwdTask<'_> {
+    fn count(&self) -> usize {
+        self.rows.div_ceil(BLOCK_ROWS)
+    }
+    fn scratch_len(&self, _lanes: usize) -> usize {
+        0
+    }
+    #[inline(always)]
+    unsafe fn run<S: Simd>(&self, t: usize, _buf: &mut [f32]) {
+        let (d, l) = (self.d, S::LANES);
+        let inv_d = 1.0 / d as f32;
+        for r in t * BLOCK_ROWS..((t + 1) * BLOCK_ROWS).min(self.rows) {
+            // SAFETY: rows `r < rows` of `d` floats lie inside `x` and `y` (checked by the
+            // entry point); this task alone writes rows of its block and their statistics.
+            unsafe {
+                let xr = self.x.as_ptr().add(r * d);
+                let yr = self.y.0.add(r * d);
+                let mean = row_sum::<S>(xr, d, None) * inv_d;
+                let var = row_sum::<S>(xr, d, Some(mean)) * inv_d;
+                let rstd = 1.0 / (var + self.eps).sqrt();
+                *self.mean.0.add(r) = mean;
+                *self.rstd.0.add(r) = rstd;
+                let (mv, rv) = (S::splat(mean), S::splat(rstd));
+                let mut j = 0;
+                while j < d {
+                    let mask = if j + l <= d { S::full_mask() } else { S::tail_mask(d - j) };
+                    let x = S::load_m(xr.add(j), mask);
+                    let w = S::load_m(self.w.as_ptr().add(j), mask);
+                    // (x - mean)·rstd·w (+ b), in the composed path's order.
+                    let mut y = S::mul(S::mul(S::sub(x, mv), rv), w);
+                    if let Some(b) = self.b {
+                        y = S::add(y, S::load_m(b.as_ptr().add(j), mask));
+                    }
+                    S::store_m(yr.add(j), y, mask);
+                    j += l;
+                }
+            }
+        }
+    }
+}
+
+/// The LayerNorm forward over rows of `d` floats: writes `y` (like `x`) and the row
+/// statistics.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_forward(
+    x: &[f32],
+    d: usize,
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    eps: f32,
+    y: &mut [f32],
+    stats: &mut NormStats,
+) -> Result<(), KernelError> {
+    let rows = rows_of(x, d, weight, bias)?;
+    check("y", x.len(), y.len())?;
+    check("stats.mean", rows, stats.mean.len())?;
+    check("stats.rstd", rows, stats.rstd.len())?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let task = FwdTask {
+        x,
+        d,
+        rows,
+        w: weight,
+        b: bias,
+        eps,
+        y: SyncPtr(y.as_mut_ptr()),
+        mean: SyncPtr(stats.mean.as_mut_ptr()),
+        rstd: SyncPtr(stats.rstd.as_mut_ptr()),
+    };
+    par_run(simd_level(), &task);
+    Ok(())
+}
+
+struct BwdTask<'a> {
+    x: &'a [f32],
+    dy: &'a [f32],
+    d: usize,
+    rows: usize,
+    w: &'a [f32],
+    stats: &'a NormStats,
+    dx: SyncPtr<f32>,
+    /// Per block: `d` partial sums of `dy∘x̂`, then `d` of `dy`.
+    partial: SyncPtr<f32>,
+}
+
+impl Task for BwdTask<'_> {
+    fn count(&self) -> usize {
+        self.rows.div_ceil(BLOCK_ROWS)
+    }
+    fn scratch_len(&self, _lanes: usize) -> usize {
+        2 * crate::attention::exec::round16(self.d)
+    }
+    #[inline(always)]
+    unsafe fn run<S: Simd>(&self, t: usize, buf: &mut [f32]) {
+        let (d, l) = (self.d, S::LANES);
+        let inv_d = 1.0 / d as f32;
+        let (xh, g) = buf.split_at_mut(crate::attention::exec::round16(d));
+        // SAFETY: this task alone writes block `t` of `partial` (2·d floats) and the dx rows
+        // of its block; every row pointer addresses a checked row of `d` floats.
+        unsafe {
+            let dw = self.partial.0.add(t * 2 * d);
+            let db = dw.add(d);
+            for j in 0..2 * d {
+                *dw.add(j) = 0.0;
+            }
+            for r in t * BLOCK_ROWS..((t + 1) * BLOCK_ROWS).min(self.rows) {
+                let (mean, rstd) = (self.stats.mean[r], self.stats.rstd[r]);
+                let xr = self.x.as_ptr().add(r * d);
+                let dyr = self.dy.as_ptr().add(r * d);
+                let (mut s1, mut s2) = (0f32, 0f32);
+                for j in 0..d {
+                    let xhat = (*xr.add(j) - mean) * rstd;
+                    let gj = *dyr.add(j) * self.w[j];
+                    xh[j] = xhat;
+                    g[j] = gj;
+                    s1 += gj;
+                    s2 += gj * xhat;
+                    *dw.add(j) += *dyr.add(j) * xhat;
+                    *db.add(j) += *dyr.add(j);
+                }
+                let (c1, c2) = (S::splat(s1 * inv_d), S::splat(s2 * inv_d));
+                let rv = S::splat(rstd);
+                let dxr = self.dx.0.add(r * d);
+                let mut j = 0;
+                while j < d {
+                    let mask = if j + l <= d { S::full_mask() } else { S::tail_mask(d - j) };
+                    let gv = S::load_m(g.as_ptr().add(j), mask);
+                    let xv = S::load_m(xh.as_ptr().add(j), mask);
+                    let v = S::mul(rv, S::sub(S::sub(gv, c1), S::mul(xv, c2)));
+                    S::store_m(dxr.add(j), v, mask);
+                    j += l;
+                }
+            }
+        }
+    }
+}
+
+/// The LayerNorm backward: `dx` (like `x`), and `dw`, `db` (`d` floats each) from the forward's
+/// statistics.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_backward(
+    x: &[f32],
+    dy: &[f32],
+    d: usize,
+    weight: &[f32],
+    stats: &NormStats,
+    dx: &mut [f32],
+    dw: &mut [f32],
+    db: &mut [f32],
+) -> Result<(), KernelError> {
+    let rows = rows_of(x, d, weight, None)?;
+    check("dy", x.len(), dy.len())?;
+    check("dx", x.len(), dx.len())?;
+    check("dw", d, dw.len())?;
+    check("db", d, db.len())?;
+    check("stats.mean", rows, stats.mean.len())?;
+    check("stats.rstd", rows, stats.rstd.len())?;
+    dw[..d].fill(0.0);
+    db[..d].fill(0.0);
+    if rows == 0 {
+        return Ok(());
+    }
+    let blocks = rows.div_ceil(BLOCK_ROWS);
+    let mut partial = vec![0f32; blocks * 2 * d];
+    let task = BwdTask {
+        x,
+        dy,
+        d,
+        rows,
+        w: weight,
+        stats,
+        dx: SyncPtr(dx.as_mut_ptr()),
+        partial: SyncPtr(partial.as_mut_ptr()),
+    };
+    par_run(simd_level(), &task);
+    // Column sums in block order: the same bits for any thread count.
+    for blk in partial.chunks_exact(2 * d) {
+        let (pw, pb) = blk.split_at(d);
+        dw[..d].iter_mut().zip(pw).for_each(|(a, b)| *a += b);
+        db[..d].iter_mut().zip(pb).for_each(|(a, b)| *a += b);
+    }
+    Ok(())
+}
+
+/// Naive f64 twins, for tests.
+pub mod reference {
+    /// `(y, mean, rstd)` of the forward.
+    pub fn forward(
+        x: &[f32],
+        d: usize,
+        w: &[f32],
+        b: Option<&[f32]>,
+        eps: f64,
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let rows = x.len().checked_div(d).unwrap_or(0);
+        let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows], vec![0.0; rows]);
+        for r in 0..rows {
+            let row: Vec<f64> = x[r * d..(r + 1) * d].iter().map(|&v| v as f64).collect();
+            let m = row.iter().sum::<f64>() / d as f64;
+            let var = row.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / d as f64;
+            let s = 1.0 / (var + eps).sqrt();
+            for j in 0..d {
+                y[r * d + j] = (row[j] - m) * s * w[j] as f64 + b.map_or(0.0, |b| b[j] as f64);
+            }
+            (mean[r], rstd[r]) = (m, s);
+        }
+        (y, mean, rstd)
+    }
+
+    /// `(dx, dw, db)` of the backward.
+    pub fn backward(
+        x: &[f32],
+        dy: &[f32],
+        d: usize,
+        w: &[f32],
+        eps: f64,
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let (_, mean, rstd) = forward(x, d, w, None, eps);
+        let (mut dx, mut dw, mut db) = (vec![0.0; x.len()], vec![0.0; d], vec![0.0; d]);
+        for r in 0..mean.len() {
+            let xh: Vec<f64> = (0..d).map(|j| (x[r * d + j] as f64 - mean[r]) * rstd[r]).collect();
+            let g: Vec<f64> = (0..d).map(|j| dy[r * d + j] as f64 * w[j] as f64).collect();
+            let c1 = g.iter().sum::<f64>() / d as f64;
+            let c2 = g.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>() / d as f64;
+            for j in 0..d {
+                dx[r * d + j] = rstd[r] * (g[j] - c1 - xh[j] * c2);
+                dw[j] += dy[r * d + j] as f64 * xh[j];
+                db[j] += dy[r * d + j] as f64;
+            }
+        }
+        (dx, dw, db)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::attention::{detected_simd_level, with_simd_level, SimdLevel};
+
+    fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn close(name: &str, got: &[f32], want: &[f64], tol: f64) {
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!((g as f64 - w).abs() <= tol * (1.0 + w.abs()), "{name}[{i}]: {g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn forward_and_backward_match_the_reference_at_every_simd_level() {
+        let levels: Vec<SimdLevel> = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512]
+            .into_iter()
+            .filter(|&l| l <= detected_simd_level())
+            .collect();
+        for &(rows, d) in &[(1, 1), (3, 5), (33, 16), (65, 17), (7, 384), (40, 1000), (2, 31)] {
+            let x = rand_vec(rows * d, 1);
+            let w = rand_vec(d, 2);
+            let b = rand_vec(d, 3);
+            let dy = rand_vec(rows * d, 4);
+            let (ey, em, es) = reference::forward(&x, d, &w, Some(&b), 1e-5);
+            let (edx, edw, edb) = reference::backward(&x, &dy, d, &w, 1e-5);
+            let mut firsts: Option<(Vec<f32>, Vec<f32>)> = None;
+            for &level in &levels {
+                with_simd_level(level, || {
+                    let mut y = vec![0f32; rows * d];
+                    let mut st = NormStats::new(rows);
+                    layer_norm_forward(&x, d, &w, Some(&b), 1e-5, &mut y, &mut st).unwrap();
+                    close("y", &y, &ey, 1e-5);
+                    close("mean", &st.mean, &em, 1e-5);
+                    close("rstd", &st.rstd, &es, 1e-4);
+                    let (mut dx, mut dw, mut db) =
+                        (vec![0f32; rows * d], vec![0f32; d], vec![0f32; d]);
+                    layer_norm_backward(&x, &dy, d, &w, &st, &mut dx, &mut dw, &mut db).unwrap();
+                    close("dx", &dx, &edx, 1e-4);
+                    close("dw", &dw, &edw, 1e-4);
+                    close("db", &db, &edb, 1e-4);
+                    if level == SimdLevel::Scalar {
+                        firsts = Some((y, dw));
+                    }
+                });
+            }
+            assert!(firsts.is_some());
+        }
+    }
+
+    #[test]
+    fn results_do_not_depend_on_the_thread_count() {
+        let (rows, d) = (300, 64);
+        let x = rand_vec(rows * d, 5);
+        let w = rand_vec(d, 6);
+        let dy = rand_vec(rows * d, 7);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let mut y = vec![0f32; rows * d];
+                let mut st = NormStats::new(rows);
+                layer_norm_forward(&x, d, &w, None, 1e-5, &mut y, &mut st).unwrap();
+                let (mut dx, mut dw, mut db) = (vec![0f32; rows * d], vec![0f32; d], vec![0f32; d]);
+                layer_norm_backward(&x, &dy, d, &w, &st, &mut dx, &mut dw, &mut db).unwrap();
+                (y, dx, dw, db)
+            })
+        };
+        assert_eq!(run(1), run(3));
+    }
+
+    #[test]
+    fn bad_lengths_are_errors() {
+        let mut st = NormStats::new(1);
+        let mut y = [0f32; 4];
+        assert!(layer_norm_forward(&[0.0; 4], 4, &[1.0; 3], None, 1e-5, &mut y, &mut st).is_err());
+        assert!(layer_norm_forward(&[0.0; 5], 4, &[1.0; 4], None, 1e-5, &mut y, &mut st).is_err());
+        assert!(layer_norm_forward(&[0.0; 8], 4, &[1.0; 4], None, 1e-5, &mut y, &mut st).is_err());
+    }
+}

@@ -1,0 +1,143 @@
+//! LayerNorm as one candle op on f32 CPU tensors, over `multihead_kernels::norm`: the forward
+//! saves each row's mean and `1/σ`, the backward reuses them. One graph node instead of the
+//! composed form's eight element-wise passes (each a fresh tensor).
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
+use multihead_kernels::norm::{layer_norm_backward, layer_norm_forward, NormStats};
+
+use crate::error::Result;
+
+/// The op for one call; clones share the saved statistics.
+#[derive(Clone)]
+pub(crate) struct LayerNormOp {
+    eps: f32,
+    stats: Arc<Mutex<NormStats>>,
+}
+
+fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+    let CpuStorage::F32(v) = s else {
+        candle_core::bail!("fused layer_norm: {what} must be f32");
+    };
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&v[a..b]),
+        None => candle_core::bail!("fused layer_norm: {what} must be contiguous"),
+    }
+}
+
+fn storage_f32<'a>(
+    t: &'a candle_core::Storage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<&'a [f32]> {
+    match t {
+        candle_core::Storage::Cpu(c) => contiguous_f32(c, l, what),
+        _ => candle_core::bail!("fused layer_norm: {what} must be on the CPU"),
+    }
+}
+
+impl LayerNormOp {
+    fn forward(
+        &self,
+        x: (&[f32], &Layout),
+        w: &[f32],
+        b: Option<&[f32]>,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let d = w.len();
+        let rows = x.0.len().checked_div(d).unwrap_or(0);
+        let mut y = crate::alloc::try_zeros::<f32>(x.0.len(), "fused layer_norm output")?;
+        let mut stats = NormStats::new(rows);
+        layer_norm_forward(x.0, d, w, b, self.eps, &mut y, &mut stats)
+            .map_err(|e| candle_core::Error::Msg(format!("fused layer_norm: {e}")))?;
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
+        Ok((CpuStorage::F32(y), x.1.shape().clone()))
+    }
+
+    fn backward(&self, x: &Tensor, w: &Tensor, grad: &Tensor) -> candle_core::Result<[Tensor; 3]> {
+        let (x, w, grad) = (x.contiguous()?, w.contiguous()?, grad.contiguous()?);
+        let (xs, xl) = x.storage_and_layout();
+        let (ws, wl) = w.storage_and_layout();
+        let (gs, gl) = grad.storage_and_layout();
+        let (xv, wv) = (storage_f32(&xs, xl, "x")?, storage_f32(&ws, wl, "weight")?);
+        let gv = storage_f32(&gs, gl, "grad")?;
+        let d = wv.len();
+        let mut dx = crate::alloc::try_zeros::<f32>(xv.len(), "fused layer_norm dx")?;
+        let (mut dw, mut db) = (vec![0f32; d], vec![0f32; d]);
+        let stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        layer_norm_backward(xv, gv, d, wv, &stats, &mut dx, &mut dw, &mut db)
+            .map_err(|e| candle_core::Error::Msg(format!("fused layer_norm backward: {e}")))?;
+        let dev = x.device();
+        Ok([
+            Tensor::from_vec(dx, x.shape(), dev)?,
+            Tensor::from_vec(dw, d, dev)?,
+            Tensor::from_vec(db, d, dev)?,
+        ])
+    }
+}
+
+impl CustomOp2 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "fused-layer-norm"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s1, l1, "x")?;
+        self.forward((x, l1), contiguous_f32(s2, l2, "weight")?, None)
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let [dx, dw, _] = self.backward(x, w, grad)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+impl CustomOp3 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "fused-layer-norm-bias"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s1, l1, "x")?;
+        let b = contiguous_f32(s3, l3, "bias")?;
+        self.forward((x, l1), contiguous_f32(s2, l2, "weight")?, Some(b))
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let [dx, dw, db] = self.backward(x, w, grad)?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+/// `F.layer_norm(x, (d,), w, b, eps)` as one op; `x`, `w`, `b` are made contiguous first.
+pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    let op = LayerNormOp { eps: eps as f32, stats: Arc::new(Mutex::new(NormStats::default())) };
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    Ok(match b {
+        Some(b) => x.apply_op3_arc(&w, &b.contiguous()?, Arc::new(Box::new(op)))?,
+        None => x.apply_op2_arc(&w, Arc::new(Box::new(op)))?,
+    })
+}
