@@ -858,7 +858,7 @@ def write_report(meta, results, opts, elapsed_s, embed_rec=None):
         add(f"- f32 peak: {PEAK_GFLOPS:.1f} GFLOP/s, given with `--peak-gflops` (not measured)")
     elif PEAK_GFLOPS:
         runs = pk.get("runs", [])
-        bf = [r.get("bf16") for r in runs if r.get("bf16")]
+        bf = [pk["bf16"]] if pk.get("bf16") else []
         add(f"- Measured FMA peak (`cc -O2 {pk.get('source_shown', 'peak.c')} -o target/peak && "
             f"target/peak`: each of the first 2 cores pinned alone, best of 12 short runs, "
             f"summed): **f32 {PEAK_GFLOPS:.1f} GFLOP/s**"
@@ -891,6 +891,10 @@ def write_report(meta, results, opts, elapsed_s, embed_rec=None):
         warns.append(f"> **Warning:** {len(stale)} Rust source file(s) changed after the binary "
                      f"was built (e.g. `{stale[0]}`): rebuild with `cargo build --release` before "
                      "quoting these numbers.\n")
+    if meta.get("binary_rebuilt_during_run"):
+        warns.append("> **Warning:** the multihead binary was rebuilt while this ran (now built "
+                     f"{meta['binary_rebuilt_during_run']}): rows may come from different "
+                     "builds. Rerun.\n")
     noisy_n = sum(1 for r in results if r.get("foreign_cpu_share", 0) > NOISY)
     if noisy_n:
         warns.append(f"> **Warning:** in {noisy_n} of {len(results)} configurations (marked †) "
@@ -1560,6 +1564,15 @@ def main(argv):
             peak.pop("error", None)
     meta["peak"] = peak
     meta["peak_gflops"] = PEAK_GFLOPS
+    try:
+        end_mtime = (_dt.datetime.fromtimestamp(Path(opts.bin).stat().st_mtime, _dt.timezone.utc)
+                     .strftime("%Y-%m-%d %H:%M:%S UTC"))
+    except OSError:
+        end_mtime = None
+    if end_mtime != meta["binary_mtime"]:
+        meta["binary_rebuilt_during_run"] = end_mtime
+        print(f"warning: {shown_path(opts.bin)} was rebuilt during the run ({end_mtime})",
+              file=sys.stderr)
     elapsed = time.perf_counter() - t_start
     meta["loadavg_end"] = os.getloadavg()
     meta["elapsed_s"] = elapsed

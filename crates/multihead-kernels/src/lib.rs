@@ -22,3 +22,20 @@
 pub mod attention;
 pub mod dropout;
 pub mod norm;
+
+/// Helpers shared by the kernel tests.
+#[cfg(test)]
+pub(crate) mod testutil {
+    /// Deterministic pseudo-random floats in `[-1, 1)` (xorshift).
+    pub(crate) fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+}

@@ -367,16 +367,9 @@ mod tests {
     use super::*;
     use crate::attention::{detected_simd_level, with_simd_level, SimdLevel};
 
+    /// `testutil::rand_vec` scaled to `[-1, 3)`, so rows have a mean away from 0.
     fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 1.0
-            })
-            .collect()
+        crate::testutil::rand_vec(n, seed).into_iter().map(|x| 2.0 * x + 1.0).collect()
     }
 
     fn close(name: &str, got: &[f32], want: &[f64], tol: f64) {

@@ -6,18 +6,7 @@ use super::reference;
 use super::*;
 use crate::dropout::DropoutKey;
 
-/// Deterministic pseudo-random floats in [-1, 1).
-fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
+use crate::testutil::rand_vec;
 
 fn levels() -> Vec<SimdLevel> {
     [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512]

@@ -190,17 +190,11 @@ impl FlashAttention {
 }
 
 fn f32s(s: &candle_core::Storage) -> candle_core::Result<&[f32]> {
-    match s {
-        candle_core::Storage::Cpu(CpuStorage::F32(v)) => Ok(v),
-        _ => candle_core::bail!("flash attention: expected f32 tensors on the CPU"),
-    }
+    super::storage_f32(s, "flash attention")
 }
 
 fn cpu_f32(s: &CpuStorage) -> candle_core::Result<&[f32]> {
-    match s {
-        CpuStorage::F32(v) => Ok(v),
-        _ => candle_core::bail!("flash attention: expected f32 tensors"),
-    }
+    super::cpu_f32(s, "flash attention")
 }
 
 fn contiguous_layout4(conv: Convention, dims: &[usize]) -> candle_core::Result<Layout4> {

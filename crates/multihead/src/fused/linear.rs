@@ -42,10 +42,7 @@ pub(crate) fn rows(l: &candle_core::Layout) -> Option<(usize, usize)> {
 }
 
 fn f32_slice(s: &candle_core::CpuStorage) -> candle_core::Result<&[f32]> {
-    match s {
-        candle_core::CpuStorage::F32(v) => Ok(v),
-        _ => candle_core::bail!("fused linear: expected f32"),
-    }
+    super::cpu_f32(s, "fused linear")
 }
 
 /// `dst (m×n) = lhs (m×k) · rhs (k×n)` through strides; `accumulate` adds to `dst`.
@@ -207,10 +204,7 @@ impl FusedLinear {
 }
 
 fn f32s(s: &candle_core::Storage) -> candle_core::Result<&[f32]> {
-    match s {
-        candle_core::Storage::Cpu(c) => f32_slice(c),
-        _ => candle_core::bail!("fused linear: expected a CPU tensor"),
-    }
+    super::storage_f32(s, "fused linear")
 }
 
 impl candle_core::CustomOp2 for FusedLinear {

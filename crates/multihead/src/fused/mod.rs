@@ -12,3 +12,25 @@ pub mod dispatch;
 pub(crate) mod flash;
 pub(crate) mod linear;
 pub(crate) mod norm;
+
+/// The f32 data of a CPU storage, or an error naming the op.
+pub(crate) fn cpu_f32<'a>(
+    s: &'a candle_core::CpuStorage,
+    op: &str,
+) -> candle_core::Result<&'a [f32]> {
+    match s {
+        candle_core::CpuStorage::F32(v) => Ok(v),
+        _ => candle_core::bail!("{op}: expected f32 tensors"),
+    }
+}
+
+/// The f32 data of a storage on the CPU, or an error naming the op.
+pub(crate) fn storage_f32<'a>(
+    s: &'a candle_core::Storage,
+    op: &str,
+) -> candle_core::Result<&'a [f32]> {
+    match s {
+        candle_core::Storage::Cpu(c) => cpu_f32(c, op),
+        _ => candle_core::bail!("{op}: expected f32 tensors on the CPU"),
+    }
+}

@@ -17,9 +17,7 @@ pub(crate) struct LayerNormOp {
 }
 
 fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
-    let CpuStorage::F32(v) = s else {
-        candle_core::bail!("fused layer_norm: {what} must be f32");
-    };
+    let v = super::cpu_f32(s, "fused layer_norm")?;
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&v[a..b]),
         None => candle_core::bail!("fused layer_norm: {what} must be contiguous"),
