@@ -65,7 +65,7 @@ fn rows_of(x: &[f32], d: usize, w: &[f32], b: Option<&[f32]>) -> Result<usize, K
     if d == 0 {
         return Ok(0);
     }
-    if x.len() % d != 0 {
+    if !x.len().is_multiple_of(d) {
         return Err(KernelError::SliceTooShort {
             name: "x",
             needed: x.len().div_ceil(d) * d,
