@@ -1,7 +1,7 @@
 //! LayerNorm over the last dimension of contiguous f32 rows: the forward (which saves each
 //! row's mean and reciprocal standard deviation) and the backward, with the run-time AVX-512 /
 //! AVX2 / scalar dispatch of [`attention`](crate::attention), rayon over blocks of rows, and an
-//! f64 reference twin ([`reference`]).
+//! f64 reference twin ([`reference`](mod@reference)).
 //!
 //! Forward, per row of `d` values (as `torch.nn.functional.layer_norm`, biased variance):
 //! `mean = Σx/d`, `var = Σ(x − mean)²/d`, `rstd = 1/√(var + eps)`,
