@@ -26,7 +26,8 @@ What runs (each library in its own process, ``--threads`` threads, default 2):
   256 and padding to the longest text of each batch of 32 in file order, the session
   (``intra_op_num_threads=T``, ``inter_op_num_threads=1``, all graph optimisations), then mean
   pooling over real tokens and L2 normalisation in numpy;
-* (c) ``multihead embed --model target/minilm --json --batch 32 < corpus`` with
+* (c) ``multihead embed --model target/minilm --json --batch 32 --threads T --quiet < corpus``
+  (``--threads``/``--quiet`` only where ``embed --help`` lists them) with
   ``RAYON_NUM_THREADS=T``: the wall time of the whole process (start-up, loading the model,
   tokenising, the forward passes and printing 384 floats per text as JSON) and its peak RSS
   (``wait4``). A 1-text run measures start-up plus loading, reported separately.
@@ -333,17 +334,42 @@ def python_child(kind, cfg, extra, timeout):
     return res, None
 
 
+_embed_flags = {}
+
+
+def embed_flags(bin_path):
+    """Options `multihead embed --help` lists (older builds lack --threads and --quiet)."""
+    key = str(bin_path)
+    if key not in _embed_flags:
+        try:
+            h = subprocess.run([key, "embed", "--help"], capture_output=True, text=True,
+                               timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            h = ""
+        _embed_flags[key] = {f for f in ("--threads", "--quiet") if f in h}
+    return _embed_flags[key]
+
+
 def rust_embed(cfg, bin_path, texts_file, timeout, one_text=None):
     cmd = [str(bin_path), "embed", "--model", str(cfg["model_root"]), "--json",
            "--batch", str(cfg["batch"])]
+    flags = embed_flags(bin_path)
+    if "--threads" in flags:
+        cmd += ["--threads", str(cfg["threads"])]  # RAYON_NUM_THREADS is set as well
+    if "--quiet" in flags:
+        cmd.append("--quiet")
     if one_text is not None:
         cmd.append(one_text)
     rc, out, err, ru, wall, to = run_process(cmd, timeout, child_env(cfg["threads"]),
                                              stdin_path=None if one_text else texts_file)
+    try:
+        shown = shlex.join([os.path.relpath(cmd[0], REPO), *cmd[1:]])
+    except ValueError:
+        shown = shlex.join(cmd)
     if rc != 0:
         return None, None, {"error": "timed out" if to else f"exit {rc}",
-                            "stderr_tail": err[-2000:], "wall_s": wall, "cmd": shlex.join(cmd)}
-    return {"wall_s": wall, "peak_rss_mib": ru, "cmd": shlex.join(cmd)}, out, None
+                            "stderr_tail": err[-2000:], "wall_s": wall, "cmd": shown}
+    return {"wall_s": wall, "peak_rss_mib": ru, "cmd": shown}, out, None
 
 
 def parse_rust_output(out, texts):
@@ -356,6 +382,25 @@ def parse_rust_output(out, texts):
         if r.get("text") != t:
             raise ValueError(f"multihead embed: text {i} came back as {r.get('text')!r:.60}")
     return np.asarray([r["embedding"] for r in rows], dtype=np.float32)
+
+
+def token_stats(model_dir, texts, batch):
+    """Real tokens, and tokens after padding each batch to its longest text, in file order and
+    (as sentence-transformers batches) sorted by length. None without `tokenizers`."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    tok.enable_truncation(256)
+    tok.no_padding()
+    n = [len(e.ids) for e in tok.encode_batch(texts)]
+
+    def padded(ns):
+        return sum(max(ns[i:i + batch]) * len(ns[i:i + batch]) for i in range(0, len(ns), batch))
+
+    return {"real": sum(n), "min": min(n), "max": max(n), "padded_file_order": padded(n),
+            "padded_length_sorted": padded(sorted(n, reverse=True))}
 
 
 def run_section(bin_path, threads=2, quick=False, runs=None, limit=None, batch=32,
@@ -388,6 +433,7 @@ def run_section(bin_path, threads=2, quick=False, runs=None, limit=None, batch=3
         rec["errors"]["model"] = note
         rec["notes"].append(note)
         return rec
+    rec["tokens"] = token_stats(model_dir, texts, batch)
     cfg = {"model_dir": model_dir, "model_root": os.path.relpath(model_root, REPO),
            "threads": threads, "batch": batch}
     WORK.mkdir(parents=True, exist_ok=True)
@@ -544,6 +590,14 @@ def report_lines(rec, heading="##"):
             f"sha256 {c['sha256'][:16]}), {c['words_min']}-{c['words_max']} words "
             f"(mean {c['words_mean']:.1f}), in file order, batch {rec['batch']}. "
             f"Sentences/s over the fastest of {rec['runs']} run(s).\n")
+    tk = rec.get("tokens")
+    if tk:
+        add(f"Tokens ([CLS] and [SEP] included, truncation 256): {tk['real']} real, "
+            f"{tk['min']}-{tk['max']} per text. Padded to the longest text of each batch of "
+            f"{rec['batch']}, file order gives {tk['padded_file_order']} positions "
+            f"({tk['padded_file_order'] / tk['real']:.2f}x the real tokens); sorted by length, as "
+            f"sentence-transformers batches, {tk['padded_length_sorted']} "
+            f"({tk['padded_length_sorted'] / tk['real']:.2f}x).\n")
     add("| library | time s (min / median) | sentences/s | multihead speed-up (ours/theirs) | "
         "peak RSS MiB (before encoding) | max abs diff vs sentence-transformers | "
         "lowest cosine vs sentence-transformers |")
@@ -589,7 +643,8 @@ def report_lines(rec, heading="##"):
                      "mean pooling and normalisation in the timed region.")
     if mh:
         s = rec.get("multihead_startup")
-        notes.append("multihead: wall time of the whole `multihead embed --json` process "
+        notes.append(f"multihead: `{mh.get('cmd', 'multihead embed --json')} < corpus`; wall "
+                     "time of the whole process "
                      "(start-up, model load, tokenisation, forward, JSON output); peak RSS from "
                      "wait4."
                      + (f" A 1-text run takes {s['wall_s']:.2f} s (start-up and loading; peak "

@@ -226,7 +226,7 @@ pub struct EmbedArgs {
     #[arg(long)]
     pub json: bool,
     /// Texts per padded batch. Batches are formed from texts of similar length (sorted within
-    /// windows of 16 batches); the output keeps the input order.
+    /// windows of 64 batches); the output keeps the input order.
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
     /// Worker threads (default: all cores).
@@ -241,6 +241,9 @@ pub struct EmbedArgs {
 
 /// Runs `multihead embed`.
 pub fn run(args: EmbedArgs) -> Result<()> {
+    // Batches of every length make tensors of every size: a large block cache would only
+    // hold memory here.
+    crate::GLOBAL.set_budget(64 << 20);
     if let Some(t) = args.threads {
         std::env::set_var("RAYON_NUM_THREADS", t.to_string());
         rayon::ThreadPoolBuilder::new().num_threads(t).build_global().ok();
@@ -257,7 +260,7 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     let m = MiniLm::load(&resolve_model_dir(&args.model))
         .with_context(|| format!("loading the model from {}", args.model.display()))?;
     let batch = args.batch.max(1);
-    let window = batch * 16;
+    let window = batch * 64;
     let pb = if args.quiet || texts.len() <= window {
         indicatif::ProgressBar::hidden()
     } else {

@@ -17,7 +17,7 @@ use multihead_parity::{self as parity, Case};
 /// or inference step allocates the same large tensors again, and reusing them avoids faulting
 /// fresh pages in each time (see `multihead::memory`).
 #[global_allocator]
-static GLOBAL: multihead::memory::ReuseLarge<mimalloc::MiMalloc> =
+pub(crate) static GLOBAL: multihead::memory::ReuseLarge<mimalloc::MiMalloc> =
     multihead::memory::ReuseLarge::new(mimalloc::MiMalloc, 4 << 30);
 
 /// PyTorch-exact multi-head attention: tools around the `multihead` library.

@@ -6,7 +6,8 @@
 //!
 //! It holds the fused (flash) attention kernels ([`attention`]: forward, backward and the
 //! attention-weights pass, with run-time AVX-512 / AVX2 / scalar dispatch), LayerNorm
-//! forward and backward ([`norm`]) and the counter-based
+//! forward and backward ([`norm`]), GELU forward and backward ([`activation`]) and the
+//! counter-based
 //! dropout generator ([`dropout`]), which the attention forward and backward share so that a
 //! backward pass can regenerate the forward's mask without storing it.
 //!
@@ -19,6 +20,7 @@
 //! assert_eq!(kept, key.keep(3, 1, 7, 0.1)); // the same key always gives the same answer
 //! ```
 
+pub mod activation;
 pub mod attention;
 pub mod dropout;
 pub mod norm;

@@ -40,6 +40,9 @@ impl Activation {
         Ok(match self {
             // x * (x > 0): gradient (x > 0), 0 at x = 0 like PyTorch's threshold_backward.
             Self::Relu => x.mul(&x.gt(0f64)?.to_dtype(x.dtype())?)?,
+            // One fused pass on f32 CPU tensors (the erf approximation PyTorch's vectorised
+            // kernel uses); composed elsewhere, with candle's exact erf and its gradient.
+            Self::Gelu if fused_gelu(x)? => crate::fused::gelu::gelu(x)?,
             // 0.5 x (1 + erf(x / sqrt 2)), composed so that candle's exact erf gradient is used.
             Self::Gelu => {
                 let cdf = ((x / std::f64::consts::SQRT_2)?.erf()? + 1.0)?;
@@ -52,6 +55,16 @@ impl Activation {
             }
         })
     }
+}
+
+/// Whether GELU runs as the fused op on `x`.
+fn fused_gelu(x: &Tensor) -> Result<bool> {
+    let plan = crate::fused::dispatch::decide(
+        "gelu",
+        crate::mode::Backend::Auto,
+        crate::fused::dispatch::dtype_device_blocker(x),
+    )?;
+    Ok(plan.path == crate::fused::dispatch::Path::Fused && x.elem_count() > 0)
 }
 
 /// Dropout on any tensor (`F.dropout(x, p, training)`): in training, zeroes each element with

@@ -44,7 +44,7 @@ struct Slot {
 /// the inner allocator's.
 pub struct ReuseLarge<A> {
     inner: A,
-    budget: usize,
+    budget: AtomicUsize,
     cached: AtomicUsize,
     lock: AtomicBool,
     slots: std::cell::UnsafeCell<[Slot; SLOTS]>,
@@ -61,7 +61,7 @@ impl<A> ReuseLarge<A> {
         const EMPTY: Slot = Slot { ptr: std::ptr::null_mut(), size: 0, align: 0 };
         Self {
             inner,
-            budget,
+            budget: AtomicUsize::new(budget),
             cached: AtomicUsize::new(0),
             lock: AtomicBool::new(false),
             slots: std::cell::UnsafeCell::new([EMPTY; SLOTS]),
@@ -74,6 +74,8 @@ impl<A> ReuseLarge<A> {
     }
 
     /// Runs `f` on the slot table under the spin lock.
+    ///
+    /// (The table is a fixed array: `f` never allocates, so the allocator cannot re-enter.)
     fn with_slots<R>(&self, f: impl FnOnce(&mut [Slot; SLOTS]) -> R) -> R {
         while self
             .lock
@@ -105,7 +107,9 @@ impl<A> ReuseLarge<A> {
     /// Keeps a freed block if the budget and a slot allow; returns whether it was kept.
     fn keep(&self, ptr: *mut u8, layout: Layout) -> bool {
         let size = layout.size();
-        if self.cached.load(Ordering::Relaxed).saturating_add(size) > self.budget {
+        if self.cached.load(Ordering::Relaxed).saturating_add(size)
+            > self.budget.load(Ordering::Relaxed)
+        {
             return false;
         }
         let kept = self.with_slots(|slots| match slots.iter_mut().find(|s| s.size == 0) {
@@ -119,6 +123,31 @@ impl<A> ReuseLarge<A> {
             self.cached.fetch_add(size, Ordering::Relaxed);
         }
         kept
+    }
+}
+
+impl<A: GlobalAlloc> ReuseLarge<A> {
+    /// Changes the byte budget; cached blocks beyond it are given back to the inner allocator
+    /// at once. A workload whose tensor sizes vary from call to call (embedding texts of
+    /// every length) gains little from the cache and should keep the budget small.
+    pub fn set_budget(&self, budget: usize) {
+        self.budget.store(budget, Ordering::Relaxed);
+        while self.cached.load(Ordering::Relaxed) > budget {
+            let evicted = self.with_slots(|slots| {
+                let slot = slots.iter_mut().find(|s| s.size > 0)?;
+                let taken = *slot;
+                *slot = Slot { ptr: std::ptr::null_mut(), size: 0, align: 0 };
+                Some(taken)
+            });
+            let Some(slot) = evicted else { break };
+            self.cached.fetch_sub(slot.size, Ordering::Relaxed);
+            // SAFETY: the slot held a block `inner` allocated with exactly this layout, and it
+            // was removed from the table under the lock, so no one else can hand it out.
+            unsafe {
+                let layout = Layout::from_size_align_unchecked(slot.size, slot.align);
+                self.inner.dealloc(slot.ptr, layout);
+            }
+        }
     }
 }
 

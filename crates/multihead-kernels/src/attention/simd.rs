@@ -52,6 +52,8 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     /// x86 `maxps` semantics: `if a > b { a } else { b }` (so a NaN in `b` propagates).
     unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
+    /// `a / b`.
+    unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
     /// `e^x`, relative error below 2e-7; `exp(-inf) = 0`, NaN propagates.
     unsafe fn exp(x: Self::V) -> Self::V;
     /// The sum of the lanes (in a fixed order).
@@ -165,6 +167,10 @@ unsafe impl Simd for Scalar {
     unsafe fn fma(a: f32, b: f32, c: f32) -> f32 {
         // Not `mul_add`: without hardware FMA that is a slow libm call.
         a * b + c
+    }
+    #[inline(always)]
+    unsafe fn div(a: f32, b: f32) -> f32 {
+        a / b
     }
     #[inline(always)]
     unsafe fn max(a: f32, b: f32) -> f32 {
@@ -286,6 +292,11 @@ unsafe impl Simd for Avx2 {
     unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
         // SAFETY: FMA is available (trait contract).
         unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn div(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX is available (trait contract).
+        unsafe { _mm256_div_ps(a, b) }
     }
     #[inline(always)]
     unsafe fn max(a: __m256, b: __m256) -> __m256 {
@@ -420,6 +431,11 @@ unsafe impl Simd for Avx512 {
     unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
         // SAFETY: AVX-512F is available (trait contract).
         unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn div(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract).
+        unsafe { _mm512_div_ps(a, b) }
     }
     #[inline(always)]
     unsafe fn max(a: __m512, b: __m512) -> __m512 {

@@ -4,12 +4,14 @@
 //!   why.
 //! * `flash`: the flash-attention kernels as candle custom ops with a backward.
 //! * `linear`: `F.linear` as one candle op on gemm's kernels, with a backward.
+//! * `gelu`: exact-form GELU as one candle op, with a backward.
 //! * `norm`: LayerNorm as one candle op over `multihead_kernels::norm`, with a backward.
 //!
 //! [`Plan`]: dispatch::Plan
 
 pub mod dispatch;
 pub(crate) mod flash;
+pub(crate) mod gelu;
 pub(crate) mod linear;
 pub(crate) mod norm;
 

@@ -415,3 +415,21 @@ fn fused_layer_norm_equals_the_composed_one_forward_and_backward() {
         }
     }
 }
+
+#[test]
+fn fused_gelu_equals_the_composed_one_forward_and_backward() {
+    for shape in [vec![1usize], vec![17], vec![3, 1000], vec![2, 64, 257]] {
+        let go = |fused: bool| {
+            with_backend(backend(fused), || {
+                let x = var(&det(&shape, DType::F32, 1.0).affine(6.0, 0.0).unwrap());
+                let y = multihead::Activation::Gelu.forward(x.as_tensor()).unwrap();
+                let g = y.mul(&det(y.dims(), DType::F32, 2.0)).unwrap().sum_all().unwrap();
+                let grads = g.backward().unwrap();
+                (y, grads.get(x.as_tensor()).unwrap().clone())
+            })
+        };
+        let ((a, ga), (b, gb)) = (go(true), go(false));
+        assert_close(&a, &b, Tolerance::F32_FORWARD, &format!("{shape:?}: gelu"));
+        assert_close(&ga, &gb, Tolerance::F32_GRAD, &format!("{shape:?}: gelu grad"));
+    }
+}

@@ -1,0 +1,224 @@
+//! GELU (the erf form, `torch.nn.functional.gelu`) over f32 slices: forward and backward, with
+//! the run-time AVX-512 / AVX2 / scalar dispatch of [`attention`](crate::attention), rayon
+//! over blocks, and an f64 reference twin ([`reference`](mod@reference)).
+//!
+//! `gelu(x) = x·Φ(x)` with `Φ(x) = (1 + erf(x/√2))/2`, and `gelu'(x) = Φ(x) + x·φ(x)` with
+//! `φ(x) = exp(−x²/2)/√(2π)`. `erf` is the Abramowitz–Stegun 7.1.26 rational approximation
+//! (absolute error below 1.5·10⁻⁷), the one PyTorch's vectorised CPU GELU uses.
+//!
+//! ```
+//! use multihead_kernels::activation::gelu_forward;
+//! let x = [-1.0f32, 0.0, 2.0];
+//! let mut y = [0.0f32; 3];
+//! gelu_forward(&x, &mut y)?;
+//! assert!((y[2] - 1.9545).abs() < 1e-4);
+//! # Ok::<(), multihead_kernels::attention::KernelError>(())
+//! ```
+
+use crate::attention::exec::{par_run, SyncPtr, Task};
+use crate::attention::simd::Simd;
+use crate::attention::{simd_level, KernelError};
+
+/// Elements per task.
+const BLOCK: usize = 1 << 14;
+
+const A1: f32 = 0.254_829_6;
+const A2: f32 = -0.284_496_74;
+const A3: f32 = 1.421_413_8;
+const A4: f32 = -1.453_152_1;
+const A5: f32 = 1.061_405_4;
+const P: f32 = 0.327_591_1;
+const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+/// `1/√(2π)`.
+const INV_SQRT_2PI: f32 = 0.398_942_3;
+
+/// `(Φ(x), φ(x))` for one vector.
+///
+/// # Safety
+/// `S` is available.
+#[inline(always)]
+unsafe fn cdf_pdf<S: Simd>(x: S::V) -> (S::V, S::V) {
+    // SAFETY: arithmetic only (the trait contract covers the instruction set).
+    unsafe {
+        let z = S::mul(x, S::splat(FRAC_1_SQRT_2));
+        let az = S::max(z, S::sub(S::splat(0.0), z));
+        let t = S::div(S::splat(1.0), S::fma(S::splat(P), az, S::splat(1.0)));
+        let mut poly = S::splat(A5);
+        for a in [A4, A3, A2, A1] {
+            poly = S::fma(poly, t, S::splat(a));
+        }
+        let e = S::exp(S::sub(S::splat(0.0), S::mul(z, z))); // exp(−x²/2)
+        let erf_abs = S::sub(S::splat(1.0), S::mul(S::mul(poly, t), e));
+        // sign(z) = clamp(z·10³⁰, −1, 1): ±1 but for tiny z (whose erf is ≈ 0 anyway), also at
+        // ±inf; min(a, b) is −max(−a, −b).
+        let neg = |v: S::V| S::sub(S::splat(0.0), v);
+        let lo = S::max(S::mul(z, S::splat(1e30)), S::splat(-1.0));
+        let sign = neg(S::max(neg(lo), S::splat(-1.0)));
+        let cdf = S::mul(S::splat(0.5), S::fma(sign, erf_abs, S::splat(1.0)));
+        (cdf, S::mul(e, S::splat(INV_SQRT_2PI)))
+    }
+}
+
+struct GeluTask<'a> {
+    x: &'a [f32],
+    /// The upstream gradient for the backward; `None` for the forward.
+    dy: Option<&'a [f32]>,
+    out: SyncPtr<f32>,
+}
+
+impl Task for GeluTask<'_> {
+    fn count(&self) -> usize {
+        self.x.len().div_ceil(BLOCK)
+    }
+    fn scratch_len(&self, _lanes: usize) -> usize {
+        0
+    }
+    #[inline(always)]
+    unsafe fn run<S: Simd>(&self, t: usize, _buf: &mut [f32]) {
+        let l = S::LANES;
+        let (start, end) = (t * BLOCK, ((t + 1) * BLOCK).min(self.x.len()));
+        let mut j = start;
+        // SAFETY: indices stay in `start..end` (the tail is masked), inside `x`, `dy` and
+        // `out` (the entry point checked their lengths); this task alone writes its block.
+        unsafe {
+            while j < end {
+                let mask = if j + l <= end { S::full_mask() } else { S::tail_mask(end - j) };
+                let x = S::load_m(self.x.as_ptr().add(j), mask);
+                let (cdf, pdf) = cdf_pdf::<S>(x);
+                let v = match self.dy {
+                    None => S::mul(x, cdf),
+                    Some(dy) => {
+                        let g = S::fma(x, pdf, cdf);
+                        S::mul(S::load_m(dy.as_ptr().add(j), mask), g)
+                    }
+                };
+                S::store_m(self.out.0.add(j), v, mask);
+                j += l;
+            }
+        }
+    }
+}
+
+fn same_len(name: &'static str, want: usize, len: usize) -> Result<(), KernelError> {
+    if len < want {
+        Err(KernelError::SliceTooShort { name, needed: want, len })
+    } else {
+        Ok(())
+    }
+}
+
+/// `y = gelu(x)`.
+pub fn gelu_forward(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
+    same_len("y", x.len(), y.len())?;
+    par_run(simd_level(), &GeluTask { x, dy: None, out: SyncPtr(y.as_mut_ptr()) });
+    Ok(())
+}
+
+/// `dx = dy · gelu'(x)`.
+pub fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), KernelError> {
+    same_len("dy", x.len(), dy.len())?;
+    same_len("dx", x.len(), dx.len())?;
+    par_run(simd_level(), &GeluTask { x, dy: Some(dy), out: SyncPtr(dx.as_mut_ptr()) });
+    Ok(())
+}
+
+/// Naive f64 twins, for tests, with an erf accurate to f64 rounding.
+pub mod reference {
+    /// `erf(x)`: its Taylor series below 3, the continued fraction of `erfc` above.
+    pub fn erf(x: f64) -> f64 {
+        let a = x.abs();
+        let v = if a < 3.0 {
+            let (mut term, mut sum, mut n) = (a, a, 0.0);
+            while term.abs() > 1e-17 * sum.abs() {
+                n += 1.0;
+                term *= -a * a / n;
+                sum += term / (2.0 * n + 1.0);
+            }
+            sum * 2.0 / std::f64::consts::PI.sqrt()
+        } else {
+            // erfc(a) = exp(−a²)/√π · 1/(a + 1/2/(a + 1/(a + 3/2/(a + ...)))), from the tail.
+            let mut f = a;
+            for k in (1..60).rev() {
+                f = a + (k as f64 / 2.0) / f;
+            }
+            1.0 - (-a * a).exp() / std::f64::consts::PI.sqrt() / f
+        };
+        v.copysign(x)
+    }
+
+    /// `gelu(x)`.
+    pub fn gelu(x: f64) -> f64 {
+        0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))
+    }
+
+    /// `gelu'(x)`.
+    pub fn gelu_grad(x: f64) -> f64 {
+        let cdf = 0.5 * (1.0 + erf(x / std::f64::consts::SQRT_2));
+        cdf + x * (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::attention::{detected_simd_level, with_simd_level, SimdLevel};
+
+    #[test]
+    fn reference_erf_is_accurate() {
+        // erf(0.5), erf(1), erf(2), erf(3.5) to 15 digits.
+        for (x, want) in [
+            (0.5, 0.520_499_877_813_047),
+            (1.0, 0.842_700_792_949_715),
+            (2.0, 0.995_322_265_018_953),
+            (3.5, 0.999_999_256_901_628),
+        ] {
+            assert!((reference::erf(x) - want).abs() < 1e-13, "erf({x})");
+            assert!((reference::erf(-x) + want).abs() < 1e-13, "erf(-{x})");
+        }
+    }
+
+    #[test]
+    fn gelu_matches_the_reference_at_every_simd_level_and_awkward_lengths() {
+        let levels: Vec<SimdLevel> = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512]
+            .into_iter()
+            .filter(|&l| l <= detected_simd_level())
+            .collect();
+        for n in [0usize, 1, 7, 16, 17, 1000, BLOCK + 3] {
+            let x: Vec<f32> = crate::testutil::rand_vec(n, 11).iter().map(|v| v * 9.0).collect();
+            let dy = crate::testutil::rand_vec(n, 12);
+            for &level in &levels {
+                with_simd_level(level, || {
+                    let (mut y, mut dx) = (vec![0f32; n], vec![0f32; n]);
+                    gelu_forward(&x, &mut y).unwrap();
+                    gelu_backward(&x, &dy, &mut dx).unwrap();
+                    for i in 0..n {
+                        let (xi, e) = (x[i] as f64, reference::gelu(x[i] as f64));
+                        assert!(
+                            (y[i] as f64 - e).abs() <= 2e-7 * (1.0 + xi.abs()),
+                            "{level:?} y({xi}) {} vs {e}",
+                            y[i]
+                        );
+                        let g = dy[i] as f64 * reference::gelu_grad(xi);
+                        assert!(
+                            (dx[i] as f64 - g).abs() <= 1e-6,
+                            "{level:?} dx({xi}) {} vs {g}",
+                            dx[i]
+                        );
+                    }
+                });
+            }
+        }
+        // Special values: NaN stays NaN; ±inf give PyTorch's limits.
+        let x = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -20.0];
+        let mut y = [0f32; 4];
+        gelu_forward(&x, &mut y).unwrap();
+        assert!(y[0].is_nan() && y[1] == f32::INFINITY && y[3] == 0.0, "{y:?}");
+    }
+
+    #[test]
+    fn short_outputs_are_errors() {
+        assert!(gelu_forward(&[1.0; 4], &mut [0.0; 3]).is_err());
+        assert!(gelu_backward(&[1.0; 4], &[1.0; 4], &mut [0.0; 3]).is_err());
+    }
+}
