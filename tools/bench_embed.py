@@ -30,7 +30,9 @@ What runs (each library in its own process, ``--threads`` threads, default 2):
   (``--threads``/``--quiet`` only where ``embed --help`` lists them) with
   ``RAYON_NUM_THREADS=T``: the wall time of the whole process (start-up, loading the model,
   tokenising, the forward passes and printing 384 floats per text as JSON) and its peak RSS
-  (``wait4``). A 1-text run measures start-up plus loading, reported separately.
+  (``/usr/bin/time``'s maximum resident set size of the binary; ``wait4`` of a child forked from
+  a large Python process would count the parent's pages). A 1-text run measures start-up plus
+  loading, reported separately.
 
 (a) and (b) are timed in-process after loading the model and one warm-up batch, so their times
 leave out loading, which favours them. Sentences/s is texts over the fastest of ``--runs`` runs.
@@ -360,8 +362,16 @@ def rust_embed(cfg, bin_path, texts_file, timeout, one_text=None):
         cmd.append("--quiet")
     if one_text is not None:
         cmd.append(one_text)
-    rc, out, err, ru, wall, to = run_process(cmd, timeout, child_env(cfg["threads"]),
+    # wait4's ru_maxrss of a child forked from this (large) Python process counts the parent's
+    # pages it shared before exec; /usr/bin/time measures the exec'd binary alone.
+    timer = Path("/usr/bin/time")
+    run_cmd = [str(timer), "-f", "__PEAK_KB__%M", *cmd] if timer.exists() else cmd
+    rc, out, err, ru, wall, to = run_process(run_cmd, timeout, child_env(cfg["threads"]),
                                              stdin_path=None if one_text else texts_file)
+    for line in err.splitlines():
+        if line.startswith("__PEAK_KB__"):
+            ru = int(line[len("__PEAK_KB__"):]) / 1024.0
+    err = "\n".join(l for l in err.splitlines() if not l.startswith("__PEAK_KB__"))
     try:
         shown = shlex.join([os.path.relpath(cmd[0], REPO), *cmd[1:]])
     except ValueError:
@@ -645,8 +655,8 @@ def report_lines(rec, heading="##"):
         s = rec.get("multihead_startup")
         notes.append(f"multihead: `{mh.get('cmd', 'multihead embed --json')} < corpus`; wall "
                      "time of the whole process "
-                     "(start-up, model load, tokenisation, forward, JSON output); peak RSS from "
-                     "wait4."
+                     "(start-up, model load, tokenisation, forward, JSON output); peak RSS of "
+                     "the binary alone (/usr/bin/time)."
                      + (f" A 1-text run takes {s['wall_s']:.2f} s (start-up and loading; peak "
                         f"{s['peak_rss_mib']:.0f} MiB); without it: "
                         f"{mh['sentences_per_s_excl_startup']:.0f} sentences/s."
