@@ -8,7 +8,16 @@
 //!   `is_causal`, batched and unbatched input, `batch_first`, dropout on the attention weights,
 //!   averaged or per-head weights.
 //! * [`functional`] has `scaled_dot_product_attention` and `multi_head_attention_forward`.
-//! * [`state_dict`] loads and saves PyTorch state_dicts as safetensors, strictly, by PyTorch's keys.
+//! * [`state_dict`] loads and saves PyTorch state_dicts as safetensors, strictly (or not), by
+//!   PyTorch's keys; [`Embedding`], [`Linear`], [`LayerNorm`] and the [`transformer`] layers
+//!   complete a model.
+//! * [`no_grad`] is PyTorch's `torch.no_grad()`; [`Backend`] and `explain` choose and report the
+//!   path a call takes (the fused CPU kernels or the composed candle reference), see [`mode`].
+//! * [`memory::ReuseLarge`] is a global-allocator wrapper that keeps large freed blocks for reuse.
+//!
+//! Every argument is checked once, before a path is chosen, and bad input is a typed [`Error`],
+//! never a panic. The PyTorch behaviours relied on, and the deliberate differences, are in the
+//! repository's `docs/pytorch-behaviour.md`.
 //!
 //! Everything is differentiable through candle's autograd: inputs and every parameter get their
 //! gradients.
