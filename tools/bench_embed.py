@@ -48,13 +48,13 @@ import json
 import os
 import resource
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+import bench_proc
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = Path(__file__).resolve().parent
@@ -257,48 +257,6 @@ def run_child(a):
 # Parent
 # --------------------------------------------------------------------------------------------
 
-_own_cpu_s = 0.0
-
-
-def busy_cpu_seconds():
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def run_process(cmd, timeout_s, env=None, stdin_path=None):
-    """(rc, stdout, stderr, ru_maxrss_mib, wall_s, timed_out); rusage from wait4."""
-    global _own_cpu_s
-    fin = open(stdin_path, "rb") if stdin_path else subprocess.DEVNULL
-    try:
-        with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
-            t0 = time.perf_counter()
-            p = subprocess.Popen(cmd, stdin=fin, stdout=fo, stderr=fe, env=env, cwd=REPO)
-            timed_out = False
-            while True:
-                pid, st, ru = os.wait4(p.pid, os.WNOHANG)
-                if pid == p.pid:
-                    break
-                if time.perf_counter() - t0 > timeout_s:
-                    timed_out = True
-                    os.kill(p.pid, signal.SIGKILL)
-                    _, st, ru = os.wait4(p.pid, 0)
-                    break
-                time.sleep(0.01)
-            wall = time.perf_counter() - t0
-            p.returncode = os.waitstatus_to_exitcode(st)
-            fo.seek(0)
-            fe.seek(0)
-            out = fo.read().decode(errors="replace")
-            err = fe.read().decode(errors="replace")
-    finally:
-        if stdin_path:
-            fin.close()
-    _own_cpu_s += ru.ru_utime + ru.ru_stime
-    return p.returncode, out, err, ru.ru_maxrss / 1024.0, wall, timed_out
 
 
 def last_json_line(text):
@@ -325,7 +283,7 @@ def child_env(threads):
 def python_child(kind, cfg, extra, timeout):
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind,
            "--model-dir", str(cfg["model_dir"]), "--threads", str(cfg["threads"]), *extra]
-    rc, out, err, ru, wall, to = run_process(cmd, timeout, child_env(cfg["threads"]))
+    rc, out, err, ru, wall, to = bench_proc.run_process(cmd, timeout, child_env(cfg["threads"]))
     res = last_json_line(out)
     if rc != 0 or res is None or "error" in res:
         why = (res or {}).get("error") or ("timed out" if to else f"exit {rc}")
@@ -366,7 +324,7 @@ def rust_embed(cfg, bin_path, texts_file, timeout, one_text=None):
     # pages it shared before exec; /usr/bin/time measures the exec'd binary alone.
     timer = Path("/usr/bin/time")
     run_cmd = [str(timer), "-f", "__PEAK_KB__%M", *cmd] if timer.exists() else cmd
-    rc, out, err, ru, wall, to = run_process(run_cmd, timeout, child_env(cfg["threads"]),
+    rc, out, err, ru, wall, to = bench_proc.run_process(run_cmd, timeout, child_env(cfg["threads"]),
                                              stdin_path=None if one_text else texts_file)
     for line in err.splitlines():
         if line.startswith("__PEAK_KB__"):
@@ -425,7 +383,7 @@ def run_section(bin_path, threads=2, quick=False, runs=None, limit=None, batch=3
     limit = limit if limit is not None else (256 if quick else 0)
     rec = {"section": "embed", "threads": threads, "batch": batch, "runs": runs, "quick": quick,
            "rows": {}, "errors": {}, "notes": []}
-    busy0, own0, wall0 = busy_cpu_seconds(), _own_cpu_s, time.perf_counter()
+    busy0, own0, wall0 = bench_proc.busy_cpu_seconds(), bench_proc.children_cpu_s, time.perf_counter()
     texts, sha = embed_corpus.write_corpus()
     corpus = embed_corpus.DEFAULT_OUT
     if limit:
@@ -524,9 +482,9 @@ def run_section(bin_path, threads=2, quick=False, runs=None, limit=None, batch=3
     if mh and start:
         rec["rows"]["multihead"]["sentences_per_s_excl_startup"] = (
             len(texts) / max(1e-9, mh["min_s"] - start["wall_s"]))
-    busy1, wall1 = busy_cpu_seconds(), time.perf_counter()
+    busy1, wall1 = bench_proc.busy_cpu_seconds(), time.perf_counter()
     if busy0 is not None and busy1 is not None:
-        foreign = max(0.0, (busy1 - busy0) - (_own_cpu_s - own0))
+        foreign = max(0.0, (busy1 - busy0) - (bench_proc.children_cpu_s - own0))
         rec["foreign_cpu_share"] = foreign / max(1e-9, (wall1 - wall0) * (os.cpu_count() or 1))
     rec["wall_s"] = wall1 - wall0
     return rec

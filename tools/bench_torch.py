@@ -70,13 +70,13 @@ import os
 import platform
 import resource
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+import bench_proc
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = Path(__file__).resolve().parent
@@ -368,48 +368,6 @@ def time_child(a, torch, step, reset_grads, probe):
 # --------------------------------------------------------------------------------------------
 
 
-_children_cpu_s = 0.0  # CPU seconds used by every process this script started
-
-
-def busy_cpu_seconds():
-    """CPU seconds spent busy on the whole machine since boot (all CPUs, from /proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def run_process(cmd, timeout_s, env=None):
-    """Run cmd; return (rc, stdout, stderr, ru_maxrss_mib, wall_s, timed_out). The child's own
-    rusage comes from wait4, so its peak RSS is that process's alone."""
-    with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
-        t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env, cwd=REPO)
-        deadline = t0 + timeout_s
-        timed_out = False
-        status, ru = None, None
-        while True:
-            pid, st, rus = os.wait4(p.pid, os.WNOHANG)
-            if pid == p.pid:
-                status, ru = st, rus
-                break
-            if time.perf_counter() > deadline:
-                timed_out = True
-                os.kill(p.pid, signal.SIGKILL)
-                _, status, ru = os.wait4(p.pid, 0)
-                break
-            time.sleep(0.02)
-        wall = time.perf_counter() - t0
-        p.returncode = os.waitstatus_to_exitcode(status)  # reaped here; keep Popen quiet
-        fo.seek(0)
-        fe.seek(0)
-        out = fo.read().decode(errors="replace")
-        err = fe.read().decode(errors="replace")
-    global _children_cpu_s
-    _children_cpu_s += ru.ru_utime + ru.ru_stime
-    return p.returncode, out, err, ru.ru_maxrss / 1024.0, wall, timed_out
 
 
 def last_json_line(text):
@@ -461,7 +419,7 @@ def run_torch(cfg, opts, fastpath=True, counts=None):
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(cfg["threads"])
     env["MKL_NUM_THREADS"] = str(cfg["threads"])
-    rc, out, err, ru_mib, wall, to = run_process(cmd, opts.timeout, env)
+    rc, out, err, ru_mib, wall, to = bench_proc.run_process(cmd, opts.timeout, env)
     res = last_json_line(out)
     if rc != 0 or res is None:
         return None, {"error": "timed out" if to else f"exit {rc}", "stderr_tail": err[-2000:],
@@ -505,7 +463,7 @@ def rust_tiny_peak(opts, e, h, threads):
     key = (e, h, threads)
     if key not in _rust_tiny_cache:
         cmd = rust_cmd(opts, 1, 1, 1, e, h, threads, False, False, False, 0, 1)
-        rc, out, err, ru_mib, wall, to = run_process(cmd, 120)
+        rc, out, err, ru_mib, wall, to = bench_proc.run_process(cmd, 120)
         r = last_json_line(out) if rc == 0 else None
         _rust_tiny_cache[key] = (r or {}).get("peak_rss_mib", ru_mib if rc == 0 else None)
     return _rust_tiny_cache[key]
@@ -515,7 +473,7 @@ def run_rust(cfg, opts, warmup, iters):
     b, l, s, e, h = cfg["B"], cfg["L"], cfg["S"], cfg["E"], cfg["H"]
     cmd = rust_cmd(opts, b, l, s, e, h, cfg["threads"], cfg["causal"], cfg["need_weights"],
                    cfg["backward"], warmup, iters, layer_args(cfg))
-    rc, out, err, ru_mib, wall, to = run_process(cmd, opts.timeout)
+    rc, out, err, ru_mib, wall, to = bench_proc.run_process(cmd, opts.timeout)
     res = last_json_line(out)
     if rc != 0 or res is None:
         return None, {"error": "timed out" if to else f"exit {rc}", "stderr_tail": err[-2000:],
@@ -1418,7 +1376,7 @@ def run_config(c, opts, results):
     """PyTorch (one or two forward paths), then the Rust binary, on one configuration."""
     rec = dict(c)
     rec["loadavg_before"] = os.getloadavg()
-    busy0, own0, wall0 = busy_cpu_seconds(), _children_cpu_s, time.perf_counter()
+    busy0, own0, wall0 = bench_proc.busy_cpu_seconds(), bench_proc.children_cpu_s, time.perf_counter()
     warmup, iters = opts.warmup_max, opts.min_iters
     if c.get("torch_skip"):
         rec["torch"] = None
@@ -1450,11 +1408,11 @@ def run_config(c, opts, results):
     rec["rust"] = u
     if err:
         rec["rust_error"] = err
-    busy1, wall1 = busy_cpu_seconds(), time.perf_counter()
+    busy1, wall1 = bench_proc.busy_cpu_seconds(), time.perf_counter()
     if busy0 is not None and busy1 is not None:
         # CPU time the rest of the machine used while this configuration ran, as a share of all
         # CPUs over that time (this script's parent counts as foreign, but it mostly sleeps).
-        foreign = max(0.0, (busy1 - busy0) - (_children_cpu_s - own0))
+        foreign = max(0.0, (busy1 - busy0) - (bench_proc.children_cpu_s - own0))
         rec["foreign_cpu_share"] = foreign / max(1e-9, (wall1 - wall0) * (os.cpu_count() or 1))
     return rec
 

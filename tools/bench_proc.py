@@ -1,0 +1,60 @@
+"""Process helpers shared by ``bench_torch.py`` and ``bench_embed.py``: run a child with a
+timeout and collect its own rusage, and count the machine's busy CPU time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# CPU seconds used by every process started through run_process (to tell our load from others').
+children_cpu_s = 0.0
+
+
+def busy_cpu_seconds():
+    """CPU seconds spent busy on the whole machine since boot (all CPUs, from /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def run_process(cmd, timeout_s, env=None, stdin_path=None):
+    """Run cmd in the repository root; return (rc, stdout, stderr, ru_maxrss_mib, wall_s,
+    timed_out). The child's own rusage comes from wait4; note that a child forked from a large
+    Python process counts the pages it shared before exec in its ru_maxrss."""
+    global children_cpu_s
+    fin = open(stdin_path, "rb") if stdin_path else subprocess.DEVNULL
+    try:
+        with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
+            t0 = time.perf_counter()
+            p = subprocess.Popen(cmd, stdin=fin, stdout=fo, stderr=fe, env=env, cwd=REPO)
+            timed_out = False
+            while True:
+                pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+                if pid == p.pid:
+                    break
+                if time.perf_counter() - t0 > timeout_s:
+                    timed_out = True
+                    os.kill(p.pid, signal.SIGKILL)
+                    _, status, ru = os.wait4(p.pid, 0)
+                    break
+                time.sleep(0.01)
+            wall = time.perf_counter() - t0
+            p.returncode = os.waitstatus_to_exitcode(status)  # reaped here; keep Popen quiet
+            fo.seek(0)
+            fe.seek(0)
+            out = fo.read().decode(errors="replace")
+            err = fe.read().decode(errors="replace")
+    finally:
+        if stdin_path:
+            fin.close()
+    children_cpu_s += ru.ru_utime + ru.ru_stime
+    return p.returncode, out, err, ru.ru_maxrss / 1024.0, wall, timed_out
