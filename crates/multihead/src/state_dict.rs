@@ -309,10 +309,10 @@ fn load_with<M: NamedParameters>(
         Ok(m) => m,
         // A strict load with missing keys: report the keys, not what the placeholders caused.
         Err(_) if strict && !recorded.is_empty() => {
-            let unexpected =
-                compare_keys(recorded.iter().map(String::as_str), state.keys().map(String::as_str));
+            // The recorded keys are the ones the file lacks; report them in order, once each.
+            let missing: BTreeSet<String> = recorded.into_iter().collect();
             return Err(Error::StateDictKeys {
-                missing: unexpected.missing_keys,
+                missing: missing.into_iter().collect(),
                 unexpected: Vec::new(),
                 hint: String::new(),
             });
