@@ -37,6 +37,8 @@ impl Activation {
     // Mirrors torch.nn.functional.relu / torch.nn.functional.gelu.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         crate::alloc::expect_float("activation", "input", x.dtype())?;
+        // Both paths hold a few input-sized tensors (a broadcast view costs its full size).
+        crate::alloc::ensure("activation", "input", x.dims(), x.dtype(), 3, "use a smaller input")?;
         Ok(match self {
             // x * (x > 0): gradient (x > 0), 0 at x = 0 like PyTorch's threshold_backward.
             Self::Relu => x.mul(&x.gt(0f64)?.to_dtype(x.dtype())?)?,

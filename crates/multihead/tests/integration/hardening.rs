@@ -377,6 +377,21 @@ fn broadcast_views_that_would_expand_beyond_memory_are_alloc_errors() {
     assert!(matches!(e, Error::Alloc { .. }), "{e:?}");
     let x = Tensor::zeros(1, DType::F32, &dev()).unwrap().broadcast_as(1usize << 38).unwrap();
     assert!(matches!(multihead::activation::dropout(&x, 0.5, true), Err(Error::Alloc { .. })));
+    for b in BACKENDS {
+        let r = with_backend(b, || multihead::Activation::Gelu.forward(&x));
+        assert!(matches!(r, Err(Error::Alloc { .. })), "{b:?}: {r:?}");
+    }
+    let vm = candle_nn::VarMap::new();
+    let ln = multihead::LayerNorm::new(
+        1,
+        1e-5,
+        true,
+        candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev()),
+    )
+    .unwrap();
+    let x2 =
+        Tensor::zeros((1, 1), DType::F32, &dev()).unwrap().broadcast_as((1usize << 38, 1)).unwrap();
+    assert!(matches!(ln.forward(&x2), Err(Error::Alloc { .. })));
     let cfg = multihead::transformer::LayerConfig::new(8, 2).with_dim_feedforward(8);
     let vm = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
