@@ -22,6 +22,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod decode;
 pub mod dropout;
 pub mod norm;
 

@@ -80,6 +80,15 @@ pub enum Error {
         /// The size asked for and what to do instead.
         msg: String,
     },
+    /// Appending to a [`KvCache`](crate::KvCache) would go past its capacity. Nothing was
+    /// written: the cache is as it was.
+    #[error("{op}: cache: {msg}")]
+    CacheFull {
+        /// The operation that appended.
+        op: &'static str,
+        /// Which row, how many tokens it holds and asked for, and what to do instead.
+        msg: String,
+    },
     /// An error raised inside candle.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),

@@ -248,6 +248,14 @@ pub enum KernelError {
         /// The probability given.
         p: f64,
     },
+    /// A per-batch argument is inconsistent with the sizes (e.g. a cache length beyond the
+    /// cache's capacity, or a list of the wrong length).
+    InvalidArgument {
+        /// Which argument.
+        name: &'static str,
+        /// What is wrong.
+        msg: String,
+    },
 }
 
 impl fmt::Display for KernelError {
@@ -269,6 +277,7 @@ impl fmt::Display for KernelError {
             KernelError::InvalidDropout { p } => {
                 write!(f, "dropout probability has to be in [0, 1), got {p}")
             }
+            KernelError::InvalidArgument { name, msg } => write!(f, "`{name}`: {msg}"),
         }
     }
 }
@@ -303,7 +312,7 @@ fn check_len(name: &'static str, needed: usize, len: usize) -> Result<(), Kernel
 
 /// Checks that a `[batch, heads, seq, dim]` view fits its slice; for outputs, also that no two
 /// elements share an address.
-fn check_tensor(
+pub(crate) fn check_tensor(
     name: &'static str,
     len: usize,
     sizes: [usize; 4],

@@ -10,7 +10,7 @@
 //! for every input and parameter; the fused kernels enter candle as custom ops with a
 //! backward.
 
-mod core;
+pub(crate) mod core;
 mod mha;
 mod sdpa;
 

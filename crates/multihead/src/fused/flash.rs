@@ -23,24 +23,25 @@ use crate::error::Result;
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Convention {
     /// `(T, N, H·D)`: MultiheadAttention's projections; `(N, T, H·D)` with `batch_first`.
-    SeqFirst { heads: usize, batch_first: bool },
+    /// `heads` counts the query (and output) heads; head `i` of any input starts at feature
+    /// `i·head_dim`, so grouped-query keys and values `(T, N, Hkv·D)` read the same way.
+    SeqFirst { heads: usize, head_dim: usize, batch_first: bool },
     /// `(B, H, T, D)`.
     Bhtd,
 }
 
 impl Convention {
     /// The kernel layout of a tensor with this layout, and its start offset.
-    fn layout4(&self, l: &Layout) -> candle_core::Result<(usize, Layout4)> {
+    pub(crate) fn layout4(&self, l: &Layout) -> candle_core::Result<(usize, Layout4)> {
         let dims = l.dims();
         let st = l.stride();
         match (self, dims.len()) {
-            (Convention::SeqFirst { heads, batch_first }, 3) => {
-                let hd = dims[2] / heads.max(&1);
+            (Convention::SeqFirst { head_dim: hd, batch_first, .. }, 3) => {
                 if st[2] != 1 && dims[2] > 1 {
                     candle_core::bail!("flash attention: the feature dimension must be contiguous");
                 }
                 let (batch, seq) = if *batch_first { (st[0], st[1]) } else { (st[1], st[0]) };
-                Ok((l.start_offset(), Layout4 { batch, head: hd, seq }))
+                Ok((l.start_offset(), Layout4 { batch, head: *hd, seq }))
             }
             (Convention::Bhtd, 4) => {
                 if st[3] != 1 && dims[3] > 1 {
@@ -114,6 +115,12 @@ impl FlashAttention {
             conv,
             lse: Arc::new(Mutex::new(Vec::new())),
         }
+    }
+
+    /// The same op (sizes, masks, dropout) reading its inputs through another convention,
+    /// with its own saved statistics.
+    pub(crate) fn with_convention(&self, conv: Convention) -> Self {
+        Self { conv, lse: Arc::new(Mutex::new(Vec::new())), ..self.clone() }
     }
 
     /// Runs the kernel backward from the saved log-sum-exp into `d` (dq, dk, dv).
@@ -308,7 +315,7 @@ impl PackedQkv {
         }
         let e = dims[2] / 3;
         let (heads, batch_first) = match self.0.conv {
-            Convention::SeqFirst { heads, batch_first } => (heads.max(1), batch_first),
+            Convention::SeqFirst { heads, batch_first, .. } => (heads.max(1), batch_first),
             Convention::Bhtd => candle_core::bail!("flash attention: packed input is 3-D"),
         };
         let (batch, seq) = if batch_first { (st[0], st[1]) } else { (st[1], st[0]) };

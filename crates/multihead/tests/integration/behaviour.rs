@@ -28,6 +28,7 @@ fn packed_in_proj_equals_separate_q_k_v() {
     let sep = MhaParams {
         embed_dim_to_check: 8,
         num_heads: 2,
+        num_kv_heads: None,
         in_proj: InProj::Separate { q: &wq, k: &wk, v: &wv },
         in_proj_bias: Some(&b),
         bias_k: None,

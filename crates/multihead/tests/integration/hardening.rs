@@ -94,6 +94,7 @@ fn functional_mha_checks_every_parameter_shape() {
     let base = MhaParams {
         embed_dim_to_check: e,
         num_heads: 2,
+        num_kv_heads: None,
         in_proj: InProj::Packed(&w_in),
         in_proj_bias: Some(&b_in),
         bias_k: None,
@@ -130,6 +131,7 @@ fn bias_v_without_bias_k_is_rejected_on_every_path_and_dtype() {
         let params = MhaParams {
             embed_dim_to_check: e,
             num_heads: 2,
+            num_kv_heads: None,
             in_proj: InProj::Packed(&w_in),
             in_proj_bias: None,
             bias_k: None,
@@ -429,6 +431,7 @@ fn a_per_call_composed_backend_governs_the_projections_too() {
     let params = MhaParams {
         embed_dim_to_check: e,
         num_heads: 2,
+        num_kv_heads: None,
         in_proj: InProj::Packed(&w_in),
         in_proj_bias: None,
         bias_k: None,

@@ -5,6 +5,7 @@
 mod behaviour;
 mod common;
 mod cos_init;
+mod decode;
 mod errors;
 mod fused;
 mod fuzz;

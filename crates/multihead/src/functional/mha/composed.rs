@@ -34,7 +34,7 @@ pub(crate) fn attend(
     proj: Projected,
     dropout: Option<(f64, DropoutKey)>,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let (l, n, e, h, hd) = (call.l, call.n, call.e, call.h, call.hd);
+    let (l, n, e, h, hd, hk, kv_e) = (call.l, call.n, call.e, call.h, call.hd, call.hk, call.kv_e);
     let s2 = call.s_total();
     crate::alloc::ensure(
         MHA,
@@ -46,40 +46,54 @@ pub(crate) fn attend(
          need_weights=false (the fused kernels never build them), or a smaller batch",
     )?;
     let Projected { q, k, v, .. } = proj;
-    let (q, mut k, mut v) = if call.batch_first {
-        (q.transpose(0, 1)?, k.transpose(0, 1)?, v.transpose(0, 1)?)
-    } else {
-        (q, k, v)
+    let statics = call.static_kv.is_some();
+    let (q, mut k, mut v) = match (call.batch_first, statics) {
+        (false, _) => (q, k, v),
+        (true, false) => (q.transpose(0, 1)?, k.transpose(0, 1)?, v.transpose(0, 1)?),
+        (true, true) => (q.transpose(0, 1)?, k, v),
     };
     let mut attn_mask = call.attn_mask.clone();
     let mut kpm = call.kpm.clone();
-    // bias_k / bias_v (step 7); validation checked both are given with shape (1, 1, E) or (E,).
+    // bias_k / bias_v (step 7); validation checked both are given with shape (1, 1, kv) or
+    // (kv,), and never with static keys.
     if let (Some(bk), Some(bv)) = (call.params.bias_k, call.params.bias_v) {
-        let bk = bk.reshape((1, 1, e))?.broadcast_as((1, n, e))?;
-        let bv = bv.reshape((1, 1, e))?.broadcast_as((1, n, e))?;
+        let bk = bk.reshape((1, 1, kv_e))?.broadcast_as((1, n, kv_e))?;
+        let bv = bv.reshape((1, 1, kv_e))?.broadcast_as((1, n, kv_e))?;
         k = cat_nonempty(&[&k, &bk], 0)?;
         v = cat_nonempty(&[&v, &bv], 0)?;
         attn_mask = pad_col(attn_mask)?;
         kpm = pad_col(kpm)?;
     }
-    // Split heads (step 8): (T, N, E) -> (N·H, T, hd).
-    let split = |t: &Tensor| -> Result<Tensor> {
+    // Split heads (step 8): (T, N, heads·hd) -> (N·heads, T, hd); static keys come split.
+    let split = |t: &Tensor, heads: usize| -> Result<Tensor> {
         let len = t.dim(0)?;
         if t.elem_count() == 0 {
-            return Ok(Tensor::zeros((n * h, len, hd), t.dtype(), t.device())?);
+            return Ok(Tensor::zeros((n * heads, len, hd), t.dtype(), t.device())?);
         }
-        Ok(t.contiguous()?.reshape((len, n * h, hd))?.transpose(0, 1)?.contiguous()?)
+        Ok(t.contiguous()?.reshape((len, n * heads, hd))?.transpose(0, 1)?.contiguous()?)
     };
-    let q = split(&q)?;
-    let mut k = split(&k)?;
-    let mut v = split(&v)?;
+    let q = split(&q, h)?;
+    if !statics {
+        k = split(&k, hk)?;
+        v = split(&v, hk)?;
+    }
     // Zero attention (step 9).
     if call.params.add_zero_attn {
-        let z = Tensor::zeros((n * h, 1, hd), call.dtype, k.device())?;
+        let z = Tensor::zeros((n * hk, 1, hd), call.dtype, k.device())?;
         k = cat_nonempty(&[&k, &z], 1)?;
         v = cat_nonempty(&[&v, &z], 1)?;
         attn_mask = pad_col(attn_mask)?;
         kpm = pad_col(kpm)?;
+    }
+    // Grouped-query attention: query head i reads kv head i / (h / hk).
+    if hk != h {
+        let expand = |t: &Tensor| -> Result<Tensor> {
+            let len = t.dim(1)?;
+            let t = t.reshape((n, hk, 1, len, hd))?.broadcast_as((n, hk, h / hk, len, hd))?;
+            Ok(t.contiguous()?.reshape((n * h, len, hd))?)
+        };
+        k = expand(&k)?;
+        v = expand(&v)?;
     }
     // Merge the masks by addition (step 11).
     let mask = if call.causal {

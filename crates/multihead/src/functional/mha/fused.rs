@@ -51,7 +51,7 @@ pub(crate) fn attend(
     let dims = multihead_kernels::attention::AttnDims {
         batch: n,
         heads_q: h,
-        heads_kv: h,
+        heads_kv: call.hk,
         l,
         s,
         d: hd,
@@ -66,8 +66,11 @@ pub(crate) fn attend(
         masks.push(OwnedMask::new(p, [s, 0, 0, 1])?);
     }
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
-    let conv = Convention::SeqFirst { heads: h, batch_first: call.batch_first };
+    let conv = Convention::SeqFirst { heads: h, head_dim: hd, batch_first: call.batch_first };
     let op = FlashAttention::new(dims, scale, call.causal, masks, dropout, conv);
+    if call.static_kv.is_some() {
+        return static_attention(call, proj, &op);
+    }
     let per_head =
         s >= LONG_KEYS && !call.need_weights && !(records_grad && s >= LONG_KEYS_TRAINING_MAX);
     let attn = if per_head {
@@ -92,21 +95,10 @@ pub(crate) fn attend(
 /// S=4096 forward+backward 455 -> 374 ms). When training on very long sequences the copies'
 /// memory (kept for the backward) outweighs that, so the strided path stays.
 fn per_head_attention(call: &MhaCall, proj: &Projected, op: &FlashAttention) -> Result<Tensor> {
-    let (l, n, e, h, hd) = (call.l, call.n, call.e, call.h, call.hd);
+    let (l, n, e, h, hd, hk) = (call.l, call.n, call.e, call.h, call.hd, call.hk);
     let bf = call.batch_first;
-    let to_bhtd = |t: &Tensor| -> Result<Tensor> {
-        let t = if bf { t.clone() } else { t.transpose(0, 1)? };
-        let (nb, len, _) = t.dims3()?;
-        Ok(t.contiguous()?.reshape((nb, len, h, hd))?.transpose(1, 2)?.contiguous()?)
-    };
-    let bhtd = FlashAttention::new(
-        op.dims,
-        op.scale,
-        op.causal,
-        op.masks.as_ref().clone(),
-        op.dropout,
-        Convention::Bhtd,
-    );
+    let to_bhtd = |t: &Tensor, heads: usize| to_bhtd(t, heads, hd, bf);
+    let bhtd = op.with_convention(Convention::Bhtd);
     let (qh, kh, vh) = match &proj.packed {
         // One copy of the packed projection: (N, L, 3, H, hd) -> (3, N, H, L, hd).
         Some(qkv) => {
@@ -115,9 +107,43 @@ fn per_head_attention(call: &MhaCall, proj: &Projected, op: &FlashAttention) -> 
             let t = t.contiguous()?;
             (t.get(0)?, t.get(1)?, t.get(2)?)
         }
-        None => (to_bhtd(&proj.q)?, to_bhtd(&proj.k)?, to_bhtd(&proj.v)?),
+        None => (to_bhtd(&proj.q, h)?, to_bhtd(&proj.k, hk)?, to_bhtd(&proj.v, hk)?),
     };
     let o = bhtd.apply(&qh, &kh, &vh)?; // (N, H, L, hd)
+    from_bhtd(&o, (n, l, e), bf)
+}
+
+/// `(T, N, heads·hd)` (or `(N, T, ·)` with `batch_first`) -> `(N, heads, T, hd)`, contiguous.
+fn to_bhtd(t: &Tensor, heads: usize, hd: usize, batch_first: bool) -> Result<Tensor> {
+    let t = if batch_first { t.clone() } else { t.transpose(0, 1)? };
+    let (nb, len, _) = t.dims3()?;
+    Ok(t.contiguous()?.reshape((nb, len, heads, hd))?.transpose(1, 2)?.contiguous()?)
+}
+
+/// `(N, H, L, hd)` -> the caller's `(L, N, E)` or `(N, L, E)`.
+fn from_bhtd(o: &Tensor, (n, l, e): (usize, usize, usize), batch_first: bool) -> Result<Tensor> {
     let o = o.transpose(1, 2)?.contiguous()?.reshape((n, l, e))?;
-    Ok(if bf { o } else { o.transpose(0, 1)? })
+    Ok(if batch_first { o } else { o.transpose(0, 1)? })
+}
+
+/// `static_k`/`static_v` `(N·hk, S, hd)`: the query goes to `(N, H, L, hd)` and the kernels
+/// read the static tensors as they are.
+fn static_attention(
+    call: &MhaCall,
+    proj: &Projected,
+    op: &FlashAttention,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (l, n, e, h, hd, hk, s) = (call.l, call.n, call.e, call.h, call.hd, call.hk, call.s);
+    let bhtd = op.with_convention(Convention::Bhtd);
+    let qh = to_bhtd(&proj.q, h, hd, call.batch_first)?;
+    let kh = proj.k.reshape((n, hk, s, hd))?;
+    let vh = proj.v.reshape((n, hk, s, hd))?;
+    let attn = from_bhtd(&bhtd.apply(&qh, &kh, &vh)?, (n, l, e), call.batch_first)?;
+    let weights = if call.need_weights {
+        let w = bhtd.weights(&qh, &kh, call.average_attn_weights)?;
+        Some(if call.average_attn_weights { w.squeeze(1)? } else { w })
+    } else {
+        None
+    };
+    Ok((attn, weights))
 }

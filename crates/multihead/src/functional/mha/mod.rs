@@ -44,6 +44,11 @@ pub struct MhaParams<'a> {
     pub embed_dim_to_check: usize,
     /// `num_heads`.
     pub num_heads: usize,
+    /// Key/value heads for grouped-query attention; `None` means `num_heads` (PyTorch). With
+    /// `K` kv heads of `D = E/H`, `k_proj_weight`/`v_proj_weight` are `(K·D, ·)`, `in_proj_bias`
+    /// `(E + 2·K·D,)` and `bias_k`/`bias_v` `(1, 1, K·D)`; the packed `in_proj_weight` needs
+    /// `K = H`. An extension of PyTorch's signature.
+    pub num_kv_heads: Option<usize>,
     /// `in_proj_weight` or `q/k/v_proj_weight`.
     pub in_proj: InProj<'a>,
     /// `in_proj_bias`, `(3E,)`.
@@ -84,6 +89,12 @@ pub struct MhaOptions {
     /// Which implementation runs; `Auto` follows [`default_backend`](crate::default_backend).
     /// Default `Auto`.
     pub backend: Backend,
+    /// PyTorch's `static_k`: keys already projected and split into heads, `(N·Hkv, S, D)`,
+    /// used instead of projecting `key` (which must still have a valid shape). Given with
+    /// `static_v`; not with `bias_k`. Default `None`.
+    pub static_k: Option<Tensor>,
+    /// PyTorch's `static_v`: values already projected, `(N·Hkv, S, D)`. Default `None`.
+    pub static_v: Option<Tensor>,
 }
 
 impl Default for MhaOptions {
@@ -96,6 +107,8 @@ impl Default for MhaOptions {
             is_causal: false,
             dropout_key: None,
             backend: Backend::Auto,
+            static_k: None,
+            static_v: None,
         }
     }
 }
@@ -134,6 +147,13 @@ impl MhaOptions {
     /// Sets the backend.
     pub fn backend(mut self, backend: Backend) -> Self {
         self.backend = backend;
+        self
+    }
+    /// Sets `static_k` and `static_v`, `(N·Hkv, S, D)` each (see
+    /// [`MultiheadAttention::static_kv`](crate::MultiheadAttention::static_kv)).
+    pub fn static_kv(mut self, k: Tensor, v: Tensor) -> Self {
+        self.static_k = Some(k);
+        self.static_v = Some(v);
         self
     }
 }
@@ -189,7 +209,7 @@ impl Aliasing {
 /// let w_in = Tensor::randn(0f32, 0.3, (3 * e, e), &dev)?;
 /// let w_out = Tensor::randn(0f32, 0.3, (e, e), &dev)?;
 /// let params = MhaParams {
-///     embed_dim_to_check: e, num_heads: h, in_proj: InProj::Packed(&w_in), in_proj_bias: None,
+///     embed_dim_to_check: e, num_heads: h, num_kv_heads: None, in_proj: InProj::Packed(&w_in), in_proj_bias: None,
 ///     bias_k: None, bias_v: None, add_zero_attn: false, dropout_p: 0.0,
 ///     out_proj_weight: &w_out, out_proj_bias: None,
 /// };
@@ -236,6 +256,7 @@ fn records_grad(call: &MhaCall) -> bool {
         InProj::Separate { q, k, v } => q.track_op() || k.track_op() || v.track_op(),
     };
     tracked |= p.in_proj_bias.is_some_and(|b| b.track_op());
+    tracked |= call.static_kv.as_ref().is_some_and(|(k, v)| k.track_op() || v.track_op());
     grad_enabled() && tracked
 }
 

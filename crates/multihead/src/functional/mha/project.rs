@@ -18,52 +18,50 @@ pub(crate) struct Projected {
     pub packed: Option<Tensor>,
 }
 
-/// Projects `call`'s inputs.
+/// Projects `call`'s inputs. With `static_k`/`static_v` only the query is projected, and `k`
+/// and `v` are the static tensors, `(N·hk, S, hd)`.
 pub(crate) fn project(call: &MhaCall) -> Result<Projected> {
-    let e = call.e;
+    let (e, kv) = (call.e, call.kv_e);
     let p = call.params;
-    // Validation checked the bias shape `(3E,)`.
-    let bias = |i: usize| -> Result<Option<Tensor>> {
+    // Validation checked the bias shape `(E + 2·kv,)`: q, then k, then v.
+    let bias = |start: usize, len: usize| -> Result<Option<Tensor>> {
         Ok(match p.in_proj_bias {
-            Some(b) => Some(b.narrow(0, i * e, e)?),
+            Some(b) => Some(b.narrow(0, start, len)?),
             None => None,
         })
     };
     let (query, key, value) = (&call.query, &call.key, &call.value);
-    let alias = call.alias;
+    let (alias, be) = (call.alias, call.backend);
+    if let Some((k, v)) = &call.static_kv {
+        let wq = match p.in_proj {
+            InProj::Packed(w) => w.narrow(0, 0, e)?,
+            InProj::Separate { q, .. } => q.clone(),
+        };
+        let q = linear(query, &wq, bias(0, e)?.as_ref(), MHA, "query", be)?;
+        return Ok(Projected { q, k: k.clone(), v: v.clone(), packed: None });
+    }
     let proj = match p.in_proj {
         InProj::Packed(w) if alias.key_is_query && alias.value_is_key => {
-            let qkv = linear(query, w, p.in_proj_bias, MHA, "query", call.backend)?;
+            let qkv = linear(query, w, p.in_proj_bias, MHA, "query", be)?;
             let (q, k, v) = (qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?);
             Projected { q, k, v, packed: Some(qkv) }
         }
         InProj::Packed(w) if alias.value_is_key => {
-            let q =
-                linear(query, &w.narrow(0, 0, e)?, bias(0)?.as_ref(), MHA, "query", call.backend)?;
-            let bkv = match p.in_proj_bias {
-                Some(b) => Some(b.narrow(0, e, 2 * e)?),
-                None => None,
-            };
-            let kv = linear(key, &w.narrow(0, e, 2 * e)?, bkv.as_ref(), MHA, "key", call.backend)?;
+            let q = linear(query, &w.narrow(0, 0, e)?, bias(0, e)?.as_ref(), MHA, "query", be)?;
+            let wkv = w.narrow(0, e, 2 * e)?;
+            let kv = linear(key, &wkv, bias(e, 2 * e)?.as_ref(), MHA, "key", be)?;
             Projected { q, k: kv.narrow(2, 0, e)?, v: kv.narrow(2, e, e)?, packed: None }
         }
         InProj::Packed(w) => Projected {
-            q: linear(query, &w.narrow(0, 0, e)?, bias(0)?.as_ref(), MHA, "query", call.backend)?,
-            k: linear(key, &w.narrow(0, e, e)?, bias(1)?.as_ref(), MHA, "key", call.backend)?,
-            v: linear(
-                value,
-                &w.narrow(0, 2 * e, e)?,
-                bias(2)?.as_ref(),
-                MHA,
-                "value",
-                call.backend,
-            )?,
+            q: linear(query, &w.narrow(0, 0, e)?, bias(0, e)?.as_ref(), MHA, "query", be)?,
+            k: linear(key, &w.narrow(0, e, e)?, bias(e, e)?.as_ref(), MHA, "key", be)?,
+            v: linear(value, &w.narrow(0, 2 * e, e)?, bias(2 * e, e)?.as_ref(), MHA, "value", be)?,
             packed: None,
         },
         InProj::Separate { q: wq, k: wk, v: wv } => Projected {
-            q: linear(query, wq, bias(0)?.as_ref(), MHA, "query", call.backend)?,
-            k: linear(key, wk, bias(1)?.as_ref(), MHA, "key", call.backend)?,
-            v: linear(value, wv, bias(2)?.as_ref(), MHA, "value", call.backend)?,
+            q: linear(query, wq, bias(0, e)?.as_ref(), MHA, "query", be)?,
+            k: linear(key, wk, bias(e, kv)?.as_ref(), MHA, "key", be)?,
+            v: linear(value, wv, bias(e + kv, kv)?.as_ref(), MHA, "value", be)?,
             packed: None,
         },
     };

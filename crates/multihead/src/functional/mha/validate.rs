@@ -30,6 +30,11 @@ pub(crate) struct MhaCall<'a> {
     pub h: usize,
     pub hd: usize,
     pub s: usize,
+    /// Key/value heads (grouped-query attention; `h` without grouping) and their width `hk·hd`.
+    pub hk: usize,
+    pub kv_e: usize,
+    /// `static_k` and `static_v`, `(N·hk, S, hd)`, which replace the key/value projections.
+    pub static_kv: Option<(Tensor, Tensor)>,
     /// The additive key padding mask `(N, S)`.
     pub kpm: Option<Tensor>,
     /// The additive attention mask, `(1, L, S)` or `(N·H, L, S)`.
@@ -163,6 +168,27 @@ fn check_config(params: &MhaParams, inputs: [(&'static str, &Tensor); 3]) -> Res
             msg: format!("embed_dim {e} must be divisible by num_heads {h}"),
         });
     }
+    let k = params.num_kv_heads.unwrap_or(h);
+    if k == 0 || !h.is_multiple_of(k) {
+        return Err(Error::Config {
+            op: MHA,
+            arg: "num_kv_heads",
+            msg: format!(
+                "num_kv_heads must be greater than 0 and divide num_heads, got num_kv_heads={k} and \
+                 num_heads={h}; use a divisor of num_heads (1 is multi-query attention)"
+            ),
+        });
+    }
+    if k != h && matches!(params.in_proj, InProj::Packed(_)) {
+        return Err(Error::Config {
+            op: MHA,
+            arg: "in_proj_weight",
+            msg: format!(
+                "grouped-query attention (num_kv_heads={k} < num_heads={h}) needs separate \
+                 q/k/v projection weights, not the packed in_proj_weight"
+            ),
+        });
+    }
     super::super::core::check_dropout(params.dropout_p, MHA)?;
     let dtype = params.out_proj_weight.dtype();
     if !dtype.is_float() {
@@ -208,7 +234,7 @@ fn check_config(params: &MhaParams, inputs: [(&'static str, &Tensor); 3]) -> Res
 /// The in-projection weights against the input feature sizes.
 fn check_in_proj(
     params: &MhaParams,
-    (e, kf, vf): (usize, usize, usize),
+    (e, kv, kf, vf): (usize, usize, usize, usize),
     key: &Tensor,
     value: &Tensor,
     kv_lead: ((usize, usize), (usize, usize)),
@@ -253,8 +279,8 @@ fn check_in_proj(
             // PyTorch's wording: the weights are checked against the inputs' feature sizes.
             for (arg, input, w, want) in [
                 ("query", "query", q, [e, e]),
-                ("key", "key", k, [e, kf]),
-                ("value", "value", v, [e, vf]),
+                ("key", "key", k, [kv, kf]),
+                ("value", "value", v, [kv, vf]),
             ] {
                 if w.dims() != want {
                     return Err(shape_err(
@@ -270,7 +296,7 @@ fn check_in_proj(
         }
     }
     if let Some(b) = params.in_proj_bias {
-        expect_param("in_proj_bias", b, &[3 * e], dtype)?;
+        expect_param("in_proj_bias", b, &[e + 2 * kv], dtype)?;
     }
     expect_param("out_proj_weight", params.out_proj_weight, &[e, e], dtype)?;
     if let Some(b) = params.out_proj_bias {
@@ -279,13 +305,13 @@ fn check_in_proj(
     match (params.bias_k, params.bias_v) {
         (Some(bk), Some(bv)) => {
             for (arg, b) in [("bias_k", bk), ("bias_v", bv)] {
-                if !(b.dims() == [1, 1, e] || b.dims() == [e]) {
+                if !(b.dims() == [1, 1, kv] || b.dims() == [kv]) {
                     return Err(shape_err(
                         arg,
                         format!(
                             "expected shape {} or {}, got {}",
-                            fmt_shape(&[1, 1, e]),
-                            fmt_shape(&[e]),
+                            fmt_shape(&[1, 1, kv]),
+                            fmt_shape(&[kv]),
                             fmt_shape(b.dims())
                         ),
                     ));
@@ -306,6 +332,63 @@ fn check_in_proj(
         }
     }
     Ok(())
+}
+
+/// Checks `static_k`/`static_v`: both or neither, `(N·hk, S, hd)` each with the same `S`, the
+/// parameter dtype and device, and no `bias_k` (PyTorch: "bias cannot be added to static key").
+fn check_static(
+    opts: &MhaOptions,
+    params: &MhaParams,
+    (n, hk, hd): (usize, usize, usize),
+    dtype: DType,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let (k, v) = match (&opts.static_k, &opts.static_v) {
+        (None, None) => return Ok(None),
+        (Some(k), Some(v)) => (k, v),
+        (k, _) => {
+            let (given, missing) =
+                if k.is_some() { ("static_k", "static_v") } else { ("static_v", "static_k") };
+            return Err(Error::Config {
+                op: MHA,
+                arg: given,
+                msg: format!("static_k and static_v must both be given or both be None, got {given} without {missing}"),
+            });
+        }
+    };
+    if params.bias_k.is_some() {
+        return Err(Error::Config {
+            op: MHA,
+            arg: "static_k",
+            msg: "bias cannot be added to static key: use static_k/static_v without bias_k/bias_v"
+                .into(),
+        });
+    }
+    let s = if k.rank() == 3 { k.dim(1)? } else { 0 };
+    let device = params.out_proj_weight.device();
+    for (arg, t) in [("static_k", k), ("static_v", v)] {
+        let want = [n.saturating_mul(hk), s, hd];
+        if t.dims() != want {
+            return Err(shape_err(
+                arg,
+                format!(
+                    "expected shape {} (N·num_kv_heads, S, head_dim), got {}",
+                    fmt_shape(&want),
+                    fmt_shape(t.dims())
+                ),
+            ));
+        }
+        if t.dtype() != dtype {
+            return Err(dtype_err(arg, t.dtype(), dtype));
+        }
+        if !t.device().same_device(device) {
+            return Err(Error::Config {
+                op: MHA,
+                arg,
+                msg: format!("{arg} is on {:?} but the parameters are on {device:?}; move it with .to_device()", t.device()),
+            });
+        }
+    }
+    Ok(Some((k.clone(), v.clone())))
 }
 
 /// Converts and checks the masks against `(N, L, S, H)`.
@@ -402,7 +485,11 @@ pub(crate) fn validate<'a>(
             ),
         ));
     }
-    check_in_proj(params, (e, kf, vf), &key, &value, ((s, nk), (sv, nv)), dtype)?;
+    let h = params.num_heads;
+    let hd = e / h;
+    let hk = params.num_kv_heads.unwrap_or(h);
+    let kv_e = hk * hd;
+    check_in_proj(params, (e, kv_e, kf, vf), &key, &value, ((s, nk), (sv, nv)), dtype)?;
     if nk != n {
         return Err(shape_err(
             "key",
@@ -413,7 +500,8 @@ pub(crate) fn validate<'a>(
             ),
         ));
     }
-    let h = params.num_heads;
+    let static_kv = check_static(opts, params, (n, hk, hd), dtype)?;
+    let s = static_kv.as_ref().map_or(Ok(s), |(k, _)| k.dim(1))?;
     let (kpm, attn_mask) = convert_masks(opts, unbatched, (n, l, s, h), dtype)?;
     // The is_causal hint (docs/pytorch-behaviour.md §4).
     let (attn_mask, causal) = if opts.is_causal && kpm.is_none() && !opts.need_weights {
@@ -434,8 +522,11 @@ pub(crate) fn validate<'a>(
         n,
         e,
         h,
-        hd: e / h,
+        hd,
         s,
+        hk,
+        kv_e,
+        static_kv,
         kpm,
         attn_mask,
         causal,

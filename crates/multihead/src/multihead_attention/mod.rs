@@ -1,5 +1,9 @@
 //! `torch.nn.MultiheadAttention`.
 
+mod incremental;
+
+pub use incremental::StaticKv;
+
 use candle_core::{DType, Tensor};
 use candle_nn::{Init, VarBuilder};
 
@@ -48,6 +52,11 @@ pub struct MhaConfig {
     pub vdim: Option<usize>,
     /// `batch_first`: batched input is `(N, L, E)` instead of `(L, N, E)`. Default `false`.
     pub batch_first: bool,
+    /// Key/value heads for grouped-query (or, with 1, multi-query) attention; `None` means
+    /// `num_heads`, PyTorch's layer. Must be > 0 and divide `num_heads`; query head `h` reads
+    /// key/value head `h / (num_heads / num_kv_heads)`, as `F.scaled_dot_product_attention(...,
+    /// enable_gqa=True)` does. An extension: PyTorch's `MultiheadAttention` has no such argument.
+    pub num_kv_heads: Option<usize>,
 }
 
 impl MhaConfig {
@@ -63,6 +72,7 @@ impl MhaConfig {
             kdim: None,
             vdim: None,
             batch_first: false,
+            num_kv_heads: None,
         }
     }
     /// Sets `dropout`.
@@ -100,6 +110,25 @@ impl MhaConfig {
         self.batch_first = v;
         self
     }
+    /// Sets `num_kv_heads` (grouped-query attention; see the field).
+    ///
+    /// ```
+    /// use multihead::MhaConfig;
+    /// let cfg = MhaConfig::new(512, 8).with_num_kv_heads(2);
+    /// assert_eq!((cfg.kv_heads(), cfg.kv_dim()), (2, 128));
+    /// ```
+    pub fn with_num_kv_heads(mut self, k: usize) -> Self {
+        self.num_kv_heads = Some(k);
+        self
+    }
+    /// `num_kv_heads`, or `num_heads` when unset.
+    pub fn kv_heads(&self) -> usize {
+        self.num_kv_heads.unwrap_or(self.num_heads)
+    }
+    /// The projected key/value width, `kv_heads · head_dim` (`embed_dim` without grouping).
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads().saturating_mul(self.head_dim())
+    }
     /// `kdim`, or `embed_dim` when unset.
     pub fn kdim(&self) -> usize {
         self.kdim.unwrap_or(self.embed_dim)
@@ -112,9 +141,12 @@ impl MhaConfig {
     pub fn head_dim(&self) -> usize {
         self.embed_dim.checked_div(self.num_heads).unwrap_or(0)
     }
-    /// PyTorch's `_qkv_same_embed_dim`: the in-projection is packed into `in_proj_weight`.
+    /// PyTorch's `_qkv_same_embed_dim`: the in-projection is packed into `in_proj_weight`
+    /// (never with grouped-query attention, whose key/value projections are narrower).
     pub fn packed(&self) -> bool {
-        self.kdim() == self.embed_dim && self.vdim() == self.embed_dim
+        self.kdim() == self.embed_dim
+            && self.vdim() == self.embed_dim
+            && self.kv_heads() == self.num_heads
     }
     /// Checks the constructor's rules: positive sizes, divisibility, dropout in `[0, 1)`.
     pub fn validate(&self) -> Result<()> {
@@ -143,6 +175,17 @@ impl MhaConfig {
                     "kdim and vdim must be greater than 0, got kdim={} and vdim={}",
                     self.kdim(),
                     self.vdim()
+                ),
+            });
+        }
+        let k = self.kv_heads();
+        if k == 0 || !h.is_multiple_of(k) {
+            return Err(Error::Config {
+                op: OP,
+                arg: "num_kv_heads",
+                msg: format!(
+                    "num_kv_heads must be greater than 0 and divide num_heads, got num_kv_heads={k} \
+                     and num_heads={h}; use a divisor of num_heads (1 is multi-query attention)"
                 ),
             });
         }
@@ -186,6 +229,15 @@ impl MhaConfig {
 /// `q_proj_weight`/`k_proj_weight`/`v_proj_weight` when `kdim`/`vdim` differ from E;
 /// `in_proj_bias`, `bias_k`, `bias_v`, `out_proj.weight`, `out_proj.bias`), so a PyTorch
 /// state_dict saved as safetensors loads unchanged.
+///
+/// With grouped-query attention ([`MhaConfig::with_num_kv_heads`], `K` kv heads of
+/// `D = E/H`), the keys stay PyTorch's separate ones with narrower key/value rows:
+/// `q_proj_weight` `(E, E)`, `k_proj_weight` `(K·D, kdim)`, `v_proj_weight` `(K·D, vdim)`,
+/// `in_proj_bias` `(E + 2·K·D,)` (q, then k, then v), `bias_k`/`bias_v` `(1, 1, K·D)`.
+///
+/// For generation, [`forward_cached`](Self::forward_cached) attends new tokens over a
+/// [`KvCache`](crate::KvCache) and [`static_kv`](Self::static_kv) projects a cross-attention
+/// memory once.
 ///
 /// Like a PyTorch module, it starts in **training mode** (which only matters when `dropout > 0`);
 /// call [`eval`](Self::eval) for inference.
@@ -255,6 +307,7 @@ impl MultiheadAttention {
             Init::Uniform { lo: -bound, up: bound }
         };
         let zero = Init::Const(0.0);
+        let kv = cfg.kv_dim();
         let (in_proj_weight, q, k, v) = if cfg.packed() {
             (
                 Some(get_param(&vb, &[3 * e, e], "in_proj_weight", xavier(3 * e, e))?),
@@ -267,17 +320,20 @@ impl MultiheadAttention {
             (
                 None,
                 Some(get_param(&vb, &[e, e], "q_proj_weight", xavier(e, e))?),
-                Some(get_param(&vb, &[e, kd], "k_proj_weight", xavier(e, kd))?),
-                Some(get_param(&vb, &[e, vd], "v_proj_weight", xavier(e, vd))?),
+                Some(get_param(&vb, &[kv, kd], "k_proj_weight", xavier(kv, kd))?),
+                Some(get_param(&vb, &[kv, vd], "v_proj_weight", xavier(kv, vd))?),
             )
         };
-        let in_proj_bias =
-            if cfg.bias { Some(get_param(&vb, &[3 * e], "in_proj_bias", zero)?) } else { None };
+        let in_proj_bias = if cfg.bias {
+            Some(get_param(&vb, &[e + 2 * kv], "in_proj_bias", zero)?)
+        } else {
+            None
+        };
         let (bias_k, bias_v) = if cfg.add_bias_kv {
             let init = Init::Randn { mean: 0.0, stdev: 1.0 / (e as f64).sqrt() };
             (
-                Some(get_param(&vb, &[1, 1, e], "bias_k", init)?),
-                Some(get_param(&vb, &[1, 1, e], "bias_v", init)?),
+                Some(get_param(&vb, &[1, 1, kv], "bias_k", init)?),
+                Some(get_param(&vb, &[1, 1, kv], "bias_v", init)?),
             )
         } else {
             (None, None)
@@ -350,6 +406,7 @@ impl MultiheadAttention {
         Ok(MhaParams {
             embed_dim_to_check: self.cfg.embed_dim,
             num_heads: self.cfg.num_heads,
+            num_kv_heads: self.cfg.num_kv_heads,
             in_proj,
             in_proj_bias: self.in_proj_bias.as_ref(),
             bias_k: self.bias_k.as_ref(),

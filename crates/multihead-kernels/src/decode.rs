@@ -1,0 +1,600 @@
+//! Attention of a few new query rows over a long key/value cache (incremental decoding,
+//! "flash-decoding"): the keys are split into fixed chunks of [`KEY_CHUNK`], each
+//! `(batch, kv head, row block, chunk)` is one parallel task that computes a partial softmax,
+//! and the partials are combined in chunk order.
+//!
+//! # Semantics
+//!
+//! The cache holds `kv_len[b]` keys and values of batch entry `b` (slots `0..kv_len[b]` of a
+//! `[batch, heads_kv, capacity, d]` view). Query row `t` of entry `b` sees keys `0..vis(b, t)`:
+//!
+//! * `vis = 0` when `t >= q_len[b]` (a padding row: its output is zero);
+//! * `vis = min(q_pos[b] + t + 1, kv_len[b])` when `causal` (row `t` sits at position
+//!   `q_pos[b] + t` and sees itself and everything before it);
+//! * `vis = kv_len[b]` otherwise.
+//!
+//! `out[b,h,t,:] = Σ_j softmax_j(scale · q[b,h,t,:]·k[b,hk,j,:]) v[b,hk,j,:]` over the visible
+//! keys, with `hk = h / (heads_q / heads_kv)` (grouped-query attention: the query heads of
+//! one kv head share one pass over its keys). A row with no visible key is zero. Keys a row
+//! cannot see are never read, so whatever the cache holds past `kv_len` does not matter.
+//!
+//! # Determinism
+//!
+//! The chunking depends only on the sizes, never on the thread count, and every row combines
+//! its chunks in order, so results are bitwise identical for any number of threads. A row's
+//! result does not depend on the other rows of the call either: decoding tokens one at a time
+//! or all at once (causal) gives the same bits.
+//!
+//! # Example
+//!
+//! ```
+//! use multihead_kernels::attention::Layout4;
+//! use multihead_kernels::decode::{decode_attention, DecodeDims, DecodeParams};
+//!
+//! // One new token per sequence, 2 sequences, 4 query heads sharing 2 kv heads, a cache of 10.
+//! let dims = DecodeDims { batch: 2, heads_q: 4, heads_kv: 2, rows: 1, capacity: 10, d: 8, dv: 8 };
+//! let q = vec![0.1f32; 2 * 4 * 8];
+//! let kv = vec![0.5f32; 2 * 2 * 10 * 8];
+//! let (kv_len, q_pos, q_len) = ([3, 10], [2, 9], [1, 1]);
+//! let p = DecodeParams { dims, scale: 0.35, causal: true, kv_len: &kv_len, q_pos: &q_pos, q_len: &q_len };
+//! let mut out = vec![0f32; 2 * 4 * 8];
+//! let (ql, cl) = (Layout4::contiguous(4, 1, 8), Layout4::contiguous(2, 10, 8));
+//! decode_attention(&p, &q, ql, &kv, cl, &kv, cl, &mut out, ql)?;
+//! assert!(out.iter().all(|&x| (x - 0.5).abs() < 1e-6));
+//! # Ok::<(), multihead_kernels::attention::KernelError>(())
+//! ```
+
+use crate::attention::exec::{par_run, round16, Carver, ConstPtr, SyncPtr, Task};
+use crate::attention::simd::Simd;
+use crate::attention::{check_tensor, simd_level, KernelError, Layout4};
+
+/// Keys per chunk (one task's share of a row's keys).
+pub const KEY_CHUNK: usize = 256;
+/// Query rows (new tokens × query heads of one kv head) one task handles together.
+pub const ROW_BLOCK: usize = 8;
+/// Above this many floats of partial results, each row block runs its chunks in one task
+/// (same arithmetic, same bits; long prefills have enough row blocks to fill the threads).
+const MAX_PARTIAL_FLOATS: usize = 1 << 24;
+
+/// Sizes of a decode call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DecodeDims {
+    /// Batch size.
+    pub batch: usize,
+    /// Query heads.
+    pub heads_q: usize,
+    /// Key/value heads; must divide `heads_q`.
+    pub heads_kv: usize,
+    /// New query rows per batch entry (`T`).
+    pub rows: usize,
+    /// Cache slots per `(batch, kv head)`.
+    pub capacity: usize,
+    /// Query/key head dimension.
+    pub d: usize,
+    /// Value head dimension.
+    pub dv: usize,
+}
+
+/// Everything but the tensors.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeParams<'a> {
+    /// Sizes.
+    pub dims: DecodeDims,
+    /// Multiplies `q·k`.
+    pub scale: f32,
+    /// Row `t` sees only keys up to its own position `q_pos[b] + t`.
+    pub causal: bool,
+    /// Keys in the cache per batch entry (at most `capacity`).
+    pub kv_len: &'a [usize],
+    /// The position of row 0 per batch entry (used when `causal`).
+    pub q_pos: &'a [usize],
+    /// Valid rows per batch entry; rows from `q_len[b]` on are padding and give zeros.
+    pub q_len: &'a [usize],
+}
+
+impl DecodeParams<'_> {
+    /// Keys row `t` of batch entry `b` sees.
+    #[inline]
+    pub fn visible(&self, b: usize, t: usize) -> usize {
+        if t >= self.q_len[b] {
+            0
+        } else if self.causal {
+            self.q_pos[b].saturating_add(t + 1).min(self.kv_len[b])
+        } else {
+            self.kv_len[b]
+        }
+    }
+}
+
+fn invalid(name: &'static str, msg: String) -> KernelError {
+    KernelError::InvalidArgument { name, msg }
+}
+
+fn check_params(p: &DecodeParams) -> Result<(), KernelError> {
+    let d = p.dims;
+    if d.heads_kv == 0 || !d.heads_q.is_multiple_of(d.heads_kv) {
+        return Err(KernelError::InvalidHeads { heads_q: d.heads_q, heads_kv: d.heads_kv });
+    }
+    for (name, xs) in [("kv_len", p.kv_len), ("q_pos", p.q_pos), ("q_len", p.q_len)] {
+        if xs.len() != d.batch {
+            return Err(invalid(
+                name,
+                format!("has {} entries for a batch of {}", xs.len(), d.batch),
+            ));
+        }
+    }
+    if let Some((b, &n)) = p.kv_len.iter().enumerate().find(|(_, &n)| n > d.capacity) {
+        return Err(invalid(
+            "kv_len",
+            format!("entry {b} holds {n} keys but the cache has {} slots", d.capacity),
+        ));
+    }
+    Ok(())
+}
+
+/// Attention of `rows` new query rows per batch entry over the cache (see the module docs).
+///
+/// `q` and `out` are `[batch, heads_q, rows, d]` / `[.., dv]` views, `k` and `v`
+/// `[batch, heads_kv, capacity, d]` / `[.., dv]` views, all with a contiguous last dimension.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention(
+    p: &DecodeParams,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    v: &[f32],
+    vl: Layout4,
+    out: &mut [f32],
+    ol: Layout4,
+) -> Result<(), KernelError> {
+    decode_impl(p, (q, ql), (k, kl), (v, vl), (out, ol), false)
+}
+
+/// [`decode_attention`], optionally forced into the sequential mode.
+pub(crate) fn decode_impl(
+    p: &DecodeParams,
+    (q, ql): (&[f32], Layout4),
+    (k, kl): (&[f32], Layout4),
+    (v, vl): (&[f32], Layout4),
+    (out, ol): (&mut [f32], Layout4),
+    sequential: bool,
+) -> Result<(), KernelError> {
+    check_params(p)?;
+    let d = p.dims;
+    check_tensor("q", q.len(), [d.batch, d.heads_q, d.rows, d.d], ql, false)?;
+    check_tensor("k", k.len(), [d.batch, d.heads_kv, d.capacity, d.d], kl, false)?;
+    check_tensor("v", v.len(), [d.batch, d.heads_kv, d.capacity, d.dv], vl, false)?;
+    check_tensor("out", out.len(), [d.batch, d.heads_q, d.rows, d.dv], ol, true)?;
+    if d.batch == 0 || d.heads_q == 0 || d.rows == 0 || d.dv == 0 {
+        return Ok(());
+    }
+    let group = d.heads_q / d.heads_kv;
+    let blocks = (d.rows * group).div_ceil(ROW_BLOCK);
+    let max_kv = p.kv_len.iter().copied().max().unwrap_or(0);
+    let chunks = max_kv.div_ceil(KEY_CHUNK).max(1);
+    let base = Base {
+        p: *p,
+        group,
+        blocks,
+        chunks,
+        q: ConstPtr(q.as_ptr()),
+        ql,
+        k: ConstPtr(k.as_ptr()),
+        kl,
+        v: ConstPtr(v.as_ptr()),
+        vl,
+        out: SyncPtr(out.as_mut_ptr()),
+        ol,
+    };
+    run(&base, sequential)
+}
+
+/// Runs the tasks, split across chunks unless the partials would be too large or
+/// `sequential` is asked for (the tests compare the two modes bit for bit).
+fn run(base: &Base, sequential: bool) -> Result<(), KernelError> {
+    let d = base.p.dims;
+    let units = d.batch * d.heads_kv * base.blocks;
+    let partial_floats = units
+        .checked_mul(base.chunks)
+        .and_then(|n| n.checked_mul(ROW_BLOCK * (d.dv + 2)))
+        .filter(|&n| n <= MAX_PARTIAL_FLOATS && !sequential);
+    match partial_floats {
+        Some(n) => {
+            let mut partials = Vec::new();
+            partials
+                .try_reserve_exact(n)
+                .map_err(|_| invalid("partials", format!("cannot allocate {n} floats")))?;
+            partials.resize(n, 0.0);
+            let parts = SyncPtr(partials.as_mut_ptr());
+            par_run(simd_level(), &PartialTask { base, parts });
+            par_run(simd_level(), &CombineTask { base, parts: ConstPtr(parts.0) });
+        }
+        None => par_run(simd_level(), &SequentialTask { base }),
+    }
+    Ok(())
+}
+
+/// The arguments every task reads.
+struct Base<'a> {
+    p: DecodeParams<'a>,
+    group: usize,
+    blocks: usize,
+    chunks: usize,
+    q: ConstPtr<f32>,
+    ql: Layout4,
+    k: ConstPtr<f32>,
+    kl: Layout4,
+    v: ConstPtr<f32>,
+    vl: Layout4,
+    out: SyncPtr<f32>,
+    ol: Layout4,
+}
+
+/// One row of a block: its query head, its row index and how many keys it sees.
+#[derive(Clone, Copy)]
+struct Row {
+    h: usize,
+    t: usize,
+    vis: usize,
+}
+
+impl Base<'_> {
+    /// Floats per row of a partial result: max, sum, then `dv` accumulators.
+    fn stride(&self) -> usize {
+        self.p.dims.dv + 2
+    }
+
+    /// Splits a unit index into `(b, kv head, block)` and lists the block's rows.
+    fn rows(&self, unit: usize) -> (usize, usize, [Option<Row>; ROW_BLOCK]) {
+        let d = self.p.dims;
+        let blk = unit % self.blocks;
+        let hk = (unit / self.blocks) % d.heads_kv;
+        let b = unit / (self.blocks * d.heads_kv);
+        let mut rows = [None; ROW_BLOCK];
+        for (i, slot) in rows.iter_mut().enumerate() {
+            let r = blk * ROW_BLOCK + i;
+            if r < d.rows * self.group {
+                let (t, g) = (r / self.group, r % self.group);
+                *slot = Some(Row { h: hk * self.group + g, t, vis: self.p.visible(b, t) });
+            }
+        }
+        (b, hk, rows)
+    }
+
+    /// The partial softmax of `row` over keys `c·KEY_CHUNK ..` of chunk `c`, into `part`
+    /// (`[max, sum, acc; dv]`). `buf` holds `round16(d) + round16(KEY_CHUNK)` floats.
+    ///
+    /// # Safety
+    /// `S`'s instruction set is available; the layouts were checked by the entry point.
+    #[inline(always)]
+    unsafe fn chunk_partial<S: Simd>(
+        &self,
+        (b, hk): (usize, usize),
+        row: Row,
+        c: usize,
+        part: &mut [f32],
+        buf: &mut [f32],
+    ) {
+        let d = self.p.dims;
+        let start = c * KEY_CHUNK;
+        let n = row.vis.min(start + KEY_CHUNK).saturating_sub(start);
+        part[0] = f32::NEG_INFINITY;
+        part[1] = 0.0;
+        part[2..].fill(0.0);
+        if n == 0 {
+            return;
+        }
+        let mut carve = Carver::new(buf);
+        let qs = carve.take(d.d);
+        let scores = carve.take(n);
+        // SAFETY: every pointer below addresses an element of a checked `[b, h, i, :]` row:
+        // `b < batch`, `h < heads`, `i < rows` or `i < kv_len[b] <= capacity`.
+        unsafe {
+            let qr = self.q.0.add(self.ql.offset(b, row.h, row.t));
+            for (j, x) in qs.iter_mut().enumerate() {
+                *x = *qr.add(j) * self.p.scale;
+            }
+            let mut m = f32::NEG_INFINITY;
+            for (j, s) in scores.iter_mut().enumerate() {
+                *s = dot::<S>(qs.as_ptr(), self.k.0.add(self.kl.offset(b, hk, start + j)), d.d);
+                m = m.max(*s);
+            }
+            let sum = exp_sum::<S>(scores, m);
+            part[0] = m;
+            part[1] = sum;
+            let acc = &mut part[2..];
+            for (j, &pj) in scores.iter().enumerate() {
+                axpy::<S>(pj, self.v.0.add(self.vl.offset(b, hk, start + j)), acc);
+            }
+        }
+    }
+
+    /// Writes row `row`'s output from its combined state.
+    ///
+    /// # Safety
+    /// As for [`chunk_partial`](Self::chunk_partial); only this task writes the row.
+    #[inline(always)]
+    unsafe fn finish<S: Simd>(&self, b: usize, row: Row, state: &[f32]) {
+        let dv = self.p.dims.dv;
+        let l = state[1];
+        // SAFETY: the row `(b, h, t)` of `out` was checked by the entry point.
+        unsafe {
+            let o = self.out.0.add(self.ol.offset(b, row.h, row.t));
+            if l == 0.0 {
+                std::ptr::write_bytes(o, 0, dv);
+            } else {
+                map_div::<S>(&state[2..], l, o);
+            }
+        }
+    }
+}
+
+/// `state ← state ⊕ part`: the online-softmax merge, in one fixed order of operations.
+#[inline(always)]
+unsafe fn merge<S: Simd>(state: &mut [f32], part: &[f32]) {
+    let (mc, lc) = (part[0], part[1]);
+    if mc == f32::NEG_INFINITY && lc == 0.0 {
+        return; // nothing visible in this chunk
+    }
+    let m = state[0];
+    let mn = m.max(mc);
+    let a = if m == f32::NEG_INFINITY { 0.0 } else { (m - mn).exp() };
+    let bc = (mc - mn).exp();
+    state[0] = mn;
+    state[1] = state[1] * a + lc * bc;
+    // SAFETY: both slices have `dv + 2` floats (forwarded from the caller).
+    unsafe { scale_add::<S>(&mut state[2..], a, &part[2..], bc) };
+}
+
+/// `Σ_j a[j]·b[j]` over `n` floats.
+#[inline(always)]
+unsafe fn dot<S: Simd>(a: *const f32, b: *const f32, n: usize) -> f32 {
+    let l = S::LANES;
+    // SAFETY: the caller guarantees `n` readable floats at `a` and `b`.
+    unsafe {
+        let mut acc = S::splat(0.0);
+        let mut j = 0;
+        while j < n {
+            let mask = if j + l <= n { S::full_mask() } else { S::tail_mask(n - j) };
+            acc = S::fma(S::load_m(a.add(j), mask), S::load_m(b.add(j), mask), acc);
+            j += l;
+        }
+        S::reduce_add(acc)
+    }
+}
+
+/// `s ← exp(s − m)` in place; returns `Σ s`.
+#[inline(always)]
+unsafe fn exp_sum<S: Simd>(s: &mut [f32], m: f32) -> f32 {
+    let (l, n) = (S::LANES, s.len());
+    // SAFETY: masked loads and stores stay inside `s`.
+    unsafe {
+        let (mv, mut acc) = (S::splat(m), S::splat(0.0));
+        let p = s.as_mut_ptr();
+        let mut j = 0;
+        while j < n {
+            let mask = if j + l <= n { S::full_mask() } else { S::tail_mask(n - j) };
+            let e = S::exp(S::sub(S::load_m(p.add(j), mask), mv));
+            S::store_m(p.add(j), e, mask);
+            // Lanes past the tail were loaded as 0 and exp'd; keep them out of the sum.
+            acc = S::add(acc, S::load_m(p.add(j), mask));
+            j += l;
+        }
+        S::reduce_add(acc)
+    }
+}
+
+/// `acc ← acc + a·x` over `acc.len()` floats of `x`.
+#[inline(always)]
+unsafe fn axpy<S: Simd>(a: f32, x: *const f32, acc: &mut [f32]) {
+    let (l, n) = (S::LANES, acc.len());
+    // SAFETY: `x` has `acc.len()` readable floats (caller); masked accesses stay in bounds.
+    unsafe {
+        let av = S::splat(a);
+        let p = acc.as_mut_ptr();
+        let mut j = 0;
+        while j < n {
+            let mask = if j + l <= n { S::full_mask() } else { S::tail_mask(n - j) };
+            let y = S::fma(av, S::load_m(x.add(j), mask), S::load_m(p.add(j), mask));
+            S::store_m(p.add(j), y, mask);
+            j += l;
+        }
+    }
+}
+
+/// `acc ← acc·a + x·b`.
+#[inline(always)]
+unsafe fn scale_add<S: Simd>(acc: &mut [f32], a: f32, x: &[f32], b: f32) {
+    let (l, n) = (S::LANES, acc.len());
+    // SAFETY: masked accesses stay inside both slices (same length).
+    unsafe {
+        let (av, bv) = (S::splat(a), S::splat(b));
+        let (p, xp) = (acc.as_mut_ptr(), x.as_ptr());
+        let mut j = 0;
+        while j < n {
+            let mask = if j + l <= n { S::full_mask() } else { S::tail_mask(n - j) };
+            let y = S::mul(S::load_m(p.add(j), mask), av);
+            let y = S::fma(S::load_m(xp.add(j), mask), bv, y);
+            S::store_m(p.add(j), y, mask);
+            j += l;
+        }
+    }
+}
+
+/// `o ← x / l`.
+#[inline(always)]
+unsafe fn map_div<S: Simd>(x: &[f32], l: f32, o: *mut f32) {
+    let (lanes, n) = (S::LANES, x.len());
+    // SAFETY: `o` has `x.len()` writable floats (caller); masked accesses stay in bounds.
+    unsafe {
+        let lv = S::splat(l);
+        let mut j = 0;
+        while j < n {
+            let mask = if j + lanes <= n { S::full_mask() } else { S::tail_mask(n - j) };
+            S::store_m(o.add(j), S::div(S::load_m(x.as_ptr().add(j), mask), lv), mask);
+            j += lanes;
+        }
+    }
+}
+
+fn chunk_scratch(d: usize) -> usize {
+    round16(d) + round16(KEY_CHUNK)
+}
+
+/// Split mode, pass 1: one task per `(unit, chunk)` writes its rows' partials.
+struct PartialTask<'a> {
+    base: &'a Base<'a>,
+    parts: SyncPtr<f32>,
+}
+
+impl Task for PartialTask<'_> {
+    fn count(&self) -> usize {
+        let d = self.base.p.dims;
+        d.batch * d.heads_kv * self.base.blocks * self.base.chunks
+    }
+    fn scratch_len(&self, _lanes: usize) -> usize {
+        chunk_scratch(self.base.p.dims.d)
+    }
+    unsafe fn run<S: Simd>(&self, task: usize, buf: &mut [f32]) {
+        let base = self.base;
+        let (unit, c) = (task / base.chunks, task % base.chunks);
+        let (b, hk, rows) = base.rows(unit);
+        let st = base.stride();
+        for (i, row) in rows.iter().enumerate() {
+            let Some(row) = *row else { continue };
+            let at = ((unit * base.chunks + c) * ROW_BLOCK + i) * st;
+            // SAFETY: `at..at + st` lies in the partial buffer, and only this task writes it.
+            let part = unsafe { std::slice::from_raw_parts_mut(self.parts.0.add(at), st) };
+            // SAFETY: forwarded from the entry point's checks.
+            unsafe { base.chunk_partial::<S>((b, hk), row, c, part, buf) };
+        }
+    }
+}
+
+/// Split mode, pass 2: one task per unit merges its rows' partials in chunk order.
+struct CombineTask<'a> {
+    base: &'a Base<'a>,
+    parts: ConstPtr<f32>,
+}
+
+impl Task for CombineTask<'_> {
+    fn count(&self) -> usize {
+        let d = self.base.p.dims;
+        d.batch * d.heads_kv * self.base.blocks
+    }
+    fn scratch_len(&self, _lanes: usize) -> usize {
+        round16(self.base.stride())
+    }
+    unsafe fn run<S: Simd>(&self, unit: usize, buf: &mut [f32]) {
+        let base = self.base;
+        let (b, _, rows) = base.rows(unit);
+        let st = base.stride();
+        let state = &mut buf[..st];
+        for (i, row) in rows.iter().enumerate() {
+            let Some(row) = *row else { continue };
+            state[0] = f32::NEG_INFINITY;
+            state[1..].fill(0.0);
+            for c in 0..base.chunks {
+                let at = ((unit * base.chunks + c) * ROW_BLOCK + i) * st;
+                // SAFETY: pass 1 wrote `at..at + st`; nothing writes it now.
+                let part = unsafe { std::slice::from_raw_parts(self.parts.0.add(at), st) };
+                // SAFETY: both slices have `st` floats.
+                unsafe { merge::<S>(state, part) };
+            }
+            // SAFETY: only this task writes the rows of `unit`.
+            unsafe { base.finish::<S>(b, row, state) };
+        }
+    }
+}
+
+/// Sequential mode: one task per unit computes and merges its chunks in order.
+struct SequentialTask<'a> {
+    base: &'a Base<'a>,
+}
+
+impl Task for SequentialTask<'_> {
+    fn count(&self) -> usize {
+        let d = self.base.p.dims;
+        d.batch * d.heads_kv * self.base.blocks
+    }
+    fn scratch_len(&self, _lanes: usize) -> usize {
+        2 * round16(self.base.stride()) + chunk_scratch(self.base.p.dims.d)
+    }
+    unsafe fn run<S: Simd>(&self, unit: usize, buf: &mut [f32]) {
+        let base = self.base;
+        let (b, hk, rows) = base.rows(unit);
+        let st = base.stride();
+        let mut carve = Carver::new(buf);
+        let state = carve.take(st);
+        let part = carve.take(st);
+        let rest = carve.take(chunk_scratch(base.p.dims.d));
+        for row in rows.iter().flatten() {
+            state[0] = f32::NEG_INFINITY;
+            state[1..].fill(0.0);
+            for c in 0..base.chunks {
+                // SAFETY: forwarded from the entry point's checks.
+                unsafe {
+                    base.chunk_partial::<S>((b, hk), *row, c, part, rest);
+                    merge::<S>(state, part);
+                }
+            }
+            // SAFETY: only this task writes the rows of `unit`.
+            unsafe { base.finish::<S>(b, *row, state) };
+        }
+    }
+}
+
+/// The reference twin of [`decode_attention`]: a plain two-pass softmax per row in f64.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_reference(
+    p: &DecodeParams,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    v: &[f32],
+    vl: Layout4,
+    out: &mut [f32],
+    ol: Layout4,
+) -> Result<(), KernelError> {
+    check_params(p)?;
+    let d = p.dims;
+    check_tensor("q", q.len(), [d.batch, d.heads_q, d.rows, d.d], ql, false)?;
+    check_tensor("k", k.len(), [d.batch, d.heads_kv, d.capacity, d.d], kl, false)?;
+    check_tensor("v", v.len(), [d.batch, d.heads_kv, d.capacity, d.dv], vl, false)?;
+    check_tensor("out", out.len(), [d.batch, d.heads_q, d.rows, d.dv], ol, true)?;
+    let group = (d.heads_q / d.heads_kv).max(1);
+    for b in 0..d.batch {
+        for h in 0..d.heads_q {
+            let hk = h / group;
+            for t in 0..d.rows {
+                let vis = p.visible(b, t);
+                let qr = &q[ql.offset(b, h, t)..][..d.d];
+                let scores: Vec<f64> = (0..vis)
+                    .map(|j| {
+                        let kr = &k[kl.offset(b, hk, j)..][..d.d];
+                        let s: f64 = qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                        s * p.scale as f64
+                    })
+                    .collect();
+                let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let sum: f64 = w.iter().sum();
+                let o = &mut out[ol.offset(b, h, t)..][..d.dv];
+                for (c, x) in o.iter_mut().enumerate() {
+                    let acc: f64 = w
+                        .iter()
+                        .enumerate()
+                        .map(|(j, wj)| wj * v[vl.offset(b, hk, j) + c] as f64)
+                        .sum();
+                    *x = if vis == 0 { 0.0 } else { (acc / sum) as f32 };
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,254 @@
+//! The decode kernel against its reference twin: every SIMD level, thread counts, modes.
+
+#![allow(clippy::unwrap_used)]
+
+use super::*;
+use crate::attention::{detected_simd_level, with_simd_level, SimdLevel};
+use crate::testutil::rand_vec;
+
+fn levels() -> Vec<SimdLevel> {
+    [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512]
+        .into_iter()
+        .filter(|&l| l <= detected_simd_level())
+        .collect()
+}
+
+/// One decode problem with its buffers (contiguous layouts).
+struct Case {
+    dims: DecodeDims,
+    causal: bool,
+    kv_len: Vec<usize>,
+    q_pos: Vec<usize>,
+    q_len: Vec<usize>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl Case {
+    fn new(dims: DecodeDims, causal: bool, kv_len: Vec<usize>, seed: u64) -> Self {
+        let d = dims;
+        let q_pos = kv_len.iter().map(|&n| n.saturating_sub(d.rows)).collect();
+        let q_len = kv_len.iter().map(|&n| n.min(d.rows)).collect();
+        Case {
+            dims,
+            causal,
+            kv_len,
+            q_pos,
+            q_len,
+            q: rand_vec(d.batch * d.heads_q * d.rows * d.d, seed),
+            k: rand_vec(d.batch * d.heads_kv * d.capacity * d.d, seed + 1),
+            v: rand_vec(d.batch * d.heads_kv * d.capacity * d.dv, seed + 2),
+        }
+    }
+    fn params(&self) -> DecodeParams<'_> {
+        DecodeParams {
+            dims: self.dims,
+            scale: 0.7 / (self.dims.d as f32).sqrt(),
+            causal: self.causal,
+            kv_len: &self.kv_len,
+            q_pos: &self.q_pos,
+            q_len: &self.q_len,
+        }
+    }
+    fn layouts(&self) -> [Layout4; 4] {
+        let d = self.dims;
+        [
+            Layout4::contiguous(d.heads_q, d.rows, d.d),
+            Layout4::contiguous(d.heads_kv, d.capacity, d.d),
+            Layout4::contiguous(d.heads_kv, d.capacity, d.dv),
+            Layout4::contiguous(d.heads_q, d.rows, d.dv),
+        ]
+    }
+    fn out_len(&self) -> usize {
+        let d = self.dims;
+        d.batch * d.heads_q * d.rows * d.dv
+    }
+    fn run(&self, sequential: bool) -> Vec<f32> {
+        let [ql, kl, vl, ol] = self.layouts();
+        let mut out = vec![f32::NAN; self.out_len()];
+        decode_impl(
+            &self.params(),
+            (&self.q, ql),
+            (&self.k, kl),
+            (&self.v, vl),
+            (&mut out, ol),
+            sequential,
+        )
+        .unwrap();
+        out
+    }
+    fn reference(&self) -> Vec<f32> {
+        let [ql, kl, vl, ol] = self.layouts();
+        let mut out = vec![f32::NAN; self.out_len()];
+        decode_reference(&self.params(), &self.q, ql, &self.k, kl, &self.v, vl, &mut out, ol)
+            .unwrap();
+        out
+    }
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn cases() -> Vec<Case> {
+    let mut out = Vec::new();
+    let mut seed = 1;
+    for (hq, hk) in [(4, 4), (6, 2), (3, 1)] {
+        for rows in [1, 3, 9] {
+            for (d, dv) in [(8, 8), (64, 64), (19, 33)] {
+                for causal in [false, true] {
+                    let dims = DecodeDims {
+                        batch: 3,
+                        heads_q: hq,
+                        heads_kv: hk,
+                        rows,
+                        capacity: 600,
+                        d,
+                        dv,
+                    };
+                    // Empty, tiny, at the chunk boundaries, and full.
+                    let kv =
+                        [[0, 1, 255], [256, 257, 600], [rows.min(600), 2, 513]][seed % 3].to_vec();
+                    out.push(Case::new(dims, causal, kv, seed as u64));
+                    seed += 1;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn decode_matches_the_reference_at_every_simd_level() {
+    for case in cases() {
+        let want = case.reference();
+        for level in levels() {
+            let got = with_simd_level(level, || case.run(false));
+            let err = max_diff(&got, &want);
+            assert!(
+                err <= 2e-6,
+                "{:?} causal={} {level:?}: max diff {err}",
+                case.dims,
+                case.causal
+            );
+        }
+    }
+}
+
+#[test]
+fn split_and_sequential_modes_and_thread_counts_give_the_same_bits() {
+    for case in cases().iter().step_by(5) {
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let want = one.install(|| case.run(false));
+        for threads in [2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            for sequential in [false, true] {
+                let got = pool.install(|| case.run(sequential));
+                let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{:?}: {threads} threads, sequential={sequential}", case.dims);
+            }
+        }
+    }
+}
+
+#[test]
+fn rows_decoded_one_at_a_time_equal_rows_decoded_together() {
+    // A causal prefill of 5 rows over a cache of 300 (positions 295..300) ...
+    let dims =
+        DecodeDims { batch: 2, heads_q: 4, heads_kv: 2, rows: 5, capacity: 300, d: 16, dv: 16 };
+    let all = Case::new(dims, true, vec![300, 300], 7);
+    let together = all.run(false);
+    // ... equals five single-row calls, each seeing the cache up to its own position.
+    let [ql, kl, vl, _] = all.layouts();
+    for t in 0..5 {
+        let one = DecodeDims { rows: 1, ..dims };
+        let q1: Vec<f32> = (0..2 * 4)
+            .flat_map(|bh| {
+                let (b, h) = (bh / 4, bh % 4);
+                all.q[ql.offset(b, h, t)..][..16].to_vec()
+            })
+            .collect();
+        let kv_len = vec![296 + t; 2];
+        let (q_pos, q_len) = (vec![295 + t; 2], vec![1; 2]);
+        let p = DecodeParams {
+            dims: one,
+            kv_len: &kv_len,
+            q_pos: &q_pos,
+            q_len: &q_len,
+            ..all.params()
+        };
+        let ol = Layout4::contiguous(4, 1, 16);
+        let mut out = vec![0f32; 2 * 4 * 16];
+        decode_attention(&p, &q1, ol, &all.k, kl, &all.v, vl, &mut out, ol).unwrap();
+        for bh in 0..8 {
+            let got = &out[bh * 16..][..16];
+            let want = &together[(bh * 5 + t) * 16..][..16];
+            let same = got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "row {t}, batch·head {bh}: {got:?} != {want:?}");
+        }
+    }
+}
+
+#[test]
+fn padding_rows_are_zero_and_keys_past_the_length_are_never_read() {
+    let dims = DecodeDims { batch: 2, heads_q: 2, heads_kv: 2, rows: 3, capacity: 40, d: 8, dv: 8 };
+    let mut case = Case::new(dims, true, vec![10, 30], 3);
+    case.q_len = vec![1, 3];
+    case.q_pos = vec![9, 27];
+    let clean = case.run(false);
+    // NaN past each entry's length changes nothing.
+    let kl = Layout4::contiguous(2, 40, 8);
+    for h in 0..2 {
+        for (b, n) in [(0, 10), (1, 30)] {
+            for j in n..40 {
+                case.k[kl.offset(b, h, j)] = f32::NAN;
+                case.v[kl.offset(b, h, j)] = f32::NAN;
+            }
+        }
+    }
+    let got = case.run(false);
+    assert!(got.iter().zip(&clean).all(|(a, b)| a.to_bits() == b.to_bits()));
+    // Rows 1 and 2 of entry 0 are padding.
+    let ol = Layout4::contiguous(2, 3, 8);
+    for h in 0..2 {
+        for t in 1..3 {
+            assert!(got[ol.offset(0, h, t)..][..8].iter().all(|&x| x == 0.0));
+        }
+    }
+    assert!(max_diff(&got, &case.reference()) <= 2e-6);
+}
+
+#[test]
+fn a_nan_key_in_view_makes_its_rows_nan() {
+    let dims =
+        DecodeDims { batch: 1, heads_q: 2, heads_kv: 1, rows: 1, capacity: 300, d: 8, dv: 8 };
+    let mut case = Case::new(dims, false, vec![300], 5);
+    case.k[270 * 8 + 3] = f32::NAN;
+    for level in levels() {
+        let got = with_simd_level(level, || case.run(false));
+        assert!(got.iter().all(|x| x.is_nan()), "{level:?}: {got:?}");
+    }
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    let dims = DecodeDims { batch: 2, heads_q: 4, heads_kv: 3, rows: 1, capacity: 8, d: 4, dv: 4 };
+    let case = Case::new(DecodeDims { heads_kv: 2, ..dims }, false, vec![8, 8], 1);
+    let [ql, kl, vl, ol] = case.layouts();
+    let mut out = vec![0f32; case.out_len()];
+    let mut call = |p: &DecodeParams, k: &[f32]| {
+        decode_attention(p, &case.q, ql, k, kl, &case.v, vl, &mut out, ol).unwrap_err()
+    };
+    let p = DecodeParams { dims, ..case.params() };
+    assert!(matches!(call(&p, &case.k), KernelError::InvalidHeads { .. }));
+    let long = [9, 8];
+    let p = DecodeParams { kv_len: &long, ..case.params() };
+    assert!(call(&p, &case.k).to_string().contains("holds 9 keys"));
+    let short = [8];
+    let p = DecodeParams { kv_len: &short, ..case.params() };
+    assert!(call(&p, &case.k).to_string().contains("1 entries for a batch of 2"));
+    let p = case.params();
+    assert!(matches!(call(&p, &case.k[1..]), KernelError::SliceTooShort { name: "k", .. }));
+}

@@ -1,0 +1,153 @@
+//! Incremental decoding inside candle: an in-place op that writes new keys/values into a
+//! [`KvCache`](crate::KvCache)'s preallocated storage, and the flash-decoding kernel of
+//! `multihead_kernels::decode` as a `CustomOp3` (inference only: it has no backward, and the
+//! cached forward runs without a graph).
+
+use candle_core::{CpuStorage, CustomOp3, InplaceOp2, Layout, Shape, WithDType};
+use multihead_kernels::attention::Layout4;
+use multihead_kernels::decode::{decode_attention, DecodeDims, DecodeParams};
+
+use super::cpu_f32;
+use super::flash::Convention;
+
+const APPEND: &str = "kv cache append";
+
+/// Copies new rows `(N, Hk, T, D)` (contiguous) into cache slots `(N, Hk, C, D)`: token `t` of
+/// batch entry `b` goes to slot `slots[b] + t` (modulo `C` in a ring), for `t < counts[b]`.
+pub(crate) struct Append {
+    pub slots: Vec<usize>,
+    pub counts: Vec<usize>,
+    pub ring: bool,
+}
+
+impl Append {
+    fn copy<T: WithDType>(
+        &self,
+        dst: &mut [T],
+        dl: &Layout,
+        src: &[T],
+        sl: &Layout,
+    ) -> candle_core::Result<()> {
+        let (&[n, hk, c, d], &[n2, hk2, t, d2]) = (dl.dims(), sl.dims()) else {
+            candle_core::bail!("{APPEND}: expected 4-D cache and rows");
+        };
+        let (Some((d0, d1)), Some((s0, s1))) = (dl.contiguous_offsets(), sl.contiguous_offsets())
+        else {
+            candle_core::bail!("{APPEND}: cache and rows must be contiguous");
+        };
+        if (n, hk, d) != (n2, hk2, d2) || self.slots.len() != n || self.counts.len() != n {
+            candle_core::bail!("{APPEND}: shapes {:?} and {:?} disagree", dl.dims(), sl.dims());
+        }
+        let (dst, src) = (&mut dst[d0..d1], &src[s0..s1]);
+        for b in 0..n {
+            if self.counts[b] > t || (!self.ring && self.slots[b] + self.counts[b] > c) {
+                candle_core::bail!("{APPEND}: row {b} does not fit");
+            }
+            for h in 0..hk {
+                for i in 0..self.counts[b] {
+                    let slot = if self.ring { (self.slots[b] + i) % c } else { self.slots[b] + i };
+                    let to = ((b * hk + h) * c + slot) * d;
+                    let from = ((b * hk + h) * t + i) * d;
+                    dst[to..to + d].copy_from_slice(&src[from..from + d]);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl InplaceOp2 for Append {
+    fn name(&self) -> &'static str {
+        APPEND
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        match (s1, s2) {
+            (CpuStorage::F32(d), CpuStorage::F32(s)) => self.copy(d, l1, s, l2),
+            (CpuStorage::F64(d), CpuStorage::F64(s)) => self.copy(d, l1, s, l2),
+            (CpuStorage::BF16(d), CpuStorage::BF16(s)) => self.copy(d, l1, s, l2),
+            (CpuStorage::F16(d), CpuStorage::F16(s)) => self.copy(d, l1, s, l2),
+            _ => candle_core::bail!("{APPEND}: cache and rows must share a float dtype"),
+        }
+    }
+}
+
+/// Attention of the new queries over the cache (see `multihead_kernels::decode`).
+pub(crate) struct DecodeOp {
+    pub heads: usize,
+    pub heads_kv: usize,
+    pub head_dim: usize,
+    pub batch_first: bool,
+    pub causal: bool,
+    pub kv_len: Vec<usize>,
+    pub q_pos: Vec<usize>,
+    pub q_len: Vec<usize>,
+}
+
+impl CustomOp3 for DecodeOp {
+    fn name(&self) -> &'static str {
+        "decode attention"
+    }
+
+    /// `q` is `(T, N, H·D)` (`(N, T, H·D)` with `batch_first`), `k`/`v` the cache
+    /// `(N, Hk, C, D)`; the output is laid out like `q`.
+    fn cpu_fwd(
+        &self,
+        qs: &CpuStorage,
+        ql: &Layout,
+        ks: &CpuStorage,
+        kl: &Layout,
+        vs: &CpuStorage,
+        vl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let name = self.name();
+        let (q, k, v) = (cpu_f32(qs, name)?, cpu_f32(ks, name)?, cpu_f32(vs, name)?);
+        let conv = Convention::SeqFirst {
+            heads: self.heads,
+            head_dim: self.head_dim,
+            batch_first: self.batch_first,
+        };
+        let (q0, q4) = conv.layout4(ql)?;
+        let cache4 = |l: &Layout| -> candle_core::Result<(usize, Layout4, usize)> {
+            let (&[_, hk, c, d], Some((o, _))) = (l.dims(), l.contiguous_offsets()) else {
+                candle_core::bail!("{name}: the cache must be a contiguous (N, Hk, C, D) tensor");
+            };
+            Ok((o, Layout4::contiguous(hk, c, d), c))
+        };
+        let ((k0, k4, cap), (v0, v4, _)) = (cache4(kl)?, cache4(vl)?);
+        let dims = ql.dims();
+        let (t, n) = if self.batch_first { (dims[1], dims[0]) } else { (dims[0], dims[1]) };
+        let e = self.heads * self.head_dim;
+        let o4 = if self.batch_first {
+            Layout4 { batch: t * e, head: self.head_dim, seq: e }
+        } else {
+            Layout4 { batch: e, head: self.head_dim, seq: n * e }
+        };
+        let mut out = crate::alloc::try_zeros::<f32>(n * t * e, name)?;
+        let params = DecodeParams {
+            dims: DecodeDims {
+                batch: n,
+                heads_q: self.heads,
+                heads_kv: self.heads_kv,
+                rows: t,
+                capacity: cap,
+                d: self.head_dim,
+                dv: self.head_dim,
+            },
+            scale: (1.0 / (self.head_dim as f64).sqrt()) as f32,
+            causal: self.causal,
+            kv_len: &self.kv_len,
+            q_pos: &self.q_pos,
+            q_len: &self.q_len,
+        };
+        decode_attention(&params, &q[q0..], q4, &k[k0..], k4, &v[v0..], v4, &mut out, o4)
+            .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
+        Ok((CpuStorage::F32(out), Shape::from(dims.to_vec())))
+    }
+}

@@ -1,0 +1,493 @@
+//! Incremental decoding with [`MultiheadAttention`]: cached causal self-attention over a
+//! [`KvCache`], and cross-attention over a memory projected once ([`StaticKv`]).
+//!
+//! Validate, then plan, then run, like every other call: [`Step`] is the validated call,
+//! `plan_step` the one decision between the fused decode kernel and the composed candle path.
+
+use candle_core::Tensor;
+
+use super::MultiheadAttention;
+use crate::error::{fmt_shape, Error, Result};
+use crate::functional::core::attention_core;
+use crate::functional::MhaOptions;
+use crate::fused::decode::DecodeOp;
+use crate::fused::dispatch::{decide, dtype_device_blocker, Path, Plan};
+use crate::kv_cache::KvCache;
+use crate::linear::linear;
+use crate::mask::Mask;
+use crate::mode::Backend;
+
+const CACHED: &str = "MultiheadAttention::forward_cached";
+const STATIC: &str = "MultiheadAttention::static_kv";
+
+/// The keys and values of a cross-attention memory, projected once: PyTorch's `static_k` and
+/// `static_v`, `(N·Hkv, S, D)`, with the memory they came from.
+///
+/// Made by [`MultiheadAttention::static_kv`]; used by
+/// [`MultiheadAttention::forward_static`] (or [`MhaOptions::static_kv`]) at every decoding
+/// step, so the memory is not projected again.
+#[derive(Clone, Debug)]
+pub struct StaticKv {
+    /// `static_k`, `(N·Hkv, S, D)`.
+    pub k: Tensor,
+    /// `static_v`, `(N·Hkv, S, D)`.
+    pub v: Tensor,
+    /// The memory, in the module's layout; passed as `key` and `value` for their shape checks.
+    pub memory: Tensor,
+}
+
+/// A validated cached call.
+struct Step {
+    /// The input with a batch dimension, in the module's layout.
+    x: Tensor,
+    unbatched: bool,
+    batch_first: bool,
+    n: usize,
+    t: usize,
+    /// New tokens per row.
+    counts: Vec<usize>,
+}
+
+/// Which keys each new row sees (the decode kernel's rule, for the composed path).
+struct Rows {
+    kv_len: Vec<usize>,
+    q_pos: Vec<usize>,
+    q_len: Vec<usize>,
+    causal: bool,
+}
+
+impl Rows {
+    fn visible(&self, b: usize, t: usize) -> usize {
+        if t >= self.q_len[b] {
+            0
+        } else if self.causal {
+            (self.q_pos[b] + t + 1).min(self.kv_len[b])
+        } else {
+            self.kv_len[b]
+        }
+    }
+}
+
+/// Fewer rows than this are padded with zero rows before a projection.
+const MIN_STEP_ROWS: usize = 4;
+
+/// `linear` over the rows of a 3-D `x`, with at least [`MIN_STEP_ROWS`] rows. gemm multiplies
+/// a single row with its matrix-vector kernel, which sums in another order than the
+/// matrix-matrix kernel that projects a whole sequence (and the full recompute). Padding a
+/// decode step's few rows keeps it on the recompute's kernel: one token at a time against a
+/// prefill of the same 40 tokens, E=512, differed by 3.6e-3 unpadded (outputs of order 100)
+/// and not at all padded; E=64 by 3.4e-5 and 4.3e-6. The extra rows cost little: a step's
+/// product is bound by reading the weight.
+fn step_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, arg: &'static str) -> Result<Tensor> {
+    let (d0, d1, e) = x.dims3()?;
+    let m = d0 * d1;
+    if m == 0 || m >= MIN_STEP_ROWS {
+        return linear(x, w, b, CACHED, arg, Backend::Auto);
+    }
+    let rows = x.reshape((m, e))?;
+    let pad = Tensor::zeros((MIN_STEP_ROWS - m, e), x.dtype(), x.device())?;
+    let y = linear(&Tensor::cat(&[&rows, &pad], 0)?, w, b, CACHED, arg, Backend::Auto)?;
+    Ok(y.narrow(0, 0, m)?.reshape((d0, d1, ()))?)
+}
+
+fn config_err(arg: &'static str, msg: String) -> Error {
+    Error::Config { op: CACHED, arg, msg }
+}
+
+impl MultiheadAttention {
+    /// An empty [`KvCache`] for this module: `batch` rows of up to `capacity` tokens, with the
+    /// module's key/value heads, head size, dtype and device.
+    pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache> {
+        let w = self.out_proj.weight();
+        let (hk, hd) = (self.cfg.kv_heads(), self.cfg.head_dim());
+        KvCache::new(batch, hk, hd, capacity, w.dtype(), w.device())
+    }
+
+    /// An empty sliding-window [`KvCache`]: each token attends to the last `window` tokens
+    /// (itself included).
+    pub fn new_sliding_cache(&self, batch: usize, window: usize) -> Result<KvCache> {
+        let w = self.out_proj.weight();
+        let (hk, hd) = (self.cfg.kv_heads(), self.cfg.head_dim());
+        KvCache::sliding_window(batch, hk, hd, window, w.dtype(), w.device())
+    }
+
+    /// Checks a cached call once, before anything is written.
+    fn validate_step(
+        &self,
+        x: &Tensor,
+        cache: &KvCache,
+        lengths: Option<&[usize]>,
+    ) -> Result<Step> {
+        let cfg = &self.cfg;
+        if !cfg.packed() && (cfg.kdim() != cfg.embed_dim || cfg.vdim() != cfg.embed_dim) {
+            return Err(config_err(
+                "kdim",
+                format!(
+                    "cached self-attention projects the new tokens as keys and values, so kdim and \
+                     vdim must equal embed_dim ({}), got kdim={} and vdim={}",
+                    cfg.embed_dim,
+                    cfg.kdim(),
+                    cfg.vdim()
+                ),
+            ));
+        }
+        if cfg.add_bias_kv || cfg.add_zero_attn {
+            return Err(config_err(
+                "add_bias_kv",
+                "cached decoding does not support add_bias_kv or add_zero_attn (they append keys \
+                 after the sequence, which a growing cache cannot keep last); use forward"
+                    .into(),
+            ));
+        }
+        if self.training && cfg.dropout > 0.0 {
+            return Err(config_err(
+                "dropout",
+                format!(
+                    "cached decoding is inference: the module is in training mode with dropout={}; \
+                     call eval() first",
+                    cfg.dropout
+                ),
+            ));
+        }
+        let dtype = self.dtype();
+        if x.dtype() != dtype {
+            return Err(Error::DType {
+                op: CACHED,
+                arg: "x",
+                msg: format!("x has dtype {:?} but the module has {dtype:?}; convert it with .to_dtype(DType::{dtype:?})", x.dtype()),
+            });
+        }
+        let (x3, unbatched) = match x.rank() {
+            2 => (x.unsqueeze(1)?, true),
+            3 => (x.clone(), false),
+            r => {
+                return Err(Error::Shape {
+                    op: CACHED,
+                    arg: "x",
+                    msg: format!(
+                        "expected a 2-D (T, E) or 3-D input, got {r}-D {}",
+                        fmt_shape(x.dims())
+                    ),
+                })
+            }
+        };
+        let batch_first = cfg.batch_first && !unbatched;
+        let (a, b, e) = x3.dims3()?;
+        let (t, n) = if batch_first { (b, a) } else { (a, b) };
+        if e != cfg.embed_dim {
+            return Err(Error::Shape {
+                op: CACHED,
+                arg: "x",
+                msg: format!(
+                    "expected {} features (embed_dim), got x of shape {}",
+                    cfg.embed_dim,
+                    fmt_shape(x.dims())
+                ),
+            });
+        }
+        let device = self.out_proj.weight().device();
+        cache.check_fits(CACHED, (n, cfg.kv_heads(), cfg.head_dim()), dtype, device)?;
+        let counts = match lengths {
+            None => vec![t; n],
+            Some(l) => {
+                if l.len() != n || l.iter().any(|&c| c > t) {
+                    return Err(Error::Shape {
+                        op: CACHED,
+                        arg: "lengths",
+                        msg: format!("expected {n} lengths of at most T={t} new tokens, got {l:?}"),
+                    });
+                }
+                l.to_vec()
+            }
+        };
+        cache.check_room(CACHED, &counts)?;
+        Ok(Step { x: x3, unbatched, batch_first, n, t, counts })
+    }
+
+    /// The one decision of a cached call: the fused decode kernel (f32 on the CPU) or the
+    /// composed candle path.
+    fn plan_step(&self, step: &Step) -> Result<Plan> {
+        decide(CACHED, Backend::Auto, dtype_device_blocker(&step.x))
+    }
+
+    /// The path [`forward_cached`](Self::forward_cached) takes, and why, without running it or
+    /// touching the cache. Bad arguments give the error the call would.
+    pub fn explain_cached(
+        &self,
+        x: &Tensor,
+        cache: &KvCache,
+        lengths: Option<&[usize]>,
+    ) -> Result<Plan> {
+        let step = self.validate_step(x, cache, lengths)?;
+        self.plan_step(&step)
+    }
+
+    /// Incremental causal self-attention: attends the new tokens `x` over the cached tokens and
+    /// themselves, appends their keys and values to `cache`, and returns their outputs.
+    ///
+    /// At every step the output equals `forward(p, p, p)` with a causal mask over the whole
+    /// prefix `p` (every token so far), at the new positions, within rounding (the tests check
+    /// 1e-6 in f32 over hundreds of steps). `lengths[b]` (default `T`) says how many of row
+    /// `b`'s `T` new tokens are real: the rest are padding, are not cached, and their output
+    /// rows are `out_proj.bias`. With a sliding cache, each token sees the last `window` tokens.
+    ///
+    /// This is inference: it runs without an autograd graph (as inside [`no_grad`](crate::no_grad)),
+    /// needs eval mode when `dropout > 0`, and does not support `add_bias_kv`/`add_zero_attn`.
+    /// A cache that is full is an [`Error::CacheFull`] and is left unchanged.
+    ///
+    /// # Shapes
+    /// * x: `(T, N, E)`, `(N, T, E)` with `batch_first`, or `(T, E)` unbatched; output alike.
+    /// * cache: `(N, Hkv, C, D)` from [`new_cache`](Self::new_cache).
+    ///
+    /// See [`KvCache`] for an example.
+    // Mirrors torch.nn.MultiheadAttention.forward(x, x, x, attn_mask=causal, need_weights=False)
+    // at the new positions of the sequence.
+    pub fn forward_cached(
+        &self,
+        x: &Tensor,
+        cache: &mut KvCache,
+        lengths: Option<&[usize]>,
+    ) -> Result<Tensor> {
+        let step = self.validate_step(x, cache, lengths)?;
+        let plan = self.plan_step(&step)?;
+        crate::mode::no_grad(|| self.run_step(&step, &plan, cache))
+    }
+
+    fn run_step(&self, step: &Step, plan: &Plan, cache: &mut KvCache) -> Result<Tensor> {
+        let (q, k, v) = self.project_step(&step.x)?;
+        let to_bhtd = |t: &Tensor| -> Result<Tensor> {
+            let t = if step.batch_first { t.clone() } else { t.transpose(0, 1)? };
+            let (hk, hd) = (self.cfg.kv_heads(), self.cfg.head_dim());
+            Ok(t.contiguous()?.reshape((step.n, step.t, hk, hd))?.transpose(1, 2)?.contiguous()?)
+        };
+        let (k, v) = (to_bhtd(&k)?, to_bhtd(&v)?);
+        let attn = if cache.window().is_none() {
+            let q_pos = cache.lens().to_vec();
+            cache.append(&k, &v, &step.counts)?;
+            let rows = Rows {
+                kv_len: cache.lens().to_vec(),
+                q_pos,
+                q_len: step.counts.clone(),
+                causal: true,
+            };
+            self.attend_cache(&q, cache, &rows, step, plan)?
+        } else {
+            // A ring buffer: one token at a time, each over the window that ends at it.
+            let seq_dim = if step.batch_first { 1 } else { 0 };
+            let mut outs = Vec::with_capacity(step.t);
+            for i in 0..step.t {
+                let counts: Vec<usize> = step.counts.iter().map(|&c| usize::from(i < c)).collect();
+                cache.append(
+                    &k.narrow(2, i, 1)?.contiguous()?,
+                    &v.narrow(2, i, 1)?.contiguous()?,
+                    &counts,
+                )?;
+                let rows = Rows {
+                    kv_len: cache.lens().to_vec(),
+                    q_pos: vec![0; step.n],
+                    q_len: counts,
+                    causal: false,
+                };
+                outs.push(self.attend_cache(
+                    &q.narrow(seq_dim, i, 1)?,
+                    cache,
+                    &rows,
+                    step,
+                    plan,
+                )?);
+            }
+            Tensor::cat(&outs, seq_dim)?
+        };
+        let p = self.params()?;
+        let out = step_linear(&attn, p.out_proj_weight, p.out_proj_bias, "attn_output")?;
+        Ok(if step.unbatched { out.squeeze(1)? } else { out })
+    }
+
+    /// The q, k and v projections of the new tokens, in the module's layout (as `forward`
+    /// projects self-attention: one packed product when the weight is packed).
+    fn project_step(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (e, kv) = (self.cfg.embed_dim, self.cfg.kv_dim());
+        let b = self.in_proj_bias.as_ref();
+        let bias = |s: usize, l: usize| -> Result<Option<Tensor>> {
+            Ok(match b {
+                Some(b) => Some(b.narrow(0, s, l)?),
+                None => None,
+            })
+        };
+        if let Some(w) = &self.in_proj_weight {
+            let qkv = step_linear(x, w, b, "x")?;
+            return Ok((qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?));
+        }
+        let (Some(wq), Some(wk), Some(wv)) =
+            (&self.q_proj_weight, &self.k_proj_weight, &self.v_proj_weight)
+        else {
+            return Err(config_err(
+                "in_proj_weight",
+                "the module has no projection weights".into(),
+            ));
+        };
+        Ok((
+            step_linear(x, wq, bias(0, e)?.as_ref(), "x")?,
+            step_linear(x, wk, bias(e, kv)?.as_ref(), "x")?,
+            step_linear(x, wv, bias(e + kv, kv)?.as_ref(), "x")?,
+        ))
+    }
+
+    /// Attention of `q` (module layout) over the cache, by the planned path.
+    fn attend_cache(
+        &self,
+        q: &Tensor,
+        cache: &KvCache,
+        rows: &Rows,
+        step: &Step,
+        plan: &Plan,
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        if plan.path == Path::Fused {
+            let op = DecodeOp {
+                heads: cfg.num_heads,
+                heads_kv: cfg.kv_heads(),
+                head_dim: cfg.head_dim(),
+                batch_first: step.batch_first,
+                causal: rows.causal,
+                kv_len: rows.kv_len.clone(),
+                q_pos: rows.q_pos.clone(),
+                q_len: rows.q_len.clone(),
+            };
+            return Ok(q.apply_op3_no_bwd(cache.keys(), cache.values(), &op)?);
+        }
+        self.attend_cache_composed(q, cache, rows, step.batch_first)
+    }
+
+    /// The composed path: per row, softmax attention over its valid cache slots in candle
+    /// operations, with the causal rule as an additive mask.
+    fn attend_cache_composed(
+        &self,
+        q: &Tensor,
+        cache: &KvCache,
+        rows: &Rows,
+        batch_first: bool,
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (h, hk, hd, e) = (cfg.num_heads, cfg.kv_heads(), cfg.head_dim(), cfg.embed_dim);
+        let q = if batch_first { q.clone() } else { q.transpose(0, 1)? }; // (N, T, E)
+        let (n, t, _) = q.dims3()?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut outs = Vec::with_capacity(n);
+        for b in 0..n {
+            let kv_len = rows.kv_len[b];
+            let qb = q.get(b)?.reshape((t, h, hd))?.transpose(0, 1)?.contiguous()?; // (H, T, D)
+            let expand = |c: &Tensor| -> Result<Tensor> {
+                let c = c.get(b)?.narrow(1, 0, kv_len)?; // (Hk, S, D)
+                let c = c.reshape((hk, 1, kv_len, hd))?.broadcast_as((hk, h / hk, kv_len, hd))?;
+                Ok(c.contiguous()?.reshape((h, kv_len, hd))?)
+            };
+            let (kb, vb) = (expand(cache.keys())?, expand(cache.values())?);
+            let mask: Vec<f32> = (0..t)
+                .flat_map(|i| {
+                    let vis = rows.visible(b, i);
+                    (0..kv_len).map(move |j| if j < vis { 0.0 } else { f32::NEG_INFINITY })
+                })
+                .collect();
+            let mask = Tensor::from_vec(mask, (1, t, kv_len), q.device())?.to_dtype(q.dtype())?;
+            let (o, _) = attention_core(&qb, &kb, &vb, Some(&mask), scale, None, false)?;
+            outs.push(o.transpose(0, 1)?.reshape((t, e))?);
+        }
+        let out = Tensor::stack(&outs, 0)?;
+        Ok(if batch_first { out } else { out.transpose(0, 1)? })
+    }
+
+    /// Projects a cross-attention memory once into PyTorch's `static_k`/`static_v`
+    /// `(N·Hkv, S, D)`, for [`forward_static`](Self::forward_static) at every decoding step.
+    ///
+    /// # Shapes
+    /// * memory: `(S, N, kdim)` (`kdim = vdim`), `(N, S, kdim)` with `batch_first`, or
+    ///   `(S, kdim)` unbatched.
+    pub fn static_kv(&self, memory: &Tensor) -> Result<StaticKv> {
+        let cfg = &self.cfg;
+        if cfg.kdim() != cfg.vdim() {
+            return Err(Error::Config {
+                op: STATIC,
+                arg: "memory",
+                msg: format!(
+                    "one memory serves as key and value, so kdim ({}) must equal vdim ({})",
+                    cfg.kdim(),
+                    cfg.vdim()
+                ),
+            });
+        }
+        if cfg.add_bias_kv {
+            return Err(Error::Config {
+                op: STATIC,
+                arg: "add_bias_kv",
+                msg: "bias cannot be added to static key: a module with add_bias_kv cannot use static keys".into(),
+            });
+        }
+        let unbatched = memory.rank() == 2;
+        let m3 = if unbatched { memory.unsqueeze(1)? } else { memory.clone() };
+        let bf = cfg.batch_first && !unbatched;
+        if m3.rank() != 3 || m3.dim(2)? != cfg.kdim() || m3.dtype() != self.dtype() {
+            return Err(Error::Shape {
+                op: STATIC,
+                arg: "memory",
+                msg: format!(
+                    "expected a 2-D or 3-D {:?} memory with {} features (kdim), got {:?} {}",
+                    self.dtype(),
+                    cfg.kdim(),
+                    memory.dtype(),
+                    fmt_shape(memory.dims())
+                ),
+            });
+        }
+        let (e, kv, hk, hd) = (cfg.embed_dim, cfg.kv_dim(), cfg.kv_heads(), cfg.head_dim());
+        let b = self.in_proj_bias.as_ref();
+        let bias = |s: usize| -> Result<Option<Tensor>> {
+            Ok(match b {
+                Some(b) => Some(b.narrow(0, s, kv)?),
+                None => None,
+            })
+        };
+        let (wk, wv) = match (&self.in_proj_weight, &self.k_proj_weight, &self.v_proj_weight) {
+            (Some(w), _, _) => (w.narrow(0, e, e)?, w.narrow(0, 2 * e, e)?),
+            (None, Some(k), Some(v)) => (k.clone(), v.clone()),
+            _ => {
+                return Err(Error::Config {
+                    op: STATIC,
+                    arg: "in_proj_weight",
+                    msg: "the module has no projection weights".into(),
+                })
+            }
+        };
+        let split = |w: &Tensor, bias: Option<Tensor>| -> Result<Tensor> {
+            let p = linear(&m3, w, bias.as_ref(), STATIC, "memory", Backend::Auto)?;
+            let p = if bf { p } else { p.transpose(0, 1)? }; // (N, S, kv)
+            let (n, s, _) = p.dims3()?;
+            Ok(p.contiguous()?
+                .reshape((n, s, hk, hd))?
+                .transpose(1, 2)?
+                .contiguous()?
+                .reshape((n * hk, s, hd))?)
+        };
+        Ok(StaticKv {
+            k: split(&wk, bias(e)?)?,
+            v: split(&wv, bias(e + kv)?)?,
+            memory: memory.clone(),
+        })
+    }
+
+    /// Cross-attention of `x` over a memory projected once by [`static_kv`](Self::static_kv):
+    /// `forward(x, memory, memory, key_padding_mask, need_weights=False, static_k, static_v)`.
+    /// Gives the numbers `cross_attention(x, memory, key_padding_mask)` gives.
+    // Mirrors torch.nn.functional.multi_head_attention_forward(..., static_k=, static_v=).
+    pub fn forward_static(
+        &self,
+        x: &Tensor,
+        memory: &StaticKv,
+        key_padding_mask: Option<&Mask>,
+    ) -> Result<Tensor> {
+        let mut opts =
+            MhaOptions::default().need_weights(false).static_kv(memory.k.clone(), memory.v.clone());
+        opts.key_padding_mask = key_padding_mask.cloned();
+        Ok(self.forward(x, &memory.memory, &memory.memory, &opts)?.output)
+    }
+}

@@ -1,0 +1,389 @@
+//! Incremental decoding: a KV cache gives the numbers of the full causal recompute, at every
+//! step, on both paths; grouped-query attention is attention over repeated kv heads; static
+//! keys give the numbers of projecting the memory each time.
+
+use candle_core::{DType, Tensor, D};
+use multihead::{
+    generate_square_subsequent_mask, no_grad, with_backend, Backend, Error, KvCache, Mask,
+    MhaConfig, MhaOptions, MultiheadAttention, NamedParameters, Path,
+};
+
+use candle_nn::{VarBuilder, VarMap};
+
+use crate::common::{det, dev, mha};
+
+/// The largest |a - b| relative to the largest |b| (at least 1): f32 results that differ only
+/// in summation order agree to about 1e-7 of their scale.
+fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let scale = b
+        .to_dtype(DType::F64)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    max_diff(a, b) / scale.max(1.0)
+}
+
+/// Seeded uniform values in `[-amp, amp)` (xorshift), so that sums cancel as with random
+/// weights and activations.
+fn rand_t(shape: &[usize], dtype: DType, seed: u64, amp: f64) -> Tensor {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    let n: usize = shape.iter().product();
+    let data: Vec<f64> = (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * amp
+        })
+        .collect();
+    Tensor::from_vec(data, shape, &dev()).unwrap().to_dtype(dtype).unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
+    d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+}
+
+/// The full causal recompute of one row's prefix `(P, E)` (unbatched), last `t` positions.
+fn full_causal(m: &MultiheadAttention, prefix: &Tensor, t: usize, window: Option<usize>) -> Tensor {
+    let p = prefix.dim(0).unwrap();
+    let mask = match window {
+        None => generate_square_subsequent_mask(p, prefix.dtype(), &dev()).unwrap(),
+        Some(w) => {
+            let v: Vec<f32> = (0..p)
+                .flat_map(|i| {
+                    (0..p).map(move |j| if j <= i && i - j < w { 0.0 } else { f32::NEG_INFINITY })
+                })
+                .collect();
+            Tensor::from_vec(v, (p, p), &dev()).unwrap().to_dtype(prefix.dtype()).unwrap()
+        }
+    };
+    let opts = MhaOptions::default().need_weights(false).attn_mask(Mask::Float(mask));
+    let out = m.forward(prefix, prefix, prefix, &opts).unwrap().output;
+    out.narrow(0, p - t, t).unwrap()
+}
+
+/// A batch-first module in eval mode with seeded random weights of PyTorch's initial scale
+/// (uniform in `±√(3/E)`, about Xavier's bound), so outputs are of order one.
+fn module(e: usize, h: usize, kv: Option<usize>, dtype: DType) -> MultiheadAttention {
+    let mut cfg = MhaConfig::new(e, h).with_batch_first(true).with_dropout(0.1);
+    cfg.num_kv_heads = kv;
+    let vm = VarMap::new();
+    let mut m = MultiheadAttention::new(cfg, VarBuilder::from_varmap(&vm, dtype, &dev())).unwrap();
+    let amp = (3.0 / e as f64).sqrt();
+    let data = vm.data().lock().unwrap();
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for (i, name) in names.into_iter().enumerate() {
+        let var = &data[name];
+        var.set(&rand_t(var.dims(), dtype, i as u64 + 11, amp)).unwrap();
+    }
+    m.eval();
+    m
+}
+
+/// Prefill ragged prompts, then decode `steps` tokens one at a time; at every step compare
+/// each row with its full recompute. Returns the largest difference seen.
+fn decode_against_recompute(m: &MultiheadAttention, steps: usize, window: Option<usize>) -> f64 {
+    let (e, dtype) = (m.config().embed_dim, m.dtype());
+    let prompt_lens = [7usize, 3, 5];
+    let n = prompt_lens.len();
+    let total = 7 + steps;
+    let seqs = rand_t(&[n, total, e], dtype, 3, 3f64.sqrt()); // row b's tokens: seqs[b, :len]
+    let mut cache = match window {
+        None => m.new_cache(n, total).unwrap(),
+        Some(w) => m.new_sliding_cache(n, w).unwrap(),
+    };
+    let prompt = seqs.narrow(1, 0, 7).unwrap();
+    let out = m.forward_cached(&prompt, &mut cache, Some(&prompt_lens)).unwrap();
+    let mut worst = 0.0f64;
+    for (b, &len) in prompt_lens.iter().enumerate() {
+        let want = full_causal(m, &seqs.get(b).unwrap().narrow(0, 0, len).unwrap(), len, window);
+        worst = worst.max(rel_diff(&out.get(b).unwrap().narrow(0, 0, len).unwrap(), &want));
+        // Padding rows give out_proj.bias.
+        if len < 7 {
+            let pad = out.get(b).unwrap().narrow(0, len, 7 - len).unwrap();
+            let bias = m
+                .out_proj()
+                .bias()
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap()
+                .broadcast_as(pad.dims())
+                .unwrap();
+            assert_eq!(max_diff(&pad, &bias), 0.0, "padding rows of row {b}");
+        }
+    }
+    let mut pos = prompt_lens.to_vec();
+    for _ in 0..steps {
+        let idx: Vec<Tensor> =
+            (0..n).map(|b| seqs.get(b).unwrap().narrow(0, pos[b], 1).unwrap()).collect();
+        let x = Tensor::stack(&idx, 0).unwrap(); // (N, 1, E)
+        let out = m.forward_cached(&x, &mut cache, None).unwrap();
+        for (b, p) in pos.iter_mut().enumerate() {
+            *p += 1;
+            let want = full_causal(m, &seqs.get(b).unwrap().narrow(0, 0, *p).unwrap(), 1, window);
+            worst = worst.max(rel_diff(&out.get(b).unwrap(), &want));
+        }
+    }
+    assert_eq!(cache.positions(), pos.as_slice());
+    worst
+}
+
+#[test]
+fn cached_decoding_equals_the_full_causal_recompute_at_every_step() {
+    for (e, h, kv) in [(32, 4, None), (48, 6, Some(2)), (16, 2, Some(1))] {
+        let m = module(e, h, kv, DType::F32);
+        assert_eq!(
+            m.explain_cached(&det(&[3, 1, e], DType::F32, 0.0), &m.new_cache(3, 4).unwrap(), None)
+                .unwrap()
+                .path,
+            Path::Fused
+        );
+        let fused = decode_against_recompute(&m, 300, None);
+        assert!(fused <= 1e-6, "E={e} H={h} kv={kv:?}: fused max diff {fused:e}");
+        let composed = with_backend(Backend::Composed, || decode_against_recompute(&m, 40, None));
+        assert!(composed <= 1e-6, "E={e} H={h} kv={kv:?}: composed max diff {composed:e}");
+    }
+}
+
+#[test]
+fn cached_decoding_in_f64_takes_the_composed_path_and_agrees_to_1e_12() {
+    let m = module(24, 3, Some(3), DType::F64);
+    let err = decode_against_recompute(&m, 60, None);
+    assert!(err <= 1e-12, "f64 max diff {err:e}");
+}
+
+#[test]
+fn a_sliding_cache_equals_a_sliding_window_mask() {
+    let m = module(32, 4, Some(2), DType::F32);
+    for w in [1, 5, 16] {
+        let err = decode_against_recompute(&m, 40, Some(w));
+        assert!(err <= 1e-6, "window {w}: max diff {err:e}");
+        let err = with_backend(Backend::Composed, || decode_against_recompute(&m, 20, Some(w)));
+        assert!(err <= 1e-6, "window {w}, composed: max diff {err:e}");
+    }
+}
+
+#[test]
+fn one_token_at_a_time_equals_one_prefill_bit_for_bit_for_any_thread_count() {
+    let m = module(64, 8, None, DType::F32);
+    let x = det(&[2, 40, 64], DType::F32, 1.0);
+    let run_all = || {
+        let mut c = m.new_cache(2, 40).unwrap();
+        m.forward_cached(&x, &mut c, None).unwrap()
+    };
+    let run_steps = || {
+        let mut c = m.new_cache(2, 40).unwrap();
+        let outs: Vec<Tensor> = (0..40)
+            .map(|i| m.forward_cached(&x.narrow(1, i, 1).unwrap(), &mut c, None).unwrap())
+            .collect();
+        Tensor::cat(&outs, 1).unwrap()
+    };
+    let bits = |t: &Tensor| -> Vec<u32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+    };
+    let pool = |n| rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap();
+    let one = pool(1).install(run_steps);
+    assert_eq!(bits(&one), bits(&pool(2).install(run_steps)), "1 vs 2 threads");
+    assert_eq!(bits(&one), bits(&pool(3).install(run_steps)), "1 vs 3 threads");
+    // A prefill projects all tokens in one product, a step one token: the projections may round
+    // differently, the attention does not.
+    let err = rel_diff(&one, &run_all());
+    assert!(err <= 1e-6, "steps vs prefill: {err:e}");
+}
+
+#[test]
+fn a_full_cache_is_an_error_and_is_left_unchanged() {
+    let m = module(16, 2, None, DType::F32);
+    let mut cache = m.new_cache(2, 4).unwrap();
+    m.forward_cached(&det(&[2, 3, 16], DType::F32, 1.0), &mut cache, Some(&[3, 1])).unwrap();
+    let before = cache.keys().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let err = m.forward_cached(&det(&[2, 2, 16], DType::F32, 2.0), &mut cache, None).unwrap_err();
+    assert!(matches!(err, Error::CacheFull { .. }), "{err}");
+    assert!(err.to_string().contains("row 0 holds 3 of 4 tokens and cannot take 2 more"), "{err}");
+    assert_eq!(cache.lens(), &[3, 1]);
+    assert_eq!(before, cache.keys().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    // Growing explicitly keeps the tokens.
+    let mut big = cache.with_capacity(8).unwrap();
+    m.forward_cached(&det(&[2, 2, 16], DType::F32, 2.0), &mut big, None).unwrap();
+    assert_eq!(big.lens(), &[5, 3]);
+}
+
+#[test]
+fn bad_cached_calls_are_typed_errors() {
+    let mut m = module(16, 2, None, DType::F32);
+    let mut cache = m.new_cache(2, 8).unwrap();
+    let x = det(&[2, 1, 16], DType::F32, 1.0);
+    let msg = |r: multihead::Result<Tensor>| r.unwrap_err().to_string();
+    assert!(
+        msg(m.forward_cached(&x.to_dtype(DType::F64).unwrap(), &mut cache, None)).contains("dtype")
+    );
+    assert!(msg(m.forward_cached(&det(&[3, 1, 16], DType::F32, 1.0), &mut cache, None))
+        .contains("(N, Hkv, D) = (3, 2, 8)"));
+    assert!(msg(m.forward_cached(&det(&[2, 1, 8], DType::F32, 1.0), &mut cache, None))
+        .contains("expected 16 features"));
+    assert!(msg(m.forward_cached(&x, &mut cache, Some(&[2, 1]))).contains("at most T=1"));
+    m.train(true);
+    assert!(msg(m.forward_cached(&x, &mut cache, None)).contains("call eval() first"));
+    assert_eq!(cache.lens(), &[0, 0]);
+    let bad = MhaConfig::new(16, 4).with_num_kv_heads(3).validate().unwrap_err().to_string();
+    assert!(bad.contains("num_kv_heads must be greater than 0 and divide num_heads"), "{bad}");
+    assert!(KvCache::sliding_window(1, 1, 4, 0, DType::F32, &dev()).is_err());
+    assert!(cache.truncate_rows(&[1, 0]).is_err());
+}
+
+#[test]
+fn truncate_and_reorder_roll_rows_back_and_select_them() {
+    let m = module(16, 2, None, DType::F32);
+    let x = det(&[2, 6, 16], DType::F32, 1.0);
+    let mut a = m.new_cache(2, 8).unwrap();
+    m.forward_cached(&x.narrow(1, 0, 4).unwrap(), &mut a, None).unwrap();
+    let mut b = a.try_clone().unwrap();
+    m.forward_cached(&x.narrow(1, 4, 2).unwrap(), &mut b, None).unwrap();
+    b.truncate(4).unwrap(); // reject two speculated tokens
+    let next = det(&[2, 1, 16], DType::F32, 9.0);
+    let ya = m.forward_cached(&next, &mut a, None).unwrap();
+    let yb = m.forward_cached(&next, &mut b, None).unwrap();
+    assert_eq!(max_diff(&ya, &yb), 0.0);
+    // Beam search: both rows continue from row 1, with the same token.
+    let mut c = b.try_clone().unwrap();
+    b.reorder(&[1, 1]).unwrap();
+    let tok = next.narrow(0, 1, 1).unwrap();
+    let yr = m.forward_cached(&Tensor::cat(&[&tok, &tok], 0).unwrap(), &mut b, None).unwrap();
+    let want = m.forward_cached(&Tensor::cat(&[&tok, &tok], 0).unwrap(), &mut c, None).unwrap();
+    assert_eq!(max_diff(&yr.get(0).unwrap(), &want.get(1).unwrap()), 0.0);
+    assert_eq!(max_diff(&yr.get(1).unwrap(), &want.get(1).unwrap()), 0.0);
+    assert_eq!(b.lens(), &[6, 6]);
+}
+
+/// Grouped-query attention is attention with each kv head repeated for its query heads
+/// (`repeat_interleave`, what PyTorch's `enable_gqa` does): compare with a plain module whose
+/// key/value weights are repeated that way.
+#[test]
+fn grouped_query_attention_equals_attention_over_repeated_kv_heads() {
+    let (e, h, hk) = (24, 6, 2);
+    let (g, hd) = (h / hk, e / h);
+    for dtype in [DType::F32, DType::F64] {
+        let (gqa, _) = mha(MhaConfig::new(e, h).with_num_kv_heads(hk), dtype);
+        let p: std::collections::HashMap<String, Tensor> =
+            gqa.named_parameters().into_iter().collect();
+        let repeat = |w: &Tensor| -> Tensor {
+            let rest = &w.dims()[1..];
+            let mut dims = vec![hk, 1, hd];
+            dims.extend_from_slice(rest);
+            let mut to = vec![hk, g, hd];
+            to.extend_from_slice(rest);
+            let mut flat = vec![e];
+            flat.extend_from_slice(rest);
+            w.reshape(dims)
+                .unwrap()
+                .broadcast_as(to)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+                .reshape(flat)
+                .unwrap()
+        };
+        let b = &p["in_proj_bias"];
+        let w_in = Tensor::cat(
+            &[&p["q_proj_weight"], &repeat(&p["k_proj_weight"]), &repeat(&p["v_proj_weight"])],
+            0,
+        )
+        .unwrap();
+        let b_in = Tensor::cat(
+            &[
+                &b.narrow(0, 0, e).unwrap(),
+                &repeat(&b.narrow(0, e, hk * hd).unwrap()),
+                &repeat(&b.narrow(0, e + hk * hd, hk * hd).unwrap()),
+            ],
+            0,
+        )
+        .unwrap();
+        let params = multihead::functional::MhaParams {
+            embed_dim_to_check: e,
+            num_heads: h,
+            num_kv_heads: None,
+            in_proj: multihead::functional::InProj::Packed(&w_in),
+            in_proj_bias: Some(&b_in),
+            bias_k: None,
+            bias_v: None,
+            add_zero_attn: false,
+            dropout_p: 0.0,
+            out_proj_weight: &p["out_proj.weight"],
+            out_proj_bias: Some(&p["out_proj.bias"]),
+        };
+        let x = det(&[5, 2, e], dtype, 1.0);
+        let mem = det(&[7, 2, e], dtype, 2.0);
+        let kpm = Mask::Bool(Tensor::new(&[[0u8, 0, 0, 0, 0, 1, 1], [0; 7]], &dev()).unwrap());
+        for need_weights in [false, true] {
+            let opts =
+                MhaOptions::default().need_weights(need_weights).key_padding_mask(kpm.clone());
+            let want = multihead::functional::multi_head_attention_forward(
+                &x, &mem, &mem, &params, &opts, false,
+            )
+            .unwrap();
+            for backend in [Backend::Auto, Backend::Composed] {
+                let got = gqa.forward(&x, &mem, &mem, &opts.clone().backend(backend)).unwrap();
+                let tol = if dtype == DType::F32 { 2e-6 } else { 1e-12 };
+                let err = rel_diff(&got.output, &want.output);
+                assert!(err <= tol, "{dtype:?} {backend:?} output: {err:e}");
+                if need_weights {
+                    let (gw, ww) = (got.attn_weights.unwrap(), want.attn_weights.clone().unwrap());
+                    assert!(rel_diff(&gw, &ww) <= tol, "{dtype:?} {backend:?} weights");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn static_keys_give_the_numbers_of_projecting_the_memory() {
+    for (kv, dtype) in [(None, DType::F32), (Some(2), DType::F32), (Some(1), DType::F64)] {
+        let m = module(32, 4, kv, dtype);
+        let x = det(&[3, 4, 32], dtype, 1.0);
+        let mem = det(&[3, 9, 32], dtype, 2.0);
+        let kpm = Mask::Bool(
+            Tensor::new(
+                &[[0u8, 0, 0, 0, 0, 0, 0, 1, 1], [0; 9], [0, 0, 1, 1, 1, 1, 1, 1, 1]],
+                &dev(),
+            )
+            .unwrap(),
+        );
+        let st = m.static_kv(&mem).unwrap();
+        assert_eq!(st.k.dims(), &[3 * kv.unwrap_or(4), 9, 8]);
+        let want = m.cross_attention(&x, &mem, Some(&kpm)).unwrap();
+        for backend in [Backend::Auto, Backend::Composed] {
+            let got = with_backend(backend, || m.forward_static(&x, &st, Some(&kpm))).unwrap();
+            let err = rel_diff(&got, &want);
+            assert!(err <= 1e-6, "{kv:?} {dtype:?} {backend:?}: {err:e}");
+        }
+        // Wrong static shapes are errors naming the argument.
+        let bad = MhaOptions::default().static_kv(st.k.narrow(1, 0, 8).unwrap(), st.v.clone());
+        let err = m.forward(&x, &mem, &mem, &bad).unwrap_err().to_string();
+        assert!(err.contains("static_v") || err.contains("static_k"), "{err}");
+    }
+}
+
+#[test]
+fn the_cache_gives_the_softmax_of_a_grad_free_forward() {
+    // forward_cached runs without a graph even when grad mode is on.
+    let m = module(16, 2, None, DType::F32);
+    let mut cache = m.new_cache(1, 4).unwrap();
+    let x = det(&[1, 2, 16], DType::F32, 1.0);
+    let y = m.forward_cached(&x, &mut cache, None).unwrap();
+    let z = no_grad(|| {
+        let mut c = m.new_cache(1, 4).unwrap();
+        m.forward_cached(&x, &mut c, None)
+    })
+    .unwrap();
+    assert_eq!(max_diff(&y, &z), 0.0);
+    assert!(!y.track_op());
+    let _ = y.sum(D::Minus1).unwrap();
+}
