@@ -21,6 +21,10 @@ pub enum Module {
     EncoderLayer,
     /// `nn.TransformerDecoderLayer`: target `(N, L, E)` over memory `(N, S, E)`.
     DecoderLayer,
+    /// One incremental decoding step of `MultiheadAttention` over a KV cache preloaded with S
+    /// tokens per row: q/k/v projections of one new token, cache append, attention over the
+    /// S+1 cached keys, output projection.
+    Decode,
 }
 
 /// The benchmark's settings. Layers use dropout 0 and `batch_first`.
@@ -59,6 +63,9 @@ pub struct BenchArgs {
     /// Heads H.
     #[arg(long, default_value_t = 8)]
     pub num_heads: usize,
+    /// Key/value heads for grouped-query attention (decode only; default H).
+    #[arg(long)]
+    pub num_kv_heads: Option<usize>,
     /// Causal attention (a causal mask with the is_causal hint).
     #[arg(long)]
     pub causal: bool,
@@ -98,6 +105,10 @@ pub fn model_flops(a: &BenchArgs) -> f64 {
         Module::Mha => attn(l, s, a.causal),
         Module::EncoderLayer => attn(l, l, a.causal) + ff,
         Module::DecoderLayer => attn(l, l, a.causal) + attn(l, s, false) + ff,
+        Module::Decode => {
+            let kv = decode_kv_dim(a) as f64;
+            2.0 * b * e * (2.0 * e + 2.0 * kv) + 4.0 * b * (s + 1.0) * e
+        }
     };
     fwd * if a.backward { 3.0 } else { 1.0 }
 }
@@ -126,7 +137,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         std::env::set_var("RAYON_NUM_THREADS", t.to_string());
         rayon::ThreadPoolBuilder::new().num_threads(t).build_global().ok();
     }
-    let step = workload(&a)?;
+    let (step, extra) = workload(&a)?;
     let baseline = status_mib("VmRSS:").context("reading memory")?;
     for _ in 0..a.warmup {
         step()?;
@@ -137,17 +148,25 @@ pub fn run(a: BenchArgs) -> Result<()> {
         step()?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    report(&a, times, baseline)
+    report(&a, times, baseline, extra)
 }
 
 /// One timed call of the chosen module.
-type Step<'a> = Box<dyn Fn() -> Result<()> + 'a>;
+pub type Step<'a> = Box<dyn Fn() -> Result<()> + 'a>;
 
-fn workload(a: &BenchArgs) -> Result<Step<'_>> {
+fn workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
     match a.module {
-        Module::Mha => mha_workload(a),
-        Module::EncoderLayer | Module::DecoderLayer => layer_workload(a),
+        Module::Mha => Ok((mha_workload(a)?, serde_json::json!({}))),
+        Module::EncoderLayer | Module::DecoderLayer => {
+            Ok((layer_workload(a)?, serde_json::json!({})))
+        }
+        Module::Decode => crate::bench_decode::decode_workload(a),
     }
+}
+
+/// The projected key/value width `Hkv·E/H` of a decode run.
+pub fn decode_kv_dim(a: &BenchArgs) -> usize {
+    a.num_kv_heads.unwrap_or(a.num_heads) * (a.embed_dim / a.num_heads.max(1))
 }
 
 /// Runs `f` the way the flags ask: under `no_grad` when evaluating.
@@ -260,16 +279,19 @@ fn mha_workload(a: &BenchArgs) -> Result<Step<'_>> {
 }
 
 /// Prints the timing (one line, or one JSON object).
-fn report(a: &BenchArgs, mut times: Vec<f64>, baseline: f64) -> Result<()> {
+fn report(
+    a: &BenchArgs,
+    mut times: Vec<f64>,
+    baseline: f64,
+    extra: serde_json::Value,
+) -> Result<()> {
     times.sort_by(f64::total_cmp);
     let min = times[0];
     let median = times[times.len() / 2];
     let gflops = model_flops(a) / (min * 1e-3) / 1e9;
     let rss = status_mib("VmHWM:").context("reading peak memory")?;
     if a.json {
-        println!(
-            "{}",
-            serde_json::json!({
+        let mut obj = serde_json::json!({
                 "min_ms": min, "median_ms": median, "gflops": gflops, "peak_rss_mib": rss,
                 "baseline_rss_mib": baseline,
                 "threads": a.threads, "batch": a.batch, "tgt_len": a.tgt_len, "src_len": a.src_len,
@@ -277,8 +299,12 @@ fn report(a: &BenchArgs, mut times: Vec<f64>, baseline: f64) -> Result<()> {
                 "need_weights": a.need_weights, "backward": a.backward, "iters": times.len(),
                 "module": format!("{:?}", a.module), "dim_feedforward": a.dim_feedforward,
                 "activation": a.activation, "eval": a.eval, "key_padding": a.key_padding,
-            })
-        );
+                "num_kv_heads": a.num_kv_heads,
+        });
+        if let (Some(o), Some(x)) = (obj.as_object_mut(), extra.as_object()) {
+            o.extend(x.clone());
+        }
+        println!("{obj}");
     } else {
         println!(
             "{:?} {} B={} L={} S={} E={} H={}{}{}: min {min:.2} ms, median {median:.2} ms, {gflops:.1} GFLOP/s, peak RSS {rss:.0} MiB ({baseline:.0} MiB before the first call)",
@@ -292,6 +318,9 @@ fn report(a: &BenchArgs, mut times: Vec<f64>, baseline: f64) -> Result<()> {
             if a.causal { " causal" } else { "" },
             if a.need_weights { " need_weights" } else { "" },
         );
+        if extra.as_object().is_some_and(|o| !o.is_empty()) {
+            println!("  {extra}");
+        }
     }
     Ok(())
 }

@@ -295,18 +295,14 @@ impl Base<'_> {
             for (j, x) in qs.iter_mut().enumerate() {
                 *x = *qr.add(j) * self.p.scale;
             }
-            let mut m = f32::NEG_INFINITY;
-            for (j, s) in scores.iter_mut().enumerate() {
-                *s = dot::<S>(qs.as_ptr(), self.k.0.add(self.kl.offset(b, hk, start + j)), d.d);
-                m = m.max(*s);
-            }
+            let key = |j: usize| self.k.0.add(self.kl.offset(b, hk, start + j));
+            scores_of::<S>(qs, key, scores);
+            let m = max_of::<S>(scores);
             let sum = exp_sum::<S>(scores, m);
             part[0] = m;
             part[1] = sum;
-            let acc = &mut part[2..];
-            for (j, &pj) in scores.iter().enumerate() {
-                axpy::<S>(pj, self.v.0.add(self.vl.offset(b, hk, start + j)), acc);
-            }
+            let value = |j: usize| self.v.0.add(self.vl.offset(b, hk, start + j));
+            weighted_sum::<S>(scores, value, &mut part[2..]);
         }
     }
 
@@ -349,7 +345,7 @@ unsafe fn merge<S: Simd>(state: &mut [f32], part: &[f32]) {
 
 /// `Σ_j a[j]·b[j]` over `n` floats.
 #[inline(always)]
-unsafe fn dot<S: Simd>(a: *const f32, b: *const f32, n: usize) -> f32 {
+unsafe fn dot<S: Simd>(a: *const f32, b: *const f32, n: usize) -> S::V {
     let l = S::LANES;
     // SAFETY: the caller guarantees `n` readable floats at `a` and `b`.
     unsafe {
@@ -360,7 +356,80 @@ unsafe fn dot<S: Simd>(a: *const f32, b: *const f32, n: usize) -> f32 {
             acc = S::fma(S::load_m(a.add(j), mask), S::load_m(b.add(j), mask), acc);
             j += l;
         }
-        S::reduce_add(acc)
+        acc
+    }
+}
+
+/// `scores[j] = q · key(j)`: `LANES` keys at a time, their lane sums reduced together.
+#[inline(always)]
+unsafe fn scores_of<S: Simd>(q: &[f32], key: impl Fn(usize) -> *const f32, scores: &mut [f32]) {
+    let (l, n, d) = (S::LANES, scores.len(), q.len());
+    // SAFETY: `key(j)` points at `d` readable floats for `j < n` (caller); `accs` holds
+    // `LANES <= 16` vectors and `scores[j..j + LANES]` is in bounds.
+    unsafe {
+        let mut accs = [S::splat(0.0); 16];
+        let mut j = 0;
+        while j + l <= n {
+            for (i, acc) in accs.iter_mut().take(l).enumerate() {
+                *acc = dot::<S>(q.as_ptr(), key(j + i), d);
+            }
+            S::reduce_many(accs.as_ptr(), scores.as_mut_ptr().add(j));
+            j += l;
+        }
+        for (i, s) in scores.iter_mut().enumerate().skip(j) {
+            *s = S::reduce_add(dot::<S>(q.as_ptr(), key(i), d));
+        }
+    }
+}
+
+/// The largest score (NaN is ignored here; it reaches the sum through `exp`).
+#[inline(always)]
+unsafe fn max_of<S: Simd>(s: &[f32]) -> f32 {
+    let (l, n) = (S::LANES, s.len());
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    // SAFETY: loads stay inside `s`; `lanes` holds 16 >= LANES floats.
+    unsafe {
+        let mut acc = S::splat(f32::NEG_INFINITY);
+        let mut j = 0;
+        while j + l <= n {
+            acc = S::max(acc, S::load(s.as_ptr().add(j)));
+            j += l;
+        }
+        S::store(lanes.as_mut_ptr(), acc);
+        lanes[..l].iter().chain(&s[j..]).fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+    }
+}
+
+/// `acc[c] = Σ_j p[j]·value(j)[c]`, with up to four vectors of `acc` kept in registers.
+#[inline(always)]
+unsafe fn weighted_sum<S: Simd>(p: &[f32], value: impl Fn(usize) -> *const f32, acc: &mut [f32]) {
+    let (l, dv) = (S::LANES, acc.len());
+    let mut c = 0;
+    // SAFETY: `value(j)` points at `dv` readable floats for `j < p.len()` (caller); masked
+    // accesses stay inside `acc` and the value rows.
+    unsafe {
+        while c < dv {
+            let nb = (dv - c).div_ceil(l).min(4);
+            // Not a closure: closures do not inherit the caller's target features.
+            let mut masks = [S::full_mask(); 4];
+            for (b, m) in masks.iter_mut().enumerate().take(nb) {
+                let at = c + b * l;
+                if at + l > dv {
+                    *m = S::tail_mask(dv - at);
+                }
+            }
+            let mut regs = [S::splat(0.0); 4];
+            for (j, &pj) in p.iter().enumerate() {
+                let (pv, row) = (S::splat(pj), value(j).add(c));
+                for (b, r) in regs.iter_mut().take(nb).enumerate() {
+                    *r = S::fma(pv, S::load_m(row.add(b * l), masks[b]), *r);
+                }
+            }
+            for (b, r) in regs.iter().take(nb).enumerate() {
+                S::store_m(acc.as_mut_ptr().add(c + b * l), *r, masks[b]);
+            }
+            c += nb * l;
+        }
     }
 }
 
@@ -382,24 +451,6 @@ unsafe fn exp_sum<S: Simd>(s: &mut [f32], m: f32) -> f32 {
             j += l;
         }
         S::reduce_add(acc)
-    }
-}
-
-/// `acc ← acc + a·x` over `acc.len()` floats of `x`.
-#[inline(always)]
-unsafe fn axpy<S: Simd>(a: f32, x: *const f32, acc: &mut [f32]) {
-    let (l, n) = (S::LANES, acc.len());
-    // SAFETY: `x` has `acc.len()` readable floats (caller); masked accesses stay in bounds.
-    unsafe {
-        let av = S::splat(a);
-        let p = acc.as_mut_ptr();
-        let mut j = 0;
-        while j < n {
-            let mask = if j + l <= n { S::full_mask() } else { S::tail_mask(n - j) };
-            let y = S::fma(av, S::load_m(x.add(j), mask), S::load_m(p.add(j), mask));
-            S::store_m(p.add(j), y, mask);
-            j += l;
-        }
     }
 }
 
@@ -456,6 +507,7 @@ impl Task for PartialTask<'_> {
     fn scratch_len(&self, _lanes: usize) -> usize {
         chunk_scratch(self.base.p.dims.d)
     }
+    #[inline(always)]
     unsafe fn run<S: Simd>(&self, task: usize, buf: &mut [f32]) {
         let base = self.base;
         let (unit, c) = (task / base.chunks, task % base.chunks);
@@ -486,6 +538,7 @@ impl Task for CombineTask<'_> {
     fn scratch_len(&self, _lanes: usize) -> usize {
         round16(self.base.stride())
     }
+    #[inline(always)]
     unsafe fn run<S: Simd>(&self, unit: usize, buf: &mut [f32]) {
         let base = self.base;
         let (b, _, rows) = base.rows(unit);
@@ -521,6 +574,7 @@ impl Task for SequentialTask<'_> {
     fn scratch_len(&self, _lanes: usize) -> usize {
         2 * round16(self.base.stride()) + chunk_scratch(self.base.p.dims.d)
     }
+    #[inline(always)]
     unsafe fn run<S: Simd>(&self, unit: usize, buf: &mut [f32]) {
         let base = self.base;
         let (b, hk, rows) = base.rows(unit);

@@ -24,6 +24,7 @@ pub mod activation;
 pub mod attention;
 pub mod decode;
 pub mod dropout;
+pub mod gemv;
 pub mod norm;
 
 /// Helpers shared by the kernel tests.

@@ -358,6 +358,52 @@ impl KvCache {
         Ok(())
     }
 
+    /// Appends keys and values computed elsewhere (a saved prompt prefix, say):
+    /// `k`, `v` `(N, Hkv, T, D)`, the first `counts[b]` tokens of row `b` (all `T` when
+    /// `None`). They must already be projected and split into heads, as the module's
+    /// projections would give them.
+    pub fn append_kv(&mut self, k: &Tensor, v: &Tensor, counts: Option<&[usize]>) -> Result<()> {
+        const APPEND: &str = "KvCache::append_kv";
+        let t = if k.rank() == 4 { k.dims()[2] } else { 0 };
+        let want = [self.batch_size(), self.kv_heads(), t, self.head_dim()];
+        for (arg, x) in [("k", k), ("v", v)] {
+            if x.dims() != want {
+                return Err(Error::Shape {
+                    op: APPEND,
+                    arg,
+                    msg: format!(
+                        "expected (N, Hkv, T, D) = {}, got {}",
+                        fmt_shape(&want),
+                        fmt_shape(x.dims())
+                    ),
+                });
+            }
+            if x.dtype() != self.dtype() {
+                return Err(Error::DType {
+                    op: APPEND,
+                    arg,
+                    msg: format!("the cache holds {:?}, got {:?}", self.dtype(), x.dtype()),
+                });
+            }
+        }
+        let counts = match counts {
+            Some(c) if c.len() != self.batch_size() || c.iter().any(|&n| n > t) => {
+                return Err(Error::Shape {
+                    op: APPEND,
+                    arg: "counts",
+                    msg: format!(
+                        "expected {} counts of at most T={t}, got {c:?}",
+                        self.batch_size()
+                    ),
+                })
+            }
+            Some(c) => c.to_vec(),
+            None => vec![t; self.batch_size()],
+        };
+        self.check_room(APPEND, &counts)?;
+        self.append(&k.contiguous()?, &v.contiguous()?, &counts)
+    }
+
     /// Writes `counts[b]` new tokens of `k`/`v` `(N, Hkv, T, D)` (contiguous) after each row's
     /// last token. The caller checked room and shapes.
     pub(crate) fn append(&mut self, k: &Tensor, v: &Tensor, counts: &[usize]) -> Result<()> {

@@ -58,6 +58,18 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     unsafe fn exp(x: Self::V) -> Self::V;
     /// The sum of the lanes (in a fixed order).
     unsafe fn reduce_add(v: Self::V) -> f32;
+    /// `out[i] = Σ lanes of v[i]` for `i < LANES`: the horizontal sums of `LANES` vectors,
+    /// stored as one vector (a transpose-and-add network on x86, in a fixed order).
+    ///
+    /// # Safety
+    /// `v` holds `LANES` vectors and `out` has `LANES` writable floats.
+    #[inline(always)]
+    unsafe fn reduce_many(v: *const Self::V, out: *mut f32) {
+        for i in 0..Self::LANES {
+            // SAFETY: forwarded from the caller.
+            unsafe { *out.add(i) = Self::reduce_add(*v.add(i)) };
+        }
+    }
     /// `C (+)= A B` over the whole [`GemmArgs`] problem (see [`super::gemm`]).
     unsafe fn gemm(g: &super::gemm::GemmArgs);
 
@@ -347,6 +359,34 @@ unsafe impl Simd for Avx2 {
         }
     }
     #[inline(always)]
+    unsafe fn reduce_many(v: *const __m256, out: *mut f32) {
+        // Plain inline functions, not closures: closures would not inherit the caller's
+        // target features, and their intrinsics would not inline.
+        #[inline(always)]
+        unsafe fn pair(a: __m256, b: __m256) -> __m256 {
+            // SAFETY: AVX is available (trait contract).
+            unsafe { _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b)) }
+        }
+        #[inline(always)]
+        unsafe fn quad(a: __m256, b: __m256) -> __m256 {
+            // SAFETY: AVX is available (trait contract).
+            unsafe {
+                _mm256_add_ps(_mm256_shuffle_ps::<0x44>(a, b), _mm256_shuffle_ps::<0xEE>(a, b))
+            }
+        }
+        // SAFETY: AVX is available (trait contract); `v` has 8 vectors and `out` 8 floats
+        // (caller). Pairs, then quads, within 128-bit lanes; then the two lanes.
+        unsafe {
+            let u0 = quad(pair(*v, *v.add(1)), pair(*v.add(2), *v.add(3)));
+            let u1 = quad(pair(*v.add(4), *v.add(5)), pair(*v.add(6), *v.add(7)));
+            let w = _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(u0, u1),
+                _mm256_permute2f128_ps::<0x31>(u0, u1),
+            );
+            _mm256_storeu_ps(out, w);
+        }
+    }
+    #[inline(always)]
     unsafe fn gemm(g: &super::gemm::GemmArgs) {
         // SAFETY: forwarded contract (AVX2+FMA present).
         unsafe { super::gemm::gemm_avx2(g) }
@@ -472,6 +512,44 @@ unsafe impl Simd for Avx512 {
     unsafe fn reduce_add(v: __m512) -> f32 {
         // SAFETY: AVX-512F is available (trait contract).
         unsafe { _mm512_reduce_add_ps(v) }
+    }
+    #[inline(always)]
+    unsafe fn reduce_many(v: *const __m512, out: *mut f32) {
+        // Plain inline functions, not closures (see the AVX2 version).
+        #[inline(always)]
+        unsafe fn pair(a: __m512, b: __m512) -> __m512 {
+            // SAFETY: AVX-512F is available (trait contract).
+            unsafe { _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)) }
+        }
+        #[inline(always)]
+        unsafe fn quad(a: __m512, b: __m512) -> __m512 {
+            // SAFETY: AVX-512F is available (trait contract).
+            unsafe {
+                _mm512_add_ps(_mm512_shuffle_ps::<0x44>(a, b), _mm512_shuffle_ps::<0xEE>(a, b))
+            }
+        }
+        #[inline(always)]
+        unsafe fn lanes(a: __m512, b: __m512) -> __m512 {
+            // SAFETY: AVX-512F is available (trait contract).
+            unsafe {
+                _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0x88>(a, b),
+                    _mm512_shuffle_f32x4::<0xDD>(a, b),
+                )
+            }
+        }
+        // SAFETY: AVX-512F is available (trait contract); `v` has 16 vectors and `out` 16
+        // floats (caller). Pairs, then quads, within 128-bit lanes; then across the lanes.
+        unsafe {
+            let mut u = [_mm512_setzero_ps(); 4];
+            for (i, x) in u.iter_mut().enumerate() {
+                let a = pair(*v.add(4 * i), *v.add(4 * i + 1));
+                let b = pair(*v.add(4 * i + 2), *v.add(4 * i + 3));
+                *x = quad(a, b);
+            }
+            let (v0, v1) = (lanes(u[0], u[1]), lanes(u[2], u[3]));
+            _mm512_storeu_ps(out, lanes(v0, v1));
+        }
     }
     #[inline(always)]
     unsafe fn gemm(g: &super::gemm::GemmArgs) {

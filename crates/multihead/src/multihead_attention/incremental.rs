@@ -10,7 +10,7 @@ use super::MultiheadAttention;
 use crate::error::{fmt_shape, Error, Result};
 use crate::functional::core::attention_core;
 use crate::functional::MhaOptions;
-use crate::fused::decode::DecodeOp;
+use crate::fused::decode::{DecodeOp, RowsLinear};
 use crate::fused::dispatch::{decide, dtype_device_blocker, Path, Plan};
 use crate::kv_cache::KvCache;
 use crate::linear::linear;
@@ -68,26 +68,30 @@ impl Rows {
     }
 }
 
-/// Fewer rows than this are padded with zero rows before a projection.
-const MIN_STEP_ROWS: usize = 4;
-
-/// `linear` over the rows of a 3-D `x`, with at least [`MIN_STEP_ROWS`] rows. gemm multiplies
-/// a single row with its matrix-vector kernel, which sums in another order than the
-/// matrix-matrix kernel that projects a whole sequence (and the full recompute). Padding a
-/// decode step's few rows keeps it on the recompute's kernel: one token at a time against a
-/// prefill of the same 40 tokens, E=512, differed by 3.6e-3 unpadded (outputs of order 100)
-/// and not at all padded; E=64 by 3.4e-5 and 4.3e-6. The extra rows cost little: a step's
-/// product is bound by reading the weight.
-fn step_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, arg: &'static str) -> Result<Tensor> {
+/// `linear` over the rows of a 3-D `x`. On the fused path, a step of at most
+/// [`MAX_ROWS`](multihead_kernels::gemv::MAX_ROWS) rows (a token per sequence, say) takes the
+/// few-rows kernel, which reads the weight once: gemm packs the whole weight for each call,
+/// which cost more than the product (measured at E=512, B=1: the step's three projections
+/// took a third of its time).
+fn step_linear(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    arg: &'static str,
+    plan: &Plan,
+) -> Result<Tensor> {
     let (d0, d1, e) = x.dims3()?;
     let m = d0 * d1;
-    if m == 0 || m >= MIN_STEP_ROWS {
+    if plan.path != Path::Fused || m == 0 || m > multihead_kernels::gemv::MAX_ROWS {
         return linear(x, w, b, CACHED, arg, Backend::Auto);
     }
-    let rows = x.reshape((m, e))?;
-    let pad = Tensor::zeros((MIN_STEP_ROWS - m, e), x.dtype(), x.device())?;
-    let y = linear(&Tensor::cat(&[&rows, &pad], 0)?, w, b, CACHED, arg, Backend::Auto)?;
-    Ok(y.narrow(0, 0, m)?.reshape((d0, d1, ()))?)
+    let rows = x.reshape((m, e))?.contiguous()?;
+    let w = w.contiguous()?;
+    let y = match b {
+        Some(b) => rows.apply_op3_no_bwd(&w, &b.contiguous()?, &RowsLinear)?,
+        None => rows.apply_op2_no_bwd(&w, &RowsLinear)?,
+    };
+    Ok(y.reshape((d0, d1, ()))?)
 }
 
 fn config_err(arg: &'static str, msg: String) -> Error {
@@ -254,7 +258,7 @@ impl MultiheadAttention {
     }
 
     fn run_step(&self, step: &Step, plan: &Plan, cache: &mut KvCache) -> Result<Tensor> {
-        let (q, k, v) = self.project_step(&step.x)?;
+        let (q, k, v) = self.project_step(&step.x, plan)?;
         let to_bhtd = |t: &Tensor| -> Result<Tensor> {
             let t = if step.batch_first { t.clone() } else { t.transpose(0, 1)? };
             let (hk, hd) = (self.cfg.kv_heads(), self.cfg.head_dim());
@@ -299,13 +303,13 @@ impl MultiheadAttention {
             Tensor::cat(&outs, seq_dim)?
         };
         let p = self.params()?;
-        let out = step_linear(&attn, p.out_proj_weight, p.out_proj_bias, "attn_output")?;
+        let out = step_linear(&attn, p.out_proj_weight, p.out_proj_bias, "attn_output", plan)?;
         Ok(if step.unbatched { out.squeeze(1)? } else { out })
     }
 
     /// The q, k and v projections of the new tokens, in the module's layout (as `forward`
     /// projects self-attention: one packed product when the weight is packed).
-    fn project_step(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    fn project_step(&self, x: &Tensor, plan: &Plan) -> Result<(Tensor, Tensor, Tensor)> {
         let (e, kv) = (self.cfg.embed_dim, self.cfg.kv_dim());
         let b = self.in_proj_bias.as_ref();
         let bias = |s: usize, l: usize| -> Result<Option<Tensor>> {
@@ -315,7 +319,7 @@ impl MultiheadAttention {
             })
         };
         if let Some(w) = &self.in_proj_weight {
-            let qkv = step_linear(x, w, b, "x")?;
+            let qkv = step_linear(x, w, b, "x", plan)?;
             return Ok((qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?));
         }
         let (Some(wq), Some(wk), Some(wv)) =
@@ -327,9 +331,9 @@ impl MultiheadAttention {
             ));
         };
         Ok((
-            step_linear(x, wq, bias(0, e)?.as_ref(), "x")?,
-            step_linear(x, wk, bias(e, kv)?.as_ref(), "x")?,
-            step_linear(x, wv, bias(e + kv, kv)?.as_ref(), "x")?,
+            step_linear(x, wq, bias(0, e)?.as_ref(), "x", plan)?,
+            step_linear(x, wk, bias(e, kv)?.as_ref(), "x", plan)?,
+            step_linear(x, wv, bias(e + kv, kv)?.as_ref(), "x", plan)?,
         ))
     }
 

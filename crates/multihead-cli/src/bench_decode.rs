@@ -1,0 +1,102 @@
+//! `multihead bench --module decode`: one incremental decoding step of `MultiheadAttention`
+//! over a KV cache preloaded with `--src-len` tokens per row, and the decode kernel alone over
+//! the same cache (for its memory bandwidth).
+
+use std::cell::RefCell;
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use multihead::{MhaConfig, MultiheadAttention};
+use multihead_kernels::attention::Layout4;
+use multihead_kernels::decode::{decode_attention, DecodeDims, DecodeParams};
+
+use crate::bench::{BenchArgs, Step};
+
+/// Tokens appended per call while preloading the cache.
+const PRELOAD_CHUNK: usize = 1024;
+
+/// The timed step, and what the report adds: the kernel's own time and bandwidth, and the
+/// bytes one step reads.
+pub fn decode_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
+    let dev = Device::Cpu;
+    let vm = VarMap::new();
+    let mut cfg = MhaConfig::new(a.embed_dim, a.num_heads).with_batch_first(true);
+    if let Some(k) = a.num_kv_heads {
+        cfg = cfg.with_num_kv_heads(k);
+    }
+    let (hk, hd, kv) = (cfg.kv_heads(), cfg.head_dim(), cfg.kv_dim());
+    let mut mha = MultiheadAttention::new(cfg, VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
+    mha.eval();
+    let (b, s, e) = (a.batch, a.src_len, a.embed_dim);
+    let mut cache = mha.new_cache(b, s + 1)?;
+    let mut done = 0;
+    while done < s {
+        let t = PRELOAD_CHUNK.min(s - done);
+        let k = Tensor::randn(0f32, 1.0, (b, hk, t, hd), &dev)?;
+        let v = Tensor::randn(0f32, 1.0, (b, hk, t, hd), &dev)?;
+        cache.append_kv(&k, &v, None)?;
+        done += t;
+    }
+    let kernel_ms = time_kernel(a, &cache)?;
+    let cache_bytes = 2.0 * (b * hk * s * hd * 4) as f64;
+    let weight_bytes = ((e * (e + 2 * kv) + e * e) * 4) as f64;
+    let extra = serde_json::json!({
+        "num_kv_heads": hk,
+        "cache_bytes": cache_bytes,
+        "weight_bytes": weight_bytes,
+        "attn_kernel_ms": kernel_ms,
+        "attn_kernel_gbps": cache_bytes / (kernel_ms * 1e-3) / 1e9,
+    });
+    let x = Tensor::randn(0f32, 1.0, (b, 1, e), &dev)?;
+    let cache = RefCell::new(cache);
+    let step = move || -> Result<()> {
+        let _keep = &vm;
+        let mut c = cache.borrow_mut();
+        let y = mha.forward_cached(&x, &mut c, None)?;
+        std::hint::black_box(y);
+        c.truncate(s)?; // the next step decodes the same position again
+        Ok(())
+    };
+    Ok((Box::new(step), extra))
+}
+
+/// The minimum time of the decode kernel alone (one query row per sequence over the `S` cached
+/// keys), in ms.
+fn time_kernel(a: &BenchArgs, cache: &multihead::KvCache) -> Result<f64> {
+    let (b, h, s) = (a.batch, a.num_heads, a.src_len);
+    let (hk, hd, cap) = (cache.kv_heads(), cache.head_dim(), cache.capacity());
+    let k = cache.keys().flatten_all()?.to_vec1::<f32>()?;
+    let v = cache.values().flatten_all()?.to_vec1::<f32>()?;
+    let q = Tensor::randn(0f32, 1.0, b * h * hd, &Device::Cpu)?.to_vec1::<f32>()?;
+    let mut out = vec![0f32; b * h * hd];
+    let (kv_len, q_pos, q_len) = (vec![s; b], vec![s.saturating_sub(1); b], vec![1; b]);
+    let p = DecodeParams {
+        dims: DecodeDims {
+            batch: b,
+            heads_q: h,
+            heads_kv: hk,
+            rows: 1,
+            capacity: cap,
+            d: hd,
+            dv: hd,
+        },
+        scale: 1.0 / (hd as f32).sqrt(),
+        causal: false,
+        kv_len: &kv_len,
+        q_pos: &q_pos,
+        q_len: &q_len,
+    };
+    let (ql, cl) = (Layout4::contiguous(h, 1, hd), Layout4::contiguous(hk, cap, hd));
+    let mut best = f64::INFINITY;
+    for i in 0..a.warmup + a.iters.max(1) {
+        let t = Instant::now();
+        decode_attention(&p, &q, ql, &k, cl, &v, cl, &mut out, ql)?;
+        if i >= a.warmup {
+            best = best.min(t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    std::hint::black_box(&out);
+    Ok(best)
+}

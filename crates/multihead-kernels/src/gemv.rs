@@ -1,0 +1,215 @@
+//! `y = x Wᵀ + b` for a few rows of `x` (a decode step's new tokens): the weight is read once,
+//! in blocks of output features spread over the threads, and every row is multiplied against
+//! each block while it sits in L1. A general GEMM packs the whole weight for a handful of rows,
+//! which costs more than the product itself.
+//!
+//! Each output is the dot product of an input row with a weight row, summed in `LANES`
+//! partial sums that are then added in a fixed tree, so results do not depend on the thread
+//! count.
+//!
+//! ```
+//! use multihead_kernels::gemv::{linear_rows, MAX_ROWS};
+//!
+//! let (m, k, n) = (2, 3, 2);
+//! let x = [1.0, 2.0, 3.0, 0.5, 0.5, 0.5];
+//! let w = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]; // (n, k)
+//! let mut y = [0f32; 4];
+//! linear_rows(&x, m, k, &w, n, Some(&[0.25, 0.0]), &mut y)?;
+//! assert_eq!(y, [1.25, 5.0, 0.75, 1.0]);
+//! assert!(m <= MAX_ROWS);
+//! # Ok::<(), multihead_kernels::attention::KernelError>(())
+//! ```
+
+use crate::attention::exec::{par_run, ConstPtr, SyncPtr, Task};
+use crate::attention::simd::Simd;
+use crate::attention::{simd_level, KernelError};
+
+/// The most rows one call takes (more rows are better served by a GEMM).
+pub const MAX_ROWS: usize = 8;
+/// Output features per task.
+const OUT_BLOCK: usize = 64;
+
+fn check(name: &'static str, needed: Option<usize>, len: usize) -> Result<(), KernelError> {
+    match needed {
+        None => Err(KernelError::Overflow { name }),
+        Some(n) if n > len => Err(KernelError::SliceTooShort { name, needed: n, len }),
+        Some(_) => Ok(()),
+    }
+}
+
+/// `y[r, o] = Σ_i x[r, i]·w[o, i] + bias[o]` for `r < rows <= MAX_ROWS`, `o < n`; `x` is
+/// `rows × k`, `w` is `n × k`, `y` is `rows × n`, all row-major and contiguous.
+pub fn linear_rows(
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    w: &[f32],
+    n: usize,
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    if rows > MAX_ROWS {
+        return Err(KernelError::InvalidArgument {
+            name: "rows",
+            msg: format!("at most {MAX_ROWS} rows, got {rows}"),
+        });
+    }
+    check("x", rows.checked_mul(k), x.len())?;
+    check("w", n.checked_mul(k), w.len())?;
+    check("y", rows.checked_mul(n), y.len())?;
+    if let Some(b) = bias {
+        check("bias", Some(n), b.len())?;
+    }
+    if rows == 0 || n == 0 {
+        return Ok(());
+    }
+    let task = RowsTask {
+        x: ConstPtr(x.as_ptr()),
+        rows,
+        k,
+        w: ConstPtr(w.as_ptr()),
+        n,
+        bias: bias.map(|b| ConstPtr(b.as_ptr())),
+        y: SyncPtr(y.as_mut_ptr()),
+    };
+    par_run(simd_level(), &task);
+    Ok(())
+}
+
+struct RowsTask {
+    x: ConstPtr<f32>,
+    rows: usize,
+    k: usize,
+    w: ConstPtr<f32>,
+    n: usize,
+    bias: Option<ConstPtr<f32>>,
+    y: SyncPtr<f32>,
+}
+
+/// `Σ_i a[i]·b[i]` as `LANES` partial sums.
+#[inline(always)]
+unsafe fn dot<S: Simd>(a: *const f32, b: *const f32, n: usize) -> S::V {
+    let l = S::LANES;
+    // SAFETY: the caller guarantees `n` readable floats at `a` and `b`.
+    unsafe {
+        let mut acc = S::splat(0.0);
+        let mut j = 0;
+        while j < n {
+            let mask = if j + l <= n { S::full_mask() } else { S::tail_mask(n - j) };
+            acc = S::fma(S::load_m(a.add(j), mask), S::load_m(b.add(j), mask), acc);
+            j += l;
+        }
+        acc
+    }
+}
+
+impl Task for RowsTask {
+    fn count(&self) -> usize {
+        self.n.div_ceil(OUT_BLOCK)
+    }
+    fn scratch_len(&self, _lanes: usize) -> usize {
+        0
+    }
+    #[inline(always)]
+    unsafe fn run<S: Simd>(&self, t: usize, _buf: &mut [f32]) {
+        let (l, k) = (S::LANES, self.k);
+        let (o0, o1) = (t * OUT_BLOCK, ((t + 1) * OUT_BLOCK).min(self.n));
+        let mut sums = [0f32; 16];
+        // SAFETY: rows `o < n` of `w`, rows `r < rows` of `x` and elements `(r, o)` of `y`
+        // were checked by `linear_rows`; this task alone writes outputs `o0..o1`.
+        unsafe {
+            let mut o = o0;
+            while o < o1 {
+                let group = (o1 - o).min(l);
+                for r in 0..self.rows {
+                    let xr = self.x.0.add(r * k);
+                    if group == l {
+                        let mut accs = [S::splat(0.0); 16];
+                        for (i, acc) in accs.iter_mut().take(l).enumerate() {
+                            *acc = dot::<S>(xr, self.w.0.add((o + i) * k), k);
+                        }
+                        S::reduce_many(accs.as_ptr(), sums.as_mut_ptr());
+                    } else {
+                        for (i, s) in sums.iter_mut().take(group).enumerate() {
+                            *s = S::reduce_add(dot::<S>(xr, self.w.0.add((o + i) * k), k));
+                        }
+                    }
+                    for (i, &s) in sums.iter().take(group).enumerate() {
+                        let b = self.bias.map_or(0.0, |b| *b.0.add(o + i));
+                        *self.y.0.add(r * self.n + o + i) = s + b;
+                    }
+                }
+                o += group;
+            }
+        }
+    }
+}
+
+/// The reference twin of [`linear_rows`], accumulating in f64.
+pub fn linear_rows_reference(
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    w: &[f32],
+    n: usize,
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) {
+    for r in 0..rows {
+        for o in 0..n {
+            let s: f64 = (0..k).map(|i| x[r * k + i] as f64 * w[o * k + i] as f64).sum();
+            y[r * n + o] = (s + bias.map_or(0.0, |b| b[o] as f64)) as f32;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::attention::{detected_simd_level, with_simd_level, SimdLevel};
+    use crate::testutil::rand_vec;
+
+    #[test]
+    fn matches_the_reference_at_every_simd_level_and_thread_count() {
+        let levels = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512];
+        for (rows, k, n) in [(1, 512, 1536), (3, 7, 5), (8, 65, 130), (2, 16, 16), (4, 1, 33)] {
+            let x = rand_vec(rows * k, 1);
+            let w = rand_vec(n * k, 2);
+            let b = rand_vec(n, 3);
+            let mut want = vec![0f32; rows * n];
+            linear_rows_reference(&x, rows, k, &w, n, Some(&b), &mut want);
+            let mut first: Option<Vec<f32>> = None;
+            for level in levels.into_iter().filter(|&l| l <= detected_simd_level()) {
+                for threads in [1, 3] {
+                    let pool =
+                        rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    let mut y = vec![f32::NAN; rows * n];
+                    pool.install(|| {
+                        with_simd_level(level, || linear_rows(&x, rows, k, &w, n, Some(&b), &mut y))
+                    })
+                    .unwrap();
+                    let err = y.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                    assert!(err <= 1e-5 * (k as f32).sqrt(), "{rows}x{k}x{n} {level:?}: {err}");
+                    if level == detected_simd_level() {
+                        match &first {
+                            None => first = Some(y),
+                            Some(f) => {
+                                assert!(f.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()))
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_sizes_are_errors() {
+        let mut y = [0f32; 4];
+        assert!(linear_rows(&[0.0; 9 * 2], 9, 2, &[0.0; 4], 2, None, &mut y).is_err());
+        assert!(linear_rows(&[0.0; 3], 2, 2, &[0.0; 4], 2, None, &mut y).is_err());
+        assert!(linear_rows(&[0.0; 4], 2, 2, &[0.0; 4], 2, Some(&[0.0]), &mut y).is_err());
+    }
+}

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""One incremental decoding step, side by side: PyTorch re-projecting the context, the best
+hand-written PyTorch KV cache, and ``multihead bench --module decode``.
+
+    python3 tools/bench_decode.py              # the BENCHMARKS.md rows (a few minutes)
+    python3 tools/bench_decode.py --quick      # fewer iterations
+
+A step is one new token per sequence (B sequences, S tokens already decoded), E=512, H=8 query
+heads and K key/value heads:
+
+* (a) ``nn.MultiheadAttention(E, H, batch_first=True)`` in eval mode under
+  ``torch.inference_mode()``: ``mha(x, ctx, ctx, need_weights=False)`` with the context of
+  S+1 tokens, so every step projects all keys and values again (K = H only: the module has no
+  grouped-query attention);
+* (b) hand-written PyTorch: a preallocated ``(B, K, S+1, D)`` key and value cache holding S
+  tokens; per step one ``F.linear`` on the packed q/k/v weight for the new token, the new key
+  and value written into the cache, ``F.scaled_dot_product_attention(q, kc, vc,
+  enable_gqa=K != H)`` over the S+1 cached tokens (the whole, contiguous cache: its best case),
+  and the output projection;
+* (c) ``multihead bench --module decode --json``: ``MultiheadAttention::forward_cached`` on the
+  same shapes (q/k/v projections of the new token, cache append, attention over the S+1
+  cached keys, output projection), plus the decode kernel alone over the cache.
+
+Each is timed with ``--threads`` threads (default 2) after warm-up; the table gives the
+fastest step. The machine's memory bandwidth is measured as the best of five
+``torch.sum`` over a 1 GiB f32 tensor with the same threads (a read-only stream, as attention
+over a cache is), and the kernel's GB/s are given against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = REPO / "target/release/multihead"
+CONFIGS = [  # (B, S, E, H, K)
+    (1, 4096, 512, 8, 8),
+    (8, 4096, 512, 8, 8),
+    (1, 32768, 512, 8, 8),
+    (1, 4096, 512, 8, 2),
+    (1, 32768, 512, 8, 1),
+]
+
+
+def timed(fn, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    times.sort()
+    return times[0], times[len(times) // 2]
+
+
+def read_bandwidth(torch):
+    x = torch.ones(1 << 28, dtype=torch.float32)
+    best = min(timed(lambda: x.sum(), 1, 5))
+    return x.numel() * 4 / (best * 1e-3) / 1e9
+
+
+def torch_rows(torch, b, s, e, h, k, warmup, iters):
+    F = torch.nn.functional
+    d = e // h
+    out = {}
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        x = torch.randn(b, 1, e)
+        if k == h:
+            mha = torch.nn.MultiheadAttention(e, h, batch_first=True).eval()
+            ctx = torch.randn(b, s + 1, e)
+            out["reproject"] = timed(lambda: mha(x, ctx, ctx, need_weights=False), warmup, iters)
+        w = torch.randn(e + 2 * k * d, e) / e**0.5
+        bias = torch.zeros(e + 2 * k * d)
+        wo, bo = torch.randn(e, e) / e**0.5, torch.zeros(e)
+        kc, vc = torch.randn(b, k, s + 1, d), torch.randn(b, k, s + 1, d)
+
+        def step():
+            qkv = F.linear(x, w, bias)
+            q = qkv[..., :e].view(b, 1, h, d).transpose(1, 2)
+            kc[:, :, s:s + 1] = qkv[..., e:e + k * d].view(b, 1, k, d).transpose(1, 2)
+            vc[:, :, s:s + 1] = qkv[..., e + k * d:].view(b, 1, k, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=k != h)
+            return F.linear(o.transpose(1, 2).reshape(b, 1, e), wo, bo)
+
+        out["cache"] = timed(step, warmup, iters)
+    return out
+
+
+def rust_row(b, s, e, h, k, threads, warmup, iters):
+    cmd = [str(BIN), "bench", "--module", "decode", "--batch", str(b), "--src-len", str(s),
+           "--embed-dim", str(e), "--num-heads", str(h), "--num-kv-heads", str(k),
+           "--threads", str(threads), "--warmup", str(warmup), "--iters", str(iters), "--json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json-out", type=Path, default=REPO / "target/bench_decode.json")
+    opts = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(opts.threads)
+    warmup, iters = (3, 20) if opts.quick else (10, 100)
+    if not BIN.exists():
+        sys.exit(f"build the binary first: cargo build --release -p multihead-cli ({BIN})")
+    bw = read_bandwidth(torch)
+    print(f"torch {torch.__version__}, {opts.threads} threads, measured read bandwidth {bw:.1f} GB/s\n")
+    print("| B | S | H/K | PyTorch MHA re-projecting | PyTorch hand-written cache | multihead "
+          "forward_cached | vs re-projecting | vs hand-written | decode kernel | kernel GB/s "
+          "(share of measured) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for b, s, e, h, k in CONFIGS:
+        t = torch_rows(torch, b, s, e, h, k, warmup, iters)
+        r = rust_row(b, s, e, h, k, opts.threads, warmup, iters)
+        ours = r["min_ms"]
+        rep = t.get("reproject")
+        rep_cell = f"{rep[0]:.2f} ms" if rep else "n/a (no GQA)"
+        vs_rep = f"{rep[0] / ours:.1f}x" if rep else "n/a"
+        gbps = r["attn_kernel_gbps"]
+        print(f"| {b} | {s} | {h}/{k} | {rep_cell} | {t['cache'][0]:.3f} ms | {ours:.3f} ms | "
+              f"{vs_rep} | {t['cache'][0] / ours:.2f}x | {r['attn_kernel_ms']:.3f} ms | "
+              f"{gbps:.1f} ({100 * gbps / bw:.0f}%) |")
+        rows.append({"b": b, "s": s, "e": e, "h": h, "k": k, "torch": t, "multihead": r})
+    opts.json_out.parent.mkdir(parents=True, exist_ok=True)
+    opts.json_out.write_text(json.dumps({"bandwidth_gbps": bw, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
