@@ -34,8 +34,8 @@ use crate::NamedParameters;
 /// ```
 #[derive(Clone, Debug)]
 pub struct TransformerDecoder {
-    layers: Vec<TransformerDecoderLayer>,
-    norm: Option<LayerNorm>,
+    pub(super) layers: Vec<TransformerDecoderLayer>,
+    pub(super) norm: Option<LayerNorm>,
 }
 
 impl TransformerDecoder {

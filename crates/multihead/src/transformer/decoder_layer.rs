@@ -51,15 +51,15 @@ pub struct DecoderMasks {
 /// ```
 #[derive(Clone, Debug)]
 pub struct TransformerDecoderLayer {
-    cfg: LayerConfig,
-    self_attn: MultiheadAttention,
-    multihead_attn: MultiheadAttention,
-    linear1: Linear,
-    linear2: Linear,
-    norm1: LayerNorm,
-    norm2: LayerNorm,
-    norm3: LayerNorm,
-    training: bool,
+    pub(super) cfg: LayerConfig,
+    pub(super) self_attn: MultiheadAttention,
+    pub(super) multihead_attn: MultiheadAttention,
+    pub(super) linear1: Linear,
+    pub(super) linear2: Linear,
+    pub(super) norm1: LayerNorm,
+    pub(super) norm2: LayerNorm,
+    pub(super) norm3: LayerNorm,
+    pub(super) training: bool,
 }
 
 impl TransformerDecoderLayer {

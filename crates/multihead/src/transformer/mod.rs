@@ -13,6 +13,8 @@ mod decoder;
 mod decoder_layer;
 mod encoder;
 mod encoder_layer;
+mod generate;
+mod incremental;
 #[allow(clippy::module_inception)]
 mod transformer;
 
@@ -20,6 +22,8 @@ pub use decoder::TransformerDecoder;
 pub use decoder_layer::{DecoderMasks, TransformerDecoderLayer};
 pub use encoder::TransformerEncoder;
 pub use encoder_layer::TransformerEncoderLayer;
+pub use generate::{GenerateOptions, Sampling};
+pub use incremental::DecoderState;
 pub use transformer::{Transformer, TransformerConfig, TransformerMasks};
 
 use crate::activation::Activation;

@@ -69,9 +69,9 @@ pub struct TransformerMasks {
 /// ```
 #[derive(Clone, Debug)]
 pub struct Transformer {
-    cfg: TransformerConfig,
-    encoder: TransformerEncoder,
-    decoder: TransformerDecoder,
+    pub(super) cfg: TransformerConfig,
+    pub(super) encoder: TransformerEncoder,
+    pub(super) decoder: TransformerDecoder,
 }
 
 impl Transformer {

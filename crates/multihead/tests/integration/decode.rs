@@ -387,3 +387,117 @@ fn the_cache_gives_the_softmax_of_a_grad_free_forward() {
     assert!(!y.track_op());
     let _ = y.sum(D::Minus1).unwrap();
 }
+
+/// Sets every variable of `vm` to seeded uniform values: `±√(3/fan_in)` for matrices, `±0.1`
+/// around 1 for vectors named `*norm*.weight`, `±0.1` for the other vectors.
+fn seed_vars(vm: &VarMap, dtype: DType) {
+    let data = vm.data().lock().unwrap();
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for (i, name) in names.into_iter().enumerate() {
+        let var = &data[name];
+        let dims = var.dims().to_vec();
+        let t = match dims.as_slice() {
+            [_, fan_in] => rand_t(&dims, dtype, i as u64 + 5, (3.0 / *fan_in as f64).sqrt()),
+            _ if name.contains("norm") && name.ends_with("weight") => {
+                (rand_t(&dims, dtype, i as u64 + 5, 0.1) + 1.0).unwrap()
+            }
+            _ => rand_t(&dims, dtype, i as u64 + 5, 0.1),
+        };
+        var.set(&t).unwrap();
+    }
+}
+
+fn transformer(norm_first: bool, dtype: DType) -> (multihead::transformer::Transformer, VarMap) {
+    use multihead::transformer::{LayerConfig, Transformer, TransformerConfig};
+    let layer = LayerConfig::new(32, 4)
+        .with_dim_feedforward(64)
+        .with_batch_first(true)
+        .with_norm_first(norm_first)
+        .with_activation(multihead::Activation::Gelu);
+    let cfg = TransformerConfig { layer, num_encoder_layers: 2, num_decoder_layers: 2 };
+    let vm = VarMap::new();
+    let mut model = Transformer::new(cfg, VarBuilder::from_varmap(&vm, dtype, &dev())).unwrap();
+    seed_vars(&vm, dtype);
+    model.eval();
+    (model, vm)
+}
+
+#[test]
+fn decoder_steps_equal_the_full_decoder_over_the_prefix() {
+    use multihead::transformer::DecoderMasks;
+    for norm_first in [false, true] {
+        let (model, _vm) = transformer(norm_first, DType::F32);
+        let (n, s, steps) = (3, 9, 120);
+        let src = rand_t(&[n, s, 32], DType::F32, 1, 1.7);
+        let pad = Tensor::new(
+            &[[0u8, 0, 0, 0, 0, 0, 0, 1, 1], [0; 9], [0, 0, 0, 1, 1, 1, 1, 1, 1]],
+            &dev(),
+        )
+        .unwrap();
+        let kpm = Mask::Bool(pad);
+        let memory = model.encode(&src, None, Some(&kpm)).unwrap();
+        let tgt = rand_t(&[n, steps, 32], DType::F32, 2, 1.7);
+        let mut state = model.start_decoding(&memory, Some(&kpm), steps).unwrap();
+        let mut worst = 0.0f64;
+        // A prefill of 4 tokens, then one token per step.
+        let mut pos = 0;
+        while pos < steps {
+            let t = if pos == 0 { 4 } else { 1 };
+            let out = model.decode_step(&tgt.narrow(1, pos, t).unwrap(), &mut state, None).unwrap();
+            pos += t;
+            let prefix = tgt.narrow(1, 0, pos).unwrap();
+            let mask = generate_square_subsequent_mask(pos, DType::F32, &dev()).unwrap();
+            let masks = DecoderMasks {
+                tgt_mask: Some(Mask::Float(mask)),
+                tgt_is_causal: Some(true),
+                memory_key_padding_mask: Some(kpm.clone()),
+                ..Default::default()
+            };
+            let full = no_grad(|| model.decoder().forward(&prefix, &memory, &masks)).unwrap();
+            worst = worst.max(rel_diff(&out, &full.narrow(1, pos - t, t).unwrap()));
+        }
+        assert_eq!(state.positions(), &[steps; 3]);
+        assert!(worst <= 1e-6, "norm_first={norm_first}: max diff {worst:e}");
+    }
+}
+
+#[test]
+fn generation_with_the_cache_gives_the_tokens_of_recomputing() {
+    use multihead::transformer::{GenerateOptions, Sampling};
+    let (model, _vm) = transformer(false, DType::F32);
+    let table = rand_t(&[11, 32], DType::F32, 9, 1.7);
+    let pos_enc = rand_t(&[64, 32], DType::F32, 10, 0.5);
+    let embed = |toks: &[u32], p: usize| -> multihead::Result<Tensor> {
+        let e = table.index_select(&Tensor::new(toks, &dev())?, 0)?;
+        Ok(e.broadcast_add(&pos_enc.get(p)?)?)
+    };
+    let logits = |h: &Tensor| -> multihead::Result<Tensor> { Ok(h.matmul(&table.t()?)?) };
+    let memory = model.encode(&rand_t(&[3, 7, 32], DType::F32, 3, 1.7), None, None).unwrap();
+    for sampling in [Sampling::Greedy, Sampling::Sample { temperature: 0.8, seed: 42 }] {
+        let opts = GenerateOptions { max_new_tokens: 40, sampling, eos: Some(10), use_cache: true };
+        let cached = model.generate(&memory, None, &[0, 1, 2], &opts, embed, logits).unwrap();
+        let again = model.generate(&memory, None, &[0, 1, 2], &opts, embed, logits).unwrap();
+        let recomputed = model
+            .generate(
+                &memory,
+                None,
+                &[0, 1, 2],
+                &GenerateOptions { use_cache: false, ..opts.clone() },
+                embed,
+                logits,
+            )
+            .unwrap();
+        assert_eq!(cached, recomputed, "{sampling:?}");
+        assert_eq!(cached, again, "{sampling:?}: seeded generation is reproducible");
+        for row in &cached {
+            assert!(row.len() == 40 || row.last() == Some(&10), "{row:?}");
+        }
+    }
+    let bad = GenerateOptions {
+        sampling: Sampling::Sample { temperature: 0.0, seed: 1 },
+        ..Default::default()
+    };
+    let err = model.generate(&memory, None, &[0, 1, 2], &bad, embed, logits).unwrap_err();
+    assert!(err.to_string().contains("temperature must be positive"), "{err}");
+}

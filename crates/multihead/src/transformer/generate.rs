@@ -1,0 +1,217 @@
+//! A small generation loop over the incremental decoder: greedy or seeded sampling, with the
+//! KV cache or (for comparison) recomputing the whole prefix at every step.
+
+use candle_core::{DType, Tensor};
+
+use super::{DecoderMasks, Transformer};
+use crate::error::{Error, Result};
+use crate::mask::Mask;
+
+const OP: &str = "Transformer::generate";
+
+/// How the next token is picked from the logits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Sampling {
+    /// The most likely token (the first one on ties, like `torch.argmax`).
+    Greedy,
+    /// A draw from `softmax(logits / temperature)` with a generator seeded by `seed`: the same
+    /// seed gives the same tokens.
+    Sample {
+        /// Must be positive and finite.
+        temperature: f64,
+        /// The generator's seed.
+        seed: u64,
+    },
+}
+
+/// The options of [`Transformer::generate`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerateOptions {
+    /// New tokens per row at most. Default 32.
+    pub max_new_tokens: usize,
+    /// How tokens are picked. Default greedy.
+    pub sampling: Sampling,
+    /// A row stops after emitting this token (it is included). Default `None`.
+    pub eos: Option<u32>,
+    /// Decode with the KV cache (`true`, the default) or recompute the decoder over the whole
+    /// prefix at every step, as a model without a cache must. Both give the same tokens.
+    pub use_cache: bool,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        Self { max_new_tokens: 32, sampling: Sampling::Greedy, eos: None, use_cache: true }
+    }
+}
+
+/// SplitMix64: a small seeded generator for sampling.
+struct SplitMix(u64);
+
+impl SplitMix {
+    /// A uniform draw in `[0, 1)`.
+    fn next_f64(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Picks one token per row from logits `(N, V)`.
+fn pick(logits: &Tensor, sampling: Sampling, rng: &mut SplitMix) -> Result<Vec<u32>> {
+    let rows = logits.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+    rows.iter()
+        .map(|row| {
+            if row.is_empty() || row.iter().any(|x| x.is_nan()) {
+                return Err(Error::Config {
+                    op: OP,
+                    arg: "logits",
+                    msg: "the logits are empty or contain NaN; check the model's output".into(),
+                });
+            }
+            let best = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let first_best = || row.iter().position(|&x| x == best).unwrap_or(0) as u32;
+            match sampling {
+                Sampling::Greedy => Ok(first_best()),
+                Sampling::Sample { temperature: t, .. } => {
+                    let w: Vec<f64> = row.iter().map(|&x| ((x - best) / t).exp()).collect();
+                    let mut u = rng.next_f64() * w.iter().sum::<f64>();
+                    for (i, wi) in w.iter().enumerate() {
+                        if u < *wi {
+                            return Ok(i as u32);
+                        }
+                        u -= wi;
+                    }
+                    Ok(first_best())
+                }
+            }
+        })
+        .collect()
+}
+
+impl Transformer {
+    /// Generates up to `max_new_tokens` tokens per row, starting from `bos[b]`, decoding
+    /// against an encoded `memory` (from [`encode`](Self::encode), batched, in the model's
+    /// layout) with the KV cache.
+    ///
+    /// `embed(tokens, position)` turns one token per row (at `position`, from 0 for `bos`)
+    /// into `(N, E)` decoder input (a token embedding plus any positional encoding);
+    /// `logits(h)` turns the decoder output `(N, E)` into `(N, V)` scores. Returns each row's
+    /// new tokens.
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use multihead::transformer::{GenerateOptions, LayerConfig, Transformer, TransformerConfig};
+    ///
+    /// let dev = Device::Cpu;
+    /// let vm = VarMap::new();
+    /// let layer = LayerConfig::new(16, 2).with_dim_feedforward(32).with_batch_first(true);
+    /// let cfg = TransformerConfig { layer, num_encoder_layers: 1, num_decoder_layers: 1 };
+    /// let mut model = Transformer::new(cfg, VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
+    /// model.eval();
+    /// let table = Tensor::randn(0f32, 1.0, (10, 16), &dev)?; // a toy vocabulary of 10
+    /// let embed = |toks: &[u32], _pos: usize| -> multihead::Result<Tensor> {
+    ///     Ok(table.index_select(&Tensor::new(toks, &dev)?, 0)?)
+    /// };
+    /// let logits = |h: &Tensor| -> multihead::Result<Tensor> { Ok(h.matmul(&table.t()?)?) };
+    ///
+    /// let memory = model.encode(&Tensor::randn(0f32, 1.0, (2, 5, 16), &dev)?, None, None)?;
+    /// let opts = GenerateOptions { max_new_tokens: 6, ..Default::default() };
+    /// let cached = model.generate(&memory, None, &[1, 2], &opts, embed, logits)?;
+    /// let recomputed = model.generate(&memory, None, &[1, 2], &GenerateOptions { use_cache: false, ..opts }, embed, logits)?;
+    /// assert_eq!(cached, recomputed);
+    /// assert_eq!(cached[0].len(), 6);
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
+    pub fn generate(
+        &self,
+        memory: &Tensor,
+        memory_key_padding_mask: Option<&Mask>,
+        bos: &[u32],
+        opts: &GenerateOptions,
+        embed: impl Fn(&[u32], usize) -> Result<Tensor>,
+        logits: impl Fn(&Tensor) -> Result<Tensor>,
+    ) -> Result<Vec<Vec<u32>>> {
+        let bf = self.cfg.layer.batch_first;
+        let n = bos.len();
+        if memory.rank() != 3 || memory.dim(if bf { 0 } else { 1 })? != n {
+            return Err(Error::Shape {
+                op: OP,
+                arg: "memory",
+                msg: format!(
+                    "expected a batched memory with one row per bos token ({n}), got {:?}",
+                    memory.dims()
+                ),
+            });
+        }
+        let mut rng = match opts.sampling {
+            Sampling::Sample { temperature, seed } => {
+                if !(temperature.is_finite() && temperature > 0.0) {
+                    return Err(Error::Config {
+                        op: OP,
+                        arg: "temperature",
+                        msg: format!("temperature must be positive and finite, got {temperature}"),
+                    });
+                }
+                SplitMix(seed)
+            }
+            Sampling::Greedy => SplitMix(0),
+        };
+        let seq_dim = if bf { 1 } else { 0 };
+        let mut state = match opts.use_cache {
+            true => {
+                Some(self.start_decoding(memory, memory_key_padding_mask, opts.max_new_tokens)?)
+            }
+            false => None,
+        };
+        let mut inputs: Vec<Tensor> = Vec::new(); // every position's input, without the cache
+        let (mut cur, mut out, mut done) = (bos.to_vec(), vec![Vec::new(); n], vec![false; n]);
+        for pos in 0..opts.max_new_tokens {
+            let x = embed(&cur, pos)?.unsqueeze(seq_dim)?; // (N, 1, E) or (1, N, E)
+            let h = match &mut state {
+                Some(state) => self.decode_step(&x, state, None)?,
+                None => {
+                    inputs.push(x);
+                    let prefix = Tensor::cat(&inputs, seq_dim)?;
+                    self.recompute_last(&prefix, memory, memory_key_padding_mask)?
+                }
+            };
+            let next = pick(&logits(&h.squeeze(seq_dim)?)?, opts.sampling, &mut rng)?;
+            for (b, &tok) in next.iter().enumerate() {
+                if !done[b] {
+                    out[b].push(tok);
+                    done[b] = opts.eos == Some(tok);
+                }
+            }
+            if done.iter().all(|&d| d) {
+                break;
+            }
+            cur = next;
+        }
+        Ok(out)
+    }
+
+    /// The decoder over a whole prefix with a causal mask, at its last position.
+    fn recompute_last(
+        &self,
+        prefix: &Tensor,
+        memory: &Tensor,
+        kpm: Option<&Mask>,
+    ) -> Result<Tensor> {
+        let seq_dim = if self.cfg.layer.batch_first { 1 } else { 0 };
+        let len = prefix.dim(seq_dim)?;
+        let mask = crate::generate_square_subsequent_mask(len, prefix.dtype(), prefix.device())?;
+        let masks = DecoderMasks {
+            tgt_mask: Some(Mask::Float(mask)),
+            tgt_is_causal: Some(true),
+            memory_key_padding_mask: kpm.cloned(),
+            ..Default::default()
+        };
+        let h = crate::mode::no_grad(|| self.decoder.forward(prefix, memory, &masks))?;
+        Ok(h.narrow(seq_dim, len - 1, 1)?)
+    }
+}

@@ -1,0 +1,192 @@
+//! Incremental decoding through the decoder layers: each layer keeps a [`KvCache`] of its
+//! self-attention and the cross-attention keys/values of the memory projected once
+//! ([`StaticKv`]), so a step costs the new tokens' projections and one read of the caches.
+
+use candle_core::Tensor;
+
+use super::{feed_forward, final_norm, Transformer, TransformerDecoder, TransformerDecoderLayer};
+use crate::error::{Error, Result};
+use crate::kv_cache::KvCache;
+use crate::mask::Mask;
+use crate::StaticKv;
+
+const STEP: &str = "TransformerDecoder::forward_step";
+
+/// What a decoder needs between steps: one self-attention [`KvCache`] per layer, the memory's
+/// cross-attention keys and values per layer, and the memory's key padding mask.
+///
+/// Made by [`TransformerDecoder::start`] (or [`Transformer::start_decoding`]).
+#[derive(Debug)]
+pub struct DecoderState {
+    caches: Vec<KvCache>,
+    memory: Vec<StaticKv>,
+    memory_key_padding_mask: Option<Mask>,
+}
+
+impl DecoderState {
+    /// The self-attention caches, one per layer.
+    pub fn caches(&self) -> &[KvCache] {
+        &self.caches
+    }
+    /// Tokens decoded per row so far.
+    pub fn positions(&self) -> &[usize] {
+        self.caches.first().map_or(&[], |c| c.positions())
+    }
+    /// Rolls every row back to at most `len` tokens (see [`KvCache::truncate`]).
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        self.caches.iter_mut().try_for_each(|c| c.truncate(len))
+    }
+    /// Forgets the decoded tokens, keeping the memory (to decode again from the start).
+    pub fn reset(&mut self) {
+        self.caches.iter_mut().for_each(KvCache::reset);
+    }
+}
+
+impl TransformerDecoderLayer {
+    /// An empty self-attention cache for `batch` rows of up to `capacity` tokens.
+    pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache> {
+        self.self_attn.new_cache(batch, capacity)
+    }
+
+    /// The memory's cross-attention keys and values, projected once.
+    pub fn static_memory(&self, memory: &Tensor) -> Result<StaticKv> {
+        self.multihead_attn.static_kv(memory)
+    }
+
+    /// One incremental step: the new tokens `x` through causal self-attention over `cache`,
+    /// cross-attention over the projected memory, and the feed-forward block. At the new
+    /// positions it equals `forward(prefix, memory, tgt_mask=causal, tgt_is_causal=True,
+    /// memory_key_padding_mask)` within rounding. Inference only (eval mode when
+    /// `dropout > 0`); runs without an autograd graph.
+    ///
+    /// # Shapes
+    /// * x: `(T, N, E)`, `(N, T, E)` with `batch_first`, or `(T, E)`; output alike.
+    // Mirrors torch.nn.TransformerDecoderLayer.forward at the new positions of the sequence.
+    pub fn forward_step(
+        &self,
+        x: &Tensor,
+        memory: &StaticKv,
+        cache: &mut KvCache,
+        memory_key_padding_mask: Option<&Mask>,
+        lengths: Option<&[usize]>,
+    ) -> Result<Tensor> {
+        if self.training && self.cfg.dropout > 0.0 {
+            return Err(Error::Config {
+                op: STEP,
+                arg: "dropout",
+                msg: format!(
+                    "incremental decoding is inference: the layer is in training mode with \
+                     dropout={}; call eval() first",
+                    self.cfg.dropout
+                ),
+            });
+        }
+        crate::mode::no_grad(|| {
+            let sa = |x: &Tensor, c: &mut KvCache| self.self_attn.forward_cached(x, c, lengths);
+            let ca =
+                |x: &Tensor| self.multihead_attn.forward_static(x, memory, memory_key_padding_mask);
+            let ff = |x: &Tensor| {
+                let (l1, l2) = (&self.linear1, &self.linear2);
+                feed_forward(l1, l2, self.cfg.activation, 0.0, false, x)
+            };
+            if self.cfg.norm_first {
+                let x = (x + sa(&self.norm1.forward(x)?, cache)?)?;
+                let x = (&x + ca(&self.norm2.forward(&x)?)?)?;
+                Ok((&x + ff(&self.norm3.forward(&x)?)?)?)
+            } else {
+                let x = self.norm1.forward(&(x + sa(x, cache)?)?)?;
+                let x = self.norm2.forward(&(&x + ca(&x)?)?)?;
+                self.norm3.forward(&(&x + ff(&x)?)?)
+            }
+        })
+    }
+}
+
+impl TransformerDecoder {
+    /// Starts incremental decoding against `memory` (in the layers' layout): one empty cache of
+    /// `capacity` tokens per layer and row, and the memory projected once per layer.
+    pub fn start(
+        &self,
+        memory: &Tensor,
+        memory_key_padding_mask: Option<&Mask>,
+        capacity: usize,
+    ) -> Result<DecoderState> {
+        let batch = match (memory.rank(), self.layers.first()) {
+            (3, Some(l)) => memory.dim(if l.config().batch_first { 0 } else { 1 })?,
+            _ => 1,
+        };
+        let caches =
+            self.layers.iter().map(|l| l.new_cache(batch, capacity)).collect::<Result<_>>()?;
+        let memory_kv = crate::mode::no_grad(|| {
+            self.layers.iter().map(|l| l.static_memory(memory)).collect::<Result<Vec<_>>>()
+        })?;
+        Ok(DecoderState {
+            caches,
+            memory: memory_kv,
+            memory_key_padding_mask: memory_key_padding_mask.cloned(),
+        })
+    }
+
+    /// One incremental step through every layer and the final norm: at the new positions it
+    /// equals [`forward`](Self::forward) over the whole prefix with a causal `tgt_mask`.
+    /// `lengths[b]` new tokens of row `b` are real (default all `T`).
+    // Mirrors torch.nn.TransformerDecoder.forward at the new positions of the sequence.
+    pub fn forward_step(
+        &self,
+        x: &Tensor,
+        state: &mut DecoderState,
+        lengths: Option<&[usize]>,
+    ) -> Result<Tensor> {
+        if state.caches.len() != self.layers.len() {
+            return Err(Error::Config {
+                op: STEP,
+                arg: "state",
+                msg: format!(
+                    "the state has {} layer caches but the decoder {} layers; make it with this \
+                     decoder's start()",
+                    state.caches.len(),
+                    self.layers.len()
+                ),
+            });
+        }
+        let mut x = x.clone();
+        let kpm = state.memory_key_padding_mask.clone();
+        for ((layer, cache), mem) in self.layers.iter().zip(&mut state.caches).zip(&state.memory) {
+            x = layer.forward_step(&x, mem, cache, kpm.as_ref(), lengths)?;
+        }
+        crate::mode::no_grad(|| final_norm(self.norm.as_ref(), x))
+    }
+}
+
+impl Transformer {
+    /// The encoder's output (`memory`) for `src`: `encoder(src, mask, src_key_padding_mask)`.
+    pub fn encode(
+        &self,
+        src: &Tensor,
+        src_mask: Option<&Mask>,
+        src_key_padding_mask: Option<&Mask>,
+    ) -> Result<Tensor> {
+        self.encoder.forward(src, src_mask, src_key_padding_mask, None)
+    }
+
+    /// Starts incremental decoding against an encoded `memory` (see
+    /// [`TransformerDecoder::start`]).
+    pub fn start_decoding(
+        &self,
+        memory: &Tensor,
+        memory_key_padding_mask: Option<&Mask>,
+        capacity: usize,
+    ) -> Result<DecoderState> {
+        self.decoder.start(memory, memory_key_padding_mask, capacity)
+    }
+
+    /// One incremental decoder step (see [`TransformerDecoder::forward_step`]).
+    pub fn decode_step(
+        &self,
+        x: &Tensor,
+        state: &mut DecoderState,
+        lengths: Option<&[usize]>,
+    ) -> Result<Tensor> {
+        self.decoder.forward_step(x, state, lengths)
+    }
+}
