@@ -15,9 +15,9 @@ use crate::plot::{save_grid, Panel};
 /// Settings of the demo run.
 #[derive(clap::Args, Debug, Clone)]
 pub struct DemoArgs {
-    /// Training steps.
-    #[arg(long, default_value_t = 1500)]
-    pub steps: usize,
+    /// Training steps (default 1500; 400 with `--seq2seq`).
+    #[arg(long)]
+    pub steps: Option<usize>,
     /// Seed for data, initialisation and dropout: the same seed gives the same run.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -36,12 +36,16 @@ pub struct DemoArgs {
     /// Exit with an error when the held-out accuracy ends below this fraction.
     #[arg(long)]
     pub require_accuracy: Option<f32>,
+    /// Train an encoder-decoder `Transformer` instead and decode greedily with the KV cache,
+    /// printing accuracy and tokens/s cached against recomputed.
+    #[arg(long)]
+    pub seq2seq: bool,
 }
 
-const VOCAB: usize = 10;
+pub(crate) const VOCAB: usize = 10;
 
 /// A counter-based uniform draw, so data and initialisation follow `--seed` exactly.
-fn uniform(seed: u64, stream: u64, i: u64) -> f32 {
+pub(crate) fn uniform(seed: u64, stream: u64, i: u64) -> f32 {
     multihead::random::DropoutKey { seed, offset: stream }.uniform(0, 0, i)
 }
 
@@ -98,7 +102,7 @@ impl Model {
 
 /// Re-draws every parameter from `seed`: matrices Xavier-uniform (as `nn.Transformer`'s
 /// `_reset_parameters`), biases zero, LayerNorm weights one.
-fn seeded_init(vm: &VarMap, seed: u64) -> Result<()> {
+pub(crate) fn seeded_init(vm: &VarMap, seed: u64) -> Result<()> {
     let data = vm.data().lock().map_err(|_| anyhow::anyhow!("poisoned var map"))?;
     let mut names: Vec<&String> = data.keys().collect();
     names.sort();
@@ -123,7 +127,13 @@ fn seeded_init(vm: &VarMap, seed: u64) -> Result<()> {
 }
 
 /// A batch of random digit sequences and their reversals, `(N, L)` u32 each.
-fn batch(seed: u64, stream: u64, n: usize, l: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+pub(crate) fn batch(
+    seed: u64,
+    stream: u64,
+    n: usize,
+    l: usize,
+    dev: &Device,
+) -> Result<(Tensor, Tensor)> {
     let x: Vec<u32> = (0..n * l)
         .map(|i| (uniform(seed, stream, i as u64) * VOCAB as f32) as u32 % VOCAB as u32)
         .collect();
@@ -132,7 +142,7 @@ fn batch(seed: u64, stream: u64, n: usize, l: usize, dev: &Device) -> Result<(Te
     Ok((Tensor::from_vec(x, (n, l), dev)?, Tensor::from_vec(y, (n, l), dev)?))
 }
 
-fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let (n, l, v) = logits.dims3()?;
     let logits = logits.reshape((n * l, v))?;
     let log_p = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
@@ -140,14 +150,18 @@ fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     Ok(picked.mean_all()?.neg()?)
 }
 
-fn accuracy(logits: &Tensor, targets: &Tensor) -> Result<f32> {
+pub(crate) fn accuracy(logits: &Tensor, targets: &Tensor) -> Result<f32> {
     let pred = logits.argmax(D::Minus1)?;
     let hits = pred.eq(targets)?.to_dtype(DType::F32)?.mean_all()?;
     Ok(hits.to_scalar::<f32>()?)
 }
 
 pub fn run(args: DemoArgs) -> Result<()> {
+    if args.seq2seq {
+        return crate::demo_seq2seq::run(args);
+    }
     let dev = Device::Cpu;
+    let steps = args.steps.unwrap_or(1500);
     let (d, l) = (64, args.seq_len);
     multihead::manual_seed(args.seed);
     let vm = VarMap::new();
@@ -170,7 +184,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let pb = if args.quiet || plain {
         indicatif::ProgressBar::hidden()
     } else {
-        indicatif::ProgressBar::new(args.steps as u64)
+        indicatif::ProgressBar::new(steps as u64)
     };
     pb.set_style(
         indicatif::ProgressStyle::with_template(
@@ -179,16 +193,16 @@ pub fn run(args: DemoArgs) -> Result<()> {
         .context("progress template")?,
     );
     let start = Instant::now();
-    for step in 0..args.steps {
+    for step in 0..steps {
         // Warm up the learning rate over the first 100 steps, then decay it linearly.
         let warm = ((step + 1) as f64 / 100.0).min(1.0);
-        let decay = 1.0 - step as f64 / args.steps as f64;
+        let decay = 1.0 - step as f64 / steps as f64;
         opt.set_learning_rate(3e-3 * warm * (0.1 + 0.9 * decay));
         let (x, y) = batch(args.seed, step as u64, args.batch, l, &dev)?;
         let logits = model.logits(&x)?;
         let loss = cross_entropy(&logits, &y)?;
         opt.backward_step(&loss)?;
-        if step % 25 == 0 || step + 1 == args.steps {
+        if step % 25 == 0 || step + 1 == steps {
             let acc = accuracy(&logits, &y)?;
             let held_acc = accuracy(&model.logits(&held_x)?, &held_y)?;
             let msg = format!(
@@ -197,8 +211,8 @@ pub fn run(args: DemoArgs) -> Result<()> {
                 100.0 * acc,
                 100.0 * held_acc
             );
-            if plain && (step % 100 == 0 || step + 1 == args.steps) {
-                println!("step {:>5}/{}  {msg}", step + 1, args.steps);
+            if plain && (step % 100 == 0 || step + 1 == steps) {
+                println!("step {:>5}/{}  {msg}", step + 1, steps);
             }
             pb.set_message(msg);
         }
@@ -210,7 +224,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     println!(
         "held-out token accuracy: {:.2}% on 1000 unseen sequences after {} steps in {secs:.1} s",
         100.0 * held_acc,
-        args.steps
+        steps
     );
 
     let examples = held_x.narrow(0, 0, 5)?;

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod bench_decode;
 mod demo;
+mod demo_seq2seq;
 mod embed;
 mod plot;
 use multihead::Backend;

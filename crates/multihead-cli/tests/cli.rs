@@ -107,3 +107,15 @@ fn demo_is_reproducible_for_a_seed() {
     assert_ne!(pa, pc, "another seed, another run");
     assert!(pa.starts_with(b"\x89PNG"));
 }
+
+#[test]
+fn the_seq2seq_demo_decodes_with_the_cache_as_it_would_by_recomputing() {
+    let o = bin()
+        .args(["demo", "--seq2seq", "--quiet", "--steps", "300", "--require-accuracy", "0.95"])
+        .output()
+        .expect("runs");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert!(stdout.contains("the tokens are identical"), "{stdout}");
+    assert!(stdout.contains("greedy decoding of 1000 unseen sequences"), "{stdout}");
+}
