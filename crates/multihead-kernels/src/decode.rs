@@ -49,7 +49,9 @@ use crate::attention::simd::Simd;
 use crate::attention::{check_tensor, simd_level, KernelError, Layout4};
 
 /// Keys per chunk (one task's share of a row's keys).
-pub const KEY_CHUNK: usize = 256;
+pub const KEY_CHUNK: usize = 512;
+/// Keys per sub-block inside a chunk: 64 keys and values of 64 floats fit in L1 together.
+const SUB_BLOCK: usize = 64;
 /// Query rows (new tokens × query heads of one kv head) one task handles together.
 pub const ROW_BLOCK: usize = 8;
 /// Above this many floats of partial results, each row block runs its chunks in one task
@@ -190,6 +192,12 @@ pub(crate) fn decode_impl(
     run(&base, sequential)
 }
 
+thread_local! {
+    /// The partial results of the split mode, kept between calls (every slot a call reads
+    /// was written by that call), so that a decode step does not fault in fresh pages.
+    static PARTIALS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Runs the tasks, split across chunks unless the partials would be too large or
 /// `sequential` is asked for (the tests compare the two modes bit for bit).
 fn run(base: &Base, sequential: bool) -> Result<(), KernelError> {
@@ -201,14 +209,25 @@ fn run(base: &Base, sequential: bool) -> Result<(), KernelError> {
         .filter(|&n| n <= MAX_PARTIAL_FLOATS && !sequential);
     match partial_floats {
         Some(n) => {
-            let mut partials = Vec::new();
-            partials
-                .try_reserve_exact(n)
-                .map_err(|_| invalid("partials", format!("cannot allocate {n} floats")))?;
-            partials.resize(n, 0.0);
-            let parts = SyncPtr(partials.as_mut_ptr());
-            par_run(simd_level(), &PartialTask { base, parts });
-            par_run(simd_level(), &CombineTask { base, parts: ConstPtr(parts.0) });
+            PARTIALS.with(|cell| -> Result<(), KernelError> {
+                let mut own = Vec::new();
+                // A re-entrant call (not expected) takes a private buffer.
+                let mut guard = cell.try_borrow_mut();
+                let partials = match guard.as_mut() {
+                    Ok(v) => &mut **v,
+                    Err(_) => &mut own,
+                };
+                if partials.len() < n {
+                    partials
+                        .try_reserve_exact(n - partials.len())
+                        .map_err(|_| invalid("partials", format!("cannot allocate {n} floats")))?;
+                    partials.resize(n, 0.0);
+                }
+                let parts = SyncPtr(partials.as_mut_ptr());
+                par_run(simd_level(), &PartialTask { base, parts });
+                par_run(simd_level(), &CombineTask { base, parts: ConstPtr(parts.0) });
+                Ok(())
+            })?;
         }
         None => par_run(simd_level(), &SequentialTask { base }),
     }
@@ -262,47 +281,72 @@ impl Base<'_> {
         (b, hk, rows)
     }
 
-    /// The partial softmax of `row` over keys `c·KEY_CHUNK ..` of chunk `c`, into `part`
-    /// (`[max, sum, acc; dv]`). `buf` holds `round16(d) + round16(KEY_CHUNK)` floats.
+    /// The partial softmaxes of a block's rows over chunk `c` (keys `c·KEY_CHUNK ..`), into
+    /// `parts` (`ROW_BLOCK` rows of `[max, sum, acc; dv]`). The chunk is walked in sub-blocks of
+    /// [`SUB_BLOCK`] keys with the rows inside, so that the rows of a grouped-query block read
+    /// each sub-block of keys and values from L1. `buf` holds [`chunk_scratch`] floats.
     ///
     /// # Safety
     /// `S`'s instruction set is available; the layouts were checked by the entry point.
     #[inline(always)]
-    unsafe fn chunk_partial<S: Simd>(
+    unsafe fn block_partial<S: Simd>(
         &self,
         (b, hk): (usize, usize),
-        row: Row,
+        rows: &[Option<Row>; ROW_BLOCK],
         c: usize,
-        part: &mut [f32],
+        parts: &mut [f32],
         buf: &mut [f32],
     ) {
-        let d = self.p.dims;
+        let (d, st) = (self.p.dims, self.stride());
         let start = c * KEY_CHUNK;
-        let n = row.vis.min(start + KEY_CHUNK).saturating_sub(start);
-        part[0] = f32::NEG_INFINITY;
-        part[1] = 0.0;
-        part[2..].fill(0.0);
-        if n == 0 {
+        let mut len = [0usize; ROW_BLOCK];
+        for (i, part) in parts.chunks_exact_mut(st).enumerate() {
+            part[0] = f32::NEG_INFINITY;
+            part[1..].fill(0.0);
+            len[i] = rows[i].map_or(0, |r| r.vis.min(start + KEY_CHUNK).saturating_sub(start));
+        }
+        let longest = len.iter().copied().max().unwrap_or(0);
+        if longest == 0 {
             return;
         }
         let mut carve = Carver::new(buf);
-        let qs = carve.take(d.d);
-        let scores = carve.take(n);
+        let qs = carve.take(ROW_BLOCK * round16(d.d));
+        let scores = carve.take(ROW_BLOCK * KEY_CHUNK);
+        let q_of = |i: usize| i * round16(d.d)..i * round16(d.d) + d.d;
         // SAFETY: every pointer below addresses an element of a checked `[b, h, i, :]` row:
         // `b < batch`, `h < heads`, `i < rows` or `i < kv_len[b] <= capacity`.
         unsafe {
-            let qr = self.q.0.add(self.ql.offset(b, row.h, row.t));
-            for (j, x) in qs.iter_mut().enumerate() {
-                *x = *qr.add(j) * self.p.scale;
+            for (i, row) in rows.iter().enumerate() {
+                if let (Some(row), true) = (row, len[i] > 0) {
+                    let qr = self.q.0.add(self.ql.offset(b, row.h, row.t));
+                    for (j, x) in qs[q_of(i)].iter_mut().enumerate() {
+                        *x = *qr.add(j) * self.p.scale;
+                    }
+                }
             }
             let key = |j: usize| self.k.0.add(self.kl.offset(b, hk, start + j));
-            scores_of::<S>(qs, key, scores);
-            let m = max_of::<S>(scores);
-            let sum = exp_sum::<S>(scores, m);
-            part[0] = m;
-            part[1] = sum;
             let value = |j: usize| self.v.0.add(self.vl.offset(b, hk, start + j));
-            weighted_sum::<S>(scores, value, &mut part[2..]);
+            for sb in (0..longest).step_by(SUB_BLOCK) {
+                for (i, &n) in len.iter().enumerate().filter(|(_, &n)| n > sb) {
+                    let hi = n.min(sb + SUB_BLOCK);
+                    let out = &mut scores[i * KEY_CHUNK + sb..i * KEY_CHUNK + hi];
+                    scores_of::<S>(&qs[q_of(i)], |j| key(sb + j), out);
+                }
+            }
+            for (i, part) in parts.chunks_exact_mut(st).enumerate().filter(|(i, _)| len[*i] > 0) {
+                let row_scores = &mut scores[i * KEY_CHUNK..i * KEY_CHUNK + len[i]];
+                part[0] = max_of::<S>(row_scores);
+                part[1] = exp_sum::<S>(row_scores, part[0]);
+            }
+            for sb in (0..longest).step_by(SUB_BLOCK) {
+                for (i, part) in
+                    parts.chunks_exact_mut(st).enumerate().filter(|(i, _)| len[*i] > sb)
+                {
+                    let hi = len[i].min(sb + SUB_BLOCK);
+                    let p = &scores[i * KEY_CHUNK + sb..i * KEY_CHUNK + hi];
+                    weighted_sum::<S>(p, |j| value(sb + j), &mut part[2..]);
+                }
+            }
         }
     }
 
@@ -360,7 +404,35 @@ unsafe fn dot<S: Simd>(a: *const f32, b: *const f32, n: usize) -> S::V {
     }
 }
 
-/// `scores[j] = q · key(j)`: `LANES` keys at a time, their lane sums reduced together.
+/// The partial sums of four dot products `q · k_i` over `n` floats, in one pass over `q`
+/// (four independent chains).
+#[inline(always)]
+unsafe fn dot4<S: Simd>(q: *const f32, k: [*const f32; 4], n: usize) -> [S::V; 4] {
+    let l = S::LANES;
+    // SAFETY: the caller guarantees `n` readable floats at `q` and at each `k[i]`.
+    unsafe {
+        let mut acc = [S::splat(0.0); 4];
+        let mut j = 0;
+        while j + l <= n {
+            let qv = S::load(q.add(j));
+            for (a, kp) in acc.iter_mut().zip(k) {
+                *a = S::fma(qv, S::load(kp.add(j)), *a);
+            }
+            j += l;
+        }
+        if j < n {
+            let mask = S::tail_mask(n - j);
+            let qv = S::load_m(q.add(j), mask);
+            for (a, kp) in acc.iter_mut().zip(k) {
+                *a = S::fma(qv, S::load_m(kp.add(j), mask), *a);
+            }
+        }
+        acc
+    }
+}
+
+/// `scores[j] = q · key(j)`: `LANES` keys at a time, four dot products per pass over `q`,
+/// their lane sums reduced together.
 #[inline(always)]
 unsafe fn scores_of<S: Simd>(q: &[f32], key: impl Fn(usize) -> *const f32, scores: &mut [f32]) {
     let (l, n, d) = (S::LANES, scores.len(), q.len());
@@ -370,8 +442,15 @@ unsafe fn scores_of<S: Simd>(q: &[f32], key: impl Fn(usize) -> *const f32, score
         let mut accs = [S::splat(0.0); 16];
         let mut j = 0;
         while j + l <= n {
-            for (i, acc) in accs.iter_mut().take(l).enumerate() {
-                *acc = dot::<S>(q.as_ptr(), key(j + i), d);
+            let mut i = 0;
+            while i + 4 <= l {
+                let ks = [key(j + i), key(j + i + 1), key(j + i + 2), key(j + i + 3)];
+                let [a0, a1, a2, a3] = dot4::<S>(q.as_ptr(), ks, d);
+                accs[i..i + 4].copy_from_slice(&[a0, a1, a2, a3]);
+                i += 4;
+            }
+            for (ii, acc) in accs.iter_mut().enumerate().take(l).skip(i) {
+                *acc = dot::<S>(q.as_ptr(), key(j + ii), d);
             }
             S::reduce_many(accs.as_ptr(), scores.as_mut_ptr().add(j));
             j += l;
@@ -400,7 +479,8 @@ unsafe fn max_of<S: Simd>(s: &[f32]) -> f32 {
     }
 }
 
-/// `acc[c] = Σ_j p[j]·value(j)[c]`, with up to four vectors of `acc` kept in registers.
+/// `acc[c] += Σ_j p[j]·value(j)[c]`: even and odd `j` in two register chains (up to four
+/// vectors of `acc` each), added to `acc` at the end; a fixed order of operations.
 #[inline(always)]
 unsafe fn weighted_sum<S: Simd>(p: &[f32], value: impl Fn(usize) -> *const f32, acc: &mut [f32]) {
     let (l, dv) = (S::LANES, acc.len());
@@ -418,15 +498,31 @@ unsafe fn weighted_sum<S: Simd>(p: &[f32], value: impl Fn(usize) -> *const f32, 
                     *m = S::tail_mask(dv - at);
                 }
             }
-            let mut regs = [S::splat(0.0); 4];
-            for (j, &pj) in p.iter().enumerate() {
-                let (pv, row) = (S::splat(pj), value(j).add(c));
-                for (b, r) in regs.iter_mut().take(nb).enumerate() {
-                    *r = S::fma(pv, S::load_m(row.add(b * l), masks[b]), *r);
+            let (mut even, mut odd) = ([S::splat(0.0); 4], [S::splat(0.0); 4]);
+            let mut j = 0;
+            while j + 2 <= p.len() {
+                let (pe, po) = (S::splat(p[j]), S::splat(p[j + 1]));
+                let (re, ro) = (value(j).add(c), value(j + 1).add(c));
+                for b in 0..4 {
+                    if b < nb {
+                        even[b] = S::fma(pe, S::load_m(re.add(b * l), masks[b]), even[b]);
+                        odd[b] = S::fma(po, S::load_m(ro.add(b * l), masks[b]), odd[b]);
+                    }
+                }
+                j += 2;
+            }
+            if j < p.len() {
+                let (pe, re) = (S::splat(p[j]), value(j).add(c));
+                for b in 0..4 {
+                    if b < nb {
+                        even[b] = S::fma(pe, S::load_m(re.add(b * l), masks[b]), even[b]);
+                    }
                 }
             }
-            for (b, r) in regs.iter().take(nb).enumerate() {
-                S::store_m(acc.as_mut_ptr().add(c + b * l), *r, masks[b]);
+            for b in 0..nb {
+                let at = acc.as_mut_ptr().add(c + b * l);
+                let sum = S::add(S::load_m(at, masks[b]), S::add(even[b], odd[b]));
+                S::store_m(at, sum, masks[b]);
             }
             c += nb * l;
         }
@@ -489,8 +585,9 @@ unsafe fn map_div<S: Simd>(x: &[f32], l: f32, o: *mut f32) {
     }
 }
 
+/// Scratch floats of [`Base::block_partial`]: the scaled queries and the scores of a block.
 fn chunk_scratch(d: usize) -> usize {
-    round16(d) + round16(KEY_CHUNK)
+    ROW_BLOCK * round16(d) + ROW_BLOCK * KEY_CHUNK
 }
 
 /// Split mode, pass 1: one task per `(unit, chunk)` writes its rows' partials.
@@ -512,15 +609,12 @@ impl Task for PartialTask<'_> {
         let base = self.base;
         let (unit, c) = (task / base.chunks, task % base.chunks);
         let (b, hk, rows) = base.rows(unit);
-        let st = base.stride();
-        for (i, row) in rows.iter().enumerate() {
-            let Some(row) = *row else { continue };
-            let at = ((unit * base.chunks + c) * ROW_BLOCK + i) * st;
-            // SAFETY: `at..at + st` lies in the partial buffer, and only this task writes it.
-            let part = unsafe { std::slice::from_raw_parts_mut(self.parts.0.add(at), st) };
-            // SAFETY: forwarded from the entry point's checks.
-            unsafe { base.chunk_partial::<S>((b, hk), row, c, part, buf) };
-        }
+        let len = ROW_BLOCK * base.stride();
+        // SAFETY: task `t` owns partial floats `t·len .. (t+1)·len` (allocated by the entry
+        // point for every task); no other task writes them.
+        let parts = unsafe { std::slice::from_raw_parts_mut(self.parts.0.add(task * len), len) };
+        // SAFETY: forwarded from the entry point's checks.
+        unsafe { base.block_partial::<S>((b, hk), &rows, c, parts, buf) };
     }
 }
 
@@ -550,7 +644,8 @@ impl Task for CombineTask<'_> {
             state[1..].fill(0.0);
             for c in 0..base.chunks {
                 let at = ((unit * base.chunks + c) * ROW_BLOCK + i) * st;
-                // SAFETY: pass 1 wrote `at..at + st`; nothing writes it now.
+                // SAFETY: pass 1 wrote `at..at + st` (task `unit·chunks + c`, row `i`); nothing
+                // writes it now.
                 let part = unsafe { std::slice::from_raw_parts(self.parts.0.add(at), st) };
                 // SAFETY: both slices have `st` floats.
                 unsafe { merge::<S>(state, part) };
@@ -572,7 +667,7 @@ impl Task for SequentialTask<'_> {
         d.batch * d.heads_kv * self.base.blocks
     }
     fn scratch_len(&self, _lanes: usize) -> usize {
-        2 * round16(self.base.stride()) + chunk_scratch(self.base.p.dims.d)
+        2 * round16(ROW_BLOCK * self.base.stride()) + chunk_scratch(self.base.p.dims.d)
     }
     #[inline(always)]
     unsafe fn run<S: Simd>(&self, unit: usize, buf: &mut [f32]) {
@@ -580,21 +675,26 @@ impl Task for SequentialTask<'_> {
         let (b, hk, rows) = base.rows(unit);
         let st = base.stride();
         let mut carve = Carver::new(buf);
-        let state = carve.take(st);
-        let part = carve.take(st);
+        let states = carve.take(ROW_BLOCK * st);
+        let parts = carve.take(ROW_BLOCK * st);
         let rest = carve.take(chunk_scratch(base.p.dims.d));
-        for row in rows.iter().flatten() {
+        for state in states.chunks_exact_mut(st) {
             state[0] = f32::NEG_INFINITY;
             state[1..].fill(0.0);
-            for c in 0..base.chunks {
-                // SAFETY: forwarded from the entry point's checks.
-                unsafe {
-                    base.chunk_partial::<S>((b, hk), *row, c, part, rest);
-                    merge::<S>(state, part);
-                }
+        }
+        for c in 0..base.chunks {
+            // SAFETY: forwarded from the entry point's checks.
+            unsafe { base.block_partial::<S>((b, hk), &rows, c, parts, rest) };
+            for (state, part) in states.chunks_exact_mut(st).zip(parts.chunks_exact(st)) {
+                // SAFETY: both slices have `st` floats.
+                unsafe { merge::<S>(state, part) };
             }
-            // SAFETY: only this task writes the rows of `unit`.
-            unsafe { base.finish::<S>(b, *row, state) };
+        }
+        for (row, state) in rows.iter().zip(states.chunks_exact(st)) {
+            if let Some(row) = row {
+                // SAFETY: only this task writes the rows of `unit`.
+                unsafe { base.finish::<S>(b, *row, state) };
+            }
         }
     }
 }
