@@ -4,13 +4,15 @@ all-MiniLM-L6-v2 sentence embeddings.
 
 One run times, for every configuration, PyTorch and then the Rust binary
 (`target/release/multihead bench ... --json`) on the same configuration, each in its own
-process, so both memory figures are per-process peaks. Three sections (``--sections``):
+process, so both memory figures are per-process peaks. Four sections (``--sections``):
 
 * ``mha``     ``nn.MultiheadAttention`` on the issue's shapes (a)-(e), three modes
 * ``layers``  ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` at B=8, L=S=512,
               d_model 512, nhead 8, dim_feedforward 2048 (``multihead bench --module ...``)
 * ``embed``   all-MiniLM-L6-v2 sentence embeddings: sentence-transformers, ONNX Runtime and
               ``multihead embed`` on a generated 2000-sentence corpus (``tools/bench_embed.py``)
+* ``decode``  one incremental decoding step over a KV cache against PyTorch re-projecting and a
+              hand-written PyTorch cache (``tools/bench_decode.py``, in its own process)
 
 It measures the machine's f32 FMA peak first (``cc -O2 ../shared/tools/peak.c -o target/peak &&
 target/peak``) and writes
@@ -99,7 +101,7 @@ MODES = {
     "bwd": (False, True, "Forward + backward (need_weights=False)"),
 }
 QUICK_SHAPES = ["a", "c", "e"]
-SECTIONS = ["mha", "layers", "embed"]
+SECTIONS = ["mha", "layers", "embed", "decode"]
 
 # Transformer layers: one shape, B=8, L=S=512, d_model 512, nhead 8, dim_feedforward 2048.
 LAYER_SHAPE = {"B": 8, "L": 512, "S": 512, "E": 512, "H": 8, "F": 2048}
@@ -781,7 +783,19 @@ def verdict_ratio(value, target, ge=True):
     return f"**missed** by {abs(pct):.0f}%", False
 
 
-def write_report(meta, results, opts, elapsed_s, embed_rec=None):
+def run_decode_section(opts):
+    """Runs ``tools/bench_decode.py`` in its own process; returns its JSON (or an error)."""
+    out = REPO / "target/bench_decode.json"
+    cmd = [sys.executable, str(TOOLS / "bench_decode.py"), "--threads", str(opts.threads),
+           "--json-out", str(out)] + (["--quick"] if opts.quick else [])
+    rc, _, err, _, _, timed_out = bench_proc.run_process(cmd, max(opts.timeout, 1800.0))
+    if rc != 0 or timed_out:
+        why = "timed out" if timed_out else f"exit code {rc}"
+        return {"error": f"{why}: {(err or '')[-2000:]}"}
+    return json.loads(out.read_text())
+
+
+def write_report(meta, results, opts, elapsed_s, embed_rec=None, decode_rec=None):
     lines = []
     add = lines.append
     T = opts.threads
@@ -1008,8 +1022,20 @@ def write_report(meta, results, opts, elapsed_s, embed_rec=None):
 
         lines.extend(bench_embed.report_lines(embed_rec))
 
+    if decode_rec is not None:
+        sys.path.insert(0, str(TOOLS))
+        import bench_decode
+
+        if decode_rec.get("error"):
+            add("## Incremental decoding\n")
+            add(f"The decode benchmark failed: `{decode_rec['error'][-300:]}`\n")
+        else:
+            lines.extend(bench_decode.report_lines(decode_rec))
+
     targets = evaluate_targets(results, opts, embed_rec)
-    add("## Targets (from the issue)\n")
+    if decode_rec is not None and not decode_rec.get("error"):
+        targets.extend(bench_decode.evaluate_targets(decode_rec))
+    add("## Targets (from the issues)\n")
     add("Evaluated automatically from the measurements above. \"Margin\" is relative to the "
         "target; a missed speed-up target also says what multihead's time must come down to. "
         f"% of peak is against the measured f32 peak ({fmt(PEAK_GFLOPS, 1)} GFLOP/s).\n")
@@ -1510,6 +1536,14 @@ def main(argv):
               + "".join(f" | {k}: {(v.get('error') if isinstance(v, dict) else v)}"
                         for k, v in embed_rec.get("errors", {}).items()), flush=True)
 
+    decode_rec = None
+    if "decode" in opts.sections:
+        print(f"[decode {time.perf_counter() - t_start:6.0f}s] incremental decoding", flush=True)
+        decode_rec = run_decode_section(opts)
+        print("[decode] " + (decode_rec.get("error", "")[-300:] or "; ".join(
+            f"B={r['b']} S={r['s']} K={r['k']}: torch {r['torch']['cache'][0]:.3f} ms, multihead "
+            f"{r['multihead']['min_ms']:.3f} ms" for r in decode_rec["rows"])), flush=True)
+
     if not opts.peak_gflops:
         # Again at the end: a busy neighbour can only lower it, so keep the higher f32.
         p1 = measure_peak(opts)
@@ -1537,11 +1571,11 @@ def main(argv):
     Path(opts.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.md).parent.mkdir(parents=True, exist_ok=True)
     opts.png_written = write_chart(results, opts)
-    targets = write_report(meta, results, opts, elapsed, embed_rec)
+    targets = write_report(meta, results, opts, elapsed, embed_rec, decode_rec)
     for r in results:
         r["derived"] = derived(r)
     doc = {"meta": meta, "peak": peak, "results": results, "embed": embed_rec,
-           "targets": targets}
+           "decode": decode_rec, "targets": targets}
     Path(opts.json_out).write_text(json.dumps(scrub_obj(doc), indent=1, default=str) + "\n")
     n_met = sum(1 for t in targets if t["met"] is True)
     n_all = sum(1 for t in targets if t["met"] is not None)
