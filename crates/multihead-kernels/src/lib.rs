@@ -6,7 +6,9 @@
 //!
 //! It holds the fused (flash) attention kernels ([`attention`]: forward, backward and the
 //! attention-weights pass, with run-time AVX-512 / AVX2 / scalar dispatch), LayerNorm
-//! forward and backward ([`norm`]), GELU forward and backward ([`activation`]) and the
+//! forward and backward ([`norm`]), GELU forward and backward ([`activation`]), attention of a
+//! few new rows over a KV cache ([`decode`]), products of a few rows with a weight ([`gemv`]) and
+//! the
 //! counter-based
 //! dropout generator ([`dropout`]), which the attention forward and backward share so that a
 //! backward pass can regenerate the forward's mask without storing it.

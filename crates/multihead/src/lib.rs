@@ -14,6 +14,11 @@
 //! * [`no_grad`] is PyTorch's `torch.no_grad()`; [`Backend`] and `explain` choose and report the
 //!   path a call takes (the fused CPU kernels or the composed candle reference), see [`mode`].
 //! * [`memory::ReuseLarge`] is a global-allocator wrapper that keeps large freed blocks for reuse.
+//! * Incremental decoding: [`KvCache`] with [`MultiheadAttention::forward_cached`], cross-attention
+//!   keys projected once ([`StaticKv`], PyTorch's `static_k`/`static_v`), the decoder's
+//!   [`forward_step`](transformer::TransformerDecoder::forward_step) and
+//!   [`Transformer::generate`](transformer::Transformer::generate); grouped-query attention with
+//!   [`MhaConfig::with_num_kv_heads`].
 //!
 //! Every argument is checked once, before a path is chosen, and bad input is a typed [`Error`],
 //! never a panic. The PyTorch behaviours relied on, and the deliberate differences, are in the

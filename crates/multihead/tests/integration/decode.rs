@@ -501,3 +501,80 @@ fn generation_with_the_cache_gives_the_tokens_of_recomputing() {
     let err = model.generate(&memory, None, &[0, 1, 2], &bad, embed, logits).unwrap_err();
     assert!(err.to_string().contains("temperature must be positive"), "{err}");
 }
+
+#[test]
+fn empty_and_oversized_caches_are_handled() {
+    let m = module(16, 2, None, DType::F32);
+    // A cache larger than memory is an allocation error, not an abort.
+    let err = m.new_cache(1 << 20, 1 << 30).unwrap_err();
+    assert!(matches!(err, Error::Alloc { .. }), "{err}");
+    let err = KvCache::new(usize::MAX, 2, 8, 2, DType::F32, &dev()).unwrap_err();
+    assert!(matches!(err, Error::Alloc { .. }), "{err}");
+    // No new tokens, or no rows: empty outputs, the cache unchanged.
+    let mut cache = m.new_cache(2, 4).unwrap();
+    let y = m
+        .forward_cached(&Tensor::zeros((2, 0, 16), DType::F32, &dev()).unwrap(), &mut cache, None)
+        .unwrap();
+    assert_eq!((y.dims(), cache.lens()), (&[2, 0, 16][..], &[0, 0][..]));
+    let mut none = m.new_cache(0, 4).unwrap();
+    let y = m
+        .forward_cached(&Tensor::zeros((0, 3, 16), DType::F32, &dev()).unwrap(), &mut none, None)
+        .unwrap();
+    assert_eq!(y.dims(), &[0, 3, 16]);
+    // A capacity of zero takes nothing.
+    let mut zero = m.new_cache(1, 0).unwrap();
+    let err = m.forward_cached(&det(&[1, 1, 16], DType::F32, 1.0), &mut zero, None).unwrap_err();
+    assert!(matches!(err, Error::CacheFull { .. }), "{err}");
+    // Unbatched input is a batch of one.
+    let mut one = m.new_cache(1, 4).unwrap();
+    let x = det(&[3, 16], DType::F32, 2.0);
+    let y = m.forward_cached(&x, &mut one, None).unwrap();
+    assert_eq!(y.dims(), &[3, 16]);
+    let mut other = m.new_cache(1, 4).unwrap();
+    let yb = m.forward_cached(&x.unsqueeze(0).unwrap(), &mut other, None).unwrap();
+    assert_eq!(max_diff(&y, &yb.squeeze(0).unwrap()), 0.0);
+}
+
+#[test]
+fn a_grouped_query_module_saves_and_loads_under_its_documented_keys() {
+    let m = module(32, 8, Some(2), DType::F32);
+    let dir = std::env::temp_dir().join(format!("multihead-gqa-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("gqa.safetensors");
+    multihead::state_dict::save_state_dict(&m, &path).unwrap();
+    let shapes: std::collections::BTreeMap<String, Vec<usize>> =
+        m.named_parameters().into_iter().map(|(k, t)| (k, t.dims().to_vec())).collect();
+    let want: std::collections::BTreeMap<String, Vec<usize>> = [
+        ("q_proj_weight", vec![32, 32]),
+        ("k_proj_weight", vec![8, 32]),
+        ("v_proj_weight", vec![8, 32]),
+        ("in_proj_bias", vec![48]),
+        ("out_proj.weight", vec![32, 32]),
+        ("out_proj.bias", vec![32]),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    assert_eq!(shapes, want);
+    let (mut loaded, _vm) =
+        multihead::state_dict::load_strict_file(&path, DType::F32, &dev(), |vb| {
+            MultiheadAttention::new(
+                MhaConfig::new(32, 8).with_num_kv_heads(2).with_batch_first(true),
+                vb,
+            )
+        })
+        .unwrap();
+    loaded.eval();
+    let x = det(&[2, 5, 32], DType::F32, 1.0);
+    let (a, b) = (m.self_attention(&x).unwrap(), loaded.self_attention(&x).unwrap());
+    assert_eq!(max_diff(&a, &b), 0.0);
+    // A plain module does not load it: it has a packed in_proj_weight instead.
+    let err = match multihead::state_dict::load_strict_file(&path, DType::F32, &dev(), |vb| {
+        MultiheadAttention::new(MhaConfig::new(32, 8), vb)
+    }) {
+        Ok(_) => panic!("a plain module loaded grouped-query weights"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("missing keys [\"in_proj_weight\"]"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
