@@ -115,13 +115,8 @@ impl MultiheadAttention {
         KvCache::sliding_window(batch, hk, hd, window, w.dtype(), w.device())
     }
 
-    /// Checks a cached call once, before anything is written.
-    fn validate_step(
-        &self,
-        x: &Tensor,
-        cache: &KvCache,
-        lengths: Option<&[usize]>,
-    ) -> Result<Step> {
+    /// The module settings a cached call cannot run with.
+    fn check_cached_config(&self) -> Result<()> {
         let cfg = &self.cfg;
         if !cfg.packed() && (cfg.kdim() != cfg.embed_dim || cfg.vdim() != cfg.embed_dim) {
             return Err(config_err(
@@ -153,6 +148,18 @@ impl MultiheadAttention {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// Checks a cached call once, before anything is written.
+    fn validate_step(
+        &self,
+        x: &Tensor,
+        cache: &KvCache,
+        lengths: Option<&[usize]>,
+    ) -> Result<Step> {
+        self.check_cached_config()?;
+        let cfg = &self.cfg;
         let dtype = self.dtype();
         if x.dtype() != dtype {
             return Err(Error::DType {
