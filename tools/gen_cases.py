@@ -45,10 +45,11 @@ from safetensors.torch import load_file, save_file
 FORMAT_VERSION = 1
 MHA = "torch.nn.MultiheadAttention"
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {
     torch.float32: "float32",
     torch.float64: "float64",
+    torch.bfloat16: "bfloat16",
     torch.uint8: "uint8",
     torch.bool: "bool",
 }
@@ -64,6 +65,16 @@ SUGGESTED_TOLERANCE = {
         "grad": {"rtol": 1e-10, "atol": 1e-10},
     },
 }
+# Added to bfloat16 cases only. They are graded against their ref64.* tensors
+# (docs/case-format.md §5); this is the fallback without them.
+BF16_TOLERANCE = {
+    "forward": {"rtol": 2e-2, "atol": 2e-2},
+    "grad": {"rtol": 5e-2, "atol": 5e-2},
+}
+
+# The rule of bfloat16 cases: our error against the float64 reference is at most this many
+# times PyTorch bfloat16's own error against it.
+BF16_ERROR_FACTOR = 2.0
 
 
 class SkipCase(Exception):
@@ -127,6 +138,32 @@ def write_case(out_dir: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> N
     out_dir.mkdir(parents=True)
     (out_dir / "case.json").write_text(format_json(meta))
     save_file(stored, str(out_dir / "case.safetensors"))
+
+
+def add_f64_reference(case_dir: Path, replay) -> None:
+    """Adds ``ref64.<name>`` for every ``expect.<name>`` of a bfloat16 case: the same call in
+    float64, from the case's own (bfloat16-rounded) parameters, inputs and upstream gradients,
+    through the kind's PyTorch replay."""
+    meta, tensors = load_case(case_dir)
+    meta64 = json.loads(json.dumps(meta))
+    meta64["constructor"]["dtype"] = "float64"
+    if isinstance(meta64["constructor"].get("layer"), dict):
+        meta64["constructor"]["layer"]["dtype"] = "float64"
+    t64 = {n: (t.to(torch.float64) if t.is_floating_point() else t) for n, t in tensors.items()}
+    res = replay(meta64, t64)
+    extra = {}
+    for name in tensors:
+        if name.startswith("expect."):
+            key = name[len("expect."):]
+            extra[f"ref64.{key}"] = res[key].detach().to(torch.float64)
+    meta["suggested_tolerance"] = dict(meta["suggested_tolerance"], bfloat16=BF16_TOLERANCE)
+    table = meta.pop("tensors")
+    for name, t in extra.items():
+        table[name] = {"shape": list(t.shape), "dtype": "float64", "logical_dtype": "float64"}
+        tensors[name] = t.contiguous()
+    meta["tensors"] = table
+    (case_dir / "case.json").write_text(format_json(meta))
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(case_dir / "case.safetensors"))
 
 
 def load_case(case_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -658,7 +695,7 @@ def mha_check_contract(meta: dict, tensors: dict[str, torch.Tensor]) -> list[str
             if not meta["call"]["need_weights"]:
                 errs.append("grad.attn_weights without need_weights")
             want.add("grad.attn_weights")
-    have = set(tensors)
+    have = {n for n in tensors if not n.startswith("ref64.")}
     if have != want:
         errs.append(f"missing {sorted(want - have)}, unexpected {sorted(have - want)}")
     return errs
@@ -971,6 +1008,20 @@ def mha_fixture_configs() -> list[dict]:
     add("eval_grad_dropout03_f64",
         "eval mode with gradients recorded (training=false, grad_mode=true), dropout=0.3 inactive",
         training=False, grad_mode=True, dropout=0.3, attn_mask=_bm(), kpm=_bk(), **F64)
+    # --- bfloat16 (graded against float64 references, docs/case-format.md §5) ---
+    BF16 = {"dtype": "bfloat16", "E": 32, "H": 4, "N": 2}
+    add("bf16_self_kpm_sdpa", "bfloat16 self-attention, bool kpm, need_weights=False",
+        alias="self", L=9, S=9, kpm=_bk(), need_weights=False, **BF16)
+    add("bf16_cross_float_mask_weights",
+        "bfloat16 cross-attention, 2-D float attn_mask, weights in the loss",
+        L=7, S=11, attn_mask=_fm(), need_weights=True, weights_in_loss=True, **BF16)
+    add("bf16_causal_sdpa", "bfloat16 self-attention, is_causal with a causal bool mask",
+        alias="self", L=10, S=10, attn_mask=_bm(pattern="causal"), is_causal=True,
+        need_weights=False, **BF16)
+    add("bf16_separate_kdim_batch_first_eval",
+        "bfloat16, separate weights (kdim=16, vdim=24), batch_first, eval forward",
+        kdim=16, vdim=24, L=6, S=8, batch_first=True, training=False, grad_mode=False,
+        need_weights=False, **BF16)
     return C
 
 
@@ -1581,7 +1632,7 @@ def tf_check_contract(meta: dict, tensors: dict[str, torch.Tensor]) -> list[str]
         want.add("grad.output")
         want.update(f"expect.grad.{n}" for n in sig["inputs"])
         want.update(f"expect.grad.param.{k}" for k in model.state_dict())
-    have = set(tensors)
+    have = {n for n in tensors if not n.startswith("ref64.")}
     if have != want:
         errs.append(f"missing {sorted(want - have)}, unexpected {sorted(have - want)}")
     if not all(torch.isfinite(t).all().item() for n, t in tensors.items()
@@ -1816,6 +1867,19 @@ def tf_fixture_configs() -> list[dict]:
     add(TR, "transformer_eval_f32",
         "Transformer, eval+no_grad, seq-first, dropout=0.1 inactive, float causal tgt_mask + bool src kpm",
         masks={"tgt_mask": _am("float", "causal"), "src_key_padding_mask": _kp()}, **EVAL01)
+    # --- bfloat16 (graded against float64 references, docs/case-format.md §5) ---
+    BF16T = {"dtype": "bfloat16", "d_model": 32, "nhead": 4, "dim_feedforward": 64}
+    add(EL, "bf16_enc_layer_gelu_kpm", "bfloat16 encoder layer, gelu, bool kpm",
+        S=9, masks={"src_key_padding_mask": _kp()}, **GELU, **BF16T)
+    add(EL, "bf16_enc_layer_norm_first_causal", "bfloat16 encoder layer, pre-norm, is_causal",
+        S=8, norm_first=True, masks={"src_mask": _am("bool", "causal")},
+        flags={"is_causal": True}, **BF16T)
+    add(DL, "bf16_dec_layer_causal_memory_kpm",
+        "bfloat16 decoder layer, causal tgt_mask, bool memory kpm",
+        T=6, S=8, masks={"tgt_mask": _am("float", "causal"), "memory_key_padding_mask": _kp()},
+        **BF16T)
+    add(EN, "bf16_encoder_stack_eval", "bfloat16 encoder stack of 2, final norm, eval forward",
+        S=7, norm=True, training=False, grad_mode=False, **BF16T)
     return C
 
 
@@ -1954,14 +2018,15 @@ def verify_case(case_dir: Path) -> tuple[bool, str]:
         want_logical = "bool" if t.dtype == torch.uint8 else DTYPE_NAMES.get(t.dtype)
         if info["logical_dtype"] != want_logical:
             errs.append(f"{name}: logical_dtype {info['logical_dtype']}")
-        if t.is_floating_point() and t.dtype != DTYPES[meta["constructor"]["dtype"]]:
+        if (t.is_floating_point() and not name.startswith("ref64.")
+                and t.dtype != DTYPES[meta["constructor"]["dtype"]]):
             errs.append(f"{name}: dtype {t.dtype} is not the case dtype")
     errs += kind["check_contract"](meta, tensors)
     if errs:
         return False, "; ".join(errs)
 
     res = kind["replay"](meta, tensors)
-    tol = meta["suggested_tolerance"][meta["constructor"]["dtype"]]
+    tol = meta["suggested_tolerance"][meta["constructor"]["dtype"]]  # bf16 cases carry theirs
     worst = 0.0
     for name, exp in tensors.items():
         if not name.startswith("expect."):
@@ -2019,6 +2084,8 @@ def cmd_fixtures(args) -> int:
                 kind["make_case"](cfg, out / cfg["name"])
             except SkipCase as e:
                 raise SystemExit(f"fixture {cfg['name']} is invalid: {e}")
+            if cfg.get("dtype") == "bfloat16":
+                add_f64_reference(out / cfg["name"], kind["replay"])
             n += 1
     stale = [p.parent.name for p in out.glob("*/case.json") if p.parent.name not in names]
     if stale:

@@ -34,11 +34,15 @@ pub(crate) fn case_err(dir: &Path, msg: impl Into<String>) -> Error {
     Error::File { path: dir.to_path_buf(), msg: msg.into() }
 }
 
+/// The prefix of a bfloat16 case's float64 reference results.
+pub const REF64: &str = "ref64.";
+
 /// A dtype name of the case format.
 fn dtype_of(name: &str) -> Option<DType> {
     match name.trim_start_matches("torch.") {
         "float32" | "float" => Some(DType::F32),
         "float64" | "double" => Some(DType::F64),
+        "bfloat16" => Some(DType::BF16),
         _ => None,
     }
 }
@@ -101,7 +105,10 @@ impl Case {
         let (name, source) =
             module.dtype_name().map_err(|m| case_err(dir, format!("case.json: {m}")))?;
         let dtype = dtype_of(&name).ok_or_else(|| {
-            case_err(dir, format!("{source}: unsupported dtype {name:?}; use float32 or float64"))
+            case_err(
+                dir,
+                format!("{source}: unsupported dtype {name:?}; use float32, float64 or bfloat16"),
+            )
         })?;
         Ok((meta, module, dtype, source))
     }
@@ -121,11 +128,14 @@ impl Case {
     }
 
     /// Every float tensor of the case (parameters, inputs, gradients, expected results) must
-    /// have the case's dtype; a mask is u8 or the case's float dtype.
+    /// have the case's dtype; a mask is u8 or the case's float dtype; the float64 references
+    /// of a bfloat16 case (`ref64.*`) are float64.
     fn check_tensor_dtypes(&self, source: &str) -> Result<()> {
         for (name, t) in &self.tensors {
             let mask = name.strip_prefix("input.").is_some_and(is_mask_name);
-            let ok = if mask {
+            let ok = if name.starts_with(REF64) {
+                self.dtype == DType::BF16 && t.dtype() == DType::F64
+            } else if mask {
                 t.dtype() == DType::U8 || t.dtype() == self.dtype
             } else {
                 t.dtype() == self.dtype
@@ -161,7 +171,11 @@ impl Case {
         let Some(st) = &self.meta.suggested_tolerance else {
             return fallback;
         };
-        let dname = if self.dtype == DType::F64 { "float64" } else { "float32" };
+        let dname = match self.dtype {
+            DType::F64 => "float64",
+            DType::BF16 => "bfloat16",
+            _ => "float32",
+        };
         let per_dtype = st.get(dname).unwrap_or(st);
         let kind = if grad {
             per_dtype

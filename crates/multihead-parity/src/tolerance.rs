@@ -22,11 +22,17 @@ impl Tolerance {
     pub const F32_GRAD: Tolerance = Tolerance { rel: 1e-4, abs: 1e-4 };
     /// f64 forward values and gradients: rtol 1e-10, atol 1e-10.
     pub const F64: Tolerance = Tolerance { rel: 1e-10, abs: 1e-10 };
+    /// bf16 forward values without a float64 reference: rtol 2e-2, atol 2e-2.
+    pub const BF16_FORWARD: Tolerance = Tolerance { rel: 2e-2, abs: 2e-2 };
+    /// bf16 gradients without a float64 reference: rtol 5e-2, atol 5e-2.
+    pub const BF16_GRAD: Tolerance = Tolerance { rel: 5e-2, abs: 5e-2 };
 
     /// The project's default for a dtype: forward or gradient.
     pub fn for_dtype(dtype: DType, grad: bool) -> Tolerance {
         match (dtype, grad) {
             (DType::F64, _) => Self::F64,
+            (DType::BF16, false) => Self::BF16_FORWARD,
+            (DType::BF16, true) => Self::BF16_GRAD,
             (_, false) => Self::F32_FORWARD,
             (_, true) => Self::F32_GRAD,
         }
@@ -90,5 +96,97 @@ impl Comparison {
     /// Whether every element is within tolerance.
     pub fn passed(&self) -> bool {
         !self.shape_mismatch && self.worst_ratio <= 1.0
+    }
+}
+
+/// The rule of a bfloat16 case (docs/case-format.md §5): our error against the float64
+/// reference is at most `factor` times PyTorch bfloat16's own error against it, compared as the
+/// largest absolute difference over the tensor. Non-finite values must sit where the reference
+/// has the same ones. A PyTorch error of zero (an exactly representable result) allows an error
+/// of at most one bfloat16 rounding of the reference's largest magnitude (2^-8 of it).
+pub fn compare_to_reference(
+    ours: &Tensor,
+    pytorch: &Tensor,
+    reference: &Tensor,
+    factor: f64,
+) -> Result<Comparison> {
+    if ours.dims() != reference.dims() || pytorch.dims() != reference.dims() {
+        return Ok(Comparison {
+            worst_ratio: f64::INFINITY,
+            max_abs: f64::INFINITY,
+            shape_mismatch: true,
+        });
+    }
+    let flat = |t: &Tensor| -> Result<Vec<f64>> {
+        Ok(t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?)
+    };
+    let (a, p, r) = (flat(ours)?, flat(pytorch)?, flat(reference)?);
+    let same_kind = |x: f64, y: f64| (x.is_nan() && y.is_nan()) || x == y;
+    let (mut err_ours, mut err_torch, mut scale) = (0f64, 0f64, 0f64);
+    for ((&x, &y), &z) in a.iter().zip(&p).zip(&r) {
+        if !z.is_finite() {
+            if !same_kind(x, z) {
+                return Ok(Comparison {
+                    worst_ratio: f64::INFINITY,
+                    max_abs: f64::INFINITY,
+                    shape_mismatch: false,
+                });
+            }
+            continue;
+        }
+        if !x.is_finite() {
+            return Ok(Comparison {
+                worst_ratio: f64::INFINITY,
+                max_abs: f64::INFINITY,
+                shape_mismatch: false,
+            });
+        }
+        err_ours = err_ours.max((x - z).abs());
+        if y.is_finite() {
+            err_torch = err_torch.max((y - z).abs());
+        }
+        scale = scale.max(z.abs());
+    }
+    let allowed = (factor * err_torch).max(scale * 2f64.powi(-8));
+    let worst_ratio = if allowed > 0.0 {
+        err_ours / allowed
+    } else if err_ours == 0.0 {
+        0.0
+    } else {
+        f64::INFINITY
+    };
+    Ok(Comparison { worst_ratio, max_abs: err_ours, shape_mismatch: false })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use candle_core::Device;
+
+    fn t(v: &[f64]) -> Tensor {
+        Tensor::new(v, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn the_reference_rule_allows_twice_pytorchs_error_and_no_more() {
+        let reference = t(&[1.0, -2.0, 0.5]);
+        let pytorch = t(&[1.01, -2.0, 0.5]); // error 0.01
+        let ok = compare_to_reference(&t(&[1.0, -1.98, 0.5]), &pytorch, &reference, 2.0).unwrap();
+        assert!(ok.passed() && (ok.worst_ratio - 1.0).abs() < 1e-9, "{ok:?}");
+        let bad = compare_to_reference(&t(&[1.0, -1.97, 0.5]), &pytorch, &reference, 2.0).unwrap();
+        assert!(!bad.passed() && (bad.worst_ratio - 1.5).abs() < 1e-9, "{bad:?}");
+        // PyTorch exact: one bf16 rounding of the largest magnitude (2 * 2^-8) is allowed.
+        let exact =
+            compare_to_reference(&t(&[1.0, -2.0078, 0.5]), &reference, &reference, 2.0).unwrap();
+        assert!(exact.passed(), "{exact:?}");
+        // A NaN where the reference is finite fails; a NaN matching the reference passes.
+        let nan =
+            compare_to_reference(&t(&[f64::NAN, -2.0, 0.5]), &pytorch, &reference, 2.0).unwrap();
+        assert!(!nan.passed());
+        let r_nan = t(&[f64::NAN, -2.0, 0.5]);
+        let both = compare_to_reference(&r_nan, &r_nan, &r_nan, 2.0).unwrap();
+        assert!(both.passed());
     }
 }

@@ -39,6 +39,10 @@ impl Activation {
         crate::alloc::expect_float("activation", "input", x.dtype())?;
         // Both paths hold a few input-sized tensors (a broadcast view costs its full size).
         crate::alloc::ensure("activation", "input", x.dims(), x.dtype(), 3, "use a smaller input")?;
+        if crate::precision::is_reduced(x.dtype()) && *self != Self::Relu {
+            // bf16/f16: the GELU of the f32 value, rounded once.
+            return Ok(self.forward(&crate::precision::widen(x)?)?.to_dtype(x.dtype())?);
+        }
         Ok(match self {
             // x * (x > 0): gradient (x > 0), 0 at x = 0 like PyTorch's threshold_backward.
             Self::Relu => x.mul(&x.gt(0f64)?.to_dtype(x.dtype())?)?,

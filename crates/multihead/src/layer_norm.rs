@@ -79,14 +79,26 @@ impl LayerNorm {
         }
         // The composed form holds about four input-sized tensors.
         crate::alloc::ensure("layer_norm", "input", x.dims(), x.dtype(), 4, "use a smaller input")?;
+        let (w, b) = (&self.weight, self.bias.as_ref());
+        if crate::precision::is_reduced(x.dtype()) {
+            // bf16/f16: statistics and normalisation in f32, rounded once.
+            use crate::precision::{widen, widen_opt};
+            let y = self.run(&widen(x)?, &widen(w)?, widen_opt(b)?.as_ref())?;
+            return Ok(y.to_dtype(x.dtype())?);
+        }
+        self.run(x, w, b)
+    }
+
+    /// The normalisation of `x` (checked) with `weight` and `bias` of its dtype.
+    fn run(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         let plan = crate::fused::dispatch::decide(
             "layer_norm",
             crate::mode::Backend::Auto,
             crate::fused::dispatch::dtype_device_blocker(x),
         )?;
         let x = &crate::mode::graph_input(x);
-        let weight = crate::mode::graph_input(&self.weight);
-        let bias = self.bias.as_ref().map(crate::mode::graph_input);
+        let weight = crate::mode::graph_input(weight);
+        let bias = bias.map(crate::mode::graph_input);
         if plan.path == crate::fused::dispatch::Path::Fused && x.elem_count() > 0 {
             return crate::fused::norm::layer_norm(x, &weight, bias.as_ref(), self.eps);
         }

@@ -74,6 +74,7 @@ pub mod mask;
 pub mod memory;
 pub mod mode;
 pub mod multihead_attention;
+mod precision;
 pub mod random;
 pub mod state_dict;
 pub mod transformer;

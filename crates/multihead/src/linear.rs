@@ -108,6 +108,13 @@ pub(crate) fn linear(
     backend: Backend,
 ) -> Result<Tensor> {
     let (out_f, in_f, out_dims) = validate_linear(x, weight, bias, op, arg)?;
+    if crate::precision::is_reduced(x.dtype()) {
+        // bf16/f16: the f32 product (f32 accumulation, as PyTorch's), rounded once.
+        use crate::precision::{widen, widen_opt};
+        let b = widen_opt(bias)?;
+        let y = linear(&widen(x)?, &widen(weight)?, b.as_ref(), op, arg, backend)?;
+        return Ok(y.to_dtype(x.dtype())?);
+    }
     let m = out_dims[..out_dims.len() - 1].iter().product::<usize>();
     let plan = plan_linear(x, op, backend)?;
     // Inside no_grad: no graph (its nodes would keep every input alive).

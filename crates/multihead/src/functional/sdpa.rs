@@ -293,7 +293,27 @@ pub fn explain_sdpa(
     opts: &SdpaOptions,
 ) -> Result<Plan> {
     let call = validate(query, key, value, opts)?;
+    if crate::precision::is_reduced(query.dtype()) {
+        let (q, k, v, o) = widened(query, key, value, opts)?;
+        return explain_sdpa(&q, &k, &v, &o);
+    }
     plan(query, key, value, &call, opts)
+}
+
+/// A bf16/f16 call in f32 (the f32 path, fused on the CPU, accumulating in f32 as PyTorch's
+/// CPU kernels do): inputs and a float mask widened.
+fn widened(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    opts: &SdpaOptions,
+) -> Result<(Tensor, Tensor, Tensor, SdpaOptions)> {
+    use crate::precision::widen;
+    let mut o = opts.clone();
+    if let Some(Mask::Float(t)) = &opts.attn_mask {
+        o.attn_mask = Some(Mask::Float(widen(t)?));
+    }
+    Ok((widen(query)?, widen(key)?, widen(value)?, o))
 }
 
 /// Scaled dot-product attention: `softmax(q kᵀ · scale + mask) v`, with optional dropout on the
@@ -329,6 +349,10 @@ pub fn scaled_dot_product_attention(
     opts: &SdpaOptions,
 ) -> Result<Tensor> {
     let call = validate(query, key, value, opts)?;
+    if crate::precision::is_reduced(query.dtype()) {
+        let (q, k, v, o) = widened(query, key, value, opts)?;
+        return Ok(scaled_dot_product_attention(&q, &k, &v, &o)?.to_dtype(query.dtype())?);
+    }
     let plan = plan(query, key, value, &call, opts)?;
     let out_dims = with(&call.batch, call.l, call.ev);
     crate::alloc::ensure(SDPA, "output", &out_dims, query.dtype(), 1, "use smaller inputs")?;

@@ -286,7 +286,89 @@ pub(crate) fn mha_plan_impl(
     batch_first: bool,
 ) -> Result<Plan> {
     let call = validate::validate(query, key, value, alias, params, opts, training, batch_first)?;
+    if crate::precision::is_reduced(call.dtype) {
+        let w = Widened::new(query, key, value, alias, params, opts)?;
+        let p32 = w.params(params);
+        return mha_plan_impl(&w.q, &w.k, &w.v, alias, &p32, &w.opts, training, batch_first);
+    }
     plan(&call, opts)
+}
+
+/// A bf16/f16 call in f32: the inputs (aliasing kept), parameters, float masks and static
+/// keys widened, so that the f32 path (the fused kernels on the CPU) runs it and accumulates
+/// in f32, as PyTorch's CPU kernels do for reduced precision.
+struct Widened {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    in_proj: Vec<Tensor>,
+    in_proj_bias: Option<Tensor>,
+    bias_k: Option<Tensor>,
+    bias_v: Option<Tensor>,
+    out_proj_weight: Tensor,
+    out_proj_bias: Option<Tensor>,
+    opts: MhaOptions,
+}
+
+impl Widened {
+    fn new(
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        alias: Aliasing,
+        p: &MhaParams,
+        opts: &MhaOptions,
+    ) -> Result<Self> {
+        use crate::precision::{widen, widen_opt};
+        let q = widen(query)?;
+        let k = if alias.key_is_query { q.clone() } else { widen(key)? };
+        let v = if alias.value_is_key { k.clone() } else { widen(value)? };
+        let in_proj = match p.in_proj {
+            InProj::Packed(w) => vec![widen(w)?],
+            InProj::Separate { q, k, v } => vec![widen(q)?, widen(k)?, widen(v)?],
+        };
+        let mask = |m: &Option<Mask>| -> Result<Option<Mask>> {
+            Ok(match m {
+                Some(Mask::Float(t)) => Some(Mask::Float(widen(t)?)),
+                other => other.clone(),
+            })
+        };
+        let mut o = opts.clone();
+        o.attn_mask = mask(&opts.attn_mask)?;
+        o.key_padding_mask = mask(&opts.key_padding_mask)?;
+        o.static_k = widen_opt(opts.static_k.as_ref())?;
+        o.static_v = widen_opt(opts.static_v.as_ref())?;
+        Ok(Self {
+            q,
+            k,
+            v,
+            in_proj,
+            in_proj_bias: widen_opt(p.in_proj_bias)?,
+            bias_k: widen_opt(p.bias_k)?,
+            bias_v: widen_opt(p.bias_v)?,
+            out_proj_weight: widen(p.out_proj_weight)?,
+            out_proj_bias: widen_opt(p.out_proj_bias)?,
+            opts: o,
+        })
+    }
+
+    /// `p` with the widened parameters.
+    fn params<'a>(&'a self, p: &MhaParams) -> MhaParams<'a> {
+        let in_proj = match self.in_proj.as_slice() {
+            [q, k, v] => InProj::Separate { q, k, v },
+            [w, ..] => InProj::Packed(w),
+            [] => InProj::Packed(&self.out_proj_weight), // not reached: one or three weights
+        };
+        MhaParams {
+            in_proj,
+            in_proj_bias: self.in_proj_bias.as_ref(),
+            bias_k: self.bias_k.as_ref(),
+            bias_v: self.bias_v.as_ref(),
+            out_proj_weight: &self.out_proj_weight,
+            out_proj_bias: self.out_proj_bias.as_ref(),
+            ..*p
+        }
+    }
 }
 
 // Internal: the functional signature plus the aliasing and layout the module knows.
@@ -302,6 +384,15 @@ pub(crate) fn mha_forward_impl(
     batch_first: bool,
 ) -> Result<MhaOutput> {
     let call = validate::validate(query, key, value, alias, params, opts, training, batch_first)?;
+    if crate::precision::is_reduced(call.dtype) {
+        let w = Widened::new(query, key, value, alias, params, opts)?;
+        let p32 = w.params(params);
+        let o = mha_forward_impl(&w.q, &w.k, &w.v, alias, &p32, &w.opts, training, batch_first)?;
+        return Ok(MhaOutput {
+            output: o.output.to_dtype(call.dtype)?,
+            attn_weights: o.attn_weights.map(|t| t.to_dtype(call.dtype)).transpose()?,
+        });
+    }
     let plan = plan(&call, opts)?;
     if call.n == 0 || call.l == 0 {
         return empty_output(&call);
