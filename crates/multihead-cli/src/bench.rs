@@ -87,6 +87,34 @@ pub struct BenchArgs {
     /// Print one JSON line.
     #[arg(long)]
     pub json: bool,
+    /// The parameter and input dtype: f32 or bf16 (bf16 computes each operation in f32 and
+    /// rounds once; the decode module keeps its cache in this dtype).
+    #[arg(long, value_enum, default_value_t = BenchDType::F32)]
+    pub dtype: BenchDType,
+}
+
+/// `--dtype`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchDType {
+    /// float32.
+    F32,
+    /// bfloat16.
+    Bf16,
+}
+
+impl BenchArgs {
+    /// The candle dtype of `--dtype`.
+    pub fn candle_dtype(&self) -> DType {
+        match self.dtype {
+            BenchDType::F32 => DType::F32,
+            BenchDType::Bf16 => DType::BF16,
+        }
+    }
+}
+
+/// Standard normal values of `dtype`.
+pub fn randn(dims: &[usize], dtype: DType, dev: &Device) -> Result<Tensor> {
+    Ok(Tensor::randn(0f32, 1.0, dims, dev)?.to_dtype(dtype)?)
 }
 
 /// Model flops of one call, times 3 with the backward. Attention over `l` queries and `s`
@@ -186,19 +214,15 @@ fn layer_workload(a: &BenchArgs) -> Result<Step<'_>> {
         .with_dropout(0.0)
         .with_activation(Activation::from_name(&a.activation)?)
         .with_batch_first(true);
-    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev);
-    let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (a.batch, a.tgt_len, a.embed_dim), &dev)?)?;
-    let memory =
-        Var::from_tensor(&Tensor::randn(0f32, 1.0, (a.batch, a.src_len, a.embed_dim), &dev)?)?;
+    let dt = a.candle_dtype();
+    let vb = VarBuilder::from_varmap(&vm, dt, &dev);
+    let x = Var::from_tensor(&randn(&[a.batch, a.tgt_len, a.embed_dim], dt, &dev)?)?;
+    let memory = Var::from_tensor(&randn(&[a.batch, a.src_len, a.embed_dim], dt, &dev)?)?;
     let training = !a.eval || a.backward;
     let kpm =
         |len| if a.key_padding { key_padding(a.batch, len, &dev).map(Some) } else { Ok(None) };
     let causal = match a.causal {
-        true => Some(Mask::Float(multihead::generate_square_subsequent_mask(
-            a.tgt_len,
-            DType::F32,
-            &dev,
-        )?)),
+        true => Some(Mask::Float(multihead::generate_square_subsequent_mask(a.tgt_len, dt, &dev)?)),
         false => None,
     };
     let run: Box<dyn Fn() -> Result<Tensor>> = if a.module == Module::EncoderLayer {
@@ -235,17 +259,18 @@ fn mha_workload(a: &BenchArgs) -> Result<Step<'_>> {
     let dev = Device::Cpu;
     let vm = VarMap::new();
     let cfg = MhaConfig::new(a.embed_dim, a.num_heads).with_batch_first(true);
-    let mut mha = MultiheadAttention::new(cfg, VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
+    let dt = a.candle_dtype();
+    let mut mha = MultiheadAttention::new(cfg, VarBuilder::from_varmap(&vm, dt, &dev))?;
     mha.eval();
-    let q = Tensor::randn(0f32, 1.0, (a.batch, a.tgt_len, a.embed_dim), &dev)?;
+    let q = randn(&[a.batch, a.tgt_len, a.embed_dim], dt, &dev)?;
     let kv = if a.src_len == a.tgt_len {
         q.clone()
     } else {
-        Tensor::randn(0f32, 1.0, (a.batch, a.src_len, a.embed_dim), &dev)?
+        randn(&[a.batch, a.src_len, a.embed_dim], dt, &dev)?
     };
     let mut opts = MhaOptions::default().need_weights(a.need_weights).average_attn_weights(true);
     if a.causal {
-        let m = multihead::generate_square_subsequent_mask(a.tgt_len, DType::F32, &dev)?;
+        let m = multihead::generate_square_subsequent_mask(a.tgt_len, dt, &dev)?;
         let m = if a.src_len == a.tgt_len {
             m
         } else {
@@ -254,7 +279,7 @@ fn mha_workload(a: &BenchArgs) -> Result<Step<'_>> {
                     (0..a.src_len).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })
                 })
                 .collect();
-            Tensor::from_vec(keep, (a.tgt_len, a.src_len), &dev)?
+            Tensor::from_vec(keep, (a.tgt_len, a.src_len), &dev)?.to_dtype(dt)?
         };
         opts = opts.attn_mask(Mask::Float(m)).is_causal(!a.need_weights);
     }
@@ -299,7 +324,7 @@ fn report(
                 "need_weights": a.need_weights, "backward": a.backward, "iters": times.len(),
                 "module": format!("{:?}", a.module), "dim_feedforward": a.dim_feedforward,
                 "activation": a.activation, "eval": a.eval, "key_padding": a.key_padding,
-                "num_kv_heads": a.num_kv_heads,
+                "num_kv_heads": a.num_kv_heads, "dtype": format!("{:?}", a.candle_dtype()),
         });
         if let (Some(o), Some(x)) = (obj.as_object_mut(), extra.as_object()) {
             o.extend(x.clone());

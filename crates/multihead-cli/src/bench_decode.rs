@@ -12,7 +12,7 @@ use multihead::{MhaConfig, MultiheadAttention};
 use multihead_kernels::attention::Layout4;
 use multihead_kernels::decode::{decode_attention, DecodeDims, DecodeParams};
 
-use crate::bench::{BenchArgs, Step};
+use crate::bench::{randn, BenchArgs, Step};
 
 /// Tokens appended per call while preloading the cache.
 const PRELOAD_CHUNK: usize = 1024;
@@ -27,19 +27,21 @@ pub fn decode_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
         cfg = cfg.with_num_kv_heads(k);
     }
     let (hk, hd, kv) = (cfg.kv_heads(), cfg.head_dim(), cfg.kv_dim());
-    let mut mha = MultiheadAttention::new(cfg, VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
+    let dt = a.candle_dtype();
+    let mut mha = MultiheadAttention::new(cfg, VarBuilder::from_varmap(&vm, dt, &dev))?;
     mha.eval();
     let (b, s, e) = (a.batch, a.src_len, a.embed_dim);
     let mut cache = mha.new_cache(b, s + 1)?;
     let mut done = 0;
     while done < s {
         let t = PRELOAD_CHUNK.min(s - done);
-        let k = Tensor::randn(0f32, 1.0, (b, hk, t, hd), &dev)?;
-        let v = Tensor::randn(0f32, 1.0, (b, hk, t, hd), &dev)?;
+        let k = randn(&[b, hk, t, hd], dt, &dev)?;
+        let v = randn(&[b, hk, t, hd], dt, &dev)?;
         cache.append_kv(&k, &v, None)?;
         done += t;
     }
-    let kernel_ms = time_kernel(a, &cache)?;
+    // The decode kernel is f32 (other dtypes take the composed path).
+    let kernel_ms = if dt == DType::F32 { time_kernel(a, &cache)? } else { f64::NAN };
     let cache_bytes = 2.0 * (b * hk * s * hd * 4) as f64;
     let weight_bytes = ((e * (e + 2 * kv) + e * e) * 4) as f64;
     let extra = serde_json::json!({
@@ -49,7 +51,7 @@ pub fn decode_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
         "attn_kernel_ms": kernel_ms,
         "attn_kernel_gbps": cache_bytes / (kernel_ms * 1e-3) / 1e9,
     });
-    let x = Tensor::randn(0f32, 1.0, (b, 1, e), &dev)?;
+    let x = randn(&[b, 1, e], dt, &dev)?;
     let cache = RefCell::new(cache);
     let step = move || -> Result<()> {
         let _keep = &vm;

@@ -4,7 +4,7 @@
 //! Validate, then plan, then run, like every other call: [`Step`] is the validated call,
 //! `plan_step` the one decision between the fused decode kernel and the composed candle path.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use super::MultiheadAttention;
 use crate::error::{fmt_shape, Error, Result};
@@ -400,9 +400,12 @@ impl MultiheadAttention {
                     (0..kv_len).map(move |j| if j < vis { 0.0 } else { f32::NEG_INFINITY })
                 })
                 .collect();
-            let mask = Tensor::from_vec(mask, (1, t, kv_len), q.device())?.to_dtype(q.dtype())?;
+            // bf16/f16 attend in f32 and round once, as every operation here does.
+            let cd = if crate::precision::is_reduced(q.dtype()) { DType::F32 } else { q.dtype() };
+            let (qb, kb, vb) = (qb.to_dtype(cd)?, kb.to_dtype(cd)?, vb.to_dtype(cd)?);
+            let mask = Tensor::from_vec(mask, (1, t, kv_len), q.device())?.to_dtype(cd)?;
             let (o, _) = attention_core(&qb, &kb, &vb, Some(&mask), scale, None, false)?;
-            outs.push(o.transpose(0, 1)?.reshape((t, e))?);
+            outs.push(o.to_dtype(q.dtype())?.transpose(0, 1)?.reshape((t, e))?);
         }
         let out = Tensor::stack(&outs, 0)?;
         Ok(if batch_first { out } else { out.transpose(0, 1)? })

@@ -578,3 +578,31 @@ fn a_grouped_query_module_saves_and_loads_under_its_documented_keys() {
     assert!(err.contains("missing keys [\"in_proj_weight\"]"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn a_bf16_cache_decodes_close_to_the_f32_module() {
+    let m32 = module(32, 4, Some(2), DType::F32);
+    let vm = VarMap::new();
+    let mut cfg = MhaConfig::new(32, 4).with_batch_first(true).with_num_kv_heads(2);
+    cfg.dropout = 0.0;
+    let mut m16 =
+        MultiheadAttention::new(cfg, VarBuilder::from_varmap(&vm, DType::BF16, &dev())).unwrap();
+    m16.eval();
+    // The bf16 module holds the f32 module's weights, rounded.
+    let p32: std::collections::HashMap<String, Tensor> =
+        m32.named_parameters().into_iter().collect();
+    for (name, var) in vm.data().lock().unwrap().iter() {
+        var.set(&p32[name].to_dtype(DType::BF16).unwrap()).unwrap();
+    }
+    let x = rand_t(&[2, 20, 32], DType::F32, 4, 1.0);
+    let (mut c32, mut c16) = (m32.new_cache(2, 20).unwrap(), m16.new_cache(2, 20).unwrap());
+    assert_eq!(c16.dtype(), DType::BF16);
+    for i in 0..20 {
+        let xi = x.narrow(1, i, 1).unwrap();
+        let y32 = m32.forward_cached(&xi, &mut c32, None).unwrap();
+        let y16 = m16.forward_cached(&xi.to_dtype(DType::BF16).unwrap(), &mut c16, None).unwrap();
+        // A few bf16 roundings (2^-8 relative each) of order-one values.
+        let err = rel_diff(&y16, &y32);
+        assert!(err < 0.05, "step {i}: {err}");
+    }
+}
