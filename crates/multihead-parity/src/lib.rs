@@ -23,7 +23,7 @@ pub mod meta;
 mod replay;
 mod tolerance;
 
-pub use case::Case;
-pub use check::{check, check_dir, find_cases, CaseReport, Found, TensorCheck};
+pub use case::{Case, REF64};
+pub use check::{check, check_dir, find_cases, CaseReport, Found, TensorCheck, BF16_FACTOR};
 pub use replay::{layer_config, mha_config, replay, ReplayResult};
-pub use tolerance::{Comparison, Tolerance};
+pub use tolerance::{compare_to_reference, Comparison, Tolerance};
