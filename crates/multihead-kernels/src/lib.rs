@@ -24,6 +24,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod convert;
 pub mod decode;
 pub mod dropout;
 pub mod gemv;

@@ -41,7 +41,8 @@ impl Activation {
         crate::alloc::ensure("activation", "input", x.dims(), x.dtype(), 3, "use a smaller input")?;
         if crate::precision::is_reduced(x.dtype()) && *self != Self::Relu {
             // bf16/f16: the GELU of the f32 value, rounded once.
-            return Ok(self.forward(&crate::precision::widen(x)?)?.to_dtype(x.dtype())?);
+            let y = self.forward(&crate::precision::widen(x)?)?;
+            return crate::precision::narrow(&y, x.dtype());
         }
         Ok(match self {
             // x * (x > 0): gradient (x > 0), 0 at x = 0 like PyTorch's threshold_backward.

@@ -84,7 +84,7 @@ impl LayerNorm {
             // bf16/f16: statistics and normalisation in f32, rounded once.
             use crate::precision::{widen, widen_opt};
             let y = self.run(&widen(x)?, &widen(w)?, widen_opt(b)?.as_ref())?;
-            return Ok(y.to_dtype(x.dtype())?);
+            return crate::precision::narrow(&y, x.dtype());
         }
         self.run(x, w, b)
     }
@@ -134,6 +134,17 @@ pub(crate) fn check_eps(eps: f64, op: &'static str, arg: &'static str) -> Result
             op,
             arg,
             msg: format!("{arg} must be finite and >= 0, got {eps}; PyTorch's default is 1e-5"),
+        })
+    }
+}
+
+impl crate::precision::Widen for LayerNorm {
+    fn widened(&self) -> Result<Self> {
+        use crate::precision::{widen, widen_opt};
+        Ok(Self {
+            weight: widen(&self.weight)?,
+            bias: widen_opt(self.bias.as_ref())?,
+            eps: self.eps,
         })
     }
 }

@@ -113,7 +113,7 @@ pub(crate) fn linear(
         use crate::precision::{widen, widen_opt};
         let b = widen_opt(bias)?;
         let y = linear(&widen(x)?, &widen(weight)?, b.as_ref(), op, arg, backend)?;
-        return Ok(y.to_dtype(x.dtype())?);
+        return crate::precision::narrow(&y, x.dtype());
     }
     let m = out_dims[..out_dims.len() - 1].iter().product::<usize>();
     let plan = plan_linear(x, op, backend)?;
@@ -264,4 +264,11 @@ fn fused_linear(
     };
     debug_assert_eq!(y.dim(y.rank() - 1)?, out_f);
     Ok(y.reshape(out_dims)?)
+}
+
+impl crate::precision::Widen for Linear {
+    fn widened(&self) -> Result<Self> {
+        use crate::precision::{widen, widen_opt};
+        Ok(Self { weight: widen(&self.weight)?, bias: widen_opt(self.bias.as_ref())? })
+    }
 }

@@ -6,6 +6,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::error::Result;
+use crate::mask::Mask;
 
 /// Whether `dtype` is computed in f32 and rounded back (bf16 and f16).
 pub(crate) fn is_reduced(dtype: DType) -> bool {
@@ -14,10 +15,30 @@ pub(crate) fn is_reduced(dtype: DType) -> bool {
 
 /// `t` in f32 (differentiably).
 pub(crate) fn widen(t: &Tensor) -> Result<Tensor> {
-    Ok(t.to_dtype(DType::F32)?)
+    Ok(crate::fused::convert::to_dtype(t, DType::F32)?)
+}
+
+/// An f32 result back in the reduced dtype `dtype` (differentiably).
+pub(crate) fn narrow(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    Ok(crate::fused::convert::to_dtype(t, dtype)?)
 }
 
 /// An optional tensor in f32.
 pub(crate) fn widen_opt(t: Option<&Tensor>) -> Result<Option<Tensor>> {
     t.map(widen).transpose()
+}
+
+/// A float mask of a reduced dtype in f32; bool masks and f32 masks as they are.
+pub(crate) fn widen_mask(m: Option<&Mask>) -> Result<Option<Mask>> {
+    Ok(match m {
+        Some(Mask::Float(t)) if is_reduced(t.dtype()) => Some(Mask::Float(widen(t)?)),
+        other => other.cloned(),
+    })
+}
+
+/// A module whose parameters can be widened to f32 (differentiably): a bf16/f16 layer runs as
+/// its f32 twin between one widening of its inputs and one rounding of its output.
+pub(crate) trait Widen: Sized {
+    /// The same module with f32 parameters.
+    fn widened(&self) -> Result<Self>;
 }

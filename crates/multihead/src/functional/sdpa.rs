@@ -351,7 +351,8 @@ pub fn scaled_dot_product_attention(
     let call = validate(query, key, value, opts)?;
     if crate::precision::is_reduced(query.dtype()) {
         let (q, k, v, o) = widened(query, key, value, opts)?;
-        return Ok(scaled_dot_product_attention(&q, &k, &v, &o)?.to_dtype(query.dtype())?);
+        let y = scaled_dot_product_attention(&q, &k, &v, &o)?;
+        return crate::precision::narrow(&y, query.dtype());
     }
     let plan = plan(query, key, value, &call, opts)?;
     let out_dims = with(&call.batch, call.l, call.ev);

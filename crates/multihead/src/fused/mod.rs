@@ -9,6 +9,7 @@
 //!
 //! [`Plan`]: dispatch::Plan
 
+pub(crate) mod convert;
 pub(crate) mod decode;
 pub mod dispatch;
 pub(crate) mod flash;

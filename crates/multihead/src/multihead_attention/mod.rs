@@ -525,3 +525,22 @@ impl candle_core::Module for MultiheadAttention {
         self.self_attention(xs).map_err(candle_core::Error::wrap)
     }
 }
+
+impl crate::precision::Widen for MultiheadAttention {
+    fn widened(&self) -> Result<Self> {
+        use crate::precision::widen_opt;
+        let w = |t: &Option<Tensor>| widen_opt(t.as_ref());
+        Ok(Self {
+            cfg: self.cfg.clone(),
+            in_proj_weight: w(&self.in_proj_weight)?,
+            q_proj_weight: w(&self.q_proj_weight)?,
+            k_proj_weight: w(&self.k_proj_weight)?,
+            v_proj_weight: w(&self.v_proj_weight)?,
+            in_proj_bias: w(&self.in_proj_bias)?,
+            bias_k: w(&self.bias_k)?,
+            bias_v: w(&self.bias_v)?,
+            out_proj: self.out_proj.widened()?,
+            training: self.training,
+        })
+    }
+}

@@ -141,6 +141,23 @@ impl TransformerDecoderLayer {
     /// Runs the layer; `masks.tgt_is_causal = None` means `false` here.
     // Mirrors torch.nn.TransformerDecoderLayer.forward.
     pub fn forward(&self, tgt: &Tensor, memory: &Tensor, masks: &DecoderMasks) -> Result<Tensor> {
+        let dtype = tgt.dtype();
+        if crate::precision::is_reduced(dtype)
+            && dtype == self.self_attn.dtype()
+            && memory.dtype() == dtype
+        {
+            // bf16/f16: the f32 layer between one widening and one rounding.
+            use crate::precision::{narrow, widen, widen_mask, Widen};
+            let m = DecoderMasks {
+                tgt_mask: widen_mask(masks.tgt_mask.as_ref())?,
+                memory_mask: widen_mask(masks.memory_mask.as_ref())?,
+                tgt_key_padding_mask: widen_mask(masks.tgt_key_padding_mask.as_ref())?,
+                memory_key_padding_mask: widen_mask(masks.memory_key_padding_mask.as_ref())?,
+                ..masks.clone()
+            };
+            let y = self.widened()?.forward(&widen(tgt)?, &widen(memory)?, &m)?;
+            return narrow(&y, dtype);
+        }
         let tc = masks.tgt_is_causal.unwrap_or(false);
         let mc = masks.memory_is_causal;
         let (tm, tk) = (masks.tgt_mask.as_ref(), masks.tgt_key_padding_mask.as_ref());
@@ -168,5 +185,21 @@ impl NamedParameters for TransformerDecoderLayer {
         v.extend(prefixed("norm2", self.norm2.named_parameters()));
         v.extend(prefixed("norm3", self.norm3.named_parameters()));
         v
+    }
+}
+
+impl crate::precision::Widen for TransformerDecoderLayer {
+    fn widened(&self) -> Result<Self> {
+        Ok(Self {
+            cfg: self.cfg.clone(),
+            self_attn: self.self_attn.widened()?,
+            multihead_attn: self.multihead_attn.widened()?,
+            linear1: self.linear1.widened()?,
+            linear2: self.linear2.widened()?,
+            norm1: self.norm1.widened()?,
+            norm2: self.norm2.widened()?,
+            norm3: self.norm3.widened()?,
+            training: self.training,
+        })
     }
 }

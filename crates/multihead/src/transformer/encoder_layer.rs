@@ -115,6 +115,13 @@ impl TransformerEncoderLayer {
         src_key_padding_mask: Option<&Mask>,
         is_causal: bool,
     ) -> Result<Tensor> {
+        if crate::precision::is_reduced(src.dtype()) && src.dtype() == self.self_attn.dtype() {
+            // bf16/f16: the f32 layer between one widening and one rounding.
+            use crate::precision::{narrow, widen, widen_mask, Widen};
+            let (m, k) = (widen_mask(src_mask)?, widen_mask(src_key_padding_mask)?);
+            let y = self.widened()?.forward(&widen(src)?, m.as_ref(), k.as_ref(), is_causal)?;
+            return narrow(&y, src.dtype());
+        }
         let x = src;
         if self.cfg.norm_first {
             let x = (x + self.attend(
@@ -141,5 +148,19 @@ impl NamedParameters for TransformerEncoderLayer {
         v.extend(prefixed("norm1", self.norm1.named_parameters()));
         v.extend(prefixed("norm2", self.norm2.named_parameters()));
         v
+    }
+}
+
+impl crate::precision::Widen for TransformerEncoderLayer {
+    fn widened(&self) -> Result<Self> {
+        Ok(Self {
+            cfg: self.cfg.clone(),
+            self_attn: self.self_attn.widened()?,
+            linear1: self.linear1.widened()?,
+            linear2: self.linear2.widened()?,
+            norm1: self.norm1.widened()?,
+            norm2: self.norm2.widened()?,
+            training: self.training,
+        })
     }
 }

@@ -389,8 +389,11 @@ pub(crate) fn mha_forward_impl(
         let p32 = w.params(params);
         let o = mha_forward_impl(&w.q, &w.k, &w.v, alias, &p32, &w.opts, training, batch_first)?;
         return Ok(MhaOutput {
-            output: o.output.to_dtype(call.dtype)?,
-            attn_weights: o.attn_weights.map(|t| t.to_dtype(call.dtype)).transpose()?,
+            output: crate::precision::narrow(&o.output, call.dtype)?,
+            attn_weights: o
+                .attn_weights
+                .map(|t| crate::precision::narrow(&t, call.dtype))
+                .transpose()?,
         });
     }
     let plan = plan(&call, opts)?;

@@ -1,0 +1,149 @@
+//! bfloat16 ↔ f32 conversion over bit patterns (`u16` for bf16), in parallel blocks.
+//!
+//! bf16 → f32 is exact (the 16 bits become the high half of the f32). f32 → bf16 rounds to
+//! nearest, ties to even, like `half::bf16::from_f32` (and PyTorch); a NaN stays a (quiet) NaN
+//! with its sign. Both are plain integer arithmetic on each element, which the compiler
+//! vectorises for any x86-64 level, so no run-time dispatch is needed.
+//!
+//! ```
+//! use multihead_kernels::convert::{bf16_to_f32, f32_to_bf16};
+//!
+//! let x = [1.0f32, -2.5, 1.0 + 1.0 / 256.0, f32::INFINITY];
+//! let mut b = [0u16; 4];
+//! f32_to_bf16(&x, &mut b)?;
+//! let mut y = [0f32; 4];
+//! bf16_to_f32(&b, &mut y)?;
+//! assert_eq!(y, [1.0, -2.5, 1.0, f32::INFINITY]); // 1 + 2^-8 is a tie: rounds to even
+//! # Ok::<(), multihead_kernels::attention::KernelError>(())
+//! ```
+
+use rayon::prelude::*;
+
+use crate::attention::KernelError;
+
+/// Elements per parallel block.
+const BLOCK: usize = 1 << 16;
+
+fn check(src: usize, dst: usize) -> Result<(), KernelError> {
+    if dst < src {
+        Err(KernelError::SliceTooShort { name: "dst", needed: src, len: dst })
+    } else {
+        Ok(())
+    }
+}
+
+/// One bf16 bit pattern as an f32 (exact).
+#[inline(always)]
+pub fn bf16_bits_to_f32(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
+/// One f32 rounded to the nearest bf16 (ties to even), as a bit pattern.
+#[inline(always)]
+pub fn f32_to_bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    if x.is_nan() {
+        // Keep the sign and the top payload bits; force a quiet NaN.
+        return ((bits >> 16) as u16) | 0x0040;
+    }
+    let round = 0x7FFF + ((bits >> 16) & 1);
+    (bits.wrapping_add(round) >> 16) as u16
+}
+
+/// `dst[i] = src[i]` widened to f32, for `i < src.len()`.
+pub fn bf16_to_f32(src: &[u16], dst: &mut [f32]) -> Result<(), KernelError> {
+    check(src.len(), dst.len())?;
+    src.par_chunks(BLOCK).zip(dst.par_chunks_mut(BLOCK)).for_each(|(s, d)| {
+        for (x, &b) in d.iter_mut().zip(s) {
+            *x = bf16_bits_to_f32(b);
+        }
+    });
+    Ok(())
+}
+
+/// `dst[i] = src[i]` rounded to bf16 (ties to even), for `i < src.len()`.
+pub fn f32_to_bf16(src: &[f32], dst: &mut [u16]) -> Result<(), KernelError> {
+    check(src.len(), dst.len())?;
+    src.par_chunks(BLOCK).zip(dst.par_chunks_mut(BLOCK)).for_each(|(s, d)| {
+        for (b, &x) in d.iter_mut().zip(s) {
+            *b = f32_to_bf16_bits(x);
+        }
+    });
+    Ok(())
+}
+
+/// The reference twin of [`f32_to_bf16`]: rounds through f64 by comparing the two bf16
+/// neighbours of `x` (ties to the even one).
+pub fn f32_to_bf16_reference(x: f32) -> u16 {
+    if x.is_nan() {
+        return ((x.to_bits() >> 16) as u16) | 0x0040;
+    }
+    let down = (x.to_bits() >> 16) as u16; // truncation: toward zero in magnitude
+    if x.is_infinite() {
+        return down;
+    }
+    let up = down.wrapping_add(1);
+    let lo = bf16_bits_to_f32(down) as f64;
+    // Past the largest finite bf16, the next step up is infinity, which IEEE rounding places
+    // at 2^128 (where the exponent range would continue).
+    let hi = match bf16_bits_to_f32(up) {
+        h if h.is_infinite() => 2f64.powi(128).copysign(h as f64),
+        h => h as f64,
+    };
+    let d_lo = (x as f64 - lo).abs();
+    let d_hi = (hi - x as f64).abs();
+    if d_lo < d_hi || (d_lo == d_hi && down & 1 == 0) {
+        down
+    } else {
+        up
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn rounding_matches_the_reference_on_awkward_values() {
+        let mut xs = vec![
+            0.0f32,
+            -0.0,
+            1.0,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            f32::MIN_POSITIVE / 3.0,
+            1e-45,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            65504.0,
+            3.389_531_4e38, // rounds up to infinity
+        ];
+        let mut s = 0x1234_5678u32;
+        for _ in 0..100_000 {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            xs.push(f32::from_bits(s));
+        }
+        let mut got = vec![0u16; xs.len()];
+        f32_to_bf16(&xs, &mut got).unwrap();
+        for (x, g) in xs.iter().zip(&got) {
+            if x.is_nan() {
+                assert!(bf16_bits_to_f32(*g).is_nan());
+                continue;
+            }
+            assert_eq!(*g, f32_to_bf16_reference(*x), "{x:e} ({:#x})", x.to_bits());
+        }
+        let mut back = vec![0f32; xs.len()];
+        bf16_to_f32(&got, &mut back).unwrap();
+        for (b, g) in back.iter().zip(&got) {
+            assert_eq!(b.to_bits() >> 16, u32::from(*g));
+        }
+        assert!(f32_to_bf16(&xs, &mut got[..3]).is_err());
+    }
+}
