@@ -11,6 +11,7 @@ process, so both memory figures are per-process peaks. Four sections (``--sectio
               d_model 512, nhead 8, dim_feedforward 2048 (``multihead bench --module ...``)
 * ``embed``   all-MiniLM-L6-v2 sentence embeddings: sentence-transformers, ONNX Runtime and
               ``multihead embed`` on a generated 2000-sentence corpus (``tools/bench_embed.py``)
+* ``bf16``    bfloat16 MHA and encoder layer against PyTorch bf16 (``tools/bench_bf16.py``)
 * ``decode``  one incremental decoding step over a KV cache against PyTorch re-projecting and a
               hand-written PyTorch cache (``tools/bench_decode.py``, in its own process)
 
@@ -101,7 +102,7 @@ MODES = {
     "bwd": (False, True, "Forward + backward (need_weights=False)"),
 }
 QUICK_SHAPES = ["a", "c", "e"]
-SECTIONS = ["mha", "layers", "embed", "decode"]
+SECTIONS = ["mha", "layers", "embed", "decode", "bf16"]
 
 # Transformer layers: one shape, B=8, L=S=512, d_model 512, nhead 8, dim_feedforward 2048.
 LAYER_SHAPE = {"B": 8, "L": 512, "S": 512, "E": 512, "H": 8, "F": 2048}
@@ -795,7 +796,22 @@ def run_decode_section(opts):
     return json.loads(out.read_text())
 
 
-def write_report(meta, results, opts, elapsed_s, embed_rec=None, decode_rec=None):
+def run_bf16_section(opts, bf16_peak):
+    """Runs ``tools/bench_bf16.py`` in its own process; returns its JSON (or an error)."""
+    out = REPO / "target/bench_bf16.json"
+    cmd = [sys.executable, str(TOOLS / "bench_bf16.py"), "--threads", str(opts.threads),
+           "--json-out", str(out)] + (["--quick"] if opts.quick else [])
+    if bf16_peak:
+        cmd += ["--bf16-peak", str(bf16_peak)]
+    rc, _, err, _, _, timed_out = bench_proc.run_process(cmd, max(opts.timeout, 1800.0))
+    if rc != 0 or timed_out:
+        why = "timed out" if timed_out else f"exit code {rc}"
+        return {"error": f"{why}: {(err or '')[-2000:]}"}
+    return json.loads(out.read_text())
+
+
+def write_report(meta, results, opts, elapsed_s, embed_rec=None, decode_rec=None,
+                 bf16_rec=None):
     lines = []
     add = lines.append
     T = opts.threads
@@ -1032,9 +1048,21 @@ def write_report(meta, results, opts, elapsed_s, embed_rec=None, decode_rec=None
         else:
             lines.extend(bench_decode.report_lines(decode_rec))
 
+    if bf16_rec is not None:
+        sys.path.insert(0, str(TOOLS))
+        import bench_bf16
+
+        if bf16_rec.get("error"):
+            add("## bfloat16\n")
+            add(f"The bf16 benchmark failed: `{bf16_rec['error'][-300:]}`\n")
+        else:
+            lines.extend(bench_bf16.report_lines(bf16_rec))
+
     targets = evaluate_targets(results, opts, embed_rec)
     if decode_rec is not None and not decode_rec.get("error"):
         targets.extend(bench_decode.evaluate_targets(decode_rec))
+    if bf16_rec is not None and not bf16_rec.get("error"):
+        targets.extend(bench_bf16.evaluate_targets(bf16_rec))
     add("## Targets (from the issues)\n")
     add("Evaluated automatically from the measurements above. \"Margin\" is relative to the "
         "target; a missed speed-up target also says what multihead's time must come down to. "
@@ -1544,6 +1572,14 @@ def main(argv):
             f"B={r['b']} S={r['s']} K={r['k']}: torch {r['torch']['cache'][0]:.3f} ms, multihead "
             f"{r['multihead']['min_ms']:.3f} ms" for r in decode_rec["rows"])), flush=True)
 
+    bf16_rec = None
+    if "bf16" in opts.sections:
+        print(f"[bf16 {time.perf_counter() - t_start:6.0f}s] bfloat16", flush=True)
+        bf16_rec = run_bf16_section(opts, peak.get("bf16"))
+        print("[bf16] " + (bf16_rec.get("error", "")[-300:] or "; ".join(
+            f"{r['label']}: torch {r['torch_bf16']:.1f} ms, multihead {r['ours_bf16']:.1f} ms"
+            for r in bf16_rec["rows"])), flush=True)
+
     if not opts.peak_gflops:
         # Again at the end: a busy neighbour can only lower it, so keep the higher f32.
         p1 = measure_peak(opts)
@@ -1571,11 +1607,11 @@ def main(argv):
     Path(opts.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.md).parent.mkdir(parents=True, exist_ok=True)
     opts.png_written = write_chart(results, opts)
-    targets = write_report(meta, results, opts, elapsed, embed_rec, decode_rec)
+    targets = write_report(meta, results, opts, elapsed, embed_rec, decode_rec, bf16_rec)
     for r in results:
         r["derived"] = derived(r)
     doc = {"meta": meta, "peak": peak, "results": results, "embed": embed_rec,
-           "decode": decode_rec, "targets": targets}
+           "decode": decode_rec, "bf16": bf16_rec, "targets": targets}
     Path(opts.json_out).write_text(json.dumps(scrub_obj(doc), indent=1, default=str) + "\n")
     n_met = sum(1 for t in targets if t["met"] is True)
     n_all = sum(1 for t in targets if t["met"] is not None)

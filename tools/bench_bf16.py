@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""bfloat16 side by side: PyTorch bf16 against ``multihead bench --dtype bf16``, and each against
+its own f32.
+
+    python3 tools/bench_bf16.py            # the BENCHMARKS.md rows (a few minutes)
+    python3 tools/bench_bf16.py --quick    # fewer iterations
+
+Cases (B=8, L=S=512, E=512, H=8; layers d_model 512, nhead 8, dim_feedforward 2048, gelu,
+dropout 0, batch_first):
+
+* MHA forward (``need_weights=False``, eval under ``torch.inference_mode()``; multihead
+  ``no_grad``), MHA causal forward, MHA forward+backward (``out.sum().backward()`` with the input
+  requiring grad);
+* ``TransformerEncoderLayer`` train forward+backward and eval forward (``torch.no_grad()``).
+
+PyTorch runs in this process with ``torch.set_num_threads(T)``; multihead runs
+``target/release/multihead bench ... --dtype bf16 --json`` (and ``--dtype f32`` for its own
+ratio). Fastest time of the runs after warm-up. GFLOP/s use the model flops of
+``crates/multihead-cli/src/bench.rs`` and are given as a share of the machine's bf16 peak
+(``--bf16-peak``, from ``peak.c``), as the issue asks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = REPO / "target/release/multihead"
+B, L, E, H, F = 8, 512, 512, 8, 2048
+CASES = [  # (label, module, flags)
+    ("MHA forward", "mha", []),
+    ("MHA causal forward", "mha", ["--causal"]),
+    ("MHA forward+backward", "mha", ["--backward"]),
+    ("encoder layer train fwd+bwd, gelu", "encoder-layer", ["--backward"]),
+    ("encoder layer eval forward, gelu", "encoder-layer", ["--eval"]),
+]
+
+
+def timed(fn, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        best = min(best, (time.perf_counter() - t) * 1e3)
+    return best
+
+
+def flops(module, flags):
+    attn = 2 * E * E * (4 * B * L) + 4 * B * L * L * E * (0.5 if "--causal" in flags else 1)
+    fwd = attn + (4 * B * L * E * F if module == "encoder-layer" else 0)
+    return fwd * (3 if "--backward" in flags else 1)
+
+
+def torch_case(torch, dtype, module, flags, warmup, iters):
+    torch.manual_seed(0)
+    x = torch.randn(B, L, E, dtype=dtype)
+    backward, causal = "--backward" in flags, "--causal" in flags
+    if module == "mha":
+        m = torch.nn.MultiheadAttention(E, H, batch_first=True).to(dtype)
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(L, dtype=dtype) if causal else None
+        if backward:
+            xg = x.clone().requires_grad_(True)
+            return timed(lambda: m(xg, xg, xg, need_weights=False)[0].sum().backward(),
+                         warmup, iters)
+        m.eval()
+        with torch.inference_mode():
+            return timed(lambda: m(x, x, x, need_weights=False, attn_mask=mask, is_causal=causal),
+                         warmup, iters)
+    layer = torch.nn.TransformerEncoderLayer(E, H, F, dropout=0.0, activation="gelu",
+                                             batch_first=True).to(dtype)
+    if backward:
+        xg = x.clone().requires_grad_(True)
+        return timed(lambda: layer(xg).sum().backward(), warmup, iters)
+    layer.eval()
+    with torch.no_grad():
+        return timed(lambda: layer(x), warmup, iters)
+
+
+def rust_case(dtype, module, flags, threads, warmup, iters):
+    cmd = [str(BIN), "bench", "--module", module, "--dtype", dtype, "--batch", str(B),
+           "--tgt-len", str(L), "--src-len", str(L), "--embed-dim", str(E), "--num-heads", str(H),
+           "--dim-feedforward", str(F), "--activation", "gelu", "--threads", str(threads),
+           "--warmup", str(warmup), "--iters", str(iters), "--json"] + flags
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])["min_ms"]
+
+
+def report_lines(doc):
+    peak = doc.get("bf16_peak")
+    share_text = (f"as a share of the measured bf16 peak ({peak:.0f} GFLOP/s, `peak.c`'s "
+                  "`vdpbf16ps` loop)" if peak else "(no bf16 peak was measured)")
+    lines = [
+        f"## bfloat16, B={B} L=S={L} E={E} H={H} (layers: dim_feedforward {F}, gelu), "
+        f"{doc['threads']} threads\n",
+        "Command: `python3 tools/bench_bf16.py` (run by `tools/bench_torch.py --sections bf16`). "
+        "PyTorch bf16 modules against `multihead bench --dtype bf16` on the same shapes; each "
+        "library's own f32 time for reference. multihead computes every bf16 operation in f32 "
+        "(its f32 kernels) and rounds once per operation, or once per layer for the Transformer "
+        f"layers. GFLOP/s are model flops over the bf16 time, {share_text}.\n",
+        "| case | PyTorch bf16 | PyTorch f32 | multihead bf16 | multihead f32 | bf16 speed-up "
+        "| multihead bf16 GFLOP/s (share of bf16 peak) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        g = r["flops"] / (r["ours_bf16"] * 1e-3) / 1e9
+        share = f" ({100 * g / peak:.0f}%)" if peak else ""
+        lines.append(f"| {r['label']} | {r['torch_bf16']:.1f} ms | {r['torch_f32']:.1f} ms | "
+                     f"{r['ours_bf16']:.1f} ms | {r['ours_f32']:.1f} ms | "
+                     f"{r['torch_bf16'] / r['ours_bf16']:.2f}x | {g:.0f}{share} |")
+    lines.append("")
+    return lines
+
+
+def evaluate_targets(doc):
+    want = {"MHA forward": 1.4, "MHA causal forward": 1.4, "MHA forward+backward": 1.3,
+            "encoder layer train fwd+bwd, gelu": 1.3, "encoder layer eval forward, gelu": 1.3}
+    out = []
+    for r in doc["rows"]:
+        need = want.get(r["label"])
+        if need is None:
+            continue
+        got = r["torch_bf16"] / r["ours_bf16"]
+        met = got >= need
+        out.append({"target": "bf16 vs PyTorch bf16 (x)", "case": r["label"],
+                    "measured": f"{got:.2f}", "required": f"{need:.2f}", "met": met,
+                    "verdict": "met" if met else "not met"})
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--bf16-peak", type=float, default=None)
+    ap.add_argument("--json-out", type=Path, default=REPO / "target/bench_bf16.json")
+    opts = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(opts.threads)
+    if not BIN.exists():
+        sys.exit(f"build the binary first: cargo build --release -p multihead-cli ({BIN})")
+    warmup, iters = (1, 2) if opts.quick else (2, 6)
+    rows = []
+    for label, module, flags in CASES:
+        row = {"label": label, "flops": flops(module, flags)}
+        row["torch_bf16"] = torch_case(torch, torch.bfloat16, module, flags, warmup, iters)
+        row["torch_f32"] = torch_case(torch, torch.float32, module, flags, warmup, iters)
+        row["ours_bf16"] = rust_case("bf16", module, flags, opts.threads, warmup, iters)
+        row["ours_f32"] = rust_case("f32", module, flags, opts.threads, warmup, iters)
+        rows.append(row)
+        print(f"{label}: torch bf16 {row['torch_bf16']:.1f} ms, multihead bf16 "
+              f"{row['ours_bf16']:.1f} ms", file=sys.stderr, flush=True)
+    doc = {"threads": opts.threads, "torch_version": torch.__version__, "quick": opts.quick,
+           "bf16_peak": opts.bf16_peak, "rows": rows}
+    opts.json_out.parent.mkdir(parents=True, exist_ok=True)
+    opts.json_out.write_text(json.dumps(doc, indent=1))
+    print("\n".join(report_lines(doc)))
+    for t in evaluate_targets(doc):
+        print(f"- {t['target']}, {t['case']}: {t['measured']} (required {t['required']}): "
+              f"{t['verdict']}")
+
+
+if __name__ == "__main__":
+    main()
