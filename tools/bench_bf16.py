@@ -103,7 +103,9 @@ def report_lines(doc):
         "PyTorch bf16 modules against `multihead bench --dtype bf16` on the same shapes; each "
         "library's own f32 time for reference. multihead computes every bf16 operation in f32 "
         "(its f32 kernels) and rounds once per operation, or once per layer for the Transformer "
-        f"layers. GFLOP/s are model flops over the bf16 time, {share_text}.\n",
+        f"layers. GFLOP/s are model flops over the bf16 time, {share_text}. A share above "
+        "100% means multihead's f32 FMAs outrun the machine's `vdpbf16ps` rate (on some CPUs, "
+        "such as this family 6 model 207 Xeon, `vdpbf16ps` runs at half the f32 FMA rate).\n",
         "| case | PyTorch bf16 | PyTorch f32 | multihead bf16 | multihead f32 | bf16 speed-up "
         "| multihead bf16 GFLOP/s (share of bf16 peak) |",
         "|---|---|---|---|---|---|---|",

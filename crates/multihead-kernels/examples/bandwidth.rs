@@ -6,7 +6,7 @@
 //! cargo run --release -p multihead-kernels --example bandwidth -- 16 128 1024   # MiB
 //! ```
 //!
-//! Prints one line per size: the best of 20 passes, in GB/s, with the rayon pool's threads
+//! Prints one line per size: the best of at least 20 passes (and 8 GiB read), in GB/s, with the rayon pool's threads
 //! (`RAYON_NUM_THREADS`).
 
 use std::time::Instant;
@@ -53,7 +53,9 @@ fn main() {
         let per = n.div_ceil(threads);
         let mut best = f64::INFINITY;
         let mut total = 0.0;
-        for _ in 0..20 {
+        // At least 20 passes and 8 GiB read, so that small buffers are timed often enough.
+        let passes = (8usize << 30).div_ceil(n * 4).max(20);
+        for _ in 0..passes {
             let t = Instant::now();
             total += buf.par_chunks(per).map(sum).sum::<f32>();
             best = best.min(t.elapsed().as_secs_f64());
