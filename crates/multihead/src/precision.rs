@@ -36,6 +36,16 @@ pub(crate) fn widen_mask(m: Option<&Mask>) -> Result<Option<Mask>> {
     })
 }
 
+/// Whether every float mask given has `dtype` (PyTorch's rule: a float mask has the query's
+/// dtype). A layer widens its call only then; otherwise the call goes the unwidened way, whose
+/// checks report the mismatch.
+pub(crate) fn masks_match(masks: &[Option<&Mask>], dtype: DType) -> bool {
+    masks.iter().all(|m| match m {
+        Some(Mask::Float(t)) => t.dtype() == dtype,
+        _ => true,
+    })
+}
+
 /// A module whose parameters can be widened to f32 (differentiably): a bf16/f16 layer runs as
 /// its f32 twin between one widening of its inputs and one rounding of its output.
 pub(crate) trait Widen: Sized {

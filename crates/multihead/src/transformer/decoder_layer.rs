@@ -142,9 +142,16 @@ impl TransformerDecoderLayer {
     // Mirrors torch.nn.TransformerDecoderLayer.forward.
     pub fn forward(&self, tgt: &Tensor, memory: &Tensor, masks: &DecoderMasks) -> Result<Tensor> {
         let dtype = tgt.dtype();
+        let all = [
+            masks.tgt_mask.as_ref(),
+            masks.memory_mask.as_ref(),
+            masks.tgt_key_padding_mask.as_ref(),
+            masks.memory_key_padding_mask.as_ref(),
+        ];
         if crate::precision::is_reduced(dtype)
             && dtype == self.self_attn.dtype()
             && memory.dtype() == dtype
+            && crate::precision::masks_match(&all, dtype)
         {
             // bf16/f16: the f32 layer between one widening and one rounding.
             use crate::precision::{narrow, widen, widen_mask, Widen};

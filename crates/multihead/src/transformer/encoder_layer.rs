@@ -115,7 +115,11 @@ impl TransformerEncoderLayer {
         src_key_padding_mask: Option<&Mask>,
         is_causal: bool,
     ) -> Result<Tensor> {
-        if crate::precision::is_reduced(src.dtype()) && src.dtype() == self.self_attn.dtype() {
+        let masks = [src_mask, src_key_padding_mask];
+        if crate::precision::is_reduced(src.dtype())
+            && src.dtype() == self.self_attn.dtype()
+            && crate::precision::masks_match(&masks, src.dtype())
+        {
             // bf16/f16: the f32 layer between one widening and one rounding.
             use crate::precision::{narrow, widen, widen_mask, Widen};
             let (m, k) = (widen_mask(src_mask)?, widen_mask(src_key_padding_mask)?);

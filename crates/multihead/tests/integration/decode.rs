@@ -606,3 +606,20 @@ fn a_bf16_cache_decodes_close_to_the_f32_module() {
         assert!(err < 0.05, "step {i}: {err}");
     }
 }
+
+#[test]
+fn a_bf16_layer_refuses_an_f32_float_mask_like_an_f32_layer_refuses_an_f64_one() {
+    use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
+    let vm = VarMap::new();
+    let cfg = LayerConfig::new(16, 2).with_dim_feedforward(32).with_batch_first(true);
+    let layer =
+        TransformerEncoderLayer::new(cfg, VarBuilder::from_varmap(&vm, DType::BF16, &dev()))
+            .unwrap();
+    let x = rand_t(&[2, 5, 16], DType::BF16, 1, 1.0);
+    let bad = Mask::Float(Tensor::zeros((5, 5), DType::F32, &dev()).unwrap());
+    let err = layer.forward(&x, Some(&bad), None, false).unwrap_err();
+    assert!(matches!(err, Error::DType { .. }), "{err}");
+    let good = Mask::Float(Tensor::zeros((5, 5), DType::BF16, &dev()).unwrap());
+    let y = layer.forward(&x, Some(&good), None, false).unwrap();
+    assert_eq!((y.dtype(), y.dims()), (DType::BF16, &[2, 5, 16][..]));
+}
