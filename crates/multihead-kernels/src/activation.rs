@@ -162,7 +162,7 @@ pub mod reference {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::attention::{detected_simd_level, with_simd_level, SimdLevel};
+    use crate::attention::with_simd_level;
 
     #[test]
     fn reference_erf_is_accurate() {
@@ -180,10 +180,7 @@ mod tests {
 
     #[test]
     fn gelu_matches_the_reference_at_every_simd_level_and_awkward_lengths() {
-        let levels: Vec<SimdLevel> = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512]
-            .into_iter()
-            .filter(|&l| l <= detected_simd_level())
-            .collect();
+        let levels = crate::testutil::levels();
         for n in [0usize, 1, 7, 16, 17, 1000, BLOCK + 3] {
             let x: Vec<f32> = crate::testutil::rand_vec(n, 11).iter().map(|v| v * 9.0).collect();
             let dy = crate::testutil::rand_vec(n, 12);

@@ -98,13 +98,20 @@ impl DecodeParams<'_> {
     /// Keys row `t` of batch entry `b` sees.
     #[inline]
     pub fn visible(&self, b: usize, t: usize) -> usize {
-        if t >= self.q_len[b] {
-            0
-        } else if self.causal {
-            self.q_pos[b].saturating_add(t + 1).min(self.kv_len[b])
-        } else {
-            self.kv_len[b]
-        }
+        visible_keys(self.causal, self.kv_len[b], self.q_pos[b], self.q_len[b], t)
+    }
+}
+
+/// The keys row `t` sees in a batch entry with `kv_len` cached keys, its row 0 at position
+/// `q_pos` and `q_len` real rows (the rule of the module docs; composed paths use it too).
+#[inline]
+pub fn visible_keys(causal: bool, kv_len: usize, q_pos: usize, q_len: usize, t: usize) -> usize {
+    if t >= q_len {
+        0
+    } else if causal {
+        q_pos.saturating_add(t + 1).min(kv_len)
+    } else {
+        kv_len
     }
 }
 
@@ -132,6 +139,22 @@ fn check_params(p: &DecodeParams) -> Result<(), KernelError> {
         ));
     }
     Ok(())
+}
+
+/// Checks the parameters and that every view fits its slice (`(len, layout)` each).
+fn check_args(
+    p: &DecodeParams,
+    (q, ql): (usize, Layout4),
+    (k, kl): (usize, Layout4),
+    (v, vl): (usize, Layout4),
+    (out, ol): (usize, Layout4),
+) -> Result<(), KernelError> {
+    check_params(p)?;
+    let d = p.dims;
+    check_tensor("q", q, [d.batch, d.heads_q, d.rows, d.d], ql, false)?;
+    check_tensor("k", k, [d.batch, d.heads_kv, d.capacity, d.d], kl, false)?;
+    check_tensor("v", v, [d.batch, d.heads_kv, d.capacity, d.dv], vl, false)?;
+    check_tensor("out", out, [d.batch, d.heads_q, d.rows, d.dv], ol, true)
 }
 
 /// Attention of `rows` new query rows per batch entry over the cache (see the module docs).
@@ -162,12 +185,8 @@ pub(crate) fn decode_impl(
     (out, ol): (&mut [f32], Layout4),
     sequential: bool,
 ) -> Result<(), KernelError> {
-    check_params(p)?;
+    check_args(p, (q.len(), ql), (k.len(), kl), (v.len(), vl), (out.len(), ol))?;
     let d = p.dims;
-    check_tensor("q", q.len(), [d.batch, d.heads_q, d.rows, d.d], ql, false)?;
-    check_tensor("k", k.len(), [d.batch, d.heads_kv, d.capacity, d.d], kl, false)?;
-    check_tensor("v", v.len(), [d.batch, d.heads_kv, d.capacity, d.dv], vl, false)?;
-    check_tensor("out", out.len(), [d.batch, d.heads_q, d.rows, d.dv], ol, true)?;
     if d.batch == 0 || d.heads_q == 0 || d.rows == 0 || d.dv == 0 {
         return Ok(());
     }
@@ -387,23 +406,6 @@ unsafe fn merge<S: Simd>(state: &mut [f32], part: &[f32]) {
     unsafe { scale_add::<S>(&mut state[2..], a, &part[2..], bc) };
 }
 
-/// `Σ_j a[j]·b[j]` over `n` floats.
-#[inline(always)]
-unsafe fn dot<S: Simd>(a: *const f32, b: *const f32, n: usize) -> S::V {
-    let l = S::LANES;
-    // SAFETY: the caller guarantees `n` readable floats at `a` and `b`.
-    unsafe {
-        let mut acc = S::splat(0.0);
-        let mut j = 0;
-        while j < n {
-            let mask = if j + l <= n { S::full_mask() } else { S::tail_mask(n - j) };
-            acc = S::fma(S::load_m(a.add(j), mask), S::load_m(b.add(j), mask), acc);
-            j += l;
-        }
-        acc
-    }
-}
-
 /// The partial sums of four dot products `q · k_i` over `n` floats, in one pass over `q`
 /// (four independent chains).
 #[inline(always)]
@@ -450,13 +452,13 @@ unsafe fn scores_of<S: Simd>(q: &[f32], key: impl Fn(usize) -> *const f32, score
                 i += 4;
             }
             for (ii, acc) in accs.iter_mut().enumerate().take(l).skip(i) {
-                *acc = dot::<S>(q.as_ptr(), key(j + ii), d);
+                *acc = S::dot(q.as_ptr(), key(j + ii), d);
             }
             S::reduce_many(accs.as_ptr(), scores.as_mut_ptr().add(j));
             j += l;
         }
         for (i, s) in scores.iter_mut().enumerate().skip(j) {
-            *s = S::reduce_add(dot::<S>(q.as_ptr(), key(i), d));
+            *s = S::reduce_add(S::dot(q.as_ptr(), key(i), d));
         }
     }
 }
@@ -712,12 +714,8 @@ pub fn decode_reference(
     out: &mut [f32],
     ol: Layout4,
 ) -> Result<(), KernelError> {
-    check_params(p)?;
+    check_args(p, (q.len(), ql), (k.len(), kl), (v.len(), vl), (out.len(), ol))?;
     let d = p.dims;
-    check_tensor("q", q.len(), [d.batch, d.heads_q, d.rows, d.d], ql, false)?;
-    check_tensor("k", k.len(), [d.batch, d.heads_kv, d.capacity, d.d], kl, false)?;
-    check_tensor("v", v.len(), [d.batch, d.heads_kv, d.capacity, d.dv], vl, false)?;
-    check_tensor("out", out.len(), [d.batch, d.heads_q, d.rows, d.dv], ol, true)?;
     let group = (d.heads_q / d.heads_kv).max(1);
     for b in 0..d.batch {
         for h in 0..d.heads_q {

@@ -86,23 +86,6 @@ struct RowsTask {
     y: SyncPtr<f32>,
 }
 
-/// `Σ_i a[i]·b[i]` as `LANES` partial sums.
-#[inline(always)]
-unsafe fn dot<S: Simd>(a: *const f32, b: *const f32, n: usize) -> S::V {
-    let l = S::LANES;
-    // SAFETY: the caller guarantees `n` readable floats at `a` and `b`.
-    unsafe {
-        let mut acc = S::splat(0.0);
-        let mut j = 0;
-        while j < n {
-            let mask = if j + l <= n { S::full_mask() } else { S::tail_mask(n - j) };
-            acc = S::fma(S::load_m(a.add(j), mask), S::load_m(b.add(j), mask), acc);
-            j += l;
-        }
-        acc
-    }
-}
-
 impl Task for RowsTask {
     fn count(&self) -> usize {
         self.n.div_ceil(OUT_BLOCK)
@@ -126,12 +109,12 @@ impl Task for RowsTask {
                     if group == l {
                         let mut accs = [S::splat(0.0); 16];
                         for (i, acc) in accs.iter_mut().take(l).enumerate() {
-                            *acc = dot::<S>(xr, self.w.0.add((o + i) * k), k);
+                            *acc = S::dot(xr, self.w.0.add((o + i) * k), k);
                         }
                         S::reduce_many(accs.as_ptr(), sums.as_mut_ptr());
                     } else {
                         for (i, s) in sums.iter_mut().take(group).enumerate() {
-                            *s = S::reduce_add(dot::<S>(xr, self.w.0.add((o + i) * k), k));
+                            *s = S::reduce_add(S::dot(xr, self.w.0.add((o + i) * k), k));
                         }
                     }
                     for (i, &s) in sums.iter().take(group).enumerate() {
@@ -168,12 +151,12 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-    use crate::attention::{detected_simd_level, with_simd_level, SimdLevel};
+    use crate::attention::{detected_simd_level, with_simd_level};
     use crate::testutil::rand_vec;
 
     #[test]
     fn matches_the_reference_at_every_simd_level_and_thread_count() {
-        let levels = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512];
+        let levels = crate::testutil::levels();
         for (rows, k, n) in [(1, 512, 1536), (3, 7, 5), (8, 65, 130), (2, 16, 16), (4, 1, 33)] {
             let x = rand_vec(rows * k, 1);
             let w = rand_vec(n * k, 2);
@@ -181,7 +164,7 @@ mod tests {
             let mut want = vec![0f32; rows * n];
             linear_rows_reference(&x, rows, k, &w, n, Some(&b), &mut want);
             let mut first: Option<Vec<f32>> = None;
-            for level in levels.into_iter().filter(|&l| l <= detected_simd_level()) {
+            for &level in &levels {
                 for threads in [1, 3] {
                     let pool =
                         rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();

@@ -33,6 +33,16 @@ pub mod norm;
 /// Helpers shared by the kernel tests.
 #[cfg(test)]
 pub(crate) mod testutil {
+    use crate::attention::{detected_simd_level, SimdLevel};
+
+    /// Every SIMD level this CPU runs, scalar first.
+    pub(crate) fn levels() -> Vec<SimdLevel> {
+        [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512]
+            .into_iter()
+            .filter(|&l| l <= detected_simd_level())
+            .collect()
+    }
+
     /// Deterministic pseudo-random floats in `[-1, 1)` (xorshift).
     pub(crate) fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;

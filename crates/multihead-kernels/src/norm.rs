@@ -365,7 +365,7 @@ pub mod reference {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::attention::{detected_simd_level, with_simd_level, SimdLevel};
+    use crate::attention::{with_simd_level, SimdLevel};
 
     /// `testutil::rand_vec` scaled to `[-1, 3)`, so rows have a mean away from 0.
     fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
@@ -380,10 +380,7 @@ mod tests {
 
     #[test]
     fn forward_and_backward_match_the_reference_at_every_simd_level() {
-        let levels: Vec<SimdLevel> = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512]
-            .into_iter()
-            .filter(|&l| l <= detected_simd_level())
-            .collect();
+        let levels = crate::testutil::levels();
         for &(rows, d) in &[(1, 1), (3, 5), (33, 16), (65, 17), (7, 384), (40, 1000), (2, 31)] {
             let x = rand_vec(rows * d, 1);
             let w = rand_vec(d, 2);

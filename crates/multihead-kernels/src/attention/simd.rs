@@ -70,6 +70,25 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
             unsafe { *out.add(i) = Self::reduce_add(*v.add(i)) };
         }
     }
+    /// The `LANES` partial sums of `Σ_j a[j]·b[j]` over `n` floats (masked at the tail).
+    ///
+    /// # Safety
+    /// `n` readable floats at `a` and at `b`, and the instruction set available.
+    #[inline(always)]
+    unsafe fn dot(a: *const f32, b: *const f32, n: usize) -> Self::V {
+        let l = Self::LANES;
+        // SAFETY: forwarded from the caller; masked loads stay inside `n` floats.
+        unsafe {
+            let mut acc = Self::splat(0.0);
+            let mut j = 0;
+            while j < n {
+                let mask = if j + l <= n { Self::full_mask() } else { Self::tail_mask(n - j) };
+                acc = Self::fma(Self::load_m(a.add(j), mask), Self::load_m(b.add(j), mask), acc);
+                j += l;
+            }
+            acc
+        }
+    }
     /// `C (+)= A B` over the whole [`GemmArgs`] problem (see [`super::gemm`]).
     unsafe fn gemm(g: &super::gemm::GemmArgs);
 

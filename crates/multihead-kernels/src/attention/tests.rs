@@ -6,14 +6,7 @@ use super::reference;
 use super::*;
 use crate::dropout::DropoutKey;
 
-use crate::testutil::rand_vec;
-
-fn levels() -> Vec<SimdLevel> {
-    [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512]
-        .into_iter()
-        .filter(|&l| l <= detected_simd_level())
-        .collect()
-}
+use crate::testutil::{levels, rand_vec};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum MaskKind {

@@ -3,15 +3,8 @@
 #![allow(clippy::unwrap_used)]
 
 use super::*;
-use crate::attention::{detected_simd_level, with_simd_level, SimdLevel};
-use crate::testutil::rand_vec;
-
-fn levels() -> Vec<SimdLevel> {
-    [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512]
-        .into_iter()
-        .filter(|&l| l <= detected_simd_level())
-        .collect()
-}
+use crate::attention::with_simd_level;
+use crate::testutil::{levels, rand_vec};
 
 /// One decode problem with its buffers (contiguous layouts).
 struct Case {
