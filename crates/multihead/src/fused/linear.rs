@@ -1,6 +1,9 @@
-//! `F.linear` as one candle op on f32 CPU tensors, on gemm's kernels, with its backward.
+//! `F.linear` as one candle op on f32 CPU tensors, on gemm's kernels, with its backward; and,
+//! for a few rows without a gradient, on the few-rows kernel.
 
-use candle_core::Tensor;
+use candle_core::{CpuStorage, Layout, Shape, Tensor};
+
+use super::cpu_f32;
 
 /// `F.linear` as one candle op on f32 CPU tensors: `y = x Wᵀ + b` and its backward
 /// (`dx = dy W`, `dW = dyᵀ x`, `db = Σ dy`) straight on gemm's AVX-512 kernels. One graph node
@@ -257,5 +260,79 @@ impl candle_core::CustomOp3 for FusedLinear {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, db) = self.backward(x, w, grad)?;
         Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+/// `y = x Wᵀ (+ b)` for a few rows without a gradient (`multihead_kernels::gemv`): x `(m, k)`,
+/// W `(n, k)`, b `(n,)`, all contiguous f32. No backward: `linear` takes it only when no
+/// gradient is recorded.
+pub(crate) struct RowsLinear;
+
+impl RowsLinear {
+    fn run(
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        bias: Option<(&CpuStorage, &Layout)>,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        const NAME: &str = "linear (decode rows)";
+        let slice = |s: &'_ CpuStorage, l: &Layout| -> candle_core::Result<(usize, usize)> {
+            let _ = cpu_f32(s, NAME)?;
+            l.contiguous_offsets().ok_or_else(|| {
+                candle_core::Error::Msg(format!("{NAME}: inputs must be contiguous"))
+            })
+        };
+        let ((x0, x1), (w0, w1)) = (slice(xs, xl)?, slice(ws, wl)?);
+        let (x, w) = (&cpu_f32(xs, NAME)?[x0..x1], &cpu_f32(ws, NAME)?[w0..w1]);
+        let (&[m, k], &[n, k2]) = (xl.dims(), wl.dims()) else {
+            candle_core::bail!("{NAME}: expected 2-D x and weight");
+        };
+        if k != k2 {
+            candle_core::bail!("{NAME}: x has {k} features, the weight {k2}");
+        }
+        let b = match bias {
+            Some((bs, bl)) => {
+                let (b0, b1) = slice(bs, bl)?;
+                Some(&cpu_f32(bs, NAME)?[b0..b1])
+            }
+            None => None,
+        };
+        let mut y = crate::alloc::try_zeros::<f32>(m * n, NAME)?;
+        multihead_kernels::gemv::linear_rows(x, m, k, w, n, b, &mut y)
+            .map_err(|e| candle_core::Error::Msg(format!("{NAME}: {e}")))?;
+        Ok((CpuStorage::F32(y), Shape::from((m, n))))
+    }
+}
+
+impl candle_core::CustomOp2 for RowsLinear {
+    fn name(&self) -> &'static str {
+        "linear (decode rows)"
+    }
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        Self::run(xs, xl, ws, wl, None)
+    }
+}
+
+impl candle_core::CustomOp3 for RowsLinear {
+    fn name(&self) -> &'static str {
+        "linear (decode rows)"
+    }
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        Self::run(xs, xl, ws, wl, Some((bs, bl)))
     }
 }

@@ -10,7 +10,7 @@ use super::MultiheadAttention;
 use crate::error::{fmt_shape, Error, Result};
 use crate::functional::core::attention_core;
 use crate::functional::MhaOptions;
-use crate::fused::decode::{DecodeOp, RowsLinear};
+use crate::fused::decode::DecodeOp;
 use crate::fused::dispatch::{decide, dtype_device_blocker, Path, Plan};
 use crate::kv_cache::KvCache;
 use crate::linear::linear;
@@ -66,32 +66,6 @@ impl Rows {
             self.kv_len[b]
         }
     }
-}
-
-/// `linear` over the rows of a 3-D `x`. On the fused path, a step of at most
-/// [`MAX_ROWS`](multihead_kernels::gemv::MAX_ROWS) rows (a token per sequence, say) takes the
-/// few-rows kernel, which reads the weight once: gemm packs the whole weight for each call,
-/// which cost more than the product (measured at E=512, B=1: the step's three projections
-/// took a third of its time).
-fn step_linear(
-    x: &Tensor,
-    w: &Tensor,
-    b: Option<&Tensor>,
-    arg: &'static str,
-    plan: &Plan,
-) -> Result<Tensor> {
-    let (d0, d1, e) = x.dims3()?;
-    let m = d0 * d1;
-    if plan.path != Path::Fused || m == 0 || m > multihead_kernels::gemv::MAX_ROWS {
-        return linear(x, w, b, CACHED, arg, Backend::Auto);
-    }
-    let rows = x.reshape((m, e))?.contiguous()?;
-    let w = w.contiguous()?;
-    let y = match b {
-        Some(b) => rows.apply_op3_no_bwd(&w, &b.contiguous()?, &RowsLinear)?,
-        None => rows.apply_op2_no_bwd(&w, &RowsLinear)?,
-    };
-    Ok(y.reshape((d0, d1, ()))?)
 }
 
 fn config_err(arg: &'static str, msg: String) -> Error {
@@ -265,7 +239,7 @@ impl MultiheadAttention {
     }
 
     fn run_step(&self, step: &Step, plan: &Plan, cache: &mut KvCache) -> Result<Tensor> {
-        let (q, k, v) = self.project_step(&step.x, plan)?;
+        let (q, k, v) = self.project_step(&step.x)?;
         let to_bhtd = |t: &Tensor| -> Result<Tensor> {
             let t = if step.batch_first { t.clone() } else { t.transpose(0, 1)? };
             let (hk, hd) = (self.cfg.kv_heads(), self.cfg.head_dim());
@@ -310,13 +284,20 @@ impl MultiheadAttention {
             Tensor::cat(&outs, seq_dim)?
         };
         let p = self.params()?;
-        let out = step_linear(&attn, p.out_proj_weight, p.out_proj_bias, "attn_output", plan)?;
+        let out = linear(
+            &attn,
+            p.out_proj_weight,
+            p.out_proj_bias,
+            CACHED,
+            "attn_output",
+            Backend::Auto,
+        )?;
         Ok(if step.unbatched { out.squeeze(1)? } else { out })
     }
 
     /// The q, k and v projections of the new tokens, in the module's layout (as `forward`
     /// projects self-attention: one packed product when the weight is packed).
-    fn project_step(&self, x: &Tensor, plan: &Plan) -> Result<(Tensor, Tensor, Tensor)> {
+    fn project_step(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (e, kv) = (self.cfg.embed_dim, self.cfg.kv_dim());
         let b = self.in_proj_bias.as_ref();
         let bias = |s: usize, l: usize| -> Result<Option<Tensor>> {
@@ -326,7 +307,7 @@ impl MultiheadAttention {
             })
         };
         if let Some(w) = &self.in_proj_weight {
-            let qkv = step_linear(x, w, b, "x", plan)?;
+            let qkv = linear(x, w, b, CACHED, "x", Backend::Auto)?;
             return Ok((qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?));
         }
         let (Some(wq), Some(wk), Some(wv)) =
@@ -338,9 +319,9 @@ impl MultiheadAttention {
             ));
         };
         Ok((
-            step_linear(x, wq, bias(0, e)?.as_ref(), "x", plan)?,
-            step_linear(x, wk, bias(e, kv)?.as_ref(), "x", plan)?,
-            step_linear(x, wv, bias(e + kv, kv)?.as_ref(), "x", plan)?,
+            linear(x, wq, bias(0, e)?.as_ref(), CACHED, "x", Backend::Auto)?,
+            linear(x, wk, bias(e, kv)?.as_ref(), CACHED, "x", Backend::Auto)?,
+            linear(x, wv, bias(e + kv, kv)?.as_ref(), CACHED, "x", Backend::Auto)?,
         ))
     }
 

@@ -433,3 +433,33 @@ fn fused_gelu_equals_the_composed_one_forward_and_backward() {
         assert_close(&ga, &gb, Tolerance::F32_GRAD, &format!("{shape:?}: gelu grad"));
     }
 }
+
+/// A few rows without a gradient take the few-rows kernel: strided and broadcast views, NaN,
+/// and wrong shapes or dtypes behave as on the composed path.
+#[test]
+fn few_row_linear_agrees_with_composed_on_views_nan_and_errors() {
+    let wide = det(&[3, 20], DType::F32, 1.0);
+    let x = wide.narrow(1, 2, 12).unwrap(); // strided rows
+    let w = det(&[7, 12], DType::F32, 2.0);
+    let b = det(&[1, 7], DType::F32, 3.0).broadcast_as((1, 7)).unwrap().squeeze(0).unwrap();
+    let lin = multihead::Linear::from_weights(w.clone(), Some(b.clone()));
+    let fused = no_grad(|| lin.forward(&x)).unwrap();
+    let composed = with_backend(Backend::Composed, || lin.forward(&x)).unwrap();
+    assert_close(&fused, &composed, Tolerance::F32_FORWARD, "few rows, strided x");
+    // A broadcast (stride-0) input row.
+    let xb = det(&[1, 12], DType::F32, 4.0).broadcast_as((5, 12)).unwrap();
+    let fused = no_grad(|| lin.forward(&xb)).unwrap();
+    let composed = with_backend(Backend::Composed, || lin.forward(&xb)).unwrap();
+    assert_close(&fused, &composed, Tolerance::F32_FORWARD, "few rows, broadcast x");
+    // NaN in one input row stays in that output row.
+    let mut v = det(&[2, 12], DType::F32, 5.0).to_vec2::<f32>().unwrap();
+    v[1][3] = f32::NAN;
+    let xn = Tensor::new(v, &dev()).unwrap();
+    let y = no_grad(|| lin.forward(&xn)).unwrap().to_vec2::<f32>().unwrap();
+    assert!(y[0].iter().all(|x| x.is_finite()) && y[1].iter().all(|x| x.is_nan()));
+    // Wrong feature size and dtype are the same typed errors as before.
+    let err = no_grad(|| lin.forward(&det(&[2, 11], DType::F32, 1.0))).unwrap_err();
+    assert!(matches!(err, multihead::Error::Shape { .. }), "{err}");
+    let err = no_grad(|| lin.forward(&det(&[2, 12], DType::F64, 1.0))).unwrap_err();
+    assert!(matches!(err, multihead::Error::DType { .. }), "{err}");
+}
