@@ -26,8 +26,9 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+import bench_proc
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = REPO / "target/release/multihead"
@@ -39,17 +40,6 @@ CASES = [  # (label, module, flags)
     ("encoder layer train fwd+bwd, gelu", "encoder-layer", ["--backward"]),
     ("encoder layer eval forward, gelu", "encoder-layer", ["--eval"]),
 ]
-
-
-def timed(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        best = min(best, (time.perf_counter() - t) * 1e3)
-    return best
 
 
 def flops(module, flags):
@@ -67,20 +57,21 @@ def torch_case(torch, dtype, module, flags, warmup, iters):
         mask = torch.nn.Transformer.generate_square_subsequent_mask(L, dtype=dtype) if causal else None
         if backward:
             xg = x.clone().requires_grad_(True)
-            return timed(lambda: m(xg, xg, xg, need_weights=False)[0].sum().backward(),
-                         warmup, iters)
+            return bench_proc.timed(lambda: m(xg, xg, xg, need_weights=False)[0].sum().backward(),
+                                   warmup, iters)[0]
         m.eval()
         with torch.inference_mode():
-            return timed(lambda: m(x, x, x, need_weights=False, attn_mask=mask, is_causal=causal),
-                         warmup, iters)
+            return bench_proc.timed(
+                lambda: m(x, x, x, need_weights=False, attn_mask=mask, is_causal=causal),
+                warmup, iters)[0]
     layer = torch.nn.TransformerEncoderLayer(E, H, F, dropout=0.0, activation="gelu",
                                              batch_first=True).to(dtype)
     if backward:
         xg = x.clone().requires_grad_(True)
-        return timed(lambda: layer(xg).sum().backward(), warmup, iters)
+        return bench_proc.timed(lambda: layer(xg).sum().backward(), warmup, iters)[0]
     layer.eval()
     with torch.no_grad():
-        return timed(lambda: layer(x), warmup, iters)
+        return bench_proc.timed(lambda: layer(x), warmup, iters)[0]
 
 
 def rust_case(dtype, module, flags, threads, warmup, iters):

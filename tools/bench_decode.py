@@ -36,8 +36,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+import bench_proc
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = REPO / "target/release/multihead"
@@ -48,18 +49,6 @@ CONFIGS = [  # (B, S, E, H, K)
     (1, 4096, 512, 8, 2),
     (1, 32768, 512, 8, 1),
 ]
-
-
-def timed(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    times.sort()
-    return times[0], times[len(times) // 2]
 
 
 def read_bandwidth(mib_sizes, threads):
@@ -82,7 +71,7 @@ def torch_rows(torch, b, s, e, h, k, warmup, iters):
         if k == h:
             mha = torch.nn.MultiheadAttention(e, h, batch_first=True).eval()
             ctx = torch.randn(b, s + 1, e)
-            out["reproject"] = timed(lambda: mha(x, ctx, ctx, need_weights=False), warmup, iters)
+            out["reproject"] = bench_proc.timed(lambda: mha(x, ctx, ctx, need_weights=False), warmup, iters)
         w = torch.randn(e + 2 * k * d, e) / e**0.5
         bias = torch.zeros(e + 2 * k * d)
         wo, bo = torch.randn(e, e) / e**0.5, torch.zeros(e)
@@ -96,7 +85,7 @@ def torch_rows(torch, b, s, e, h, k, warmup, iters):
             o = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=k != h)
             return F.linear(o.transpose(1, 2).reshape(b, 1, e), wo, bo)
 
-        out["cache"] = timed(step, warmup, iters)
+        out["cache"] = bench_proc.timed(step, warmup, iters)
     return out
 
 

@@ -58,3 +58,16 @@ def run_process(cmd, timeout_s, env=None, stdin_path=None):
             fin.close()
     children_cpu_s += ru.ru_utime + ru.ru_stime
     return p.returncode, out, err, ru.ru_maxrss / 1024.0, wall, timed_out
+
+
+def timed(fn, warmup, iters):
+    """Calls ``fn`` ``warmup`` times, then times ``iters`` calls; returns (min, median) ms."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(1, iters)):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    times.sort()
+    return times[0], times[len(times) // 2]

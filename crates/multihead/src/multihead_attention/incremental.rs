@@ -57,14 +57,10 @@ struct Rows {
 }
 
 impl Rows {
+    /// The decode kernel's rule, shared.
     fn visible(&self, b: usize, t: usize) -> usize {
-        if t >= self.q_len[b] {
-            0
-        } else if self.causal {
-            (self.q_pos[b] + t + 1).min(self.kv_len[b])
-        } else {
-            self.kv_len[b]
-        }
+        let (kv, pos, len) = (self.kv_len[b], self.q_pos[b], self.q_len[b]);
+        multihead_kernels::decode::visible_keys(self.causal, kv, pos, len, t)
     }
 }
 

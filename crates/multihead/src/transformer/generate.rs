@@ -6,6 +6,7 @@ use candle_core::{DType, Tensor};
 use super::{DecoderMasks, Transformer};
 use crate::error::{Error, Result};
 use crate::mask::Mask;
+use crate::random::DropoutKey;
 
 const OP: &str = "Transformer::generate";
 
@@ -14,8 +15,8 @@ const OP: &str = "Transformer::generate";
 pub enum Sampling {
     /// The most likely token (the first one on ties, like `torch.argmax`).
     Greedy,
-    /// A draw from `softmax(logits / temperature)` with a generator seeded by `seed`: the same
-    /// seed gives the same tokens.
+    /// A draw from `softmax(logits / temperature)` from the crate's counter-based generator
+    /// keyed by `seed`: the same seed gives the same tokens.
     Sample {
         /// Must be positive and finite.
         temperature: f64,
@@ -44,26 +45,14 @@ impl Default for GenerateOptions {
     }
 }
 
-/// SplitMix64: a small seeded generator for sampling.
-struct SplitMix(u64);
-
-impl SplitMix {
-    /// A uniform draw in `[0, 1)`.
-    fn next_f64(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
-/// Picks one token per row from logits `(N, V)`.
-fn pick(logits: &Tensor, sampling: Sampling, rng: &mut SplitMix) -> Result<Vec<u32>> {
+/// Picks one token per row from logits `(N, V)` at step `step`. Sampling draws from the
+/// crate's counter-based generator ([`DropoutKey`]) keyed by the seed: the draw of row `b` at
+/// step `t` is element `(0, t, b)`, whatever else is drawn.
+fn pick(logits: &Tensor, sampling: Sampling, step: usize) -> Result<Vec<u32>> {
     let rows = logits.to_dtype(DType::F64)?.to_vec2::<f64>()?;
     rows.iter()
-        .map(|row| {
+        .enumerate()
+        .map(|(b, row)| {
             if row.is_empty() || row.iter().any(|x| x.is_nan()) {
                 return Err(Error::Config {
                     op: OP,
@@ -75,9 +64,10 @@ fn pick(logits: &Tensor, sampling: Sampling, rng: &mut SplitMix) -> Result<Vec<u
             let first_best = || row.iter().position(|&x| x == best).unwrap_or(0) as u32;
             match sampling {
                 Sampling::Greedy => Ok(first_best()),
-                Sampling::Sample { temperature: t, .. } => {
+                Sampling::Sample { temperature: t, seed } => {
                     let w: Vec<f64> = row.iter().map(|&x| ((x - best) / t).exp()).collect();
-                    let mut u = rng.next_f64() * w.iter().sum::<f64>();
+                    let draw = DropoutKey { seed, offset: 0 }.uniform(0, step as u64, b as u64);
+                    let mut u = f64::from(draw) * w.iter().sum::<f64>();
                     for (i, wi) in w.iter().enumerate() {
                         if u < *wi {
                             return Ok(i as u32);
@@ -148,19 +138,15 @@ impl Transformer {
                 ),
             });
         }
-        let mut rng = match opts.sampling {
-            Sampling::Sample { temperature, seed } => {
-                if !(temperature.is_finite() && temperature > 0.0) {
-                    return Err(Error::Config {
-                        op: OP,
-                        arg: "temperature",
-                        msg: format!("temperature must be positive and finite, got {temperature}"),
-                    });
-                }
-                SplitMix(seed)
+        if let Sampling::Sample { temperature, .. } = opts.sampling {
+            if !(temperature.is_finite() && temperature > 0.0) {
+                return Err(Error::Config {
+                    op: OP,
+                    arg: "temperature",
+                    msg: format!("temperature must be positive and finite, got {temperature}"),
+                });
             }
-            Sampling::Greedy => SplitMix(0),
-        };
+        }
         let seq_dim = if bf { 1 } else { 0 };
         let mut state = match opts.use_cache {
             true => {
@@ -180,7 +166,7 @@ impl Transformer {
                     self.recompute_last(&prefix, memory, memory_key_padding_mask)?
                 }
             };
-            let next = pick(&logits(&h.squeeze(seq_dim)?)?, opts.sampling, &mut rng)?;
+            let next = pick(&logits(&h.squeeze(seq_dim)?)?, opts.sampling, pos)?;
             for (b, &tok) in next.iter().enumerate() {
                 if !done[b] {
                     out[b].push(tok);
