@@ -623,3 +623,27 @@ fn a_bf16_layer_refuses_an_f32_float_mask_like_an_f32_layer_refuses_an_f64_one()
     let y = layer.forward(&x, Some(&good), None, false).unwrap();
     assert_eq!((y.dtype(), y.dims()), (DType::BF16, &[2, 5, 16][..]));
 }
+
+#[test]
+fn nan_and_broadcast_tokens_behave_alike_on_both_cached_paths() {
+    let m = module(16, 4, Some(2), DType::F32);
+    for backend in [Backend::Auto, Backend::Composed] {
+        with_backend(backend, || {
+            let mut cache = m.new_cache(2, 8).unwrap();
+            // A broadcast (stride-0) batch: both rows see the same token.
+            let tok = rand_t(&[1, 1, 16], DType::F32, 3, 1.0).broadcast_as((2, 1, 16)).unwrap();
+            let y = m.forward_cached(&tok, &mut cache, None).unwrap();
+            assert_eq!(max_diff(&y.get(0).unwrap(), &y.get(1).unwrap()), 0.0, "{backend:?}");
+            // NaN in row 1's next token: row 1 is NaN from then on (its key is cached), row 0 not.
+            let mut v = rand_t(&[2, 1, 16], DType::F32, 4, 1.0).to_vec3::<f32>().unwrap();
+            v[1][0][5] = f32::NAN;
+            let x = Tensor::new(v, &dev()).unwrap();
+            for step in 0..3 {
+                let inp = if step == 0 { x.clone() } else { tok.clone() };
+                let y = m.forward_cached(&inp, &mut cache, None).unwrap().to_vec3::<f32>().unwrap();
+                assert!(y[0][0].iter().all(|x| x.is_finite()), "{backend:?} step {step}");
+                assert!(y[1][0].iter().all(|x| x.is_nan()), "{backend:?} step {step}");
+            }
+        });
+    }
+}
