@@ -1,6 +1,7 @@
-//! GELU (the erf form, `torch.nn.functional.gelu`) over f32 slices: forward and backward, with
-//! the run-time AVX-512 / AVX2 / scalar dispatch of [`attention`](crate::attention), rayon
-//! over blocks, and an f64 reference twin ([`reference`](mod@reference)).
+//! GELU (the erf form, `torch.nn.functional.gelu`) and ReLU over f32 slices: forward and
+//! backward, with the run-time AVX-512 / AVX2 / scalar dispatch of
+//! [`attention`](crate::attention), rayon over blocks, and an f64 reference twin
+//! ([`reference`](mod@reference)).
 //!
 //! `gelu(x) = x·Φ(x)` with `Φ(x) = (1 + erf(x/√2))/2`, and `gelu'(x) = Φ(x) + x·φ(x)` with
 //! `φ(x) = exp(−x²/2)/√(2π)`. `erf` is the Abramowitz–Stegun 7.1.26 rational approximation
@@ -122,6 +123,82 @@ pub fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), Kernel
     Ok(())
 }
 
+/// ReLU over a block: `out = max(x, 0)` (NaN kept), or, with `dy`, the gradient through
+/// the output `x = relu(pre)`: `dy` where `x > 0` or `x` is NaN, exactly 0 elsewhere (PyTorch's
+/// `threshold_backward`, which selects instead of multiplying, so an infinite or NaN `dy`
+/// at a masked element still gives 0). `x` and `out` may be the same buffer.
+struct ReluTask {
+    x: crate::attention::exec::ConstPtr<f32>,
+    len: usize,
+    dy: Option<crate::attention::exec::ConstPtr<f32>>,
+    out: SyncPtr<f32>,
+}
+
+impl Task for ReluTask {
+    fn count(&self) -> usize {
+        self.len.div_ceil(BLOCK)
+    }
+    fn scratch_len(&self, _lanes: usize) -> usize {
+        0
+    }
+    #[inline(always)]
+    unsafe fn run<S: Simd>(&self, t: usize, _buf: &mut [f32]) {
+        let (start, end) = (t * BLOCK, ((t + 1) * BLOCK).min(self.len));
+        // Plain loops: inlined into the dispatcher's `#[target_feature]` wrapper, they are
+        // vectorised at its level.
+        // SAFETY: `start..end` is inside `x`, `dy` and `out` (lengths checked by the entry
+        // points); this task alone writes its block, and reads each element before writing it.
+        unsafe {
+            match self.dy {
+                None => {
+                    for j in start..end {
+                        let v = *self.x.0.add(j);
+                        // NaN is kept, and -0 gives +0.
+                        *self.out.0.add(j) = if v <= 0.0 { 0.0 } else { v };
+                    }
+                }
+                Some(dy) => {
+                    for j in start..end {
+                        let masked = *self.x.0.add(j) <= 0.0; // false for NaN
+                        *self.out.0.add(j) = if masked { 0.0 } else { *dy.0.add(j) };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `y = relu(x)` (`max(x, 0)`; NaN stays NaN, `-inf` and `-0` give `+0`).
+pub fn relu_forward(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
+    same_len("y", x.len(), y.len())?;
+    let x = crate::attention::exec::ConstPtr(x.as_ptr());
+    par_run(simd_level(), &ReluTask { x, len: y.len(), dy: None, out: SyncPtr(y.as_mut_ptr()) });
+    Ok(())
+}
+
+/// `y = relu(y)` in place (the epilogue of a linear layer's product).
+pub fn relu_in_place(y: &mut [f32]) {
+    let (len, out) = (y.len(), SyncPtr(y.as_mut_ptr()));
+    let x = crate::attention::exec::ConstPtr(out.0 as *const f32);
+    par_run(simd_level(), &ReluTask { x, len, dy: None, out });
+}
+
+/// `dx = dy` where `y = relu(x)` is positive or NaN, 0 elsewhere (PyTorch's
+/// `threshold_backward(dy, y, 0)`).
+pub fn relu_backward(y: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), KernelError> {
+    same_len("dy", y.len(), dy.len())?;
+    same_len("dx", y.len(), dx.len())?;
+    let (x, dy) = (
+        crate::attention::exec::ConstPtr(y.as_ptr()),
+        crate::attention::exec::ConstPtr(dy.as_ptr()),
+    );
+    par_run(
+        simd_level(),
+        &ReluTask { x, len: y.len(), dy: Some(dy), out: SyncPtr(dx.as_mut_ptr()) },
+    );
+    Ok(())
+}
+
 /// Naive f64 twins, for tests, with an erf accurate to f64 rounding.
 pub mod reference {
     /// `erf(x)`: its Taylor series below 3, the continued fraction of `erfc` above.
@@ -149,6 +226,24 @@ pub mod reference {
     /// `gelu(x)`.
     pub fn gelu(x: f64) -> f64 {
         0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))
+    }
+
+    /// `relu(x)`: NaN stays NaN; `-0` gives `+0`.
+    pub fn relu(x: f64) -> f64 {
+        if x <= 0.0 {
+            0.0
+        } else {
+            x
+        }
+    }
+
+    /// The gradient through `y = relu(x)` given the output: `dy` unless `y <= 0`.
+    pub fn relu_grad(y: f64, dy: f64) -> f64 {
+        if y <= 0.0 {
+            0.0
+        } else {
+            dy
+        }
     }
 
     /// `gelu'(x)`.
@@ -214,7 +309,59 @@ mod tests {
     }
 
     #[test]
+    fn relu_matches_the_reference_at_every_simd_level_with_special_values() {
+        let n = BLOCK + 21;
+        let mut x: Vec<f32> = crate::testutil::rand_vec(n, 5);
+        let mut dy = crate::testutil::rand_vec(n, 6);
+        let special = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, -1e-38];
+        x[..special.len()].copy_from_slice(&special);
+        x[n - special.len()..].copy_from_slice(&special);
+        // An infinite or NaN upstream gradient at masked and kept elements.
+        dy[1] = f32::NAN;
+        dy[2] = f32::INFINITY;
+        dy[3] = f32::NAN;
+        for &level in &crate::testutil::levels() {
+            with_simd_level(level, || {
+                let (mut y, mut dx) = (vec![7f32; n], vec![7f32; n]);
+                relu_forward(&x, &mut y).unwrap();
+                let mut z = x.clone();
+                relu_in_place(&mut z);
+                relu_backward(&y, &dy, &mut dx).unwrap();
+                for i in 0..n {
+                    let want = reference::relu(x[i] as f64);
+                    let same = |a: f32| {
+                        a.to_bits() == (want as f32).to_bits() || (a.is_nan() && want.is_nan())
+                    };
+                    assert!(
+                        same(y[i]) && same(z[i]),
+                        "{level:?} relu({:e}) = {:e} / {:e}, want {:e}",
+                        x[i],
+                        y[i],
+                        z[i],
+                        want
+                    );
+                    let g = reference::relu_grad(y[i] as f64, dy[i] as f64);
+                    assert!(
+                        dx[i].to_bits() == (g as f32).to_bits() || (dx[i].is_nan() && g.is_nan()),
+                        "{level:?} relu'({}) with dy {} = {} vs {g}",
+                        x[i],
+                        dy[i],
+                        dx[i]
+                    );
+                }
+                // -inf gives 0, and the NaN-gradient elements: masked 0, kept NaN.
+                assert_eq!(y[2], 0.0);
+                assert_eq!(dx[0].to_bits(), dy[0].to_bits(), "a NaN output passes its gradient");
+                assert_eq!(dx[2], 0.0, "an infinite gradient at a masked element is dropped");
+                assert_eq!(dx[3], 0.0, "a masked element's NaN gradient is dropped");
+            });
+        }
+    }
+
+    #[test]
     fn short_outputs_are_errors() {
+        assert!(relu_forward(&[1.0; 4], &mut [0.0; 3]).is_err());
+        assert!(relu_backward(&[1.0; 4], &[1.0; 3], &mut [0.0; 4]).is_err());
         assert!(gelu_forward(&[1.0; 4], &mut [0.0; 3]).is_err());
         assert!(gelu_backward(&[1.0; 4], &[1.0; 4], &mut [0.0; 3]).is_err());
     }

@@ -45,11 +45,15 @@ impl Activation {
             return crate::precision::narrow(&y, x.dtype());
         }
         Ok(match self {
-            // x * (x > 0): gradient (x > 0), 0 at x = 0 like PyTorch's threshold_backward.
-            Self::Relu => x.mul(&x.gt(0f64)?.to_dtype(x.dtype())?)?,
+            // One fused pass on f32 CPU tensors, its gradient selected by the output like
+            // PyTorch's threshold_backward.
+            Self::Relu if fused_activation("relu", x)? => crate::fused::activation::relu(x)?,
+            // where(x <= 0, 0, x): NaN kept, -inf gives 0 (a product with a mask would give
+            // NaN), and the gradient is selected (0 where x <= 0, even for an infinite grad).
+            Self::Relu => x.le(0f64)?.where_cond(&x.zeros_like()?, x)?,
             // One fused pass on f32 CPU tensors (the erf approximation PyTorch's vectorised
             // kernel uses); composed elsewhere, with candle's exact erf and its gradient.
-            Self::Gelu if fused_gelu(x)? => crate::fused::gelu::gelu(x)?,
+            Self::Gelu if fused_activation("gelu", x)? => crate::fused::activation::gelu(x)?,
             // 0.5 x (1 + erf(x / sqrt 2)), composed so that candle's exact erf gradient is used.
             Self::Gelu => {
                 let cdf = ((x / std::f64::consts::SQRT_2)?.erf()? + 1.0)?;
@@ -64,10 +68,10 @@ impl Activation {
     }
 }
 
-/// Whether GELU runs as the fused op on `x`.
-fn fused_gelu(x: &Tensor) -> Result<bool> {
+/// Whether an activation runs as its fused op on `x`.
+fn fused_activation(op: &'static str, x: &Tensor) -> Result<bool> {
     let plan = crate::fused::dispatch::decide(
-        "gelu",
+        op,
         crate::mode::Backend::Auto,
         crate::fused::dispatch::dtype_device_blocker(x),
     )?;

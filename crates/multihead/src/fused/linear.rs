@@ -9,7 +9,14 @@ use super::cpu_f32;
 /// (`dx = dy W`, `dW = dyᵀ x`, `db = Σ dy`) straight on gemm's AVX-512 kernels. One graph node
 /// instead of candle's reshape, matmul, broadcast add and reshape, each of which allocates and
 /// accumulates a full-size gradient in the backward.
-pub(crate) struct FusedLinear;
+///
+/// With `relu`, the op is `relu(x Wᵀ + b)` (a feed-forward block's first half): ReLU runs in
+/// place on the product, and the backward selects the gradient by the output first
+/// (PyTorch's `threshold_backward`), so the pre-activation is never a tensor of its own.
+pub(crate) struct FusedLinear {
+    /// Apply ReLU to the output.
+    pub relu: bool,
+}
 
 /// Rows of a `(..., k)` layout as a uniformly strided `(m, k)` matrix: `(offset, row stride)`.
 pub(crate) fn rows(l: &candle_core::Layout) -> Option<(usize, usize)> {
@@ -48,70 +55,103 @@ fn f32_slice(s: &candle_core::CpuStorage) -> candle_core::Result<&[f32]> {
     super::cpu_f32(s, "fused linear")
 }
 
-/// `dst (m×n) = lhs (m×k) · rhs (k×n)` through strides; `accumulate` adds to `dst`.
-#[allow(clippy::too_many_arguments)]
-fn gemm_f32(
+/// Elements a `rows × cols` view with these strides spans (largest offset + 1; 0 if empty).
+fn span(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * rs + (cols - 1) * cs + 1
+    }
+}
+
+/// One product `dst (m×n, row stride n) = lhs (m×k) · rhs (k×n)` through strides.
+struct Product<'a> {
     m: usize,
     n: usize,
     k: usize,
-    dst: &mut [f32],
-    dst_rs: usize,
-    lhs: &[f32],
-    (lhs_rs, lhs_cs): (usize, usize),
-    rhs: &[f32],
-    (rhs_rs, rhs_cs): (usize, usize),
-    accumulate: bool,
-) -> candle_core::Result<()> {
-    let last = |rows: usize, cols: usize, rs: usize, cs: usize| {
-        if rows == 0 || cols == 0 {
-            0
-        } else {
-            (rows - 1) * rs + (cols - 1) * cs + 1
+    lhs: &'a [f32],
+    lhs_strides: (usize, usize),
+    rhs: &'a [f32],
+    rhs_strides: (usize, usize),
+}
+
+impl Product<'_> {
+    /// Checks that the operands hold their views; returns `m · n`.
+    fn check(&self) -> candle_core::Result<usize> {
+        let (m, n, k) = (self.m, self.n, self.k);
+        if self.lhs.len() < span(m, k, self.lhs_strides.0, self.lhs_strides.1)
+            || self.rhs.len() < span(k, n, self.rhs_strides.0, self.rhs_strides.1)
+        {
+            candle_core::bail!("fused linear: a buffer is shorter than its layout");
         }
-    };
-    if dst.len() < last(m, n, dst_rs, 1)
-        || lhs.len() < last(m, k, lhs_rs, lhs_cs)
-        || rhs.len() < last(k, n, rhs_rs, rhs_cs)
-    {
-        candle_core::bail!("fused linear: a buffer is shorter than its layout");
+        m.checked_mul(n).ok_or_else(|| {
+            candle_core::Error::Msg(format!("fused linear: {m} x {n} outputs overflow usize"))
+        })
     }
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    if k == 0 {
-        if !accumulate {
-            dst.iter_mut().for_each(|x| *x = 0.0);
+
+    /// Runs gemm into `dst`, which holds `m · n` elements (`accumulate`: `dst +=`).
+    ///
+    /// # Safety
+    ///
+    /// `dst` is valid for writes of `m · n` floats (and reads, with `accumulate`), `check`
+    /// passed, and `dst` does not overlap the operands.
+    unsafe fn run(&self, dst: *mut f32, accumulate: bool) {
+        let threads = candle_core::utils::get_num_threads();
+        let par =
+            if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+        let ((lrs, lcs), (rrs, rcs)) = (self.lhs_strides, self.rhs_strides);
+        // SAFETY: `check` bounds every element the strides address within the operands; the
+        // caller guarantees `dst`.
+        unsafe {
+            gemm::gemm(
+                self.m,
+                self.n,
+                self.k,
+                dst,
+                1,
+                self.n as isize,
+                accumulate,
+                self.lhs.as_ptr(),
+                lcs as isize,
+                lrs as isize,
+                self.rhs.as_ptr(),
+                rcs as isize,
+                rrs as isize,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                par,
+            );
         }
-        return Ok(());
     }
-    let threads = candle_core::utils::get_num_threads();
-    let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-    // SAFETY: the checks above bound every element the strides address within the three
-    // slices; dst is borrowed mutably and does not alias lhs or rhs (distinct borrows).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            dst_rs as isize,
-            accumulate,
-            lhs.as_ptr(),
-            lhs_cs as isize,
-            lhs_rs as isize,
-            rhs.as_ptr(),
-            rhs_cs as isize,
-            rhs_rs as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            par,
-        );
+
+    /// The product in a new buffer, plus `bias` on every row when given. gemm writes every
+    /// element, so the buffer is not zeroed first (a pass over memory saved).
+    fn new_output(&self, bias: Option<&[f32]>, what: &str) -> candle_core::Result<Vec<f32>> {
+        let len = self.check()?;
+        let mut y: Vec<f32> = Vec::new();
+        y.try_reserve_exact(len).map_err(|_| {
+            candle_core::Error::Msg(format!("{what}: {len} floats cannot be allocated"))
+        })?;
+        if let Some(b) = bias {
+            (0..self.m).for_each(|_| y.extend_from_slice(&b[..self.n]));
+        }
+        if len == 0 || self.k == 0 {
+            y.resize(len, 0.0);
+            return Ok(y);
+        }
+        // SAFETY: `y` has capacity for `len` floats and is a fresh allocation; with a bias its
+        // `len` elements are initialised and gemm adds to them, without one gemm writes all
+        // `len` of them (`k > 0`, `accumulate` false: the destination is not read), so every
+        // element is initialised before `set_len`.
+        unsafe {
+            self.run(y.as_mut_ptr(), bias.is_some());
+            y.set_len(len);
+        }
+        Ok(y)
     }
-    Ok(())
 }
 
 impl FusedLinear {
@@ -128,38 +168,37 @@ impl FusedLinear {
             candle_core::bail!("fused linear: the weight must be contiguous");
         }
         let m = x.1.shape().elem_count() / in_f.max(1);
-        let len = m.checked_mul(out_f).ok_or_else(|| {
-            candle_core::Error::Msg(format!("fused linear: {m} x {out_f} outputs overflow usize"))
-        })?;
-        let mut y = crate::alloc::try_zeros::<f32>(len, "fused linear output")?;
-        if let Some((b, bl)) = b {
+        let bias = match b {
             // `linear` validated the bias and made it contiguous; a layout that still does not
             // fit is an error here, never an out-of-bounds slice.
-            let bo = bl.start_offset();
-            let bias = match b.get(bo..bo.saturating_add(out_f)) {
-                Some(bias) if bl.dims() == [out_f] && bl.is_contiguous() => bias,
-                _ => candle_core::bail!(
-                    "fused linear: the bias must be a contiguous ({out_f},) tensor, got shape {:?} with strides {:?}",
-                    bl.dims(),
-                    bl.stride()
-                ),
-            };
-            y.chunks_exact_mut(out_f.max(1)).for_each(|row| row.copy_from_slice(bias));
-        }
+            Some((b, bl)) => {
+                let bo = bl.start_offset();
+                match b.get(bo..bo.saturating_add(out_f)) {
+                    Some(bias) if bl.dims() == [out_f] && bl.is_contiguous() => Some(bias),
+                    _ => candle_core::bail!(
+                        "fused linear: the bias must be a contiguous ({out_f},) tensor, got shape {:?} with strides {:?}",
+                        bl.dims(),
+                        bl.stride()
+                    ),
+                }
+            }
+            None => None,
+        };
         let w0 = w.1.start_offset();
         // y (m×out) = x (m×in) · Wᵀ (in×out), Wᵀ[i][j] = W[j][i].
-        gemm_f32(
+        let product = Product {
             m,
-            out_f,
-            in_f,
-            &mut y,
-            out_f,
-            &x.0[x_off..],
-            (x_rs, 1),
-            &w.0[w0..],
-            (1, in_f),
-            b.is_some(),
-        )?;
+            n: out_f,
+            k: in_f,
+            lhs: &x.0[x_off..],
+            lhs_strides: (x_rs, 1),
+            rhs: &w.0[w0..],
+            rhs_strides: (1, in_f),
+        };
+        let mut y = product.new_output(bias, "fused linear output")?;
+        if self.relu {
+            multihead_kernels::activation::relu_in_place(&mut y);
+        }
         let mut dims = x.1.dims().to_vec();
         if let Some(last) = dims.last_mut() {
             *last = out_f;
@@ -167,13 +206,16 @@ impl FusedLinear {
         Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from(dims)))
     }
 
+    /// `(dx, dW, db)` from the output gradient (and, with `relu`, the output `y`).
     fn backward(
         &self,
         x: &Tensor,
         w: &Tensor,
+        y: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-        let grad = grad.contiguous()?;
+        let grad =
+            if self.relu { super::activation::relu_grad(y, grad)? } else { grad.contiguous()? };
         let x = if rows(x.layout()).is_some() { x.clone() } else { x.contiguous()? };
         let w = w.contiguous()?;
         let (out_f, in_f) = w.dims2()?;
@@ -187,11 +229,27 @@ impl FusedLinear {
         let wv = &f32s(&ws)?[wl.start_offset()..];
         let gv = &f32s(&gs)?[gl.start_offset()..];
         // dx (m×in) = dy (m×out) · W (out×in)
-        let mut dx = crate::alloc::try_zeros::<f32>(m * in_f, "fused linear dx")?;
-        gemm_f32(m, in_f, out_f, &mut dx, in_f, gv, (out_f, 1), wv, (in_f, 1), false)?;
+        let dx = Product {
+            m,
+            n: in_f,
+            k: out_f,
+            lhs: gv,
+            lhs_strides: (out_f, 1),
+            rhs: wv,
+            rhs_strides: (in_f, 1),
+        };
+        let dx = dx.new_output(None, "fused linear dx")?;
         // dW (out×in) = dyᵀ (out×m) · x (m×in)
-        let mut dw = crate::alloc::try_zeros::<f32>(out_f * in_f, "fused linear dw")?;
-        gemm_f32(out_f, in_f, m, &mut dw, in_f, gv, (1, out_f), xv, (x_rs, 1), false)?;
+        let dw = Product {
+            m: out_f,
+            n: in_f,
+            k: m,
+            lhs: gv,
+            lhs_strides: (1, out_f),
+            rhs: xv,
+            rhs_strides: (x_rs, 1),
+        };
+        let dw = dw.new_output(None, "fused linear dw")?;
         // db (out) = Σ_rows dy
         let mut db = vec![0f32; out_f];
         for row in gv[..m * out_f].chunks_exact(out_f.max(1)) {
@@ -227,10 +285,10 @@ impl candle_core::CustomOp2 for FusedLinear {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = self.backward(x, w, grad)?;
+        let (dx, dw, _) = self.backward(x, w, res, grad)?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -255,10 +313,10 @@ impl candle_core::CustomOp3 for FusedLinear {
         x: &Tensor,
         w: &Tensor,
         _b: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = self.backward(x, w, grad)?;
+        let (dx, dw, db) = self.backward(x, w, res, grad)?;
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }

@@ -3,17 +3,18 @@
 //! * [`dispatch`]: the one function that picks a path for a call, and the [`Plan`] that says
 //!   why.
 //! * `flash`: the flash-attention kernels as candle custom ops with a backward.
-//! * `linear`: `F.linear` as one candle op on gemm's kernels, with a backward.
-//! * `gelu`: exact-form GELU as one candle op, with a backward.
+//! * `linear`: `F.linear` (optionally followed by ReLU) as one candle op on gemm's kernels,
+//!   with a backward.
+//! * `activation`: exact-form GELU and ReLU as one candle op each, with a backward.
 //! * `norm`: LayerNorm as one candle op over `multihead_kernels::norm`, with a backward.
 //!
 //! [`Plan`]: dispatch::Plan
 
+pub(crate) mod activation;
 pub(crate) mod convert;
 pub(crate) mod decode;
 pub mod dispatch;
 pub(crate) mod flash;
-pub(crate) mod gelu;
 pub(crate) mod linear;
 pub(crate) mod norm;
 
