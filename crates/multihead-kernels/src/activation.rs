@@ -16,7 +16,7 @@
 //! # Ok::<(), multihead_kernels::attention::KernelError>(())
 //! ```
 
-use crate::attention::exec::{par_run, SyncPtr, Task};
+use crate::attention::exec::{par_run, ConstPtr, SyncPtr, Task};
 use crate::attention::simd::Simd;
 use crate::attention::{simd_level, KernelError};
 
@@ -61,7 +61,9 @@ unsafe fn cdf_pdf<S: Simd>(x: S::V) -> (S::V, S::V) {
 }
 
 struct GeluTask<'a> {
-    x: &'a [f32],
+    /// The input (it may be `out` itself: each element is read before it is written).
+    x: ConstPtr<f32>,
+    len: usize,
     /// The upstream gradient for the backward; `None` for the forward.
     dy: Option<&'a [f32]>,
     out: SyncPtr<f32>,
@@ -69,7 +71,7 @@ struct GeluTask<'a> {
 
 impl Task for GeluTask<'_> {
     fn count(&self) -> usize {
-        self.x.len().div_ceil(BLOCK)
+        self.len.div_ceil(BLOCK)
     }
     fn scratch_len(&self, _lanes: usize) -> usize {
         0
@@ -77,14 +79,14 @@ impl Task for GeluTask<'_> {
     #[inline(always)]
     unsafe fn run<S: Simd>(&self, t: usize, _buf: &mut [f32]) {
         let l = S::LANES;
-        let (start, end) = (t * BLOCK, ((t + 1) * BLOCK).min(self.x.len()));
+        let (start, end) = (t * BLOCK, ((t + 1) * BLOCK).min(self.len));
         let mut j = start;
         // SAFETY: indices stay in `start..end` (the tail is masked), inside `x`, `dy` and
         // `out` (the entry point checked their lengths); this task alone writes its block.
         unsafe {
             while j < end {
                 let mask = if j + l <= end { S::full_mask() } else { S::tail_mask(end - j) };
-                let x = S::load_m(self.x.as_ptr().add(j), mask);
+                let x = S::load_m(self.x.0.add(j), mask);
                 let (cdf, pdf) = cdf_pdf::<S>(x);
                 let v = match self.dy {
                     None => S::mul(x, cdf),
@@ -111,15 +113,23 @@ fn same_len(name: &'static str, want: usize, len: usize) -> Result<(), KernelErr
 /// `y = gelu(x)`.
 pub fn gelu_forward(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
     same_len("y", x.len(), y.len())?;
-    par_run(simd_level(), &GeluTask { x, dy: None, out: SyncPtr(y.as_mut_ptr()) });
+    let (len, x) = (x.len(), ConstPtr(x.as_ptr()));
+    par_run(simd_level(), &GeluTask { x, len, dy: None, out: SyncPtr(y.as_mut_ptr()) });
     Ok(())
+}
+
+/// `y = gelu(y)` in place (the epilogue of a linear layer's product, without a gradient).
+pub fn gelu_in_place(y: &mut [f32]) {
+    let (len, out) = (y.len(), SyncPtr(y.as_mut_ptr()));
+    par_run(simd_level(), &GeluTask { x: ConstPtr(out.0), len, dy: None, out });
 }
 
 /// `dx = dy · gelu'(x)`.
 pub fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), KernelError> {
     same_len("dy", x.len(), dy.len())?;
     same_len("dx", x.len(), dx.len())?;
-    par_run(simd_level(), &GeluTask { x, dy: Some(dy), out: SyncPtr(dx.as_mut_ptr()) });
+    let (len, x) = (x.len(), ConstPtr(x.as_ptr()));
+    par_run(simd_level(), &GeluTask { x, len, dy: Some(dy), out: SyncPtr(dx.as_mut_ptr()) });
     Ok(())
 }
 
@@ -128,9 +138,9 @@ pub fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), Kernel
 /// `threshold_backward`, which selects instead of multiplying, so an infinite or NaN `dy`
 /// at a masked element still gives 0). `x` and `out` may be the same buffer.
 struct ReluTask {
-    x: crate::attention::exec::ConstPtr<f32>,
+    x: ConstPtr<f32>,
     len: usize,
-    dy: Option<crate::attention::exec::ConstPtr<f32>>,
+    dy: Option<ConstPtr<f32>>,
     out: SyncPtr<f32>,
 }
 
@@ -171,7 +181,7 @@ impl Task for ReluTask {
 /// `y = relu(x)` (`max(x, 0)`; NaN stays NaN, `-inf` and `-0` give `+0`).
 pub fn relu_forward(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
     same_len("y", x.len(), y.len())?;
-    let x = crate::attention::exec::ConstPtr(x.as_ptr());
+    let x = ConstPtr(x.as_ptr());
     par_run(simd_level(), &ReluTask { x, len: y.len(), dy: None, out: SyncPtr(y.as_mut_ptr()) });
     Ok(())
 }
@@ -179,7 +189,7 @@ pub fn relu_forward(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
 /// `y = relu(y)` in place (the epilogue of a linear layer's product).
 pub fn relu_in_place(y: &mut [f32]) {
     let (len, out) = (y.len(), SyncPtr(y.as_mut_ptr()));
-    let x = crate::attention::exec::ConstPtr(out.0 as *const f32);
+    let x = ConstPtr(out.0 as *const f32);
     par_run(simd_level(), &ReluTask { x, len, dy: None, out });
 }
 
@@ -188,10 +198,7 @@ pub fn relu_in_place(y: &mut [f32]) {
 pub fn relu_backward(y: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), KernelError> {
     same_len("dy", y.len(), dy.len())?;
     same_len("dx", y.len(), dx.len())?;
-    let (x, dy) = (
-        crate::attention::exec::ConstPtr(y.as_ptr()),
-        crate::attention::exec::ConstPtr(dy.as_ptr()),
-    );
+    let (x, dy) = (ConstPtr(y.as_ptr()), ConstPtr(dy.as_ptr()));
     par_run(
         simd_level(),
         &ReluTask { x, len: y.len(), dy: Some(dy), out: SyncPtr(dx.as_mut_ptr()) },
@@ -284,6 +291,9 @@ mod tests {
                     let (mut y, mut dx) = (vec![0f32; n], vec![0f32; n]);
                     gelu_forward(&x, &mut y).unwrap();
                     gelu_backward(&x, &dy, &mut dx).unwrap();
+                    let mut z = x.clone();
+                    gelu_in_place(&mut z);
+                    assert!(z.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()));
                     for i in 0..n {
                         let (xi, e) = (x[i] as f64, reference::gelu(x[i] as f64));
                         assert!(

@@ -5,7 +5,7 @@ use candle_nn::{Init, VarBuilder};
 
 use crate::error::{fmt_shape, Error, Result};
 use crate::fused::dispatch::{dtype_device_blocker, Path, Plan};
-use crate::fused::linear::{rows, FusedLinear, RowsLinear};
+use crate::fused::linear::{rows, Act, FusedLinear, RowsLinear};
 use crate::mode::Backend;
 use crate::state_dict::NamedParameters;
 
@@ -77,11 +77,17 @@ impl Linear {
         linear(x, &self.weight, self.bias.as_ref(), "linear", "input", Backend::Auto)
     }
 
-    /// `relu(self.forward(x))`, as one op where the fused product runs (a feed-forward
-    /// block's first half): the same numbers, one pass and one graph node fewer.
-    // Mirrors torch.nn.functional.relu(torch.nn.Linear.forward(x)).
-    pub(crate) fn forward_relu(&self, x: &Tensor) -> Result<Tensor> {
-        linear_then(x, &self.weight, self.bias.as_ref(), true, "linear", "input", Backend::Auto)
+    /// `activation(self.forward(x))`, as one op where the fused product runs (a feed-forward
+    /// block's first half): the numbers of the separate activation op, with one pass and one
+    /// graph node fewer.
+    // Mirrors activation(torch.nn.Linear.forward(x)).
+    pub(crate) fn forward_act(&self, x: &Tensor, activation: crate::Activation) -> Result<Tensor> {
+        let act = match activation {
+            crate::Activation::Relu => Act::Relu,
+            crate::Activation::Gelu => Act::Gelu,
+            other => return other.forward(&self.forward(x)?),
+        };
+        linear_then(x, &self.weight, self.bias.as_ref(), act, "linear", "input", Backend::Auto)
     }
 }
 
@@ -114,15 +120,15 @@ pub(crate) fn linear(
     arg: &'static str,
     backend: Backend,
 ) -> Result<Tensor> {
-    linear_then(x, weight, bias, false, op, arg, backend)
+    linear_then(x, weight, bias, Act::Identity, op, arg, backend)
 }
 
-/// [`linear`], followed by ReLU when `relu` (fused into the product's op on the fused path).
+/// [`linear`], followed by `act` (fused into the product's op on the fused path).
 fn linear_then(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
-    relu: bool,
+    act: Act,
     op: &'static str,
     arg: &'static str,
     backend: Backend,
@@ -132,7 +138,7 @@ fn linear_then(
         // bf16/f16: the f32 product (f32 accumulation, as PyTorch's), rounded once.
         use crate::precision::{widen, widen_opt};
         let b = widen_opt(bias)?;
-        let y = linear_then(&widen(x)?, &widen(weight)?, b.as_ref(), relu, op, arg, backend)?;
+        let y = linear_then(&widen(x)?, &widen(weight)?, b.as_ref(), act, op, arg, backend)?;
         return crate::precision::narrow(&y, x.dtype());
     }
     let m = out_dims[..out_dims.len() - 1].iter().product::<usize>();
@@ -145,33 +151,33 @@ fn linear_then(
     if m == 0 || in_f == 0 {
         // gemm has nothing to multiply; the product is zero (plus the bias).
         let zeros = Tensor::zeros(out_dims.as_slice(), x.dtype(), x.device())?;
-        return then_relu(
+        return then_act(
             match bias {
                 Some(b) if m > 0 => zeros.broadcast_add(b)?,
                 _ => zeros,
             },
-            relu,
+            act,
         );
     }
     match plan.path {
-        Path::Fused => fused_linear(x, weight, bias, relu, out_f, &out_dims),
+        Path::Fused => fused_linear(x, weight, bias, act, out_f, &out_dims),
         Path::Composed => {
             let x2 = x.reshape((m, in_f))?;
             let mut y = x2.matmul(&weight.t()?)?;
             if let Some(b) = bias {
                 y = y.broadcast_add(b)?;
             }
-            then_relu(y.reshape(out_dims)?, relu)
+            then_act(y.reshape(out_dims)?, act)
         }
     }
 }
 
-/// `relu(y)` when `relu`, else `y`.
-fn then_relu(y: Tensor, relu: bool) -> Result<Tensor> {
-    if relu {
-        crate::Activation::Relu.forward(&y)
-    } else {
-        Ok(y)
+/// `act(y)` as its own op.
+fn then_act(y: Tensor, act: Act) -> Result<Tensor> {
+    match act {
+        Act::Identity => Ok(y),
+        Act::Relu => crate::Activation::Relu.forward(&y),
+        Act::Gelu => crate::Activation::Gelu.forward(&y),
     }
 }
 
@@ -284,7 +290,7 @@ fn fused_linear(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
-    relu: bool,
+    act: Act,
     out_f: usize,
     out_dims: &[usize],
 ) -> Result<Tensor> {
@@ -302,11 +308,11 @@ fn fused_linear(
             Some(b) => x2.apply_op3_no_bwd(&weight, &b.contiguous()?, &RowsLinear)?,
             None => x2.apply_op2_no_bwd(&weight, &RowsLinear)?,
         };
-        return then_relu(y.reshape(out_dims)?, relu);
+        return then_act(y.reshape(out_dims)?, act);
     }
     let y = match bias {
-        Some(b) => x.apply_op3(&weight, &b.contiguous()?, FusedLinear { relu })?,
-        None => x.apply_op2(&weight, FusedLinear { relu })?,
+        Some(b) => x.apply_op3(&weight, &b.contiguous()?, FusedLinear::new(act, graded))?,
+        None => x.apply_op2(&weight, FusedLinear::new(act, graded))?,
     };
     debug_assert_eq!(y.dim(y.rank() - 1)?, out_f);
     Ok(y.reshape(out_dims)?)

@@ -1,6 +1,8 @@
 //! `F.linear` as one candle op on f32 CPU tensors, on gemm's kernels, with its backward; and,
 //! for a few rows without a gradient, on the few-rows kernel.
 
+use std::sync::{Arc, Mutex};
+
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 use super::cpu_f32;
@@ -10,12 +12,34 @@ use super::cpu_f32;
 /// instead of candle's reshape, matmul, broadcast add and reshape, each of which allocates and
 /// accumulates a full-size gradient in the backward.
 ///
-/// With `relu`, the op is `relu(x Wᵀ + b)` (a feed-forward block's first half): ReLU runs in
-/// place on the product, and the backward selects the gradient by the output first
-/// (PyTorch's `threshold_backward`), so the pre-activation is never a tensor of its own.
+/// With an activation, the op is `act(x Wᵀ + b)` (a feed-forward block's first half), so the
+/// pre-activation is never a graph node of its own (candle would allocate, zero and add a
+/// full-size gradient for it). ReLU runs in place, and its backward selects the gradient by
+/// the output (PyTorch's `threshold_backward`). GELU keeps the pre-activation inside the op
+/// for its backward when a gradient is recorded, and runs in place otherwise.
 pub(crate) struct FusedLinear {
-    /// Apply ReLU to the output.
-    pub relu: bool,
+    act: Act,
+    /// Keep the pre-activation for the backward (GELU with a gradient recorded).
+    keep_pre: bool,
+    pre: Mutex<Option<Arc<Vec<f32>>>>,
+}
+
+/// The activation fused after the product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Act {
+    /// None.
+    Identity,
+    /// `F.relu`.
+    Relu,
+    /// `F.gelu` (erf form).
+    Gelu,
+}
+
+impl FusedLinear {
+    /// The op for `act(x Wᵀ + b)`; `graded` says whether a backward may run.
+    pub(crate) fn new(act: Act, graded: bool) -> Self {
+        FusedLinear { act, keep_pre: graded && act == Act::Gelu, pre: Mutex::new(None) }
+    }
 }
 
 /// Rows of a `(..., k)` layout as a uniformly strided `(m, k)` matrix: `(offset, row stride)`.
@@ -196,14 +220,45 @@ impl FusedLinear {
             rhs_strides: (1, in_f),
         };
         let mut y = product.new_output(bias, "fused linear output")?;
-        if self.relu {
-            multihead_kernels::activation::relu_in_place(&mut y);
+        match self.act {
+            Act::Identity => {}
+            Act::Relu => multihead_kernels::activation::relu_in_place(&mut y),
+            Act::Gelu if self.keep_pre => {
+                let mut h = crate::alloc::try_zeros::<f32>(y.len(), "fused linear gelu")?;
+                multihead_kernels::activation::gelu_forward(&y, &mut h)
+                    .map_err(|e| candle_core::Error::Msg(format!("fused linear gelu: {e}")))?;
+                let pre = std::mem::replace(&mut y, h);
+                *self.pre.lock().map_err(|_| poisoned())? = Some(Arc::new(pre));
+            }
+            Act::Gelu => multihead_kernels::activation::gelu_in_place(&mut y),
         }
         let mut dims = x.1.dims().to_vec();
         if let Some(last) = dims.last_mut() {
             *last = out_f;
         }
         Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from(dims)))
+    }
+
+    /// The gradient through GELU, from the pre-activation kept by the forward.
+    fn gelu_grad(&self, grad: &Tensor) -> candle_core::Result<Tensor> {
+        let pre = self.pre.lock().map_err(|_| poisoned())?.clone().ok_or_else(|| {
+            candle_core::Error::Msg(
+                "fused linear gelu: no pre-activation was kept (the forward recorded no gradient)"
+                    .into(),
+            )
+        })?;
+        let grad = grad.contiguous()?;
+        let (gs, gl) = grad.storage_and_layout();
+        let gv = f32s(&gs)?;
+        let gv = gl.contiguous_offsets().and_then(|(a, b)| gv.get(a..b)).ok_or_else(|| {
+            candle_core::Error::Msg(
+                "fused linear gelu: the gradient does not fit its layout".into(),
+            )
+        })?;
+        let mut dpre = crate::alloc::try_zeros::<f32>(pre.len(), "fused linear gelu grad")?;
+        multihead_kernels::activation::gelu_backward(&pre, gv, &mut dpre)
+            .map_err(|e| candle_core::Error::Msg(format!("fused linear gelu backward: {e}")))?;
+        Tensor::from_vec(dpre, grad.shape(), grad.device())
     }
 
     /// `(dx, dW, db)` from the output gradient (and, with `relu`, the output `y`).
@@ -214,8 +269,11 @@ impl FusedLinear {
         y: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-        let grad =
-            if self.relu { super::activation::relu_grad(y, grad)? } else { grad.contiguous()? };
+        let grad = match self.act {
+            Act::Identity => grad.contiguous()?,
+            Act::Relu => super::activation::relu_grad(y, grad)?,
+            Act::Gelu => self.gelu_grad(grad)?,
+        };
         let x = if rows(x.layout()).is_some() { x.clone() } else { x.contiguous()? };
         let w = w.contiguous()?;
         let (out_f, in_f) = w.dims2()?;
@@ -262,6 +320,10 @@ impl FusedLinear {
             Tensor::from_vec(db, out_f, dev)?,
         ))
     }
+}
+
+fn poisoned() -> candle_core::Error {
+    candle_core::Error::Msg("fused linear: a panic poisoned the kept pre-activation".into())
 }
 
 fn f32s(s: &candle_core::Storage) -> candle_core::Result<&[f32]> {

@@ -180,11 +180,8 @@ pub(crate) fn feed_forward(
     training: bool,
     x: &candle_core::Tensor,
 ) -> crate::Result<candle_core::Tensor> {
-    let h = match activation {
-        // ReLU rides in the product's op (one pass and one graph node fewer).
-        Activation::Relu => linear1.forward_relu(x)?,
-        _ => activation.forward(&linear1.forward(x)?)?,
-    };
+    // The activation rides in the product's op (one pass and one graph node fewer).
+    let h = linear1.forward_act(x, activation)?;
     let h = crate::activation::dropout(&h, p, training)?;
     crate::activation::dropout(&linear2.forward(&h)?, p, training)
 }

@@ -438,7 +438,7 @@ fn fused_gelu_equals_the_composed_one_forward_and_backward() {
 /// with PyTorch's special values: NaN kept, `-inf` to 0, and the gradient selected by the
 /// output (an infinite upstream gradient at a zeroed element gives 0, not NaN).
 #[test]
-fn fused_relu_equals_the_composed_one_with_special_values() {
+fn fused_relu_equals_the_composed_one_and_fuses_into_the_feed_forward_product() {
     let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, -3.0, 2.5];
     let mut xs = det(&[3, 40], DType::F32, 1.0).flatten_all().unwrap().to_vec1::<f32>().unwrap();
     xs[..specials.len()].copy_from_slice(&specials);
@@ -465,30 +465,33 @@ fn fused_relu_equals_the_composed_one_with_special_values() {
     let g: Vec<f32> = g.iter().map(|b| f32::from_bits(*b)).collect();
     assert!(y[0].is_nan() && y[1] == f32::INFINITY && y[2] == 0.0 && y[6] == 2.5, "{y:?}");
     assert!(g[2] == 0.0 && g[5] == 0.0 && g[6] == f32::INFINITY, "{g:?}");
-    // Inside an encoder layer (ReLU fused into the first feed-forward product): the same
-    // output and gradients as the composed layer.
-    let cfg = multihead::transformer::LayerConfig::new(16, 2)
-        .with_dim_feedforward(24)
-        .with_dropout(0.0)
-        .with_batch_first(true);
-    let vm = candle_nn::VarMap::new();
-    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
-    let layer = multihead::transformer::TransformerEncoderLayer::new(cfg, vb).unwrap();
-    let run = |fused: bool| {
-        with_backend(backend(fused), || {
-            let x = var(&det(&[2, 5, 16], DType::F32, 3.0));
-            let y = layer.forward(x.as_tensor(), None, None, false).unwrap();
-            let grads = y.mul(&det(y.dims(), DType::F32, 4.0)).unwrap().sum_all().unwrap();
-            let grads = grads.backward().unwrap();
-            let mut out = vec![y, grads.get(x.as_tensor()).unwrap().clone()];
-            for (_, p) in layer.named_parameters() {
-                out.push(grads.get(&p).unwrap().clone());
-            }
-            out
-        })
-    };
-    for (i, (a, b)) in run(true).iter().zip(&run(false)).enumerate() {
-        assert_close(a, b, Tolerance::F32_GRAD, &format!("encoder layer, relu: tensor {i}"));
+    // Inside an encoder layer (the activation fused into the first feed-forward product):
+    // the output and every gradient of the composed layer, ReLU and GELU.
+    for activation in [multihead::Activation::Relu, multihead::Activation::Gelu] {
+        let cfg = multihead::transformer::LayerConfig::new(16, 2)
+            .with_dim_feedforward(24)
+            .with_dropout(0.0)
+            .with_activation(activation)
+            .with_batch_first(true);
+        let vm = candle_nn::VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+        let layer = multihead::transformer::TransformerEncoderLayer::new(cfg, vb).unwrap();
+        let run = |fused: bool| {
+            with_backend(backend(fused), || {
+                let x = var(&det(&[2, 5, 16], DType::F32, 3.0));
+                let y = layer.forward(x.as_tensor(), None, None, false).unwrap();
+                let grads = y.mul(&det(y.dims(), DType::F32, 4.0)).unwrap().sum_all().unwrap();
+                let grads = grads.backward().unwrap();
+                let mut out = vec![y, grads.get(x.as_tensor()).unwrap().clone()];
+                for (_, p) in layer.named_parameters() {
+                    out.push(grads.get(&p).unwrap().clone());
+                }
+                out
+            })
+        };
+        for (i, (a, b)) in run(true).iter().zip(&run(false)).enumerate() {
+            assert_close(a, b, Tolerance::F32_GRAD, &format!("encoder layer, {activation:?}: {i}"));
+        }
     }
 }
 
