@@ -84,7 +84,11 @@ fn span(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
     if rows == 0 || cols == 0 {
         0
     } else {
-        (rows - 1) * rs + (cols - 1) * cs + 1
+        // Saturating: an absurd layout then fails the length check instead of wrapping.
+        (rows - 1)
+            .saturating_mul(rs)
+            .saturating_add((cols - 1).saturating_mul(cs))
+            .saturating_add(1)
     }
 }
 
