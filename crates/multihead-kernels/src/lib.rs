@@ -5,13 +5,13 @@
 //! the two.
 //!
 //! It holds the fused (flash) attention kernels ([`attention`]: forward, backward and the
-//! attention-weights pass, with run-time AVX-512 / AVX2 / scalar dispatch), LayerNorm
-//! forward and backward ([`norm`]), GELU forward and backward ([`activation`]), attention of a
-//! few new rows over a KV cache ([`decode`]), products of a few rows with a weight ([`gemv`]) and
-//! the
-//! counter-based
-//! dropout generator ([`dropout`]), which the attention forward and backward share so that a
-//! backward pass can regenerate the forward's mask without storing it.
+//! attention-weights pass, with run-time AVX-512 / AVX2 / scalar dispatch), LayerNorm forward
+//! and backward ([`norm`]), GELU and ReLU forward and backward ([`activation`]), the
+//! bias-and-activation pass after a linear layer's product ([`epilogue`]), attention of a few
+//! new rows over a KV cache ([`decode`]), products of a few rows with a weight ([`gemv`]),
+//! bf16 conversions ([`convert`]) and the counter-based dropout generator ([`dropout`]), which
+//! the attention forward and backward share so that a backward pass can regenerate the
+//! forward's mask without storing it.
 //!
 //! ```
 //! use multihead_kernels::dropout::DropoutKey;
@@ -27,6 +27,7 @@ pub mod attention;
 pub mod convert;
 pub mod decode;
 pub mod dropout;
+pub mod epilogue;
 pub mod gemv;
 pub mod norm;
 

@@ -4,6 +4,8 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
+use multihead_kernels::epilogue::bias_act_in_place;
+pub(crate) use multihead_kernels::epilogue::Act;
 
 use super::cpu_f32;
 
@@ -22,17 +24,6 @@ pub(crate) struct FusedLinear {
     /// Keep the pre-activation for the backward (GELU with a gradient recorded).
     keep_pre: bool,
     pre: Mutex<Option<Arc<Vec<f32>>>>,
-}
-
-/// The activation fused after the product.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Act {
-    /// None.
-    Identity,
-    /// `F.relu`.
-    Relu,
-    /// `F.gelu` (erf form).
-    Gelu,
 }
 
 impl FusedLinear {
@@ -155,27 +146,23 @@ impl Product<'_> {
         }
     }
 
-    /// The product in a new buffer, plus `bias` on every row when given. gemm writes every
-    /// element, so the buffer is not zeroed first (a pass over memory saved).
-    fn new_output(&self, bias: Option<&[f32]>, what: &str) -> candle_core::Result<Vec<f32>> {
+    /// The product in a new buffer. gemm writes every element, so the buffer is not zeroed
+    /// first (a pass over memory saved).
+    fn new_output(&self, what: &str) -> candle_core::Result<Vec<f32>> {
         let len = self.check()?;
         let mut y: Vec<f32> = Vec::new();
         y.try_reserve_exact(len).map_err(|_| {
             candle_core::Error::Msg(format!("{what}: {len} floats cannot be allocated"))
         })?;
-        if let Some(b) = bias {
-            (0..self.m).for_each(|_| y.extend_from_slice(&b[..self.n]));
-        }
         if len == 0 || self.k == 0 {
             y.resize(len, 0.0);
             return Ok(y);
         }
-        // SAFETY: `y` has capacity for `len` floats and is a fresh allocation; with a bias its
-        // `len` elements are initialised and gemm adds to them, without one gemm writes all
+        // SAFETY: `y` has capacity for `len` floats and is a fresh allocation; gemm writes all
         // `len` of them (`k > 0`, `accumulate` false: the destination is not read), so every
         // element is initialised before `set_len`.
         unsafe {
-            self.run(y.as_mut_ptr(), bias.is_some());
+            self.run(y.as_mut_ptr(), false);
             y.set_len(len);
         }
         Ok(y)
@@ -223,18 +210,22 @@ impl FusedLinear {
             rhs: &w.0[w0..],
             rhs_strides: (1, in_f),
         };
-        let mut y = product.new_output(bias, "fused linear output")?;
+        let mut y = product.new_output("fused linear output")?;
+        // The bias and the activation in one parallel pass after the product.
+        let epilogue = |y: &mut [f32], act| {
+            bias_act_in_place(y, out_f, bias, act)
+                .map_err(|e| candle_core::Error::Msg(format!("fused linear epilogue: {e}")))
+        };
         match self.act {
-            Act::Identity => {}
-            Act::Relu => multihead_kernels::activation::relu_in_place(&mut y),
             Act::Gelu if self.keep_pre => {
+                epilogue(&mut y, Act::Identity)?;
                 let mut h = crate::alloc::try_zeros::<f32>(y.len(), "fused linear gelu")?;
                 multihead_kernels::activation::gelu_forward(&y, &mut h)
                     .map_err(|e| candle_core::Error::Msg(format!("fused linear gelu: {e}")))?;
                 let pre = std::mem::replace(&mut y, h);
                 *self.pre.lock().map_err(|_| poisoned())? = Some(Arc::new(pre));
             }
-            Act::Gelu => multihead_kernels::activation::gelu_in_place(&mut y),
+            act => epilogue(&mut y, act)?,
         }
         let mut dims = x.1.dims().to_vec();
         if let Some(last) = dims.last_mut() {
@@ -300,7 +291,7 @@ impl FusedLinear {
             rhs: wv,
             rhs_strides: (in_f, 1),
         };
-        let dx = dx.new_output(None, "fused linear dx")?;
+        let dx = dx.new_output("fused linear dx")?;
         // dW (out×in) = dyᵀ (out×m) · x (m×in)
         let dw = Product {
             m: out_f,
@@ -311,7 +302,7 @@ impl FusedLinear {
             rhs: xv,
             rhs_strides: (x_rs, 1),
         };
-        let dw = dw.new_output(None, "fused linear dw")?;
+        let dw = dw.new_output("fused linear dw")?;
         // db (out) = Σ_rows dy
         let mut db = vec![0f32; out_f];
         for row in gv[..m * out_f].chunks_exact(out_f.max(1)) {

@@ -1,0 +1,211 @@
+//! The epilogue of a linear layer's product: `y = act(y + bias)` over the rows of `y`, in
+//! place, in one parallel pass (what would otherwise be a bias pass before the product and an
+//! activation pass after it).
+//!
+//! The activations give the bits of their standalone kernels in
+//! [`activation`](crate::activation): ReLU keeps NaN and gives `+0` for every input `<= 0`;
+//! GELU is the same vectorised erf form.
+//!
+//! ```
+//! use multihead_kernels::epilogue::{bias_act_in_place, Act};
+//!
+//! // Two rows of three outputs, bias then ReLU.
+//! let mut y = [1.0, -2.0, 3.0, -4.0, 5.0, f32::NAN];
+//! bias_act_in_place(&mut y, 3, Some(&[0.5, 0.5, -10.0]), Act::Relu)?;
+//! assert_eq!(&y[..5], &[1.5, 0.0, 0.0, 0.0, 5.5]);
+//! assert!(y[5].is_nan());
+//! # Ok::<(), multihead_kernels::attention::KernelError>(())
+//! ```
+
+use crate::activation::cdf_pdf;
+use crate::attention::exec::{par_run, ConstPtr, SyncPtr, Task};
+use crate::attention::simd::Simd;
+use crate::attention::{simd_level, KernelError};
+
+/// Elements per task (whole rows, at least one).
+const BLOCK: usize = 1 << 14;
+
+/// The activation applied after the bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Act {
+    /// None: the bias alone.
+    Identity,
+    /// `max(x, 0)`: NaN kept, `+0` for every `x <= 0`.
+    Relu,
+    /// `x·Φ(x)`, the erf form (as [`gelu_forward`](crate::activation::gelu_forward)).
+    Gelu,
+}
+
+struct EpilogueTask {
+    y: SyncPtr<f32>,
+    rows: usize,
+    n: usize,
+    rows_per_task: usize,
+    bias: Option<ConstPtr<f32>>,
+    act: Act,
+}
+
+impl Task for EpilogueTask {
+    fn count(&self) -> usize {
+        self.rows.div_ceil(self.rows_per_task)
+    }
+    fn scratch_len(&self, _lanes: usize) -> usize {
+        0
+    }
+    #[inline(always)]
+    unsafe fn run<S: Simd>(&self, t: usize, _buf: &mut [f32]) {
+        let (l, n) = (S::LANES, self.n);
+        let r0 = t * self.rows_per_task;
+        let r1 = (r0 + self.rows_per_task).min(self.rows);
+        // SAFETY: rows `r0..r1` of `n` elements are inside `y` and the bias holds `n` values
+        // (checked by `bias_act_in_place`); the tails are masked; this task alone writes its
+        // rows.
+        unsafe {
+            let zero = S::splat(0.0);
+            for r in r0..r1 {
+                let row = self.y.0.add(r * n);
+                let mut j = 0;
+                while j < n {
+                    let mask = if j + l <= n { S::full_mask() } else { S::tail_mask(n - j) };
+                    let mut v = S::load_m(row.add(j), mask);
+                    if let Some(b) = self.bias {
+                        v = S::add(v, S::load_m(b.0.add(j), mask));
+                    }
+                    v = match self.act {
+                        Act::Identity => v,
+                        // max returns its second operand when either is NaN (NaN kept); adding
+                        // +0 turns the -0 that max keeps for -0 into +0.
+                        Act::Relu => S::add(S::max(zero, v), zero),
+                        Act::Gelu => S::mul(v, cdf_pdf::<S>(v).0),
+                    };
+                    S::store_m(row.add(j), v, mask);
+                    j += l;
+                }
+            }
+        }
+    }
+}
+
+/// `y[r, j] = act(y[r, j] + bias[j])` for the rows of `n` elements of `y`, in place.
+///
+/// Errors: `n` is 0 while `y` is not empty, `y`'s length is not a multiple of `n`, or the
+/// bias does not hold `n` values.
+pub fn bias_act_in_place(
+    y: &mut [f32],
+    n: usize,
+    bias: Option<&[f32]>,
+    act: Act,
+) -> Result<(), KernelError> {
+    if y.is_empty() {
+        return Ok(());
+    }
+    if n == 0 || !y.len().is_multiple_of(n) {
+        return Err(KernelError::InvalidArgument {
+            name: "n",
+            msg: format!("y has {} elements, not a whole number of rows of {n}", y.len()),
+        });
+    }
+    if let Some(b) = bias {
+        if b.len() != n {
+            return Err(KernelError::InvalidArgument {
+                name: "bias",
+                msg: format!("expected {n} values, got {}", b.len()),
+            });
+        }
+    }
+    if bias.is_none() && act == Act::Identity {
+        return Ok(());
+    }
+    let task = EpilogueTask {
+        y: SyncPtr(y.as_mut_ptr()),
+        rows: y.len() / n,
+        n,
+        rows_per_task: (BLOCK / n).max(1),
+        bias: bias.map(|b| ConstPtr(b.as_ptr())),
+        act,
+    };
+    par_run(simd_level(), &task);
+    Ok(())
+}
+
+/// The reference twin of [`bias_act_in_place`], in f64 with an erf accurate to f64 rounding
+/// (arguments as checked there).
+pub fn bias_act_reference(y: &mut [f32], n: usize, bias: Option<&[f32]>, act: Act) {
+    use crate::activation::reference::{gelu, relu};
+    for (i, v) in y.iter_mut().enumerate() {
+        let x = *v as f64 + bias.map_or(0.0, |b| b[i % n] as f64);
+        // The sum rounded to f32 first, as the kernel adds in f32.
+        let x = x as f32 as f64;
+        *v = match act {
+            Act::Identity => x,
+            Act::Relu => relu(x),
+            Act::Gelu => gelu(x),
+        } as f32;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::activation::{gelu_forward, relu_forward};
+    use crate::attention::with_simd_level;
+    use crate::testutil::{levels, rand_vec};
+
+    #[test]
+    fn matches_the_reference_and_the_standalone_activations_at_every_simd_level() {
+        for (rows, n) in [(1, 1), (3, 17), (5, 33), (2, 1000), (BLOCK / 7 + 3, 7)] {
+            let mut y0: Vec<f32> = rand_vec(rows * n, 3).iter().map(|v| v * 6.0).collect();
+            let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 0.0];
+            for (d, s) in y0.iter_mut().zip(specials) {
+                *d = s;
+            }
+            let bias: Vec<f32> =
+                rand_vec(n, 4).iter().map(|v| if n == 1 { 0.0 } else { *v }).collect();
+            for act in [Act::Identity, Act::Relu, Act::Gelu] {
+                for b in [None, Some(&bias[..])] {
+                    let mut want = y0.clone();
+                    bias_act_reference(&mut want, n, b, act);
+                    // The standalone kernels on y + b.
+                    let sum: Vec<f32> = match b {
+                        Some(b) => y0.iter().enumerate().map(|(i, v)| v + b[i % n]).collect(),
+                        None => y0.clone(),
+                    };
+                    for &level in &levels() {
+                        let mut alone = sum.clone();
+                        with_simd_level(level, || match act {
+                            Act::Identity => Ok(()),
+                            Act::Relu => relu_forward(&sum, &mut alone),
+                            Act::Gelu => gelu_forward(&sum, &mut alone),
+                        })
+                        .unwrap();
+                        let mut y = y0.clone();
+                        with_simd_level(level, || bias_act_in_place(&mut y, n, b, act)).unwrap();
+                        for i in 0..y.len() {
+                            let (got, w) = (y[i], want[i]);
+                            let ok = (got.is_nan() && w.is_nan())
+                                || (got - w).abs() <= 2e-7 * (1.0 + sum[i].abs())
+                                || got == w;
+                            assert!(ok, "{rows}x{n} {act:?} {level:?} [{i}]: {got} vs {w}");
+                            assert!(
+                                got.to_bits() == alone[i].to_bits()
+                                    || (got.is_nan() && alone[i].is_nan()),
+                                "{rows}x{n} {act:?} {level:?} [{i}]: {got} vs standalone {}",
+                                alone[i]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_arguments_are_errors() {
+        let mut y = [0f32; 6];
+        assert!(bias_act_in_place(&mut y, 4, None, Act::Relu).is_err());
+        assert!(bias_act_in_place(&mut y, 0, None, Act::Relu).is_err());
+        assert!(bias_act_in_place(&mut y, 3, Some(&[1.0, 2.0]), Act::Identity).is_err());
+        assert!(bias_act_in_place(&mut [], 0, None, Act::Gelu).is_ok());
+    }
+}
