@@ -40,6 +40,11 @@ pub struct DemoArgs {
     /// printing accuracy and tokens/s cached against recomputed.
     #[arg(long)]
     pub seq2seq: bool,
+    /// The compute dtype. bf16 is mixed precision: f32 master weights updated by AdamW, the
+    /// encoder and the output head computed under `multihead::autocast(BF16)` (parameters and
+    /// activations rounded to bfloat16 at every module, gradients reaching the f32 weights).
+    #[arg(long, value_enum, default_value_t = crate::bench::DTypeArg::F32)]
+    pub dtype: crate::bench::DTypeArg,
 }
 
 pub(crate) const VOCAB: usize = 10;
@@ -158,8 +163,12 @@ pub(crate) fn accuracy(logits: &Tensor, targets: &Tensor) -> Result<f32> {
 
 pub fn run(args: DemoArgs) -> Result<()> {
     if args.seq2seq {
+        if args.dtype != crate::bench::DTypeArg::F32 {
+            anyhow::bail!("--dtype bf16 applies to the encoder demo; run --seq2seq without it");
+        }
         return crate::demo_seq2seq::run(args);
     }
+    let compute = args.dtype.candle();
     let dev = Device::Cpu;
     let steps = args.steps.unwrap_or(1500);
     let (d, l) = (64, args.seq_len);
@@ -176,6 +185,17 @@ pub fn run(args: DemoArgs) -> Result<()> {
     println!(
         "multihead demo: a 2-layer Transformer encoder (d_model {d}, 4 heads, {n_params} parameters) learns to reverse {l}-digit sequences"
     );
+    if compute != DType::F32 {
+        println!("mixed precision: f32 master weights, {compute:?} compute (multihead::autocast)");
+    }
+    // The model's logits, under autocast when the compute dtype is reduced.
+    let logits = |x: &Tensor| -> Result<Tensor> {
+        if compute == DType::F32 {
+            model.logits(x)
+        } else {
+            multihead::autocast(compute, || model.logits(x))
+        }
+    };
     let (held_x, held_y) = batch(args.seed, u64::MAX, 1000, l, &dev)?;
     // A progress bar on a terminal; plain lines (one per 100 steps) when stdout is a file or
     // a pipe, so logs stay readable.
@@ -199,12 +219,12 @@ pub fn run(args: DemoArgs) -> Result<()> {
         let decay = 1.0 - step as f64 / steps as f64;
         opt.set_learning_rate(3e-3 * warm * (0.1 + 0.9 * decay));
         let (x, y) = batch(args.seed, step as u64, args.batch, l, &dev)?;
-        let logits = model.logits(&x)?;
-        let loss = cross_entropy(&logits, &y)?;
+        let out = logits(&x)?;
+        let loss = cross_entropy(&out, &y)?;
         opt.backward_step(&loss)?;
         if step % 25 == 0 || step + 1 == steps {
-            let acc = accuracy(&logits, &y)?;
-            let held_acc = accuracy(&model.logits(&held_x)?, &held_y)?;
+            let acc = accuracy(&out, &y)?;
+            let held_acc = accuracy(&logits(&held_x)?, &held_y)?;
             let msg = format!(
                 "loss {:.4}  train acc {:5.1}%  held-out acc {:5.1}%",
                 loss.to_scalar::<f32>()?,
@@ -220,7 +240,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     }
     pb.finish();
     let secs = start.elapsed().as_secs_f64();
-    let held_acc = accuracy(&model.logits(&held_x)?, &held_y)?;
+    let held_acc = accuracy(&logits(&held_x)?, &held_y)?;
     println!(
         "held-out token accuracy: {:.2}% on 1000 unseen sequences after {} steps in {secs:.1} s",
         100.0 * held_acc,
@@ -228,7 +248,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     );
 
     let examples = held_x.narrow(0, 0, 5)?;
-    let pred = model.logits(&examples)?.argmax(D::Minus1)?;
+    let pred = logits(&examples)?.argmax(D::Minus1)?;
     let show = |t: &Tensor, r: usize| -> Result<String> {
         Ok(t.get(r)?.to_vec1::<u32>()?.iter().map(|d| d.to_string()).collect::<String>())
     };

@@ -138,12 +138,11 @@ pub(crate) fn check_eps(eps: f64, op: &'static str, arg: &'static str) -> Result
     }
 }
 
-impl crate::precision::Widen for LayerNorm {
-    fn widened(&self) -> Result<Self> {
-        use crate::precision::{widen, widen_opt};
+impl crate::precision::CastParams for LayerNorm {
+    fn map_params(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
         Ok(Self {
-            weight: widen(&self.weight)?,
-            bias: widen_opt(self.bias.as_ref())?,
+            weight: f(&self.weight)?,
+            bias: self.bias.as_ref().map(f).transpose()?,
             eps: self.eps,
         })
     }

@@ -88,7 +88,9 @@ pub use kv_cache::KvCache;
 pub use layer_norm::LayerNorm;
 pub use linear::Linear;
 pub use mask::{generate_square_subsequent_mask, Mask};
-pub use mode::{default_backend, grad_enabled, no_grad, with_backend, Backend};
+pub use mode::{
+    autocast, autocast_dtype, default_backend, grad_enabled, no_grad, with_backend, Backend,
+};
 pub use multihead_attention::{MhaConfig, MultiheadAttention, StaticKv};
 pub use random::manual_seed;
 pub use state_dict::NamedParameters;

@@ -74,6 +74,9 @@ impl Linear {
     /// Applies the layer.
     // Mirrors torch.nn.Linear.forward.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(y) = crate::precision::autocast_run(self, x.dtype(), |m, r| m.forward(&r(x)?)) {
+            return y;
+        }
         linear(x, &self.weight, self.bias.as_ref(), "linear", "input", Backend::Auto)
     }
 
@@ -82,6 +85,11 @@ impl Linear {
     /// graph node fewer.
     // Mirrors activation(torch.nn.Linear.forward(x)).
     pub(crate) fn forward_act(&self, x: &Tensor, activation: crate::Activation) -> Result<Tensor> {
+        let autocast =
+            |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| m.forward_act(&r(x)?, activation);
+        if let Some(y) = crate::precision::autocast_run(self, x.dtype(), autocast) {
+            return y;
+        }
         let act = match activation {
             crate::Activation::Relu => Act::Relu,
             crate::Activation::Gelu => Act::Gelu,
@@ -318,9 +326,8 @@ fn fused_linear(
     Ok(y.reshape(out_dims)?)
 }
 
-impl crate::precision::Widen for Linear {
-    fn widened(&self) -> Result<Self> {
-        use crate::precision::{widen, widen_opt};
-        Ok(Self { weight: widen(&self.weight)?, bias: widen_opt(self.bias.as_ref())? })
+impl crate::precision::CastParams for Linear {
+    fn map_params(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        Ok(Self { weight: f(&self.weight)?, bias: self.bias.as_ref().map(f).transpose()? })
     }
 }

@@ -1,17 +1,17 @@
-//! Per-thread modes: gradient recording (PyTorch's `torch.no_grad()`) and the default
-//! attention backend.
+//! Per-thread modes: gradient recording (PyTorch's `torch.no_grad()`), mixed precision
+//! ([`autocast`], PyTorch's `torch.autocast`) and the default attention backend.
 //!
-//! Both are thread-local, like PyTorch's grad mode. They are read once, on the calling thread,
+//! All are thread-local, like PyTorch's grad mode. They are read once, on the calling thread,
 //! when a call is planned; the kernels that then run on rayon's worker threads do not read them.
 //! A closure that itself spawns work on other threads (for example `rayon::scope` around
-//! several forwards) must enter [`no_grad`] or [`with_backend`] inside each task.
+//! several forwards) must enter [`no_grad`], [`autocast`] or [`with_backend`] inside each task.
 //!
-//! Both scopes restore the previous mode when they end, also when the closure panics and the
+//! The scopes restore the previous mode when they end, also when the closure panics and the
 //! panic is caught further up.
 
 use std::cell::Cell;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 /// Which implementation runs attention and linear layers.
 ///
@@ -73,6 +73,7 @@ impl std::str::FromStr for Backend {
 thread_local! {
     static BACKEND: Cell<Backend> = const { Cell::new(Backend::Auto) };
     static GRAD: Cell<bool> = const { Cell::new(true) };
+    static AUTOCAST: Cell<Option<DType>> = const { Cell::new(None) };
 }
 
 /// Restores a thread-local cell when dropped (also during unwinding).
@@ -134,6 +135,46 @@ pub(crate) fn graph_input(t: &Tensor) -> Tensor {
 /// Whether gradients may be needed on this thread (false inside [`no_grad`]).
 pub fn grad_enabled() -> bool {
     GRAD.with(|c| c.get())
+}
+
+/// Runs `f` as PyTorch's `with torch.autocast("cpu", dtype=dtype):` block on this thread:
+/// mixed precision, with f32 parameters (the master weights an optimizer updates) and
+/// computation in `dtype` (`DType::BF16` or `DType::F16`; any other dtype leaves `f` as it is).
+///
+/// Inside it, [`Linear`](crate::Linear), [`MultiheadAttention`](crate::MultiheadAttention) and
+/// the Transformer layers, given an f32 input, compute what their `dtype` path computes: their
+/// parameters and tensor inputs are rounded to `dtype` (differentiably, so gradients reach the
+/// f32 parameters, rounded the same way), each operation runs in f32 on the rounded values,
+/// and the output is rounded once. Unlike PyTorch, which returns `dtype` tensors from these
+/// operations, the output keeps the input's dtype (f32, holding `dtype` values), so that it
+/// composes with the f32 code around it; LayerNorm outside a layer and the rest of candle run
+/// in f32, as under PyTorch's autocast. Masks are used as given.
+///
+/// # Example
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// let lin = multihead::Linear::from_weights(Tensor::new(&[[1.0f32 / 3.0]], &Device::Cpu)?, None);
+/// let x = Tensor::new(&[[1.0f32]], &Device::Cpu)?;
+/// let y = multihead::autocast(DType::BF16, || lin.forward(&x))?;
+/// assert_eq!(y.dtype(), DType::F32);
+/// // 1/3 rounded to bfloat16:
+/// assert_eq!(y.to_vec2::<f32>()?[0][0], 0.333_984_38);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn autocast<R>(dtype: DType, f: impl FnOnce() -> R) -> R {
+    let _restore = Restore::set(&AUTOCAST, Some(dtype));
+    f()
+}
+
+/// The dtype of the enclosing [`autocast`] on this thread, if any.
+pub fn autocast_dtype() -> Option<DType> {
+    AUTOCAST.with(|c| c.get())
+}
+
+/// Runs `f` outside any [`autocast`] (a module's own rounded computation).
+pub(crate) fn autocast_off<R>(f: impl FnOnce() -> R) -> R {
+    let _restore = Restore::set(&AUTOCAST, None);
+    f()
 }
 
 /// Runs `f` with `backend` as this thread's default (what [`Backend::Auto`] options resolve

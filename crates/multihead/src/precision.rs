@@ -46,9 +46,53 @@ pub(crate) fn masks_match(masks: &[Option<&Mask>], dtype: DType) -> bool {
     })
 }
 
-/// A module whose parameters can be widened to f32 (differentiably): a bf16/f16 layer runs as
-/// its f32 twin between one widening of its inputs and one rounding of its output.
-pub(crate) trait Widen: Sized {
+/// A module whose parameters can be mapped (differentiably): a bf16/f16 layer runs as its f32
+/// twin between one widening of its inputs and one rounding of its output, and under
+/// [`autocast`](crate::autocast) an f32 layer runs with its parameters rounded.
+pub(crate) trait CastParams: Sized {
+    /// The same module with `f` applied to every parameter.
+    fn map_params(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self>;
+
     /// The same module with f32 parameters.
-    fn widened(&self) -> Result<Self>;
+    fn widened(&self) -> Result<Self> {
+        self.map_params(&widen)
+    }
+
+    /// The same module with its parameters rounded to `dtype` (and kept in their dtype).
+    fn rounded(&self, dtype: DType) -> Result<Self> {
+        self.map_params(&|p| round(p, dtype))
+    }
+}
+
+/// `t` rounded to `dtype` and back to its own dtype, differentiably (the gradient is rounded
+/// the same way on its way back).
+pub(crate) fn round(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    if t.dtype() == dtype {
+        return Ok(t.clone());
+    }
+    Ok(crate::fused::convert::to_dtype(&narrow(t, dtype)?, t.dtype())?)
+}
+
+/// The dtype an autocast-aware module computes in for an input of `dtype`: `Some` inside
+/// [`autocast`](crate::autocast) to bf16 or f16 when the input is f32, `None` otherwise.
+pub(crate) fn autocast_for(dtype: DType) -> Option<DType> {
+    crate::mode::autocast_dtype().filter(|dt| is_reduced(*dt) && dtype == DType::F32)
+}
+
+/// Runs an autocast-aware module's forward under [`autocast`](crate::autocast): `run` gets
+/// the module with rounded parameters and a function that rounds its tensor inputs, runs with
+/// autocast off (so that the modules inside compute in f32 on the rounded values, as the
+/// reduced-dtype path does), and its output is rounded once. Returns `None` when autocast does
+/// not apply to an input of `dtype`.
+pub(crate) fn autocast_run<M: CastParams>(
+    module: &M,
+    dtype: DType,
+    run: impl FnOnce(&M, &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
+) -> Option<Result<Tensor>> {
+    let dt = autocast_for(dtype)?;
+    Some((|| {
+        let m = module.rounded(dt)?;
+        let y = crate::mode::autocast_off(|| run(&m, &|t| round(t, dt)))?;
+        round(&y, dt)
+    })())
 }

@@ -431,6 +431,9 @@ impl MultiheadAttention {
         value: &Tensor,
         opts: &MhaOptions,
     ) -> Result<MhaOutput> {
+        if let Some(dt) = crate::precision::autocast_for(query.dtype()) {
+            return self.forward_autocast(query, key, value, opts, dt);
+        }
         let alias = Aliasing::of(query, key, value);
         let params = self.params()?;
         mha_forward_impl(
@@ -526,10 +529,38 @@ impl candle_core::Module for MultiheadAttention {
     }
 }
 
-impl crate::precision::Widen for MultiheadAttention {
-    fn widened(&self) -> Result<Self> {
-        use crate::precision::widen_opt;
-        let w = |t: &Option<Tensor>| widen_opt(t.as_ref());
+impl MultiheadAttention {
+    /// [`forward`](Self::forward) under [`autocast`](crate::autocast) to `dt`: the rounded
+    /// module on rounded inputs (the same tensor stays the same tensor, so self-attention keeps
+    /// its packed projection), both results rounded once.
+    fn forward_autocast(
+        &self,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        opts: &MhaOptions,
+        dt: candle_core::DType,
+    ) -> Result<MhaOutput> {
+        use crate::precision::{round, CastParams};
+        let m = self.rounded(dt)?;
+        let q = round(query, dt)?;
+        let k = if key.id() == query.id() { q.clone() } else { round(key, dt)? };
+        let v = match value.id() {
+            id if id == key.id() => k.clone(),
+            id if id == query.id() => q.clone(),
+            _ => round(value, dt)?,
+        };
+        let out = crate::mode::autocast_off(|| m.forward(&q, &k, &v, opts))?;
+        Ok(MhaOutput {
+            output: round(&out.output, dt)?,
+            attn_weights: out.attn_weights.map(|w| round(&w, dt)).transpose()?,
+        })
+    }
+}
+
+impl crate::precision::CastParams for MultiheadAttention {
+    fn map_params(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        let w = |t: &Option<Tensor>| t.as_ref().map(f).transpose();
         Ok(Self {
             cfg: self.cfg.clone(),
             in_proj_weight: w(&self.in_proj_weight)?,
@@ -539,7 +570,7 @@ impl crate::precision::Widen for MultiheadAttention {
             in_proj_bias: w(&self.in_proj_bias)?,
             bias_k: w(&self.bias_k)?,
             bias_v: w(&self.bias_v)?,
-            out_proj: self.out_proj.widened()?,
+            out_proj: self.out_proj.map_params(f)?,
             training: self.training,
         })
     }

@@ -141,6 +141,12 @@ impl TransformerDecoderLayer {
     /// Runs the layer; `masks.tgt_is_causal = None` means `false` here.
     // Mirrors torch.nn.TransformerDecoderLayer.forward.
     pub fn forward(&self, tgt: &Tensor, memory: &Tensor, masks: &DecoderMasks) -> Result<Tensor> {
+        let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {
+            m.forward(&r(tgt)?, &r(memory)?, masks)
+        };
+        if let Some(y) = crate::precision::autocast_run(self, tgt.dtype(), autocast) {
+            return y;
+        }
         let dtype = tgt.dtype();
         let all = [
             masks.tgt_mask.as_ref(),
@@ -154,7 +160,7 @@ impl TransformerDecoderLayer {
             && crate::precision::masks_match(&all, dtype)
         {
             // bf16/f16: the f32 layer between one widening and one rounding.
-            use crate::precision::{narrow, widen, widen_mask, Widen};
+            use crate::precision::{narrow, widen, widen_mask, CastParams};
             let m = DecoderMasks {
                 tgt_mask: widen_mask(masks.tgt_mask.as_ref())?,
                 memory_mask: widen_mask(masks.memory_mask.as_ref())?,
@@ -195,17 +201,17 @@ impl NamedParameters for TransformerDecoderLayer {
     }
 }
 
-impl crate::precision::Widen for TransformerDecoderLayer {
-    fn widened(&self) -> Result<Self> {
+impl crate::precision::CastParams for TransformerDecoderLayer {
+    fn map_params(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
         Ok(Self {
             cfg: self.cfg.clone(),
-            self_attn: self.self_attn.widened()?,
-            multihead_attn: self.multihead_attn.widened()?,
-            linear1: self.linear1.widened()?,
-            linear2: self.linear2.widened()?,
-            norm1: self.norm1.widened()?,
-            norm2: self.norm2.widened()?,
-            norm3: self.norm3.widened()?,
+            self_attn: self.self_attn.map_params(f)?,
+            multihead_attn: self.multihead_attn.map_params(f)?,
+            linear1: self.linear1.map_params(f)?,
+            linear2: self.linear2.map_params(f)?,
+            norm1: self.norm1.map_params(f)?,
+            norm2: self.norm2.map_params(f)?,
+            norm3: self.norm3.map_params(f)?,
             training: self.training,
         })
     }

@@ -115,13 +115,19 @@ impl TransformerEncoderLayer {
         src_key_padding_mask: Option<&Mask>,
         is_causal: bool,
     ) -> Result<Tensor> {
+        let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {
+            m.forward(&r(src)?, src_mask, src_key_padding_mask, is_causal)
+        };
+        if let Some(y) = crate::precision::autocast_run(self, src.dtype(), autocast) {
+            return y;
+        }
         let masks = [src_mask, src_key_padding_mask];
         if crate::precision::is_reduced(src.dtype())
             && src.dtype() == self.self_attn.dtype()
             && crate::precision::masks_match(&masks, src.dtype())
         {
             // bf16/f16: the f32 layer between one widening and one rounding.
-            use crate::precision::{narrow, widen, widen_mask, Widen};
+            use crate::precision::{narrow, widen, widen_mask, CastParams};
             let (m, k) = (widen_mask(src_mask)?, widen_mask(src_key_padding_mask)?);
             let y = self.widened()?.forward(&widen(src)?, m.as_ref(), k.as_ref(), is_causal)?;
             return narrow(&y, src.dtype());
@@ -155,15 +161,15 @@ impl NamedParameters for TransformerEncoderLayer {
     }
 }
 
-impl crate::precision::Widen for TransformerEncoderLayer {
-    fn widened(&self) -> Result<Self> {
+impl crate::precision::CastParams for TransformerEncoderLayer {
+    fn map_params(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
         Ok(Self {
             cfg: self.cfg.clone(),
-            self_attn: self.self_attn.widened()?,
-            linear1: self.linear1.widened()?,
-            linear2: self.linear2.widened()?,
-            norm1: self.norm1.widened()?,
-            norm2: self.norm2.widened()?,
+            self_attn: self.self_attn.map_params(f)?,
+            linear1: self.linear1.map_params(f)?,
+            linear2: self.linear2.map_params(f)?,
+            norm1: self.norm1.map_params(f)?,
+            norm2: self.norm2.map_params(f)?,
             training: self.training,
         })
     }

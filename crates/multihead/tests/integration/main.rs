@@ -2,6 +2,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod autocast;
 mod behaviour;
 mod common;
 mod cos_init;

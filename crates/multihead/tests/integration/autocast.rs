@@ -1,0 +1,119 @@
+//! `autocast`: f32 modules compute what their bf16 path computes, and their gradients reach
+//! the f32 parameters.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor};
+use multihead::state_dict::{load_strict, NamedParameters};
+use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
+use multihead::{autocast, autocast_dtype, MhaConfig, MhaOptions, MultiheadAttention};
+
+use crate::common::{det, dev, var};
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    let t = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    t.to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+/// The module's parameters as a bf16 state_dict-style map, and the module rebuilt from it.
+fn bf16_twin<M: NamedParameters>(
+    m: &M,
+    build: impl FnOnce(candle_nn::VarBuilder) -> multihead::Result<M>,
+) -> M {
+    let state: HashMap<String, Tensor> = m.named_parameters().into_iter().collect();
+    load_strict(&state, DType::BF16, &dev(), build).unwrap().0
+}
+
+/// Runs `f32_forward` under autocast and `bf16_forward` on the bf16 twin with the input
+/// rounded; checks the outputs and every gradient (input and parameters) bit for bit.
+fn check<M: NamedParameters>(
+    name: &str,
+    m32: &M,
+    m16: &M,
+    forward: impl Fn(&M, &Tensor) -> Tensor,
+) {
+    let x32 = var(&det(&[2, 5, 16], DType::F32, 1.0)
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap());
+    let x16 = var(&x32.to_dtype(DType::BF16).unwrap());
+    let y32 = autocast(DType::BF16, || forward(m32, x32.as_tensor()));
+    let y16 = forward(m16, x16.as_tensor());
+    assert_eq!(y32.dtype(), DType::F32, "{name}: autocast keeps the input's dtype");
+    assert_eq!(bits(&y32), bits(&y16), "{name}: output");
+    // The same upstream gradient (bf16 values) for both.
+    let g16 = det(y16.dims(), DType::BF16, 2.0);
+    let g32 = g16.to_dtype(DType::F32).unwrap();
+    let grads32 = y32.mul(&g32).unwrap().sum_all().unwrap().backward().unwrap();
+    let grads16 = y16.mul(&g16).unwrap().sum_all().unwrap().backward().unwrap();
+    let gx = grads32.get(x32.as_tensor()).unwrap();
+    assert_eq!(gx.dtype(), DType::F32);
+    assert_eq!(bits(gx), bits(grads16.get(x16.as_tensor()).unwrap()), "{name}: input gradient");
+    let p16: HashMap<String, Tensor> = m16.named_parameters().into_iter().collect();
+    for (key, p) in m32.named_parameters() {
+        let g = grads32.get(&p).unwrap_or_else(|| panic!("{name}: no gradient for f32 {key}"));
+        assert_eq!(g.dtype(), DType::F32, "{name}: {key} is an f32 master gradient");
+        let g16 =
+            grads16.get(&p16[&key]).unwrap_or_else(|| panic!("{name}: no bf16 gradient {key}"));
+        assert_eq!(bits(g), bits(g16), "{name}: gradient of {key}");
+    }
+}
+
+#[test]
+fn autocast_modules_compute_their_bf16_path_and_train_f32_parameters() {
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    // Linear.
+    let lin = multihead::Linear::new(16, 12, true, vb.pp("lin")).unwrap();
+    let lin16 = bf16_twin(&lin, |vb| multihead::Linear::new(16, 12, true, vb));
+    check("linear", &lin, &lin16, |m, x| m.forward(x).unwrap());
+    // Self-attention, need_weights (the weights rounded too).
+    let cfg = MhaConfig::new(16, 4).with_batch_first(true).with_dropout(0.0);
+    let mha = MultiheadAttention::new(cfg.clone(), vb.pp("mha")).unwrap();
+    let mha16 = bf16_twin(&mha, |vb| MultiheadAttention::new(cfg.clone(), vb));
+    check("mha", &mha, &mha16, |m, x| {
+        let out = m.forward(x, x, x, &MhaOptions::default()).unwrap();
+        let w = out.attn_weights.unwrap();
+        // Output and weights in one tensor, so both are compared.
+        let flat = |t: &Tensor| t.flatten_all().unwrap();
+        Tensor::cat(&[flat(&out.output), flat(&w)], 0).unwrap()
+    });
+    // Encoder layer, GELU, with a key padding mask.
+    let lcfg = LayerConfig::new(16, 2)
+        .with_dim_feedforward(24)
+        .with_dropout(0.0)
+        .with_activation(multihead::Activation::Gelu)
+        .with_batch_first(true);
+    let layer = TransformerEncoderLayer::new(lcfg.clone(), vb.pp("layer")).unwrap();
+    let layer16 = bf16_twin(&layer, |vb| TransformerEncoderLayer::new(lcfg.clone(), vb));
+    let kpm =
+        multihead::Mask::Bool(Tensor::new(&[[0u8, 0, 0, 0, 1], [0, 0, 0, 0, 0]], &dev()).unwrap());
+    check("encoder layer", &layer, &layer16, |m, x| m.forward(x, None, Some(&kpm), false).unwrap());
+}
+
+#[test]
+fn autocast_is_scoped_and_f32_outside_it() {
+    assert_eq!(autocast_dtype(), None);
+    let inner = autocast(DType::BF16, || autocast(DType::F16, autocast_dtype));
+    assert_eq!(inner, Some(DType::F16));
+    assert_eq!(autocast(DType::BF16, autocast_dtype), Some(DType::BF16));
+    assert_eq!(autocast_dtype(), None);
+    // Autocast to f32 (or f64 input) changes nothing.
+    let lin = multihead::Linear::from_weights(det(&[3, 4], DType::F32, 1.0), None);
+    let x = det(&[2, 4], DType::F32, 2.0);
+    let plain = lin.forward(&x).unwrap();
+    assert_eq!(bits(&autocast(DType::F32, || lin.forward(&x)).unwrap()), bits(&plain));
+    let lin64 = multihead::Linear::from_weights(det(&[3, 4], DType::F64, 1.0), None);
+    let x64 = det(&[2, 4], DType::F64, 2.0);
+    let y64 = autocast(DType::BF16, || lin64.forward(&x64)).unwrap();
+    assert_eq!(
+        y64.to_vec2::<f64>().unwrap(),
+        lin64.forward(&x64).unwrap().to_vec2::<f64>().unwrap()
+    );
+    // Under bf16 autocast the f32 result holds bf16 values, so it differs from plain f32.
+    let y = autocast(DType::BF16, || lin.forward(&x)).unwrap();
+    assert_ne!(bits(&y), bits(&plain));
+    let rounded = y.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+    assert_eq!(bits(&y), bits(&rounded));
+}
