@@ -1102,6 +1102,7 @@ TF_MODULES = [ENC_LAYER, DEC_LAYER, ENCODER, DECODER, TRANSFORMER]
 # Short names for the command line (--kind / --kinds).
 KIND_NAMES = {
     "mha": MHA,
+    "sdpa": "torch.nn.functional.scaled_dot_product_attention",
     "encoder_layer": ENC_LAYER,
     "decoder_layer": DEC_LAYER,
     "encoder": ENCODER,
@@ -1929,6 +1930,160 @@ def tf_random_config(rng: random.Random, index: int, module: str) -> dict:
 # Module-kind registry
 # --------------------------------------------------------------------------------------
 
+
+# --------------------------------------------------------------------------------------
+# torch.nn.functional.scaled_dot_product_attention
+# --------------------------------------------------------------------------------------
+#
+# Config dict: name, description, dtype, grad_mode, N (None: 3-D inputs without a batch),
+# H (query heads), Hkv (key/value heads; < H needs enable_gqa), L, S, E, Ev,
+# mask None or {"type": "bool"|"float", "full_row": bool, "broadcast": bool},
+# is_causal, scale (None or a float), enable_gqa.
+# A bool mask has SDPA's polarity: True means the position takes part.
+
+SDPA = "torch.nn.functional.scaled_dot_product_attention"
+
+SDPA_DEFAULTS = dict(dtype="float32", grad_mode=True, N=2, H=2, Hkv=None, L=4, S=5, E=8, Ev=None,
+                     mask=None, is_causal=False, scale=None, enable_gqa=False)
+
+
+def sdpa_full_config(cfg: dict) -> dict:
+    c = dict(SDPA_DEFAULTS)
+    c.update(cfg)
+    c["Hkv"] = c["Hkv"] or c["H"]
+    c["Ev"] = c["Ev"] or c["E"]
+    c.setdefault("seed", seed_for(c["name"]))
+    return c
+
+
+def sdpa_call(q, k, v, mask, call: dict):
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=call["is_causal"],
+        scale=call["scale"], enable_gqa=call["enable_gqa"])
+
+
+def sdpa_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> dict:
+    c = sdpa_full_config(cfg)
+    dtype = DTYPES[c["dtype"]]
+    torch.manual_seed(c["seed"])
+    lead = () if c["N"] is None else (c["N"],)
+    q = torch.randn(lead + (c["H"], c["L"], c["E"]), dtype=dtype)
+    k = torch.randn(lead + (c["Hkv"], c["S"], c["E"]), dtype=dtype)
+    v = torch.randn(lead + (c["Hkv"], c["S"], c["Ev"]), dtype=dtype)
+    mask = None
+    if c["mask"] is not None:
+        shp = (c["L"], c["S"]) if c["mask"].get("broadcast") else lead + (c["H"], c["L"], c["S"])
+        take = torch.rand(shp) < 0.7
+        if c["mask"].get("full_row"):
+            take[..., 0, :] = False
+        if c["mask"]["type"] == "bool":
+            mask = take
+        else:
+            mask = torch.where(take, torch.zeros(shp), torch.randn(shp) - 3.0).to(dtype)
+            if c["mask"].get("full_row"):
+                mask[..., 0, :] = float("-inf")
+    call = {"dropout_p": 0.0, "is_causal": c["is_causal"], "scale": c["scale"],
+            "enable_gqa": c["enable_gqa"], "attn_mask": c["mask"]["type"] if c["mask"] else None}
+    if c["grad_mode"]:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    try:
+        with torch.set_grad_enabled(c["grad_mode"]):
+            out = sdpa_call(q, k, v, mask, call)
+    except (RuntimeError, ValueError) as e:
+        raise SkipCase(f"PyTorch raised: {e}") from e
+    tensors = {"input.query": q, "input.key": k, "input.value": v}
+    if mask is not None:
+        tensors["input.attn_mask"] = mask
+    if c["grad_mode"]:
+        g = torch.randn(out.shape, dtype=dtype)
+        (out * g).sum().backward()
+        tensors["grad.output"] = g
+    tensors["expect.output"] = out
+    if c["grad_mode"]:
+        for n, t in (("query", q), ("key", k), ("value", v)):
+            tensors[f"expect.grad.{n}"] = t.grad
+    nan = has_nan([t for n, t in tensors.items() if n.startswith("expect.")])
+    if nan and not allow_nan:
+        raise SkipCase("result contains NaN")
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "module": SDPA,
+        "constructor": {"dtype": c["dtype"]},
+        "training": False,
+        "grad_mode": c["grad_mode"],
+        "call": call,
+        "aliasing": {"key_is_query": False, "value_is_key": False},
+        "suggested_tolerance": SUGGESTED_TOLERANCE,
+        "seed": c["seed"],
+        "torch_version": torch.__version__,
+        "description": c.get("description", ""),
+        "nan": nan,
+    }
+    if out_dir is not None:
+        write_case(out_dir, meta, tensors)
+    meta["tensors"] = {n: list(t.shape) for n, t in tensors.items()}
+    return meta
+
+
+def sdpa_replay(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    call = meta["call"]
+    grad = meta["grad_mode"]
+    q, k, v = (tensors[f"input.{n}"].clone().requires_grad_(grad) for n in ("query", "key", "value"))
+    mask = logical(tensors, meta, "input.attn_mask") if "input.attn_mask" in tensors else None
+    with torch.set_grad_enabled(grad):
+        out = sdpa_call(q, k, v, mask, call)
+    res = {"output": out.detach()}
+    if grad:
+        (out * tensors["grad.output"]).sum().backward()
+        res.update({"grad.query": q.grad, "grad.key": k.grad, "grad.value": v.grad})
+    return res
+
+
+def sdpa_check_contract(meta: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
+    want = {"input.query", "input.key", "input.value", "expect.output"}
+    if meta["call"]["attn_mask"]:
+        want.add("input.attn_mask")
+    if meta["grad_mode"]:
+        want |= {"grad.output", "expect.grad.query", "expect.grad.key", "expect.grad.value"}
+    missing = sorted(want - {n for n in tensors if not n.startswith("ref64.")})
+    return [f"missing {m}" for m in missing]
+
+
+def sdpa_fixture_configs() -> list[dict]:
+    out = []
+
+    def add(name, desc, **kw):
+        out.append(dict(name=name, description=desc, **kw))
+
+    for dt, tag in (("float32", "f32"), ("float64", "f64"), ("bfloat16", "bf16")):
+        add(f"sdpa_plain_{tag}", "no mask, 4-D, default scale", dtype=dt)
+        add(f"sdpa_causal_l_lt_s_{tag}", "is_causal with L < S (upper-left)", dtype=dt,
+            is_causal=True, L=3, S=6)
+        add(f"sdpa_bool_mask_{tag}", "bool mask (True takes part), one fully masked row",
+            dtype=dt, mask={"type": "bool", "full_row": True})
+        add(f"sdpa_float_mask_broadcast_{tag}", "float (L, S) mask broadcast over N and H",
+            dtype=dt, mask={"type": "float", "broadcast": True})
+        add(f"sdpa_gqa_scale_{tag}", "enable_gqa with 4 query heads over 2, explicit scale, Ev != E",
+            dtype=dt, H=4, Hkv=2, enable_gqa=True, scale=0.3, Ev=6)
+    add("sdpa_unbatched_eval_f32", "3-D inputs, forward only", N=None, grad_mode=False,
+        L=7, S=7, is_causal=True)
+    add("sdpa_long_f32", "longer keys than one kernel tile (S = 300)", N=1, L=16, S=300, E=8,
+        mask={"type": "bool"})
+    return out
+
+
+def sdpa_random_config(rng: random.Random, index: int) -> dict:
+    H = rng.choice([1, 2, 4])
+    gqa = H > 1 and rng.random() < 0.3
+    return dict(
+        name=f"random_{index:04d}_sdpa", dtype=rng.choice(["float32", "float64"]),
+        grad_mode=rng.random() < 0.8, N=rng.choice([None, 1, 3]), H=H,
+        Hkv=(H // 2 if gqa else H), enable_gqa=gqa, L=rng.randint(1, 9), S=rng.randint(1, 9),
+        E=rng.choice([1, 3, 8, 16]), Ev=rng.choice([None, 5]),
+        mask=rng.choice([None, {"type": "bool"}, {"type": "float", "broadcast": True}]),
+        is_causal=False, scale=rng.choice([None, 0.5]))
+
 MODULE_KINDS = {
     MHA: {
         "make_case": mha_make_case,
@@ -1936,6 +2091,13 @@ MODULE_KINDS = {
         "check_contract": mha_check_contract,
         "fixtures": mha_fixture_configs,
         "random": mha_random_config,
+    },
+    SDPA: {
+        "make_case": sdpa_make_case,
+        "replay": sdpa_replay,
+        "check_contract": sdpa_check_contract,
+        "fixtures": sdpa_fixture_configs,
+        "random": sdpa_random_config,
     },
 }
 
@@ -1966,7 +2128,7 @@ for _m in TF_MODULES:
 # Groups usable wherever kinds are named on the command line.
 KIND_GROUPS = {
     "transformers": TF_MODULES,
-    "all": [MHA] + TF_MODULES,
+    "all": [MHA, "torch.nn.functional.scaled_dot_product_attention"] + TF_MODULES,
 }
 
 

@@ -21,7 +21,8 @@ pub const MAX_PARAM_ELEMENTS: usize = 1 << 31;
 pub const MAX_LAYERS: usize = 1024;
 
 /// The `module` values a case may name.
-pub const SUPPORTED_MODULES: [&str; 7] = [
+pub const SUPPORTED_MODULES: [&str; 8] = [
+    "torch.nn.functional.scaled_dot_product_attention",
     "torch.nn.MultiheadAttention",
     "torch.nn.modules.activation.MultiheadAttention",
     "torch.nn.TransformerEncoderLayer",
@@ -278,6 +279,35 @@ pub struct MhaCallArgs {
     pub key_padding_mask: Option<MaskKind>,
 }
 
+/// `F.scaled_dot_product_attention` has no constructor: only the case's `dtype` and
+/// `device` may be given.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(missing_docs)]
+pub struct SdpaCtor {
+    #[serde(default)]
+    pub device: Option<String>,
+    #[serde(default)]
+    pub dtype: Option<String>,
+}
+
+/// `F.scaled_dot_product_attention`'s non-tensor arguments.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(missing_docs)]
+pub struct SdpaCallArgs {
+    #[serde(default)]
+    pub dropout_p: f64,
+    #[serde(default)]
+    pub is_causal: bool,
+    #[serde(default)]
+    pub scale: Option<f64>,
+    #[serde(default)]
+    pub enable_gqa: bool,
+    #[serde(default)]
+    pub attn_mask: Option<MaskKind>,
+}
+
 /// The Transformer modules' non-tensor arguments: every mask kind and causal hint any of them
 /// takes; [`Module::call_keys`] says which one module accepts.
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -312,6 +342,7 @@ pub struct LayerCallArgs {
 #[derive(Clone, Debug)]
 #[allow(missing_docs)]
 pub enum Module {
+    Sdpa(SdpaCtor, SdpaCallArgs),
     Mha(MhaCtor, MhaCallArgs),
     EncoderLayer(LayerCtor, LayerCallArgs),
     DecoderLayer(LayerCtor, LayerCallArgs),
@@ -361,6 +392,19 @@ impl Module {
     pub fn parse(meta: &CaseMeta) -> Result<Module> {
         let (c, k) = (&meta.constructor, &meta.call);
         let m = match meta.module.as_str() {
+            "torch.nn.functional.scaled_dot_product_attention" => {
+                let call: SdpaCallArgs = typed(k, "call")?;
+                if call.dropout_p != 0.0 {
+                    return Err(format!(
+                        "call.dropout_p = {}: PyTorch's dropout draws cannot be replayed; SDPA cases use 0",
+                        call.dropout_p
+                    ));
+                }
+                if meta.aliasing.key_is_query || meta.aliasing.value_is_key {
+                    return Err("aliasing: SDPA cases store query, key and value separately".into());
+                }
+                Module::Sdpa(typed(c, "constructor")?, call)
+            }
             "torch.nn.MultiheadAttention" | "torch.nn.modules.activation.MultiheadAttention" => {
                 let ctor: MhaCtor = typed(c, "constructor")?;
                 let e = ctor.embed_dim;
@@ -418,6 +462,7 @@ impl Module {
     /// The call keys this module's forward takes (PyTorch's argument names).
     pub fn call_keys(&self) -> &'static [&'static str] {
         match self {
+            Module::Sdpa(..) => &["dropout_p", "is_causal", "scale", "enable_gqa", "attn_mask"],
             Module::Mha(..) => &[
                 "need_weights",
                 "average_attn_weights",
@@ -468,6 +513,7 @@ impl Module {
     /// `device` may only be absent, null or "cpu".
     fn check_device(&self) -> Result<()> {
         let devices: Vec<(&str, &Option<String>)> = match self {
+            Module::Sdpa(c, _) => vec![("constructor.device", &c.device)],
             Module::Mha(c, _) => vec![("constructor.device", &c.device)],
             Module::EncoderLayer(c, _) | Module::DecoderLayer(c, _) => {
                 vec![("constructor.device", &c.device)]
@@ -495,6 +541,7 @@ impl Module {
     /// error; none means float32.
     pub fn dtype_name(&self) -> Result<(String, &'static str)> {
         let (top, layer) = match self {
+            Module::Sdpa(c, _) => (&c.dtype, &None),
             Module::Mha(c, _) => (&c.dtype, &None),
             Module::EncoderLayer(c, _) | Module::DecoderLayer(c, _) => (&c.dtype, &None),
             Module::Encoder(c, _) | Module::Decoder(c, _) => (&c.dtype, &c.layer.dtype),

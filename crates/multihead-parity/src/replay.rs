@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use candle_core::{Device, Tensor, Var};
+use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
 use multihead::state_dict::{load_strict, NamedParameters};
 use multihead::transformer::{
     DecoderMasks, LayerConfig, NormConfig, Transformer, TransformerConfig, TransformerDecoder,
@@ -12,7 +13,7 @@ use multihead::transformer::{
 use multihead::{Activation, MhaConfig, MhaOptions, MultiheadAttention, Result};
 
 use crate::case::{case_err, Case};
-use crate::meta::{LayerCallArgs, LayerCtor, MhaCtor, Module, StackCtor};
+use crate::meta::{LayerCallArgs, LayerCtor, MhaCtor, Module, SdpaCallArgs, StackCtor};
 
 /// What a replay produced, by the contract's result names (`output`, `attn_weights`,
 /// `grad.<arg>`, `grad.param.<key>`).
@@ -56,6 +57,7 @@ pub fn replay(case: &Case) -> Result<ReplayResult> {
 
 fn replay_graded(case: &Case) -> Result<ReplayResult> {
     match &case.module {
+        Module::Sdpa(_, call) => replay_sdpa(case, call),
         Module::Mha(ctor, _) => replay_mha(case, ctor),
         _ => replay_transformer(case),
     }
@@ -81,6 +83,26 @@ fn gradients<'a>(
 fn upstream(case: &Case) -> Result<&Tensor> {
     case.tensor("grad.output")
         .ok_or_else(|| case_err(&case.dir, "grad_mode is true but grad.output is missing"))
+}
+
+/// `F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p=0, is_causal, scale,
+/// enable_gqa)`; a bool mask has SDPA's polarity (true takes part).
+fn replay_sdpa(case: &Case, call: &SdpaCallArgs) -> Result<ReplayResult> {
+    let (q, k, v) = (case.input_var("query")?, case.input_var("key")?, case.input_var("value")?);
+    let mut opts = SdpaOptions::default().is_causal(call.is_causal).enable_gqa(call.enable_gqa);
+    opts.scale = call.scale;
+    opts.attn_mask = case.mask("attn_mask", call.attn_mask)?;
+    let out = scaled_dot_product_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &opts)?;
+    let mut result = ReplayResult::new();
+    result.insert("output".into(), out.contiguous()?);
+    if !case.meta.grad_mode {
+        return Ok(result);
+    }
+    let loss = out.mul(upstream(case)?)?.sum_all()?;
+    let named = [("query", &q), ("key", &k), ("value", &v)]
+        .map(|(n, t)| (format!("grad.{n}"), t.as_tensor()));
+    result.extend(gradients(&loss, named)?);
+    Ok(result)
 }
 
 fn replay_mha(case: &Case, ctor: &MhaCtor) -> Result<ReplayResult> {
@@ -210,7 +232,9 @@ fn build(case: &Case) -> Result<Built> {
                 },
                 vb,
             )?),
-            Module::Mha(..) => return Err(case_err(&case.dir, "not a Transformer case")),
+            Module::Mha(..) | Module::Sdpa(..) => {
+                return Err(case_err(&case.dir, "not a Transformer case"))
+            }
         })
     })?;
     Ok(built)
@@ -239,7 +263,9 @@ fn forward(case: &Case, built: &Built, inputs: &BTreeMap<&str, Var>) -> Result<T
             .ok_or_else(|| case_err(&case.dir, format!("missing input.{name}")))
     };
     let call = match &case.module {
-        Module::Mha(..) => return Err(case_err(&case.dir, "not a Transformer case")),
+        Module::Mha(..) | Module::Sdpa(..) => {
+            return Err(case_err(&case.dir, "not a Transformer case"))
+        }
         Module::EncoderLayer(_, c)
         | Module::DecoderLayer(_, c)
         | Module::Encoder(_, c)
