@@ -47,6 +47,7 @@
 use crate::attention::exec::{par_run, round16, Carver, ConstPtr, SyncPtr, Task};
 use crate::attention::simd::Simd;
 use crate::attention::{check_tensor, simd_level, KernelError, Layout4};
+use crate::elem::{dot as dot_e, Elem};
 
 /// Keys per chunk (one task's share of a row's keys).
 pub const KEY_CHUNK: usize = 512;
@@ -176,12 +177,30 @@ pub fn decode_attention(
     decode_impl(p, (q, ql), (k, kl), (v, vl), (out, ol), false)
 }
 
-/// [`decode_attention`], optionally forced into the sequential mode.
-pub(crate) fn decode_impl(
+/// [`decode_attention`] over a bfloat16 cache: `k` and `v` hold bfloat16 bits, widened
+/// exactly in registers, so the result has the bits of [`decode_attention`] on the widened
+/// cache while half the bytes are read (the step is bound by reading the cache).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_bf16(
+    p: &DecodeParams,
+    q: &[f32],
+    ql: Layout4,
+    k: &[u16],
+    kl: Layout4,
+    v: &[u16],
+    vl: Layout4,
+    out: &mut [f32],
+    ol: Layout4,
+) -> Result<(), KernelError> {
+    decode_impl(p, (q, ql), (k, kl), (v, vl), (out, ol), false)
+}
+
+/// [`decode_attention`] for a cache of `E`, optionally forced into the sequential mode.
+pub(crate) fn decode_impl<E: Elem>(
     p: &DecodeParams,
     (q, ql): (&[f32], Layout4),
-    (k, kl): (&[f32], Layout4),
-    (v, vl): (&[f32], Layout4),
+    (k, kl): (&[E], Layout4),
+    (v, vl): (&[E], Layout4),
     (out, ol): (&mut [f32], Layout4),
     sequential: bool,
 ) -> Result<(), KernelError> {
@@ -219,7 +238,7 @@ thread_local! {
 
 /// Runs the tasks, split across chunks unless the partials would be too large or
 /// `sequential` is asked for (the tests compare the two modes bit for bit).
-fn run(base: &Base, sequential: bool) -> Result<(), KernelError> {
+fn run<E: Elem>(base: &Base<E>, sequential: bool) -> Result<(), KernelError> {
     let d = base.p.dims;
     let units = d.batch * d.heads_kv * base.blocks;
     let partial_floats = units
@@ -254,16 +273,16 @@ fn run(base: &Base, sequential: bool) -> Result<(), KernelError> {
 }
 
 /// The arguments every task reads.
-struct Base<'a> {
+struct Base<'a, E> {
     p: DecodeParams<'a>,
     group: usize,
     blocks: usize,
     chunks: usize,
     q: ConstPtr<f32>,
     ql: Layout4,
-    k: ConstPtr<f32>,
+    k: ConstPtr<E>,
     kl: Layout4,
-    v: ConstPtr<f32>,
+    v: ConstPtr<E>,
     vl: Layout4,
     out: SyncPtr<f32>,
     ol: Layout4,
@@ -277,7 +296,7 @@ struct Row {
     vis: usize,
 }
 
-impl Base<'_> {
+impl<E: Elem> Base<'_, E> {
     /// Floats per row of a partial result: max, sum, then `dv` accumulators.
     fn stride(&self) -> usize {
         self.p.dims.dv + 2
@@ -349,7 +368,7 @@ impl Base<'_> {
                 for (i, &n) in len.iter().enumerate().filter(|(_, &n)| n > sb) {
                     let hi = n.min(sb + SUB_BLOCK);
                     let out = &mut scores[i * KEY_CHUNK + sb..i * KEY_CHUNK + hi];
-                    scores_of::<S>(&qs[q_of(i)], |j| key(sb + j), out);
+                    scores_of::<S, E>(&qs[q_of(i)], |j| key(sb + j), out);
                 }
             }
             for (i, part) in parts.chunks_exact_mut(st).enumerate().filter(|(i, _)| len[*i] > 0) {
@@ -363,7 +382,7 @@ impl Base<'_> {
                 {
                     let hi = len[i].min(sb + SUB_BLOCK);
                     let p = &scores[i * KEY_CHUNK + sb..i * KEY_CHUNK + hi];
-                    weighted_sum::<S>(p, |j| value(sb + j), &mut part[2..]);
+                    weighted_sum::<S, E>(p, |j| value(sb + j), &mut part[2..]);
                 }
             }
         }
@@ -409,7 +428,7 @@ unsafe fn merge<S: Simd>(state: &mut [f32], part: &[f32]) {
 /// The partial sums of four dot products `q · k_i` over `n` floats, in one pass over `q`
 /// (four independent chains).
 #[inline(always)]
-unsafe fn dot4<S: Simd>(q: *const f32, k: [*const f32; 4], n: usize) -> [S::V; 4] {
+unsafe fn dot4<S: Simd, E: Elem>(q: *const f32, k: [*const E; 4], n: usize) -> [S::V; 4] {
     let l = S::LANES;
     // SAFETY: the caller guarantees `n` readable floats at `q` and at each `k[i]`.
     unsafe {
@@ -418,7 +437,7 @@ unsafe fn dot4<S: Simd>(q: *const f32, k: [*const f32; 4], n: usize) -> [S::V; 4
         while j + l <= n {
             let qv = S::load(q.add(j));
             for (a, kp) in acc.iter_mut().zip(k) {
-                *a = S::fma(qv, S::load(kp.add(j)), *a);
+                *a = S::fma(qv, E::load::<S>(kp.add(j)), *a);
             }
             j += l;
         }
@@ -426,7 +445,7 @@ unsafe fn dot4<S: Simd>(q: *const f32, k: [*const f32; 4], n: usize) -> [S::V; 4
             let mask = S::tail_mask(n - j);
             let qv = S::load_m(q.add(j), mask);
             for (a, kp) in acc.iter_mut().zip(k) {
-                *a = S::fma(qv, S::load_m(kp.add(j), mask), *a);
+                *a = S::fma(qv, E::load_n::<S>(kp.add(j), n - j, mask), *a);
             }
         }
         acc
@@ -436,7 +455,11 @@ unsafe fn dot4<S: Simd>(q: *const f32, k: [*const f32; 4], n: usize) -> [S::V; 4
 /// `scores[j] = q · key(j)`: `LANES` keys at a time, four dot products per pass over `q`,
 /// their lane sums reduced together.
 #[inline(always)]
-unsafe fn scores_of<S: Simd>(q: &[f32], key: impl Fn(usize) -> *const f32, scores: &mut [f32]) {
+unsafe fn scores_of<S: Simd, E: Elem>(
+    q: &[f32],
+    key: impl Fn(usize) -> *const E,
+    scores: &mut [f32],
+) {
     let (l, n, d) = (S::LANES, scores.len(), q.len());
     // SAFETY: `key(j)` points at `d` readable floats for `j < n` (caller); `accs` holds
     // `LANES <= 16` vectors and `scores[j..j + LANES]` is in bounds.
@@ -447,18 +470,18 @@ unsafe fn scores_of<S: Simd>(q: &[f32], key: impl Fn(usize) -> *const f32, score
             let mut i = 0;
             while i + 4 <= l {
                 let ks = [key(j + i), key(j + i + 1), key(j + i + 2), key(j + i + 3)];
-                let [a0, a1, a2, a3] = dot4::<S>(q.as_ptr(), ks, d);
+                let [a0, a1, a2, a3] = dot4::<S, E>(q.as_ptr(), ks, d);
                 accs[i..i + 4].copy_from_slice(&[a0, a1, a2, a3]);
                 i += 4;
             }
             for (ii, acc) in accs.iter_mut().enumerate().take(l).skip(i) {
-                *acc = S::dot(q.as_ptr(), key(j + ii), d);
+                *acc = dot_e::<S, E>(q.as_ptr(), key(j + ii), d);
             }
             S::reduce_many(accs.as_ptr(), scores.as_mut_ptr().add(j));
             j += l;
         }
         for (i, s) in scores.iter_mut().enumerate().skip(j) {
-            *s = S::reduce_add(S::dot(q.as_ptr(), key(i), d));
+            *s = S::reduce_add(dot_e::<S, E>(q.as_ptr(), key(i), d));
         }
     }
 }
@@ -484,7 +507,11 @@ unsafe fn max_of<S: Simd>(s: &[f32]) -> f32 {
 /// `acc[c] += Σ_j p[j]·value(j)[c]`: even and odd `j` in two register chains (up to four
 /// vectors of `acc` each), added to `acc` at the end; a fixed order of operations.
 #[inline(always)]
-unsafe fn weighted_sum<S: Simd>(p: &[f32], value: impl Fn(usize) -> *const f32, acc: &mut [f32]) {
+unsafe fn weighted_sum<S: Simd, E: Elem>(
+    p: &[f32],
+    value: impl Fn(usize) -> *const E,
+    acc: &mut [f32],
+) {
     let (l, dv) = (S::LANES, acc.len());
     let mut c = 0;
     // SAFETY: `value(j)` points at `dv` readable floats for `j < p.len()` (caller); masked
@@ -494,10 +521,12 @@ unsafe fn weighted_sum<S: Simd>(p: &[f32], value: impl Fn(usize) -> *const f32, 
             let nb = (dv - c).div_ceil(l).min(4);
             // Not a closure: closures do not inherit the caller's target features.
             let mut masks = [S::full_mask(); 4];
+            let mut live = [l; 4];
             for (b, m) in masks.iter_mut().enumerate().take(nb) {
                 let at = c + b * l;
                 if at + l > dv {
                     *m = S::tail_mask(dv - at);
+                    live[b] = dv - at;
                 }
             }
             let (mut even, mut odd) = ([S::splat(0.0); 4], [S::splat(0.0); 4]);
@@ -507,8 +536,10 @@ unsafe fn weighted_sum<S: Simd>(p: &[f32], value: impl Fn(usize) -> *const f32, 
                 let (re, ro) = (value(j).add(c), value(j + 1).add(c));
                 for b in 0..4 {
                     if b < nb {
-                        even[b] = S::fma(pe, S::load_m(re.add(b * l), masks[b]), even[b]);
-                        odd[b] = S::fma(po, S::load_m(ro.add(b * l), masks[b]), odd[b]);
+                        let ve = E::load_n::<S>(re.add(b * l), live[b], masks[b]);
+                        let vo = E::load_n::<S>(ro.add(b * l), live[b], masks[b]);
+                        even[b] = S::fma(pe, ve, even[b]);
+                        odd[b] = S::fma(po, vo, odd[b]);
                     }
                 }
                 j += 2;
@@ -517,7 +548,8 @@ unsafe fn weighted_sum<S: Simd>(p: &[f32], value: impl Fn(usize) -> *const f32, 
                 let (pe, re) = (S::splat(p[j]), value(j).add(c));
                 for b in 0..4 {
                     if b < nb {
-                        even[b] = S::fma(pe, S::load_m(re.add(b * l), masks[b]), even[b]);
+                        let ve = E::load_n::<S>(re.add(b * l), live[b], masks[b]);
+                        even[b] = S::fma(pe, ve, even[b]);
                     }
                 }
             }
@@ -593,12 +625,12 @@ fn chunk_scratch(d: usize) -> usize {
 }
 
 /// Split mode, pass 1: one task per `(unit, chunk)` writes its rows' partials.
-struct PartialTask<'a> {
-    base: &'a Base<'a>,
+struct PartialTask<'a, E> {
+    base: &'a Base<'a, E>,
     parts: SyncPtr<f32>,
 }
 
-impl Task for PartialTask<'_> {
+impl<E: Elem> Task for PartialTask<'_, E> {
     fn count(&self) -> usize {
         let d = self.base.p.dims;
         d.batch * d.heads_kv * self.base.blocks * self.base.chunks
@@ -621,12 +653,12 @@ impl Task for PartialTask<'_> {
 }
 
 /// Split mode, pass 2: one task per unit merges its rows' partials in chunk order.
-struct CombineTask<'a> {
-    base: &'a Base<'a>,
+struct CombineTask<'a, E> {
+    base: &'a Base<'a, E>,
     parts: ConstPtr<f32>,
 }
 
-impl Task for CombineTask<'_> {
+impl<E: Elem> Task for CombineTask<'_, E> {
     fn count(&self) -> usize {
         let d = self.base.p.dims;
         d.batch * d.heads_kv * self.base.blocks
@@ -659,11 +691,11 @@ impl Task for CombineTask<'_> {
 }
 
 /// Sequential mode: one task per unit computes and merges its chunks in order.
-struct SequentialTask<'a> {
-    base: &'a Base<'a>,
+struct SequentialTask<'a, E> {
+    base: &'a Base<'a, E>,
 }
 
-impl Task for SequentialTask<'_> {
+impl<E: Elem> Task for SequentialTask<'_, E> {
     fn count(&self) -> usize {
         let d = self.base.p.dims;
         d.batch * d.heads_kv * self.base.blocks

@@ -23,6 +23,7 @@
 use crate::attention::exec::{par_run, ConstPtr, SyncPtr, Task};
 use crate::attention::simd::Simd;
 use crate::attention::{simd_level, KernelError};
+use crate::elem::{dot as dot_e, Elem};
 
 /// The most rows one call takes (more rows are better served by a GEMM).
 pub const MAX_ROWS: usize = 8;
@@ -44,6 +45,32 @@ pub fn linear_rows(
     rows: usize,
     k: usize,
     w: &[f32],
+    n: usize,
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    rows_impl(x, rows, k, w, n, bias, y)
+}
+
+/// [`linear_rows`] with a bfloat16 weight (its bits), widened exactly in registers: the bits
+/// of [`linear_rows`] on the widened weight, reading half the bytes.
+pub fn linear_rows_bf16(
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    w: &[u16],
+    n: usize,
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    rows_impl(x, rows, k, w, n, bias, y)
+}
+
+fn rows_impl<E: Elem>(
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    w: &[E],
     n: usize,
     bias: Option<&[f32]>,
     y: &mut [f32],
@@ -76,17 +103,17 @@ pub fn linear_rows(
     Ok(())
 }
 
-struct RowsTask {
+struct RowsTask<E> {
     x: ConstPtr<f32>,
     rows: usize,
     k: usize,
-    w: ConstPtr<f32>,
+    w: ConstPtr<E>,
     n: usize,
     bias: Option<ConstPtr<f32>>,
     y: SyncPtr<f32>,
 }
 
-impl Task for RowsTask {
+impl<E: Elem> Task for RowsTask<E> {
     fn count(&self) -> usize {
         self.n.div_ceil(OUT_BLOCK)
     }
@@ -109,12 +136,12 @@ impl Task for RowsTask {
                     if group == l {
                         let mut accs = [S::splat(0.0); 16];
                         for (i, acc) in accs.iter_mut().take(l).enumerate() {
-                            *acc = S::dot(xr, self.w.0.add((o + i) * k), k);
+                            *acc = dot_e::<S, E>(xr, self.w.0.add((o + i) * k), k);
                         }
                         S::reduce_many(accs.as_ptr(), sums.as_mut_ptr());
                     } else {
                         for (i, s) in sums.iter_mut().take(group).enumerate() {
-                            *s = S::reduce_add(S::dot(xr, self.w.0.add((o + i) * k), k));
+                            *s = S::reduce_add(dot_e::<S, E>(xr, self.w.0.add((o + i) * k), k));
                         }
                     }
                     for (i, &s) in sums.iter().take(group).enumerate() {
@@ -186,6 +213,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_bf16_weight_gives_the_bits_of_the_f32_kernel_on_its_widened_copy() {
+        for (rows, k, n) in [(1, 512, 96), (3, 7, 5), (8, 65, 130)] {
+            let x = rand_vec(rows * k, 4);
+            let bits: Vec<u16> =
+                rand_vec(n * k, 5).iter().map(|&v| crate::convert::f32_to_bf16_bits(v)).collect();
+            let wide: Vec<f32> =
+                bits.iter().map(|&b| crate::convert::bf16_bits_to_f32(b)).collect();
+            let b = rand_vec(n, 6);
+            for level in crate::testutil::levels() {
+                let (mut want, mut got) = (vec![0f32; rows * n], vec![1f32; rows * n]);
+                with_simd_level(level, || linear_rows(&x, rows, k, &wide, n, Some(&b), &mut want))
+                    .unwrap();
+                with_simd_level(level, || {
+                    linear_rows_bf16(&x, rows, k, &bits, n, Some(&b), &mut got)
+                })
+                .unwrap();
+                assert!(
+                    got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{level:?}"
+                );
+            }
+        }
+        let mut y = [0f32; 4];
+        assert!(linear_rows_bf16(&[0.0; 4], 2, 2, &[0; 3], 2, None, &mut y).is_err());
     }
 
     #[test]

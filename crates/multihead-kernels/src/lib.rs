@@ -27,6 +27,7 @@ pub mod attention;
 pub mod convert;
 pub mod decode;
 pub mod dropout;
+pub(crate) mod elem;
 pub mod epilogue;
 pub mod gemv;
 pub mod norm;

@@ -143,6 +143,9 @@ fn linear_then(
 ) -> Result<Tensor> {
     let (out_f, in_f, out_dims) = validate_linear(x, weight, bias, op, arg)?;
     if crate::precision::is_reduced(x.dtype()) {
+        if let Some(y) = bf16_rows(x, weight, bias, act, op, backend, &out_dims)? {
+            return Ok(y);
+        }
         // bf16/f16: the f32 product (f32 accumulation, as PyTorch's), rounded once.
         use crate::precision::{widen, widen_opt};
         let b = widen_opt(bias)?;
@@ -178,6 +181,43 @@ fn linear_then(
             then_act(y.reshape(out_dims)?, act)
         }
     }
+}
+
+/// A few bf16 rows without a gradient (a decode step): the few-rows kernel reads the bf16
+/// weight as it is, where widening it would convert all of it at every step. The numbers
+/// are the widened path's: the f32 product of the widened operands, rounded once (then ReLU,
+/// which commutes with the rounding; GELU would round twice, so it takes the widened path).
+fn bf16_rows(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    act: Act,
+    op: &'static str,
+    backend: Backend,
+    out_dims: &[usize],
+) -> Result<Option<Tensor>> {
+    let in_f = weight.dim(1)?;
+    let m = out_dims[..out_dims.len() - 1].iter().product::<usize>();
+    let graded = crate::mode::grad_enabled()
+        && (x.track_op() || weight.track_op() || bias.is_some_and(Tensor::track_op));
+    let blocker = crate::fused::dispatch::f32_or_bf16_blocker(x);
+    if x.dtype() != candle_core::DType::BF16
+        || act == Act::Gelu
+        || graded
+        || m == 0
+        || m > multihead_kernels::gemv::MAX_ROWS
+        || in_f == 0
+        || crate::fused::dispatch::decide(op, backend, blocker)?.path != Path::Fused
+    {
+        return Ok(None);
+    }
+    let x2 = x.reshape((m, in_f))?.contiguous()?;
+    let w = weight.contiguous()?;
+    let y = match bias {
+        Some(b) => x2.apply_op3_no_bwd(&w, &b.contiguous()?, &RowsLinear)?,
+        None => x2.apply_op2_no_bwd(&w, &RowsLinear)?,
+    };
+    then_act(y.reshape(out_dims)?, act).map(Some)
 }
 
 /// `act(y)` as its own op.

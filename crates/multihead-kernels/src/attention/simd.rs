@@ -40,6 +40,8 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     unsafe fn full_mask() -> Self::M;
     /// Load of the masked lanes (others 0); unmasked lanes are not read.
     unsafe fn load_m(p: *const f32, m: Self::M) -> Self::V;
+    /// `LANES` bfloat16 values (their bits) widened exactly to f32.
+    unsafe fn load_bf16(p: *const u16) -> Self::V;
     /// Store of the masked lanes only.
     unsafe fn store_m(p: *mut f32, v: Self::V, m: Self::M);
     /// `a + b`.
@@ -68,25 +70,6 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
         for i in 0..Self::LANES {
             // SAFETY: forwarded from the caller.
             unsafe { *out.add(i) = Self::reduce_add(*v.add(i)) };
-        }
-    }
-    /// The `LANES` partial sums of `Σ_j a[j]·b[j]` over `n` floats (masked at the tail).
-    ///
-    /// # Safety
-    /// `n` readable floats at `a` and at `b`, and the instruction set available.
-    #[inline(always)]
-    unsafe fn dot(a: *const f32, b: *const f32, n: usize) -> Self::V {
-        let l = Self::LANES;
-        // SAFETY: forwarded from the caller; masked loads stay inside `n` floats.
-        unsafe {
-            let mut acc = Self::splat(0.0);
-            let mut j = 0;
-            while j < n {
-                let mask = if j + l <= n { Self::full_mask() } else { Self::tail_mask(n - j) };
-                acc = Self::fma(Self::load_m(a.add(j), mask), Self::load_m(b.add(j), mask), acc);
-                j += l;
-            }
-            acc
         }
     }
     /// `C (+)= A B` over the whole [`GemmArgs`] problem (see [`super::gemm`]).
@@ -172,6 +155,11 @@ unsafe impl Simd for Scalar {
     unsafe fn tail_mask(_n: usize) {}
     #[inline(always)]
     unsafe fn full_mask() {}
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> f32 {
+        // SAFETY: one readable u16 (trait contract).
+        f32::from_bits(u32::from(unsafe { *p }) << 16)
+    }
     #[inline(always)]
     unsafe fn load_m(p: *const f32, _m: ()) -> f32 {
         // SAFETY: with one lane, a tail never occurs; a "full" mask load is a plain load.
@@ -292,6 +280,15 @@ unsafe impl Simd for Avx2 {
     unsafe fn full_mask() -> __m256i {
         // SAFETY: AVX is available (trait contract).
         unsafe { _mm256_set1_epi32(-1) }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> __m256 {
+        // SAFETY: AVX2 is available and 8 u16 are readable (trait contract); the bits move to
+        // the high half of each f32 lane, which is exactly the bf16 value.
+        unsafe {
+            let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w))
+        }
     }
     #[inline(always)]
     unsafe fn load_m(p: *const f32, m: __m256i) -> __m256 {
@@ -459,6 +456,15 @@ unsafe impl Simd for Avx512 {
     #[inline(always)]
     unsafe fn full_mask() -> __mmask16 {
         0xffff
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> __m512 {
+        // SAFETY: AVX-512F is available and 16 u16 are readable (trait contract); the bits
+        // move to the high half of each f32 lane, which is exactly the bf16 value.
+        unsafe {
+            let w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w))
+        }
     }
     #[inline(always)]
     unsafe fn load_m(p: *const f32, m: __mmask16) -> __m512 {

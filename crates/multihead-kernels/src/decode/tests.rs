@@ -130,6 +130,57 @@ fn decode_matches_the_reference_at_every_simd_level() {
     }
 }
 
+/// A bfloat16 cache gives the bits of the f32 kernel on its widened copy, at every level,
+/// in both modes, with head dimensions that leave vector tails (19, 33).
+#[test]
+fn a_bf16_cache_gives_the_bits_of_the_f32_kernel_on_its_widened_copy() {
+    let round = |xs: &[f32]| -> (Vec<u16>, Vec<f32>) {
+        let bits: Vec<u16> = xs.iter().map(|&x| crate::convert::f32_to_bf16_bits(x)).collect();
+        let wide = bits.iter().map(|&b| crate::convert::bf16_bits_to_f32(b)).collect();
+        (bits, wide)
+    };
+    for mut case in cases().into_iter().step_by(3) {
+        let (kb, kw) = round(&case.k);
+        let (vb, vw) = round(&case.v);
+        case.k = kw;
+        case.v = vw;
+        let [ql, kl, vl, ol] = case.layouts();
+        for level in levels() {
+            for sequential in [false, true] {
+                let want = with_simd_level(level, || case.run(sequential));
+                let mut got = vec![f32::NAN; case.out_len()];
+                with_simd_level(level, || {
+                    decode_impl(
+                        &case.params(),
+                        (&case.q, ql),
+                        (&kb, kl),
+                        (&vb, vl),
+                        (&mut got, ol),
+                        sequential,
+                    )
+                })
+                .unwrap();
+                let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{:?} {level:?} sequential={sequential}", case.dims);
+            }
+        }
+        // And the public entry point checks the bf16 slices' lengths like the f32 ones.
+        let mut out = vec![0f32; case.out_len()];
+        let short = decode_attention_bf16(
+            &case.params(),
+            &case.q,
+            ql,
+            &kb[..kb.len() - 1],
+            kl,
+            &vb,
+            vl,
+            &mut out,
+            ol,
+        );
+        assert!(matches!(short, Err(KernelError::SliceTooShort { name: "k", .. })));
+    }
+}
+
 #[test]
 fn split_and_sequential_modes_and_thread_counts_give_the_same_bits() {
     for case in cases().iter().step_by(5) {

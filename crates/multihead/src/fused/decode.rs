@@ -4,10 +4,12 @@
 //! cached forward runs without a graph).
 
 use candle_core::{CpuStorage, CustomOp3, InplaceOp2, Layout, Shape, WithDType};
+use half::slice::HalfFloatSliceExt;
 use multihead_kernels::attention::Layout4;
-use multihead_kernels::decode::{decode_attention, DecodeDims, DecodeParams};
+use multihead_kernels::decode::{
+    decode_attention, decode_attention_bf16, DecodeDims, DecodeParams,
+};
 
-use super::cpu_f32;
 use super::flash::Convention;
 
 const APPEND: &str = "kv cache append";
@@ -96,7 +98,9 @@ impl CustomOp3 for DecodeOp {
     }
 
     /// `q` is `(T, N, H·D)` (`(N, T, H·D)` with `batch_first`), `k`/`v` the cache
-    /// `(N, Hk, C, D)`; the output is laid out like `q`.
+    /// `(N, Hk, C, D)`; the output is laid out like `q`. All f32, or all bf16: a bf16 cache is
+    /// read as bf16 (half the bytes) and widened in registers, the few query rows are widened
+    /// first, and the output is rounded once to bf16.
     fn cpu_fwd(
         &self,
         qs: &CpuStorage,
@@ -107,7 +111,18 @@ impl CustomOp3 for DecodeOp {
         vl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let name = self.name();
-        let (q, k, v) = (cpu_f32(qs, name)?, cpu_f32(ks, name)?, cpu_f32(vs, name)?);
+        let widened;
+        let q: &[f32] = match qs {
+            CpuStorage::F32(q) => q,
+            CpuStorage::BF16(q) => {
+                let mut w = crate::alloc::try_zeros::<f32>(q.len(), name)?;
+                multihead_kernels::convert::bf16_to_f32(q.reinterpret_cast(), &mut w)
+                    .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
+                widened = w;
+                &widened
+            }
+            _ => candle_core::bail!("{name}: expected f32 or bf16 queries"),
+        };
         let conv = Convention::SeqFirst {
             heads: self.heads,
             head_dim: self.head_dim,
@@ -146,8 +161,27 @@ impl CustomOp3 for DecodeOp {
             q_pos: &self.q_pos,
             q_len: &self.q_len,
         };
-        decode_attention(&params, &q[q0..], q4, &k[k0..], k4, &v[v0..], v4, &mut out, o4)
-            .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
-        Ok((CpuStorage::F32(out), Shape::from(dims.to_vec())))
+        let q = &q[q0..];
+        match (qs, ks, vs) {
+            (CpuStorage::F32(_), CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                decode_attention(&params, q, q4, &k[k0..], k4, &v[v0..], v4, &mut out, o4)
+            }
+            (CpuStorage::BF16(_), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
+                let (k, v): (&[u16], &[u16]) = (k.reinterpret_cast(), v.reinterpret_cast());
+                decode_attention_bf16(&params, q, q4, &k[k0..], k4, &v[v0..], v4, &mut out, o4)
+            }
+            _ => candle_core::bail!("{name}: queries and cache must all be f32 or all bf16"),
+        }
+        .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
+        let shape = Shape::from(dims.to_vec());
+        match qs {
+            CpuStorage::BF16(_) => {
+                let mut o16 = crate::alloc::try_zeros::<half::bf16>(out.len(), name)?;
+                multihead_kernels::convert::f32_to_bf16(&out, o16.reinterpret_cast_mut())
+                    .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
+                Ok((CpuStorage::BF16(o16), shape))
+            }
+            _ => Ok((CpuStorage::F32(out), shape)),
+        }
     }
 }

@@ -151,6 +151,18 @@ pub(crate) fn dtype_device_blocker(t: &Tensor) -> Option<Reason> {
     }
 }
 
+/// The dtype and device conditions of the kernels that also read bfloat16 (the decode
+/// kernel's cache and the few-rows product's weight, widened exactly in registers).
+pub(crate) fn f32_or_bf16_blocker(t: &Tensor) -> Option<Reason> {
+    if !matches!(t.dtype(), DType::F32 | DType::BF16) {
+        Some(Reason::DType(t.dtype()))
+    } else if !matches!(t.device(), Device::Cpu) {
+        Some(Reason::Device)
+    } else {
+        None
+    }
+}
+
 /// Whether a float mask takes part in the autograd graph while gradients are wanted.
 pub(crate) fn mask_records_grad(mask: Option<&crate::Mask>) -> bool {
     crate::mode::grad_enabled() && matches!(mask, Some(crate::Mask::Float(t)) if t.track_op())

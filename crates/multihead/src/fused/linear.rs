@@ -7,7 +7,7 @@ use candle_core::{CpuStorage, Layout, Shape, Tensor};
 use multihead_kernels::epilogue::bias_act_in_place;
 pub(crate) use multihead_kernels::epilogue::Act;
 
-use super::cpu_f32;
+use half::slice::HalfFloatSliceExt;
 
 /// `F.linear` as one candle op on f32 CPU tensors: `y = x Wᵀ + b` and its backward
 /// (`dx = dy W`, `dW = dyᵀ x`, `db = Σ dy`) straight on gemm's AVX-512 kernels. One graph node
@@ -379,9 +379,34 @@ impl candle_core::CustomOp3 for FusedLinear {
 }
 
 /// `y = x Wᵀ (+ b)` for a few rows without a gradient (`multihead_kernels::gemv`): x `(m, k)`,
-/// W `(n, k)`, b `(n,)`, all contiguous f32. No backward: `linear` takes it only when no
-/// gradient is recorded.
+/// W `(n, k)`, b `(n,)`, all contiguous, all f32 or all bf16. A bf16 weight is read as bf16
+/// (half the bytes) and widened in registers; x and b are widened first and the output is
+/// rounded once, so the numbers are those of the f32 product of the widened operands. No
+/// backward: `linear` takes it only when no gradient is recorded.
 pub(crate) struct RowsLinear;
+
+const ROWS: &str = "linear (decode rows)";
+
+/// The contiguous part of `s` that `l` addresses, as f32 (bf16 widened).
+fn rows_operand<'a>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    widened: &'a mut Vec<f32>,
+) -> candle_core::Result<&'a [f32]> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{ROWS}: inputs must be contiguous")))?;
+    match s {
+        CpuStorage::F32(v) => Ok(&v[a..b]),
+        CpuStorage::BF16(v) => {
+            *widened = crate::alloc::try_zeros::<f32>(b - a, ROWS)?;
+            multihead_kernels::convert::bf16_to_f32(v[a..b].reinterpret_cast(), widened)
+                .map_err(|e| candle_core::Error::Msg(format!("{ROWS}: {e}")))?;
+            Ok(widened)
+        }
+        _ => candle_core::bail!("{ROWS}: expected f32 or bf16 tensors"),
+    }
+}
 
 impl RowsLinear {
     fn run(
@@ -391,32 +416,40 @@ impl RowsLinear {
         wl: &Layout,
         bias: Option<(&CpuStorage, &Layout)>,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        const NAME: &str = "linear (decode rows)";
-        let slice = |s: &'_ CpuStorage, l: &Layout| -> candle_core::Result<(usize, usize)> {
-            let _ = cpu_f32(s, NAME)?;
-            l.contiguous_offsets().ok_or_else(|| {
-                candle_core::Error::Msg(format!("{NAME}: inputs must be contiguous"))
-            })
-        };
-        let ((x0, x1), (w0, w1)) = (slice(xs, xl)?, slice(ws, wl)?);
-        let (x, w) = (&cpu_f32(xs, NAME)?[x0..x1], &cpu_f32(ws, NAME)?[w0..w1]);
         let (&[m, k], &[n, k2]) = (xl.dims(), wl.dims()) else {
-            candle_core::bail!("{NAME}: expected 2-D x and weight");
+            candle_core::bail!("{ROWS}: expected 2-D x and weight");
         };
         if k != k2 {
-            candle_core::bail!("{NAME}: x has {k} features, the weight {k2}");
+            candle_core::bail!("{ROWS}: x has {k} features, the weight {k2}");
         }
+        let (mut xw, mut bw) = (Vec::new(), Vec::new());
+        let x = rows_operand(xs, xl, &mut xw)?;
         let b = match bias {
-            Some((bs, bl)) => {
-                let (b0, b1) = slice(bs, bl)?;
-                Some(&cpu_f32(bs, NAME)?[b0..b1])
-            }
+            Some((bs, bl)) => Some(rows_operand(bs, bl, &mut bw)?),
             None => None,
         };
-        let mut y = crate::alloc::try_zeros::<f32>(m * n, NAME)?;
-        multihead_kernels::gemv::linear_rows(x, m, k, w, n, b, &mut y)
-            .map_err(|e| candle_core::Error::Msg(format!("{NAME}: {e}")))?;
-        Ok((CpuStorage::F32(y), Shape::from((m, n))))
+        let (w0, w1) = wl
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg(format!("{ROWS}: inputs must be contiguous")))?;
+        let mut y = crate::alloc::try_zeros::<f32>(m * n, ROWS)?;
+        let shape = Shape::from((m, n));
+        let err = |e| candle_core::Error::Msg(format!("{ROWS}: {e}"));
+        match (xs, ws) {
+            (CpuStorage::F32(_), CpuStorage::F32(w)) => {
+                multihead_kernels::gemv::linear_rows(x, m, k, &w[w0..w1], n, b, &mut y)
+                    .map_err(err)?;
+                Ok((CpuStorage::F32(y), shape))
+            }
+            (CpuStorage::BF16(_), CpuStorage::BF16(w)) => {
+                let w: &[u16] = w[w0..w1].reinterpret_cast();
+                multihead_kernels::gemv::linear_rows_bf16(x, m, k, w, n, b, &mut y).map_err(err)?;
+                let mut y16 = crate::alloc::try_zeros::<half::bf16>(y.len(), ROWS)?;
+                multihead_kernels::convert::f32_to_bf16(&y, y16.reinterpret_cast_mut())
+                    .map_err(err)?;
+                Ok((CpuStorage::BF16(y16), shape))
+            }
+            _ => candle_core::bail!("{ROWS}: x and the weight must both be f32 or both bf16"),
+        }
     }
 }
 

@@ -11,7 +11,7 @@ use crate::error::{fmt_shape, Error, Result};
 use crate::functional::core::attention_core;
 use crate::functional::MhaOptions;
 use crate::fused::decode::DecodeOp;
-use crate::fused::dispatch::{decide, dtype_device_blocker, Path, Plan};
+use crate::fused::dispatch::{decide, f32_or_bf16_blocker, Path, Plan};
 use crate::kv_cache::KvCache;
 use crate::linear::linear;
 use crate::mask::Mask;
@@ -188,7 +188,7 @@ impl MultiheadAttention {
     /// The one decision of a cached call: the fused decode kernel (f32 on the CPU) or the
     /// composed candle path.
     fn plan_step(&self, step: &Step) -> Result<Plan> {
-        decide(CACHED, Backend::Auto, dtype_device_blocker(&step.x))
+        decide(CACHED, Backend::Auto, f32_or_bf16_blocker(&step.x))
     }
 
     /// The path [`forward_cached`](Self::forward_cached) takes, and why, without running it or

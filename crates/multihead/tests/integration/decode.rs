@@ -607,6 +607,55 @@ fn a_bf16_cache_decodes_close_to_the_f32_module() {
     }
 }
 
+/// A bf16 cache takes the fused kernel (read as bf16, widened in registers) and gives the
+/// composed path's numbers to a bf16 rounding; the few-rows product of bf16 rows gives the
+/// bits of the f32 product of the widened operands, rounded once.
+#[test]
+fn a_bf16_cache_takes_the_fused_kernel_and_agrees_with_the_composed_path() {
+    for kv in [None, Some(2)] {
+        let m = module(32, 4, kv, DType::BF16);
+        let x = rand_t(&[2, 30, 32], DType::BF16, 9, 1.0);
+        let (mut fused, mut composed) = (m.new_cache(2, 30).unwrap(), m.new_cache(2, 30).unwrap());
+        let prefill = x.narrow(1, 0, 5).unwrap();
+        let plan = m.explain_cached(&prefill, &fused, None).unwrap();
+        assert_eq!(plan.path, Path::Fused, "{plan}");
+        let step = |cache: &mut multihead::KvCache, xi: &Tensor, lens: Option<&[usize]>| {
+            m.forward_cached(xi, cache, lens).unwrap()
+        };
+        let lens = [5, 3];
+        let a = step(&mut fused, &prefill, Some(&lens));
+        let b = with_backend(Backend::Composed, || step(&mut composed, &prefill, Some(&lens)));
+        assert!(rel_diff(&a, &b) < 2e-2, "prefill {kv:?}: {}", rel_diff(&a, &b));
+        for i in 5..30 {
+            let xi = x.narrow(1, i, 1).unwrap();
+            let a = step(&mut fused, &xi, None);
+            let b = with_backend(Backend::Composed, || step(&mut composed, &xi, None));
+            assert_eq!(a.dtype(), DType::BF16);
+            // Both compute in f32 and round once; the orders of summation differ.
+            assert!(rel_diff(&a, &b) < 2e-2, "step {i} {kv:?}: {}", rel_diff(&a, &b));
+        }
+    }
+    // The few-rows product of bf16 rows: the f32 product of the widened operands, rounded.
+    let w = rand_t(&[24, 40], DType::BF16, 3, 0.3);
+    let b = rand_t(&[24], DType::BF16, 4, 0.3);
+    let x = rand_t(&[3, 40], DType::BF16, 5, 1.0);
+    let lin16 = multihead::Linear::from_weights(w.clone(), Some(b.clone()));
+    let wide = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let lin32 = multihead::Linear::from_weights(wide(&w), Some(wide(&b)));
+    let y16 = multihead::no_grad(|| lin16.forward(&x)).unwrap();
+    let y32 = multihead::no_grad(|| lin32.forward(&wide(&x))).unwrap();
+    let bits = |t: &Tensor| -> Vec<u16> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<half::bf16>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    assert_eq!(bits(&y16), bits(&y32.to_dtype(DType::BF16).unwrap()));
+}
+
 #[test]
 fn a_bf16_layer_refuses_an_f32_float_mask_like_an_f32_layer_refuses_an_f64_one() {
     use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
