@@ -6,7 +6,8 @@ hand-written PyTorch KV cache, and ``multihead bench --module decode``.
     python3 tools/bench_decode.py --quick      # fewer iterations
 
 A step is one new token per sequence (B sequences, S tokens already decoded), E=512, H=8 query
-heads and K key/value heads:
+heads and K key/value heads, in float32 and (two rows) bfloat16, each library in the same dtype
+throughout (weights, cache, activations):
 
 * (a) ``nn.MultiheadAttention(E, H, batch_first=True)`` in eval mode under
   ``torch.inference_mode()``: ``mha(x, ctx, ctx, need_weights=False)`` with the context of
@@ -42,13 +43,16 @@ import bench_proc
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = REPO / "target/release/multihead"
-CONFIGS = [  # (B, S, E, H, K)
-    (1, 4096, 512, 8, 8),
-    (8, 4096, 512, 8, 8),
-    (1, 32768, 512, 8, 8),
-    (1, 4096, 512, 8, 2),
-    (1, 32768, 512, 8, 1),
+CONFIGS = [  # (B, S, E, H, K, dtype)
+    (1, 4096, 512, 8, 8, "float32"),
+    (8, 4096, 512, 8, 8, "float32"),
+    (1, 32768, 512, 8, 8, "float32"),
+    (1, 4096, 512, 8, 2, "float32"),
+    (1, 32768, 512, 8, 1, "float32"),
+    (1, 4096, 512, 8, 8, "bfloat16"),
+    (1, 32768, 512, 8, 8, "bfloat16"),
 ]
+BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def read_bandwidth(mib_sizes, threads):
@@ -61,21 +65,22 @@ def read_bandwidth(mib_sizes, threads):
     return {r["mib"]: r["gbps"] for r in rows}
 
 
-def torch_rows(torch, b, s, e, h, k, warmup, iters):
+def torch_rows(torch, b, s, e, h, k, dtype, warmup, iters):
     F = torch.nn.functional
     d = e // h
+    dt = getattr(torch, dtype)
     out = {}
     torch.manual_seed(0)
     with torch.inference_mode():
-        x = torch.randn(b, 1, e)
+        x = torch.randn(b, 1, e, dtype=dt)
         if k == h:
-            mha = torch.nn.MultiheadAttention(e, h, batch_first=True).eval()
-            ctx = torch.randn(b, s + 1, e)
+            mha = torch.nn.MultiheadAttention(e, h, batch_first=True, dtype=dt).eval()
+            ctx = torch.randn(b, s + 1, e, dtype=dt)
             out["reproject"] = bench_proc.timed(lambda: mha(x, ctx, ctx, need_weights=False), warmup, iters)
-        w = torch.randn(e + 2 * k * d, e) / e**0.5
-        bias = torch.zeros(e + 2 * k * d)
-        wo, bo = torch.randn(e, e) / e**0.5, torch.zeros(e)
-        kc, vc = torch.randn(b, k, s + 1, d), torch.randn(b, k, s + 1, d)
+        w = (torch.randn(e + 2 * k * d, e) / e**0.5).to(dt)
+        bias = torch.zeros(e + 2 * k * d, dtype=dt)
+        wo, bo = (torch.randn(e, e) / e**0.5).to(dt), torch.zeros(e, dtype=dt)
+        kc, vc = torch.randn(b, k, s + 1, d, dtype=dt), torch.randn(b, k, s + 1, d, dtype=dt)
 
         def step():
             qkv = F.linear(x, w, bias)
@@ -89,9 +94,10 @@ def torch_rows(torch, b, s, e, h, k, warmup, iters):
     return out
 
 
-def rust_row(b, s, e, h, k, threads, warmup, iters):
+def rust_row(b, s, e, h, k, dtype, threads, warmup, iters):
     cmd = [str(BIN), "bench", "--module", "decode", "--batch", str(b), "--src-len", str(s),
            "--embed-dim", str(e), "--num-heads", str(h), "--num-kv-heads", str(k),
+           "--dtype", {"float32": "f32", "bfloat16": "bf16"}[dtype],
            "--threads", str(threads), "--warmup", str(warmup), "--iters", str(iters), "--json"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -100,12 +106,13 @@ def rust_row(b, s, e, h, k, threads, warmup, iters):
 def table_lines(doc):
     """The Markdown table of a run (``doc`` as written to ``--json-out``)."""
     bw = {int(k): v for k, v in doc["bandwidth_gbps"].items()}
-    out = ["| B | S | H/K | PyTorch MHA re-projecting | PyTorch hand-written cache | multihead "
-           "forward_cached | vs re-projecting | vs hand-written | decode kernel | kernel GB/s "
-           "(share of a same-size read; of a 1 GiB read) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| B | S | H/K | dtype | PyTorch MHA re-projecting | PyTorch hand-written cache | "
+           "multihead forward_cached | vs re-projecting | vs hand-written | decode kernel | "
+           "kernel GB/s (share of a same-size read; of a 1 GiB read) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in doc["rows"]:
         b, s, h, k = row["b"], row["s"], row["h"], row["k"]
+        dtype = row.get("dtype", "float32")
         t, r = row["torch"], row["multihead"]
         ours = r["min_ms"]
         rep = t.get("reproject")
@@ -113,14 +120,15 @@ def table_lines(doc):
         vs_rep = f"{rep[0] / ours:.1f}x" if rep else "n/a"
         gbps = r["attn_kernel_gbps"]
         same = bw[row["cache_mib"]]
-        out.append(f"| {b} | {s} | {h}/{k} | {rep_cell} | {t['cache'][0]:.3f} ms | {ours:.3f} ms "
+        out.append(f"| {b} | {s} | {h}/{k} | {dtype} | {rep_cell} | {t['cache'][0]:.3f} ms | {ours:.3f} ms "
                    f"| {vs_rep} | {t['cache'][0] / ours:.2f}x | {r['attn_kernel_ms']:.3f} ms | "
                    f"{gbps:.1f} ({100 * gbps / same:.0f}%; {100 * gbps / bw[1024]:.0f}%) |")
     return out
 
 
 def find_row(doc, b, s, k):
-    return next((r for r in doc["rows"] if (r["b"], r["s"], r["k"]) == (b, s, k)), None)
+    return next((r for r in doc["rows"] if (r["b"], r["s"], r["k"]) == (b, s, k)
+                 and r.get("dtype", "float32") == "float32"), None)
 
 
 def evaluate_targets(doc):
@@ -195,15 +203,16 @@ def main():
     warmup, iters = (3, 20) if opts.quick else (10, 100)
     if not BIN.exists():
         sys.exit(f"build the binary first: cargo build --release -p multihead-cli ({BIN})")
-    cache_mib = {c: max(1, 2 * c[0] * c[4] * c[1] * (c[2] // c[3]) * 4 >> 20) for c in CONFIGS}
+    cache_mib = {c: max(1, 2 * c[0] * c[4] * c[1] * (c[2] // c[3]) * BYTES[c[5]] >> 20)
+                 for c in CONFIGS}
     bw = read_bandwidth(sorted(set(cache_mib.values())) + [1024], opts.threads)
     rows = []
-    for b, s, e, h, k in CONFIGS:
-        t = torch_rows(torch, b, s, e, h, k, warmup, iters)
-        r = rust_row(b, s, e, h, k, opts.threads, warmup, iters)
-        rows.append({"b": b, "s": s, "e": e, "h": h, "k": k, "torch": t, "multihead": r,
-                     "cache_mib": cache_mib[(b, s, e, h, k)]})
-        print(f"B={b} S={s} H/K={h}/{k}: torch {t['cache'][0]:.3f} ms, multihead "
+    for b, s, e, h, k, dtype in CONFIGS:
+        t = torch_rows(torch, b, s, e, h, k, dtype, warmup, iters)
+        r = rust_row(b, s, e, h, k, dtype, opts.threads, warmup, iters)
+        rows.append({"b": b, "s": s, "e": e, "h": h, "k": k, "dtype": dtype, "torch": t,
+                     "multihead": r, "cache_mib": cache_mib[(b, s, e, h, k, dtype)]})
+        print(f"B={b} S={s} H/K={h}/{k} {dtype}: torch {t['cache'][0]:.3f} ms, multihead "
               f"{r['min_ms']:.3f} ms", file=sys.stderr, flush=True)
     doc = {"threads": opts.threads, "torch_version": torch.__version__, "quick": opts.quick,
            "warmup": warmup, "iters": iters, "bandwidth_gbps": bw, "rows": rows}

@@ -10,7 +10,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use multihead::{MhaConfig, MultiheadAttention};
 use multihead_kernels::attention::Layout4;
-use multihead_kernels::decode::{decode_attention, DecodeDims, DecodeParams};
+use multihead_kernels::decode::{
+    decode_attention, decode_attention_bf16, DecodeDims, DecodeParams,
+};
 
 use crate::bench::{randn, BenchArgs, Step};
 
@@ -40,10 +42,14 @@ pub fn decode_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
         cache.append_kv(&k, &v, None)?;
         done += t;
     }
-    // The decode kernel is f32 (other dtypes take the composed path).
-    let kernel_ms = if dt == DType::F32 { time_kernel(a, &cache)? } else { f64::NAN };
-    let cache_bytes = 2.0 * (b * hk * s * hd * 4) as f64;
-    let weight_bytes = ((e * (e + 2 * kv) + e * e) * 4) as f64;
+    // The decode kernel reads f32 and bf16 caches (other dtypes take the composed path).
+    let kernel_ms = match dt {
+        DType::F32 | DType::BF16 => time_kernel(a, &cache)?,
+        _ => f64::NAN,
+    };
+    let size = dt.size_in_bytes();
+    let cache_bytes = 2.0 * (b * hk * s * hd * size) as f64;
+    let weight_bytes = ((e * (e + 2 * kv) + e * e) * size) as f64;
     let extra = serde_json::json!({
         "num_kv_heads": hk,
         "cache_bytes": cache_bytes,
@@ -69,8 +75,19 @@ pub fn decode_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
 fn time_kernel(a: &BenchArgs, cache: &multihead::KvCache) -> Result<f64> {
     let (b, h, s) = (a.batch, a.num_heads, a.src_len);
     let (hk, hd, cap) = (cache.kv_heads(), cache.head_dim(), cache.capacity());
-    let k = cache.keys().flatten_all()?.to_vec1::<f32>()?;
-    let v = cache.values().flatten_all()?.to_vec1::<f32>()?;
+    // The cache's own elements: f32, or bf16 bits.
+    let bits = |t: &Tensor| -> Result<Vec<u16>> {
+        // bf16 -> f32 is exact, so rounding back gives the stored bits.
+        let wide = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        Ok(wide.iter().map(|&x| multihead_kernels::convert::f32_to_bf16_bits(x)).collect())
+    };
+    let bf16 = cache.keys().dtype() == DType::BF16;
+    let (k32, v32, k16, v16) = if bf16 {
+        (Vec::new(), Vec::new(), bits(cache.keys())?, bits(cache.values())?)
+    } else {
+        let f = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
+        (f(cache.keys())?, f(cache.values())?, Vec::new(), Vec::new())
+    };
     let q = Tensor::randn(0f32, 1.0, b * h * hd, &Device::Cpu)?.to_vec1::<f32>()?;
     let mut out = vec![0f32; b * h * hd];
     let (kv_len, q_pos, q_len) = (vec![s; b], vec![s.saturating_sub(1); b], vec![1; b]);
@@ -94,7 +111,11 @@ fn time_kernel(a: &BenchArgs, cache: &multihead::KvCache) -> Result<f64> {
     let mut best = f64::INFINITY;
     for i in 0..a.warmup + a.iters.max(1) {
         let t = Instant::now();
-        decode_attention(&p, &q, ql, &k, cl, &v, cl, &mut out, ql)?;
+        if bf16 {
+            decode_attention_bf16(&p, &q, ql, &k16, cl, &v16, cl, &mut out, ql)?;
+        } else {
+            decode_attention(&p, &q, ql, &k32, cl, &v32, cl, &mut out, ql)?;
+        }
         if i >= a.warmup {
             best = best.min(t.elapsed().as_secs_f64() * 1e3);
         }
