@@ -166,6 +166,15 @@ def add_f64_reference(case_dir: Path, replay) -> None:
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(case_dir / "case.safetensors"))
 
 
+def finish_case(out_dir: Path | None, meta: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    """Writes the case (unless ``out_dir`` is None, a trial run) and returns its meta with
+    the tensor shapes, the return value of every kind's ``make_case``."""
+    if out_dir is not None:
+        write_case(out_dir, meta, tensors)
+    meta["tensors"] = {n: list(t.shape) for n, t in tensors.items()}
+    return meta
+
+
 def load_case(case_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     meta = json.loads((case_dir / "case.json").read_text())
     tensors = load_file(str(case_dir / "case.safetensors"))
@@ -612,10 +621,7 @@ def mha_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> d
         "pytorch_path": path,
         "is_causal_applied": causal_applied,
     }
-    if out_dir is not None:
-        write_case(out_dir, meta, tensors)
-    meta["tensors"] = {n: list(t.shape) for n, t in tensors.items()}
-    return meta
+    return finish_case(out_dir, meta, tensors)
 
 
 def mha_expected_names(meta: dict) -> set[str]:
@@ -1554,10 +1560,7 @@ def tf_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> di
         # TransformerEncoder / TransformerDecoder / Transformer: what
         # _detect_is_causal_mask returned (encoder first for Transformer)
         meta["is_causal_detected"] = spy.detected
-    if out_dir is not None:
-        write_case(out_dir, meta, tensors)
-    meta["tensors"] = {n: list(t.shape) for n, t in tensors.items()}
-    return meta
+    return finish_case(out_dir, meta, tensors)
 
 
 def tf_replay(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -2020,10 +2023,7 @@ def sdpa_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> 
         "description": c.get("description", ""),
         "nan": nan,
     }
-    if out_dir is not None:
-        write_case(out_dir, meta, tensors)
-    meta["tensors"] = {n: list(t.shape) for n, t in tensors.items()}
-    return meta
+    return finish_case(out_dir, meta, tensors)
 
 
 def sdpa_replay(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
