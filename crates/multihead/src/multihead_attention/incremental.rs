@@ -185,8 +185,8 @@ impl MultiheadAttention {
         Ok(Step { x: x3, unbatched, batch_first, n, t, counts })
     }
 
-    /// The one decision of a cached call: the fused decode kernel (f32 on the CPU) or the
-    /// composed candle path.
+    /// The one decision of a cached call: the fused decode kernel (f32 or bf16 on the CPU; a
+    /// bf16 cache is read as bf16 and widened in registers) or the composed candle path.
     fn plan_step(&self, step: &Step) -> Result<Plan> {
         decide(CACHED, Backend::Auto, f32_or_bf16_blocker(&step.x))
     }
