@@ -116,4 +116,10 @@ fn autocast_is_scoped_and_f32_outside_it() {
     assert_ne!(bits(&y), bits(&plain));
     let rounded = y.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
     assert_eq!(bits(&y), bits(&rounded));
+    // float16 likewise: the f32 result holds f16 values.
+    let y = autocast(DType::F16, || lin.forward(&x)).unwrap();
+    assert_eq!(y.dtype(), DType::F32);
+    let rounded = y.to_dtype(DType::F16).unwrap().to_dtype(DType::F32).unwrap();
+    assert_eq!(bits(&y), bits(&rounded));
+    assert_ne!(bits(&y), bits(&plain));
 }
