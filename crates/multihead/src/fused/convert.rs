@@ -19,16 +19,52 @@ fn contiguous<'a, T>(v: &'a [T], l: &Layout, op: &str) -> candle_core::Result<&'
     }
 }
 
+/// `src` widened into a new f32 vector (the allocation checked).
+pub(crate) fn widen_vec(src: &[bf16], op: &str) -> candle_core::Result<Vec<f32>> {
+    let mut out = crate::alloc::try_zeros::<f32>(src.len(), op)?;
+    multihead_kernels::convert::bf16_to_f32(src.reinterpret_cast(), &mut out)
+        .map_err(|e| candle_core::Error::Msg(format!("{op}: {e}")))?;
+    Ok(out)
+}
+
+/// `src` rounded (to nearest even) into a new bf16 vector (the allocation checked).
+pub(crate) fn narrow_vec(src: &[f32], op: &str) -> candle_core::Result<Vec<bf16>> {
+    let mut out = crate::alloc::try_zeros::<bf16>(src.len(), op)?;
+    multihead_kernels::convert::f32_to_bf16(src, out.reinterpret_cast_mut())
+        .map_err(|e| candle_core::Error::Msg(format!("{op}: {e}")))?;
+    Ok(out)
+}
+
+/// The f32 values of elements `a..b` of an f32 or bf16 storage: borrowed when f32, widened
+/// into `buf` when bf16 (the kernels that read bf16 themselves take [`bits`] instead).
+pub(crate) fn f32_values<'a>(
+    s: &'a CpuStorage,
+    (a, b): (usize, usize),
+    buf: &'a mut Vec<f32>,
+    op: &str,
+) -> candle_core::Result<&'a [f32]> {
+    match s {
+        CpuStorage::F32(v) => Ok(&v[a..b]),
+        CpuStorage::BF16(v) => {
+            *buf = widen_vec(&v[a..b], op)?;
+            Ok(buf)
+        }
+        _ => candle_core::bail!("{op}: expected f32 or bf16 tensors"),
+    }
+}
+
+/// bf16 values as their bits, what the kernels read.
+pub(crate) fn bits(v: &[bf16]) -> &[u16] {
+    v.reinterpret_cast()
+}
+
 impl CustomOp1 for Widen {
     fn name(&self) -> &'static str {
         "bf16 to f32"
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let CpuStorage::BF16(v) = s else { candle_core::bail!("{}: expected bf16", self.name()) };
-        let src = contiguous(v, l, self.name())?;
-        let mut out = crate::alloc::try_zeros::<f32>(src.len(), self.name())?;
-        multihead_kernels::convert::bf16_to_f32(src.reinterpret_cast(), &mut out)
-            .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", self.name())))?;
+        let out = widen_vec(contiguous(v, l, self.name())?, self.name())?;
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
     fn bwd(
@@ -47,10 +83,7 @@ impl CustomOp1 for NarrowBf16 {
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let CpuStorage::F32(v) = s else { candle_core::bail!("{}: expected f32", self.name()) };
-        let src = contiguous(v, l, self.name())?;
-        let mut out = crate::alloc::try_zeros::<bf16>(src.len(), self.name())?;
-        multihead_kernels::convert::f32_to_bf16(src, out.reinterpret_cast_mut())
-            .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", self.name())))?;
+        let out = narrow_vec(contiguous(v, l, self.name())?, self.name())?;
         Ok((CpuStorage::BF16(out), l.shape().clone()))
     }
     fn bwd(

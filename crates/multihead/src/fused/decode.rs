@@ -4,12 +4,12 @@
 //! cached forward runs without a graph).
 
 use candle_core::{CpuStorage, CustomOp3, InplaceOp2, Layout, Shape, WithDType};
-use half::slice::HalfFloatSliceExt;
 use multihead_kernels::attention::Layout4;
 use multihead_kernels::decode::{
     decode_attention, decode_attention_bf16, DecodeDims, DecodeParams,
 };
 
+use super::convert::{bits, f32_values, narrow_vec};
 use super::flash::Convention;
 
 const APPEND: &str = "kv cache append";
@@ -111,18 +111,13 @@ impl CustomOp3 for DecodeOp {
         vl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let name = self.name();
-        let widened;
-        let q: &[f32] = match qs {
-            CpuStorage::F32(q) => q,
-            CpuStorage::BF16(q) => {
-                let mut w = crate::alloc::try_zeros::<f32>(q.len(), name)?;
-                multihead_kernels::convert::bf16_to_f32(q.reinterpret_cast(), &mut w)
-                    .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
-                widened = w;
-                &widened
-            }
+        let mut widened = Vec::new();
+        let q_len = match qs {
+            CpuStorage::F32(q) => q.len(),
+            CpuStorage::BF16(q) => q.len(),
             _ => candle_core::bail!("{name}: expected f32 or bf16 queries"),
         };
+        let q = f32_values(qs, (0, q_len), &mut widened, name)?;
         let conv = Convention::SeqFirst {
             heads: self.heads,
             head_dim: self.head_dim,
@@ -167,7 +162,7 @@ impl CustomOp3 for DecodeOp {
                 decode_attention(&params, q, q4, &k[k0..], k4, &v[v0..], v4, &mut out, o4)
             }
             (CpuStorage::BF16(_), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                let (k, v): (&[u16], &[u16]) = (k.reinterpret_cast(), v.reinterpret_cast());
+                let (k, v) = (bits(k), bits(v));
                 decode_attention_bf16(&params, q, q4, &k[k0..], k4, &v[v0..], v4, &mut out, o4)
             }
             _ => candle_core::bail!("{name}: queries and cache must all be f32 or all bf16"),
@@ -175,12 +170,7 @@ impl CustomOp3 for DecodeOp {
         .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
         let shape = Shape::from(dims.to_vec());
         match qs {
-            CpuStorage::BF16(_) => {
-                let mut o16 = crate::alloc::try_zeros::<half::bf16>(out.len(), name)?;
-                multihead_kernels::convert::f32_to_bf16(&out, o16.reinterpret_cast_mut())
-                    .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
-                Ok((CpuStorage::BF16(o16), shape))
-            }
+            CpuStorage::BF16(_) => Ok((CpuStorage::BF16(narrow_vec(&out, name)?), shape)),
             _ => Ok((CpuStorage::F32(out), shape)),
         }
     }

@@ -142,7 +142,12 @@ pub(crate) fn decide(op: &'static str, backend: Backend, blocker: Option<Reason>
 
 /// The dtype and device conditions every fused kernel shares.
 pub(crate) fn dtype_device_blocker(t: &Tensor) -> Option<Reason> {
-    if t.dtype() != DType::F32 {
+    blocker_for(t, &[DType::F32])
+}
+
+/// `t` must have one of `dtypes` and be on the CPU.
+fn blocker_for(t: &Tensor, dtypes: &[DType]) -> Option<Reason> {
+    if !dtypes.contains(&t.dtype()) {
         Some(Reason::DType(t.dtype()))
     } else if !matches!(t.device(), Device::Cpu) {
         Some(Reason::Device)
@@ -154,13 +159,7 @@ pub(crate) fn dtype_device_blocker(t: &Tensor) -> Option<Reason> {
 /// The dtype and device conditions of the kernels that also read bfloat16 (the decode
 /// kernel's cache and the few-rows product's weight, widened exactly in registers).
 pub(crate) fn f32_or_bf16_blocker(t: &Tensor) -> Option<Reason> {
-    if !matches!(t.dtype(), DType::F32 | DType::BF16) {
-        Some(Reason::DType(t.dtype()))
-    } else if !matches!(t.device(), Device::Cpu) {
-        Some(Reason::Device)
-    } else {
-        None
-    }
+    blocker_for(t, &[DType::F32, DType::BF16])
 }
 
 /// Whether a float mask takes part in the autograd graph while gradients are wanted.

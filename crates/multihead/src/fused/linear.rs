@@ -7,8 +7,6 @@ use candle_core::{CpuStorage, Layout, Shape, Tensor};
 use multihead_kernels::epilogue::bias_act_in_place;
 pub(crate) use multihead_kernels::epilogue::Act;
 
-use half::slice::HalfFloatSliceExt;
-
 /// `F.linear` as one candle op on f32 CPU tensors: `y = x Wᵀ + b` and its backward
 /// (`dx = dy W`, `dW = dyᵀ x`, `db = Σ dy`) straight on gemm's AVX-512 kernels. One graph node
 /// instead of candle's reshape, matmul, broadcast add and reshape, each of which allocates and
@@ -393,19 +391,10 @@ fn rows_operand<'a>(
     l: &Layout,
     widened: &'a mut Vec<f32>,
 ) -> candle_core::Result<&'a [f32]> {
-    let (a, b) = l
+    let range = l
         .contiguous_offsets()
         .ok_or_else(|| candle_core::Error::Msg(format!("{ROWS}: inputs must be contiguous")))?;
-    match s {
-        CpuStorage::F32(v) => Ok(&v[a..b]),
-        CpuStorage::BF16(v) => {
-            *widened = crate::alloc::try_zeros::<f32>(b - a, ROWS)?;
-            multihead_kernels::convert::bf16_to_f32(v[a..b].reinterpret_cast(), widened)
-                .map_err(|e| candle_core::Error::Msg(format!("{ROWS}: {e}")))?;
-            Ok(widened)
-        }
-        _ => candle_core::bail!("{ROWS}: expected f32 or bf16 tensors"),
-    }
+    super::convert::f32_values(s, range, widened, ROWS)
 }
 
 impl RowsLinear {
@@ -441,12 +430,9 @@ impl RowsLinear {
                 Ok((CpuStorage::F32(y), shape))
             }
             (CpuStorage::BF16(_), CpuStorage::BF16(w)) => {
-                let w: &[u16] = w[w0..w1].reinterpret_cast();
+                let w = super::convert::bits(&w[w0..w1]);
                 multihead_kernels::gemv::linear_rows_bf16(x, m, k, w, n, b, &mut y).map_err(err)?;
-                let mut y16 = crate::alloc::try_zeros::<half::bf16>(y.len(), ROWS)?;
-                multihead_kernels::convert::f32_to_bf16(&y, y16.reinterpret_cast_mut())
-                    .map_err(err)?;
-                Ok((CpuStorage::BF16(y16), shape))
+                Ok((CpuStorage::BF16(super::convert::narrow_vec(&y, ROWS)?), shape))
             }
             _ => candle_core::bail!("{ROWS}: x and the weight must both be f32 or both bf16"),
         }
