@@ -222,3 +222,23 @@ fn embed_rejects_an_invalid_config() {
     let t = text(&o);
     assert!(t.contains("layer_norm_eps") && t.contains("-1"), "{t}");
 }
+
+/// SDPA cases: a dropout draw that cannot be replayed, aliasing, an unknown call key, a
+/// constructor dtype that the stored tensors do not have and a mask of the wrong kind are
+/// errors that name the key, never a pass.
+#[test]
+fn malformed_sdpa_cases_are_errors_that_name_the_key() {
+    let cases: [(&str, &str, fn(&mut Value)); 5] = [
+        ("dropout", "call.dropout_p", |v| v["call"]["dropout_p"] = 0.1.into()),
+        ("alias", "aliasing", |v| v["aliasing"]["key_is_query"] = true.into()),
+        ("unknown", "call.need_weights", |v| v["call"]["need_weights"] = true.into()),
+        ("dtype", "constructor.dtype", |v| v["constructor"]["dtype"] = "float64".into()),
+        ("kind", "attn_mask", |v| v["call"]["attn_mask"] = "float".into()),
+    ];
+    for (name, want, edit) in cases {
+        let dir = edited_case("sdpa/sdpa_bool_mask_f32", &format!("sdpa-{name}"), edit);
+        let o = check(&dir);
+        assert!(!o.status.success(), "{name}: {}", text(&o));
+        assert!(text(&o).contains(want), "{name}: {}", text(&o));
+    }
+}

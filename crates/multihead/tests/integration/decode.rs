@@ -654,6 +654,30 @@ fn a_bf16_cache_takes_the_fused_kernel_and_agrees_with_the_composed_path() {
             .collect()
     };
     assert_eq!(bits(&y16), bits(&y32.to_dtype(DType::BF16).unwrap()));
+    // Strided and broadcast bf16 rows, a broadcast bias, and NaN: as the widened product.
+    let wide_x = rand_t(&[3, 50], DType::BF16, 6, 1.0);
+    let strided = wide_x.narrow(1, 5, 40).unwrap();
+    let bcast = rand_t(&[1, 40], DType::BF16, 7, 1.0).broadcast_as((4, 40)).unwrap();
+    let mut nan = rand_t(&[2, 40], DType::F32, 8, 1.0).to_vec2::<f32>().unwrap();
+    nan[1][7] = f32::NAN;
+    let nan = Tensor::new(nan, &dev()).unwrap().to_dtype(DType::BF16).unwrap();
+    let b_view = rand_t(&[1, 24], DType::BF16, 9, 0.3).broadcast_as((1, 24)).unwrap();
+    let lin16b = multihead::Linear::from_weights(w.clone(), Some(b_view.squeeze(0).unwrap()));
+    let lin32b = multihead::Linear::from_weights(wide(&w), Some(wide(&b_view.squeeze(0).unwrap())));
+    for x in [&strided, &bcast, &nan] {
+        let y16 = multihead::no_grad(|| lin16b.forward(x)).unwrap();
+        let y32 = multihead::no_grad(|| lin32b.forward(&wide(x))).unwrap();
+        assert_eq!(bits(&y16), bits(&y32.to_dtype(DType::BF16).unwrap()));
+    }
+    let y = multihead::no_grad(|| lin16b.forward(&nan)).unwrap();
+    let y = y.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+    assert!(y[0].iter().all(|v| v.is_finite()) && y[1].iter().all(|v| v.is_nan()));
+    // Wrong feature size and a dtype that differs from the weight's: the typed errors of
+    // every other path.
+    let err = multihead::no_grad(|| lin16b.forward(&rand_t(&[2, 39], DType::BF16, 1, 1.0)));
+    assert!(matches!(err, Err(Error::Shape { .. })), "{err:?}");
+    let err = multihead::no_grad(|| lin16b.forward(&rand_t(&[2, 40], DType::F32, 1, 1.0)));
+    assert!(matches!(err, Err(Error::DType { .. })), "{err:?}");
 }
 
 #[test]
@@ -675,24 +699,30 @@ fn a_bf16_layer_refuses_an_f32_float_mask_like_an_f32_layer_refuses_an_f64_one()
 
 #[test]
 fn nan_and_broadcast_tokens_behave_alike_on_both_cached_paths() {
-    let m = module(16, 4, Some(2), DType::F32);
-    for backend in [Backend::Auto, Backend::Composed] {
-        with_backend(backend, || {
-            let mut cache = m.new_cache(2, 8).unwrap();
-            // A broadcast (stride-0) batch: both rows see the same token.
-            let tok = rand_t(&[1, 1, 16], DType::F32, 3, 1.0).broadcast_as((2, 1, 16)).unwrap();
-            let y = m.forward_cached(&tok, &mut cache, None).unwrap();
-            assert_eq!(max_diff(&y.get(0).unwrap(), &y.get(1).unwrap()), 0.0, "{backend:?}");
-            // NaN in row 1's next token: row 1 is NaN from then on (its key is cached), row 0 not.
-            let mut v = rand_t(&[2, 1, 16], DType::F32, 4, 1.0).to_vec3::<f32>().unwrap();
-            v[1][0][5] = f32::NAN;
-            let x = Tensor::new(v, &dev()).unwrap();
-            for step in 0..3 {
-                let inp = if step == 0 { x.clone() } else { tok.clone() };
-                let y = m.forward_cached(&inp, &mut cache, None).unwrap().to_vec3::<f32>().unwrap();
-                assert!(y[0][0].iter().all(|x| x.is_finite()), "{backend:?} step {step}");
-                assert!(y[1][0].iter().all(|x| x.is_nan()), "{backend:?} step {step}");
-            }
-        });
+    // f32, and bf16 (whose cache the fused kernel reads as bf16).
+    for dtype in [DType::F32, DType::BF16] {
+        let m = module(16, 4, Some(2), dtype);
+        for backend in [Backend::Auto, Backend::Composed] {
+            with_backend(backend, || {
+                let mut cache = m.new_cache(2, 8).unwrap();
+                // A broadcast (stride-0) batch: both rows see the same token.
+                let tok = rand_t(&[1, 1, 16], dtype, 3, 1.0).broadcast_as((2, 1, 16)).unwrap();
+                let y = m.forward_cached(&tok, &mut cache, None).unwrap();
+                let d = max_diff(&y.get(0).unwrap(), &y.get(1).unwrap());
+                assert_eq!(d, 0.0, "{dtype:?} {backend:?}");
+                // NaN in row 1's next token: row 1 is NaN from then on (its key is cached),
+                // row 0 not.
+                let mut v = rand_t(&[2, 1, 16], DType::F32, 4, 1.0).to_vec3::<f32>().unwrap();
+                v[1][0][5] = f32::NAN;
+                let x = Tensor::new(v, &dev()).unwrap().to_dtype(dtype).unwrap();
+                for step in 0..3 {
+                    let inp = if step == 0 { x.clone() } else { tok.clone() };
+                    let y = m.forward_cached(&inp, &mut cache, None).unwrap();
+                    let y = y.to_dtype(DType::F32).unwrap().to_vec3::<f32>().unwrap();
+                    assert!(y[0][0].iter().all(|x| x.is_finite()), "{dtype:?} {backend:?} {step}");
+                    assert!(y[1][0].iter().all(|x| x.is_nan()), "{dtype:?} {backend:?} {step}");
+                }
+            });
+        }
     }
 }
