@@ -228,7 +228,8 @@ fn embed_rejects_an_invalid_config() {
 /// errors that name the key, never a pass.
 #[test]
 fn malformed_sdpa_cases_are_errors_that_name_the_key() {
-    let cases: [(&str, &str, fn(&mut Value)); 5] = [
+    type Edit = fn(&mut Value);
+    let cases: [(&str, &str, Edit); 5] = [
         ("dropout", "call.dropout_p", |v| v["call"]["dropout_p"] = 0.1.into()),
         ("alias", "aliasing", |v| v["aliasing"]["key_is_query"] = true.into()),
         ("unknown", "call.need_weights", |v| v["call"]["need_weights"] = true.into()),
