@@ -8,8 +8,8 @@
 //! attention-weights pass, with run-time AVX-512 / AVX2 / scalar dispatch), LayerNorm forward
 //! and backward ([`norm`]), GELU and ReLU forward and backward ([`activation`]), the
 //! bias-and-activation pass after a linear layer's product ([`epilogue`]), attention of a few
-//! new rows over a KV cache ([`decode`]), products of a few rows with a weight ([`gemv`]),
-//! bf16 conversions ([`convert`]) and the counter-based dropout generator ([`dropout`]), which
+//! new rows over a KV cache ([`decode`]), products of a few rows with a weight ([`gemv`]), a
+//! packed GEMM of bf16 operands on AVX512-BF16 ([`bf16gemm`]), bf16 conversions ([`convert`]) and the counter-based dropout generator ([`dropout`]), which
 //! the attention forward and backward share so that a backward pass can regenerate the
 //! forward's mask without storing it.
 //!
@@ -24,6 +24,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod bf16gemm;
 pub mod convert;
 pub mod decode;
 pub mod dropout;

@@ -1,0 +1,258 @@
+//! The blocked driver: `k` and `n` blocks, `B` packed once per block by all threads, then the
+//! rows of `A` in blocks spread over the threads, each rounding its block to bf16 and running
+//! the micro-kernel over its tiles.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::micro::micro_portable;
+use super::pack::{pack_a, pack_b};
+use super::{BfMat, KC, MR, NC, NR};
+use crate::attention::exec::{ConstPtr, SyncPtr};
+use crate::attention::KernelError;
+
+/// Row blocks of `A`: `16 · MR` rows (96 rows of `KC` bf16, 36 KiB).
+const MC: usize = 16 * MR;
+/// `B` panels one packing task handles.
+const PACK_PANELS: usize = 2;
+
+thread_local! {
+    /// The packed `B` block, reused across calls on the calling thread.
+    static PACKED_B: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    /// A worker's rounded block of `A`, reused across tasks.
+    static A_BLOCK: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on `key`'s buffer grown to at least `len` elements (a private one if the thread's
+/// is in use by a re-entrant call, which is not expected), or errors naming what could not be
+/// allocated.
+fn with_buffer<T: Copy + Default + 'static, R>(
+    key: &'static std::thread::LocalKey<RefCell<Vec<T>>>,
+    len: usize,
+    what: &str,
+    f: impl FnOnce(&mut [T]) -> Result<R, KernelError>,
+) -> Result<R, KernelError> {
+    key.with(|cell| {
+        let mut own = Vec::new();
+        let mut guard = cell.try_borrow_mut();
+        let v = match guard.as_mut() {
+            Ok(v) => &mut **v,
+            Err(_) => &mut own,
+        };
+        if v.len() < len {
+            v.try_reserve_exact(len - v.len()).map_err(|_| KernelError::InvalidArgument {
+                name: "matmul_bf16",
+                msg: format!("cannot allocate {len} elements to pack {what}"),
+            })?;
+            v.resize(len, T::default());
+        }
+        f(v)
+    })
+}
+
+/// The pointer inside (a function, so that closures capture the shareable wrapper whole).
+fn raw<T>(p: SyncPtr<T>) -> *mut T {
+    p.0
+}
+
+/// How the rows of `A` are cut: `(mc, row blocks)`, at least two blocks per thread when the
+/// rows allow it.
+fn row_blocks(m: usize, threads: usize) -> (usize, usize) {
+    let mut mc = MC;
+    if threads > 1 && m.div_ceil(mc) < 2 * threads {
+        mc = m.div_ceil(2 * threads).div_ceil(MR).max(1) * MR;
+    }
+    (mc, m.div_ceil(mc))
+}
+
+/// Which micro-kernel runs: AVX512-BF16 when the CPU has it and the SIMD level is AVX-512.
+#[derive(Clone, Copy)]
+enum Kernel {
+    #[cfg(target_arch = "x86_64")]
+    Avx512Bf16,
+    Portable,
+}
+
+fn kernel() -> Kernel {
+    #[cfg(target_arch = "x86_64")]
+    if super::rate::bf16_dot_available()
+        && crate::attention::simd_level() == crate::attention::SimdLevel::Avx512
+    {
+        return Kernel::Avx512Bf16;
+    }
+    Kernel::Portable
+}
+
+/// Runs the product (arguments checked by `matmul_bf16`, `m, n, k > 0`).
+pub(super) fn run(
+    a: &BfMat,
+    b: &BfMat,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) -> Result<(), KernelError> {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    let kern = kernel();
+    let nc_max = NC.min(n.div_ceil(NR) * NR);
+    let len = KC.min(k).div_ceil(2) * nc_max;
+    with_buffer(&PACKED_B, len, "b", |buf| {
+        let packed = SyncPtr(buf.as_mut_ptr());
+        let threads = rayon::current_num_threads().max(1);
+        let (mc, blocks) = row_blocks(m, threads);
+        let c = SyncPtr(c.as_mut_ptr());
+        for j0 in (0..n).step_by(NC) {
+            let cols = (n - j0).min(NC);
+            let panels = cols.div_ceil(NR);
+            // Few row blocks: also cut the columns, so that every thread has work.
+            let col_parts =
+                if blocks >= 2 * threads { 1 } else { (2 * threads).div_ceil(blocks).min(panels) };
+            for p0 in (0..k).step_by(KC) {
+                let kc = (k - p0).min(KC);
+                (0..panels.div_ceil(PACK_PANELS)).into_par_iter().for_each(|t| {
+                    let range = t * PACK_PANELS..((t + 1) * PACK_PANELS).min(panels);
+                    // SAFETY: the block lies inside `b` (checked by `matmul_bf16`); the buffer
+                    // holds `panels` panels of `kc/2 · NR` words (sized above) and this task
+                    // alone writes its panels.
+                    unsafe { pack_b(b, p0, kc, j0, cols, range, raw(packed)) }
+                });
+                let block = Block { p0, kc, j0, cols, panels, packed: ConstPtr(packed.0) };
+                let pass =
+                    Pass { a, block, m, mc, col_parts, c, ldc, load_c: p0 > 0 || accumulate };
+                (0..blocks * col_parts).into_par_iter().try_for_each(|t| pass.task(t, kern))?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// One `(k block, n block)` of the product and where its packed `B` lives.
+#[derive(Clone, Copy)]
+struct Block {
+    p0: usize,
+    kc: usize,
+    j0: usize,
+    cols: usize,
+    panels: usize,
+    packed: ConstPtr<u32>,
+}
+
+/// The compute pass over one block: row blocks of `A` times parts of the `B` panels.
+struct Pass<'a> {
+    a: &'a BfMat<'a>,
+    block: Block,
+    m: usize,
+    mc: usize,
+    col_parts: usize,
+    c: SyncPtr<f32>,
+    ldc: usize,
+    load_c: bool,
+}
+
+impl Pass<'_> {
+    /// Task `t`: one row block of `A` against one part of the `B` panels.
+    fn task(&self, t: usize, kern: Kernel) -> Result<(), KernelError> {
+        let x = &self.block;
+        let (rb, part) = (t / self.col_parts, t % self.col_parts);
+        let i0 = rb * self.mc;
+        let rows = self.mc.min(self.m - i0);
+        let padded = rows.div_ceil(MR) * MR;
+        let kp = x.kc.div_ceil(2);
+        let lda = 2 * kp;
+        let (q0, q1) = (part * x.panels / self.col_parts, (part + 1) * x.panels / self.col_parts);
+        with_buffer(&A_BLOCK, padded * lda, "a", |abuf| {
+            // SAFETY: `abuf` holds `padded · lda` elements; the block lies inside `a`
+            // (checked by `matmul_bf16`); tiles are inside `C` (checked too) and this task
+            // alone writes rows `i0..i0+rows` of panels `q0..q1`; the packed `B` was written
+            // before this pass began.
+            unsafe {
+                let dst = abuf.as_mut_ptr();
+                match kern {
+                    // The kernel is chosen only where the CPU has AVX-512F (and BW with it).
+                    #[cfg(target_arch = "x86_64")]
+                    Kernel::Avx512Bf16 => {
+                        super::pack::pack_a_avx512(self.a, i0, rows, padded, x.p0, x.kc, dst, lda)
+                    }
+                    Kernel::Portable => pack_a(self.a, i0, rows, padded, x.p0, x.kc, dst, lda),
+                }
+                for q in q0..q1 {
+                    let bpanel = x.packed.0.add(q * kp * NR);
+                    let j = x.j0 + q * NR;
+                    let cols = NR.min(x.cols - q * NR);
+                    for ir in (0..rows).step_by(MR) {
+                        let ap = abuf.as_ptr().add(ir * lda);
+                        let c = self.c.0.add((i0 + ir) * self.ldc + j);
+                        let live = MR.min(rows - ir);
+                        let tile = Tile { kp, a: ap, lda, b: bpanel, load_c: self.load_c };
+                        if live == MR && cols == NR {
+                            tile.run(kern, c, self.ldc);
+                        } else {
+                            tile.edge(kern, c, self.ldc, live, cols);
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// One micro-tile's operands.
+struct Tile {
+    kp: usize,
+    a: *const u16,
+    lda: usize,
+    b: *const u32,
+    load_c: bool,
+}
+
+impl Tile {
+    /// The full tile into `c`.
+    ///
+    /// # Safety
+    /// As for the micro-kernels: `MR` rows of `A`, a whole panel, a full tile of `C`.
+    #[inline(always)]
+    unsafe fn run(&self, kern: Kernel, c: *mut f32, ldc: usize) {
+        let Tile { kp, a, lda, b, load_c } = *self;
+        // SAFETY: forwarded; `Avx512Bf16` is chosen only where the CPU has the features.
+        unsafe {
+            match kern {
+                #[cfg(target_arch = "x86_64")]
+                Kernel::Avx512Bf16 => super::micro::micro_avx512bf16(kp, a, lda, b, c, ldc, load_c),
+                Kernel::Portable => micro_portable(kp, a, lda, b, c, ldc, load_c),
+            }
+        }
+    }
+
+    /// A partial tile (`live` rows, `cols` columns): computed whole in a local buffer, then
+    /// the live part copied out.
+    ///
+    /// # Safety
+    /// As for `run`, except that only `live × cols` of the `C` tile need exist.
+    unsafe fn edge(&self, kern: Kernel, c: *mut f32, ldc: usize, live: usize, cols: usize) {
+        let mut tile = [0f32; MR * NR];
+        // SAFETY: the local tile is full size; `c` is read and written in its live part only.
+        unsafe {
+            if self.load_c {
+                for r in 0..live {
+                    std::ptr::copy_nonoverlapping(
+                        c.add(r * ldc),
+                        tile.as_mut_ptr().add(r * NR),
+                        cols,
+                    );
+                }
+            }
+            self.run(kern, tile.as_mut_ptr(), NR);
+            for r in 0..live {
+                std::ptr::copy_nonoverlapping(tile.as_ptr().add(r * NR), c.add(r * ldc), cols);
+            }
+        }
+    }
+}
+
+impl Clone for Tile {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl Copy for Tile {}

@@ -1,0 +1,101 @@
+//! The register micro-kernels: one `MR × NR` tile of `C` from `MR` bf16 rows of `A` (row
+//! stride `lda`, read a pair of `k` at a time) and a packed `B` panel (`kp × NR` pair words).
+
+use super::{MR, NR};
+use crate::convert::bf16_bits_to_f32;
+
+/// `C[0..MR, 0..NR] (+)= Σ_p A[·, 2p..2p+2] · B[p]` on AVX512-BF16: per pair, four `B`
+/// vectors, `MR` broadcast pairs of `A` and `4·MR` `vdpbf16ps` into 24 accumulators.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX512-BF16; `a` holds `MR` rows of `2·kp` elements `lda` apart;
+/// `b` holds `kp · NR` words; `c` a full `MR × NR` tile with row stride `ldc`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(super) unsafe fn micro_avx512bf16(
+    kp: usize,
+    a: *const u16,
+    lda: usize,
+    b: *const u32,
+    c: *mut f32,
+    ldc: usize,
+    load_c: bool,
+) {
+    use std::arch::x86_64::*;
+    const NV: usize = NR / 16;
+    // SAFETY: every offset stays inside the rows, panel and tile the caller describes;
+    // `__m512i` and `__m512bh` are both 64 bytes of lanes, so the transmutes only retype.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+        if load_c {
+            for (r, row) in acc.iter_mut().enumerate() {
+                for (v, x) in row.iter_mut().enumerate() {
+                    *x = _mm512_loadu_ps(c.add(r * ldc + v * 16));
+                }
+            }
+        }
+        for p in 0..kp {
+            let mut bv = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); NV];
+            for (v, x) in bv.iter_mut().enumerate() {
+                let ptr = b.add(p * NR + v * 16) as *const __m512i;
+                *x = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(ptr));
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                let pair = (a.add(r * lda + 2 * p) as *const u32).read_unaligned();
+                let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair as i32));
+                for (x, bx) in row.iter_mut().zip(bv.iter()) {
+                    *x = _mm512_dpbf16_ps(*x, av, *bx);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (v, x) in row.iter().enumerate() {
+                _mm512_storeu_ps(c.add(r * ldc + v * 16), *x);
+            }
+        }
+    }
+}
+
+/// The portable micro-kernel: the same sums in the same order (per pair, the odd product,
+/// then the even one, each exact in f32 and added with one rounding), subnormals kept.
+///
+/// # Safety
+/// As for `micro_avx512bf16`, without the CPU requirement.
+pub(super) unsafe fn micro_portable(
+    kp: usize,
+    a: *const u16,
+    lda: usize,
+    b: *const u32,
+    c: *mut f32,
+    ldc: usize,
+    load_c: bool,
+) {
+    let mut acc = [[0f32; NR]; MR];
+    // SAFETY: every offset stays inside the rows, panel and tile the caller describes.
+    unsafe {
+        if load_c {
+            for (r, row) in acc.iter_mut().enumerate() {
+                for (j, x) in row.iter_mut().enumerate() {
+                    *x = *c.add(r * ldc + j);
+                }
+            }
+        }
+        for p in 0..kp {
+            let words = std::slice::from_raw_parts(b.add(p * NR), NR);
+            for (r, row) in acc.iter_mut().enumerate() {
+                let lo = bf16_bits_to_f32(*a.add(r * lda + 2 * p));
+                let hi = bf16_bits_to_f32(*a.add(r * lda + 2 * p + 1));
+                for (x, &w) in row.iter_mut().zip(words) {
+                    let (blo, bhi) =
+                        (bf16_bits_to_f32(w as u16), bf16_bits_to_f32((w >> 16) as u16));
+                    *x = (*x + hi * bhi) + lo * blo;
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (j, x) in row.iter().enumerate() {
+                *c.add(r * ldc + j) = *x;
+            }
+        }
+    }
+}

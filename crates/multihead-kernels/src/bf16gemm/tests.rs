@@ -1,0 +1,171 @@
+#![allow(clippy::unwrap_used)]
+
+use super::*;
+use crate::attention::{with_simd_level, SimdLevel};
+use crate::convert::f32_to_bf16_bits;
+use crate::testutil::{levels, rand_vec};
+
+/// The three layouts `multihead` would use: `x·Wᵀ`, `dy·W` and `dyᵀ·x`, as
+/// `(a strides, b strides)` over row-major data.
+fn layouts(m: usize, n: usize, k: usize) -> [([usize; 2], [usize; 2]); 3] {
+    [([k, 1], [1, k]), ([k, 1], [n, 1]), ([1, m], [n, 1])]
+}
+
+fn view<'a>(data: Elems<'a>, rows: usize, cols: usize, s: [usize; 2]) -> BfMat<'a> {
+    BfMat { data, rows, cols, row_stride: s[0], col_stride: s[1] }
+}
+
+/// `|x - y| <= tol · (1 + Σ|a||b|)` per element (f32 summation error against f64), NaN
+/// where both are NaN.
+fn assert_close(got: &[f32], want: &[f32], scale: &[f32], tol: f32, what: &str) {
+    for (i, ((g, w), s)) in got.iter().zip(want).zip(scale).enumerate() {
+        if g.is_nan() && w.is_nan() {
+            continue;
+        }
+        assert!((g - w).abs() <= tol * (1.0 + s), "{what}: element {i}: {g} vs {w}");
+    }
+}
+
+/// `Σ_p |a_ip||b_pj|` of the rounded operands (the scale of the summation error).
+fn abs_products(a: BfMat, b: BfMat, ldc: usize) -> Vec<f32> {
+    let abs = |x: &[f32]| x.iter().map(|v| v.abs()).collect::<Vec<_>>();
+    let (fa, fb) = match (a.data, b.data) {
+        (Elems::F32(x), Elems::F32(y)) => (abs(x), abs(y)),
+        _ => unreachable!("f32 operands only"),
+    };
+    let mut out = vec![0f32; a.rows * ldc];
+    let av = BfMat { data: Elems::F32(&fa), ..a };
+    let bv = BfMat { data: Elems::F32(&fb), ..b };
+    matmul_bf16_reference(av, bv, &mut out, ldc, false).unwrap();
+    out
+}
+
+#[test]
+fn matches_the_reference_for_every_layout_level_and_thread_count() {
+    // Awkward sizes: edge tiles both ways, odd k, several k blocks (KC = 192), one row, more
+    // columns than one n block (NC = 1024).
+    let shapes =
+        [(1, 1, 1), (13, 65, 7), (25, 47, 385), (7, 1030, 64), (200, 35, 193), (3, 200, 2)];
+    for (m, n, k) in shapes {
+        let a = rand_vec(m * k, (m * k) as u64);
+        let b = rand_vec(k * n, (k * n + 1) as u64);
+        for (sa, sb) in layouts(m, n, k) {
+            let (av, bv) = (view(Elems::F32(&a), m, k, sa), view(Elems::F32(&b), k, n, sb));
+            let ldc = n + 3;
+            let c0 = rand_vec(m * ldc, 11);
+            let scale = abs_products(av, bv, ldc);
+            for accumulate in [false, true] {
+                let mut want = c0.clone();
+                matmul_bf16_reference(av, bv, &mut want, ldc, accumulate).unwrap();
+                let mut first: Option<Vec<f32>> = None;
+                for level in levels() {
+                    for threads in [1, 2, 3] {
+                        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
+                        let mut got = c0.clone();
+                        pool.unwrap().install(|| {
+                            with_simd_level(level, || {
+                                matmul_bf16(av, bv, &mut got, ldc, accumulate).unwrap()
+                            })
+                        });
+                        let what = format!(
+                            "{m}x{n}x{k} {sa:?}/{sb:?} acc={accumulate} {level:?} t={threads}"
+                        );
+                        assert_close(&got, &want, &scale, 2e-6 * k as f32, &what);
+                        // Padding columns of C are never written.
+                        for i in 0..m {
+                            assert_eq!(
+                                &got[i * ldc + n..(i + 1) * ldc],
+                                &c0[i * ldc + n..(i + 1) * ldc]
+                            );
+                        }
+                        // The same result for every thread count (the order does not move).
+                        if threads == 1 {
+                            first = Some(got);
+                        } else {
+                            assert_eq!(Some(&got), first.as_ref(), "{what}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_operands_give_what_their_f32_values_give() {
+    let (m, n, k) = (19, 70, 203);
+    let a = rand_vec(m * k, 5).iter().map(|&x| f32_to_bf16_bits(x * 3.0)).collect::<Vec<_>>();
+    let w = rand_vec(n * k, 6).iter().map(|&x| f32_to_bf16_bits(x)).collect::<Vec<_>>();
+    let wide =
+        |v: &[u16]| v.iter().map(|&b| crate::convert::bf16_bits_to_f32(b)).collect::<Vec<_>>();
+    let (a32, w32) = (wide(&a), wide(&w));
+    let mut from_bits = vec![0f32; m * n];
+    let mut from_f32 = vec![0f32; m * n];
+    matmul_bf16(BfMat::bf16(&a, m, k), BfMat::bf16(&w, n, k).t(), &mut from_bits, n, false)
+        .unwrap();
+    matmul_bf16(BfMat::f32(&a32, m, k), BfMat::f32(&w32, n, k).t(), &mut from_f32, n, false)
+        .unwrap();
+    assert_eq!(from_bits, from_f32);
+}
+
+#[test]
+fn rounds_f32_operands_to_nearest_even_bf16() {
+    // 1 + 2^-8 is halfway between two bf16 values and rounds to 1 (even); 1 + 3·2^-8 rounds
+    // up to 1 + 2^-6; the product with 1.0 shows what each operand became.
+    let x = [1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0];
+    let one = [1.0f32];
+    let mut y = [0f32; 2];
+    matmul_bf16(BfMat::f32(&x, 2, 1), BfMat::f32(&one, 1, 1), &mut y, 1, false).unwrap();
+    assert_eq!(y, [1.0, 1.0 + 1.0 / 64.0]);
+}
+
+#[test]
+fn propagates_nan_and_infinity_and_agrees_across_kernels_on_normal_numbers() {
+    let (m, n, k) = (8, 64, 10);
+    let mut a = rand_vec(m * k, 1);
+    let b = rand_vec(k * n, 2);
+    a[3] = f32::NAN; // row 0
+    a[k + 2] = f32::INFINITY; // row 1
+    let mut got = vec![0f32; m * n];
+    let mut portable = vec![0f32; m * n];
+    matmul_bf16(BfMat::f32(&a, m, k), BfMat::f32(&b, k, n), &mut got, n, false).unwrap();
+    with_simd_level(SimdLevel::Scalar, || {
+        matmul_bf16(BfMat::f32(&a, m, k), BfMat::f32(&b, k, n), &mut portable, n, false).unwrap()
+    });
+    assert!(got[..n].iter().all(|x| x.is_nan()));
+    assert!(got[n..2 * n].iter().all(|x| x.is_infinite() || x.is_nan()));
+    for (g, p) in got.iter().zip(&portable) {
+        assert!(g.to_bits() == p.to_bits() || (g.is_nan() && p.is_nan()), "{g} vs {p}");
+    }
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    let a = [0f32; 6];
+    let mut c = [0f32; 4];
+    let e = matmul_bf16(BfMat::f32(&a, 2, 3), BfMat::f32(&a, 2, 3), &mut c, 2, false);
+    assert!(matches!(e, Err(KernelError::InvalidArgument { name: "b", .. })), "{e:?}");
+    let e = matmul_bf16(BfMat::f32(&a, 2, 3), BfMat::f32(&a, 3, 2), &mut c[..3], 2, false);
+    assert!(matches!(e, Err(KernelError::SliceTooShort { name: "c", .. })), "{e:?}");
+    let e = matmul_bf16(BfMat::f32(&a[..5], 2, 3), BfMat::f32(&a, 3, 2), &mut c, 2, false);
+    assert!(matches!(e, Err(KernelError::SliceTooShort { name: "a", .. })), "{e:?}");
+    let e = matmul_bf16(BfMat::f32(&a, 2, 3), BfMat::f32(&a, 3, 2), &mut c, 1, false);
+    assert!(matches!(e, Err(KernelError::OverlappingOutput { name: "c" })), "{e:?}");
+    let huge = BfMat { row_stride: usize::MAX, ..BfMat::f32(&a, 2, 3) };
+    let e = matmul_bf16(huge, BfMat::f32(&a, 3, 2), &mut c, 2, false);
+    assert!(matches!(e, Err(KernelError::Overflow { name: "a" })), "{e:?}");
+    // k = 0: C is zeroed, or kept when accumulating.
+    let mut c = [5f32; 4];
+    matmul_bf16(BfMat::f32(&[], 2, 0), BfMat::f32(&[], 0, 2), &mut c, 2, true).unwrap();
+    assert_eq!(c, [5.0; 4]);
+    matmul_bf16(BfMat::f32(&[], 2, 0), BfMat::f32(&[], 0, 2), &mut c, 2, false).unwrap();
+    assert_eq!(c, [0.0; 4]);
+}
+
+#[test]
+fn the_rate_is_measured_where_the_instruction_exists() {
+    assert_eq!(bf16_dot_speedup().is_some(), bf16_dot_available());
+    if let Some(r) = bf16_dot_speedup() {
+        assert!(r.is_finite() && r > 0.05 && r < 20.0, "speedup {r}");
+    }
+}
