@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,13 +75,22 @@ def torch_case(torch, dtype, module, flags, warmup, iters):
         return bench_proc.timed(lambda: layer(x), warmup, iters)[0]
 
 
-def rust_case(dtype, module, flags, threads, warmup, iters):
+def rust_case(dtype, module, flags, threads, warmup, iters, products=None):
+    """multihead's fastest time; ``products`` (``direct``/``widened``) sets
+    ``MULTIHEAD_BF16_PRODUCTS`` (default: the binary's own choice)."""
+    return rust_json(dtype, module, flags, threads, warmup, iters, products)["min_ms"]
+
+
+def rust_json(dtype, module, flags, threads, warmup, iters, products=None):
     cmd = [str(BIN), "bench", "--module", module, "--dtype", dtype, "--batch", str(B),
            "--tgt-len", str(L), "--src-len", str(L), "--embed-dim", str(E), "--num-heads", str(H),
            "--dim-feedforward", str(F), "--activation", "gelu", "--threads", str(threads),
            "--warmup", str(warmup), "--iters", str(iters), "--json"] + flags
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
-    return json.loads(res.stdout.strip().splitlines()[-1])["min_ms"]
+    env = dict(os.environ)
+    if products:
+        env["MULTIHEAD_BF16_PRODUCTS"] = products
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True, env=env)
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def report_lines(doc):
@@ -97,18 +107,36 @@ def report_lines(doc):
         f"layers. GFLOP/s are model flops over the bf16 time, {share_text}. A share above "
         "100% means multihead's f32 FMAs outrun the machine's `vdpbf16ps` rate (on some CPUs, "
         "such as this family 6 model 207 Xeon, `vdpbf16ps` runs at half the f32 FMA rate).\n",
+        "Without a gradient, multihead can instead multiply bf16 operands on its AVX512-BF16 "
+        "kernel (`multihead_kernels::bf16gemm`, `multihead::Bf16Products`); it does so by itself "
+        "where that instruction outruns f32 FMA. This CPU's measured `vdpbf16ps`/FMA rate is "
+        f"{doc.get('bf16_dot_speedup') or 0:.2f}, so the default here is "
+        f"{'direct' if doc.get('bf16_products') else 'widened'}; the column \"direct "
+        "products\" forces the other way (`MULTIHEAD_BF16_PRODUCTS=direct`) for the forward "
+        "cases (training always widens).\n",
         "| case | PyTorch bf16 | PyTorch f32 | multihead bf16 | multihead f32 | bf16 speed-up "
-        "| multihead bf16 GFLOP/s (share of bf16 peak) |",
-        "|---|---|---|---|---|---|---|",
+        "| multihead bf16 GFLOP/s (share of bf16 peak) | multihead bf16, direct products |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
         g = r["flops"] / (r["ours_bf16"] * 1e-3) / 1e9
         share = f" ({100 * g / peak:.0f}%)" if peak else ""
         lines.append(f"| {r['label']} | {r['torch_bf16']:.1f} ms | {r['torch_f32']:.1f} ms | "
                      f"{r['ours_bf16']:.1f} ms | {r['ours_f32']:.1f} ms | "
-                     f"{r['torch_bf16'] / r['ours_bf16']:.2f}x | {g:.0f}{share} |")
+                     f"{r['torch_bf16'] / r['ours_bf16']:.2f}x | {g:.0f}{share} | "
+                     f"{direct_cell(r, peak)} |")
     lines.append("")
     return lines
+
+
+def direct_cell(r, peak):
+    """The forced-direct time, its GFLOP/s and share of the bf16 peak, or n/a."""
+    ms = r.get("ours_bf16_direct")
+    if ms is None:
+        return "n/a (training widens)"
+    g = r["flops"] / (ms * 1e-3) / 1e9
+    share = f", {100 * g / peak:.0f}% of bf16 peak" if peak else ""
+    return f"{ms:.1f} ms ({g:.0f} GFLOP/s{share})"
 
 
 def evaluate_targets(doc):
@@ -140,18 +168,24 @@ def main():
     if not BIN.exists():
         sys.exit(f"build the binary first: cargo build --release -p multihead-cli ({BIN})")
     warmup, iters = (1, 2) if opts.quick else (2, 6)
-    rows = []
+    rows, choice = [], {}
     for label, module, flags in CASES:
         row = {"label": label, "flops": flops(module, flags)}
         row["torch_bf16"] = torch_case(torch, torch.bfloat16, module, flags, warmup, iters)
         row["torch_f32"] = torch_case(torch, torch.float32, module, flags, warmup, iters)
-        row["ours_bf16"] = rust_case("bf16", module, flags, opts.threads, warmup, iters)
+        first = rust_json("bf16", module, flags, opts.threads, warmup, iters)
+        row["ours_bf16"] = first["min_ms"]
+        choice["bf16_products"] = first.get("bf16_products")
+        choice["bf16_dot_speedup"] = first.get("bf16_dot_speedup")
+        if "--backward" not in flags:
+            row["ours_bf16_direct"] = rust_case("bf16", module, flags, opts.threads, warmup, iters,
+                                                "direct")
         row["ours_f32"] = rust_case("f32", module, flags, opts.threads, warmup, iters)
         rows.append(row)
         print(f"{label}: torch bf16 {row['torch_bf16']:.1f} ms, multihead bf16 "
               f"{row['ours_bf16']:.1f} ms", file=sys.stderr, flush=True)
     doc = {"threads": opts.threads, "torch_version": torch.__version__, "quick": opts.quick,
-           "bf16_peak": opts.bf16_peak, "rows": rows}
+           "bf16_peak": opts.bf16_peak, "rows": rows, **choice}
     opts.json_out.parent.mkdir(parents=True, exist_ok=True)
     opts.json_out.write_text(json.dumps(doc, indent=1))
     print("\n".join(report_lines(doc)))

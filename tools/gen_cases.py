@@ -1028,6 +1028,10 @@ def mha_fixture_configs() -> list[dict]:
         "bfloat16, separate weights (kdim=16, vdim=24), batch_first, eval forward",
         kdim=16, vdim=24, L=6, S=8, batch_first=True, training=False, grad_mode=False,
         need_weights=False, **BF16)
+    add("bf16_self_kpm_eval",
+        "bfloat16 self-attention, bool kpm, eval forward under no_grad (bf16 products)",
+        alias="self", L=12, S=12, kpm=_bk(), training=False, grad_mode=False,
+        need_weights=False, **BF16)
     return C
 
 
@@ -1884,6 +1888,16 @@ def tf_fixture_configs() -> list[dict]:
         **BF16T)
     add(EN, "bf16_encoder_stack_eval", "bfloat16 encoder stack of 2, final norm, eval forward",
         S=7, norm=True, training=False, grad_mode=False, **BF16T)
+    BF16E = {"training": False, "grad_mode": False}
+    add(EL, "bf16_enc_layer_gelu_kpm_eval",
+        "bfloat16 encoder layer, gelu, bool kpm, eval forward under no_grad (bf16 products)",
+        S=12, masks={"src_key_padding_mask": _kp()}, **GELU, **BF16T, **BF16E)
+    add(EL, "bf16_enc_layer_wide_eval",
+        "bfloat16 encoder layer d=64 ff=256 (two k blocks of the bf16 product), eval forward",
+        S=12, **{**BF16T, "d_model": 64, "dim_feedforward": 256}, **BF16E)
+    add(DL, "bf16_dec_layer_eval",
+        "bfloat16 decoder layer, float causal tgt_mask, eval forward under no_grad",
+        T=7, S=9, masks={"tgt_mask": _am("float", "causal")}, **BF16T, **BF16E)
     return C
 
 

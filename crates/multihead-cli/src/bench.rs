@@ -88,7 +88,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pub json: bool,
     /// The parameter and input dtype: f32 or bf16 (bf16 computes each operation in f32 and
-    /// rounds once; the decode module keeps its cache in this dtype).
+    /// rounds once; without a gradient, its products take bf16 operands where the CPU's bf16
+    /// dot product outruns f32 FMA, or as `MULTIHEAD_BF16_PRODUCTS=direct|widened` says; the
+    /// decode module keeps its cache in this dtype).
     #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
     pub dtype: DTypeArg,
 }
@@ -332,6 +334,8 @@ fn report(
                 "module": format!("{:?}", a.module), "dim_feedforward": a.dim_feedforward,
                 "activation": a.activation, "eval": a.eval, "key_padding": a.key_padding,
                 "num_kv_heads": a.num_kv_heads, "dtype": format!("{:?}", a.candle_dtype()),
+                "bf16_products": multihead::bf16_products(),
+                "bf16_dot_speedup": multihead_kernels::bf16gemm::bf16_dot_speedup(),
         });
         if let (Some(o), Some(x)) = (obj.as_object_mut(), extra.as_object()) {
             o.extend(x.clone());

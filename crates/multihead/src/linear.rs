@@ -146,6 +146,9 @@ fn linear_then(
         if let Some(y) = bf16_rows(x, weight, bias, act, op, backend, &out_dims)? {
             return Ok(y);
         }
+        if let Some(y) = bf16_direct(x, weight, bias, act, op, backend, &out_dims)? {
+            return Ok(y);
+        }
         // bf16/f16: the f32 product (f32 accumulation, as PyTorch's), rounded once.
         use crate::precision::{widen, widen_opt};
         let b = widen_opt(bias)?;
@@ -198,8 +201,7 @@ fn bf16_rows(
 ) -> Result<Option<Tensor>> {
     let in_f = weight.dim(1)?;
     let m = out_dims[..out_dims.len() - 1].iter().product::<usize>();
-    let graded = crate::mode::grad_enabled()
-        && (x.track_op() || weight.track_op() || bias.is_some_and(Tensor::track_op));
+    let graded = records_grad(x, weight, bias);
     let blocker = crate::fused::dispatch::f32_or_bf16_blocker(x);
     if x.dtype() != candle_core::DType::BF16
         || act == Act::Gelu
@@ -218,6 +220,62 @@ fn bf16_rows(
         None => x2.apply_op2_no_bwd(&w, &RowsLinear)?,
     };
     then_act(y.reshape(out_dims)?, act).map(Some)
+}
+
+/// bf16 rows without a gradient where [`crate::bf16_products`] says so: the bf16 operands
+/// multiplied as they are (`vdpbf16ps`, f32 sums), then the bias and activation in f32 and one
+/// rounding. The widened path computes the same products of the same operands; only the
+/// order of the f32 sums differs.
+fn bf16_direct(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    act: Act,
+    op: &'static str,
+    backend: Backend,
+    out_dims: &[usize],
+) -> Result<Option<Tensor>> {
+    let graded = records_grad(x, weight, bias);
+    if x.dtype() != candle_core::DType::BF16
+        || graded
+        || x.elem_count() == 0
+        || weight.elem_count() == 0
+        || !crate::mode::bf16_products()
+    {
+        return Ok(None);
+    }
+    let blocker = crate::fused::dispatch::f32_or_bf16_blocker(x);
+    if crate::fused::dispatch::decide(op, backend, blocker)?.path != Path::Fused {
+        return Ok(None);
+    }
+    crate::alloc::ensure(op, "output", out_dims, x.dtype(), 1, "use a smaller input")?;
+    let x = if x.rank() == 1 { x.unsqueeze(0)? } else { x.detach() };
+    bf16_product(&x, &weight.detach(), bias.map(Tensor::detach).as_ref(), act, out_dims).map(Some)
+}
+
+/// `act(bf16(x) · bf16(W)ᵀ + b)` as one op without a backward (`fused::bf16_linear`).
+fn bf16_product(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    act: Act,
+    out_dims: &[usize],
+) -> Result<Tensor> {
+    use crate::fused::bf16_linear::Bf16Linear;
+    let x = if rows(x.layout()).is_some() { x.clone() } else { x.contiguous()? };
+    let weight =
+        if rows(weight.layout()).is_some() { weight.clone() } else { weight.contiguous()? };
+    let y = match bias {
+        Some(b) => x.apply_op3_no_bwd(&weight, &b.contiguous()?, &Bf16Linear { act })?,
+        None => x.apply_op2_no_bwd(&weight, &Bf16Linear { act })?,
+    };
+    Ok(y.reshape(out_dims)?)
+}
+
+/// Whether a gradient would be recorded through `F.linear(x, weight, bias)`.
+fn records_grad(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> bool {
+    crate::mode::grad_enabled()
+        && (x.track_op() || weight.track_op() || bias.is_some_and(Tensor::track_op))
 }
 
 /// `act(y)` as its own op.
@@ -357,6 +415,11 @@ fn fused_linear(
             None => x2.apply_op2_no_bwd(&weight, &RowsLinear)?,
         };
         return then_act(y.reshape(out_dims)?, act);
+    }
+    if !graded && crate::mode::in_rounded_products() {
+        // Inside a bf16 module computing in f32, on a CPU whose bf16 products are the faster:
+        // the operands rounded to bf16 as PyTorch's bf16 layer has them.
+        return bf16_product(&x, &weight, bias, act, out_dims);
     }
     let y = match bias {
         Some(b) => x.apply_op3(&weight, &b.contiguous()?, FusedLinear::new(act, graded))?,

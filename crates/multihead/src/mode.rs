@@ -70,7 +70,83 @@ impl std::str::FromStr for Backend {
     }
 }
 
+/// How bf16 computation multiplies when no gradient is recorded (inference).
+///
+/// * `Auto` (the default): [`Direct`](Self::Direct) on CPUs where the bf16 dot-product
+///   instruction (AVX512-BF16 `vdpbf16ps`) outruns f32 FMA (measured once per process: AMD
+///   Zen 4 and Zen 5), [`Widened`](Self::Widened) elsewhere. The environment variable
+///   `MULTIHEAD_BF16_PRODUCTS=direct` or `=widened` overrides the measurement.
+/// * `Direct`: products take bf16 operands, summed in f32, as PyTorch's bf16 CPU products do:
+///   a bf16 [`Linear`](crate::Linear) multiplies its bf16 input and weight as they are, and
+///   inside a bf16 [`MultiheadAttention`](crate::MultiheadAttention) or Transformer layer
+///   (and under [`autocast`] to bf16) each product's operands are rounded to bf16 first.
+///   Without AVX512-BF16 a portable kernel computes the same sums, slowly.
+/// * `Widened`: the operands are widened to f32 and multiplied on the f32 kernels; inside a
+///   layer, intermediate results stay f32 until the layer's output is rounded.
+///
+/// The two differ by about one bf16 rounding of the products' inputs, within the error of
+/// PyTorch's own bf16 computation. Training (a gradient recorded) always widens.
+///
+/// # Example
+/// ```
+/// use multihead::{bf16_products, with_bf16_products, Bf16Products};
+/// assert!(with_bf16_products(Bf16Products::Direct, bf16_products));
+/// assert!(!with_bf16_products(Bf16Products::Widened, bf16_products));
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Bf16Products {
+    /// Direct where the CPU's bf16 dot product is the faster, widened elsewhere.
+    #[default]
+    Auto,
+    /// bf16 operands multiplied as they are (rounded to bf16 inside layers).
+    Direct,
+    /// Operands widened to f32.
+    Widened,
+}
+
+/// Runs `f` with bf16 products chosen as `choice` on this thread.
+pub fn with_bf16_products<R>(choice: Bf16Products, f: impl FnOnce() -> R) -> R {
+    let _restore = Restore::set(&BF16_PRODUCTS, choice);
+    f()
+}
+
+/// Whether bf16 products without a gradient take bf16 operands directly on this thread (see
+/// [`Bf16Products`]).
+pub fn bf16_products() -> bool {
+    match BF16_PRODUCTS.with(|c| c.get()) {
+        Bf16Products::Direct => true,
+        Bf16Products::Widened => false,
+        Bf16Products::Auto => bf16_products_auto(),
+    }
+}
+
+/// `Auto`'s choice: the environment override, or the measured rate of the bf16 dot product.
+fn bf16_products_auto() -> bool {
+    static AUTO: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AUTO.get_or_init(|| match std::env::var("MULTIHEAD_BF16_PRODUCTS").as_deref() {
+        Ok("direct") => true,
+        Ok("widened") => false,
+        _ => multihead_kernels::bf16gemm::bf16_dot_speedup().is_some_and(|r| r >= 1.25),
+    })
+}
+
+/// Runs `f`, a bf16 module's f32 computation, with its products' operands rounded to bf16
+/// when [`bf16_products`] says so (the linear layers inside take the bf16 kernel when no
+/// gradient is recorded).
+pub(crate) fn rounded_products<R>(dtype: DType, f: impl FnOnce() -> R) -> R {
+    let on = dtype == DType::BF16 && bf16_products();
+    let _restore = Restore::set(&ROUNDED_PRODUCTS, on);
+    f()
+}
+
+/// Whether this thread runs inside [`rounded_products`] with rounding on.
+pub(crate) fn in_rounded_products() -> bool {
+    ROUNDED_PRODUCTS.with(|c| c.get())
+}
+
 thread_local! {
+    static BF16_PRODUCTS: Cell<Bf16Products> = const { Cell::new(Bf16Products::Auto) };
+    static ROUNDED_PRODUCTS: Cell<bool> = const { Cell::new(false) };
     static BACKEND: Cell<Backend> = const { Cell::new(Backend::Auto) };
     static GRAD: Cell<bool> = const { Cell::new(true) };
     static AUTOCAST: Cell<Option<DType>> = const { Cell::new(None) };

@@ -92,7 +92,9 @@ pub(crate) fn autocast_run<M: CastParams>(
     let dt = autocast_for(dtype)?;
     Some((|| {
         let m = module.rounded(dt)?;
-        let y = crate::mode::autocast_off(|| run(&m, &|t| round(t, dt)))?;
+        let y = crate::mode::autocast_off(|| {
+            crate::mode::rounded_products(dt, || run(&m, &|t| round(t, dt)))
+        })?;
         round(&y, dt)
     })())
 }

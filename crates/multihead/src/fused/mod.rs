@@ -5,12 +5,15 @@
 //! * `flash`: the flash-attention kernels as candle custom ops with a backward.
 //! * `linear`: `F.linear` (optionally followed by ReLU) as one candle op on gemm's kernels,
 //!   with a backward.
+//! * `bf16_linear`: `F.linear` with bf16 products (AVX512-BF16), without a backward, for
+//!   bf16 inference where that instruction is fast.
 //! * `activation`: exact-form GELU and ReLU as one candle op each, with a backward.
 //! * `norm`: LayerNorm as one candle op over `multihead_kernels::norm`, with a backward.
 //!
 //! [`Plan`]: dispatch::Plan
 
 pub(crate) mod activation;
+pub(crate) mod bf16_linear;
 pub(crate) mod convert;
 pub(crate) mod decode;
 pub mod dispatch;

@@ -550,7 +550,9 @@ impl MultiheadAttention {
             id if id == query.id() => q.clone(),
             _ => round(value, dt)?,
         };
-        let out = crate::mode::autocast_off(|| m.forward(&q, &k, &v, opts))?;
+        let out = crate::mode::autocast_off(|| {
+            crate::mode::rounded_products(dt, || m.forward(&q, &k, &v, opts))
+        })?;
         Ok(MhaOutput {
             output: round(&out.output, dt)?,
             attn_weights: out.attn_weights.map(|w| round(&w, dt)).transpose()?,

@@ -168,7 +168,9 @@ impl TransformerDecoderLayer {
                 memory_key_padding_mask: widen_mask(masks.memory_key_padding_mask.as_ref())?,
                 ..masks.clone()
             };
-            let y = self.widened()?.forward(&widen(tgt)?, &widen(memory)?, &m)?;
+            let widened = self.widened()?;
+            let (t, mem) = (widen(tgt)?, widen(memory)?);
+            let y = crate::mode::rounded_products(dtype, || widened.forward(&t, &mem, &m))?;
             return narrow(&y, dtype);
         }
         let tc = masks.tgt_is_causal.unwrap_or(false);

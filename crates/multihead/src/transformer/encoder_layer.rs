@@ -129,7 +129,10 @@ impl TransformerEncoderLayer {
             // bf16/f16: the f32 layer between one widening and one rounding.
             use crate::precision::{narrow, widen, widen_mask, CastParams};
             let (m, k) = (widen_mask(src_mask)?, widen_mask(src_key_padding_mask)?);
-            let y = self.widened()?.forward(&widen(src)?, m.as_ref(), k.as_ref(), is_causal)?;
+            let (widened, x) = (self.widened()?, widen(src)?);
+            let y = crate::mode::rounded_products(src.dtype(), || {
+                widened.forward(&x, m.as_ref(), k.as_ref(), is_causal)
+            })?;
             return narrow(&y, src.dtype());
         }
         let x = src;

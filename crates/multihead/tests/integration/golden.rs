@@ -45,6 +45,33 @@ fn every_golden_case_matches_pytorch_on_the_composed_path_too() {
     });
 }
 
+#[test]
+fn every_bf16_golden_case_passes_with_bf16_products_too() {
+    // Under `Bf16Products::Direct` the cases run without a gradient (the eval ones) multiply
+    // bf16 operands; the cases with gradients keep the widened path. Either way, each case
+    // must pass the bf16 rule (our error at most twice PyTorch bf16's own).
+    let mut dirs: Vec<PathBuf> = ["mha", "transformer", "sdpa"]
+        .iter()
+        .flat_map(|k| case_dirs(k))
+        .filter(|d| d.file_name().is_some_and(|n| n.to_string_lossy().contains("bf16")))
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 17, "expected the bf16 cases, found {}", dirs.len());
+    let failures: Vec<String> =
+        multihead::with_bf16_products(multihead::Bf16Products::Direct, || {
+            dirs.iter()
+                .filter_map(|dir| match parity::check_dir(dir).checks {
+                    Ok(checks) if checks.iter().all(|c| c.passed) && !checks.is_empty() => None,
+                    Ok(checks) => {
+                        Some(format!("{}: {} checks, some failed", dir.display(), checks.len()))
+                    }
+                    Err(e) => Some(format!("{}: {e}", dir.display())),
+                })
+                .collect()
+        });
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// Runs `multihead check`'s own check on every case of a fixture folder.
 fn replay_all(kind: &str, min_cases: usize, min_tensors: usize) {
     let found = parity::find_cases(&[fixture_root(kind)]);

@@ -4,6 +4,7 @@
 
 mod autocast;
 mod behaviour;
+mod bf16_products;
 mod common;
 mod cos_init;
 mod decode;

@@ -387,7 +387,9 @@ pub(crate) fn mha_forward_impl(
     if crate::precision::is_reduced(call.dtype) {
         let w = Widened::new(query, key, value, alias, params, opts)?;
         let p32 = w.params(params);
-        let o = mha_forward_impl(&w.q, &w.k, &w.v, alias, &p32, &w.opts, training, batch_first)?;
+        let o = crate::mode::rounded_products(call.dtype, || {
+            mha_forward_impl(&w.q, &w.k, &w.v, alias, &p32, &w.opts, training, batch_first)
+        })?;
         return Ok(MhaOutput {
             output: crate::precision::narrow(&o.output, call.dtype)?,
             attn_weights: o

@@ -1,0 +1,131 @@
+//! `act(x Wᵀ + b)` with the operands' products in bf16, for inference on CPUs whose bf16 dot
+//! product outruns f32 FMA (`multihead_kernels::bf16gemm`). No backward: `linear` takes it only
+//! when no gradient is recorded.
+
+use candle_core::{CpuStorage, Layout, Shape};
+use multihead_kernels::bf16gemm::{matmul_bf16, BfMat, Elems};
+use multihead_kernels::epilogue::{bias_act_in_place, Act};
+
+const OP: &str = "linear (bf16 products)";
+
+/// `y = act(bf16(x) · bf16(W)ᵀ + b)`, summed in f32: x `(m, k)` (rows evenly strided), W
+/// `(n, k)`, b `(n,)`, each f32 or bf16. f32 operands are rounded to bf16 as they are packed
+/// (a bf16 layer's widened weights are bf16 values already, so they stay exact). The bias
+/// and activation are applied in f32 and the output is x's dtype: rounded once when bf16.
+pub(crate) struct Bf16Linear {
+    pub(crate) act: Act,
+}
+
+/// `(offset, row stride)` of a matrix layout whose rows are evenly strided, or an error.
+fn strided_rows(l: &Layout, what: &str) -> candle_core::Result<(usize, usize)> {
+    super::linear::rows(l)
+        .ok_or_else(|| candle_core::Error::Msg(format!("{OP}: {what} rows are not evenly strided")))
+}
+
+/// The elements of an f32 or bf16 storage.
+fn elems<'a>(s: &'a CpuStorage, what: &str) -> candle_core::Result<Elems<'a>> {
+    match s {
+        CpuStorage::F32(v) => Ok(Elems::F32(v)),
+        CpuStorage::BF16(v) => Ok(Elems::Bf16(super::convert::bits(v))),
+        _ => candle_core::bail!("{OP}: {what} must be f32 or bf16"),
+    }
+}
+
+/// `e` from element `offset` on.
+fn skip(e: Elems<'_>, offset: usize) -> candle_core::Result<Elems<'_>> {
+    let short = || candle_core::Error::Msg(format!("{OP}: a layout starts past its storage"));
+    Ok(match e {
+        Elems::F32(v) => Elems::F32(v.get(offset..).ok_or_else(short)?),
+        Elems::Bf16(v) => Elems::Bf16(v.get(offset..).ok_or_else(short)?),
+    })
+}
+
+impl Bf16Linear {
+    fn run(
+        &self,
+        (xs, xl): (&CpuStorage, &Layout),
+        (ws, wl): (&CpuStorage, &Layout),
+        bias: Option<(&CpuStorage, &Layout)>,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let &[n, k] = wl.dims() else { candle_core::bail!("{OP}: expected a 2-D weight") };
+        let dims = xl.dims();
+        let Some((&kx, lead)) = dims.split_last() else {
+            candle_core::bail!("{OP}: expected x with a feature dimension")
+        };
+        if kx != k {
+            candle_core::bail!("{OP}: x has {kx} features, the weight {k}");
+        }
+        let m: usize = lead.iter().product();
+        let (xo, xrs) = strided_rows(xl, "x")?;
+        let (wo, wrs) = strided_rows(wl, "weight")?;
+        let x = BfMat {
+            data: skip(elems(xs, "x")?, xo)?,
+            rows: m,
+            cols: k,
+            row_stride: xrs,
+            col_stride: 1,
+        };
+        let w = BfMat {
+            data: skip(elems(ws, "weight")?, wo)?,
+            rows: n,
+            cols: k,
+            row_stride: wrs,
+            col_stride: 1,
+        };
+        let mut y = crate::alloc::try_zeros::<f32>(m * n, OP)?;
+        let err = |e| candle_core::Error::Msg(format!("{OP}: {e}"));
+        matmul_bf16(x, w.t(), &mut y, n, false).map_err(err)?;
+        let mut widened = Vec::new();
+        let b = match bias {
+            Some((bs, bl)) => {
+                let range = bl.contiguous_offsets().ok_or_else(|| {
+                    candle_core::Error::Msg(format!("{OP}: the bias must be contiguous"))
+                })?;
+                Some(super::convert::f32_values(bs, range, &mut widened, OP)?)
+            }
+            None => None,
+        };
+        if m > 0 {
+            bias_act_in_place(&mut y, n, b, self.act).map_err(err)?;
+        }
+        let mut out_dims = lead.to_vec();
+        out_dims.push(n);
+        let out = match xs {
+            CpuStorage::BF16(_) => CpuStorage::BF16(super::convert::narrow_vec(&y, OP)?),
+            _ => CpuStorage::F32(y),
+        };
+        Ok((out, Shape::from(out_dims)))
+    }
+}
+
+impl candle_core::CustomOp2 for Bf16Linear {
+    fn name(&self) -> &'static str {
+        OP
+    }
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.run((xs, xl), (ws, wl), None)
+    }
+}
+
+impl candle_core::CustomOp3 for Bf16Linear {
+    fn name(&self) -> &'static str {
+        OP
+    }
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.run((xs, xl), (ws, wl), Some((bs, bl)))
+    }
+}

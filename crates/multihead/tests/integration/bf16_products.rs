@@ -1,0 +1,151 @@
+//! bf16 products (`Bf16Products::Direct`): bf16 inference multiplies bf16 operands (on
+//! AVX512-BF16 where the CPU has it, on the portable kernel otherwise), agrees with the
+//! widened path within bf16 rounding, and never changes training or float16.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor};
+use multihead::state_dict::{load_strict, NamedParameters};
+use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
+use multihead::{
+    autocast, no_grad, with_bf16_products, Activation, Bf16Products, Mask, MhaConfig, MhaOptions,
+    MultiheadAttention,
+};
+
+use crate::common::{det, dev, var};
+
+fn values(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    let t = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    t.to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+fn direct<R>(f: impl FnOnce() -> R) -> R {
+    with_bf16_products(Bf16Products::Direct, f)
+}
+
+fn widened<R>(f: impl FnOnce() -> R) -> R {
+    with_bf16_products(Bf16Products::Widened, f)
+}
+
+/// Largest `|a - b|`.
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+}
+
+/// `m`'s parameters as a state_dict-style map, and the module rebuilt from it in `dtype`.
+fn twin<M: NamedParameters>(
+    m: &M,
+    dtype: DType,
+    build: impl FnOnce(candle_nn::VarBuilder) -> multihead::Result<M>,
+) -> M {
+    let state: HashMap<String, Tensor> = m.named_parameters().into_iter().collect();
+    load_strict(&state, dtype, &dev(), build).unwrap().0
+}
+
+#[test]
+fn a_bf16_linear_without_a_gradient_multiplies_the_bf16_operands() {
+    // 21 rows (past the few-rows kernel), 70 outputs (a partial 64-column panel), 200 inputs
+    // (two k blocks, the second odd-sized).
+    let w = det(&[70, 200], DType::BF16, 1.0);
+    let b = det(&[70], DType::BF16, 2.0);
+    let lin = multihead::Linear::from_weights(w.clone(), Some(b.clone()));
+    let x = det(&[3, 7, 200], DType::BF16, 3.0);
+    let y_direct = direct(|| no_grad(|| lin.forward(&x))).unwrap();
+    let y_widened = widened(|| no_grad(|| lin.forward(&x))).unwrap();
+    assert_eq!(y_direct.dtype(), DType::BF16);
+    assert_eq!(y_direct.dims(), &[3, 7, 70]);
+    // The reference: the same bf16 values in f64, rounded to bf16 once.
+    let f64_of = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+    let y64 = f64_of(&x).broadcast_matmul(&f64_of(&w).t().unwrap()).unwrap();
+    let y64 = y64.broadcast_add(&f64_of(&b)).unwrap();
+    let want = values(&y64.to_dtype(DType::BF16).unwrap());
+    let exact = values(&y64);
+    for (name, y) in [("direct", &y_direct), ("widened", &y_widened)] {
+        // f32 sums of exact products round to the reference's bf16 value, or to a neighbour
+        // when the f64 value lies within f32 rounding of a bf16 rounding boundary.
+        for ((g, w), e) in values(y).iter().zip(&want).zip(&exact) {
+            assert!((g - w).abs() <= e.abs() * 2f64.powi(-7) + 1e-6, "{name}: {g} vs {w} ({e})");
+        }
+    }
+    // A strided input (seq-first viewed batch-first) gives the same numbers as a contiguous one.
+    let xt = det(&[7, 3, 200], DType::BF16, 3.0).transpose(0, 1).unwrap();
+    let a = direct(|| no_grad(|| lin.forward(&xt))).unwrap();
+    let c = direct(|| no_grad(|| lin.forward(&xt.contiguous().unwrap()))).unwrap();
+    assert_eq!(bits(&a), bits(&c));
+}
+
+#[test]
+fn a_recorded_gradient_keeps_the_widened_path() {
+    let w = var(&det(&[70, 40], DType::BF16, 1.0));
+    let lin = multihead::Linear::from_weights(w.as_tensor().clone(), None);
+    let x = det(&[30, 40], DType::BF16, 2.0);
+    let y_direct = direct(|| lin.forward(&x)).unwrap();
+    let y_widened = widened(|| lin.forward(&x)).unwrap();
+    assert_eq!(bits(&y_direct), bits(&y_widened));
+    let grads = y_direct.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+    assert!(grads.get(w.as_tensor()).is_some(), "the weight gets its gradient");
+}
+
+#[test]
+fn bf16_layers_under_direct_round_their_products_and_stay_accurate() {
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let cfg = LayerConfig::new(32, 4)
+        .with_dim_feedforward(64)
+        .with_dropout(0.0)
+        .with_activation(Activation::Gelu)
+        .with_batch_first(true);
+    let layer = TransformerEncoderLayer::new(cfg.clone(), vb.pp("layer")).unwrap();
+    let l16 = twin(&layer, DType::BF16, |vb| TransformerEncoderLayer::new(cfg.clone(), vb));
+    let l64 = twin(&l16, DType::F64, |vb| TransformerEncoderLayer::new(cfg.clone(), vb));
+    let x = det(&[3, 9, 32], DType::BF16, 1.0);
+    let kpm =
+        Mask::Bool(Tensor::new(&[[0u8; 9], [0; 9], [0, 0, 0, 0, 0, 0, 1, 1, 1]], &dev()).unwrap());
+    let run =
+        |m: &TransformerEncoderLayer, x: &Tensor| m.forward(x, None, Some(&kpm), false).unwrap();
+    let y_direct = direct(|| no_grad(|| run(&l16, &x)));
+    let y_widened = widened(|| no_grad(|| run(&l16, &x)));
+    let y64 = values(&run(&l64, &x.to_dtype(DType::F64).unwrap()));
+    // Rounding the products' inputs changes some outputs by a bf16 step ...
+    assert_ne!(bits(&y_direct), bits(&y_widened), "direct products ran");
+    // ... and the error stays of the widened path's order (LayerNorm outputs are O(1)).
+    let (e_direct, e_widened) =
+        (max_diff(&values(&y_direct), &y64), max_diff(&values(&y_widened), &y64));
+    assert!(
+        e_direct <= 3.0 * e_widened + 2f64.powi(-7),
+        "direct {e_direct:e}, widened {e_widened:e}"
+    );
+    assert!(e_direct < 0.05, "direct error {e_direct:e}");
+
+    // Attention likewise, and autocast on the f32 module computes what the bf16 module does.
+    let mcfg = MhaConfig::new(32, 4).with_batch_first(true).with_dropout(0.0);
+    let mha = MultiheadAttention::new(mcfg.clone(), vb.pp("mha")).unwrap();
+    let m16 = twin(&mha, DType::BF16, |vb| MultiheadAttention::new(mcfg.clone(), vb));
+    let opts = MhaOptions::default().need_weights(false);
+    let attend = |m: &MultiheadAttention, x: &Tensor| m.forward(x, x, x, &opts).unwrap().output;
+    let a_direct = direct(|| no_grad(|| attend(&m16, &x)));
+    let a_widened = widened(|| no_grad(|| attend(&m16, &x)));
+    assert_ne!(bits(&a_direct), bits(&a_widened), "direct products ran in attention");
+    let d = max_diff(&values(&a_direct), &values(&a_widened));
+    assert!(d < 0.05, "direct and widened attention differ by {d:e}");
+    let x32 = x.to_dtype(DType::F32).unwrap();
+    let a_auto = direct(|| no_grad(|| autocast(DType::BF16, || attend(&mha, &x32))));
+    assert_eq!(bits(&a_auto), bits(&a_direct), "autocast equals the bf16 module");
+}
+
+#[test]
+fn float16_layers_never_take_bf16_products() {
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let cfg = LayerConfig::new(16, 2).with_dim_feedforward(32).with_dropout(0.0);
+    let layer = TransformerEncoderLayer::new(cfg.clone(), vb).unwrap();
+    let l16 = twin(&layer, DType::F16, |vb| TransformerEncoderLayer::new(cfg.clone(), vb));
+    let x = det(&[2, 9, 16], DType::F16, 1.0);
+    let run = || no_grad(|| l16.forward(&x, None, None, false).unwrap());
+    assert_eq!(bits(&direct(run)), bits(&widened(run)));
+}
