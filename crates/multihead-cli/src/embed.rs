@@ -236,7 +236,8 @@ pub struct EmbedArgs {
     #[arg(long)]
     pub threads: Option<usize>,
     /// The weights' and activations' dtype: f32, or bf16 (weights rounded to bfloat16 at
-    /// load; each layer computes in f32 and rounds its output to bfloat16; pooling in f32).
+    /// load; each layer computes in f32 and rounds its output to bfloat16, with its products
+    /// taking bf16 operands where the CPU's bf16 dot product outruns f32 FMA; pooling in f32).
     #[arg(long, value_enum, default_value_t = crate::bench::DTypeArg::F32)]
     pub dtype: crate::bench::DTypeArg,
     /// No progress bar (it is drawn on stderr for inputs of several windows, on a terminal).
