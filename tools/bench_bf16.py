@@ -108,8 +108,9 @@ def report_lines(doc):
         "100% means multihead's f32 FMAs outrun the machine's `vdpbf16ps` rate (on some CPUs, "
         "such as this family 6 model 207 Xeon, `vdpbf16ps` runs at half the f32 FMA rate).\n",
         "Without a gradient, multihead can instead multiply bf16 operands on its AVX512-BF16 "
-        "kernel (`multihead_kernels::bf16gemm`, `multihead::Bf16Products`); it does so by itself "
-        "where that instruction outruns f32 FMA. This CPU's measured `vdpbf16ps`/FMA rate is "
+        "kernels (projections: `multihead_kernels::bf16gemm`; attention: "
+        "`AttnParams::bf16_products`; `multihead::Bf16Products`); it does so by itself where "
+        "that instruction outruns f32 FMA. This CPU's measured `vdpbf16ps`/FMA rate is "
         f"{doc.get('bf16_dot_speedup') or 0:.2f}, so the default here is "
         f"{'direct' if doc.get('bf16_products') else 'widened'}; the column \"direct "
         "products\" forces the other way (`MULTIHEAD_BF16_PRODUCTS=direct`) for the forward "

@@ -2084,6 +2084,9 @@ def sdpa_fixture_configs() -> list[dict]:
         L=7, S=7, is_causal=True)
     add("sdpa_long_f32", "longer keys than one kernel tile (S = 300)", N=1, L=16, S=300, E=8,
         mask={"type": "bool"})
+    add("sdpa_eval_long_bf16",
+        "bfloat16, forward only (bf16 products), S = 300, odd E and Ev, bool mask",
+        dtype="bfloat16", grad_mode=False, N=2, L=20, S=300, E=9, Ev=7, mask={"type": "bool"})
     return out
 
 

@@ -85,6 +85,7 @@ fn main() {
         };
         // ONLY=fwd: skip the backward. MASK=keypad: a (B, S) bool key-padding mask (last eighth of keys masked);
         // MASK=add: an additive (L, S) float mask. DROPOUT=p: dropout with probability p.
+        // BF16=1: bf16 products in the forward.
         let mask_kind = std::env::var("MASK").unwrap_or_default();
         let kp: Vec<u8> = (0..b * s).map(|x| (x % s >= s - s / 8) as u8).collect();
         let add: Vec<f32> = rand_vec(l * s, 9);
@@ -107,6 +108,8 @@ fn main() {
                 _ => None,
             };
             p.dropout = dropout.map(|pr| (pr, DropoutKey { seed: 1, offset: 2 }));
+            // BF16=1: the forward's products with bf16 operands (use with ONLY=fwd).
+            p.bf16_products = std::env::var("BF16").as_deref() == Ok("1");
             let flops = 4.0 * (b * h * l * s * d) as f64 * if causal { 0.5 } else { 1.0 };
             for &t in &threads {
                 let pool =

@@ -78,8 +78,10 @@ impl std::str::FromStr for Backend {
 ///   `MULTIHEAD_BF16_PRODUCTS=direct` or `=widened` overrides the measurement.
 /// * `Direct`: products take bf16 operands, summed in f32, as PyTorch's bf16 CPU products do:
 ///   a bf16 [`Linear`](crate::Linear) multiplies its bf16 input and weight as they are, and
-///   inside a bf16 [`MultiheadAttention`](crate::MultiheadAttention) or Transformer layer
-///   (and under [`autocast`] to bf16) each product's operands are rounded to bf16 first.
+///   inside a bf16 [`MultiheadAttention`](crate::MultiheadAttention), Transformer layer or
+///   [`scaled_dot_product_attention`](crate::functional::scaled_dot_product_attention) (and
+///   under [`autocast`] to bf16) each product's operands are rounded to bf16 first, the
+///   attention's probabilities included (as PyTorch's bf16 flash kernel rounds them).
 ///   Without AVX512-BF16 a portable kernel computes the same sums, slowly.
 /// * `Widened`: the operands are widened to f32 and multiplied on the f32 kernels; inside a
 ///   layer, intermediate results stay f32 until the layer's output is rounded.

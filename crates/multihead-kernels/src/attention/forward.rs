@@ -5,6 +5,7 @@
 //! `O += P · V_j` with `O` rescaled only for rows whose running max grew. `O` is divided by the
 //! row sum once at the end.
 
+use super::bf16::{self as bf, Scores, Values};
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
 use super::mask::{build_mask_tile, causal_add, causal_fill, TilePos};
@@ -76,7 +77,16 @@ impl Task for FwdTask<'_> {
     fn scratch_len(&self, lanes: usize) -> usize {
         let d = &self.p.dims;
         let brp = self.br.div_ceil(lanes) * lanes;
-        round16(d.d * brp) + 2 * round16(self.bc * brp) + round16(self.br * d.dv) + 3 * round16(brp)
+        let bf16: usize = if self.p.bf16_products {
+            bf::scratch(self.bc, d.d, d.dv).iter().map(|&n| round16(n)).sum()
+        } else {
+            0
+        };
+        round16(d.d * brp)
+            + 2 * round16(self.bc * brp)
+            + round16(self.br * d.dv)
+            + 3 * round16(brp)
+            + bf16
     }
 
     #[inline(always)]
@@ -106,21 +116,27 @@ impl Task for FwdTask<'_> {
         let mrun = cv.take(brp);
         let lrun = cv.take(brp);
         let alpha = cv.take(brp);
+        // The bf16 products' buffers (empty without them); the query block fits one panel
+        // (`FWD_BR` lanes).
+        let bf = p.bf16_products && brp <= bf::MAX_LANES;
+        let kern = crate::bf16gemm::micro::kernel();
+        let [qp, kb, vw, pw, ot] = match bf {
+            true => bf::scratch(self.bc, d, dv).map(|n| cv.take(n).as_mut_ptr()),
+            false => [std::ptr::null_mut(); 5],
+        };
+        let (qp, kb, vw, pw) = (qp as *mut u32, kb as *mut u16, vw as *mut u32, pw as *mut u32);
 
         // SAFETY: all row pointers below address rows validated by `flash_forward` (b < batch,
         // h < heads_q, hk < heads_kv, rows < l or s, `d`/`dv` contiguous floats each); scratch
         // pieces are sized by `scratch_len`; this task alone writes rows `i0..i0+br` of
         // `out[b, h]` and the statistics of `[b, h]` (the output layout was checked to be non-overlapping).
         unsafe {
-            pack_transposed::<S>(
-                qt,
-                brp,
-                self.q.0.add(self.ql.offset(b, h, i0)),
-                self.ql.seq,
-                br,
-                d,
-                p.scale,
-            );
+            let qrow = self.q.0.add(self.ql.offset(b, h, i0));
+            if bf {
+                bf::pack_q(qrow, self.ql.seq, br, d, qp);
+            } else {
+                pack_transposed::<S>(qt, brp, qrow, self.ql.seq, br, d, p.scale);
+            }
             mrun.fill(f32::MIN);
             lrun.fill(0.0);
 
@@ -141,16 +157,14 @@ impl Task for FwdTask<'_> {
                     continue;
                 }
                 let diag = clip.then_some(i0 as isize - j0 as isize);
-                score_tile::<S>(
-                    kbase.add(j0 * self.kl.seq),
-                    self.kl.seq,
-                    d,
-                    qt.as_ptr(),
-                    brp,
-                    st.as_mut_ptr(),
-                    bc,
-                    diag,
-                );
+                let kj = kbase.add(j0 * self.kl.seq);
+                if bf {
+                    let (ld, qp, scale, st, kb) = (self.kl.seq, qp, p.scale, st.as_mut_ptr(), kb);
+                    bf::scores(kern, &Scores { k: kj, ld, bc, d, qp, scale, st, brp, kb });
+                } else {
+                    let (stp, qtp) = (st.as_mut_ptr(), qt.as_ptr());
+                    score_tile::<S>(kj, self.kl.seq, d, qtp, brp, stp, bc, diag);
+                }
                 if clip && j0 + bc > i0 + 1 {
                     causal_fill(st, brp, i0, j0, bc, f32::NEG_INFINITY);
                 } else if p.causal && j0 + bc > i0 + 1 {
@@ -195,6 +209,20 @@ impl Task for FwdTask<'_> {
                     S::store(lp, S::fma(a, S::load(lp), sum));
                 }
                 // Rescale O where the max grew, then O += P V.
+                if bf {
+                    if !first {
+                        rescale_lanes::<S>(ot, dv, alpha.as_ptr(), nvec);
+                    }
+                    let (vj, ld) = (vbase.add(j0 * self.vl.seq), self.vl.seq);
+                    let (st, accumulate) = (st.as_ptr(), !first);
+                    bf::values(
+                        kern,
+                        &Values { st, brp, bc, v: vj, ld, dv, ot, accumulate, vw, pw },
+                    );
+                    first = false;
+                    j0 += bc;
+                    continue;
+                }
                 if !first {
                     for (i, &a) in alpha[..br].iter().enumerate() {
                         if a != 1.0 {
@@ -222,6 +250,14 @@ impl Task for FwdTask<'_> {
                 j0 += bc;
             }
 
+            if bf && !first {
+                // The output block back from channels × lanes to rows × channels.
+                for i in 0..br {
+                    for c in 0..dv {
+                        o[i * dv + c] = *ot.add(c * bf::MAX_LANES + i);
+                    }
+                }
+            }
             // Row statistics: the max and the log of the sum, kept apart so that a row whose max
             // is huge (a -1e9 or finfo.min mask over the whole row) keeps its precision.
             let rows = dm.batch * dm.heads_q * dm.l;
@@ -242,6 +278,27 @@ impl Task for FwdTask<'_> {
                     scale_row::<S>(dst, o.as_ptr().add(i * dv), dv, 1.0 / sum);
                     (*max_row.add(i), *lse_row.add(i)) = (mrun[i], sum.ln());
                 }
+            }
+        }
+    }
+}
+
+/// `ot[c][0..nvec·LANES] *= alpha` for each channel `c < dv` (the transposed output block of
+/// the bf16 products, queries as lanes).
+///
+/// # Safety
+/// `S` is available; `ot` holds `dv` rows of [`bf::MAX_LANES`] floats and `alpha`
+/// `nvec · S::LANES` floats, with `nvec · S::LANES <= MAX_LANES`.
+#[inline(always)]
+unsafe fn rescale_lanes<S: Simd>(ot: *mut f32, dv: usize, alpha: *const f32, nvec: usize) {
+    let l = S::LANES;
+    // SAFETY: within the rows and lanes the caller guarantees.
+    unsafe {
+        for c in 0..dv {
+            let row = ot.add(c * bf::MAX_LANES);
+            for vi in 0..nvec {
+                let x = row.add(vi * l);
+                S::store(x, S::mul(S::load(x), S::load(alpha.add(vi * l))));
             }
         }
     }

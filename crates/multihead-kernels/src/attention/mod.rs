@@ -73,6 +73,7 @@
 //! pool; per-thread scratch is reused across calls.
 
 mod backward;
+mod bf16;
 pub(crate) mod exec;
 mod forward;
 mod gemm;
@@ -189,6 +190,13 @@ pub struct AttnParams<'a> {
     /// [`keep_from_row`](crate::dropout::keep_from_row), so the mask matches the composed
     /// implementation bit for bit.
     pub dropout: Option<(f64, DropoutKey)>,
+    /// The forward's two products take bf16 operands, as PyTorch's CPU kernel has them for
+    /// bf16 inputs: `q`, `k` and `v` rounded to bf16, `q·kᵀ` summed in f32 and then scaled,
+    /// the probabilities rounded to bf16 before they meet `v` (their row sums stay f32), on
+    /// AVX512-BF16 where the CPU has it (a portable kernel otherwise). The statistics, the
+    /// output and everything else stay f32. Used by the forward only: the backward and
+    /// [`attention_weights`] ignore it, so leave it off when either follows.
+    pub bf16_products: bool,
 }
 
 impl<'a> AttnParams<'a> {
@@ -200,6 +208,7 @@ impl<'a> AttnParams<'a> {
             causal: false,
             masks: [None, None],
             dropout: None,
+            bf16_products: false,
         }
     }
 

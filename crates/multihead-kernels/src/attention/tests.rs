@@ -818,3 +818,59 @@ fn nan_query_in_a_fully_masked_block_is_nan() {
         });
     }
 }
+
+/// `x` rounded to bf16 (nearest even) and back.
+fn round_bf16(x: &[f32]) -> Vec<f32> {
+    use crate::convert::{bf16_bits_to_f32, f32_to_bf16_bits};
+    x.iter().map(|&v| bf16_bits_to_f32(f32_to_bf16_bits(v))).collect()
+}
+
+#[test]
+fn bf16_products_multiply_rounded_operands_and_round_the_probabilities() {
+    let mut odd = Case::new(2, 2, 70, 300, 33);
+    odd.dv = 17;
+    odd.masks = vec![MaskKind::AddLS, MaskKind::KeyPad];
+    let mut gqa = Case::new(1, 4, 65, 65, 64);
+    (gqa.hkv, gqa.causal, gqa.scale) = (2, true, Some(-0.3));
+    let mut packed = Case::new(2, 2, 40, 40, 16);
+    packed.packed = true;
+    let mut full = Case::new(3, 2, 9, 20, 8);
+    full.masks = vec![MaskKind::FullRows];
+    let mut drop = Case::new(1, 2, 33, 33, 24);
+    drop.dropout = Some(0.2);
+    for c in [odd, gqa, packed, full, drop] {
+        let masks: Vec<MaskData> =
+            c.masks.iter().enumerate().map(|(n, &k)| make_mask(&c, k, 100 + n as u64)).collect();
+        let p = params(&c, &masks);
+        let pb = AttnParams { bf16_products: true, ..params(&c, &masks) };
+        let x = inputs(&c, 42);
+        let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
+        let (qr, kr, vr) = (round_bf16(q), round_bf16(k), round_bf16(v));
+        // The exact attention of the rounded operands.
+        let (eout, else_) = reference::forward(&p, &qr, x.ql, &kr, x.kl, &vr, x.vl);
+        let rows = c.b * c.hq * c.l;
+        let lsel = Layout4::contiguous(c.hq, c.l, 1);
+        for level in levels() {
+            with_simd_level(level, || {
+                let run = |p: &AttnParams, q: &[f32], k: &[f32], v: &[f32]| {
+                    let mut out = vec![f32::NAN; x.out_len];
+                    let mut lse = vec![f32::NAN; 2 * rows];
+                    flash_forward(p, q, x.ql, k, x.kl, v, x.vl, &mut out, x.ol, &mut lse).unwrap();
+                    let lse: Vec<f32> = (0..rows).map(|r| lse[r] + lse[rows + r]).collect();
+                    (out, lse)
+                };
+                let (out, lse) = run(&pb, q, k, v);
+                // Scores from the rounded q and k (the statistics are that exact), outputs
+                // within the rounding of the probabilities (half a bf16 step of each).
+                assert_close("lse", &c, &lse, lsel, &else_, [c.b, c.hq, c.l, 1], 2e-5);
+                let sizes = [c.b, c.hq, c.l, c.dv];
+                assert_close("out", &c, &out, x.ol, &eout, sizes, 4e-3);
+                // ... and the probabilities were rounded: the f32 kernel on the same rounded
+                // operands differs.
+                let (out32, _) = run(&p, &qr, &kr, &vr);
+                let diff = out.iter().zip(&out32).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(diff > 0.0, "no rounding seen in {c:?}");
+            });
+        }
+    }
+}

@@ -6,7 +6,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::micro::micro_portable;
+use super::micro::{kernel, Kernel, Tile};
 use super::pack::{pack_a, pack_b};
 use super::{BfMat, KC, MR, NC, NR};
 use crate::attention::exec::{ConstPtr, SyncPtr};
@@ -64,24 +64,6 @@ fn row_blocks(m: usize, threads: usize) -> (usize, usize) {
         mc = m.div_ceil(2 * threads).div_ceil(MR).max(1) * MR;
     }
     (mc, m.div_ceil(mc))
-}
-
-/// Which micro-kernel runs: AVX512-BF16 when the CPU has it and the SIMD level is AVX-512.
-#[derive(Clone, Copy)]
-enum Kernel {
-    #[cfg(target_arch = "x86_64")]
-    Avx512Bf16,
-    Portable,
-}
-
-fn kernel() -> Kernel {
-    #[cfg(target_arch = "x86_64")]
-    if super::rate::bf16_dot_available()
-        && crate::attention::simd_level() == crate::attention::SimdLevel::Avx512
-    {
-        return Kernel::Avx512Bf16;
-    }
-    Kernel::Portable
 }
 
 /// Runs the product (arguments checked by `matmul_bf16`, `m, n, k > 0`).
@@ -183,7 +165,8 @@ impl Pass<'_> {
                         let ap = abuf.as_ptr().add(ir * lda);
                         let c = self.c.0.add((i0 + ir) * self.ldc + j);
                         let live = MR.min(rows - ir);
-                        let tile = Tile { kp, a: ap, lda, b: bpanel, load_c: self.load_c };
+                        let tile =
+                            Tile { kp, a: ap, strides: (lda, 2), b: bpanel, load_c: self.load_c };
                         if live == MR && cols == NR {
                             tile.run(kern, c, self.ldc);
                         } else {
@@ -196,63 +179,3 @@ impl Pass<'_> {
         })
     }
 }
-
-/// One micro-tile's operands.
-struct Tile {
-    kp: usize,
-    a: *const u16,
-    lda: usize,
-    b: *const u32,
-    load_c: bool,
-}
-
-impl Tile {
-    /// The full tile into `c`.
-    ///
-    /// # Safety
-    /// As for the micro-kernels: `MR` rows of `A`, a whole panel, a full tile of `C`.
-    #[inline(always)]
-    unsafe fn run(&self, kern: Kernel, c: *mut f32, ldc: usize) {
-        let Tile { kp, a, lda, b, load_c } = *self;
-        // SAFETY: forwarded; `Avx512Bf16` is chosen only where the CPU has the features.
-        unsafe {
-            match kern {
-                #[cfg(target_arch = "x86_64")]
-                Kernel::Avx512Bf16 => super::micro::micro_avx512bf16(kp, a, lda, b, c, ldc, load_c),
-                Kernel::Portable => micro_portable(kp, a, lda, b, c, ldc, load_c),
-            }
-        }
-    }
-
-    /// A partial tile (`live` rows, `cols` columns): computed whole in a local buffer, then
-    /// the live part copied out.
-    ///
-    /// # Safety
-    /// As for `run`, except that only `live × cols` of the `C` tile need exist.
-    unsafe fn edge(&self, kern: Kernel, c: *mut f32, ldc: usize, live: usize, cols: usize) {
-        let mut tile = [0f32; MR * NR];
-        // SAFETY: the local tile is full size; `c` is read and written in its live part only.
-        unsafe {
-            if self.load_c {
-                for r in 0..live {
-                    std::ptr::copy_nonoverlapping(
-                        c.add(r * ldc),
-                        tile.as_mut_ptr().add(r * NR),
-                        cols,
-                    );
-                }
-            }
-            self.run(kern, tile.as_mut_ptr(), NR);
-            for r in 0..live {
-                std::ptr::copy_nonoverlapping(tile.as_ptr().add(r * NR), c.add(r * ldc), cols);
-            }
-        }
-    }
-}
-
-impl Clone for Tile {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl Copy for Tile {}

@@ -1,5 +1,6 @@
-//! The register micro-kernels: one `MR × NR` tile of `C` from `MR` bf16 rows of `A` (row
-//! stride `lda`, read a pair of `k` at a time) and a packed `B` panel (`kp × NR` pair words).
+//! The register micro-kernels: one `MR × NR` tile of `C` from `MR` rows of bf16 pairs of `A`
+//! (pair `p` of row `r` at `a + r·rs_a + p·cs_a`, in bf16 elements) and a packed `B` panel
+//! (`kp × NR` pair words).
 
 use super::{MR, NR};
 use crate::convert::bf16_bits_to_f32;
@@ -8,14 +9,15 @@ use crate::convert::bf16_bits_to_f32;
 /// vectors, `MR` broadcast pairs of `A` and `4·MR` `vdpbf16ps` into 24 accumulators.
 ///
 /// # Safety
-/// The CPU has AVX-512F and AVX512-BF16; `a` holds `MR` rows of `2·kp` elements `lda` apart;
-/// `b` holds `kp · NR` words; `c` a full `MR × NR` tile with row stride `ldc`.
+/// The CPU has AVX-512F and AVX512-BF16; `a + r·rs_a + p·cs_a` holds a pair of bf16 for
+/// `r < MR`, `p < kp`; `b` holds `kp · NR` words; `c` a full `MR × NR` tile with row stride
+/// `ldc`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 pub(super) unsafe fn micro_avx512bf16(
     kp: usize,
     a: *const u16,
-    lda: usize,
+    (rs_a, cs_a): (usize, usize),
     b: *const u32,
     c: *mut f32,
     ldc: usize,
@@ -41,7 +43,7 @@ pub(super) unsafe fn micro_avx512bf16(
                 *x = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(ptr));
             }
             for (r, row) in acc.iter_mut().enumerate() {
-                let pair = (a.add(r * lda + 2 * p) as *const u32).read_unaligned();
+                let pair = (a.add(r * rs_a + p * cs_a) as *const u32).read_unaligned();
                 let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair as i32));
                 for (x, bx) in row.iter_mut().zip(bv.iter()) {
                     *x = _mm512_dpbf16_ps(*x, av, *bx);
@@ -64,7 +66,7 @@ pub(super) unsafe fn micro_avx512bf16(
 pub(super) unsafe fn micro_portable(
     kp: usize,
     a: *const u16,
-    lda: usize,
+    (rs_a, cs_a): (usize, usize),
     b: *const u32,
     c: *mut f32,
     ldc: usize,
@@ -83,8 +85,8 @@ pub(super) unsafe fn micro_portable(
         for p in 0..kp {
             let words = std::slice::from_raw_parts(b.add(p * NR), NR);
             for (r, row) in acc.iter_mut().enumerate() {
-                let lo = bf16_bits_to_f32(*a.add(r * lda + 2 * p));
-                let hi = bf16_bits_to_f32(*a.add(r * lda + 2 * p + 1));
+                let lo = bf16_bits_to_f32(*a.add(r * rs_a + p * cs_a));
+                let hi = bf16_bits_to_f32(*a.add(r * rs_a + p * cs_a + 1));
                 for (x, &w) in row.iter_mut().zip(words) {
                     let (blo, bhi) =
                         (bf16_bits_to_f32(w as u16), bf16_bits_to_f32((w >> 16) as u16));
@@ -99,3 +101,89 @@ pub(super) unsafe fn micro_portable(
         }
     }
 }
+
+/// Which micro-kernel runs: AVX512-BF16 when the CPU has it and the SIMD level is AVX-512.
+#[derive(Clone, Copy)]
+pub(crate) enum Kernel {
+    #[cfg(target_arch = "x86_64")]
+    Avx512Bf16,
+    Portable,
+}
+
+pub(crate) fn kernel() -> Kernel {
+    #[cfg(target_arch = "x86_64")]
+    if super::rate::bf16_dot_available()
+        && crate::attention::simd_level() == crate::attention::SimdLevel::Avx512
+    {
+        return Kernel::Avx512Bf16;
+    }
+    Kernel::Portable
+}
+
+/// One micro-tile's operands.
+pub(crate) struct Tile {
+    pub(crate) kp: usize,
+    pub(crate) a: *const u16,
+    /// `(rs_a, cs_a)`: pair `p` of row `r` is at `a + r·rs_a + p·cs_a` (bf16 elements).
+    pub(crate) strides: (usize, usize),
+    pub(crate) b: *const u32,
+    pub(crate) load_c: bool,
+}
+
+impl Tile {
+    /// The full tile into `c`.
+    ///
+    /// # Safety
+    /// As for the micro-kernels: `MR` rows of `A`, a whole panel, a full tile of `C`.
+    #[inline(always)]
+    pub(crate) unsafe fn run(&self, kern: Kernel, c: *mut f32, ldc: usize) {
+        let Tile { kp, a, strides, b, load_c } = *self;
+        // SAFETY: forwarded; `Avx512Bf16` is chosen only where the CPU has the features.
+        unsafe {
+            match kern {
+                #[cfg(target_arch = "x86_64")]
+                Kernel::Avx512Bf16 => micro_avx512bf16(kp, a, strides, b, c, ldc, load_c),
+                Kernel::Portable => micro_portable(kp, a, strides, b, c, ldc, load_c),
+            }
+        }
+    }
+
+    /// A partial tile (`live` rows, `cols` columns): computed whole in a local buffer, then
+    /// the live part copied out.
+    ///
+    /// # Safety
+    /// As for `run`, except that only `live × cols` of the `C` tile need exist.
+    pub(crate) unsafe fn edge(
+        &self,
+        kern: Kernel,
+        c: *mut f32,
+        ldc: usize,
+        live: usize,
+        cols: usize,
+    ) {
+        let mut tile = [0f32; MR * NR];
+        // SAFETY: the local tile is full size; `c` is read and written in its live part only.
+        unsafe {
+            if self.load_c {
+                for r in 0..live {
+                    std::ptr::copy_nonoverlapping(
+                        c.add(r * ldc),
+                        tile.as_mut_ptr().add(r * NR),
+                        cols,
+                    );
+                }
+            }
+            self.run(kern, tile.as_mut_ptr(), NR);
+            for r in 0..live {
+                std::ptr::copy_nonoverlapping(tile.as_ptr().add(r * NR), c.add(r * ldc), cols);
+            }
+        }
+    }
+}
+
+impl Clone for Tile {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl Copy for Tile {}

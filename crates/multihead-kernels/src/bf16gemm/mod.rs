@@ -39,7 +39,7 @@
 //! ```
 
 mod driver;
-mod micro;
+pub(crate) mod micro;
 mod pack;
 mod rate;
 #[cfg(test)]

@@ -351,7 +351,9 @@ pub fn scaled_dot_product_attention(
     let call = validate(query, key, value, opts)?;
     if crate::precision::is_reduced(query.dtype()) {
         let (q, k, v, o) = widened(query, key, value, opts)?;
-        let y = scaled_dot_product_attention(&q, &k, &v, &o)?;
+        let y = crate::mode::rounded_products(query.dtype(), || {
+            scaled_dot_product_attention(&q, &k, &v, &o)
+        })?;
         return crate::precision::narrow(&y, query.dtype());
     }
     let plan = plan(query, key, value, &call, opts)?;
@@ -445,6 +447,8 @@ fn run_fused(
         d: e,
         dv: call.ev,
     };
+    let graded =
+        crate::mode::grad_enabled() && (query.track_op() || key.track_op() || value.track_op());
     let op = FlashAttention::new(
         dims,
         call.scale as f32,
@@ -452,7 +456,8 @@ fn run_fused(
         masks,
         dropout,
         Convention::Bhtd,
-    );
+    )
+    .with_bf16_products(!graded && crate::mode::in_rounded_products());
     // The kernels read rows; a view whose last dimension is strided (a transpose, a broadcast)
     // is copied first (differentiably).
     let rows = |t: &Tensor| -> Result<Tensor> {

@@ -94,6 +94,9 @@ pub(crate) struct FlashAttention {
     pub masks: Arc<Vec<OwnedMask>>,
     pub dropout: Option<(f64, DropoutKey)>,
     pub conv: Convention,
+    /// The forward's products take bf16 operands (`AttnParams::bf16_products`); set only
+    /// when neither a backward nor the weights follow.
+    pub bf16_products: bool,
     lse: Arc<Mutex<Vec<f32>>>,
 }
 
@@ -113,8 +116,15 @@ impl FlashAttention {
             masks: Arc::new(masks),
             dropout,
             conv,
+            bf16_products: false,
             lse: Arc::new(Mutex::new(Vec::new())),
         }
+    }
+
+    /// The same op with the forward's products in bf16 when `on` (inside a bf16 module's
+    /// computation without a gradient or the weights: see `crate::mode::rounded_products`).
+    pub(crate) fn with_bf16_products(self, on: bool) -> Self {
+        Self { bf16_products: on, ..self }
     }
 
     /// The same op (sizes, masks, dropout) reading its inputs through another convention,
@@ -162,6 +172,7 @@ impl FlashAttention {
         p.scale = self.scale;
         p.causal = self.causal;
         p.dropout = self.dropout;
+        p.bf16_products = self.bf16_products;
         for (slot, m) in p.masks.iter_mut().zip(self.masks.iter()) {
             *slot = Some(MaskView::Additive { data: &m.data, strides: m.strides });
         }

@@ -149,3 +149,31 @@ fn float16_layers_never_take_bf16_products() {
     let run = || no_grad(|| l16.forward(&x, None, None, false).unwrap());
     assert_eq!(bits(&direct(run)), bits(&widened(run)));
 }
+
+#[test]
+fn bf16_attention_under_direct_takes_bf16_products_and_stays_accurate() {
+    use multihead::functional::scaled_dot_product_attention as sdpa;
+    let (q, k, v) = (
+        det(&[2, 2, 20, 16], DType::BF16, 1.0),
+        det(&[2, 2, 70, 16], DType::BF16, 2.0),
+        det(&[2, 2, 70, 16], DType::BF16, 3.0),
+    );
+    let opts = multihead::SdpaOptions::default();
+    let y_direct = direct(|| no_grad(|| sdpa(&q, &k, &v, &opts))).unwrap();
+    let y_widened = widened(|| no_grad(|| sdpa(&q, &k, &v, &opts))).unwrap();
+    assert_eq!(y_direct.dtype(), DType::BF16);
+    // The probabilities rounded to bf16 move some outputs by a bf16 step, no more.
+    assert_ne!(bits(&y_direct), bits(&y_widened), "direct products ran");
+    let f64_of = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+    let y64 = values(&sdpa(&f64_of(&q), &f64_of(&k), &f64_of(&v), &opts).unwrap());
+    let (e_direct, e_widened) =
+        (max_diff(&values(&y_direct), &y64), max_diff(&values(&y_widened), &y64));
+    assert!(
+        e_direct <= 2.0 * e_widened + 2f64.powi(-8),
+        "direct {e_direct:e}, widened {e_widened:e}"
+    );
+    // With a gradient recorded the widened kernels run.
+    let (qv, kv, vv) = (var(&q), var(&k), var(&v));
+    let g_direct = direct(|| sdpa(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), &opts)).unwrap();
+    assert_eq!(bits(&g_direct), bits(&y_widened));
+}

@@ -1,0 +1,217 @@
+//! The forward's two products with bf16 operands ([`AttnParams::bf16_products`]), on the
+//! micro-kernels of [`crate::bf16gemm`]: what PyTorch's CPU flash kernel does for bf16 inputs.
+//!
+//! - `Sᵀ = K_j · Q_iᵀ`: the key rows rounded to bf16 (pairs along the head dimension), the
+//!   query block rounded once per task into a panel of pair words; the sums in f32, then the
+//!   scale (after the product, as PyTorch applies it).
+//! - `Oᵀ (+)= V_jᵀ · Pᵀ`: the probabilities rounded to bf16 (pairs of keys, interleaved from two
+//!   rows of the score tile) and the value rows interleaved the same way; the output block is
+//!   kept transposed (channels as rows, queries as lanes), so the online-softmax rescaling is
+//!   one vector product per channel, and is transposed back once at the end.
+//!
+//! The row sums of the softmax stay f32 sums of the unrounded probabilities, as PyTorch's.
+//!
+//! [`AttnParams::bf16_products`]: super::AttnParams::bf16_products
+
+use crate::bf16gemm::micro::{Kernel, Tile};
+use crate::bf16gemm::{MR, NR};
+use crate::convert::f32_to_bf16_bits as bf;
+
+/// The widest query block the bf16 products take (one panel of pair words).
+pub(crate) const MAX_LANES: usize = NR;
+
+/// Scratch sizes, in f32 units, of the bf16 products of one forward task: the query panel,
+/// the rounded key rows, the value and probability pair words and the transposed output.
+pub(crate) fn scratch(bc: usize, d: usize, dv: usize) -> [usize; 5] {
+    let (kpd, kpc, dvr) = (d.div_ceil(2), bc.div_ceil(2), dv.div_ceil(MR) * MR);
+    [kpd * NR, bc.div_ceil(MR) * MR * kpd, kpc * dvr, kpc * NR, dvr * NR]
+}
+
+/// `lo | hi << 16`.
+#[inline(always)]
+fn pair(lo: u16, hi: u16) -> u32 {
+    u32::from(lo) | (u32::from(hi) << 16)
+}
+
+/// Rounds query rows `i < br` (`d` floats each, `ld` apart) into the panel `qp`: word `(p, i)`
+/// holds elements `2p` (low half) and `2p + 1` (high half) of row `i`; lanes `br..NR` and the
+/// element after an odd `d` are zero.
+///
+/// # Safety
+/// `q + i·ld + c` is readable for `i < br`, `c < d`; `qp` holds `d.div_ceil(2) · NR` words;
+/// `br <= NR`.
+pub(crate) unsafe fn pack_q(q: *const f32, ld: usize, br: usize, d: usize, qp: *mut u32) {
+    // SAFETY: within the ranges the caller guarantees.
+    unsafe {
+        for p in 0..d.div_ceil(2) {
+            let out = qp.add(p * NR);
+            for i in 0..NR {
+                *out.add(i) = if i < br {
+                    let row = q.add(i * ld);
+                    let hi = if 2 * p + 1 < d { bf(*row.add(2 * p + 1)) } else { 0 };
+                    pair(bf(*row.add(2 * p)), hi)
+                } else {
+                    0
+                };
+            }
+        }
+    }
+}
+
+/// The operands of one score tile.
+pub(crate) struct Scores {
+    /// `bc` key rows of `d` floats, `ld` apart.
+    pub k: *const f32,
+    pub ld: usize,
+    pub bc: usize,
+    pub d: usize,
+    /// The query panel of [`pack_q`].
+    pub qp: *const u32,
+    /// Multiplies the sums.
+    pub scale: f32,
+    /// Output `[bc][brp]` and its lanes (`brp <= NR`).
+    pub st: *mut f32,
+    pub brp: usize,
+    /// Scratch for the rounded key rows ([`scratch`]).
+    pub kb: *mut u16,
+}
+
+/// `Sᵀ[j][i] = scale · Σ_c bf16(K[j][c]) · bf16(Q[i][c])` for every `j < bc`, `i < brp`.
+///
+/// # Safety
+/// The pointers in `s` are valid as its fields say; `kern` is available on this CPU.
+pub(crate) unsafe fn scores(kern: Kernel, s: &Scores) {
+    // SAFETY: forwarded; the AVX-512 entry is taken only with the AVX512-BF16 kernel, whose
+    // CPU has AVX-512F and BW.
+    unsafe {
+        match kern {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Bf16 => scores_avx512(kern, s),
+            Kernel::Portable => scores_impl(kern, s),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn scores_avx512(kern: Kernel, s: &Scores) {
+    // SAFETY: forwarded (compiled for AVX-512 so that the conversions vectorise).
+    unsafe { scores_impl(kern, s) }
+}
+
+#[inline(always)]
+unsafe fn scores_impl(kern: Kernel, s: &Scores) {
+    let kpd = s.d.div_ceil(2);
+    let dp = 2 * kpd;
+    // SAFETY: rows `j < bc` of `k` are readable; `kb` holds `bc` rounded up to `MR` rows of
+    // `dp` elements; the tiles write rows `< bc` and lanes `< brp` of `st`.
+    unsafe {
+        for j in 0..s.bc.div_ceil(MR) * MR {
+            let out = s.kb.add(j * dp);
+            if j < s.bc {
+                let row = s.k.add(j * s.ld);
+                for c in 0..s.d {
+                    *out.add(c) = bf(*row.add(c));
+                }
+                if s.d < dp {
+                    *out.add(s.d) = 0;
+                }
+            } else {
+                std::ptr::write_bytes(out, 0, dp);
+            }
+        }
+        for r0 in (0..s.bc).step_by(MR) {
+            let tile =
+                Tile { kp: kpd, a: s.kb.add(r0 * dp), strides: (dp, 2), b: s.qp, load_c: false };
+            let (live, c) = (MR.min(s.bc - r0), s.st.add(r0 * s.brp));
+            if live == MR && s.brp == NR {
+                tile.run(kern, c, s.brp);
+            } else {
+                tile.edge(kern, c, s.brp, live, s.brp);
+            }
+        }
+        for x in std::slice::from_raw_parts_mut(s.st, s.bc * s.brp) {
+            *x *= s.scale;
+        }
+    }
+}
+
+/// The operands of one `P·V` step.
+pub(crate) struct Values {
+    /// The probabilities `[bc][brp]` (keys as rows, queries as lanes).
+    pub st: *const f32,
+    pub brp: usize,
+    pub bc: usize,
+    /// `bc` value rows of `dv` floats, `ld` apart.
+    pub v: *const f32,
+    pub ld: usize,
+    pub dv: usize,
+    /// The transposed output `[dv rounded up to MR][NR]`, added to when `accumulate`.
+    pub ot: *mut f32,
+    pub accumulate: bool,
+    /// Scratch for the value and probability pair words ([`scratch`]).
+    pub vw: *mut u32,
+    pub pw: *mut u32,
+}
+
+/// `Oᵀ[c][i] (+)= Σ_j bf16(V[j][c]) · bf16(P[i][j])` for `c < dv`, `i < NR` (lanes past `brp`
+/// get 0).
+///
+/// # Safety
+/// The pointers in `x` are valid as its fields say; `kern` is available on this CPU.
+pub(crate) unsafe fn values(kern: Kernel, x: &Values) {
+    // SAFETY: as for `scores`.
+    unsafe {
+        match kern {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Bf16 => values_avx512(kern, x),
+            Kernel::Portable => values_impl(kern, x),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn values_avx512(kern: Kernel, x: &Values) {
+    // SAFETY: forwarded (compiled for AVX-512 so that the interleaving vectorises).
+    unsafe { values_impl(kern, x) }
+}
+
+#[inline(always)]
+unsafe fn values_impl(kern: Kernel, x: &Values) {
+    let kpc = x.bc.div_ceil(2);
+    let dvr = x.dv.div_ceil(MR) * MR;
+    // SAFETY: rows `< bc` of `st` and `v` are readable; `pw` holds `kpc · NR` words, `vw`
+    // `kpc · dvr`, `ot` `dvr · NR` floats.
+    unsafe {
+        for p in 0..kpc {
+            let (lo, out) = (x.st.add(2 * p * x.brp), x.pw.add(p * NR));
+            let hi = (2 * p + 1 < x.bc).then(|| x.st.add((2 * p + 1) * x.brp));
+            for i in 0..x.brp {
+                *out.add(i) = pair(bf(*lo.add(i)), hi.map_or(0, |h| bf(*h.add(i))));
+            }
+            for i in x.brp..NR {
+                *out.add(i) = 0;
+            }
+            let (lo, out) = (x.v.add(2 * p * x.ld), x.vw.add(p * dvr));
+            let hi = (2 * p + 1 < x.bc).then(|| x.v.add((2 * p + 1) * x.ld));
+            for c in 0..x.dv {
+                *out.add(c) = pair(bf(*lo.add(c)), hi.map_or(0, |h| bf(*h.add(c))));
+            }
+            for c in x.dv..dvr {
+                *out.add(c) = 0;
+            }
+        }
+        for r0 in (0..x.dv).step_by(MR) {
+            // Row `r` (channel `r0 + r`) of pair `p` is word `p · dvr + r0 + r`.
+            let a = x.vw.add(r0) as *const u16;
+            let tile = Tile { kp: kpc, a, strides: (2, 2 * dvr), b: x.pw, load_c: x.accumulate };
+            let (live, c) = (MR.min(x.dv - r0), x.ot.add(r0 * NR));
+            if live == MR {
+                tile.run(kern, c, NR);
+            } else {
+                tile.edge(kern, c, NR, live, NR);
+            }
+        }
+    }
+}
