@@ -151,8 +151,10 @@ fn linear_then(
         }
         // bf16/f16: the f32 product (f32 accumulation, as PyTorch's), rounded once.
         use crate::precision::{widen, widen_opt};
-        let b = widen_opt(bias)?;
-        let y = linear_then(&widen(x)?, &widen(weight)?, b.as_ref(), act, op, arg, backend)?;
+        let (xw, ww, b) = (widen(x)?, widen(weight)?, widen_opt(bias)?);
+        let y = crate::mode::rounded_products(x.dtype(), || {
+            linear_then(&xw, &ww, b.as_ref(), act, op, arg, backend)
+        })?;
         return crate::precision::narrow(&y, x.dtype());
     }
     let m = out_dims[..out_dims.len() - 1].iter().product::<usize>();
@@ -421,9 +423,10 @@ fn fused_linear(
         // the operands rounded to bf16 as PyTorch's bf16 layer has them.
         return bf16_product(&x, &weight, bias, act, out_dims);
     }
+    let op = FusedLinear::new(act, graded).with_bf16_products(crate::mode::in_rounded_products());
     let y = match bias {
-        Some(b) => x.apply_op3(&weight, &b.contiguous()?, FusedLinear::new(act, graded))?,
-        None => x.apply_op2(&weight, FusedLinear::new(act, graded))?,
+        Some(b) => x.apply_op3(&weight, &b.contiguous()?, op)?,
+        None => x.apply_op2(&weight, op)?,
     };
     debug_assert_eq!(y.dim(y.rank() - 1)?, out_f);
     Ok(y.reshape(out_dims)?)

@@ -70,7 +70,7 @@ impl std::str::FromStr for Backend {
     }
 }
 
-/// How bf16 computation multiplies when no gradient is recorded (inference).
+/// How bf16 computation multiplies: bf16 operands directly, or widened to f32 first.
 ///
 /// * `Auto` (the default): [`Direct`](Self::Direct) on CPUs where the bf16 dot-product
 ///   instruction (AVX512-BF16 `vdpbf16ps`) outruns f32 FMA (measured once per process: AMD
@@ -82,12 +82,15 @@ impl std::str::FromStr for Backend {
 ///   [`scaled_dot_product_attention`](crate::functional::scaled_dot_product_attention) (and
 ///   under [`autocast`] to bf16) each product's operands are rounded to bf16 first, the
 ///   attention's probabilities included (as PyTorch's bf16 flash kernel rounds them).
+///   With a gradient recorded, the linear layers' backward products (output gradient times
+///   weight, output gradient times input) take bf16 operands too, while attention keeps f32
+///   products (its backward recomputes the forward's probabilities, which must agree).
 ///   Without AVX512-BF16 a portable kernel computes the same sums, slowly.
 /// * `Widened`: the operands are widened to f32 and multiplied on the f32 kernels; inside a
 ///   layer, intermediate results stay f32 until the layer's output is rounded.
 ///
 /// The two differ by about one bf16 rounding of the products' inputs, within the error of
-/// PyTorch's own bf16 computation. Training (a gradient recorded) always widens.
+/// PyTorch's own bf16 computation (both pass the bfloat16 golden cases by the same rule).
 ///
 /// # Example
 /// ```
@@ -112,8 +115,7 @@ pub fn with_bf16_products<R>(choice: Bf16Products, f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// Whether bf16 products without a gradient take bf16 operands directly on this thread (see
-/// [`Bf16Products`]).
+/// Whether bf16 products take bf16 operands directly on this thread (see [`Bf16Products`]).
 pub fn bf16_products() -> bool {
     match BF16_PRODUCTS.with(|c| c.get()) {
         Bf16Products::Direct => true,
@@ -133,8 +135,8 @@ fn bf16_products_auto() -> bool {
 }
 
 /// Runs `f`, a bf16 module's f32 computation, with its products' operands rounded to bf16
-/// when [`bf16_products`] says so (the linear layers inside take the bf16 kernel when no
-/// gradient is recorded).
+/// when [`bf16_products`] says so (the linear layers inside take the bf16 kernel, and the
+/// attention forward when no gradient is recorded).
 pub(crate) fn rounded_products<R>(dtype: DType, f: impl FnOnce() -> R) -> R {
     let on = dtype == DType::BF16 && bf16_products();
     let _restore = Restore::set(&ROUNDED_PRODUCTS, on);

@@ -21,13 +21,27 @@ pub(crate) struct FusedLinear {
     act: Act,
     /// Keep the pre-activation for the backward (GELU with a gradient recorded).
     keep_pre: bool,
+    /// The products (forward and backward) take bf16 operands (`multihead_kernels::bf16gemm`).
+    bf16: bool,
     pre: Mutex<Option<Arc<Vec<f32>>>>,
 }
 
 impl FusedLinear {
     /// The op for `act(x Wᵀ + b)`; `graded` says whether a backward may run.
     pub(crate) fn new(act: Act, graded: bool) -> Self {
-        FusedLinear { act, keep_pre: graded && act == Act::Gelu, pre: Mutex::new(None) }
+        FusedLinear {
+            act,
+            keep_pre: graded && act == Act::Gelu,
+            bf16: false,
+            pre: Mutex::new(None),
+        }
+    }
+
+    /// The same op with its products' operands rounded to bf16 (forward: x and W; backward:
+    /// the output gradient, W and x), summed in f32, when `on`: a bf16 module's computation
+    /// under `Bf16Products::Direct` (see `crate::mode::rounded_products`).
+    pub(crate) fn with_bf16_products(self, on: bool) -> Self {
+        FusedLinear { bf16: on, ..self }
     }
 }
 
@@ -90,6 +104,8 @@ struct Product<'a> {
     lhs_strides: (usize, usize),
     rhs: &'a [f32],
     rhs_strides: (usize, usize),
+    /// The operands rounded to bf16 and multiplied on the bf16 kernel.
+    bf16: bool,
 }
 
 impl Product<'_> {
@@ -148,6 +164,9 @@ impl Product<'_> {
     /// first (a pass over memory saved).
     fn new_output(&self, what: &str) -> candle_core::Result<Vec<f32>> {
         let len = self.check()?;
+        if self.bf16 {
+            return self.bf16_output(len, what);
+        }
         let mut y: Vec<f32> = Vec::new();
         y.try_reserve_exact(len).map_err(|_| {
             candle_core::Error::Msg(format!("{what}: {len} floats cannot be allocated"))
@@ -163,6 +182,26 @@ impl Product<'_> {
             self.run(y.as_mut_ptr(), false);
             y.set_len(len);
         }
+        Ok(y)
+    }
+}
+
+impl Product<'_> {
+    /// The product of the bf16-rounded operands (f32 sums) in a new buffer of `len` floats.
+    fn bf16_output(&self, len: usize, what: &str) -> candle_core::Result<Vec<f32>> {
+        use multihead_kernels::bf16gemm::{matmul_bf16, BfMat, Elems};
+        let mut y = crate::alloc::try_zeros::<f32>(len, what)?;
+        let view = |data, rows, cols, (row_stride, col_stride)| BfMat {
+            data: Elems::F32(data),
+            rows,
+            cols,
+            row_stride,
+            col_stride,
+        };
+        let a = view(self.lhs, self.m, self.k, self.lhs_strides);
+        let b = view(self.rhs, self.k, self.n, self.rhs_strides);
+        matmul_bf16(a, b, &mut y, self.n, false)
+            .map_err(|e| candle_core::Error::Msg(format!("{what}: {e}")))?;
         Ok(y)
     }
 }
@@ -207,6 +246,7 @@ impl FusedLinear {
             lhs_strides: (x_rs, 1),
             rhs: &w.0[w0..],
             rhs_strides: (1, in_f),
+            bf16: self.bf16,
         };
         let mut y = product.new_output("fused linear output")?;
         // The bias and the activation in one parallel pass after the product.
@@ -288,6 +328,7 @@ impl FusedLinear {
             lhs_strides: (out_f, 1),
             rhs: wv,
             rhs_strides: (in_f, 1),
+            bf16: self.bf16,
         };
         let dx = dx.new_output("fused linear dx")?;
         // dW (out×in) = dyᵀ (out×m) · x (m×in)
@@ -299,6 +340,7 @@ impl FusedLinear {
             lhs_strides: (1, out_f),
             rhs: xv,
             rhs_strides: (x_rs, 1),
+            bf16: self.bf16,
         };
         let dw = dw.new_output("fused linear dw")?;
         // db (out) = Σ_rows dy

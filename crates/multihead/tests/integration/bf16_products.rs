@@ -1,6 +1,6 @@
-//! bf16 products (`Bf16Products::Direct`): bf16 inference multiplies bf16 operands (on
+//! bf16 products (`Bf16Products::Direct`): bf16 computation multiplies bf16 operands (on
 //! AVX512-BF16 where the CPU has it, on the portable kernel otherwise), agrees with the
-//! widened path within bf16 rounding, and never changes training or float16.
+//! widened path within bf16 rounding, and never changes float16.
 
 use std::collections::HashMap;
 
@@ -80,15 +80,64 @@ fn a_bf16_linear_without_a_gradient_multiplies_the_bf16_operands() {
 }
 
 #[test]
-fn a_recorded_gradient_keeps_the_widened_path() {
+fn training_under_direct_takes_bf16_products_forward_and_backward() {
+    // A bf16 Linear with a recorded gradient: the same products of the same bf16 operands as
+    // the widened path, in another order, so within a bf16 step of it.
     let w = var(&det(&[70, 40], DType::BF16, 1.0));
     let lin = multihead::Linear::from_weights(w.as_tensor().clone(), None);
-    let x = det(&[30, 40], DType::BF16, 2.0);
-    let y_direct = direct(|| lin.forward(&x)).unwrap();
-    let y_widened = widened(|| lin.forward(&x)).unwrap();
-    assert_eq!(bits(&y_direct), bits(&y_widened));
-    let grads = y_direct.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
-    assert!(grads.get(w.as_tensor()).is_some(), "the weight gets its gradient");
+    let x = var(&det(&[30, 40], DType::BF16, 2.0));
+    let step = |choice| {
+        with_bf16_products(choice, || {
+            let y = lin.forward(x.as_tensor()).unwrap();
+            let g = y.to_dtype(DType::F32).unwrap().sqr().unwrap().sum_all().unwrap().backward();
+            let g = g.unwrap();
+            (
+                values(&y),
+                values(g.get(w.as_tensor()).unwrap()),
+                values(g.get(x.as_tensor()).unwrap()),
+            )
+        })
+    };
+    let (d, wd) = (step(Bf16Products::Direct), step(Bf16Products::Widened));
+    for (name, a, b) in [("y", &d.0, &wd.0), ("dW", &d.1, &wd.1), ("dx", &d.2, &wd.2)] {
+        let scale = b.iter().fold(0f64, |m, v| m.max(v.abs()));
+        assert!(
+            max_diff(a, b) <= scale * 2f64.powi(-7),
+            "{name}: {:e} of {scale:e}",
+            max_diff(a, b)
+        );
+    }
+    // An encoder layer: inside it the products' operands (activations, output gradients) are
+    // rounded to bf16, so training differs from the widened path by bf16 steps, not more.
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let cfg =
+        LayerConfig::new(32, 4).with_dim_feedforward(64).with_dropout(0.0).with_batch_first(true);
+    let layer = TransformerEncoderLayer::new(cfg.clone(), vb).unwrap();
+    let l16 = twin(&layer, DType::BF16, |vb| TransformerEncoderLayer::new(cfg.clone(), vb));
+    let l64 = twin(&l16, DType::F64, |vb| TransformerEncoderLayer::new(cfg.clone(), vb));
+    let x = var(&det(&[2, 9, 32], DType::BF16, 3.0));
+    // A fixed upstream gradient (the sum of squares of a LayerNorm output is nearly constant).
+    let up = det(&[2, 9, 32], DType::F64, 4.0);
+    let train = |m: &TransformerEncoderLayer, x: &candle_core::Var| {
+        let y = m.forward(x.as_tensor(), None, None, false).unwrap();
+        let g = y.to_dtype(DType::F64).unwrap().mul(&up).unwrap().sum_all().unwrap().backward();
+        (values(&y), values(g.unwrap().get(x.as_tensor()).unwrap()))
+    };
+    let d = with_bf16_products(Bf16Products::Direct, || train(&l16, &x));
+    let wd = with_bf16_products(Bf16Products::Widened, || train(&l16, &x));
+    let r = train(&l64, &var(&x.as_tensor().to_dtype(DType::F64).unwrap()));
+    assert_ne!(d.1, wd.1, "direct products ran in the backward");
+    // Against the float64 layer, the error stays of the widened path's order.
+    for (name, i) in [("output", 0), ("input gradient", 1)] {
+        let pick = |t: &(Vec<f64>, Vec<f64>)| if i == 0 { t.0.clone() } else { t.1.clone() };
+        let (e_d, e_w) = (max_diff(&pick(&d), &pick(&r)), max_diff(&pick(&wd), &pick(&r)));
+        let scale = pick(&r).iter().fold(0f64, |m, v| m.max(v.abs()));
+        assert!(
+            e_d <= 3.0 * e_w + scale * 2f64.powi(-7),
+            "{name}: direct {e_d:e}, widened {e_w:e}"
+        );
+    }
 }
 
 #[test]
