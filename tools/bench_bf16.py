@@ -114,7 +114,7 @@ def report_lines(doc):
         f"{doc.get('bf16_dot_speedup') or 0:.2f}, so the default here is "
         f"{'direct' if doc.get('bf16_products') else 'widened'}; the column \"direct "
         "products\" forces the other way (`MULTIHEAD_BF16_PRODUCTS=direct`; in training the "
-        "linear layers' backward products go direct too, attention stays f32).\n",
+        "backward products go direct too).\n",
         "| case | PyTorch bf16 | PyTorch f32 | multihead bf16 | multihead f32 | bf16 speed-up "
         "| multihead bf16 GFLOP/s (share of bf16 peak) | multihead bf16, direct products |",
         "|---|---|---|---|---|---|---|---|",

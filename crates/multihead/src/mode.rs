@@ -82,9 +82,10 @@ impl std::str::FromStr for Backend {
 ///   [`scaled_dot_product_attention`](crate::functional::scaled_dot_product_attention) (and
 ///   under [`autocast`] to bf16) each product's operands are rounded to bf16 first, the
 ///   attention's probabilities included (as PyTorch's bf16 flash kernel rounds them).
-///   With a gradient recorded, the linear layers' backward products (output gradient times
-///   weight, output gradient times input) take bf16 operands too, while attention keeps f32
-///   products (its backward recomputes the forward's probabilities, which must agree).
+///   With a gradient recorded, the backward products take bf16 operands too (the linear
+///   layers' output gradient times weight and times input; attention's five products), with
+///   f32 sums. Attention keeps f32 products where PyTorch's takes its math path (grouped-query
+///   heads, dropout) and when it returns its weights.
 ///   Without AVX512-BF16 a portable kernel computes the same sums, slowly.
 /// * `Widened`: the operands are widened to f32 and multiplied on the f32 kernels; inside a
 ///   layer, intermediate results stay f32 until the layer's output is rounded.
@@ -135,8 +136,8 @@ fn bf16_products_auto() -> bool {
 }
 
 /// Runs `f`, a bf16 module's f32 computation, with its products' operands rounded to bf16
-/// when [`bf16_products`] says so (the linear layers inside take the bf16 kernel, and the
-/// attention forward when no gradient is recorded).
+/// when [`bf16_products`] says so (the linear layers and attention inside take the bf16
+/// kernels).
 pub(crate) fn rounded_products<R>(dtype: DType, f: impl FnOnce() -> R) -> R {
     let on = dtype == DType::BF16 && bf16_products();
     let _restore = Restore::set(&ROUNDED_PRODUCTS, on);

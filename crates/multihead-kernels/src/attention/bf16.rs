@@ -215,3 +215,124 @@ unsafe fn values_impl(kern: Kernel, x: &Values) {
         }
     }
 }
+
+/// Pair words of `rows` rows of `cols` floats (`ld` apart): word `(p, c)` holds rows `2p`
+/// (low half) and `2p + 1` (high half, 0 past `rows`) of column `c`; columns `cols..width` are
+/// zero. Row-major (`out + p·width + c`, an `A` operand), or with `panels` as the `B` panels
+/// of [`product`] (`NR` columns each: `out + (c / NR)·kp·NR + p·NR + c % NR`, `width` a
+/// multiple of `NR`).
+///
+/// # Safety
+/// `src + r·ld + c` is readable for `r < rows`, `c < cols`; `out` holds
+/// `rows.div_ceil(2) · width` words; `cols <= width`.
+#[inline(always)]
+pub(crate) unsafe fn pair_rows(
+    (src, ld): (*const f32, usize),
+    rows: usize,
+    cols: usize,
+    out: *mut u32,
+    width: usize,
+    panels: bool,
+) {
+    let kp = rows.div_ceil(2);
+    // SAFETY: within the ranges the caller guarantees.
+    unsafe {
+        for p in 0..kp {
+            let lo = src.add(2 * p * ld);
+            let hi = (2 * p + 1 < rows).then(|| src.add((2 * p + 1) * ld));
+            let at = |c: usize| match panels {
+                true => out.add((c / NR) * kp * NR + p * NR + c % NR),
+                false => out.add(p * width + c),
+            };
+            for c in 0..cols {
+                *at(c) = pair(bf(*lo.add(c)), hi.map_or(0, |h| bf(*h.add(c))));
+            }
+            for c in cols..width {
+                *at(c) = 0;
+            }
+        }
+    }
+}
+
+/// `rows` rows of `cols` floats (`ld` apart) rounded to bf16 rows of `width` elements (`width`
+/// even, at least `cols`, zero past `cols`), with zero rows up to a multiple of `MR`.
+///
+/// # Safety
+/// `src + r·ld + c` is readable for `r < rows`, `c < cols`; `out` holds
+/// `rows.div_ceil(MR) · MR · width` elements.
+#[inline(always)]
+pub(crate) unsafe fn round_rows(
+    src: *const f32,
+    ld: usize,
+    rows: usize,
+    cols: usize,
+    out: *mut u16,
+    width: usize,
+) {
+    // SAFETY: within the ranges the caller guarantees.
+    unsafe {
+        for r in 0..rows.div_ceil(MR) * MR {
+            let o = out.add(r * width);
+            if r < rows {
+                let row = src.add(r * ld);
+                for c in 0..cols {
+                    *o.add(c) = bf(*row.add(c));
+                }
+                for c in cols..width {
+                    *o.add(c) = 0;
+                }
+            } else {
+                std::ptr::write_bytes(o, 0, width);
+            }
+        }
+    }
+}
+
+/// `C[r][c] (+)= Σ_p A[r][p] · B[p][c]` for `r < rows`, `c < cols`: `A` pairs at
+/// `a + r·rs + p·cs` (bf16 elements, `rows` rounded up to `MR` readable), `B` as
+/// `cols.div_ceil(NR)` panels of `kp · NR` pair words, `C` f32 with row stride `ldc`.
+///
+/// # Safety
+/// As the fields say; `kern` is available on this CPU.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn product(
+    kern: Kernel,
+    (a, strides): (*const u16, (usize, usize)),
+    kp: usize,
+    rows: usize,
+    b: *const u32,
+    cols: usize,
+    (c, ldc): (*mut f32, usize),
+    accumulate: bool,
+) {
+    // SAFETY: every tile lies inside the operands the caller describes; partial tiles go
+    // through `edge`, which touches only their live part of `C`.
+    unsafe {
+        for q in 0..cols.div_ceil(NR) {
+            let panel = b.add(q * kp * NR);
+            let live_cols = NR.min(cols - q * NR);
+            for r0 in (0..rows).step_by(MR) {
+                let tile =
+                    Tile { kp, a: a.add(r0 * strides.0), strides, b: panel, load_c: accumulate };
+                let (live, cp) = (MR.min(rows - r0), c.add(r0 * ldc + q * NR));
+                if live == MR && live_cols == NR {
+                    tile.run(kern, cp, ldc);
+                } else {
+                    tile.edge(kern, cp, ldc, live, live_cols);
+                }
+            }
+        }
+    }
+}
+
+/// `Σ_c bf16(a[c]) · bf16(b[c])`, summed in f32 (the backward's `D = rowsum(O ∘ dO)` from
+/// the rounded operands, consistent with `dP`).
+///
+/// # Safety
+/// `a` and `b` are readable for `n` floats.
+#[inline(always)]
+pub(crate) unsafe fn dot_rounded(a: *const f32, b: *const f32, n: usize) -> f32 {
+    use crate::convert::bf16_bits_to_f32 as wide;
+    // SAFETY: within the `n` floats the caller guarantees.
+    unsafe { (0..n).map(|c| wide(bf(*a.add(c))) * wide(bf(*b.add(c)))).sum() }
+}

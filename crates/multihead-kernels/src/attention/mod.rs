@@ -190,12 +190,15 @@ pub struct AttnParams<'a> {
     /// [`keep_from_row`](crate::dropout::keep_from_row), so the mask matches the composed
     /// implementation bit for bit.
     pub dropout: Option<(f64, DropoutKey)>,
-    /// The forward's two products take bf16 operands, as PyTorch's CPU kernel has them for
-    /// bf16 inputs: `q`, `k` and `v` rounded to bf16, `q·kᵀ` summed in f32 and then scaled,
-    /// the probabilities rounded to bf16 before they meet `v` (their row sums stay f32), on
-    /// AVX512-BF16 where the CPU has it (a portable kernel otherwise). The statistics, the
-    /// output and everything else stay f32. Used by the forward only: the backward and
-    /// [`attention_weights`] ignore it, so leave it off when either follows.
+    /// The products take bf16 operands, as PyTorch's CPU kernels have them for bf16 inputs:
+    /// in the forward, `q`, `k` and `v` rounded to bf16, `q·kᵀ` summed in f32 and then
+    /// scaled, the probabilities rounded to bf16 before they meet `v` (their row sums stay
+    /// f32); in the backward, the same scores recomputed, `dO`, `P` and `dS` rounded where
+    /// they enter a product (and `D = rowsum(O∘dO)` from the rounded `O` and `dO`), with
+    /// `dq`, `dk` and `dv` summed in f32. On AVX512-BF16 where the CPU has it (a portable
+    /// kernel otherwise). The statistics, outputs and gradients stay f32. Give the backward
+    /// the value the forward had. [`attention_weights`] ignores it (its weights come from f32
+    /// products), so leave it off when the weights are wanted.
     pub bf16_products: bool,
 }
 

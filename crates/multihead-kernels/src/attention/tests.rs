@@ -874,3 +874,56 @@ fn bf16_products_multiply_rounded_operands_and_round_the_probabilities() {
         }
     }
 }
+
+#[test]
+fn bf16_products_backward_matches_the_gradients_of_the_rounded_operands() {
+    let mut odd = Case::new(2, 2, 70, 200, 33);
+    odd.dv = 80; // two 64-column panels of dV
+    odd.masks = vec![MaskKind::AddLS, MaskKind::KeyPad];
+    let mut gqa = Case::new(1, 4, 65, 65, 64);
+    (gqa.hkv, gqa.causal) = (2, true);
+    let mut packed = Case::new(2, 2, 40, 40, 16);
+    packed.packed = true;
+    let mut drop = Case::new(1, 2, 33, 33, 24);
+    drop.dropout = Some(0.2);
+    for c in [odd, gqa, packed, drop] {
+        let masks: Vec<MaskData> =
+            c.masks.iter().enumerate().map(|(n, &k)| make_mask(&c, k, 100 + n as u64)).collect();
+        let p = params(&c, &masks);
+        let pb = AttnParams { bf16_products: true, ..params(&c, &masks) };
+        let x = inputs(&c, 42);
+        let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
+        let (qr, kr, vr) = (round_bf16(q), round_bf16(k), round_bf16(v));
+        let dol = Layout4::contiguous(c.hq, c.l, c.dv);
+        let (edq, edk, edv) =
+            reference::backward(&p, &qr, x.ql, &kr, x.kl, &vr, x.vl, &x.dout, dol);
+        let dkl = Layout4::contiguous(c.hkv, c.s, c.d);
+        let dvl = Layout4::contiguous(c.hkv, c.s, c.dv);
+        for level in levels() {
+            with_simd_level(level, || {
+                let r = run_kernels(&c, &pb, &x);
+                // Each product rounds its operands (dO, P, dS) to bf16: half a step each.
+                let within = |what: &str, got: &[f32], gl: Layout4, exp: &[f64], sizes| {
+                    let scale = exp.iter().fold(0f64, |m, v| m.max(v.abs()));
+                    assert_close(what, &c, got, gl, exp, sizes, 2f64.powi(-6) * scale);
+                };
+                within("dq", &r.dq, x.dql, &edq, [c.b, c.hq, c.l, c.d]);
+                within("dk", &r.dk, dkl, &edk, [c.b, c.hkv, c.s, c.d]);
+                within("dv", &r.dv, dvl, &edv, [c.b, c.hkv, c.s, c.dv]);
+                // The f32 kernels on the rounded operands differ: the products rounded.
+                let r32 = run_kernels(
+                    &c,
+                    &p,
+                    &Inputs {
+                        q: round_bf16(&x.q),
+                        k: round_bf16(&x.k),
+                        v: round_bf16(&x.v),
+                        dout: x.dout.clone(),
+                        ..x
+                    },
+                );
+                assert_ne!(r.dk, r32.dk, "no rounding seen in {c:?}");
+            });
+        }
+    }
+}

@@ -447,8 +447,6 @@ fn run_fused(
         d: e,
         dv: call.ev,
     };
-    let graded =
-        crate::mode::grad_enabled() && (query.track_op() || key.track_op() || value.track_op());
     let op = FlashAttention::new(
         dims,
         call.scale as f32,
@@ -457,7 +455,7 @@ fn run_fused(
         dropout,
         Convention::Bhtd,
     )
-    .with_bf16_products(!graded && crate::mode::in_rounded_products());
+    .with_rounded_products(false);
     // The kernels read rows; a view whose last dimension is strided (a transpose, a broadcast)
     // is copied first (differentiably).
     let rows = |t: &Tensor| -> Result<Tensor> {

@@ -94,8 +94,8 @@ pub(crate) struct FlashAttention {
     pub masks: Arc<Vec<OwnedMask>>,
     pub dropout: Option<(f64, DropoutKey)>,
     pub conv: Convention,
-    /// The forward's products take bf16 operands (`AttnParams::bf16_products`); set only
-    /// when neither a backward nor the weights follow.
+    /// The products (forward and backward) take bf16 operands (`AttnParams::bf16_products`);
+    /// see [`Self::with_rounded_products`].
     pub bf16_products: bool,
     lse: Arc<Mutex<Vec<f32>>>,
 }
@@ -121,9 +121,14 @@ impl FlashAttention {
         }
     }
 
-    /// The same op with the forward's products in bf16 when `on` (inside a bf16 module's
-    /// computation without a gradient or the weights: see `crate::mode::rounded_products`).
-    pub(crate) fn with_bf16_products(self, on: bool) -> Self {
+    /// The same op with bf16 products where a bf16 module's computation rounds its products
+    /// (`crate::mode::rounded_products`) and PyTorch's bf16 CPU attention would run its flash
+    /// kernel, which rounds the probabilities: not with the weights, grouped-query heads or
+    /// dropout, where PyTorch takes its math path (products in f32) and so do we.
+    pub(crate) fn with_rounded_products(self, need_weights: bool) -> Self {
+        let dropout = self.dropout.is_some_and(|(p, _)| p > 0.0);
+        let grouped = self.dims.heads_q != self.dims.heads_kv;
+        let on = crate::mode::in_rounded_products() && !need_weights && !grouped && !dropout;
         Self { bf16_products: on, ..self }
     }
 

@@ -67,9 +67,8 @@ pub(crate) fn attend(
     }
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let conv = Convention::SeqFirst { heads: h, head_dim: hd, batch_first: call.batch_first };
-    let bf16 = !call.need_weights && !records_grad && crate::mode::in_rounded_products();
     let op = FlashAttention::new(dims, scale, call.causal, masks, dropout, conv)
-        .with_bf16_products(bf16);
+        .with_rounded_products(call.need_weights);
     if call.static_kv.is_some() {
         return static_attention(call, proj, &op);
     }
