@@ -143,10 +143,7 @@ fn linear_then(
 ) -> Result<Tensor> {
     let (out_f, in_f, out_dims) = validate_linear(x, weight, bias, op, arg)?;
     if crate::precision::is_reduced(x.dtype()) {
-        if let Some(y) = bf16_rows(x, weight, bias, act, op, backend, &out_dims)? {
-            return Ok(y);
-        }
-        if let Some(y) = bf16_direct(x, weight, bias, act, op, backend, &out_dims)? {
+        if let Some(y) = bf16_unwidened(x, weight, bias, act, op, backend, &out_dims)? {
             return Ok(y);
         }
         // bf16/f16: the f32 product (f32 accumulation, as PyTorch's), rounded once.
@@ -188,11 +185,17 @@ fn linear_then(
     }
 }
 
-/// A few bf16 rows without a gradient (a decode step): the few-rows kernel reads the bf16
-/// weight as it is, where widening it would convert all of it at every step. The numbers
-/// are the widened path's: the f32 product of the widened operands, rounded once (then ReLU,
-/// which commutes with the rounding; GELU would round twice, so it takes the widened path).
-fn bf16_rows(
+/// bf16 without a gradient, multiplied without widening the weight first, where that pays:
+///
+/// * a few rows (a decode step): the few-rows kernel reads the bf16 weight as it is, where
+///   widening it would convert all of it at every step. The numbers are the widened path's:
+///   the f32 product of the widened operands, rounded once (then ReLU, which commutes with the
+///   rounding; GELU would round twice, so it takes the widened path);
+/// * more rows where [`crate::bf16_products`] says so: the bf16 operands multiplied as they
+///   are (`vdpbf16ps`, f32 sums), then the bias and activation in f32 and one rounding. The
+///   widened path computes the same products of the same operands; only the order of the f32
+///   sums differs.
+fn bf16_unwidened(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
@@ -203,17 +206,23 @@ fn bf16_rows(
 ) -> Result<Option<Tensor>> {
     let in_f = weight.dim(1)?;
     let m = out_dims[..out_dims.len() - 1].iter().product::<usize>();
-    let graded = records_grad(x, weight, bias);
-    let blocker = crate::fused::dispatch::f32_or_bf16_blocker(x);
-    if x.dtype() != candle_core::DType::BF16
-        || act == Act::Gelu
-        || graded
-        || m == 0
-        || m > multihead_kernels::gemv::MAX_ROWS
-        || in_f == 0
-        || crate::fused::dispatch::decide(op, backend, blocker)?.path != Path::Fused
+    if x.dtype() != candle_core::DType::BF16 || records_grad(x, weight, bias) || m == 0 || in_f == 0
     {
         return Ok(None);
+    }
+    let few_rows = m <= multihead_kernels::gemv::MAX_ROWS && act != Act::Gelu;
+    if !few_rows && !crate::mode::bf16_products() {
+        return Ok(None);
+    }
+    let blocker = crate::fused::dispatch::f32_or_bf16_blocker(x);
+    if crate::fused::dispatch::decide(op, backend, blocker)?.path != Path::Fused {
+        return Ok(None);
+    }
+    if !few_rows {
+        crate::alloc::ensure(op, "output", out_dims, x.dtype(), 1, "use a smaller input")?;
+        let x = if x.rank() == 1 { x.unsqueeze(0)? } else { x.detach() };
+        let bias = bias.map(Tensor::detach);
+        return bf16_product(&x, &weight.detach(), bias.as_ref(), act, out_dims).map(Some);
     }
     let x2 = x.reshape((m, in_f))?.contiguous()?;
     let w = weight.contiguous()?;
@@ -222,37 +231,6 @@ fn bf16_rows(
         None => x2.apply_op2_no_bwd(&w, &RowsLinear)?,
     };
     then_act(y.reshape(out_dims)?, act).map(Some)
-}
-
-/// bf16 rows without a gradient where [`crate::bf16_products`] says so: the bf16 operands
-/// multiplied as they are (`vdpbf16ps`, f32 sums), then the bias and activation in f32 and one
-/// rounding. The widened path computes the same products of the same operands; only the
-/// order of the f32 sums differs.
-fn bf16_direct(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    act: Act,
-    op: &'static str,
-    backend: Backend,
-    out_dims: &[usize],
-) -> Result<Option<Tensor>> {
-    let graded = records_grad(x, weight, bias);
-    if x.dtype() != candle_core::DType::BF16
-        || graded
-        || x.elem_count() == 0
-        || weight.elem_count() == 0
-        || !crate::mode::bf16_products()
-    {
-        return Ok(None);
-    }
-    let blocker = crate::fused::dispatch::f32_or_bf16_blocker(x);
-    if crate::fused::dispatch::decide(op, backend, blocker)?.path != Path::Fused {
-        return Ok(None);
-    }
-    crate::alloc::ensure(op, "output", out_dims, x.dtype(), 1, "use a smaller input")?;
-    let x = if x.rank() == 1 { x.unsqueeze(0)? } else { x.detach() };
-    bf16_product(&x, &weight.detach(), bias.map(Tensor::detach).as_ref(), act, out_dims).map(Some)
 }
 
 /// `act(bf16(x) · bf16(W)ᵀ + b)` as one op without a backward (`fused::bf16_linear`).
