@@ -1028,6 +1028,10 @@ def mha_fixture_configs() -> list[dict]:
         "bfloat16, separate weights (kdim=16, vdim=24), batch_first, eval forward",
         kdim=16, vdim=24, L=6, S=8, batch_first=True, training=False, grad_mode=False,
         need_weights=False, **BF16)
+    add("bf16_eval_grad_dropout03",
+        "bfloat16, eval mode with gradients (dropout=0.3 configured, inactive), bool mask and kpm",
+        training=False, grad_mode=True, dropout=0.3, attn_mask=_bm(), kpm=_bk(), L=8, S=10,
+        need_weights=False, **BF16)
     add("bf16_self_kpm_eval",
         "bfloat16 self-attention, bool kpm, eval forward under no_grad (bf16 products)",
         alias="self", L=12, S=12, kpm=_bk(), training=False, grad_mode=False,
@@ -1895,6 +1899,10 @@ def tf_fixture_configs() -> list[dict]:
     add(EL, "bf16_enc_layer_wide_eval",
         "bfloat16 encoder layer d=64 ff=256 (two k blocks of the bf16 product), eval forward",
         S=12, **{**BF16T, "d_model": 64, "dim_feedforward": 256}, **BF16E)
+    add(EL, "bf16_enc_layer_dropout01_eval_grad",
+        "bfloat16 encoder layer, dropout=0.1 configured, eval mode with gradients, bool kpm",
+        S=10, dropout=0.1, training=False, grad_mode=True,
+        masks={"src_key_padding_mask": _kp()}, **BF16T)
     add(DL, "bf16_dec_layer_eval",
         "bfloat16 decoder layer, float causal tgt_mask, eval forward under no_grad",
         T=7, S=9, masks={"tgt_mask": _am("float", "causal")}, **BF16T, **BF16E)
