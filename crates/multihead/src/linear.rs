@@ -385,6 +385,12 @@ fn fused_linear(
     let weight = weight.contiguous()?;
     let m = x.elem_count() / x.dim(x.rank() - 1)?.max(1);
     let graded = x.track_op() || weight.track_op() || bias.is_some_and(Tensor::track_op);
+    if !graded && crate::mode::in_rounded_products() {
+        // Inside a bf16 module computing in f32, on a CPU whose bf16 products are the faster:
+        // the operands rounded to bf16 as PyTorch's bf16 layer has them, however few the rows
+        // (so that the numbers do not depend on the number of tokens).
+        return bf16_product(&x, &weight, bias, act, out_dims);
+    }
     if m <= multihead_kernels::gemv::MAX_ROWS && !graded {
         // A few rows without a gradient (a decode step's tokens): the few-rows kernel reads the
         // weight once, where gemm packs all of it for every call (measured at E=512, B=1: a
@@ -395,11 +401,6 @@ fn fused_linear(
             None => x2.apply_op2_no_bwd(&weight, &RowsLinear)?,
         };
         return then_act(y.reshape(out_dims)?, act);
-    }
-    if !graded && crate::mode::in_rounded_products() {
-        // Inside a bf16 module computing in f32, on a CPU whose bf16 products are the faster:
-        // the operands rounded to bf16 as PyTorch's bf16 layer has them.
-        return bf16_product(&x, &weight, bias, act, out_dims);
     }
     let op = FusedLinear::new(act, graded).with_bf16_products(crate::mode::in_rounded_products());
     let y = match bias {

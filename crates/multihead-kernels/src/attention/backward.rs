@@ -40,6 +40,9 @@ pub(crate) struct BwdTask<'a> {
     /// Per `(batch, query head)`: whether its queries, keys and values are all finite (empty:
     /// all are).
     pub(crate) finite: &'a [bool],
+    /// The bf16 micro-kernel of `AttnParams::bf16_products`, chosen on the calling thread (a
+    /// worker does not see the caller's forced SIMD level).
+    pub(crate) kern: crate::bf16gemm::micro::Kernel,
 }
 
 impl<'a> BwdTask<'a> {
@@ -91,6 +94,7 @@ impl<'a> BwdTask<'a> {
             bc,
             nq: p.dims.l.div_ceil(br),
             finite: &[],
+            kern: crate::bf16gemm::micro::kernel(),
         }
     }
 }
@@ -139,7 +143,7 @@ impl Task for BwdTask<'_> {
         let maxv = cv.take(brp_max);
         // The bf16 products' buffers (null without them); a query block fits one panel.
         let bf = p.bf16_products && brp_max <= bf::MAX_LANES;
-        let kern = crate::bf16gemm::micro::kernel();
+        let kern = self.kern;
         let bb = match bf {
             true => {
                 let sizes = BwdBf16::sizes(self.br, self.bc, d, dv);

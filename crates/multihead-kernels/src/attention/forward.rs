@@ -30,6 +30,9 @@ pub(crate) struct FwdTask<'a> {
     /// Per `(batch, query head)`: whether its queries, keys and values are all finite (empty:
     /// all are).
     pub(crate) finite: &'a [bool],
+    /// The bf16 micro-kernel of `AttnParams::bf16_products`, chosen on the calling thread (a
+    /// worker does not see the caller's forced SIMD level).
+    pub(crate) kern: crate::bf16gemm::micro::Kernel,
 }
 
 impl<'a> FwdTask<'a> {
@@ -65,6 +68,7 @@ impl<'a> FwdTask<'a> {
             bc,
             nq: p.dims.l.div_ceil(br),
             finite: &[],
+            kern: crate::bf16gemm::micro::kernel(),
         }
     }
 }
@@ -119,7 +123,7 @@ impl Task for FwdTask<'_> {
         // The bf16 products' buffers (empty without them); the query block fits one panel
         // (`FWD_BR` lanes).
         let bf = p.bf16_products && brp <= bf::MAX_LANES;
-        let kern = crate::bf16gemm::micro::kernel();
+        let kern = self.kern;
         let [qp, kb, vw, pw, ot] = match bf {
             true => bf::scratch(self.bc, d, dv).map(|n| cv.take(n).as_mut_ptr()),
             false => [std::ptr::null_mut(); 5],

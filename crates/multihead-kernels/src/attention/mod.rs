@@ -382,6 +382,8 @@ const FWD_BC: usize = 256;
 const BWD_BR: usize = 64;
 /// Key block rows (backward): two 128 x 64 tiles (P, dS) of 32 KiB each.
 const BWD_BC: usize = 128;
+// The bf16 products take a query block as one panel of pair words.
+const _: () = assert!(FWD_BR <= bf16::MAX_LANES && BWD_BR <= bf16::MAX_LANES);
 
 /// Per `(batch, query head)`: whether its queries and the keys (and values, when given) of
 /// its kv head are all finite. Empty when nothing can be skipped anyway (no mask, not causal):

@@ -20,7 +20,7 @@ pub fn bf16_dot_available() -> bool {
 }
 
 /// Multiply-adds per second of `vdpbf16ps` over those of f32 FMA on 512-bit vectors, measured
-/// once on one core (about a millisecond); `None` without AVX512-BF16.
+/// once on one core (about 2 ms); `None` without AVX512-BF16.
 ///
 /// Above 1, a bf16 product on [`super::matmul_bf16`] beats widening to f32: about 2 on AMD
 /// Zen 4 and Zen 5, where each instruction does twice the multiply-adds of an FMA at the same
@@ -33,20 +33,20 @@ pub fn bf16_dot_speedup() -> Option<f64> {
         }
         #[cfg(target_arch = "x86_64")]
         {
-            // Best of three: the first runs also warm the core up.
-            let best = |f: &dyn Fn() -> f32| {
-                (0..3)
-                    .map(|_| {
-                        let t = Instant::now();
-                        std::hint::black_box(f());
-                        t.elapsed().as_secs_f64()
-                    })
-                    .fold(f64::INFINITY, f64::min)
+            let time = |f: &dyn Fn() -> f32| {
+                let t = Instant::now();
+                std::hint::black_box(f());
+                t.elapsed().as_secs_f64()
             };
-            // SAFETY: both need AVX-512F, and the dot one AVX512-BF16: checked above.
-            let fma = best(&|| unsafe { fma_loop(ITERS) });
-            // SAFETY: as above.
-            let dot = best(&|| unsafe { dot_loop(ITERS) });
+            // Best of five, the two loops alternating, so that a clock still ramping up (or a
+            // neighbour's load) weighs on both alike.
+            let (mut fma, mut dot) = (f64::INFINITY, f64::INFINITY);
+            for _ in 0..5 {
+                // SAFETY: both need AVX-512F, and the dot one AVX512-BF16: checked above.
+                fma = fma.min(time(&|| unsafe { fma_loop(ITERS) }));
+                // SAFETY: as above.
+                dot = dot.min(time(&|| unsafe { dot_loop(ITERS) }));
+            }
             // A dot instruction does two multiply-adds per lane, an FMA one.
             Some(2.0 * fma / dot.max(1e-9))
         }
@@ -55,8 +55,8 @@ pub fn bf16_dot_speedup() -> Option<f64> {
     })
 }
 
-/// Iterations of the timing loops (each 12 independent instructions).
-const ITERS: usize = 40_000;
+/// Iterations of the timing loops (each 12 independent instructions: about 0.2 ms at 3 GHz).
+const ITERS: usize = 50_000;
 
 /// `iters × 12` FMAs in 12 independent chains; returns a lane of the sum (so nothing is
 /// optimised away).

@@ -191,6 +191,13 @@ fn bf16_layers_under_direct_round_their_products_and_stay_accurate() {
     let y64 = values(&run(&l64, &x.to_dtype(DType::F64).unwrap()));
     // Rounding the products' inputs changes some outputs by a bf16 step ...
     assert_ne!(bits(&y_direct), bits(&y_widened), "direct products ran");
+    // ... however few the rows: a sequence alone (5 rows, the linear layers' few-rows case)
+    // gets what it gets inside a batch of 15 rows, bit for bit.
+    let seqs = x.narrow(1, 0, 5).unwrap();
+    let run5 = |t: &Tensor| direct(|| no_grad(|| l16.forward(t, None, None, false).unwrap()));
+    let alone = run5(&seqs.narrow(0, 0, 1).unwrap());
+    let batched = run5(&seqs).narrow(0, 0, 1).unwrap();
+    assert_eq!(bits(&alone), bits(&batched), "a few rows take the same products");
     // ... and the error stays of the widened path's order (LayerNorm outputs are O(1)).
     let (e_direct, e_widened) =
         (max_diff(&values(&y_direct), &y64), max_diff(&values(&y_widened), &y64));
