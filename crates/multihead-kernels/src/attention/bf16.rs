@@ -104,32 +104,10 @@ unsafe fn scores_impl(kern: Kernel, s: &Scores) {
     let kpd = s.d.div_ceil(2);
     let dp = 2 * kpd;
     // SAFETY: rows `j < bc` of `k` are readable; `kb` holds `bc` rounded up to `MR` rows of
-    // `dp` elements; the tiles write rows `< bc` and lanes `< brp` of `st`.
+    // `dp` elements; the product writes rows `< bc` and lanes `< brp` of `st`.
     unsafe {
-        for j in 0..s.bc.div_ceil(MR) * MR {
-            let out = s.kb.add(j * dp);
-            if j < s.bc {
-                let row = s.k.add(j * s.ld);
-                for c in 0..s.d {
-                    *out.add(c) = bf(*row.add(c));
-                }
-                if s.d < dp {
-                    *out.add(s.d) = 0;
-                }
-            } else {
-                std::ptr::write_bytes(out, 0, dp);
-            }
-        }
-        for r0 in (0..s.bc).step_by(MR) {
-            let tile =
-                Tile { kp: kpd, a: s.kb.add(r0 * dp), strides: (dp, 2), b: s.qp, load_c: false };
-            let (live, c) = (MR.min(s.bc - r0), s.st.add(r0 * s.brp));
-            if live == MR && s.brp == NR {
-                tile.run(kern, c, s.brp);
-            } else {
-                tile.edge(kern, c, s.brp, live, s.brp);
-            }
-        }
+        round_rows(s.k, s.ld, s.bc, s.d, s.kb, dp);
+        product(kern, (s.kb, (dp, 2)), kpd, s.bc, s.qp, s.brp, (s.st, s.brp), false);
         for x in std::slice::from_raw_parts_mut(s.st, s.bc * s.brp) {
             *x *= s.scale;
         }
@@ -184,35 +162,11 @@ unsafe fn values_impl(kern: Kernel, x: &Values) {
     // SAFETY: rows `< bc` of `st` and `v` are readable; `pw` holds `kpc · NR` words, `vw`
     // `kpc · dvr`, `ot` `dvr · NR` floats.
     unsafe {
-        for p in 0..kpc {
-            let (lo, out) = (x.st.add(2 * p * x.brp), x.pw.add(p * NR));
-            let hi = (2 * p + 1 < x.bc).then(|| x.st.add((2 * p + 1) * x.brp));
-            for i in 0..x.brp {
-                *out.add(i) = pair(bf(*lo.add(i)), hi.map_or(0, |h| bf(*h.add(i))));
-            }
-            for i in x.brp..NR {
-                *out.add(i) = 0;
-            }
-            let (lo, out) = (x.v.add(2 * p * x.ld), x.vw.add(p * dvr));
-            let hi = (2 * p + 1 < x.bc).then(|| x.v.add((2 * p + 1) * x.ld));
-            for c in 0..x.dv {
-                *out.add(c) = pair(bf(*lo.add(c)), hi.map_or(0, |h| bf(*h.add(c))));
-            }
-            for c in x.dv..dvr {
-                *out.add(c) = 0;
-            }
-        }
-        for r0 in (0..x.dv).step_by(MR) {
-            // Row `r` (channel `r0 + r`) of pair `p` is word `p · dvr + r0 + r`.
-            let a = x.vw.add(r0) as *const u16;
-            let tile = Tile { kp: kpc, a, strides: (2, 2 * dvr), b: x.pw, load_c: x.accumulate };
-            let (live, c) = (MR.min(x.dv - r0), x.ot.add(r0 * NR));
-            if live == MR {
-                tile.run(kern, c, NR);
-            } else {
-                tile.edge(kern, c, NR, live, NR);
-            }
-        }
+        pair_rows((x.st, x.brp), x.bc, x.brp, x.pw, NR, true);
+        pair_rows((x.v, x.ld), x.bc, x.dv, x.vw, dvr, false);
+        // Row `r` of `A` (channel `r`) of pair `p` is word `p · dvr + r`.
+        let a = (x.vw as *const u16, (2, 2 * dvr));
+        product(kern, a, kpc, x.dv, x.pw, NR, (x.ot, NR), x.accumulate);
     }
 }
 
@@ -235,20 +189,44 @@ pub(crate) unsafe fn pair_rows(
     panels: bool,
 ) {
     let kp = rows.div_ceil(2);
+    // Runs of contiguous words: the whole row, or one run per panel.
+    let run = if panels { NR } else { width };
     // SAFETY: within the ranges the caller guarantees.
     unsafe {
         for p in 0..kp {
             let lo = src.add(2 * p * ld);
             let hi = (2 * p + 1 < rows).then(|| src.add((2 * p + 1) * ld));
-            let at = |c: usize| match panels {
-                true => out.add((c / NR) * kp * NR + p * NR + c % NR),
-                false => out.add(p * width + c),
-            };
-            for c in 0..cols {
-                *at(c) = pair(bf(*lo.add(c)), hi.map_or(0, |h| bf(*h.add(c))));
+            for c0 in (0..width).step_by(run) {
+                let o = match panels {
+                    true => out.add((c0 / NR) * kp * NR + p * NR),
+                    false => out.add(p * width),
+                };
+                let n = cols.saturating_sub(c0).min(run);
+                interleave(lo.add(c0), hi.map(|h| h.add(c0)), n, o);
+                std::ptr::write_bytes(o.add(n), 0, run - n);
             }
-            for c in cols..width {
-                *at(c) = 0;
+        }
+    }
+}
+
+/// `out[c] = bf16(lo[c]) | bf16(hi[c]) << 16` for `c < n` (the high half 0 without `hi`).
+///
+/// # Safety
+/// `lo`, `hi` readable and `out` writable for `n` elements.
+#[inline(always)]
+unsafe fn interleave(lo: *const f32, hi: Option<*const f32>, n: usize, out: *mut u32) {
+    // SAFETY: within the `n` elements the caller guarantees.
+    unsafe {
+        match hi {
+            Some(h) => {
+                for c in 0..n {
+                    *out.add(c) = pair(bf(*lo.add(c)), bf(*h.add(c)));
+                }
+            }
+            None => {
+                for c in 0..n {
+                    *out.add(c) = u32::from(bf(*lo.add(c)));
+                }
             }
         }
     }

@@ -7,7 +7,7 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::micro::{kernel, Kernel, Tile};
-use super::pack::{pack_a, pack_b};
+use super::pack::{pack_a, pack_b, ABlock};
 use super::{BfMat, KC, MR, NC, NR};
 use crate::attention::exec::{ConstPtr, SyncPtr};
 use crate::attention::KernelError;
@@ -148,15 +148,8 @@ impl Pass<'_> {
             // alone writes rows `i0..i0+rows` of panels `q0..q1`; the packed `B` was written
             // before this pass began.
             unsafe {
-                let dst = abuf.as_mut_ptr();
-                match kern {
-                    // The kernel is chosen only where the CPU has AVX-512F (and BW with it).
-                    #[cfg(target_arch = "x86_64")]
-                    Kernel::Avx512Bf16 => {
-                        super::pack::pack_a_avx512(self.a, i0, rows, padded, x.p0, x.kc, dst, lda)
-                    }
-                    Kernel::Portable => pack_a(self.a, i0, rows, padded, x.p0, x.kc, dst, lda),
-                }
+                let blk = ABlock { i0, rows, padded, p0: x.p0, kc: x.kc, lda };
+                pack_a(kern, self.a, blk, abuf.as_mut_ptr());
                 for q in q0..q1 {
                     let bpanel = x.packed.0.add(q * kp * NR);
                     let j = x.j0 + q * NR;

@@ -1,6 +1,7 @@
 //! Packing: a block of `A` rounded into a bf16 row-major buffer, and a block of `B` into
 //! [`NR`]-wide panels of `k` pairs, zero-padded to whole pairs, rows and panels.
 
+use super::micro::Kernel;
 use super::{BfMat, Elems, NR};
 use crate::convert::f32_to_bf16_bits;
 
@@ -29,67 +30,57 @@ impl Bits for u16 {
     }
 }
 
-/// Rows `i0..i0+rows`, columns `p0..p0+kc` of `a`, as bf16 rows of `lda` elements (`lda` even
-/// and at least `kc`) in `dst`; columns past `kc` and rows `rows..padded` are zero.
+/// A block of `A` to round: rows `i0..i0+rows` (zero rows up to `padded`), columns
+/// `p0..p0+kc` (zero columns up to `lda`, which is even and at least `kc`).
+#[derive(Clone, Copy)]
+pub(super) struct ABlock {
+    pub i0: usize,
+    pub rows: usize,
+    pub padded: usize,
+    pub p0: usize,
+    pub kc: usize,
+    pub lda: usize,
+}
+
+/// The block `blk` of `a` as bf16 rows of `lda` elements in `dst`, compiled for AVX-512 when
+/// `kern` is the AVX512-BF16 kernel (the rounding loop then vectorises: a tenth of the
+/// product's time otherwise).
 ///
 /// # Safety
-/// The block lies inside `a` (checked by `matmul_bf16`); `dst` holds `padded · lda` elements.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-pub(super) unsafe fn pack_a(
-    a: &BfMat,
-    i0: usize,
-    rows: usize,
-    padded: usize,
-    p0: usize,
-    kc: usize,
-    dst: *mut u16,
-    lda: usize,
-) {
-    // SAFETY: forwarded to the typed packer with the same block.
+/// The block lies inside `a` (checked by `matmul_bf16`); `dst` holds `padded · lda` elements;
+/// `kern` is available on this CPU.
+pub(super) unsafe fn pack_a(kern: Kernel, a: &BfMat, blk: ABlock, dst: *mut u16) {
+    // SAFETY: forwarded; the AVX-512 kernel is chosen only where the CPU has AVX-512F and BW.
     unsafe {
-        match a.data {
-            Elems::F32(x) => pack_a_typed(x.as_ptr(), a, i0, rows, padded, p0, kc, dst, lda),
-            Elems::Bf16(x) => pack_a_typed(x.as_ptr(), a, i0, rows, padded, p0, kc, dst, lda),
+        match kern {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Bf16 => pack_a_avx512(a, blk, dst),
+            Kernel::Portable => pack_a_any(a, blk, dst),
         }
     }
 }
 
-/// [`pack_a`] compiled for AVX-512 (the rounding loop vectorises: a tenth of the product's
-/// time otherwise).
-///
-/// # Safety
-/// As for [`pack_a`]; the CPU has AVX-512F and AVX-512BW.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn pack_a_avx512(
-    a: &BfMat,
-    i0: usize,
-    rows: usize,
-    padded: usize,
-    p0: usize,
-    kc: usize,
-    dst: *mut u16,
-    lda: usize,
-) {
+unsafe fn pack_a_avx512(a: &BfMat, blk: ABlock, dst: *mut u16) {
     // SAFETY: forwarded.
-    unsafe { pack_a(a, i0, rows, padded, p0, kc, dst, lda) }
+    unsafe { pack_a_any(a, blk, dst) }
 }
 
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn pack_a_typed<T: Bits>(
-    src: *const T,
-    a: &BfMat,
-    i0: usize,
-    rows: usize,
-    padded: usize,
-    p0: usize,
-    kc: usize,
-    dst: *mut u16,
-    lda: usize,
-) {
+unsafe fn pack_a_any(a: &BfMat, blk: ABlock, dst: *mut u16) {
+    // SAFETY: forwarded to the typed packer with the same block.
+    unsafe {
+        match a.data {
+            Elems::F32(x) => pack_a_typed(x.as_ptr(), a, blk, dst),
+            Elems::Bf16(x) => pack_a_typed(x.as_ptr(), a, blk, dst),
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn pack_a_typed<T: Bits>(src: *const T, a: &BfMat, blk: ABlock, dst: *mut u16) {
+    let ABlock { i0, rows, padded, p0, kc, lda } = blk;
     let (rs, cs) = (a.row_stride, a.col_stride);
     // SAFETY: offsets `(i0+i)·rs + (p0+p)·cs` with `i < rows`, `p < kc` are inside `a`; the
     // destination offsets are below `padded · lda`.
