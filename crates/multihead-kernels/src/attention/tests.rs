@@ -825,6 +825,15 @@ fn round_bf16(x: &[f32]) -> Vec<f32> {
     x.iter().map(|&v| bf16_bits_to_f32(f32_to_bf16_bits(v))).collect()
 }
 
+/// A case's masks, inputs, and its q, k and v rounded to bf16 (the operands the bf16 products
+/// see, for the exact reference).
+fn rounded_case(c: &Case) -> (Vec<MaskData>, Inputs, [Vec<f32>; 3]) {
+    let masks = c.masks.iter().enumerate().map(|(n, &k)| make_mask(c, k, 100 + n as u64)).collect();
+    let x = inputs(c, 42);
+    let r = [&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]].map(round_bf16);
+    (masks, x, r)
+}
+
 #[test]
 fn bf16_products_multiply_rounded_operands_and_round_the_probabilities() {
     let mut odd = Case::new(2, 2, 70, 300, 33);
@@ -839,13 +848,10 @@ fn bf16_products_multiply_rounded_operands_and_round_the_probabilities() {
     let mut drop = Case::new(1, 2, 33, 33, 24);
     drop.dropout = Some(0.2);
     for c in [odd, gqa, packed, full, drop] {
-        let masks: Vec<MaskData> =
-            c.masks.iter().enumerate().map(|(n, &k)| make_mask(&c, k, 100 + n as u64)).collect();
+        let (masks, x, [qr, kr, vr]) = rounded_case(&c);
         let p = params(&c, &masks);
         let pb = AttnParams { bf16_products: true, ..params(&c, &masks) };
-        let x = inputs(&c, 42);
         let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
-        let (qr, kr, vr) = (round_bf16(q), round_bf16(k), round_bf16(v));
         // The exact attention of the rounded operands.
         let (eout, else_) = reference::forward(&p, &qr, x.ql, &kr, x.kl, &vr, x.vl);
         let rows = c.b * c.hq * c.l;
@@ -887,13 +893,9 @@ fn bf16_products_backward_matches_the_gradients_of_the_rounded_operands() {
     let mut drop = Case::new(1, 2, 33, 33, 24);
     drop.dropout = Some(0.2);
     for c in [odd, gqa, packed, drop] {
-        let masks: Vec<MaskData> =
-            c.masks.iter().enumerate().map(|(n, &k)| make_mask(&c, k, 100 + n as u64)).collect();
+        let (masks, x, [qr, kr, vr]) = rounded_case(&c);
         let p = params(&c, &masks);
         let pb = AttnParams { bf16_products: true, ..params(&c, &masks) };
-        let x = inputs(&c, 42);
-        let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
-        let (qr, kr, vr) = (round_bf16(q), round_bf16(k), round_bf16(v));
         let dol = Layout4::contiguous(c.hq, c.l, c.dv);
         let (edq, edk, edv) =
             reference::backward(&p, &qr, x.ql, &kr, x.kl, &vr, x.vl, &x.dout, dol);

@@ -98,34 +98,4 @@ impl Bf16Linear {
     }
 }
 
-impl candle_core::CustomOp2 for Bf16Linear {
-    fn name(&self) -> &'static str {
-        OP
-    }
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.run((xs, xl), (ws, wl), None)
-    }
-}
-
-impl candle_core::CustomOp3 for Bf16Linear {
-    fn name(&self) -> &'static str {
-        OP
-    }
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
-        bs: &CpuStorage,
-        bl: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.run((xs, xl), (ws, wl), Some((bs, bl)))
-    }
-}
+super::forward_only_linear_ops!(Bf16Linear, OP);

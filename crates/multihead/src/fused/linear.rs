@@ -441,10 +441,9 @@ fn rows_operand<'a>(
 
 impl RowsLinear {
     fn run(
-        xs: &CpuStorage,
-        xl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
+        &self,
+        (xs, xl): (&CpuStorage, &Layout),
+        (ws, wl): (&CpuStorage, &Layout),
         bias: Option<(&CpuStorage, &Layout)>,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (&[m, k], &[n, k2]) = (xl.dims(), wl.dims()) else {
@@ -481,34 +480,4 @@ impl RowsLinear {
     }
 }
 
-impl candle_core::CustomOp2 for RowsLinear {
-    fn name(&self) -> &'static str {
-        "linear (decode rows)"
-    }
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        Self::run(xs, xl, ws, wl, None)
-    }
-}
-
-impl candle_core::CustomOp3 for RowsLinear {
-    fn name(&self) -> &'static str {
-        "linear (decode rows)"
-    }
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
-        bs: &CpuStorage,
-        bl: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        Self::run(xs, xl, ws, wl, Some((bs, bl)))
-    }
-}
+super::forward_only_linear_ops!(RowsLinear, ROWS);

@@ -21,6 +21,46 @@ pub(crate) mod flash;
 pub(crate) mod linear;
 pub(crate) mod norm;
 
+/// Makes a forward-only linear op (a type with `fn run(&self, x, w, bias: Option<_>)` over CPU
+/// storages and layouts) a `CustomOp2` (without a bias) and a `CustomOp3` (with one), named
+/// `$name`.
+macro_rules! forward_only_linear_ops {
+    ($t:ty, $name:expr) => {
+        impl candle_core::CustomOp2 for $t {
+            fn name(&self) -> &'static str {
+                $name
+            }
+            fn cpu_fwd(
+                &self,
+                xs: &candle_core::CpuStorage,
+                xl: &candle_core::Layout,
+                ws: &candle_core::CpuStorage,
+                wl: &candle_core::Layout,
+            ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+                self.run((xs, xl), (ws, wl), None)
+            }
+        }
+
+        impl candle_core::CustomOp3 for $t {
+            fn name(&self) -> &'static str {
+                $name
+            }
+            fn cpu_fwd(
+                &self,
+                xs: &candle_core::CpuStorage,
+                xl: &candle_core::Layout,
+                ws: &candle_core::CpuStorage,
+                wl: &candle_core::Layout,
+                bs: &candle_core::CpuStorage,
+                bl: &candle_core::Layout,
+            ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+                self.run((xs, xl), (ws, wl), Some((bs, bl)))
+            }
+        }
+    };
+}
+pub(crate) use forward_only_linear_ops;
+
 /// The f32 data of a CPU storage, or an error naming the op.
 pub(crate) fn cpu_f32<'a>(
     s: &'a candle_core::CpuStorage,
