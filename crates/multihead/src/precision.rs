@@ -15,11 +15,26 @@ pub(crate) fn is_reduced(dtype: DType) -> bool {
 
 /// `t` in f32 (differentiably).
 pub(crate) fn widen(t: &Tensor) -> Result<Tensor> {
-    Ok(crate::fused::convert::to_dtype(t, DType::F32)?)
+    convert(t, DType::F32)
 }
 
 /// An f32 result back in the reduced dtype `dtype` (differentiably).
 pub(crate) fn narrow(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    convert(t, dtype)
+}
+
+/// `t` converted to `dtype`, after checking that what the conversion allocates can be
+/// allocated: the copy of a strided or broadcast view, and the result (a broadcast view of a
+/// few values can stand for more elements than memory holds).
+fn convert(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    const OP: &str = "bf16/f16 conversion";
+    const HINT: &str = "use a smaller input (a broadcast view is copied before it is converted)";
+    if t.dtype() != dtype {
+        if !t.is_contiguous() {
+            crate::alloc::ensure(OP, "copy of the input", t.dims(), t.dtype(), 1, HINT)?;
+        }
+        crate::alloc::ensure(OP, "converted tensor", t.dims(), dtype, 1, HINT)?;
+    }
     Ok(crate::fused::convert::to_dtype(t, dtype)?)
 }
 

@@ -281,3 +281,68 @@ fn bf16_attention_under_direct_takes_bf16_products_and_stays_accurate() {
         );
     }
 }
+
+#[test]
+fn bad_input_gets_the_same_answer_under_direct_as_widened() {
+    let lin = multihead::Linear::from_weights(det(&[12, 20], DType::BF16, 1.0), None);
+    let modes = [Bf16Products::Direct, Bf16Products::Widened];
+    // Wrong features, wrong dtype: the same typed error either way.
+    for x in [det(&[16, 19], DType::BF16, 3.0), det(&[16, 20], DType::F32, 3.0)] {
+        let errs = modes.map(|m| with_bf16_products(m, || no_grad(|| lin.forward(&x))));
+        let msgs = errs.map(|e| e.err().map(|e| e.to_string()));
+        assert!(msgs[0].is_some(), "{:?}", x.dims());
+        assert_eq!(msgs[0], msgs[1]);
+    }
+    // Strided and broadcast views give what their contiguous copies give.
+    let strided = det(&[20, 16], DType::BF16, 4.0).t().unwrap();
+    let broadcast = det(&[1, 20], DType::BF16, 5.0).broadcast_as((16, 20)).unwrap();
+    for m in modes {
+        for x in [&strided, &broadcast] {
+            let run = |t: &Tensor| with_bf16_products(m, || no_grad(|| lin.forward(t))).unwrap();
+            assert_eq!(bits(&run(x)), bits(&run(&x.contiguous().unwrap())), "{m:?}");
+        }
+    }
+    // A size that cannot be allocated is an error, not an abort.
+    let huge = det(&[1, 20], DType::BF16, 6.0).broadcast_as((1usize << 40, 20)).unwrap();
+    for m in modes {
+        let r = with_bf16_products(m, || no_grad(|| lin.forward(&huge)));
+        assert!(matches!(r, Err(multihead::Error::Alloc { .. })), "{m:?}: {r:?}");
+    }
+    // NaN in one row reaches that row's outputs only, on the fused and the composed path.
+    let mut v = vec![0.5f32; 16 * 20];
+    v[3 * 20 + 7] = f32::NAN;
+    let x = Tensor::from_vec(v, (16, 20), &dev()).unwrap().to_dtype(DType::BF16).unwrap();
+    for backend in [multihead::Backend::Auto, multihead::Backend::Composed] {
+        for m in modes {
+            let y = multihead::with_backend(backend, || {
+                with_bf16_products(m, || no_grad(|| lin.forward(&x)))
+            });
+            let y = y.unwrap().to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+            for (r, row) in y.iter().enumerate() {
+                assert!(row.iter().all(|v| v.is_nan() == (r == 3)), "{backend:?} {m:?} row {r}");
+            }
+        }
+    }
+    // Attention: a NaN key poisons the same rows on every path (docs/pytorch-behaviour.md §5:
+    // a non-finite key reaches every row of its head, masked or not), and no row of the
+    // other head.
+    let (q, k) = (det(&[1, 2, 12, 16], DType::BF16, 1.0), det(&[1, 2, 12, 16], DType::BF16, 2.0));
+    let mut kv = k.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    kv[5 * 16] = f32::NAN; // head 0, key 5
+    let k = Tensor::from_vec(kv, (1, 2, 12, 16), &dev()).unwrap().to_dtype(DType::BF16).unwrap();
+    let opts = multihead::SdpaOptions { is_causal: true, ..Default::default() };
+    let nan_rows = |backend, m| {
+        let y = multihead::with_backend(backend, || {
+            with_bf16_products(m, || {
+                no_grad(|| multihead::functional::scaled_dot_product_attention(&q, &k, &k, &opts))
+            })
+        });
+        let y = y.unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        y.to_vec1::<f32>().unwrap().chunks(16).map(|r| r[0].is_nan()).collect::<Vec<_>>()
+    };
+    let composed = nan_rows(multihead::Backend::Composed, Bf16Products::Widened);
+    for m in modes {
+        assert_eq!(nan_rows(multihead::Backend::Auto, m), composed, "{m:?}");
+    }
+    assert!(composed[..12].iter().all(|&n| n) && composed[12..].iter().all(|&n| !n));
+}
