@@ -92,6 +92,8 @@ impl std::str::FromStr for Backend {
 ///
 /// The two differ by about one bf16 rounding of the products' inputs, within the error of
 /// PyTorch's own bf16 computation (both pass the bfloat16 golden cases by the same rule).
+/// The choice concerns the fused kernels: the composed backend ([`Backend::Composed`]) always
+/// widens.
 ///
 /// # Example
 /// ```
