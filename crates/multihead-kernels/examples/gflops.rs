@@ -3,6 +3,11 @@
 //! `cargo run -p multihead-kernels --release --example gflops [-- B H L S D [reps]]`
 //!
 //! Flops: forward `4·B·H·L·S·D` (halved when causal); forward+backward counted as 3x that.
+//!
+//! `LAYOUT=seq` reads q, k, v, dO and writes out, dq, dk, dv as `(B, L, H·D)` rows (what
+//! `MultiheadAttention` passes), `LAYOUT=seq+P` with `P` floats of padding after each row
+//! (`seq+1024` at H·D = 512 is the stride of a packed in-projection); the default is
+//! `(B, H, L, D)`.
 
 use std::time::Instant;
 
@@ -65,23 +70,38 @@ fn main() {
         Err(_) => vec![1, 2],
     };
     println!(
-        "simd level: {level:?}, mask {:?}, dropout {:?}",
+        "simd level: {level:?}, layout {:?}, mask {:?}, dropout {:?}",
+        std::env::var("LAYOUT").ok(),
         std::env::var("MASK").ok(),
         std::env::var("DROPOUT").ok()
     );
     for [b, h, l, s, d] in shapes {
         let dims = AttnDims { batch: b, heads_q: h, heads_kv: h, l, s, d, dv: d };
-        let (ql, kl) = (Layout4::contiguous(h, l, d), Layout4::contiguous(h, s, d));
+        // LAYOUT: see the module docs.
+        let pad = match std::env::var("LAYOUT").as_deref() {
+            Ok("seq") => Some(0),
+            Ok(x) => x.strip_prefix("seq+").and_then(|p| p.parse::<usize>().ok()),
+            _ => None,
+        };
+        let (ql, kl) = if let Some(pad) = pad {
+            let row = h * d + pad;
+            (
+                Layout4 { batch: l * row, head: d, seq: row },
+                Layout4 { batch: s * row, head: d, seq: row },
+            )
+        } else {
+            (Layout4::contiguous(h, l, d), Layout4::contiguous(h, s, d))
+        };
         let mut x = Bufs {
-            q: rand_vec(b * h * l * d, 1),
-            k: rand_vec(b * h * s * d, 2),
-            v: rand_vec(b * h * s * d, 3),
-            o: vec![0.0; b * h * l * d],
+            q: rand_vec(b * (h * d + pad.unwrap_or(0)) * l, 1),
+            k: rand_vec(b * (h * d + pad.unwrap_or(0)) * s, 2),
+            v: rand_vec(b * (h * d + pad.unwrap_or(0)) * s, 3),
+            o: vec![0.0; b * (h * d + pad.unwrap_or(0)) * l],
             lse: vec![0.0; 2 * b * h * l],
-            dout: rand_vec(b * h * l * d, 4),
-            dq: vec![0.0; b * h * l * d],
-            dk: vec![0.0; b * h * s * d],
-            dv: vec![0.0; b * h * s * d],
+            dout: rand_vec(b * (h * d + pad.unwrap_or(0)) * l, 4),
+            dq: vec![0.0; b * (h * d + pad.unwrap_or(0)) * l],
+            dk: vec![0.0; b * (h * d + pad.unwrap_or(0)) * s],
+            dv: vec![0.0; b * (h * d + pad.unwrap_or(0)) * s],
         };
         // ONLY=fwd: skip the backward. MASK=keypad: a (B, S) bool key-padding mask (last eighth of keys masked);
         // MASK=add: an additive (L, S) float mask. DROPOUT=p: dropout with probability p.

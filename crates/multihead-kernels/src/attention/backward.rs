@@ -12,7 +12,9 @@ use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
 use super::mask::{build_mask_tile, causal_add, causal_fill, TilePos};
 use super::simd::Simd;
-use super::tile::{pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR};
+use super::tile::{
+    add_row, copy_rows, pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR,
+};
 use super::{AttnParams, Layout4};
 
 pub(crate) struct BwdTask<'a> {
@@ -99,6 +101,59 @@ impl<'a> BwdTask<'a> {
     }
 }
 
+impl BwdTask<'_> {
+    /// Keys per chunk: a chunk's `dK` and `dV` rows accumulate in contiguous scratch (about
+    /// 256 KiB of it), written to the outputs once the chunk is done. A multiple of the key
+    /// block, or all keys when fewer.
+    fn chunk(&self) -> usize {
+        let d = &self.p.dims;
+        let cap = ((1usize << 16) / (d.d + d.dv).max(1)).max(self.bc) / self.bc * self.bc;
+        cap.min(d.s.max(1))
+    }
+
+    /// Which strided rows are copied to contiguous scratch first (1) or read in place (0):
+    /// a query block's `q` and `dO` rows (the `B` of the `dK` and `dV` products, read once
+    /// per key block), and a chunk's `K` and `V` rows (read once per query block). See
+    /// `gather` for why.
+    fn copies(&self) -> [usize; 4] {
+        let d = &self.p.dims;
+        [self.ql.seq != d.d, self.dol.seq != d.dv, self.kl.seq != d.d, self.vl.seq != d.dv]
+            .map(usize::from)
+    }
+}
+
+/// One task's scratch (see `BwdTask::scratch_len`).
+struct BwdScratch<'a> {
+    qt: &'a mut [f32],
+    dot: &'a mut [f32],
+    st: &'a mut [f32],
+    dpt: &'a mut [f32],
+    mt: &'a mut [f32],
+    dqa: &'a mut [f32],
+    dvec: &'a mut [f32],
+    lsev: &'a mut [f32],
+    maxv: &'a mut [f32],
+    /// The chunk's `dK` and `dV` accumulators (contiguous rows).
+    dka: &'a mut [f32],
+    dva: &'a mut [f32],
+    /// Contiguous copies of the query block's `q` and `dO` rows and of the chunk's `K` and
+    /// `V` rows (each empty when not copied).
+    qc: &'a mut [f32],
+    doc: &'a mut [f32],
+    kc: &'a mut [f32],
+    vc: &'a mut [f32],
+    bb: BwdBf16,
+}
+
+/// The keys `c0..c1` of one chunk and whether it is the only one.
+#[derive(Clone, Copy)]
+struct Chunk {
+    c0: usize,
+    c1: usize,
+    index: usize,
+    single: bool,
+}
+
 impl Task for BwdTask<'_> {
     fn count(&self) -> usize {
         self.p.dims.batch * self.p.dims.heads_kv
@@ -112,11 +167,18 @@ impl Task for BwdTask<'_> {
         } else {
             0
         };
+        let [cq, cd, ck, cv] = self.copies();
         round16(d.d * brp)
             + round16(d.dv * brp)
             + 3 * round16(self.bc * brp)
             + round16(self.br * d.d)
             + 3 * round16(brp)
+            + round16(self.chunk() * d.d)
+            + round16(self.chunk() * d.dv)
+            + round16(cq * self.br * d.d)
+            + round16(cd * self.br * d.dv)
+            + round16(ck * self.chunk() * d.d)
+            + round16(cv * self.chunk() * d.dv)
             + bf16
     }
 
@@ -124,32 +186,37 @@ impl Task for BwdTask<'_> {
     unsafe fn run<S: Simd>(&self, t: usize, buf: &mut [f32]) {
         let p = self.p;
         let dm = &p.dims;
-        let l = S::LANES;
         let (b, hk) = (t / dm.heads_kv, t % dm.heads_kv);
         let group = dm.heads_q / dm.heads_kv;
         let (d, dv, s) = (dm.d, dm.dv, dm.s);
-        let has_mask = p.has_mask();
-        let brp_max = self.br.div_ceil(l) * l;
+        let brp_max = self.br.div_ceil(S::LANES) * S::LANES;
+        let (chunk, [cq, cd, ck, cvv]) = (self.chunk(), self.copies());
 
         let mut cv = Carver::new(buf);
-        let qt = cv.take(d * brp_max);
-        let dot = cv.take(dv * brp_max);
-        let st = cv.take(self.bc * brp_max);
-        let dpt = cv.take(self.bc * brp_max);
-        let mt = cv.take(if has_mask { self.bc * brp_max } else { 0 });
-        let dqa = cv.take(self.br * d);
-        let dvec = cv.take(brp_max);
-        let lsev = cv.take(brp_max);
-        let maxv = cv.take(brp_max);
-        // The bf16 products' buffers (null without them); a query block fits one panel.
-        let bf = p.bf16_products && brp_max <= bf::MAX_LANES;
-        let kern = self.kern;
-        let bb = match bf {
-            true => {
-                let sizes = BwdBf16::sizes(self.br, self.bc, d, dv);
-                BwdBf16::carve(sizes.map(|n| cv.take(n).as_mut_ptr()))
-            }
-            false => BwdBf16::carve([std::ptr::null_mut(); 9]),
+        let mut sc = BwdScratch {
+            qt: cv.take(d * brp_max),
+            dot: cv.take(dv * brp_max),
+            st: cv.take(self.bc * brp_max),
+            dpt: cv.take(self.bc * brp_max),
+            mt: cv.take(if p.has_mask() { self.bc * brp_max } else { 0 }),
+            dqa: cv.take(self.br * d),
+            dvec: cv.take(brp_max),
+            lsev: cv.take(brp_max),
+            maxv: cv.take(brp_max),
+            dka: cv.take(chunk * d),
+            dva: cv.take(chunk * dv),
+            qc: cv.take(cq * self.br * d),
+            doc: cv.take(cd * self.br * dv),
+            kc: cv.take(ck * chunk * d),
+            vc: cv.take(cvv * chunk * dv),
+            // The bf16 products' buffers (null without them); a query block fits one panel.
+            bb: match p.bf16_products && brp_max <= bf::MAX_LANES {
+                true => {
+                    let sizes = BwdBf16::sizes(self.br, self.bc, d, dv);
+                    BwdBf16::carve(sizes.map(|n| cv.take(n).as_mut_ptr()))
+                }
+                false => BwdBf16::carve([std::ptr::null_mut(); 9]),
+            },
         };
 
         // SAFETY: every row pointer addresses a row validated by `flash_backward`; scratch
@@ -157,197 +224,270 @@ impl Task for BwdTask<'_> {
         // and `dq[b, h]` for the query heads `h` of kv head `hk` (output layouts were checked
         // to be non-overlapping).
         unsafe {
-            let kbase = self.k.0.add(self.kl.offset(b, hk, 0));
-            let vbase = self.v.0.add(self.vl.offset(b, hk, 0));
             let dkbase = self.dk.0.add(self.dkl.offset(b, hk, 0));
             let dvbase = self.dv.0.add(self.dvl.offset(b, hk, 0));
-            for j in 0..s {
-                zero_row(dkbase.add(j * self.dkl.seq), d);
-                zero_row(dvbase.add(j * self.dvl.seq), dv);
+            let nchunks = s.div_ceil(chunk).max(1);
+            for index in 0..nchunks {
+                let c0 = index * chunk;
+                let c1 = s.min(c0 + chunk);
+                let ck = Chunk { c0, c1, index, single: nchunks == 1 };
+                sc.dka[..(c1 - c0) * d].fill(0.0);
+                sc.dva[..(c1 - c0) * dv].fill(0.0);
+                if !sc.kc.is_empty() {
+                    let k = self.k.0.add(self.kl.offset(b, hk, c0));
+                    copy_rows(sc.kc.as_mut_ptr(), k, self.kl.seq, c1 - c0, d);
+                }
+                if !sc.vc.is_empty() {
+                    let v = self.v.0.add(self.vl.offset(b, hk, c0));
+                    copy_rows(sc.vc.as_mut_ptr(), v, self.vl.seq, c1 - c0, dv);
+                }
+                for h in hk * group..(hk + 1) * group {
+                    for qb in 0..self.nq {
+                        self.query_block::<S>(&mut sc, b, h, qb, ck);
+                    }
+                }
+                for j in c0..c1 {
+                    let dkj = sc.dka.as_ptr().add((j - c0) * d);
+                    scale_row::<S>(dkbase.add(j * self.dkl.seq), dkj, d, p.scale);
+                    let dvj = sc.dva.as_ptr().add((j - c0) * dv);
+                    std::ptr::copy_nonoverlapping(dvj, dvbase.add(j * self.dvl.seq), dv);
+                }
             }
-
-            for h in hk * group..(hk + 1) * group {
-                let bh = b * dm.heads_q + h;
-                for qb in 0..self.nq {
-                    let i0 = qb * self.br;
-                    let br = self.br.min(dm.l - i0);
-                    let brp = br.div_ceil(l) * l;
-                    let nvec = brp / l;
-                    let qrow = self.q.0.add(self.ql.offset(b, h, i0));
-                    let dorow = self.dout.0.add(self.dol.offset(b, h, i0));
-                    if bf {
-                        bb.start_block(qrow, self.ql.seq, dorow, self.dol.seq, br, d, dv);
-                    } else {
-                        pack_transposed::<S>(qt, brp, qrow, self.ql.seq, br, d, p.scale);
-                        pack_transposed::<S>(dot, brp, dorow, self.dol.seq, br, dv, 1.0);
-                    }
-                    let rows = dm.batch * dm.heads_q * dm.l;
-                    let max_row = self.lse.0.add(bh * dm.l + i0);
-                    let lse_row = self.lse.0.add(rows + bh * dm.l + i0);
-                    for i in 0..brp {
-                        if i < br {
-                            let orow = self.o.0.add(self.ol.offset(b, h, i0 + i));
-                            let drow = dorow.add(i * self.dol.seq);
-                            dvec[i] = if bf {
-                                // D from the rounded dO (and O), as dP gets it: the sum
-                                // Σ_j P_j (dP_j - D) then stays 0, as PyTorch's bf16 kernel has it.
-                                bf::dot_rounded(orow, drow, dv)
-                            } else {
-                                super::tile::dot::<S>(orow, drow, dv)
-                            };
-                            (maxv[i], lsev[i]) = (*max_row.add(i), *lse_row.add(i));
-                        } else {
-                            // Padding lanes: P = exp(x - inf) = 0, so they contribute nothing.
-                            dvec[i] = 0.0;
-                            (maxv[i], lsev[i]) = (0.0, f32::INFINITY);
-                        }
-                    }
-                    let dropout =
-                        p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
-
-                    let finite = self.finite.get(b * dm.heads_q + h).copied().unwrap_or(true);
-                    let clip = p.causal && finite;
-                    let jend = if clip { s.min(i0 + br) } else { s };
-                    let mut first = true;
-                    let mut j0 = 0;
-                    while j0 < jend {
-                        let bc = self.bc.min(jend - j0);
-                        let pos = TilePos { b, h, i0, br, brp, j0, bc };
-                        if has_mask && !build_mask_tile::<S>(&p.masks, pos, mt) && finite {
-                            j0 += bc;
-                            continue;
-                        }
-                        let kj = kbase.add(j0 * self.kl.seq);
-                        let vj = vbase.add(j0 * self.vl.seq);
-                        let diag = clip.then_some(i0 as isize - j0 as isize);
-                        let (stp, dpp) = (st.as_mut_ptr(), dpt.as_mut_ptr());
-                        if bf {
-                            let (kl, vl) = (self.kl.seq, self.vl.seq);
-                            bb.scores(
-                                kern,
-                                (kj, kl),
-                                (vj, vl),
-                                bc,
-                                (d, dv),
-                                p.scale,
-                                (stp, dpp),
-                                brp,
-                            );
-                        } else {
-                            score_tile::<S>(kj, self.kl.seq, d, qt.as_ptr(), brp, stp, bc, diag);
-                            score_tile::<S>(vj, self.vl.seq, dv, dot.as_ptr(), brp, dpp, bc, diag);
-                        }
-                        if p.causal && !clip && j0 + bc > i0 + 1 {
-                            causal_add(st, brp, i0, j0, bc);
-                        } else if p.causal && j0 + bc > i0 + 1 {
-                            // Entries the banded products skipped: P = 0 there, and dP must be
-                            // finite so that dS = P (dP - D) is exactly 0.
-                            causal_fill(st, brp, i0, j0, bc, f32::NEG_INFINITY);
-                            causal_fill(dpt, brp, i0, j0, bc, 0.0);
-                        }
-                        let mtp = mt.as_ptr();
-                        for vi in 0..nvec {
-                            let lv = S::load(lsev.as_ptr().add(vi * l));
-                            let mv = S::load(maxv.as_ptr().add(vi * l));
-                            let dd = S::load(dvec.as_ptr().add(vi * l));
-                            for j in 0..bc {
-                                let off = j * brp + vi * l;
-                                let mut x = S::load(stp.add(off));
-                                if has_mask {
-                                    x = S::add(x, S::load(mtp.add(off)));
-                                }
-                                let pe = S::exp(S::sub(S::sub(x, mv), lv));
-                                let dp = S::load(dpp.add(off));
-                                let (pm, ds) = match &dropout {
-                                    Some(dr) => {
-                                        let m = dr.vector::<S>(vi * l, j0 + j);
-                                        (S::mul(pe, m), S::mul(pe, S::sub(S::mul(m, dp), dd)))
-                                    }
-                                    None => (pe, S::mul(pe, S::sub(dp, dd))),
-                                };
-                                S::store(stp.add(off), pm);
-                                S::store(dpp.add(off), ds);
-                            }
-                        }
-                        if bf {
-                            let dvj = (dvbase.add(j0 * self.dvl.seq), self.dvl.seq);
-                            let dkj = (dkbase.add(j0 * self.dkl.seq), self.dkl.seq);
-                            let grads = BlockGrads { dvj, dkj, kj: (kj, self.kl.seq), first };
-                            bb.grads(kern, (stp, dpp), brp, (br, bc), (d, dv), grads);
-                            first = false;
-                            j0 += bc;
-                            continue;
-                        }
-                        // dV_j += (P∘m)ᵀ dO_i ; dK_j += dSᵀ Q_i (scaled at the end).
-                        S::gemm(&GemmArgs {
-                            m: bc,
-                            n: dv,
-                            k: br,
-                            a: st.as_ptr(),
-                            rs_a: brp,
-                            cs_a: 1,
-                            b: dorow,
-                            ldb: self.dol.seq,
-                            c: dvbase.add(j0 * self.dvl.seq),
-                            ldc: self.dvl.seq,
-                            accumulate: true,
-                            // Key row r is seen by queries i0 + k' >= j0 + r only.
-                            tri: diag.map_or(Tri::Full, |e| Tri::KStart(-e)),
-                        });
-                        S::gemm(&GemmArgs {
-                            m: bc,
-                            n: d,
-                            k: br,
-                            a: dpt.as_ptr(),
-                            rs_a: brp,
-                            cs_a: 1,
-                            b: qrow,
-                            ldb: self.ql.seq,
-                            c: dkbase.add(j0 * self.dkl.seq),
-                            ldc: self.dkl.seq,
-                            accumulate: true,
-                            tri: diag.map_or(Tri::Full, |e| Tri::KStart(-e)),
-                        });
-                        // dQ_i += dS K_j (scaled at the end).
-                        S::gemm(&GemmArgs {
-                            m: br,
-                            n: d,
-                            k: bc,
-                            a: dpt.as_ptr(),
-                            rs_a: 1,
-                            cs_a: brp,
-                            b: kj,
-                            ldb: self.kl.seq,
-                            c: dqa.as_mut_ptr(),
-                            ldc: d,
-                            accumulate: !first,
-                            // Query row r sees keys j0 + k' <= i0 + r only.
-                            tri: diag.map_or(Tri::Full, Tri::KEnd),
-                        });
-                        first = false;
-                        j0 += bc;
-                    }
-                    if bf && !first {
-                        // dQ back from channels × lanes to rows × channels.
-                        for i in 0..br {
-                            for c in 0..d {
-                                dqa[i * d + c] = *bb.dqt.add(c * bf::MAX_LANES + i);
-                            }
-                        }
-                    }
-                    for i in 0..br {
-                        let dst = self.dq.0.add(self.dql.offset(b, h, i0 + i));
-                        if first {
-                            zero_row(dst, d);
-                        } else {
-                            scale_row::<S>(dst, dqa.as_ptr().add(i * d), d, p.scale);
-                        }
+            if nchunks > 1 {
+                // dq was summed over the chunks unscaled.
+                for h in hk * group..(hk + 1) * group {
+                    for i in 0..dm.l {
+                        let row = self.dq.0.add(self.dql.offset(b, h, i));
+                        scale_row::<S>(row, row, d, p.scale);
                     }
                 }
             }
-            for j in 0..s {
-                let row = dkbase.add(j * self.dkl.seq);
-                scale_row::<S>(row, row, d, p.scale);
+        }
+    }
+}
+
+impl BwdTask<'_> {
+    /// Query block `qb` of query head `h` against the keys of chunk `ck`: `dK`/`dV` of the
+    /// chunk accumulate in `sc`, and the block's `dQ` share is written (chunk 0) or added.
+    ///
+    /// # Safety
+    /// As in `run`: `S` is available, `sc` is carved by `scratch_len`, `(b, h)` is in range.
+    #[inline(always)]
+    unsafe fn query_block<S: Simd>(
+        &self,
+        sc: &mut BwdScratch<'_>,
+        b: usize,
+        h: usize,
+        qb: usize,
+        ck: Chunk,
+    ) {
+        let p = self.p;
+        let dm = &p.dims;
+        let l = S::LANES;
+        let (d, dv) = (dm.d, dm.dv);
+        let hk = h / (dm.heads_q / dm.heads_kv);
+        let bh = b * dm.heads_q + h;
+        let i0 = qb * self.br;
+        let br = self.br.min(dm.l - i0);
+        let brp = br.div_ceil(l) * l;
+        let nvec = brp / l;
+        let has_mask = p.has_mask();
+        let bf = !sc.bb.qp.is_null();
+        let kern = self.kern;
+        let finite = self.finite.get(bh).copied().unwrap_or(true);
+        let clip = p.causal && finite;
+        let jend = if clip { dm.s.min(i0 + br) } else { dm.s }.min(ck.c1);
+        // SAFETY: see `run`; scratch slices are sized by `scratch_len`.
+        unsafe {
+            let dq_row = |i: usize| self.dq.0.add(self.dql.offset(b, h, i0 + i));
+            if ck.c0 >= jend {
+                // No key of this chunk reaches the block: its dQ is 0 unless a chunk adds.
+                if ck.index == 0 {
+                    (0..br).for_each(|i| zero_row(dq_row(i), d));
+                }
+                return;
+            }
+            let (mut qrow, mut qld) = (self.q.0.add(self.ql.offset(b, h, i0)), self.ql.seq);
+            let (mut dorow, mut dold) = (self.dout.0.add(self.dol.offset(b, h, i0)), self.dol.seq);
+            if !sc.qc.is_empty() {
+                copy_rows(sc.qc.as_mut_ptr(), qrow, qld, br, d);
+                (qrow, qld) = (sc.qc.as_ptr(), d);
+            }
+            if !sc.doc.is_empty() {
+                copy_rows(sc.doc.as_mut_ptr(), dorow, dold, br, dv);
+                (dorow, dold) = (sc.doc.as_ptr(), dv);
+            }
+            if bf {
+                sc.bb.start_block(qrow, qld, dorow, dold, br, d, dv);
+            } else {
+                pack_transposed::<S>(sc.qt, brp, qrow, qld, br, d, p.scale);
+                pack_transposed::<S>(sc.dot, brp, dorow, dold, br, dv, 1.0);
+            }
+            let rows = dm.batch * dm.heads_q * dm.l;
+            let max_row = self.lse.0.add(bh * dm.l + i0);
+            let lse_row = self.lse.0.add(rows + bh * dm.l + i0);
+            for i in 0..brp {
+                if i < br {
+                    let orow = self.o.0.add(self.ol.offset(b, h, i0 + i));
+                    let drow = dorow.add(i * dold);
+                    sc.dvec[i] = if bf {
+                        // D from the rounded dO (and O), as dP gets it: the sum
+                        // Σ_j P_j (dP_j - D) then stays 0, as PyTorch's bf16 kernel has it.
+                        bf::dot_rounded(orow, drow, dv)
+                    } else {
+                        super::tile::dot::<S>(orow, drow, dv)
+                    };
+                    (sc.maxv[i], sc.lsev[i]) = (*max_row.add(i), *lse_row.add(i));
+                } else {
+                    // Padding lanes: P = exp(x - inf) = 0, so they contribute nothing.
+                    sc.dvec[i] = 0.0;
+                    (sc.maxv[i], sc.lsev[i]) = (0.0, f32::INFINITY);
+                }
+            }
+            let dropout =
+                p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
+
+            // Key row j of the chunk: in the copy, or in place.
+            let (kbase, kld) = match sc.kc.is_empty() {
+                true => (self.k.0.add(self.kl.offset(b, hk, ck.c0)), self.kl.seq),
+                false => (sc.kc.as_ptr(), d),
+            };
+            let (vbase, vld) = match sc.vc.is_empty() {
+                true => (self.v.0.add(self.vl.offset(b, hk, ck.c0)), self.vl.seq),
+                false => (sc.vc.as_ptr(), dv),
+            };
+            let mut first = true;
+            let mut j0 = ck.c0;
+            while j0 < jend {
+                let bc = self.bc.min(jend - j0);
+                let pos = TilePos { b, h, i0, br, brp, j0, bc };
+                if has_mask && !build_mask_tile::<S>(&p.masks, pos, sc.mt) && finite {
+                    j0 += bc;
+                    continue;
+                }
+                let kj = kbase.add((j0 - ck.c0) * kld);
+                let vj = vbase.add((j0 - ck.c0) * vld);
+                let dkj = sc.dka.as_mut_ptr().add((j0 - ck.c0) * d);
+                let dvj = sc.dva.as_mut_ptr().add((j0 - ck.c0) * dv);
+                let diag = clip.then_some(i0 as isize - j0 as isize);
+                let (stp, dpp) = (sc.st.as_mut_ptr(), sc.dpt.as_mut_ptr());
+                if bf {
+                    let scores = (stp, dpp);
+                    sc.bb.scores(kern, (kj, kld), (vj, vld), bc, (d, dv), p.scale, scores, brp);
+                } else {
+                    score_tile::<S>(kj, kld, d, sc.qt.as_ptr(), brp, stp, bc, diag);
+                    score_tile::<S>(vj, vld, dv, sc.dot.as_ptr(), brp, dpp, bc, diag);
+                }
+                if p.causal && !clip && j0 + bc > i0 + 1 {
+                    causal_add(sc.st, brp, i0, j0, bc);
+                } else if p.causal && j0 + bc > i0 + 1 {
+                    // Entries the banded products skipped: P = 0 there, and dP must be
+                    // finite so that dS = P (dP - D) is exactly 0.
+                    causal_fill(sc.st, brp, i0, j0, bc, f32::NEG_INFINITY);
+                    causal_fill(sc.dpt, brp, i0, j0, bc, 0.0);
+                }
+                let mtp = sc.mt.as_ptr();
+                for vi in 0..nvec {
+                    let lv = S::load(sc.lsev.as_ptr().add(vi * l));
+                    let mv = S::load(sc.maxv.as_ptr().add(vi * l));
+                    let dd = S::load(sc.dvec.as_ptr().add(vi * l));
+                    for j in 0..bc {
+                        let off = j * brp + vi * l;
+                        let mut x = S::load(stp.add(off));
+                        if has_mask {
+                            x = S::add(x, S::load(mtp.add(off)));
+                        }
+                        let pe = S::exp(S::sub(S::sub(x, mv), lv));
+                        let dp = S::load(dpp.add(off));
+                        let (pm, ds) = match &dropout {
+                            Some(dr) => {
+                                let m = dr.vector::<S>(vi * l, j0 + j);
+                                (S::mul(pe, m), S::mul(pe, S::sub(S::mul(m, dp), dd)))
+                            }
+                            None => (pe, S::mul(pe, S::sub(dp, dd))),
+                        };
+                        S::store(stp.add(off), pm);
+                        S::store(dpp.add(off), ds);
+                    }
+                }
+                if bf {
+                    let (dvj, dkj) = ((dvj, dv), (dkj, d));
+                    let grads = BlockGrads { dvj, dkj, kj: (kj, kld), first };
+                    sc.bb.grads(kern, (stp, dpp), brp, (br, bc), (d, dv), grads);
+                    first = false;
+                    j0 += bc;
+                    continue;
+                }
+                // Key row r is seen by queries i0 + k' >= j0 + r only.
+                let tri = diag.map_or(Tri::Full, |e| Tri::KStart(-e));
+                // dV_j += (P∘m)ᵀ dO_i ; dK_j += dSᵀ Q_i (scaled at the end).
+                let (a, rs_a, cs_a, k) = (sc.st.as_ptr(), brp, 1, br);
+                S::gemm(&GemmArgs {
+                    m: bc,
+                    n: dv,
+                    k,
+                    a,
+                    rs_a,
+                    cs_a,
+                    b: dorow,
+                    ldb: dold,
+                    c: dvj,
+                    ldc: dv,
+                    accumulate: true,
+                    tri,
+                });
+                let a = sc.dpt.as_ptr();
+                S::gemm(&GemmArgs {
+                    m: bc,
+                    n: d,
+                    k,
+                    a,
+                    rs_a,
+                    cs_a,
+                    b: qrow,
+                    ldb: qld,
+                    c: dkj,
+                    ldc: d,
+                    accumulate: true,
+                    tri,
+                });
+                // dQ_i += dS K_j (scaled at the end).
+                S::gemm(&GemmArgs {
+                    m: br,
+                    n: d,
+                    k: bc,
+                    a,
+                    rs_a: 1,
+                    cs_a: brp,
+                    b: kj,
+                    ldb: kld,
+                    c: sc.dqa.as_mut_ptr(),
+                    ldc: d,
+                    accumulate: !first,
+                    // Query row r sees keys j0 + k' <= i0 + r only.
+                    tri: diag.map_or(Tri::Full, Tri::KEnd),
+                });
+                first = false;
+                j0 += bc;
+            }
+            if bf && !first {
+                // dQ back from channels × lanes to rows × channels.
+                for i in 0..br {
+                    for c in 0..d {
+                        sc.dqa[i * d + c] = *sc.bb.dqt.add(c * bf::MAX_LANES + i);
+                    }
+                }
+            }
+            for i in 0..br {
+                let (dst, src) = (dq_row(i), sc.dqa.as_ptr().add(i * d));
+                match (ck.index, first) {
+                    (0, true) => zero_row(dst, d),
+                    (0, false) => {
+                        scale_row::<S>(dst, src, d, if ck.single { p.scale } else { 1.0 })
+                    }
+                    (_, true) => {}
+                    (_, false) => add_row::<S>(dst, src, d),
+                }
             }
         }
     }

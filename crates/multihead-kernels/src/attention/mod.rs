@@ -76,6 +76,7 @@ mod backward;
 mod bf16;
 pub(crate) mod exec;
 mod forward;
+mod gather;
 mod gemm;
 mod mask;
 pub mod reference;
@@ -464,6 +465,12 @@ pub fn flash_forward(
         return Ok(());
     }
     let finite = finite_heads(p, (q, ql), (k, kl), Some((v, vl)));
+    // Every query block re-reads its head's keys and values: strided rows are copied first
+    // (see `gather`).
+    let kc = gather::contiguous_heads(k, kl, [d.batch, d.heads_kv, d.s, d.d]);
+    let vc = gather::contiguous_heads(v, vl, [d.batch, d.heads_kv, d.s, d.dv]);
+    let (k, kl) = kc.as_ref().map_or((k, kl), |(c, l)| (c.as_slice(), *l));
+    let (v, vl) = vc.as_ref().map_or((v, vl), |(c, l)| (c.as_slice(), *l));
     let mut task = forward::FwdTask::new(p, q, ql, k, kl, v, vl, out, ol, lse, FWD_BR, FWD_BC);
     task.finite = &finite;
     exec::par_run(simd_level(), &task);
@@ -512,6 +519,8 @@ pub fn flash_backward(
         return Ok(());
     }
     let finite = finite_heads(p, (q, ql), (k, kl), Some((v, vl)));
+    // Each task owns a kv head: it copies strided rows into its scratch itself (see `gather`)
+    // and accumulates dK and dV there.
     let mut task = backward::BwdTask::new(
         p, q, ql, k, kl, v, vl, out, ol, dout, dol, lse, dq, dql, dk, dkl, dv, dvl, BWD_BR, BWD_BC,
     );
@@ -553,6 +562,8 @@ pub fn attention_weights(
         return Ok(());
     }
     let finite = finite_heads(p, (q, ql), (k, kl), None);
+    let kc = gather::contiguous_heads(k, kl, [d.batch, d.heads_kv, d.s, d.d]);
+    let (k, kl) = kc.as_ref().map_or((k, kl), |(c, l)| (c.as_slice(), *l));
     let mut task =
         weights::WeightsTask::new(p, q, ql, k, kl, lse, average_heads, weights, FWD_BR, FWD_BC);
     task.finite = &finite;

@@ -135,6 +135,11 @@ struct Inputs {
     out_len: usize,
     dql: Layout4,
     dq_len: usize,
+    /// Layouts of dout (read) and of dk, dv (written): `[B, L, H, D]` rows when packed, as
+    /// inside `MultiheadAttention`.
+    dol: Layout4,
+    dkl: Layout4,
+    dvl: Layout4,
 }
 
 fn inputs(c: &Case, seed: u64) -> Inputs {
@@ -148,6 +153,9 @@ fn inputs(c: &Case, seed: u64) -> Inputs {
         let blhd = Layout4 { batch: l * h * d, head: d, seq: h * d };
         let _ = dol;
         Inputs {
+            dol: blhd,
+            dkl: blhd,
+            dvl: blhd,
             q: buf.clone(),
             k: buf.clone(),
             v: buf,
@@ -165,6 +173,9 @@ fn inputs(c: &Case, seed: u64) -> Inputs {
         }
     } else {
         Inputs {
+            dol,
+            dkl: Layout4::contiguous(c.hkv, c.s, c.d),
+            dvl: Layout4::contiguous(c.hkv, c.s, c.dv),
             q: rand_vec(c.b * c.hq * c.l * c.d, seed),
             k: rand_vec(c.b * c.hkv * c.s * c.d, seed + 1),
             v: rand_vec(c.b * c.hkv * c.s * c.dv, seed + 2),
@@ -255,15 +266,12 @@ fn run_kernels(c: &Case, p: &AttnParams<'_>, x: &Inputs) -> Results {
     let mut lse = vec![f32::NAN; 2 * rows];
     let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
     flash_forward(p, q, x.ql, k, x.kl, v, x.vl, &mut out, x.ol, &mut lse).unwrap();
-    let dkl = Layout4::contiguous(c.hkv, c.s, c.d);
-    let dvl = Layout4::contiguous(c.hkv, c.s, c.dv);
     let mut dq = vec![f32::NAN; x.dq_len];
     let mut dk = vec![f32::NAN; c.b * c.hkv * c.s * c.d];
     let mut dv = vec![f32::NAN; c.b * c.hkv * c.s * c.dv];
-    let dol = Layout4::contiguous(c.hq, c.l, c.dv);
     flash_backward(
-        p, q, x.ql, k, x.kl, v, x.vl, &out, x.ol, &x.dout, dol, &lse, &mut dq, x.dql, &mut dk, dkl,
-        &mut dv, dvl,
+        p, q, x.ql, k, x.kl, v, x.vl, &out, x.ol, &x.dout, x.dol, &lse, &mut dq, x.dql, &mut dk,
+        x.dkl, &mut dv, x.dvl,
     )
     .unwrap();
     let mut w = vec![f32::NAN; c.b * c.hq * c.l * c.s];
@@ -282,8 +290,7 @@ fn check_case(c: &Case) {
     let x = inputs(c, 42);
     let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
     let (eout, else_) = reference::forward(&p, q, x.ql, k, x.kl, v, x.vl);
-    let dol = Layout4::contiguous(c.hq, c.l, c.dv);
-    let (edq, edk, edv) = reference::backward(&p, q, x.ql, k, x.kl, v, x.vl, &x.dout, dol);
+    let (edq, edk, edv) = reference::backward(&p, q, x.ql, k, x.kl, v, x.vl, &x.dout, x.dol);
     let ew = reference::weights(&p, q, x.ql, k, x.kl, false);
     let ewavg = reference::weights(&p, q, x.ql, k, x.kl, true);
     let lsel = Layout4::contiguous(c.hq, c.l, 1);
@@ -294,10 +301,8 @@ fn check_case(c: &Case) {
             assert_close("out", c, &r.out, x.ol, &eout, [b, hq, l, c.dv], 1e-5);
             assert_close("lse", c, &r.lse, lsel, &else_, [b, hq, l, 1], 1e-5);
             assert_close("dq", c, &r.dq, x.dql, &edq, [b, hq, l, c.d], 1e-4);
-            let dkl = Layout4::contiguous(hkv, s, c.d);
-            let dvl = Layout4::contiguous(hkv, s, c.dv);
-            assert_close("dk", c, &r.dk, dkl, &edk, [b, hkv, s, c.d], 1e-4);
-            assert_close("dv", c, &r.dv, dvl, &edv, [b, hkv, s, c.dv], 1e-4);
+            assert_close("dk", c, &r.dk, x.dkl, &edk, [b, hkv, s, c.d], 1e-4);
+            assert_close("dv", c, &r.dv, x.dvl, &edv, [b, hkv, s, c.dv], 1e-4);
             let wl = Layout4::contiguous(hq, l, s);
             assert_close("weights", c, &r.w, wl, &ew, [b, hq, l, s], 1e-5);
             let wal = Layout4::contiguous(1, l, s);
@@ -432,6 +437,33 @@ fn packed_strided_inputs() {
     c.causal = true;
     c.masks = vec![MaskKind::KeyPad];
     c.dropout = Some(0.1);
+    check_case(&c);
+    // Rows 2 KiB apart (H·D = 512 floats), the stride that the contiguous copies are for.
+    let mut c = Case::new(1, 8, 70, 70, 64);
+    c.packed = true;
+    check_case(&c);
+}
+
+/// Keys beyond one backward chunk (`(1 << 16) / (d + dv)` keys, at least one key block):
+/// dK and dV accumulate per chunk and dQ sums the chunks' shares.
+#[test]
+fn keys_in_several_backward_chunks() {
+    // d = dv = 128: chunks of 256 keys.
+    let mut c = Case::new(1, 2, 40, 600, 128);
+    check_case(&c);
+    c.causal = true;
+    c.l = 600;
+    check_case(&c);
+    c.causal = false;
+    c.l = 70;
+    c.hq = 4;
+    c.masks = vec![MaskKind::KeyPad, MaskKind::AddLS];
+    c.dropout = Some(0.2);
+    check_case(&c);
+    // Strided: one packed buffer of 2 heads (L = S = 300 with 256-key chunks).
+    let mut c = Case::new(1, 2, 300, 300, 128);
+    c.packed = true;
+    c.causal = true;
     check_case(&c);
 }
 
@@ -896,11 +928,9 @@ fn bf16_products_backward_matches_the_gradients_of_the_rounded_operands() {
         let (masks, x, [qr, kr, vr]) = rounded_case(&c);
         let p = params(&c, &masks);
         let pb = AttnParams { bf16_products: true, ..params(&c, &masks) };
-        let dol = Layout4::contiguous(c.hq, c.l, c.dv);
         let (edq, edk, edv) =
-            reference::backward(&p, &qr, x.ql, &kr, x.kl, &vr, x.vl, &x.dout, dol);
-        let dkl = Layout4::contiguous(c.hkv, c.s, c.d);
-        let dvl = Layout4::contiguous(c.hkv, c.s, c.dv);
+            reference::backward(&p, &qr, x.ql, &kr, x.kl, &vr, x.vl, &x.dout, x.dol);
+        let (dkl, dvl) = (x.dkl, x.dvl);
         for level in levels() {
             with_simd_level(level, || {
                 let r = run_kernels(&c, &pb, &x);

@@ -33,7 +33,45 @@ pub(crate) unsafe fn pack_transposed<S: Simd>(
     }
 }
 
-/// `dst[0..n] = src[0..n] * f` (or `+=` when `add`), vectorised.
+/// Copies `rows` rows of `n` floats from `src + i*ld` to the contiguous `dst + i*n`.
+///
+/// The backward copies a query block's strided `q` and `dO` rows (see `gather`) once and then
+/// reads them once per key block from contiguous memory.
+///
+/// # Safety
+/// `src + i*ld + c` readable and `dst + i*n + c` writable for `i < rows`, `c < n`, not
+/// overlapping.
+#[inline(always)]
+pub(crate) unsafe fn copy_rows(dst: *mut f32, src: *const f32, ld: usize, rows: usize, n: usize) {
+    for i in 0..rows {
+        // SAFETY: within the rows the caller guarantees.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(i * ld), dst.add(i * n), n) };
+    }
+}
+
+/// `dst[0..n] += src[0..n]`, vectorised.
+///
+/// # Safety
+/// `S` is available; `dst` and `src` valid for `n` floats.
+#[inline(always)]
+pub(crate) unsafe fn add_row<S: Simd>(dst: *mut f32, src: *const f32, n: usize) {
+    let l = S::LANES;
+    // SAFETY: every access stays below `n` (the tail is masked).
+    unsafe {
+        let mut c = 0;
+        while c + l <= n {
+            S::store(dst.add(c), S::add(S::load(dst.add(c)), S::load(src.add(c))));
+            c += l;
+        }
+        if c < n {
+            let m = S::tail_mask(n - c);
+            let x = S::add(S::load_m(dst.add(c), m), S::load_m(src.add(c), m));
+            S::store_m(dst.add(c), x, m);
+        }
+    }
+}
+
+/// `dst[0..n] = src[0..n] * f`, vectorised.
 ///
 /// # Safety
 /// `S` is available; `dst` and `src` valid for `n` floats.
