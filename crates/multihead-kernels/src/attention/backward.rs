@@ -48,27 +48,13 @@ pub(crate) struct BwdTask<'a> {
 }
 
 impl<'a> BwdTask<'a> {
-    /// The arguments were validated by `flash_backward`.
-    #[allow(clippy::too_many_arguments)]
+    /// The arguments were validated by `flash_backward` (or `flash_backward_packed`): the
+    /// inputs q, k, v, out, dout and the three gradient outputs, which do not overlap.
     pub(crate) fn new(
         p: &'a AttnParams<'a>,
-        q: &'a [f32],
-        ql: Layout4,
-        k: &'a [f32],
-        kl: Layout4,
-        v: &'a [f32],
-        vl: Layout4,
-        o: &'a [f32],
-        ol: Layout4,
-        dout: &'a [f32],
-        dol: Layout4,
+        [(q, ql), (k, kl), (v, vl), (o, ol), (dout, dol)]: [(&'a [f32], Layout4); 5],
         lse: &'a [f32],
-        dq: &'a mut [f32],
-        dql: Layout4,
-        dk: &'a mut [f32],
-        dkl: Layout4,
-        dv: &'a mut [f32],
-        dvl: Layout4,
+        [(dq, dql), (dk, dkl), (dv, dvl)]: [(SyncPtr<f32>, Layout4); 3],
         br: usize,
         bc: usize,
     ) -> Self {
@@ -86,11 +72,11 @@ impl<'a> BwdTask<'a> {
             dout: ConstPtr(dout.as_ptr()),
             dol,
             lse: ConstPtr(lse.as_ptr()),
-            dq: SyncPtr(dq.as_mut_ptr()),
+            dq,
             dql,
-            dk: SyncPtr(dk.as_mut_ptr()),
+            dk,
             dkl,
-            dv: SyncPtr(dv.as_mut_ptr()),
+            dv,
             dvl,
             br,
             bc,

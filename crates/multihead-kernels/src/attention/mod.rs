@@ -504,6 +504,74 @@ pub fn flash_backward(
     dv: &mut [f32],
     dvl: Layout4,
 ) -> Result<(), KernelError> {
+    let ins = [(q, ql), (k, kl), (v, vl), (out, ol), (dout, dol)];
+    check_backward_inputs(p, ins, lse)?;
+    let d = p.dims;
+    check_tensor("dq", dq.len(), [d.batch, d.heads_q, d.l, d.d], dql, true)?;
+    check_tensor("dk", dk.len(), [d.batch, d.heads_kv, d.s, d.d], dkl, true)?;
+    check_tensor("dv", dv.len(), [d.batch, d.heads_kv, d.s, d.dv], dvl, true)?;
+    let ptr = |x: &mut [f32]| exec::SyncPtr(x.as_mut_ptr());
+    run_backward(p, ins, lse, [(ptr(dq), dql), (ptr(dk), dkl), (ptr(dv), dvl)]);
+    Ok(())
+}
+
+/// [`flash_backward`] for self-attention whose q, k and v gradients share one buffer, as the
+/// gradient of a packed in-projection output `[.., 3·E]` does: the gradient of q's row
+/// `(b, h, i)` lands at `dl.offset(b, h, i)`, k's `heads·dl.head` floats later and v's
+/// `2·heads·dl.head` later (`dqkv` is a `[batch, 3·heads, l, d]` tensor through `dl`).
+///
+/// Needs `heads_q == heads_kv`, `d == dv` and `l == s`; writes every element of those three
+/// parts, so no separate gradients need interleaving afterwards.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward_packed(
+    p: &AttnParams<'_>,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    v: &[f32],
+    vl: Layout4,
+    out: &[f32],
+    ol: Layout4,
+    dout: &[f32],
+    dol: Layout4,
+    lse: &[f32],
+    dqkv: &mut [f32],
+    dl: Layout4,
+) -> Result<(), KernelError> {
+    let d = p.dims;
+    if d.heads_q != d.heads_kv || d.d != d.dv || d.l != d.s {
+        let msg = format!(
+            "a packed gradient needs heads_q == heads_kv, d == dv and l == s, got heads {}/{}, \
+             d {}/{} and l {}/{}; use flash_backward with three gradients instead",
+            d.heads_q, d.heads_kv, d.d, d.dv, d.l, d.s
+        );
+        return Err(KernelError::InvalidArgument { name: "dqkv", msg });
+    }
+    let ins = [(q, ql), (k, kl), (v, vl), (out, ol), (dout, dol)];
+    check_backward_inputs(p, ins, lse)?;
+    let heads3 = d.heads_q.checked_mul(3).ok_or(KernelError::Overflow { name: "dqkv" })?;
+    check_tensor("dqkv", dqkv.len(), [d.batch, heads3, d.l, d.d], dl, true)?;
+    if d.batch == 0 || d.heads_q == 0 || d.l == 0 || d.d == 0 {
+        return Ok(()); // nothing to write (the checks above keep the offsets below in range)
+    }
+    // In range: heads3 heads at stride dl.head were checked to fit in `dqkv`.
+    let part = d.heads_q * dl.head;
+    let base = exec::SyncPtr(dqkv.as_mut_ptr());
+    // SAFETY: `part` and `2·part` are offsets of heads `heads_q` and `2·heads_q` of the
+    // `[batch, 3·heads, l, d]` view checked above, so they lie inside `dqkv`.
+    let at = |off: usize| exec::SyncPtr(unsafe { base.0.add(off) });
+    run_backward(p, ins, lse, [(base, dl), (at(part), dl), (at(2 * part), dl)]);
+    Ok(())
+}
+
+/// Checks the backward's parameters and inputs: q, k, v, out, dout (each with its layout)
+/// and the row statistics.
+fn check_backward_inputs(
+    p: &AttnParams<'_>,
+    [(q, ql), (k, kl), (v, vl), (out, ol), (dout, dol)]: [(&[f32], Layout4); 5],
+    lse: &[f32],
+) -> Result<(), KernelError> {
     check_params(p)?;
     let d = p.dims;
     check_tensor("q", q.len(), [d.batch, d.heads_q, d.l, d.d], ql, false)?;
@@ -511,22 +579,28 @@ pub fn flash_backward(
     check_tensor("v", v.len(), [d.batch, d.heads_kv, d.s, d.dv], vl, false)?;
     check_tensor("out", out.len(), [d.batch, d.heads_q, d.l, d.dv], ol, false)?;
     check_tensor("dout", dout.len(), [d.batch, d.heads_q, d.l, d.dv], dol, false)?;
-    check_len("lse", product("lse", &[2, d.batch, d.heads_q, d.l])?, lse.len())?;
-    check_tensor("dq", dq.len(), [d.batch, d.heads_q, d.l, d.d], dql, true)?;
-    check_tensor("dk", dk.len(), [d.batch, d.heads_kv, d.s, d.d], dkl, true)?;
-    check_tensor("dv", dv.len(), [d.batch, d.heads_kv, d.s, d.dv], dvl, true)?;
+    check_len("lse", product("lse", &[2, d.batch, d.heads_q, d.l])?, lse.len())
+}
+
+/// Runs the backward tasks on validated inputs into the validated, non-overlapping gradient
+/// outputs `dq`, `dk`, `dv`.
+fn run_backward(
+    p: &AttnParams<'_>,
+    ins: [(&[f32], Layout4); 5],
+    lse: &[f32],
+    outs: [(exec::SyncPtr<f32>, Layout4); 3],
+) {
+    let d = p.dims;
     if d.batch == 0 || d.heads_q == 0 {
-        return Ok(());
+        return;
     }
+    let [(q, ql), (k, kl), (v, vl), ..] = ins;
     let finite = finite_heads(p, (q, ql), (k, kl), Some((v, vl)));
     // Each task owns a kv head: it copies strided rows into its scratch itself (see `gather`)
     // and accumulates dK and dV there.
-    let mut task = backward::BwdTask::new(
-        p, q, ql, k, kl, v, vl, out, ol, dout, dol, lse, dq, dql, dk, dkl, dv, dvl, BWD_BR, BWD_BC,
-    );
+    let mut task = backward::BwdTask::new(p, ins, lse, outs, BWD_BR, BWD_BC);
     task.finite = &finite;
     exec::par_run(simd_level(), &task);
-    Ok(())
 }
 
 /// The attention probabilities `exp(scale·q·k + mask − lse)` times the dropout multipliers

@@ -444,6 +444,74 @@ fn packed_strided_inputs() {
     check_case(&c);
 }
 
+/// The packed backward writes into one `[B, L, 3, H, D]` gradient exactly what the three-output
+/// backward writes into its three `[B, L, H, D]` gradients, and refuses what it cannot do.
+#[test]
+fn packed_backward_equals_three_gradients() {
+    let mut c = Case::new(2, 3, 70, 70, 32);
+    c.packed = true;
+    c.causal = true;
+    c.masks = vec![MaskKind::KeyPad];
+    let masks: Vec<MaskData> = c.masks.iter().map(|&k| make_mask(&c, k, 11)).collect();
+    let p = params(&c, &masks);
+    let x = inputs(&c, 5);
+    let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
+    let (w, n) = (c.hq * c.d, c.b * c.l * c.hq * c.d);
+    let dl = Layout4 { batch: c.l * 3 * w, head: c.d, seq: 3 * w };
+    for level in levels() {
+        with_simd_level(level, || {
+            let r = run_kernels(&c, &p, &x);
+            let mut dqkv = vec![f32::NAN; 3 * n];
+            let ins = (&r.out, x.ol, &x.dout, x.dol);
+            let lse = {
+                // The forward's row statistics again (run_kernels keeps only their sum).
+                let mut out = vec![0.0; x.out_len];
+                let mut lse = vec![0.0; 2 * c.b * c.hq * c.l];
+                flash_forward(&p, q, x.ql, k, x.kl, v, x.vl, &mut out, x.ol, &mut lse).unwrap();
+                lse
+            };
+            flash_backward_packed(
+                &p, q, x.ql, k, x.kl, v, x.vl, ins.0, ins.1, ins.2, ins.3, &lse, &mut dqkv, dl,
+            )
+            .unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for (part, (what, g, gl)) in
+                [("dq", &r.dq, x.dql), ("dk", &r.dk, x.dkl), ("dv", &r.dv, x.dvl)]
+                    .iter()
+                    .enumerate()
+            {
+                let mut got = vec![0.0f32; n];
+                for b in 0..c.b {
+                    for h in 0..c.hq {
+                        for i in 0..c.l {
+                            for e in 0..c.d {
+                                let o = dl.offset(b, h, i) + part * w + e;
+                                got[gl.offset(b, h, i) + e] = dqkv[o];
+                            }
+                        }
+                    }
+                }
+                assert_eq!(bits(&got), bits(g), "{what} differs ({level:?})");
+            }
+        });
+    }
+    // Errors, not panics: unequal heads or lengths, a short buffer, an overlapping layout.
+    let lse = vec![0.0; 2 * c.b * c.hq * c.l];
+    let o = vec![0.0; x.out_len];
+    let run = |p: &AttnParams<'_>, buf: &mut [f32], dl: Layout4| {
+        let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
+        flash_backward_packed(p, q, x.ql, k, x.kl, v, x.vl, &o, x.ol, &x.dout, x.dol, &lse, buf, dl)
+    };
+    let mut buf = vec![0.0; 3 * n];
+    let mut p2 = p;
+    p2.dims.heads_kv = 1;
+    assert!(matches!(run(&p2, &mut buf, dl), Err(KernelError::InvalidArgument { .. })));
+    let mut short = vec![0.0; 3 * n - 1];
+    assert!(matches!(run(&p, &mut short, dl), Err(KernelError::SliceTooShort { .. })));
+    let overlapping = Layout4 { head: 1, ..dl };
+    assert!(matches!(run(&p, &mut buf, overlapping), Err(KernelError::OverlappingOutput { .. })));
+}
+
 /// Keys beyond one backward chunk (`(1 << 16) / (d + dv)` keys, at least one key block):
 /// dK and dV accumulate per chunk and dQ sums the chunks' shares.
 #[test]

@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Shape, Tensor};
 use multihead_kernels::attention::{
-    attention_weights, flash_backward, flash_forward, AttnDims, AttnParams, Layout4, MaskView,
+    attention_weights, flash_backward, flash_backward_packed, flash_forward, AttnDims, AttnParams,
+    Layout4, MaskView,
 };
 use multihead_kernels::dropout::DropoutKey;
 
@@ -389,23 +390,30 @@ impl CustomOp1 for PackedQkv {
         let [(qo, q4), (ko, k4), (vo, v4)] = self.parts(xl)?;
         let (o_off, o4) = self.0.conv.layout4(ol)?;
         let (g_off, g4) = self.0.conv.layout4(gl)?;
-        let dims = qkv.dims().to_vec();
-        let (l, n, e) = (dims[0], dims[1], dims[2] / 3);
-        // Planar [3][L][N][E]: three disjoint blocks for dq, dk and dv.
-        let block = l * n * e;
-        let mut planar = crate::alloc::try_zeros::<f32>(3 * block, "flash attention dqkv")?;
-        let (dq, rest) = planar.split_at_mut(block);
-        let (dk, dv) = rest.split_at_mut(block);
-        let d4 = contiguous_layout4(self.0.conv, &[l, n, e])?;
+        // One (L, N, 3E) gradient written in place by the kernel: dq, dk and dv of a row are
+        // its three thirds.
+        let mut dqkv = crate::alloc::try_zeros::<f32>(qkv.elem_count(), "flash attention dqkv")?;
+        let [(_, d4), ..] = self.parts(&Layout::contiguous(qkv.dims()))?;
         let x = f32s(&xs)?;
-        self.0.backward_into(
-            [(&x[qo..], q4), (&x[ko..], k4), (&x[vo..], v4)],
-            (&f32s(&os)?[o_off..], o4),
-            (&f32s(&gs)?[g_off..], g4),
-            [(dq, d4), (dk, d4), (dv, d4)],
-        )?;
-        let planar = Tensor::from_vec(planar, (3, l, n, e), qkv.device())?;
-        Ok(Some(planar.permute((1, 2, 0, 3))?.contiguous()?.reshape((l, n, 3 * e))?))
+        let lse = self.0.lse.lock().unwrap_or_else(|e| e.into_inner());
+        flash_backward_packed(
+            &self.0.params(),
+            &x[qo..],
+            q4,
+            &x[ko..],
+            k4,
+            &x[vo..],
+            v4,
+            &f32s(&os)?[o_off..],
+            o4,
+            &f32s(&gs)?[g_off..],
+            g4,
+            &lse,
+            &mut dqkv,
+            d4,
+        )
+        .map_err(|e| candle_core::Error::Msg(format!("flash attention backward: {e}")))?;
+        Ok(Some(Tensor::from_vec(dqkv, qkv.shape(), qkv.device())?))
     }
 }
 
