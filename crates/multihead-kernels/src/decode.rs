@@ -44,7 +44,7 @@
 //! # Ok::<(), multihead_kernels::attention::KernelError>(())
 //! ```
 
-use crate::attention::exec::{par_run, round16, Carver, ConstPtr, SyncPtr, Task};
+use crate::attention::exec::{round16, try_par_run, Carver, ConstPtr, SyncPtr, Task};
 use crate::attention::simd::Simd;
 use crate::attention::{check_tensor, simd_level, KernelError, Layout4};
 use crate::elem::{dot as dot_e, Elem};
@@ -262,12 +262,12 @@ fn run<E: Elem>(base: &Base<E>, sequential: bool) -> Result<(), KernelError> {
                     partials.resize(n, 0.0);
                 }
                 let parts = SyncPtr(partials.as_mut_ptr());
-                par_run(simd_level(), &PartialTask { base, parts });
-                par_run(simd_level(), &CombineTask { base, parts: ConstPtr(parts.0) });
-                Ok(())
+                try_par_run(simd_level(), &PartialTask { base, parts }, "decode_attention")?;
+                let combine = CombineTask { base, parts: ConstPtr(parts.0) };
+                try_par_run(simd_level(), &combine, "decode_attention")
             })?;
         }
-        None => par_run(simd_level(), &SequentialTask { base }),
+        None => try_par_run(simd_level(), &SequentialTask { base }, "decode_attention")?,
     }
     Ok(())
 }

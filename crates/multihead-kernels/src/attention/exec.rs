@@ -92,9 +92,15 @@ impl Scratch {
     fn get(&mut self, len: usize) -> &mut [f32] {
         const ALIGN: usize = 16; // floats per 64 bytes
         if self.buf.len() < len + ALIGN {
-            // Grow geometrically so that shapes creeping upward do not reallocate each call.
+            // Grow geometrically so that shapes creeping upward do not reallocate each call;
+            // where that much cannot be had, exactly `len` (which `try_par_run` probed).
             let new_len = (len + ALIGN).max(self.buf.len() * 3 / 2);
-            self.buf = vec![0.0; new_len];
+            self.buf = Vec::new();
+            let new_len = match self.buf.try_reserve_exact(new_len) {
+                Ok(()) => new_len,
+                Err(_) => len + ALIGN,
+            };
+            self.buf.resize(new_len, 0.0);
         }
         let off = self.buf.as_ptr().align_offset(64).min(ALIGN);
         &mut self.buf[off..off + len]
@@ -174,6 +180,30 @@ fn run_scalar<T: Task>(task: &T, t: usize, buf: &mut [f32]) {
     unsafe { task.run::<Scalar>(t, buf) }
 }
 
+/// [`par_run`] for tasks whose scratch grows with the caller's sizes (attention's head
+/// dimension): a scratch that cannot be allocated is an error naming `name`, not an abort.
+/// The check asks the allocator for that much once and gives it back; each thread then
+/// allocates its own (kept for later calls).
+pub(crate) fn try_par_run<T: Task>(
+    level: SimdLevel,
+    task: &T,
+    name: &'static str,
+) -> Result<(), super::KernelError> {
+    let len = task.scratch_len(level.min(detected_simd_level()).lanes());
+    if len >= 1 << 20 {
+        let mut probe: Vec<f32> = Vec::new();
+        probe.try_reserve_exact(len + 16).map_err(|_| super::KernelError::InvalidArgument {
+            name,
+            msg: format!(
+                "cannot allocate {len} floats of scratch per thread (it grows with the head \
+                 dimension); use smaller heads"
+            ),
+        })?;
+    }
+    par_run(level, task);
+    Ok(())
+}
+
 /// Runs every task of `task` on the current rayon pool at `level` (which must not exceed
 /// [`detected_simd_level`]).
 pub(crate) fn par_run<T: Task>(level: SimdLevel, task: &T) {
@@ -208,3 +238,43 @@ pub(crate) struct ConstPtr<T>(pub *const T);
 unsafe impl<T> Send for ConstPtr<T> {}
 // SAFETY: as above.
 unsafe impl<T> Sync for ConstPtr<T> {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A task that asks for `len` floats of scratch and counts its runs.
+    struct Greedy {
+        len: usize,
+        runs: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Task for Greedy {
+        fn count(&self) -> usize {
+            3
+        }
+        fn scratch_len(&self, _lanes: usize) -> usize {
+            self.len
+        }
+        unsafe fn run<S: Simd>(&self, _t: usize, buf: &mut [f32]) {
+            assert_eq!(buf.len(), self.len);
+            self.runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn scratch_that_cannot_be_allocated_is_an_error_before_any_task_runs() {
+        let runs = std::sync::atomic::AtomicUsize::new(0);
+        let huge = Greedy { len: usize::MAX / 8, runs };
+        let e = try_par_run(SimdLevel::Scalar, &huge, "flash_forward");
+        assert!(
+            matches!(&e, Err(crate::attention::KernelError::InvalidArgument { name, msg })
+                if *name == "flash_forward" && msg.contains("scratch")),
+            "{e:?}"
+        );
+        assert_eq!(huge.runs.into_inner(), 0);
+        let fine = Greedy { len: (1 << 20) + 5, runs: std::sync::atomic::AtomicUsize::new(0) };
+        try_par_run(SimdLevel::Scalar, &fine, "flash_forward").expect("a 4 MiB scratch");
+        assert_eq!(fine.runs.into_inner(), 3);
+    }
+}

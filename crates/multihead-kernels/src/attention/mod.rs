@@ -473,8 +473,7 @@ pub fn flash_forward(
     let (v, vl) = vc.as_ref().map_or((v, vl), |(c, l)| (c.as_slice(), *l));
     let mut task = forward::FwdTask::new(p, q, ql, k, kl, v, vl, out, ol, lse, FWD_BR, FWD_BC);
     task.finite = &finite;
-    exec::par_run(simd_level(), &task);
-    Ok(())
+    exec::try_par_run(simd_level(), &task, "flash_forward")
 }
 
 /// The attention backward (FlashAttention-2 recomputation from `lse`). Overwrites `dq`
@@ -511,8 +510,7 @@ pub fn flash_backward(
     check_tensor("dk", dk.len(), [d.batch, d.heads_kv, d.s, d.d], dkl, true)?;
     check_tensor("dv", dv.len(), [d.batch, d.heads_kv, d.s, d.dv], dvl, true)?;
     let ptr = |x: &mut [f32]| exec::SyncPtr(x.as_mut_ptr());
-    run_backward(p, ins, lse, [(ptr(dq), dql), (ptr(dk), dkl), (ptr(dv), dvl)]);
-    Ok(())
+    run_backward(p, ins, lse, [(ptr(dq), dql), (ptr(dk), dkl), (ptr(dv), dvl)])
 }
 
 /// [`flash_backward`] for self-attention whose q, k and v gradients share one buffer, as the
@@ -561,8 +559,7 @@ pub fn flash_backward_packed(
     // SAFETY: `part` and `2·part` are offsets of heads `heads_q` and `2·heads_q` of the
     // `[batch, 3·heads, l, d]` view checked above, so they lie inside `dqkv`.
     let at = |off: usize| exec::SyncPtr(unsafe { base.0.add(off) });
-    run_backward(p, ins, lse, [(base, dl), (at(part), dl), (at(2 * part), dl)]);
-    Ok(())
+    run_backward(p, ins, lse, [(base, dl), (at(part), dl), (at(2 * part), dl)])
 }
 
 /// Checks the backward's parameters and inputs: q, k, v, out, dout (each with its layout)
@@ -589,10 +586,10 @@ fn run_backward(
     ins: [(&[f32], Layout4); 5],
     lse: &[f32],
     outs: [(exec::SyncPtr<f32>, Layout4); 3],
-) {
+) -> Result<(), KernelError> {
     let d = p.dims;
     if d.batch == 0 || d.heads_q == 0 {
-        return;
+        return Ok(());
     }
     let [(q, ql), (k, kl), (v, vl), ..] = ins;
     let finite = finite_heads(p, (q, ql), (k, kl), Some((v, vl)));
@@ -600,7 +597,7 @@ fn run_backward(
     // and accumulates dK and dV there.
     let mut task = backward::BwdTask::new(p, ins, lse, outs, BWD_BR, BWD_BC);
     task.finite = &finite;
-    exec::par_run(simd_level(), &task);
+    exec::try_par_run(simd_level(), &task, "flash_backward")
 }
 
 /// The attention probabilities `exp(scale·q·k + mask − lse)` times the dropout multipliers
@@ -641,6 +638,5 @@ pub fn attention_weights(
     let mut task =
         weights::WeightsTask::new(p, q, ql, k, kl, lse, average_heads, weights, FWD_BR, FWD_BC);
     task.finite = &finite;
-    exec::par_run(simd_level(), &task);
-    Ok(())
+    exec::try_par_run(simd_level(), &task, "attention_weights")
 }
