@@ -89,7 +89,10 @@ fn memory_limit() -> usize {
 }
 
 /// A zeroed `Vec` of `n` elements, or a candle error when it cannot be allocated.
-pub(crate) fn try_zeros<T: Clone + Default>(n: usize, what: &str) -> candle_core::Result<Vec<T>> {
+pub(crate) fn try_zeros<T: Copy + Default + Send + Sync>(
+    n: usize,
+    what: &str,
+) -> candle_core::Result<Vec<T>> {
     let mut v = Vec::new();
     v.try_reserve_exact(n).map_err(|_| {
         candle_core::Error::Msg(format!(
@@ -97,9 +100,24 @@ pub(crate) fn try_zeros<T: Clone + Default>(n: usize, what: &str) -> candle_core
             std::mem::size_of::<T>()
         ))
     })?;
-    v.resize(n, T::default());
+    if n < PAR_FILL_MIN {
+        v.resize(n, T::default());
+        return Ok(v);
+    }
+    // Large buffers are filled on every thread: one thread's memset (and the page faults of
+    // fresh memory) would leave the other cores idle.
+    use rayon::prelude::*;
+    v.spare_capacity_mut()[..n]
+        .par_chunks_mut(PAR_FILL_CHUNK)
+        .for_each(|c| c.fill(std::mem::MaybeUninit::new(T::default())));
+    // SAFETY: the loop above initialised all `n` elements of the reserved capacity.
+    unsafe { v.set_len(n) };
     Ok(v)
 }
+
+/// Elements from which [`try_zeros`] fills in parallel, and its chunk.
+const PAR_FILL_MIN: usize = 1 << 20;
+const PAR_FILL_CHUNK: usize = 1 << 16;
 
 /// Checks that `dtype` is a float dtype, the rule of every layer here.
 pub(crate) fn expect_float(op: &'static str, arg: &'static str, dtype: DType) -> Result<()> {
