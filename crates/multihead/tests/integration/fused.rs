@@ -293,7 +293,8 @@ fn fused_linear_equals_candle_matmul_forward_and_backward() {
 
 #[test]
 fn fused_long_key_path_equals_composed() {
-    // From 2048 keys on, the fused path copies K and V per head first; check it like the rest.
+    // Long key sequences (the kernels copy the projections' strided heads as they read them);
+    // check them like the rest.
     for batch_first in [false, true] {
         let cfg = MhaConfig::new(8, 2).with_batch_first(batch_first);
         let n = 2;

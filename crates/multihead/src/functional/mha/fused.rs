@@ -11,18 +11,12 @@ use crate::error::Result;
 use crate::fused::flash::{Convention, FlashAttention, OwnedMask};
 use crate::random::DropoutKey;
 
-/// From this many keys on, K and V are copied into a per-head layout first.
-const LONG_KEYS: usize = 2048;
-/// ... except when gradients are recorded and there are at least this many keys.
-const LONG_KEYS_TRAINING_MAX: usize = 8192;
-
 /// The attention output `(L, N, E)` (`(N, L, E)` with `batch_first`) and, when asked, the
 /// weights (no gradient flows through them; the plan allows them only without a graph).
 pub(crate) fn attend(
     call: &MhaCall,
     proj: &Projected,
     dropout: Option<(f64, DropoutKey)>,
-    records_grad: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let (l, n, e, h, hd, s) = (call.l, call.n, call.e, call.h, call.hd, call.s);
     if call.need_weights {
@@ -72,15 +66,10 @@ pub(crate) fn attend(
     if call.static_kv.is_some() {
         return static_attention(call, proj, &op);
     }
-    let per_head =
-        s >= LONG_KEYS && !call.need_weights && !(records_grad && s >= LONG_KEYS_TRAINING_MAX);
-    let attn = if per_head {
-        per_head_attention(call, proj, &op)?
-    } else {
-        match &proj.packed {
-            Some(qkv) => op.apply_packed(qkv)?,
-            None => op.apply(&proj.q, &proj.k, &proj.v)?,
-        }
+    // The kernels read the projections' strided heads themselves (copying what they re-read).
+    let attn = match &proj.packed {
+        Some(qkv) => op.apply_packed(qkv)?,
+        None => op.apply(&proj.q, &proj.k, &proj.v)?,
     };
     let weights = if call.need_weights {
         let w = op.weights(&proj.q, &proj.k, call.average_attn_weights)?;
@@ -89,29 +78,6 @@ pub(crate) fn attend(
         None
     };
     Ok((attn, weights))
-}
-
-/// Long key sequences: read K and V per head contiguously. Streaming them straight out of the
-/// strided projection costs more than copying them (measured: S=16384 forward 1134 -> 740 ms;
-/// S=4096 forward+backward 455 -> 374 ms). When training on very long sequences the copies'
-/// memory (kept for the backward) outweighs that, so the strided path stays.
-fn per_head_attention(call: &MhaCall, proj: &Projected, op: &FlashAttention) -> Result<Tensor> {
-    let (l, n, e, h, hd, hk) = (call.l, call.n, call.e, call.h, call.hd, call.hk);
-    let bf = call.batch_first;
-    let to_bhtd = |t: &Tensor, heads: usize| to_bhtd(t, heads, hd, bf);
-    let bhtd = op.with_convention(Convention::Bhtd);
-    let (qh, kh, vh) = match &proj.packed {
-        // One copy of the packed projection: (N, L, 3, H, hd) -> (3, N, H, L, hd).
-        Some(qkv) => {
-            let t = if bf { qkv.clone() } else { qkv.transpose(0, 1)? };
-            let t = t.contiguous()?.reshape((n, l, 3, h, hd))?.permute((2, 0, 3, 1, 4))?;
-            let t = t.contiguous()?;
-            (t.get(0)?, t.get(1)?, t.get(2)?)
-        }
-        None => (to_bhtd(&proj.q, h)?, to_bhtd(&proj.k, hk)?, to_bhtd(&proj.v, hk)?),
-    };
-    let o = bhtd.apply(&qh, &kh, &vh)?; // (N, H, L, hd)
-    from_bhtd(&o, (n, l, e), bf)
 }
 
 /// `(T, N, heads·hd)` (or `(N, T, ·)` with `batch_first`) -> `(N, heads, T, hd)`, contiguous.

@@ -406,7 +406,7 @@ pub(crate) fn mha_forward_impl(
         .then(|| (call.dropout_p, opts.dropout_key.unwrap_or_else(next_dropout_key)));
     let proj = project::project(&call)?;
     let (attn, weights) = match plan.path {
-        Path::Fused => fused::attend(&call, &proj, dropout, records_grad(&call))?,
+        Path::Fused => fused::attend(&call, &proj, dropout)?,
         Path::Composed => composed::attend(&call, proj, dropout)?,
     }; // attn: (L, N, E), or (N, L, E) with batch_first
     let p = call.params;
