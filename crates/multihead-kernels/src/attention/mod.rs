@@ -548,18 +548,76 @@ pub fn flash_backward_packed(
     }
     let ins = [(q, ql), (k, kl), (v, vl), (out, ol), (dout, dol)];
     check_backward_inputs(p, ins, lse)?;
-    let heads3 = d.heads_q.checked_mul(3).ok_or(KernelError::Overflow { name: "dqkv" })?;
-    check_tensor("dqkv", dqkv.len(), [d.batch, heads3, d.l, d.d], dl, true)?;
-    if d.batch == 0 || d.heads_q == 0 || d.l == 0 || d.d == 0 {
-        return Ok(()); // nothing to write (the checks above keep the offsets below in range)
+    let Some([dq, dk, dv]) = packed_outputs("dqkv", dqkv, dl, [d.batch, d.heads_q, d.l, d.d])?
+    else {
+        return Ok(()); // nothing to write
+    };
+    run_backward(p, ins, lse, [(dq, dl), (dk, dl), (dv, dl)])
+}
+
+/// [`flash_backward`] whose k and v gradients share one buffer, as the gradient of a packed
+/// key/value projection `[.., 2·E]` (cross-attention over one memory) does: the gradient of
+/// k's row `(b, h, j)` lands at `dkvl.offset(b, h, j)` and v's `heads_kv·dkvl.head` floats
+/// later (`dkv` is a `[batch, 2·heads_kv, s, d]` tensor through `dkvl`). Needs `d == dv`.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward_kv_packed(
+    p: &AttnParams<'_>,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    v: &[f32],
+    vl: Layout4,
+    out: &[f32],
+    ol: Layout4,
+    dout: &[f32],
+    dol: Layout4,
+    lse: &[f32],
+    dq: &mut [f32],
+    dql: Layout4,
+    dkv: &mut [f32],
+    dkvl: Layout4,
+) -> Result<(), KernelError> {
+    let d = p.dims;
+    if d.d != d.dv {
+        let msg = format!(
+            "a packed key/value gradient needs d == dv, got d {} and dv {}; use flash_backward \
+             with three gradients instead",
+            d.d, d.dv
+        );
+        return Err(KernelError::InvalidArgument { name: "dkv", msg });
     }
-    // In range: heads3 heads at stride dl.head were checked to fit in `dqkv`.
-    let part = d.heads_q * dl.head;
-    let base = exec::SyncPtr(dqkv.as_mut_ptr());
-    // SAFETY: `part` and `2·part` are offsets of heads `heads_q` and `2·heads_q` of the
-    // `[batch, 3·heads, l, d]` view checked above, so they lie inside `dqkv`.
-    let at = |off: usize| exec::SyncPtr(unsafe { base.0.add(off) });
-    run_backward(p, ins, lse, [(base, dl), (at(part), dl), (at(2 * part), dl)])
+    let ins = [(q, ql), (k, kl), (v, vl), (out, ol), (dout, dol)];
+    check_backward_inputs(p, ins, lse)?;
+    check_tensor("dq", dq.len(), [d.batch, d.heads_q, d.l, d.d], dql, true)?;
+    let Some([dk, dv]) = packed_outputs("dkv", dkv, dkvl, [d.batch, d.heads_kv, d.s, d.d])? else {
+        // No key or value element (no batch, no heads, s == 0 or d == 0): the tasks write no
+        // key or value row, so dk and dv need no buffer of their own; dq still gets its zeros.
+        let dq = exec::SyncPtr(dq.as_mut_ptr());
+        return run_backward(p, ins, lse, [(dq, dql), (dq, dkvl), (dq, dkvl)]);
+    };
+    run_backward(p, ins, lse, [(exec::SyncPtr(dq.as_mut_ptr()), dql), (dk, dkvl), (dv, dkvl)])
+}
+
+/// The `N` parts of a packed gradient buffer: `buf` viewed through `l` as `[batch, N·heads,
+/// rows, width]` (checked: in bounds, no element twice), part `i` starting at head
+/// `i·heads`. `None` when the view has no element (nothing to write, and no pointer may be
+/// offset into an empty buffer).
+fn packed_outputs<const N: usize>(
+    name: &'static str,
+    buf: &mut [f32],
+    l: Layout4,
+    [batch, heads, rows, width]: [usize; 4],
+) -> Result<Option<[exec::SyncPtr<f32>; N]>, KernelError> {
+    let all = heads.checked_mul(N).ok_or(KernelError::Overflow { name })?;
+    check_tensor(name, buf.len(), [batch, all, rows, width], l, true)?;
+    if batch == 0 || all == 0 || rows == 0 || width == 0 {
+        return Ok(None);
+    }
+    let base = buf.as_mut_ptr();
+    // SAFETY: head `i·heads` (< `N·heads`) of row 0 of batch 0 is an element of the view
+    // checked above, so its offset lies inside `buf`.
+    Ok(Some(std::array::from_fn(|i| exec::SyncPtr(unsafe { base.add(i * heads * l.head) }))))
 }
 
 /// Checks the backward's parameters and inputs: q, k, v, out, dout (each with its layout)

@@ -444,8 +444,9 @@ fn packed_strided_inputs() {
     check_case(&c);
 }
 
-/// The packed backward writes into one `[B, L, 3, H, D]` gradient exactly what the three-output
-/// backward writes into its three `[B, L, H, D]` gradients, and refuses what it cannot do.
+/// The packed backwards write into one `[B, L, 3, H, D]` gradient (or dq apart and one
+/// `[B, S, 2, H, D]` key/value gradient) exactly what the three-output backward writes into its
+/// three `[B, L, H, D]` gradients, and refuse what they cannot do.
 #[test]
 fn packed_backward_equals_three_gradients() {
     let mut c = Case::new(2, 3, 70, 70, 32);
@@ -493,6 +494,28 @@ fn packed_backward_equals_three_gradients() {
                 }
                 assert_eq!(bits(&got), bits(g), "{what} differs ({level:?})");
             }
+            // k and v packed, q apart: [B, S, 2, H, D] and the query's own layout.
+            let kvl = Layout4 { batch: c.s * 2 * w, head: c.d, seq: 2 * w };
+            let (mut dq, mut dkv) = (vec![f32::NAN; x.dq_len], vec![f32::NAN; 2 * n]);
+            flash_backward_kv_packed(
+                &p, q, x.ql, k, x.kl, v, x.vl, ins.0, ins.1, ins.2, ins.3, &lse, &mut dq, x.dql,
+                &mut dkv, kvl,
+            )
+            .unwrap();
+            assert_eq!(bits(&dq), bits(&r.dq), "dq differs with k and v packed ({level:?})");
+            for (part, (what, g, gl)) in
+                [("dk", &r.dk, x.dkl), ("dv", &r.dv, x.dvl)].iter().enumerate()
+            {
+                for b in 0..c.b {
+                    for h in 0..c.hq {
+                        for j in 0..c.s {
+                            let got = &dkv[kvl.offset(b, h, j) + part * w..][..c.d];
+                            let exp = &g[gl.offset(b, h, j)..][..c.d];
+                            assert_eq!(bits(got), bits(exp), "{what} ({b},{h},{j}) ({level:?})");
+                        }
+                    }
+                }
+            }
         });
     }
     // Errors, not panics: unequal heads or lengths, a short buffer, an overlapping layout.
@@ -510,6 +533,21 @@ fn packed_backward_equals_three_gradients() {
     assert!(matches!(run(&p, &mut short, dl), Err(KernelError::SliceTooShort { .. })));
     let overlapping = Layout4 { head: 1, ..dl };
     assert!(matches!(run(&p, &mut buf, overlapping), Err(KernelError::OverlappingOutput { .. })));
+    // The key/value one: d != dv, a short buffer.
+    let kvl = Layout4 { batch: c.s * 2 * w, head: c.d, seq: 2 * w };
+    let run_kv = |p: &AttnParams<'_>, buf: &mut [f32]| {
+        let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
+        let mut dq = vec![0.0; x.dq_len];
+        flash_backward_kv_packed(
+            p, q, x.ql, k, x.kl, v, x.vl, &o, x.ol, &x.dout, x.dol, &lse, &mut dq, x.dql, buf, kvl,
+        )
+    };
+    let mut p3 = p;
+    p3.dims.dv = c.d - 1;
+    let mut kv = vec![0.0; 2 * n];
+    assert!(matches!(run_kv(&p3, &mut kv), Err(KernelError::InvalidArgument { .. })));
+    let mut short = vec![0.0; 2 * n - 1];
+    assert!(matches!(run_kv(&p, &mut short), Err(KernelError::SliceTooShort { .. })));
 }
 
 /// Keys beyond one backward chunk (`(1 << 16) / (d + dv)` keys, at least one key block):

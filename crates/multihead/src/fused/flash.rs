@@ -1,6 +1,6 @@
 //! The flash-attention kernels of `multihead-kernels` entered into candle as a `CustomOp3`
-//! (or a `CustomOp1` on a packed projection) with a backward, so that candle's autograd runs
-//! them.
+//! (packed projections: [`flash_packed`](super::flash_packed)) with a backward, so that
+//! candle's autograd runs them.
 //!
 //! The op reads q, k and v through their strides (for MultiheadAttention, straight from the
 //! in-projection output, with no transposing copy), writes the attention output, keeps the row
@@ -11,10 +11,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use multihead_kernels::attention::{
-    attention_weights, flash_backward, flash_backward_packed, flash_forward, AttnDims, AttnParams,
-    Layout4, MaskView,
+    attention_weights, flash_backward, flash_forward, AttnDims, AttnParams, Layout4, MaskView,
 };
 use multihead_kernels::dropout::DropoutKey;
 
@@ -98,7 +97,7 @@ pub(crate) struct FlashAttention {
     /// The products (forward and backward) take bf16 operands (`AttnParams::bf16_products`);
     /// see [`Self::with_rounded_products`].
     pub bf16_products: bool,
-    lse: Arc<Mutex<Vec<f32>>>,
+    pub(super) lse: Arc<Mutex<Vec<f32>>>,
 }
 
 impl FlashAttention {
@@ -139,6 +138,30 @@ impl FlashAttention {
         Self { conv, lse: Arc::new(Mutex::new(Vec::new())), ..self.clone() }
     }
 
+    /// Runs the kernel forward into a new output for a query of dims `q_dims`, and keeps the
+    /// row statistics for the backward.
+    pub(super) fn forward_into_new(
+        &self,
+        q_dims: &[usize],
+        (q, q4): (&[f32], Layout4),
+        (k, k4): (&[f32], Layout4),
+        (v, v4): (&[f32], Layout4),
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let out_dims = self.conv.out_shape(q_dims, self.dims.dv);
+        let o4 = contiguous_layout4(self.conv, &out_dims)?;
+        let mut out =
+            crate::alloc::try_zeros::<f32>(out_dims.iter().product(), "flash attention output")?;
+        let d = self.dims;
+        let mut lse = crate::alloc::try_zeros::<f32>(
+            2 * d.batch * d.heads_q * d.l,
+            "flash attention row statistics",
+        )?;
+        flash_forward(&self.params(), q, q4, k, k4, v, v4, &mut out, o4, &mut lse)
+            .map_err(|e| candle_core::Error::Msg(format!("flash attention forward: {e}")))?;
+        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
+        Ok((CpuStorage::F32(out), Shape::from(out_dims)))
+    }
+
     /// Runs the kernel backward from the saved log-sum-exp into `d` (dq, dk, dv).
     fn backward_into(
         &self,
@@ -173,7 +196,7 @@ impl FlashAttention {
         .map_err(|e| candle_core::Error::Msg(format!("flash attention backward: {e}")))
     }
 
-    fn params(&self) -> AttnParams<'_> {
+    pub(super) fn params(&self) -> AttnParams<'_> {
         let mut p = AttnParams::new(self.dims);
         p.scale = self.scale;
         p.causal = self.causal;
@@ -213,15 +236,15 @@ impl FlashAttention {
     }
 }
 
-fn f32s(s: &candle_core::Storage) -> candle_core::Result<&[f32]> {
+pub(super) fn f32s(s: &candle_core::Storage) -> candle_core::Result<&[f32]> {
     super::storage_f32(s, "flash attention")
 }
 
-fn cpu_f32(s: &CpuStorage) -> candle_core::Result<&[f32]> {
+pub(super) fn cpu_f32(s: &CpuStorage) -> candle_core::Result<&[f32]> {
     super::cpu_f32(s, "flash attention")
 }
 
-fn contiguous_layout4(conv: Convention, dims: &[usize]) -> candle_core::Result<Layout4> {
+pub(super) fn contiguous_layout4(conv: Convention, dims: &[usize]) -> candle_core::Result<Layout4> {
     Ok(conv.layout4(&Layout::contiguous(dims))?.1)
 }
 
@@ -242,30 +265,12 @@ impl CustomOp3 for FlashAttention {
         let (q_off, q4) = self.conv.layout4(l1)?;
         let (k_off, k4) = self.conv.layout4(l2)?;
         let (v_off, v4) = self.conv.layout4(l3)?;
-        let out_dims = self.conv.out_shape(l1.dims(), self.dims.dv);
-        let o4 = contiguous_layout4(self.conv, &out_dims)?;
-        let mut out =
-            crate::alloc::try_zeros::<f32>(out_dims.iter().product(), "flash attention output")?;
-        let d = self.dims;
-        let mut lse = crate::alloc::try_zeros::<f32>(
-            2 * d.batch * d.heads_q * d.l,
-            "flash attention row statistics",
-        )?;
-        flash_forward(
-            &self.params(),
-            &cpu_f32(s1)?[q_off..],
-            q4,
-            &cpu_f32(s2)?[k_off..],
-            k4,
-            &cpu_f32(s3)?[v_off..],
-            v4,
-            &mut out,
-            o4,
-            &mut lse,
+        self.forward_into_new(
+            l1.dims(),
+            (&cpu_f32(s1)?[q_off..], q4),
+            (&cpu_f32(s2)?[k_off..], k4),
+            (&cpu_f32(s3)?[v_off..], v4),
         )
-        .map_err(|e| candle_core::Error::Msg(format!("flash attention forward: {e}")))?;
-        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
-        Ok((CpuStorage::F32(out), Shape::from(out_dims)))
     }
 
     fn bwd(
@@ -312,114 +317,5 @@ impl FlashAttention {
     /// Applies the op to `(q, k, v)`; the result is differentiable through [`CustomOp3::bwd`].
     pub(crate) fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         Ok(q.apply_op3_arc(k, v, Arc::new(Box::new(self.clone())))?)
-    }
-}
-
-/// The same op on one packed `(L, N, 3E)` in-projection output (self-attention): q, k and v are
-/// read at feature offsets `0`, `E` and `2E`, and the backward returns one `(L, N, 3E)`
-/// gradient instead of three that candle would pad and add.
-pub(crate) struct PackedQkv(pub FlashAttention);
-
-impl PackedQkv {
-    /// The layouts of q, k and v inside a packed `(L, N, 3E)` layout.
-    fn parts(&self, l: &Layout) -> candle_core::Result<[(usize, Layout4); 3]> {
-        let dims = l.dims();
-        let st = l.stride();
-        if dims.len() != 3 || !dims[2].is_multiple_of(3) || (st[2] != 1 && dims[2] > 1) {
-            candle_core::bail!(
-                "flash attention: expected a packed (L, N, 3E) input with contiguous features"
-            );
-        }
-        let e = dims[2] / 3;
-        let (heads, batch_first) = match self.0.conv {
-            Convention::SeqFirst { heads, batch_first, .. } => (heads.max(1), batch_first),
-            Convention::Bhtd => candle_core::bail!("flash attention: packed input is 3-D"),
-        };
-        let (batch, seq) = if batch_first { (st[0], st[1]) } else { (st[1], st[0]) };
-        let l4 = Layout4 { batch, head: e / heads, seq };
-        let o = l.start_offset();
-        Ok([(o, l4), (o + e, l4), (o + 2 * e, l4)])
-    }
-}
-
-impl CustomOp1 for PackedQkv {
-    fn name(&self) -> &'static str {
-        "flash-attention-packed"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let [(qo, q4), (ko, k4), (vo, v4)] = self.parts(l)?;
-        let x = cpu_f32(s)?;
-        let dims = l.dims();
-        let out_dims = vec![dims[0], dims[1], dims[2] / 3];
-        let o4 = contiguous_layout4(self.0.conv, &out_dims)?;
-        let mut out =
-            crate::alloc::try_zeros::<f32>(out_dims.iter().product(), "flash attention output")?;
-        let d = self.0.dims;
-        let mut lse = crate::alloc::try_zeros::<f32>(
-            2 * d.batch * d.heads_q * d.l,
-            "flash attention row statistics",
-        )?;
-        flash_forward(
-            &self.0.params(),
-            &x[qo..],
-            q4,
-            &x[ko..],
-            k4,
-            &x[vo..],
-            v4,
-            &mut out,
-            o4,
-            &mut lse,
-        )
-        .map_err(|e| candle_core::Error::Msg(format!("flash attention forward: {e}")))?;
-        *self.0.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
-        Ok((CpuStorage::F32(out), Shape::from(out_dims)))
-    }
-
-    fn bwd(
-        &self,
-        qkv: &Tensor,
-        res: &Tensor,
-        grad_res: &Tensor,
-    ) -> candle_core::Result<Option<Tensor>> {
-        let grad = grad_res.contiguous()?;
-        let (xs, xl) = qkv.storage_and_layout();
-        let (os, ol) = res.storage_and_layout();
-        let (gs, gl) = grad.storage_and_layout();
-        let [(qo, q4), (ko, k4), (vo, v4)] = self.parts(xl)?;
-        let (o_off, o4) = self.0.conv.layout4(ol)?;
-        let (g_off, g4) = self.0.conv.layout4(gl)?;
-        // One (L, N, 3E) gradient written in place by the kernel: dq, dk and dv of a row are
-        // its three thirds.
-        let mut dqkv = crate::alloc::try_zeros::<f32>(qkv.elem_count(), "flash attention dqkv")?;
-        let [(_, d4), ..] = self.parts(&Layout::contiguous(qkv.dims()))?;
-        let x = f32s(&xs)?;
-        let lse = self.0.lse.lock().unwrap_or_else(|e| e.into_inner());
-        flash_backward_packed(
-            &self.0.params(),
-            &x[qo..],
-            q4,
-            &x[ko..],
-            k4,
-            &x[vo..],
-            v4,
-            &f32s(&os)?[o_off..],
-            o4,
-            &f32s(&gs)?[g_off..],
-            g4,
-            &lse,
-            &mut dqkv,
-            d4,
-        )
-        .map_err(|e| candle_core::Error::Msg(format!("flash attention backward: {e}")))?;
-        Ok(Some(Tensor::from_vec(dqkv, qkv.shape(), qkv.device())?))
-    }
-}
-
-impl FlashAttention {
-    /// Applies the op to a packed `(L, N, 3E)` self-attention projection.
-    pub(crate) fn apply_packed(&self, qkv: &Tensor) -> Result<Tensor> {
-        Ok(qkv.apply_op1_arc(Arc::new(Box::new(PackedQkv(self.clone()))))?)
     }
 }

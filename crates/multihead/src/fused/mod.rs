@@ -18,6 +18,7 @@ pub(crate) mod convert;
 pub(crate) mod decode;
 pub mod dispatch;
 pub(crate) mod flash;
+pub(crate) mod flash_packed;
 pub(crate) mod linear;
 pub(crate) mod norm;
 

@@ -4,7 +4,7 @@
 
 use candle_core::Tensor;
 
-use super::project::Projected;
+use super::project::{Packed, Projected};
 use super::validate::MhaCall;
 use super::MHA;
 use crate::error::Result;
@@ -68,8 +68,9 @@ pub(crate) fn attend(
     }
     // The kernels read the projections' strided heads themselves (copying what they re-read).
     let attn = match &proj.packed {
-        Some(qkv) => op.apply_packed(qkv)?,
-        None => op.apply(&proj.q, &proj.k, &proj.v)?,
+        Packed::Qkv(qkv) => op.apply_packed(qkv)?,
+        Packed::Kv(kv) => op.apply_packed_kv(&proj.q, kv)?,
+        Packed::None => op.apply(&proj.q, &proj.k, &proj.v)?,
     };
     let weights = if call.need_weights {
         let w = op.weights(&proj.q, &proj.k, call.average_attn_weights)?;

@@ -9,13 +9,22 @@ use crate::error::Result;
 use crate::linear::linear;
 
 /// The projected query, key and value, in the caller's layout (`(T, N, E)`, or `(N, T, E)`
-/// with `batch_first`). `packed` is the one `(·, ·, 3E)` projection of self-attention, when
-/// there is one (q, k and v are views into it).
+/// with `batch_first`), and the packed projection they are views into, when there is one.
 pub(crate) struct Projected {
     pub q: Tensor,
     pub k: Tensor,
     pub v: Tensor,
-    pub packed: Option<Tensor>,
+    pub packed: Packed,
+}
+
+/// Which projection packs several of q, k and v.
+pub(crate) enum Packed {
+    /// Three projections.
+    None,
+    /// Self-attention: one `(·, ·, 3E)` projection holds q, k and v.
+    Qkv(Tensor),
+    /// Key and value of one memory: one `(·, ·, 2E)` projection holds k and v.
+    Kv(Tensor),
 }
 
 /// Projects `call`'s inputs. With `static_k`/`static_v` only the query is projected, and `k`
@@ -38,31 +47,32 @@ pub(crate) fn project(call: &MhaCall) -> Result<Projected> {
             InProj::Separate { q, .. } => q.clone(),
         };
         let q = linear(query, &wq, bias(0, e)?.as_ref(), MHA, "query", be)?;
-        return Ok(Projected { q, k: k.clone(), v: v.clone(), packed: None });
+        return Ok(Projected { q, k: k.clone(), v: v.clone(), packed: Packed::None });
     }
     let proj = match p.in_proj {
         InProj::Packed(w) if alias.key_is_query && alias.value_is_key => {
             let qkv = linear(query, w, p.in_proj_bias, MHA, "query", be)?;
             let (q, k, v) = (qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?);
-            Projected { q, k, v, packed: Some(qkv) }
+            Projected { q, k, v, packed: Packed::Qkv(qkv) }
         }
         InProj::Packed(w) if alias.value_is_key => {
             let q = linear(query, &w.narrow(0, 0, e)?, bias(0, e)?.as_ref(), MHA, "query", be)?;
             let wkv = w.narrow(0, e, 2 * e)?;
             let kv = linear(key, &wkv, bias(e, 2 * e)?.as_ref(), MHA, "key", be)?;
-            Projected { q, k: kv.narrow(2, 0, e)?, v: kv.narrow(2, e, e)?, packed: None }
+            let (k, v) = (kv.narrow(2, 0, e)?, kv.narrow(2, e, e)?);
+            Projected { q, k, v, packed: Packed::Kv(kv) }
         }
         InProj::Packed(w) => Projected {
             q: linear(query, &w.narrow(0, 0, e)?, bias(0, e)?.as_ref(), MHA, "query", be)?,
             k: linear(key, &w.narrow(0, e, e)?, bias(e, e)?.as_ref(), MHA, "key", be)?,
             v: linear(value, &w.narrow(0, 2 * e, e)?, bias(2 * e, e)?.as_ref(), MHA, "value", be)?,
-            packed: None,
+            packed: Packed::None,
         },
         InProj::Separate { q: wq, k: wk, v: wv } => Projected {
             q: linear(query, wq, bias(0, e)?.as_ref(), MHA, "query", be)?,
             k: linear(key, wk, bias(e, kv)?.as_ref(), MHA, "key", be)?,
             v: linear(value, wv, bias(e + kv, kv)?.as_ref(), MHA, "value", be)?,
-            packed: None,
+            packed: Packed::None,
         },
     };
     Ok(proj)
