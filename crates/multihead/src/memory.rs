@@ -5,8 +5,9 @@
 //! the kernel when they are freed, and the next step's identical allocation faults every page
 //! in again (measured: 14-25% of all cycles of encoder-layer training went to clearing fresh
 //! pages). [`ReuseLarge`] keeps up to a byte budget of freed blocks of at least 1 MiB and returns
-//! one of exactly the same size and alignment on the next request, so a training or inference
-//! loop runs on warm memory after its first step.
+//! one of the same size class (sizes rounded up by at most an eighth, so that batches padded to
+//! different lengths share blocks) and alignment on the next request, so a training or
+//! inference loop runs on warm memory after its first step.
 //!
 //! Install it in a binary (the `multihead` CLI does):
 //!
@@ -40,8 +41,8 @@ struct Slot {
 }
 
 /// A [`GlobalAlloc`] that caches freed blocks of at least 1 MiB (up to `budget` bytes, 256
-/// blocks) and reuses them for requests of the same size and alignment. Everything else is
-/// the inner allocator's.
+/// blocks) and reuses them for requests of the same size class (sizes rounded up by at most
+/// an eighth) and alignment. Everything else is the inner allocator's.
 pub struct ReuseLarge<A> {
     inner: A,
     budget: AtomicUsize,
@@ -151,39 +152,45 @@ impl<A: GlobalAlloc> ReuseLarge<A> {
     }
 }
 
-// SAFETY: every block handed out is either fresh from `inner` with the requested layout or a
-// block `inner` allocated earlier with exactly the same size and alignment that was freed to
-// us and not handed out since (a slot is emptied under the lock before its block is returned).
-// Blocks are given back to `inner` with the layout they were allocated with.
+// SAFETY: every block handed out is either fresh from `inner` with the request's block layout
+// (`block_layout`: the size rounded up, never down) or a block `inner` allocated earlier with
+// exactly that block layout that was freed to us and not handed out since (a slot is emptied
+// under the lock before its block is returned). A freed pointer's layout maps to the same
+// block layout it was allocated with, so blocks go back to `inner` with their own layout.
 unsafe impl<A: GlobalAlloc> GlobalAlloc for ReuseLarge<A> {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let block = block_layout(layout);
         if layout.size() >= MIN_BLOCK {
-            if let Some(p) = self.take(layout) {
+            if let Some(p) = self.take(block) {
                 return p;
             }
         }
-        // SAFETY: forwarded with the caller's layout, which the caller guarantees is valid.
-        unsafe { self.inner.alloc(layout) }
+        // SAFETY: `block` is the caller's valid layout, its size rounded up within isize.
+        unsafe { self.inner.alloc(block) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        if layout.size() >= MIN_BLOCK && self.keep(ptr, layout) {
+        let block = block_layout(layout);
+        if layout.size() >= MIN_BLOCK && self.keep(ptr, block) {
             return;
         }
-        // SAFETY: `ptr` came from `inner` with this layout (see the impl's safety comment).
-        unsafe { self.inner.dealloc(ptr, layout) }
+        // SAFETY: `ptr` came from `inner` with the block layout of this layout (see the impl's
+        // safety comment).
+        unsafe { self.inner.dealloc(ptr, block) }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let block = block_layout(layout);
         if layout.size() >= MIN_BLOCK {
-            if let Some(p) = self.take(layout) {
-                // SAFETY: `p` is a live block of `layout.size()` bytes owned by the caller now.
+            if let Some(p) = self.take(block) {
+                // SAFETY: `p` is a live block of at least `layout.size()` bytes owned by the
+                // caller now.
                 unsafe { zero(p, layout.size()) };
                 return p;
             }
         }
-        // SAFETY: forwarded with the caller's layout.
-        unsafe { self.inner.alloc_zeroed(layout) }
+        // SAFETY: as in `alloc`.
+        unsafe { self.inner.alloc_zeroed(block) }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -204,6 +211,23 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for ReuseLarge<A> {
             new
         }
     }
+}
+
+/// The layout a request is served with: from [`MIN_BLOCK`] on, the size rounded up to the
+/// next multiple of an eighth of its highest power of two (at most 12.5% more), so that
+/// tensors whose sizes differ a little (a batch of sentences padded to its own longest one)
+/// share cached blocks; smaller requests, and sizes that rounding would push past
+/// `isize::MAX`, unchanged. The same request always maps to the same block layout.
+fn block_layout(layout: Layout) -> Layout {
+    let size = layout.size();
+    if size < MIN_BLOCK {
+        return layout;
+    }
+    let step = (1usize << size.ilog2()) / 8;
+    size.div_ceil(step)
+        .checked_mul(step)
+        .and_then(|rounded| Layout::from_size_align(rounded, layout.align()).ok())
+        .unwrap_or(layout)
 }
 
 /// Bytes from which a reused block is zeroed on every rayon thread, and the chunk.
@@ -247,7 +271,7 @@ mod tests {
                 assert!(!p.is_null());
                 std::ptr::write_bytes(p, 0xAB, size);
                 cache.dealloc(p, layout);
-                assert_eq!(cache.cached_bytes(), size);
+                assert_eq!(cache.cached_bytes(), block_layout(layout).size());
                 let q = cache.alloc_zeroed(layout);
                 assert_eq!(q, p, "the kept block is reused");
                 assert_eq!(cache.cached_bytes(), 0);
@@ -256,6 +280,42 @@ mod tests {
                 cache.set_budget(0); // the next free goes back to the system
                 cache.dealloc(q, layout);
             }
+        }
+    }
+
+    /// Sizes within an eighth share a block; the block's size is the class's, and freeing
+    /// with either request's layout gives it back whole.
+    #[test]
+    fn similar_sizes_share_a_block() {
+        let mib = 1 << 20;
+        let class = |n: usize| block_layout(Layout::from_size_align(n, 8).expect("layout")).size();
+        assert_eq!(class(mib - 1), mib - 1, "below MIN_BLOCK: unchanged");
+        assert_eq!(class(5 * mib), 5 * mib);
+        assert_eq!(class(5 * mib - 1000), 5 * mib);
+        assert_eq!(class(5 * mib + 1), 5 * mib + mib / 2);
+        let huge = isize::MAX as usize - 7;
+        assert_eq!(class(huge), huge, "past isize::MAX: unchanged");
+        for n in [mib, 3 * mib + 7, 100 * mib + 12_345] {
+            assert!(class(n) >= n && class(n) - n <= n / 8, "{n} -> {}", class(n));
+        }
+        let cache = ReuseLarge::new(std::alloc::System, 64 << 20);
+        let big = Layout::from_size_align(5 * mib, 64).expect("layout");
+        let small = Layout::from_size_align(5 * mib - 4096, 64).expect("layout");
+        // SAFETY: each block is written within the request that holds it and freed with that
+        // request's layout.
+        unsafe {
+            let p = cache.alloc(big);
+            cache.dealloc(p, big);
+            let q = cache.alloc(small);
+            assert_eq!(q, p, "the 5 MiB block serves a slightly smaller request");
+            std::ptr::write_bytes(q, 1, small.size());
+            cache.dealloc(q, small);
+            assert_eq!(cache.cached_bytes(), 5 * mib);
+            let r = cache.alloc_zeroed(big);
+            assert_eq!(r, p);
+            assert!(std::slice::from_raw_parts(r, big.size()).iter().all(|&b| b == 0));
+            cache.set_budget(0);
+            cache.dealloc(r, big);
         }
     }
 }
