@@ -345,10 +345,18 @@ impl BwdTask<'_> {
             let mut first = true;
             let mut j0 = ck.c0;
             while j0 < jend {
-                let bc = self.bc.min(jend - j0);
-                let pos = TilePos { b, h, i0, br, brp, j0, bc };
-                if has_mask && !build_mask_tile::<S>(&p.masks, pos, sc.mt) && finite {
-                    j0 += bc;
+                let step = self.bc.min(jend - j0);
+                let pos = TilePos { b, h, i0, br, brp, j0, bc: step };
+                // The keys up to the block's last visible one (all for a non-finite head).
+                let bc = match has_mask {
+                    true => match build_mask_tile::<S>(&p.masks, pos, sc.mt) {
+                        live if finite => live,
+                        _ => step,
+                    },
+                    false => step,
+                };
+                if bc == 0 {
+                    j0 += step;
                     continue;
                 }
                 let kj = kbase.add((j0 - ck.c0) * kld);
@@ -401,7 +409,7 @@ impl BwdTask<'_> {
                     let grads = BlockGrads { dvj, dkj, kj: (kj, kld), first };
                     sc.bb.grads(kern, (stp, dpp), brp, (br, bc), (d, dv), grads);
                     first = false;
-                    j0 += bc;
+                    j0 += step;
                     continue;
                 }
                 // Key row r is seen by queries i0 + k' >= j0 + r only.
@@ -454,7 +462,7 @@ impl BwdTask<'_> {
                     tri: diag.map_or(Tri::Full, Tri::KEnd),
                 });
                 first = false;
-                j0 += bc;
+                j0 += step;
             }
             if bf && !first {
                 // dQ back from channels × lanes to rows × channels.

@@ -154,10 +154,19 @@ impl Task for FwdTask<'_> {
             let mut first = true;
             let mut j0 = 0;
             while j0 < jend {
-                let bc = self.bc.min(jend - j0);
-                let pos = TilePos { b, h, i0, br, brp, j0, bc };
-                if has_mask && !build_mask_tile::<S>(&p.masks, pos, mt) && finite {
-                    j0 += bc;
+                let step = self.bc.min(jend - j0);
+                let pos = TilePos { b, h, i0, br, brp, j0, bc: step };
+                // The keys up to the block's last visible one (all of them for a non-finite
+                // head, which reads every key).
+                let bc = match has_mask {
+                    true => match build_mask_tile::<S>(&p.masks, pos, mt) {
+                        live if finite => live,
+                        _ => step,
+                    },
+                    false => step,
+                };
+                if bc == 0 {
+                    j0 += step;
                     continue;
                 }
                 let diag = clip.then_some(i0 as isize - j0 as isize);
@@ -224,7 +233,7 @@ impl Task for FwdTask<'_> {
                         &Values { st, brp, bc, v: vj, ld, dv, ot, accumulate, vw, pw },
                     );
                     first = false;
-                    j0 += bc;
+                    j0 += step;
                     continue;
                 }
                 if !first {
@@ -251,7 +260,7 @@ impl Task for FwdTask<'_> {
                     tri: diag.map_or(Tri::Full, Tri::KEnd),
                 });
                 first = false;
-                j0 += bc;
+                j0 += step;
             }
 
             if bf && !first {

@@ -67,9 +67,11 @@ fn bool_value(masked_when: bool) -> impl Fn(u8) -> f32 {
     move |x: u8| if (x != 0) == masked_when { f32::NEG_INFINITY } else { 0.0 }
 }
 
-/// Writes `mask0 + mask1` for the tile into `mt` (`bc` rows of `brp`); returns whether any
-/// real entry differs from `-inf` (if not, the whole key block can be skipped: its
-/// probabilities are exactly 0). The masks' bounds were validated by the entry point.
+/// Writes `mask0 + mask1` for the tile into `mt` (`bc` rows of `brp`); returns how many of
+/// the tile's keys lead up to its last key with a real entry other than `-inf` (0: every entry
+/// is `-inf`). The keys after it have probabilities exactly 0 for every query of the block, so
+/// when the head is finite the kernels skip them: a whole block, or the padded end of a
+/// sequence under a key padding mask. The masks' bounds were validated by the entry point.
 ///
 /// # Safety
 /// `S` is available; `mt` holds `bc * brp` floats.
@@ -78,7 +80,7 @@ pub(crate) unsafe fn build_mask_tile<S: Simd>(
     masks: &[Option<MaskView<'_>>; 2],
     t: TilePos,
     mt: &mut [f32],
-) -> bool {
+) -> usize {
     assert!(mt.len() >= t.bc * t.brp);
     let mut first = true;
     for m in masks.iter().flatten() {
@@ -124,7 +126,8 @@ pub(crate) unsafe fn build_mask_tile<S: Simd>(
         }
         first = false;
     }
-    mt.chunks_exact(t.brp).take(t.bc).any(|r| r[..t.br].iter().any(|&x| x != f32::NEG_INFINITY))
+    let live = |r: &[f32]| r[..t.br].iter().any(|&x| x != f32::NEG_INFINITY);
+    mt.chunks_exact(t.brp).take(t.bc).rposition(live).map_or(0, |j| j + 1)
 }
 
 /// Causal masking by addition, for heads whose keys or values are not all finite: `-inf` is

@@ -134,7 +134,7 @@ impl Task for WeightsTask<'_> {
                     let pos = TilePos { b, h, i0, br, brp, j0, bc };
                     // A non-finite head builds its mask tile and never skips it.
                     let all_masked = (clip && j0 >= i0 + br)
-                        || (has_mask && !build_mask_tile::<S>(&p.masks, pos, mt) && finite);
+                        || (has_mask && build_mask_tile::<S>(&p.masks, pos, mt) == 0 && finite);
                     if all_masked {
                         if n == 0 {
                             for i in 0..br {
