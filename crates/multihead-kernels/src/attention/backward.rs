@@ -10,7 +10,7 @@
 use super::bf16::{self as bf, Scores};
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
-use super::mask::{build_mask_tile, causal_add, causal_fill, TilePos};
+use super::mask::{build_mask_keys, build_mask_tile, causal_add, causal_fill, TilePos};
 use super::simd::Simd;
 use super::tile::{
     add_row, copy_rows, pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR,
@@ -277,7 +277,7 @@ impl BwdTask<'_> {
         let br = self.br.min(dm.l - i0);
         let brp = br.div_ceil(l) * l;
         let nvec = brp / l;
-        let has_mask = p.has_mask();
+        let (has_mask, per_key) = (p.has_mask(), p.masks_per_key());
         let bf = !sc.bb.qp.is_null();
         let kern = self.kern;
         let finite = self.finite.get(bh).copied().unwrap_or(true);
@@ -348,13 +348,12 @@ impl BwdTask<'_> {
                 let step = self.bc.min(jend - j0);
                 let pos = TilePos { b, h, i0, br, brp, j0, bc: step };
                 // The keys up to the block's last visible one (all for a non-finite head).
-                let bc = match has_mask {
-                    true => match build_mask_tile::<S>(&p.masks, pos, sc.mt) {
-                        live if finite => live,
-                        _ => step,
-                    },
-                    false => step,
+                let live = match (has_mask, per_key) {
+                    (false, _) => step,
+                    (true, true) => build_mask_keys(&p.masks, pos, sc.mt),
+                    (true, false) => build_mask_tile::<S>(&p.masks, pos, sc.mt),
                 };
+                let bc = if finite { live } else { step };
                 if bc == 0 {
                     j0 += step;
                     continue;
@@ -389,7 +388,11 @@ impl BwdTask<'_> {
                         let off = j * brp + vi * l;
                         let mut x = S::load(stp.add(off));
                         if has_mask {
-                            x = S::add(x, S::load(mtp.add(off)));
+                            let m = match per_key {
+                                true => S::splat(*mtp.add(j)),
+                                false => S::load(mtp.add(off)),
+                            };
+                            x = S::add(x, m);
                         }
                         let pe = S::exp(S::sub(S::sub(x, mv), lv));
                         let dp = S::load(dpp.add(off));

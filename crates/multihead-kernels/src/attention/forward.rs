@@ -8,7 +8,7 @@
 use super::bf16::{self as bf, Scores, Values};
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
-use super::mask::{build_mask_tile, causal_add, causal_fill, TilePos};
+use super::mask::{build_mask_keys, build_mask_tile, causal_add, causal_fill, TilePos};
 use super::simd::Simd;
 use super::tile::{pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR};
 use super::{AttnParams, Layout4};
@@ -109,7 +109,7 @@ impl Task for FwdTask<'_> {
         let brp = br.div_ceil(l) * l;
         let nvec = brp / l;
         let (d, dv) = (dm.d, dm.dv);
-        let has_mask = p.has_mask();
+        let (has_mask, per_key) = (p.has_mask(), p.masks_per_key());
         let dropout = p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
 
         let mut cv = Carver::new(buf);
@@ -158,13 +158,12 @@ impl Task for FwdTask<'_> {
                 let pos = TilePos { b, h, i0, br, brp, j0, bc: step };
                 // The keys up to the block's last visible one (all of them for a non-finite
                 // head, which reads every key).
-                let bc = match has_mask {
-                    true => match build_mask_tile::<S>(&p.masks, pos, mt) {
-                        live if finite => live,
-                        _ => step,
-                    },
-                    false => step,
+                let live = match (has_mask, per_key) {
+                    (false, _) => step,
+                    (true, true) => build_mask_keys(&p.masks, pos, mt),
+                    (true, false) => build_mask_tile::<S>(&p.masks, pos, mt),
                 };
+                let bc = if finite { live } else { step };
                 if bc == 0 {
                     j0 += step;
                     continue;
@@ -192,7 +191,11 @@ impl Task for FwdTask<'_> {
                         let ptr = stp.add(j * brp + vi * l);
                         let mut x = S::load(ptr);
                         if has_mask {
-                            x = S::add(x, S::load(mtp.add(j * brp + vi * l)));
+                            let m = match per_key {
+                                true => S::splat(*mtp.add(j)),
+                                false => S::load(mtp.add(j * brp + vi * l)),
+                            };
+                            x = S::add(x, m);
                             S::store(ptr, x);
                         }
                         mx = S::max(mx, x);

@@ -130,6 +130,34 @@ pub(crate) unsafe fn build_mask_tile<S: Simd>(
     mt.chunks_exact(t.brp).take(t.bc).rposition(live).map_or(0, |j| j + 1)
 }
 
+/// [`build_mask_tile`] for masks that are the same for every query (`strides[2] == 0` for
+/// each): writes `mask0 + mask1` once per key into `mk[0..bc]` and returns the same count of
+/// keys up to the last visible one.
+#[inline(always)]
+pub(crate) fn build_mask_keys(
+    masks: &[Option<MaskView<'_>>; 2],
+    t: TilePos,
+    mk: &mut [f32],
+) -> usize {
+    let mk = &mut mk[..t.bc];
+    let mut first = true;
+    for m in masks.iter().flatten() {
+        let (st, conv): ([usize; 4], &dyn Fn(usize) -> f32) = match m {
+            MaskView::Additive { data, strides } => (*strides, &|i| data[i]),
+            MaskView::Bool { data, strides, true_means_masked } => {
+                (*strides, &|i| bool_value(*true_means_masked)(data[i]))
+            }
+        };
+        let base = t.b * st[0] + t.h * st[1];
+        for (j, x) in mk.iter_mut().enumerate() {
+            let val = conv(base + (t.j0 + j) * st[3]);
+            *x = if first { val } else { *x + val };
+        }
+        first = false;
+    }
+    mk.iter().rposition(|&x| x != f32::NEG_INFINITY).map_or(0, |j| j + 1)
+}
+
 /// Causal masking by addition, for heads whose keys or values are not all finite: `-inf` is
 /// added (not written) above the diagonal, so a NaN score stays NaN as on the composed path.
 pub(crate) fn causal_add(st: &mut [f32], brp: usize, i0: usize, j0: usize, bc: usize) {

@@ -224,6 +224,12 @@ impl<'a> AttnParams<'a> {
     fn has_mask(&self) -> bool {
         self.masks.iter().any(|m| m.is_some())
     }
+
+    /// Whether every mask is the same for all queries (a key padding mask, a `[.., 1, S]`
+    /// mask): the kernels then build one value per key instead of a key × query tile.
+    fn masks_per_key(&self) -> bool {
+        self.masks.iter().flatten().all(|m| m.strides()[2] == 0)
+    }
 }
 
 /// Why a kernel refused its arguments. Nothing is written when an error is returned.

@@ -22,6 +22,9 @@ enum MaskKind {
     FullRows,
     /// Additive [L, S] stored transposed ([S, L] in memory: strides [0, 0, 1, l]).
     AddTransposed,
+    /// Additive per key, [B, H, 1, S] viewed with strides [h·s, s, 0, 1] (the same for every
+    /// query: built once per key), finite values and a `-inf` suffix.
+    AddKeys,
 }
 
 #[derive(Clone, Debug)]
@@ -97,6 +100,12 @@ fn make_mask(c: &Case, kind: MaskKind, seed: u64) -> MaskData {
         MaskKind::PerHead => {
             let data = (0..b * h * l * s).map(|x| r[x] * 3.0).collect();
             MaskData::F(data, [h * l * s, l * s, s, 1])
+        }
+        MaskKind::AddKeys => {
+            let data = (0..b * h * s)
+                .map(|x| if x % s + 1 + (x / s) % 4 > s { f32::NEG_INFINITY } else { r[x] * 3.0 })
+                .collect();
+            MaskData::F(data, [h * s, s, 0, 1])
         }
         MaskKind::FullRows => {
             // Viewed as [B, 1, L, S] bool (true = masked): batch 0 fully masked, row 1 of
@@ -371,6 +380,7 @@ fn every_mask_kind() {
         MaskKind::PerHead,
         MaskKind::FullRows,
         MaskKind::AddTransposed,
+        MaskKind::AddKeys,
     ] {
         let mut c = Case::new(3, 2, 65, 257, 32);
         c.masks = vec![kind];
@@ -391,6 +401,11 @@ fn two_masks_and_causal() {
     check_case(&c);
     c.causal = false;
     c.masks = vec![MaskKind::AddTransposed, MaskKind::PerHead];
+    check_case(&c);
+    // Two masks the same for every query: summed once per key.
+    c.masks = vec![MaskKind::AddKeys, MaskKind::KeyPad];
+    check_case(&c);
+    c.causal = true;
     check_case(&c);
 }
 
