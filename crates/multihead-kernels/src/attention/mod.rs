@@ -554,10 +554,7 @@ pub fn flash_backward_packed(
     }
     let ins = [(q, ql), (k, kl), (v, vl), (out, ol), (dout, dol)];
     check_backward_inputs(p, ins, lse)?;
-    let Some([dq, dk, dv]) = packed_outputs("dqkv", dqkv, dl, [d.batch, d.heads_q, d.l, d.d])?
-    else {
-        return Ok(()); // nothing to write
-    };
+    let [dq, dk, dv] = packed_outputs("dqkv", dqkv, dl, [d.batch, d.heads_q, d.l, d.d])?;
     run_backward(p, ins, lse, [(dq, dl), (dk, dl), (dv, dl)])
 }
 
@@ -596,34 +593,30 @@ pub fn flash_backward_kv_packed(
     let ins = [(q, ql), (k, kl), (v, vl), (out, ol), (dout, dol)];
     check_backward_inputs(p, ins, lse)?;
     check_tensor("dq", dq.len(), [d.batch, d.heads_q, d.l, d.d], dql, true)?;
-    let Some([dk, dv]) = packed_outputs("dkv", dkv, dkvl, [d.batch, d.heads_kv, d.s, d.d])? else {
-        // No key or value element (no batch, no heads, s == 0 or d == 0): the tasks write no
-        // key or value row, so dk and dv need no buffer of their own; dq still gets its zeros.
-        let dq = exec::SyncPtr(dq.as_mut_ptr());
-        return run_backward(p, ins, lse, [(dq, dql), (dq, dkvl), (dq, dkvl)]);
-    };
+    let [dk, dv] = packed_outputs("dkv", dkv, dkvl, [d.batch, d.heads_kv, d.s, d.d])?;
     run_backward(p, ins, lse, [(exec::SyncPtr(dq.as_mut_ptr()), dql), (dk, dkvl), (dv, dkvl)])
 }
 
 /// The `N` parts of a packed gradient buffer: `buf` viewed through `l` as `[batch, N·heads,
 /// rows, width]` (checked: in bounds, no element twice), part `i` starting at head
-/// `i·heads`. `None` when the view has no element (nothing to write, and no pointer may be
-/// offset into an empty buffer).
+/// `i·heads`. When the view has no element, nothing is written through any part, and every
+/// part is `buf`'s start (no pointer is offset past an empty buffer).
 fn packed_outputs<const N: usize>(
     name: &'static str,
     buf: &mut [f32],
     l: Layout4,
     [batch, heads, rows, width]: [usize; 4],
-) -> Result<Option<[exec::SyncPtr<f32>; N]>, KernelError> {
+) -> Result<[exec::SyncPtr<f32>; N], KernelError> {
     let all = heads.checked_mul(N).ok_or(KernelError::Overflow { name })?;
     check_tensor(name, buf.len(), [batch, all, rows, width], l, true)?;
-    if batch == 0 || all == 0 || rows == 0 || width == 0 {
-        return Ok(None);
-    }
+    let empty = batch == 0 || all == 0 || rows == 0 || width == 0;
     let base = buf.as_mut_ptr();
-    // SAFETY: head `i·heads` (< `N·heads`) of row 0 of batch 0 is an element of the view
-    // checked above, so its offset lies inside `buf`.
-    Ok(Some(std::array::from_fn(|i| exec::SyncPtr(unsafe { base.add(i * heads * l.head) }))))
+    Ok(std::array::from_fn(|i| {
+        let off = if empty { 0 } else { i * heads * l.head };
+        // SAFETY: for a non-empty view, head `i·heads` (< `N·heads`) of row 0 of batch 0 is
+        // an element of the view checked above, so its offset lies inside `buf`.
+        exec::SyncPtr(unsafe { base.add(off) })
+    }))
 }
 
 /// Checks the backward's parameters and inputs: q, k, v, out, dout (each with its layout)

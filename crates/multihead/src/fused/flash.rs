@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use multihead_kernels::attention::{
-    attention_weights, flash_backward, flash_forward, AttnDims, AttnParams, Layout4, MaskView,
+    attention_weights, flash_backward, flash_forward, AttnDims, AttnParams, KernelError, Layout4,
+    MaskView,
 };
 use multihead_kernels::dropout::DropoutKey;
 
@@ -162,38 +163,29 @@ impl FlashAttention {
         Ok((CpuStorage::F32(out), Shape::from(out_dims)))
     }
 
-    /// Runs the kernel backward from the saved log-sum-exp into `d` (dq, dk, dv).
-    fn backward_into(
+    /// Hands `f` what every backward of this op reads besides its inputs: the kernel
+    /// parameters, the saved output and its gradient (made contiguous) as kernel views, and
+    /// the saved row statistics. Kernel errors come back as candle errors naming the op.
+    pub(super) fn with_saved<R>(
         &self,
-        x: [(&[f32], Layout4); 3],
-        out: (&[f32], Layout4),
-        grad: (&[f32], Layout4),
-        d: [(&mut [f32], Layout4); 3],
-    ) -> candle_core::Result<()> {
+        res: &Tensor,
+        grad_res: &Tensor,
+        f: impl FnOnce(
+            &AttnParams<'_>,
+            (&[f32], Layout4),
+            (&[f32], Layout4),
+            &[f32],
+        ) -> std::result::Result<R, KernelError>,
+    ) -> candle_core::Result<R> {
+        let grad = grad_res.contiguous()?;
+        let (os, ol) = res.storage_and_layout();
+        let (gs, gl) = grad.storage_and_layout();
+        let (o_off, o4) = self.conv.layout4(ol)?;
+        let (g_off, g4) = self.conv.layout4(gl)?;
         let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
-        let [(q, q4), (k, k4), (v, v4)] = x;
-        let [(dq, dq4), (dk, dk4), (dv, dv4)] = d;
-        flash_backward(
-            &self.params(),
-            q,
-            q4,
-            k,
-            k4,
-            v,
-            v4,
-            out.0,
-            out.1,
-            grad.0,
-            grad.1,
-            &lse,
-            dq,
-            dq4,
-            dk,
-            dk4,
-            dv,
-            dv4,
-        )
-        .map_err(|e| candle_core::Error::Msg(format!("flash attention backward: {e}")))
+        let (out, g) = ((&f32s(&os)?[o_off..], o4), (&f32s(&gs)?[g_off..], g4));
+        f(&self.params(), out, g, &lse)
+            .map_err(|e| candle_core::Error::Msg(format!("flash attention backward: {e}")))
     }
 
     pub(super) fn params(&self) -> AttnParams<'_> {
@@ -281,29 +273,25 @@ impl CustomOp3 for FlashAttention {
         res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let grad = grad_res.contiguous()?;
         let (qs, ql) = q.storage_and_layout();
         let (ks, kl) = k.storage_and_layout();
         let (vs, vl) = v.storage_and_layout();
-        let (os, ol) = res.storage_and_layout();
-        let (gs, gl) = grad.storage_and_layout();
         let (q_off, q4) = self.conv.layout4(ql)?;
         let (k_off, k4) = self.conv.layout4(kl)?;
         let (v_off, v4) = self.conv.layout4(vl)?;
-        let (o_off, o4) = self.conv.layout4(ol)?;
-        let (g_off, g4) = self.conv.layout4(gl)?;
         let mut dq = crate::alloc::try_zeros::<f32>(q.elem_count(), "flash attention dq")?;
         let mut dk = crate::alloc::try_zeros::<f32>(k.elem_count(), "flash attention dk")?;
         let mut dv = crate::alloc::try_zeros::<f32>(v.elem_count(), "flash attention dv")?;
         let dq4 = contiguous_layout4(self.conv, q.dims())?;
         let dk4 = contiguous_layout4(self.conv, k.dims())?;
         let dv4 = contiguous_layout4(self.conv, v.dims())?;
-        self.backward_into(
-            [(&f32s(&qs)?[q_off..], q4), (&f32s(&ks)?[k_off..], k4), (&f32s(&vs)?[v_off..], v4)],
-            (&f32s(&os)?[o_off..], o4),
-            (&f32s(&gs)?[g_off..], g4),
-            [(&mut dq, dq4), (&mut dk, dk4), (&mut dv, dv4)],
-        )?;
+        let (qv, kv, vv) = (&f32s(&qs)?[q_off..], &f32s(&ks)?[k_off..], &f32s(&vs)?[v_off..]);
+        self.with_saved(res, grad_res, |p, (o, o4), (g, g4), lse| {
+            let (dq, dk, dv) = ((&mut dq[..], dq4), (&mut dk[..], dk4), (&mut dv[..], dv4));
+            flash_backward(
+                p, qv, q4, kv, k4, vv, v4, o, o4, g, g4, lse, dq.0, dq.1, dk.0, dk.1, dv.0, dv.1,
+            )
+        })?;
         let dev = q.device();
         Ok((
             Some(Tensor::from_vec(dq, q.shape(), dev)?),

@@ -37,10 +37,6 @@ fn parts<const N: usize>(
     Ok(std::array::from_fn(|i| (o + i * e, l4)))
 }
 
-fn backward_error(e: multihead_kernels::attention::KernelError) -> candle_core::Error {
-    candle_core::Error::Msg(format!("flash attention backward: {e}"))
-}
-
 /// The op on one packed `(L, N, 3E)` self-attention projection.
 pub(crate) struct PackedQkv(pub FlashAttention);
 
@@ -63,36 +59,17 @@ impl CustomOp1 for PackedQkv {
         res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
-        let grad = grad_res.contiguous()?;
         let (xs, xl) = qkv.storage_and_layout();
-        let (os, ol) = res.storage_and_layout();
-        let (gs, gl) = grad.storage_and_layout();
         let [(qo, q4), (ko, k4), (vo, v4)] = parts::<3>(self.0.conv, xl)?;
-        let (o_off, o4) = self.0.conv.layout4(ol)?;
-        let (g_off, g4) = self.0.conv.layout4(gl)?;
         // One (L, N, 3E) gradient written in place by the kernel: dq, dk and dv of a row are
         // its three thirds.
         let mut dqkv = crate::alloc::try_zeros::<f32>(qkv.elem_count(), "flash attention dqkv")?;
         let [(_, d4), ..] = parts::<3>(self.0.conv, &Layout::contiguous(qkv.dims()))?;
         let x = f32s(&xs)?;
-        let lse = self.0.lse.lock().unwrap_or_else(|e| e.into_inner());
-        flash_backward_packed(
-            &self.0.params(),
-            &x[qo..],
-            q4,
-            &x[ko..],
-            k4,
-            &x[vo..],
-            v4,
-            &f32s(&os)?[o_off..],
-            o4,
-            &f32s(&gs)?[g_off..],
-            g4,
-            &lse,
-            &mut dqkv,
-            d4,
-        )
-        .map_err(backward_error)?;
+        let (q, k, v) = (&x[qo..], &x[ko..], &x[vo..]);
+        self.0.with_saved(res, grad_res, |p, (o, o4), (g, g4), lse| {
+            flash_backward_packed(p, q, q4, k, k4, v, v4, o, o4, g, g4, lse, &mut dqkv, d4)
+        })?;
         Ok(Some(Tensor::from_vec(dqkv, qkv.shape(), qkv.device())?))
     }
 }
@@ -125,40 +102,21 @@ impl CustomOp2 for PackedKv {
         res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let grad = grad_res.contiguous()?;
         let (qs, ql) = q.storage_and_layout();
         let (xs, xl) = kv.storage_and_layout();
-        let (os, ol) = res.storage_and_layout();
-        let (gs, gl) = grad.storage_and_layout();
         let (q_off, q4) = self.0.conv.layout4(ql)?;
         let [(ko, k4), (vo, v4)] = parts::<2>(self.0.conv, xl)?;
-        let (o_off, o4) = self.0.conv.layout4(ol)?;
-        let (g_off, g4) = self.0.conv.layout4(gl)?;
         let mut dq = crate::alloc::try_zeros::<f32>(q.elem_count(), "flash attention dq")?;
         let mut dkv = crate::alloc::try_zeros::<f32>(kv.elem_count(), "flash attention dkv")?;
         let dq4 = contiguous_layout4(self.0.conv, q.dims())?;
         let [(_, dkv4), _] = parts::<2>(self.0.conv, &Layout::contiguous(kv.dims()))?;
-        let x = f32s(&xs)?;
-        let lse = self.0.lse.lock().unwrap_or_else(|e| e.into_inner());
-        flash_backward_kv_packed(
-            &self.0.params(),
-            &f32s(&qs)?[q_off..],
-            q4,
-            &x[ko..],
-            k4,
-            &x[vo..],
-            v4,
-            &f32s(&os)?[o_off..],
-            o4,
-            &f32s(&gs)?[g_off..],
-            g4,
-            &lse,
-            &mut dq,
-            dq4,
-            &mut dkv,
-            dkv4,
-        )
-        .map_err(backward_error)?;
+        let (x, qv) = (f32s(&xs)?, &f32s(&qs)?[q_off..]);
+        let (k, v) = (&x[ko..], &x[vo..]);
+        self.0.with_saved(res, grad_res, |p, (o, o4), (g, g4), lse| {
+            flash_backward_kv_packed(
+                p, qv, q4, k, k4, v, v4, o, o4, g, g4, lse, &mut dq, dq4, &mut dkv, dkv4,
+            )
+        })?;
         let dev = q.device();
         Ok((
             Some(Tensor::from_vec(dq, q.shape(), dev)?),
