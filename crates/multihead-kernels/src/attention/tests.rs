@@ -563,6 +563,20 @@ fn packed_backward_equals_three_gradients() {
     assert!(matches!(run_kv(&p3, &mut kv), Err(KernelError::InvalidArgument { .. })));
     let mut short = vec![0.0; 2 * n - 1];
     assert!(matches!(run_kv(&p, &mut short), Err(KernelError::SliceTooShort { .. })));
+    // No keys: an empty key/value gradient, and dq all zeros as the three-output backward has it.
+    let c = Case::new(1, 2, 5, 0, 8);
+    let (p, x) = (params(&c, &[]), inputs(&c, 3));
+    let r = run_kernels(&c, &p, &x);
+    let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
+    let (mut dq, mut dkv) = (vec![f32::NAN; x.dq_len], Vec::new());
+    let kvl = Layout4 { batch: 0, head: c.d, seq: 2 * c.hq * c.d };
+    let lse = vec![0.0; 2 * c.b * c.hq * c.l];
+    flash_backward_kv_packed(
+        &p, q, x.ql, k, x.kl, v, x.vl, &r.out, x.ol, &x.dout, x.dol, &lse, &mut dq, x.dql,
+        &mut dkv, kvl,
+    )
+    .unwrap();
+    assert!(dq.iter().all(|&g| g == 0.0) && r.dq.iter().all(|&g| g == 0.0));
 }
 
 /// Keys beyond one backward chunk (`(1 << 16) / (d + dv)` keys, at least one key block):

@@ -525,3 +525,50 @@ fn few_row_linear_agrees_with_composed_on_views_nan_and_errors() {
     let err = no_grad(|| lin.forward(&det(&[2, 12], DType::F64, 1.0))).unwrap_err();
     assert!(matches!(err, multihead::Error::DType { .. }), "{err}");
 }
+
+/// Cross-attention over one memory (key is value): the fused path reads k and v from the
+/// packed key/value projection and writes one packed gradient; a key padding mask pads each
+/// sequence's end. Output and every gradient (the memory's included) equal the composed
+/// path's, and a NaN in the memory reaches the same outputs on both paths.
+#[test]
+fn cross_attention_over_one_memory_equals_composed_with_padding_and_nan() {
+    let cfg = MhaConfig::new(32, 4).with_batch_first(true);
+    let (n, l, s) = (3, 21, 150);
+    // Row b pads its last 40·b keys.
+    let pad: Vec<u8> = (0..n * s).map(|i| (i % s >= s - 40 * (i / s)) as u8).collect();
+    let kpm = Mask::Bool(Tensor::from_vec(pad, (n, s), &dev()).unwrap());
+    let opts = MhaOptions::default().need_weights(false).key_padding_mask(kpm);
+    let go = |fused: bool, memory: &Tensor| {
+        with_backend(backend(fused), || {
+            let (m, _vm) = mha(cfg.clone(), DType::F32);
+            let q = var(&det(&[n, l, 32], DType::F32, 1.0));
+            let mem = var(memory);
+            let (x, k) = (q.as_tensor(), mem.as_tensor());
+            let out = m.forward(x, k, k, &opts).expect("forward").output;
+            let g = det(out.dims(), DType::F32, 4.0);
+            let grads = out.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+            let mut all = vec![("output".to_string(), out.clone())];
+            for (name, t) in m.named_parameters() {
+                all.push((name, grads.get(&t).expect("param grad").clone()));
+            }
+            all.push(("query".into(), grads.get(x).expect("query grad").clone()));
+            all.push(("memory".into(), grads.get(k).expect("memory grad").clone()));
+            all
+        })
+    };
+    let memory = det(&[n, s, 32], DType::F32, 2.0);
+    for ((name, a), (_, b)) in go(true, &memory).iter().zip(&go(false, &memory)) {
+        let tol = if name == "output" { Tolerance::F32_FORWARD } else { Tolerance::F32_GRAD };
+        assert_close(a, b, tol, &format!("cross-attention: {name}"));
+    }
+    // NaN in a padded key of row 1: PyTorch adds the mask, so NaN still reaches that row.
+    let mut m = memory.to_vec3::<f32>().unwrap();
+    m[1][s - 1][3] = f32::NAN;
+    let memory = Tensor::new(m, &dev()).unwrap();
+    let nan_rows = |t: &Tensor| -> Vec<bool> {
+        t.to_vec3::<f32>().unwrap().iter().map(|r| r.iter().flatten().any(|x| x.is_nan())).collect()
+    };
+    let (a, b) = (&go(true, &memory)[0].1, &go(false, &memory)[0].1);
+    assert_eq!(nan_rows(a), nan_rows(b));
+    assert_eq!(nan_rows(a), vec![false, true, false]);
+}
