@@ -7,12 +7,12 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::micro::{kernel, Kernel, Tile};
-use super::pack::{pack_a, pack_b, ABlock};
+use super::pack::{pack_a, pack_b, ABlock, BBlock};
 use super::{BfMat, KC, MR, NC, NR};
 use crate::attention::exec::{ConstPtr, SyncPtr};
 use crate::attention::KernelError;
 
-/// Row blocks of `A`: `16 · MR` rows (96 rows of `KC` bf16, 36 KiB).
+/// Row blocks of `A`: `16 · MR` rows (96 rows of `KC` bf16, 192 KiB: an L2's share).
 const MC: usize = 16 * MR;
 /// `B` panels one packing task handles.
 const PACK_PANELS: usize = 2;
@@ -96,7 +96,9 @@ pub(super) fn run(
                     // SAFETY: the block lies inside `b` (checked by `matmul_bf16`); the buffer
                     // holds `panels` panels of `kc/2 · NR` words (sized above) and this task
                     // alone writes its panels.
-                    unsafe { pack_b(b, p0, kc, j0, cols, range, raw(packed)) }
+                    unsafe {
+                        pack_b(kern, b, BBlock { p0, kc, j0, cols, panels: range }, raw(packed))
+                    }
                 });
                 let block = Block { p0, kc, j0, cols, panels, packed: ConstPtr(packed.0) };
                 let pass =
@@ -149,7 +151,7 @@ impl Pass<'_> {
             // before this pass began.
             unsafe {
                 let blk = ABlock { i0, rows, padded, p0: x.p0, kc: x.kc, lda };
-                pack_a(kern, self.a, blk, abuf.as_mut_ptr());
+                let strides = pack_a(kern, self.a, blk, abuf.as_mut_ptr());
                 for q in q0..q1 {
                     let bpanel = x.packed.0.add(q * kp * NR);
                     let j = x.j0 + q * NR;
@@ -158,8 +160,7 @@ impl Pass<'_> {
                         let ap = abuf.as_ptr().add(ir * lda);
                         let c = self.c.0.add((i0 + ir) * self.ldc + j);
                         let live = MR.min(rows - ir);
-                        let tile =
-                            Tile { kp, a: ap, strides: (lda, 2), b: bpanel, load_c: self.load_c };
+                        let tile = Tile { kp, a: ap, strides, b: bpanel, load_c: self.load_c };
                         if live == MR && cols == NR {
                             tile.run(kern, c, self.ldc);
                         } else {

@@ -50,10 +50,14 @@ pub use rate::{bf16_dot_available, bf16_dot_speedup};
 use crate::attention::KernelError;
 use crate::convert::{bf16_bits_to_f32, f32_to_bf16_bits};
 
-/// Depth of one `k` block (even): a packed `B` panel of `KC/2 × NR` words is 24 KiB, which
-/// stays in a 32 KiB L1 while the rows of `A` pass over it.
-pub const KC: usize = 192;
-/// Most columns of `B` packed at once (`KC × NC` bf16, 384 KiB, shared by the threads).
+/// Depth of one `k` block (even). Deep blocks: each block is one pass over `C`, whose tiles
+/// are loaded and stored again per block, and those loads miss the caches once `C` outgrows
+/// them. On an AMD Zen 4, a 4096 × 1536 × 512 product went 272-291 -> 368-376 GFLOP/s (of a
+/// 467 bf16 peak) from 192 to 1024, and the 4096-deep weight-gradient products of training
+/// as much; the `B` panel (`KC/2 × NR` words, 128 KiB) streams from L2 instead of sitting in L1,
+/// which the prefetchers hide (`cargo run --release -p multihead-kernels --example bf16gemm`).
+pub const KC: usize = 1024;
+/// Most columns of `B` packed at once (`KC × NC` bf16, 2 MiB, shared by the threads).
 pub const NC: usize = 1024;
 /// Columns of one micro-tile (four 16-lane vectors).
 pub const NR: usize = 64;

@@ -42,10 +42,17 @@ fn abs_products(a: BfMat, b: BfMat, ldc: usize) -> Vec<f32> {
 
 #[test]
 fn matches_the_reference_for_every_layout_level_and_thread_count() {
-    // Awkward sizes: edge tiles both ways, odd k, several k blocks (KC = 192), one row, more
-    // columns than one n block (NC = 1024).
-    let shapes =
-        [(1, 1, 1), (13, 65, 7), (25, 47, 385), (7, 1030, 64), (200, 35, 193), (3, 200, 2)];
+    // Awkward sizes: edge tiles both ways, odd k, several k blocks (the last one odd and
+    // short), one row, more columns than one n block (NC = 1024).
+    let shapes = [
+        (1, 1, 1),
+        (13, 65, 7),
+        (25, 47, 385),
+        (7, 1030, 64),
+        (200, 35, 193),
+        (3, 200, 2),
+        (9, 40, 2 * super::KC + 3),
+    ];
     for (m, n, k) in shapes {
         let a = rand_vec(m * k, (m * k) as u64);
         let b = rand_vec(k * n, (k * n + 1) as u64);
