@@ -97,24 +97,28 @@ def report_lines(doc):
     peak = doc.get("bf16_peak")
     share_text = (f"as a share of the measured bf16 peak ({peak:.0f} GFLOP/s, `peak.c`'s "
                   "`vdpbf16ps` loop)" if peak else "(no bf16 peak was measured)")
+    direct = bool(doc.get("bf16_products"))
+    how = ("multiplies bf16 operands on its AVX512-BF16 kernels (projections: "
+           "`multihead_kernels::bf16gemm`; attention: `AttnParams::bf16_products`), with f32 "
+           "sums, as PyTorch's bf16 kernels do" if direct else
+           "computes every bf16 operation in f32 (its f32 kernels) and rounds once per "
+           "operation, or once per layer for the Transformer layers")
     lines = [
         f"## bfloat16, B={B} L=S={L} E={E} H={H} (layers: dim_feedforward {F}, gelu), "
         f"{doc['threads']} threads\n",
         "Command: `python3 tools/bench_bf16.py` (run by `tools/bench_torch.py --sections bf16`). "
         "PyTorch bf16 modules against `multihead bench --dtype bf16` on the same shapes; each "
-        "library's own f32 time for reference. multihead computes every bf16 operation in f32 "
-        "(its f32 kernels) and rounds once per operation, or once per layer for the Transformer "
-        f"layers. GFLOP/s are model flops over the bf16 time, {share_text}. A share above "
-        "100% means multihead's f32 FMAs outrun the machine's `vdpbf16ps` rate (on some CPUs, "
-        "such as this family 6 model 207 Xeon, `vdpbf16ps` runs at half the f32 FMA rate).\n",
-        "multihead can instead multiply bf16 operands on its AVX512-BF16 "
-        "kernels (projections: `multihead_kernels::bf16gemm`; attention: "
-        "`AttnParams::bf16_products`; `multihead::Bf16Products`); it does so by itself where "
-        "that instruction outruns f32 FMA. This CPU's measured `vdpbf16ps`/FMA rate is "
+        f"library's own f32 time for reference. On this CPU multihead {how}. GFLOP/s are "
+        f"model flops over the bf16 time, {share_text}. A share above 100% means multihead's "
+        "f32 FMAs outrun the machine's `vdpbf16ps` rate (on some CPUs, such as Intel's family 6 "
+        "model 207 Xeon, `vdpbf16ps` runs at half the f32 FMA rate).\n",
+        "multihead chooses between the two ways (`multihead::Bf16Products`: bf16 operands, or "
+        "widened to f32) by itself, taking bf16 operands where that instruction outruns f32 "
+        "FMA. This CPU's measured `vdpbf16ps`/FMA rate is "
         f"{doc.get('bf16_dot_speedup') or 0:.2f}, so the default here is "
-        f"{'direct' if doc.get('bf16_products') else 'widened'}; the column \"direct "
-        "products\" forces the other way (`MULTIHEAD_BF16_PRODUCTS=direct`; in training the "
-        "backward products go direct too).\n",
+        f"{'direct' if direct else 'widened'}; the column \"direct products\" forces bf16 "
+        "operands (`MULTIHEAD_BF16_PRODUCTS=direct`; in training the backward products go "
+        f"direct too){', the default here' if direct else ''}.\n",
         "| case | PyTorch bf16 | PyTorch f32 | multihead bf16 | multihead f32 | bf16 speed-up "
         "| multihead bf16 GFLOP/s (share of bf16 peak) | multihead bf16, direct products |",
         "|---|---|---|---|---|---|---|---|",
