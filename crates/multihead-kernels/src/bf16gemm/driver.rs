@@ -66,11 +66,17 @@ fn row_blocks(m: usize, threads: usize) -> (usize, usize) {
     (mc, m.div_ceil(mc))
 }
 
-/// Runs the product (arguments checked by `matmul_bf16`, `m, n, k > 0`).
-pub(super) fn run(
+/// Runs the product (arguments checked by `matmul_bf16`, `m, n, k > 0`). Without
+/// `accumulate`, every element of the `m × n` view of `C` is written before it is read, so
+/// `c` may point at memory not yet initialised.
+///
+/// # Safety
+/// `c` is valid for writes (and, with `accumulate`, reads) of row `i` at `c + i·ldc`,
+/// columns `0..n`, for `i < m`, and no other reference reaches that memory meanwhile.
+pub(super) unsafe fn run(
     a: &BfMat,
     b: &BfMat,
-    c: &mut [f32],
+    c: *mut f32,
     ldc: usize,
     accumulate: bool,
 ) -> Result<(), KernelError> {
@@ -82,7 +88,7 @@ pub(super) fn run(
         let packed = SyncPtr(buf.as_mut_ptr());
         let threads = rayon::current_num_threads().max(1);
         let (mc, blocks) = row_blocks(m, threads);
-        let c = SyncPtr(c.as_mut_ptr());
+        let c = SyncPtr(c);
         for j0 in (0..n).step_by(NC) {
             let cols = (n - j0).min(NC);
             let panels = cols.div_ceil(NR);

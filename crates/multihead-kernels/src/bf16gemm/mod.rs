@@ -165,13 +165,9 @@ fn fits(name: &'static str, needed: usize, len: usize) -> Result<(), KernelError
     Ok(())
 }
 
-/// Checks the arguments of [`matmul_bf16`] and its twin; returns `(m, n, k)`.
-fn check(
-    a: &BfMat,
-    b: &BfMat,
-    c: &[f32],
-    ldc: usize,
-) -> Result<(usize, usize, usize), KernelError> {
+/// Checks the operands of a product: `B`'s rows match `A`'s columns and both views lie in
+/// their slices; returns `(m, n, k)`.
+fn check_operands(a: &BfMat, b: &BfMat) -> Result<(usize, usize, usize), KernelError> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     if b.rows != k {
         return Err(KernelError::InvalidArgument {
@@ -181,6 +177,17 @@ fn check(
     }
     fits("a", extent("a", m, k, a.row_stride, a.col_stride)?, a.data.len())?;
     fits("b", extent("b", k, n, b.row_stride, b.col_stride)?, b.data.len())?;
+    Ok((m, n, k))
+}
+
+/// Checks the arguments of [`matmul_bf16`] and its twin; returns `(m, n, k)`.
+fn check(
+    a: &BfMat,
+    b: &BfMat,
+    c: &[f32],
+    ldc: usize,
+) -> Result<(usize, usize, usize), KernelError> {
+    let (m, n, k) = check_operands(a, b)?;
     if m > 1 && ldc < n {
         return Err(KernelError::OverlappingOutput { name: "c" });
     }
@@ -214,7 +221,37 @@ pub fn matmul_bf16(
         }
         return Ok(());
     }
-    driver::run(&a, &b, c, ldc, accumulate)
+    // SAFETY: `check` bounds the `m × n` view with row stride `ldc` inside `c`, which the
+    // exclusive borrow reserves for the call.
+    unsafe { driver::run(&a, &b, c.as_mut_ptr(), ldc, accumulate) }
+}
+
+/// `A · B` as [`matmul_bf16`] computes it, in a new row-major `m × n` buffer that is not
+/// zeroed first (the product writes every element: a pass over memory saved). Errors as
+/// [`matmul_bf16`]'s, and when `m · n` floats cannot be allocated.
+pub fn matmul_bf16_new(a: BfMat, b: BfMat) -> Result<Vec<f32>, KernelError> {
+    let (m, n, k) = check_operands(&a, &b)?;
+    let len = m.checked_mul(n).ok_or_else(|| KernelError::InvalidArgument {
+        name: "c",
+        msg: format!("{m} x {n} outputs overflow usize"),
+    })?;
+    let mut c: Vec<f32> = Vec::new();
+    c.try_reserve_exact(len).map_err(|_| KernelError::InvalidArgument {
+        name: "c",
+        msg: format!("cannot allocate {len} outputs"),
+    })?;
+    if k == 0 || len == 0 {
+        c.resize(len, 0.0);
+        return Ok(c);
+    }
+    // SAFETY: the buffer holds `len = m · n` floats (reserved above), rows `n` apart; without
+    // `accumulate` the driver writes all of them before any is read, and only then does
+    // `set_len` expose them.
+    unsafe {
+        driver::run(&a, &b, c.as_mut_ptr(), n, false)?;
+        c.set_len(len);
+    }
+    Ok(c)
 }
 
 /// The reference twin of [`matmul_bf16`]: a triple loop over the bf16-rounded operands,

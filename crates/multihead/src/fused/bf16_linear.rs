@@ -3,7 +3,7 @@
 //! when no gradient is recorded.
 
 use candle_core::{CpuStorage, Layout, Shape};
-use multihead_kernels::bf16gemm::{matmul_bf16, BfMat, Elems};
+use multihead_kernels::bf16gemm::{matmul_bf16_new, BfMat, Elems};
 use multihead_kernels::epilogue::{bias_act_in_place, Act};
 
 const OP: &str = "linear (bf16 products)";
@@ -72,9 +72,8 @@ impl Bf16Linear {
             row_stride: wrs,
             col_stride: 1,
         };
-        let mut y = crate::alloc::try_zeros::<f32>(m * n, OP)?;
         let err = |e| candle_core::Error::Msg(format!("{OP}: {e}"));
-        matmul_bf16(x, w.t(), &mut y, n, false).map_err(err)?;
+        let mut y = matmul_bf16_new(x, w.t()).map_err(err)?;
         let mut widened = Vec::new();
         let b = match bias {
             Some((bs, bl)) => {

@@ -192,8 +192,7 @@ impl Product<'_> {
 impl Product<'_> {
     /// The product of the bf16-rounded operands (f32 sums) in a new buffer of `len` floats.
     fn bf16_output(&self, len: usize, what: &str) -> candle_core::Result<Vec<f32>> {
-        use multihead_kernels::bf16gemm::{matmul_bf16, BfMat, Elems};
-        let mut y = crate::alloc::try_zeros::<f32>(len, what)?;
+        use multihead_kernels::bf16gemm::{matmul_bf16_new, BfMat, Elems};
         let view = |data, rows, cols, (row_stride, col_stride)| BfMat {
             data: Elems::F32(data),
             rows,
@@ -203,8 +202,9 @@ impl Product<'_> {
         };
         let a = view(self.lhs, self.m, self.k, self.lhs_strides);
         let b = view(self.rhs, self.k, self.n, self.rhs_strides);
-        matmul_bf16(a, b, &mut y, self.n, false)
-            .map_err(|e| candle_core::Error::Msg(format!("{what}: {e}")))?;
+        let y =
+            matmul_bf16_new(a, b).map_err(|e| candle_core::Error::Msg(format!("{what}: {e}")))?;
+        debug_assert_eq!(y.len(), len);
         Ok(y)
     }
 }
