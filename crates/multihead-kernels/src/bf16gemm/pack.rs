@@ -147,7 +147,8 @@ unsafe fn pack_a_panels<T: Bits>(src: *const T, cs: usize, blk: ABlock, dst: *mu
                     continue;
                 }
                 let line = src.add(i0 + (p0 + p) * cs);
-                // The rows eight pairs on: the hardware does not follow a run per row.
+                // Prefetch the run 16 rows (eight pairs) ahead: the prefetchers do not follow
+                // short runs `cs` apart.
                 #[cfg(target_arch = "x86_64")]
                 if p + 16 < kc {
                     let ahead = line.add(16 * cs) as *const i8;

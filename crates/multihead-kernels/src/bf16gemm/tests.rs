@@ -210,3 +210,49 @@ fn a_new_output_is_the_product_into_zeros_bit_for_bit() {
     let e = matmul_bf16_new(wide, BfMat { cols: 2, col_stride: 0, ..BfMat::f32(&a, 3, 2) });
     assert!(matches!(e, Err(KernelError::InvalidArgument { name: "c", .. })), "{e:?}");
 }
+
+#[test]
+fn transposed_and_row_major_packing_keep_nan_infinity_and_broadcast_views() {
+    // The packers that read along the source (a transposed A, a row-major B) on NaN and
+    // infinity in either operand, and on broadcast (stride 0) views, at every level, against
+    // the reference: NaN where the reference has NaN, the same infinities, close elsewhere.
+    let (m, n, k) = (14, 70, super::KC + 9);
+    let mut a = rand_vec(m * k, 21);
+    let mut b = rand_vec(k * n, 22);
+    a[5] = f32::NAN; // A(5, 0) under the transposed view [1, m]
+    a[2 * m + 9] = f32::INFINITY; // A(9, 2)
+    b[(k - 1) * n + 3] = f32::NAN; // B(k-1, 3): the odd last row of a pair
+    b[7 * n + 66] = f32::NEG_INFINITY; // B(7, 66): the second panel
+    let cases: [([usize; 2], [usize; 2]); 4] =
+        [([1, m], [n, 1]), ([1, 0], [n, 1]), ([1, m], [0, 1]), ([0, 1], [n, 1])];
+    for (sa, sb) in cases {
+        let (av, bv) = (view(Elems::F32(&a), m, k, sa), view(Elems::F32(&b), k, n, sb));
+        let mut want = vec![0f32; m * n];
+        matmul_bf16_reference(av, bv, &mut want, n, false).unwrap();
+        let finite = |x: &[f32]| {
+            x.iter().map(|v| if v.is_finite() { v.abs() } else { 0.0 }).collect::<Vec<_>>()
+        };
+        let (fa, fb) = (finite(&a), finite(&b));
+        let scale = abs_products(
+            BfMat { data: Elems::F32(&fa), ..av },
+            BfMat { data: Elems::F32(&fb), ..bv },
+            n,
+        );
+        for level in levels() {
+            let got = with_simd_level(level, || matmul_bf16_new(av, bv).unwrap());
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let what = format!("{level:?} {sa:?} {sb:?} element {i}");
+                if w.is_nan() || w.is_infinite() {
+                    assert!(
+                        g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                        "{what}: {g} vs {w}"
+                    );
+                } else {
+                    let tol = 2e-6 * k as f32; // as in the layout test: f32 sums against f64
+                    assert!((g - w).abs() <= tol * (1.0 + scale[i]), "{what}: {g} vs {w}");
+                }
+            }
+            assert!(want.iter().any(|w| w.is_nan()), "the case has NaN outputs");
+        }
+    }
+}
