@@ -1,6 +1,7 @@
 //! The epilogue of a linear layer's product: `y = act(y + bias)` over the rows of `y`, in
 //! place, in one parallel pass (what would otherwise be a bias pass before the product and an
-//! activation pass after it).
+//! activation pass after it); and its backward's bias gradient, the column sums of the
+//! output gradient ([`bias_grad`]).
 //!
 //! The activations give the bits of their standalone kernels in
 //! [`activation`](crate::activation): ReLU keeps NaN and gives `+0` for every input `<= 0`;
@@ -144,6 +145,71 @@ pub fn bias_act_reference(y: &mut [f32], n: usize, bias: Option<&[f32]>, act: Ac
     }
 }
 
+/// Most row blocks [`bias_grad`] cuts `dy` into (bounds its partial sums to 64 rows of `n`).
+const MAX_ROW_BLOCKS: usize = 64;
+
+/// `db[j] = Σ_r dy[r, j]` over the rows of `n` elements of `dy`: the bias gradient of a linear
+/// layer. The rows are cut into blocks that depend only on the shape (about 64 Ki elements,
+/// at most 64 blocks); each block is summed in row order on its own thread, reading its rows
+/// as they lie in memory, and the blocks' sums are added in block order, so the result is the
+/// same for any thread count. (Summing column strips down all rows instead walks `dy` with a
+/// stride and measured a tenth of that speed: 2.6% of an encoder-layer training step.)
+///
+/// Errors: `n` is 0 while `dy` is not empty, `dy`'s length is not a multiple of `n`, or the
+/// partial sums cannot be allocated.
+pub fn bias_grad(dy: &[f32], n: usize) -> Result<Vec<f32>, KernelError> {
+    use rayon::prelude::*;
+    if dy.is_empty() {
+        return zeroed(n);
+    }
+    if n == 0 || !dy.len().is_multiple_of(n) {
+        return Err(KernelError::InvalidArgument {
+            name: "n",
+            msg: format!("dy has {} elements, not a whole number of rows of {n}", dy.len()),
+        });
+    }
+    let rows = dy.len() / n;
+    let per_block = (BLOCK * 4 / n).max(rows.div_ceil(MAX_ROW_BLOCKS)).max(1);
+    let blocks = rows.div_ceil(per_block);
+    let mut partial = zeroed(blocks * n)?;
+    partial.par_chunks_mut(n).zip(dy.par_chunks(per_block * n)).for_each(|(acc, rows)| {
+        for row in rows.chunks_exact(n) {
+            for (a, v) in acc.iter_mut().zip(row) {
+                *a += *v;
+            }
+        }
+    });
+    let (first, rest) = partial.split_at_mut(n);
+    for block in rest.chunks_exact(n) {
+        for (a, v) in first.iter_mut().zip(block) {
+            *a += *v;
+        }
+    }
+    partial.truncate(n);
+    Ok(partial)
+}
+
+/// `len` zeros, or an error when they cannot be allocated.
+fn zeroed(len: usize) -> Result<Vec<f32>, KernelError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| KernelError::InvalidArgument {
+        name: "db",
+        msg: format!("cannot allocate {len} floats of partial sums"),
+    })?;
+    v.resize(len, 0.0);
+    Ok(v)
+}
+
+/// The reference twin of [`bias_grad`]: each column summed in f64 (arguments as checked
+/// there).
+pub fn bias_grad_reference(dy: &[f32], n: usize) -> Vec<f32> {
+    let mut db = vec![0f64; n];
+    for (i, v) in dy.iter().enumerate() {
+        db[i % n] += *v as f64;
+    }
+    db.into_iter().map(|v| v as f32).collect()
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -207,5 +273,41 @@ mod tests {
         assert!(bias_act_in_place(&mut y, 0, None, Act::Relu).is_err());
         assert!(bias_act_in_place(&mut y, 3, Some(&[1.0, 2.0]), Act::Identity).is_err());
         assert!(bias_act_in_place(&mut [], 0, None, Act::Gelu).is_ok());
+    }
+
+    #[test]
+    fn bias_grad_matches_the_reference_for_any_thread_count() {
+        for (rows, n) in [(1, 1), (3, 17), (4096, 7), (513, 2048), (70, 1000), (BLOCK + 1, 3)] {
+            let mut dy: Vec<f32> = rand_vec(rows * n, 5).iter().map(|v| v * 3.0).collect();
+            dy[n / 2] = f32::INFINITY;
+            let want = bias_grad_reference(&dy, n);
+            let got = bias_grad(&dy, n).unwrap();
+            let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+            let alone = one.install(|| bias_grad(&dy, n)).unwrap();
+            assert_eq!(got.len(), n);
+            for j in 0..n {
+                // f32 sums against f64 ones: a few roundings of the column's magnitude.
+                let mass: f32 = dy.iter().skip(j).step_by(n).map(|v| v.abs()).sum();
+                let tol = 1e-6 * mass;
+                assert!(
+                    got[j] == want[j] || (got[j] - want[j]).abs() <= tol,
+                    "{rows}x{n} [{j}]: {} vs {}",
+                    got[j],
+                    want[j]
+                );
+                assert_eq!(got[j].to_bits(), alone[j].to_bits(), "{rows}x{n} [{j}] one thread");
+            }
+        }
+        let nan = [1.0, f32::NAN, 2.0, 3.0];
+        let db = bias_grad(&nan, 2).unwrap();
+        assert_eq!(db[0], 3.0);
+        assert!(db[1].is_nan());
+    }
+
+    #[test]
+    fn bias_grad_bad_arguments_are_errors() {
+        assert!(bias_grad(&[1.0; 6], 4).is_err());
+        assert!(bias_grad(&[1.0; 6], 0).is_err());
+        assert_eq!(bias_grad(&[], 3).unwrap(), vec![0.0; 3]);
     }
 }

@@ -346,7 +346,8 @@ impl FusedLinear {
             bf16: self.bf16,
         };
         let dw = dw.new_output("fused linear dw")?;
-        let db = bias_grad(&gv[..m * out_f], out_f);
+        let db = multihead_kernels::epilogue::bias_grad(&gv[..m * out_f], out_f)
+            .map_err(|e| candle_core::Error::Msg(format!("fused linear db: {e}")))?;
         let dev = x.device();
         Ok((
             Tensor::from_vec(dx, x.shape(), dev)?,
@@ -354,24 +355,6 @@ impl FusedLinear {
             Tensor::from_vec(db, out_f, dev)?,
         ))
     }
-}
-
-/// `db = Σ_rows dy` over `dy`'s rows of `out_f`: column blocks in parallel, each summed over
-/// the rows in order (the same sums for any thread count).
-fn bias_grad(dy: &[f32], out_f: usize) -> Vec<f32> {
-    use rayon::prelude::*;
-    const BLOCK: usize = 64;
-    let mut db = vec![0f32; out_f];
-    if out_f == 0 {
-        return db;
-    }
-    db.par_chunks_mut(BLOCK).enumerate().for_each(|(blk, acc)| {
-        let cols = blk * BLOCK..blk * BLOCK + acc.len();
-        for row in dy.chunks_exact(out_f) {
-            acc.iter_mut().zip(&row[cols.clone()]).for_each(|(a, b)| *a += b);
-        }
-    });
-    db
 }
 
 fn poisoned() -> candle_core::Error {
