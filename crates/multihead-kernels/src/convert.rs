@@ -122,6 +122,10 @@ mod tests {
             f32::NEG_INFINITY,
             65504.0,
             3.389_531_4e38, // rounds up to infinity
+            f32::from_bits(0x7F80_0001), // signalling NaN: comes back quiet
+            f32::from_bits(0xFFC0_1234),
+            f32::from_bits(0x7FFF_FFFF),
+            f32::from_bits(0x007F_FFFF), // the largest subnormal rounds up to a normal
         ];
         let mut s = 0x1234_5678u32;
         for _ in 0..100_000 {
@@ -133,11 +137,12 @@ mod tests {
         let mut got = vec![0u16; xs.len()];
         f32_to_bf16(&xs, &mut got).unwrap();
         for (x, g) in xs.iter().zip(&got) {
+            // NaNs too: the same sign and top payload bits, made quiet.
+            assert_eq!(*g, f32_to_bf16_reference(*x), "{x:e} ({:#x})", x.to_bits());
+            assert_eq!(*g, f32_to_bf16_bits(*x), "{x:e} ({:#x})", x.to_bits());
             if x.is_nan() {
                 assert!(bf16_bits_to_f32(*g).is_nan());
-                continue;
             }
-            assert_eq!(*g, f32_to_bf16_reference(*x), "{x:e} ({:#x})", x.to_bits());
         }
         let mut back = vec![0f32; xs.len()];
         bf16_to_f32(&got, &mut back).unwrap();
