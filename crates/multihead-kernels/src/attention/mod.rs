@@ -410,6 +410,9 @@ fn finite_heads(
     if !p.causal && !p.has_mask() {
         return Vec::new();
     }
+    if all_finite(p, (q, ql), (k, kl), v) {
+        return vec![true; dm.batch * dm.heads_q];
+    }
     // A float is finite unless its exponent bits are all ones; the max of the exponent fields
     // over a row is an integer reduction the compiler vectorises.
     const EXP: u32 = 0x7f80_0000;
@@ -436,6 +439,83 @@ fn finite_heads(
             kv[b * dm.heads_kv + h / group.max(1)] && rows_finite(q, ql, b, h, dm.l, dm.d)
         })
         .collect()
+}
+
+/// Where `inner` starts in `outer` (in elements) when `outer`'s memory holds all of `inner`'s.
+fn within(outer: &[f32], inner: &[f32]) -> Option<usize> {
+    let (o, i) = (outer.as_ptr() as usize, inner.as_ptr() as usize);
+    let size = std::mem::size_of::<f32>();
+    let shift = i.checked_sub(o)?;
+    let fits = shift % size == 0 && shift / size + inner.len() <= outer.len();
+    fits.then_some(shift / size)
+}
+
+/// Whether every element of the spans the views of `q`, `k` (and `v`) cover is finite: one flat
+/// parallel pass (views into one buffer, as for packed projections, read it once). `false` when the spans are much larger than the views (then only the per-head scan
+/// reads no more than it needs) or when anything in them is not finite.
+///
+/// The per-head scan walks rows of `d` floats; for short heads its per-row overhead dominates
+/// (measured: 3.8% of all-MiniLM-L6-v2 embedding, 32 floats per row), while in the common case
+/// everything is finite and one streaming pass decides for all heads at once.
+fn all_finite(
+    p: &AttnParams<'_>,
+    (q, ql): (&[f32], Layout4),
+    (k, kl): (&[f32], Layout4),
+    v: Option<(&[f32], Layout4)>,
+) -> bool {
+    let dm = p.dims;
+    // `[start, end)` of the elements a view's rows reach, and how many elements it has.
+    let span = |l: Layout4, heads: usize, rows: usize, width: usize| {
+        let last = (dm.batch - 1) * l.batch + (heads - 1) * l.head + (rows - 1) * l.seq;
+        let n = [heads, rows, width].iter().fold(dm.batch, |n, &x| n.saturating_mul(x));
+        (0usize, last + width, n)
+    };
+    if [dm.batch, dm.heads_q, dm.heads_kv, dm.l, dm.s, dm.d].contains(&0) {
+        return false;
+    }
+    let mut views =
+        vec![(q, span(ql, dm.heads_q, dm.l, dm.d)), (k, span(kl, dm.heads_kv, dm.s, dm.d))];
+    if let Some((v, vl)) = v {
+        if dm.dv == 0 {
+            return false;
+        }
+        views.push((v, span(vl, dm.heads_kv, dm.s, dm.dv)));
+    }
+    // Views into one buffer (slices of which one contains the other, as the query, key and
+    // value views of packed projections are) merge into one span of the larger slice.
+    let mut spans: Vec<(&[f32], usize, usize)> = Vec::new();
+    let (mut read, mut needed) = (0usize, 0usize);
+    for (x, (a, b, n)) in views {
+        needed = needed.saturating_add(n);
+        let inside = spans.iter_mut().find_map(|(y, sa, sb)| {
+            let shift = within(y, x)?;
+            Some((sa, sb, shift))
+        });
+        match inside {
+            Some((sa, sb, shift)) => {
+                *sa = (*sa).min(a + shift);
+                *sb = (*sb).max(b + shift);
+            }
+            None => spans.push((x, a, b)),
+        }
+    }
+    for (x, a, b) in &spans {
+        if *b > x.len() {
+            return false;
+        }
+        read += b - a;
+    }
+    if read > needed.saturating_mul(2) {
+        return false;
+    }
+    use rayon::prelude::*;
+    const EXP: u32 = 0x7f80_0000;
+    spans.iter().all(|(x, a, b)| {
+        x[*a..*b].par_chunks(1 << 14).all(|c| {
+            // An OR of comparisons: vectorises at any x86-64 level (no early exit).
+            c.iter().fold(0u32, |acc, f| acc | u32::from(f.to_bits() & EXP == EXP)) == 0
+        })
+    })
 }
 
 // ---------------------------------------------------------------------------------------------

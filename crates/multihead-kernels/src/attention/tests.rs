@@ -913,6 +913,47 @@ fn nan_in_masked_keys_and_values_follows_the_reference_at_tile_boundaries() {
     }
 }
 
+/// Query, key and value as views into one packed buffer (rows `[q | k | v | gap]`), as packed
+/// projections give them: a NaN in a masked key still reaches every row (the one-pass scan of
+/// the buffer sees it and the heads fall back to reading every key), and a NaN in the gap,
+/// which no view covers, changes nothing.
+#[test]
+fn packed_views_with_nan_in_masked_keys_or_outside_the_views_follow_the_reference() {
+    let (l, d) = (300usize, 4usize);
+    let ld = 3 * d + 1;
+    let dims = AttnDims { batch: 1, heads_q: 1, heads_kv: 1, l, s: l, d, dv: d };
+    let lay = Layout4 { batch: l * ld, head: d, seq: ld };
+    let pad: Vec<u8> = (0..l).map(|j| (j >= 100) as u8).collect();
+    let mut p = AttnParams::new(dims);
+    p.masks[0] =
+        Some(MaskView::Bool { data: &pad, strides: [l, 0, 0, 1], true_means_masked: true });
+    for nan_at in [None, Some(250 * ld + d + 2), Some(250 * ld + 3 * d)] {
+        let mut buf = rand_vec(l * ld, 21);
+        if let Some(i) = nan_at {
+            buf[i] = f32::NAN;
+        }
+        let (q, k, v) = (&buf[..], &buf[d..], &buf[2 * d..]);
+        let (eout, _) = reference::forward(&p, q, lay, k, lay, v, lay);
+        for level in levels() {
+            with_simd_level(level, || {
+                let ol = Layout4::contiguous(1, l, d);
+                let (mut out, mut lse) = (vec![0f32; l * d], vec![0f32; 2 * l]);
+                flash_forward(&p, q, lay, k, lay, v, lay, &mut out, ol, &mut lse).unwrap();
+                let what = format!("{level:?} nan at {nan_at:?}");
+                for (i, (&g, &e)) in out.iter().zip(&eout).enumerate() {
+                    assert_eq!(g.is_nan(), e.is_nan(), "{what}: out[{i}] {g} vs {e}");
+                    if e.is_finite() {
+                        assert!((g as f64 - e).abs() <= 1e-5 * (1.0 + e.abs()), "{what}: [{i}]");
+                    }
+                }
+                // The masked key's NaN makes every row NaN; the gap's leaves all finite.
+                let key_nan = nan_at == Some(250 * ld + d + 2);
+                assert!(out.iter().all(|x| x.is_nan() == key_nan), "{what}");
+            });
+        }
+    }
+}
+
 /// A row masked by a huge finite value everywhere (HF-style `-1e9` or `f32::MIN` masks) gets
 /// uniform weights, as the composed softmax gives, also in the weights pass and the backward.
 #[test]
