@@ -121,7 +121,7 @@ mod tests {
             f32::INFINITY,
             f32::NEG_INFINITY,
             65504.0,
-            3.389_531_4e38, // rounds up to infinity
+            3.389_531_4e38,              // rounds up to infinity
             f32::from_bits(0x7F80_0001), // signalling NaN: comes back quiet
             f32::from_bits(0xFFC0_1234),
             f32::from_bits(0x7FFF_FFFF),

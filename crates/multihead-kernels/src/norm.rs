@@ -115,6 +115,10 @@ unsafe fn row_sum<S: Simd>(p: *const f32, n: usize, m: Option<f32>) -> f32 {
 
 struct FwdTask<'a> {
     x: &'a [f32],
+    /// A residual added to `x` first (`z = x + residual`, then the norm of `z`).
+    residual: Option<&'a [f32]>,
+    /// Where `z` is kept (for the backward); a per-task row buffer when `None`.
+    z: Option<SyncPtr<f32>>,
     d: usize,
     rows: usize,
     w: &'a [f32],
@@ -125,22 +129,57 @@ struct FwdTask<'a> {
     rstd: SyncPtr<f32>,
 }
 
+impl FwdTask<'_> {
+    /// Row `r` of the input the norm reads: `x`'s, or `x + residual` written to `z` (or to
+    /// `buf`).
+    ///
+    /// # Safety
+    /// As for `run`; `buf` holds `d` floats when there is a residual and no `z`.
+    #[inline(always)]
+    unsafe fn input_row<S: Simd>(&self, r: usize, buf: &mut [f32]) -> *const f32 {
+        let d = self.d;
+        // SAFETY: row `r` of `d` floats lies inside `x`, `residual` and `z` (checked by the
+        // entry point), and this task alone writes it; `buf` holds `d` floats.
+        unsafe {
+            let xr = self.x.as_ptr().add(r * d);
+            let Some(res) = self.residual else { return xr };
+            let rr = res.as_ptr().add(r * d);
+            let zr = match self.z {
+                Some(z) => z.0.add(r * d),
+                None => buf.as_mut_ptr(),
+            };
+            let mut j = 0;
+            while j < d {
+                let mask = if j + S::LANES <= d { S::full_mask() } else { S::tail_mask(d - j) };
+                let v = S::add(S::load_m(xr.add(j), mask), S::load_m(rr.add(j), mask));
+                S::store_m(zr.add(j), v, mask);
+                j += S::LANES;
+            }
+            zr
+        }
+    }
+}
+
 impl Task for FwdTask<'_> {
     fn count(&self) -> usize {
         self.rows.div_ceil(BLOCK_ROWS)
     }
     fn scratch_len(&self, _lanes: usize) -> usize {
-        0
+        if self.residual.is_some() && self.z.is_none() {
+            crate::attention::exec::round16(self.d)
+        } else {
+            0
+        }
     }
     #[inline(always)]
-    unsafe fn run<S: Simd>(&self, t: usize, _buf: &mut [f32]) {
+    unsafe fn run<S: Simd>(&self, t: usize, buf: &mut [f32]) {
         let (d, l) = (self.d, S::LANES);
         let inv_d = 1.0 / d as f32;
         for r in t * BLOCK_ROWS..((t + 1) * BLOCK_ROWS).min(self.rows) {
             // SAFETY: rows `r < rows` of `d` floats lie inside `x` and `y` (checked by the
             // entry point); this task alone writes rows of its block and their statistics.
             unsafe {
-                let xr = self.x.as_ptr().add(r * d);
+                let xr = self.input_row::<S>(r, buf);
                 let yr = self.y.0.add(r * d);
                 let mean = row_sum::<S>(xr, d, None) * inv_d;
                 let var = row_sum::<S>(xr, d, Some(mean)) * inv_d;
@@ -178,8 +217,47 @@ pub fn layer_norm_forward(
     y: &mut [f32],
     stats: &mut NormStats,
 ) -> Result<(), KernelError> {
+    forward(x, None, None, d, (weight, bias), eps, y, stats)
+}
+
+/// The LayerNorm forward of `z = x + residual` (a Transformer layer's residual connection and
+/// its post-norm in one pass): writes `y`, the row statistics, and `z` when given (the
+/// backward's input; [`layer_norm_backward`] on `z` gives the gradient of both `x` and the
+/// residual). The same bits as [`layer_norm_forward`] on `z` summed in f32 first.
+#[allow(clippy::too_many_arguments)]
+pub fn add_layer_norm_forward(
+    x: &[f32],
+    residual: &[f32],
+    d: usize,
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    eps: f32,
+    z: Option<&mut [f32]>,
+    y: &mut [f32],
+    stats: &mut NormStats,
+) -> Result<(), KernelError> {
+    forward(x, Some(residual), z, d, (weight, bias), eps, y, stats)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn forward(
+    x: &[f32],
+    residual: Option<&[f32]>,
+    z: Option<&mut [f32]>,
+    d: usize,
+    (weight, bias): (&[f32], Option<&[f32]>),
+    eps: f32,
+    y: &mut [f32],
+    stats: &mut NormStats,
+) -> Result<(), KernelError> {
     let rows = rows_of(x, d, weight, bias)?;
     check("y", x.len(), y.len())?;
+    if let Some(r) = residual {
+        check("residual", x.len(), r.len())?;
+    }
+    if let Some(z) = &z {
+        check("z", x.len(), z.len())?;
+    }
     check("stats.mean", rows, stats.mean.len())?;
     check("stats.rstd", rows, stats.rstd.len())?;
     if rows == 0 {
@@ -187,6 +265,8 @@ pub fn layer_norm_forward(
     }
     let task = FwdTask {
         x,
+        residual,
+        z: z.map(|z| SyncPtr(z.as_mut_ptr())),
         d,
         rows,
         w: weight,
@@ -336,6 +416,19 @@ pub mod reference {
         (y, mean, rstd)
     }
 
+    /// `(y, mean, rstd)` of the forward of `x + residual` (summed in f32, as the kernel does).
+    pub fn add_forward(
+        x: &[f32],
+        residual: &[f32],
+        d: usize,
+        w: &[f32],
+        b: Option<&[f32]>,
+        eps: f64,
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let z: Vec<f32> = x.iter().zip(residual).map(|(a, r)| a + r).collect();
+        forward(&z, d, w, b, eps)
+    }
+
     /// `(dx, dw, db)` of the backward.
     pub fn backward(
         x: &[f32],
@@ -439,5 +532,59 @@ mod tests {
         assert!(layer_norm_forward(&[0.0; 4], 4, &[1.0; 3], None, 1e-5, &mut y, &mut st).is_err());
         assert!(layer_norm_forward(&[0.0; 5], 4, &[1.0; 4], None, 1e-5, &mut y, &mut st).is_err());
         assert!(layer_norm_forward(&[0.0; 8], 4, &[1.0; 4], None, 1e-5, &mut y, &mut st).is_err());
+    }
+
+    #[test]
+    fn the_residual_form_is_the_norm_of_the_f32_sum_at_every_simd_level() {
+        for &(rows, d) in &[(1, 1), (3, 5), (33, 16), (65, 17), (7, 384), (2, 1000)] {
+            let x = rand_vec(rows * d, 11);
+            let mut res = rand_vec(rows * d, 12);
+            res[0] = f32::NAN;
+            let (w, b) = (rand_vec(d, 13), rand_vec(d, 14));
+            let sum: Vec<f32> = x.iter().zip(&res).map(|(a, r)| a + r).collect();
+            let (ey, _, _) = reference::add_forward(&x, &res, d, &w, Some(&b), 1e-5);
+            for &level in &crate::testutil::levels() {
+                with_simd_level(level, || {
+                    let mut want = vec![0f32; rows * d];
+                    let mut st0 = NormStats::new(rows);
+                    layer_norm_forward(&sum, d, &w, Some(&b), 1e-5, &mut want, &mut st0).unwrap();
+                    for keep in [false, true] {
+                        let (mut y, mut z) = (vec![0f32; rows * d], vec![0f32; rows * d]);
+                        let mut st = NormStats::new(rows);
+                        let zo = if keep { Some(&mut z[..]) } else { None };
+                        add_layer_norm_forward(
+                            &x,
+                            &res,
+                            d,
+                            &w,
+                            Some(&b),
+                            1e-5,
+                            zo,
+                            &mut y,
+                            &mut st,
+                        )
+                        .unwrap();
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&y), bits(&want), "{rows}x{d} {level:?} keep {keep}");
+                        assert_eq!(bits(&st.mean), bits(&st0.mean), "{rows}x{d} {level:?}");
+                        assert_eq!(bits(&st.rstd), bits(&st0.rstd), "{rows}x{d} {level:?}");
+                        if keep {
+                            assert_eq!(bits(&z), bits(&sum), "{rows}x{d} {level:?} z");
+                        }
+                        // The first row holds the NaN; the others match the reference.
+                        close("y", &y[d..], &ey[d..], 1e-5);
+                        assert!(y[..d].iter().all(|v| v.is_nan()));
+                    }
+                });
+            }
+        }
+        let mut st = NormStats::new(1);
+        let (x, mut y, mut z) = ([0f32; 4], [0f32; 4], [0f32; 3]);
+        let add = |r: &[f32], z: Option<&mut [f32]>, y: &mut [f32], st: &mut NormStats| {
+            add_layer_norm_forward(&x, r, 4, &[1.0; 4], None, 1e-5, z, y, st)
+        };
+        assert!(add(&[0.0; 3], None, &mut y, &mut st).is_err());
+        assert!(add(&[0.0; 4], Some(&mut z), &mut y, &mut st).is_err());
+        assert!(add(&[0.0; 4], None, &mut y, &mut st).is_ok());
     }
 }

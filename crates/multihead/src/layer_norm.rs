@@ -89,6 +89,86 @@ impl LayerNorm {
         self.run(x, w, b)
     }
 
+    /// `norm(x + residual)`: a Transformer layer's residual connection and post-norm. On the
+    /// fused path the sum and the norm are one op (one pass, and no gradient tensor for the
+    /// sum); otherwise, and for bf16/f16, it is `forward(&(x + residual)?)`. The numbers are
+    /// the same either way.
+    ///
+    /// # Shapes
+    /// * `x` and `residual` `(*, d)`, of one shape; output `(*, d)`.
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use multihead::LayerNorm;
+    ///
+    /// let vm = VarMap::new();
+    /// let dev = Device::Cpu;
+    /// let ln = LayerNorm::new(4, 1e-5, true, VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
+    /// let x = Tensor::new(&[[1f32, 2., 3., 4.]], &dev)?;
+    /// let r = Tensor::new(&[[0.5f32, -1., 0., 2.]], &dev)?;
+    /// let y = ln.forward_residual(&x, &r)?;
+    /// let want = ln.forward(&(&x + &r)?)?;
+    /// assert_eq!(y.to_vec2::<f32>()?, want.to_vec2::<f32>()?);
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
+    // Mirrors torch.nn.LayerNorm.forward applied to `x + residual`.
+    pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        if x.dims() != residual.dims() {
+            return Err(Error::Shape {
+                op: "layer_norm",
+                arg: "residual",
+                msg: format!(
+                    "the residual must have the input's shape {:?}, got {:?}; broadcast it to the \
+                     input's shape first",
+                    x.dims(),
+                    residual.dims()
+                ),
+            });
+        }
+        if x.dtype() != residual.dtype() {
+            return Err(Error::DType {
+                op: "layer_norm",
+                arg: "residual",
+                msg: format!(
+                    "residual dtype {:?} does not match the input dtype {:?}",
+                    residual.dtype(),
+                    x.dtype()
+                ),
+            });
+        }
+        // `forward`'s check on the sum's shape, before a path is chosen.
+        let d = self.weight.dim(0)?;
+        if x.dims().last() != Some(&d) {
+            return Err(Error::Shape {
+                op: "layer_norm",
+                arg: "input",
+                msg: format!(
+                    "expected the last dimension to be {d}, got input of shape {:?}",
+                    x.dims()
+                ),
+            });
+        }
+        let plan = crate::fused::dispatch::decide(
+            "layer_norm",
+            crate::mode::Backend::Auto,
+            crate::fused::dispatch::dtype_device_blocker(x)
+                .or_else(|| crate::fused::dispatch::dtype_device_blocker(residual)),
+        )?;
+        let fused = plan.path == crate::fused::dispatch::Path::Fused
+            && x.elem_count() > 0
+            && x.dtype() == self.weight.dtype();
+        if !fused {
+            return self.forward(&(x + residual)?);
+        }
+        crate::alloc::ensure("layer_norm", "input", x.dims(), x.dtype(), 4, "use a smaller input")?;
+        let (x, r) = (crate::mode::graph_input(x), crate::mode::graph_input(residual));
+        let weight = crate::mode::graph_input(&self.weight);
+        let bias = self.bias.as_ref().map(crate::mode::graph_input);
+        crate::fused::norm::add_layer_norm(&x, &r, &weight, bias.as_ref(), self.eps)
+    }
+
     /// The normalisation of `x` (checked) with `weight` and `bias` of its dtype.
     fn run(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         let plan = crate::fused::dispatch::decide(

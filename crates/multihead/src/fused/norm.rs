@@ -5,7 +5,9 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
-use multihead_kernels::norm::{layer_norm_backward, layer_norm_forward, NormStats};
+use multihead_kernels::norm::{
+    add_layer_norm_forward, layer_norm_backward, layer_norm_forward, NormStats,
+};
 
 use crate::error::Result;
 
@@ -138,4 +140,129 @@ pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -
         Some(b) => x.apply_op3_arc(&w, &b.contiguous()?, Arc::new(Box::new(op)))?,
         None => x.apply_op2_arc(&w, Arc::new(Box::new(op)))?,
     })
+}
+
+/// `F.layer_norm(x + residual, (d,), w, b, eps)` as one op: the sum and the norm in one pass
+/// (`multihead_kernels::norm::add_layer_norm_forward`), so the sum is never a tensor of its
+/// own: no separate add pass in the forward, and in the backward no full-size gradient that
+/// candle would zero and accumulate for it. The backward gives the sum's gradient to both
+/// inputs. The third input holds the weight, then the bias when there is one.
+pub(crate) struct AddLayerNormOp {
+    eps: f32,
+    bias: bool,
+    /// Keep the sum for the backward (a gradient may be recorded).
+    keep_sum: bool,
+    stats: Mutex<NormStats>,
+    sum: Mutex<Option<Arc<Vec<f32>>>>,
+}
+
+impl AddLayerNormOp {
+    fn params<'a>(&self, wb: &'a [f32]) -> (&'a [f32], Option<&'a [f32]>) {
+        if self.bias {
+            let (w, b) = wb.split_at(wb.len() / 2);
+            (w, Some(b))
+        } else {
+            (wb, None)
+        }
+    }
+
+    fn backward(&self, x: &Tensor, grad: &Tensor, wb: &Tensor) -> candle_core::Result<[Tensor; 2]> {
+        let sum = self.sum.lock().unwrap_or_else(|e| e.into_inner()).clone().ok_or_else(|| {
+            candle_core::Error::Msg(
+                "fused add+layer_norm: the sum was not kept (the forward recorded no gradient)"
+                    .into(),
+            )
+        })?;
+        let (grad, wb) = (grad.contiguous()?, wb.contiguous()?);
+        let (gs, gl) = grad.storage_and_layout();
+        let (ws, wl) = wb.storage_and_layout();
+        let gv = storage_f32(&gs, gl, "grad")?;
+        let (w, _) = self.params(storage_f32(&ws, wl, "weight")?);
+        let d = w.len();
+        let mut dz = crate::alloc::try_zeros::<f32>(sum.len(), "fused add+layer_norm dx")?;
+        let (mut dw, mut db) = (vec![0f32; d], vec![0f32; d]);
+        let stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        layer_norm_backward(&sum, gv, d, w, &stats, &mut dz, &mut dw, &mut db)
+            .map_err(|e| candle_core::Error::Msg(format!("fused add+layer_norm backward: {e}")))?;
+        if self.bias {
+            dw.extend_from_slice(&db);
+        }
+        let dev = x.device();
+        Ok([Tensor::from_vec(dz, x.shape(), dev)?, Tensor::from_vec(dw, wb.shape(), dev)?])
+    }
+}
+
+impl CustomOp3 for AddLayerNormOp {
+    fn name(&self) -> &'static str {
+        "fused-add-layer-norm"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        if l1.shape() != l2.shape() {
+            candle_core::bail!(
+                "fused add+layer_norm: x {:?} and residual {:?} differ in shape",
+                l1.dims(),
+                l2.dims()
+            );
+        }
+        let (x, r) = (contiguous_f32(s1, l1, "x")?, contiguous_f32(s2, l2, "residual")?);
+        let (w, b) = self.params(contiguous_f32(s3, l3, "weight")?);
+        let rows = x.len().checked_div(w.len()).unwrap_or(0);
+        let mut y = crate::alloc::try_zeros::<f32>(x.len(), "fused add+layer_norm output")?;
+        let mut sum = match self.keep_sum {
+            true => Some(crate::alloc::try_zeros::<f32>(x.len(), "fused add+layer_norm sum")?),
+            false => None,
+        };
+        let mut stats = NormStats::new(rows);
+        let z = sum.as_deref_mut();
+        add_layer_norm_forward(x, r, w.len(), w, b, self.eps, z, &mut y, &mut stats)
+            .map_err(|e| candle_core::Error::Msg(format!("fused add+layer_norm: {e}")))?;
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
+        *self.sum.lock().unwrap_or_else(|e| e.into_inner()) = sum.map(Arc::new);
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        _r: &Tensor,
+        wb: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let [dz, dwb] = self.backward(x, grad, wb)?;
+        Ok((Some(dz.clone()), Some(dz), Some(dwb)))
+    }
+}
+
+/// `F.layer_norm(x + residual, (d,), w, b, eps)` as one op (`x` and `residual` of one shape;
+/// made contiguous first).
+pub(crate) fn add_layer_norm(
+    x: &Tensor,
+    residual: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    eps: f64,
+) -> Result<Tensor> {
+    let keep_sum =
+        x.track_op() || residual.track_op() || w.track_op() || b.is_some_and(Tensor::track_op);
+    let op = AddLayerNormOp {
+        eps: eps as f32,
+        bias: b.is_some(),
+        keep_sum,
+        stats: Mutex::new(NormStats::default()),
+        sum: Mutex::new(None),
+    };
+    let wb = match b {
+        Some(b) => Tensor::cat(&[w, b], 0)?,
+        None => w.clone(),
+    };
+    let (x, r, wb) = (x.contiguous()?, residual.contiguous()?, wb.contiguous()?);
+    Ok(x.apply_op3_arc(&r, &wb, Arc::new(Box::new(op)))?)
 }

@@ -183,9 +183,10 @@ impl TransformerDecoderLayer {
             let x = (&x + self.cross_block(&self.norm2.forward(&x)?, memory, mm, mk, mc)?)?;
             Ok((&x + self.feed_forward(&self.norm3.forward(&x)?)?)?)
         } else {
-            let x = self.norm1.forward(&(x + self.self_block(x, tm, tk, tc)?)?)?;
-            let x = self.norm2.forward(&(&x + self.cross_block(&x, memory, mm, mk, mc)?)?)?;
-            self.norm3.forward(&(&x + self.feed_forward(&x)?)?)
+            // Each residual sum and its norm are one op (`LayerNorm::forward_residual`).
+            let x = self.norm1.forward_residual(x, &self.self_block(x, tm, tk, tc)?)?;
+            let x = self.norm2.forward_residual(&x, &self.cross_block(&x, memory, mm, mk, mc)?)?;
+            self.norm3.forward_residual(&x, &self.feed_forward(&x)?)
         }
     }
 }

@@ -145,10 +145,10 @@ impl TransformerEncoderLayer {
             )?)?;
             Ok((&x + self.feed_forward(&self.norm2.forward(&x)?)?)?)
         } else {
-            let x = self
-                .norm1
-                .forward(&(x + self.attend(x, src_mask, src_key_padding_mask, is_causal)?)?)?;
-            self.norm2.forward(&(&x + self.feed_forward(&x)?)?)
+            // Each residual sum and its norm are one op (`LayerNorm::forward_residual`).
+            let sa = self.attend(x, src_mask, src_key_padding_mask, is_causal)?;
+            let x = self.norm1.forward_residual(x, &sa)?;
+            self.norm2.forward_residual(&x, &self.feed_forward(&x)?)
         }
     }
 }

@@ -94,9 +94,9 @@ impl TransformerDecoderLayer {
                 let x = (&x + ca(&self.norm2.forward(&x)?)?)?;
                 Ok((&x + ff(&self.norm3.forward(&x)?)?)?)
             } else {
-                let x = self.norm1.forward(&(x + sa(x, cache)?)?)?;
-                let x = self.norm2.forward(&(&x + ca(&x)?)?)?;
-                self.norm3.forward(&(&x + ff(&x)?)?)
+                let x = self.norm1.forward_residual(x, &sa(x, cache)?)?;
+                let x = self.norm2.forward_residual(&x, &ca(&x)?)?;
+                self.norm3.forward_residual(&x, &ff(&x)?)
             }
         })
     }

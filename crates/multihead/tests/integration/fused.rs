@@ -366,6 +366,74 @@ fn fused_long_key_path_equals_composed() {
 }
 
 #[test]
+fn fused_residual_layer_norm_equals_the_composed_sum_and_norm_forward_and_backward() {
+    use candle_nn::{VarBuilder, VarMap};
+    for bias in [true, false] {
+        for shape in [vec![3usize, 1], vec![2, 5, 17], vec![70, 384], vec![4, 3, 1000]] {
+            let d = *shape.last().unwrap();
+            let go = |fused: bool| {
+                with_backend(backend(fused), || {
+                    let vm = VarMap::new();
+                    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
+                    let ln = multihead::LayerNorm::new(d, 1e-5, bias, vb).unwrap();
+                    let mut named: Vec<(String, candle_core::Var)> = vm
+                        .data()
+                        .lock()
+                        .unwrap()
+                        .iter()
+                        .map(|(k, v)| (k.clone(), v.clone()))
+                        .collect();
+                    named.sort_by(|a, b| a.0.cmp(&b.0)); // the VarMap's order is a HashMap's
+                    for (i, (_, v)) in named.iter().enumerate() {
+                        v.set(&det(v.dims(), DType::F32, 7.0 + i as f64)).unwrap();
+                    }
+                    let x = var(&det(&shape, DType::F32, 1.0).affine(3.0, 0.5).unwrap());
+                    let r = var(&det(&shape, DType::F32, 3.0).affine(2.0, -0.25).unwrap());
+                    let y = ln.forward_residual(x.as_tensor(), r.as_tensor()).unwrap();
+                    let g = y
+                        .mul(&det(y.dims(), DType::F32, 2.0))
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .backward()
+                        .unwrap();
+                    let mut grads = vec![
+                        g.get(x.as_tensor()).unwrap().clone(),
+                        g.get(r.as_tensor()).unwrap().clone(),
+                    ];
+                    for (_, v) in &named {
+                        grads.push(g.get(v.as_tensor()).unwrap().clone());
+                    }
+                    (y, grads)
+                })
+            };
+            let ((a, ga), (b, gb)) = (go(true), go(false));
+            let what = format!("{shape:?} bias {bias}");
+            assert_close(&a, &b, Tolerance::F32_FORWARD, &format!("{what}: y"));
+            assert_eq!(ga.len(), 3 + usize::from(bias));
+            for (x, y) in ga.iter().zip(&gb) {
+                assert_close(x, y, Tolerance::F32_GRAD, &format!("{what}: grad"));
+            }
+            // The residual's gradient is the input's (the sum's), on both paths.
+            assert_close(&ga[0], &ga[1], Tolerance::F32_GRAD, &format!("{what}: dx = dr"));
+        }
+    }
+    // A residual of another shape or dtype is an error on both paths, naming the residual.
+    for fused in [true, false] {
+        with_backend(backend(fused), || {
+            let vm = VarMap::new();
+            let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
+            let ln = multihead::LayerNorm::new(4, 1e-5, true, vb).unwrap();
+            let x = det(&[2, 4], DType::F32, 1.0);
+            for r in [det(&[1, 4], DType::F32, 2.0), det(&[2, 4], DType::F64, 2.0)] {
+                let e = ln.forward_residual(&x, &r).unwrap_err().to_string();
+                assert!(e.contains("layer_norm") && e.contains("residual"), "{e}");
+            }
+        });
+    }
+}
+
+#[test]
 fn fused_layer_norm_equals_the_composed_one_forward_and_backward() {
     use candle_nn::{VarBuilder, VarMap};
     for bias in [true, false] {
