@@ -54,7 +54,6 @@ impl LayerNorm {
     /// Normalises over the last dimension.
     // Mirrors torch.nn.LayerNorm.forward (torch.nn.functional.layer_norm).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let d = self.weight.dim(0)?;
         crate::alloc::expect_float("layer_norm", "input", x.dtype())?;
         if x.dtype() != self.weight.dtype() {
             return Err(Error::DType {
@@ -67,16 +66,7 @@ impl LayerNorm {
                 ),
             });
         }
-        if x.dims().last() != Some(&d) {
-            return Err(Error::Shape {
-                op: "layer_norm",
-                arg: "input",
-                msg: format!(
-                    "expected the last dimension to be {d}, got input of shape {:?}",
-                    x.dims()
-                ),
-            });
-        }
+        self.check_last_dim(x)?;
         // The composed form holds about four input-sized tensors.
         crate::alloc::ensure("layer_norm", "input", x.dims(), x.dtype(), 4, "use a smaller input")?;
         let (w, b) = (&self.weight, self.bias.as_ref());
@@ -139,17 +129,7 @@ impl LayerNorm {
             });
         }
         // `forward`'s check on the sum's shape, before a path is chosen.
-        let d = self.weight.dim(0)?;
-        if x.dims().last() != Some(&d) {
-            return Err(Error::Shape {
-                op: "layer_norm",
-                arg: "input",
-                msg: format!(
-                    "expected the last dimension to be {d}, got input of shape {:?}",
-                    x.dims()
-                ),
-            });
-        }
+        self.check_last_dim(x)?;
         let plan = crate::fused::dispatch::decide(
             "layer_norm",
             crate::mode::Backend::Auto,
@@ -167,6 +147,22 @@ impl LayerNorm {
         let weight = crate::mode::graph_input(&self.weight);
         let bias = self.bias.as_ref().map(crate::mode::graph_input);
         crate::fused::norm::add_layer_norm(&x, &r, &weight, bias.as_ref(), self.eps)
+    }
+
+    /// `x`'s last dimension must be the normalised size.
+    fn check_last_dim(&self, x: &Tensor) -> Result<()> {
+        let d = self.weight.dim(0)?;
+        if x.dims().last() != Some(&d) {
+            return Err(Error::Shape {
+                op: "layer_norm",
+                arg: "input",
+                msg: format!(
+                    "expected the last dimension to be {d}, got input of shape {:?}",
+                    x.dims()
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// The normalisation of `x` (checked) with `weight` and `bias` of its dtype.

@@ -365,6 +365,21 @@ fn fused_long_key_path_equals_composed() {
     }
 }
 
+/// A LayerNorm over `d` with seeded parameters, and its parameters in name order.
+fn seeded_layer_norm(d: usize, bias: bool) -> (multihead::LayerNorm, Vec<candle_core::Var>) {
+    use candle_nn::{VarBuilder, VarMap};
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let ln = multihead::LayerNorm::new(d, 1e-5, bias, vb).unwrap();
+    let mut named: Vec<(String, candle_core::Var)> =
+        vm.data().lock().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0)); // the VarMap's order is a HashMap's
+    for (i, (_, v)) in named.iter().enumerate() {
+        v.set(&det(v.dims(), DType::F32, 7.0 + i as f64)).unwrap();
+    }
+    (ln, named.into_iter().map(|(_, v)| v).collect())
+}
+
 #[test]
 fn fused_residual_layer_norm_equals_the_composed_sum_and_norm_forward_and_backward() {
     use candle_nn::{VarBuilder, VarMap};
@@ -373,20 +388,7 @@ fn fused_residual_layer_norm_equals_the_composed_sum_and_norm_forward_and_backwa
             let d = *shape.last().unwrap();
             let go = |fused: bool| {
                 with_backend(backend(fused), || {
-                    let vm = VarMap::new();
-                    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
-                    let ln = multihead::LayerNorm::new(d, 1e-5, bias, vb).unwrap();
-                    let mut named: Vec<(String, candle_core::Var)> = vm
-                        .data()
-                        .lock()
-                        .unwrap()
-                        .iter()
-                        .map(|(k, v)| (k.clone(), v.clone()))
-                        .collect();
-                    named.sort_by(|a, b| a.0.cmp(&b.0)); // the VarMap's order is a HashMap's
-                    for (i, (_, v)) in named.iter().enumerate() {
-                        v.set(&det(v.dims(), DType::F32, 7.0 + i as f64)).unwrap();
-                    }
+                    let (ln, named) = seeded_layer_norm(d, bias);
                     let x = var(&det(&shape, DType::F32, 1.0).affine(3.0, 0.5).unwrap());
                     let r = var(&det(&shape, DType::F32, 3.0).affine(2.0, -0.25).unwrap());
                     let y = ln.forward_residual(x.as_tensor(), r.as_tensor()).unwrap();
@@ -401,7 +403,7 @@ fn fused_residual_layer_norm_equals_the_composed_sum_and_norm_forward_and_backwa
                         g.get(x.as_tensor()).unwrap().clone(),
                         g.get(r.as_tensor()).unwrap().clone(),
                     ];
-                    for (_, v) in &named {
+                    for v in &named {
                         grads.push(g.get(v.as_tensor()).unwrap().clone());
                     }
                     (y, grads)
@@ -435,31 +437,12 @@ fn fused_residual_layer_norm_equals_the_composed_sum_and_norm_forward_and_backwa
 
 #[test]
 fn fused_layer_norm_equals_the_composed_one_forward_and_backward() {
-    use candle_nn::{VarBuilder, VarMap};
     for bias in [true, false] {
         for shape in [vec![3usize, 1], vec![2, 5, 17], vec![70, 384], vec![4, 3, 1000]] {
             let d = *shape.last().unwrap();
             let go = |fused: bool| {
                 with_backend(backend(fused), || {
-                    let vm = VarMap::new();
-                    let ln = multihead::LayerNorm::new(
-                        d,
-                        1e-5,
-                        bias,
-                        VarBuilder::from_varmap(&vm, DType::F32, &dev()),
-                    )
-                    .unwrap();
-                    let mut named: Vec<(String, candle_core::Var)> = vm
-                        .data()
-                        .lock()
-                        .unwrap()
-                        .iter()
-                        .map(|(k, v)| (k.clone(), v.clone()))
-                        .collect();
-                    named.sort_by(|a, b| a.0.cmp(&b.0)); // the VarMap's order is a HashMap's
-                    for (i, (_, v)) in named.iter().enumerate() {
-                        v.set(&det(v.dims(), DType::F32, 7.0 + i as f64)).unwrap();
-                    }
+                    let (ln, named) = seeded_layer_norm(d, bias);
                     let x = var(&det(&shape, DType::F32, 1.0).affine(3.0, 0.5).unwrap());
                     let y = ln.forward(x.as_tensor()).unwrap();
                     let g = y
@@ -470,7 +453,7 @@ fn fused_layer_norm_equals_the_composed_one_forward_and_backward() {
                         .backward()
                         .unwrap();
                     let mut grads = vec![g.get(x.as_tensor()).unwrap().clone()];
-                    for (_, v) in &named {
+                    for v in &named {
                         grads.push(g.get(v.as_tensor()).unwrap().clone());
                     }
                     (y, grads)
