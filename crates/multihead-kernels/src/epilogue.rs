@@ -157,6 +157,15 @@ const MAX_ROW_BLOCKS: usize = 64;
 ///
 /// Errors: `n` is 0 while `dy` is not empty, `dy`'s length is not a multiple of `n`, or the
 /// partial sums cannot be allocated.
+///
+/// ```
+/// use multihead_kernels::epilogue::bias_grad;
+///
+/// // Three rows of two outputs.
+/// let db = bias_grad(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 2)?;
+/// assert_eq!(db, [9.0, 12.0]);
+/// # Ok::<(), multihead_kernels::attention::KernelError>(())
+/// ```
 pub fn bias_grad(dy: &[f32], n: usize) -> Result<Vec<f32>, KernelError> {
     use rayon::prelude::*;
     if dy.is_empty() {
@@ -171,7 +180,7 @@ pub fn bias_grad(dy: &[f32], n: usize) -> Result<Vec<f32>, KernelError> {
     let rows = dy.len() / n;
     let per_block = (BLOCK * 4 / n).max(rows.div_ceil(MAX_ROW_BLOCKS)).max(1);
     let blocks = rows.div_ceil(per_block);
-    let mut partial = zeroed(blocks * n)?;
+    let mut partial = zeroed(blocks.saturating_mul(n))?;
     partial.par_chunks_mut(n).zip(dy.par_chunks(per_block * n)).for_each(|(acc, rows)| {
         for row in rows.chunks_exact(n) {
             for (a, v) in acc.iter_mut().zip(row) {

@@ -224,6 +224,20 @@ pub fn layer_norm_forward(
 /// its post-norm in one pass): writes `y`, the row statistics, and `z` when given (the
 /// backward's input; [`layer_norm_backward`] on `z` gives the gradient of both `x` and the
 /// residual). The same bits as [`layer_norm_forward`] on `z` summed in f32 first.
+///
+/// ```
+/// use multihead_kernels::norm::{add_layer_norm_forward, layer_norm_forward, NormStats};
+///
+/// let (x, r) = ([1.0f32, 2.0, 3.0, 4.0], [0.5f32, -1.0, 0.0, 2.0]);
+/// let w = [1.0f32; 4];
+/// let (mut y, mut z, mut st) = ([0f32; 4], [0f32; 4], NormStats::new(1));
+/// add_layer_norm_forward(&x, &r, 4, &w, None, 1e-5, Some(&mut z), &mut y, &mut st)?;
+/// assert_eq!(z, [1.5, 1.0, 3.0, 6.0]);
+/// let (mut want, mut st2) = ([0f32; 4], NormStats::new(1));
+/// layer_norm_forward(&z, 4, &w, None, 1e-5, &mut want, &mut st2)?;
+/// assert_eq!(y, want);
+/// # Ok::<(), multihead_kernels::attention::KernelError>(())
+/// ```
 #[allow(clippy::too_many_arguments)]
 pub fn add_layer_norm_forward(
     x: &[f32],
