@@ -128,8 +128,10 @@ impl LayerNorm {
                 ),
             });
         }
-        // `forward`'s check on the sum's shape, before a path is chosen.
+        // `forward`'s checks on the sum, before a path is chosen (and before the composed path
+        // makes the sum): its shape, and that it and the norm's temporaries fit in memory.
         self.check_last_dim(x)?;
+        crate::alloc::ensure("layer_norm", "input", x.dims(), x.dtype(), 5, "use a smaller input")?;
         let plan = crate::fused::dispatch::decide(
             "layer_norm",
             crate::mode::Backend::Auto,
@@ -142,7 +144,6 @@ impl LayerNorm {
         if !fused {
             return self.forward(&(x + residual)?);
         }
-        crate::alloc::ensure("layer_norm", "input", x.dims(), x.dtype(), 4, "use a smaller input")?;
         let (x, r) = (crate::mode::graph_input(x), crate::mode::graph_input(residual));
         let weight = crate::mode::graph_input(&self.weight);
         let bias = self.bias.as_ref().map(crate::mode::graph_input);

@@ -420,6 +420,37 @@ fn fused_residual_layer_norm_equals_the_composed_sum_and_norm_forward_and_backwa
             assert_close(&ga[0], &ga[1], Tolerance::F32_GRAD, &format!("{what}: dx = dr"));
         }
     }
+    // Strided and broadcast views: a transposed input and a stride-0 residual give the norm of
+    // their sum on both paths.
+    for fused in [true, false] {
+        with_backend(backend(fused), || {
+            let (ln, _) = seeded_layer_norm(6, true);
+            let x = det(&[6, 5], DType::F32, 1.0).t().unwrap(); // (5, 6), strided
+            let r = det(&[1, 6], DType::F32, 2.0).broadcast_as((5, 6)).unwrap();
+            let got = ln.forward_residual(&x, &r).unwrap();
+            let want = ln.forward(&(&x.contiguous().unwrap() + &r).unwrap()).unwrap();
+            assert_close(&got, &want, Tolerance::F32_FORWARD, &format!("views, fused {fused}"));
+            // A NaN in the residual makes its row NaN and leaves the others alone.
+            let mut rv = vec![0.5f32; 30];
+            rv[7] = f32::NAN;
+            let rn = Tensor::from_vec(rv, (5, 6), &dev()).unwrap();
+            let y = ln.forward_residual(&x, &rn).unwrap().to_vec2::<f32>().unwrap();
+            for (i, row) in y.iter().enumerate() {
+                assert_eq!(row.iter().all(|v| v.is_nan()), i == 1, "NaN row {i}, fused {fused}");
+                assert!(i == 1 || row.iter().all(|v| v.is_finite()), "row {i}, fused {fused}");
+            }
+        });
+    }
+    // A broadcast view too large to materialise is an allocation error, not an abort.
+    for fused in [true, false] {
+        with_backend(backend(fused), || {
+            let (ln, _) = seeded_layer_norm(4, true);
+            let huge = (1usize << 40, 4);
+            let x = det(&[1, 4], DType::F32, 1.0).broadcast_as(huge).unwrap();
+            let e = ln.forward_residual(&x, &x).unwrap_err();
+            assert!(matches!(e, multihead::Error::Alloc { .. }), "fused {fused}: {e}");
+        });
+    }
     // A residual of another shape or dtype is an error on both paths, naming the residual.
     for fused in [true, false] {
         with_backend(backend(fused), || {
