@@ -285,13 +285,9 @@ impl BwdTask<'_> {
         let jend = if clip { dm.s.min(i0 + br) } else { dm.s }.min(ck.c1);
         // SAFETY: see `run`; scratch slices are sized by `scratch_len`.
         unsafe {
-            let dq_row = |i: usize| self.dq.0.add(self.dql.offset(b, h, i0 + i));
             if ck.c0 >= jend {
                 // No key of this chunk reaches the block: its dQ is 0 unless a chunk adds.
-                if ck.index == 0 {
-                    (0..br).for_each(|i| zero_row(dq_row(i), d));
-                }
-                return;
+                return self.write_dq::<S>(sc, (b, h, i0, br), ck, true, bf);
             }
             let (mut qrow, mut qld) = (self.q.0.add(self.ql.offset(b, h, i0)), self.ql.seq);
             let (mut dorow, mut dold) = (self.dout.0.add(self.dol.offset(b, h, i0)), self.dol.seq);
@@ -309,27 +305,7 @@ impl BwdTask<'_> {
                 pack_transposed::<S>(sc.qt, brp, qrow, qld, br, d, p.scale);
                 pack_transposed::<S>(sc.dot, brp, dorow, dold, br, dv, 1.0);
             }
-            let rows = dm.batch * dm.heads_q * dm.l;
-            let max_row = self.lse.0.add(bh * dm.l + i0);
-            let lse_row = self.lse.0.add(rows + bh * dm.l + i0);
-            for i in 0..brp {
-                if i < br {
-                    let orow = self.o.0.add(self.ol.offset(b, h, i0 + i));
-                    let drow = dorow.add(i * dold);
-                    sc.dvec[i] = if bf {
-                        // D from the rounded dO (and O), as dP gets it: the sum
-                        // Σ_j P_j (dP_j - D) then stays 0, as PyTorch's bf16 kernel has it.
-                        bf::dot_rounded(orow, drow, dv)
-                    } else {
-                        super::tile::dot::<S>(orow, drow, dv)
-                    };
-                    (sc.maxv[i], sc.lsev[i]) = (*max_row.add(i), *lse_row.add(i));
-                } else {
-                    // Padding lanes: P = exp(x - inf) = 0, so they contribute nothing.
-                    sc.dvec[i] = 0.0;
-                    (sc.maxv[i], sc.lsev[i]) = (0.0, f32::INFINITY);
-                }
-            }
+            self.block_stats::<S>(sc, bh, i0, (br, brp), (dorow, dold), bf);
             let dropout =
                 p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
 
@@ -379,95 +355,87 @@ impl BwdTask<'_> {
                     causal_fill(sc.st, brp, i0, j0, bc, f32::NEG_INFINITY);
                     causal_fill(sc.dpt, brp, i0, j0, bc, 0.0);
                 }
-                let mtp = sc.mt.as_ptr();
-                for vi in 0..nvec {
-                    let lv = S::load(sc.lsev.as_ptr().add(vi * l));
-                    let mv = S::load(sc.maxv.as_ptr().add(vi * l));
-                    let dd = S::load(sc.dvec.as_ptr().add(vi * l));
-                    for j in 0..bc {
-                        let off = j * brp + vi * l;
-                        let mut x = S::load(stp.add(off));
-                        if has_mask {
-                            let m = match per_key {
-                                true => S::splat(*mtp.add(j)),
-                                false => S::load(mtp.add(off)),
-                            };
-                            x = S::add(x, m);
-                        }
-                        let pe = S::exp(S::sub(S::sub(x, mv), lv));
-                        let dp = S::load(dpp.add(off));
-                        let (pm, ds) = match &dropout {
-                            Some(dr) => {
-                                let m = dr.vector::<S>(vi * l, j0 + j);
-                                (S::mul(pe, m), S::mul(pe, S::sub(S::mul(m, dp), dd)))
-                            }
-                            None => (pe, S::mul(pe, S::sub(dp, dd))),
-                        };
-                        S::store(stp.add(off), pm);
-                        S::store(dpp.add(off), ds);
-                    }
-                }
+                let tile = GradTile { st: stp, dpt: dpp, brp, nvec, bc };
+                let mask = has_mask.then_some((sc.mt.as_ptr(), per_key));
+                let stats = (sc.maxv.as_ptr(), sc.lsev.as_ptr(), sc.dvec.as_ptr());
+                probs_and_dscores::<S>(&tile, mask, stats, dropout.as_ref().map(|dr| (dr, j0)));
+                let grads = BlockGrads { dvj: (dvj, dv), dkj: (dkj, d), kj: (kj, kld), first };
                 if bf {
-                    let (dvj, dkj) = ((dvj, dv), (dkj, d));
-                    let grads = BlockGrads { dvj, dkj, kj: (kj, kld), first };
                     sc.bb.grads(kern, (stp, dpp), brp, (br, bc), (d, dv), grads);
-                    first = false;
-                    j0 += step;
-                    continue;
+                } else {
+                    let rows = [(qrow, qld), (dorow, dold)];
+                    f32_grads::<S>(&tile, br, rows, sc.dqa.as_mut_ptr(), grads, diag);
                 }
-                // Key row r is seen by queries i0 + k' >= j0 + r only.
-                let tri = diag.map_or(Tri::Full, |e| Tri::KStart(-e));
-                // dV_j += (P∘m)ᵀ dO_i ; dK_j += dSᵀ Q_i (scaled at the end).
-                let (a, rs_a, cs_a, k) = (sc.st.as_ptr(), brp, 1, br);
-                S::gemm(&GemmArgs {
-                    m: bc,
-                    n: dv,
-                    k,
-                    a,
-                    rs_a,
-                    cs_a,
-                    b: dorow,
-                    ldb: dold,
-                    c: dvj,
-                    ldc: dv,
-                    accumulate: true,
-                    tri,
-                });
-                let a = sc.dpt.as_ptr();
-                S::gemm(&GemmArgs {
-                    m: bc,
-                    n: d,
-                    k,
-                    a,
-                    rs_a,
-                    cs_a,
-                    b: qrow,
-                    ldb: qld,
-                    c: dkj,
-                    ldc: d,
-                    accumulate: true,
-                    tri,
-                });
-                // dQ_i += dS K_j (scaled at the end).
-                S::gemm(&GemmArgs {
-                    m: br,
-                    n: d,
-                    k: bc,
-                    a,
-                    rs_a: 1,
-                    cs_a: brp,
-                    b: kj,
-                    ldb: kld,
-                    c: sc.dqa.as_mut_ptr(),
-                    ldc: d,
-                    accumulate: !first,
-                    // Query row r sees keys j0 + k' <= i0 + r only.
-                    tri: diag.map_or(Tri::Full, Tri::KEnd),
-                });
                 first = false;
                 j0 += step;
             }
-            if bf && !first {
+            self.write_dq::<S>(sc, (b, h, i0, br), ck, first, bf);
+        }
+    }
+
+    /// Loads the block's row statistics into `sc`: the forward's max and log-sum of each row,
+    /// and `D = rowsum(dO ∘ O)`; padding lanes get `P = exp(x - inf) = 0` and `D = 0`, so they
+    /// contribute nothing.
+    ///
+    /// # Safety
+    /// `S` is available; row `bh` and rows `i0..i0 + br` are in range; `dorow` has `br` rows
+    /// of stride `dold`.
+    #[inline(always)]
+    unsafe fn block_stats<S: Simd>(
+        &self,
+        sc: &mut BwdScratch<'_>,
+        bh: usize,
+        i0: usize,
+        (br, brp): (usize, usize),
+        (dorow, dold): (*const f32, usize),
+        bf: bool,
+    ) {
+        let dm = &self.p.dims;
+        let rows = dm.batch * dm.heads_q * dm.l;
+        let (b, h) = (bh / dm.heads_q, bh % dm.heads_q);
+        // SAFETY: the rows validated by `flash_backward` (caller).
+        unsafe {
+            let max_row = self.lse.0.add(bh * dm.l + i0);
+            let lse_row = self.lse.0.add(rows + bh * dm.l + i0);
+            for i in 0..brp {
+                if i < br {
+                    let orow = self.o.0.add(self.ol.offset(b, h, i0 + i));
+                    let drow = dorow.add(i * dold);
+                    sc.dvec[i] = if bf {
+                        // D from the rounded dO (and O), as dP gets it: the sum
+                        // Σ_j P_j (dP_j - D) then stays 0, as PyTorch's bf16 kernel has it.
+                        bf::dot_rounded(orow, drow, dm.dv)
+                    } else {
+                        super::tile::dot::<S>(orow, drow, dm.dv)
+                    };
+                    (sc.maxv[i], sc.lsev[i]) = (*max_row.add(i), *lse_row.add(i));
+                } else {
+                    sc.dvec[i] = 0.0;
+                    (sc.maxv[i], sc.lsev[i]) = (0.0, f32::INFINITY);
+                }
+            }
+        }
+    }
+
+    /// Writes the block's `dQ` share from `sc.dqa` (from the bf16 products' `dQᵀ` first):
+    /// written for chunk 0 (scaled when it is the only chunk), added for the others; 0 when no
+    /// key of chunk 0 reached the block.
+    ///
+    /// # Safety
+    /// `S` is available; `(b, h)` and rows `i0..i0 + br` are in range.
+    #[inline(always)]
+    unsafe fn write_dq<S: Simd>(
+        &self,
+        sc: &mut BwdScratch<'_>,
+        (b, h, i0, br): (usize, usize, usize, usize),
+        ck: Chunk,
+        empty: bool,
+        bf: bool,
+    ) {
+        let d = self.p.dims.d;
+        // SAFETY: this task alone writes these rows of `dq` (see `run`).
+        unsafe {
+            if bf && !empty {
                 // dQ back from channels × lanes to rows × channels.
                 for i in 0..br {
                     for c in 0..d {
@@ -476,17 +444,145 @@ impl BwdTask<'_> {
                 }
             }
             for i in 0..br {
-                let (dst, src) = (dq_row(i), sc.dqa.as_ptr().add(i * d));
-                match (ck.index, first) {
+                let dst = self.dq.0.add(self.dql.offset(b, h, i0 + i));
+                let src = sc.dqa.as_ptr().add(i * d);
+                match (ck.index, empty) {
                     (0, true) => zero_row(dst, d),
                     (0, false) => {
-                        scale_row::<S>(dst, src, d, if ck.single { p.scale } else { 1.0 })
+                        scale_row::<S>(dst, src, d, if ck.single { self.p.scale } else { 1.0 })
                     }
                     (_, true) => {}
                     (_, false) => add_row::<S>(dst, src, d),
                 }
             }
         }
+    }
+}
+
+/// The two tiles of one key block, keys as rows (`bc` of them, stride `brp`) and the query
+/// block as `nvec` lane vectors: the scores `Sᵀ` (then `P∘m`) and `dPᵀ` (then `dS`).
+struct GradTile {
+    st: *mut f32,
+    dpt: *mut f32,
+    brp: usize,
+    nvec: usize,
+    bc: usize,
+}
+
+/// Replaces the tiles by `P∘m` and `dS = P∘(m∘dP − D)`, with `P = exp(S + mask − max − lse)`
+/// from the forward's statistics `(max, lse, D)` (one per lane), `mask` a pointer and whether
+/// it holds one value per key (else one per entry), and `m` the dropout multipliers of
+/// `dropout`'s block at key offset `j0` (1 without dropout).
+///
+/// # Safety
+/// `S` is available; the tiles (and a per-entry mask) hold `bc · brp` floats, a per-key mask
+/// `bc`; the statistics `nvec · S::LANES`.
+#[inline(always)]
+unsafe fn probs_and_dscores<S: Simd>(
+    t: &GradTile,
+    mask: Option<(*const f32, bool)>,
+    (maxv, lsev, dvec): (*const f32, *const f32, *const f32),
+    dropout: Option<(&BlockDropout, usize)>,
+) {
+    let l = S::LANES;
+    // SAFETY: within the tiles and statistics (caller).
+    unsafe {
+        for vi in 0..t.nvec {
+            let lv = S::load(lsev.add(vi * l));
+            let mv = S::load(maxv.add(vi * l));
+            let dd = S::load(dvec.add(vi * l));
+            for j in 0..t.bc {
+                let off = j * t.brp + vi * l;
+                let mut x = S::load(t.st.add(off));
+                if let Some((mtp, per_key)) = mask {
+                    let m = match per_key {
+                        true => S::splat(*mtp.add(j)),
+                        false => S::load(mtp.add(off)),
+                    };
+                    x = S::add(x, m);
+                }
+                let pe = S::exp(S::sub(S::sub(x, mv), lv));
+                let dp = S::load(t.dpt.add(off));
+                let (pm, ds) = match dropout {
+                    Some((dr, j0)) => {
+                        let m = dr.vector::<S>(vi * l, j0 + j);
+                        (S::mul(pe, m), S::mul(pe, S::sub(S::mul(m, dp), dd)))
+                    }
+                    None => (pe, S::mul(pe, S::sub(dp, dd))),
+                };
+                S::store(t.st.add(off), pm);
+                S::store(t.dpt.add(off), ds);
+            }
+        }
+    }
+}
+
+/// The f32 products of one key block: `dV_j += (P∘m)ᵀ dO_i`, `dK_j += dSᵀ Q_i` and
+/// `dQ_i (+)= dS K_j` into `dqa` (written for the block's first key block), the last two
+/// unscaled; `rows` are the block's `q` and `dO` rows with their strides, and `diag` clips a
+/// causal block's triangles.
+///
+/// # Safety
+/// `S` is available; the tiles hold the block's `P∘m` and `dS`; `rows` address `br` rows of
+/// `d` and `dv` floats, `g` `bc` rows; `dqa` holds `br · d` floats.
+#[inline(always)]
+unsafe fn f32_grads<S: Simd>(
+    t: &GradTile,
+    br: usize,
+    [(qrow, qld), (dorow, dold)]: [(*const f32, usize); 2],
+    dqa: *mut f32,
+    g: BlockGrads,
+    diag: Option<isize>,
+) {
+    let ((dvj, dv), (dkj, d), (kj, kld)) = (g.dvj, g.dkj, g.kj);
+    // Key row r is seen by queries i0 + k' >= j0 + r only.
+    let tri = diag.map_or(Tri::Full, |e| Tri::KStart(-e));
+    let (rs_a, cs_a, k) = (t.brp, 1, br);
+    // SAFETY: within the tiles and rows the caller guarantees.
+    unsafe {
+        S::gemm(&GemmArgs {
+            m: t.bc,
+            n: dv,
+            k,
+            a: t.st,
+            rs_a,
+            cs_a,
+            b: dorow,
+            ldb: dold,
+            c: dvj,
+            ldc: dv,
+            accumulate: true,
+            tri,
+        });
+        S::gemm(&GemmArgs {
+            m: t.bc,
+            n: d,
+            k,
+            a: t.dpt,
+            rs_a,
+            cs_a,
+            b: qrow,
+            ldb: qld,
+            c: dkj,
+            ldc: d,
+            accumulate: true,
+            tri,
+        });
+        S::gemm(&GemmArgs {
+            m: br,
+            n: d,
+            k: t.bc,
+            a: t.dpt,
+            rs_a: 1,
+            cs_a: t.brp,
+            b: kj,
+            ldb: kld,
+            c: dqa,
+            ldc: d,
+            accumulate: !g.first,
+            // Query row r sees keys j0 + k' <= i0 + r only.
+            tri: diag.map_or(Tri::Full, Tri::KEnd),
+        });
     }
 }
 

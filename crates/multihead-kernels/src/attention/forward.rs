@@ -143,6 +143,7 @@ impl Task for FwdTask<'_> {
             }
             mrun.fill(f32::MIN);
             lrun.fill(0.0);
+            let mut running = Running { max: mrun, sum: lrun, alpha };
 
             // A head with a non-finite key or value reads every key (no tile is skipped, causal
             // masking is added), so NaN reaches the output exactly as on the composed path.
@@ -182,86 +183,25 @@ impl Task for FwdTask<'_> {
                 } else if p.causal && j0 + bc > i0 + 1 {
                     causal_add(st, brp, i0, j0, bc);
                 }
-                let stp = st.as_mut_ptr();
-                let mtp = mt.as_ptr();
-                // Pass 1: masks and the new running max (vertical over keys).
-                for vi in 0..nvec {
-                    let mut mx = S::splat(f32::NEG_INFINITY);
-                    for j in 0..bc {
-                        let ptr = stp.add(j * brp + vi * l);
-                        let mut x = S::load(ptr);
-                        if has_mask {
-                            let m = match per_key {
-                                true => S::splat(*mtp.add(j)),
-                                false => S::load(mtp.add(j * brp + vi * l)),
-                            };
-                            x = S::add(x, m);
-                            S::store(ptr, x);
-                        }
-                        mx = S::max(mx, x);
-                    }
-                    let mo = S::load(mrun.as_ptr().add(vi * l));
-                    // f32::MIN, not -inf, as the reference of an all -inf row: exp(-inf - MIN)
-                    // is 0 where exp(-inf - -inf) would be NaN.
-                    let mn = S::max(S::splat(f32::MIN), S::max(mo, mx));
-                    S::store(mrun.as_mut_ptr().add(vi * l), mn);
-                    S::store(alpha.as_mut_ptr().add(vi * l), S::exp(S::sub(mo, mn)));
-                }
-                // Pass 2: P = exp(S - m), row sums, dropout.
-                for vi in 0..nvec {
-                    let r = S::load(mrun.as_ptr().add(vi * l));
-                    let mut sum = S::splat(0.0);
-                    for j in 0..bc {
-                        let ptr = stp.add(j * brp + vi * l);
-                        let mut e = S::exp(S::sub(S::load(ptr), r));
-                        sum = S::add(sum, e);
-                        if let Some(dr) = &dropout {
-                            e = S::mul(e, dr.vector::<S>(vi * l, j0 + j));
-                        }
-                        S::store(ptr, e);
-                    }
-                    let lp = lrun.as_mut_ptr().add(vi * l);
-                    let a = S::load(alpha.as_ptr().add(vi * l));
-                    S::store(lp, S::fma(a, S::load(lp), sum));
-                }
+                let mask = has_mask.then_some((mt.as_ptr(), per_key));
+                let drop = dropout.as_ref().map(|dr| (dr, j0));
+                let tile = ScoreTile { st: st.as_mut_ptr(), brp, nvec, bc };
+                softmax_tile::<S>(&tile, mask, &mut running, drop);
                 // Rescale O where the max grew, then O += P V.
+                let (vj, ld) = (vbase.add(j0 * self.vl.seq), self.vl.seq);
                 if bf {
                     if !first {
-                        rescale_lanes::<S>(ot, dv, alpha.as_ptr(), nvec);
+                        rescale_lanes::<S>(ot, dv, running.alpha.as_ptr(), nvec);
                     }
-                    let (vj, ld) = (vbase.add(j0 * self.vl.seq), self.vl.seq);
                     let (st, accumulate) = (st.as_ptr(), !first);
                     bf::values(
                         kern,
                         &Values { st, brp, bc, v: vj, ld, dv, ot, accumulate, vw, pw },
                     );
-                    first = false;
-                    j0 += step;
-                    continue;
+                } else {
+                    let values = (vj, ld, dv);
+                    accumulate_values::<S>(o, &running.alpha[..br], &tile, values, first, diag);
                 }
-                if !first {
-                    for (i, &a) in alpha[..br].iter().enumerate() {
-                        if a != 1.0 {
-                            let row = o.as_mut_ptr().add(i * dv);
-                            scale_row::<S>(row, row, dv, a);
-                        }
-                    }
-                }
-                S::gemm(&GemmArgs {
-                    m: br,
-                    n: dv,
-                    k: bc,
-                    a: st.as_ptr(),
-                    rs_a: 1,
-                    cs_a: brp,
-                    b: vbase.add(j0 * self.vl.seq),
-                    ldb: self.vl.seq,
-                    c: o.as_mut_ptr(),
-                    ldc: dv,
-                    accumulate: !first,
-                    // Query row r sees keys j0 + k' <= i0 + r only.
-                    tri: diag.map_or(Tri::Full, Tri::KEnd),
-                });
                 first = false;
                 j0 += step;
             }
@@ -274,28 +214,180 @@ impl Task for FwdTask<'_> {
                     }
                 }
             }
-            // Row statistics: the max and the log of the sum, kept apart so that a row whose max
-            // is huge (a -1e9 or finfo.min mask over the whole row) keeps its precision.
-            let rows = dm.batch * dm.heads_q * dm.l;
-            let r0 = (b * dm.heads_q + h) * dm.l + i0;
+            let rows = RowsOut { b, h, i0, br, dv, finite, empty: first };
+            self.write_rows::<S>(&rows, o, running.max, running.sum);
+        }
+    }
+}
+
+/// Where a finished query block goes: its rows `i0..i0 + br` of head `(b, h)`, whether the
+/// head is finite, and whether no key block was read (every key masked or none).
+struct RowsOut {
+    b: usize,
+    h: usize,
+    i0: usize,
+    br: usize,
+    dv: usize,
+    finite: bool,
+    empty: bool,
+}
+
+impl FwdTask<'_> {
+    /// Writes the block's output rows `O / l` and row statistics: the max and the log of the
+    /// sum, kept apart so that a row whose max is huge (a -1e9 or finfo.min mask over the
+    /// whole row) keeps its precision. A fully masked row is 0 (statistics `(0, inf)`), or, in
+    /// a non-finite head, `Σ 0·V` (NaN where V is not finite, as on the composed path).
+    ///
+    /// # Safety
+    /// `S` is available; `(b, h)` and the rows are in range (see `run`); `o` holds
+    /// `br · dv` floats, `max` and `sum` `br`.
+    #[inline(always)]
+    unsafe fn write_rows<S: Simd>(&self, r: &RowsOut, o: &[f32], max: &[f32], sum: &[f32]) {
+        let dm = &self.p.dims;
+        let rows = dm.batch * dm.heads_q * dm.l;
+        let r0 = (r.b * dm.heads_q + r.h) * dm.l + r.i0;
+        // SAFETY: `run` validated these rows; this task alone writes them.
+        unsafe {
             let max_row = self.lse.0.add(r0);
             let lse_row = self.lse.0.add(rows + r0);
-            for i in 0..br {
-                let dst = self.out.0.add(self.ol.offset(b, h, i0 + i));
-                let sum = lrun[i];
-                if first || (sum == 0.0 && finite) {
-                    zero_row(dst, dv);
-                    (*max_row.add(i), *lse_row.add(i)) = (0.0, f32::INFINITY);
-                } else if sum == 0.0 {
-                    // Fully masked row of a non-finite head: Σ 0·V, NaN where V is not finite.
-                    scale_row::<S>(dst, o.as_ptr().add(i * dv), dv, 1.0);
-                    (*max_row.add(i), *lse_row.add(i)) = (0.0, f32::INFINITY);
+            for i in 0..r.br {
+                let dst = self.out.0.add(self.ol.offset(r.b, r.h, r.i0 + i));
+                let (src, l) = (o.as_ptr().add(i * r.dv), sum[i]);
+                let (scale, stats) = if r.empty || (l == 0.0 && r.finite) {
+                    (None, (0.0, f32::INFINITY))
+                } else if l == 0.0 {
+                    (Some(1.0), (0.0, f32::INFINITY))
                 } else {
-                    scale_row::<S>(dst, o.as_ptr().add(i * dv), dv, 1.0 / sum);
-                    (*max_row.add(i), *lse_row.add(i)) = (mrun[i], sum.ln());
+                    (Some(1.0 / l), (max[i], l.ln()))
+                };
+                match scale {
+                    None => zero_row(dst, r.dv),
+                    Some(f) => scale_row::<S>(dst, src, r.dv, f),
+                }
+                (*max_row.add(i), *lse_row.add(i)) = stats;
+            }
+        }
+    }
+}
+
+/// One tile of scores, keys as rows (`bc` of them, stride `brp`) and the block's queries as
+/// `nvec` vectors of lanes.
+struct ScoreTile {
+    st: *mut f32,
+    brp: usize,
+    nvec: usize,
+    bc: usize,
+}
+
+/// The running softmax statistics of a query block, queries as lanes: the max, the sum, and
+/// the last key block's rescaling factors `exp(m_old - m_new)`.
+struct Running<'s> {
+    max: &'s mut [f32],
+    sum: &'s mut [f32],
+    alpha: &'s mut [f32],
+}
+
+/// The online-softmax update of one score tile: the masks added (`mask`: a pointer and whether
+/// it holds one value per key, else one per entry), the running max and its rescaling factors
+/// updated (pass 1, vertical over keys), then the tile replaced by `P = exp(S - m)` (times the
+/// dropout multipliers of `dropout`'s block at key offset `j0`) while the running sums are
+/// rescaled and increased (pass 2).
+///
+/// # Safety
+/// `S` is available; the tile (and a per-entry mask) hold `bc · brp` floats, a per-key mask
+/// `bc`; the running slices `nvec · S::LANES`.
+#[inline(always)]
+unsafe fn softmax_tile<S: Simd>(
+    t: &ScoreTile,
+    mask: Option<(*const f32, bool)>,
+    run: &mut Running<'_>,
+    dropout: Option<(&BlockDropout, usize)>,
+) {
+    let (l, stp, brp) = (S::LANES, t.st, t.brp);
+    // SAFETY: within the tile and the running slices (caller).
+    unsafe {
+        for vi in 0..t.nvec {
+            let mut mx = S::splat(f32::NEG_INFINITY);
+            for j in 0..t.bc {
+                let ptr = stp.add(j * brp + vi * l);
+                let mut x = S::load(ptr);
+                if let Some((mtp, per_key)) = mask {
+                    let m = match per_key {
+                        true => S::splat(*mtp.add(j)),
+                        false => S::load(mtp.add(j * brp + vi * l)),
+                    };
+                    x = S::add(x, m);
+                    S::store(ptr, x);
+                }
+                mx = S::max(mx, x);
+            }
+            let mo = S::load(run.max.as_ptr().add(vi * l));
+            // f32::MIN, not -inf, as the reference of an all -inf row: exp(-inf - MIN)
+            // is 0 where exp(-inf - -inf) would be NaN.
+            let mn = S::max(S::splat(f32::MIN), S::max(mo, mx));
+            S::store(run.max.as_mut_ptr().add(vi * l), mn);
+            S::store(run.alpha.as_mut_ptr().add(vi * l), S::exp(S::sub(mo, mn)));
+        }
+        for vi in 0..t.nvec {
+            let r = S::load(run.max.as_ptr().add(vi * l));
+            let mut sum = S::splat(0.0);
+            for j in 0..t.bc {
+                let ptr = stp.add(j * brp + vi * l);
+                let mut e = S::exp(S::sub(S::load(ptr), r));
+                sum = S::add(sum, e);
+                if let Some((dr, j0)) = dropout {
+                    e = S::mul(e, dr.vector::<S>(vi * l, j0 + j));
+                }
+                S::store(ptr, e);
+            }
+            let lp = run.sum.as_mut_ptr().add(vi * l);
+            let a = S::load(run.alpha.as_ptr().add(vi * l));
+            S::store(lp, S::fma(a, S::load(lp), sum));
+        }
+    }
+}
+
+/// The f32 products' `O = alpha ∘ O + P · V_j` for the block's `alpha.len()` rows (`O = P · V_j`
+/// for the first key block), with `P` the tile (transposed: keys as rows) and `values` the key
+/// block's value rows `(pointer, stride, dv)`; `diag` clips a causal block's triangle.
+///
+/// # Safety
+/// `S` is available; `o` holds `rows · dv` floats; `values` addresses `t.bc` rows of `dv`.
+#[inline(always)]
+unsafe fn accumulate_values<S: Simd>(
+    o: &mut [f32],
+    alpha: &[f32],
+    t: &ScoreTile,
+    values: (*const f32, usize, usize),
+    first: bool,
+    diag: Option<isize>,
+) {
+    let (v, ldb, dv) = values;
+    // SAFETY: the rows of `o` and the tile are in range (caller).
+    unsafe {
+        if !first {
+            for (i, &a) in alpha.iter().enumerate() {
+                if a != 1.0 {
+                    let row = o.as_mut_ptr().add(i * dv);
+                    scale_row::<S>(row, row, dv, a);
                 }
             }
         }
+        S::gemm(&GemmArgs {
+            m: alpha.len(),
+            n: dv,
+            k: t.bc,
+            a: t.st,
+            rs_a: 1,
+            cs_a: t.brp,
+            b: v,
+            ldb,
+            c: o.as_mut_ptr(),
+            ldc: dv,
+            accumulate: !first,
+            // Query row r sees keys j0 + k' <= i0 + r only.
+            tri: diag.map_or(Tri::Full, Tri::KEnd),
+        });
     }
 }
 
