@@ -112,6 +112,8 @@ impl BwdTask<'_> {
 struct BwdScratch<'a> {
     qt: &'a mut [f32],
     dot: &'a mut [f32],
+    /// The query block's output rows, packed as `dO` is (for `D`).
+    ot: &'a mut [f32],
     st: &'a mut [f32],
     dpt: &'a mut [f32],
     mt: &'a mut [f32],
@@ -156,6 +158,7 @@ impl Task for BwdTask<'_> {
         let [cq, cd, ck, cv] = self.copies();
         round16(d.d * brp)
             + round16(d.dv * brp)
+            + round16(d.dv * brp)
             + 3 * round16(self.bc * brp)
             + round16(self.br * d.d)
             + 3 * round16(brp)
@@ -182,6 +185,7 @@ impl Task for BwdTask<'_> {
         let mut sc = BwdScratch {
             qt: cv.take(d * brp_max),
             dot: cv.take(dv * brp_max),
+            ot: cv.take(dv * brp_max),
             st: cv.take(self.bc * brp_max),
             dpt: cv.take(self.bc * brp_max),
             mt: cv.take(if p.has_mask() { self.bc * brp_max } else { 0 }),
@@ -377,9 +381,16 @@ impl BwdTask<'_> {
     /// and `D = rowsum(dO ∘ O)`; padding lanes get `P = exp(x - inf) = 0` and `D = 0`, so they
     /// contribute nothing.
     ///
+    /// `D` is summed as `dP` is: with the bf16 products from the rounded `dO` and `O`; with
+    /// the f32 products as the same chain of FMAs over the channels in increasing order that
+    /// the score product runs, on `O` packed as `dO` is. A row whose softmax is one-hot (a
+    /// saturated score: `O = V_j` exactly) then has `dP_j - D = 0` exactly and no gradient
+    /// reaches its queries and keys, as in PyTorch's kernel, where a `D` summed in another
+    /// order leaves rounding noise that the scale and the projections amplify.
+    ///
     /// # Safety
     /// `S` is available; row `bh` and rows `i0..i0 + br` are in range; `dorow` has `br` rows
-    /// of stride `dold`.
+    /// of stride `dold`; without bf16 products `sc.dot` holds the block's packed `dO`.
     #[inline(always)]
     unsafe fn block_stats<S: Simd>(
         &self,
@@ -391,28 +402,38 @@ impl BwdTask<'_> {
         bf: bool,
     ) {
         let dm = &self.p.dims;
+        let (l, dv) = (S::LANES, dm.dv);
         let rows = dm.batch * dm.heads_q * dm.l;
         let (b, h) = (bh / dm.heads_q, bh % dm.heads_q);
-        // SAFETY: the rows validated by `flash_backward` (caller).
+        // SAFETY: the rows validated by `flash_backward` (caller); the scratch is sized by
+        // `scratch_len`.
         unsafe {
             let max_row = self.lse.0.add(bh * dm.l + i0);
             let lse_row = self.lse.0.add(rows + bh * dm.l + i0);
             for i in 0..brp {
-                if i < br {
-                    let orow = self.o.0.add(self.ol.offset(b, h, i0 + i));
-                    let drow = dorow.add(i * dold);
-                    sc.dvec[i] = if bf {
-                        // D from the rounded dO (and O), as dP gets it: the sum
-                        // Σ_j P_j (dP_j - D) then stays 0, as PyTorch's bf16 kernel has it.
-                        bf::dot_rounded(orow, drow, dm.dv)
-                    } else {
-                        super::tile::dot::<S>(orow, drow, dm.dv)
+                (sc.maxv[i], sc.lsev[i]) = match i < br {
+                    true => (*max_row.add(i), *lse_row.add(i)),
+                    false => (0.0, f32::INFINITY),
+                };
+            }
+            let orow = self.o.0.add(self.ol.offset(b, h, i0));
+            if bf {
+                for i in 0..brp {
+                    sc.dvec[i] = match i < br {
+                        true => bf::dot_rounded(orow.add(i * self.ol.seq), dorow.add(i * dold), dv),
+                        false => 0.0,
                     };
-                    (sc.maxv[i], sc.lsev[i]) = (*max_row.add(i), *lse_row.add(i));
-                } else {
-                    sc.dvec[i] = 0.0;
-                    (sc.maxv[i], sc.lsev[i]) = (0.0, f32::INFINITY);
                 }
+                return;
+            }
+            pack_transposed::<S>(sc.ot, brp, orow, self.ol.seq, br, dv, 1.0);
+            for vi in 0..brp / l {
+                let mut acc = S::splat(0.0);
+                for c in 0..dv {
+                    let o = S::load(sc.ot.as_ptr().add(c * brp + vi * l));
+                    acc = S::fma(o, S::load(sc.dot.as_ptr().add(c * brp + vi * l)), acc);
+                }
+                S::store(sc.dvec.as_mut_ptr().add(vi * l), acc);
             }
         }
     }

@@ -1027,6 +1027,56 @@ fn nan_query_in_a_fully_masked_block_is_nan() {
     }
 }
 
+/// A saturated softmax (each row one-hot: the best key's score leads by hundreds) has query
+/// and key gradients of 0 (the f64 reference: below 1e-100), because `dP_j - D` cancels
+/// exactly when `O = V_j`. The kernel's `D` must be summed as `dP` is for that: summed in
+/// another order it left rounding noise of ~1e-4 here, which the scale and the projections
+/// of a MultiheadAttention amplify (PyTorch's kernel gives 0).
+#[test]
+fn saturated_softmax_gives_zero_query_and_key_gradients() {
+    for &(l, d, causal) in
+        &[(4usize, 4usize, false), (40, 16, false), (70, 70, false), (33, 33, true)]
+    {
+        let s = d;
+        let dims = AttnDims { batch: 2, heads_q: 1, heads_kv: 1, l, s, d, dv: d };
+        let (ql, kl) = (Layout4::contiguous(1, l, d), Layout4::contiguous(1, s, d));
+        // Keys 10·e_j; query i near e_(i mod s): its score for key i mod s leads by ~900.
+        let mut k = vec![0f32; 2 * s * d];
+        (0..2 * s).for_each(|j| k[j * d + j % s] = 10.0);
+        let mut q: Vec<f32> = rand_vec(2 * l * d, 11).iter().map(|x| 0.05 * x).collect();
+        (0..2 * l).for_each(|i| q[i * d + (i % l) % s] += 1.0);
+        let (v, dout) = (rand_vec(2 * s * d, 12), rand_vec(2 * l * d, 13));
+        let mut p = AttnParams::new(dims);
+        (p.scale, p.causal) = (100.0, causal);
+        let (edq, edk, edv) = reference::backward(&p, &q, ql, &k, kl, &v, kl, &dout, ql);
+        assert!(edq.iter().chain(&edk).all(|x| x.abs() < 1e-100), "not saturated");
+        for level in levels() {
+            with_simd_level(level, || {
+                let mut out = vec![0f32; 2 * l * d];
+                let mut lse = vec![0f32; 4 * l];
+                flash_forward(&p, &q, ql, &k, kl, &v, kl, &mut out, ql, &mut lse).unwrap();
+                let (mut dq, mut dk, mut dv) =
+                    (vec![1f32; 2 * l * d], vec![1f32; 2 * s * d], vec![0f32; 2 * s * d]);
+                flash_backward(
+                    &p, &q, ql, &k, kl, &v, kl, &out, ql, &dout, ql, &lse, &mut dq, ql, &mut dk,
+                    kl, &mut dv, kl,
+                )
+                .unwrap();
+                let what = format!("{level:?} l {l} d {d} causal {causal}");
+                let worst = |g: &[f32]| g.iter().fold(0f32, |m, x| m.max(x.abs()));
+                assert!(worst(&dq) <= 1e-7, "{what}: |dq| up to {}", worst(&dq));
+                assert!(worst(&dk) <= 1e-7, "{what}: |dk| up to {}", worst(&dk));
+                for (i, (&g, &e)) in dv.iter().zip(&edv).enumerate() {
+                    assert!(
+                        (g as f64 - e).abs() <= 1e-5 * (1.0 + e.abs()),
+                        "{what}: dv[{i}] {g} vs {e}"
+                    );
+                }
+            });
+        }
+    }
+}
+
 /// `x` rounded to bf16 (nearest even) and back.
 fn round_bf16(x: &[f32]) -> Vec<f32> {
     use crate::convert::{bf16_bits_to_f32, f32_to_bf16_bits};

@@ -93,29 +93,6 @@ pub(crate) unsafe fn scale_row<S: Simd>(dst: *mut f32, src: *const f32, n: usize
     }
 }
 
-/// `Σ a[c]·b[c]` over `c < n`, vectorised (fixed order).
-///
-/// # Safety
-/// `S` is available; `a` and `b` valid for `n` floats.
-#[inline(always)]
-pub(crate) unsafe fn dot<S: Simd>(a: *const f32, b: *const f32, n: usize) -> f32 {
-    let l = S::LANES;
-    // SAFETY: every access stays below `n` (the tail is masked).
-    unsafe {
-        let mut acc = S::splat(0.0);
-        let mut c = 0;
-        while c + l <= n {
-            acc = S::fma(S::load(a.add(c)), S::load(b.add(c)), acc);
-            c += l;
-        }
-        if c < n {
-            let m = S::tail_mask(n - c);
-            acc = S::fma(S::load_m(a.add(c), m), S::load_m(b.add(c), m), acc);
-        }
-        S::reduce_add(acc)
-    }
-}
-
 /// `dst[0..n] = 0`.
 ///
 /// # Safety
