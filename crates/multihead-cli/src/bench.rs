@@ -340,9 +340,9 @@ fn report(
         if let (Some(o), Some(x)) = (obj.as_object_mut(), extra.as_object()) {
             o.extend(x.clone());
         }
-        println!("{obj}");
+        say!("{obj}");
     } else {
-        println!(
+        say!(
             "{:?} {} B={} L={} S={} E={} H={}{}{}: min {min:.2} ms, median {median:.2} ms, {gflops:.1} GFLOP/s, peak RSS {rss:.0} MiB ({baseline:.0} MiB before the first call)",
             a.module,
             if a.backward { "forward+backward" } else { "forward" },
@@ -355,7 +355,7 @@ fn report(
             if a.need_weights { " need_weights" } else { "" },
         );
         if extra.as_object().is_some_and(|o| !o.is_empty()) {
-            println!("  {extra}");
+            say!("  {extra}");
         }
     }
     Ok(())

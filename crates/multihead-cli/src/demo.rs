@@ -183,11 +183,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
         ParamsAdamW { lr: 3e-3, weight_decay: 0.01, ..Default::default() },
     )?;
 
-    println!(
+    say!(
         "multihead demo: a 2-layer Transformer encoder (d_model {d}, 4 heads, {n_params} parameters) learns to reverse {l}-digit sequences"
     );
     if compute != DType::F32 {
-        println!("mixed precision: f32 master weights, {compute:?} compute (multihead::autocast)");
+        say!("mixed precision: f32 master weights, {compute:?} compute (multihead::autocast)");
     }
     // The model's logits, under autocast when the compute dtype is reduced.
     let logits = |x: &Tensor| -> Result<Tensor> {
@@ -238,7 +238,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
                 100.0 * shown_held
             );
             if plain && (step % 100 == 0 || step + 1 == steps) {
-                println!("step {:>5}/{}  {msg}", step + 1, steps);
+                say!("step {:>5}/{}  {msg}", step + 1, steps);
             }
             pb.set_message(msg);
         }
@@ -247,7 +247,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     pb.finish();
     let secs = start.elapsed().as_secs_f64();
     let held_acc = accuracy(&logits(&held_x)?, &held_y)?;
-    println!(
+    say!(
         "held-out token accuracy: {:.2}% on 1000 unseen sequences after {} steps in {secs:.1} s",
         100.0 * held_acc,
         steps
@@ -261,7 +261,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     for r in 0..5 {
         let (input, output) = (show(&examples, r)?, show(&pred, r)?);
         let expect: String = input.chars().rev().collect();
-        println!("  {input} -> {output} {}", if output == expect { "ok" } else { "(wrong)" });
+        say!("  {input} -> {output} {}", if output == expect { "ok" } else { "(wrong)" });
     }
 
     let first = held_x.narrow(0, 0, 1)?;
@@ -284,7 +284,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let caption = format!("attention weights, query rows x key columns, input {}", digits.concat());
     save_grid(&panels, 4, &caption, &args.out)
         .with_context(|| format!("writing {}", args.out.display()))?;
-    println!("wrote {} ({} panels: one per layer and head)", args.out.display(), panels.len());
+    say!("wrote {} ({} panels: one per layer and head)", args.out.display(), panels.len());
     if let Some(min) = args.require_accuracy {
         if held_acc < min {
             anyhow::bail!(

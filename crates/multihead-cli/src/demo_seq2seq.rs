@@ -109,7 +109,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         vm.all_vars(),
         ParamsAdamW { lr: 3e-3, weight_decay: 0.01, ..Default::default() },
     )?;
-    println!(
+    say!(
         "multihead demo --seq2seq: a Transformer (2+2 layers, d_model {d}, 4 heads, {n_params} parameters) learns to reverse {l}-digit sequences, then decodes them with a KV cache"
     );
     let start = Instant::now();
@@ -123,7 +123,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         opt.backward_step(&loss)?;
         if !args.quiet && (step % 100 == 0 || step + 1 == steps) {
             let acc = accuracy(&logits, &y)?;
-            println!(
+            say!(
                 "step {:>5}/{}  loss {:.4}  teacher-forced train acc {:5.1}%",
                 step + 1,
                 steps,
@@ -132,7 +132,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
             );
         }
     }
-    println!("trained {} steps in {:.1} s", steps, start.elapsed().as_secs_f64());
+    say!("trained {} steps in {:.1} s", steps, start.elapsed().as_secs_f64());
 
     model.model.eval();
     let (held_x, held_y) = batch(args.seed, u64::MAX, HELD_OUT, l, &dev)?;
@@ -146,11 +146,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
     }
     let acc = hits as f32 / (HELD_OUT * l) as f32;
     let tokens = (HELD_OUT * l) as f64;
-    println!(
+    say!(
         "greedy decoding of {HELD_OUT} unseen sequences: token accuracy {:.2}%, {exact} of {HELD_OUT} sequences exact",
         100.0 * acc
     );
-    println!(
+    say!(
         "  with the KV cache {:.0} tokens/s, recomputing the prefix {:.0} tokens/s ({:.1}x); the tokens are {}",
         tokens / t_cached,
         tokens / t_recomputed,
@@ -160,7 +160,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     for (r, (src, got)) in held_x.to_vec2::<u32>()?.iter().zip(&cached).take(5).enumerate() {
         let show = |v: &[u32]| v.iter().map(|d| d.to_string()).collect::<String>();
         let ok = got == &want[r];
-        println!("  {} -> {} {}", show(src), show(got), if ok { "ok" } else { "(wrong)" });
+        say!("  {} -> {} {}", show(src), show(got), if ok { "ok" } else { "(wrong)" });
     }
     if cached != recomputed {
         anyhow::bail!("cached and recomputed decoding disagree");

@@ -6,6 +6,12 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// `println!` for the command's output: when standard output is closed (`multihead check |
+/// head -1`), the process ends quietly with success instead of panicking.
+macro_rules! say {
+    ($($arg:tt)*) => { $crate::say(format_args!($($arg)*)) };
+}
+
 mod bench;
 mod bench_decode;
 mod demo;
@@ -101,10 +107,35 @@ fn run(command: Command) -> ExitCode {
     }
 }
 
-/// Turns a command's result into the exit code, printing the error chain on stderr.
+/// Writes one line of the command's output (see `say!`): a closed standard output ends the
+/// process with success, as the reader has all it wanted; any other write error ends it with
+/// failure and a message.
+pub(crate) fn say(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_fmt(args).and_then(|()| out.write_all(b"\n")) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("multihead: cannot write the output: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// Whether an error is (or was caused by) writing to a closed pipe.
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+/// Turns a command's result into the exit code, printing the error chain on stderr (a closed
+/// standard output is a quiet success, as in `say`).
 fn finish(command: &str, result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("multihead {command}: {e:#}");
             ExitCode::FAILURE
@@ -138,7 +169,7 @@ fn check(dirs: &[PathBuf], verbose: bool) -> ExitCode {
             "multihead check: no case found under {} (a case is a directory holding case.json and case.safetensors)",
             roots.join(", ")
         );
-        println!("0 passed, 0 failed");
+        say!("0 passed, 0 failed");
         return ExitCode::FAILURE;
     }
     let (mut passed, mut failed) = (0usize, 0usize);
@@ -152,7 +183,7 @@ fn check(dirs: &[PathBuf], verbose: bool) -> ExitCode {
                 else {
                     continue;
                 };
-                println!(
+                say!(
                     "{} {}: worst {} max|diff| {:.3e} ({:.3} of tolerance){}",
                     if ok { "ok  " } else { "FAIL" },
                     dir.display(),
@@ -163,7 +194,7 @@ fn check(dirs: &[PathBuf], verbose: bool) -> ExitCode {
                 );
                 if verbose || !ok {
                     for c in checks.iter().filter(|c| verbose || !c.passed) {
-                        println!(
+                        say!(
                             "     {} {}: max|diff| {:.3e} ({:.3} of tolerance){}",
                             if c.passed { "ok  " } else { "FAIL" },
                             c.name,
@@ -180,16 +211,16 @@ fn check(dirs: &[PathBuf], verbose: bool) -> ExitCode {
                 }
             }
             Ok(_) => {
-                println!("FAIL {}: the case has no expect.* tensors", dir.display());
+                say!("FAIL {}: the case has no expect.* tensors", dir.display());
                 failed += 1;
             }
             Err(e) => {
-                println!("FAIL {}: {e}", dir.display());
+                say!("FAIL {}: {e}", dir.display());
                 failed += 1;
             }
         }
     }
-    println!("{passed} passed, {failed} failed");
+    say!("{passed} passed, {failed} failed");
     if failed == 0 && passed > 0 {
         ExitCode::SUCCESS
     } else {

@@ -243,3 +243,28 @@ fn malformed_sdpa_cases_are_errors_that_name_the_key() {
         assert!(text(&o).contains(want), "{name}: {}", text(&o));
     }
 }
+
+// A reader that stops early (`multihead check ... | head -1`) closed the pipe: println!
+// panicked with a backtrace.
+#[test]
+fn check_into_a_closed_pipe_ends_quietly() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    // `--verbose` over every fixture: more lines than a pipe buffers, so the command is still
+    // writing when the reader goes.
+    let mut child = bin()
+        .args(["check", "--verbose"])
+        .arg(fixtures())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    // The reader is dropped here: the pipe is closed with lines still to come.
+    assert!(first.starts_with("ok "), "first line: {first}");
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "status {:?}, stderr: {err}", o.status);
+    assert!(!err.contains("panicked"), "stderr: {err}");
+}
