@@ -198,8 +198,39 @@ pub fn run(args: DemoArgs) -> Result<()> {
         }
     };
     let (held_x, held_y) = batch(args.seed, u64::MAX, 1000, l, &dev)?;
-    // A progress bar on a terminal; plain lines (one per 100 steps) when stdout is a file or
-    // a pipe, so logs stay readable.
+    let start = Instant::now();
+    train(&args, steps, &logits, &mut opt, (&held_x, &held_y))?;
+    let secs = start.elapsed().as_secs_f64();
+    let held_acc = accuracy(&logits(&held_x)?, &held_y)?;
+    say!(
+        "held-out token accuracy: {:.2}% on 1000 unseen sequences after {} steps in {secs:.1} s",
+        100.0 * held_acc,
+        steps
+    );
+
+    show_examples(&held_x, &logits)?;
+    draw_attention(&model, &held_x, &args.out)?;
+    if let Some(min) = args.require_accuracy {
+        if held_acc < min {
+            anyhow::bail!(
+                "held-out accuracy {:.2}% is below the required {:.2}%",
+                100.0 * held_acc,
+                100.0 * min
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The training loop: AdamW with a warm-up and a linear decay of the learning rate, a
+/// progress bar on a terminal, plain lines (one per 100 steps) when stdout is a file or a pipe.
+fn train(
+    args: &DemoArgs,
+    steps: usize,
+    logits: &dyn Fn(&Tensor) -> Result<Tensor>,
+    opt: &mut AdamW,
+    (held_x, held_y): (&Tensor, &Tensor),
+) -> Result<()> {
     use std::io::IsTerminal;
     let plain = !args.quiet && !std::io::stdout().is_terminal();
     let pb = if args.quiet || plain {
@@ -213,14 +244,13 @@ pub fn run(args: DemoArgs) -> Result<()> {
         )
         .context("progress template")?,
     );
-    let start = Instant::now();
     let mut shown_held = 0.0;
     for step in 0..steps {
         // Warm up the learning rate over the first 100 steps, then decay it linearly.
         let warm = ((step + 1) as f64 / 100.0).min(1.0);
         let decay = 1.0 - step as f64 / steps as f64;
         opt.set_learning_rate(3e-3 * warm * (0.1 + 0.9 * decay));
-        let (x, y) = batch(args.seed, step as u64, args.batch, l, &dev)?;
+        let (x, y) = batch(args.seed, step as u64, args.batch, args.seq_len, &Device::Cpu)?;
         let out = logits(&x)?;
         let loss = cross_entropy(&out, &y)?;
         opt.backward_step(&loss)?;
@@ -229,7 +259,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         if !args.quiet && (step % 25 == 0 || step + 1 == steps) {
             let acc = accuracy(&out, &y)?;
             if step % 100 == 0 || step + 1 == steps {
-                shown_held = accuracy(&logits(&held_x)?, &held_y)?;
+                shown_held = accuracy(&logits(held_x)?, held_y)?;
             }
             let msg = format!(
                 "loss {:.4}  train acc {:5.1}%  held-out acc {:5.1}%",
@@ -245,14 +275,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
         pb.inc(1);
     }
     pb.finish();
-    let secs = start.elapsed().as_secs_f64();
-    let held_acc = accuracy(&logits(&held_x)?, &held_y)?;
-    say!(
-        "held-out token accuracy: {:.2}% on 1000 unseen sequences after {} steps in {secs:.1} s",
-        100.0 * held_acc,
-        steps
-    );
+    Ok(())
+}
 
+/// Prints five held-out sequences with the model's reversal of each.
+fn show_examples(held_x: &Tensor, logits: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<()> {
     let examples = held_x.narrow(0, 0, 5)?;
     let pred = logits(&examples)?.argmax(D::Minus1)?;
     let show = |t: &Tensor, r: usize| -> Result<String> {
@@ -263,7 +290,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
         let expect: String = input.chars().rev().collect();
         say!("  {input} -> {output} {}", if output == expect { "ok" } else { "(wrong)" });
     }
+    Ok(())
+}
 
+/// Draws the attention of every layer and head on the first held-out sequence into `out`.
+fn draw_attention(model: &Model, held_x: &Tensor, out: &std::path::Path) -> Result<()> {
     let first = held_x.narrow(0, 0, 1)?;
     let digits: Vec<String> =
         first.get(0)?.to_vec1::<u32>()?.iter().map(|d| d.to_string()).collect();
@@ -282,17 +313,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         }
     }
     let caption = format!("attention weights, query rows x key columns, input {}", digits.concat());
-    save_grid(&panels, 4, &caption, &args.out)
-        .with_context(|| format!("writing {}", args.out.display()))?;
-    say!("wrote {} ({} panels: one per layer and head)", args.out.display(), panels.len());
-    if let Some(min) = args.require_accuracy {
-        if held_acc < min {
-            anyhow::bail!(
-                "held-out accuracy {:.2}% is below the required {:.2}%",
-                100.0 * held_acc,
-                100.0 * min
-            );
-        }
-    }
+    save_grid(&panels, 4, &caption, out).with_context(|| format!("writing {}", out.display()))?;
+    say!("wrote {} ({} panels: one per layer and head)", out.display(), panels.len());
     Ok(())
 }
