@@ -113,14 +113,13 @@ impl Task for WeightsTask<'_> {
                     d,
                     p.scale,
                 );
+                // The forward's row statistics; padding lanes get P = exp(x - inf) = 0.
                 let rows = dm.batch * dm.heads_q * dm.l;
-                let max_row = self.lse.0.add(bh * dm.l + i0);
-                let lse_row = self.lse.0.add(rows + bh * dm.l + i0);
+                let (max_row, lse_row) = (bh * dm.l + i0, rows + bh * dm.l + i0);
                 for i in 0..brp {
-                    (maxv[i], lsev[i]) = if i < br {
-                        (*max_row.add(i), *lse_row.add(i))
-                    } else {
-                        (0.0, f32::INFINITY)
+                    (maxv[i], lsev[i]) = match i < br {
+                        true => (*self.lse.0.add(max_row + i), *self.lse.0.add(lse_row + i)),
+                        false => (0.0, f32::INFINITY),
                     };
                 }
                 let dropout =
@@ -144,39 +143,27 @@ impl Task for WeightsTask<'_> {
                         j0 += bc;
                         continue;
                     }
+                    let (kj, diag) =
+                        (kbase.add(j0 * self.kl.seq), clip.then_some(i0 as isize - j0 as isize));
                     score_tile::<S>(
-                        kbase.add(j0 * self.kl.seq),
+                        kj,
                         self.kl.seq,
                         d,
                         qt.as_ptr(),
                         brp,
                         st.as_mut_ptr(),
                         bc,
-                        clip.then_some(i0 as isize - j0 as isize),
+                        diag,
                     );
                     if clip && j0 + bc > i0 + 1 {
                         causal_fill(st, brp, i0, j0, bc, f32::NEG_INFINITY);
                     } else if p.causal && j0 + bc > i0 + 1 {
                         causal_add(st, brp, i0, j0, bc);
                     }
-                    let stp = st.as_mut_ptr();
-                    let mtp = mt.as_ptr();
-                    for vi in 0..nvec {
-                        let lv = S::load(lsev.as_ptr().add(vi * l));
-                        let mv = S::load(maxv.as_ptr().add(vi * l));
-                        for j in 0..bc {
-                            let off = j * brp + vi * l;
-                            let mut x = S::load(stp.add(off));
-                            if has_mask {
-                                x = S::add(x, S::load(mtp.add(off)));
-                            }
-                            let mut e = S::exp(S::sub(S::sub(x, mv), lv));
-                            if let Some(dr) = &dropout {
-                                e = S::mul(e, dr.vector::<S>(vi * l, j0 + j));
-                            }
-                            S::store(stp.add(off), e);
-                        }
-                    }
+                    let tile = (st.as_mut_ptr(), brp, nvec, bc);
+                    let mask = has_mask.then_some(mt.as_ptr());
+                    let stats = (maxv.as_ptr(), lsev.as_ptr());
+                    probs_tile::<S>(tile, mask, stats, dropout.as_ref().map(|dr| (dr, j0)));
                     // Transpose the [key][query] tile into the [query][key] output rows.
                     // w[i][j0 + j] (+)= st[j][i]: a transpose with `bc` source rows of `br`.
                     S::transpose(wrow(0).add(j0), s, st.as_ptr(), brp, bc, br, 1.0, n > 0);
@@ -188,6 +175,42 @@ impl Task for WeightsTask<'_> {
                 for i in 0..br {
                     scale_row::<S>(wrow(i), wrow(i), s, f);
                 }
+            }
+        }
+    }
+}
+
+/// Replaces a score tile `(st, brp, nvec, bc)` (keys as rows) by `P = exp(S + mask − max −
+/// lse)`, times the dropout multipliers of `dropout`'s block at key offset `j0`; `mask` is a
+/// per-entry tile and `(max, lse)` the forward's statistics, one per lane.
+///
+/// # Safety
+/// `S` is available; the tile (and the mask) hold `bc · brp` floats, the statistics
+/// `nvec · S::LANES`.
+#[inline(always)]
+unsafe fn probs_tile<S: Simd>(
+    (st, brp, nvec, bc): (*mut f32, usize, usize, usize),
+    mask: Option<*const f32>,
+    (maxv, lsev): (*const f32, *const f32),
+    dropout: Option<(&BlockDropout, usize)>,
+) {
+    let l = S::LANES;
+    // SAFETY: within the tile and the statistics (caller).
+    unsafe {
+        for vi in 0..nvec {
+            let lv = S::load(lsev.add(vi * l));
+            let mv = S::load(maxv.add(vi * l));
+            for j in 0..bc {
+                let off = j * brp + vi * l;
+                let mut x = S::load(st.add(off));
+                if let Some(mtp) = mask {
+                    x = S::add(x, S::load(mtp.add(off)));
+                }
+                let mut e = S::exp(S::sub(S::sub(x, mv), lv));
+                if let Some((dr, j0)) = dropout {
+                    e = S::mul(e, dr.vector::<S>(vi * l, j0 + j));
+                }
+                S::store(st.add(off), e);
             }
         }
     }
