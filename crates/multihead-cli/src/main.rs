@@ -17,6 +17,7 @@ mod bench_decode;
 mod demo;
 mod demo_seq2seq;
 mod embed;
+mod minilm;
 mod plot;
 use multihead::Backend;
 use multihead_parity::{self as parity, Case};
