@@ -37,6 +37,13 @@ LONG_TEXT = " ".join(
     for i in range(1, 31)
 )
 
+# Texts longer than `multihead embed`'s first tokenized prefix (16 KiB, cut at a word
+# boundary): ordinary words, words joined by punctuation only, and a 20,000-letter word (one
+# [UNK]) whose prefix holds too few tokens, so that a longer prefix is needed.
+LONG_WORDS = " ".join(("alpha", "beta", "gamma", "delta", "epsilon")[i % 5] + str(i) for i in range(3000))
+LONG_PUNCT = ".".join(f"token{i}" for i in range(3000))
+HUGE_WORD_THEN_TEXT = "x" * 20000 + " then an ordinary sentence follows the very long word."
+
 CONFIG_KEYS = ["architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
                "intermediate_size", "hidden_act", "layer_norm_eps", "max_position_embeddings",
                "type_vocab_size", "vocab_size", "pad_token_id", "position_embedding_type"]
@@ -54,6 +61,9 @@ TEXTS = [
     LONG_TEXT,
     "   \t\n  ",
     "hello hello hello hello hello hello hello hello hello hello",
+    LONG_WORDS,
+    LONG_PUNCT,
+    HUGE_WORD_THEN_TEXT,
 ]
 
 

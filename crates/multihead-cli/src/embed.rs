@@ -4,7 +4,7 @@
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::minilm::MiniLm;
 
@@ -18,11 +18,11 @@ pub struct EmbedArgs {
     /// One JSON object per line: {"text": ..., "embedding": [...]}.
     #[arg(long)]
     pub json: bool,
-    /// Texts per padded batch. Batches are formed from texts of similar length (sorted within
-    /// windows of 64 batches); the output keeps the input order.
+    /// Texts per padded batch, 1 to 65536. Batches are formed from texts of similar length
+    /// (sorted within windows of 64 batches); the output keeps the input order.
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
-    /// Worker threads (default: all cores).
+    /// Worker threads, 1 to 1024 (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
     /// The weights' and activations' dtype: f32, or bf16 (weights rounded to bfloat16 at
@@ -33,7 +33,9 @@ pub struct EmbedArgs {
     /// No progress bar (it is drawn on stderr for inputs of several windows, on a terminal).
     #[arg(long)]
     pub quiet: bool,
-    /// The texts; read one per line from stdin when none are given.
+    /// The texts; read one per line from stdin when none are given (UTF-8; a line ends at
+    /// `\n`, a `\r` before it is dropped, and an empty line is a text too). Texts longer than
+    /// 256 tokens are truncated, as sentence-transformers does.
     pub texts: Vec<String>,
 }
 
@@ -42,22 +44,24 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     // Batches of every length make tensors of every size: a large block cache would only
     // hold memory here.
     crate::GLOBAL.set_budget(64 << 20);
+    let batch = args.batch;
+    if !(1..=MAX_BATCH).contains(&batch) {
+        bail!("--batch must be between 1 and {MAX_BATCH}, got {batch}");
+    }
     if let Some(t) = args.threads {
+        if !(1..=MAX_THREADS).contains(&t) {
+            bail!("--threads must be between 1 and {MAX_THREADS}, got {t} (leave it out for one per core)");
+        }
         std::env::set_var("RAYON_NUM_THREADS", t.to_string());
         rayon::ThreadPoolBuilder::new().num_threads(t).build_global().ok();
     }
-    let texts = if args.texts.is_empty() {
-        std::io::stdin()
-            .lock()
-            .lines()
-            .collect::<std::io::Result<Vec<_>>>()
-            .context("reading stdin")?
-    } else {
-        args.texts
-    };
+    // The model first: a wrong directory is reported before stdin is waited for.
     let m = MiniLm::load(&resolve_model_dir(&args.model), args.dtype.candle())
         .with_context(|| format!("loading the model from {}", args.model.display()))?;
-    let batch = args.batch.max(1);
+    let texts = match args.texts.is_empty() {
+        true => read_lines(std::io::stdin().lock())?,
+        false => args.texts,
+    };
     let window = batch * 64;
     let pb = if args.quiet || texts.len() <= window {
         indicatif::ProgressBar::hidden()
@@ -78,6 +82,40 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     }
     pb.finish_and_clear();
     Ok(())
+}
+
+/// The largest `--batch`: a batch pads its texts to the longest, and a window holds 64 batches.
+const MAX_BATCH: usize = 1 << 16;
+
+/// The most `--threads`: more threads than this are no faster on any machine this runs on,
+/// and each costs a stack.
+const MAX_THREADS: usize = 1024;
+
+/// The input's lines (split at `\n`, a trailing `\r` removed; an empty line is a text); a
+/// line that is not UTF-8 is an error naming it.
+fn read_lines(mut input: impl BufRead) -> Result<Vec<String>> {
+    let mut lines = Vec::new();
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        if input.read_until(b'\n', &mut buf).context("reading stdin")? == 0 {
+            return Ok(lines);
+        }
+        if buf.last() == Some(&b'\n') {
+            buf.pop();
+            if buf.last() == Some(&b'\r') {
+                buf.pop();
+            }
+        }
+        match String::from_utf8(std::mem::take(&mut buf)) {
+            Ok(line) => lines.push(line),
+            Err(e) => bail!(
+                "stdin: line {} is not valid UTF-8 (at byte {} of the line); convert the input to UTF-8",
+                lines.len() + 1,
+                e.utf8_error().valid_up_to()
+            ),
+        }
+    }
 }
 
 /// Embeds a window of texts in batches of similar length; returns them in input order.

@@ -24,20 +24,30 @@ struct BertConfig {
     heads: usize,
     intermediate: usize,
     eps: f64,
+    /// The table sizes the config declares (checked against the weights when given).
+    vocab: Option<usize>,
+    positions: Option<usize>,
+    token_types: Option<usize>,
 }
 
 fn read_config(dir: &Path) -> Result<BertConfig> {
     let text = std::fs::read_to_string(dir.join("config.json")).context("reading config.json")?;
     let v: serde_json::Value = serde_json::from_str(&text).context("parsing config.json")?;
-    let get = |k: &str| {
-        v.get(k)
-            .and_then(|x| x.as_u64())
-            .map(|x| x as usize)
-            .with_context(|| format!("config.json lacks {k}"))
+    let get = |k: &str| -> Result<usize> {
+        match v.get(k) {
+            None => bail!("config.json lacks {k}"),
+            Some(x) => x.as_u64().and_then(|n| usize::try_from(n).ok()).with_context(|| {
+                format!("config.json: {k} must be a non-negative integer, got {x}")
+            }),
+        }
     };
     if v.get("hidden_act").and_then(|x| x.as_str()) != Some("gelu") {
         bail!("config.json: only hidden_act \"gelu\" is supported");
     }
+    if let Some(t) = v.get("position_embedding_type").filter(|t| t.as_str() != Some("absolute")) {
+        bail!("config.json: position_embedding_type {t} is not supported; this BERT has absolute position embeddings only");
+    }
+    let declared = |k: &str| v.get(k).map(|_| get(k)).transpose();
     let cfg = BertConfig {
         hidden: get("hidden_size")?,
         layers: get("num_hidden_layers")?,
@@ -47,6 +57,9 @@ fn read_config(dir: &Path) -> Result<BertConfig> {
             None => 1e-12,
             Some(x) => x.as_f64().context("config.json: layer_norm_eps must be a number")?,
         },
+        vocab: declared("vocab_size")?,
+        positions: declared("max_position_embeddings")?,
+        token_types: declared("type_vocab_size")?,
     };
     cfg.validate()?;
     Ok(cfg)
@@ -86,6 +99,89 @@ pub struct MiniLm {
     layers: Vec<TransformerEncoderLayer>,
 }
 
+/// sentence-transformers' `max_seq_length` for all-MiniLM-L6-v2: texts are truncated to this
+/// many tokens, [CLS] and [SEP] included.
+pub(crate) const MAX_TOKENS: usize = 256;
+
+/// An embedding table `embeddings.{name}.weight` must be `(rows, hidden)` with at least
+/// `rows` rows (every token id, position or token type the model looks up), and exactly the
+/// rows `config.json` declares when it declares them.
+fn check_table(
+    t: &Tensor,
+    name: &str,
+    (rows, declared): (usize, Option<usize>),
+    hidden: usize,
+) -> Result<()> {
+    let full = format!("embeddings.{name}.weight");
+    let &[n, h] = t.dims() else {
+        bail!(
+            "model.safetensors: {full} has shape {:?}; it must be (rows, hidden_size {hidden})",
+            t.dims()
+        );
+    };
+    if h != hidden {
+        bail!(
+            "model.safetensors: {full} has shape {:?}; its width must be hidden_size {hidden}",
+            t.dims()
+        );
+    }
+    if n < rows {
+        bail!("model.safetensors: {full} has {n} rows, fewer than the {rows} the model looks up (shape {:?})", t.dims());
+    }
+    if let Some(d) = declared.filter(|&d| d != n) {
+        bail!("model.safetensors: {full} has {n} rows but config.json declares {d}");
+    }
+    Ok(())
+}
+
+/// Every weight must be finite: a NaN or infinite weight makes every embedding NaN.
+fn check_finite(w: &HashMap<String, Tensor>) -> Result<()> {
+    let mut names: Vec<&String> = w.keys().collect();
+    names.sort();
+    for name in names {
+        let t = &w[name];
+        if !t.dtype().is_float() {
+            continue;
+        }
+        let bad = match &*t.storage_and_layout().0 {
+            // The loaded tensors are whole and contiguous: read them in place.
+            candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => {
+                v.iter().any(|x| !x.is_finite())
+            }
+            _ => t
+                .to_dtype(DType::F64)?
+                .flatten_all()?
+                .to_vec1::<f64>()?
+                .iter()
+                .any(|x| !x.is_finite()),
+        };
+        if bad {
+            bail!("model.safetensors: {name} holds NaN or infinite values; the embeddings would be NaN");
+        }
+    }
+    Ok(())
+}
+
+/// The length from which a text is tokenized from a prefix first (see `MiniLm::tokenize`):
+/// 256 tokens of ordinary text take a few kilobytes.
+const PREFIX_BYTES: usize = 16 << 10;
+
+/// The longest prefix of `text` of at least `limit` bytes that ends at a word boundary BERT's
+/// tokenizer cannot move: before an ASCII space or tab, or after ASCII punctuation (a token of
+/// its own). The normaliser and pre-tokenizer work character by character and split there,
+/// and WordPiece works within words, so the prefix's tokens are the first tokens of the whole
+/// text. The whole text when it is shorter or has no such boundary past `limit`.
+fn word_prefix(text: &str, limit: usize) -> &str {
+    let bytes = text.as_bytes();
+    if bytes.len() <= limit {
+        return text;
+    }
+    let cut = (limit..bytes.len())
+        .find(|&i| matches!(bytes[i], b' ' | b'\t') || bytes[i - 1].is_ascii_punctuation());
+    // Both kinds of cut are next to an ASCII byte: a character boundary.
+    cut.and_then(|i| text.get(..i)).unwrap_or(text)
+}
+
 fn take(w: &mut HashMap<String, Tensor>, key: &str) -> Result<Tensor> {
     w.remove(key).with_context(|| format!("model.safetensors lacks {key}"))
 }
@@ -99,20 +195,33 @@ impl MiniLm {
             .map_err(|e| anyhow::anyhow!("loading tokenizer.json: {e}"))?;
         // sentence-transformers: truncate at max_seq_length 256, pad per batch (we pad ourselves).
         tokenizer
-            .with_truncation(Some(TruncationParams { max_length: 256, ..Default::default() }))
+            .with_truncation(Some(TruncationParams {
+                max_length: MAX_TOKENS,
+                ..Default::default()
+            }))
             .map_err(|e| anyhow::anyhow!("truncation: {e}"))?;
         tokenizer.with_padding(None);
         let mut w = load_safetensors(dir.join("model.safetensors"), &dev)?;
         let strip: Vec<String> = w.keys().filter(|k| k.starts_with("bert.")).cloned().collect();
         for k in strip {
+            let short = &k["bert.".len()..];
+            if w.contains_key(short) {
+                bail!("model.safetensors has both {k} and {short}; keep one of them");
+            }
             if let Some(t) = w.remove(&k) {
-                w.insert(k["bert.".len()..].to_string(), t);
+                w.insert(short.to_string(), t);
             }
         }
-        let word = take(&mut w, "embeddings.word_embeddings.weight")?.to_dtype(dtype)?;
-        let position = take(&mut w, "embeddings.position_embeddings.weight")?.to_dtype(dtype)?;
-        let token_type =
-            take(&mut w, "embeddings.token_type_embeddings.weight")?.to_dtype(dtype)?;
+        check_finite(&w)?;
+        let vocab = tokenizer.get_vocab_size(true);
+        let table = |w: &mut HashMap<String, Tensor>, name: &str, rows: usize, declared| {
+            let t = take(w, &format!("embeddings.{name}.weight"))?;
+            check_table(&t, name, (rows, declared), cfg.hidden)?;
+            Ok::<_, anyhow::Error>(t.to_dtype(dtype)?)
+        };
+        let word = table(&mut w, "word_embeddings", vocab, cfg.vocab)?;
+        let position = table(&mut w, "position_embeddings", MAX_TOKENS, cfg.positions)?;
+        let token_type = table(&mut w, "token_type_embeddings", 1, cfg.token_types)?;
         let mut norm_state = HashMap::new();
         norm_state.insert("weight".to_string(), take(&mut w, "embeddings.LayerNorm.weight")?);
         norm_state.insert("bias".to_string(), take(&mut w, "embeddings.LayerNorm.bias")?);
@@ -169,12 +278,34 @@ impl MiniLm {
     }
 
     /// Tokenizes texts (truncated at 256 tokens, as sentence-transformers does).
+    ///
+    /// A long text is tokenized from a prefix ending at a word boundary: a prefix of
+    /// [`PREFIX_BYTES`], then four times as long, until its tokens fill the 256 (then they are
+    /// the full text's first 256 tokens) or the prefix is the whole text. The tokenizer's
+    /// memory grows with what it is given (about a hundred bytes per input byte), so a
+    /// megabyte-long line costs what its first few kilobytes do.
     pub fn tokenize(&self, texts: &[String]) -> Result<Vec<Vec<u32>>> {
-        let encodings = self
-            .tokenizer
-            .encode_batch(texts.to_vec(), true)
-            .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
-        Ok(encodings.iter().map(|e| e.get_ids().to_vec()).collect())
+        let mut limits = vec![PREFIX_BYTES; texts.len()];
+        let mut ids: Vec<Option<Vec<u32>>> = vec![None; texts.len()];
+        loop {
+            let todo: Vec<usize> = (0..texts.len()).filter(|&i| ids[i].is_none()).collect();
+            if todo.is_empty() {
+                return Ok(ids.into_iter().flatten().collect());
+            }
+            let inputs: Vec<&str> =
+                todo.iter().map(|&i| word_prefix(&texts[i], limits[i])).collect();
+            let encodings = self
+                .tokenizer
+                .encode_batch(inputs.clone(), true)
+                .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+            for ((&i, input), e) in todo.iter().zip(&inputs).zip(&encodings) {
+                if input.len() == texts[i].len() || e.get_ids().len() >= MAX_TOKENS {
+                    ids[i] = Some(e.get_ids().to_vec());
+                } else {
+                    limits[i] = limits[i].saturating_mul(4);
+                }
+            }
+        }
     }
 
     /// Embeds a batch of tokenized texts: padded to the longest, masked with a key padding
@@ -219,3 +350,25 @@ impl MiniLm {
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use super::word_prefix;
+
+    #[test]
+    fn word_prefix_ends_at_a_boundary_the_tokenizer_keeps() {
+        // Short texts, and texts without a boundary past the limit, are whole.
+        assert_eq!(word_prefix("short text", 64), "short text");
+        assert_eq!(word_prefix(&"x".repeat(100), 10), "x".repeat(100));
+        // Before a space or a tab, never inside a word.
+        let t = "aaaa bbbbbbbb cc";
+        assert_eq!(word_prefix(t, 6), "aaaa bbbbbbbb");
+        assert_eq!(word_prefix("aaaa\tbbbbbbbb\tcc", 6), "aaaa\tbbbbbbbb");
+        // After ASCII punctuation (a token of its own).
+        assert_eq!(word_prefix("aaaa.bbbbbbbb.cc", 6), "aaaa.bbbbbbbb.");
+        // Multi-byte characters are never split: the cut is next to an ASCII byte.
+        let u = "éééééé ü";
+        assert_eq!(word_prefix(u, 3), "éééééé");
+        // The limit is a minimum: a boundary right at it counts.
+        assert_eq!(word_prefix("abc def", 3), "abc");
+    }
+}

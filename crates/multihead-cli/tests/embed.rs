@@ -6,8 +6,11 @@
 
 #![allow(clippy::unwrap_used)]
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::Command;
+
+use candle_core::Tensor;
 
 use serde_json::Value;
 
@@ -133,4 +136,110 @@ fn bf16_embeddings_stay_within_cosine_0_999_of_f32() {
     }
     assert!(lowest < 1.0 - 1e-9, "bf16 embeddings equal the f32 ones: --dtype was ignored");
     eprintln!("MiniLM bf16: lowest cosine vs f32 = {lowest:.7}");
+}
+
+/// A change to a model's weights.
+type Edit = dyn FnOnce(&mut HashMap<String, Tensor>);
+
+/// A copy of the model directory with `edit` applied to its weights.
+fn edited_model(
+    dir: &std::path::Path,
+    name: &str,
+    edit: impl FnOnce(&mut HashMap<String, Tensor>),
+) -> PathBuf {
+    let out = std::env::temp_dir().join(format!("multihead-embed-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(dir.join(f), out.join(f)).unwrap();
+    }
+    let dev = candle_core::Device::Cpu;
+    let mut w =
+        multihead::state_dict::load_safetensors(dir.join("model.safetensors"), &dev).unwrap();
+    edit(&mut w);
+    multihead::state_dict::save_safetensors(
+        w.iter().map(|(k, t)| (k.as_str(), t)),
+        out.join("model.safetensors"),
+    )
+    .unwrap();
+    out
+}
+
+/// Malformed weights are refused at load, naming the tensor: a flattened word table ran and
+/// gave wrong embeddings (each token's one number broadcast over the hidden size), a NaN
+/// weight gave all-null embeddings, and a short position table failed only on a long text.
+#[test]
+fn malformed_weights_are_refused_at_load() {
+    let Some(dir) = model_dir_or_skip() else { return };
+    let word = "embeddings.word_embeddings.weight";
+    let cases: Vec<(&str, Box<Edit>, &str)> = vec![
+        (
+            "flat",
+            Box::new(move |w| {
+                let t = w[word].flatten_all().unwrap();
+                w.insert(word.into(), t);
+            }),
+            "word_embeddings.weight has shape",
+        ),
+        (
+            "nan",
+            Box::new(|w| {
+                let k = "encoder.layer.0.attention.self.query.weight";
+                let t = &w[k];
+                let nan = (t.ones_like().unwrap() * f64::NAN).unwrap();
+                let mask = Tensor::zeros(t.dims(), candle_core::DType::U8, t.device()).unwrap();
+                let t = mask.where_cond(t, &nan).unwrap();
+                w.insert(k.into(), t);
+            }),
+            "query.weight holds NaN",
+        ),
+        (
+            "pos10",
+            Box::new(|w| {
+                let k = "embeddings.position_embeddings.weight";
+                let t = w[k].narrow(0, 0, 10).unwrap();
+                w.insert(k.into(), t);
+            }),
+            "position_embeddings.weight has 10 rows",
+        ),
+    ];
+    for (name, edit, expect) in cases {
+        let m = edited_model(&dir, name, edit);
+        let o = Command::new(env!("CARGO_BIN_EXE_multihead"))
+            .args(["embed", "--json", "--model"])
+            .arg(&m)
+            .arg("hello")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success(),
+            "{name}: accepted; stdout {}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+        assert!(err.contains(expect), "{name}: {err}");
+        let _ = std::fs::remove_dir_all(&m);
+    }
+}
+
+/// Input that is not UTF-8 is an error naming its line (it was "stream did not contain valid
+/// UTF-8" for the whole input).
+#[test]
+fn a_line_that_is_not_utf8_is_named() {
+    use std::io::Write;
+    use std::process::Stdio;
+    let Some(dir) = model_dir_or_skip() else { return };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_multihead"))
+        .args(["embed", "--json", "--model"])
+        .arg(&dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"fine\r\nalso fine\nbad \xff byte\n").unwrap();
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("line 3 is not valid UTF-8 (at byte 4"), "{err}");
 }

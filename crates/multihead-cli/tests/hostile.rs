@@ -268,3 +268,52 @@ fn check_into_a_closed_pipe_ends_quietly() {
     assert!(o.status.success(), "status {:?}, stderr: {err}", o.status);
     assert!(!err.contains("panicked"), "stderr: {err}");
 }
+
+// `--batch 2^58` wrapped `batch * 64` to 0 and panicked in `chunks(0)`; `--threads 100000`
+// ran for minutes. Both are refused before anything is loaded.
+#[test]
+fn embed_sizes_out_of_range_are_errors_naming_the_flag() {
+    for (flag, value) in [
+        ("--batch", "288230376151711744"),
+        ("--batch", "0"),
+        ("--threads", "0"),
+        ("--threads", "100000"),
+    ] {
+        let o = bin()
+            .args(["embed", "--model", "/nonexistent", flag, value, "hello"])
+            .output()
+            .unwrap();
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{flag} {value}: {t}");
+        assert!(t.contains(flag) && !t.contains("panicked"), "{flag} {value}: {t}");
+    }
+}
+
+// The model was loaded only after stdin reached its end: a wrong --model waited for Ctrl-D.
+#[test]
+fn embed_reports_a_missing_model_without_waiting_for_stdin() {
+    use std::process::Stdio;
+    let mut child = bin()
+        .args(["embed", "--model", "/nonexistent"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            child.kill().unwrap();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // stdin stays open (held by `child`) until here.
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(status.is_some_and(|s| s.code() == Some(1)), "still waiting on stdin: {err}");
+    assert!(err.contains("/nonexistent"), "{err}");
+}
