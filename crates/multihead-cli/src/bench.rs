@@ -169,6 +169,7 @@ fn status_mib(field: &str) -> Option<f64> {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    check_sizes(&a)?;
     if let Some(t) = a.threads {
         // candle's matmul and rayon both read this; set before any pool starts.
         std::env::set_var("RAYON_NUM_THREADS", t.to_string());
@@ -180,12 +181,34 @@ pub fn run(a: BenchArgs) -> Result<()> {
         step()?;
     }
     let mut times = Vec::with_capacity(a.iters);
-    for _ in 0..a.iters.max(1) {
+    for _ in 0..a.iters {
         let t = Instant::now();
         step()?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
     report(&a, times, baseline, extra)
+}
+
+/// The size flags in range, and the inputs (and the feed-forward activations) within the
+/// memory available, before anything is allocated.
+fn check_sizes(a: &BenchArgs) -> Result<()> {
+    use crate::limits::{fits, in_range};
+    if let Some(t) = a.threads {
+        in_range("--threads", t, 1, 1024)?;
+    }
+    in_range("--iters", a.iters, 1, 1_000_000)?;
+    in_range("--warmup", a.warmup, 0, 1_000_000)?;
+    in_range("--batch", a.batch, 1, usize::MAX)?;
+    in_range("--tgt-len", a.tgt_len, 1, usize::MAX)?;
+    // A decode run may start from an empty cache.
+    let min_src = usize::from(a.module != Module::Decode);
+    in_range("--src-len", a.src_len, min_src, usize::MAX)?;
+    let rows = a.tgt_len.saturating_add(a.src_len);
+    fits("--batch, --tgt-len, --src-len, --embed-dim", &[a.batch, rows, a.embed_dim], 6)?;
+    if matches!(a.module, Module::EncoderLayer | Module::DecoderLayer) {
+        fits("--batch, --tgt-len, --dim-feedforward", &[a.batch, a.tgt_len, a.dim_feedforward], 3)?;
+    }
+    Ok(())
 }
 
 /// One timed call of the chosen module.

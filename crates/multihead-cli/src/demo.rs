@@ -1,7 +1,7 @@
 //! `multihead demo`: train a small Transformer encoder, built from this crate, to reverse digit
 //! sequences; print held-out accuracy and examples; draw the learned attention.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -22,19 +22,19 @@ pub struct DemoArgs {
     /// Seed for data, initialisation and dropout: the same seed gives the same run.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Where to write the attention heat maps.
-    #[arg(long, default_value = "attention.png")]
-    pub out: PathBuf,
-    /// Sequences per training step.
+    /// Where to write the attention heat maps (default attention.png; the encoder demo only).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Sequences per training step, 1 to 65536.
     #[arg(long, default_value_t = 64)]
     pub batch: usize,
-    /// Digits per sequence.
+    /// Digits per sequence, 1 to 512.
     #[arg(long, default_value_t = 10)]
     pub seq_len: usize,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
-    /// Exit with an error when the held-out accuracy ends below this fraction.
+    /// Exit with an error when the held-out accuracy ends below this fraction (0 to 1).
     #[arg(long)]
     pub require_accuracy: Option<f32>,
     /// Train an encoder-decoder `Transformer` instead and decode greedily with the KV cache,
@@ -162,11 +162,37 @@ pub(crate) fn accuracy(logits: &Tensor, targets: &Tensor) -> Result<f32> {
     Ok(hits.to_scalar::<f32>()?)
 }
 
-pub fn run(args: DemoArgs) -> Result<()> {
+/// The flags checked before training: sizes in range, the accuracy a fraction, and the
+/// picture's path writable (not found out after the whole run).
+fn check_args(args: &DemoArgs) -> Result<()> {
+    use crate::limits::in_range;
+    in_range("--batch", args.batch, 1, 1 << 16)?;
+    in_range("--seq-len", args.seq_len, 1, 512)?;
+    if let Some(a) = args.require_accuracy.filter(|a| !(0.0..=1.0).contains(a)) {
+        anyhow::bail!("--require-accuracy must be a fraction between 0 and 1, got {a}");
+    }
     if args.seq2seq {
         if args.dtype != crate::bench::DTypeArg::F32 {
             anyhow::bail!("--dtype bf16 applies to the encoder demo; run --seq2seq without it");
         }
+        if args.out.is_some() {
+            anyhow::bail!("--out names the encoder demo's picture; --seq2seq draws none");
+        }
+    }
+    let out = args.out.as_deref().unwrap_or(Path::new(DEFAULT_OUT));
+    let dir = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if out.is_dir() || !dir.is_dir() {
+        anyhow::bail!("--out {}: not a file in an existing directory", out.display());
+    }
+    Ok(())
+}
+
+/// Where the encoder demo draws its attention without `--out`.
+const DEFAULT_OUT: &str = "attention.png";
+
+pub fn run(args: DemoArgs) -> Result<()> {
+    check_args(&args)?;
+    if args.seq2seq {
         return crate::demo_seq2seq::run(args);
     }
     let compute = args.dtype.candle();
@@ -209,7 +235,8 @@ pub fn run(args: DemoArgs) -> Result<()> {
     );
 
     show_examples(&held_x, &logits)?;
-    draw_attention(&model, &held_x, &args.out)?;
+    let out = args.out.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_OUT));
+    draw_attention(&model, &held_x, &out)?;
     if let Some(min) = args.require_accuracy {
         if held_acc < min {
             anyhow::bail!(

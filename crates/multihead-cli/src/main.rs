@@ -17,6 +17,7 @@ mod bench_decode;
 mod demo;
 mod demo_seq2seq;
 mod embed;
+mod limits;
 mod minilm;
 mod plot;
 use multihead::Backend;

@@ -317,3 +317,34 @@ fn embed_reports_a_missing_model_without_waiting_for_stdin() {
     assert!(status.is_some_and(|s| s.code() == Some(1)), "still waiting on stdin: {err}");
     assert!(err.contains("/nonexistent"), "{err}");
 }
+
+// Size flags of bench and demo: capacity-overflow panics (`--batch 2^64-1`), an index panic
+// (`bench --module decode --batch 0`), allocation aborts (`--tgt-len 1e8 --src-len 1e8`),
+// a demo that grew to 14 GB (`--seq-len 100000`), flags silently changed (`--iters 0`) or
+// found wrong only after training (`--out` in a missing directory). Each is an error naming
+// the flag before anything runs.
+#[test]
+fn bench_and_demo_size_flags_are_checked_first() {
+    let huge = "18446744073709551615";
+    let cases: &[(&[&str], &str)] = &[
+        (&["bench", "--module", "decode", "--batch", "0"], "--batch"),
+        (&["bench", "--batch", huge], "--batch"),
+        (&["bench", "--tgt-len", "100000000", "--src-len", "100000000"], "--tgt-len"),
+        (&["bench", "--iters", "0"], "--iters"),
+        (&["bench", "--threads", "0"], "--threads"),
+        (&["demo", "--batch", huge], "--batch"),
+        (&["demo", "--seq-len", "100000"], "--seq-len"),
+        (&["demo", "--seq2seq", "--seq-len", huge], "--seq-len"),
+        (&["demo", "--require-accuracy", "NaN"], "--require-accuracy"),
+        (&["demo", "--out", "/nonexistent/dir/x.png"], "--out"),
+        (&["demo", "--seq2seq", "--out", "x.png"], "--out"),
+    ];
+    for (args, flag) in cases {
+        let start = Instant::now();
+        let o = bin().args(*args).output().unwrap();
+        let t = text(&o);
+        assert!(start.elapsed() < Duration::from_secs(10), "{args:?} took {:?}", start.elapsed());
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {t}");
+        assert!(t.contains(flag) && !t.contains("panicked"), "{args:?}: {t}");
+    }
+}
