@@ -108,6 +108,12 @@ pub fn load_safetensors(
 }
 
 /// Writes named tensors to a safetensors file under their names (PyTorch's keys).
+///
+/// The file is written beside its target and renamed over it, so that a file being read (or
+/// mapped) is never truncated under its reader. A symbolic link is followed (the file it
+/// names is replaced, the link kept); a replaced file keeps its permissions, a new one gets
+/// `rw-r--r--`; a path that names something other than a regular file (a directory, a device,
+/// a pipe) is an error.
 pub fn save_safetensors<'a>(
     tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
     path: impl AsRef<Path>,
@@ -117,8 +123,49 @@ pub fn save_safetensors<'a>(
         .into_iter()
         .map(|(k, t)| Ok((k.to_string(), t.contiguous()?)))
         .collect::<Result<_>>()?;
-    candle_core::safetensors::save(&map, path)
-        .map_err(|e| file_err(path, format!("cannot write: {e}")))
+    let (target, mode) = save_target(path)?;
+    candle_core::safetensors::save(&map, &target)
+        .map_err(|e| file_err(path, format!("cannot write: {e}")))?;
+    set_mode(&target, mode).map_err(|e| file_err(path, format!("cannot set permissions: {e}")))
+}
+
+/// The regular file a save replaces (symbolic links followed) and the permissions it should
+/// end with: the replaced file's, or `0o644` for a new one.
+fn save_target(path: &Path) -> Result<(std::path::PathBuf, Option<std::fs::Permissions>)> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => {
+            let real = std::fs::canonicalize(path)
+                .map_err(|e| file_err(path, format!("cannot resolve: {e}")))?;
+            Ok((real, Some(m.permissions())))
+        }
+        Ok(_) => Err(file_err(
+            path,
+            "cannot write: not a regular file (a directory, device or pipe); give a file path",
+        )),
+        // A link to nothing yet: the file it names is created.
+        Err(_) => match std::fs::read_link(path) {
+            Ok(dest) => {
+                let dest = match path.parent() {
+                    Some(dir) if dest.is_relative() => dir.join(dest),
+                    _ => dest,
+                };
+                Ok((dest, None))
+            }
+            Err(_) => Ok((path.to_path_buf(), None)),
+        },
+    }
+}
+
+#[cfg(unix)]
+fn set_mode(path: &Path, mode: Option<std::fs::Permissions>) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = mode.unwrap_or_else(|| std::fs::Permissions::from_mode(0o644));
+    std::fs::set_permissions(path, mode)
+}
+
+#[cfg(not(unix))]
+fn set_mode(_path: &Path, _mode: Option<std::fs::Permissions>) -> std::io::Result<()> {
+    Ok(())
 }
 
 /// Saves a module's parameters under PyTorch's keys, like

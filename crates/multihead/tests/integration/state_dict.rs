@@ -177,3 +177,49 @@ fn embedding_loads_by_its_pytorch_key_and_rejects_bad_indices() {
     let e = emb.forward(&Tensor::new(&[1f32], &dev()).unwrap()).expect_err("float ids");
     assert!(matches!(e, Error::DType { .. }), "{e:?}");
 }
+
+/// Saving follows a symbolic link (the file it names is replaced, the link kept), keeps a
+/// replaced file's permissions, gives a new file `rw-r--r--`, and refuses what is not a
+/// regular file. It used to rename its temporary file over the path itself: a link became a
+/// copy and a device node (`/dev/full`) was replaced by a file.
+#[cfg(unix)]
+#[test]
+fn save_follows_links_keeps_modes_and_refuses_non_files() {
+    use multihead::state_dict::save_safetensors;
+    use std::os::unix::fs::{symlink, PermissionsExt};
+    let dir = std::env::temp_dir().join(format!("multihead-save-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let t = Tensor::arange(0f32, 6.0, &dev()).unwrap();
+    let save = |p: &std::path::Path| save_safetensors([("t", &t)], p);
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+
+    let new = dir.join("new.safetensors");
+    save(&new).unwrap();
+    assert_eq!(mode(&new), 0o644);
+
+    let (real, link) = (dir.join("real.safetensors"), dir.join("link.safetensors"));
+    std::fs::write(&real, b"old").unwrap();
+    std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o600)).unwrap();
+    symlink(&real, &link).unwrap();
+    save(&link).unwrap();
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+    assert_eq!(mode(&real), 0o600);
+    let back = load_safetensors(&real, &dev()).unwrap();
+    assert_eq!(back["t"].to_vec1::<f32>().unwrap(), t.to_vec1::<f32>().unwrap());
+
+    // A dangling link: the file it names is created.
+    let (target, dangling) = (dir.join("later.safetensors"), dir.join("dangling.safetensors"));
+    symlink(&target, &dangling).unwrap();
+    save(&dangling).unwrap();
+    assert!(
+        target.is_file() && std::fs::symlink_metadata(&dangling).unwrap().file_type().is_symlink()
+    );
+
+    let err = save(&dir).unwrap_err();
+    assert!(
+        matches!(err, Error::File { .. }) && err.to_string().contains("not a regular file"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
