@@ -348,3 +348,47 @@ fn bench_and_demo_size_flags_are_checked_first() {
         assert!(t.contains(flag) && !t.contains("panicked"), "{args:?}: {t}");
     }
 }
+
+// A malformed suggested_tolerance fell back to the default tolerances silently, and an SDPA
+// case with a `param.*` tensor replayed as if it had none.
+#[test]
+fn malformed_tolerances_and_sdpa_parameters_are_errors() {
+    for (name, tol, expect) in [
+        (
+            "tol-neg",
+            serde_json::json!({"float32": {"forward": {"rtol": -1.0, "atol": 1e-5}}}),
+            "rtol must be a non-negative number",
+        ),
+        (
+            "tol-str",
+            serde_json::json!({"float32": {"forward": {"rtol": "1e-5"}}}),
+            "rtol must be a non-negative number",
+        ),
+        ("tol-num", serde_json::json!(3), "must be an object"),
+    ] {
+        let dir = edited_case("sdpa/sdpa_plain_f32", name, |v| v["suggested_tolerance"] = tol);
+        let t = text(&check(&dir));
+        assert!(t.contains(expect) && t.contains("0 passed, 1 failed"), "{name}: {t}");
+    }
+    let dir = edited_case("sdpa/sdpa_plain_f32", "sdpa-param", |_| {});
+    let st = dir.join("case.safetensors");
+    let mut w = multihead::state_dict::load_safetensors(&st, &candle_core::Device::Cpu).unwrap();
+    let extra = w["input.query"].clone();
+    w.insert("param.bogus".into(), extra);
+    multihead::state_dict::save_safetensors(w.iter().map(|(k, t)| (k.as_str(), t)), &st).unwrap();
+    let t = text(&check(&dir));
+    assert!(t.contains("takes no parameters, but the case has param.bogus"), "{t}");
+}
+
+// A file given where a case directory belongs only printed a note and "0 passed, 0 failed";
+// case-format.md says a path that cannot be read counts as a failed case.
+#[test]
+fn check_counts_a_file_given_as_a_case_as_failed() {
+    let dir = tmp("afile");
+    let file = dir.join("not-a-case.txt");
+    std::fs::write(&file, "hi").unwrap();
+    let o = check(&file);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert!(t.contains("FAIL") && t.contains("0 passed, 1 failed"), "{t}");
+}

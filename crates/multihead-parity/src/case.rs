@@ -34,6 +34,26 @@ pub(crate) fn case_err(dir: &Path, msg: impl Into<String>) -> Error {
     Error::File { path: dir.to_path_buf(), msg: msg.into() }
 }
 
+/// `suggested_tolerance` is a tree of objects (per dtype, per forward or gradient) whose
+/// `rtol` and `atol` are non-negative numbers: anything else is an error naming where it is,
+/// not a silent fall-back to the default tolerances.
+fn check_tolerance(v: &Value, at: &str) -> std::result::Result<(), String> {
+    let Some(map) = v.as_object() else {
+        return Err(format!("{at} must be an object of rtol/atol entries, got {v}"));
+    };
+    for (k, x) in map {
+        let here = format!("{at}.{k}");
+        match k.as_str() {
+            "rtol" | "atol" => match x.as_f64() {
+                Some(t) if t.is_finite() && t >= 0.0 => {}
+                _ => return Err(format!("{here} must be a non-negative number, got {x}")),
+            },
+            _ => check_tolerance(x, &here)?,
+        }
+    }
+    Ok(())
+}
+
 /// The prefix of a bfloat16 case's float64 reference results.
 pub const REF64: &str = "ref64.";
 
@@ -100,6 +120,10 @@ impl Case {
                 dir,
                 format!("unsupported format_version {}, expected 1", meta.format_version),
             ));
+        }
+        if let Some(st) = &meta.suggested_tolerance {
+            check_tolerance(st, "suggested_tolerance")
+                .map_err(|m| case_err(dir, format!("case.json: {m}")))?;
         }
         let module = Module::parse(&meta).map_err(|m| case_err(dir, format!("case.json: {m}")))?;
         let (name, source) =

@@ -116,9 +116,9 @@ pub fn find_cases(roots: &[PathBuf]) -> Found {
     found
 }
 
-fn walk(dir: &Path, root: bool, seen: &mut BTreeSet<PathBuf>, found: &mut Found) {
-    let real = match dir.canonicalize() {
-        Ok(r) => r,
+fn walk(dir: &Path, root: bool, seen: &mut BTreeSet<DirId>, found: &mut Found) {
+    let id = match dir_id(dir) {
+        Ok(id) => id,
         // A root that cannot be read is kept as a case, so that checking it fails and says why.
         Err(_) if root => {
             found.cases.push(dir.to_path_buf());
@@ -129,7 +129,8 @@ fn walk(dir: &Path, root: bool, seen: &mut BTreeSet<PathBuf>, found: &mut Found)
             return;
         }
     };
-    if !seen.insert(real.clone()) {
+    if !seen.insert(id) {
+        let real = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
         found.notes.push(format!(
             "{}: already visited as {} (a symbolic-link loop or a second link); skipped",
             dir.display(),
@@ -143,6 +144,11 @@ fn walk(dir: &Path, root: bool, seen: &mut BTreeSet<PathBuf>, found: &mut Found)
     }
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
+        // A root that is not a directory (a file given by mistake) fails as a case.
+        Err(_) if root => {
+            found.cases.push(dir.to_path_buf());
+            return;
+        }
         Err(e) => {
             found.notes.push(format!("{}: not a readable directory: {e}", dir.display()));
             return;
@@ -154,4 +160,24 @@ fn walk(dir: &Path, root: bool, seen: &mut BTreeSet<PathBuf>, found: &mut Found)
     for sub in subdirs {
         walk(&sub, false, seen, found);
     }
+}
+
+/// What identifies a directory however it is reached: its device and inode where there are
+/// such (one `stat`, whatever the depth: canonicalising every directory of a deep tree cost
+/// time cubic in its depth), its canonical path elsewhere.
+#[cfg(unix)]
+type DirId = (u64, u64);
+#[cfg(not(unix))]
+type DirId = PathBuf;
+
+#[cfg(unix)]
+fn dir_id(dir: &Path) -> std::io::Result<DirId> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(dir)?;
+    Ok((m.dev(), m.ino()))
+}
+
+#[cfg(not(unix))]
+fn dir_id(dir: &Path) -> std::io::Result<DirId> {
+    dir.canonicalize()
 }

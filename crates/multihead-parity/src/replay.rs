@@ -88,6 +88,19 @@ fn upstream(case: &Case) -> Result<&Tensor> {
 /// `F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p=0, is_causal, scale,
 /// enable_gqa)`; a bool mask has SDPA's polarity (true takes part).
 fn replay_sdpa(case: &Case, call: &SdpaCallArgs) -> Result<ReplayResult> {
+    // A function has no parameters: a `param.*` tensor is unexpected, as for a module's
+    // strict load.
+    let mut params: Vec<String> = case.params().into_keys().collect();
+    if !params.is_empty() {
+        params.sort();
+        return Err(case_err(
+            &case.dir,
+            format!(
+                "scaled_dot_product_attention takes no parameters, but the case has param.{}",
+                params.join(", param.")
+            ),
+        ));
+    }
     let (q, k, v) = (case.input_var("query")?, case.input_var("key")?, case.input_var("value")?);
     let mut opts = SdpaOptions::default().is_causal(call.is_causal).enable_gqa(call.enable_gqa);
     opts.scale = call.scale;
