@@ -378,6 +378,15 @@ fn malformed_tolerances_and_sdpa_parameters_are_errors() {
     multihead::state_dict::save_safetensors(w.iter().map(|(k, t)| (k.as_str(), t)), &st).unwrap();
     let t = text(&check(&dir));
     assert!(t.contains("takes no parameters, but the case has param.bogus"), "{t}");
+    // A misspelled mask was left out of the call without a word.
+    let dir = edited_case("mha/batch1_n1_f32", "misspelled-input", |_| {});
+    let st = dir.join("case.safetensors");
+    let mut w = multihead::state_dict::load_safetensors(&st, &candle_core::Device::Cpu).unwrap();
+    let extra = w["input.query"].clone();
+    w.insert("input.key_paddin_mask".into(), extra);
+    multihead::state_dict::save_safetensors(w.iter().map(|(k, t)| (k.as_str(), t)), &st).unwrap();
+    let t = text(&check(&dir));
+    assert!(t.contains("unexpected input.key_paddin_mask"), "{t}");
 }
 
 // A file given where a case directory belongs only printed a note and "0 passed, 0 failed";

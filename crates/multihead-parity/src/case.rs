@@ -34,6 +34,36 @@ pub(crate) fn case_err(dir: &Path, msg: impl Into<String>) -> Error {
     Error::File { path: dir.to_path_buf(), msg: msg.into() }
 }
 
+/// The inputs a module's case may store (case-format.md §3), by PyTorch class path.
+fn known_inputs(module: &str) -> &'static [&'static str] {
+    const DECODER: &[&str] = &[
+        "tgt",
+        "memory",
+        "tgt_mask",
+        "memory_mask",
+        "tgt_key_padding_mask",
+        "memory_key_padding_mask",
+    ];
+    match module.rsplit('.').next().unwrap_or(module) {
+        "MultiheadAttention" => &["query", "key", "value", "attn_mask", "key_padding_mask"],
+        "scaled_dot_product_attention" => &["query", "key", "value", "attn_mask"],
+        "TransformerEncoderLayer" => &["src", "src_mask", "src_key_padding_mask"],
+        "TransformerEncoder" => &["src", "mask", "src_key_padding_mask"],
+        "TransformerDecoderLayer" | "TransformerDecoder" => DECODER,
+        "Transformer" => &[
+            "src",
+            "tgt",
+            "src_mask",
+            "tgt_mask",
+            "memory_mask",
+            "src_key_padding_mask",
+            "tgt_key_padding_mask",
+            "memory_key_padding_mask",
+        ],
+        _ => &[],
+    }
+}
+
 /// `suggested_tolerance` is a tree of objects (per dtype, per forward or gradient) whose
 /// `rtol` and `atol` are non-negative numbers: anything else is an error naming where it is,
 /// not a silent fall-back to the default tolerances.
@@ -148,7 +178,32 @@ impl Case {
         let (meta, module, dtype, source) = Self::parse_meta(dir, case_json)?;
         let case = Self { dir: dir.to_path_buf(), meta, module, dtype, tensors };
         case.check_tensor_dtypes(source)?;
+        case.check_input_names()?;
         Ok(case)
+    }
+
+    /// Every `input.<name>` must be one of the module's inputs (case-format.md §3): a
+    /// misspelled mask would otherwise be left out of the call without a word.
+    fn check_input_names(&self) -> Result<()> {
+        let known = known_inputs(&self.meta.module);
+        let mut unknown: Vec<&str> = self
+            .tensors
+            .keys()
+            .filter_map(|k| k.strip_prefix("input."))
+            .filter(|n| !known.contains(n))
+            .collect();
+        if unknown.is_empty() {
+            return Ok(());
+        }
+        unknown.sort();
+        Err(case_err(
+            &self.dir,
+            format!(
+                "unexpected input.{} for {}; its inputs are {known:?}",
+                unknown.join(", input."),
+                self.meta.module
+            ),
+        ))
     }
 
     /// Every float tensor of the case (parameters, inputs, gradients, expected results) must
