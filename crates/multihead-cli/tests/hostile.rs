@@ -370,23 +370,24 @@ fn malformed_tolerances_and_sdpa_parameters_are_errors() {
         let t = text(&check(&dir));
         assert!(t.contains(expect) && t.contains("0 passed, 1 failed"), "{name}: {t}");
     }
-    let dir = edited_case("sdpa/sdpa_plain_f32", "sdpa-param", |_| {});
-    let st = dir.join("case.safetensors");
-    let mut w = multihead::state_dict::load_safetensors(&st, &candle_core::Device::Cpu).unwrap();
-    let extra = w["input.query"].clone();
-    w.insert("param.bogus".into(), extra);
-    multihead::state_dict::save_safetensors(w.iter().map(|(k, t)| (k.as_str(), t)), &st).unwrap();
+    let dir = case_with_extra_tensor("sdpa/sdpa_plain_f32", "param.bogus");
     let t = text(&check(&dir));
     assert!(t.contains("takes no parameters, but the case has param.bogus"), "{t}");
     // A misspelled mask was left out of the call without a word.
-    let dir = edited_case("mha/batch1_n1_f32", "misspelled-input", |_| {});
+    let dir = case_with_extra_tensor("mha/batch1_n1_f32", "input.key_paddin_mask");
+    let t = text(&check(&dir));
+    assert!(t.contains("unexpected input.key_paddin_mask"), "{t}");
+}
+
+/// A copy of a fixture case with one more stored tensor, `name` (a copy of its query).
+fn case_with_extra_tensor(fixture: &str, name: &str) -> PathBuf {
+    let dir = edited_case(fixture, name, |_| {});
     let st = dir.join("case.safetensors");
     let mut w = multihead::state_dict::load_safetensors(&st, &candle_core::Device::Cpu).unwrap();
     let extra = w["input.query"].clone();
-    w.insert("input.key_paddin_mask".into(), extra);
+    w.insert(name.into(), extra);
     multihead::state_dict::save_safetensors(w.iter().map(|(k, t)| (k.as_str(), t)), &st).unwrap();
-    let t = text(&check(&dir));
-    assert!(t.contains("unexpected input.key_paddin_mask"), "{t}");
+    dir
 }
 
 // A file given where a case directory belongs only printed a note and "0 passed, 0 failed";
