@@ -48,16 +48,42 @@ impl Default for GenerateOptions {
 /// Picks one token per row from logits `(N, V)` at step `step`. Sampling draws from the
 /// crate's counter-based generator ([`DropoutKey`]) keyed by the seed: the draw of row `b` at
 /// step `t` is element `(0, t, b)`, whatever else is drawn.
-fn pick(logits: &Tensor, sampling: Sampling, step: usize) -> Result<Vec<u32>> {
+fn pick(logits: &Tensor, n: usize, sampling: Sampling, step: usize) -> Result<Vec<u32>> {
+    match logits.dims() {
+        &[rows, v] if rows == n && v > 0 => {}
+        dims => {
+            return Err(Error::Shape {
+                op: OP,
+                arg: "logits",
+                msg: format!(
+                    "the logits closure must return (N, V) = ({n}, V) scores with V >= 1, one row per sequence, got {dims:?}"
+                ),
+            })
+        }
+    }
+    // The rows are read in f64: a broadcast view of a few values can stand for more.
+    let hint = "return the logits of one position per row, (N, V)";
+    crate::alloc::ensure(OP, "logits", logits.dims(), DType::F64, 1, hint)?;
     let rows = logits.to_dtype(DType::F64)?.to_vec2::<f64>()?;
     rows.iter()
         .enumerate()
         .map(|(b, row)| {
-            if row.is_empty() || row.iter().any(|x| x.is_nan()) {
+            if row.iter().any(|x| x.is_nan()) {
                 return Err(Error::Config {
                     op: OP,
                     arg: "logits",
-                    msg: "the logits are empty or contain NaN; check the model's output".into(),
+                    msg: format!("row {b} of the logits contains NaN; check the model's output"),
+                });
+            }
+            let sampled = matches!(sampling, Sampling::Sample { .. });
+            if sampled && (row.contains(&f64::INFINITY) || row.iter().all(|&x| x == f64::NEG_INFINITY)) {
+                // softmax is NaN there, and torch.multinomial refuses it.
+                return Err(Error::Config {
+                    op: OP,
+                    arg: "logits",
+                    msg: format!(
+                        "row {b} of the logits has +inf or only -inf: it is no distribution to sample from; use Sampling::Greedy or finite logits"
+                    ),
                 });
             }
             let best = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -157,7 +183,18 @@ impl Transformer {
         let mut inputs: Vec<Tensor> = Vec::new(); // every position's input, without the cache
         let (mut cur, mut out, mut done) = (bos.to_vec(), vec![Vec::new(); n], vec![false; n]);
         for pos in 0..opts.max_new_tokens {
-            let x = embed(&cur, pos)?.unsqueeze(seq_dim)?; // (N, 1, E) or (1, N, E)
+            let x = embed(&cur, pos)?;
+            if x.rank() != 2 || x.dim(0)? != n {
+                return Err(Error::Shape {
+                    op: OP,
+                    arg: "embed",
+                    msg: format!(
+                        "the embed closure must return (N, E) = ({n}, E) inputs, one row per sequence, got {:?}",
+                        x.dims()
+                    ),
+                });
+            }
+            let x = x.unsqueeze(seq_dim)?; // (N, 1, E) or (1, N, E)
             let h = match &mut state {
                 Some(state) => self.decode_step(&x, state, None)?,
                 None => {
@@ -166,7 +203,7 @@ impl Transformer {
                     self.recompute_last(&prefix, memory, memory_key_padding_mask)?
                 }
             };
-            let next = pick(&logits(&h.squeeze(seq_dim)?)?, opts.sampling, pos)?;
+            let next = pick(&logits(&h.squeeze(seq_dim)?)?, n, opts.sampling, pos)?;
             for (b, &tok) in next.iter().enumerate() {
                 if !done[b] {
                     out[b].push(tok);

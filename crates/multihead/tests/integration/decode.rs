@@ -726,3 +726,44 @@ fn nan_and_broadcast_tokens_behave_alike_on_both_cached_paths() {
         }
     }
 }
+
+/// What the closures return is checked: logits with more rows than sequences panicked (an
+/// index out of bounds), fewer rows blamed the cache, a huge broadcast view of logits aborted
+/// the process (copied to f64 unchecked), a wrong rank gave candle's bare message, and
+/// sampling from all -inf or +inf logits returned token 0.
+#[test]
+fn generate_checks_what_its_closures_return() {
+    use multihead::transformer::{GenerateOptions, Sampling};
+    let (model, _vm) = transformer(false, DType::F32);
+    let table = rand_t(&[11, 32], DType::F32, 9, 1.7);
+    let embed = |toks: &[u32], _p: usize| -> multihead::Result<Tensor> {
+        Ok(table.index_select(&Tensor::new(toks, &dev())?, 0)?)
+    };
+    let memory = model.encode(&rand_t(&[3, 7, 32], DType::F32, 3, 1.7), None, None).unwrap();
+    let opts = GenerateOptions { max_new_tokens: 2, ..Default::default() };
+    let run = |opts: &GenerateOptions, logits: &dyn Fn(&Tensor) -> multihead::Result<Tensor>| {
+        model.generate(&memory, None, &[0, 1, 2], opts, embed, logits).unwrap_err().to_string()
+    };
+    for rows in [2usize, 4] {
+        let err = run(&opts, &|_h| Ok(Tensor::zeros((rows, 11), DType::F32, &dev())?));
+        assert!(err.contains("logits") && err.contains("(3, V)"), "{rows} rows: {err}");
+    }
+    let err = run(&opts, &|_h| Ok(Tensor::zeros(11, DType::F32, &dev())?));
+    assert!(err.contains("logits") && err.contains("[11]"), "{err}");
+    let err = run(&opts, &|_h| {
+        Ok(Tensor::zeros((3, 1), DType::F32, &dev())?.broadcast_as((3, 1usize << 40))?)
+    });
+    assert!(err.contains("cannot be allocated"), "{err}");
+    let sample =
+        GenerateOptions { sampling: Sampling::Sample { temperature: 1.0, seed: 3 }, ..opts };
+    for fill in [f32::NEG_INFINITY, f32::INFINITY] {
+        let err = run(&sample, &|_h| Ok(Tensor::full(fill, (3, 11), &dev())?));
+        assert!(err.contains("no distribution to sample from"), "{fill}: {err}");
+    }
+    let bad_embed = |_t: &[u32], _p: usize| -> multihead::Result<Tensor> {
+        Ok(Tensor::zeros((2, 32), DType::F32, &dev())?)
+    };
+    let logits = |h: &Tensor| -> multihead::Result<Tensor> { Ok(h.matmul(&table.t()?)?) };
+    let err = model.generate(&memory, None, &[0, 1, 2], &opts, bad_embed, logits).unwrap_err();
+    assert!(err.to_string().contains("embed closure must return (N, E) = (3, E)"), "{err}");
+}
