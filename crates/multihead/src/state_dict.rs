@@ -113,16 +113,19 @@ pub fn load_safetensors(
 /// mapped) is never truncated under its reader. A symbolic link is followed (the file it
 /// names is replaced, the link kept); a replaced file keeps its permissions, a new one gets
 /// `rw-r--r--`; a path that names something other than a regular file (a directory, a device,
-/// a pipe) is an error.
+/// a pipe) is an error, and so is a name given twice.
 pub fn save_safetensors<'a>(
     tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
     path: impl AsRef<Path>,
 ) -> Result<()> {
     let path = path.as_ref();
-    let map: HashMap<String, Tensor> = tensors
-        .into_iter()
-        .map(|(k, t)| Ok((k.to_string(), t.contiguous()?)))
-        .collect::<Result<_>>()?;
+    let mut map: HashMap<String, Tensor> = HashMap::new();
+    for (k, t) in tensors {
+        // A file holds one tensor per name: a second one would silently replace the first.
+        if map.insert(k.to_string(), t.contiguous()?).is_some() {
+            return Err(file_err(path, format!("cannot write: the name {k:?} is given twice")));
+        }
+    }
     let (target, mode) = save_target(path)?;
     candle_core::safetensors::save(&map, &target)
         .map_err(|e| file_err(path, format!("cannot write: {e}")))?;

@@ -115,6 +115,31 @@ impl TransformerDecoder {
             (3, Some(l)) => memory.dim(if l.config().batch_first { 0 } else { 1 })?,
             _ => 1,
         };
+        if let Some(m) = memory_key_padding_mask {
+            // PyTorch's shape: (N, S) for a batched memory, (S,) for an unbatched one; found
+            // here rather than at the first step.
+            let s = match (memory.rank(), self.layers.first()) {
+                (3, Some(l)) => Some(memory.dim(if l.config().batch_first { 1 } else { 0 })?),
+                (2, _) => Some(memory.dim(0)?),
+                _ => None,
+            };
+            let want: Vec<usize> = match (memory.rank(), s) {
+                (3, Some(s)) => vec![batch, s],
+                (_, Some(s)) => vec![s],
+                _ => vec![],
+            };
+            let got = m.tensor().dims();
+            if s.is_some() && got != want.as_slice() {
+                return Err(Error::Shape {
+                    op: "TransformerDecoder::start",
+                    arg: "memory_key_padding_mask",
+                    msg: format!(
+                        "expected {want:?} (batch and memory length of memory {:?}), got {got:?}",
+                        memory.dims()
+                    ),
+                });
+            }
+        }
         let caches =
             self.layers.iter().map(|l| l.new_cache(batch, capacity)).collect::<Result<_>>()?;
         let memory_kv = crate::mode::no_grad(|| {

@@ -767,3 +767,22 @@ fn generate_checks_what_its_closures_return() {
     let err = model.generate(&memory, None, &[0, 1, 2], &opts, bad_embed, logits).unwrap_err();
     assert!(err.to_string().contains("embed closure must return (N, E) = (3, E)"), "{err}");
 }
+
+/// A memory padding mask of the wrong shape is refused when decoding starts, not at the
+/// first step.
+#[test]
+fn start_decoding_checks_the_memory_padding_mask() {
+    let (model, _vm) = transformer(false, DType::F32);
+    let memory = model.encode(&rand_t(&[2, 7, 32], DType::F32, 3, 1.7), None, None).unwrap();
+    for dims in [(3usize, 7usize), (2, 6)] {
+        let kpm = Mask::Bool(Tensor::zeros(dims, DType::U8, &dev()).unwrap());
+        let err = model.start_decoding(&memory, Some(&kpm), 4).unwrap_err();
+        assert!(
+            matches!(err, Error::Shape { arg: "memory_key_padding_mask", .. })
+                && err.to_string().contains("[2, 7]"),
+            "{dims:?}: {err}"
+        );
+    }
+    let kpm = Mask::Bool(Tensor::zeros((2, 7), DType::U8, &dev()).unwrap());
+    assert!(model.start_decoding(&memory, Some(&kpm), 4).is_ok());
+}

@@ -180,7 +180,7 @@ fn embedding_loads_by_its_pytorch_key_and_rejects_bad_indices() {
 
 /// Saving follows a symbolic link (the file it names is replaced, the link kept), keeps a
 /// replaced file's permissions, gives a new file `rw-r--r--`, and refuses what is not a
-/// regular file. It used to rename its temporary file over the path itself: a link became a
+/// regular file or a name given twice. It used to rename its temporary file over the path itself: a link became a
 /// copy and a device node (`/dev/full`) was replaced by a file.
 #[cfg(unix)]
 #[test]
@@ -215,6 +215,9 @@ fn save_follows_links_keeps_modes_and_refuses_non_files() {
     assert!(
         target.is_file() && std::fs::symlink_metadata(&dangling).unwrap().file_type().is_symlink()
     );
+
+    let twice = save_safetensors([("t", &t), ("t", &t)], &new).unwrap_err();
+    assert!(twice.to_string().contains("\"t\" is given twice"), "{twice}");
 
     let err = save(&dir).unwrap_err();
     assert!(
