@@ -138,9 +138,14 @@ impl LayerNorm {
             crate::fused::dispatch::dtype_device_blocker(x)
                 .or_else(|| crate::fused::dispatch::dtype_device_blocker(residual)),
         )?;
-        let fused = plan.path == crate::fused::dispatch::Path::Fused
-            && x.elem_count() > 0
-            && x.dtype() == self.weight.dtype();
+        if x.elem_count() == 0 {
+            // Kept in the graph: candle's ops on empty tensors drop gradients.
+            let mut inputs = vec![x, residual, &self.weight];
+            inputs.extend(self.bias.as_ref());
+            return crate::fused::zeros::zeros_of(x.dims(), x.dtype(), &inputs);
+        }
+        let fused =
+            plan.path == crate::fused::dispatch::Path::Fused && x.dtype() == self.weight.dtype();
         if !fused {
             return self.forward(&(x + residual)?);
         }
@@ -176,7 +181,13 @@ impl LayerNorm {
         let x = &crate::mode::graph_input(x);
         let weight = crate::mode::graph_input(weight);
         let bias = bias.map(crate::mode::graph_input);
-        if plan.path == crate::fused::dispatch::Path::Fused && x.elem_count() > 0 {
+        if x.elem_count() == 0 {
+            // Kept in the graph: candle's ops on empty tensors drop gradients.
+            let mut inputs = vec![x, &weight];
+            inputs.extend(bias.as_ref());
+            return crate::fused::zeros::zeros_of(x.dims(), x.dtype(), &inputs);
+        }
+        if plan.path == crate::fused::dispatch::Path::Fused {
             return crate::fused::norm::layer_norm(x, &weight, bias.as_ref(), self.eps);
         }
         let mean = x.mean_keepdim(D::Minus1)?;

@@ -162,8 +162,10 @@ fn linear_then(
     let bias = bias.as_ref();
     crate::alloc::ensure(op, "output", &out_dims, x.dtype(), 1, "use a smaller input")?;
     if m == 0 || in_f == 0 {
-        // gemm has nothing to multiply; the product is zero (plus the bias).
-        let zeros = Tensor::zeros(out_dims.as_slice(), x.dtype(), x.device())?;
+        // gemm has nothing to multiply; the product is zero (plus the bias), kept in the
+        // graph so that the input and the weight get (zero) gradients.
+        let inputs: Vec<&Tensor> = [Some(x), Some(weight), bias].into_iter().flatten().collect();
+        let zeros = crate::fused::zeros::zeros_of(&out_dims, x.dtype(), &inputs)?;
         return then_act(
             match bias {
                 Some(b) if m > 0 => zeros.broadcast_add(b)?,

@@ -54,7 +54,7 @@ pub(crate) fn attention_core(
     let dv = v.dim(2)?;
     if b == 0 || l == 0 || s == 0 {
         // Nothing to attend: PyTorch's softmax over an empty row is empty and bmm gives zeros.
-        let out = Tensor::zeros((b, l, dv), q.dtype(), q.device())?;
+        let out = crate::fused::zeros::zeros_of(&[b, l, dv], q.dtype(), &[q, k, v])?;
         let w = Tensor::zeros((b, l, s), q.dtype(), q.device())?;
         return Ok((out, want_weights.then_some(w)));
     }

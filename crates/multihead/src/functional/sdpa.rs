@@ -360,8 +360,9 @@ pub fn scaled_dot_product_attention(
     let out_dims = with(&call.batch, call.l, call.ev);
     crate::alloc::ensure(SDPA, "output", &out_dims, query.dtype(), 1, "use smaller inputs")?;
     if out_dims.contains(&0) || call.s == 0 {
-        // Nothing to attend: an empty softmax row gives a zero output row on both paths.
-        return Ok(Tensor::zeros(out_dims, query.dtype(), query.device())?);
+        // Nothing to attend: an empty softmax row gives a zero output row on both paths
+        // (kept in the graph: the inputs get zero gradients).
+        return crate::fused::zeros::zeros_of(&out_dims, query.dtype(), &[query, key, value]);
     }
     let dropout = (opts.dropout_p > 0.0)
         .then(|| (opts.dropout_p, opts.dropout_key.unwrap_or_else(next_dropout_key)));

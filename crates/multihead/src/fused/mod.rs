@@ -9,6 +9,7 @@
 //!   bf16 inference where that instruction is fast.
 //! * `activation`: exact-form GELU and ReLU as one candle op each, with a backward.
 //! * `norm`: LayerNorm as one candle op over `multihead_kernels::norm`, with a backward.
+//! * `zeros`: the zeros of a call with nothing to compute, kept in the graph.
 //!
 //! [`Plan`]: dispatch::Plan
 
@@ -21,6 +22,7 @@ pub(crate) mod flash;
 pub(crate) mod flash_packed;
 pub(crate) mod linear;
 pub(crate) mod norm;
+pub(crate) mod zeros;
 
 /// Makes a forward-only linear op (a type with `fn run(&self, x, w, bias: Option<_>)` over CPU
 /// storages and layouts) a `CustomOp2` (without a bias) and a `CustomOp3` (with one), named

@@ -1,3 +1,4 @@
+use crate::fused::zeros::residual;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
@@ -179,9 +180,9 @@ impl TransformerDecoderLayer {
         let (mm, mk) = (masks.memory_mask.as_ref(), masks.memory_key_padding_mask.as_ref());
         let x = tgt;
         if self.cfg.norm_first {
-            let x = (x + self.self_block(&self.norm1.forward(x)?, tm, tk, tc)?)?;
-            let x = (&x + self.cross_block(&self.norm2.forward(&x)?, memory, mm, mk, mc)?)?;
-            Ok((&x + self.feed_forward(&self.norm3.forward(&x)?)?)?)
+            let x = residual(x, &self.self_block(&self.norm1.forward(x)?, tm, tk, tc)?)?;
+            let x = residual(&x, &self.cross_block(&self.norm2.forward(&x)?, memory, mm, mk, mc)?)?;
+            residual(&x, &self.feed_forward(&self.norm3.forward(&x)?)?)
         } else {
             // Each residual sum and its norm are one op (`LayerNorm::forward_residual`).
             let x = self.norm1.forward_residual(x, &self.self_block(x, tm, tk, tc)?)?;

@@ -1,3 +1,4 @@
+use crate::fused::zeros::residual;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
@@ -137,13 +138,10 @@ impl TransformerEncoderLayer {
         }
         let x = src;
         if self.cfg.norm_first {
-            let x = (x + self.attend(
-                &self.norm1.forward(x)?,
-                src_mask,
-                src_key_padding_mask,
-                is_causal,
-            )?)?;
-            Ok((&x + self.feed_forward(&self.norm2.forward(&x)?)?)?)
+            let sa =
+                self.attend(&self.norm1.forward(x)?, src_mask, src_key_padding_mask, is_causal)?;
+            let x = residual(x, &sa)?;
+            residual(&x, &self.feed_forward(&self.norm2.forward(&x)?)?)
         } else {
             // Each residual sum and its norm are one op (`LayerNorm::forward_residual`).
             let sa = self.attend(x, src_mask, src_key_padding_mask, is_causal)?;

@@ -448,3 +448,106 @@ fn a_per_call_composed_backend_governs_the_projections_too() {
     });
     assert!(r.is_ok(), "{:?}", r.err());
 }
+
+/// A call with nothing to compute (an empty batch, query or key set) gives zero gradients to
+/// its inputs and every parameter, as PyTorch does, on both paths: its zeros used to be fresh
+/// tensors outside the graph, so `backward` gave them no gradient at all.
+#[test]
+fn empty_calls_give_zero_gradients_to_inputs_and_parameters() {
+    use candle_core::Var;
+    use multihead::{with_backend, Backend, MhaConfig, MhaOptions, NamedParameters};
+    let zeros_for = |grads: &candle_core::backprop::GradStore, what: &str, t: &Tensor| {
+        let g = grads.get(t).unwrap_or_else(|| panic!("{what}: no gradient"));
+        assert_eq!(g.dims(), t.dims(), "{what}");
+        let all = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(all.iter().all(|&x| x == 0.0), "{what}: not zero");
+    };
+    for backend in [Backend::Auto, Backend::Composed] {
+        for (l, s) in [(0usize, 7usize), (5, 0)] {
+            let q = Var::from_tensor(&t(&[2, 3, l, 8])).unwrap();
+            let k = Var::from_tensor(&t(&[2, 3, s, 8])).unwrap();
+            let v = Var::from_tensor(&t(&[2, 3, s, 8])).unwrap();
+            let y = with_backend(backend, || {
+                scaled_dot_product_attention(
+                    q.as_tensor(),
+                    k.as_tensor(),
+                    v.as_tensor(),
+                    &Default::default(),
+                )
+            })
+            .unwrap();
+            let grads = (y.sqr().unwrap().sum_all().unwrap() + y.sum_all().unwrap())
+                .unwrap()
+                .backward()
+                .unwrap();
+            for (n, x) in [("q", &q), ("k", &k), ("v", &v)] {
+                zeros_for(&grads, &format!("{backend:?} sdpa l={l} s={s} {n}"), x.as_tensor());
+            }
+        }
+        for (n, l, s) in [(0usize, 4usize, 4usize), (2, 0, 4), (2, 4, 0)] {
+            let (m, _vm) = mha(MhaConfig::new(8, 2).with_batch_first(true), DType::F32);
+            let q = Var::from_tensor(&t(&[n, l, 8])).unwrap();
+            let kv = Var::from_tensor(&t(&[n, s, 8])).unwrap();
+            let opts = MhaOptions { need_weights: false, ..Default::default() };
+            let y = with_backend(backend, || {
+                m.forward(q.as_tensor(), kv.as_tensor(), kv.as_tensor(), &opts)
+            })
+            .unwrap()
+            .output;
+            let grads = (y.sum_all().unwrap() + y.sqr().unwrap().sum_all().unwrap())
+                .unwrap()
+                .backward()
+                .unwrap();
+            let what = format!("{backend:?} mha n={n} l={l} s={s}");
+            zeros_for(&grads, &format!("{what} query"), q.as_tensor());
+            zeros_for(&grads, &format!("{what} key"), kv.as_tensor());
+            for (name, p) in m.named_parameters() {
+                if s == 0 && name == "out_proj.bias" {
+                    // No keys: every output row is out_proj.bias, which gets dL/dy summed.
+                    assert!(grads.get(&p).is_some(), "{what} {name}: no gradient");
+                    continue;
+                }
+                zeros_for(&grads, &format!("{what} {name}"), &p);
+            }
+        }
+    }
+}
+
+/// The same for the Transformer stacks: an empty batch or sequence gives every parameter a
+/// (zero) gradient, pre-norm and post-norm (candle's ops on empty tensors drop gradients, so
+/// the norms and residual sums keep empty results in the graph themselves).
+#[test]
+fn empty_batches_give_every_stack_parameter_a_gradient() {
+    use candle_core::Var;
+    use candle_nn::{VarBuilder, VarMap};
+    use multihead::transformer::{
+        DecoderMasks, LayerConfig, NormConfig, TransformerDecoder, TransformerEncoder,
+    };
+    use multihead::NamedParameters;
+    for norm_first in [false, true] {
+        let cfg = LayerConfig::new(8, 2)
+            .with_dim_feedforward(16)
+            .with_batch_first(true)
+            .with_dropout(0.0)
+            .with_norm_first(norm_first);
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
+        let enc = TransformerEncoder::new(cfg.clone(), 2, Some(NormConfig::default()), vb.pp("e"))
+            .unwrap();
+        let dec = TransformerDecoder::new(cfg, 2, Some(NormConfig::default()), vb.pp("d")).unwrap();
+        for (n, s) in [(0usize, 5usize), (2, 0)] {
+            let x = Var::from_tensor(&t(&[n, s, 8])).unwrap();
+            let mem = enc.forward(x.as_tensor(), None, None, None).unwrap();
+            let y = dec.forward(x.as_tensor(), &mem, &DecoderMasks::default()).unwrap();
+            let grads = y.sum_all().unwrap().backward().unwrap();
+            let what = format!("norm_first={norm_first} n={n} s={s}");
+            assert!(grads.get(x.as_tensor()).is_some(), "{what}: input");
+            let params = enc.named_parameters().into_iter().chain(dec.named_parameters());
+            for (name, p) in params {
+                let g = grads.get(&p).unwrap_or_else(|| panic!("{what} {name}: no gradient"));
+                let all = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert!(all.iter().all(|&v| v == 0.0), "{what} {name}: not zero");
+            }
+        }
+    }
+}

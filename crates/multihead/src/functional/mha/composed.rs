@@ -68,7 +68,7 @@ pub(crate) fn attend(
     let split = |t: &Tensor, heads: usize| -> Result<Tensor> {
         let len = t.dim(0)?;
         if t.elem_count() == 0 {
-            return Ok(Tensor::zeros((n * heads, len, hd), t.dtype(), t.device())?);
+            return crate::fused::zeros::zeros_of(&[n * heads, len, hd], t.dtype(), &[t]);
         }
         Ok(t.contiguous()?.reshape((len, n * heads, hd))?.transpose(0, 1)?.contiguous()?)
     };

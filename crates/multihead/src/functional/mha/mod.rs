@@ -428,15 +428,33 @@ fn finish(call: &MhaCall, output: Tensor, weights: Option<Tensor>) -> Result<Mha
     })
 }
 
-/// An empty batch or query: nothing to compute (PyTorch returns empty tensors).
+impl MhaParams<'_> {
+    /// Every parameter tensor given.
+    pub(crate) fn tensors(&self) -> Vec<&Tensor> {
+        let mut v = match self.in_proj {
+            InProj::Packed(w) => vec![w],
+            InProj::Separate { q, k, v } => vec![q, k, v],
+        };
+        v.extend(
+            [self.in_proj_bias, self.bias_k, self.bias_v, self.out_proj_bias].into_iter().flatten(),
+        );
+        v.push(self.out_proj_weight);
+        v
+    }
+}
+
+/// An empty batch or query: nothing to compute (PyTorch returns empty tensors). The output
+/// stays in the graph, so that the inputs and every parameter get (zero) gradients.
 fn empty_output(call: &MhaCall) -> Result<MhaOutput> {
     let (n, l, e, h, dtype, dev) =
         (call.n, call.l, call.e, call.h, call.dtype, call.query.device());
-    let output = if call.batch_first {
-        Tensor::zeros((n, l, e), dtype, dev)?
-    } else {
-        Tensor::zeros((l, n, e), dtype, dev)?
-    };
+    let mut inputs = vec![&call.query, &call.key, &call.value];
+    inputs.extend(call.params.tensors());
+    if let Some((k, v)) = &call.static_kv {
+        inputs.extend([k, v]);
+    }
+    let dims = if call.batch_first { [n, l, e] } else { [l, n, e] };
+    let output = crate::fused::zeros::zeros_of(&dims, dtype, &inputs)?;
     let s2 = call.s_total();
     let weights = match (call.need_weights, call.average_attn_weights) {
         (false, _) => None,
