@@ -138,7 +138,8 @@ impl LayerNorm {
             crate::fused::dispatch::dtype_device_blocker(x)
                 .or_else(|| crate::fused::dispatch::dtype_device_blocker(residual)),
         )?;
-        if x.elem_count() == 0 {
+        let same_dtype = x.dtype() == self.weight.dtype() && residual.dtype() == x.dtype();
+        if x.elem_count() == 0 && same_dtype {
             // Kept in the graph: candle's ops on empty tensors drop gradients.
             let mut inputs = vec![x, residual, &self.weight];
             inputs.extend(self.bias.as_ref());

@@ -53,8 +53,8 @@ impl CustomOp3 for ZerosOf {
 /// Zeros of `dims` in `dtype`, connected to every tensor of `inputs` (each gets a zero
 /// gradient); plain zeros without a graph (`no_grad`, or no inputs).
 pub(crate) fn zeros_of(dims: &[usize], dtype: DType, inputs: &[&Tensor]) -> Result<Tensor> {
-    let dev = candle_core::Device::Cpu;
     if !crate::mode::grad_enabled() || inputs.is_empty() {
+        let dev = inputs.first().map_or(candle_core::Device::Cpu, |t| t.device().clone());
         return Ok(Tensor::zeros(dims, dtype, &dev)?);
     }
     let op = || ZerosOf { shape: Shape::from_dims(dims), dtype };
