@@ -65,8 +65,18 @@ pub(super) unsafe fn pack_a(kern: Kernel, a: &BfMat, blk: ABlock, dst: *mut u16)
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn pack_a_avx512(a: &BfMat, blk: ABlock, dst: *mut u16) -> (usize, usize) {
-    // SAFETY: forwarded.
-    unsafe { pack_a_any(a, blk, dst) }
+    let cs = a.col_stride;
+    // SAFETY: forwarded; the transposed layout is the one `pack_a_panels` takes.
+    unsafe {
+        if cs != 1 && a.row_stride == 1 && blk.padded <= panels_avx512::MAX_ROWS {
+            match a.data {
+                Elems::F32(x) => panels_avx512::pack(x.as_ptr(), cs, blk, dst),
+                Elems::Bf16(x) => panels_avx512::pack(x.as_ptr(), cs, blk, dst),
+            }
+            return (2, 2 * MR);
+        }
+        pack_a_any(a, blk, dst)
+    }
 }
 
 #[inline(always)]
@@ -171,6 +181,109 @@ unsafe fn pack_a_panels<T: Bits>(src: *const T, cs: usize, blk: ABlock, dst: *mu
                             *o.add(2 * r) = if i < rows { T::at(line, i) } else { 0 };
                         }
                     }
+                }
+            }
+        }
+    }
+}
+
+/// `pack_a_panels` on AVX-512: the same bits, sixteen rows of a pair at a time.
+///
+/// The scalar packer rounds one element per step and stores it alone (about 1.4 ns per
+/// element on an AMD Zen 4: a fifth of the weight-gradient products of bf16 training, whose
+/// `dyᵀ` it packs). Here each pair `q` reads sixteen rows of source rows `2q` and `2q + 1` as
+/// vectors, rounds them with the integer arithmetic of `f32_to_bf16_bits`, joins them into
+/// 32-bit pair words and copies each tile's six words into place.
+#[cfg(target_arch = "x86_64")]
+mod panels_avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{ABlock, MR};
+
+    /// Most rows of a block (the driver's row blocks are at most this tall; taller ones take
+    /// the scalar packer).
+    pub(super) const MAX_ROWS: usize = 16 * MR;
+
+    /// Sources whose sixteen consecutive elements load as bf16 bits in 32-bit lanes.
+    pub(super) trait Lanes: Copy {
+        /// Elements `0..16` at `p` under `mask` (zero elsewhere), as bf16 bits in the low half
+        /// of each 32-bit lane.
+        ///
+        /// # Safety
+        /// AVX-512F and BW are available; the masked elements are readable.
+        unsafe fn bits16(p: *const Self, mask: __mmask16) -> __m512i;
+    }
+
+    impl Lanes for f32 {
+        #[inline(always)]
+        unsafe fn bits16(p: *const f32, mask: __mmask16) -> __m512i {
+            // SAFETY: forwarded; masked lanes are not read.
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(mask, p);
+                let bits = _mm512_castps_si512(x);
+                // Round to nearest even: bits + 0x7FFF + ((bits >> 16) & 1), then the top half.
+                let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+                let sum = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+                let rounded = _mm512_srli_epi32::<16>(sum);
+                // NaN: the sign and top payload bits, made quiet.
+                let quiet =
+                    _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x0040));
+                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+                _mm512_mask_mov_epi32(rounded, nan, quiet)
+            }
+        }
+    }
+
+    impl Lanes for u16 {
+        #[inline(always)]
+        unsafe fn bits16(p: *const u16, mask: __mmask16) -> __m512i {
+            // SAFETY: forwarded; masked lanes are not read.
+            unsafe { _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p as *const i16)) }
+        }
+    }
+
+    /// The micro-panels of `pack_a_panels`, bit for bit.
+    ///
+    /// # Safety
+    /// As for `pack_a_panels`; the CPU has AVX-512F and BW.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn pack<T: Lanes>(src: *const T, cs: usize, blk: ABlock, dst: *mut u16) {
+        let ABlock { i0, rows, padded, p0, kc, lda } = blk;
+        let kp = lda / 2;
+        let tiles = padded / MR;
+        // One pair's words for every row of the block (16-lane chunks).
+        let mut words = [0u32; MAX_ROWS + 16];
+        // SAFETY: source rows `p0 + p < p0 + kc` hold `rows` elements from `i0` (the masks
+        // stop at `rows`, the prefetched rows are below `p0 + kc`); `words` holds
+        // `padded <= MAX_ROWS` (the caller's condition) rounded up to 16 words; destination
+        // offsets `tile·MR·lda + q·2·MR + 2r + h` are below `padded · lda`.
+        unsafe {
+            for q in 0..kp {
+                let lo = src.add(i0 + (p0 + 2 * q) * cs);
+                let hi = (2 * q + 1 < kc).then(|| src.add(i0 + (p0 + 2 * q + 1) * cs));
+                // Prefetch the rows 16 ahead, as the scalar packer does.
+                if 2 * q + 17 < kc {
+                    for line in [lo.add(16 * cs), lo.add(17 * cs)] {
+                        for off in (0..rows * std::mem::size_of::<T>()).step_by(64) {
+                            _mm_prefetch::<_MM_HINT_T0>((line as *const i8).add(off));
+                        }
+                    }
+                }
+                for i in (0..padded).step_by(16) {
+                    let live = rows.saturating_sub(i).min(16);
+                    let mask = if live == 16 { 0xFFFF } else { (1u16 << live) - 1 };
+                    let l = T::bits16(lo.add(i), mask);
+                    let h = match hi {
+                        Some(hp) => T::bits16(hp.add(i), mask),
+                        None => _mm512_setzero_si512(),
+                    };
+                    let w = _mm512_or_si512(l, _mm512_slli_epi32::<16>(h));
+                    _mm512_storeu_si512(words.as_mut_ptr().add(i) as *mut __m512i, w);
+                }
+                for tile in 0..tiles {
+                    let to = dst.add(tile * MR * lda + q * 2 * MR) as *mut u8;
+                    let from = words.as_ptr().add(tile * MR) as *const u8;
+                    std::ptr::copy_nonoverlapping(from, to, 4 * MR);
                 }
             }
         }
@@ -290,6 +403,66 @@ unsafe fn pack_b_typed<T: Bits>(
                 if kc % 2 == 1 {
                     *panel.add((kp - 1) * NR + j) = pair(T::at(col, (kc - 1) * rs), 0);
                 }
+            }
+        }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// The AVX-512 panel packer against the scalar one, bit for bit: NaN payloads of both
+    /// signs, infinities, subnormals, ties, odd depths, rows that fill no tile evenly.
+    #[test]
+    fn vector_panels_are_the_scalar_panels_bit_for_bit() {
+        if !std::arch::is_x86_feature_detected!("avx512bw") {
+            eprintln!("no AVX-512BW on this CPU: the vector packer is never chosen here");
+            return;
+        }
+        let specials = [
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7F80_0001),
+            f32::from_bits(0xFFC1_2345),
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e-40,
+            -1e-45,
+            f32::from_bits(0x3F80_8000), // a tie: rounds to even
+            f32::from_bits(0x3F81_8000), // a tie: rounds up
+            f32::MAX,
+            -0.0,
+        ];
+        for (m, kc, i0, rows) in
+            [(40usize, 7usize, 0usize, 40usize), (200, 33, 96, 96), (17, 2, 5, 12), (96, 64, 0, 1)]
+        {
+            let k = kc + 3;
+            let src: Vec<f32> = (0..m * k)
+                .map(|i| match i % 7 {
+                    0 => specials[(i / 7) % specials.len()],
+                    _ => ((i * 7919) % 1999) as f32 * 1e-3 - 1.0,
+                })
+                .collect();
+            let bits: Vec<u16> = src.iter().map(|&x| crate::convert::f32_to_bf16_bits(x)).collect();
+            let padded = rows.div_ceil(MR) * MR;
+            let lda = 2 * kc.div_ceil(2);
+            let blk = ABlock { i0, rows, padded, p0: 2, kc, lda };
+            for data in [Elems::F32(&src), Elems::Bf16(&bits)] {
+                // A (m × k) read transposed: rows contiguous along i, `m` apart along k.
+                let a = BfMat { data, rows: m, cols: k, row_stride: 1, col_stride: m };
+                let (mut want, mut got) = (vec![7u16; padded * lda], vec![9u16; padded * lda]);
+                // SAFETY: the block lies inside `a` and both buffers hold `padded · lda`.
+                let (ws, gs) = unsafe {
+                    (
+                        pack_a_any(&a, blk, want.as_mut_ptr()),
+                        pack_a_avx512(&a, blk, got.as_mut_ptr()),
+                    )
+                };
+                assert_eq!(ws, gs);
+                assert_eq!(want, got, "m {m} kc {kc} i0 {i0} rows {rows}");
             }
         }
     }

@@ -90,7 +90,7 @@ fn cases() -> Vec<Case> {
     let mut seed = 1;
     for (hq, hk) in [(4, 4), (6, 2), (3, 1)] {
         for rows in [1, 3, 9] {
-            for (d, dv) in [(8, 8), (64, 64), (19, 33)] {
+            for (d, dv) in [(8, 8), (64, 64), (19, 33), (24, 80)] {
                 for causal in [false, true] {
                     let dims = DecodeDims {
                         batch: 3,
