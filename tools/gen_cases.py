@@ -1187,6 +1187,12 @@ TF_DEFAULTS = dict(
     N=2,
     masks=None,
     flags=None,
+    # TransformerEncoder's constructor flags (None: not passed, PyTorch's default True)
+    enable_nested_tensor=None,
+    mask_check=None,
+    # keep a case whose TransformerEncoder took the nested-tensor path (its padded
+    # positions come out as zeros); other cases skip it
+    allow_nested=False,
 )
 
 LAYER_CTOR_KEYS = ["d_model", "nhead", "dim_feedforward", "dropout", "activation",
@@ -1213,12 +1219,16 @@ def tf_constructor(c: dict) -> dict:
         return layer
     if m in (ENCODER, DECODER):
         eps = c["norm_eps"] if c["norm_eps"] is not None else c["layer_norm_eps"]
-        return {
+        ctor = {
             "layer": layer,
             "num_layers": c["num_layers"],
             "norm": {"eps": eps} if c["norm"] else None,
             "dtype": c["dtype"],
         }
+        for key in ("enable_nested_tensor", "mask_check"):
+            if m == ENCODER and c[key] is not None:
+                ctor[key] = c[key]
+        return ctor
     return {k: c[k] for k in TRANSFORMER_CTOR_KEYS}
 
 
@@ -1245,8 +1255,9 @@ def tf_build(module: str, ctor: dict) -> torch.nn.Module:
                 norm = nn.LayerNorm(lk["d_model"], eps=ctor["norm"]["eps"],
                                     dtype=DTYPES[ctor["dtype"]])
             if module == ENCODER:
+                flags = {k: ctor[k] for k in ("enable_nested_tensor", "mask_check") if k in ctor}
                 return nn.TransformerEncoder(nn.TransformerEncoderLayer(**lk),
-                                             ctor["num_layers"], norm=norm)
+                                             ctor["num_layers"], norm=norm, **flags)
             return nn.TransformerDecoder(nn.TransformerDecoderLayer(**lk),
                                          ctor["num_layers"], norm=norm)
         if module == TRANSFORMER:
@@ -1341,7 +1352,14 @@ def _tf_blocked(c: dict) -> dict[str, torch.Tensor]:
             else:
                 a = torch.rand(shape) < 0.3
         if kp is not None:
-            k = torch.rand(N, S) < 0.3
+            if kp.get("pattern") == "tail":
+                # left-aligned: row b pads its last b % S keys (row 0 none)
+                k = torch.arange(S).view(1, S) >= (S - torch.arange(N) % S).view(N, 1)
+            elif kp.get("pattern") == "holes":
+                # not left-aligned: row b pads key j where (j + b) % 3 == 1
+                k = (torch.arange(S).view(1, S) + torch.arange(N).view(N, 1)) % 3 == 1
+            else:
+                k = torch.rand(N, S) < 0.3
         while a is not None or k is not None:
             comb = torch.zeros(N, H, L, S, dtype=torch.bool)
             if a is not None:
@@ -1502,8 +1520,10 @@ def tf_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> di
         out, spy = tf_call(model, m, inputs, masks, c["flags"], c["grad_mode"], g)
     except (AssertionError, RuntimeError, ValueError) as e:
         raise SkipCase(f"PyTorch raised: {type(e).__name__}: {e}") from e
-    if spy.hits["nested"]:
+    if spy.hits["nested"] and not c["allow_nested"]:
         raise SkipCase("TransformerEncoder took the nested-tensor path (pads with zeros)")
+    if c["allow_nested"] and c["masks"] and not spy.hits["nested"] and c["enable_nested_tensor"] is not False:
+        raise SkipCase("the case asks for the nested-tensor path and PyTorch did not take it")
     if spy.hits["fused_encoder_layer"] and any(
             t.is_floating_point() and (torch.isfinite(t) & (t != 0)).any().item()
             for t in masks.values()):
@@ -1665,8 +1685,10 @@ def _am(kind="bool", pattern="random", dims=2, binary=False):
     return spec
 
 
-def _kp(kind="bool", binary=False):
+def _kp(kind="bool", binary=False, pattern=None):
     spec = {"type": kind}
+    if pattern is not None:
+        spec["pattern"] = pattern
     if binary:
         spec["binary"] = True
     return spec
@@ -1812,6 +1834,28 @@ def tf_fixture_configs() -> list[dict]:
     add(EN, "encoder_eval_fused_causal_f64",
         "TransformerEncoder, eval+no_grad, batch_first, float causal mask (detected): fused layer path, float64",
         batch_first=True, S=5, masks={"mask": _am("float", "causal")}, **EVAL01, **F64)
+
+    # TransformerEncoder's nested-tensor ("sparsity") path: eval+no_grad, batch_first,
+    # post-norm layers with bias and an even nhead, a key padding mask and no mask
+    NESTED = {"batch_first": True, "N": 3, "S": 5, "allow_nested": True, **EVAL01}
+    add(EN, "encoder_nested_tail_kpm_f32",
+        "TransformerEncoder, eval+no_grad, left-aligned bool kpm: nested-tensor path, padded positions 0, final norm",
+        norm=True, masks={"src_key_padding_mask": _kp(pattern="tail")}, **NESTED)
+    add(EN, "encoder_nested_off_tail_kpm_f32",
+        "TransformerEncoder(enable_nested_tensor=False), eval+no_grad, left-aligned bool kpm: the layers' own path",
+        enable_nested_tensor=False, masks={"src_key_padding_mask": _kp(pattern="tail")},
+        **NESTED)
+    add(EN, "encoder_mask_check_holes_kpm_f64",
+        "TransformerEncoder, eval+no_grad, bool kpm with holes (not left-aligned), mask_check=True: no nested path, float64",
+        mask_check=True, masks={"src_key_padding_mask": _kp(pattern="holes")}, **{**NESTED, "allow_nested": False},
+        **F64)
+    add(EN, "encoder_mask_check_off_holes_kpm_f32",
+        "TransformerEncoder(mask_check=False), eval+no_grad, bool kpm with holes: the nested path keeps each row's first n positions, n its unpadded count",
+        mask_check=False, masks={"src_key_padding_mask": _kp(pattern="holes")}, **NESTED)
+    add(EN, "encoder_nested_float_kpm_f64",
+        "TransformerEncoder, eval+no_grad, left-aligned float kpm (0/-inf): nested-tensor path, float64",
+        norm=True, masks={"src_key_padding_mask": _kp("float", binary=True, pattern="tail")},
+        **NESTED, **F64)
 
     # --- TransformerDecoder ---
     add(DE, "decoder_2l_nonorm_f32", "TransformerDecoder, 2 layers, no final norm")

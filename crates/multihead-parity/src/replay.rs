@@ -225,12 +225,17 @@ fn build(case: &Case) -> Result<Built> {
             Module::DecoderLayer(c, _) => {
                 Built::DecoderLayer(TransformerDecoderLayer::new(layer_config(c)?, vb)?)
             }
-            Module::Encoder(s, _) => Built::Encoder(TransformerEncoder::new(
-                layer_config(&s.layer)?,
-                s.num_layers,
-                stack_norm(case, s),
-                vb,
-            )?),
+            Module::Encoder(s, _) => {
+                let mut enc = TransformerEncoder::new(
+                    layer_config(&s.layer)?,
+                    s.num_layers,
+                    stack_norm(case, s),
+                    vb,
+                )?;
+                enc.set_enable_nested_tensor(s.enable_nested_tensor);
+                enc.set_mask_check(s.mask_check);
+                Built::Encoder(enc)
+            }
             Module::Decoder(s, _) => Built::Decoder(TransformerDecoder::new(
                 layer_config(&s.layer)?,
                 s.num_layers,

@@ -22,7 +22,11 @@ use crate::NamedParameters;
 ///   under `torch.no_grad()`), with a left-aligned `src_key_padding_mask`, no `mask`,
 ///   batched input and an eligible layer (post-norm, `batch_first`, `bias`, even `nhead`),
 ///   PyTorch runs a nested-tensor path whose padded positions come out as 0 before the final
-///   norm. This encoder returns the same.
+///   norm. This encoder returns the same. [`set_enable_nested_tensor`](Self::set_enable_nested_tensor)
+///   turns the path off (PyTorch's `enable_nested_tensor=False`), and
+///   [`set_mask_check`](Self::set_mask_check) mirrors `mask_check=False`: the mask is then not
+///   checked for left alignment, and, as in PyTorch, row `b` keeps its first `n_b` positions,
+///   `n_b` being its count of unpadded ones, wherever the mask puts them.
 ///
 /// # Shapes
 /// * src `(S, N, E)`, `(N, S, E)` with `batch_first`, or `(S, E)`; mask `(S, S)` or
@@ -50,6 +54,7 @@ pub struct TransformerEncoder {
     norm: Option<LayerNorm>,
     training: bool,
     enable_nested_tensor: bool,
+    mask_check: bool,
 }
 
 impl TransformerEncoder {
@@ -64,7 +69,7 @@ impl TransformerEncoder {
         let (layers, norm) = build_stack(num_layers, layer.d_model, norm, &vb, |vb| {
             TransformerEncoderLayer::new(layer.clone(), vb)
         })?;
-        Ok(Self { layers, norm, training: true, enable_nested_tensor: true })
+        Ok(Self { layers, norm, training: true, enable_nested_tensor: true, mask_check: true })
     }
 
     /// The layers.
@@ -86,6 +91,15 @@ impl TransformerEncoder {
     /// PyTorch's `enable_nested_tensor` (default `true`).
     pub fn set_enable_nested_tensor(&mut self, on: bool) {
         self.enable_nested_tensor = on;
+    }
+
+    /// PyTorch's `mask_check` (default `true`): whether the nested-tensor path first checks
+    /// that the padding mask is left-aligned (every row `False…False True…True`) and runs the
+    /// layers on the full sequence otherwise. With `false` the path runs on any mask, and
+    /// row `b` keeps its first `n_b` positions (`n_b` = its unpadded count), as PyTorch's
+    /// `_nested_tensor_from_mask` does without the check.
+    pub fn set_mask_check(&mut self, on: bool) {
+        self.mask_check = on;
     }
 
     fn nested_path_eligible(&self) -> bool {
@@ -120,7 +134,11 @@ impl TransformerEncoder {
                     && self.nested_path_eligible() =>
             {
                 let p = kpm.tensor().ne(0f64)?;
-                left_aligned(&p)?.then_some(p)
+                if self.mask_check {
+                    left_aligned(&p)?.then_some(p)
+                } else {
+                    Some(first_unpadded(&p)?)
+                }
             }
             _ => None,
         };
@@ -141,6 +159,19 @@ impl TransformerEncoder {
         }
         final_norm(self.norm.as_ref(), x)
     }
+}
+
+/// The left-aligned mask with each row's count of unpadded positions: row `b` of the result
+/// is `False` at its first `n_b` positions and `True` after them.
+fn first_unpadded(p: &Tensor) -> Result<Tensor> {
+    let (n, s) = p.dims2()?;
+    let v = p.to_dtype(DType::U8)?.flatten_all()?.to_vec1::<u8>()?;
+    let mut out = crate::alloc::try_zeros::<u8>(n * s, "TransformerEncoder mask_check=false")?;
+    for (row, src) in out.chunks_exact_mut(s.max(1)).zip(v.chunks_exact(s.max(1))) {
+        let kept = src.iter().filter(|&&x| x == 0).count();
+        row[kept..].fill(1);
+    }
+    Ok(Tensor::from_vec(out, (n, s), p.device())?)
 }
 
 /// Whether every row of a `(N, S)` padding mask is `False…False True…True`.
