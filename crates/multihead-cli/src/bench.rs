@@ -88,9 +88,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pub json: bool,
     /// The parameter and input dtype: f32 or bf16 (bf16 computes each operation in f32 and
-    /// rounds once; without a gradient, its products take bf16 operands where the CPU's bf16
-    /// dot product outruns f32 FMA, or as `MULTIHEAD_BF16_PRODUCTS=direct|widened` says; the
-    /// decode module keeps its cache in this dtype).
+    /// rounds once; its products, forward and backward, take bf16 operands where the CPU's
+    /// bf16 dot product outruns f32 FMA, or as `MULTIHEAD_BF16_PRODUCTS=direct|widened` says;
+    /// the decode module keeps its cache in this dtype).
     #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
     pub dtype: DTypeArg,
 }

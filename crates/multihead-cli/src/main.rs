@@ -33,14 +33,15 @@ pub(crate) static GLOBAL: multihead::memory::ReuseLarge<mimalloc::MiMalloc> =
 /// PyTorch-exact multi-head attention: tools around the `multihead` library.
 ///
 /// demo: train a small Transformer and draw its attention; embed: all-MiniLM-L6-v2 sentence
-/// embeddings; bench: time MultiheadAttention; replay: run one PyTorch parity case; check:
-/// replay parity cases and compare with PyTorch's numbers.
+/// embeddings; bench: time MultiheadAttention, a Transformer layer or a decoding step;
+/// replay: run one PyTorch parity case; check: replay parity cases and compare with PyTorch's
+/// numbers.
 #[derive(Parser, Debug)]
-#[command(name = "multihead", version, about, long_about)]
+#[command(name = "multihead", version)]
 struct Cli {
     /// Which attention implementation runs: auto (fused kernels where they apply), composed
-    /// (candle operations only) or fused (the kernels, or an error). The environment variable
-    /// MULTIHEAD_NO_FUSED=1 means composed.
+    /// (candle operations only) or fused (the kernels, or an error). Without the flag, the
+    /// environment variable MULTIHEAD_NO_FUSED set to anything but empty or 0 means composed.
     #[arg(long, global = true)]
     backend: Option<Backend>,
     #[command(subcommand)]
@@ -54,7 +55,8 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Sentence embeddings with all-MiniLM-L6-v2 built from this crate's encoder layers.
     Embed(embed::EmbedArgs),
-    /// Time MultiheadAttention or a Transformer layer (batch_first, f32) on one shape.
+    /// Time MultiheadAttention, a Transformer layer or one decoding step (batch_first, f32 or
+    /// bf16) on one shape.
     Bench(bench::BenchArgs),
     /// Replay one PyTorch parity case and write what this library computes.
     Replay {
@@ -81,7 +83,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let backend = match cli.backend {
         Some(b) => b,
-        None if std::env::var_os("MULTIHEAD_NO_FUSED").is_some() => Backend::Composed,
+        None if std::env::var_os("MULTIHEAD_NO_FUSED")
+            .is_some_and(|v| !v.is_empty() && v != "0") =>
+        {
+            Backend::Composed
+        }
         None => Backend::Auto,
     };
     multihead::with_backend(backend, || run(cli.command))

@@ -24,7 +24,7 @@ pub struct TensorCheck {
 }
 
 /// A bfloat16 result may be this many times further from the float64 reference than
-/// PyTorch's bfloat16 result is (docs/case-format.md §5).
+/// PyTorch's bfloat16 result is (docs/case-format.md §6).
 pub const BF16_FACTOR: f64 = 2.0;
 
 /// Replays a case and compares every `expect.*` tensor with the tolerance of its kind; a

@@ -13,7 +13,7 @@
 //!   ([`Tolerance`]); [`find_cases`] and [`check_dir`] are what `multihead check` runs.
 //!
 //! ```no_run
-//! let report = multihead_parity::check_dir(std::path::Path::new("tests/fixtures/mha/self_f32"));
+//! let report = multihead_parity::check_dir(std::path::Path::new("tests/fixtures/mha/unbatched_self_f32"));
 //! assert!(report.passed());
 //! ```
 

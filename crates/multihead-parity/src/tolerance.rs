@@ -99,7 +99,7 @@ impl Comparison {
     }
 }
 
-/// The rule of a bfloat16 case (docs/case-format.md §5): our error against the float64
+/// The rule of a bfloat16 case (docs/case-format.md §6): our error against the float64
 /// reference is at most `factor` times PyTorch bfloat16's own error against it, compared as the
 /// largest absolute difference over the tensor. Non-finite values must sit where the reference
 /// has the same ones. A PyTorch error of zero (an exactly representable result) allows an error
