@@ -1193,6 +1193,8 @@ TF_DEFAULTS = dict(
     # keep a case whose TransformerEncoder took the nested-tensor path (its padded
     # positions come out as zeros); other cases skip it
     allow_nested=False,
+    # NaN in src wherever src_key_padding_mask pads (with the nested path: a finite output)
+    nan_in_padded_src=False,
 )
 
 LAYER_CTOR_KEYS = ["d_model", "nhead", "dim_feedforward", "dropout", "activation",
@@ -1510,6 +1512,10 @@ def tf_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> di
         masks[name] = t
     # for unbatched input a 3-D mask is (H,L,S), which is (N*H,L,S) with N=1
 
+    if c["nan_in_padded_src"]:
+        # NaN in src at padded positions: the nested path drops those tokens (finite output)
+        pad = masks["src_key_padding_mask"] != 0
+        inputs["src"][pad if c["batch_first"] else pad.t()] = float("nan")
     if c["grad_mode"]:
         for t in inputs.values():
             t.requires_grad_(True)
@@ -1629,7 +1635,8 @@ def tf_check_contract(meta: dict, tensors: dict[str, torch.Tensor]) -> list[str]
         if list(ctor) != LAYER_CTOR_KEYS:
             errs.append(f"constructor keys {list(ctor)}")
     elif m in (ENCODER, DECODER):
-        if list(ctor) != ["layer", "num_layers", "norm", "dtype"]:
+        optional = ["enable_nested_tensor", "mask_check"] if m == ENCODER else []
+        if [k for k in ctor if k not in optional] != ["layer", "num_layers", "norm", "dtype"]:
             errs.append(f"constructor keys {list(ctor)}")
         elif list(ctor["layer"]) != LAYER_CTOR_KEYS:
             errs.append(f"layer constructor keys {list(ctor['layer'])}")
@@ -1852,6 +1859,10 @@ def tf_fixture_configs() -> list[dict]:
     add(EN, "encoder_mask_check_off_holes_kpm_f32",
         "TransformerEncoder(mask_check=False), eval+no_grad, bool kpm with holes: the nested path keeps each row's first n positions, n its unpadded count",
         mask_check=False, masks={"src_key_padding_mask": _kp(pattern="holes")}, **NESTED)
+    add(EN, "encoder_nested_nan_in_padding_f32",
+        "TransformerEncoder, eval+no_grad, left-aligned bool kpm, NaN in src at the padded positions: the nested path drops them (finite output)",
+        nan_in_padded_src=True, norm=True, masks={"src_key_padding_mask": _kp(pattern="tail")},
+        **NESTED)
     add(EN, "encoder_nested_float_kpm_f64",
         "TransformerEncoder, eval+no_grad, left-aligned float kpm (0/-inf): nested-tensor path, float64",
         norm=True, masks={"src_key_padding_mask": _kp("float", binary=True, pattern="tail")},

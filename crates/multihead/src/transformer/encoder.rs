@@ -144,14 +144,18 @@ impl TransformerEncoder {
         };
         let mut x = src.clone();
         if let Some(p) = &padded {
-            // The nested path drops padded tokens entirely: nonzero kpm entries are padding.
+            // The nested path drops padded tokens (nonzero kpm entries) entirely: their values,
+            // NaN or infinite ones included, never reach the other tokens, and their outputs
+            // are +0. Here they are zeroed on the way in, masked out of attention, and replaced
+            // by +0 on the way out.
             let kpm = Mask::Bool(p.clone());
+            let pad = p.unsqueeze(2)?.broadcast_as(x.shape())?;
+            let zeros = x.zeros_like()?;
+            x = pad.where_cond(&zeros, &x)?;
             for layer in &self.layers {
                 x = layer.forward(&x, None, Some(&kpm), false)?;
             }
-            // (N, S) padding -> zero those positions of (N, S, E).
-            let keep = p.eq(0f64)?.to_dtype(x.dtype())?.unsqueeze(2)?;
-            x = x.broadcast_mul(&keep)?;
+            x = pad.where_cond(&zeros, &x)?;
         } else {
             for layer in &self.layers {
                 x = layer.forward(&x, mask, src_key_padding_mask, is_causal)?;
