@@ -51,6 +51,22 @@ pub enum Error {
         /// When the two sides differ by a prefix, which one and what to do (else empty).
         hint: String,
     },
+    /// A state_dict does not fit the module in more than one way; every problem is listed at
+    /// once, as PyTorch's `load_state_dict` lists every missing and unexpected key and every
+    /// size mismatch. (A lone wrong shape is [`Error::StateDictShape`]; keys alone,
+    /// [`Error::StateDictKeys`].)
+    #[error("load_state_dict: {}{hint}", state_dict_problems(missing, unexpected, mismatched))]
+    StateDictMismatch {
+        /// Keys the module needs that the state_dict lacks (strict loading only).
+        missing: Vec<String>,
+        /// Keys in the state_dict that the module does not have (strict loading only).
+        unexpected: Vec<String>,
+        /// `(key, what is wrong)` for each entry the module cannot take: a wrong shape, or a
+        /// dtype that cannot be a parameter.
+        mismatched: Vec<(String, String)>,
+        /// When the keys differ by a prefix, which one and what to do (else empty).
+        hint: String,
+    },
     /// A state_dict entry has the wrong shape for the module.
     #[error("load_state_dict: {key}: expected shape {expected:?}, got {got:?}")]
     StateDictShape {
@@ -114,4 +130,23 @@ pub(crate) fn fmt_shape(dims: &[usize]) -> String {
         [d] => format!("({d},)"),
         _ => format!("({})", dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
     }
+}
+
+/// The message of [`Error::StateDictMismatch`]: each non-empty list, `; `-separated.
+fn state_dict_problems(
+    missing: &[String],
+    unexpected: &[String],
+    mismatched: &[(String, String)],
+) -> String {
+    let mut parts = Vec::new();
+    if !missing.is_empty() {
+        parts.push(format!("missing keys {missing:?}"));
+    }
+    if !unexpected.is_empty() {
+        parts.push(format!("unexpected keys {unexpected:?}"));
+    }
+    for (key, what) in mismatched {
+        parts.push(format!("{key}: {what}"));
+    }
+    parts.join("; ")
 }

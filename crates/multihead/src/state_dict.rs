@@ -8,7 +8,7 @@
 //! [`VarBuilder`]: https://docs.rs/candle-nn/0.11/candle_nn/var_builder/type.VarBuilder.html
 //! [`VarMap`]: https://docs.rs/candle-nn/0.11/candle_nn/var_map/struct.VarMap.html
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -76,35 +76,53 @@ fn file_err(path: &Path, msg: impl Into<String>) -> Error {
 ///
 /// Bool tensors (which candle has no dtype for) are read as `u8` with `1` for `True`, the form
 /// [`Mask::Bool`](crate::Mask::Bool) takes. Integer tensors other than `u8`, `u32` and `i64`
-/// are rejected with a clear error.
+/// are rejected with a clear error. ([`load_file`] and [`load_strict_file`] accept such
+/// tensors under keys the module does not have, as PyTorch does, and report them as
+/// unexpected.)
 pub fn load_safetensors(
     path: impl AsRef<Path>,
     device: &Device,
 ) -> Result<HashMap<String, Tensor>> {
     let path = path.as_ref();
+    let (tensors, unsupported) = read_safetensors(path, device)?;
+    match unsupported.into_iter().next() {
+        Some((name, dtype)) => {
+            Err(file_err(path, format!("tensor {name}: unsupported dtype {dtype}")))
+        }
+        None => Ok(tensors),
+    }
+}
+
+/// The tensors of a safetensors file that candle can hold, and the names and dtypes of those
+/// it cannot (other integer widths, 8-bit floats).
+fn read_safetensors(
+    path: &Path,
+    device: &Device,
+) -> Result<(HashMap<String, Tensor>, BTreeMap<String, String>)> {
     let bytes = std::fs::read(path).map_err(|e| file_err(path, format!("cannot read: {e}")))?;
     let st = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(|e| file_err(path, format!("not a safetensors file: {e}")))?;
-    let mut out = HashMap::new();
+    let (mut out, mut unsupported) = (HashMap::new(), BTreeMap::new());
     for (name, view) in st.tensors() {
         let shape = view.shape().to_vec();
         let data = view.data();
         use safetensors::Dtype as S;
-        let t = match view.dtype() {
-            S::BOOL | S::U8 => Tensor::from_raw_buffer(data, DType::U8, &shape, device)?,
-            S::F32 => Tensor::from_raw_buffer(data, DType::F32, &shape, device)?,
-            S::F64 => Tensor::from_raw_buffer(data, DType::F64, &shape, device)?,
-            S::F16 => Tensor::from_raw_buffer(data, DType::F16, &shape, device)?,
-            S::BF16 => Tensor::from_raw_buffer(data, DType::BF16, &shape, device)?,
-            S::U32 => Tensor::from_raw_buffer(data, DType::U32, &shape, device)?,
-            S::I64 => Tensor::from_raw_buffer(data, DType::I64, &shape, device)?,
+        let dtype = match view.dtype() {
+            S::BOOL | S::U8 => DType::U8,
+            S::F32 => DType::F32,
+            S::F64 => DType::F64,
+            S::F16 => DType::F16,
+            S::BF16 => DType::BF16,
+            S::U32 => DType::U32,
+            S::I64 => DType::I64,
             other => {
-                return Err(file_err(path, format!("tensor {name}: unsupported dtype {other:?}")))
+                unsupported.insert(name, format!("{other:?}"));
+                continue;
             }
         };
-        out.insert(name, t);
+        out.insert(name, Tensor::from_raw_buffer(data, dtype, &shape, device)?);
     }
-    Ok(out)
+    Ok((out, unsupported))
 }
 
 /// Writes named tensors to a safetensors file under their names (PyTorch's keys).
@@ -274,11 +292,40 @@ const MAX_MISSING: usize = 4096;
 /// reported, not allocated.
 struct Loader {
     vars: VarMap,
-    present: BTreeSet<String>,
+    /// The file's shape of each key it holds in a candle dtype.
+    present: BTreeMap<String, Vec<usize>>,
+    /// Keys the file holds in a dtype candle has not (with that dtype's name).
+    unsupported: BTreeMap<String, String>,
     strict: bool,
     missing: Arc<Mutex<Vec<String>>>,
+    /// Each entry the module asked for and cannot take.
+    mismatched: Arc<Mutex<Vec<(String, Wrong)>>>,
     /// Every key the module asked for, by its full path.
     requested: Arc<Mutex<BTreeSet<String>>>,
+}
+
+/// Why a file's entry cannot become the parameter the module asks for.
+enum Wrong {
+    /// `(expected, got)`.
+    Shape(Vec<usize>, Vec<usize>),
+    /// A dtype candle has not (its safetensors name).
+    Dtype(String),
+}
+
+impl std::fmt::Display for Wrong {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Wrong::Shape(expected, got) => write!(f, "expected shape {expected:?}, got {got:?}"),
+            Wrong::Dtype(dt) => write!(f, "dtype {dt} cannot be read into a parameter"),
+        }
+    }
+}
+
+/// A tensor of shape `s` that allocates nothing (a stride-0 view of one zero), handed to the
+/// module in place of an entry that cannot be loaded, so that building goes on and every
+/// problem is reported together.
+fn placeholder(s: candle_core::Shape, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+    Tensor::zeros((), dtype, dev)?.broadcast_as(s)
 }
 
 impl candle_nn::var_builder::SimpleBackend for Loader {
@@ -291,8 +338,18 @@ impl candle_nn::var_builder::SimpleBackend for Loader {
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
         self.requested.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_string());
-        if self.present.contains(name) {
-            return self.vars.get(s, name, h, dtype, dev);
+        let wrong = match (self.present.get(name), self.unsupported.get(name)) {
+            (Some(got), _) if got.as_slice() == s.dims() => {
+                return self.vars.get(s, name, h, dtype, dev);
+            }
+            (Some(got), _) => Some(Wrong::Shape(s.dims().to_vec(), got.clone())),
+            (None, Some(dt)) => Some(Wrong::Dtype(dt.clone())),
+            (None, None) => None,
+        };
+        if let Some(wrong) = wrong {
+            let mut mismatched = self.mismatched.lock().unwrap_or_else(|e| e.into_inner());
+            mismatched.push((name.to_string(), wrong));
+            return placeholder(s, dtype, dev);
         }
         let mut missing = self.missing.lock().unwrap_or_else(|e| e.into_inner());
         if self.strict && missing.len() >= MAX_MISSING {
@@ -301,7 +358,7 @@ impl candle_nn::var_builder::SimpleBackend for Loader {
         missing.push(name.to_string());
         drop(missing);
         if self.strict {
-            Tensor::zeros((), dtype, dev)?.broadcast_as(s)
+            placeholder(s, dtype, dev)
         } else {
             self.vars.get(s, name, h, dtype, dev)
         }
@@ -323,14 +380,18 @@ impl candle_nn::var_builder::SimpleBackend for Loader {
     /// Whether `get` can answer without allocating: a present key, or any key when strict
     /// (missing ones get a placeholder). `get_param` probes the allocation otherwise.
     fn contains_tensor(&self, name: &str) -> bool {
-        self.strict || self.present.contains(name)
+        self.strict || self.present.contains_key(name) || self.unsupported.contains_key(name)
     }
 }
 
 /// Loads `state` into a module built by `build`: strict (missing keys are an error, before
 /// anything is allocated for them) or not (missing keys keep their fresh initialisation).
+/// `unsupported` names the file's entries in dtypes candle has not: unexpected keys when the
+/// module lacks them, errors when it asks for them. Wrong shapes are errors either way; all
+/// problems are reported together.
 fn load_with<M: NamedParameters>(
     state: &HashMap<String, Tensor>,
+    unsupported: &BTreeMap<String, String>,
     dtype: DType,
     device: &Device,
     strict: bool,
@@ -344,54 +405,83 @@ fn load_with<M: NamedParameters>(
             data.insert(k.clone(), Var::from_tensor(&t)?);
         }
     }
-    let missing = Arc::new(Mutex::new(Vec::new()));
+    let (missing, mismatched) =
+        (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
     let requested = Arc::new(Mutex::new(BTreeSet::new()));
     let loader = Loader {
         vars: vm.clone(),
-        present: state.keys().cloned().collect(),
+        present: state.iter().map(|(k, t)| (k.clone(), t.dims().to_vec())).collect(),
+        unsupported: unsupported.clone(),
         strict,
         missing: missing.clone(),
+        mismatched: mismatched.clone(),
         requested: requested.clone(),
     };
     let built = build(VarBuilder::from_backend(Box::new(loader), dtype, device.clone()));
     let recorded = std::mem::take(&mut *missing.lock().unwrap_or_else(|e| e.into_inner()));
+    let wrong = std::mem::take(&mut *mismatched.lock().unwrap_or_else(|e| e.into_inner()));
     let module = match built {
         Ok(m) => m,
-        // A strict load with missing keys: report the keys, not what the placeholders caused.
-        Err(_) if strict && !recorded.is_empty() => {
-            // The recorded keys are the ones the file lacks; report them in order, once each.
-            let missing: BTreeSet<String> = recorded.into_iter().collect();
-            return Err(Error::StateDictKeys {
-                missing: missing.into_iter().collect(),
-                unexpected: Vec::new(),
-                hint: String::new(),
-            });
-        }
-        Err(Error::StateDictShape { key, expected, got }) if got.is_empty() => {
-            let got = state.get(&key).map(|t| t.dims().to_vec()).unwrap_or_default();
-            return Err(Error::StateDictShape { key, expected, got });
+        // A strict load with missing keys or wrong entries: report them, not what the
+        // placeholders caused.
+        Err(_) if (strict && !recorded.is_empty()) || !wrong.is_empty() => {
+            let missing: BTreeSet<String> =
+                if strict { recorded.into_iter().collect() } else { BTreeSet::new() };
+            return Err(problems(missing.into_iter().collect(), Vec::new(), wrong, String::new()));
         }
         Err(e) => return Err(e),
     };
     // The keys the module asked for, by full path (a module built under `vb.pp("model")`
     // asks for `model.…`), against the file's.
     let asked = std::mem::take(&mut *requested.lock().unwrap_or_else(|e| e.into_inner()));
-    let report = compare_keys(asked.iter().map(String::as_str), state.keys().map(String::as_str));
-    if strict && !report.is_exact() {
-        let hint = prefix_hint(&report.missing_keys, &report.unexpected_keys);
-        return Err(Error::StateDictKeys {
-            missing: report.missing_keys,
-            unexpected: report.unexpected_keys,
-            hint,
-        });
+    let file_keys = state.keys().chain(unsupported.keys()).map(String::as_str);
+    let report = compare_keys(asked.iter().map(String::as_str), file_keys);
+    let keys_wrong = strict && !report.is_exact();
+    if keys_wrong || !wrong.is_empty() {
+        let hint = if keys_wrong {
+            prefix_hint(&report.missing_keys, &report.unexpected_keys)
+        } else {
+            String::new()
+        };
+        let (m, u) = if keys_wrong {
+            (report.missing_keys, report.unexpected_keys)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        return Err(problems(m, u, wrong, hint));
     }
     Ok((module, vm, report))
 }
 
+/// The error for what a load found: keys only ([`Error::StateDictKeys`]), one wrong shape
+/// alone ([`Error::StateDictShape`]), or several kinds together ([`Error::StateDictMismatch`]).
+fn problems(
+    missing: Vec<String>,
+    unexpected: Vec<String>,
+    mut mismatched: Vec<(String, Wrong)>,
+    hint: String,
+) -> Error {
+    if mismatched.is_empty() {
+        return Error::StateDictKeys { missing, unexpected, hint };
+    }
+    let lone_shape = matches!(mismatched.as_slice(), [(_, Wrong::Shape(..))]);
+    if missing.is_empty() && unexpected.is_empty() && lone_shape {
+        if let Some((key, Wrong::Shape(expected, got))) = mismatched.pop() {
+            return Error::StateDictShape { key, expected, got };
+        }
+    }
+    let mismatched = mismatched.into_iter().map(|(k, w)| (k, w.to_string())).collect();
+    Error::StateDictMismatch { missing, unexpected, mismatched, hint }
+}
+
 /// Loads a state_dict strictly: puts every tensor into a fresh `VarMap` as a trainable
-/// variable of `dtype`, builds the module from it with `build`, and fails with
-/// [`Error::StateDictKeys`] if the module and the state_dict do not have the same keys.
-/// Missing keys are found before anything is allocated for them.
+/// variable of `dtype` (converted from the stored dtype, as PyTorch's `load_state_dict`
+/// copies into the parameter's dtype), builds the module from it with `build`, and fails with
+/// [`Error::StateDictKeys`] if the module and the state_dict do not have the same keys,
+/// [`Error::StateDictShape`] for a lone wrong shape, and [`Error::StateDictMismatch`] listing
+/// everything when there is more than one problem (as PyTorch lists every missing key,
+/// unexpected key and size mismatch). Missing keys are found before anything is allocated for
+/// them.
 ///
 /// Returns the module and the `VarMap` that holds its parameters (hand its `all_vars()` to an
 /// optimiser to train).
@@ -418,13 +508,13 @@ pub fn load_strict<M: NamedParameters>(
     device: &Device,
     build: impl FnOnce(VarBuilder) -> Result<M>,
 ) -> Result<(M, VarMap)> {
-    let (m, vm, _) = load_with(state, dtype, device, true, build)?;
+    let (m, vm, _) = load_with(state, &BTreeMap::new(), dtype, device, true, build)?;
     Ok((m, vm))
 }
 
 /// Loads a state_dict non-strictly, like PyTorch's `load_state_dict(strict=False)`: keys the
 /// module lacks are ignored, parameters the state_dict lacks keep their fresh initialisation,
-/// and the [`LoadReport`] lists both. Shapes must still match.
+/// and the [`LoadReport`] lists both. Shapes must still match (every wrong one is named).
 ///
 /// # Example
 /// ```
@@ -448,18 +538,20 @@ pub fn load<M: NamedParameters>(
     device: &Device,
     build: impl FnOnce(VarBuilder) -> Result<M>,
 ) -> Result<(M, VarMap, LoadReport)> {
-    load_with(state, dtype, device, false, build)
+    load_with(state, &BTreeMap::new(), dtype, device, false, build)
 }
 
-/// [`load`] from a safetensors file.
+/// [`load`] from a safetensors file. Entries in dtypes candle has not (`i32`, `i16`, 8-bit
+/// floats, ...) are fine under keys the module does not have: they are reported as unexpected,
+/// as PyTorch would; a module that asks for one gets an error naming it.
 pub fn load_file<M: NamedParameters>(
     path: impl AsRef<Path>,
     dtype: DType,
     device: &Device,
     build: impl FnOnce(VarBuilder) -> Result<M>,
 ) -> Result<(M, VarMap, LoadReport)> {
-    let state = load_safetensors(path, device)?;
-    load(&state, dtype, device, build)
+    let (state, unsupported) = read_safetensors(path.as_ref(), device)?;
+    load_with(&state, &unsupported, dtype, device, false, build)
 }
 
 /// A sub-module's parameters under a prefix, as PyTorch names them inside a parent module:
@@ -486,13 +578,15 @@ pub fn prefixed<M: NamedParameters + ?Sized>(prefix: &str, module: &M) -> Vec<(S
         .map(|(k, t)| if prefix.is_empty() { (k, t) } else { (format!("{prefix}.{k}"), t) })
         .collect()
 }
-/// [`load_strict`] from a safetensors file.
+/// [`load_strict`] from a safetensors file (entries in dtypes candle has not are unexpected
+/// keys when the module does not ask for them, see [`load_file`]).
 pub fn load_strict_file<M: NamedParameters>(
     path: impl AsRef<Path>,
     dtype: DType,
     device: &Device,
     build: impl FnOnce(VarBuilder) -> Result<M>,
 ) -> Result<(M, VarMap)> {
-    let state = load_safetensors(path, device)?;
-    load_strict(&state, dtype, device, build)
+    let (state, unsupported) = read_safetensors(path.as_ref(), device)?;
+    let (m, vm, _) = load_with(&state, &unsupported, dtype, device, true, build)?;
+    Ok((m, vm))
 }

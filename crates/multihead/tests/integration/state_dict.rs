@@ -120,6 +120,98 @@ fn strict_loading_names_missing_and_unexpected_keys_and_bad_shapes() {
     );
 }
 
+fn build(vb: candle_nn::VarBuilder) -> multihead::Result<MultiheadAttention> {
+    MultiheadAttention::new(MhaConfig::new(8, 2), vb)
+}
+
+#[test]
+fn every_problem_of_a_state_dict_is_reported_at_once() {
+    let (m, _) = mha(MhaConfig::new(8, 2), DType::F32);
+    // Two wrong shapes, a missing key and an unexpected one: all four named, as PyTorch does.
+    let mut state: HashMap<String, Tensor> = m.named_parameters().into_iter().collect();
+    state.insert("in_proj_weight".into(), Tensor::zeros((24, 6), DType::F32, &dev()).unwrap());
+    state.insert("out_proj.weight".into(), Tensor::zeros((8, 7), DType::F32, &dev()).unwrap());
+    state.remove("in_proj_bias");
+    state.insert("extra".into(), Tensor::zeros(2, DType::F32, &dev()).unwrap());
+    let err = load_strict(&state, DType::F32, &dev(), build).map(|(m, _)| m).expect_err("bad");
+    let msg = err.to_string();
+    match &err {
+        Error::StateDictMismatch { missing, unexpected, mismatched, .. } => {
+            assert_eq!(missing, &["in_proj_bias"]);
+            assert_eq!(unexpected, &["extra"]);
+            let keys: Vec<&str> = mismatched.iter().map(|(k, _)| k.as_str()).collect();
+            assert_eq!(keys, ["in_proj_weight", "out_proj.weight"]);
+        }
+        other => panic!("wrong error {other:?}"),
+    }
+    assert!(msg.contains("[24, 6]") && msg.contains("[8, 7]") && msg.contains("extra"), "{msg}");
+    // strict=False still refuses wrong shapes, and names both.
+    let err = multihead::state_dict::load(&state, DType::F32, &dev(), build)
+        .map(|(m, _, _)| m)
+        .expect_err("shapes");
+    assert!(
+        matches!(&err, Error::StateDictMismatch { mismatched, missing, .. }
+            if mismatched.len() == 2 && missing.is_empty()),
+        "{err}"
+    );
+}
+
+#[test]
+fn entries_in_dtypes_candle_lacks_are_unexpected_keys_unless_the_module_asks_for_them() {
+    // A file with an int32 step counter beside the module's weights (candle has no i32).
+    let (m, _) = mha(MhaConfig::new(8, 2), DType::F32);
+    let dir = std::env::temp_dir().join(format!("mh_sd_i32_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("with_i32.safetensors");
+    let mut views: Vec<(String, Vec<u8>, Vec<usize>, safetensors::Dtype)> = m
+        .named_parameters()
+        .into_iter()
+        .map(|(k, t)| {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            (k, bytes, t.dims().to_vec(), safetensors::Dtype::F32)
+        })
+        .collect();
+    views.push(("step".into(), 7i32.to_le_bytes().to_vec(), vec![1], safetensors::Dtype::I32));
+    let tensors: Vec<(String, safetensors::tensor::TensorView)> = views
+        .iter()
+        .map(|(k, b, s, d)| {
+            (k.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(tensors, None, &path).unwrap();
+
+    // Reading every tensor still refuses it, naming it.
+    let err = load_safetensors(&path, &dev()).expect_err("i32");
+    assert!(err.to_string().contains("step") && err.to_string().contains("I32"), "{err}");
+    // strict=False: loaded, the entry reported as unexpected (PyTorch's behaviour).
+    let (loaded, _, report) =
+        multihead::state_dict::load_file(&path, DType::F32, &dev(), build).expect("non-strict");
+    assert_eq!(report.unexpected_keys, ["step"]);
+    assert!(report.missing_keys.is_empty());
+    let out = |m: &MultiheadAttention| {
+        let x = det(&[3, 2, 8], DType::F32, 1.0);
+        m.forward(&x, &x, &x, &MhaOptions::default()).unwrap().output
+    };
+    assert_close(&out(&loaded), &out(&m), Tolerance { rel: 0.0, abs: 0.0 }, "loaded");
+    // Strict: an unexpected key.
+    let err = load_strict_file(&path, DType::F32, &dev(), build).map(|(m, _)| m).expect_err("s");
+    assert!(
+        matches!(&err, Error::StateDictKeys { unexpected, missing, .. }
+            if unexpected == &["step"] && missing.is_empty()),
+        "{err}"
+    );
+    // A module that asks for that key gets an error naming the key and its dtype.
+    let err = load_strict_file(&path, DType::F32, &dev(), |vb| {
+        vb.get(1, "step")?;
+        build(vb)
+    })
+    .map(|(m, _)| m)
+    .expect_err("asked");
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(err.to_string().contains("step: dtype I32 cannot be read"), "{err}");
+}
+
 #[test]
 fn a_prefix_mismatch_is_named_and_non_strict_loading_reports_the_keys() {
     use multihead::state_dict::{load, prefixed};
