@@ -282,8 +282,9 @@ fn prefix_hint(missing: &[String], unexpected: &[String]) -> String {
     String::new()
 }
 
-/// A strict load stops building after this many missing keys (a module far larger than its
-/// state_dict, such as a stack of 10⁹ layers, is reported, not built).
+/// A load stops building after this many missing keys, or this many entries of the wrong
+/// shape or dtype (a module far larger than its state_dict, such as a stack of 10⁹ layers, is
+/// reported, not built).
 const MAX_MISSING: usize = 4096;
 
 /// A `VarBuilder` backend for loading: present keys come from the state_dict's variables;
@@ -348,6 +349,9 @@ impl candle_nn::var_builder::SimpleBackend for Loader {
         };
         if let Some(wrong) = wrong {
             let mut mismatched = self.mismatched.lock().unwrap_or_else(|e| e.into_inner());
+            if mismatched.len() >= MAX_MISSING {
+                candle_core::bail!("more than {MAX_MISSING} parameters do not fit the state_dict");
+            }
             mismatched.push((name.to_string(), wrong));
             return placeholder(s, dtype, dev);
         }
