@@ -111,6 +111,7 @@ fn same_len(name: &'static str, want: usize, len: usize) -> Result<(), KernelErr
 }
 
 /// `y = gelu(x)`.
+// Mirrors torch.nn.functional.gelu(x, approximate='none').
 pub fn gelu_forward(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
     same_len("y", x.len(), y.len())?;
     let (len, x) = (x.len(), ConstPtr(x.as_ptr()));
@@ -119,6 +120,7 @@ pub fn gelu_forward(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
 }
 
 /// `dx = dy · gelu'(x)`.
+// Mirrors the backward of torch.nn.functional.gelu(x, approximate='none').
 pub fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), KernelError> {
     same_len("dy", x.len(), dy.len())?;
     same_len("dx", x.len(), dx.len())?;
@@ -173,6 +175,7 @@ impl Task for ReluTask {
 }
 
 /// `y = relu(x)` (`max(x, 0)`; NaN stays NaN, `-inf` and `-0` give `+0`).
+// Mirrors torch.nn.functional.relu.
 pub fn relu_forward(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
     same_len("y", x.len(), y.len())?;
     let x = ConstPtr(x.as_ptr());

@@ -163,6 +163,7 @@ fn check_args(
 /// `q` and `out` are `[batch, heads_q, rows, d]` / `[.., dv]` views, `k` and `v`
 /// `[batch, heads_kv, capacity, d]` / `[.., dv]` views, all with a contiguous last dimension.
 #[allow(clippy::too_many_arguments)]
+// Mirrors torch.nn.functional.scaled_dot_product_attention of new query rows over a KV cache.
 pub fn decode_attention(
     p: &DecodeParams,
     q: &[f32],

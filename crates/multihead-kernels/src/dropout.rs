@@ -87,7 +87,7 @@ pub fn keep_from_row(row_state: u64, col: u64, p: f64) -> bool {
 /// Fills `out` (shape `[bh, rows, cols]`, row-major) with the dropout multiplier: `0` for a
 /// dropped element and `1 / (1 - p)` for a kept one.
 ///
-/// `p` must lie in `[0, 1)`; the caller validates it.
+/// Errors: `p` outside `[0, 1)`, or `out` not holding exactly `bh · rows · cols` elements.
 pub fn fill_scale_mask(
     key: DropoutKey,
     p: f64,
@@ -95,8 +95,24 @@ pub fn fill_scale_mask(
     rows: usize,
     cols: usize,
     out: &mut [f64],
-) {
-    debug_assert_eq!(out.len(), bh * rows * cols);
+) -> Result<(), crate::attention::KernelError> {
+    use crate::attention::KernelError;
+    if !(0.0..1.0).contains(&p) {
+        return Err(KernelError::InvalidDropout { p });
+    }
+    let len = bh
+        .checked_mul(rows)
+        .and_then(|n| n.checked_mul(cols))
+        .ok_or(KernelError::Overflow { name: "out" })?;
+    if out.len() != len {
+        return Err(KernelError::InvalidArgument {
+            name: "out",
+            msg: format!(
+                "expected bh·rows·cols = {bh}·{rows}·{cols} = {len} elements, got {}",
+                out.len()
+            ),
+        });
+    }
     let scale = 1.0 / (1.0 - p);
     for b in 0..bh {
         for r in 0..rows {
@@ -107,10 +123,13 @@ pub fn fill_scale_mask(
             }
         }
     }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
+
     use super::*;
 
     #[test]
@@ -119,12 +138,26 @@ mod tests {
         let b = DropoutKey { seed: 1, offset: 1 };
         let mut ma = vec![0.0; 2 * 8 * 64];
         let mut mb = vec![0.0; 2 * 8 * 64];
-        fill_scale_mask(a, 0.5, 2, 8, 64, &mut ma);
+        fill_scale_mask(a, 0.5, 2, 8, 64, &mut ma).unwrap();
         let mut ma2 = vec![0.0; 2 * 8 * 64];
-        fill_scale_mask(a, 0.5, 2, 8, 64, &mut ma2);
-        fill_scale_mask(b, 0.5, 2, 8, 64, &mut mb);
+        fill_scale_mask(a, 0.5, 2, 8, 64, &mut ma2).unwrap();
+        fill_scale_mask(b, 0.5, 2, 8, 64, &mut mb).unwrap();
         assert_eq!(ma, ma2);
         assert_ne!(ma, mb);
+    }
+
+    #[test]
+    fn a_mask_of_the_wrong_size_or_a_bad_p_is_an_error() {
+        let key = DropoutKey { seed: 1, offset: 0 };
+        let mut short = vec![7.0; 2 * 8 * 64 - 1];
+        let err = fill_scale_mask(key, 0.5, 2, 8, 64, &mut short).unwrap_err();
+        assert!(err.to_string().contains("1024 elements, got 1023"), "{err}");
+        assert!(short.iter().all(|&x| x == 7.0), "nothing written");
+        let mut out = vec![0.0; 4];
+        for p in [1.0, -0.1, f64::NAN] {
+            let err = fill_scale_mask(key, p, 1, 1, 4, &mut out).unwrap_err();
+            assert!(matches!(err, crate::attention::KernelError::InvalidDropout { .. }), "{err}");
+        }
     }
 
     #[test]

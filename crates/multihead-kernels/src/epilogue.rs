@@ -100,20 +100,7 @@ pub fn bias_act_in_place(
     if y.is_empty() {
         return Ok(());
     }
-    if n == 0 || !y.len().is_multiple_of(n) {
-        return Err(KernelError::InvalidArgument {
-            name: "n",
-            msg: format!("y has {} elements, not a whole number of rows of {n}", y.len()),
-        });
-    }
-    if let Some(b) = bias {
-        if b.len() != n {
-            return Err(KernelError::InvalidArgument {
-                name: "bias",
-                msg: format!("expected {n} values, got {}", b.len()),
-            });
-        }
-    }
+    check_rows(y, n, bias)?;
     if bias.is_none() && act == Act::Identity {
         return Ok(());
     }
@@ -129,10 +116,38 @@ pub fn bias_act_in_place(
     Ok(())
 }
 
-/// The reference twin of [`bias_act_in_place`], in f64 with an erf accurate to f64 rounding
-/// (arguments as checked there).
-pub fn bias_act_reference(y: &mut [f32], n: usize, bias: Option<&[f32]>, act: Act) {
+/// `y` is whole rows of `n` elements (`n > 0`) and the bias, if any, holds `n` values.
+fn check_rows(y: &[f32], n: usize, bias: Option<&[f32]>) -> Result<(), KernelError> {
+    if n == 0 || !y.len().is_multiple_of(n) {
+        return Err(KernelError::InvalidArgument {
+            name: "n",
+            msg: format!("y has {} elements, not a whole number of rows of {n}", y.len()),
+        });
+    }
+    if let Some(b) = bias {
+        if b.len() != n {
+            return Err(KernelError::InvalidArgument {
+                name: "bias",
+                msg: format!("expected {n} values, got {}", b.len()),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The reference twin of [`bias_act_in_place`], in f64 with an erf accurate to f64 rounding;
+/// the same errors.
+pub fn bias_act_reference(
+    y: &mut [f32],
+    n: usize,
+    bias: Option<&[f32]>,
+    act: Act,
+) -> Result<(), KernelError> {
     use crate::activation::reference::{gelu, relu};
+    if y.is_empty() {
+        return Ok(());
+    }
+    check_rows(y, n, bias)?;
     for (i, v) in y.iter_mut().enumerate() {
         let x = *v as f64 + bias.map_or(0.0, |b| b[i % n] as f64);
         // The sum rounded to f32 first, as the kernel adds in f32.
@@ -143,6 +158,7 @@ pub fn bias_act_reference(y: &mut [f32], n: usize, bias: Option<&[f32]>, act: Ac
             Act::Gelu => gelu(x),
         } as f32;
     }
+    Ok(())
 }
 
 /// Most row blocks [`bias_grad`] cuts `dy` into (bounds its partial sums to 64 rows of `n`).
@@ -240,7 +256,7 @@ mod tests {
             for act in [Act::Identity, Act::Relu, Act::Gelu] {
                 for b in [None, Some(&bias[..])] {
                     let mut want = y0.clone();
-                    bias_act_reference(&mut want, n, b, act);
+                    bias_act_reference(&mut want, n, b, act).unwrap();
                     // The standalone kernels on y + b.
                     let sum: Vec<f32> = match b {
                         Some(b) => y0.iter().enumerate().map(|(i, v)| v + b[i % n]).collect(),

@@ -208,6 +208,7 @@ impl Task for FwdTask<'_> {
 /// The LayerNorm forward over rows of `d` floats: writes `y` (like `x`) and the row
 /// statistics.
 #[allow(clippy::too_many_arguments)]
+// Mirrors torch.nn.functional.layer_norm over the last dimension.
 pub fn layer_norm_forward(
     x: &[f32],
     d: usize,
@@ -239,6 +240,7 @@ pub fn layer_norm_forward(
 /// # Ok::<(), multihead_kernels::attention::KernelError>(())
 /// ```
 #[allow(clippy::too_many_arguments)]
+// Mirrors torch.nn.functional.layer_norm(x + residual) (post-norm residual blocks).
 pub fn add_layer_norm_forward(
     x: &[f32],
     residual: &[f32],
@@ -361,6 +363,7 @@ impl Task for BwdTask<'_> {
 /// The LayerNorm backward: `dx` (like `x`), and `dw`, `db` (`d` floats each) from the forward's
 /// statistics.
 #[allow(clippy::too_many_arguments)]
+// Mirrors the backward of torch.nn.functional.layer_norm.
 pub fn layer_norm_backward(
     x: &[f32],
     dy: &[f32],

@@ -33,7 +33,22 @@ impl Activation {
         }
     }
 
-    /// Applies the activation.
+    /// Applies the activation element-wise.
+    ///
+    /// # Shapes
+    /// * x: any shape; output alike.
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use multihead::Activation;
+    ///
+    /// let x = Tensor::new(&[-1.0f32, 0.0, 2.0], &Device::Cpu)?;
+    /// assert_eq!(Activation::Relu.forward(&x)?.to_vec1::<f32>()?, [0.0, 0.0, 2.0]);
+    /// let g = Activation::Gelu.forward(&x)?.to_vec1::<f32>()?; // x·Φ(x)
+    /// assert!((g[0] + 0.158_655_25).abs() < 1e-6 && (g[2] - 1.954_499_7).abs() < 1e-6);
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
     // Mirrors torch.nn.functional.relu / torch.nn.functional.gelu.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         crate::alloc::expect_float("activation", "input", x.dtype())?;
@@ -81,6 +96,24 @@ fn fused_activation(op: &'static str, x: &Tensor) -> Result<bool> {
 /// Dropout on any tensor (`F.dropout(x, p, training)`): in training, zeroes each element with
 /// probability `p` and scales the rest by `1/(1-p)`; the identity otherwise. Draws the next
 /// key from the global generator ([`manual_seed`](crate::manual_seed)).
+///
+/// # Shapes
+/// * x: any shape; output alike.
+///
+/// # Example
+/// ```
+/// use candle_core::{Device, Tensor};
+///
+/// multihead::manual_seed(7);
+/// let x = Tensor::ones(1000, candle_core::DType::F32, &Device::Cpu)?;
+/// let y = multihead::activation::dropout(&x, 0.25, true)?.to_vec1::<f32>()?;
+/// // Each element is dropped (0) or kept and scaled by 1 / (1 - p).
+/// assert!(y.iter().all(|&v| v == 0.0 || (v - 4.0 / 3.0).abs() < 1e-6));
+/// let kept = y.iter().filter(|&&v| v != 0.0).count();
+/// assert!((650..850).contains(&kept), "{kept}");
+/// # Ok::<(), multihead::Error>(())
+/// ```
+// Mirrors torch.nn.functional.dropout.
 pub fn dropout(x: &Tensor, p: f64, training: bool) -> Result<Tensor> {
     if !(0.0..1.0).contains(&p) {
         return Err(Error::Config {
@@ -96,6 +129,9 @@ pub fn dropout(x: &Tensor, p: f64, training: bool) -> Result<Tensor> {
 }
 
 /// [`dropout`] with an explicit key; element `i` of the flattened tensor uses counter `(0, 0, i)`.
+///
+/// # Shapes
+/// * x: any shape; output alike.
 pub fn dropout_with_key(x: &Tensor, p: f64, key: DropoutKey) -> Result<Tensor> {
     if !(0.0..1.0).contains(&p) {
         return Err(Error::Config {
@@ -107,7 +143,8 @@ pub fn dropout_with_key(x: &Tensor, p: f64, key: DropoutKey) -> Result<Tensor> {
     crate::alloc::ensure("dropout", "input", x.dims(), DType::F64, 1, "use a smaller input")?;
     let n = x.elem_count();
     let mut data = crate::alloc::try_zeros::<f64>(n, "dropout mask")?;
-    multihead_kernels::dropout::fill_scale_mask(key, p, 1, 1, n, &mut data);
+    multihead_kernels::dropout::fill_scale_mask(key, p, 1, 1, n, &mut data)
+        .map_err(|e| Error::Config { op: "dropout", arg: "p", msg: e.to_string() })?;
     let mask = Tensor::from_vec(data, x.shape(), x.device())?.to_dtype(x.dtype())?;
     Ok(x.mul(&mask)?)
 }

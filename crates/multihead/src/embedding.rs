@@ -103,6 +103,7 @@ impl NamedParameters for Embedding {
 }
 
 impl candle_core::Module for Embedding {
+    // Mirrors torch.nn.Embedding.forward.
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         Ok(Embedding::forward(self, xs)?)
     }

@@ -110,6 +110,7 @@ impl NamedParameters for Linear {
 }
 
 impl candle_core::Module for Linear {
+    // Mirrors torch.nn.Linear.forward.
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         Linear::forward(self, xs).map_err(candle_core::Error::wrap)
     }

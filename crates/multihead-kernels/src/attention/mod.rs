@@ -529,6 +529,7 @@ fn all_finite(
 /// `q`: `[batch, heads_q, l, d]`, `k`: `[batch, heads_kv, s, d]`, `v`: `[batch, heads_kv, s,
 /// dv]`, each through its layout. See the [module docs](self) for the exact semantics.
 #[allow(clippy::too_many_arguments)]
+// Mirrors torch.nn.functional.scaled_dot_product_attention's CPU flash kernel (forward).
 pub fn flash_forward(
     p: &AttnParams<'_>,
     q: &[f32],
@@ -570,6 +571,7 @@ pub fn flash_forward(
 /// `out` and `lse` are what [`flash_forward`] returned for the same arguments; `dout` is the
 /// gradient of `out` (`[batch, heads_q, l, dv]`).
 #[allow(clippy::too_many_arguments)]
+// Mirrors the backward of torch.nn.functional.scaled_dot_product_attention (CPU flash).
 pub fn flash_backward(
     p: &AttnParams<'_>,
     q: &[f32],
@@ -745,6 +747,7 @@ fn run_backward(
 /// `lse` is what [`flash_forward`] returned. Costs about half a forward pass and never needs
 /// more than `batch·l·s` (or `batch·heads·l·s`) output memory.
 #[allow(clippy::too_many_arguments)]
+// Mirrors the attn_weights that torch.nn.MultiheadAttention returns (need_weights=True).
 pub fn attention_weights(
     p: &AttnParams<'_>,
     q: &[f32],

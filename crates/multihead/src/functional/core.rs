@@ -13,6 +13,20 @@ use crate::random::DropoutKey;
 ///
 /// The row maximum is subtracted for stability and detached: softmax does not depend on it, so
 /// its gradient is zero and need not be propagated.
+///
+/// # Shapes
+/// * x: any shape with at least one dimension; softmax over the last; output alike.
+///
+/// # Example
+/// ```
+/// use candle_core::{Device, Tensor};
+///
+/// let x = Tensor::new(&[[0.0f32, 0.0], [f32::NEG_INFINITY, f32::NEG_INFINITY]], &Device::Cpu)?;
+/// let y = multihead::functional::safe_softmax_last_dim(&x)?.to_vec2::<f32>()?;
+/// assert_eq!(y, [[0.5, 0.5], [0.0, 0.0]]); // a fully masked row is 0, not NaN
+/// # Ok::<(), multihead::Error>(())
+/// ```
+// Mirrors torch._safe_softmax(x, -1).
 pub fn safe_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     let m = x.max_keepdim(D::Minus1)?.detach();
     // A row of all -inf has max -inf; use 0 there so that exp(-inf - 0) = 0 instead of NaN.
@@ -31,7 +45,8 @@ pub(crate) fn apply_dropout(w: &Tensor, p: f64, key: DropoutKey) -> Result<Tenso
     let (b, l, s) = w.dims3()?;
     let n = crate::alloc::elements("dropout", "attention weights", &[b, l, s])?;
     let mut data = crate::alloc::try_zeros::<f64>(n, "dropout mask")?;
-    multihead_kernels::dropout::fill_scale_mask(key, p, b, l, s, &mut data);
+    multihead_kernels::dropout::fill_scale_mask(key, p, b, l, s, &mut data)
+        .map_err(|e| crate::Error::Config { op: "dropout", arg: "p", msg: e.to_string() })?;
     let mask = Tensor::from_vec(data, (b, l, s), w.device())?.to_dtype(w.dtype())?;
     Ok(w.mul(&mask)?)
 }

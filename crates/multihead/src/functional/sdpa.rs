@@ -276,6 +276,10 @@ fn plan(
 /// The path [`scaled_dot_product_attention`] takes for these arguments, and why, without
 /// running it. Bad arguments give the same error the call would.
 ///
+/// # Shapes
+/// * As for [`scaled_dot_product_attention`]: query `(N, H, L, E)`, key `(N, Hkv, S, E)`,
+///   value `(N, Hkv, S, Ev)` (or without the batch dimension).
+///
 /// # Example
 /// ```
 /// use candle_core::{Device, Tensor};

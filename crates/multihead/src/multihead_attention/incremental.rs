@@ -193,6 +193,10 @@ impl MultiheadAttention {
 
     /// The path [`forward_cached`](Self::forward_cached) takes, and why, without running it or
     /// touching the cache. Bad arguments give the error the call would.
+    ///
+    /// # Shapes
+    /// * x: as for [`forward_cached`](Self::forward_cached): `(T, N, E)`, `(N, T, E)` with
+    ///   `batch_first`, or `(T, E)`.
     pub fn explain_cached(
         &self,
         x: &Tensor,
@@ -469,6 +473,30 @@ impl MultiheadAttention {
     /// Cross-attention of `x` over a memory projected once by [`static_kv`](Self::static_kv):
     /// `forward(x, memory, memory, key_padding_mask, need_weights=False, static_k, static_v)`.
     /// Gives the numbers `cross_attention(x, memory, key_padding_mask)` gives.
+    ///
+    /// # Shapes
+    /// * x: `(L, N, E)`, `(N, L, E)` with `batch_first`, or `(L, E)`; key_padding_mask
+    ///   `(N, S)` or `(S,)` over the memory's `S` positions; output like x.
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device, Tensor, D};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use multihead::{MhaConfig, MultiheadAttention};
+    ///
+    /// let dev = Device::Cpu;
+    /// let vm = VarMap::new();
+    /// let cfg = MhaConfig::new(8, 2).with_batch_first(true);
+    /// let mha = MultiheadAttention::new(cfg, VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
+    /// let memory = Tensor::randn(0f32, 1.0, (2, 6, 8), &dev)?; // (N, S, E)
+    /// let x = Tensor::randn(0f32, 1.0, (2, 1, 8), &dev)?; // (N, L, E): one decoding step
+    /// let projected = mha.static_kv(&memory)?; // once, reused at every step
+    /// let y = mha.forward_static(&x, &projected, None)?;
+    /// let z = mha.cross_attention(&x, &memory, None)?;
+    /// let diff = (y - z)?.abs()?.max(D::Minus1)?.max_all()?.to_scalar::<f32>()?;
+    /// assert!(diff < 1e-6, "{diff}");
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
     // Mirrors torch.nn.functional.multi_head_attention_forward(..., static_k=, static_v=).
     pub fn forward_static(
         &self,

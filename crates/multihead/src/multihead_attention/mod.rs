@@ -483,12 +483,15 @@ impl MultiheadAttention {
     }
 
     /// Self-attention of `x` over itself, without weights: `mha(x, x, x, need_weights=False)[0]`.
+    // Mirrors torch.nn.MultiheadAttention.forward(x, x, x, need_weights=False)[0].
     pub fn self_attention(&self, x: &Tensor) -> Result<Tensor> {
         Ok(self.forward(x, x, x, &MhaOptions::default().need_weights(false))?.output)
     }
 
     /// Cross-attention of `x` over `context` (used as key and value), with an optional key
     /// padding mask over the context: `mha(x, ctx, ctx, key_padding_mask=m, need_weights=False)[0]`.
+    // Mirrors torch.nn.MultiheadAttention.forward(x, ctx, ctx, key_padding_mask=m,
+    // need_weights=False)[0].
     pub fn cross_attention(
         &self,
         x: &Tensor,
@@ -524,6 +527,7 @@ impl NamedParameters for MultiheadAttention {
 
 /// Self-attention without weights, so the layer composes with other candle modules.
 impl candle_core::Module for MultiheadAttention {
+    // Mirrors torch.nn.MultiheadAttention.forward(x, x, x, need_weights=False)[0].
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         self.self_attention(xs).map_err(candle_core::Error::wrap)
     }

@@ -117,6 +117,11 @@ impl Transformer {
     /// `logits(h)` turns the decoder output `(N, E)` into `(N, V)` scores. Returns each row's
     /// new tokens.
     ///
+    /// # Shapes
+    /// * memory: `(S, N, E)`, or `(N, S, E)` with `batch_first`; memory_key_padding_mask
+    ///   `(N, S)`; `bos` has `N` tokens; `embed` returns `(N, E)`, `logits` takes `(N, E)` and
+    ///   returns `(N, V)`.
+    ///
     /// # Example
     /// ```
     /// use candle_core::{DType, Device, Tensor};
@@ -143,6 +148,8 @@ impl Transformer {
     /// assert_eq!(cached[0].len(), 6);
     /// # Ok::<(), multihead::Error>(())
     /// ```
+    // PyTorch's nn.Transformer has no generate: this is the decoding loop users write around
+    // torch.nn.Transformer.decoder (greedy or sampled, one token per step), with a KV cache.
     pub fn generate(
         &self,
         memory: &Tensor,

@@ -49,6 +49,9 @@ impl TransformerDecoderLayer {
     }
 
     /// The memory's cross-attention keys and values, projected once.
+    ///
+    /// # Shapes
+    /// * memory: `(S, N, E)`, `(N, S, E)` with `batch_first`, or `(S, E)`.
     pub fn static_memory(&self, memory: &Tensor) -> Result<StaticKv> {
         self.multihead_attn.static_kv(memory)
     }
@@ -105,6 +108,10 @@ impl TransformerDecoderLayer {
 impl TransformerDecoder {
     /// Starts incremental decoding against `memory` (in the layers' layout): one empty cache of
     /// `capacity` tokens per layer and row, and the memory projected once per layer.
+    ///
+    /// # Shapes
+    /// * memory: `(S, N, E)`, `(N, S, E)` with `batch_first`, or `(S, E)`;
+    ///   memory_key_padding_mask `(N, S)` or `(S,)`.
     pub fn start(
         &self,
         memory: &Tensor,
@@ -155,6 +162,10 @@ impl TransformerDecoder {
     /// One incremental step through every layer and the final norm: at the new positions it
     /// equals [`forward`](Self::forward) over the whole prefix with a causal `tgt_mask`.
     /// `lengths[b]` new tokens of row `b` are real (default all `T`).
+    ///
+    /// # Shapes
+    /// * x: `(T, N, E)`, `(N, T, E)` with `batch_first`, or `(T, E)`: the `T` new tokens of
+    ///   each row; output alike.
     // Mirrors torch.nn.TransformerDecoder.forward at the new positions of the sequence.
     pub fn forward_step(
         &self,
@@ -185,6 +196,46 @@ impl TransformerDecoder {
 
 impl Transformer {
     /// The encoder's output (`memory`) for `src`: `encoder(src, mask, src_key_padding_mask)`.
+    ///
+    /// # Shapes
+    /// * src: `(S, N, E)`, `(N, S, E)` with `batch_first`, or `(S, E)`; src_mask `(S, S)`;
+    ///   src_key_padding_mask `(N, S)` or `(S,)`. Output like src.
+    ///
+    /// # Example
+    /// Encoding once, then decoding token by token with the KV cache: each step's output
+    /// equals the full decoder's at that position (causal mask over the whole prefix).
+    /// ```
+    /// use candle_core::{DType, Device, Tensor, D};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use multihead::transformer::{
+    ///     DecoderMasks, LayerConfig, Transformer, TransformerConfig, TransformerMasks,
+    /// };
+    ///
+    /// let dev = Device::Cpu;
+    /// let vm = VarMap::new();
+    /// let layer = LayerConfig::new(8, 2).with_dim_feedforward(16).with_batch_first(true);
+    /// let cfg = TransformerConfig { layer, num_encoder_layers: 1, num_decoder_layers: 2 };
+    /// let mut model = Transformer::new(cfg, VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
+    /// model.eval();
+    /// let src = Tensor::randn(0f32, 1.0, (2, 5, 8), &dev)?; // (N, S, E)
+    /// let tgt = Tensor::randn(0f32, 1.0, (2, 3, 8), &dev)?; // (N, T, E)
+    ///
+    /// let memory = model.encode(&src, None, None)?;
+    /// let mut state = model.start_decoding(&memory, None, 16)?;
+    /// let mut steps = Vec::new();
+    /// for t in 0..3 {
+    ///     steps.push(model.decode_step(&tgt.narrow(1, t, 1)?, &mut state, None)?); // (N, 1, E)
+    /// }
+    /// let stepped = Tensor::cat(&steps, 1)?;
+    ///
+    /// let causal = multihead::generate_square_subsequent_mask(3, DType::F32, &dev)?;
+    /// let decoder = DecoderMasks { tgt_mask: Some(multihead::Mask::Float(causal)), ..Default::default() };
+    /// let full = model.forward(&src, &tgt, &TransformerMasks { decoder, ..Default::default() })?;
+    /// let diff = (stepped - full)?.abs()?.max(D::Minus1)?.max_all()?.to_scalar::<f32>()?;
+    /// assert!(diff < 1e-5, "{diff}");
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
+    // Mirrors torch.nn.Transformer.encoder(src, mask=src_mask, src_key_padding_mask=...).
     pub fn encode(
         &self,
         src: &Tensor,
@@ -195,7 +246,11 @@ impl Transformer {
     }
 
     /// Starts incremental decoding against an encoded `memory` (see
-    /// [`TransformerDecoder::start`]).
+    /// [`TransformerDecoder::start`]; example at [`encode`](Self::encode)).
+    ///
+    /// # Shapes
+    /// * memory: `(S, N, E)`, `(N, S, E)` with `batch_first`, or `(S, E)`;
+    ///   memory_key_padding_mask `(N, S)` or `(S,)`.
     pub fn start_decoding(
         &self,
         memory: &Tensor,
@@ -205,7 +260,14 @@ impl Transformer {
         self.decoder.start(memory, memory_key_padding_mask, capacity)
     }
 
-    /// One incremental decoder step (see [`TransformerDecoder::forward_step`]).
+    /// One incremental decoder step (see [`TransformerDecoder::forward_step`]; example at
+    /// [`encode`](Self::encode)).
+    ///
+    /// # Shapes
+    /// * x: `(T, N, E)`, `(N, T, E)` with `batch_first`, or `(T, E)`: the new tokens; output
+    ///   alike.
+    // Mirrors torch.nn.Transformer.decoder(tgt, memory, ...) at the new positions of the
+    // sequence (PyTorch recomputes the whole prefix; the cache gives the same rows).
     pub fn decode_step(
         &self,
         x: &Tensor,

@@ -234,6 +234,10 @@ pub fn multi_head_attention_forward(
 
 /// The path [`multi_head_attention_forward`] takes for these arguments, and why, without
 /// running it. Bad arguments give the same error the call would.
+///
+/// # Shapes
+/// * As for [`multi_head_attention_forward`]: query `(L, N, E)`, key and value `(S, N, E)`
+///   (or unbatched `(L, E)`, `(S, E)`).
 pub fn explain_mha(
     query: &Tensor,
     key: &Tensor,
