@@ -279,7 +279,35 @@ fn prefix_hint(missing: &[String], unexpected: &[String]) -> String {
             "; the module's keys start with {p:?} but the file's do not: build the sub-module from the root VarBuilder, or save the file from the parent module"
         );
     }
+    let prefixes = sub_module_prefixes(missing, unexpected);
+    if let Some(p) = prefixes.first() {
+        let under = prefixes.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(" and ");
+        return format!(
+            "; every missing key is in the file under {under}, beside other keys (a parent model's state_dict): build the module under vb.pp({:?}) and load it with state_dict::load (strict=False), or save only that sub-module",
+            p.trim_end_matches('.')
+        );
+    }
     String::new()
+}
+
+/// The prefixes `p` (ending in `.`, in order) under which the file holds every missing key,
+/// when the file also holds keys outside them (a sub-module loaded from its parent's
+/// state_dict).
+fn sub_module_prefixes(missing: &[String], unexpected: &[String]) -> Vec<String> {
+    let Some(first) = missing.first() else {
+        return Vec::new();
+    };
+    let in_file: BTreeSet<&str> = unexpected.iter().map(String::as_str).collect();
+    let found: BTreeSet<String> = unexpected
+        .iter()
+        .filter_map(|u| {
+            let p = u.strip_suffix(first.as_str())?;
+            let fits = p.ends_with('.')
+                && missing.iter().all(|m| in_file.contains(format!("{p}{m}").as_str()));
+            fits.then(|| p.to_string())
+        })
+        .collect();
+    found.into_iter().collect()
 }
 
 /// A load stops building after this many missing keys, or this many entries of the wrong

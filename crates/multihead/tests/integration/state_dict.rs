@@ -232,6 +232,24 @@ fn a_prefix_mismatch_is_named_and_non_strict_loading_reports_the_keys() {
     .expect("loads under the prefix");
     assert_eq!(sub.named_parameters().len(), 4);
 
+    // A parent's state_dict (the module under "encoder." beside other keys): the hint names
+    // the prefix and the non-strict load under it.
+    let mut parent: HashMap<String, Tensor> = prefixed("encoder", &m).into_iter().collect();
+    parent.extend(prefixed("decoder", &m));
+    let err = load_strict(&parent, DType::F32, &dev(), |vb| {
+        MultiheadAttention::new(MhaConfig::new(8, 2), vb)
+    })
+    .map(|(m, _)| m)
+    .expect_err("parent");
+    let msg = err.to_string();
+    assert!(msg.contains("under \"decoder.\" and \"encoder.\""), "{msg}");
+    assert!(msg.contains("vb.pp(\"decoder\")") && msg.contains("state_dict::load"), "{msg}");
+    let (_, _, report) = load(&parent, DType::F32, &dev(), |vb| {
+        MultiheadAttention::new(MhaConfig::new(8, 2), vb.pp("encoder"))
+    })
+    .expect("non-strict under the prefix");
+    assert!(report.missing_keys.is_empty() && report.unexpected_keys.len() == 4);
+
     // strict=False: missing keys keep their initialisation, unexpected ones are reported.
     let mut state: HashMap<String, Tensor> = m.named_parameters().into_iter().collect();
     let kept = state.remove("out_proj.bias").expect("key");
