@@ -87,7 +87,7 @@ pub(crate) unsafe fn scores(kern: Kernel, s: &Scores) {
         match kern {
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512Bf16 => scores_avx512(kern, s),
-            Kernel::Portable => scores_impl(kern, s),
+            _ => scores_impl(kern, s),
         }
     }
 }
@@ -143,7 +143,7 @@ pub(crate) unsafe fn values(kern: Kernel, x: &Values) {
         match kern {
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512Bf16 => values_avx512(kern, x),
-            Kernel::Portable => values_impl(kern, x),
+            _ => values_impl(kern, x),
         }
     }
 }

@@ -6,14 +6,16 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::micro::{kernel, Kernel, Tile};
+use super::micro::{Kernel, Tile};
 use super::pack::{pack_a, pack_b, ABlock, BBlock};
-use super::{BfMat, KC, MR, NC, NR};
+use super::select::resolve;
+use super::{BfMat, KC, NC, NR};
 use crate::attention::exec::{ConstPtr, SyncPtr};
 use crate::attention::KernelError;
 
-/// Row blocks of `A`: `16 · MR` rows (96 rows of `KC` bf16, 192 KiB: an L2's share).
-const MC: usize = 16 * MR;
+/// Row blocks of `A`: 96 rows of `KC` bf16, 192 KiB: an L2's share (sixteen tiles of the
+/// `vdpbf16ps` kernel, three of the AMX kernel).
+const MC: usize = 96;
 /// `B` panels one packing task handles.
 const PACK_PANELS: usize = 2;
 
@@ -58,10 +60,10 @@ fn raw<T>(p: SyncPtr<T>) -> *mut T {
 
 /// How the rows of `A` are cut: `(mc, row blocks)`, at least two blocks per thread when the
 /// rows allow it.
-fn row_blocks(m: usize, threads: usize) -> (usize, usize) {
+fn row_blocks(m: usize, threads: usize, mr: usize) -> (usize, usize) {
     let mut mc = MC;
     if threads > 1 && m.div_ceil(mc) < 2 * threads {
-        mc = m.div_ceil(2 * threads).div_ceil(MR).max(1) * MR;
+        mc = m.div_ceil(2 * threads).div_ceil(mr).max(1) * mr;
     }
     (mc, m.div_ceil(mc))
 }
@@ -81,13 +83,13 @@ pub(super) unsafe fn run(
     accumulate: bool,
 ) -> Result<(), KernelError> {
     let (m, n, k) = (a.rows, b.cols, a.cols);
-    let kern = kernel();
+    let kern = resolve();
     let nc_max = NC.min(n.div_ceil(NR) * NR);
-    let len = KC.min(k).div_ceil(2) * nc_max;
+    let len = pairs(kern, KC.min(k)) * nc_max;
     with_buffer(&PACKED_B, len, "b", |buf| {
         let packed = SyncPtr(buf.as_mut_ptr());
         let threads = rayon::current_num_threads().max(1);
-        let (mc, blocks) = row_blocks(m, threads);
+        let (mc, blocks) = row_blocks(m, threads, kern.mr());
         let c = SyncPtr(c);
         for j0 in (0..n).step_by(NC) {
             let cols = (n - j0).min(NC);
@@ -97,16 +99,18 @@ pub(super) unsafe fn run(
                 if blocks >= 2 * threads { 1 } else { (2 * threads).div_ceil(blocks).min(panels) };
             for p0 in (0..k).step_by(KC) {
                 let kc = (k - p0).min(KC);
+                let kp = pairs(kern, kc);
                 (0..panels.div_ceil(PACK_PANELS)).into_par_iter().for_each(|t| {
                     let range = t * PACK_PANELS..((t + 1) * PACK_PANELS).min(panels);
                     // SAFETY: the block lies inside `b` (checked by `matmul_bf16`); the buffer
-                    // holds `panels` panels of `kc/2 · NR` words (sized above) and this task
-                    // alone writes its panels.
+                    // holds `panels` panels of `kp · NR` words (sized above: `kp` grows with
+                    // `kc`) and this task alone writes its panels.
                     unsafe {
-                        pack_b(kern, b, BBlock { p0, kc, j0, cols, panels: range }, raw(packed))
+                        let blk = BBlock { p0, kc, kp, j0, cols, panels: range };
+                        pack_b(kern, b, blk, raw(packed))
                     }
                 });
-                let block = Block { p0, kc, j0, cols, panels, packed: ConstPtr(packed.0) };
+                let block = Block { p0, kc, kp, j0, cols, panels, packed: ConstPtr(packed.0) };
                 let pass =
                     Pass { a, block, m, mc, col_parts, c, ldc, load_c: p0 > 0 || accumulate };
                 (0..blocks * col_parts).into_par_iter().try_for_each(|t| pass.task(t, kern))?;
@@ -116,11 +120,19 @@ pub(super) unsafe fn run(
     })
 }
 
+/// Pairs of a packed block of depth `kc`: `kc/2` rounded up to whole pairs and to the
+/// kernel's tile steps.
+fn pairs(kern: Kernel, kc: usize) -> usize {
+    kc.div_ceil(2).div_ceil(kern.kp_align()) * kern.kp_align()
+}
+
 /// One `(k block, n block)` of the product and where its packed `B` lives.
 #[derive(Clone, Copy)]
 struct Block {
     p0: usize,
     kc: usize,
+    /// Pairs of the packed block (`kc/2` rounded up to the kernel's alignment).
+    kp: usize,
     j0: usize,
     cols: usize,
     panels: usize,
@@ -146,8 +158,9 @@ impl Pass<'_> {
         let (rb, part) = (t / self.col_parts, t % self.col_parts);
         let i0 = rb * self.mc;
         let rows = self.mc.min(self.m - i0);
-        let padded = rows.div_ceil(MR) * MR;
-        let kp = x.kc.div_ceil(2);
+        let mr = kern.mr();
+        let padded = rows.div_ceil(mr) * mr;
+        let kp = x.kp;
         let lda = 2 * kp;
         let (q0, q1) = (part * x.panels / self.col_parts, (part + 1) * x.panels / self.col_parts);
         with_buffer(&A_BLOCK, padded * lda, "a", |abuf| {
@@ -158,16 +171,17 @@ impl Pass<'_> {
             unsafe {
                 let blk = ABlock { i0, rows, padded, p0: x.p0, kc: x.kc, lda };
                 let strides = pack_a(kern, self.a, blk, abuf.as_mut_ptr());
+                let _tiles = kern.begin();
                 for q in q0..q1 {
                     let bpanel = x.packed.0.add(q * kp * NR);
                     let j = x.j0 + q * NR;
                     let cols = NR.min(x.cols - q * NR);
-                    for ir in (0..rows).step_by(MR) {
+                    for ir in (0..rows).step_by(mr) {
                         let ap = abuf.as_ptr().add(ir * lda);
                         let c = self.c.0.add((i0 + ir) * self.ldc + j);
-                        let live = MR.min(rows - ir);
+                        let live = mr.min(rows - ir);
                         let tile = Tile { kp, a: ap, strides, b: bpanel, load_c: self.load_c };
-                        if live == MR && cols == NR {
+                        if live == mr && cols == NR {
                             tile.run(kern, c, self.ldc);
                         } else {
                             tile.edge(kern, c, self.ldc, live, cols);

@@ -2,6 +2,7 @@
 //! (pair `p` of row `r` at `a + r·rs_a + p·cs_a`, in bf16 elements) and a packed `B` panel
 //! (`kp × NR` pair words).
 
+use super::amx::{micro_amx_emulated, Tiles, AMX_KP, AMX_MR};
 use super::{MR, NR};
 use crate::convert::bf16_bits_to_f32;
 
@@ -102,22 +103,77 @@ pub(super) unsafe fn micro_portable(
     }
 }
 
-/// Which micro-kernel runs: AVX512-BF16 when the CPU has it and the SIMD level is AVX-512.
-#[derive(Clone, Copy)]
+/// Which micro-kernel runs (resolved from a [`super::Bf16Kernel`] choice by
+/// [`super::select::resolve`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kernel {
+    /// `vdpbf16ps` on 512-bit vectors.
     #[cfg(target_arch = "x86_64")]
     Avx512Bf16,
+    /// AMX tiles (`tdpbf16ps`).
+    #[cfg(target_arch = "x86_64")]
+    Amx,
+    /// The AMX kernel's exact emulation, in the AMX layout, on any CPU.
+    AmxEmulated,
+    /// The portable kernel in the `vdpbf16ps` layout.
     Portable,
 }
 
-pub(crate) fn kernel() -> Kernel {
-    #[cfg(target_arch = "x86_64")]
-    if super::rate::bf16_dot_available()
-        && crate::attention::simd_level() == crate::attention::SimdLevel::Avx512
-    {
-        return Kernel::Avx512Bf16;
+impl Kernel {
+    /// Rows of one micro-tile.
+    pub(crate) fn mr(self) -> usize {
+        if self.tiles() {
+            AMX_MR
+        } else {
+            MR
+        }
     }
-    Kernel::Portable
+
+    /// What the pairs of a packed block are rounded up to a multiple of.
+    pub(crate) fn kp_align(self) -> usize {
+        if self.tiles() {
+            AMX_KP
+        } else {
+            1
+        }
+    }
+
+    /// Whether this kernel reads the AMX layout (row-major `A`, whole tile steps).
+    pub(crate) fn tiles(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Amx => true,
+            Kernel::AmxEmulated => true,
+            _ => false,
+        }
+    }
+
+    /// Whether the packers may use AVX-512 (the CPU has AVX-512F and BW).
+    pub(crate) fn avx512_packing(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Bf16 | Kernel::Amx => true,
+            _ => false,
+        }
+    }
+
+    /// Prepares this thread to run the kernel (configures the tiles for AMX); the guard
+    /// undoes it.
+    pub(crate) fn begin(self) -> Option<Tiles> {
+        match self {
+            // SAFETY: `Amx` is resolved only where `amx_available()` is true.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Amx => Some(unsafe { Tiles::configure() }),
+            _ => None,
+        }
+    }
+}
+
+/// The `vdpbf16ps`-layout kernel for the attention tiles (AVX512-BF16 where the CPU has it and
+/// the SIMD level is AVX-512, the portable kernel elsewhere): they pack their operands in that
+/// layout, whatever [`super::Bf16Kernel`] the products of `matmul_bf16` take.
+pub(crate) fn kernel() -> Kernel {
+    super::select::vector_or_portable()
 }
 
 /// One micro-tile's operands.
@@ -138,11 +194,16 @@ impl Tile {
     #[inline(always)]
     pub(crate) unsafe fn run(&self, kern: Kernel, c: *mut f32, ldc: usize) {
         let Tile { kp, a, strides, b, load_c } = *self;
-        // SAFETY: forwarded; `Avx512Bf16` is chosen only where the CPU has the features.
+        // SAFETY: forwarded; `Avx512Bf16` and `Amx` are chosen only where the CPU has the
+        // features (and the tiles are configured: the driver's `Kernel::begin`); the AMX
+        // kernels get row-major `A` (`strides.1 == 2`) from `pack_a`.
         unsafe {
             match kern {
                 #[cfg(target_arch = "x86_64")]
                 Kernel::Avx512Bf16 => micro_avx512bf16(kp, a, strides, b, c, ldc, load_c),
+                #[cfg(target_arch = "x86_64")]
+                Kernel::Amx => super::amx::micro_amx(kp, a, strides.0, b, c, ldc, load_c),
+                Kernel::AmxEmulated => micro_amx_emulated(kp, a, strides.0, b, c, ldc, load_c),
                 Kernel::Portable => micro_portable(kp, a, strides, b, c, ldc, load_c),
             }
         }
@@ -152,7 +213,8 @@ impl Tile {
     /// the live part copied out.
     ///
     /// # Safety
-    /// As for `run`, except that only `live × cols` of the `C` tile need exist.
+    /// As for `run`, except that only `live × cols` of the `C` tile need exist (`live` at most
+    /// the kernel's rows).
     pub(crate) unsafe fn edge(
         &self,
         kern: Kernel,
@@ -161,7 +223,7 @@ impl Tile {
         live: usize,
         cols: usize,
     ) {
-        let mut tile = [0f32; MR * NR];
+        let mut tile = [0f32; AMX_MR * NR];
         // SAFETY: the local tile is full size; `c` is read and written in its live part only.
         unsafe {
             if self.load_c {

@@ -20,6 +20,11 @@
 //! rounding. The instruction treats subnormal inputs and results as zero (as PyTorch's bf16
 //! CPU products on the same instruction do).
 //!
+//! The micro-kernel is swappable ([`Bf16Kernel`]): besides `vdpbf16ps`, an AMX kernel runs
+//! `32 × 64` tiles of `C` on the tile registers (`tdpbf16ps`, with `A` packed row-major and
+//! `k` padded to whole 16-pair tile steps), and its exact emulation runs the same layout on any
+//! CPU. The AMX kernel is off by default ([`AMX_BY_DEFAULT`]) until it has run on an AMX CPU.
+//!
 //! Where the CPU lacks AVX512-BF16 (or a lower SIMD level is forced), a portable kernel
 //! computes the same sums in the same order in f32 (subnormals kept), so the two agree on
 //! normal numbers bit for bit. Whether the instruction is worth using is a property of the
@@ -38,14 +43,20 @@
 //! # Ok::<(), multihead_kernels::attention::KernelError>(())
 //! ```
 
+mod amx;
+#[cfg(test)]
+mod amx_tests;
 mod driver;
 pub(crate) mod micro;
 mod pack;
 mod rate;
+mod select;
 #[cfg(test)]
 mod tests;
 
+pub use amx::amx_available;
 pub use rate::{bf16_dot_available, bf16_dot_speedup};
+pub use select::{active_bf16_kernel, with_bf16_kernel, Bf16Kernel, AMX_BY_DEFAULT};
 
 use crate::attention::KernelError;
 use crate::convert::{bf16_bits_to_f32, f32_to_bf16_bits};
@@ -198,9 +209,9 @@ fn check(
 /// `C (m×n) = A (m×k) · B (k×n)`, or `C += A·B` with `accumulate`, with both operands rounded
 /// to bf16 and the products summed in f32; `C` is row-major with row stride `ldc`.
 ///
-/// Runs on the current rayon pool, on AVX512-BF16 where the CPU has it and the SIMD level
-/// ([`simd_level`](crate::attention::simd_level)) is AVX-512, on the portable kernel
-/// otherwise. Errors: `B`'s rows differ from `A`'s columns, a slice is shorter than its view,
+/// Runs on the current rayon pool, on the micro-kernel [`active_bf16_kernel`] names: by default
+/// AVX512-BF16 where the CPU has it and the SIMD level
+/// ([`simd_level`](crate::attention::simd_level)) is AVX-512, the portable kernel otherwise. Errors: `B`'s rows differ from `A`'s columns, a slice is shorter than its view,
 /// `ldc < n`, or a packing buffer cannot be allocated.
 pub fn matmul_bf16(
     a: BfMat,

@@ -52,14 +52,26 @@ pub(super) struct ABlock {
 /// The block lies inside `a` (checked by `matmul_bf16`); `dst` holds `padded · lda` elements;
 /// `kern` is available on this CPU.
 pub(super) unsafe fn pack_a(kern: Kernel, a: &BfMat, blk: ABlock, dst: *mut u16) -> (usize, usize) {
-    // SAFETY: forwarded; the AVX-512 kernel is chosen only where the CPU has AVX-512F and BW.
+    // SAFETY: forwarded; the AVX-512 packers are chosen only where the CPU has AVX-512F and
+    // BW (`avx512_packing`).
     unsafe {
-        match kern {
+        match (kern.tiles(), kern.avx512_packing()) {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512Bf16 => pack_a_avx512(a, blk, dst),
-            Kernel::Portable => pack_a_any(a, blk, dst),
+            (true, true) => pack_a_rows_avx512(a, blk, dst),
+            (true, false) => pack_a_any(a, blk, dst, false),
+            #[cfg(target_arch = "x86_64")]
+            (false, true) => pack_a_avx512(a, blk, dst),
+            _ => pack_a_any(a, blk, dst, true),
         }
     }
+}
+
+/// Row-major packing (the AMX layout) compiled for AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_a_rows_avx512(a: &BfMat, blk: ABlock, dst: *mut u16) -> (usize, usize) {
+    // SAFETY: forwarded.
+    unsafe { pack_a_any(a, blk, dst, false) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -75,17 +87,18 @@ unsafe fn pack_a_avx512(a: &BfMat, blk: ABlock, dst: *mut u16) -> (usize, usize)
             }
             return (2, 2 * MR);
         }
-        pack_a_any(a, blk, dst)
+        pack_a_any(a, blk, dst, true)
     }
 }
 
+/// `panels`: whether a transposed `A` may be packed as micro-panels (not for the AMX layout).
 #[inline(always)]
-unsafe fn pack_a_any(a: &BfMat, blk: ABlock, dst: *mut u16) -> (usize, usize) {
+unsafe fn pack_a_any(a: &BfMat, blk: ABlock, dst: *mut u16, panels: bool) -> (usize, usize) {
     // SAFETY: forwarded to the typed packer with the same block.
     unsafe {
         match a.data {
-            Elems::F32(x) => pack_a_typed(x.as_ptr(), a, blk, dst),
-            Elems::Bf16(x) => pack_a_typed(x.as_ptr(), a, blk, dst),
+            Elems::F32(x) => pack_a_typed(x.as_ptr(), a, blk, dst, panels),
+            Elems::Bf16(x) => pack_a_typed(x.as_ptr(), a, blk, dst, panels),
         }
     }
 }
@@ -96,13 +109,14 @@ unsafe fn pack_a_typed<T: Bits>(
     a: &BfMat,
     blk: ABlock,
     dst: *mut u16,
+    panels: bool,
 ) -> (usize, usize) {
     let ABlock { i0, rows, padded, p0, kc, lda } = blk;
     let (rs, cs) = (a.row_stride, a.col_stride);
     // SAFETY: offsets `(i0+i)·rs + (p0+p)·cs` with `i < rows`, `p < kc` are inside `a`; the
     // destination offsets are below `padded · lda`.
     unsafe {
-        if cs != 1 && rs == 1 {
+        if panels && cs != 1 && rs == 1 {
             pack_a_panels(src, cs, blk, dst);
             return (2, 2 * MR);
         }
@@ -296,15 +310,17 @@ mod panels_avx512 {
 pub(super) struct BBlock {
     pub p0: usize,
     pub kc: usize,
+    /// Pairs per panel: at least `kc.div_ceil(2)`; the rows past the block are zero.
+    pub kp: usize,
     pub j0: usize,
     pub cols: usize,
     pub panels: std::ops::Range<usize>,
 }
 
 /// Packs the block `blk` of `b` into `dst`, which holds panel `q` at `q · kp · NR` words
-/// (`kp = kc.div_ceil(2)`): word `(p, j)` holds rows `2p` (low half) and `2p + 1` (high half)
-/// of column `j`. Columns past `cols` and the row after an odd `kc` are zero. Compiled for
-/// AVX-512 when `kern` is the AVX512-BF16 kernel, as `pack_a` is.
+/// (`kp = blk.kp`): word `(p, j)` holds rows `2p` (low half) and `2p + 1` (high half) of
+/// column `j`. Columns past `cols`, the row after an odd `kc` and the pairs past the block
+/// are zero. Compiled for AVX-512 when the kernel allows it, as `pack_a` is.
 ///
 /// # Safety
 /// The block lies inside `b` (checked by `matmul_bf16`); `dst` holds the panels addressed;
@@ -312,11 +328,11 @@ pub(super) struct BBlock {
 pub(super) unsafe fn pack_b(kern: Kernel, b: &BfMat, blk: BBlock, dst: *mut u32) {
     // SAFETY: forwarded; the AVX-512 kernel is chosen only where the CPU has AVX-512F and BW.
     unsafe {
-        match kern {
+        if kern.avx512_packing() {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512Bf16 => pack_b_avx512(b, blk, dst),
-            Kernel::Portable => pack_b_any(b, blk, dst),
+            return pack_b_avx512(b, blk, dst);
         }
+        pack_b_any(b, blk, dst)
     }
 }
 
@@ -329,30 +345,21 @@ unsafe fn pack_b_avx512(b: &BfMat, blk: BBlock, dst: *mut u32) {
 
 #[inline(always)]
 unsafe fn pack_b_any(b: &BfMat, blk: BBlock, dst: *mut u32) {
-    let BBlock { p0, kc, j0, cols, panels } = blk;
     // SAFETY: forwarded to the typed packer with the same block.
     unsafe {
         match b.data {
-            Elems::F32(x) => pack_b_typed(x.as_ptr(), b, p0, kc, j0, cols, panels, dst),
-            Elems::Bf16(x) => pack_b_typed(x.as_ptr(), b, p0, kc, j0, cols, panels, dst),
+            Elems::F32(x) => pack_b_typed(x.as_ptr(), b, blk, dst),
+            Elems::Bf16(x) => pack_b_typed(x.as_ptr(), b, blk, dst),
         }
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn pack_b_typed<T: Bits>(
-    src: *const T,
-    b: &BfMat,
-    p0: usize,
-    kc: usize,
-    j0: usize,
-    cols: usize,
-    panels: std::ops::Range<usize>,
-    dst: *mut u32,
-) {
+unsafe fn pack_b_typed<T: Bits>(src: *const T, b: &BfMat, blk: BBlock, dst: *mut u32) {
+    let BBlock { p0, kc, kp, j0, cols, panels } = blk;
     let (rs, cs) = (b.row_stride, b.col_stride);
-    let kp = kc.div_ceil(2);
+    // Pairs that hold rows of the block; the rest of the panel's `kp` rows are zero.
+    let live_pairs = kc.div_ceil(2);
     let pair = |lo: u16, hi: u16| u32::from(lo) | (u32::from(hi) << 16);
     // SAFETY: offsets `(p0+p)·rs + (j0+j)·cs` with `p < kc`, `j < cols` are inside `b`; the
     // destination offsets are inside the panels addressed.
@@ -364,7 +371,8 @@ unsafe fn pack_b_typed<T: Bits>(
                 let panel = dst.add(q * kp * NR);
                 let live = NR.min(cols - q * NR);
                 let base = src.add(p0 * rs + j0 + q * NR);
-                for p in 0..kp {
+                std::ptr::write_bytes(panel.add(live_pairs * NR), 0, (kp - live_pairs) * NR);
+                for p in 0..live_pairs {
                     let out = panel.add(p * NR);
                     let lo = base.add(2 * p * rs);
                     if 2 * p + 1 < kc {
@@ -387,9 +395,10 @@ unsafe fn pack_b_typed<T: Bits>(
         for q in panels {
             let panel = dst.add(q * kp * NR);
             let live = NR.min(cols - q * NR);
+            std::ptr::write_bytes(panel.add(live_pairs * NR), 0, (kp - live_pairs) * NR);
             for j in 0..NR {
                 if j >= live {
-                    for p in 0..kp {
+                    for p in 0..live_pairs {
                         *panel.add(p * NR + j) = 0;
                     }
                     continue;
@@ -401,7 +410,7 @@ unsafe fn pack_b_typed<T: Bits>(
                     *panel.add(p * NR + j) = pair(lo, hi);
                 }
                 if kc % 2 == 1 {
-                    *panel.add((kp - 1) * NR + j) = pair(T::at(col, (kc - 1) * rs), 0);
+                    *panel.add((live_pairs - 1) * NR + j) = pair(T::at(col, (kc - 1) * rs), 0);
                 }
             }
         }
@@ -457,7 +466,7 @@ mod tests {
                 // SAFETY: the block lies inside `a` and both buffers hold `padded · lda`.
                 let (ws, gs) = unsafe {
                     (
-                        pack_a_any(&a, blk, want.as_mut_ptr()),
+                        pack_a_any(&a, blk, want.as_mut_ptr(), true),
                         pack_a_avx512(&a, blk, got.as_mut_ptr()),
                     )
                 };
