@@ -14,6 +14,8 @@ process, so both memory figures are per-process peaks. Four sections (``--sectio
 * ``bf16``    bfloat16 MHA and encoder layer against PyTorch bf16 (``tools/bench_bf16.py``)
 * ``decode``  one incremental decoding step over a KV cache against PyTorch re-projecting and a
               hand-written PyTorch cache (``tools/bench_decode.py``, in its own process)
+* ``gemm``    ``nn.Linear`` f32 and bf16, forward and forward+backward, against
+              ``multihead bench --module linear`` (``tools/bench_linear.py``)
 
 It measures the machine's f32 FMA peak first (``cc -O2 ../shared/tools/peak.c -o target/peak &&
 target/peak``) and writes
@@ -102,7 +104,7 @@ MODES = {
     "bwd": (False, True, "Forward + backward (need_weights=False)"),
 }
 QUICK_SHAPES = ["a", "c", "e"]
-SECTIONS = ["mha", "layers", "embed", "decode", "bf16"]
+SECTIONS = ["mha", "layers", "embed", "decode", "bf16", "gemm"]
 
 # Transformer layers: one shape, B=8, L=S=512, d_model 512, nhead 8, dim_feedforward 2048.
 LAYER_SHAPE = {"B": 8, "L": 512, "S": 512, "E": 512, "H": 8, "F": 2048}
@@ -810,8 +812,23 @@ def run_bf16_section(opts, bf16_peak):
     return json.loads(out.read_text())
 
 
+def run_gemm_section(opts, peak):
+    """Runs ``tools/bench_linear.py`` in its own process; returns its JSON (or an error)."""
+    out = REPO / "target/bench_linear.json"
+    cmd = [sys.executable, str(TOOLS / "bench_linear.py"), "--threads", str(opts.threads),
+           "--json-out", str(out)] + (["--quick"] if opts.quick else [])
+    for flag, key in (("--f32-peak", "f32"), ("--bf16-peak", "bf16"), ("--amx-peak", "amx_bf16")):
+        if peak.get(key):
+            cmd += [flag, str(peak[key])]
+    rc, _, err, _, _, timed_out = bench_proc.run_process(cmd, max(opts.timeout, 1800.0))
+    if rc != 0 or timed_out:
+        why = "timed out" if timed_out else f"exit code {rc}"
+        return {"error": f"{why}: {(err or '')[-2000:]}"}
+    return json.loads(out.read_text())
+
+
 def write_report(meta, results, opts, elapsed_s, embed_rec=None, decode_rec=None,
-                 bf16_rec=None):
+                 bf16_rec=None, gemm_rec=None):
     lines = []
     add = lines.append
     T = opts.threads
@@ -851,6 +868,8 @@ def write_report(meta, results, opts, elapsed_s, embed_rec=None, decode_rec=None
             f"target/peak`: each of the first 2 cores pinned alone, best of 12 short runs, "
             f"summed): **f32 {PEAK_GFLOPS:.1f} GFLOP/s**"
             + (f", bf16 {max(bf):.1f} GFLOP/s" if bf else ", bf16 n/a")
+            + (f", AMX bf16 {pk['amx_bf16']:.0f} GFLOP/s" if pk.get("amx_bf16")
+               else ", AMX: none (`amx_bf16` null)")
             + f" ({pk.get('isa', '?')}); measured before and after the run ("
             + ", ".join(f"{r['f32']:.1f}" for r in runs if r.get("f32"))
             + "), the higher f32 is used for every \"% of peak\" below.")
@@ -1058,7 +1077,19 @@ def write_report(meta, results, opts, elapsed_s, embed_rec=None, decode_rec=None
         else:
             lines.extend(bench_bf16.report_lines(bf16_rec))
 
+    if gemm_rec is not None:
+        sys.path.insert(0, str(TOOLS))
+        import bench_linear
+
+        if gemm_rec.get("error"):
+            add("## GEMM\n")
+            add(f"The GEMM benchmark failed: `{gemm_rec['error'][-300:]}`\n")
+        else:
+            lines.extend(bench_linear.report_lines(gemm_rec))
+
     targets = evaluate_targets(results, opts, embed_rec)
+    if gemm_rec is not None and not gemm_rec.get("error"):
+        targets.extend(bench_linear.evaluate_targets(gemm_rec))
     if decode_rec is not None and not decode_rec.get("error"):
         targets.extend(bench_decode.evaluate_targets(decode_rec))
     if bf16_rec is not None and not bf16_rec.get("error"):
@@ -1580,6 +1611,14 @@ def main(argv):
             f"{r['label']}: torch {r['torch_bf16']:.1f} ms, multihead {r['ours_bf16']:.1f} ms"
             for r in bf16_rec["rows"])), flush=True)
 
+    gemm_rec = None
+    if "gemm" in opts.sections:
+        print(f"[gemm {time.perf_counter() - t_start:6.0f}s] nn.Linear", flush=True)
+        gemm_rec = run_gemm_section(opts, peak)
+        print("[gemm] " + (gemm_rec.get("error", "")[-300:] or "; ".join(
+            f"{r['dtype']} {r['e']}->{r['f']} {r['mode']}: torch {r['torch']:.1f} ms, multihead "
+            f"{r['ours']:.1f} ms" for r in gemm_rec["rows"])), flush=True)
+
     if not opts.peak_gflops:
         # Again at the end: a busy neighbour can only lower it, so keep the higher f32.
         p1 = measure_peak(opts)
@@ -1588,7 +1627,7 @@ def main(argv):
                    default=None)
         if best:
             PEAK_GFLOPS = float(best["f32"])
-            peak.update({k: best[k] for k in ("f32", "bf16", "isa") if k in best})
+            peak.update({k: best[k] for k in ("f32", "bf16", "amx_bf16", "isa") if k in best})
             peak.pop("error", None)
     meta["peak"] = peak
     meta["peak_gflops"] = PEAK_GFLOPS
@@ -1607,11 +1646,12 @@ def main(argv):
     Path(opts.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.md).parent.mkdir(parents=True, exist_ok=True)
     opts.png_written = write_chart(results, opts)
-    targets = write_report(meta, results, opts, elapsed, embed_rec, decode_rec, bf16_rec)
+    targets = write_report(meta, results, opts, elapsed, embed_rec, decode_rec, bf16_rec,
+                           gemm_rec)
     for r in results:
         r["derived"] = derived(r)
     doc = {"meta": meta, "peak": peak, "results": results, "embed": embed_rec,
-           "decode": decode_rec, "bf16": bf16_rec, "targets": targets}
+           "decode": decode_rec, "bf16": bf16_rec, "gemm": gemm_rec, "targets": targets}
     Path(opts.json_out).write_text(json.dumps(scrub_obj(doc), indent=1, default=str) + "\n")
     n_met = sum(1 for t in targets if t["met"] is True)
     n_all = sum(1 for t in targets if t["met"] is not None)

@@ -1,5 +1,5 @@
-//! `multihead bench`: times `MultiheadAttention`, `TransformerEncoderLayer` or
-//! `TransformerDecoderLayer` (forward, or forward plus backward) on one shape, the way
+//! `multihead bench`: times `MultiheadAttention`, `TransformerEncoderLayer`,
+//! `TransformerDecoderLayer` or `Linear` (forward, or forward plus backward) on one shape, the way
 //! `tools/bench_torch.py` times PyTorch.
 
 use std::time::Instant;
@@ -25,6 +25,9 @@ pub enum Module {
     /// tokens per row: q/k/v projections of one new token, cache append, attention over the
     /// S+1 cached keys, output projection.
     Decode,
+    /// `nn.Linear(E, F)` on `(N, L, E)`: `--embed-dim` in, `--dim-feedforward` out, with a
+    /// bias; `--backward` adds the gradients of the input, weight and bias.
+    Linear,
 }
 
 /// The benchmark's settings. Layers use dropout 0 and `batch_first`.
@@ -130,6 +133,7 @@ pub fn randn(dims: &[usize], dtype: DType, dev: &Device) -> Result<Tensor> {
 /// keys: projections `2·E²·(2·B·l + 2·B·s)`, core `4·B·l·s·E` (halved when causal). The
 /// encoder layer adds the feed-forward block `4·B·L·E·F`; the decoder layer is self-attention
 /// (L over L, causal when asked), cross-attention (L over S) and the feed-forward block.
+/// `Linear` is `2·B·L·E·F` (its backward: `dx` and `dW`, twice that again).
 pub fn model_flops(a: &BenchArgs) -> f64 {
     let (b, l, s, e) = (a.batch as f64, a.tgt_len as f64, a.src_len as f64, a.embed_dim as f64);
     let f = a.dim_feedforward as f64;
@@ -146,8 +150,19 @@ pub fn model_flops(a: &BenchArgs) -> f64 {
             let kv = decode_kv_dim(a) as f64;
             2.0 * b * e * (2.0 * e + 2.0 * kv) + 4.0 * b * (s + 1.0) * e
         }
+        Module::Linear => 2.0 * b * l * e * f,
     };
     fwd * if a.backward { 3.0 } else { 1.0 }
+}
+
+/// The scalar a backward run starts from: the sum of the output, accumulated in f32 as
+/// PyTorch's `out.sum()` accumulates a bf16 tensor (candle's own sum of a bf16 tensor adds in
+/// bf16, one element at a time: a fifth of a bf16 `Linear` training step at 8·512·2048 outputs).
+pub fn loss(out: &Tensor) -> Result<Tensor> {
+    Ok(match out.dtype() {
+        DType::F32 | DType::F64 => out.sum_all()?,
+        _ => out.to_dtype(DType::F32)?.sum_all()?,
+    })
 }
 
 /// `(N, len)` bool key padding: row b pads its last floor(b·len/(2N)) keys.
@@ -205,7 +220,7 @@ fn check_sizes(a: &BenchArgs) -> Result<()> {
     in_range("--src-len", a.src_len, min_src, usize::MAX)?;
     let rows = a.tgt_len.saturating_add(a.src_len);
     fits("--batch, --tgt-len, --src-len, --embed-dim", &[a.batch, rows, a.embed_dim], 6)?;
-    if matches!(a.module, Module::EncoderLayer | Module::DecoderLayer) {
+    if matches!(a.module, Module::EncoderLayer | Module::DecoderLayer | Module::Linear) {
         fits("--batch, --tgt-len, --dim-feedforward", &[a.batch, a.tgt_len, a.dim_feedforward], 3)?;
     }
     Ok(())
@@ -221,6 +236,7 @@ fn workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
             Ok((layer_workload(a)?, serde_json::json!({})))
         }
         Module::Decode => crate::bench_decode::decode_workload(a),
+        Module::Linear => crate::bench_linear::linear_workload(a),
     }
 }
 
@@ -279,7 +295,7 @@ fn layer_workload(a: &BenchArgs) -> Result<Step<'_>> {
     Ok(Box::new(move || {
         let out = graded(a, &run)?;
         if a.backward {
-            std::hint::black_box(out.sum_all()?.backward()?);
+            std::hint::black_box(loss(&out)?.backward()?);
         } else {
             std::hint::black_box(out);
         }
@@ -324,7 +340,7 @@ fn mha_workload(a: &BenchArgs) -> Result<Step<'_>> {
         let _keep = &vm;
         if a.backward {
             let out = mha.forward(qv.as_tensor(), kvv.as_tensor(), kvv.as_tensor(), &opts)?;
-            let grads = out.output.sum_all()?.backward()?;
+            let grads = loss(&out.output)?.backward()?;
             std::hint::black_box(grads);
         } else {
             // Inference, as PyTorch's forward under torch.no_grad().
@@ -358,6 +374,7 @@ fn report(
                 "activation": a.activation, "eval": a.eval, "key_padding": a.key_padding,
                 "num_kv_heads": a.num_kv_heads, "dtype": format!("{:?}", a.candle_dtype()),
                 "bf16_products": multihead::bf16_products(),
+                "bf16_kernel": format!("{:?}", multihead_kernels::bf16gemm::active_bf16_kernel()),
                 "bf16_dot_speedup": multihead_kernels::bf16gemm::bf16_dot_speedup(),
         });
         if let (Some(o), Some(x)) = (obj.as_object_mut(), extra.as_object()) {

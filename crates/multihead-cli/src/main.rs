@@ -14,6 +14,7 @@ macro_rules! say {
 
 mod bench;
 mod bench_decode;
+mod bench_linear;
 mod demo;
 mod demo_seq2seq;
 mod embed;

@@ -81,10 +81,31 @@ impl Linear {
     }
 
     /// `activation(self.forward(x))`, as one op where the fused product runs (a feed-forward
-    /// block's first half): the numbers of the separate activation op, with one pass and one
-    /// graph node fewer.
+    /// block's first half, `F.relu(self.linear1(x))` or `F.gelu(...)`): the numbers of the
+    /// separate activation op, with one pass and one graph node fewer (its backward too).
+    /// Other activations run after the product as their own op.
+    ///
+    /// # Shapes
+    /// * input `(*, in_features)`
+    /// * output `(*, out_features)`
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use multihead::{Activation, Linear};
+    ///
+    /// let vm = VarMap::new();
+    /// let lin = Linear::new(4, 3, true, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))?;
+    /// let x = Tensor::randn(0f32, 1.0, (2, 5, 4), &Device::Cpu)?;
+    /// let fused = lin.forward_act(&x, Activation::Gelu)?;
+    /// let apart = Activation::Gelu.forward(&lin.forward(&x)?)?;
+    /// let diff = (fused - apart)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    /// assert_eq!(diff, 0.0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     // Mirrors activation(torch.nn.Linear.forward(x)).
-    pub(crate) fn forward_act(&self, x: &Tensor, activation: crate::Activation) -> Result<Tensor> {
+    pub fn forward_act(&self, x: &Tensor, activation: crate::Activation) -> Result<Tensor> {
         let autocast =
             |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| m.forward_act(&r(x)?, activation);
         if let Some(y) = crate::precision::autocast_run(self, x.dtype(), autocast) {
@@ -145,6 +166,9 @@ fn linear_then(
     let (out_f, in_f, out_dims) = validate_linear(x, weight, bias, op, arg)?;
     if crate::precision::is_reduced(x.dtype()) {
         if let Some(y) = bf16_unwidened(x, weight, bias, act, op, backend, &out_dims)? {
+            return Ok(y);
+        }
+        if let Some(y) = bf16_graded(x, weight, bias, act, op, backend, &out_dims)? {
             return Ok(y);
         }
         // bf16/f16: the f32 product (f32 accumulation, as PyTorch's), rounded once.
@@ -234,6 +258,44 @@ fn bf16_unwidened(
         None => x2.apply_op2_no_bwd(&w, &RowsLinear)?,
     };
     then_act(y.reshape(out_dims)?, act).map(Some)
+}
+
+/// bf16 with a gradient recorded, where [`crate::bf16_products`] says so: the fused op on the
+/// bf16 tensors as they are (`FusedLinear` with bf16 products: bf16 output and gradients, the
+/// numbers of the widened path, which converts x and W to f32 and the output back, and the
+/// gradients likewise, as graph nodes of their own).
+fn bf16_graded(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    act: Act,
+    op: &'static str,
+    backend: Backend,
+    out_dims: &[usize],
+) -> Result<Option<Tensor>> {
+    let in_f = weight.dim(1)?;
+    let m = out_dims[..out_dims.len() - 1].iter().product::<usize>();
+    if x.dtype() != candle_core::DType::BF16 || m == 0 || in_f == 0 || !crate::mode::bf16_products()
+    {
+        return Ok(None);
+    }
+    let blocker = crate::fused::dispatch::f32_or_bf16_blocker(x);
+    if crate::fused::dispatch::decide(op, backend, blocker)?.path != Path::Fused {
+        return Ok(None);
+    }
+    crate::alloc::ensure(op, "output", out_dims, x.dtype(), 1, "use a smaller input")?;
+    let (x, weight) = (crate::mode::graph_input(x), crate::mode::graph_input(weight));
+    let bias = bias.map(crate::mode::graph_input);
+    let x = if x.rank() == 1 { x.unsqueeze(0)? } else { x };
+    let x = if rows(x.layout()).is_some() { x } else { x.contiguous()? };
+    let weight = weight.contiguous()?;
+    let graded = x.track_op() || weight.track_op() || bias.as_ref().is_some_and(Tensor::track_op);
+    let op = FusedLinear::new(act, graded).with_bf16_products(true);
+    let y = match bias {
+        Some(b) => x.apply_op3(&weight, &b.contiguous()?, op)?,
+        None => x.apply_op2(&weight, op)?,
+    };
+    Ok(Some(y.reshape(out_dims)?))
 }
 
 /// `act(bf16(x) · bf16(W)ᵀ + b)` as one op without a backward (`fused::bf16_linear`).

@@ -1,9 +1,11 @@
-//! `F.linear` as one candle op on f32 CPU tensors, on gemm's kernels, with its backward; and,
-//! for a few rows without a gradient, on the few-rows kernel.
+//! `F.linear` as one candle op on f32 CPU tensors, on gemm's kernels, with its backward (and on
+//! bf16 tensors with bf16 products, on the bf16 GEMM); and, for a few rows without a gradient,
+//! on the few-rows kernel.
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
+use multihead_kernels::bf16gemm::Elems;
 use multihead_kernels::epilogue::bias_act_in_place;
 pub(crate) use multihead_kernels::epilogue::Act;
 
@@ -17,6 +19,13 @@ pub(crate) use multihead_kernels::epilogue::Act;
 /// full-size gradient for it). ReLU runs in place, and its backward selects the gradient by
 /// the output (PyTorch's `threshold_backward`). GELU keeps the pre-activation inside the op
 /// for its backward when a gradient is recorded, and runs in place otherwise.
+///
+/// With bf16 products on, the op also takes bf16 tensors as they are (a bf16 `Linear` in
+/// training): the products read the bf16 operands, the bias and activation run in f32 and the
+/// output is rounded once; the backward widens the output gradient, multiplies it with the
+/// bf16 operands and rounds `dx`, `dW` and `db` once. These are the numbers of the widened
+/// path (the op on the f32 copies, its output rounded), without its conversions and graph
+/// nodes.
 pub(crate) struct FusedLinear {
     act: Act,
     /// Keep the pre-activation for the backward (GELU with a gradient recorded).
@@ -78,10 +87,6 @@ pub(crate) fn rows(l: &candle_core::Layout) -> Option<(usize, usize)> {
     Some((l.start_offset(), row))
 }
 
-fn f32_slice(s: &candle_core::CpuStorage) -> candle_core::Result<&[f32]> {
-    super::cpu_f32(s, "fused linear")
-}
-
 /// Elements a `rows × cols` view with these strides spans (largest offset + 1; 0 if empty).
 fn span(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
     if rows == 0 || cols == 0 {
@@ -100,20 +105,28 @@ struct Product<'a> {
     m: usize,
     n: usize,
     k: usize,
-    lhs: &'a [f32],
+    lhs: Elems<'a>,
     lhs_strides: (usize, usize),
-    rhs: &'a [f32],
+    rhs: Elems<'a>,
     rhs_strides: (usize, usize),
-    /// The operands rounded to bf16 and multiplied on the bf16 kernel.
+    /// The operands rounded to bf16 and multiplied on the bf16 kernel (bf16 operands need it).
     bf16: bool,
+}
+
+/// Elements of an f32 or bf16 operand.
+fn elems_len(e: &Elems) -> usize {
+    match e {
+        Elems::F32(v) => v.len(),
+        Elems::Bf16(v) => v.len(),
+    }
 }
 
 impl Product<'_> {
     /// Checks that the operands hold their views; returns `m · n`.
     fn check(&self) -> candle_core::Result<usize> {
         let (m, n, k) = (self.m, self.n, self.k);
-        if self.lhs.len() < span(m, k, self.lhs_strides.0, self.lhs_strides.1)
-            || self.rhs.len() < span(k, n, self.rhs_strides.0, self.rhs_strides.1)
+        if elems_len(&self.lhs) < span(m, k, self.lhs_strides.0, self.lhs_strides.1)
+            || elems_len(&self.rhs) < span(k, n, self.rhs_strides.0, self.rhs_strides.1)
         {
             candle_core::bail!("fused linear: a buffer is shorter than its layout");
         }
@@ -128,7 +141,7 @@ impl Product<'_> {
     ///
     /// `dst` is valid for writes of `m · n` floats (and reads, with `accumulate`), `check`
     /// passed, and `dst` does not overlap the operands.
-    unsafe fn run(&self, dst: *mut f32, accumulate: bool) {
+    unsafe fn run(&self, lhs: &[f32], rhs: &[f32], dst: *mut f32, accumulate: bool) {
         // rayon's count of the pool this runs in (candle's `get_num_threads` parses
         // /proc/cpuinfo on every call unless RAYON_NUM_THREADS is set: ~5% of a small
         // model's training step).
@@ -147,10 +160,10 @@ impl Product<'_> {
                 1,
                 self.n as isize,
                 accumulate,
-                self.lhs.as_ptr(),
+                lhs.as_ptr(),
                 lcs as isize,
                 lrs as isize,
-                self.rhs.as_ptr(),
+                rhs.as_ptr(),
                 rcs as isize,
                 rrs as isize,
                 1.0,
@@ -170,6 +183,9 @@ impl Product<'_> {
         if self.bf16 {
             return self.bf16_output(len, what);
         }
+        let (Elems::F32(lhs), Elems::F32(rhs)) = (self.lhs, self.rhs) else {
+            candle_core::bail!("{what}: bf16 operands need bf16 products");
+        };
         let mut y: Vec<f32> = Vec::new();
         y.try_reserve_exact(len).map_err(|_| {
             candle_core::Error::Msg(format!("{what}: {len} floats cannot be allocated"))
@@ -182,7 +198,7 @@ impl Product<'_> {
         // `len` of them (`k > 0`, `accumulate` false: the destination is not read), so every
         // element is initialised before `set_len`.
         unsafe {
-            self.run(y.as_mut_ptr(), false);
+            self.run(lhs, rhs, y.as_mut_ptr(), false);
             y.set_len(len);
         }
         Ok(y)
@@ -192,9 +208,9 @@ impl Product<'_> {
 impl Product<'_> {
     /// The product of the bf16-rounded operands (f32 sums) in a new buffer of `len` floats.
     fn bf16_output(&self, len: usize, what: &str) -> candle_core::Result<Vec<f32>> {
-        use multihead_kernels::bf16gemm::{matmul_bf16_new, BfMat, Elems};
+        use multihead_kernels::bf16gemm::{matmul_bf16_new, BfMat};
         let view = |data, rows, cols, (row_stride, col_stride)| BfMat {
-            data: Elems::F32(data),
+            data,
             rows,
             cols,
             row_stride,
@@ -209,13 +225,54 @@ impl Product<'_> {
     }
 }
 
+/// The elements of an f32 or bf16 storage from `offset` on, or an error naming the op.
+fn cpu_elems<'a>(s: &'a CpuStorage, offset: usize, what: &str) -> candle_core::Result<Elems<'a>> {
+    let short = || candle_core::Error::Msg(format!("fused linear: {what} starts past its data"));
+    match s {
+        CpuStorage::F32(v) => Ok(Elems::F32(v.get(offset..).ok_or_else(short)?)),
+        CpuStorage::BF16(v) => {
+            Ok(Elems::Bf16(super::convert::bits(v.get(offset..).ok_or_else(short)?)))
+        }
+        _ => candle_core::bail!("fused linear: {what} must be f32 or bf16"),
+    }
+}
+
+/// [`cpu_elems`] of a tensor's storage.
+fn elems<'a>(
+    s: &'a candle_core::Storage,
+    offset: usize,
+    what: &str,
+) -> candle_core::Result<Elems<'a>> {
+    match s {
+        candle_core::Storage::Cpu(c) => cpu_elems(c, offset, what),
+        _ => candle_core::bail!("fused linear: {what} must be on the CPU"),
+    }
+}
+
+/// `v` as a tensor of `dtype` (f32, or bf16 rounded once).
+fn output(v: Vec<f32>, shape: impl Into<Shape>, dtype: DType) -> candle_core::Result<Tensor> {
+    let dev = candle_core::Device::Cpu;
+    match dtype {
+        DType::BF16 => {
+            Tensor::from_vec(super::convert::narrow_vec(&v, "fused linear")?, shape, &dev)
+        }
+        _ => Tensor::from_vec(v, shape, &dev),
+    }
+}
+
 impl FusedLinear {
     fn forward(
         &self,
-        x: (&[f32], &candle_core::Layout),
-        w: (&[f32], &candle_core::Layout),
-        b: Option<(&[f32], &candle_core::Layout)>,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        x: (&CpuStorage, &Layout),
+        w: (&CpuStorage, &Layout),
+        b: Option<(&CpuStorage, &Layout)>,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let bf16_out = matches!(x.0, CpuStorage::BF16(_));
+        if bf16_out != matches!(w.0, CpuStorage::BF16(_)) || (bf16_out && !self.bf16) {
+            candle_core::bail!(
+                "fused linear: x and the weight must both be f32, or both bf16 with bf16 products"
+            );
+        }
         let (x_off, x_rs) =
             rows(x.1).ok_or_else(|| candle_core::Error::Msg("fused linear: x rows".into()))?;
         let (out_f, in_f) = w.1.shape().dims2()?;
@@ -223,12 +280,21 @@ impl FusedLinear {
             candle_core::bail!("fused linear: the weight must be contiguous");
         }
         let m = x.1.shape().elem_count() / in_f.max(1);
+        let mut widened = Vec::new();
         let bias = match b {
             // `linear` validated the bias and made it contiguous; a layout that still does not
             // fit is an error here, never an out-of-bounds slice.
             Some((b, bl)) => {
                 let bo = bl.start_offset();
-                match b.get(bo..bo.saturating_add(out_f)) {
+                let range = (bo, bo.saturating_add(out_f));
+                let values = match b {
+                    CpuStorage::F32(v) if range.1 <= v.len() => Some(&v[range.0..range.1]),
+                    CpuStorage::BF16(v) if range.1 <= v.len() && bf16_out => Some(
+                        super::convert::f32_values(b, range, &mut widened, "fused linear bias")?,
+                    ),
+                    _ => None,
+                };
+                match values {
                     Some(bias) if bl.dims() == [out_f] && bl.is_contiguous() => Some(bias),
                     _ => candle_core::bail!(
                         "fused linear: the bias must be a contiguous ({out_f},) tensor, got shape {:?} with strides {:?}",
@@ -245,9 +311,9 @@ impl FusedLinear {
             m,
             n: out_f,
             k: in_f,
-            lhs: &x.0[x_off..],
+            lhs: cpu_elems(x.0, x_off, "x")?,
             lhs_strides: (x_rs, 1),
-            rhs: &w.0[w0..],
+            rhs: cpu_elems(w.0, w0, "the weight")?,
             rhs_strides: (1, in_f),
             bf16: self.bf16,
         };
@@ -272,7 +338,11 @@ impl FusedLinear {
         if let Some(last) = dims.last_mut() {
             *last = out_f;
         }
-        Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from(dims)))
+        let y = match bf16_out {
+            true => CpuStorage::BF16(super::convert::narrow_vec(&y, "fused linear output")?),
+            false => CpuStorage::F32(y),
+        };
+        Ok((y, Shape::from(dims)))
     }
 
     /// The gradient through GELU, from the pre-activation kept by the forward.
@@ -305,10 +375,19 @@ impl FusedLinear {
         y: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        // A bf16 op's gradient in f32 (exact), and its output for ReLU's selection.
+        let dtype = x.dtype();
+        let (grad, y) = match dtype {
+            DType::BF16 => (
+                super::convert::to_dtype(grad, DType::F32)?,
+                super::convert::to_dtype(y, DType::F32)?,
+            ),
+            _ => (grad.clone(), y.clone()),
+        };
         let grad = match self.act {
             Act::Identity => grad.contiguous()?,
-            Act::Relu => super::activation::relu_grad(y, grad)?,
-            Act::Gelu => self.gelu_grad(grad)?,
+            Act::Relu => super::activation::relu_grad(&y, &grad)?,
+            Act::Gelu => self.gelu_grad(&grad)?,
         };
         let x = if rows(x.layout()).is_some() { x.clone() } else { x.contiguous()? };
         let w = w.contiguous()?;
@@ -319,15 +398,15 @@ impl FusedLinear {
         let (gs, gl) = grad.storage_and_layout();
         let (x_off, x_rs) =
             rows(xl).ok_or_else(|| candle_core::Error::Msg("fused linear: x rows".into()))?;
-        let xv = &f32s(&xs)?[x_off..];
-        let wv = &f32s(&ws)?[wl.start_offset()..];
+        let xv = elems(&xs, x_off, "x")?;
+        let wv = elems(&ws, wl.start_offset(), "the weight")?;
         let gv = &f32s(&gs)?[gl.start_offset()..];
         // dx (m×in) = dy (m×out) · W (out×in)
         let dx = Product {
             m,
             n: in_f,
             k: out_f,
-            lhs: gv,
+            lhs: Elems::F32(gv),
             lhs_strides: (out_f, 1),
             rhs: wv,
             rhs_strides: (in_f, 1),
@@ -339,7 +418,7 @@ impl FusedLinear {
             m: out_f,
             n: in_f,
             k: m,
-            lhs: gv,
+            lhs: Elems::F32(gv),
             lhs_strides: (1, out_f),
             rhs: xv,
             rhs_strides: (x_rs, 1),
@@ -348,11 +427,10 @@ impl FusedLinear {
         let dw = dw.new_output("fused linear dw")?;
         let db = multihead_kernels::epilogue::bias_grad(&gv[..m * out_f], out_f)
             .map_err(|e| candle_core::Error::Msg(format!("fused linear db: {e}")))?;
-        let dev = x.device();
         Ok((
-            Tensor::from_vec(dx, x.shape(), dev)?,
-            Tensor::from_vec(dw, (out_f, in_f), dev)?,
-            Tensor::from_vec(db, out_f, dev)?,
+            output(dx, x.shape(), dtype)?,
+            output(dw, (out_f, in_f), dtype)?,
+            output(db, out_f, dtype)?,
         ))
     }
 }
@@ -376,7 +454,7 @@ impl candle_core::CustomOp2 for FusedLinear {
         s2: &candle_core::CpuStorage,
         l2: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        self.forward((f32_slice(s1)?, l1), (f32_slice(s2)?, l2), None)
+        self.forward((s1, l1), (s2, l2), None)
     }
     fn bwd(
         &self,
@@ -403,7 +481,7 @@ impl candle_core::CustomOp3 for FusedLinear {
         s3: &candle_core::CpuStorage,
         l3: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        self.forward((f32_slice(s1)?, l1), (f32_slice(s2)?, l2), Some((f32_slice(s3)?, l3)))
+        self.forward((s1, l1), (s2, l2), Some((s3, l3)))
     }
     fn bwd(
         &self,

@@ -346,3 +346,74 @@ fn bad_input_gets_the_same_answer_under_direct_as_widened() {
     }
     assert!(composed[..12].iter().all(|&n| n) && composed[12..].iter().all(|&n| !n));
 }
+
+#[test]
+fn a_bf16_linear_in_training_is_one_op_with_the_widened_paths_bits() {
+    // The bf16 tensors multiplied as they are (no f32 copies of x and W, no conversion nodes):
+    // output, dx, dW and db equal, bit for bit, the products of the same bf16 operands on the
+    // bf16 GEMM with the bias and activation in f32 and one rounding each, which is what the
+    // widened path computes. 21 rows, a partial panel (70 outputs), two k blocks.
+    use multihead_kernels::bf16gemm::{matmul_bf16_new, BfMat};
+    use multihead_kernels::epilogue::{bias_act_in_place, bias_grad, Act};
+    let (m, k, n) = (21usize, 200usize, 70usize);
+    let f32v = |t: &Tensor| {
+        t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
+    // f32 values rounded to bf16 (and back, exactly).
+    let round = |v: &[f32]| {
+        let t = Tensor::from_slice(v, v.len(), &dev()).unwrap().to_dtype(DType::BF16).unwrap();
+        f32v(&t)
+    };
+    let product = |a: BfMat, b: BfMat| matmul_bf16_new(a, b).unwrap();
+    for (act, kernel_act) in [
+        (None, Act::Identity),
+        (Some(Activation::Relu), Act::Relu),
+        (Some(Activation::Gelu), Act::Gelu),
+    ] {
+        let w = var(&det(&[n, k], DType::BF16, 1.0).affine(0.2, 0.0).unwrap());
+        let b = var(&det(&[n], DType::BF16, 2.0));
+        let lin =
+            multihead::Linear::from_weights(w.as_tensor().clone(), Some(b.as_tensor().clone()));
+        let x = var(&det(&[3, 7, k], DType::BF16, 3.0));
+        // bf16-exact upstream values, so that the output's gradient is exactly `up`.
+        let up = det(&[3, 7, n], DType::BF16, 4.0);
+        let (y, g) = direct(|| {
+            let y = match act {
+                Some(a) => lin.forward_act(x.as_tensor(), a),
+                None => lin.forward(x.as_tensor()),
+            };
+            let y = y.unwrap();
+            let loss = y.to_dtype(DType::F32).unwrap().mul(&up.to_dtype(DType::F32).unwrap());
+            let g = loss.unwrap().sum_all().unwrap().backward().unwrap();
+            (y, g)
+        });
+        let (xv, wv, bv, upv) =
+            (f32v(x.as_tensor()), f32v(w.as_tensor()), f32v(b.as_tensor()), f32v(&up));
+        let mut pre = product(BfMat::f32(&xv, m, k), BfMat::f32(&wv, n, k).t());
+        bias_act_in_place(&mut pre, n, Some(&bv), Act::Identity).unwrap();
+        let mut out = pre.clone();
+        bias_act_in_place(&mut out, n, None, kernel_act).unwrap();
+        let out = round(&out);
+        assert_eq!(y.dtype(), DType::BF16);
+        assert_eq!(f32v(&y), out, "{act:?} output");
+        // The gradient through the activation: from the rounded output (ReLU, as PyTorch's
+        // threshold_backward on a bf16 output) or the f32 pre-activation (GELU).
+        let mut dpre = upv.clone();
+        match kernel_act {
+            Act::Relu => multihead_kernels::activation::relu_backward(&out, &upv, &mut dpre),
+            Act::Gelu => multihead_kernels::activation::gelu_backward(&pre, &upv, &mut dpre),
+            Act::Identity => Ok(()),
+        }
+        .unwrap();
+        let dx = product(BfMat::f32(&dpre, m, n), BfMat::f32(&wv, n, k));
+        let dw = product(BfMat::f32(&dpre, m, n).t(), BfMat::f32(&xv, m, k));
+        let db = bias_grad(&dpre, n).unwrap();
+        for (name, t, want) in
+            [("dx", x.as_tensor(), dx), ("dW", w.as_tensor(), dw), ("db", b.as_tensor(), db)]
+        {
+            let got = g.get(t).unwrap();
+            assert_eq!(got.dtype(), DType::BF16, "{name}");
+            assert_eq!(f32v(got), round(&want), "{act:?} {name}");
+        }
+    }
+}
