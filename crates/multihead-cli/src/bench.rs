@@ -381,6 +381,18 @@ fn report(
             o.extend(x.clone());
         }
         say!("{obj}");
+    } else if a.module == Module::Linear {
+        say!(
+            "Linear({}, {}) {} on ({}, {}, {}) {:?}: min {min:.2} ms, median {median:.2} ms, {gflops:.1} GFLOP/s, peak RSS {rss:.0} MiB ({baseline:.0} MiB before the first call)",
+            a.embed_dim,
+            a.dim_feedforward,
+            if a.backward { "forward+backward" } else { "forward" },
+            a.batch,
+            a.tgt_len,
+            a.embed_dim,
+            a.candle_dtype(),
+        );
+        say!("  {extra}");
     } else {
         say!(
             "{:?} {} B={} L={} S={} E={} H={}{}{}: min {min:.2} ms, median {median:.2} ms, {gflops:.1} GFLOP/s, peak RSS {rss:.0} MiB ({baseline:.0} MiB before the first call)",

@@ -74,8 +74,11 @@ impl std::str::FromStr for Backend {
 ///
 /// * `Auto` (the default): [`Direct`](Self::Direct) on CPUs where the bf16 dot-product
 ///   instruction (AVX512-BF16 `vdpbf16ps`) outruns f32 FMA (measured once per process: AMD
-///   Zen 4 and Zen 5), [`Widened`](Self::Widened) elsewhere. The environment variable
-///   `MULTIHEAD_BF16_PRODUCTS=direct` or `=widened` overrides the measurement.
+///   Zen 4 and Zen 5) or where the bf16 products run on AMX tiles, [`Widened`](Self::Widened)
+///   elsewhere. The environment variable `MULTIHEAD_BF16_PRODUCTS=direct` or `=widened`
+///   overrides the measurement; `=amx` means direct products on AMX tiles where the CPU and
+///   the operating system grant them (the tile kernel is off by default until it has run on an
+///   AMX CPU: `multihead_kernels::bf16gemm::Bf16Kernel`, `MULTIHEAD_BF16_KERNEL`).
 /// * `Direct`: products take bf16 operands, summed in f32, as PyTorch's bf16 CPU products do:
 ///   a bf16 [`Linear`](crate::Linear) multiplies its bf16 input and weight as they are, and
 ///   inside a bf16 [`MultiheadAttention`](crate::MultiheadAttention), Transformer layer or
@@ -130,10 +133,22 @@ pub fn bf16_products() -> bool {
 /// `Auto`'s choice: the environment override, or the measured rate of the bf16 dot product.
 fn bf16_products_auto() -> bool {
     static AUTO: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AUTO.get_or_init(|| match std::env::var("MULTIHEAD_BF16_PRODUCTS").as_deref() {
-        Ok("direct") => true,
-        Ok("widened") => false,
-        _ => multihead_kernels::bf16gemm::bf16_dot_speedup().is_some_and(|r| r >= 1.25),
+    use multihead_kernels::bf16gemm::{
+        amx_available, bf16_dot_speedup, Bf16Kernel, AMX_BY_DEFAULT,
+    };
+    *AUTO.get_or_init(|| {
+        let products = std::env::var("MULTIHEAD_BF16_PRODUCTS").ok();
+        let kernel = std::env::var("MULTIHEAD_BF16_KERNEL").ok();
+        let asked_amx = products.as_deref() == Some("amx")
+            || kernel.and_then(|k| k.parse::<Bf16Kernel>().ok()) == Some(Bf16Kernel::Amx);
+        // AMX tiles run bf16 products several times faster than f32 FMA (where the tiles are
+        // not granted, `amx` falls back to the measurement).
+        let tiles = (asked_amx || AMX_BY_DEFAULT) && amx_available();
+        match products.as_deref() {
+            Some("direct") => true,
+            Some("widened") => false,
+            _ => tiles || bf16_dot_speedup().is_some_and(|r| r >= 1.25),
+        }
     })
 }
 

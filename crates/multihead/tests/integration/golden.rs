@@ -57,19 +57,27 @@ fn every_bf16_golden_case_passes_with_bf16_products_too() {
         .collect();
     dirs.sort();
     assert!(dirs.len() >= 17, "expected the bf16 cases, found {}", dirs.len());
-    let failures: Vec<String> =
-        multihead::with_bf16_products(multihead::Bf16Products::Direct, || {
-            dirs.iter()
-                .filter_map(|dir| match parity::check_dir(dir).checks {
-                    Ok(checks) if checks.iter().all(|c| c.passed) && !checks.is_empty() => None,
-                    Ok(checks) => {
-                        Some(format!("{}: {} checks, some failed", dir.display(), checks.len()))
-                    }
-                    Err(e) => Some(format!("{}: {e}", dir.display())),
-                })
-                .collect()
+    // Each bf16 micro-kernel of the projections' GEMM: the default one, and the AMX tiles'
+    // emulation (the sums real tiles give, in their layout).
+    use multihead_kernels::bf16gemm::{with_bf16_kernel, Bf16Kernel};
+    for kernel in [Bf16Kernel::Auto, Bf16Kernel::AmxEmulated] {
+        let failures: Vec<String> = with_bf16_kernel(kernel, || {
+            multihead::with_bf16_products(multihead::Bf16Products::Direct, || {
+                dirs.iter()
+                    .filter_map(|dir| match parity::check_dir(dir).checks {
+                        Ok(checks) if checks.iter().all(|c| c.passed) && !checks.is_empty() => None,
+                        Ok(checks) => Some(format!(
+                            "{kernel:?} {}: {} checks, some failed",
+                            dir.display(),
+                            checks.len()
+                        )),
+                        Err(e) => Some(format!("{kernel:?} {}: {e}", dir.display())),
+                    })
+                    .collect()
+            })
         });
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
 }
 
 /// Runs `multihead check`'s own check on every case of a fixture folder.
