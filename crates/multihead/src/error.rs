@@ -7,7 +7,10 @@ use std::path::PathBuf;
 /// Messages are lowercase, name the operation and the argument, and give both shapes when two
 /// shapes disagree, for example
 /// `multi_head_attention_forward: attn_mask: expected a 2-D mask of shape (L, S) = (3, 5), got (5, 3)`.
-#[derive(Debug, thiserror::Error)]
+///
+/// `Debug` prints the same message, so that `main() -> Result<(),
+/// Box<dyn Error>>` and `unwrap` show what `Display` shows.
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A tensor argument has the wrong rank or shape.
@@ -42,20 +45,28 @@ pub enum Error {
     },
     /// Strict state_dict loading found keys missing from the file or keys the module does not
     /// have.
-    #[error("load_state_dict: missing keys {missing:?}, unexpected keys {unexpected:?}{hint}")]
+    #[error(
+        "load_state_dict: missing keys {missing:?}, unexpected keys {unexpected:?}{}",
+        then(hint)
+    )]
     StateDictKeys {
         /// Keys the module needs that the state_dict lacks.
         missing: Vec<String>,
         /// Keys in the state_dict that the module does not have.
         unexpected: Vec<String>,
-        /// When the two sides differ by a prefix, which one and what to do (else empty).
+        /// When the two sides differ by a prefix, which one and what to do (else empty); the
+        /// message appends it after `; `.
         hint: String,
     },
     /// A state_dict does not fit the module in more than one way; every problem is listed at
     /// once, as PyTorch's `load_state_dict` lists every missing and unexpected key and every
     /// size mismatch. (A lone wrong shape is [`Error::StateDictShape`]; keys alone,
     /// [`Error::StateDictKeys`].)
-    #[error("load_state_dict: {}{hint}", state_dict_problems(missing, unexpected, mismatched))]
+    #[error(
+        "load_state_dict: {}{}",
+        state_dict_problems(missing, unexpected, mismatched),
+        then(hint)
+    )]
     StateDictMismatch {
         /// Keys the module needs that the state_dict lacks (strict loading only).
         missing: Vec<String>,
@@ -64,7 +75,8 @@ pub enum Error {
         /// `(key, what is wrong)` for each entry the module cannot take: a wrong shape, or a
         /// dtype that cannot be a parameter.
         mismatched: Vec<(String, String)>,
-        /// When the keys differ by a prefix, which one and what to do (else empty).
+        /// When the keys differ by a prefix, which one and what to do (else empty); the message
+        /// appends it after `; `.
         hint: String,
     },
     /// A state_dict entry has the wrong shape for the module.
@@ -132,6 +144,15 @@ pub(crate) fn fmt_shape(dims: &[usize]) -> String {
     }
 }
 
+/// A hint appended to a message: `; hint`, or nothing.
+fn then(hint: &str) -> String {
+    if hint.is_empty() {
+        String::new()
+    } else {
+        format!("; {hint}")
+    }
+}
+
 /// The message of [`Error::StateDictMismatch`]: each non-empty list, `; `-separated.
 fn state_dict_problems(
     missing: &[String],
@@ -149,4 +170,11 @@ fn state_dict_problems(
         parts.push(format!("{key}: {what}"));
     }
     parts.join("; ")
+}
+
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The one variant with a source (`Candle`) already shows it in its message.
+        write!(f, "{self}")
+    }
 }

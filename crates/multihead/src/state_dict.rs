@@ -220,11 +220,11 @@ pub fn check_keys<'a>(
     module_keys: impl IntoIterator<Item = &'a str>,
     state_keys: impl IntoIterator<Item = &'a str>,
 ) -> Result<()> {
-    let report = compare_keys(module_keys, state_keys);
+    let (report, matched) = compare_keys(module_keys, state_keys);
     if report.is_exact() {
         Ok(())
     } else {
-        let hint = prefix_hint(&report.missing_keys, &report.unexpected_keys);
+        let hint = prefix_hint(&report.missing_keys, &report.unexpected_keys, matched);
         Err(Error::StateDictKeys {
             missing: report.missing_keys,
             unexpected: report.unexpected_keys,
@@ -233,21 +233,24 @@ pub fn check_keys<'a>(
     }
 }
 
+/// The missing and unexpected keys, and how many keys the two sides share.
 fn compare_keys<'a>(
     module_keys: impl IntoIterator<Item = &'a str>,
     state_keys: impl IntoIterator<Item = &'a str>,
-) -> LoadReport {
+) -> (LoadReport, usize) {
     let m: BTreeSet<&str> = module_keys.into_iter().collect();
     let s: BTreeSet<&str> = state_keys.into_iter().collect();
-    LoadReport {
+    let report = LoadReport {
         missing_keys: m.difference(&s).map(|k| k.to_string()).collect(),
         unexpected_keys: s.difference(&m).map(|k| k.to_string()).collect(),
-    }
+    };
+    (report, m.intersection(&s).count())
 }
 
 /// When every unexpected key is a missing key with one extra leading prefix (or the other way
-/// round), names that prefix and what to do.
-fn prefix_hint(missing: &[String], unexpected: &[String]) -> String {
+/// round), names that prefix and what to do; `matched` keys were found as they are (so a claim
+/// about every key of the file or of the module is made only when it is true).
+fn prefix_hint(missing: &[String], unexpected: &[String], matched: usize) -> String {
     let common_prefix = |longer: &[String], shorter: &[String]| -> Option<String> {
         let first = longer.first()?;
         let shorter_set: BTreeSet<&str> = shorter.iter().map(String::as_str).collect();
@@ -268,22 +271,41 @@ fn prefix_hint(missing: &[String], unexpected: &[String]) -> String {
     if missing.is_empty() || unexpected.is_empty() {
         return String::new();
     }
+    let pp = |p: &str| p.trim_end_matches('.').to_string();
     if let Some(p) = common_prefix(unexpected, missing) {
+        if matched == 0 {
+            return format!(
+                "every key in the file starts with {p:?}: build the module under vb.pp({:?}) or strip the prefix from the file's keys",
+                pp(&p)
+            );
+        }
         return format!(
-            "; every key in the file starts with {p:?}: build the module under vb.pp({:?}) or strip the prefix from the file's keys",
-            p.trim_end_matches('.')
+            "the file has every missing key under {p:?} (\"{}\" is \"{}\"): ask for {} under vb.pp({:?}), or rename the keys on load",
+            missing[0],
+            unexpected[0],
+            if missing.len() == 1 { "it" } else { "them" },
+            pp(&p)
         );
     }
     if let Some(p) = common_prefix(missing, unexpected) {
+        if matched == 0 {
+            return format!(
+                "the module's keys start with {p:?} but the file's do not: build the sub-module from the root VarBuilder, or save the file from the parent module"
+            );
+        }
         return format!(
-            "; the module's keys start with {p:?} but the file's do not: build the sub-module from the root VarBuilder, or save the file from the parent module"
+            "the file has every missing key without the prefix {p:?} (\"{}\" is \"{}\"): ask for {} outside vb.pp({:?}), or rename the keys on load",
+            missing[0],
+            unexpected[0],
+            if missing.len() == 1 { "it" } else { "them" },
+            pp(&p)
         );
     }
     let prefixes = sub_module_prefixes(missing, unexpected);
     if let Some(p) = prefixes.first() {
         let under = prefixes.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(" and ");
         return format!(
-            "; every missing key is in the file under {under}, beside other keys (a parent model's state_dict): build the module under vb.pp({:?}) and load it with state_dict::load (strict=False), or save only that sub-module",
+            "every missing key is in the file under {under}, beside other keys (a parent model's state_dict): build the module under vb.pp({:?}) and load it with state_dict::load (strict=False), or save only that sub-module",
             p.trim_end_matches('.')
         );
     }
@@ -467,11 +489,11 @@ fn load_with<M: NamedParameters>(
     // asks for `model.…`), against the file's.
     let asked = std::mem::take(&mut *requested.lock().unwrap_or_else(|e| e.into_inner()));
     let file_keys = state.keys().chain(unsupported.keys()).map(String::as_str);
-    let report = compare_keys(asked.iter().map(String::as_str), file_keys);
+    let (report, matched) = compare_keys(asked.iter().map(String::as_str), file_keys);
     let keys_wrong = strict && !report.is_exact();
     if keys_wrong || !wrong.is_empty() {
         let hint = if keys_wrong {
-            prefix_hint(&report.missing_keys, &report.unexpected_keys)
+            prefix_hint(&report.missing_keys, &report.unexpected_keys, matched)
         } else {
             String::new()
         };

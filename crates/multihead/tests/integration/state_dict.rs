@@ -336,3 +336,40 @@ fn save_follows_links_keeps_modes_and_refuses_non_files() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_prefix_hint_is_only_given_when_true_and_debug_reads_as_display() {
+    // The module asks for "pos_embedding" at the root beside keys the file has as they are; the
+    // file has it as "encoder.pos_embedding" (torchvision's ViT). The hint names the prefix
+    // of the missing key, and never claims that every key of the file starts with it.
+    let (m, _) = mha(MhaConfig::new(8, 2), DType::F32);
+    let mut state: HashMap<String, Tensor> = m.named_parameters().into_iter().collect();
+    state
+        .insert("encoder.pos_embedding".into(), Tensor::zeros((1, 4), DType::F32, &dev()).unwrap());
+    let build = |vb: candle_nn::VarBuilder| {
+        vb.get((1, 4), "pos_embedding")?;
+        MultiheadAttention::new(MhaConfig::new(8, 2), vb)
+    };
+    let err = load_strict(&state, DType::F32, &dev(), build).map(|(m, _)| m).expect_err("missing");
+    let msg = err.to_string();
+    assert!(!msg.contains("every key in the file"), "{msg}");
+    assert!(
+        msg.contains("every missing key under \"encoder.\"")
+            && msg.contains("\"pos_embedding\" is \"encoder.pos_embedding\"")
+            && msg.contains("vb.pp(\"encoder\")"),
+        "{msg}"
+    );
+    // What `main() -> Result<(), Box<dyn Error>>` prints is the message itself.
+    let boxed: Box<dyn std::error::Error> = Box::new(err);
+    assert_eq!(format!("{boxed:?}"), msg);
+    assert!(!msg.contains("; ;") && !msg.contains("hint"), "{msg}");
+    // Nothing shared: then every key of the file does start with the prefix.
+    let only: HashMap<String, Tensor> =
+        multihead::state_dict::prefixed("model", &m).into_iter().collect();
+    let err = load_strict(&only, DType::F32, &dev(), |vb| {
+        MultiheadAttention::new(MhaConfig::new(8, 2), vb)
+    })
+    .map(|(m, _)| m)
+    .expect_err("prefix");
+    assert!(err.to_string().contains("every key in the file starts with \"model.\""), "{err}");
+}
