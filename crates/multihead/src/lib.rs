@@ -77,6 +77,7 @@ pub mod multihead_attention;
 mod precision;
 pub mod random;
 pub mod state_dict;
+pub mod train;
 pub mod transformer;
 
 pub use activation::Activation;
@@ -95,3 +96,4 @@ pub use mode::{
 pub use multihead_attention::{MhaConfig, MultiheadAttention, StaticKv};
 pub use random::manual_seed;
 pub use state_dict::NamedParameters;
+pub use train::Train;

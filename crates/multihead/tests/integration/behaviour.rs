@@ -453,3 +453,30 @@ fn the_module_composes_with_candle_layers() {
     }
     assert_eq!(vm.all_vars().len(), 6);
 }
+
+#[test]
+fn train_and_eval_recurse_through_a_model() {
+    // model.eval() / model.train() on a hand-written container of layers with dropout 0.5:
+    // in eval mode two calls agree, in training mode they do not.
+    use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
+    use multihead::Train;
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let cfg =
+        LayerConfig::new(8, 2).with_dim_feedforward(16).with_dropout(0.5).with_batch_first(true);
+    let mut model: Vec<Box<TransformerEncoderLayer>> = (0..2)
+        .map(|i| Box::new(TransformerEncoderLayer::new(cfg.clone(), vb.pp(i.to_string())).unwrap()))
+        .collect();
+    let x = det(&[2, 5, 8], DType::F32, 1.0);
+    let run = |m: &Vec<Box<TransformerEncoderLayer>>| {
+        let mut h = x.clone();
+        for layer in m {
+            h = layer.forward(&h, None, None, false).unwrap();
+        }
+        h.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
+    Train::eval(&mut model);
+    assert_eq!(run(&model), run(&model), "eval: no dropout");
+    Train::train(&mut model, true);
+    assert_ne!(run(&model), run(&model), "train: dropout");
+}
