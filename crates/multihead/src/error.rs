@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use crate::key_groups::key_list;
+
 /// Everything that can go wrong in `multihead`.
 ///
 /// Messages are lowercase, name the operation and the argument, and give both shapes when two
@@ -46,7 +48,9 @@ pub enum Error {
     /// Strict state_dict loading found keys missing from the file or keys the module does not
     /// have.
     #[error(
-        "load_state_dict: missing keys {missing:?}, unexpected keys {unexpected:?}{}",
+        "load_state_dict: missing keys {}, unexpected keys {}{}",
+        key_list(missing),
+        key_list(unexpected),
         then(hint)
     )]
     StateDictKeys {
@@ -161,10 +165,10 @@ fn state_dict_problems(
 ) -> String {
     let mut parts = Vec::new();
     if !missing.is_empty() {
-        parts.push(format!("missing keys {missing:?}"));
+        parts.push(format!("missing keys {}", key_list(missing)));
     }
     if !unexpected.is_empty() {
-        parts.push(format!("unexpected keys {unexpected:?}"));
+        parts.push(format!("unexpected keys {}", key_list(unexpected)));
     }
     for (key, what) in mismatched {
         parts.push(format!("{key}: {what}"));

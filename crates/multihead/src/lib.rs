@@ -67,6 +67,8 @@ pub mod embedding;
 pub mod error;
 pub mod functional;
 pub mod fused;
+mod key_groups;
+mod key_map;
 pub mod kv_cache;
 pub mod layer_norm;
 pub mod linear;

@@ -8,6 +8,7 @@
 //! [`VarBuilder`]: https://docs.rs/candle-nn/0.11/candle_nn/var_builder/type.VarBuilder.html
 //! [`VarMap`]: https://docs.rs/candle-nn/0.11/candle_nn/var_map/struct.VarMap.html
 
+pub use crate::key_map::KeyMap;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -189,8 +190,99 @@ fn set_mode(_path: &Path, _mode: Option<std::fs::Permissions>) -> std::io::Resul
     Ok(())
 }
 
+/// Saves what a load built: the parameters in `vars` (the `VarMap` that
+/// [`load_strict`], [`load`] and the file loaders return, trained or not) under their keys, in
+/// the order of `module`'s [`NamedParameters`], like
+/// `safetensors.torch.save_file(model.state_dict(), path)`.
+///
+/// The module's `named_parameters` must list exactly the keys it loaded: one it asked for and
+/// does not list (a `class_token` read with `vb.get` and left out of a hand-written list) or
+/// one it lists and never loaded is an error naming the keys, not a file PyTorch's strict load
+/// refuses later.
+///
+/// # Example
+/// ```
+/// use std::collections::HashMap;
+/// use candle_core::{DType, Device, Tensor};
+/// use multihead::{state_dict, Linear, NamedParameters};
+///
+/// struct Head {
+///     token: Tensor,
+///     proj: Linear,
+/// }
+/// impl NamedParameters for Head {
+///     fn named_parameters(&self) -> Vec<(String, Tensor)> {
+///         state_dict::prefixed("proj", &self.proj) // forgot "token"
+///     }
+/// }
+/// let dev = Device::Cpu;
+/// let mut state = HashMap::new();
+/// state.insert("token".to_string(), Tensor::zeros(4, DType::F32, &dev)?);
+/// state.insert("proj.weight".to_string(), Tensor::zeros((2, 4), DType::F32, &dev)?);
+/// let (head, vars) = state_dict::load_strict(&state, DType::F32, &dev, |vb| {
+///     Ok(Head { token: vb.get(4, "token")?, proj: Linear::new(4, 2, false, vb.pp("proj"))? })
+/// })?;
+/// let path = std::env::temp_dir().join("multihead_save_loaded_doc.safetensors");
+/// let err = state_dict::save_loaded(&head, &vars, &path).unwrap_err();
+/// assert!(err.to_string().contains("[\"token\"]"));
+/// # Ok::<(), multihead::Error>(())
+/// ```
+pub fn save_loaded<M: NamedParameters>(
+    module: &M,
+    vars: &VarMap,
+    path: impl AsRef<Path>,
+) -> Result<()> {
+    save_loaded_with(module, vars, &KeyMap::new(), path)
+}
+
+/// [`save_loaded`] with the keys renamed for the file by `map` (the map a port loaded
+/// through, so that PyTorch gets its own keys back).
+pub fn save_loaded_with<M: NamedParameters>(
+    module: &M,
+    vars: &VarMap,
+    map: &KeyMap,
+    path: impl AsRef<Path>,
+) -> Result<()> {
+    let named = module.named_parameters();
+    let entries: Vec<(String, Tensor)> = {
+        let data = vars.data().lock().unwrap_or_else(|e| e.into_inner());
+        let listed: BTreeSet<&str> = named.iter().map(|(k, _)| k.as_str()).collect();
+        let unlisted: Vec<String> =
+            data.keys().filter(|k| !listed.contains(k.as_str())).cloned().collect();
+        let unloaded: Vec<String> =
+            listed.iter().filter(|k| !data.contains_key(**k)).map(|k| k.to_string()).collect();
+        if !unlisted.is_empty() || !unloaded.is_empty() {
+            let mut msg = Vec::new();
+            if !unlisted.is_empty() {
+                msg.push(format!(
+                    "the module loaded {} that its named_parameters does not list",
+                    crate::key_groups::key_list(&unlisted)
+                ));
+            }
+            if !unloaded.is_empty() {
+                msg.push(format!(
+                    "it lists {} that it did not load",
+                    crate::key_groups::key_list(&unloaded)
+                ));
+            }
+            return Err(Error::Config {
+                op: "save_loaded",
+                arg: "named_parameters",
+                msg: format!(
+                    "{}: make named_parameters list every parameter the module asks its VarBuilder for (prefixed(..) for sub-modules)",
+                    msg.join("; ")
+                ),
+            });
+        }
+        named.iter().map(|(k, _)| (k.clone(), data[k].as_tensor().clone())).collect()
+    };
+    let entries = map.to_file(entries)?;
+    save_safetensors(entries.iter().map(|(k, t)| (k.as_str(), t)), path)
+}
+
 /// Saves a module's parameters under PyTorch's keys, like
-/// `safetensors.torch.save_file(module.state_dict(), path)`.
+/// `safetensors.torch.save_file(module.state_dict(), path)`. For a module built by a load,
+/// [`save_loaded`] also checks its `named_parameters` against what it loaded.
 pub fn save_state_dict<M: NamedParameters>(module: &M, path: impl AsRef<Path>) -> Result<()> {
     let params = module.named_parameters();
     save_safetensors(params.iter().map(|(k, t)| (k.as_str(), t)), path)
@@ -224,7 +316,9 @@ pub fn check_keys<'a>(
     if report.is_exact() {
         Ok(())
     } else {
-        let hint = prefix_hint(&report.missing_keys, &report.unexpected_keys, matched);
+        let none = BTreeMap::new();
+        let shapes = Shapes { module: &none, file: &none };
+        let hint = prefix_hint(&report.missing_keys, &report.unexpected_keys, matched, shapes);
         Err(Error::StateDictKeys {
             missing: report.missing_keys,
             unexpected: report.unexpected_keys,
@@ -250,7 +344,12 @@ fn compare_keys<'a>(
 /// When every unexpected key is a missing key with one extra leading prefix (or the other way
 /// round), names that prefix and what to do; `matched` keys were found as they are (so a claim
 /// about every key of the file or of the module is made only when it is true).
-fn prefix_hint(missing: &[String], unexpected: &[String], matched: usize) -> String {
+fn prefix_hint(
+    missing: &[String],
+    unexpected: &[String],
+    matched: usize,
+    shapes: Shapes,
+) -> String {
     let common_prefix = |longer: &[String], shorter: &[String]| -> Option<String> {
         let first = longer.first()?;
         let shorter_set: BTreeSet<&str> = shorter.iter().map(String::as_str).collect();
@@ -301,6 +400,9 @@ fn prefix_hint(missing: &[String], unexpected: &[String], matched: usize) -> Str
             pp(&p)
         );
     }
+    if let Some(h) = rename_hint(missing, unexpected, shapes) {
+        return h;
+    }
     let prefixes = sub_module_prefixes(missing, unexpected);
     if let Some(p) = prefixes.first() {
         let under = prefixes.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(" and ");
@@ -310,6 +412,116 @@ fn prefix_hint(missing: &[String], unexpected: &[String], matched: usize) -> Str
         );
     }
     String::new()
+}
+
+/// The shapes of the keys on each side, where known (a key absent has any shape).
+#[derive(Clone, Copy)]
+struct Shapes<'a> {
+    module: &'a BTreeMap<String, Vec<usize>>,
+    file: &'a BTreeMap<String, Vec<usize>>,
+}
+
+impl Shapes<'_> {
+    /// Whether the module's key `m` may be the file's `u`.
+    fn fit(&self, m: &str, u: &str) -> bool {
+        match (self.module.get(m), self.file.get(u)) {
+            (Some(a), Some(b)) => a == b,
+            _ => true,
+        }
+    }
+}
+
+/// When the missing keys are exactly the unexpected ones with some runs of segments renamed
+/// (torchvision's `ln_1` for `norm1` in every layer), the [`KeyMap`] that says so.
+///
+/// Each missing key is compared with the unexpected keys of its shape that share the most
+/// leading and trailing segments with it; a renamed run of the module (`norm1`) may be any run
+/// of the file found so for every one of its keys (`ln_1` or `ln_2`: the weights rule out
+/// `mlp.3`). A run left with one choice takes it and leaves it to no other; runs left with the
+/// same choices are paired in sorted order. The hint is given only if the renames so found turn
+/// the unexpected keys into the missing ones exactly.
+fn rename_hint(missing: &[String], unexpected: &[String], shapes: Shapes) -> Option<String> {
+    const MAX_KEYS: usize = 1024;
+    const MAX_RENAMES: usize = 16;
+    if missing.is_empty() || missing.len() != unexpected.len() || missing.len() > MAX_KEYS {
+        return None;
+    }
+    let split = |k: &str| k.split('.').map(str::to_string).collect::<Vec<_>>();
+    let files: Vec<(&String, Vec<String>)> = unexpected.iter().map(|u| (u, split(u))).collect();
+    // Module run -> the file runs it may be.
+    let mut choices: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for m in missing {
+        let ms = split(m);
+        let scored: Vec<(usize, String, String)> = files
+            .iter()
+            .filter(|(u, _)| shapes.fit(m, u))
+            .filter_map(|(_, us)| {
+                let (p, q) = affixes(&ms, us);
+                let (mm, um) = (ms[p..ms.len() - q].join("."), us[p..us.len() - q].join("."));
+                (p + q > 0 && !mm.is_empty() && !um.is_empty()).then_some((p + q, mm, um))
+            })
+            .collect();
+        let best = scored.iter().map(|s| s.0).max()?;
+        let mut found: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (_, mm, um) in scored.into_iter().filter(|s| s.0 == best) {
+            found.entry(mm).or_default().insert(um);
+        }
+        for (mm, ums) in found {
+            let c = choices.entry(mm).or_insert_with(|| ums.clone());
+            c.retain(|u| ums.contains(u));
+        }
+    }
+    let renames = settle(choices, MAX_RENAMES)?;
+    let map = renames.iter().fold(KeyMap::new(), |map, (f, m)| map.rename(f, m));
+    let renamed: BTreeSet<String> = unexpected.iter().map(|u| map.to_module_key(u)).collect();
+    let wanted: BTreeSet<String> = missing.iter().cloned().collect();
+    if renamed != wanted {
+        return None;
+    }
+    let calls: String = renames.iter().map(|(f, m)| format!(".rename({f:?}, {m:?})")).collect();
+    Some(format!(
+        "the missing keys are the unexpected ones renamed: let map = state_dict::KeyMap::new(){calls}; load map.to_module(&state), and save through map.to_file(..) (or state_dict::save_loaded_with) so that PyTorch gets its own keys back"
+    ))
+}
+
+/// `(file run, module run)` pairs from each module run's choices: a run with one choice takes
+/// it (and no other run may), then runs with the same choices pair up in sorted order. `None`
+/// when that leaves a run without a choice or more than `max` renames.
+fn settle(
+    mut choices: BTreeMap<String, BTreeSet<String>>,
+    max: usize,
+) -> Option<BTreeSet<(String, String)>> {
+    let mut renames = BTreeSet::new();
+    loop {
+        let single =
+            choices.iter().find(|(_, c)| c.len() == 1).map(|(m, c)| (m.clone(), c.clone()));
+        let Some((m, c)) = single else { break };
+        let u = c.into_iter().next()?;
+        choices.remove(&m);
+        for c in choices.values_mut() {
+            c.remove(&u);
+        }
+        renames.insert((u, m));
+    }
+    let mut groups: BTreeMap<BTreeSet<String>, Vec<String>> = BTreeMap::new();
+    for (m, c) in choices {
+        groups.entry(c).or_default().push(m);
+    }
+    for (files, modules) in groups {
+        if files.len() != modules.len() {
+            return None;
+        }
+        renames.extend(files.into_iter().zip(modules));
+    }
+    (renames.len() <= max).then_some(renames)
+}
+
+/// How many leading and trailing segments `a` and `b` share (the two never overlap).
+fn affixes(a: &[String], b: &[String]) -> (usize, usize) {
+    let p = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    let room = a.len().min(b.len()) - p;
+    let q = a.iter().rev().zip(b.iter().rev()).take(room).take_while(|(x, y)| x == y).count();
+    (p, q)
 }
 
 /// The prefixes `p` (ending in `.`, in order) under which the file holds every missing key,
@@ -352,7 +564,7 @@ struct Loader {
     /// Each entry the module asked for and cannot take.
     mismatched: Arc<Mutex<Vec<(String, Wrong)>>>,
     /// Every key the module asked for, by its full path.
-    requested: Arc<Mutex<BTreeSet<String>>>,
+    requested: Arc<Mutex<BTreeMap<String, Vec<usize>>>>,
 }
 
 /// Why a file's entry cannot become the parameter the module asks for.
@@ -388,7 +600,9 @@ impl candle_nn::var_builder::SimpleBackend for Loader {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
-        self.requested.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_string());
+        let mut requested = self.requested.lock().unwrap_or_else(|e| e.into_inner());
+        requested.insert(name.to_string(), s.dims().to_vec());
+        drop(requested);
         let wrong = match (self.present.get(name), self.unsupported.get(name)) {
             (Some(got), _) if got.as_slice() == s.dims() => {
                 return self.vars.get(s, name, h, dtype, dev);
@@ -461,7 +675,7 @@ fn load_with<M: NamedParameters>(
     }
     let (missing, mismatched) =
         (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
-    let requested = Arc::new(Mutex::new(BTreeSet::new()));
+    let requested = Arc::new(Mutex::new(BTreeMap::new()));
     let loader = Loader {
         vars: vm.clone(),
         present: state.iter().map(|(k, t)| (k.clone(), t.dims().to_vec())).collect(),
@@ -489,11 +703,14 @@ fn load_with<M: NamedParameters>(
     // asks for `model.…`), against the file's.
     let asked = std::mem::take(&mut *requested.lock().unwrap_or_else(|e| e.into_inner()));
     let file_keys = state.keys().chain(unsupported.keys()).map(String::as_str);
-    let (report, matched) = compare_keys(asked.iter().map(String::as_str), file_keys);
+    let (report, matched) = compare_keys(asked.keys().map(String::as_str), file_keys);
     let keys_wrong = strict && !report.is_exact();
     if keys_wrong || !wrong.is_empty() {
         let hint = if keys_wrong {
-            prefix_hint(&report.missing_keys, &report.unexpected_keys, matched)
+            let file_shapes: BTreeMap<String, Vec<usize>> =
+                state.iter().map(|(k, t)| (k.clone(), t.dims().to_vec())).collect();
+            let shapes = Shapes { module: &asked, file: &file_shapes };
+            prefix_hint(&report.missing_keys, &report.unexpected_keys, matched, shapes)
         } else {
             String::new()
         };
@@ -504,6 +721,9 @@ fn load_with<M: NamedParameters>(
         };
         return Err(problems(m, u, wrong, hint));
     }
+    // The VarMap keeps what the module asked for (its parameters, for an optimiser and for
+    // `save_loaded`), not the file's other entries.
+    vm.data().lock().unwrap_or_else(|e| e.into_inner()).retain(|k, _| asked.contains_key(k));
     Ok((module, vm, report))
 }
 

@@ -373,3 +373,133 @@ fn a_prefix_hint_is_only_given_when_true_and_debug_reads_as_display() {
     .expect_err("prefix");
     assert!(err.to_string().contains("every key in the file starts with \"model.\""), "{err}");
 }
+
+/// torchvision's `EncoderBlock` keys for layer `i` of `VisionTransformer(hidden_dim=8,
+/// mlp_dim=16)`, built from an encoder layer's parameters renamed as torchvision names them.
+fn torchvision_block(
+    i: usize,
+    layer: &multihead::transformer::TransformerEncoderLayer,
+) -> Vec<(String, Tensor)> {
+    let map = torchvision_map();
+    let named =
+        multihead::state_dict::prefixed(&format!("encoder.layers.encoder_layer_{i}"), layer);
+    map.to_file(named).unwrap()
+}
+
+fn torchvision_map() -> multihead::state_dict::KeyMap {
+    multihead::state_dict::KeyMap::new()
+        .rename("ln_1", "norm1")
+        .rename("ln_2", "norm2")
+        .rename("self_attention", "self_attn")
+        .rename("mlp.0", "linear1")
+        .rename("mlp.3", "linear2")
+}
+
+#[test]
+fn a_key_map_loads_and_saves_under_the_files_names_and_checks_itself() {
+    use multihead::state_dict::{load_safetensors, save_loaded_with, KeyMap};
+    use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
+    let cfg = LayerConfig::new(8, 2).with_dim_feedforward(16).with_batch_first(true);
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let layers: Vec<TransformerEncoderLayer> = (0..2)
+        .map(|i| TransformerEncoderLayer::new(cfg.clone(), vb.pp(format!("l{i}"))).unwrap())
+        .collect();
+    let file: HashMap<String, Tensor> =
+        (0..2).flat_map(|i| torchvision_block(i, &layers[i])).collect();
+    assert!(file.contains_key("encoder.layers.encoder_layer_1.mlp.3.weight"));
+    assert!(file.contains_key("encoder.layers.encoder_layer_0.self_attention.in_proj_weight"));
+    #[derive(Debug)]
+    struct Blocks(Vec<TransformerEncoderLayer>);
+    impl NamedParameters for Blocks {
+        fn named_parameters(&self) -> Vec<(String, Tensor)> {
+            let pre = |i| format!("encoder.layers.encoder_layer_{i}");
+            let named = self.0.iter().enumerate();
+            named.flat_map(|(i, l)| multihead::state_dict::prefixed(&pre(i), l)).collect()
+        }
+    }
+    let build = |vb: candle_nn::VarBuilder| {
+        (0..2)
+            .map(|i| {
+                TransformerEncoderLayer::new(
+                    cfg.clone(),
+                    vb.pp(format!("encoder.layers.encoder_layer_{i}")),
+                )
+            })
+            .collect::<multihead::Result<Vec<_>>>()
+            .map(Blocks)
+    };
+    // Without the map: the error groups the 48 keys by pattern and names the renames.
+    let err = load_strict(&file, DType::F32, &dev(), build).map(|(m, _)| m).expect_err("names");
+    let msg = err.to_string();
+    assert!(msg.len() < 1500, "{} characters: {msg}", msg.len());
+    assert!(msg.contains("\"encoder.layers.encoder_layer_*.norm*.{bias,weight}\" (×8)"), "{msg}");
+    assert!(
+        msg.contains(".rename(\"ln_1\", \"norm1\")")
+            && msg.contains(".rename(\"self_attention\", \"self_attn\")"),
+        "{msg}"
+    );
+    // Through the map: loads strictly, and saving gives back the file's keys and values.
+    let map = torchvision_map();
+    let (loaded, vars) =
+        load_strict(&map.to_module(&file).unwrap(), DType::F32, &dev(), build).unwrap();
+    let dir = std::env::temp_dir().join(format!("multihead_keymap_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("saved.safetensors");
+    save_loaded_with(&loaded, &vars, &map, &path).unwrap();
+    let back = load_safetensors(&path, &dev()).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    let mut want: Vec<&String> = file.keys().collect();
+    let mut got: Vec<&String> = back.keys().collect();
+    want.sort();
+    got.sort();
+    assert_eq!(got, want);
+    for (k, t) in &file {
+        assert_close(&back[k], t, Tolerance { rel: 0.0, abs: 0.0 }, k);
+    }
+    // A map that is not one-to-one is an error naming the keys.
+    let twice = KeyMap::new().rename("ln_1", "norm1").rename("ln_2", "norm1");
+    let err = twice.to_module(&file).expect_err("collision").to_string();
+    assert!(err.contains("one-to-one") && err.contains("norm1"), "{err}");
+    let overlapping = KeyMap::new().rename("ln_1", "ln_2");
+    let err = overlapping.to_module(&file).expect_err("not invertible").to_string();
+    assert!(err.contains("one-to-one"), "{err}");
+}
+
+#[test]
+fn saving_what_was_loaded_checks_the_modules_list_and_keeps_only_its_parameters() {
+    use multihead::state_dict::{load, save_loaded};
+    use multihead::Linear;
+    struct Port {
+        class_token: Tensor,
+        head: Linear,
+    }
+    impl NamedParameters for Port {
+        fn named_parameters(&self) -> Vec<(String, Tensor)> {
+            multihead::state_dict::prefixed("head", &self.head) // class_token forgotten
+        }
+    }
+    let mut state: HashMap<String, Tensor> = HashMap::new();
+    state.insert("class_token".into(), det(&[1, 1, 4], DType::F32, 1.0));
+    state.insert("head.weight".into(), det(&[3, 4], DType::F32, 2.0));
+    state.insert("head.bias".into(), det(&[3], DType::F32, 3.0));
+    state.insert("unused.step".into(), det(&[1], DType::F32, 4.0));
+    let build = |vb: candle_nn::VarBuilder| {
+        Ok(Port {
+            class_token: vb.get((1, 1, 4), "class_token")?,
+            head: Linear::new(4, 3, true, vb.pp("head"))?,
+        })
+    };
+    let (port, vars, report) = load(&state, DType::F32, &dev(), build).unwrap();
+    assert_eq!(report.unexpected_keys, ["unused.step"]);
+    // The VarMap holds what the module asked for (what an optimiser should train), no more.
+    let mut held: Vec<String> = vars.data().lock().unwrap().keys().cloned().collect();
+    held.sort();
+    assert_eq!(held, ["class_token", "head.bias", "head.weight"]);
+    assert_eq!(port.class_token.dims(), &[1, 1, 4]);
+    let path = std::env::temp_dir()
+        .join(format!("multihead_save_loaded_{}.safetensors", std::process::id()));
+    let err = save_loaded(&port, &vars, &path).expect_err("unlisted").to_string();
+    assert!(err.contains("loaded [\"class_token\"]") && err.contains("named_parameters"), "{err}");
+    assert!(!path.exists(), "nothing is written");
+}
