@@ -10,11 +10,13 @@
 //! for every input and parameter; the fused kernels enter candle as custom ops with a
 //! backward.
 
+mod add;
 pub(crate) mod core;
 mod mha;
 mod sdpa;
 
 pub use self::core::safe_softmax_last_dim;
+pub use add::add;
 pub use mha::{
     explain_mha, multi_head_attention_forward, InProj, MhaOptions, MhaOutput, MhaParams,
 };

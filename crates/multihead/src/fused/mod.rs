@@ -14,6 +14,7 @@
 //! [`Plan`]: dispatch::Plan
 
 pub(crate) mod activation;
+pub(crate) mod add;
 pub(crate) mod bf16_linear;
 pub(crate) mod convert;
 pub(crate) mod decode;

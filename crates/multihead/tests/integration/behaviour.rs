@@ -480,3 +480,25 @@ fn train_and_eval_recurse_through_a_model() {
     Train::train(&mut model, true);
     assert_ne!(run(&model), run(&model), "train: dropout");
 }
+
+#[test]
+fn functional_add_is_candles_add_with_its_gradient_and_checks_its_arguments() {
+    // Large enough for the parallel path, and small; f32 on the op, f64 on candle's add.
+    for (n, dtype) in [(300_000usize, DType::F32), (1000, DType::F32), (1000, DType::F64)] {
+        let a = var(&det(&[n], dtype, 1.0).affine(1e3, 0.0).unwrap());
+        let b = var(&det(&[n], dtype, 2.0));
+        let sum = multihead::functional::add(a.as_tensor(), b.as_tensor()).unwrap();
+        let want = (a.as_tensor() + b.as_tensor()).unwrap();
+        let bits = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+        assert_eq!(bits(&sum), bits(&want), "{n} {dtype:?}");
+        let up = det(&[n], dtype, 3.0);
+        let g = sum.mul(&up).unwrap().sum_all().unwrap().backward().unwrap();
+        assert_eq!(bits(g.get(a.as_tensor()).unwrap()), bits(&up));
+        assert_eq!(bits(g.get(b.as_tensor()).unwrap()), bits(&up));
+    }
+    let a = det(&[2, 3], DType::F32, 1.0);
+    let e = multihead::functional::add(&a, &det(&[3, 2], DType::F32, 1.0)).unwrap_err();
+    assert!(e.to_string().contains("add: b: a has shape (2, 3) and b (3, 2)"), "{e}");
+    let e = multihead::functional::add(&a, &det(&[2, 3], DType::F64, 1.0)).unwrap_err();
+    assert!(e.to_string().contains("a is F32 and b F64"), "{e}");
+}
