@@ -16,6 +16,9 @@ process, so both memory figures are per-process peaks. Four sections (``--sectio
               hand-written PyTorch cache (``tools/bench_decode.py``, in its own process)
 * ``gemm``    ``nn.Linear`` f32 and bf16, forward and forward+backward, against
               ``multihead bench --module linear`` (``tools/bench_linear.py``)
+* ``small``   the ViT port (``examples/port_vit.rs``) against torchvision, MHA and a pre-norm
+              encoder layer at sequence 17 width 64, and a ViT-B/16 encoder layer
+              (``tools/bench_small.py``)
 
 It measures the machine's f32 FMA peak first (``cc -O2 ../shared/tools/peak.c -o target/peak &&
 target/peak``) and writes
@@ -104,7 +107,7 @@ MODES = {
     "bwd": (False, True, "Forward + backward (need_weights=False)"),
 }
 QUICK_SHAPES = ["a", "c", "e"]
-SECTIONS = ["mha", "layers", "embed", "decode", "bf16", "gemm"]
+SECTIONS = ["mha", "layers", "embed", "decode", "bf16", "gemm", "small"]
 
 # Transformer layers: one shape, B=8, L=S=512, d_model 512, nhead 8, dim_feedforward 2048.
 LAYER_SHAPE = {"B": 8, "L": 512, "S": 512, "E": 512, "H": 8, "F": 2048}
@@ -827,8 +830,20 @@ def run_gemm_section(opts, peak):
     return json.loads(out.read_text())
 
 
+def run_small_section(opts):
+    """Runs ``tools/bench_small.py`` in its own process; returns its JSON (or an error)."""
+    out = REPO / "target/bench_small.json"
+    cmd = [sys.executable, str(TOOLS / "bench_small.py"), "--threads", str(opts.threads),
+           "--json-out", str(out)] + (["--quick"] if opts.quick else [])
+    rc, _, err, _, _, timed_out = bench_proc.run_process(cmd, max(opts.timeout, 1800.0))
+    if rc != 0 or timed_out:
+        why = "timed out" if timed_out else f"exit code {rc}"
+        return {"error": f"{why}: {(err or '')[-2000:]}"}
+    return json.loads(out.read_text())
+
+
 def write_report(meta, results, opts, elapsed_s, embed_rec=None, decode_rec=None,
-                 bf16_rec=None, gemm_rec=None):
+                 bf16_rec=None, gemm_rec=None, small_rec=None):
     lines = []
     add = lines.append
     T = opts.threads
@@ -1087,7 +1102,19 @@ def write_report(meta, results, opts, elapsed_s, embed_rec=None, decode_rec=None
         else:
             lines.extend(bench_linear.report_lines(gemm_rec))
 
+    if small_rec is not None:
+        sys.path.insert(0, str(TOOLS))
+        import bench_small
+
+        if small_rec.get("error"):
+            add("## Small models and ViT shapes\n")
+            add(f"The small-model benchmark failed: `{small_rec['error'][-300:]}`\n")
+        else:
+            lines.extend(bench_small.report_lines(small_rec))
+
     targets = evaluate_targets(results, opts, embed_rec)
+    if small_rec is not None and not small_rec.get("error"):
+        targets.extend(bench_small.evaluate_targets(small_rec))
     if gemm_rec is not None and not gemm_rec.get("error"):
         targets.extend(bench_linear.evaluate_targets(gemm_rec))
     if decode_rec is not None and not decode_rec.get("error"):
@@ -1619,6 +1646,14 @@ def main(argv):
             f"{r['dtype']} {r['e']}->{r['f']} {r['mode']}: torch {r['torch']:.1f} ms, multihead "
             f"{r['ours']:.1f} ms" for r in gemm_rec["rows"])), flush=True)
 
+    small_rec = None
+    if "small" in opts.sections:
+        print(f"[small {time.perf_counter() - t_start:6.0f}s] small models", flush=True)
+        small_rec = run_small_section(opts)
+        print("[small] " + (small_rec.get("error", "")[-300:] or "; ".join(
+            f"{r['label']}: torch {r['torch']:.3f} ms, multihead {r['ours']:.3f} ms"
+            for r in small_rec["rows"])), flush=True)
+
     if not opts.peak_gflops:
         # Again at the end: a busy neighbour can only lower it, so keep the higher f32.
         p1 = measure_peak(opts)
@@ -1647,11 +1682,12 @@ def main(argv):
     Path(opts.md).parent.mkdir(parents=True, exist_ok=True)
     opts.png_written = write_chart(results, opts)
     targets = write_report(meta, results, opts, elapsed, embed_rec, decode_rec, bf16_rec,
-                           gemm_rec)
+                           gemm_rec, small_rec)
     for r in results:
         r["derived"] = derived(r)
     doc = {"meta": meta, "peak": peak, "results": results, "embed": embed_rec,
-           "decode": decode_rec, "bf16": bf16_rec, "gemm": gemm_rec, "targets": targets}
+           "decode": decode_rec, "bf16": bf16_rec, "gemm": gemm_rec, "small": small_rec,
+           "targets": targets}
     Path(opts.json_out).write_text(json.dumps(scrub_obj(doc), indent=1, default=str) + "\n")
     n_met = sum(1 for t in targets if t["met"] is True)
     n_all = sum(1 for t in targets if t["met"] is not None)

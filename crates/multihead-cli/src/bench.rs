@@ -42,6 +42,9 @@ pub struct BenchArgs {
     /// The layers' activation: relu or gelu (exact erf).
     #[arg(long, default_value = "relu")]
     pub activation: String,
+    /// Pre-norm layers (`norm_first=True`, as ViT's blocks), with LayerNorm eps 1e-6.
+    #[arg(long)]
+    pub norm_first: bool,
     /// Evaluation: the module in eval mode, under `multihead::no_grad` (PyTorch's
     /// `module.eval()` and `torch.no_grad()`). Forward-only MHA runs are always this; forward-only
     /// layer runs without it run in training mode with gradients recorded.
@@ -262,6 +265,7 @@ fn layer_workload(a: &BenchArgs) -> Result<Step<'_>> {
         .with_dropout(0.0)
         .with_activation(Activation::from_name(&a.activation)?)
         .with_batch_first(true);
+    let cfg = if a.norm_first { cfg.with_norm_first(true).with_layer_norm_eps(1e-6) } else { cfg };
     let dt = a.candle_dtype();
     let vb = VarBuilder::from_varmap(&vm, dt, &dev);
     let x = Var::from_tensor(&randn(&[a.batch, a.tgt_len, a.embed_dim], dt, &dev)?)?;
@@ -372,6 +376,7 @@ fn report(
                 "need_weights": a.need_weights, "backward": a.backward, "iters": times.len(),
                 "module": format!("{:?}", a.module), "dim_feedforward": a.dim_feedforward,
                 "activation": a.activation, "eval": a.eval, "key_padding": a.key_padding,
+                "norm_first": a.norm_first,
                 "num_kv_heads": a.num_kv_heads, "dtype": format!("{:?}", a.candle_dtype()),
                 "bf16_products": multihead::bf16_products(),
                 "bf16_kernel": format!("{:?}", multihead_kernels::bf16gemm::active_bf16_kernel()),

@@ -100,6 +100,9 @@ fn span(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
     }
 }
 
+/// Multiply-adds below which a product runs on one thread (about 10 µs of one core).
+const SERIAL_BELOW: usize = 1 << 20;
+
 /// One product `dst (m×n, row stride n) = lhs (m×k) · rhs (k×n)` through strides.
 struct Product<'a> {
     m: usize,
@@ -146,8 +149,15 @@ impl Product<'_> {
         // /proc/cpuinfo on every call unless RAYON_NUM_THREADS is set: ~5% of a small
         // model's training step).
         let threads = rayon::current_num_threads();
-        let par =
-            if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+        // A small product runs on the calling thread: waking the pool for it costs more than
+        // it saves (a sequence of 17 tokens at width 64: most of the time went to idle
+        // threads yielding).
+        let macs = self.m.saturating_mul(self.n).saturating_mul(self.k);
+        let par = if threads > 1 && macs >= SERIAL_BELOW {
+            gemm::Parallelism::Rayon(threads)
+        } else {
+            gemm::Parallelism::None
+        };
         let ((lrs, lcs), (rrs, rcs)) = (self.lhs_strides, self.rhs_strides);
         // SAFETY: `check` bounds every element the strides address within the operands; the
         // caller guarantees `dst`.

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Small models and ViT shapes side by side: PyTorch against multihead.
+
+    python3 tools/bench_small.py            # the BENCHMARKS.md rows (a few minutes)
+    python3 tools/bench_small.py --quick    # fewer iterations
+
+Cases (2 threads unless ``--threads``):
+
+* the small ViT of ``tools/port_vit.py`` (torchvision ``VisionTransformer(image_size=32,
+  patch_size=8, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128)``), eval forward at
+  batch 64 under ``torch.no_grad()``, against the Rust port ``examples/port_vit.rs`` (its
+  ``TransformerEncoderLayer`` variant and its hand-written block; ``PORT_VIT_ITERS`` forwards,
+  fastest);
+* ``nn.MultiheadAttention(64, 4, batch_first=True)`` eval forward and
+  ``nn.TransformerEncoderLayer(64, 4, 128, gelu, norm_first=True, eps=1e-6)`` eval forward at
+  (B, L) = (64, 17) and (1, 17), against ``multihead bench --module mha|encoder-layer
+  --norm-first``;
+* a ViT-B/16 encoder layer, ``nn.TransformerEncoderLayer(768, 12, 3072, gelu, norm_first=True,
+  eps=1e-6)`` at B=8, L=197: eval forward and train forward+backward (``out.sum().backward()``).
+
+PyTorch runs in this process with ``torch.set_num_threads(T)`` (its fast path allowed in eval);
+multihead runs ``target/release/multihead bench ... --json`` and
+``target/release/examples/port_vit``. Fastest time after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import bench_proc
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = REPO / "target/release/multihead"
+PORT = REPO / "target/release/examples/port_vit"
+# (label, module, B, L, E, H, F, backward, speed-up target)
+CASES = [
+    ("MHA eval, B=64 L=17 E=64 H=4", "mha", 64, 17, 64, 4, 128, False, 1.2),
+    ("MHA eval, B=1 L=17 E=64 H=4", "mha", 1, 17, 64, 4, 128, False, 1.2),
+    ("encoder layer eval (pre-norm, gelu), B=64 L=17 E=64 H=4 F=128",
+     "encoder-layer", 64, 17, 64, 4, 128, False, 1.2),
+    ("encoder layer eval (pre-norm, gelu), B=1 L=17 E=64 H=4 F=128",
+     "encoder-layer", 1, 17, 64, 4, 128, False, 1.2),
+    ("ViT-B/16 encoder layer eval, B=8 L=197 E=768 H=12 F=3072",
+     "encoder-layer", 8, 197, 768, 12, 3072, False, 1.2),
+    ("ViT-B/16 encoder layer train fwd+bwd, B=8 L=197 E=768 H=12 F=3072",
+     "encoder-layer", 8, 197, 768, 12, 3072, True, 1.2),
+]
+
+
+def iters_for(b, l, e, quick):
+    small = b * l * e < 200_000
+    if quick:
+        return (5, 20) if small else (1, 3)
+    return (20, 300) if small else (2, 8)
+
+
+def torch_case(torch, module, b, l, e, h, f, backward, warmup, iters):
+    torch.manual_seed(0)
+    x = torch.randn(b, l, e)
+    if module == "mha":
+        m = torch.nn.MultiheadAttention(e, h, batch_first=True).eval()
+        with torch.no_grad():
+            return bench_proc.timed(lambda: m(x, x, x, need_weights=False), warmup, iters)[0]
+    layer = torch.nn.TransformerEncoderLayer(e, h, f, dropout=0.0, activation="gelu",
+                                             layer_norm_eps=1e-6, batch_first=True,
+                                             norm_first=True)
+    if backward:
+        xg = x.clone().requires_grad_(True)
+
+        def step():
+            layer.zero_grad(set_to_none=True)
+            xg.grad = None
+            layer(xg).sum().backward()
+
+        return bench_proc.timed(step, warmup, iters)[0]
+    layer.eval()
+    with torch.no_grad():
+        return bench_proc.timed(lambda: layer(x), warmup, iters)[0]
+
+
+def rust_case(module, b, l, e, h, f, backward, threads, warmup, iters):
+    cmd = [str(BIN), "bench", "--module", module, "--batch", str(b), "--tgt-len", str(l),
+           "--src-len", str(l), "--embed-dim", str(e), "--num-heads", str(h),
+           "--dim-feedforward", str(f), "--activation", "gelu", "--threads", str(threads),
+           "--warmup", str(warmup), "--iters", str(iters), "--json"]
+    if module == "encoder-layer":
+        cmd.append("--norm-first")
+        cmd.append("--backward" if backward else "--eval")
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])["min_ms"]
+
+
+def vit_rows(torch, threads, quick):
+    sys.path.insert(0, str(REPO / "tools"))
+    from port_vit import build_model
+
+    warmup, iters = (5, 20) if quick else (20, 300)
+    m = build_model().eval()
+    x = torch.randn(64, 3, 32, 32)
+    with torch.no_grad():
+        ours_torch = bench_proc.timed(lambda: m(x), warmup, iters)[0]
+    env = dict(os.environ, PORT_VIT_ITERS=str(iters), RAYON_NUM_THREADS=str(threads))
+    res = subprocess.run([str(PORT)], capture_output=True, text=True, cwd=REPO, check=True,
+                         env=env)
+    found = dict(re.findall(r"^(\w+): eval forward, batch 64: ([0-9.]+) ms", res.stdout, re.M))
+    rows = []
+    for name, label in (("encoder_layer", "ViT port (TransformerEncoderLayer + KeyMap)"),
+                        ("hand_written", "ViT port (hand-written EncoderBlock)")):
+        rows.append({"label": f"{label}, eval, batch 64", "torch": ours_torch,
+                     "ours": float(found[name]), "target": 1.2})
+    return rows
+
+
+def report_lines(doc):
+    lines = [
+        f"## Small models and ViT shapes, {doc['threads']} threads\n",
+        "Command: `python3 tools/bench_small.py` (run by `tools/bench_torch.py --sections "
+        "small`). The ViT port is `crates/multihead/examples/port_vit.rs` against torchvision's "
+        "`VisionTransformer` of `tools/port_vit.py` (eval, batch 64, sequence 17, width 64); the "
+        "layer rows are `nn.MultiheadAttention` / `nn.TransformerEncoderLayer(norm_first=True, "
+        "gelu, eps=1e-6)` against `multihead bench --module mha|encoder-layer --norm-first`. "
+        "PyTorch eval rows run under `torch.no_grad()` with its fast path allowed.\n",
+        "| case | PyTorch | multihead | speed-up | target |",
+        "|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        lines.append(f"| {r['label']} | {r['torch']:.3f} ms | {r['ours']:.3f} ms | "
+                     f"{r['torch'] / r['ours']:.2f}x | ≥{r['target']:.1f}x |")
+    lines.append("")
+    return lines
+
+
+def evaluate_targets(doc):
+    out = []
+    for r in doc["rows"]:
+        got = r["torch"] / r["ours"]
+        out.append({"target": "small models vs PyTorch (x)", "case": r["label"],
+                    "measured": f"{got:.2f}", "required": f"{r['target']:.2f}",
+                    "met": got >= r["target"],
+                    "verdict": "met" if got >= r["target"] else "not met"})
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json-out", type=Path, default=REPO / "target/bench_small.json")
+    opts = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(opts.threads)
+    for exe, how in ((BIN, "cargo build --release -p multihead-cli"),
+                     (PORT, "cargo build --release -p multihead --example port_vit")):
+        if not exe.exists():
+            sys.exit(f"build it first: {how} ({exe})")
+    rows = vit_rows(torch, opts.threads, opts.quick)
+    for label, module, b, l, e, h, f, backward, target in CASES:
+        warmup, iters = iters_for(b, l, e, opts.quick)
+        row = {"label": label, "target": target}
+        row["torch"] = torch_case(torch, module, b, l, e, h, f, backward, warmup, iters)
+        row["ours"] = rust_case(module, b, l, e, h, f, backward, opts.threads, warmup, iters)
+        rows.append(row)
+        print(f"{label}: torch {row['torch']:.3f} ms, multihead {row['ours']:.3f} ms",
+              file=sys.stderr, flush=True)
+    doc = {"threads": opts.threads, "torch_version": torch.__version__, "quick": opts.quick,
+           "rows": rows}
+    opts.json_out.parent.mkdir(parents=True, exist_ok=True)
+    opts.json_out.write_text(json.dumps(doc, indent=1))
+    print("\n".join(report_lines(doc)))
+    for t in evaluate_targets(doc):
+        print(f"- {t['target']}, {t['case']}: {t['measured']} (required {t['required']}): "
+              f"{t['verdict']}")
+
+
+if __name__ == "__main__":
+    main()
