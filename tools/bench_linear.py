@@ -170,12 +170,7 @@ def main():
     doc = {"threads": opts.threads, "torch_version": torch.__version__, "quick": opts.quick,
            "f32_peak": opts.f32_peak, "bf16_peak": opts.bf16_peak, "amx_peak": opts.amx_peak,
            "rows": rows}
-    opts.json_out.parent.mkdir(parents=True, exist_ok=True)
-    opts.json_out.write_text(json.dumps(doc, indent=1))
-    print("\n".join(report_lines(doc)))
-    for t in evaluate_targets(doc):
-        print(f"- {t['target']}, {t['case']}: {t['measured']} (required {t['required']}): "
-              f"{t['verdict']}")
+    bench_proc.finish(doc, opts.json_out, report_lines, evaluate_targets)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@ timeout and collect its own rusage, and count the machine's busy CPU time."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -71,3 +73,28 @@ def timed(fn, warmup, iters):
         times.append((time.perf_counter() - t) * 1e3)
     times.sort()
     return times[0], times[len(times) // 2]
+
+
+def run_tool(script, threads, quick, json_out, timeout_s, extra=()):
+    """Runs a section script (``tools/<script>``) in its own process with ``--threads``,
+    ``--json-out`` and ``--quick``; returns its JSON, or ``{"error": ...}``."""
+    tools = Path(__file__).resolve().parent
+    cmd = [sys.executable, str(tools / script), "--threads", str(threads),
+           "--json-out", str(json_out)] + (["--quick"] if quick else []) + list(extra)
+    rc, _, err, _, _, timed_out = run_process(cmd, timeout_s)
+    if rc != 0 or timed_out:
+        why = "timed out" if timed_out else f"exit code {rc}"
+        return {"error": f"{why}: {(err or '')[-2000:]}"}
+    return json.loads(Path(json_out).read_text())
+
+
+def finish(doc, json_out, report_lines, evaluate_targets):
+    """A section script's end: writes ``doc`` to ``json_out``, prints its report and its
+    targets."""
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(doc, indent=1))
+    print("\n".join(report_lines(doc)))
+    for t in evaluate_targets(doc):
+        print(f"- {t['target']}, {t['case']}: {t['measured']} (required {t['required']}): "
+              f"{t['verdict']}")
+

@@ -789,57 +789,25 @@ def verdict_ratio(value, target, ge=True):
     return f"**missed** by {abs(pct):.0f}%", False
 
 
-def run_decode_section(opts):
-    """Runs ``tools/bench_decode.py`` in its own process; returns its JSON (or an error)."""
-    out = REPO / "target/bench_decode.json"
-    cmd = [sys.executable, str(TOOLS / "bench_decode.py"), "--threads", str(opts.threads),
-           "--json-out", str(out)] + (["--quick"] if opts.quick else [])
-    rc, _, err, _, _, timed_out = bench_proc.run_process(cmd, max(opts.timeout, 1800.0))
-    if rc != 0 or timed_out:
-        why = "timed out" if timed_out else f"exit code {rc}"
-        return {"error": f"{why}: {(err or '')[-2000:]}"}
-    return json.loads(out.read_text())
+def run_section(opts, script, extra=()):
+    """Runs ``tools/<script>`` in its own process; returns its JSON (or an error)."""
+    out = REPO / "target" / (Path(script).stem + ".json")
+    return bench_proc.run_tool(script, opts.threads, opts.quick, out, max(opts.timeout, 1800.0),
+                               extra)
 
 
 def run_bf16_section(opts, bf16_peak):
-    """Runs ``tools/bench_bf16.py`` in its own process; returns its JSON (or an error)."""
-    out = REPO / "target/bench_bf16.json"
-    cmd = [sys.executable, str(TOOLS / "bench_bf16.py"), "--threads", str(opts.threads),
-           "--json-out", str(out)] + (["--quick"] if opts.quick else [])
-    if bf16_peak:
-        cmd += ["--bf16-peak", str(bf16_peak)]
-    rc, _, err, _, _, timed_out = bench_proc.run_process(cmd, max(opts.timeout, 1800.0))
-    if rc != 0 or timed_out:
-        why = "timed out" if timed_out else f"exit code {rc}"
-        return {"error": f"{why}: {(err or '')[-2000:]}"}
-    return json.loads(out.read_text())
+    """Runs ``tools/bench_bf16.py`` (with the bf16 peak)."""
+    return run_section(opts, "bench_bf16.py", ["--bf16-peak", str(bf16_peak)] if bf16_peak else [])
 
 
 def run_gemm_section(opts, peak):
-    """Runs ``tools/bench_linear.py`` in its own process; returns its JSON (or an error)."""
-    out = REPO / "target/bench_linear.json"
-    cmd = [sys.executable, str(TOOLS / "bench_linear.py"), "--threads", str(opts.threads),
-           "--json-out", str(out)] + (["--quick"] if opts.quick else [])
+    """Runs ``tools/bench_linear.py`` (with the peaks it reports shares of)."""
+    extra = []
     for flag, key in (("--f32-peak", "f32"), ("--bf16-peak", "bf16"), ("--amx-peak", "amx_bf16")):
         if peak.get(key):
-            cmd += [flag, str(peak[key])]
-    rc, _, err, _, _, timed_out = bench_proc.run_process(cmd, max(opts.timeout, 1800.0))
-    if rc != 0 or timed_out:
-        why = "timed out" if timed_out else f"exit code {rc}"
-        return {"error": f"{why}: {(err or '')[-2000:]}"}
-    return json.loads(out.read_text())
-
-
-def run_small_section(opts):
-    """Runs ``tools/bench_small.py`` in its own process; returns its JSON (or an error)."""
-    out = REPO / "target/bench_small.json"
-    cmd = [sys.executable, str(TOOLS / "bench_small.py"), "--threads", str(opts.threads),
-           "--json-out", str(out)] + (["--quick"] if opts.quick else [])
-    rc, _, err, _, _, timed_out = bench_proc.run_process(cmd, max(opts.timeout, 1800.0))
-    if rc != 0 or timed_out:
-        why = "timed out" if timed_out else f"exit code {rc}"
-        return {"error": f"{why}: {(err or '')[-2000:]}"}
-    return json.loads(out.read_text())
+            extra += [flag, str(peak[key])]
+    return run_section(opts, "bench_linear.py", extra)
 
 
 def write_report(meta, results, opts, elapsed_s, embed_rec=None, decode_rec=None,
@@ -1625,7 +1593,7 @@ def main(argv):
     decode_rec = None
     if "decode" in opts.sections:
         print(f"[decode {time.perf_counter() - t_start:6.0f}s] incremental decoding", flush=True)
-        decode_rec = run_decode_section(opts)
+        decode_rec = run_section(opts, "bench_decode.py")
         print("[decode] " + (decode_rec.get("error", "")[-300:] or "; ".join(
             f"B={r['b']} S={r['s']} K={r['k']}: torch {r['torch']['cache'][0]:.3f} ms, multihead "
             f"{r['multihead']['min_ms']:.3f} ms" for r in decode_rec["rows"])), flush=True)
@@ -1649,7 +1617,7 @@ def main(argv):
     small_rec = None
     if "small" in opts.sections:
         print(f"[small {time.perf_counter() - t_start:6.0f}s] small models", flush=True)
-        small_rec = run_small_section(opts)
+        small_rec = run_section(opts, "bench_small.py")
         print("[small] " + (small_rec.get("error", "")[-300:] or "; ".join(
             f"{r['label']}: torch {r['torch']:.3f} ms, multihead {r['ours']:.3f} ms"
             for r in small_rec["rows"])), flush=True)

@@ -165,10 +165,11 @@ fn linear_then(
 ) -> Result<Tensor> {
     let (out_f, in_f, out_dims) = validate_linear(x, weight, bias, op, arg)?;
     if crate::precision::is_reduced(x.dtype()) {
-        if let Some(y) = bf16_unwidened(x, weight, bias, act, op, backend, &out_dims)? {
+        let call = Call { x, weight, bias, act, op, backend, out_dims: &out_dims };
+        if let Some(y) = bf16_unwidened(call)? {
             return Ok(y);
         }
-        if let Some(y) = bf16_graded(x, weight, bias, act, op, backend, &out_dims)? {
+        if let Some(y) = bf16_graded(call)? {
             return Ok(y);
         }
         // bf16/f16: the f32 product (f32 accumulation, as PyTorch's), rounded once.
@@ -212,6 +213,26 @@ fn linear_then(
     }
 }
 
+/// One `F.linear` call's arguments, as the bf16 paths take them.
+#[derive(Clone, Copy)]
+struct Call<'a> {
+    x: &'a Tensor,
+    weight: &'a Tensor,
+    bias: Option<&'a Tensor>,
+    act: Act,
+    op: &'static str,
+    backend: Backend,
+    out_dims: &'a [usize],
+}
+
+impl Call<'_> {
+    /// `(m, in_features)`: the rows of the product and its depth.
+    fn rows(&self) -> Result<(usize, usize)> {
+        let m = self.out_dims[..self.out_dims.len().saturating_sub(1)].iter().product::<usize>();
+        Ok((m, self.weight.dim(1)?))
+    }
+}
+
 /// bf16 without a gradient, multiplied without widening the weight first, where that pays:
 ///
 /// * a few rows (a decode step): the few-rows kernel reads the bf16 weight as it is, where
@@ -222,17 +243,9 @@ fn linear_then(
 ///   are (`vdpbf16ps`, f32 sums), then the bias and activation in f32 and one rounding. The
 ///   widened path computes the same products of the same operands; only the order of the f32
 ///   sums differs.
-fn bf16_unwidened(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    act: Act,
-    op: &'static str,
-    backend: Backend,
-    out_dims: &[usize],
-) -> Result<Option<Tensor>> {
-    let in_f = weight.dim(1)?;
-    let m = out_dims[..out_dims.len() - 1].iter().product::<usize>();
+fn bf16_unwidened(c: Call) -> Result<Option<Tensor>> {
+    let Call { x, weight, bias, act, op, backend, out_dims } = c;
+    let (m, in_f) = c.rows()?;
     if x.dtype() != candle_core::DType::BF16 || records_grad(x, weight, bias) || m == 0 || in_f == 0
     {
         return Ok(None);
@@ -264,17 +277,9 @@ fn bf16_unwidened(
 /// bf16 tensors as they are (`FusedLinear` with bf16 products: bf16 output and gradients, the
 /// numbers of the widened path, which converts x and W to f32 and the output back, and the
 /// gradients likewise, as graph nodes of their own).
-fn bf16_graded(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    act: Act,
-    op: &'static str,
-    backend: Backend,
-    out_dims: &[usize],
-) -> Result<Option<Tensor>> {
-    let in_f = weight.dim(1)?;
-    let m = out_dims[..out_dims.len() - 1].iter().product::<usize>();
+fn bf16_graded(c: Call) -> Result<Option<Tensor>> {
+    let Call { x, weight, bias, act, op, backend, out_dims } = c;
+    let (m, in_f) = c.rows()?;
     if x.dtype() != candle_core::DType::BF16 || m == 0 || in_f == 0 || !crate::mode::bf16_products()
     {
         return Ok(None);
