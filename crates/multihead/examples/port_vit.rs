@@ -195,7 +195,10 @@ impl<B: Block> Vit<B> {
             .reshape((n, g * g, 3 * PATCH * PATCH))?;
         let x = self.patch.forward(&patches)?;
         let token = self.class_token.broadcast_as((n, 1, HIDDEN))?;
-        let mut x = Tensor::cat(&[&token, &x], 1)?.broadcast_add(&self.pos_embedding)?;
+        let x = Tensor::cat(&[&token, &x], 1)?;
+        // input + self.pos_embedding: the broadcast made whole, then `add` (candle's
+        // broadcast_add of this many elements runs on candle's pool; docs/porting.md).
+        let mut x = add(&x, &self.pos_embedding.broadcast_as(x.shape())?.contiguous()?)?;
         for layer in &self.layers {
             x = layer.forward(&x)?;
         }
