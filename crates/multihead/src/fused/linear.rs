@@ -142,8 +142,9 @@ impl Product<'_> {
     ///
     /// # Safety
     ///
-    /// `dst` is valid for writes of `m · n` floats (and reads, with `accumulate`), `check`
-    /// passed, and `dst` does not overlap the operands.
+    /// `lhs` and `rhs` are the f32 data of `self.lhs` and `self.rhs`, `check` passed, `dst` is
+    /// valid for writes of `m · n` floats (and reads, with `accumulate`) and does not overlap
+    /// the operands.
     unsafe fn run(&self, lhs: &[f32], rhs: &[f32], dst: *mut f32, accumulate: bool) {
         // rayon's count of the pool this runs in (candle's `get_num_threads` parses
         // /proc/cpuinfo on every call unless RAYON_NUM_THREADS is set: ~5% of a small
