@@ -151,6 +151,11 @@ pub(crate) trait Task: Sync {
     fn count(&self) -> usize;
     /// Scratch floats one task needs at `lanes` lanes (including carving padding).
     fn scratch_len(&self, lanes: usize) -> usize;
+    /// About how many multiply-adds all the tasks do together (for choosing to run them on
+    /// the calling thread); unknown (`usize::MAX`) unless a task says.
+    fn work(&self) -> usize {
+        usize::MAX
+    }
     /// Runs task `t`.
     ///
     /// # Safety
@@ -209,7 +214,7 @@ pub(crate) fn try_par_run<T: Task>(
 pub(crate) fn par_run<T: Task>(level: SimdLevel, task: &T) {
     let level = level.min(detected_simd_level());
     let len = task.scratch_len(level.lanes());
-    (0..task.count()).into_par_iter().for_each(|t| {
+    let one = |t: usize| {
         with_scratch(len, |buf| match level {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `level <= detected_simd_level()`, so the CPU has AVX-512F and DQ.
@@ -219,8 +224,19 @@ pub(crate) fn par_run<T: Task>(level: SimdLevel, task: &T) {
             SimdLevel::Avx2 => unsafe { run_avx2(task, t, buf) },
             _ => run_scalar(task, t, buf),
         })
-    });
+    };
+    if task.work() < SERIAL_BELOW {
+        // A tiny call (one short sequence): sending its tasks to the pool and waiting for them
+        // costs more than running them here. Each task computes the same bits either way.
+        (0..task.count()).for_each(one);
+    } else {
+        (0..task.count()).into_par_iter().for_each(one);
+    }
 }
+
+/// Multiply-adds below which [`par_run`] runs the tasks on the calling thread (tens of
+/// microseconds of one core).
+const SERIAL_BELOW: usize = 1 << 19;
 
 /// A raw pointer that may be shared across the pool's threads. Tasks write disjoint
 /// elements through it (checked by the entry points' validation).

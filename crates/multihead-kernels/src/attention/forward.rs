@@ -78,6 +78,11 @@ impl Task for FwdTask<'_> {
         self.p.dims.batch * self.p.dims.heads_q * self.nq
     }
 
+    fn work(&self) -> usize {
+        let d = &self.p.dims;
+        [d.batch, d.heads_q, d.l, d.s, d.d + d.dv].iter().fold(1usize, |w, x| w.saturating_mul(*x))
+    }
+
     fn scratch_len(&self, lanes: usize) -> usize {
         let d = &self.p.dims;
         let brp = self.br.div_ceil(lanes) * lanes;

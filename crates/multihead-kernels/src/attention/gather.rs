@@ -37,7 +37,7 @@ pub(crate) fn contiguous_heads(
     let mut buf: Vec<f32> = Vec::new();
     buf.try_reserve_exact(n).ok()?;
     // Written once, not zeroed first: every element of the first `n` is copied below.
-    buf.spare_capacity_mut()[..n].par_chunks_mut(head).enumerate().for_each(|(bh, dst)| {
+    let copy = |(bh, dst): (usize, &mut [std::mem::MaybeUninit<f32>])| {
         let (b, h) = (bh / heads, bh % heads);
         for (i, row) in dst.chunks_exact_mut(width).enumerate() {
             let src = &x[l.offset(b, h, i)..][..width];
@@ -45,8 +45,18 @@ pub(crate) fn contiguous_heads(
             // `src` is `width` floats of `x`; the two cannot overlap.
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), row.as_mut_ptr().cast(), width) };
         }
-    });
+    };
+    let spare = &mut buf.spare_capacity_mut()[..n];
+    if n < SERIAL_BELOW {
+        // A small copy: cheaper here than sent to the pool.
+        spare.chunks_mut(head).enumerate().for_each(copy);
+    } else {
+        spare.par_chunks_mut(head).enumerate().for_each(copy);
+    }
     // SAFETY: the loop above initialised all `n` elements (`n` chunks of `head` floats).
     unsafe { buf.set_len(n) };
     Some((buf, Layout4::contiguous(heads, rows, width)))
 }
+
+/// Floats below which the copy runs on the calling thread.
+const SERIAL_BELOW: usize = 1 << 16;

@@ -511,11 +511,17 @@ fn all_finite(
     }
     use rayon::prelude::*;
     const EXP: u32 = 0x7f80_0000;
+    // An OR of comparisons: vectorises at any x86-64 level (no early exit).
+    let finite =
+        |c: &[f32]| c.iter().fold(0u32, |acc, f| acc | u32::from(f.to_bits() & EXP == EXP)) == 0;
     spans.iter().all(|(x, a, b)| {
-        x[*a..*b].par_chunks(1 << 14).all(|c| {
-            // An OR of comparisons: vectorises at any x86-64 level (no early exit).
-            c.iter().fold(0u32, |acc, f| acc | u32::from(f.to_bits() & EXP == EXP)) == 0
-        })
+        let span = &x[*a..*b];
+        // One chunk's worth is scanned here: sending it to the pool costs more.
+        if span.len() <= 1 << 14 {
+            finite(span)
+        } else {
+            span.par_chunks(1 << 14).all(finite)
+        }
     })
 }
 
