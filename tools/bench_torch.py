@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
+import importlib
 import json
 import os
 import platform
@@ -1040,55 +1041,25 @@ def write_report(meta, results, opts, elapsed_s, embed_rec=None, decode_rec=None
 
         lines.extend(bench_embed.report_lines(embed_rec))
 
-    if decode_rec is not None:
-        sys.path.insert(0, str(TOOLS))
-        import bench_decode
+    # The sections run by their own scripts: (record, module, title if it failed).
+    scripted = [(decode_rec, "bench_decode", "Incremental decoding"),
+                (bf16_rec, "bench_bf16", "bfloat16"),
+                (gemm_rec, "bench_linear", "GEMM"),
+                (small_rec, "bench_small", "Small models and ViT shapes")]
+    sys.path.insert(0, str(TOOLS))
+    scripted_targets = []
+    for rec, name, title in scripted:
+        if rec is None:
+            continue
+        if rec.get("error"):
+            add(f"## {title}\n")
+            add(f"The {title} benchmark failed: `{rec['error'][-300:]}`\n")
+            continue
+        module = importlib.import_module(name)
+        lines.extend(module.report_lines(rec))
+        scripted_targets.extend(module.evaluate_targets(rec))
 
-        if decode_rec.get("error"):
-            add("## Incremental decoding\n")
-            add(f"The decode benchmark failed: `{decode_rec['error'][-300:]}`\n")
-        else:
-            lines.extend(bench_decode.report_lines(decode_rec))
-
-    if bf16_rec is not None:
-        sys.path.insert(0, str(TOOLS))
-        import bench_bf16
-
-        if bf16_rec.get("error"):
-            add("## bfloat16\n")
-            add(f"The bf16 benchmark failed: `{bf16_rec['error'][-300:]}`\n")
-        else:
-            lines.extend(bench_bf16.report_lines(bf16_rec))
-
-    if gemm_rec is not None:
-        sys.path.insert(0, str(TOOLS))
-        import bench_linear
-
-        if gemm_rec.get("error"):
-            add("## GEMM\n")
-            add(f"The GEMM benchmark failed: `{gemm_rec['error'][-300:]}`\n")
-        else:
-            lines.extend(bench_linear.report_lines(gemm_rec))
-
-    if small_rec is not None:
-        sys.path.insert(0, str(TOOLS))
-        import bench_small
-
-        if small_rec.get("error"):
-            add("## Small models and ViT shapes\n")
-            add(f"The small-model benchmark failed: `{small_rec['error'][-300:]}`\n")
-        else:
-            lines.extend(bench_small.report_lines(small_rec))
-
-    targets = evaluate_targets(results, opts, embed_rec)
-    if small_rec is not None and not small_rec.get("error"):
-        targets.extend(bench_small.evaluate_targets(small_rec))
-    if gemm_rec is not None and not gemm_rec.get("error"):
-        targets.extend(bench_linear.evaluate_targets(gemm_rec))
-    if decode_rec is not None and not decode_rec.get("error"):
-        targets.extend(bench_decode.evaluate_targets(decode_rec))
-    if bf16_rec is not None and not bf16_rec.get("error"):
-        targets.extend(bench_bf16.evaluate_targets(bf16_rec))
+    targets = evaluate_targets(results, opts, embed_rec) + scripted_targets
     add("## Targets (from the issues)\n")
     add("Evaluated automatically from the measurements above. \"Margin\" is relative to the "
         "target; a missed speed-up target also says what multihead's time must come down to. "
