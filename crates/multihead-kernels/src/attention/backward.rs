@@ -147,6 +147,14 @@ impl Task for BwdTask<'_> {
         self.p.dims.batch * self.p.dims.heads_kv
     }
 
+    fn work(&self) -> usize {
+        // Five products over every (query, key) pair of every head.
+        let d = &self.p.dims;
+        [d.batch, d.heads_q, d.l, d.s, 3 * d.d + 2 * d.dv]
+            .iter()
+            .fold(1usize, |w, x| w.saturating_mul(*x))
+    }
+
     fn scratch_len(&self, lanes: usize) -> usize {
         let d = &self.p.dims;
         let brp = self.br.div_ceil(lanes) * lanes;

@@ -65,6 +65,11 @@ impl Task for WeightsTask<'_> {
         d.batch * if self.average { 1 } else { d.heads_q } * self.nq
     }
 
+    fn work(&self) -> usize {
+        let d = &self.p.dims;
+        [d.batch, d.heads_q, d.l, d.s, d.d].iter().fold(1usize, |w, x| w.saturating_mul(*x))
+    }
+
     fn scratch_len(&self, lanes: usize) -> usize {
         let d = &self.p.dims;
         let brp = self.br.div_ceil(lanes) * lanes;
