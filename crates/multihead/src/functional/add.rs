@@ -46,5 +46,7 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
             msg: format!("a is {:?} and b {:?}: they must be the same", a.dtype(), b.dtype()),
         });
     }
+    // A broadcast view can stand for more elements than memory holds: an error, not an abort.
+    crate::alloc::ensure("add", "output", a.dims(), a.dtype(), 1, "use smaller tensors")?;
     crate::fused::zeros::residual(a, b)
 }

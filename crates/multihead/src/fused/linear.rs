@@ -388,13 +388,13 @@ impl FusedLinear {
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         // A bf16 op's gradient in f32 (exact), and its output for ReLU's selection.
         let dtype = x.dtype();
-        let (grad, y) = match dtype {
-            DType::BF16 => (
-                super::convert::to_dtype(grad, DType::F32)?,
-                super::convert::to_dtype(y, DType::F32)?,
-            ),
-            _ => (grad.clone(), y.clone()),
+        let widen = |t: &Tensor| match dtype {
+            DType::BF16 => super::convert::to_dtype(t, DType::F32),
+            _ => Ok(t.clone()),
         };
+        let grad = widen(grad)?;
+        // The output is read only by ReLU's selection: widened only then.
+        let y = if self.act == Act::Relu { widen(y)? } else { y.clone() };
         let grad = match self.act {
             Act::Identity => grad.contiguous()?,
             Act::Relu => super::activation::relu_grad(&y, &grad)?,

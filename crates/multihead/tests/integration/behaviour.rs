@@ -501,4 +501,14 @@ fn functional_add_is_candles_add_with_its_gradient_and_checks_its_arguments() {
     assert!(e.to_string().contains("add: b: a has shape (2, 3) and b (3, 2)"), "{e}");
     let e = multihead::functional::add(&a, &det(&[2, 3], DType::F64, 1.0)).unwrap_err();
     assert!(e.to_string().contains("a is F32 and b F64"), "{e}");
+    // Broadcast views of one value standing for more elements than memory holds: an error.
+    let one = Tensor::new(&[1f32], &dev()).unwrap();
+    let huge = one.broadcast_as((1usize << 40, 1usize << 20)).unwrap();
+    let e = multihead::functional::add(&huge, &huge).unwrap_err();
+    assert!(e.to_string().contains("add"), "{e}");
+    // A strided view takes candle's add: the same numbers as on contiguous copies.
+    let t = det(&[3, 2], DType::F32, 5.0).t().unwrap();
+    let sum = multihead::functional::add(&t, &a).unwrap();
+    let want = (t.contiguous().unwrap() + &a).unwrap();
+    assert_eq!(sum.to_vec2::<f32>().unwrap(), want.to_vec2::<f32>().unwrap());
 }
