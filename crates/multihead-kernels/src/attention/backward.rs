@@ -7,10 +7,11 @@
 //! (five GEMMs). `dk`/`dv` accumulate in the output rows, `dq` in scratch; `scale` is applied
 //! to `dk` and `dq` once at the end.
 
+use super::band::{softcap_slope, softcap_tile, Band, Hide};
 use super::bf16::{self as bf, Scores};
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
-use super::mask::{build_mask_keys, build_mask_tile, causal_add, causal_fill, TilePos};
+use super::mask::{build_mask_keys, build_mask_tile, TilePos};
 use super::simd::Simd;
 use super::tile::{
     add_row, copy_rows, pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR,
@@ -293,11 +294,13 @@ impl BwdTask<'_> {
         let bf = !sc.bb.qp.is_null();
         let kern = self.kern;
         let finite = self.finite.get(bh).copied().unwrap_or(true);
-        let clip = p.causal && finite;
-        let jend = if clip { dm.s.min(i0 + br) } else { dm.s }.min(ck.c1);
+        let (banded, band) = (p.banded(), Band::of(p, b));
+        let clip = banded && finite;
+        let (jstart, jend) = if clip { band.keys(i0, br) } else { (0, dm.s) };
+        let (jstart, jend) = (jstart.max(ck.c0), jend.min(ck.c1));
         // SAFETY: see `run`; scratch slices are sized by `scratch_len`.
         unsafe {
-            if ck.c0 >= jend {
+            if jstart >= jend {
                 // No key of this chunk reaches the block: its dQ is 0 unless a chunk adds.
                 return self.write_dq::<S>(sc, (b, h, i0, br), ck, true, bf);
             }
@@ -331,7 +334,7 @@ impl BwdTask<'_> {
                 false => (sc.vc.as_ptr(), dv),
             };
             let mut first = true;
-            let mut j0 = ck.c0;
+            let mut j0 = jstart;
             while j0 < jend {
                 let step = self.bc.min(jend - j0);
                 let pos = TilePos { b, h, i0, br, brp, j0, bc: step };
@@ -350,7 +353,7 @@ impl BwdTask<'_> {
                 let vj = vbase.add((j0 - ck.c0) * vld);
                 let dkj = sc.dka.as_mut_ptr().add((j0 - ck.c0) * d);
                 let dvj = sc.dva.as_mut_ptr().add((j0 - ck.c0) * dv);
-                let diag = clip.then_some(i0 as isize - j0 as isize);
+                let diag = if clip { band.diag(i0, j0) } else { None };
                 let (stp, dpp) = (sc.st.as_mut_ptr(), sc.dpt.as_mut_ptr());
                 if bf {
                     let scores = (stp, dpp);
@@ -359,18 +362,24 @@ impl BwdTask<'_> {
                     score_tile::<S>(kj, kld, d, sc.qt.as_ptr(), brp, stp, bc, diag);
                     score_tile::<S>(vj, vld, dv, sc.dot.as_ptr(), brp, dpp, bc, diag);
                 }
-                if p.causal && !clip && j0 + bc > i0 + 1 {
-                    causal_add(sc.st, brp, i0, j0, bc);
-                } else if p.causal && j0 + bc > i0 + 1 {
-                    // Entries the banded products skipped: P = 0 there, and dP must be
-                    // finite so that dS = P (dP - D) is exactly 0.
-                    causal_fill(sc.st, brp, i0, j0, bc, f32::NEG_INFINITY);
-                    causal_fill(sc.dpt, brp, i0, j0, bc, 0.0);
+                if let Some(c) = p.softcap {
+                    softcap_tile::<S>(stp, brp, bc, c);
+                }
+                if banded && band.partial(i0, br, j0, bc) {
+                    if clip {
+                        // Entries the banded products skipped: P = 0 there, and dP must be
+                        // finite so that dS = P (dP - D) is exactly 0.
+                        band.hide(sc.st, brp, (i0, j0, bc), Hide::Fill(f32::NEG_INFINITY));
+                        band.hide(sc.dpt, brp, (i0, j0, bc), Hide::Fill(0.0));
+                    } else {
+                        band.hide(sc.st, brp, (i0, j0, bc), Hide::AddNegInf);
+                    }
                 }
                 let tile = GradTile { st: stp, dpt: dpp, brp, nvec, bc };
                 let mask = has_mask.then_some((sc.mt.as_ptr(), per_key));
                 let stats = (sc.maxv.as_ptr(), sc.lsev.as_ptr(), sc.dvec.as_ptr());
-                probs_and_dscores::<S>(&tile, mask, stats, dropout.as_ref().map(|dr| (dr, j0)));
+                let drop = dropout.as_ref().map(|dr| (dr, j0));
+                probs_and_dscores::<S>(&tile, mask, stats, drop, p.softcap);
                 let grads = BlockGrads { dvj: (dvj, dv), dkj: (dkj, d), kj: (kj, kld), first };
                 if bf {
                     sc.bb.grads(kern, (stp, dpp), brp, (br, bc), (d, dv), grads);
@@ -512,10 +521,12 @@ unsafe fn probs_and_dscores<S: Simd>(
     mask: Option<(*const f32, bool)>,
     (maxv, lsev, dvec): (*const f32, *const f32, *const f32),
     dropout: Option<(&BlockDropout, usize)>,
+    softcap: Option<f32>,
 ) {
     let l = S::LANES;
     // SAFETY: within the tiles and statistics (caller).
     unsafe {
+        let inv = S::splat(softcap.map_or(0.0, |c| 1.0 / c));
         for vi in 0..t.nvec {
             let lv = S::load(lsev.add(vi * l));
             let mv = S::load(maxv.add(vi * l));
@@ -523,6 +534,7 @@ unsafe fn probs_and_dscores<S: Simd>(
             for j in 0..t.bc {
                 let off = j * t.brp + vi * l;
                 let mut x = S::load(t.st.add(off));
+                let slope = softcap.map(|_| softcap_slope::<S>(x, inv));
                 if let Some((mtp, per_key)) = mask {
                     let m = match per_key {
                         true => S::splat(*mtp.add(j)),
@@ -532,13 +544,16 @@ unsafe fn probs_and_dscores<S: Simd>(
                 }
                 let pe = S::exp(S::sub(S::sub(x, mv), lv));
                 let dp = S::load(t.dpt.add(off));
-                let (pm, ds) = match dropout {
+                let (pm, mut ds) = match dropout {
                     Some((dr, j0)) => {
                         let m = dr.vector::<S>(vi * l, j0 + j);
                         (S::mul(pe, m), S::mul(pe, S::sub(S::mul(m, dp), dd)))
                     }
                     None => (pe, S::mul(pe, S::sub(dp, dd))),
                 };
+                if let Some(g) = slope {
+                    ds = S::mul(ds, g);
+                }
                 S::store(t.st.add(off), pm);
                 S::store(t.dpt.add(off), ds);
             }

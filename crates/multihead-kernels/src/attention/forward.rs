@@ -5,10 +5,11 @@
 //! `O += P · V_j` with `O` rescaled only for rows whose running max grew. `O` is divided by the
 //! row sum once at the end.
 
+use super::band::{softcap_tile, Band, Hide};
 use super::bf16::{self as bf, Scores, Values};
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
-use super::mask::{build_mask_keys, build_mask_tile, causal_add, causal_fill, TilePos};
+use super::mask::{build_mask_keys, build_mask_tile, TilePos};
 use super::simd::Simd;
 use super::tile::{pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR};
 use super::{AttnParams, Layout4};
@@ -105,8 +106,8 @@ impl Task for FwdTask<'_> {
         let l = S::LANES;
         let bh = t / self.nq;
         let qi = t % self.nq;
-        // Causal: longest query blocks first, for load balance.
-        let qb = if p.causal { self.nq - 1 - qi } else { qi };
+        // Causal (or bounded on the right): longest query blocks first, for load balance.
+        let qb = if p.causal || p.window.right.is_some() { self.nq - 1 - qi } else { qi };
         let (b, h) = (bh / dm.heads_q, bh % dm.heads_q);
         let hk = h / (dm.heads_q / dm.heads_kv);
         let i0 = qb * self.br;
@@ -150,15 +151,16 @@ impl Task for FwdTask<'_> {
             lrun.fill(0.0);
             let mut running = Running { max: mrun, sum: lrun, alpha };
 
-            // A head with a non-finite key or value reads every key (no tile is skipped, causal
-            // masking is added), so NaN reaches the output exactly as on the composed path.
+            // A head with a non-finite key or value reads every key (no tile is skipped, the
+            // band's -inf is added), so NaN reaches the output exactly as on the composed path.
             let finite = self.finite.get(b * dm.heads_q + h).copied().unwrap_or(true);
-            let clip = p.causal && finite;
-            let jend = if clip { dm.s.min(i0 + br) } else { dm.s };
+            let (banded, band) = (p.banded(), Band::of(p, b));
+            let clip = banded && finite;
+            let (jstart, jend) = if clip { band.keys(i0, br) } else { (0, dm.s) };
             let kbase = self.k.0.add(self.kl.offset(b, hk, 0));
             let vbase = self.v.0.add(self.vl.offset(b, hk, 0));
             let mut first = true;
-            let mut j0 = 0;
+            let mut j0 = jstart;
             while j0 < jend {
                 let step = self.bc.min(jend - j0);
                 let pos = TilePos { b, h, i0, br, brp, j0, bc: step };
@@ -174,7 +176,7 @@ impl Task for FwdTask<'_> {
                     j0 += step;
                     continue;
                 }
-                let diag = clip.then_some(i0 as isize - j0 as isize);
+                let diag = if clip { band.diag(i0, j0) } else { None };
                 let kj = kbase.add(j0 * self.kl.seq);
                 if bf {
                     let (ld, qp, scale, st, kb) = (self.kl.seq, qp, p.scale, st.as_mut_ptr(), kb);
@@ -183,10 +185,12 @@ impl Task for FwdTask<'_> {
                     let (stp, qtp) = (st.as_mut_ptr(), qt.as_ptr());
                     score_tile::<S>(kj, self.kl.seq, d, qtp, brp, stp, bc, diag);
                 }
-                if clip && j0 + bc > i0 + 1 {
-                    causal_fill(st, brp, i0, j0, bc, f32::NEG_INFINITY);
-                } else if p.causal && j0 + bc > i0 + 1 {
-                    causal_add(st, brp, i0, j0, bc);
+                if let Some(c) = p.softcap {
+                    softcap_tile::<S>(st.as_mut_ptr(), brp, bc, c);
+                }
+                if banded && band.partial(i0, br, j0, bc) {
+                    let how = if clip { Hide::Fill(f32::NEG_INFINITY) } else { Hide::AddNegInf };
+                    band.hide(st, brp, (i0, j0, bc), how);
                 }
                 let mask = has_mask.then_some((mt.as_ptr(), per_key));
                 let drop = dropout.as_ref().map(|dr| (dr, j0));

@@ -157,27 +157,3 @@ pub(crate) fn build_mask_keys(
     }
     mk.iter().rposition(|&x| x != f32::NEG_INFINITY).map_or(0, |j| j + 1)
 }
-
-/// Causal masking by addition, for heads whose keys or values are not all finite: `-inf` is
-/// added (not written) above the diagonal, so a NaN score stays NaN as on the composed path.
-pub(crate) fn causal_add(st: &mut [f32], brp: usize, i0: usize, j0: usize, bc: usize) {
-    for j in 0..bc {
-        let jg = j0 + j;
-        if jg > i0 {
-            let nm = (jg - i0).min(brp);
-            st[j * brp..j * brp + nm].iter_mut().for_each(|x| *x += f32::NEG_INFINITY);
-        }
-    }
-}
-
-/// Causal masking of a score tile (`[key][query]`, stride `brp`): key `j0 + j` is hidden from
-/// query `i0 + i` when `j0 + j > i0 + i`, i.e. a prefix of each key row, set to `value`.
-pub(crate) fn causal_fill(st: &mut [f32], brp: usize, i0: usize, j0: usize, bc: usize, value: f32) {
-    for j in 0..bc {
-        let jg = j0 + j;
-        if jg > i0 {
-            let nm = (jg - i0).min(brp);
-            st[j * brp..j * brp + nm].fill(value);
-        }
-    }
-}

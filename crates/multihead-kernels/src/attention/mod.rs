@@ -9,9 +9,13 @@
 //!
 //! With `hk = h / (heads_q / heads_kv)` (grouped-query attention):
 //!
-//! * `score[b,h,i,j] = scale · q[b,h,i,:]·k[b,hk,j,:] + mask0[b,h,i,j] + mask1[b,h,i,j]`, where a
-//!   bool mask contributes `0` or `-inf`, and `causal` adds `-inf` where `j > i` (upper-left
-//!   aligned: row `i` sees columns `0..=i`).
+//! * `score[b,h,i,j] = cap(scale · q[b,h,i,:]·k[b,hk,j,:]) + mask0[b,h,i,j] + mask1[b,h,i,j]`,
+//!   where a bool mask contributes `0` or `-inf` and `cap(x) = c·tanh(x/c)` with a soft cap `c`
+//!   (`x` without one). `-inf` is added where the key is hidden by its index: `causal` hides
+//!   `j > i + offset` (`offset = 0`: upper-left aligned, row `i` sees columns `0..=i`), a
+//!   [`Window`] hides `j < i + offset − left` and `j > i + offset + right`, and `kv_lengths`
+//!   hides `j >= kv_lengths[b]`. None of these builds an `L × S` array; key tiles they hide
+//!   entirely are skipped.
 //! * `P = softmax_j(score)`. A row whose scores are all `-inf` gets `P = 0` (output row 0, not
 //!   NaN) and `ln Σ = +inf`; a row containing `+inf` gives NaN, like PyTorch.
 //! * Dropout multiplies `P[b,h,i,j]` by `1/(1-p)` if kept and `0` if dropped, where kept is
@@ -27,11 +31,11 @@
 //! * Non-finite values follow that arithmetic exactly, as PyTorch's does: masks are added
 //!   (NaN + −inf is NaN) and every value is multiplied by its weight (0·NaN is NaN), so a NaN
 //!   key of a `(batch, kv head)` makes all its rows NaN, a NaN query its row, and a NaN value
-//!   its column, masked or not. The kernels skip key tiles the masks or the causal diagonal
-//!   hide only for heads whose queries, keys and values are all finite (one scan of Q, K and V
+//!   its column, masked or not. The kernels skip key tiles the masks or the band (causal,
+//!   window, lengths) hide only for heads whose queries, keys and values are all finite (one scan of Q, K and V
 //!   per call).
 //! * Backward (FlashAttention-2): `D_i = rowsum(dO_i ∘ O_i)`,
-//!   `dS = P ∘ (m ∘ (dO vᵀ) − D)`, `dq = scale · dS k`, `dk = scale · dSᵀ q`,
+//!   `dS = P ∘ (m ∘ (dO vᵀ) − D)` (times `1 − (cap/c)²` through a soft cap), `dq = scale · dS k`, `dk = scale · dSᵀ q`,
 //!   `dv = (P∘m)ᵀ dO`; `dk`/`dv` of a kv head sum over its query heads.
 //!
 //! Results are bitwise identical for any rayon thread count: every output element is
@@ -73,6 +77,7 @@
 //! pool; per-thread scratch is reused across calls.
 
 mod backward;
+mod band;
 mod bf16;
 pub(crate) mod exec;
 mod forward;
@@ -183,7 +188,8 @@ pub struct AttnParams<'a> {
     pub dims: AttnDims,
     /// Multiplies `q·k` (usually `1/sqrt(d)`; any value, negative included).
     pub scale: f32,
-    /// Upper-left causal masking: row `i` sees columns `0..=i`.
+    /// Causal masking: row `i` sees keys `0..=i + offset` (upper-left aligned with the default
+    /// `offset` 0).
     pub causal: bool,
     /// Up to two masks, summed (e.g. `attn_mask` and `key_padding_mask`).
     pub masks: [Option<MaskView<'a>>; 2],
@@ -201,6 +207,30 @@ pub struct AttnParams<'a> {
     /// the value the forward had. [`attention_weights`] ignores it (its weights come from f32
     /// products), so leave it off when the weights are wanted.
     pub bf16_products: bool,
+    /// Where the causal diagonal and the [`window`](Self::window) sit: query `i`'s own key is
+    /// `i + offset`. `0` aligns them top-left (PyTorch's `is_causal`); `s - l` bottom-right
+    /// (PyTorch's `causal_lower_right`, a query block after a cache of `s - l` keys).
+    pub offset: isize,
+    /// Local attention: query `i` sees keys `i + offset - left ..= i + offset + right` only
+    /// (`None`: unbounded on that side). With `causal`, `right` is 0. Key tiles wholly outside
+    /// the band are skipped (for finite heads, see the module docs).
+    pub window: Window,
+    /// Per batch entry `b`, only keys `0..kv_lengths[b]` are seen (ONNX's
+    /// `nonpad_kv_seqlen`: a padded batch of keys). Length `batch`, each at most `s`.
+    pub kv_lengths: Option<&'a [usize]>,
+    /// Tanh soft-capping of the scaled scores, `c·tanh(scale·q·k / c)`, applied before the
+    /// masks are added (Gemma 2's and FlashAttention's placement). Finite and positive.
+    pub softcap: Option<f32>,
+}
+
+/// The two sides of a local attention window, in keys from query `i`'s own key
+/// `i + offset` (see [`AttnParams::window`]). `None` is unbounded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Window {
+    /// Keys before the query's own that it sees.
+    pub left: Option<usize>,
+    /// Keys after the query's own that it sees (0: causal).
+    pub right: Option<usize>,
 }
 
 impl<'a> AttnParams<'a> {
@@ -213,7 +243,20 @@ impl<'a> AttnParams<'a> {
             masks: [None, None],
             dropout: None,
             bf16_products: false,
+            offset: 0,
+            window: Window::default(),
+            kv_lengths: None,
+            softcap: None,
         }
+    }
+
+    /// Whether keys are hidden by their index (causal, a window or key lengths), so that
+    /// whole key tiles can be skipped.
+    fn banded(&self) -> bool {
+        self.causal
+            || self.window.left.is_some()
+            || self.window.right.is_some()
+            || self.kv_lengths.is_some()
     }
 
     /// The dropout `(p, key)` if it does anything (`p > 0`).
@@ -367,6 +410,23 @@ fn check_params(p: &AttnParams<'_>) -> Result<(), KernelError> {
             return Err(KernelError::InvalidDropout { p: pr });
         }
     }
+    if let Some(c) = p.softcap {
+        if !(c.is_finite() && c > 0.0) {
+            let msg = format!("the soft cap must be finite and positive, got {c}");
+            return Err(KernelError::InvalidArgument { name: "softcap", msg });
+        }
+    }
+    if let Some(lens) = p.kv_lengths {
+        if lens.len() != d.batch {
+            let msg =
+                format!("expected one length per batch entry ({}), got {}", d.batch, lens.len());
+            return Err(KernelError::InvalidArgument { name: "kv_lengths", msg });
+        }
+        if let Some((b, &n)) = lens.iter().enumerate().find(|(_, &n)| n > d.s) {
+            let msg = format!("length {n} of batch entry {b} exceeds the {} keys", d.s);
+            return Err(KernelError::InvalidArgument { name: "kv_lengths", msg });
+        }
+    }
     for (m, name) in p.masks.iter().zip(["masks[0]", "masks[1]"]) {
         if let Some(m) = m {
             let needed = span(name, [d.batch, d.heads_q, d.l, d.s], m.strides())?;
@@ -407,7 +467,7 @@ fn finite_heads(
     v: Option<(&[f32], Layout4)>,
 ) -> Vec<bool> {
     let dm = p.dims;
-    if !p.causal && !p.has_mask() {
+    if !p.banded() && !p.has_mask() {
         return Vec::new();
     }
     if all_finite(p, (q, ql), (k, kl), v) {

@@ -22,7 +22,18 @@ fn mask_at(m: &MaskView<'_>, b: usize, h: usize, i: usize, j: usize) -> f64 {
     }
 }
 
-/// The scores `scale·q·k + masks` (and causal `-inf`), `[batch, heads_q, l, s]`.
+/// Whether key `j` is hidden from query `i` of batch entry `b` by its index: causal, the
+/// window (both around `i + offset`) or the batch entry's key length.
+pub fn hidden(p: &AttnParams<'_>, b: usize, i: usize, j: usize) -> bool {
+    let rel = j as i128 - i as i128 - p.offset as i128;
+    let right = if p.causal { Some(0) } else { p.window.right };
+    right.is_some_and(|r| rel > r as i128)
+        || p.window.left.is_some_and(|w| rel < -(w as i128))
+        || p.kv_lengths.is_some_and(|n| j >= n[b])
+}
+
+/// The scores `scale·q·k` (soft-capped), plus the masks, plus `-inf` where [`hidden`],
+/// `[batch, heads_q, l, s]`.
 pub fn scores(p: &AttnParams<'_>, q: &[f32], ql: Layout4, k: &[f32], kl: Layout4) -> Vec<f64> {
     let d = p.dims;
     let g = d.heads_q / d.heads_kv.max(1);
@@ -36,10 +47,13 @@ pub fn scores(p: &AttnParams<'_>, q: &[f32], ql: Layout4, k: &[f32], kl: Layout4
                     let ko = kl.offset(b, hk, j);
                     let dot: f64 = (0..d.d).map(|c| q[qo + c] as f64 * k[ko + c] as f64).sum();
                     let mut x = p.scale as f64 * dot;
+                    if let Some(c) = p.softcap {
+                        x = c as f64 * (x / c as f64).tanh();
+                    }
                     for m in p.masks.iter().flatten() {
                         x += mask_at(m, b, h, i, j);
                     }
-                    if p.causal && j > i {
+                    if hidden(p, b, i, j) {
                         x += f64::NEG_INFINITY;
                     }
                     out[((b * d.heads_q + h) * d.l + i) * d.s + j] = x;
@@ -211,7 +225,12 @@ pub fn backward(
                 let rowsum: f64 = (0..d.s).map(|j| pr[r * d.s + j] * dp[j]).sum();
                 for j in 0..d.s {
                     let pij = pr[r * d.s + j];
-                    let ds = pij * (dp[j] - rowsum);
+                    let mut ds = pij * (dp[j] - rowsum);
+                    if let Some(c) = p.softcap {
+                        // Through the cap: d(c·tanh(x/c))/dx = 1 − tanh²(x/c).
+                        let x = p.scale as f64 * dot_qk(q, ql, k, kl, (b, h, hk, i, j), d.d);
+                        ds *= 1.0 - (x / c as f64).tanh().powi(2);
+                    }
                     let ko = kl.offset(b, hk, j);
                     let qo = ql.offset(b, h, i);
                     let kr = ((b * d.heads_kv + hk) * d.s + j) * d.d;
@@ -229,4 +248,17 @@ pub fn backward(
         }
     }
     (dq, dk, dvv)
+}
+
+/// `q[b, h, i] · k[b, hk, j]` over `d` channels.
+fn dot_qk(
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    (b, h, hk, i, j): (usize, usize, usize, usize, usize),
+    d: usize,
+) -> f64 {
+    let (qo, ko) = (ql.offset(b, h, i), kl.offset(b, hk, j));
+    (0..d).map(|c| q[qo + c] as f64 * k[ko + c] as f64).sum()
 }

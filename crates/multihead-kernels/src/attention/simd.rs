@@ -58,6 +58,41 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
     /// `e^x`, relative error below 2e-7; `exp(-inf) = 0`, NaN propagates.
     unsafe fn exp(x: Self::V) -> Self::V;
+    /// `tanh(x)`: Eigen's rational approximation (a degree-13 odd numerator over a degree-6
+    /// even denominator on `x` clamped to ±7.905, where tanh rounds to ±1), within a few ulp
+    /// (tested against f64); NaN propagates.
+    #[inline(always)]
+    unsafe fn tanh(x: Self::V) -> Self::V {
+        const CLAMP: f32 = 7.905_311;
+        const A: [f32; 7] = [
+            4.893_524_6e-3,
+            6.372_619_3e-4,
+            1.485_722_4e-5,
+            5.122_297e-8,
+            -8.604_672e-11,
+            2.000_188e-13,
+            -2.760_768_5e-16,
+        ];
+        const B: [f32; 4] = [4.893_525e-3, 2.268_434_6e-3, 1.185_347_1e-4, 1.198_258_4e-6];
+        // SAFETY: vector arithmetic only (the trait's contract covers the instruction set).
+        unsafe {
+            let zero = Self::splat(0.0);
+            let lo = Self::splat(-CLAMP);
+            // max(-c, min(x, c)) with min(x, c) = -max(-c, -x); `max` keeps a NaN second
+            // operand, so NaN passes through both.
+            let x = Self::max(lo, Self::sub(zero, Self::max(lo, Self::sub(zero, x))));
+            let x2 = Self::mul(x, x);
+            let mut p = Self::splat(A[6]);
+            for &a in A[..6].iter().rev() {
+                p = Self::fma(p, x2, Self::splat(a));
+            }
+            let mut q = Self::splat(B[3]);
+            for &b in B[..3].iter().rev() {
+                q = Self::fma(q, x2, Self::splat(b));
+            }
+            Self::div(Self::mul(x, p), q)
+        }
+    }
     /// The sum of the lanes (in a fixed order).
     unsafe fn reduce_add(v: Self::V) -> f32;
     /// `out[i] = Σ lanes of v[i]` for `i < LANES`: the horizontal sums of `LANES` vectors,

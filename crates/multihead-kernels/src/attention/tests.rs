@@ -8,6 +8,8 @@ use crate::dropout::DropoutKey;
 
 use crate::testutil::{levels, rand_vec};
 
+mod variants;
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum MaskKind {
     /// Additive [L, S], broadcast over batch and heads, with some -inf.
@@ -42,6 +44,11 @@ struct Case {
     dropout: Option<f64>,
     /// q, k, v read out of a packed [B, L, 3, H, D] buffer; out/dq written as [B, L, H, D].
     packed: bool,
+    /// The variants: diagonal offset, window, key lengths, soft cap.
+    offset: isize,
+    window: Window,
+    lens: Option<Vec<usize>>,
+    softcap: Option<f32>,
 }
 
 impl Case {
@@ -59,6 +66,10 @@ impl Case {
             masks: vec![],
             dropout: None,
             packed: false,
+            offset: 0,
+            window: Window::default(),
+            lens: None,
+            softcap: None,
         }
     }
 }
@@ -247,7 +258,7 @@ struct Results {
     wavg: Vec<f32>,
 }
 
-fn params<'a>(c: &Case, masks: &'a [MaskData]) -> AttnParams<'a> {
+fn params<'a>(c: &'a Case, masks: &'a [MaskData]) -> AttnParams<'a> {
     let mut p = AttnParams::new(AttnDims {
         batch: c.b,
         heads_q: c.hq,
@@ -265,6 +276,8 @@ fn params<'a>(c: &Case, masks: &'a [MaskData]) -> AttnParams<'a> {
         *slot = Some(view(m));
     }
     p.dropout = c.dropout.map(|pr| (pr, DropoutKey { seed: 5, offset: 9 }));
+    (p.offset, p.window, p.kv_lengths, p.softcap) =
+        (c.offset, c.window, c.lens.as_deref(), c.softcap);
     p
 }
 

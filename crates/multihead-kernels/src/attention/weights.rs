@@ -4,8 +4,9 @@
 //! One task per `(batch, head, query block)`, or per `(batch, query block)` when averaging, in
 //! which case the task sums the heads in order `0..heads_q` (deterministic) and divides once.
 
+use super::band::{softcap_tile, Band, Hide};
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
-use super::mask::{build_mask_tile, causal_add, causal_fill, TilePos};
+use super::mask::{build_mask_tile, TilePos};
 use super::simd::Simd;
 use super::tile::{pack_transposed, scale_row, score_tile, BlockDropout, MAX_BR};
 use super::{AttnParams, Layout4};
@@ -131,13 +132,15 @@ impl Task for WeightsTask<'_> {
                     p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
                 let kbase = self.k.0.add(self.kl.offset(b, hk, 0));
                 let finite = self.finite.get(b * dm.heads_q + h).copied().unwrap_or(true);
-                let clip = p.causal && finite;
+                let (banded, band) = (p.banded(), Band::of(p, b));
+                let clip = banded && finite;
+                let (jstart, jend) = if clip { band.keys(i0, br) } else { (0, s) };
                 let mut j0 = 0;
                 while j0 < s {
                     let bc = self.bc.min(s - j0);
                     let pos = TilePos { b, h, i0, br, brp, j0, bc };
                     // A non-finite head builds its mask tile and never skips it.
-                    let all_masked = (clip && j0 >= i0 + br)
+                    let all_masked = (clip && (j0 + bc <= jstart || j0 >= jend))
                         || (has_mask && build_mask_tile::<S>(&p.masks, pos, mt) == 0 && finite);
                     if all_masked {
                         if n == 0 {
@@ -148,8 +151,7 @@ impl Task for WeightsTask<'_> {
                         j0 += bc;
                         continue;
                     }
-                    let (kj, diag) =
-                        (kbase.add(j0 * self.kl.seq), clip.then_some(i0 as isize - j0 as isize));
+                    let (kj, diag) = (kbase.add(j0 * self.kl.seq), clip.then(|| band.diag(i0, j0)));
                     score_tile::<S>(
                         kj,
                         self.kl.seq,
@@ -158,12 +160,15 @@ impl Task for WeightsTask<'_> {
                         brp,
                         st.as_mut_ptr(),
                         bc,
-                        diag,
+                        diag.flatten(),
                     );
-                    if clip && j0 + bc > i0 + 1 {
-                        causal_fill(st, brp, i0, j0, bc, f32::NEG_INFINITY);
-                    } else if p.causal && j0 + bc > i0 + 1 {
-                        causal_add(st, brp, i0, j0, bc);
+                    if let Some(c) = p.softcap {
+                        softcap_tile::<S>(st.as_mut_ptr(), brp, bc, c);
+                    }
+                    if banded && band.partial(i0, br, j0, bc) {
+                        let how =
+                            if clip { Hide::Fill(f32::NEG_INFINITY) } else { Hide::AddNegInf };
+                        band.hide(st, brp, (i0, j0, bc), how);
                     }
                     let tile = (st.as_mut_ptr(), brp, nvec, bc);
                     let mask = has_mask.then_some(mt.as_ptr());

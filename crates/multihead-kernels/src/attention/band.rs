@@ -1,0 +1,129 @@
+//! Keys hidden by their index: the causal diagonal (top-left or offset), local windows and
+//! per-batch key lengths. Nothing of size `L × S` is built: the kernels read only the key
+//! tiles a query block can see and hide the rest of a boundary tile here.
+
+use super::simd::Simd;
+use super::AttnParams;
+
+/// The keys the queries of one batch entry see: query `i` sees keys `j` with
+/// `i + lo <= j <= i + hi` (a missing bound is unbounded) and `j < len`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Band {
+    lo: Option<isize>,
+    hi: Option<isize>,
+    len: usize,
+}
+
+/// How [`Band::hide`] hides an entry.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Hide {
+    /// Write this value (finite heads: entries the banded products skipped are overwritten).
+    Fill(f32),
+    /// Add `-inf` (heads with a non-finite value: NaN stays NaN, as on the composed path).
+    AddNegInf,
+}
+
+/// `x` as an `isize`, saturating (window sizes beyond `isize::MAX` are unbounded anyway).
+fn signed(x: usize) -> isize {
+    isize::try_from(x).unwrap_or(isize::MAX)
+}
+
+impl Band {
+    /// The band of batch entry `b` (validated parameters).
+    pub(crate) fn of(p: &AttnParams<'_>, b: usize) -> Band {
+        let right = if p.causal { Some(0) } else { p.window.right };
+        Band {
+            lo: p.window.left.map(|w| p.offset.saturating_sub(signed(w))),
+            hi: right.map(|w| p.offset.saturating_add(signed(w))),
+            len: p.kv_lengths.and_then(|k| k.get(b).copied()).unwrap_or(p.dims.s).min(p.dims.s),
+        }
+    }
+
+    /// The keys `start..end` that some query of rows `i0..i0 + br` sees (`start >= end`:
+    /// none).
+    pub(crate) fn keys(&self, i0: usize, br: usize) -> (usize, usize) {
+        let (first, last) = (signed(i0), signed(i0 + br.max(1) - 1));
+        let clamp = |x: isize| x.clamp(0, signed(self.len)) as usize;
+        let start = self.lo.map_or(0, |lo| clamp(first.saturating_add(lo)));
+        let end = self.hi.map_or(self.len, |hi| clamp(last.saturating_add(hi).saturating_add(1)));
+        (start, end)
+    }
+
+    /// Whether some entry of the tile (queries `i0..i0 + br`, keys `j0..j0 + bc`) is hidden.
+    pub(crate) fn partial(&self, i0: usize, br: usize, j0: usize, bc: usize) -> bool {
+        let (first, last) = (signed(i0), signed(i0 + br.max(1) - 1));
+        let (jfirst, jlast) = (signed(j0), signed(j0 + bc.max(1) - 1));
+        self.hi.is_some_and(|hi| jlast > first.saturating_add(hi))
+            || self.lo.is_some_and(|lo| jfirst < last.saturating_add(lo))
+            || j0 + bc > self.len
+    }
+
+    /// The query offset from which the upper bound clips a tile, for the banded products
+    /// (`Tri::KEnd`): key row `r` of the tile is seen by local queries `>= r - diag` only.
+    pub(crate) fn diag(&self, i0: usize, j0: usize) -> Option<isize> {
+        // Clamped far beyond any tile so that the products' index arithmetic cannot overflow.
+        const FAR: isize = isize::MAX / 4;
+        self.hi.map(|hi| signed(i0).saturating_add(hi).saturating_sub(signed(j0)).clamp(-FAR, FAR))
+    }
+
+    /// Hides the hidden entries of a score tile (`[key][query]`, `bc` rows of stride `brp`,
+    /// queries `i0..`, keys `j0..`); padding lanes may be hidden too.
+    pub(crate) fn hide(
+        &self,
+        st: &mut [f32],
+        brp: usize,
+        (i0, j0, bc): (usize, usize, usize),
+        how: Hide,
+    ) {
+        for (j, row) in st.chunks_exact_mut(brp).take(bc).enumerate() {
+            let jg = signed(j0 + j);
+            // Local queries `from..to` see key `jg`.
+            let (from, to) = if j0 + j >= self.len {
+                (0, 0)
+            } else {
+                let local = |x: isize| x.saturating_sub(signed(i0)).clamp(0, signed(brp)) as usize;
+                let from = self.hi.map_or(0, |hi| local(jg.saturating_sub(hi)));
+                let to = self.lo.map_or(brp, |lo| local(jg.saturating_sub(lo).saturating_add(1)));
+                (from, to.max(from))
+            };
+            let (head, rest) = row.split_at_mut(from);
+            for part in [head, &mut rest[to - from..]] {
+                match how {
+                    Hide::Fill(v) => part.fill(v),
+                    Hide::AddNegInf => part.iter_mut().for_each(|x| *x += f32::NEG_INFINITY),
+                }
+            }
+        }
+    }
+}
+
+/// `score = c·tanh(score / c)` over the first `bc` rows of `brp` lanes of a score tile.
+///
+/// # Safety
+/// `S` is available; `st` holds `bc · brp` floats and `brp` is a multiple of `S::LANES`.
+#[inline(always)]
+pub(crate) unsafe fn softcap_tile<S: Simd>(st: *mut f32, brp: usize, bc: usize, c: f32) {
+    let l = S::LANES;
+    // SAFETY: every access lies in the tile (caller).
+    unsafe {
+        let (cv, inv) = (S::splat(c), S::splat(1.0 / c));
+        for x in (0..bc * brp).step_by(l) {
+            let p = st.add(x);
+            S::store(p, S::mul(cv, S::tanh(S::mul(S::load(p), inv))));
+        }
+    }
+}
+
+/// The soft cap's derivative `1 − (x/c)²` at a capped score `x`, as a factor on `dS`; `0`
+/// where the score is hidden (`x = −inf`), NaN where it is NaN.
+///
+/// # Safety
+/// `S` is available.
+#[inline(always)]
+pub(crate) unsafe fn softcap_slope<S: Simd>(x: S::V, inv: S::V) -> S::V {
+    // SAFETY: vector arithmetic only.
+    unsafe {
+        let t = S::mul(x, inv);
+        S::max(S::splat(0.0), S::sub(S::splat(1.0), S::mul(t, t)))
+    }
+}

@@ -1,0 +1,250 @@
+//! The variants against the reference: diagonal offsets, windows, key lengths and soft caps,
+//! alone and with masks, dropout, grouped heads, packed views, non-finite keys and bf16
+//! products.
+
+use super::*;
+
+fn window(left: Option<usize>, right: Option<usize>) -> Window {
+    Window { left, right }
+}
+
+#[test]
+fn causal_with_an_offset_is_bottom_right_or_shifted() {
+    // Bottom-right (s - l), past the end, before the start, at tile boundaries.
+    for &(l, s, offset) in &[
+        (65, 300, 235),
+        (300, 65, -235),
+        (64, 257, 193),
+        (5, 5, -3),
+        (70, 70, 100),
+        (70, 70, -100),
+        (1, 257, 256),
+    ] {
+        let mut c = Case::new(2, 2, l, s, 32);
+        (c.causal, c.offset) = (true, offset);
+        check_case(&c);
+    }
+}
+
+#[test]
+fn windows_skip_and_hide_the_keys_outside() {
+    for &(l, s, left, right, causal) in &[
+        (300, 300, Some(40), None, true), // Mistral: sliding window, causal
+        (300, 300, Some(0), Some(0), false), // only the diagonal
+        (257, 257, Some(64), Some(17), false), // two-sided
+        (70, 600, None, Some(3), false),  // right only
+        (65, 65, Some(1000), Some(1000), false), // wider than the sequence
+        (200, 130, Some(256), None, true), // one tile wide
+        (129, 129, Some(5), Some(usize::MAX), false), // unbounded in effect
+    ] {
+        let mut c = Case::new(2, 2, l, s, 32);
+        (c.causal, c.window) = (causal, window(left, right));
+        check_case(&c);
+    }
+    // A window around the bottom-right diagonal, as a chunk after a cache.
+    let mut c = Case::new(1, 2, 64, 320, 64);
+    (c.causal, c.offset, c.window) = (true, 256, window(Some(100), None));
+    check_case(&c);
+}
+
+#[test]
+fn key_lengths_hide_the_padded_keys() {
+    let mut c = Case::new(4, 2, 65, 300, 32);
+    c.lens = Some(vec![300, 0, 1, 257]);
+    check_case(&c);
+    (c.causal, c.window) = (true, window(Some(50), None));
+    c.offset = 235;
+    check_case(&c);
+    // With a key padding mask and dropout.
+    let mut c = Case::new(3, 2, 33, 65, 16);
+    (c.lens, c.masks, c.dropout) = (Some(vec![64, 65, 10]), vec![MaskKind::KeyPad], Some(0.2));
+    check_case(&c);
+}
+
+#[test]
+fn softcap_caps_scores_before_the_masks() {
+    for &cap in &[0.3f32, 1.0, 30.0] {
+        let mut c = Case::new(2, 2, 70, 260, 32);
+        (c.softcap, c.scale) = (Some(cap), Some(1.5));
+        check_case(&c);
+    }
+    let mut c = Case::new(3, 4, 65, 257, 32);
+    (c.hkv, c.softcap, c.causal) = (2, Some(0.5), true);
+    c.masks = vec![MaskKind::AddLS, MaskKind::KeyPad];
+    check_case(&c);
+    (c.dropout, c.masks) = (Some(0.3), vec![MaskKind::FullRows]);
+    (c.window, c.lens) = (window(Some(20), None), Some(vec![257, 100, 3]));
+    check_case(&c);
+    let mut c = Case::new(2, 2, 130, 130, 16);
+    (c.packed, c.softcap, c.causal, c.window) = (true, Some(0.7), true, window(Some(9), None));
+    check_case(&c);
+}
+
+#[test]
+fn every_variant_at_once_is_bitwise_the_same_for_any_thread_count() {
+    let mut c = Case::new(2, 4, 200, 331, 64);
+    (c.hkv, c.causal, c.offset, c.window) = (2, true, 131, window(Some(70), None));
+    (c.lens, c.softcap, c.dropout) = (Some(vec![300, 331]), Some(2.0), Some(0.25));
+    c.masks = vec![MaskKind::AddLS];
+    check_case(&c);
+    let masks: Vec<MaskData> = c.masks.iter().map(|&k| make_mask(&c, k, 3)).collect();
+    let p = params(&c, &masks);
+    let x = inputs(&c, 1);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for level in levels() {
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| with_simd_level(level, || run_kernels(&c, &p, &x)))
+        };
+        let (a, b) = (run(1), run(3));
+        for (x, y) in [(&a.out, &b.out), (&a.dq, &b.dq), (&a.dk, &b.dk), (&a.w, &b.w)] {
+            assert!(bits(x) == bits(y), "{level:?}");
+        }
+    }
+}
+
+/// A NaN key outside a head's window or past its length still makes every row NaN (the band's
+/// `-inf` is added, as on the composed path), and a NaN value its column.
+#[test]
+fn nan_outside_the_band_follows_the_reference() {
+    let (l, s, d) = (70usize, 600usize, 4usize);
+    let dims = AttnDims { batch: 1, heads_q: 1, heads_kv: 1, l, s, d, dv: d };
+    let (ql, kl) = (Layout4::contiguous(1, l, d), Layout4::contiguous(1, s, d));
+    let q = rand_vec(l * d, 1);
+    let lens = [300usize];
+    for variant in 0..3 {
+        for (pos, in_v) in [(0usize, false), (599, false), (599, true), (256, true)] {
+            let mut k = rand_vec(s * d, 2);
+            let mut v = rand_vec(s * d, 3);
+            let x = if in_v { &mut v } else { &mut k };
+            x[pos * d + 1] = f32::NAN;
+            let mut p = AttnParams::new(dims);
+            match variant {
+                0 => (p.causal, p.window) = (true, window(Some(8), None)),
+                1 => p.kv_lengths = Some(&lens),
+                _ => (p.window, p.softcap) = (window(Some(3), Some(3)), Some(1.0)),
+            }
+            let (eout, _) = reference::forward(&p, &q, ql, &k, kl, &v, kl);
+            for level in levels() {
+                with_simd_level(level, || {
+                    let mut out = vec![0f32; l * d];
+                    let mut lse = vec![0f32; 2 * l];
+                    flash_forward(&p, &q, ql, &k, kl, &v, kl, &mut out, ql, &mut lse).unwrap();
+                    for (i, (&g, &e)) in out.iter().zip(&eout).enumerate() {
+                        let what = format!("{level:?} variant {variant} pos {pos} out[{i}]");
+                        assert_eq!(g.is_nan(), e.is_nan(), "{what}: {g} vs {e}");
+                        assert_eq!(g.is_nan(), !in_v || i % d == 1, "{what}");
+                    }
+                });
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_products_with_variants_match_the_rounded_reference() {
+    let mut c = Case::new(2, 2, 70, 300, 32);
+    (c.causal, c.offset, c.window) = (true, 230, window(Some(90), None));
+    (c.softcap, c.lens) = (Some(0.8), Some(vec![290, 300]));
+    let (masks, x, [qr, kr, vr]) = rounded_case(&c);
+    let p = params(&c, &masks);
+    let pb = AttnParams { bf16_products: true, ..params(&c, &masks) };
+    let (eout, else_) = reference::forward(&p, &qr, x.ql, &kr, x.kl, &vr, x.vl);
+    let (edq, edk, edv) = reference::backward(&p, &qr, x.ql, &kr, x.kl, &vr, x.vl, &x.dout, x.dol);
+    let rows = c.b * c.hq * c.l;
+    for level in levels() {
+        with_simd_level(level, || {
+            let r = run_kernels(&c, &pb, &x);
+            let lse: Vec<f32> = r.lse[..rows].to_vec();
+            let lsel = Layout4::contiguous(c.hq, c.l, 1);
+            assert_close("lse", &c, &lse, lsel, &else_, [c.b, c.hq, c.l, 1], 2e-5);
+            assert_close("out", &c, &r.out, x.ol, &eout, [c.b, c.hq, c.l, c.dv], 4e-3);
+            let (hq, hk) = (c.hq, c.hkv);
+            assert_close("dq", &c, &r.dq, x.dql, &edq, [c.b, hq, c.l, c.d], 2e-2);
+            assert_close("dk", &c, &r.dk, x.dkl, &edk, [c.b, hk, c.s, c.d], 2e-2);
+            assert_close("dv", &c, &r.dv, x.dvl, &edv, [c.b, hk, c.s, c.dv], 2e-2);
+        });
+    }
+}
+
+#[test]
+fn bad_variant_arguments_are_errors() {
+    let c = Case::new(2, 2, 5, 6, 4);
+    let x = inputs(&c, 1);
+    let mut out = vec![0.0; x.out_len];
+    let mut lse = vec![0.0; 40];
+    let base = params(&c, &[]);
+    for cap in [0.0f32, -1.0, f32::NAN, f32::INFINITY] {
+        let p = AttnParams { softcap: Some(cap), ..base };
+        let e = flash_forward(&p, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse);
+        assert!(matches!(e, Err(KernelError::InvalidArgument { name: "softcap", .. })), "{e:?}");
+    }
+    for lens in [&[6usize][..], &[6, 7], &[1, 2, 3]] {
+        let p = AttnParams { kv_lengths: Some(lens), ..base };
+        let e = flash_forward(&p, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse);
+        assert!(matches!(e, Err(KernelError::InvalidArgument { name: "kv_lengths", .. })), "{e:?}");
+        let mut w = vec![0.0; 2 * 2 * 5 * 6];
+        let e = attention_weights(&p, &x.q, x.ql, &x.k, x.kl, &lse, false, &mut w);
+        assert!(matches!(e, Err(KernelError::InvalidArgument { name: "kv_lengths", .. })));
+    }
+}
+
+/// The largest error of the vector tanh over a fine grid and the specials, in units of
+/// `f32::EPSILON · max(|tanh x|, 2^-10)` (relative near 0, absolute near ±1); a NaN input must give NaN.
+fn tanh_max_error(level: SimdLevel) -> f64 {
+    use super::super::simd::Simd;
+    let mut xs: Vec<f32> = (-100_000..=100_000).map(|i| i as f32 * 1e-4).collect();
+    xs.extend([1e-30, -1e-30, 1e-6, -3e-4, 7.9, 8.0, -8.0, 1e30, -1e30]);
+    xs.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN]);
+    fn run<S: Simd>(xs: &[f32]) -> Vec<f32> {
+        let mut x = xs.to_vec();
+        x.resize(xs.len().div_ceil(16) * 16, 0.0);
+        let mut out = vec![0.0; x.len()];
+        for (i, chunk) in x.chunks(S::LANES).enumerate() {
+            // SAFETY: only called at a level the CPU supports; chunks hold LANES floats.
+            unsafe {
+                S::store(out.as_mut_ptr().add(i * S::LANES), S::tanh(S::load(chunk.as_ptr())))
+            }
+        }
+        out.truncate(xs.len());
+        out
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn run512(xs: &[f32]) -> Vec<f32> {
+        run::<super::super::simd::Avx512>(xs)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run256(xs: &[f32]) -> Vec<f32> {
+        run::<super::super::simd::Avx2>(xs)
+    }
+    let ys = match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `levels()` only yields supported levels.
+        SimdLevel::Avx512 => unsafe { run512(&xs) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        SimdLevel::Avx2 => unsafe { run256(&xs) },
+        _ => run::<super::super::simd::Scalar>(&xs),
+    };
+    let mut worst = 0f64;
+    for (&x, &y) in xs.iter().zip(&ys) {
+        if x.is_nan() {
+            assert!(y.is_nan(), "{level:?}: tanh(NaN) = {y}");
+            continue;
+        }
+        let e = (x as f64).tanh();
+        let unit = f32::EPSILON as f64 * e.abs().max(1.0 / 1024.0);
+        worst = worst.max((y as f64 - e).abs() / unit);
+    }
+    worst
+}
+
+#[test]
+fn vector_tanh_is_accurate_and_keeps_nan() {
+    for level in levels() {
+        let err = tanh_max_error(level);
+        assert!(err < 4.0, "{level:?}: largest error {err} eps");
+    }
+}
