@@ -81,6 +81,7 @@ pub mod random;
 pub mod state_dict;
 pub mod train;
 pub mod transformer;
+pub mod variants;
 
 pub use activation::Activation;
 pub use embedding::Embedding;
@@ -99,3 +100,4 @@ pub use multihead_attention::{MhaConfig, MultiheadAttention, StaticKv};
 pub use random::manual_seed;
 pub use state_dict::NamedParameters;
 pub use train::Train;
+pub use variants::{CausalAlign, Variants, Window};

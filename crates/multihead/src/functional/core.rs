@@ -51,7 +51,8 @@ pub(crate) fn apply_dropout(w: &Tensor, p: f64, key: DropoutKey) -> Result<Tenso
     Ok(w.mul(&mask)?)
 }
 
-/// The attention core on flattened batches: `softmax(scale · q kᵀ + mask) v`.
+/// The attention core on flattened batches: `softmax(cap(scale · q kᵀ) + mask) v`, with
+/// `cap(x) = c·tanh(x/c)` for a soft cap `c` (the identity without one).
 ///
 /// `q` `(B, L, D)`, `k` `(B, S, D)`, `v` `(B, S, Dv)`, `mask` broadcastable to `(B, L, S)`.
 /// Returns the output `(B, L, Dv)` and, when asked, the (post-dropout) weights `(B, L, S)`.
@@ -60,7 +61,7 @@ pub(crate) fn attention_core(
     k: &Tensor,
     v: &Tensor,
     mask: Option<&Tensor>,
-    scale: f64,
+    (scale, softcap): (f64, Option<f64>),
     dropout: Option<(f64, DropoutKey)>,
     want_weights: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
@@ -74,6 +75,10 @@ pub(crate) fn attention_core(
         return Ok((out, want_weights.then_some(w)));
     }
     let scores = q.affine(scale, 0.0)?.matmul(&k.t()?)?;
+    let scores = match softcap {
+        Some(c) => scores.affine(1.0 / c, 0.0)?.tanh()?.affine(c, 0.0)?,
+        None => scores,
+    };
     let scores = match mask {
         Some(m) => scores.broadcast_add(m)?,
         None => scores,

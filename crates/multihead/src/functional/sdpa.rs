@@ -5,9 +5,10 @@ use candle_core::Tensor;
 use super::core::{attention_core, broadcast_shapes, check_dropout, repeat_interleave};
 use crate::error::{fmt_shape, Error, Result};
 use crate::fused::dispatch::{decide, dtype_device_blocker, Path, Plan, Reason};
-use crate::mask::{causal_upper_left, Mask};
+use crate::mask::Mask;
 use crate::mode::Backend;
 use crate::random::{next_dropout_key, DropoutKey};
+use crate::variants::{CausalAlign, Variants, Window};
 
 const SDPA: &str = "scaled_dot_product_attention";
 
@@ -34,6 +35,9 @@ pub struct SdpaOptions {
     /// Which implementation runs; `Auto` follows [`default_backend`](crate::default_backend).
     /// Default `Auto`.
     pub backend: Backend,
+    /// Soft cap, window, causal alignment and key lengths (not in PyTorch's SDPA; see
+    /// [`Variants`]). Default none.
+    pub variants: Variants,
 }
 
 impl SdpaOptions {
@@ -70,6 +74,32 @@ impl SdpaOptions {
     /// Sets the backend.
     pub fn backend(mut self, backend: Backend) -> Self {
         self.backend = backend;
+        self
+    }
+    /// Sets every variant at once.
+    pub fn variants(mut self, variants: Variants) -> Self {
+        self.variants = variants;
+        self
+    }
+    /// Sets the soft cap `c`: scores become `c·tanh(scale·q·kᵀ / c)` before the masks.
+    pub fn softcap(mut self, c: f64) -> Self {
+        self.variants.softcap = Some(c);
+        self
+    }
+    /// Sets a local window: `left` keys before each query's own key, `right` after.
+    pub fn window(mut self, left: Option<usize>, right: Option<usize>) -> Self {
+        self.variants.window = Window { left, right };
+        self
+    }
+    /// Aligns `is_causal` and the window top-left (PyTorch's `is_causal`, the default) or
+    /// bottom-right (PyTorch's `causal_lower_right`).
+    pub fn causal_align(mut self, align: CausalAlign) -> Self {
+        self.variants.align = align;
+        self
+    }
+    /// Sets the key length of each entry of the batch dimension `N`.
+    pub fn kv_lengths(mut self, lengths: Vec<usize>) -> Self {
+        self.variants.kv_lengths = Some(lengths);
         self
     }
 }
@@ -236,6 +266,8 @@ fn validate(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaOptions) ->
         }
         None => None,
     };
+    let n = (batch.len() >= 2).then(|| batch[0]);
+    opts.variants.check(SDPA, n, s)?;
     let scale = opts.scale.unwrap_or_else(|| 1.0 / (e as f64).sqrt());
     Ok(SdpaCall { batch, l, s, e, ev, mask, scale })
 }
@@ -410,12 +442,24 @@ fn run_composed(
     let q = query.broadcast_as(with(batch, l, e))?.contiguous()?.reshape((bsz, l, e))?;
     let k = key.broadcast_as(with(batch, s, e))?.contiguous()?.reshape((bsz, s, e))?;
     let v = value.broadcast_as(with(batch, s, ev))?.contiguous()?.reshape((bsz, s, ev))?;
-    let mask = match &call.mask {
+    let lead = batch.len().saturating_sub(1);
+    let band = opts.variants.band_mask(
+        SDPA,
+        (opts.is_causal, lead),
+        (l, s),
+        query.dtype(),
+        query.device(),
+    )?;
+    let mask = match (&call.mask, band) {
+        (Some(m), Some(b)) => Some(m.broadcast_add(&b)?),
+        (m, b) => m.clone().or(b),
+    };
+    let mask = match mask {
         Some(m) => Some(m.broadcast_as(with(batch, l, s))?.contiguous()?.reshape((bsz, l, s))?),
-        None if opts.is_causal => Some(causal_upper_left(l, s, query.dtype(), query.device())?),
         None => None,
     };
-    let (out, _) = attention_core(&q, &k, &v, mask.as_ref(), call.scale, dropout, false)?;
+    let score = (call.scale, opts.variants.softcap);
+    let (out, _) = attention_core(&q, &k, &v, mask.as_ref(), score, dropout, false)?;
     Ok(out.reshape(with(batch, l, ev))?)
 }
 
@@ -460,6 +504,7 @@ fn run_fused(
         dropout,
         Convention::Bhtd,
     )
+    .with_variants(&opts.variants)
     .with_rounded_products(false);
     // The kernels read rows; a view whose last dimension is strided (a transpose, a broadcast)
     // is copied first (differentiably).

@@ -98,6 +98,8 @@ pub(crate) struct FlashAttention {
     /// The products (forward and backward) take bf16 operands (`AttnParams::bf16_products`);
     /// see [`Self::with_rounded_products`].
     pub bf16_products: bool,
+    /// Soft cap, window, alignment and key lengths ([`crate::Variants`]).
+    pub variants: Arc<crate::Variants>,
     pub(super) lse: Arc<Mutex<Vec<f32>>>,
 }
 
@@ -118,8 +120,14 @@ impl FlashAttention {
             dropout,
             conv,
             bf16_products: false,
+            variants: Arc::default(),
             lse: Arc::new(Mutex::new(Vec::new())),
         }
+    }
+
+    /// The same op with these variants (validated by the caller).
+    pub(crate) fn with_variants(self, variants: &crate::Variants) -> Self {
+        Self { variants: Arc::new(variants.clone()), ..self }
     }
 
     /// The same op with bf16 products where a bf16 module's computation rounds its products
@@ -194,6 +202,11 @@ impl FlashAttention {
         p.causal = self.causal;
         p.dropout = self.dropout;
         p.bf16_products = self.bf16_products;
+        let v = &self.variants;
+        p.offset = v.offset(self.dims.l, self.dims.s);
+        p.window = v.window;
+        p.kv_lengths = v.kv_lengths.as_deref();
+        p.softcap = v.softcap.map(|c| c as f32);
         for (slot, m) in p.masks.iter_mut().zip(self.masks.iter()) {
             *slot = Some(MaskView::Additive { data: &m.data, strides: m.strides });
         }

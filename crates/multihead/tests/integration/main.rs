@@ -16,3 +16,4 @@ mod hardening;
 mod properties;
 mod state_dict;
 mod transformer;
+mod variants;
