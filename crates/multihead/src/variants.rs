@@ -19,6 +19,9 @@ pub enum CausalAlign {
     /// Query `i` sees keys `0..=i + S − L`: PyTorch's `causal_lower_right`, and ONNX's causal
     /// attention after a cache of `S − L` past keys (the last query sees every key).
     BottomRight,
+    /// Query `i` sees keys `0..=i + offset` (ONNX's causal attention after `offset` past keys
+    /// when the new keys are not as many as the queries).
+    Offset(isize),
 }
 
 /// The variants of one attention call (see the [module docs](self)). The default is plain
@@ -46,6 +49,11 @@ pub struct Variants {
     /// `c·tanh(scale·q·kᵀ / c)` before masks are added (Gemma 2, Grok, FlashAttention's
     /// `softcap`). Default none.
     pub softcap: Option<f64>,
+    /// Cap `scale·q·kᵀ + attn_mask` instead (ONNX `Attention`'s placement). A `-inf` mask
+    /// entry stays `-inf` (ONNX's numpy reference turns it into `-c`, giving masked keys
+    /// weight). Keys hidden by `is_causal`, the window or the lengths stay hidden either way.
+    /// Default `false`.
+    pub softcap_after_masks: bool,
 }
 
 impl Variants {
@@ -69,6 +77,16 @@ impl Variants {
         self.softcap = Some(c);
         self
     }
+    /// Caps the scores after the masks are added (ONNX's placement) or before (the default).
+    pub fn softcap_after_masks(mut self, after: bool) -> Self {
+        self.softcap_after_masks = after;
+        self
+    }
+
+    /// The composed path's soft cap: `(c, after the masks)`.
+    pub(crate) fn cap(&self) -> Option<(f64, bool)> {
+        self.softcap.map(|c| (c, self.softcap_after_masks))
+    }
 
     /// Whether anything hides keys by index besides `is_causal` (a window or key lengths).
     pub(crate) fn banded(&self) -> bool {
@@ -80,6 +98,7 @@ impl Variants {
         match self.align {
             CausalAlign::TopLeft => 0,
             CausalAlign::BottomRight => s as isize - l as isize,
+            CausalAlign::Offset(o) => o,
         }
     }
 
@@ -88,7 +107,9 @@ impl Variants {
     pub(crate) fn check(&self, op: &'static str, n: Option<usize>, s: usize) -> Result<()> {
         if let Some(c) = self.softcap {
             if !(c.is_finite() && c > 0.0 && (c as f32).is_finite() && c as f32 > 0.0) {
-                let msg = format!("the soft cap must be finite and positive, got {c}; pass None to turn it off");
+                let msg = format!(
+                    "the soft cap must be finite and positive, got {c}; pass None to turn it off"
+                );
                 return Err(Error::Config { op, arg: "softcap", msg });
             }
         }
@@ -98,7 +119,8 @@ impl Variants {
                 return Err(Error::Config { op, arg: "kv_lengths", msg });
             };
             if lens.len() != n {
-                let msg = format!("expected one length per batch entry (N = {n}), got {}", lens.len());
+                let msg =
+                    format!("expected one length per batch entry (N = {n}), got {}", lens.len());
                 return Err(Error::Config { op, arg: "kv_lengths", msg });
             }
             if let Some((b, &len)) = lens.iter().enumerate().find(|(_, &len)| len > s) {

@@ -7,12 +7,13 @@
 //! (five GEMMs). `dk`/`dv` accumulate in the output rows, `dq` in scratch; `scale` is applied
 //! to `dk` and `dq` once at the end.
 
-use super::band::{softcap_slope, softcap_tile, Band, Hide};
+use super::band::{Band, Hide};
 use super::bf16::{self as bf, Scores};
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
 use super::mask::{build_mask_keys, build_mask_tile, TilePos};
 use super::simd::Simd;
+use super::softcap::{add_mask, softcap_slope, softcap_tile};
 use super::tile::{
     add_row, copy_rows, pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR,
 };
@@ -363,7 +364,10 @@ impl BwdTask<'_> {
                     score_tile::<S>(vj, vld, dv, sc.dot.as_ptr(), brp, dpp, bc, diag);
                 }
                 if let Some(c) = p.softcap {
-                    softcap_tile::<S>(stp, brp, bc, c);
+                    if p.cap_masks() {
+                        add_mask::<S>(stp, sc.mt.as_ptr(), per_key, brp, bc);
+                    }
+                    softcap_tile::<S>(stp, brp, bc, c, p.cap_masks());
                 }
                 if banded && band.partial(i0, br, j0, bc) {
                     if clip {
@@ -376,7 +380,7 @@ impl BwdTask<'_> {
                     }
                 }
                 let tile = GradTile { st: stp, dpt: dpp, brp, nvec, bc };
-                let mask = has_mask.then_some((sc.mt.as_ptr(), per_key));
+                let mask = (has_mask && !p.cap_masks()).then_some((sc.mt.as_ptr(), per_key));
                 let stats = (sc.maxv.as_ptr(), sc.lsev.as_ptr(), sc.dvec.as_ptr());
                 let drop = dropout.as_ref().map(|dr| (dr, j0));
                 probs_and_dscores::<S>(&tile, mask, stats, drop, p.softcap);

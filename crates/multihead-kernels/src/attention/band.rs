@@ -2,7 +2,6 @@
 //! per-batch key lengths. Nothing of size `L × S` is built: the kernels read only the key
 //! tiles a query block can see and hide the rest of a boundary tile here.
 
-use super::simd::Simd;
 use super::AttnParams;
 
 /// The keys the queries of one batch entry see: query `i` sees keys `j` with
@@ -94,36 +93,5 @@ impl Band {
                 }
             }
         }
-    }
-}
-
-/// `score = c·tanh(score / c)` over the first `bc` rows of `brp` lanes of a score tile.
-///
-/// # Safety
-/// `S` is available; `st` holds `bc · brp` floats and `brp` is a multiple of `S::LANES`.
-#[inline(always)]
-pub(crate) unsafe fn softcap_tile<S: Simd>(st: *mut f32, brp: usize, bc: usize, c: f32) {
-    let l = S::LANES;
-    // SAFETY: every access lies in the tile (caller).
-    unsafe {
-        let (cv, inv) = (S::splat(c), S::splat(1.0 / c));
-        for x in (0..bc * brp).step_by(l) {
-            let p = st.add(x);
-            S::store(p, S::mul(cv, S::tanh(S::mul(S::load(p), inv))));
-        }
-    }
-}
-
-/// The soft cap's derivative `1 − (x/c)²` at a capped score `x`, as a factor on `dS`; `0`
-/// where the score is hidden (`x = −inf`), NaN where it is NaN.
-///
-/// # Safety
-/// `S` is available.
-#[inline(always)]
-pub(crate) unsafe fn softcap_slope<S: Simd>(x: S::V, inv: S::V) -> S::V {
-    // SAFETY: vector arithmetic only.
-    unsafe {
-        let t = S::mul(x, inv);
-        S::max(S::splat(0.0), S::sub(S::splat(1.0), S::mul(t, t)))
     }
 }

@@ -5,12 +5,13 @@
 //! `O += P · V_j` with `O` rescaled only for rows whose running max grew. `O` is divided by the
 //! row sum once at the end.
 
-use super::band::{softcap_tile, Band, Hide};
+use super::band::{Band, Hide};
 use super::bf16::{self as bf, Scores, Values};
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
 use super::mask::{build_mask_keys, build_mask_tile, TilePos};
 use super::simd::Simd;
+use super::softcap::{add_mask, softcap_tile};
 use super::tile::{pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR};
 use super::{AttnParams, Layout4};
 
@@ -186,13 +187,16 @@ impl Task for FwdTask<'_> {
                     score_tile::<S>(kj, self.kl.seq, d, qtp, brp, stp, bc, diag);
                 }
                 if let Some(c) = p.softcap {
-                    softcap_tile::<S>(st.as_mut_ptr(), brp, bc, c);
+                    if p.cap_masks() {
+                        add_mask::<S>(st.as_mut_ptr(), mt.as_ptr(), per_key, brp, bc);
+                    }
+                    softcap_tile::<S>(st.as_mut_ptr(), brp, bc, c, p.cap_masks());
                 }
                 if banded && band.partial(i0, br, j0, bc) {
                     let how = if clip { Hide::Fill(f32::NEG_INFINITY) } else { Hide::AddNegInf };
                     band.hide(st, brp, (i0, j0, bc), how);
                 }
-                let mask = has_mask.then_some((mt.as_ptr(), per_key));
+                let mask = (has_mask && !p.cap_masks()).then_some((mt.as_ptr(), per_key));
                 let drop = dropout.as_ref().map(|dr| (dr, j0));
                 let tile = ScoreTile { st: st.as_mut_ptr(), brp, nvec, bc };
                 softmax_tile::<S>(&tile, mask, &mut running, drop);

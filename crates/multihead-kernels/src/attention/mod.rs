@@ -86,6 +86,7 @@ mod gemm;
 mod mask;
 pub mod reference;
 pub(crate) mod simd;
+mod softcap;
 mod tile;
 mod weights;
 
@@ -221,6 +222,10 @@ pub struct AttnParams<'a> {
     /// Tanh soft-capping of the scaled scores, `c·tanh(scale·q·k / c)`, applied before the
     /// masks are added (Gemma 2's and FlashAttention's placement). Finite and positive.
     pub softcap: Option<f32>,
+    /// Cap `scale·q·k + masks` instead (ONNX `Attention`'s placement); a `-inf` mask entry
+    /// stays `-inf` (ONNX's reference makes it `-c`). The band is hidden after the cap either
+    /// way.
+    pub softcap_after_masks: bool,
 }
 
 /// The two sides of a local attention window, in keys from query `i`'s own key
@@ -247,7 +252,13 @@ impl<'a> AttnParams<'a> {
             window: Window::default(),
             kv_lengths: None,
             softcap: None,
+            softcap_after_masks: false,
         }
+    }
+
+    /// Whether the masks are folded into the score tile before a soft cap.
+    fn cap_masks(&self) -> bool {
+        self.softcap.is_some() && self.softcap_after_masks && self.has_mask()
     }
 
     /// Whether keys are hidden by their index (causal, a window or key lengths), so that

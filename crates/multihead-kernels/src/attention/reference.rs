@@ -47,12 +47,12 @@ pub fn scores(p: &AttnParams<'_>, q: &[f32], ql: Layout4, k: &[f32], kl: Layout4
                     let ko = kl.offset(b, hk, j);
                     let dot: f64 = (0..d.d).map(|c| q[qo + c] as f64 * k[ko + c] as f64).sum();
                     let mut x = p.scale as f64 * dot;
-                    if let Some(c) = p.softcap {
-                        x = c as f64 * (x / c as f64).tanh();
-                    }
-                    for m in p.masks.iter().flatten() {
-                        x += mask_at(m, b, h, i, j);
-                    }
+                    let mask: f64 = p.masks.iter().flatten().map(|m| mask_at(m, b, h, i, j)).sum();
+                    x = match p.softcap {
+                        Some(c) if p.softcap_after_masks => cap_keeping_neg_inf(x + mask, c as f64),
+                        Some(c) => c as f64 * (x / c as f64).tanh() + mask,
+                        None => x + mask,
+                    };
                     if hidden(p, b, i, j) {
                         x += f64::NEG_INFINITY;
                     }
@@ -228,8 +228,18 @@ pub fn backward(
                     let mut ds = pij * (dp[j] - rowsum);
                     if let Some(c) = p.softcap {
                         // Through the cap: d(c·tanh(x/c))/dx = 1 − tanh²(x/c).
-                        let x = p.scale as f64 * dot_qk(q, ql, k, kl, (b, h, hk, i, j), d.d);
-                        ds *= 1.0 - (x / c as f64).tanh().powi(2);
+                        let mut x = p.scale as f64 * dot_qk(q, ql, k, kl, (b, h, hk, i, j), d.d);
+                        if p.softcap_after_masks {
+                            x += p
+                                .masks
+                                .iter()
+                                .flatten()
+                                .map(|m| mask_at(m, b, h, i, j))
+                                .sum::<f64>();
+                        }
+                        if x.is_finite() {
+                            ds *= 1.0 - (x / c as f64).tanh().powi(2);
+                        }
                     }
                     let ko = kl.offset(b, hk, j);
                     let qo = ql.offset(b, h, i);
@@ -261,4 +271,13 @@ fn dot_qk(
 ) -> f64 {
     let (qo, ko) = (ql.offset(b, h, i), kl.offset(b, hk, j));
     (0..d).map(|c| q[qo + c] as f64 * k[ko + c] as f64).sum()
+}
+
+/// `c·tanh(x/c)`, with `-inf` kept (a masked entry stays masked).
+fn cap_keeping_neg_inf(x: f64, c: f64) -> f64 {
+    if x == f64::NEG_INFINITY {
+        x
+    } else {
+        c * (x / c).tanh()
+    }
 }

@@ -49,6 +49,7 @@ struct Case {
     window: Window,
     lens: Option<Vec<usize>>,
     softcap: Option<f32>,
+    cap_after_masks: bool,
 }
 
 impl Case {
@@ -70,6 +71,7 @@ impl Case {
             window: Window::default(),
             lens: None,
             softcap: None,
+            cap_after_masks: false,
         }
     }
 }
@@ -278,6 +280,7 @@ fn params<'a>(c: &'a Case, masks: &'a [MaskData]) -> AttnParams<'a> {
     p.dropout = c.dropout.map(|pr| (pr, DropoutKey { seed: 5, offset: 9 }));
     (p.offset, p.window, p.kv_lengths, p.softcap) =
         (c.offset, c.window, c.lens.as_deref(), c.softcap);
+    p.softcap_after_masks = c.cap_after_masks;
     p
 }
 

@@ -4,10 +4,11 @@
 //! One task per `(batch, head, query block)`, or per `(batch, query block)` when averaging, in
 //! which case the task sums the heads in order `0..heads_q` (deterministic) and divides once.
 
-use super::band::{softcap_tile, Band, Hide};
+use super::band::{Band, Hide};
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::mask::{build_mask_tile, TilePos};
 use super::simd::Simd;
+use super::softcap::{add_mask, softcap_tile};
 use super::tile::{pack_transposed, scale_row, score_tile, BlockDropout, MAX_BR};
 use super::{AttnParams, Layout4};
 
@@ -163,7 +164,10 @@ impl Task for WeightsTask<'_> {
                         diag.flatten(),
                     );
                     if let Some(c) = p.softcap {
-                        softcap_tile::<S>(st.as_mut_ptr(), brp, bc, c);
+                        if p.cap_masks() {
+                            add_mask::<S>(st.as_mut_ptr(), mt.as_ptr(), false, brp, bc);
+                        }
+                        softcap_tile::<S>(st.as_mut_ptr(), brp, bc, c, p.cap_masks());
                     }
                     if banded && band.partial(i0, br, j0, bc) {
                         let how =
@@ -171,7 +175,7 @@ impl Task for WeightsTask<'_> {
                         band.hide(st, brp, (i0, j0, bc), how);
                     }
                     let tile = (st.as_mut_ptr(), brp, nvec, bc);
-                    let mask = has_mask.then_some(mt.as_ptr());
+                    let mask = (has_mask && !p.cap_masks()).then_some(mt.as_ptr());
                     let stats = (maxv.as_ptr(), lsev.as_ptr());
                     probs_tile::<S>(tile, mask, stats, dropout.as_ref().map(|dr| (dr, j0)));
                     // Transpose the [key][query] tile into the [query][key] output rows.

@@ -52,7 +52,8 @@ pub(crate) fn apply_dropout(w: &Tensor, p: f64, key: DropoutKey) -> Result<Tenso
 }
 
 /// The attention core on flattened batches: `softmax(cap(scale · q kᵀ) + mask) v`, with
-/// `cap(x) = c·tanh(x/c)` for a soft cap `c` (the identity without one).
+/// `cap(x) = c·tanh(x/c)` for a soft cap `(c, false)` (the identity without one), or
+/// `softmax(cap(scale · q kᵀ + mask)) v` with `-inf` kept for `(c, true)`.
 ///
 /// `q` `(B, L, D)`, `k` `(B, S, D)`, `v` `(B, S, Dv)`, `mask` broadcastable to `(B, L, S)`.
 /// Returns the output `(B, L, Dv)` and, when asked, the (post-dropout) weights `(B, L, S)`.
@@ -61,7 +62,7 @@ pub(crate) fn attention_core(
     k: &Tensor,
     v: &Tensor,
     mask: Option<&Tensor>,
-    (scale, softcap): (f64, Option<f64>),
+    (scale, softcap): (f64, Option<(f64, bool)>),
     dropout: Option<(f64, DropoutKey)>,
     want_weights: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
@@ -75,13 +76,24 @@ pub(crate) fn attention_core(
         return Ok((out, want_weights.then_some(w)));
     }
     let scores = q.affine(scale, 0.0)?.matmul(&k.t()?)?;
+    let cap = |x: &Tensor, c: f64| -> Result<Tensor> {
+        Ok(x.affine(1.0 / c, 0.0)?.tanh()?.affine(c, 0.0)?)
+    };
     let scores = match softcap {
-        Some(c) => scores.affine(1.0 / c, 0.0)?.tanh()?.affine(c, 0.0)?,
-        None => scores,
+        Some((c, false)) => cap(&scores, c)?,
+        _ => scores,
     };
     let scores = match mask {
         Some(m) => scores.broadcast_add(m)?,
         None => scores,
+    };
+    let scores = match (softcap, mask) {
+        // ONNX's placement: the masks inside the cap, a -inf entry kept.
+        (Some((c, true)), Some(_)) => {
+            scores.eq(f64::NEG_INFINITY)?.where_cond(&scores, &cap(&scores, c)?)?
+        }
+        (Some((c, true)), None) => cap(&scores, c)?,
+        _ => scores,
     };
     let mut w = safe_softmax_last_dim(&scores)?;
     if let Some((p, key)) = dropout {

@@ -458,7 +458,7 @@ fn run_composed(
         Some(m) => Some(m.broadcast_as(with(batch, l, s))?.contiguous()?.reshape((bsz, l, s))?),
         None => None,
     };
-    let score = (call.scale, opts.variants.softcap);
+    let score = (call.scale, opts.variants.cap());
     let (out, _) = attention_core(&q, &k, &v, mask.as_ref(), score, dropout, false)?;
     Ok(out.reshape(with(batch, l, ev))?)
 }

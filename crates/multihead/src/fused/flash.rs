@@ -207,6 +207,7 @@ impl FlashAttention {
         p.window = v.window;
         p.kv_lengths = v.kv_lengths.as_deref();
         p.softcap = v.softcap.map(|c| c as f32);
+        p.softcap_after_masks = v.softcap_after_masks;
         for (slot, m) in p.masks.iter_mut().zip(self.masks.iter()) {
             *slot = Some(MaskView::Additive { data: &m.data, strides: m.strides });
         }

@@ -56,6 +56,13 @@ fn fused_variants_match_the_composed_path() {
     // With an explicit float mask, and grouped-query heads.
     let mask = Mask::Float(det(&[70, 90], DType::F32, 5.0));
     compare([q, kv, kv], o().variants(all).attn_mask(mask), "mask");
+    // ONNX's placement, with a float mask and with a bool mask (its hidden keys stay hidden).
+    let after = Variants::default().softcap(0.9).softcap_after_masks(true).window(Some(20), None);
+    let fmask = Mask::Float(det(&[2, 1, 70, 90], DType::F32, 6.0));
+    compare([q, kv, kv], o().variants(after.clone()).attn_mask(fmask), "cap after float mask");
+    let bits: Vec<u8> = (0..70 * 90).map(|i| (i % 7 != 3) as u8).collect();
+    let bmask = Mask::Bool(Tensor::from_vec(bits, (70, 90), &candle_core::Device::Cpu).unwrap());
+    compare([q, kv, kv], o().variants(after).attn_mask(bmask), "cap after bool mask");
     let (qg, kg): (&[usize], &[usize]) = (&[2, 6, 33, 8], &[2, 2, 40, 8]);
     let v = Variants::default().window(Some(4), Some(0)).softcap(0.7).kv_lengths(vec![40, 9]);
     compare([qg, kg, kg], o().enable_gqa(true).variants(v), "gqa");
@@ -66,7 +73,7 @@ fn fused_variants_match_the_composed_path() {
 #[test]
 fn composed_variants_have_the_finite_difference_gradients() {
     let shapes: [&[usize]; 3] = [&[2, 1, 4, 3], &[2, 1, 6, 3], &[2, 1, 6, 2]];
-    let opts = SdpaOptions::default()
+    let before = SdpaOptions::default()
         .is_causal(true)
         .softcap(0.8)
         .scale(1.7)
@@ -74,10 +81,19 @@ fn composed_variants_have_the_finite_difference_gradients() {
         .window(Some(2), None)
         .kv_lengths(vec![6, 5])
         .backend(Backend::Composed);
-    let (_, grads) = run(shapes, &opts, DType::F64);
+    // ONNX's placement: a float mask inside the cap.
+    let mask = Mask::Float(det(&[4, 6], DType::F64, 7.0));
+    let after = before.clone().variants(Variants::default().softcap(0.6).softcap_after_masks(true));
+    for opts in [before, after.is_causal(false).attn_mask(mask)] {
+        finite_differences(shapes, &opts);
+    }
+}
+
+fn finite_differences(shapes: [&[usize]; 3], opts: &SdpaOptions) {
+    let (_, grads) = run(shapes, opts, DType::F64);
     let inputs = [1.0, 2.0, 3.0].map(|salt| det(shapes[salt as usize - 1], DType::F64, salt));
     let f = |xs: &[Tensor; 3]| -> f64 {
-        let out = scaled_dot_product_attention(&xs[0], &xs[1], &xs[2], &opts).unwrap();
+        let out = scaled_dot_product_attention(&xs[0], &xs[1], &xs[2], opts).unwrap();
         let g = det(out.dims(), DType::F64, 4.0);
         out.mul(&g).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
     };
@@ -94,7 +110,10 @@ fn composed_variants_have_the_finite_difference_gradients() {
                 f(&xs)
             };
             let numeric = (shifted(h) - shifted(-h)) / (2.0 * h);
-            assert!((a - numeric).abs() <= 1e-6 + 1e-6 * numeric.abs(), "input {which}[{i}]: {a} vs {numeric}");
+            assert!(
+                (a - numeric).abs() <= 1e-6 + 1e-6 * numeric.abs(),
+                "input {which}[{i}]: {a} vs {numeric}"
+            );
         }
     }
 }

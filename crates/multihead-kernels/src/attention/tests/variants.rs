@@ -80,6 +80,27 @@ fn softcap_caps_scores_before_the_masks() {
     check_case(&c);
 }
 
+/// ONNX's placement: the masks are inside the tanh; a `-inf` entry stays hidden.
+#[test]
+fn softcap_after_the_masks() {
+    for masks in [
+        vec![MaskKind::AddLS],
+        vec![MaskKind::PerHead, MaskKind::KeyPad],
+        vec![MaskKind::AddKeys],
+        vec![MaskKind::FullRows, MaskKind::AddTransposed],
+    ] {
+        let mut c = Case::new(3, 2, 65, 257, 32);
+        (c.softcap, c.cap_after_masks, c.scale, c.masks) = (Some(0.6), true, Some(1.3), masks);
+        check_case(&c);
+        (c.causal, c.dropout, c.window) = (true, Some(0.2), window(Some(30), None));
+        check_case(&c);
+    }
+    // Without a mask it is the same as before the masks.
+    let mut c = Case::new(1, 2, 40, 50, 16);
+    (c.softcap, c.cap_after_masks) = (Some(0.5), true);
+    check_case(&c);
+}
+
 #[test]
 fn every_variant_at_once_is_bitwise_the_same_for_any_thread_count() {
     let mut c = Case::new(2, 4, 200, 331, 64);
