@@ -16,4 +16,5 @@ mod hardening;
 mod properties;
 mod state_dict;
 mod transformer;
+mod variant_golden;
 mod variants;
