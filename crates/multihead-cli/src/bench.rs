@@ -28,6 +28,9 @@ pub enum Module {
     /// `nn.Linear(E, F)` on `(N, L, E)`: `--embed-dim` in, `--dim-feedforward` out, with a
     /// bias; `--backward` adds the gradients of the input, weight and bias.
     Linear,
+    /// `F.scaled_dot_product_attention` on `(N, H, L, E/H)` over `(N, H, S, E/H)`, with
+    /// `--causal`, `--window` and `--softcap`; `--backward` adds the gradients of q, k and v.
+    Sdpa,
 }
 
 /// The benchmark's settings. Layers use dropout 0 and `batch_first`.
@@ -78,6 +81,13 @@ pub struct BenchArgs {
     /// Return the (head-averaged) attention weights.
     #[arg(long)]
     pub need_weights: bool,
+    /// A sliding window (sdpa only): each query sees this many keys before its own (with
+    /// `--causal`, Mistral's sliding window).
+    #[arg(long)]
+    pub window: Option<usize>,
+    /// A tanh soft cap on the scores (sdpa only), as Gemma 2's.
+    #[arg(long)]
+    pub softcap: Option<f64>,
     /// Time forward plus backward (gradients of inputs and parameters).
     #[arg(long)]
     pub backward: bool,
@@ -154,6 +164,7 @@ pub fn model_flops(a: &BenchArgs) -> f64 {
             2.0 * b * e * (2.0 * e + 2.0 * kv) + 4.0 * b * (s + 1.0) * e
         }
         Module::Linear => 2.0 * b * l * e * f,
+        Module::Sdpa => 4.0 * b * crate::bench_sdpa::visible_pairs(a) * e,
     };
     fwd * if a.backward { 3.0 } else { 1.0 }
 }
@@ -223,6 +234,9 @@ fn check_sizes(a: &BenchArgs) -> Result<()> {
     in_range("--src-len", a.src_len, min_src, usize::MAX)?;
     let rows = a.tgt_len.saturating_add(a.src_len);
     fits("--batch, --tgt-len, --src-len, --embed-dim", &[a.batch, rows, a.embed_dim], 6)?;
+    if a.module != Module::Sdpa && (a.window.is_some() || a.softcap.is_some()) {
+        anyhow::bail!("--window and --softcap apply to --module sdpa only");
+    }
     if matches!(a.module, Module::EncoderLayer | Module::DecoderLayer | Module::Linear) {
         fits("--batch, --tgt-len, --dim-feedforward", &[a.batch, a.tgt_len, a.dim_feedforward], 3)?;
     }
@@ -240,6 +254,7 @@ fn workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
         }
         Module::Decode => crate::bench_decode::decode_workload(a),
         Module::Linear => crate::bench_linear::linear_workload(a),
+        Module::Sdpa => crate::bench_sdpa::sdpa_workload(a),
     }
 }
 
@@ -377,7 +392,8 @@ fn report(
                 "module": format!("{:?}", a.module), "dim_feedforward": a.dim_feedforward,
                 "activation": a.activation, "eval": a.eval, "key_padding": a.key_padding,
                 "norm_first": a.norm_first,
-                "num_kv_heads": a.num_kv_heads, "dtype": format!("{:?}", a.candle_dtype()),
+                "num_kv_heads": a.num_kv_heads, "window": a.window, "softcap": a.softcap,
+                "dtype": format!("{:?}", a.candle_dtype()),
                 "bf16_products": multihead::bf16_products(),
                 "bf16_kernel": format!("{:?}", multihead_kernels::bf16gemm::active_bf16_kernel()),
                 "bf16_dot_speedup": multihead_kernels::bf16gemm::bf16_dot_speedup(),
@@ -411,6 +427,15 @@ fn report(
             if a.causal { " causal" } else { "" },
             if a.need_weights { " need_weights" } else { "" },
         );
+        let variant = |name: &str, x: Option<String>| x.map(|x| format!(" {name} {x}"));
+        let variants = [
+            variant("window", a.window.map(|w| w.to_string())),
+            variant("softcap", a.softcap.map(|c| c.to_string())),
+        ];
+        let variants: String = variants.into_iter().flatten().collect();
+        if !variants.is_empty() {
+            say!("  variants:{variants}");
+        }
         if extra.as_object().is_some_and(|o| !o.is_empty()) {
             say!("  {extra}");
         }

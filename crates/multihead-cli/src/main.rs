@@ -15,6 +15,7 @@ macro_rules! say {
 mod bench;
 mod bench_decode;
 mod bench_linear;
+mod bench_sdpa;
 mod demo;
 mod demo_seq2seq;
 mod embed;

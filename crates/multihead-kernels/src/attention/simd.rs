@@ -58,6 +58,13 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
     /// `e^x`, relative error below 2e-7; `exp(-inf) = 0`, NaN propagates.
     unsafe fn exp(x: Self::V) -> Self::V;
+    /// `1/x` for positive normal `x`, within 2 ulp (a reciprocal estimate refined by a Newton
+    /// step where the instruction set has one; a division otherwise); NaN propagates.
+    #[inline(always)]
+    unsafe fn recip(x: Self::V) -> Self::V {
+        // SAFETY: vector arithmetic only.
+        unsafe { Self::div(Self::splat(1.0), x) }
+    }
     /// `tanh(x)`: Eigen's rational approximation (a degree-13 odd numerator over a degree-6
     /// even denominator on `x` clamped to ±7.905, where tanh rounds to ±1), within a few ulp
     /// (tested against f64); NaN propagates.
@@ -90,7 +97,7 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
             for &b in B[..3].iter().rev() {
                 q = Self::fma(q, x2, Self::splat(b));
             }
-            Self::div(Self::mul(x, p), q)
+            Self::mul(Self::mul(x, p), Self::recip(q))
         }
     }
     /// The sum of the lanes (in a fixed order).
@@ -362,6 +369,19 @@ unsafe impl Simd for Avx2 {
         unsafe { _mm256_div_ps(a, b) }
     }
     #[inline(always)]
+    unsafe fn recip(x: __m256) -> __m256 {
+        // SAFETY: AVX and FMA are available (trait contract).
+        unsafe {
+            // A 12-bit estimate, then two Newton steps r·(2 − x·r) (each doubles the bits).
+            let mut r = _mm256_rcp_ps(x);
+            for _ in 0..2 {
+                let e = _mm256_fnmadd_ps(x, r, _mm256_set1_ps(2.0));
+                r = _mm256_mul_ps(r, e);
+            }
+            r
+        }
+    }
+    #[inline(always)]
     unsafe fn max(a: __m256, b: __m256) -> __m256 {
         // SAFETY: AVX is available (trait contract).
         unsafe { _mm256_max_ps(a, b) }
@@ -536,6 +556,15 @@ unsafe impl Simd for Avx512 {
     unsafe fn div(a: __m512, b: __m512) -> __m512 {
         // SAFETY: AVX-512F is available (trait contract).
         unsafe { _mm512_div_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn recip(x: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract).
+        unsafe {
+            // A 14-bit estimate, then one Newton step r·(2 − x·r) (28 bits).
+            let r = _mm512_rcp14_ps(x);
+            _mm512_mul_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(2.0)))
+        }
     }
     #[inline(always)]
     unsafe fn max(a: __m512, b: __m512) -> __m512 {

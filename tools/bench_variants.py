@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Attention variants side by side: multihead's fused variants against its own dense call and
+against PyTorch given the equivalent explicit mask.
+
+    python3 tools/bench_variants.py            # the BENCHMARKS.md rows (a few minutes)
+    python3 tools/bench_variants.py --quick    # fewer iterations
+
+Rows (2 threads unless ``--threads``; fastest time after warm-up):
+
+* sliding window of 512 keys, causal, at B=1 H=8 L=S=8192 D=64, forward and forward+backward:
+  ``multihead bench --module sdpa --causal --window 512`` against the same call without the
+  window (dense causal: the target is ≥ 6x) and against PyTorch's
+  ``F.scaled_dot_product_attention`` given the band as a bool ``attn_mask`` (target ≥ 5x);
+* soft cap 50 (Gemma 2's) at B=8 H=8 L=S=512 D=64, forward and forward+backward: multihead
+  with ``--softcap 50`` against the plain call (target: at most 15% slower); PyTorch has no
+  soft-cap argument, so its row is the soft cap written out (``q@kᵀ``, ``tanh``, softmax,
+  ``@v``) for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import bench_proc
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = REPO / "target/release/multihead"
+
+
+def ours(b, h, l, d, threads, warmup, iters, backward, causal=False, window=None, softcap=None):
+    cmd = [str(BIN), "bench", "--module", "sdpa", "--batch", str(b), "--num-heads", str(h),
+           "--tgt-len", str(l), "--src-len", str(l), "--embed-dim", str(h * d),
+           "--threads", str(threads), "--warmup", str(warmup), "--iters", str(iters), "--json"]
+    cmd += ["--causal"] if causal else []
+    cmd += ["--window", str(window)] if window is not None else []
+    cmd += ["--softcap", str(softcap)] if softcap is not None else []
+    cmd += ["--backward"] if backward else []
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
+    rec = json.loads(res.stdout.strip().splitlines()[-1])
+    assert rec["path"] == "Fused", rec
+    return rec["min_ms"]
+
+
+def torch_sdpa(torch, b, h, l, d, warmup, iters, backward, mask=None, softcap=None):
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, l, d, requires_grad=backward) for _ in range(3))
+
+    def call():
+        if softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        s = (q @ k.transpose(-2, -1)) * d ** -0.5
+        return torch.softmax(softcap * torch.tanh(s / softcap), -1) @ v
+
+    if backward:
+        def step():
+            q.grad = k.grad = v.grad = None
+            call().sum().backward()
+        return bench_proc.timed(step, warmup, iters)[0]
+    with torch.no_grad():
+        return bench_proc.timed(call, warmup, iters)[0]
+
+
+def band(torch, l, w):
+    """(L, L) bool, True = attend: causal with `w` keys before each query's own."""
+    i = torch.arange(l).view(l, 1)
+    j = torch.arange(l).view(1, l)
+    return (j <= i) & (j >= i - w)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json-out", type=Path, default=REPO / "target/bench_variants.json")
+    opts = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(opts.threads)
+    if not BIN.exists():
+        sys.exit(f"build it first: cargo build --release -p multihead-cli ({BIN})")
+    t = opts.threads
+    rows = []
+    long_it = (1, 2) if opts.quick else (1, 4)
+    short_it = (2, 5) if opts.quick else (3, 20)
+    b, h, l, d, w = 1, 8, 8192, 64, 512
+    mask = band(torch, l, w)
+    for backward in (False, True):
+        kind = "forward+backward" if backward else "forward"
+        dense = ours(b, h, l, d, t, *long_it, backward, causal=True)
+        win = ours(b, h, l, d, t, *long_it, backward, causal=True, window=w)
+        tw = torch_sdpa(torch, b, h, l, d, *long_it, backward, mask=mask)
+        label = f"sliding window {w}, causal, B={b} H={h} L=S={l} D={d}, {kind}"
+        rows.append({"label": label, "ours": win, "dense": dense, "torch": tw,
+                     "kind": "window"})
+        print(f"{label}: ours {win:.1f} ms, dense causal {dense:.1f} ms, torch {tw:.1f} ms",
+              file=sys.stderr, flush=True)
+    b, h, l, d, c = 8, 8, 512, 64, 50.0
+    for backward in (False, True):
+        kind = "forward+backward" if backward else "forward"
+        plain = ours(b, h, l, d, t, *short_it, backward)
+        capped = ours(b, h, l, d, t, *short_it, backward, softcap=c)
+        tc = torch_sdpa(torch, b, h, l, d, *short_it, backward, softcap=c)
+        label = f"soft cap {c:g}, B={b} H={h} L=S={l} D={d}, {kind}"
+        rows.append({"label": label, "ours": capped, "dense": plain, "torch": tc,
+                     "kind": "softcap"})
+        print(f"{label}: ours {capped:.1f} ms, plain {plain:.1f} ms, torch {tc:.1f} ms",
+              file=sys.stderr, flush=True)
+    doc = {"threads": t, "torch_version": torch.__version__, "quick": opts.quick, "rows": rows}
+    bench_proc.finish(doc, opts.json_out, report_lines, evaluate_targets)
+
+
+def report_lines(doc):
+    lines = [
+        f"## Attention variants, {doc['threads']} threads\n",
+        "Command: `python3 tools/bench_variants.py` (run by `tools/bench_torch.py --sections "
+        "variants`). multihead rows are `multihead bench --module sdpa` with `--causal "
+        "--window 512` or `--softcap 50`; \"ours, plain\" is the same call without the variant "
+        "(dense causal for the window rows). PyTorch's window rows are "
+        "`F.scaled_dot_product_attention` given the band as a bool mask; its soft-cap rows are "
+        "the cap written out (PyTorch has no soft-cap argument), for reference.\n",
+        "| case | PyTorch | multihead, plain | multihead | vs plain | vs PyTorch |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        vs_plain = r["dense"] / r["ours"]
+        lines.append(f"| {r['label']} | {r['torch']:.1f} ms | {r['dense']:.1f} ms | "
+                     f"{r['ours']:.1f} ms | {vs_plain:.2f}x | {r['torch'] / r['ours']:.2f}x |")
+    lines.append("")
+    return lines
+
+
+def evaluate_targets(doc):
+    out = []
+    for r in doc["rows"]:
+        if r["kind"] == "window":
+            checks = [("window vs our dense causal (x)", r["dense"] / r["ours"], 6.0),
+                      ("window vs PyTorch band mask (x)", r["torch"] / r["ours"], 5.0)]
+        else:
+            checks = [("soft cap vs plain (x, at least)", r["dense"] / r["ours"], 1 / 1.15)]
+        for name, got, need in checks:
+            out.append({"target": name, "case": r["label"], "measured": f"{got:.2f}",
+                        "required": f"{need:.2f}", "met": got >= need,
+                        "verdict": "met" if got >= need else "not met"})
+    return out
+
+
+if __name__ == "__main__":
+    main()
