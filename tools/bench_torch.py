@@ -4,7 +4,7 @@ all-MiniLM-L6-v2 sentence embeddings.
 
 One run times, for every configuration, PyTorch and then the Rust binary
 (`target/release/multihead bench ... --json`) on the same configuration, each in its own
-process, so both memory figures are per-process peaks. Four sections (``--sections``):
+process, so both memory figures are per-process peaks. The sections (``--sections``):
 
 * ``mha``     ``nn.MultiheadAttention`` on the issue's shapes (a)-(e), three modes
 * ``layers``  ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` at B=8, L=S=512,
@@ -19,6 +19,8 @@ process, so both memory figures are per-process peaks. Four sections (``--sectio
 * ``small``   the ViT port (``examples/port_vit.rs``) against torchvision, MHA and a pre-norm
               encoder layer at sequence 17 width 64, and a ViT-B/16 encoder layer
               (``tools/bench_small.py``)
+* ``variants`` SDPA's sliding window and soft cap against our plain calls and PyTorch
+              (``tools/bench_variants.py``)
 
 It measures the machine's f32 FMA peak first (``cc -O2 ../shared/tools/peak.c -o target/peak &&
 target/peak``) and writes
@@ -108,7 +110,7 @@ MODES = {
     "bwd": (False, True, "Forward + backward (need_weights=False)"),
 }
 QUICK_SHAPES = ["a", "c", "e"]
-SECTIONS = ["mha", "layers", "embed", "decode", "bf16", "gemm", "small"]
+SECTIONS = ["mha", "layers", "embed", "decode", "bf16", "gemm", "small", "variants"]
 
 # Transformer layers: one shape, B=8, L=S=512, d_model 512, nhead 8, dim_feedforward 2048.
 LAYER_SHAPE = {"B": 8, "L": 512, "S": 512, "E": 512, "H": 8, "F": 2048}
@@ -812,7 +814,7 @@ def run_gemm_section(opts, peak):
 
 
 def write_report(meta, results, opts, elapsed_s, embed_rec=None, decode_rec=None,
-                 bf16_rec=None, gemm_rec=None, small_rec=None):
+                 bf16_rec=None, gemm_rec=None, small_rec=None, variants_rec=None):
     lines = []
     add = lines.append
     T = opts.threads
@@ -1045,7 +1047,8 @@ def write_report(meta, results, opts, elapsed_s, embed_rec=None, decode_rec=None
     scripted = [(decode_rec, "bench_decode", "Incremental decoding"),
                 (bf16_rec, "bench_bf16", "bfloat16"),
                 (gemm_rec, "bench_linear", "GEMM"),
-                (small_rec, "bench_small", "Small models and ViT shapes")]
+                (small_rec, "bench_small", "Small models and ViT shapes"),
+                (variants_rec, "bench_variants", "Attention variants")]
     sys.path.insert(0, str(TOOLS))
     scripted_targets = []
     for rec, name, title in scripted:
@@ -1593,6 +1596,14 @@ def main(argv):
             f"{r['label']}: torch {r['torch']:.3f} ms, multihead {r['ours']:.3f} ms"
             for r in small_rec["rows"])), flush=True)
 
+    variants_rec = None
+    if "variants" in opts.sections:
+        print(f"[variants {time.perf_counter() - t_start:6.0f}s] attention variants", flush=True)
+        variants_rec = run_section(opts, "bench_variants.py")
+        print("[variants] " + (variants_rec.get("error", "")[-300:] or "; ".join(
+            f"{r['label']}: torch {r['torch']:.1f} ms, multihead {r['ours']:.1f} ms"
+            for r in variants_rec["rows"])), flush=True)
+
     if not opts.peak_gflops:
         # Again at the end: a busy neighbour can only lower it, so keep the higher f32.
         p1 = measure_peak(opts)
@@ -1621,12 +1632,12 @@ def main(argv):
     Path(opts.md).parent.mkdir(parents=True, exist_ok=True)
     opts.png_written = write_chart(results, opts)
     targets = write_report(meta, results, opts, elapsed, embed_rec, decode_rec, bf16_rec,
-                           gemm_rec, small_rec)
+                           gemm_rec, small_rec, variants_rec)
     for r in results:
         r["derived"] = derived(r)
     doc = {"meta": meta, "peak": peak, "results": results, "embed": embed_rec,
            "decode": decode_rec, "bf16": bf16_rec, "gemm": gemm_rec, "small": small_rec,
-           "targets": targets}
+           "variants": variants_rec, "targets": targets}
     Path(opts.json_out).write_text(json.dumps(scrub_obj(doc), indent=1, default=str) + "\n")
     n_met = sum(1 for t in targets if t["met"] is True)
     n_all = sum(1 for t in targets if t["met"] is not None)
