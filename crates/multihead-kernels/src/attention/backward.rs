@@ -13,7 +13,8 @@ use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
 use super::mask::{build_mask_keys, build_mask_tile, TilePos};
 use super::simd::Simd;
-use super::softcap::{add_mask, softcap_slope, softcap_tile};
+use super::scoremod::{bias_before_cap, cap_tile, Alibi};
+use super::softcap::softcap_slope;
 use super::tile::{
     add_row, copy_rows, pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR,
 };
@@ -363,12 +364,8 @@ impl BwdTask<'_> {
                     score_tile::<S>(kj, kld, d, sc.qt.as_ptr(), brp, stp, bc, diag);
                     score_tile::<S>(vj, vld, dv, sc.dot.as_ptr(), brp, dpp, bc, diag);
                 }
-                if let Some(c) = p.softcap {
-                    if p.cap_masks() {
-                        add_mask::<S>(stp, sc.mt.as_ptr(), per_key, brp, bc);
-                    }
-                    softcap_tile::<S>(stp, brp, bc, c, p.cap_masks());
-                }
+                let alibi = Alibi::of(p, h, i0, j0);
+                cap_tile::<S>(p, (stp, brp, nvec, bc), (sc.mt.as_ptr(), per_key), alibi.as_ref());
                 if banded && band.partial(i0, br, j0, bc) {
                     if clip {
                         // Entries the banded products skipped: P = 0 there, and dP must be
@@ -381,9 +378,10 @@ impl BwdTask<'_> {
                 }
                 let tile = GradTile { st: stp, dpt: dpp, brp, nvec, bc };
                 let mask = (has_mask && !p.cap_masks()).then_some((sc.mt.as_ptr(), per_key));
+                let alibi = alibi.filter(|_| !bias_before_cap(p));
                 let stats = (sc.maxv.as_ptr(), sc.lsev.as_ptr(), sc.dvec.as_ptr());
                 let drop = dropout.as_ref().map(|dr| (dr, j0));
-                probs_and_dscores::<S>(&tile, mask, stats, drop, p.softcap);
+                probs_and_dscores::<S>(&tile, (mask, alibi.as_ref()), stats, drop, p.softcap);
                 let grads = BlockGrads { dvj: (dvj, dv), dkj: (dkj, d), kj: (kj, kld), first };
                 if bf {
                     sc.bb.grads(kern, (stp, dpp), brp, (br, bc), (d, dv), grads);
@@ -511,7 +509,7 @@ struct GradTile {
     bc: usize,
 }
 
-/// Replaces the tiles by `P∘m` and `dS = P∘(m∘dP − D)`, with `P = exp(S + mask − max − lse)`
+/// Replaces the tiles by `P∘m` and `dS = P∘(m∘dP − D)`, with `P = exp(S + mask + bias − max − lse)`
 /// from the forward's statistics `(max, lse, D)` (one per lane), `mask` a pointer and whether
 /// it holds one value per key (else one per entry), and `m` the dropout multipliers of
 /// `dropout`'s block at key offset `j0` (1 without dropout).
@@ -522,7 +520,7 @@ struct GradTile {
 #[inline(always)]
 unsafe fn probs_and_dscores<S: Simd>(
     t: &GradTile,
-    mask: Option<(*const f32, bool)>,
+    (mask, alibi): (Option<(*const f32, bool)>, Option<&Alibi>),
     (maxv, lsev, dvec): (*const f32, *const f32, *const f32),
     dropout: Option<(&BlockDropout, usize)>,
     softcap: Option<f32>,
@@ -545,6 +543,9 @@ unsafe fn probs_and_dscores<S: Simd>(
                         false => S::load(mtp.add(off)),
                     };
                     x = S::add(x, m);
+                }
+                if let Some(a) = alibi {
+                    x = S::add(x, a.vector::<S>(vi * l, j));
                 }
                 let pe = S::exp(S::sub(S::sub(x, mv), lv));
                 let dp = S::load(t.dpt.add(off));

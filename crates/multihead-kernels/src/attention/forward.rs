@@ -11,7 +11,8 @@ use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
 use super::mask::{build_mask_keys, build_mask_tile, TilePos};
 use super::simd::Simd;
-use super::softcap::{add_mask, softcap_tile};
+use super::scoremod::{bias_before_cap, cap_tile, Alibi};
+use super::sinks::row_end;
 use super::tile::{pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR};
 use super::{AttnParams, Layout4};
 
@@ -186,20 +187,18 @@ impl Task for FwdTask<'_> {
                     let (stp, qtp) = (st.as_mut_ptr(), qt.as_ptr());
                     score_tile::<S>(kj, self.kl.seq, d, qtp, brp, stp, bc, diag);
                 }
-                if let Some(c) = p.softcap {
-                    if p.cap_masks() {
-                        add_mask::<S>(st.as_mut_ptr(), mt.as_ptr(), per_key, brp, bc);
-                    }
-                    softcap_tile::<S>(st.as_mut_ptr(), brp, bc, c, p.cap_masks());
-                }
+                let alibi = Alibi::of(p, h, i0, j0);
+                let tile = (st.as_mut_ptr(), brp, nvec, bc);
+                cap_tile::<S>(p, tile, (mt.as_ptr(), per_key), alibi.as_ref());
                 if banded && band.partial(i0, br, j0, bc) {
                     let how = if clip { Hide::Fill(f32::NEG_INFINITY) } else { Hide::AddNegInf };
                     band.hide(st, brp, (i0, j0, bc), how);
                 }
                 let mask = (has_mask && !p.cap_masks()).then_some((mt.as_ptr(), per_key));
+                let alibi = alibi.filter(|_| !bias_before_cap(p));
                 let drop = dropout.as_ref().map(|dr| (dr, j0));
                 let tile = ScoreTile { st: st.as_mut_ptr(), brp, nvec, bc };
-                softmax_tile::<S>(&tile, mask, &mut running, drop);
+                softmax_tile::<S>(&tile, (mask, alibi.as_ref()), &mut running, drop);
                 // Rescale O where the max grew, then O += P V.
                 let (vj, ld) = (vbase.add(j0 * self.vl.seq), self.vl.seq);
                 if bf {
@@ -246,8 +245,8 @@ struct RowsOut {
 }
 
 impl FwdTask<'_> {
-    /// Writes the block's output rows `O / l` and row statistics: the max and the log of the
-    /// sum, kept apart so that a row whose max is huge (a -1e9 or finfo.min mask over the
+    /// Writes the block's output rows `O / l` and row statistics (a sink joins the sum): the
+    /// max and the log of the sum, kept apart so that a row whose max is huge (a -1e9 or finfo.min mask over the
     /// whole row) keeps its precision. A fully masked row is 0 (statistics `(0, inf)`), or, in
     /// a non-finite head, `Σ 0·V` (NaN where V is not finite, as on the composed path).
     ///
@@ -259,6 +258,7 @@ impl FwdTask<'_> {
         let dm = &self.p.dims;
         let rows = dm.batch * dm.heads_q * dm.l;
         let r0 = (r.b * dm.heads_q + r.h) * dm.l + r.i0;
+        let sink = self.p.sinks.map(|x| x[r.h]);
         // SAFETY: `run` validated these rows; this task alone writes them.
         unsafe {
             let max_row = self.lse.0.add(r0);
@@ -266,13 +266,8 @@ impl FwdTask<'_> {
             for i in 0..r.br {
                 let dst = self.out.0.add(self.ol.offset(r.b, r.h, r.i0 + i));
                 let (src, l) = (o.as_ptr().add(i * r.dv), sum[i]);
-                let (scale, stats) = if r.empty || (l == 0.0 && r.finite) {
-                    (None, (0.0, f32::INFINITY))
-                } else if l == 0.0 {
-                    (Some(1.0), (0.0, f32::INFINITY))
-                } else {
-                    (Some(1.0 / l), (max[i], l.ln()))
-                };
+                let dead = r.empty || (l == 0.0 && r.finite);
+                let (scale, stats) = row_end(dead, (max[i], l), sink);
                 match scale {
                     None => zero_row(dst, r.dv),
                     Some(f) => scale_row::<S>(dst, src, r.dv, f),
@@ -301,7 +296,7 @@ struct Running<'s> {
 }
 
 /// The online-softmax update of one score tile: the masks added (`mask`: a pointer and whether
-/// it holds one value per key, else one per entry), the running max and its rescaling factors
+/// it holds one value per key, else one per entry) and the ALiBi bias, the running max and its rescaling factors
 /// updated (pass 1, vertical over keys), then the tile replaced by `P = exp(S - m)` (times the
 /// dropout multipliers of `dropout`'s block at key offset `j0`) while the running sums are
 /// rescaled and increased (pass 2).
@@ -312,7 +307,7 @@ struct Running<'s> {
 #[inline(always)]
 unsafe fn softmax_tile<S: Simd>(
     t: &ScoreTile,
-    mask: Option<(*const f32, bool)>,
+    (mask, alibi): (Option<(*const f32, bool)>, Option<&Alibi>),
     run: &mut Running<'_>,
     dropout: Option<(&BlockDropout, usize)>,
 ) {
@@ -330,6 +325,11 @@ unsafe fn softmax_tile<S: Simd>(
                         false => S::load(mtp.add(j * brp + vi * l)),
                     };
                     x = S::add(x, m);
+                }
+                if let Some(a) = alibi {
+                    x = S::add(x, a.vector::<S>(vi * l, j));
+                }
+                if mask.is_some() || alibi.is_some() {
                     S::store(ptr, x);
                 }
                 mx = S::max(mx, x);

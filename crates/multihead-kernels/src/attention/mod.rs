@@ -86,6 +86,8 @@ mod gemm;
 mod mask;
 pub mod reference;
 pub(crate) mod simd;
+mod scoremod;
+mod sinks;
 mod softcap;
 mod tile;
 mod weights;
@@ -98,6 +100,7 @@ use std::fmt;
 use crate::dropout::DropoutKey;
 
 pub use exec::{detected_simd_level, simd_level, with_simd_level, SimdLevel};
+pub use sinks::sink_grad;
 
 /// Element strides of a 4-D tensor `[batch, heads, seq, dim]`; the last dimension is
 /// contiguous (stride 1).
@@ -226,6 +229,18 @@ pub struct AttnParams<'a> {
     /// stays `-inf` (ONNX's reference makes it `-c`). The band is hidden after the cap either
     /// way.
     pub softcap_after_masks: bool,
+    /// ALiBi: one slope `m_h` per query head (`heads_q` values), adding
+    /// `−m_h·|i + offset − j|` to the scores (FlashAttention's `alibi_slopes`; with `causal`
+    /// it is BLOOM's and MPT's `m_h·(j − i)` up to a constant per row, which the softmax
+    /// ignores). Added like a mask: after the soft cap, or inside it with
+    /// `softcap_after_masks`. Finite values.
+    pub alibi: Option<&'a [f32]>,
+    /// Attention sinks: one logit per query head (`heads_q` values) that joins every row's
+    /// softmax denominator with no value (gpt-oss): `P_ij = exp(s_ij) / (exp(sink_h) + Σ_j
+    /// exp(s_ij))`. The row statistics include it, so the backward and the weights need
+    /// nothing more; its own gradient is [`sink_grad`]. `-inf` is no sink; NaN or `+inf`
+    /// makes the head's rows NaN.
+    pub sinks: Option<&'a [f32]>,
 }
 
 /// The two sides of a local attention window, in keys from query `i`'s own key
@@ -253,6 +268,8 @@ impl<'a> AttnParams<'a> {
             kv_lengths: None,
             softcap: None,
             softcap_after_masks: false,
+            alibi: None,
+            sinks: None,
         }
     }
 
@@ -426,6 +443,16 @@ fn check_params(p: &AttnParams<'_>) -> Result<(), KernelError> {
             let msg = format!("the soft cap must be finite and positive, got {c}");
             return Err(KernelError::InvalidArgument { name: "softcap", msg });
         }
+    }
+    for (name, per_head) in [("alibi", p.alibi), ("sinks", p.sinks)] {
+        if let Some(x) = per_head.filter(|x| x.len() != d.heads_q) {
+            let msg = format!("expected one value per query head ({}), got {}", d.heads_q, x.len());
+            return Err(KernelError::InvalidArgument { name, msg });
+        }
+    }
+    if let Some((h, m)) = p.alibi.and_then(|a| a.iter().enumerate().find(|(_, m)| !m.is_finite())) {
+        let msg = format!("the slope of head {h} is {m}; slopes must be finite");
+        return Err(KernelError::InvalidArgument { name: "alibi", msg });
     }
     if let Some(lens) = p.kv_lengths {
         if lens.len() != d.batch {

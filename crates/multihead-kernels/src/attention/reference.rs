@@ -32,7 +32,14 @@ pub fn hidden(p: &AttnParams<'_>, b: usize, i: usize, j: usize) -> bool {
         || p.kv_lengths.is_some_and(|n| j >= n[b])
 }
 
-/// The scores `scale·q·k` (soft-capped), plus the masks, plus `-inf` where [`hidden`],
+/// The ALiBi bias `−m_h·|i + offset − j|` (0 without slopes).
+pub fn alibi(p: &AttnParams<'_>, h: usize, i: usize, j: usize) -> f64 {
+    p.alibi.map_or(0.0, |m| {
+        -(m[h] as f64) * (i as f64 + p.offset as f64 - j as f64).abs()
+    })
+}
+
+/// The scores `scale·q·k` (soft-capped), plus the masks and the ALiBi bias, plus `-inf` where [`hidden`],
 /// `[batch, heads_q, l, s]`.
 pub fn scores(p: &AttnParams<'_>, q: &[f32], ql: Layout4, k: &[f32], kl: Layout4) -> Vec<f64> {
     let d = p.dims;
@@ -48,6 +55,7 @@ pub fn scores(p: &AttnParams<'_>, q: &[f32], ql: Layout4, k: &[f32], kl: Layout4
                     let dot: f64 = (0..d.d).map(|c| q[qo + c] as f64 * k[ko + c] as f64).sum();
                     let mut x = p.scale as f64 * dot;
                     let mask: f64 = p.masks.iter().flatten().map(|m| mask_at(m, b, h, i, j)).sum();
+                    let mask = mask + alibi(p, h, i, j);
                     x = match p.softcap {
                         Some(c) if p.softcap_after_masks => cap_keeping_neg_inf(x + mask, c as f64),
                         Some(c) => c as f64 * (x / c as f64).tanh() + mask,
@@ -80,19 +88,21 @@ pub fn probabilities(
         return (s, lse);
     }
     for (r, row) in s.chunks_mut(d.s).enumerate() {
+        // The sink joins the row (gpt-oss: a column cut off after the softmax).
+        let sink = p.sinks.map_or(f64::NEG_INFINITY, |x| x[(r / d.l) % d.heads_q] as f64);
         // A NaN score (a NaN key, or +inf + -inf) makes the whole row NaN, as in PyTorch.
-        if row.iter().any(|x| x.is_nan()) {
+        if row.iter().any(|x| x.is_nan()) || sink.is_nan() || sink == f64::INFINITY {
             row.iter_mut().for_each(|x| *x = f64::NAN);
             lse[r] = f64::NAN;
             continue;
         }
-        let mx = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let mx = row.iter().cloned().fold(sink, f64::max);
         if mx == f64::NEG_INFINITY {
             row.iter_mut().for_each(|x| *x = 0.0);
             lse[r] = f64::INFINITY;
             continue;
         }
-        let mut sum = 0.0;
+        let mut sum = (sink - mx).exp();
         for x in row.iter_mut() {
             *x = (*x - mx).exp();
             sum += *x;
@@ -230,12 +240,9 @@ pub fn backward(
                         // Through the cap: d(c·tanh(x/c))/dx = 1 − tanh²(x/c).
                         let mut x = p.scale as f64 * dot_qk(q, ql, k, kl, (b, h, hk, i, j), d.d);
                         if p.softcap_after_masks {
-                            x += p
-                                .masks
-                                .iter()
-                                .flatten()
-                                .map(|m| mask_at(m, b, h, i, j))
-                                .sum::<f64>();
+                            let masks = p.masks.iter().flatten();
+                            x += masks.map(|m| mask_at(m, b, h, i, j)).sum::<f64>();
+                            x += alibi(p, h, i, j);
                         }
                         if x.is_finite() {
                             ds *= 1.0 - (x / c as f64).tanh().powi(2);
@@ -258,6 +265,47 @@ pub fn backward(
         }
     }
     (dq, dk, dvv)
+}
+
+/// The gradient of the sinks, `heads_q` values: `dsink_h = −Σ_{b,i} P_sink · Σ_j P_ij·dP_ij`,
+/// the softmax gradient of the sink's column (its value is zero, so its `dP` is 0).
+#[allow(clippy::too_many_arguments)]
+pub fn sink_grad(
+    p: &AttnParams<'_>,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    v: &[f32],
+    vl: Layout4,
+    dout: &[f32],
+    dol: Layout4,
+) -> Vec<f64> {
+    let d = p.dims;
+    let g = d.heads_q / d.heads_kv.max(1);
+    let (pr, lse) = probabilities(p, q, ql, k, kl);
+    let m = dropout_multipliers(p);
+    let mut out = vec![0.0; d.heads_q];
+    let Some(sinks) = p.sinks else { return out };
+    for b in 0..d.batch {
+        for (h, acc) in out.iter_mut().enumerate() {
+            for i in 0..d.l {
+                let r = (b * d.heads_q + h) * d.l + i;
+                let doo = dol.offset(b, h, i);
+                let rowsum: f64 = (0..d.s)
+                    .map(|j| {
+                        let vo = vl.offset(b, h / g, j);
+                        let dot: f64 =
+                            (0..d.dv).map(|c| dout[doo + c] as f64 * v[vo + c] as f64).sum();
+                        pr[r * d.s + j] * m[r * d.s + j] * dot
+                    })
+                    .sum();
+                let ps = (sinks[h] as f64 - lse[r]).exp();
+                *acc -= ps * rowsum;
+            }
+        }
+    }
+    out
 }
 
 /// `q[b, h, i] · k[b, hk, j]` over `d` channels.

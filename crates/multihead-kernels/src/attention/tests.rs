@@ -50,6 +50,9 @@ struct Case {
     lens: Option<Vec<usize>>,
     softcap: Option<f32>,
     cap_after_masks: bool,
+    /// ALiBi slopes and attention sinks, one per query head.
+    alibi: Option<Vec<f32>>,
+    sinks: Option<Vec<f32>>,
 }
 
 impl Case {
@@ -72,6 +75,8 @@ impl Case {
             lens: None,
             softcap: None,
             cap_after_masks: false,
+            alibi: None,
+            sinks: None,
         }
     }
 }
@@ -258,6 +263,8 @@ struct Results {
     dv: Vec<f32>,
     w: Vec<f32>,
     wavg: Vec<f32>,
+    /// The sinks' gradient (empty without sinks).
+    dsinks: Vec<f32>,
 }
 
 fn params<'a>(c: &'a Case, masks: &'a [MaskData]) -> AttnParams<'a> {
@@ -281,6 +288,7 @@ fn params<'a>(c: &'a Case, masks: &'a [MaskData]) -> AttnParams<'a> {
     (p.offset, p.window, p.kv_lengths, p.softcap) =
         (c.offset, c.window, c.lens.as_deref(), c.softcap);
     p.softcap_after_masks = c.cap_after_masks;
+    (p.alibi, p.sinks) = (c.alibi.as_deref(), c.sinks.as_deref());
     p
 }
 
@@ -305,7 +313,11 @@ fn run_kernels(c: &Case, p: &AttnParams<'_>, x: &Inputs) -> Results {
     attention_weights(p, q, x.ql, k, x.kl, &lse, true, &mut wavg).unwrap();
     // The log-sum-exp from the two halves of the row statistics, for comparison.
     let lse_sum = (0..rows).map(|r| lse[r] + lse[rows + r]).collect();
-    Results { out, lse: lse_sum, dq, dk, dv, w, wavg }
+    let mut dsinks = vec![f32::NAN; if p.sinks.is_some() { c.hq } else { 0 }];
+    if p.sinks.is_some() {
+        sink_grad(p, &out, x.ol, &x.dout, x.dol, &lse, &mut dsinks).unwrap();
+    }
+    Results { out, lse: lse_sum, dq, dk, dv, w, wavg, dsinks }
 }
 
 fn check_case(c: &Case) {
@@ -318,6 +330,7 @@ fn check_case(c: &Case) {
     let (edq, edk, edv) = reference::backward(&p, q, x.ql, k, x.kl, v, x.vl, &x.dout, x.dol);
     let ew = reference::weights(&p, q, x.ql, k, x.kl, false);
     let ewavg = reference::weights(&p, q, x.ql, k, x.kl, true);
+    let esinks = reference::sink_grad(&p, q, x.ql, k, x.kl, v, x.vl, &x.dout, x.dol);
     let lsel = Layout4::contiguous(c.hq, c.l, 1);
     for level in levels() {
         with_simd_level(level, || {
@@ -332,6 +345,10 @@ fn check_case(c: &Case) {
             assert_close("weights", c, &r.w, wl, &ew, [b, hq, l, s], 1e-5);
             let wal = Layout4::contiguous(1, l, s);
             assert_close("weights(avg)", c, &r.wavg, wal, &ewavg, [b, 1, l, s], 1e-5);
+            if c.sinks.is_some() {
+                let hl = Layout4::contiguous(1, 1, 1);
+                assert_close("dsinks", c, &r.dsinks, hl, &esinks, [1, hq, 1, 1], 1e-4);
+            }
             for g in [&r.dq, &r.dk, &r.dv] {
                 assert!(g.iter().all(|x| x.is_finite()), "non-finite gradient in {c:?}");
             }

@@ -8,7 +8,7 @@ use super::band::{Band, Hide};
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::mask::{build_mask_tile, TilePos};
 use super::simd::Simd;
-use super::softcap::{add_mask, softcap_tile};
+use super::scoremod::{bias_before_cap, cap_tile, Alibi};
 use super::tile::{pack_transposed, scale_row, score_tile, BlockDropout, MAX_BR};
 use super::{AttnParams, Layout4};
 
@@ -163,12 +163,9 @@ impl Task for WeightsTask<'_> {
                         bc,
                         diag.flatten(),
                     );
-                    if let Some(c) = p.softcap {
-                        if p.cap_masks() {
-                            add_mask::<S>(st.as_mut_ptr(), mt.as_ptr(), false, brp, bc);
-                        }
-                        softcap_tile::<S>(st.as_mut_ptr(), brp, bc, c, p.cap_masks());
-                    }
+                    let alibi = Alibi::of(p, h, i0, j0);
+                    let tile = (st.as_mut_ptr(), brp, nvec, bc);
+                    cap_tile::<S>(p, tile, (mt.as_ptr(), false), alibi.as_ref());
                     if banded && band.partial(i0, br, j0, bc) {
                         let how =
                             if clip { Hide::Fill(f32::NEG_INFINITY) } else { Hide::AddNegInf };
@@ -176,8 +173,10 @@ impl Task for WeightsTask<'_> {
                     }
                     let tile = (st.as_mut_ptr(), brp, nvec, bc);
                     let mask = (has_mask && !p.cap_masks()).then_some(mt.as_ptr());
+                    let alibi = alibi.filter(|_| !bias_before_cap(p));
                     let stats = (maxv.as_ptr(), lsev.as_ptr());
-                    probs_tile::<S>(tile, mask, stats, dropout.as_ref().map(|dr| (dr, j0)));
+                    let drop = dropout.as_ref().map(|dr| (dr, j0));
+                    probs_tile::<S>(tile, (mask, alibi.as_ref()), stats, drop);
                     // Transpose the [key][query] tile into the [query][key] output rows.
                     // w[i][j0 + j] (+)= st[j][i]: a transpose with `bc` source rows of `br`.
                     S::transpose(wrow(0).add(j0), s, st.as_ptr(), brp, bc, br, 1.0, n > 0);
@@ -194,8 +193,8 @@ impl Task for WeightsTask<'_> {
     }
 }
 
-/// Replaces a score tile `(st, brp, nvec, bc)` (keys as rows) by `P = exp(S + mask − max −
-/// lse)`, times the dropout multipliers of `dropout`'s block at key offset `j0`; `mask` is a
+/// Replaces a score tile `(st, brp, nvec, bc)` (keys as rows) by `P = exp(S + mask + bias −
+/// max − lse)`, times the dropout multipliers of `dropout`'s block at key offset `j0`; `mask` is a
 /// per-entry tile and `(max, lse)` the forward's statistics, one per lane.
 ///
 /// # Safety
@@ -204,7 +203,7 @@ impl Task for WeightsTask<'_> {
 #[inline(always)]
 unsafe fn probs_tile<S: Simd>(
     (st, brp, nvec, bc): (*mut f32, usize, usize, usize),
-    mask: Option<*const f32>,
+    (mask, alibi): (Option<*const f32>, Option<&Alibi>),
     (maxv, lsev): (*const f32, *const f32),
     dropout: Option<(&BlockDropout, usize)>,
 ) {
@@ -219,6 +218,9 @@ unsafe fn probs_tile<S: Simd>(
                 let mut x = S::load(st.add(off));
                 if let Some(mtp) = mask {
                     x = S::add(x, S::load(mtp.add(off)));
+                }
+                if let Some(a) = alibi {
+                    x = S::add(x, a.vector::<S>(vi * l, j));
                 }
                 let mut e = S::exp(S::sub(S::sub(x, mv), lv));
                 if let Some((dr, j0)) = dropout {

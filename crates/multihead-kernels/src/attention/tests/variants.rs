@@ -1,5 +1,5 @@
-//! The variants against the reference: diagonal offsets, windows, key lengths and soft caps,
-//! alone and with masks, dropout, grouped heads, packed views, non-finite keys and bf16
+//! The variants against the reference: diagonal offsets, windows, key lengths, soft caps,
+//! ALiBi and sinks, alone and with masks, dropout, grouped heads, packed views, non-finite keys and bf16
 //! products.
 
 use super::*;
@@ -101,11 +101,75 @@ fn softcap_after_the_masks() {
     check_case(&c);
 }
 
+/// Slopes as ALiBi's geometric sequence for `h` heads (and a negative one, which the kernels
+/// accept: a bias growing with the distance).
+fn slopes(h: usize) -> Vec<f32> {
+    let mut m: Vec<f32> = (1..=h).map(|i| 2f32.powf(-8.0 * i as f32 / h as f32)).collect();
+    m[h - 1] = -0.01;
+    m
+}
+
+#[test]
+fn alibi_adds_the_distance_bias() {
+    // Plain, causal at an offset (bottom-right), with masks, dropout and grouped heads.
+    let mut c = Case::new(2, 4, 70, 300, 32);
+    c.alibi = Some(slopes(4));
+    check_case(&c);
+    (c.causal, c.offset, c.hkv) = (true, 230, 2);
+    check_case(&c);
+    (c.masks, c.dropout) = (vec![MaskKind::AddLS, MaskKind::KeyPad], Some(0.2));
+    (c.window, c.lens) = (window(Some(40), None), Some(vec![300, 120]));
+    check_case(&c);
+    // Through a soft cap before and after the masks (the bias joins the masks).
+    for after in [false, true] {
+        let mut c = Case::new(2, 2, 65, 257, 16);
+        (c.alibi, c.softcap, c.cap_after_masks) = (Some(vec![0.3, 0.05]), Some(2.0), after);
+        c.masks = vec![MaskKind::PerHead];
+        check_case(&c);
+    }
+    let mut c = Case::new(2, 2, 130, 130, 16);
+    (c.packed, c.alibi, c.causal) = (true, Some(slopes(2)), true);
+    check_case(&c);
+}
+
+#[test]
+fn sinks_join_the_denominator() {
+    // Large and small sinks, a -inf sink (none), with fully masked rows (only the sink is
+    // seen), dropout, grouped heads and a window.
+    let mut c = Case::new(2, 4, 70, 300, 32);
+    c.sinks = Some(vec![0.5, -3.0, 8.0, f32::NEG_INFINITY]);
+    check_case(&c);
+    (c.hkv, c.causal, c.offset, c.window) = (2, true, 230, window(Some(60), None));
+    (c.masks, c.dropout) = (vec![MaskKind::FullRows], Some(0.25));
+    check_case(&c);
+    (c.alibi, c.softcap) = (Some(slopes(4)), Some(1.5));
+    check_case(&c);
+    let mut c = Case::new(3, 2, 40, 65, 16);
+    (c.sinks, c.lens) = (Some(vec![1.0, -1.0]), Some(vec![65, 0, 7]));
+    check_case(&c);
+}
+
+/// A NaN or `+inf` sink makes its head's rows NaN, as a softmax over a row holding it does.
+#[test]
+fn a_nan_or_infinite_sink_gives_nan_rows() {
+    let c = Case::new(1, 2, 5, 6, 4);
+    let x = inputs(&c, 3);
+    for bad in [f32::NAN, f32::INFINITY] {
+        let sinks = [0.0, bad];
+        let p = AttnParams { sinks: Some(&sinks), ..params(&c, &[]) };
+        let r = run_kernels(&c, &p, &x);
+        let (head0, head1) = r.out.split_at(5 * 4);
+        assert!(head0.iter().all(|v| v.is_finite()) && head1.iter().all(|v| v.is_nan()));
+        assert!(r.dsinks[1].is_nan() && r.dsinks[0].is_finite());
+    }
+}
+
 #[test]
 fn every_variant_at_once_is_bitwise_the_same_for_any_thread_count() {
     let mut c = Case::new(2, 4, 200, 331, 64);
     (c.hkv, c.causal, c.offset, c.window) = (2, true, 131, window(Some(70), None));
     (c.lens, c.softcap, c.dropout) = (Some(vec![300, 331]), Some(2.0), Some(0.25));
+    (c.alibi, c.sinks) = (Some(slopes(4)), Some(vec![0.0, 1.0, -1.0, 2.0]));
     c.masks = vec![MaskKind::AddLS];
     check_case(&c);
     let masks: Vec<MaskData> = c.masks.iter().map(|&k| make_mask(&c, k, 3)).collect();
@@ -118,7 +182,8 @@ fn every_variant_at_once_is_bitwise_the_same_for_any_thread_count() {
             pool.install(|| with_simd_level(level, || run_kernels(&c, &p, &x)))
         };
         let (a, b) = (run(1), run(3));
-        for (x, y) in [(&a.out, &b.out), (&a.dq, &b.dq), (&a.dk, &b.dk), (&a.w, &b.w)] {
+        let pairs = [(&a.out, &b.out), (&a.dq, &b.dq), (&a.dk, &b.dk), (&a.w, &b.w)];
+        for (x, y) in pairs.into_iter().chain([(&a.dsinks, &b.dsinks)]) {
             assert!(bits(x) == bits(y), "{level:?}");
         }
     }
@@ -167,6 +232,7 @@ fn bf16_products_with_variants_match_the_rounded_reference() {
     let mut c = Case::new(2, 2, 70, 300, 32);
     (c.causal, c.offset, c.window) = (true, 230, window(Some(90), None));
     (c.softcap, c.lens) = (Some(0.8), Some(vec![290, 300]));
+    (c.alibi, c.sinks) = (Some(vec![0.2, 0.01]), Some(vec![0.5, -0.5]));
     let (masks, x, [qr, kr, vr]) = rounded_case(&c);
     let p = params(&c, &masks);
     let pb = AttnParams { bf16_products: true, ..params(&c, &masks) };
@@ -200,6 +266,18 @@ fn bad_variant_arguments_are_errors() {
         let e = flash_forward(&p, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse);
         assert!(matches!(e, Err(KernelError::InvalidArgument { name: "softcap", .. })), "{e:?}");
     }
+    for (alibi, sinks) in [(Some(&[0.1f32][..]), None), (None, Some(&[0.0f32, 1.0, 2.0][..]))] {
+        let p = AttnParams { alibi, sinks, ..base };
+        let e = flash_forward(&p, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse);
+        let name = if alibi.is_some() { "alibi" } else { "sinks" };
+        assert!(matches!(e, Err(KernelError::InvalidArgument { name: n, .. }) if n == name));
+    }
+    let p = AttnParams { alibi: Some(&[0.1, f32::NAN]), ..base };
+    let e = flash_forward(&p, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse);
+    assert!(matches!(e, Err(KernelError::InvalidArgument { name: "alibi", .. })), "{e:?}");
+    let mut ds = [0f32; 2];
+    let e = sink_grad(&base, &out, x.ol, &x.dout, x.dol, &lse, &mut ds);
+    assert!(matches!(e, Err(KernelError::InvalidArgument { name: "sinks", .. })), "{e:?}");
     for lens in [&[6usize][..], &[6, 7], &[1, 2, 3]] {
         let p = AttnParams { kv_lengths: Some(lens), ..base };
         let e = flash_forward(&p, &x.q, x.ql, &x.k, x.kl, &x.v, x.vl, &mut out, x.ol, &mut lse);
