@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Golden cases for SDPA's variants (soft cap, windows, causal alignment, key lengths).
+"""Golden cases for SDPA's variants (soft cap, windows, causal alignment, key lengths, ALiBi,
+attention sinks).
 
 Two sources, written to tests/fixtures/variants/ (cases.json + tensors.safetensors):
 
 * PyTorch (f32, seeded): `causal_lower_right` through `F.scaled_dot_product_attention`,
   windows and key lengths as the equivalent explicit masks, and the soft cap written out by
   hand (PyTorch has no soft-cap argument); outputs and the gradients of q, k and v of
-  `sum(out * g)`.
+  `sum(out * g)`. ALiBi as BLOOM builds it (`slope * j`, causal) and as FlashAttention
+  defines it (`-slope * |i + offset - j|`), and attention sinks as gpt-oss's eager attention
+  in transformers writes them (a softmax column dropped afterwards), with the sinks' gradient.
 * ONNX `Attention` (opset 23/24): every f32 node test case the installed `onnx` package ships
   (its inputs and the outputs of its numpy reference), brought into SDPA's form by the
   operator's own input rules: 3-D inputs split into heads, the past keys and values
@@ -117,6 +120,92 @@ def pytorch_cases():
     return cases, tensors
 
 
+def gpt_oss_attention(q, k, v, scale, sinks, band):
+    """transformers' gpt-oss `eager_attention_forward`: the sinks as a softmax column that is
+    dropped afterwards."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    w = (q @ kk.transpose(-2, -1)) * scale
+    w = w.masked_fill(band, -torch.inf)
+    col = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1)
+    combined = torch.cat([w, col], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)
+    return probs[..., :-1] @ vv
+
+
+def bloom_alibi(slopes, S):
+    """transformers' BLOOM `build_alibi_tensor` for one unpadded sequence: slope_h * j, (H, 1, S)."""
+    return slopes.view(-1, 1, 1) * torch.arange(S).view(1, 1, S)
+
+
+def distance_alibi(slopes, L, S, offset):
+    """FlashAttention's `alibi_slopes`: -slope_h * |i + offset - j|, (H, L, S)."""
+    i = torch.arange(L).view(L, 1)
+    j = torch.arange(S).view(1, S)
+    return -slopes.view(-1, 1, 1) * (i + offset - j).abs().view(1, L, S)
+
+
+def alibi_slopes(h):
+    """ALiBi's slopes for a power-of-two head count: 2^(-8 i / h)."""
+    return torch.tensor([2.0 ** (-8.0 * i / h) for i in range(1, h + 1)])
+
+
+def bias_cases():
+    """ALiBi (BLOOM's causal form and FlashAttention's distance form) and attention sinks
+    (gpt-oss), with the sinks' gradient."""
+    gen = torch.Generator().manual_seed(20261204)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen)
+    specs = [
+        # name, (N, Hq, Hk, L, S, D, Dv), options
+        ("pt_alibi_bloom_causal", (2, 4, 4, 7, 7, 8, 8), dict(is_causal=True, alibi="bloom")),
+        ("pt_alibi_distance", (2, 2, 2, 6, 9, 8, 8), dict(alibi="distance", align="bottom_right")),
+        ("pt_alibi_softcap_window", (1, 4, 2, 9, 9, 8, 8),
+         dict(alibi="distance", softcap=1.2, is_causal=True, window_left=3)),
+        ("pt_sinks", (2, 2, 2, 5, 8, 8, 8), dict(sinks=True)),
+        ("pt_sinks_gpt_oss_window", (2, 4, 2, 10, 10, 8, 8),
+         dict(sinks=True, is_causal=True, window_left=4)),
+    ]
+    cases, tensors = [], {}
+    for name, (N, Hq, Hk, L, S, D, Dv), o in specs:
+        q = rnd(N, Hq, L, D).requires_grad_()
+        k = rnd(N, Hk, S, D).requires_grad_()
+        v = rnd(N, Hk, S, Dv).requires_grad_()
+        offset = S - L if o.get("align") == "bottom_right" else 0
+        band = hidden(L, S, o.get("is_causal", False), offset, o.get("window_left"), None, None, N)
+        scale = 1.0 / D ** 0.5
+        grads_of = [q, k, v]
+        t = {}
+        case = dict(name=name, source="pytorch", grads=True, enable_gqa=Hq != Hk, mask=None)
+        if "sinks" in o:
+            sinks = (rnd(Hq) * 2).requires_grad_()
+            out = gpt_oss_attention(q, k, v, scale, sinks, band)
+            grads_of.append(sinks)
+            case["sinks"] = True
+        else:
+            slopes = alibi_slopes(Hq)
+            bias = bloom_alibi(slopes, S) if o["alibi"] == "bloom" else distance_alibi(slopes, L, S, offset)
+            cap = o.get("softcap")
+            g = Hq // Hk
+            kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            sc = (q @ kk.transpose(-2, -1)) * scale
+            if cap is not None:
+                sc = cap * torch.tanh(sc / cap)
+            out = torch.softmax((sc + bias).masked_fill(band, -torch.inf), -1) @ vv
+            case["alibi_slopes"] = [float(x) for x in slopes]
+        g = rnd(*out.shape)
+        grads = torch.autograd.grad((out * g).sum(), grads_of)
+        t.update(q=q, k=k, v=v, out=out, g=g, dq=grads[0], dk=grads[1], dv=grads[2])
+        if "sinks" in o:
+            t.update(sinks=sinks, dsinks=grads[3])
+        for key, x in t.items():
+            tensors[f"{name}.{key}"] = x.detach().float().contiguous()
+        case.update({key: val for key, val in o.items() if key not in ("alibi", "sinks")})
+        case["softcap_after_masks"] = False
+        cases.append(case)
+    return cases, tensors
+
+
 def onnx_cases():
     import onnx
     from onnx import numpy_helper
@@ -188,6 +277,9 @@ def main():
     from safetensors.torch import load_file, save_file
 
     cases, tensors = pytorch_cases()
+    bc, bt = bias_cases()
+    cases += bc
+    tensors.update(bt)
     oc, ot, skipped = onnx_cases()
     cases += oc
     tensors.update(ot)

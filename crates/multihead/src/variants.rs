@@ -1,5 +1,5 @@
 //! Attention variants beyond PyTorch's SDPA arguments: tanh soft-capping, local windows, the
-//! alignment of the causal diagonal, and per-batch key lengths. The fused kernels compute them
+//! alignment of the causal diagonal, per-batch key lengths and ALiBi. The fused kernels compute them
 //! from indices (no `L × S` mask); the composed path builds the equivalent additive mask, so
 //! both paths accept the same arguments and give the same numbers.
 
@@ -54,6 +54,13 @@ pub struct Variants {
     /// weight). Keys hidden by `is_causal`, the window or the lengths stay hidden either way.
     /// Default `false`.
     pub softcap_after_masks: bool,
+    /// ALiBi: one slope `m_h` per query head, adding `−m_h·|i + offset − j|` to the scores,
+    /// `offset` from [`align`](Self::align) (FlashAttention's `alibi_slopes`; with
+    /// `is_causal` it equals BLOOM's and MPT's `m_h·(j − i)` up to a constant per row, which
+    /// the softmax ignores). Added like a mask: after a soft cap, or inside it with
+    /// `softcap_after_masks`. The fused kernels compute it from indices (no `L × S` tensor).
+    /// Fixed slopes (no gradient). Default none.
+    pub alibi_slopes: Option<Vec<f64>>,
 }
 
 impl Variants {
@@ -83,6 +90,40 @@ impl Variants {
         self
     }
 
+    /// Sets the ALiBi slopes, one per query head (see [`alibi_slopes`](Self::alibi_slopes)).
+    pub fn alibi(mut self, slopes: Vec<f64>) -> Self {
+        self.alibi_slopes = Some(slopes);
+        self
+    }
+
+    /// The slopes ALiBi's paper gives `heads` heads: `2^(−8i/heads)` for `i = 1..=heads` when
+    /// `heads` is a power of two, else those of the power of two below followed by every other
+    /// slope of the one above (BLOOM's and MPT's `get_alibi_slopes`).
+    ///
+    /// # Example
+    /// ```
+    /// let m = multihead::Variants::alibi_slopes_for(8);
+    /// assert_eq!(m[0], 0.5);
+    /// assert_eq!(m[7], 1.0 / 256.0);
+    /// ```
+    pub fn alibi_slopes_for(heads: usize) -> Vec<f64> {
+        let geometric = |n: usize| -> Vec<f64> {
+            (1..=n).map(|i| 2f64.powf(-8.0 * i as f64 / n as f64)).collect()
+        };
+        if heads == 0 {
+            return Vec::new();
+        }
+        let pow2 = 1usize << (usize::BITS - 1 - heads.leading_zeros());
+        let mut m = geometric(pow2);
+        m.extend(geometric(2 * pow2).into_iter().step_by(2).take(heads - pow2));
+        m
+    }
+
+    /// The slopes as the kernels take them.
+    pub(crate) fn alibi_f32(&self) -> Option<Vec<f32>> {
+        self.alibi_slopes.as_ref().map(|m| m.iter().map(|&x| x as f32).collect())
+    }
+
     /// The composed path's soft cap: `(c, after the masks)`.
     pub(crate) fn cap(&self) -> Option<(f64, bool)> {
         self.softcap.map(|c| (c, self.softcap_after_masks))
@@ -103,8 +144,30 @@ impl Variants {
     }
 
     /// Checks the options against the call: a finite positive soft cap; key lengths need a
-    /// batch dimension `n` (`None`: the input has none), one per entry, at most `s` each.
-    pub(crate) fn check(&self, op: &'static str, n: Option<usize>, s: usize) -> Result<()> {
+    /// batch dimension `n` (`None`: the input has none), one per entry, at most `s` each; ALiBi
+    /// needs a head dimension of `heads` (`None`: none), one finite slope per head.
+    pub(crate) fn check(
+        &self,
+        op: &'static str,
+        (n, heads): (Option<usize>, Option<usize>),
+        s: usize,
+    ) -> Result<()> {
+        if let Some(m) = &self.alibi_slopes {
+            let Some(h) = heads else {
+                let msg =
+                    "ALiBi slopes need a head dimension: give query as (N, H, L, E) or (H, L, E)"
+                        .to_string();
+                return Err(Error::Config { op, arg: "alibi_slopes", msg });
+            };
+            if m.len() != h {
+                let msg = format!("expected one slope per query head (H = {h}), got {}", m.len());
+                return Err(Error::Config { op, arg: "alibi_slopes", msg });
+            }
+            if let Some((i, x)) = m.iter().enumerate().find(|(_, x)| !(**x as f32).is_finite()) {
+                let msg = format!("the slope of head {i} is {x}; slopes must be finite (in f32)");
+                return Err(Error::Config { op, arg: "alibi_slopes", msg });
+            }
+        }
         if let Some(c) = self.softcap {
             if !(c.is_finite() && c > 0.0 && (c as f32).is_finite() && c as f32 > 0.0) {
                 let msg = format!(
@@ -129,6 +192,27 @@ impl Variants {
             }
         }
         Ok(())
+    }
+
+    /// The ALiBi bias for the composed path, `(H, L, S)`; `None` without slopes.
+    pub(crate) fn alibi_bias(
+        &self,
+        op: &'static str,
+        (l, s): (usize, usize),
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Option<Tensor>> {
+        let Some(m) = &self.alibi_slopes else { return Ok(None) };
+        let h = m.len();
+        let count = crate::alloc::elements(op, "alibi bias", &[h, l, s])?;
+        crate::alloc::ensure(op, "alibi bias", &[h, l, s], DType::F64, 2, "use shorter sequences")?;
+        let mut data = crate::alloc::try_zeros::<f64>(count, "alibi bias")?;
+        let offset = self.offset(l, s) as f64;
+        for (x, v) in data.iter_mut().enumerate() {
+            let (hh, i, j) = (x / (l * s), (x / s) % l, x % s);
+            *v = -m[hh] * (i as f64 + offset - j as f64).abs();
+        }
+        Ok(Some(Tensor::from_vec(data, (h, l, s), device)?.to_dtype(dtype)?))
     }
 
     /// The additive mask of the keys hidden by index (causal, window, lengths) for the

@@ -12,8 +12,8 @@ use super::bf16::{self as bf, Scores};
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
 use super::mask::{build_mask_keys, build_mask_tile, TilePos};
-use super::simd::Simd;
 use super::scoremod::{bias_before_cap, cap_tile, Alibi};
+use super::simd::Simd;
 use super::softcap::softcap_slope;
 use super::tile::{
     add_row, copy_rows, pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR,

@@ -34,9 +34,7 @@ pub fn hidden(p: &AttnParams<'_>, b: usize, i: usize, j: usize) -> bool {
 
 /// The ALiBi bias `−m_h·|i + offset − j|` (0 without slopes).
 pub fn alibi(p: &AttnParams<'_>, h: usize, i: usize, j: usize) -> f64 {
-    p.alibi.map_or(0.0, |m| {
-        -(m[h] as f64) * (i as f64 + p.offset as f64 - j as f64).abs()
-    })
+    p.alibi.map_or(0.0, |m| -(m[h] as f64) * (i as f64 + p.offset as f64 - j as f64).abs())
 }
 
 /// The scores `scale·q·k` (soft-capped), plus the masks and the ALiBi bias, plus `-inf` where [`hidden`],

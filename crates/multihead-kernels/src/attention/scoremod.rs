@@ -49,7 +49,13 @@ impl Alibi {
     /// # Safety
     /// `S` is available; `st` holds `bc · brp` floats and `nvec · S::LANES <= brp`.
     #[inline(always)]
-    pub(crate) unsafe fn add_tile<S: Simd>(&self, st: *mut f32, brp: usize, nvec: usize, bc: usize) {
+    pub(crate) unsafe fn add_tile<S: Simd>(
+        &self,
+        st: *mut f32,
+        brp: usize,
+        nvec: usize,
+        bc: usize,
+    ) {
         let l = S::LANES;
         // SAFETY: within the tile (caller).
         unsafe {

@@ -9,7 +9,11 @@ use super::{check_params, check_tensor, product, AttnParams, KernelError, Layout
 /// row) and its statistics `(max, ln Σ)`, from its running `(max, sum)`; `dead` when no key was
 /// seen (a zero row). A finite `sink` joins the sum; `-inf` (or none) changes nothing; NaN or
 /// `+inf` makes the row NaN, as a softmax over a row holding it does.
-pub(crate) fn row_end(dead: bool, (m, l): (f32, f32), sink: Option<f32>) -> (Option<f32>, (f32, f32)) {
+pub(crate) fn row_end(
+    dead: bool,
+    (m, l): (f32, f32),
+    sink: Option<f32>,
+) -> (Option<f32>, (f32, f32)) {
     let plain = || match (dead, l == 0.0) {
         (true, _) => (None, (0.0, f32::INFINITY)),
         (false, true) => (Some(1.0), (0.0, f32::INFINITY)),

@@ -7,8 +7,8 @@
 use super::band::{Band, Hide};
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::mask::{build_mask_tile, TilePos};
-use super::simd::Simd;
 use super::scoremod::{bias_before_cap, cap_tile, Alibi};
+use super::simd::Simd;
 use super::tile::{pack_transposed, scale_row, score_tile, BlockDropout, MAX_BR};
 use super::{AttnParams, Layout4};
 

@@ -53,7 +53,8 @@ pub(crate) fn apply_dropout(w: &Tensor, p: f64, key: DropoutKey) -> Result<Tenso
 
 /// The attention core on flattened batches: `softmax(cap(scale · q kᵀ) + mask) v`, with
 /// `cap(x) = c·tanh(x/c)` for a soft cap `(c, false)` (the identity without one), or
-/// `softmax(cap(scale · q kᵀ + mask)) v` with `-inf` kept for `(c, true)`.
+/// `softmax(cap(scale · q kᵀ + mask)) v` with `-inf` kept for `(c, true)`; `sinks`
+/// (broadcastable to `(B, L, 1)`) join each softmax row as a column with no value.
 ///
 /// `q` `(B, L, D)`, `k` `(B, S, D)`, `v` `(B, S, Dv)`, `mask` broadcastable to `(B, L, S)`.
 /// Returns the output `(B, L, Dv)` and, when asked, the (post-dropout) weights `(B, L, S)`.
@@ -62,7 +63,7 @@ pub(crate) fn attention_core(
     k: &Tensor,
     v: &Tensor,
     mask: Option<&Tensor>,
-    (scale, softcap): (f64, Option<(f64, bool)>),
+    (scale, softcap, sinks): (f64, Option<(f64, bool)>, Option<&Tensor>),
     dropout: Option<(f64, DropoutKey)>,
     want_weights: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
@@ -95,7 +96,14 @@ pub(crate) fn attention_core(
         (Some((c, true)), None) => cap(&scores, c)?,
         _ => scores,
     };
-    let mut w = safe_softmax_last_dim(&scores)?;
+    let mut w = match sinks {
+        // gpt-oss: the sink is a column of the softmax, cut off afterwards.
+        Some(t) => {
+            let col = t.broadcast_as((b, l, 1))?;
+            safe_softmax_last_dim(&Tensor::cat(&[&scores, &col], 2)?)?.narrow(2, 0, s)?
+        }
+        None => safe_softmax_last_dim(&scores)?,
+    };
     if let Some((p, key)) = dropout {
         if p > 0.0 {
             w = apply_dropout(&w, p, key)?;

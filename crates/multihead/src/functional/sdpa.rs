@@ -38,6 +38,10 @@ pub struct SdpaOptions {
     /// Soft cap, window, causal alignment and key lengths (not in PyTorch's SDPA; see
     /// [`Variants`]). Default none.
     pub variants: Variants,
+    /// Attention sinks (gpt-oss): a learned logit per query head, shape `(Hq,)` in the query's
+    /// dtype, that joins every row's softmax denominator and carries no value. Differentiable
+    /// on both paths. Default none.
+    pub sinks: Option<Tensor>,
 }
 
 impl SdpaOptions {
@@ -100,6 +104,16 @@ impl SdpaOptions {
     /// Sets the key length of each entry of the batch dimension `N`.
     pub fn kv_lengths(mut self, lengths: Vec<usize>) -> Self {
         self.variants.kv_lengths = Some(lengths);
+        self
+    }
+    /// Sets the ALiBi slopes, one per query head (see [`Variants::alibi_slopes`]).
+    pub fn alibi(mut self, slopes: Vec<f64>) -> Self {
+        self.variants.alibi_slopes = Some(slopes);
+        self
+    }
+    /// Sets the attention sinks, `(Hq,)`.
+    pub fn sinks(mut self, sinks: Tensor) -> Self {
+        self.sinks = Some(sinks);
         self
     }
 }
@@ -176,6 +190,33 @@ fn check_basics(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaOptions
             msg: "explicit attn_mask should not be set when is_causal=true; pass one or the other"
                 .into(),
         });
+    }
+    Ok(())
+}
+
+/// The sinks: `(Hq,)`, the query's dtype and device.
+fn check_sinks(t: &Tensor, query: &Tensor, heads: Option<usize>) -> Result<()> {
+    let Some(h) = heads else {
+        let msg =
+            "sinks need a head dimension: give query as (N, H, L, E) or (H, L, E)".to_string();
+        return Err(Error::Config { op: SDPA, arg: "sinks", msg });
+    };
+    if t.dims() != [h] {
+        let msg = format!(
+            "expected one sink per query head, shape [{h}], got {} for query {}",
+            fmt_shape(t.dims()),
+            fmt_shape(query.dims())
+        );
+        return Err(shape_err("sinks", msg));
+    }
+    if t.dtype() != query.dtype() {
+        let msg =
+            format!("sinks are {:?} but query is {:?}; convert them", t.dtype(), query.dtype());
+        return Err(Error::DType { op: SDPA, arg: "sinks", msg });
+    }
+    if !t.device().same_device(query.device()) {
+        let msg = format!("sinks are on {:?} but query is on {:?}", t.device(), query.device());
+        return Err(Error::Config { op: SDPA, arg: "sinks", msg });
     }
     Ok(())
 }
@@ -267,7 +308,11 @@ fn validate(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaOptions) ->
         None => None,
     };
     let n = (batch.len() >= 2).then(|| batch[0]);
-    opts.variants.check(SDPA, n, s)?;
+    let heads = batch.last().copied();
+    opts.variants.check(SDPA, (n, heads), s)?;
+    if let Some(t) = &opts.sinks {
+        check_sinks(t, query, heads)?;
+    }
     let scale = opts.scale.unwrap_or_else(|| 1.0 / (e as f64).sqrt());
     Ok(SdpaCall { batch, l, s, e, ev, mask, scale })
 }
@@ -348,6 +393,9 @@ fn widened(
     let mut o = opts.clone();
     if let Some(Mask::Float(t)) = &opts.attn_mask {
         o.attn_mask = Some(Mask::Float(widen(t)?));
+    }
+    if let Some(t) = &opts.sinks {
+        o.sinks = Some(widen(t)?);
     }
     Ok((widen(query)?, widen(key)?, widen(value)?, o))
 }
@@ -450,15 +498,28 @@ fn run_composed(
         query.dtype(),
         query.device(),
     )?;
-    let mask = match (&call.mask, band) {
-        (Some(m), Some(b)) => Some(m.broadcast_add(&b)?),
-        (m, b) => m.clone().or(b),
-    };
+    let alibi = opts.variants.alibi_bias(SDPA, (l, s), query.dtype(), query.device())?;
+    let mut mask = call.mask.clone();
+    for extra in [band, alibi].into_iter().flatten() {
+        mask = Some(match mask {
+            Some(m) => m.broadcast_add(&extra)?,
+            None => extra,
+        });
+    }
     let mask = match mask {
         Some(m) => Some(m.broadcast_as(with(batch, l, s))?.contiguous()?.reshape((bsz, l, s))?),
         None => None,
     };
-    let score = (call.scale, opts.variants.cap());
+    // One sink per flattened batch entry (its head's).
+    let sinks = match &opts.sinks {
+        Some(t) => {
+            let mut dims = vec![1usize; batch.len()];
+            dims[batch.len() - 1] = t.dim(0)?;
+            Some(t.reshape(dims)?.broadcast_as(batch.as_slice())?.reshape((bsz, 1, 1))?)
+        }
+        None => None,
+    };
+    let score = (call.scale, opts.variants.cap(), sinks.as_ref());
     let (out, _) = attention_core(&q, &k, &v, mask.as_ref(), score, dropout, false)?;
     Ok(out.reshape(with(batch, l, ev))?)
 }
@@ -506,11 +567,20 @@ fn run_fused(
     )
     .with_variants(&opts.variants)
     .with_rounded_products(false);
+    let op = match &opts.sinks {
+        Some(t) => op.with_sinks(t.to_vec1::<f32>()?),
+        None => op,
+    };
     // The kernels read rows; a view whose last dimension is strided (a transpose, a broadcast)
     // is copied first (differentiably).
     let rows = |t: &Tensor| -> Result<Tensor> {
         let (d, st) = (t.dims(), t.stride());
         Ok(if d[3] > 1 && st[3] != 1 { t.contiguous()? } else { t.clone() })
     };
-    op.apply(&rows(query)?, &rows(key)?, &rows(value)?)
+    let out = op.apply(&rows(query)?, &rows(key)?, &rows(value)?)?;
+    match &opts.sinks {
+        // The sinks' gradient joins the graph through an identity on the output.
+        Some(t) => crate::fused::sinks::attach(&op, &out, t),
+        None => Ok(out),
+    }
 }

@@ -98,8 +98,12 @@ pub(crate) struct FlashAttention {
     /// The products (forward and backward) take bf16 operands (`AttnParams::bf16_products`);
     /// see [`Self::with_rounded_products`].
     pub bf16_products: bool,
-    /// Soft cap, window, alignment and key lengths ([`crate::Variants`]).
+    /// Soft cap, window, alignment, key lengths and ALiBi ([`crate::Variants`]).
     pub variants: Arc<crate::Variants>,
+    /// The ALiBi slopes of `variants` in f32, as the kernels take them.
+    alibi: Option<Arc<Vec<f32>>>,
+    /// Attention sinks, one per query head (their gradient: [`super::sinks`]).
+    pub(super) sinks: Option<Arc<Vec<f32>>>,
     pub(super) lse: Arc<Mutex<Vec<f32>>>,
 }
 
@@ -121,13 +125,21 @@ impl FlashAttention {
             conv,
             bf16_products: false,
             variants: Arc::default(),
+            alibi: None,
+            sinks: None,
             lse: Arc::new(Mutex::new(Vec::new())),
         }
     }
 
     /// The same op with these variants (validated by the caller).
     pub(crate) fn with_variants(self, variants: &crate::Variants) -> Self {
-        Self { variants: Arc::new(variants.clone()), ..self }
+        let alibi = variants.alibi_f32().map(Arc::new);
+        Self { variants: Arc::new(variants.clone()), alibi, ..self }
+    }
+
+    /// The same op with attention sinks, one per query head (validated by the caller).
+    pub(crate) fn with_sinks(self, sinks: Vec<f32>) -> Self {
+        Self { sinks: Some(Arc::new(sinks)), ..self }
     }
 
     /// The same op with bf16 products where a bf16 module's computation rounds its products
@@ -208,6 +220,8 @@ impl FlashAttention {
         p.kv_lengths = v.kv_lengths.as_deref();
         p.softcap = v.softcap.map(|c| c as f32);
         p.softcap_after_masks = v.softcap_after_masks;
+        p.alibi = self.alibi.as_deref().map(Vec::as_slice);
+        p.sinks = self.sinks.as_deref().map(Vec::as_slice);
         for (slot, m) in p.masks.iter_mut().zip(self.masks.iter()) {
             *slot = Some(MaskView::Additive { data: &m.data, strides: m.strides });
         }

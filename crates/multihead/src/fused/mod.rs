@@ -3,6 +3,7 @@
 //! * [`dispatch`]: the one function that picks a path for a call, and the [`Plan`] that says
 //!   why.
 //! * `flash`: the flash-attention kernels as candle custom ops with a backward.
+//! * `sinks`: the attention sinks' gradient, joined to the graph by an identity on the output.
 //! * `linear`: `F.linear` (optionally followed by ReLU) as one candle op on gemm's kernels,
 //!   with a backward.
 //! * `bf16_linear`: `F.linear` with bf16 products (AVX512-BF16), without a backward, for
@@ -23,6 +24,7 @@ pub(crate) mod flash;
 pub(crate) mod flash_packed;
 pub(crate) mod linear;
 pub(crate) mod norm;
+pub(crate) mod sinks;
 pub(crate) mod zeros;
 
 /// Makes a forward-only linear op (a type with `fn run(&self, x, w, bias: Option<_>)` over CPU

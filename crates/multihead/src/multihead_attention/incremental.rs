@@ -385,7 +385,8 @@ impl MultiheadAttention {
             let cd = if crate::precision::is_reduced(q.dtype()) { DType::F32 } else { q.dtype() };
             let (qb, kb, vb) = (qb.to_dtype(cd)?, kb.to_dtype(cd)?, vb.to_dtype(cd)?);
             let mask = Tensor::from_vec(mask, (1, t, kv_len), q.device())?.to_dtype(cd)?;
-            let (o, _) = attention_core(&qb, &kb, &vb, Some(&mask), (scale, None), None, false)?;
+            let (o, _) =
+                attention_core(&qb, &kb, &vb, Some(&mask), (scale, None, None), None, false)?;
             outs.push(o.to_dtype(q.dtype())?.transpose(0, 1)?.reshape((t, e))?);
         }
         let out = Tensor::stack(&outs, 0)?;

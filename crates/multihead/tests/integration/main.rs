@@ -18,3 +18,4 @@ mod state_dict;
 mod transformer;
 mod variant_golden;
 mod variants;
+mod variants_bias;

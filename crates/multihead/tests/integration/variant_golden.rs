@@ -1,6 +1,6 @@
 //! SDPA's variants against committed golden cases (`tools/variant_cases.py`): PyTorch's
 //! numbers (`causal_lower_right`, windows and key lengths as explicit masks, a hand-written
-//! soft cap; outputs and gradients) and ONNX `Attention`'s node test cases (outputs of its
+//! soft cap, BLOOM's and FlashAttention's ALiBi, gpt-oss's sinks; outputs and gradients) and ONNX `Attention`'s node test cases (outputs of its
 //! reference), on the fused and the composed path.
 
 use std::path::PathBuf;
@@ -33,6 +33,9 @@ fn options(c: &Value, tensors: &std::collections::HashMap<String, Tensor>) -> Sd
     }
     v.softcap = c.get("softcap").and_then(Value::as_f64);
     v.softcap_after_masks = c["softcap_after_masks"].as_bool().unwrap_or(false);
+    if let Some(m) = c.get("alibi_slopes").and_then(Value::as_array) {
+        v.alibi_slopes = Some(m.iter().map(|x| x.as_f64().expect("slope")).collect());
+    }
     let mut o = SdpaOptions::default()
         .variants(v)
         .is_causal(c["is_causal"].as_bool().unwrap_or(false))
@@ -56,7 +59,7 @@ fn every_variant_golden_case_matches_pytorch_and_onnx() {
     let cases: Vec<Value> = serde_json::from_str(&text).expect("cases.json parses");
     let tensors = candle_core::safetensors::load(root.join("tensors.safetensors"), &Device::Cpu)
         .expect("tensors.safetensors");
-    let (mut pytorch, mut onnx) = (0, 0);
+    let (mut pytorch, mut onnx, mut bias) = (0, 0, 0);
     for c in &cases {
         let name = c["name"].as_str().expect("name");
         let t = |k: &str| tensors.get(&format!("{name}.{k}")).expect(k).clone();
@@ -67,7 +70,11 @@ fn every_variant_golden_case_matches_pytorch_and_onnx() {
         for backend in [Backend::Auto, Backend::Composed] {
             let what = format!("{name} ({backend:?})");
             let (qv, kv, vv) = (var(&q), var(&k), var(&v));
-            let o = opts.clone().backend(backend);
+            let sinks = (c["sinks"].as_bool() == Some(true)).then(|| var(&t("sinks")));
+            let mut o = opts.clone().backend(backend);
+            if let Some(s) = &sinks {
+                o = o.sinks(s.as_tensor().clone());
+            }
             let out =
                 scaled_dot_product_attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), &o)
                     .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -78,16 +85,31 @@ fn every_variant_golden_case_matches_pytorch_and_onnx() {
                     let got = grads.get(x.as_tensor()).expect("grad");
                     assert_close(got, &t(g), Tolerance::F32_GRAD, &format!("{what}: {g}"));
                 }
+                if let Some(s) = &sinks {
+                    let got = grads.get(s.as_tensor()).expect("sinks grad");
+                    assert_close(
+                        got,
+                        &t("dsinks"),
+                        Tolerance::F32_GRAD,
+                        &format!("{what}: dsinks"),
+                    );
+                    bias += 1;
+                }
             }
         }
         match c["source"].as_str() {
-            Some("pytorch") => pytorch += 1,
+            Some("pytorch") => {
+                pytorch += 1;
+                bias += usize::from(c.get("alibi_slopes").is_some());
+            }
             Some("onnx") => onnx += 1,
             other => panic!("{name}: source {other:?}"),
         }
     }
     // Every committed case ran (a fixture that lost its cases would pass vacuously).
-    assert!(pytorch >= 9 && onnx >= 60, "{pytorch} PyTorch and {onnx} ONNX cases");
+    assert!(pytorch >= 14 && onnx >= 60, "{pytorch} PyTorch and {onnx} ONNX cases");
+    // 3 ALiBi cases, 2 sink cases on two backends.
+    assert!(bias >= 7, "{bias} ALiBi cases and sink gradients");
     let softcaps = cases.iter().filter(|c| c["source"] == "onnx" && c.get("softcap").is_some());
     assert!(softcaps.count() >= 6, "the ONNX soft-cap cases");
 }

@@ -115,7 +115,7 @@ pub(crate) fn attend(
     // Attention (steps 12-13), then the heads concatenated back.
     let scale = 1.0 / (hd as f64).sqrt();
     let (attn, weights) =
-        attention_core(&q, &k, &v, mask.as_ref(), (scale, None), dropout, call.need_weights)?;
+        attention_core(&q, &k, &v, mask.as_ref(), (scale, None, None), dropout, call.need_weights)?;
     let attn = attn.transpose(0, 1)?.contiguous()?.reshape((l, n, e))?;
     let attn = if call.batch_first { attn.transpose(0, 1)? } else { attn };
     let weights = match weights {
