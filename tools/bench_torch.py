@@ -19,7 +19,7 @@ process, so both memory figures are per-process peaks. The sections (``--section
 * ``small``   the ViT port (``examples/port_vit.rs``) against torchvision, MHA and a pre-norm
               encoder layer at sequence 17 width 64, and a ViT-B/16 encoder layer
               (``tools/bench_small.py``)
-* ``variants`` SDPA's sliding window and soft cap against our plain calls and PyTorch
+* ``variants`` SDPA's sliding window, soft cap, ALiBi and sinks against our plain calls and PyTorch
               (``tools/bench_variants.py``)
 
 It measures the machine's f32 FMA peak first (``cc -O2 ../shared/tools/peak.c -o target/peak &&

@@ -14,7 +14,9 @@ Rows (2 threads unless ``--threads``; fastest time after warm-up):
 * soft cap 50 (Gemma 2's) at B=8 H=8 L=S=512 D=64, forward and forward+backward: multihead
   with ``--softcap 50`` against the plain call (target: at most 15% slower); PyTorch has no
   soft-cap argument, so its row is the soft cap written out (``q@kᵀ``, ``tanh``, softmax,
-  ``@v``) for reference.
+  ``@v``) for reference;
+* ALiBi (the paper's slopes) and attention sinks at the same shape, the same target; PyTorch's
+  ALiBi row is SDPA given the bias as a float mask, its sink row gpt-oss's eager attention.
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = REPO / "target/release/multihead"
 
 
-def ours(b, h, l, d, threads, warmup, iters, backward, causal=False, window=None, softcap=None):
+def ours(b, h, l, d, threads, warmup, iters, backward, causal=False, window=None, softcap=None,
+         alibi=False, sinks=False):
     cmd = [str(BIN), "bench", "--module", "sdpa", "--batch", str(b), "--num-heads", str(h),
            "--tgt-len", str(l), "--src-len", str(l), "--embed-dim", str(h * d),
            "--threads", str(threads), "--warmup", str(warmup), "--iters", str(iters), "--json"]
     cmd += ["--causal"] if causal else []
     cmd += ["--window", str(window)] if window is not None else []
     cmd += ["--softcap", str(softcap)] if softcap is not None else []
+    cmd += ["--alibi"] if alibi else []
+    cmd += ["--sinks"] if sinks else []
     cmd += ["--backward"] if backward else []
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
     rec = json.loads(res.stdout.strip().splitlines()[-1])
@@ -45,20 +50,29 @@ def ours(b, h, l, d, threads, warmup, iters, backward, causal=False, window=None
     return rec["min_ms"]
 
 
-def torch_sdpa(torch, b, h, l, d, warmup, iters, backward, mask=None, softcap=None):
+def torch_sdpa(torch, b, h, l, d, warmup, iters, backward, mask=None, softcap=None,
+               sinks=False):
+    """PyTorch's SDPA (with `mask`), or a soft cap or sinks written out (gpt-oss's eager
+    attention); ALiBi is SDPA given the bias as a float `mask`."""
     F = torch.nn.functional
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, l, d, requires_grad=backward) for _ in range(3))
+    sink = torch.randn(h, requires_grad=backward)
 
     def call():
-        if softcap is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         s = (q @ k.transpose(-2, -1)) * d ** -0.5
-        return torch.softmax(softcap * torch.tanh(s / softcap), -1) @ v
+        if softcap is not None:
+            return torch.softmax(softcap * torch.tanh(s / softcap), -1) @ v
+        if sinks:
+            col = sink.reshape(1, -1, 1, 1).expand(b, -1, l, -1)
+            combined = torch.cat([s, col], dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            return torch.softmax(combined, dim=-1)[..., :-1] @ v
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     if backward:
         def step():
-            q.grad = k.grad = v.grad = None
+            q.grad = k.grad = v.grad = sink.grad = None
             call().sum().backward()
         return bench_proc.timed(step, warmup, iters)[0]
     with torch.no_grad():
@@ -110,6 +124,20 @@ def main():
                      "kind": "softcap"})
         print(f"{label}: ours {capped:.1f} ms, plain {plain:.1f} ms, torch {tc:.1f} ms",
               file=sys.stderr, flush=True)
+    slopes = torch.tensor([2.0 ** (-8.0 * i / h) for i in range(1, h + 1)])
+    pos = torch.arange(l)
+    alibi_bias = -slopes.view(h, 1, 1) * (pos.view(l, 1) - pos.view(1, l)).abs()
+    for name, flag in (("ALiBi", "alibi"), ("sinks", "sinks")):
+        for backward in (False, True):
+            kind = "forward+backward" if backward else "forward"
+            plain = ours(b, h, l, d, t, *short_it, backward)
+            var = ours(b, h, l, d, t, *short_it, backward, **{flag: True})
+            extra = {"mask": alibi_bias} if flag == "alibi" else {"sinks": True}
+            tv = torch_sdpa(torch, b, h, l, d, *short_it, backward, **extra)
+            label = f"{name}, B={b} H={h} L=S={l} D={d}, {kind}"
+            rows.append({"label": label, "ours": var, "dense": plain, "torch": tv, "kind": flag})
+            print(f"{label}: ours {var:.1f} ms, plain {plain:.1f} ms, torch {tv:.1f} ms",
+                  file=sys.stderr, flush=True)
     doc = {"threads": t, "torch_version": torch.__version__, "quick": opts.quick, "rows": rows}
     bench_proc.finish(doc, opts.json_out, report_lines, evaluate_targets)
 
@@ -119,10 +147,11 @@ def report_lines(doc):
         f"## Attention variants, {doc['threads']} threads\n",
         "Command: `python3 tools/bench_variants.py` (run by `tools/bench_torch.py --sections "
         "variants`). multihead rows are `multihead bench --module sdpa` with `--causal "
-        "--window 512` or `--softcap 50`; \"ours, plain\" is the same call without the variant "
-        "(dense causal for the window rows). PyTorch's window rows are "
-        "`F.scaled_dot_product_attention` given the band as a bool mask; its soft-cap rows are "
-        "the cap written out (PyTorch has no soft-cap argument), for reference.\n",
+        "--window 512`, `--softcap 50`, `--alibi` or `--sinks`; \"ours, plain\" is the same "
+        "call without the variant (dense causal for the window rows). PyTorch's window rows are "
+        "`F.scaled_dot_product_attention` given the band as a bool mask, its ALiBi rows SDPA "
+        "given the bias as a float mask; its soft-cap and sink rows are written out (PyTorch "
+        "has no argument for them; the sinks as gpt-oss's eager attention), for reference.\n",
         "| case | PyTorch | multihead, plain | multihead | vs plain | vs PyTorch |",
         "|---|---|---|---|---|---|",
     ]
@@ -141,7 +170,8 @@ def evaluate_targets(doc):
             checks = [("window vs our dense causal (x)", r["dense"] / r["ours"], 6.0),
                       ("window vs PyTorch band mask (x)", r["torch"] / r["ours"], 5.0)]
         else:
-            checks = [("soft cap vs plain (x, at least)", r["dense"] / r["ours"], 1 / 1.15)]
+            what = {"softcap": "soft cap", "alibi": "ALiBi", "sinks": "sinks"}[r["kind"]]
+            checks = [(f"{what} vs plain (x, at least)", r["dense"] / r["ours"], 1 / 1.15)]
         for name, got, need in checks:
             out.append({"target": name, "case": r["label"], "measured": f"{got:.2f}",
                         "required": f"{need:.2f}", "met": got >= need,

@@ -29,7 +29,8 @@ pub enum Module {
     /// bias; `--backward` adds the gradients of the input, weight and bias.
     Linear,
     /// `F.scaled_dot_product_attention` on `(N, H, L, E/H)` over `(N, H, S, E/H)`, with
-    /// `--causal`, `--window` and `--softcap`; `--backward` adds the gradients of q, k and v.
+    /// `--causal`, `--window`, `--softcap`, `--alibi` and `--sinks`; `--backward` adds the
+    /// gradients of q, k and v (and the sinks).
     Sdpa,
 }
 
@@ -88,6 +89,13 @@ pub struct BenchArgs {
     /// A tanh soft cap on the scores (sdpa only), as Gemma 2's.
     #[arg(long)]
     pub softcap: Option<f64>,
+    /// ALiBi with the paper's slopes for the heads (sdpa only).
+    #[arg(long)]
+    pub alibi: bool,
+    /// Attention sinks, one learned logit per head (sdpa only; with `--backward`, their
+    /// gradient too).
+    #[arg(long)]
+    pub sinks: bool,
     /// Time forward plus backward (gradients of inputs and parameters).
     #[arg(long)]
     pub backward: bool,
@@ -234,8 +242,9 @@ fn check_sizes(a: &BenchArgs) -> Result<()> {
     in_range("--src-len", a.src_len, min_src, usize::MAX)?;
     let rows = a.tgt_len.saturating_add(a.src_len);
     fits("--batch, --tgt-len, --src-len, --embed-dim", &[a.batch, rows, a.embed_dim], 6)?;
-    if a.module != Module::Sdpa && (a.window.is_some() || a.softcap.is_some()) {
-        anyhow::bail!("--window and --softcap apply to --module sdpa only");
+    let variant = a.window.is_some() || a.softcap.is_some() || a.alibi || a.sinks;
+    if a.module != Module::Sdpa && variant {
+        anyhow::bail!("--window, --softcap, --alibi and --sinks apply to --module sdpa only");
     }
     if matches!(a.module, Module::EncoderLayer | Module::DecoderLayer | Module::Linear) {
         fits("--batch, --tgt-len, --dim-feedforward", &[a.batch, a.tgt_len, a.dim_feedforward], 3)?;
@@ -393,6 +402,7 @@ fn report(
                 "activation": a.activation, "eval": a.eval, "key_padding": a.key_padding,
                 "norm_first": a.norm_first,
                 "num_kv_heads": a.num_kv_heads, "window": a.window, "softcap": a.softcap,
+                "alibi": a.alibi, "sinks": a.sinks,
                 "dtype": format!("{:?}", a.candle_dtype()),
                 "bf16_products": multihead::bf16_products(),
                 "bf16_kernel": format!("{:?}", multihead_kernels::bf16gemm::active_bf16_kernel()),
@@ -431,6 +441,8 @@ fn report(
         let variants = [
             variant("window", a.window.map(|w| w.to_string())),
             variant("softcap", a.softcap.map(|c| c.to_string())),
+            a.alibi.then(|| " alibi".to_string()),
+            a.sinks.then(|| " sinks".to_string()),
         ];
         let variants: String = variants.into_iter().flatten().collect();
         if !variants.is_empty() {

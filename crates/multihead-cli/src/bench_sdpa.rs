@@ -1,23 +1,30 @@
 //! `multihead bench --module sdpa`: `F.scaled_dot_product_attention` on `(N, H, L, E/H)`
 //! queries over `(N, H, S, E/H)` keys and values, with the variants (`--causal`, a sliding
-//! `--window`, `--softcap`), forward under `no_grad`, or forward and backward (the gradients of
+//! `--window`, `--softcap`, `--alibi`, `--sinks`), forward under `no_grad`, or forward and backward (the gradients of
 //! q, k and v).
 
 use anyhow::Result;
 use candle_core::{Device, Var};
 use multihead::functional::{explain_sdpa, scaled_dot_product_attention, SdpaOptions};
-use multihead::CausalAlign;
+use multihead::{CausalAlign, Variants};
 
 use crate::bench::{randn, BenchArgs, Step};
 
-/// The options the flags ask for: causal (top-left), a left window, a soft cap.
-fn options(a: &BenchArgs) -> SdpaOptions {
+/// The options the flags ask for: causal (top-left), a left window, a soft cap, ALiBi with the
+/// paper's slopes, and `sinks` (a learned tensor, made by the caller).
+fn options(a: &BenchArgs, sinks: Option<&Var>) -> SdpaOptions {
     let mut o = SdpaOptions::default().is_causal(a.causal).causal_align(CausalAlign::TopLeft);
     if let Some(w) = a.window {
         o = o.window(Some(w), None);
     }
     if let Some(c) = a.softcap {
         o = o.softcap(c);
+    }
+    if a.alibi {
+        o = o.alibi(Variants::alibi_slopes_for(a.num_heads));
+    }
+    if let Some(s) = sinks {
+        o = o.sinks(s.as_tensor().clone());
     }
     o
 }
@@ -39,10 +46,15 @@ pub fn sdpa_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
     let q = Var::from_tensor(&randn(&[a.batch, a.num_heads, a.tgt_len, d], dt, &dev)?)?;
     let k = Var::from_tensor(&randn(&[a.batch, a.num_heads, a.src_len, d], dt, &dev)?)?;
     let v = Var::from_tensor(&randn(&[a.batch, a.num_heads, a.src_len, d], dt, &dev)?)?;
-    let opts = options(a);
+    let sinks = match a.sinks {
+        true => Some(Var::from_tensor(&randn(&[a.num_heads], dt, &dev)?)?),
+        false => None,
+    };
+    let opts = options(a, sinks.as_ref());
     let plan = explain_sdpa(q.as_tensor(), k.as_tensor(), v.as_tensor(), &opts)?;
     let extra = serde_json::json!({
-        "window": a.window, "softcap": a.softcap, "path": format!("{:?}", plan.path),
+        "window": a.window, "softcap": a.softcap,
+        "path": format!("{:?}", plan.path),
         "visible_pairs": visible_pairs(a),
     });
     Ok((
