@@ -48,6 +48,9 @@ pub(crate) struct BwdTask<'a> {
     /// The bf16 micro-kernel of `AttnParams::bf16_products`, chosen on the calling thread (a
     /// worker does not see the caller's forced SIMD level).
     pub(crate) kern: crate::bf16gemm::micro::Kernel,
+    /// Where the scores' gradient goes (`flash_backward_dscores`): contiguous `[batch,
+    /// heads_q, l, s]`, validated by the caller; `None` when not wanted.
+    pub(crate) dscores: Option<SyncPtr<f32>>,
 }
 
 impl<'a> BwdTask<'a> {
@@ -86,7 +89,14 @@ impl<'a> BwdTask<'a> {
             nq: p.dims.l.div_ceil(br),
             finite: &[],
             kern: crate::bf16gemm::micro::kernel(),
+            dscores: None,
         }
+    }
+
+    /// Whether the scores' gradient is taken before the soft cap's slope, in its own tile
+    /// (the cap applies before the masks and the masks' gradient is wanted).
+    fn pre_slope(&self) -> bool {
+        self.dscores.is_some() && self.p.softcap.is_some() && !bias_before_cap(self.p)
     }
 }
 
@@ -120,6 +130,8 @@ struct BwdScratch<'a> {
     st: &'a mut [f32],
     dpt: &'a mut [f32],
     mt: &'a mut [f32],
+    /// `dS` before the soft cap's slope (empty unless `pre_slope`).
+    pre: &'a mut [f32],
     dqa: &'a mut [f32],
     dvec: &'a mut [f32],
     lsev: &'a mut [f32],
@@ -171,6 +183,7 @@ impl Task for BwdTask<'_> {
             + round16(d.dv * brp)
             + round16(d.dv * brp)
             + 3 * round16(self.bc * brp)
+            + round16(usize::from(self.pre_slope()) * self.bc * brp)
             + round16(self.br * d.d)
             + 3 * round16(brp)
             + round16(self.chunk() * d.d)
@@ -200,6 +213,7 @@ impl Task for BwdTask<'_> {
             st: cv.take(self.bc * brp_max),
             dpt: cv.take(self.bc * brp_max),
             mt: cv.take(if p.has_mask() { self.bc * brp_max } else { 0 }),
+            pre: cv.take(if self.pre_slope() { self.bc * brp_max } else { 0 }),
             dqa: cv.take(self.br * d),
             dvec: cv.take(brp_max),
             lsev: cv.take(brp_max),
@@ -225,6 +239,12 @@ impl Task for BwdTask<'_> {
         // and `dq[b, h]` for the query heads `h` of kv head `hk` (output layouts were checked
         // to be non-overlapping).
         unsafe {
+            if let Some(dsc) = self.dscores {
+                // Entries no key tile reaches stay 0.
+                let per_head = dm.l * s;
+                let first = dsc.0.add((b * dm.heads_q + hk * group) * per_head);
+                std::ptr::write_bytes(first, 0, group * per_head);
+            }
             let dkbase = self.dk.0.add(self.dkl.offset(b, hk, 0));
             let dvbase = self.dv.0.add(self.dvl.offset(b, hk, 0));
             let nchunks = s.div_ceil(chunk).max(1);
@@ -381,7 +401,21 @@ impl BwdTask<'_> {
                 let alibi = alibi.filter(|_| !bias_before_cap(p));
                 let stats = (sc.maxv.as_ptr(), sc.lsev.as_ptr(), sc.dvec.as_ptr());
                 let drop = dropout.as_ref().map(|dr| (dr, j0));
-                probs_and_dscores::<S>(&tile, (mask, alibi.as_ref()), stats, drop, p.softcap);
+                let pre =
+                    if sc.pre.is_empty() { std::ptr::null_mut() } else { sc.pre.as_mut_ptr() };
+                probs_and_dscores::<S>(
+                    &tile,
+                    (mask, alibi.as_ref()),
+                    stats,
+                    drop,
+                    (p.softcap, pre),
+                );
+                if let Some(dsc) = self.dscores {
+                    // The [key][query] tile into rows i0.. of [b, h]'s [query][key] block.
+                    let src = if pre.is_null() { dpp as *const f32 } else { pre };
+                    let dst = dsc.0.add(((bh * dm.l) + i0) * dm.s + j0);
+                    S::transpose(dst, dm.s, src, brp, bc, br, 1.0, false);
+                }
                 let grads = BlockGrads { dvj: (dvj, dv), dkj: (dkj, d), kj: (kj, kld), first };
                 if bf {
                     sc.bb.grads(kern, (stp, dpp), brp, (br, bc), (d, dv), grads);
@@ -512,7 +546,8 @@ struct GradTile {
 /// Replaces the tiles by `P∘m` and `dS = P∘(m∘dP − D)`, with `P = exp(S + mask + bias − max − lse)`
 /// from the forward's statistics `(max, lse, D)` (one per lane), `mask` a pointer and whether
 /// it holds one value per key (else one per entry), and `m` the dropout multipliers of
-/// `dropout`'s block at key offset `j0` (1 without dropout).
+/// `dropout`'s block at key offset `j0` (1 without dropout). Through a soft cap `dS` is
+/// multiplied by its slope; `pre` (when not null, a tile like `dpt`) gets `dS` before that.
 ///
 /// # Safety
 /// `S` is available; the tiles (and a per-entry mask) hold `bc · brp` floats, a per-key mask
@@ -523,7 +558,7 @@ unsafe fn probs_and_dscores<S: Simd>(
     (mask, alibi): (Option<(*const f32, bool)>, Option<&Alibi>),
     (maxv, lsev, dvec): (*const f32, *const f32, *const f32),
     dropout: Option<(&BlockDropout, usize)>,
-    softcap: Option<f32>,
+    (softcap, pre): (Option<f32>, *mut f32),
 ) {
     let l = S::LANES;
     // SAFETY: within the tiles and statistics (caller).
@@ -556,6 +591,9 @@ unsafe fn probs_and_dscores<S: Simd>(
                     }
                     None => (pe, S::mul(pe, S::sub(dp, dd))),
                 };
+                if !pre.is_null() {
+                    S::store(pre.add(off), ds);
+                }
                 if let Some(g) = slope {
                     ds = S::mul(ds, g);
                 }

@@ -703,7 +703,49 @@ pub fn flash_backward(
     check_tensor("dk", dk.len(), [d.batch, d.heads_kv, d.s, d.d], dkl, true)?;
     check_tensor("dv", dv.len(), [d.batch, d.heads_kv, d.s, d.dv], dvl, true)?;
     let ptr = |x: &mut [f32]| exec::SyncPtr(x.as_mut_ptr());
-    run_backward(p, ins, lse, [(ptr(dq), dql), (ptr(dk), dkl), (ptr(dv), dvl)])
+    run_backward(p, ins, lse, [(ptr(dq), dql), (ptr(dk), dkl), (ptr(dv), dvl)], None)
+}
+
+/// [`flash_backward`] that also writes `dscores`, the gradient of the scores at the point
+/// where the masks are added (`[batch, heads_q, l, s]`, contiguous): the gradient of an
+/// additive mask given per `(batch, head)` (sum it over the dimensions a broadcast mask
+/// repeats). With the soft cap before the masks it is `dS` before the cap's slope, after the
+/// masks (ONNX's placement) `dS` through it; keys hidden by the band or a fully masked tile get
+/// 0. Costs the `l·s` floats per head that the fused backward otherwise never stores.
+#[allow(clippy::too_many_arguments)]
+// Mirrors the gradient of a float attn_mask that requires grad in torch's SDPA (math path).
+pub fn flash_backward_dscores(
+    p: &AttnParams<'_>,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    v: &[f32],
+    vl: Layout4,
+    out: &[f32],
+    ol: Layout4,
+    dout: &[f32],
+    dol: Layout4,
+    lse: &[f32],
+    dq: &mut [f32],
+    dql: Layout4,
+    dk: &mut [f32],
+    dkl: Layout4,
+    dv: &mut [f32],
+    dvl: Layout4,
+    dscores: &mut [f32],
+) -> Result<(), KernelError> {
+    let ins = [(q, ql), (k, kl), (v, vl), (out, ol), (dout, dol)];
+    check_backward_inputs(p, ins, lse)?;
+    let d = p.dims;
+    check_tensor("dq", dq.len(), [d.batch, d.heads_q, d.l, d.d], dql, true)?;
+    check_tensor("dk", dk.len(), [d.batch, d.heads_kv, d.s, d.d], dkl, true)?;
+    check_tensor("dv", dv.len(), [d.batch, d.heads_kv, d.s, d.dv], dvl, true)?;
+    let n = product("dscores", &[d.batch, d.heads_q, d.l, d.s])?;
+    check_len("dscores", n, dscores.len())?;
+    let ptr = |x: &mut [f32]| exec::SyncPtr(x.as_mut_ptr());
+    let outs = [(ptr(dq), dql), (ptr(dk), dkl), (ptr(dv), dvl)];
+    run_backward(p, ins, lse, outs, Some(ptr(dscores)))
 }
 
 /// [`flash_backward`] for self-attention whose q, k and v gradients share one buffer, as the
@@ -742,7 +784,7 @@ pub fn flash_backward_packed(
     let ins = [(q, ql), (k, kl), (v, vl), (out, ol), (dout, dol)];
     check_backward_inputs(p, ins, lse)?;
     let [dq, dk, dv] = packed_outputs("dqkv", dqkv, dl, [d.batch, d.heads_q, d.l, d.d])?;
-    run_backward(p, ins, lse, [(dq, dl), (dk, dl), (dv, dl)])
+    run_backward(p, ins, lse, [(dq, dl), (dk, dl), (dv, dl)], None)
 }
 
 /// [`flash_backward`] whose k and v gradients share one buffer, as the gradient of a packed
@@ -781,7 +823,8 @@ pub fn flash_backward_kv_packed(
     check_backward_inputs(p, ins, lse)?;
     check_tensor("dq", dq.len(), [d.batch, d.heads_q, d.l, d.d], dql, true)?;
     let [dk, dv] = packed_outputs("dkv", dkv, dkvl, [d.batch, d.heads_kv, d.s, d.d])?;
-    run_backward(p, ins, lse, [(exec::SyncPtr(dq.as_mut_ptr()), dql), (dk, dkvl), (dv, dkvl)])
+    let dq = exec::SyncPtr(dq.as_mut_ptr());
+    run_backward(p, ins, lse, [(dq, dql), (dk, dkvl), (dv, dkvl)], None)
 }
 
 /// The `N` parts of a packed gradient buffer: `buf` viewed through `l` as `[batch, N·heads,
@@ -824,12 +867,13 @@ fn check_backward_inputs(
 }
 
 /// Runs the backward tasks on validated inputs into the validated, non-overlapping gradient
-/// outputs `dq`, `dk`, `dv`.
+/// outputs `dq`, `dk`, `dv` (and the scores' gradient, contiguous `[batch, heads_q, l, s]`).
 fn run_backward(
     p: &AttnParams<'_>,
     ins: [(&[f32], Layout4); 5],
     lse: &[f32],
     outs: [(exec::SyncPtr<f32>, Layout4); 3],
+    dscores: Option<exec::SyncPtr<f32>>,
 ) -> Result<(), KernelError> {
     let d = p.dims;
     if d.batch == 0 || d.heads_q == 0 {
@@ -841,6 +885,7 @@ fn run_backward(
     // and accumulates dK and dV there.
     let mut task = backward::BwdTask::new(p, ins, lse, outs, BWD_BR, BWD_BC);
     task.finite = &finite;
+    task.dscores = dscores;
     exec::try_par_run(simd_level(), &task, "flash_backward")
 }
 

@@ -209,6 +209,24 @@ pub fn backward(
     dout: &[f32],
     dol: Layout4,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (dq, dk, dv, _) = backward_with_dscores(p, q, ql, k, kl, v, vl, dout, dol);
+    (dq, dk, dv)
+}
+
+/// [`backward`] and the gradient of the scores where the masks are added, `[batch, heads_q, l,
+/// s]` (the gradient of a per-`(batch, head)` additive mask).
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+pub fn backward_with_dscores(
+    p: &AttnParams<'_>,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    v: &[f32],
+    vl: Layout4,
+    dout: &[f32],
+    dol: Layout4,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
     let d = p.dims;
     let g = d.heads_q / d.heads_kv.max(1);
     let (pr, _) = probabilities(p, q, ql, k, kl);
@@ -216,6 +234,7 @@ pub fn backward(
     let mut dq = vec![0.0; d.batch * d.heads_q * d.l * d.d];
     let mut dk = vec![0.0; d.batch * d.heads_kv * d.s * d.d];
     let mut dvv = vec![0.0; d.batch * d.heads_kv * d.s * d.dv];
+    let mut dsc = vec![0.0; d.batch * d.heads_q * d.l * d.s];
     let scale = p.scale as f64;
     let mut dp = vec![0.0; d.s];
     for b in 0..d.batch {
@@ -242,9 +261,15 @@ pub fn backward(
                             x += masks.map(|m| mask_at(m, b, h, i, j)).sum::<f64>();
                             x += alibi(p, h, i, j);
                         }
+                        if !p.softcap_after_masks {
+                            dsc[r * d.s + j] = ds;
+                        }
                         if x.is_finite() {
                             ds *= 1.0 - (x / c as f64).tanh().powi(2);
                         }
+                    }
+                    if p.softcap.is_none() || p.softcap_after_masks {
+                        dsc[r * d.s + j] = ds;
                     }
                     let ko = kl.offset(b, hk, j);
                     let qo = ql.offset(b, h, i);
@@ -262,7 +287,7 @@ pub fn backward(
             }
         }
     }
-    (dq, dk, dvv)
+    (dq, dk, dvv, dsc)
 }
 
 /// The gradient of the sinks, `heads_q` values: `dsink_h = −Σ_{b,i} P_sink · Σ_j P_ij·dP_ij`,

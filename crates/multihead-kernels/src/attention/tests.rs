@@ -265,6 +265,8 @@ struct Results {
     wavg: Vec<f32>,
     /// The sinks' gradient (empty without sinks).
     dsinks: Vec<f32>,
+    /// The scores' gradient (`flash_backward_dscores`), `[b, hq, l, s]`.
+    dscores: Vec<f32>,
 }
 
 fn params<'a>(c: &'a Case, masks: &'a [MaskData]) -> AttnParams<'a> {
@@ -313,11 +315,38 @@ fn run_kernels(c: &Case, p: &AttnParams<'_>, x: &Inputs) -> Results {
     attention_weights(p, q, x.ql, k, x.kl, &lse, true, &mut wavg).unwrap();
     // The log-sum-exp from the two halves of the row statistics, for comparison.
     let lse_sum = (0..rows).map(|r| lse[r] + lse[rows + r]).collect();
+    // Again with the scores' gradient: the same dq, dk, dv bit for bit.
+    let mut dscores = vec![f32::NAN; c.b * c.hq * c.l * c.s];
+    let (mut dq2, mut dk2, mut dv2) = (dq.clone(), dk.clone(), dv.clone());
+    flash_backward_dscores(
+        p,
+        q,
+        x.ql,
+        k,
+        x.kl,
+        v,
+        x.vl,
+        &out,
+        x.ol,
+        &x.dout,
+        x.dol,
+        &lse,
+        &mut dq2,
+        x.dql,
+        &mut dk2,
+        x.dkl,
+        &mut dv2,
+        x.dvl,
+        &mut dscores,
+    )
+    .unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(bits(&dq2) == bits(&dq) && bits(&dk2) == bits(&dk) && bits(&dv2) == bits(&dv));
     let mut dsinks = vec![f32::NAN; if p.sinks.is_some() { c.hq } else { 0 }];
     if p.sinks.is_some() {
         sink_grad(p, &out, x.ol, &x.dout, x.dol, &lse, &mut dsinks).unwrap();
     }
-    Results { out, lse: lse_sum, dq, dk, dv, w, wavg, dsinks }
+    Results { out, lse: lse_sum, dq, dk, dv, w, wavg, dsinks, dscores }
 }
 
 fn check_case(c: &Case) {
@@ -330,6 +359,8 @@ fn check_case(c: &Case) {
     let (edq, edk, edv) = reference::backward(&p, q, x.ql, k, x.kl, v, x.vl, &x.dout, x.dol);
     let ew = reference::weights(&p, q, x.ql, k, x.kl, false);
     let ewavg = reference::weights(&p, q, x.ql, k, x.kl, true);
+    let (.., edsc) =
+        reference::backward_with_dscores(&p, q, x.ql, k, x.kl, v, x.vl, &x.dout, x.dol);
     let esinks = reference::sink_grad(&p, q, x.ql, k, x.kl, v, x.vl, &x.dout, x.dol);
     let lsel = Layout4::contiguous(c.hq, c.l, 1);
     for level in levels() {
@@ -345,6 +376,8 @@ fn check_case(c: &Case) {
             assert_close("weights", c, &r.w, wl, &ew, [b, hq, l, s], 1e-5);
             let wal = Layout4::contiguous(1, l, s);
             assert_close("weights(avg)", c, &r.wavg, wal, &ewavg, [b, 1, l, s], 1e-5);
+            let dl = Layout4::contiguous(hq, l, s);
+            assert_close("dscores", c, &r.dscores, dl, &edsc, [b, hq, l, s], 1e-4);
             if c.sinks.is_some() {
                 let hl = Layout4::contiguous(1, 1, 1);
                 assert_close("dsinks", c, &r.dsinks, hl, &esinks, [1, hq, 1, 1], 1e-4);
