@@ -9,7 +9,8 @@ Two sources, written to tests/fixtures/variants/ (cases.json + tensors.safetenso
   hand (PyTorch has no soft-cap argument); outputs and the gradients of q, k and v of
   `sum(out * g)`. ALiBi as BLOOM builds it (`slope * j`, causal) and as FlashAttention
   defines it (`-slope * |i + offset - j|`), and attention sinks as gpt-oss's eager attention
-  in transformers writes them (a softmax column dropped afterwards), with the sinks' gradient.
+  in transformers writes them (a softmax column dropped afterwards), with the sinks' gradient;
+  a learned bias (a float mask that requires grad) with its gradient.
 * ONNX `Attention` (opset 23/24): every f32 node test case the installed `onnx` package ships
   (its inputs and the outputs of its numpy reference), brought into SDPA's form by the
   operator's own input rules: 3-D inputs split into heads, the past keys and values
@@ -152,8 +153,8 @@ def alibi_slopes(h):
 
 
 def bias_cases():
-    """ALiBi (BLOOM's causal form and FlashAttention's distance form) and attention sinks
-    (gpt-oss), with the sinks' gradient."""
+    """ALiBi (BLOOM's causal form and FlashAttention's distance form), attention sinks
+    (gpt-oss) with the sinks' gradient, and a learned bias with its gradient."""
     gen = torch.Generator().manual_seed(20261204)
     rnd = lambda *shape: torch.randn(*shape, generator=gen)
     specs = [
@@ -203,6 +204,22 @@ def bias_cases():
         case.update({key: val for key, val in o.items() if key not in ("alibi", "sinks")})
         case["softcap_after_masks"] = False
         cases.append(case)
+    # A learned relative-position bias (T5/Swin), shared over the batch: SDPA given it as a
+    # float mask that requires grad (PyTorch's math path), with its gradient.
+    for name, (N, H, L, S, D), bias_shape, causal in [
+        ("pt_learned_bias", (2, 4, 6, 9, 8), (1, 4, 6, 9), False),
+        ("pt_learned_bias_shared", (2, 2, 7, 7, 8), (7, 7), False),
+    ]:
+        q, k, v = (rnd(N, H, n, D).requires_grad_() for n in (L, S, S))
+        bias = rnd(*bias_shape).requires_grad_()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        g = rnd(*out.shape)
+        dq, dk, dv, dmask = torch.autograd.grad((out * g).sum(), (q, k, v, bias))
+        t = dict(q=q, k=k, v=v, out=out, g=g, dq=dq, dk=dk, dv=dv, mask=bias, dmask=dmask)
+        for key, x in t.items():
+            tensors[f"{name}.{key}"] = x.detach().float().contiguous()
+        cases.append(dict(name=name, source="pytorch", grads=True, enable_gqa=False,
+                          mask="float", mask_grad=True, softcap_after_masks=False))
     return cases, tensors
 
 

@@ -4,7 +4,7 @@ use candle_core::Tensor;
 
 use super::core::{attention_core, broadcast_shapes, check_dropout, repeat_interleave};
 use crate::error::{fmt_shape, Error, Result};
-use crate::fused::dispatch::{decide, dtype_device_blocker, Path, Plan, Reason};
+use crate::fused::dispatch::{decide, dtype_device_blocker, mask_records_grad, Path, Plan, Reason};
 use crate::mask::Mask;
 use crate::mode::Backend;
 use crate::random::{next_dropout_key, DropoutKey};
@@ -342,9 +342,6 @@ fn plan(
         if call.mask.as_ref().is_some_and(|m| m.rank() > 4) {
             return Some(Reason::MaskRank);
         }
-        if crate::fused::dispatch::mask_records_grad(opts.attn_mask.as_ref()) {
-            return Some(Reason::MaskGrad);
-        }
         None
     });
     decide(SDPA, opts.backend, blocker)
@@ -577,7 +574,12 @@ fn run_fused(
         let (d, st) = (t.dims(), t.stride());
         Ok(if d[3] > 1 && st[3] != 1 { t.contiguous()? } else { t.clone() })
     };
-    let out = op.apply(&rows(query)?, &rows(key)?, &rows(value)?)?;
+    let (q, k, v) = (rows(query)?, rows(key)?, rows(value)?);
+    let mut out = op.apply(&q, &k, &v)?;
+    if let (Some(mask), true) = (&call.mask, mask_records_grad(opts.attn_mask.as_ref())) {
+        // A learned bias: its gradient joins the graph through an identity on the output.
+        out = crate::fused::mask_grad::attach(&op, &out, mask, [&q, &k, &v])?;
+    }
     match &opts.sinks {
         // The sinks' gradient joins the graph through an identity on the output.
         Some(t) => crate::fused::sinks::attach(&op, &out, t),

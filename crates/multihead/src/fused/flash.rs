@@ -105,6 +105,8 @@ pub(crate) struct FlashAttention {
     /// Attention sinks, one per query head (their gradient: [`super::sinks`]).
     pub(super) sinks: Option<Arc<Vec<f32>>>,
     pub(super) lse: Arc<Mutex<Vec<f32>>>,
+    /// dq, dk, dv already computed by a learned mask's backward ([`super::mask_grad`]).
+    pub(super) grads: super::mask_grad::Stash,
 }
 
 impl FlashAttention {
@@ -128,6 +130,7 @@ impl FlashAttention {
             alibi: None,
             sinks: None,
             lse: Arc::new(Mutex::new(Vec::new())),
+            grads: Arc::default(),
         }
     }
 
@@ -156,7 +159,7 @@ impl FlashAttention {
     /// The same op (sizes, masks, dropout) reading its inputs through another convention,
     /// with its own saved statistics.
     pub(crate) fn with_convention(&self, conv: Convention) -> Self {
-        Self { conv, lse: Arc::new(Mutex::new(Vec::new())), ..self.clone() }
+        Self { conv, lse: Arc::new(Mutex::new(Vec::new())), grads: Arc::default(), ..self.clone() }
     }
 
     /// Runs the kernel forward into a new output for a query of dims `q_dims`, and keeps the
@@ -301,6 +304,10 @@ impl CustomOp3 for FlashAttention {
         res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        if let Some([dq, dk, dv]) = self.grads.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            // A learned mask's backward ran the kernels already, for this output's gradient.
+            return Ok((Some(dq), Some(dk), Some(dv)));
+        }
         let (qs, ql) = q.storage_and_layout();
         let (ks, kl) = k.storage_and_layout();
         let (vs, vl) = v.storage_and_layout();

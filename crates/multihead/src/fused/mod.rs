@@ -4,6 +4,7 @@
 //!   why.
 //! * `flash`: the flash-attention kernels as candle custom ops with a backward.
 //! * `sinks`: the attention sinks' gradient, joined to the graph by an identity on the output.
+//! * `mask_grad`: a learned additive mask's gradient, the same way.
 //! * `linear`: `F.linear` (optionally followed by ReLU) as one candle op on gemm's kernels,
 //!   with a backward.
 //! * `bf16_linear`: `F.linear` with bf16 products (AVX512-BF16), without a backward, for
@@ -23,6 +24,7 @@ pub mod dispatch;
 pub(crate) mod flash;
 pub(crate) mod flash_packed;
 pub(crate) mod linear;
+pub(crate) mod mask_grad;
 pub(crate) mod norm;
 pub(crate) mod sinks;
 pub(crate) mod zeros;

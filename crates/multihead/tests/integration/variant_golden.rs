@@ -1,6 +1,7 @@
 //! SDPA's variants against committed golden cases (`tools/variant_cases.py`): PyTorch's
 //! numbers (`causal_lower_right`, windows and key lengths as explicit masks, a hand-written
-//! soft cap, BLOOM's and FlashAttention's ALiBi, gpt-oss's sinks; outputs and gradients) and ONNX `Attention`'s node test cases (outputs of its
+//! soft cap, BLOOM's and FlashAttention's ALiBi, gpt-oss's sinks, a learned bias; outputs and
+//! gradients) and ONNX `Attention`'s node test cases (outputs of its
 //! reference), on the fused and the composed path.
 
 use std::path::PathBuf;
@@ -71,7 +72,11 @@ fn every_variant_golden_case_matches_pytorch_and_onnx() {
             let what = format!("{name} ({backend:?})");
             let (qv, kv, vv) = (var(&q), var(&k), var(&v));
             let sinks = (c["sinks"].as_bool() == Some(true)).then(|| var(&t("sinks")));
+            let learned = (c["mask_grad"].as_bool() == Some(true)).then(|| var(&t("mask")));
             let mut o = opts.clone().backend(backend);
+            if let Some(m) = &learned {
+                o = o.attn_mask(Mask::Float(m.as_tensor().clone()));
+            }
             if let Some(s) = &sinks {
                 o = o.sinks(s.as_tensor().clone());
             }
@@ -84,6 +89,11 @@ fn every_variant_golden_case_matches_pytorch_and_onnx() {
                 for (x, g) in [(&qv, "dq"), (&kv, "dk"), (&vv, "dv")] {
                     let got = grads.get(x.as_tensor()).expect("grad");
                     assert_close(got, &t(g), Tolerance::F32_GRAD, &format!("{what}: {g}"));
+                }
+                if let Some(m) = &learned {
+                    let got = grads.get(m.as_tensor()).expect("mask grad");
+                    assert_close(got, &t("dmask"), Tolerance::F32_GRAD, &format!("{what}: dmask"));
+                    bias += 1;
                 }
                 if let Some(s) = &sinks {
                     let got = grads.get(s.as_tensor()).expect("sinks grad");
@@ -107,9 +117,9 @@ fn every_variant_golden_case_matches_pytorch_and_onnx() {
         }
     }
     // Every committed case ran (a fixture that lost its cases would pass vacuously).
-    assert!(pytorch >= 14 && onnx >= 60, "{pytorch} PyTorch and {onnx} ONNX cases");
-    // 3 ALiBi cases, 2 sink cases on two backends.
-    assert!(bias >= 7, "{bias} ALiBi cases and sink gradients");
+    assert!(pytorch >= 16 && onnx >= 60, "{pytorch} PyTorch and {onnx} ONNX cases");
+    // 3 ALiBi cases; 2 sink and 2 learned-bias cases on two backends.
+    assert!(bias >= 11, "{bias} ALiBi cases, sink and bias gradients");
     let softcaps = cases.iter().filter(|c| c["source"] == "onnx" && c.get("softcap").is_some());
     assert!(softcaps.count() >= 6, "the ONNX soft-cap cases");
 }

@@ -173,3 +173,54 @@ fn bad_alibi_and_sinks_are_errors_on_both_paths() {
         }
     }
 }
+
+/// A learned additive bias (T5/Swin relative positions) on the fused path: outputs and the
+/// gradients of q, k, v and the bias against the composed path, for biases broadcast over the
+/// batch, the heads or both, through soft caps in both placements, windows, dropout and GQA.
+#[test]
+fn a_learned_bias_gets_its_gradient_on_the_fused_path() {
+    let (q, kv): (&[usize], &[usize]) = (&[2, 4, 70, 16], &[2, 4, 90, 16]);
+    let (qg, kg): (&[usize], &[usize]) = (&[2, 6, 33, 8], &[2, 2, 40, 8]);
+    let key = DropoutKey { seed: 9, offset: 0 };
+    let o = SdpaOptions::default;
+    let cases: Vec<(&str, [&[usize]; 3], &[usize], SdpaOptions)> = vec![
+        ("per head", [q, kv, kv], &[1, 4, 70, 90], o()),
+        ("full", [q, kv, kv], &[2, 4, 70, 90], o().softcap(0.8)),
+        ("shared", [q, kv, kv], &[70, 90], o().window(Some(20), Some(5)).softcap(1.2)),
+        ("per batch", [q, kv, kv], &[2, 1, 70, 90], o().dropout_p(0.2).dropout_key(key)),
+        (
+            "cap after",
+            [q, kv, kv],
+            &[4, 70, 90],
+            o().variants(Variants::default().softcap(0.9).softcap_after_masks(true)),
+        ),
+        ("gqa", [qg, kg, kg], &[6, 33, 40], o().enable_gqa(true).kv_lengths(vec![40, 11])),
+    ];
+    for (what, shapes, bias_shape, opts) in cases {
+        let bias = var(&det(bias_shape, DType::F32, 8.0));
+        let opts = opts.attn_mask(Mask::Float(bias.as_tensor().clone()));
+        let plan = explain_sdpa(
+            &det(shapes[0], DType::F32, 1.0),
+            &det(shapes[1], DType::F32, 2.0),
+            &det(shapes[2], DType::F32, 3.0),
+            &opts,
+        )
+        .expect("plan");
+        assert_eq!(plan.path, Path::Fused, "{what}: {plan:?}");
+        let grads_of = |backend| {
+            let (out, mut gs) = run(shapes, &opts.clone().backend(backend), None, DType::F32);
+            // `run` took the gradients of q, k, v; the bias's comes from the same graph.
+            let g = det(out.dims(), DType::F32, 4.0);
+            let store = out.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+            gs.push(store.get(bias.as_tensor()).expect("bias grad").clone());
+            (out, gs)
+        };
+        let (a, ga) = grads_of(Backend::Fused);
+        let (b, gb) = grads_of(Backend::Composed);
+        assert_close(&a, &b, Tolerance::F32_FORWARD, &format!("{what}: output"));
+        for (name, (x, y)) in ["dq", "dk", "dv", "dbias"].iter().zip(ga.iter().zip(&gb)) {
+            assert_eq!(x.dims(), y.dims(), "{what}: {name}");
+            assert_close(x, y, Tolerance::F32_GRAD, &format!("{what}: {name}"));
+        }
+    }
+}
