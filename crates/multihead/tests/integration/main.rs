@@ -19,3 +19,4 @@ mod transformer;
 mod variant_golden;
 mod variants;
 mod variants_bias;
+mod variants_mha;

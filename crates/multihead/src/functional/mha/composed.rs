@@ -96,7 +96,10 @@ pub(crate) fn attend(
         v = expand(&v)?;
     }
     // Merge the masks by addition (step 11).
-    let mask = if call.causal {
+    let variants = &call.variants;
+    let mask = if *variants != crate::Variants::default() {
+        variant_mask(call, attn_mask, kpm, k.device())?
+    } else if call.causal {
         Some(causal_upper_left(l, s2, call.dtype, k.device())?.unsqueeze(0)?)
     } else {
         let kpm = match kpm {
@@ -114,8 +117,9 @@ pub(crate) fn attend(
     };
     // Attention (steps 12-13), then the heads concatenated back.
     let scale = 1.0 / (hd as f64).sqrt();
+    let score = (scale, variants.cap(), None);
     let (attn, weights) =
-        attention_core(&q, &k, &v, mask.as_ref(), (scale, None, None), dropout, call.need_weights)?;
+        attention_core(&q, &k, &v, mask.as_ref(), score, dropout, call.need_weights)?;
     let attn = attn.transpose(0, 1)?.contiguous()?.reshape((l, n, e))?;
     let attn = if call.batch_first { attn.transpose(0, 1)? } else { attn };
     let weights = match weights {
@@ -126,4 +130,37 @@ pub(crate) fn attend(
         None => None,
     };
     Ok((attn, weights))
+}
+
+/// The merged additive mask with the variants (no `bias_k` or zero-attention columns: checked),
+/// `(N·H, L, S)`: the attention mask, the key padding mask, the keys the causal hint, window and
+/// key lengths hide, and the ALiBi bias.
+fn variant_mask(
+    call: &MhaCall,
+    attn_mask: Option<Tensor>,
+    kpm: Option<Tensor>,
+    dev: &candle_core::Device,
+) -> Result<Option<Tensor>> {
+    let (n, h, l, s) = (call.n, call.h, call.l, call.s);
+    let v = &call.variants;
+    let parts = [
+        attn_mask
+            .map(|a| match a.dim(0)? {
+                1 => a.reshape((1, 1, l, s)),
+                _ => a.reshape((n, h, l, s)),
+            })
+            .transpose()?,
+        kpm.map(|p| p.reshape((n, 1, 1, s))).transpose()?,
+        v.band_mask(MHA, (call.causal, 1), (l, s), call.dtype, dev)?,
+        v.alibi_bias(MHA, (l, s), call.dtype, dev)?,
+    ];
+    let mut mask: Option<Tensor> = None;
+    for part in parts.into_iter().flatten() {
+        mask = Some(match mask {
+            Some(m) => m.broadcast_add(&part)?,
+            None => part,
+        });
+    }
+    mask.map(|m| Ok(m.broadcast_as((n, h, l, s))?.contiguous()?.reshape((n * h, l, s))?))
+        .transpose()
 }

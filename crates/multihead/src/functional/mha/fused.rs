@@ -62,6 +62,7 @@ pub(crate) fn attend(
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let conv = Convention::SeqFirst { heads: h, head_dim: hd, batch_first: call.batch_first };
     let op = FlashAttention::new(dims, scale, call.causal, masks, dropout, conv)
+        .with_variants(&call.variants)
         .with_rounded_products(call.need_weights);
     if call.static_kv.is_some() {
         return static_attention(call, proj, &op);

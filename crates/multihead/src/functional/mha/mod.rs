@@ -95,6 +95,11 @@ pub struct MhaOptions {
     pub static_k: Option<Tensor>,
     /// PyTorch's `static_v`: values already projected, `(N·Hkv, S, D)`. Default `None`.
     pub static_v: Option<Tensor>,
+    /// Soft cap, window, alignment of the causal diagonal, key lengths and ALiBi (not in
+    /// PyTorch's MultiheadAttention; see [`Variants`](crate::Variants) and
+    /// `docs/variants.md`). They apply around the causal hint and the masks as in SDPA; not
+    /// with `bias_k`/`bias_v` or `add_zero_attn`. Default none.
+    pub variants: crate::Variants,
 }
 
 impl Default for MhaOptions {
@@ -109,6 +114,7 @@ impl Default for MhaOptions {
             backend: Backend::Auto,
             static_k: None,
             static_v: None,
+            variants: crate::Variants::default(),
         }
     }
 }
@@ -147,6 +153,31 @@ impl MhaOptions {
     /// Sets the backend.
     pub fn backend(mut self, backend: Backend) -> Self {
         self.backend = backend;
+        self
+    }
+    /// Sets every variant at once (see [`Variants`](crate::Variants)).
+    pub fn variants(mut self, variants: crate::Variants) -> Self {
+        self.variants = variants;
+        self
+    }
+    /// Sets the soft cap `c`: scores become `c·tanh(q·kᵀ/√D / c)` before the masks.
+    pub fn softcap(mut self, c: f64) -> Self {
+        self.variants.softcap = Some(c);
+        self
+    }
+    /// Sets a local window: `left` keys before each query's own key, `right` after.
+    pub fn window(mut self, left: Option<usize>, right: Option<usize>) -> Self {
+        self.variants.window = crate::Window { left, right };
+        self
+    }
+    /// Aligns the causal hint and the window top-left (the default) or bottom-right.
+    pub fn causal_align(mut self, align: crate::CausalAlign) -> Self {
+        self.variants.align = align;
+        self
+    }
+    /// Sets the ALiBi slopes, one per head.
+    pub fn alibi(mut self, slopes: Vec<f64>) -> Self {
+        self.variants.alibi_slopes = Some(slopes);
         self
     }
     /// Sets `static_k` and `static_v`, `(N·Hkv, S, D)` each (see

@@ -47,6 +47,8 @@ pub(crate) struct MhaCall<'a> {
     pub average_attn_weights: bool,
     /// The caller's backend (it governs the projections as well as attention).
     pub backend: crate::mode::Backend,
+    /// Soft cap, window, alignment, key lengths, ALiBi (checked).
+    pub variants: crate::Variants,
 }
 
 impl MhaCall<'_> {
@@ -335,6 +337,24 @@ fn check_in_proj(
 }
 
 /// Checks `static_k`/`static_v`: both or neither, `(N·hk, S, hd)` each with the same `S`, the
+/// The variants: SDPA's checks (key lengths per batch entry, slopes per head), and none with
+/// the extra key columns of `bias_k` or `add_zero_attn` (where their index would be unclear).
+fn check_variants(
+    opts: &MhaOptions,
+    params: &MhaParams,
+    (n, h, s): (usize, usize, usize),
+) -> Result<()> {
+    let v = &opts.variants;
+    if *v == crate::Variants::default() {
+        return Ok(());
+    }
+    if params.bias_k.is_some() || params.add_zero_attn {
+        let msg = "the attention variants (soft cap, window, alignment, key lengths, ALiBi) do not combine with bias_k/bias_v or add_zero_attn, which append key columns; leave one of them out".to_string();
+        return Err(Error::Config { op: MHA, arg: "variants", msg });
+    }
+    v.check(MHA, (Some(n), Some(h)), s)
+}
+
 /// parameter dtype and device, and no `bias_k` (PyTorch: "bias cannot be added to static key").
 fn check_static(
     opts: &MhaOptions,
@@ -502,6 +522,7 @@ pub(crate) fn validate<'a>(
     }
     let static_kv = check_static(opts, params, (n, hk, hd), dtype)?;
     let s = static_kv.as_ref().map_or(Ok(s), |(k, _)| k.dim(1))?;
+    check_variants(opts, params, (n, h, s))?;
     let (kpm, attn_mask) = convert_masks(opts, unbatched, (n, l, s, h), dtype)?;
     // The is_causal hint (docs/pytorch-behaviour.md §4).
     let (attn_mask, causal) = if opts.is_causal && kpm.is_none() && !opts.need_weights {
@@ -534,5 +555,6 @@ pub(crate) fn validate<'a>(
         need_weights: opts.need_weights,
         average_attn_weights: opts.average_attn_weights,
         backend: opts.backend,
+        variants: opts.variants.clone(),
     })
 }

@@ -1,0 +1,132 @@
+//! The attention variants through `MultiheadAttention`: fused against composed (outputs,
+//! weights, and the gradients of the input and every parameter), a window equal to the
+//! explicit band mask PyTorch users would pass, and bad combinations as errors.
+
+use candle_core::{DType, Tensor, Var};
+use candle_nn::VarMap;
+use multihead::functional::MhaOptions;
+use multihead::random::DropoutKey;
+use multihead::{Backend, CausalAlign, Error, Mask, MhaConfig, Variants};
+use multihead_parity::Tolerance;
+
+use crate::common::{assert_close, det, mha, var};
+
+/// Output, weights, and the gradients of the input and of every parameter of `sum(out ∘ g)`.
+fn run(cfg: MhaConfig, x: &Var, opts: &MhaOptions) -> (Tensor, Option<Tensor>, Vec<Tensor>) {
+    let (mut m, vm): (_, VarMap) = mha(cfg, DType::F32);
+    m.train(true);
+    let xt = x.as_tensor();
+    let out = m.forward(xt, xt, xt, opts).expect("mha");
+    let g = det(out.output.dims(), DType::F32, 4.0);
+    let grads = out.output.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+    let mut gs = vec![grads.get(xt).expect("dx").clone()];
+    let data = vm.data().lock().unwrap();
+    let mut names: Vec<_> = data.keys().cloned().collect();
+    names.sort();
+    for n in names {
+        gs.push(grads.get(data[&n].as_tensor()).expect("param grad").clone());
+    }
+    (out.output, out.attn_weights, gs)
+}
+
+fn compare(cfg: MhaConfig, shape: &[usize], opts: MhaOptions, what: &str) {
+    let x = var(&det(shape, DType::F32, 1.0));
+    let (a, wa, ga) = run(cfg.clone(), &x, &opts.clone().backend(Backend::Fused));
+    let (b, wb, gb) = run(cfg, &x, &opts.backend(Backend::Composed));
+    assert_close(&a, &b, Tolerance::F32_FORWARD, &format!("{what}: output"));
+    if let (Some(wa), Some(wb)) = (wa, wb) {
+        assert_close(&wa, &wb, Tolerance::F32_FORWARD, &format!("{what}: weights"));
+    }
+    assert_eq!(ga.len(), gb.len());
+    for (i, (x, y)) in ga.iter().zip(&gb).enumerate() {
+        assert_close(x, y, Tolerance::F32_GRAD, &format!("{what}: gradient {i}"));
+    }
+}
+
+#[test]
+fn mha_variants_match_between_paths() {
+    let cfg = MhaConfig::new(32, 4).with_batch_first(true);
+    let o = || MhaOptions::default().need_weights(false);
+    let shape = [2, 40, 32];
+    compare(cfg.clone(), &shape, o().softcap(0.7), "softcap");
+    compare(cfg.clone(), &shape, o().window(Some(5), Some(2)), "window");
+    compare(cfg.clone(), &shape, o().alibi(Variants::alibi_slopes_for(4)), "alibi");
+    let pad: Vec<u8> = (0..80).map(|i| u8::from(i % 40 >= 33 && i >= 40)).collect();
+    let pad = Mask::Bool(Tensor::from_vec(pad, (2, 40), &candle_core::Device::Cpu).unwrap());
+    let all = Variants::default()
+        .window(Some(9), None)
+        .softcap(1.3)
+        .alibi(vec![0.3, 0.1, 0.05, -0.02])
+        .kv_lengths(vec![40, 31]);
+    compare(cfg.clone(), &shape, o().variants(all.clone()).key_padding_mask(pad), "all + kpm");
+    let causal = Mask::Float(det(&[40, 40], DType::F32, 5.0));
+    let hint = o().variants(all.clone()).attn_mask(causal).is_causal(true);
+    compare(cfg.clone(), &shape, hint, "causal hint");
+    // With the weights, with dropout (training), and grouped-query heads, sequence-first.
+    let w = MhaOptions::default().variants(all.clone()).average_attn_weights(false);
+    let drop = cfg.clone().with_dropout(0.2);
+    compare(
+        drop,
+        &shape,
+        o().variants(all.clone()).dropout_key(DropoutKey { seed: 1, offset: 0 }),
+        "dropout",
+    );
+    let gqa = MhaConfig::new(32, 4).with_num_kv_heads(2);
+    compare(gqa, &[40, 2, 32], o().variants(all.align(CausalAlign::BottomRight)), "gqa");
+    let x = det(&shape, DType::F32, 1.0);
+    let (m, _vm) = mha(cfg, DType::F32);
+    // The fused weights carry no gradient: under no_grad.
+    let fwd = |o: &MhaOptions| multihead::no_grad(|| m.forward(&x, &x, &x, o)).unwrap();
+    let fused = fwd(&w.clone().backend(Backend::Fused));
+    let composed = fwd(&w.backend(Backend::Composed));
+    let (a, b) = (fused.attn_weights.unwrap(), composed.attn_weights.unwrap());
+    assert_eq!(a.dims(), &[2, 4, 40, 40]);
+    assert_close(&a, &b, Tolerance::F32_FORWARD, "per-head weights");
+}
+
+/// A causal sliding window is the band mask a PyTorch user passes as `attn_mask`.
+#[test]
+fn a_window_is_the_explicit_band_mask() {
+    let cfg = MhaConfig::new(16, 2);
+    let (m, _vm) = mha(cfg, DType::F32);
+    let x = det(&[12, 3, 16], DType::F32, 2.0);
+    let (l, w) = (12usize, 3usize);
+    let band: Vec<f32> = (0..l * l)
+        .map(|x| {
+            let (i, j) = (x / l, x % l);
+            if j > i || i - j > w {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let band = Mask::Float(Tensor::from_vec(band, (l, l), &candle_core::Device::Cpu).unwrap());
+    for backend in [Backend::Fused, Backend::Composed] {
+        let o = MhaOptions::default().backend(backend);
+        let fwd = |o: &MhaOptions| multihead::no_grad(|| m.forward(&x, &x, &x, o)).unwrap();
+        let a = fwd(&o.clone().window(Some(w), Some(0)));
+        let b = fwd(&o.attn_mask(band.clone()));
+        assert_close(&a.output, &b.output, Tolerance::F32_FORWARD, "output");
+        let (wa, wb) = (a.attn_weights.unwrap(), b.attn_weights.unwrap());
+        assert_close(&wa, &wb, Tolerance::F32_FORWARD, "weights");
+    }
+}
+
+#[test]
+fn mha_variants_reject_bad_combinations() {
+    let x = det(&[5, 2, 8], DType::F32, 1.0);
+    for backend in [Backend::Fused, Backend::Composed] {
+        let o = || MhaOptions::default().backend(backend);
+        let (kv, _vm) = mha(MhaConfig::new(8, 2).with_add_bias_kv(true), DType::F32);
+        let e = kv.forward(&x, &x, &x, &o().softcap(1.0)).map(|_| ()).unwrap_err();
+        assert!(matches!(e, Error::Config { arg: "variants", .. }), "{e}");
+        let (m, _vm) = mha(MhaConfig::new(8, 2), DType::F32);
+        let e = m.forward(&x, &x, &x, &o().alibi(vec![1.0])).map(|_| ()).unwrap_err();
+        assert!(matches!(e, Error::Config { arg: "alibi_slopes", .. }), "{e}");
+        let lens = Variants::default().kv_lengths(vec![5, 6]);
+        let e = m.forward(&x, &x, &x, &o().variants(lens)).map(|_| ()).unwrap_err();
+        assert!(matches!(e, Error::Config { arg: "kv_lengths", .. }), "{e}");
+        assert!(e.to_string().contains("multi_head_attention_forward"), "{e}");
+    }
+}
