@@ -1,5 +1,6 @@
 //! The `torch.nn.functional` equivalents: [`scaled_dot_product_attention`] and
-//! [`multi_head_attention_forward`].
+//! [`multi_head_attention_forward`]; and [`varlen_attention`], FlashAttention's packed
+//! variable-length attention.
 //!
 //! Each call runs in three steps: every argument is validated once; one function plans the
 //! path (the fused CPU kernels or the composed candle operations, see
@@ -14,6 +15,7 @@ mod add;
 pub(crate) mod core;
 mod mha;
 mod sdpa;
+mod varlen;
 
 pub use self::core::safe_softmax_last_dim;
 pub use add::add;
@@ -22,3 +24,4 @@ pub use mha::{
 };
 pub(crate) use mha::{mha_forward_impl, mha_plan_impl, Aliasing};
 pub use sdpa::{explain_sdpa, scaled_dot_product_attention, SdpaOptions};
+pub use varlen::{explain_varlen, varlen_attention, CuSeqlens};

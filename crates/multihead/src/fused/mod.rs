@@ -5,6 +5,7 @@
 //! * `flash`: the flash-attention kernels as candle custom ops with a backward.
 //! * `sinks`: the attention sinks' gradient, joined to the graph by an identity on the output.
 //! * `mask_grad`: a learned additive mask's gradient, the same way.
+//! * `varlen`: flash attention over a packed batch of variable-length sequences.
 //! * `linear`: `F.linear` (optionally followed by ReLU) as one candle op on gemm's kernels,
 //!   with a backward.
 //! * `bf16_linear`: `F.linear` with bf16 products (AVX512-BF16), without a backward, for
@@ -27,6 +28,7 @@ pub(crate) mod linear;
 pub(crate) mod mask_grad;
 pub(crate) mod norm;
 pub(crate) mod sinks;
+pub(crate) mod varlen;
 pub(crate) mod zeros;
 
 /// Makes a forward-only linear op (a type with `fn run(&self, x, w, bias: Option<_>)` over CPU

@@ -20,3 +20,4 @@ mod variant_golden;
 mod variants;
 mod variants_bias;
 mod variants_mha;
+mod varlen;

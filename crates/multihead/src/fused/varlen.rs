@@ -1,0 +1,265 @@
+//! Flash attention over a packed batch of variable-length sequences (FlashAttention's
+//! `cu_seqlens` convention) as one candle `CustomOp3` with a backward.
+//!
+//! q `(Tq, Hq·D)` or `(Tq, Hq, D)` and k, v `(Tk, Hkv·D)` or `(Tk, Hkv, D)` hold the sequences
+//! one after another: sequence `b` is rows `cu_q[b]..cu_q[b + 1]` of q and `cu_k[b]..cu_k[b +
+//! 1]` of k and v. Each sequence runs the kernels on its own rows (a batch of one, read in
+//! place through its rows' strides), so no padding is computed; the sequences run in parallel
+//! and each writes only its own rows of the output and the gradients (the same bits for any
+//! thread count).
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use multihead_kernels::attention::{flash_backward, flash_forward, AttnDims, KernelError, Layout4};
+use multihead_kernels::dropout::DropoutKey;
+use rayon::prelude::*;
+
+use super::flash::{cpu_f32, f32s, Convention, FlashAttention};
+use crate::error::Result;
+
+/// The dropout key of sequence `b`: its rows and heads draw as a batch of one under a key of
+/// their own (the composed path uses the same).
+pub(crate) fn sequence_key(key: DropoutKey, b: usize) -> DropoutKey {
+    DropoutKey { seed: key.seed, offset: key.offset.wrapping_add((b as u64 + 1) << 32) }
+}
+
+/// The op for one packed call. Clones share the saved statistics.
+#[derive(Clone)]
+pub(crate) struct VarlenAttention {
+    pub cu_q: Arc<Vec<usize>>,
+    pub cu_k: Arc<Vec<usize>>,
+    /// Query heads, key/value heads, query/key and value head sizes.
+    pub heads: (usize, usize, usize, usize),
+    pub scale: f32,
+    pub causal: bool,
+    pub dropout: Option<(f64, DropoutKey)>,
+    pub variants: Arc<crate::Variants>,
+    /// Each sequence's row statistics.
+    lse: Arc<Mutex<Vec<Vec<f32>>>>,
+}
+
+/// One input's rows: the data from the view's start, the stride between rows and between
+/// heads.
+struct Rows<'a> {
+    data: &'a [f32],
+    row: usize,
+    head: usize,
+}
+
+impl<'a> Rows<'a> {
+    fn of(s: &'a [f32], l: &Layout, head_dim: usize) -> candle_core::Result<Self> {
+        let (dims, st) = (l.dims(), l.stride());
+        let (row, head, last) = match dims.len() {
+            2 => (st[0], head_dim, st[1]),
+            3 => (st[0], st[1], st[2]),
+            r => candle_core::bail!("varlen attention: expected 2-D or 3-D input, got {r}-D"),
+        };
+        if last != 1 && dims[dims.len() - 1] > 1 {
+            candle_core::bail!("varlen attention: the feature dimension must be contiguous");
+        }
+        Ok(Rows { data: &s[l.start_offset()..], row, head })
+    }
+
+    /// Rows `from..from + n` as a batch of one `[1, heads, n, d]`.
+    fn part(&self, from: usize, n: usize) -> (&'a [f32], Layout4) {
+        let l4 = Layout4 { batch: 0, head: self.head, seq: self.row };
+        if n == 0 {
+            return (&self.data[..0], l4);
+        }
+        (&self.data[from * self.row..], l4)
+    }
+}
+
+impl VarlenAttention {
+    pub(crate) fn new(
+        (cu_q, cu_k): (Vec<usize>, Vec<usize>),
+        heads: (usize, usize, usize, usize),
+        scale: f32,
+        causal: bool,
+        dropout: Option<(f64, DropoutKey)>,
+        variants: &crate::Variants,
+    ) -> Self {
+        Self {
+            cu_q: Arc::new(cu_q),
+            cu_k: Arc::new(cu_k),
+            heads,
+            scale,
+            causal,
+            dropout,
+            variants: Arc::new(variants.clone()),
+            lse: Arc::default(),
+        }
+    }
+
+    /// The sequences' `(query rows, key rows)`.
+    fn spans(&self) -> Vec<((usize, usize), (usize, usize))> {
+        let q = self.cu_q.windows(2).map(|w| (w[0], w[1] - w[0]));
+        let k = self.cu_k.windows(2).map(|w| (w[0], w[1] - w[0]));
+        q.zip(k).collect()
+    }
+
+    /// The flash op of sequence `b` with `l` queries and `s` keys (a batch of one).
+    fn sequence_op(&self, b: usize, l: usize, s: usize) -> FlashAttention {
+        let (hq, hk, d, dv) = self.heads;
+        let dims = AttnDims { batch: 1, heads_q: hq, heads_kv: hk, l, s, d, dv };
+        let dropout = self.dropout.map(|(p, key)| (p, sequence_key(key, b)));
+        FlashAttention::new(dims, self.scale, self.causal, Vec::new(), dropout, Convention::Bhtd)
+            .with_variants(&self.variants)
+    }
+
+    /// The output rows of each sequence: `buf` (rows of `width` floats) split at the query
+    /// offsets.
+    fn split_rows<'b>(
+        &self,
+        mut buf: &'b mut [f32],
+        cu: &[usize],
+        width: usize,
+    ) -> Vec<&'b mut [f32]> {
+        let mut parts = Vec::with_capacity(cu.len());
+        for w in cu.windows(2) {
+            let (head, rest) = buf.split_at_mut((w[1] - w[0]) * width);
+            parts.push(head);
+            buf = rest;
+        }
+        parts
+    }
+}
+
+fn kernel_err(what: &str, e: KernelError) -> candle_core::Error {
+    candle_core::Error::Msg(format!("varlen attention {what}: {e}"))
+}
+
+impl CustomOp3 for VarlenAttention {
+    fn name(&self) -> &'static str {
+        "flash-attention-varlen"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (hq, _, d, dv) = self.heads;
+        let (q, k, v) = (
+            Rows::of(cpu_f32(s1)?, l1, d)?,
+            Rows::of(cpu_f32(s2)?, l2, d)?,
+            Rows::of(cpu_f32(s3)?, l3, dv)?,
+        );
+        let tq = l1.dims()[0];
+        let mut out = crate::alloc::try_zeros::<f32>(tq * hq * dv, "varlen attention output")?;
+        let o4 = Layout4 { batch: 0, head: dv, seq: hq * dv };
+        let spans = self.spans();
+        let outs = self.split_rows(&mut out, &self.cu_q, hq * dv);
+        let lse: Vec<Vec<f32>> = outs
+            .into_par_iter()
+            .zip(spans.par_iter().enumerate())
+            .map(|(o, (b, &((q0, l), (k0, s))))| {
+                let mut lse = vec![0f32; 2 * hq * l];
+                if l == 0 || s == 0 {
+                    // No keys: zero rows (as for fully masked rows), statistics (0, inf).
+                    lse[hq * l..].fill(f32::INFINITY);
+                    return Ok(lse);
+                }
+                let op = self.sequence_op(b, l, s);
+                let ((qs, q4), (ks, k4), (vs, v4)) = (q.part(q0, l), k.part(k0, s), v.part(k0, s));
+                flash_forward(&op.params(), qs, q4, ks, k4, vs, v4, o, o4, &mut lse)
+                    .map_err(|e| kernel_err("forward", e))?;
+                Ok(lse)
+            })
+            .collect::<candle_core::Result<_>>()?;
+        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
+        let shape = match l1.dims().len() {
+            3 => Shape::from((tq, hq, dv)),
+            _ => Shape::from((tq, hq * dv)),
+        };
+        Ok((CpuStorage::F32(out), shape))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (hq, hk, d, dv) = self.heads;
+        let grad = grad_res.contiguous()?;
+        let (qs, ql) = q.storage_and_layout();
+        let (ks, kl) = k.storage_and_layout();
+        let (vs, vl) = v.storage_and_layout();
+        let (os, ol) = res.storage_and_layout();
+        let (gs, gl) = grad.storage_and_layout();
+        let (qr, kr, vr) = (
+            Rows::of(f32s(&qs)?, ql, d)?,
+            Rows::of(f32s(&ks)?, kl, d)?,
+            Rows::of(f32s(&vs)?, vl, dv)?,
+        );
+        let (or, gr) = (Rows::of(f32s(&os)?, ol, dv)?, Rows::of(f32s(&gs)?, gl, dv)?);
+        let mut dq = crate::alloc::try_zeros::<f32>(q.elem_count(), "varlen attention dq")?;
+        let mut dk = crate::alloc::try_zeros::<f32>(k.elem_count(), "varlen attention dk")?;
+        let mut dvv = crate::alloc::try_zeros::<f32>(v.elem_count(), "varlen attention dv")?;
+        let (dq4, dk4, dv4) = (
+            Layout4 { batch: 0, head: d, seq: hq * d },
+            Layout4 { batch: 0, head: d, seq: hk * d },
+            Layout4 { batch: 0, head: dv, seq: hk * dv },
+        );
+        let spans = self.spans();
+        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
+        let dqs = self.split_rows(&mut dq, &self.cu_q, hq * d);
+        let dks = self.split_rows(&mut dk, &self.cu_k, hk * d);
+        let dvs = self.split_rows(&mut dvv, &self.cu_k, hk * dv);
+        dqs.into_par_iter()
+            .zip(dks.into_par_iter().zip(dvs.into_par_iter()))
+            .zip(spans.par_iter().enumerate())
+            .try_for_each(|((dqb, (dkb, dvb)), (b, &((q0, l), (k0, s))))| {
+                if l == 0 || s == 0 {
+                    return Ok(()); // zero gradients
+                }
+                let op = self.sequence_op(b, l, s);
+                let ((qv, q4), (kv, k4), (vv, v4)) =
+                    (qr.part(q0, l), kr.part(k0, s), vr.part(k0, s));
+                let ((ov, o4), (gv, g4)) = (or.part(q0, l), gr.part(q0, l));
+                let lse_b = lse.get(b).map(Vec::as_slice).unwrap_or(&[]);
+                flash_backward(
+                    &op.params(),
+                    qv,
+                    q4,
+                    kv,
+                    k4,
+                    vv,
+                    v4,
+                    ov,
+                    o4,
+                    gv,
+                    g4,
+                    lse_b,
+                    dqb,
+                    dq4,
+                    dkb,
+                    dk4,
+                    dvb,
+                    dv4,
+                )
+                .map_err(|e| kernel_err("backward", e))
+            })?;
+        let dev = q.device();
+        Ok((
+            Some(Tensor::from_vec(dq, q.shape(), dev)?),
+            Some(Tensor::from_vec(dk, k.shape(), dev)?),
+            Some(Tensor::from_vec(dvv, v.shape(), dev)?),
+        ))
+    }
+}
+
+impl VarlenAttention {
+    /// Applies the op to `(q, k, v)`; the result is differentiable through [`CustomOp3::bwd`].
+    pub(crate) fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        Ok(q.apply_op3_arc(k, v, Arc::new(Box::new(self.clone())))?)
+    }
+}

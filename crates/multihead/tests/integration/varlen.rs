@@ -1,0 +1,121 @@
+//! Packed variable-length attention (`varlen_attention`): the fused op against the composed
+//! path (outputs and gradients) with every option, against a padded batch through SDPA, and
+//! bad offsets as errors.
+
+use candle_core::{DType, Tensor};
+use multihead::functional::{
+    explain_varlen, scaled_dot_product_attention, varlen_attention, CuSeqlens, SdpaOptions,
+};
+use multihead::random::DropoutKey;
+use multihead::{Backend, CausalAlign, Error, Path, Variants};
+use multihead_parity::Tolerance;
+
+use crate::common::{assert_close, det, var};
+
+/// Output and the gradients of q, k, v of `sum(out ∘ g)`.
+fn run(
+    shapes: [&[usize]; 3],
+    cu: (&CuSeqlens, &CuSeqlens),
+    opts: &SdpaOptions,
+) -> (Tensor, Vec<Tensor>) {
+    let [q, k, v] =
+        [1.0, 2.0, 3.0].map(|salt| var(&det(shapes[salt as usize - 1], DType::F32, salt)));
+    let out = varlen_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), cu.0, cu.1, opts)
+        .expect("varlen");
+    let g = det(out.dims(), DType::F32, 4.0);
+    let grads = out.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+    let gs = [&q, &k, &v].map(|t| grads.get(t.as_tensor()).expect("grad").clone());
+    (out, gs.to_vec())
+}
+
+fn compare(lq: &[usize], lk: &[usize], heads: (usize, usize), opts: SdpaOptions, what: &str) {
+    let (cq, ck) = (CuSeqlens::from_lengths(lq), CuSeqlens::from_lengths(lk));
+    let (tq, tk) = (lq.iter().sum::<usize>(), lk.iter().sum::<usize>());
+    let (q, kv) = ([tq, heads.0, 16], [tk, heads.1, 16]);
+    let shapes: [&[usize]; 3] = [&q, &kv, &kv];
+    let probe = shapes.map(|s| Tensor::zeros(s, DType::F32, &candle_core::Device::Cpu).unwrap());
+    let plan = explain_varlen(&probe[0], &probe[1], &probe[2], &cq, &ck, &opts).expect("plan");
+    assert_eq!(plan.path, Path::Fused, "{what}");
+    let (a, ga) = run(shapes, (&cq, &ck), &opts.clone().backend(Backend::Fused));
+    let (b, gb) = run(shapes, (&cq, &ck), &opts.backend(Backend::Composed));
+    assert_close(&a, &b, Tolerance::F32_FORWARD, &format!("{what}: output"));
+    for (name, (x, y)) in ["dq", "dk", "dv"].iter().zip(ga.iter().zip(&gb)) {
+        assert_close(x, y, Tolerance::F32_GRAD, &format!("{what}: {name}"));
+    }
+}
+
+#[test]
+fn varlen_fused_matches_composed() {
+    let lens = [17, 1, 0, 130, 64, 65];
+    let o = SdpaOptions::default;
+    compare(&lens, &lens, (4, 4), o(), "plain");
+    compare(&lens, &lens, (4, 4), o().is_causal(true), "causal");
+    let key = DropoutKey { seed: 11, offset: 3 };
+    compare(&lens, &lens, (4, 4), o().dropout_p(0.25).dropout_key(key), "dropout");
+    let v = Variants::default().window(Some(9), None).softcap(1.5).alibi(vec![0.2, 0.1, 0.05, 0.0]);
+    compare(
+        &lens,
+        &lens,
+        (4, 2),
+        o().is_causal(true).variants(v).enable_gqa(true),
+        "variants, gqa",
+    );
+    // Cross-attention: other key lengths (and a sequence with queries but no keys), aligned
+    // bottom-right per sequence.
+    let lk = [40, 3, 5, 0, 64, 200];
+    let br = o().is_causal(true).causal_align(CausalAlign::BottomRight).scale(0.3);
+    compare(&lens, &lk, (2, 2), br, "cross, bottom-right");
+}
+
+/// Each packed sequence gives what a padded batch gives through SDPA with key lengths.
+#[test]
+fn varlen_equals_a_padded_batch() {
+    let lens = [5usize, 12, 1, 9];
+    let (h, e, max) = (2usize, 8usize, 12usize);
+    let cu = CuSeqlens::from_lengths(&lens);
+    let t: usize = lens.iter().sum();
+    let x = det(&[t, h, e], DType::F32, 5.0);
+    for backend in [Backend::Fused, Backend::Composed] {
+        let opts = SdpaOptions::default().is_causal(true).window(Some(3), None).backend(backend);
+        let packed = varlen_attention(&x, &x, &x, &cu, &cu, &opts).unwrap();
+        // The same rows padded to (N, H, max, E), keys beyond each length hidden.
+        let mut rows = Vec::new();
+        for (b, &n) in lens.iter().enumerate() {
+            let part = x.narrow(0, cu.offsets()[b], n).unwrap();
+            let pad = Tensor::zeros((max - n, h, e), DType::F32, x.device()).unwrap();
+            rows.push(Tensor::cat(&[&part, &pad], 0).unwrap().transpose(0, 1).unwrap());
+        }
+        let padded = Tensor::stack(&rows, 0).unwrap().contiguous().unwrap();
+        let o = opts.clone().kv_lengths(lens.to_vec());
+        let out = scaled_dot_product_attention(&padded, &padded, &padded, &o).unwrap();
+        for (b, &n) in lens.iter().enumerate() {
+            let want = out.get(b).unwrap().narrow(1, 0, n).unwrap().transpose(0, 1).unwrap();
+            let got = packed.narrow(0, cu.offsets()[b], n).unwrap();
+            assert_close(&got, &want.contiguous().unwrap(), Tolerance::F32_FORWARD, "sequence");
+        }
+    }
+}
+
+#[test]
+fn bad_packed_batches_are_errors() {
+    let x = det(&[6, 2, 4], DType::F32, 1.0);
+    let ok = CuSeqlens::from_lengths(&[2, 4]);
+    for backend in [Backend::Fused, Backend::Composed] {
+        let o = || SdpaOptions::default().backend(backend);
+        for bad in [vec![1, 6], vec![0, 4, 3, 6], vec![0, 5], vec![]] {
+            let cu = CuSeqlens::from_offsets(bad);
+            let e = varlen_attention(&x, &x, &x, &cu, &ok, &o()).unwrap_err();
+            assert!(matches!(e, Error::Config { arg: "cu_seqlens_q", .. }), "{e}");
+        }
+        let three = CuSeqlens::from_lengths(&[2, 2, 2]);
+        let e = varlen_attention(&x, &x, &x, &ok, &three, &o()).unwrap_err();
+        assert!(matches!(e, Error::Config { arg: "cu_seqlens_k", .. }), "{e}");
+        let e = varlen_attention(&x, &x, &x, &ok, &ok, &o().kv_lengths(vec![1, 1])).unwrap_err();
+        assert!(matches!(e, Error::Config { arg: "kv_lengths", .. }), "{e}");
+        let k3 = det(&[6, 3, 4], DType::F32, 2.0);
+        let e = varlen_attention(&x, &k3, &k3, &ok, &ok, &o().enable_gqa(true)).unwrap_err();
+        assert!(e.to_string().contains("varlen_attention"), "{e}");
+        let x2 = det(&[6, 8], DType::F32, 1.0);
+        assert!(varlen_attention(&x2, &x2, &x2, &ok, &ok, &o()).is_err());
+    }
+}
