@@ -96,6 +96,15 @@ pub struct BenchArgs {
     /// gradient too).
     #[arg(long)]
     pub sinks: bool,
+    /// Variable-length sequences (sdpa only): `--batch` sequences of lengths drawn
+    /// log-uniformly from 16 to `--tgt-len` (seeded; mean about 143 for 512), packed and run
+    /// through `varlen_attention`.
+    #[arg(long)]
+    pub varlen: bool,
+    /// With `--varlen`: the same sequences padded to the longest, through SDPA with key
+    /// lengths (what a padded batch costs).
+    #[arg(long)]
+    pub padded: bool,
     /// Time forward plus backward (gradients of inputs and parameters).
     #[arg(long)]
     pub backward: bool,
@@ -242,9 +251,19 @@ fn check_sizes(a: &BenchArgs) -> Result<()> {
     in_range("--src-len", a.src_len, min_src, usize::MAX)?;
     let rows = a.tgt_len.saturating_add(a.src_len);
     fits("--batch, --tgt-len, --src-len, --embed-dim", &[a.batch, rows, a.embed_dim], 6)?;
-    let variant = a.window.is_some() || a.softcap.is_some() || a.alibi || a.sinks;
+    let variant = a.window.is_some() || a.softcap.is_some() || a.alibi || a.sinks || a.varlen;
     if a.module != Module::Sdpa && variant {
-        anyhow::bail!("--window, --softcap, --alibi and --sinks apply to --module sdpa only");
+        anyhow::bail!(
+            "--window, --softcap, --alibi, --sinks and --varlen apply to --module sdpa only"
+        );
+    }
+    if a.padded && !a.varlen {
+        anyhow::bail!("--padded pads the sequences of --varlen; give both");
+    }
+    if a.varlen && (a.sinks || a.tgt_len != a.src_len) {
+        anyhow::bail!(
+            "--varlen runs self-attention without sinks: drop --sinks, give --src-len = --tgt-len"
+        );
     }
     if matches!(a.module, Module::EncoderLayer | Module::DecoderLayer | Module::Linear) {
         fits("--batch, --tgt-len, --dim-feedforward", &[a.batch, a.tgt_len, a.dim_feedforward], 3)?;
@@ -402,7 +421,7 @@ fn report(
                 "activation": a.activation, "eval": a.eval, "key_padding": a.key_padding,
                 "norm_first": a.norm_first,
                 "num_kv_heads": a.num_kv_heads, "window": a.window, "softcap": a.softcap,
-                "alibi": a.alibi, "sinks": a.sinks,
+                "alibi": a.alibi, "sinks": a.sinks, "varlen": a.varlen, "padded": a.padded,
                 "dtype": format!("{:?}", a.candle_dtype()),
                 "bf16_products": multihead::bf16_products(),
                 "bf16_kernel": format!("{:?}", multihead_kernels::bf16gemm::active_bf16_kernel()),
@@ -443,6 +462,8 @@ fn report(
             variant("softcap", a.softcap.map(|c| c.to_string())),
             a.alibi.then(|| " alibi".to_string()),
             a.sinks.then(|| " sinks".to_string()),
+            a.varlen.then(|| format!(" varlen {:?}", crate::bench_sdpa::varlen_lengths(a))),
+            a.padded.then(|| " padded".to_string()),
         ];
         let variants: String = variants.into_iter().flatten().collect();
         if !variants.is_empty() {
