@@ -16,7 +16,11 @@ Rows (2 threads unless ``--threads``; fastest time after warm-up):
   soft-cap argument, so its row is the soft cap written out (``q@kᵀ``, ``tanh``, softmax,
   ``@v``) for reference;
 * ALiBi (the paper's slopes) and attention sinks at the same shape, the same target; PyTorch's
-  ALiBi row is SDPA given the bias as a float mask, its sink row gpt-oss's eager attention.
+  ALiBi row is SDPA given the bias as a float mask, its sink row gpt-oss's eager attention;
+* a packed batch of 64 sequences (``--varlen``: lengths log-uniform in 16..512, mean ~150),
+  H=8 D=64, forward and forward+backward, against the same sequences padded to the longest
+  through our SDPA with key lengths (target: forward+backward ≥ 1.5x) and PyTorch's SDPA
+  with a key padding mask.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ BIN = REPO / "target/release/multihead"
 
 
 def ours(b, h, l, d, threads, warmup, iters, backward, causal=False, window=None, softcap=None,
-         alibi=False, sinks=False):
+         alibi=False, sinks=False, varlen=False, padded=False):
     cmd = [str(BIN), "bench", "--module", "sdpa", "--batch", str(b), "--num-heads", str(h),
            "--tgt-len", str(l), "--src-len", str(l), "--embed-dim", str(h * d),
            "--threads", str(threads), "--warmup", str(warmup), "--iters", str(iters), "--json"]
@@ -43,11 +47,35 @@ def ours(b, h, l, d, threads, warmup, iters, backward, causal=False, window=None
     cmd += ["--softcap", str(softcap)] if softcap is not None else []
     cmd += ["--alibi"] if alibi else []
     cmd += ["--sinks"] if sinks else []
+    cmd += ["--varlen"] if varlen else []
+    cmd += ["--padded"] if padded else []
     cmd += ["--backward"] if backward else []
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
     rec = json.loads(res.stdout.strip().splitlines()[-1])
-    assert rec["path"] == "Fused", rec
-    return rec["min_ms"]
+    assert varlen or rec["path"] == "Fused", rec
+    return (rec["min_ms"], rec) if varlen else rec["min_ms"]
+
+
+def torch_padded(torch, lengths, h, d, warmup, iters, backward):
+    """PyTorch's SDPA on the sequences padded to the longest, with the key padding as a bool
+    mask (PyTorch's packed variable-length attention is CUDA-only)."""
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    b, m = len(lengths), max(lengths)
+    q, k, v = (torch.randn(b, h, m, d, requires_grad=backward) for _ in range(3))
+    keep = torch.arange(m).view(1, m) < torch.tensor(lengths).view(b, 1)
+    mask = keep.view(b, 1, 1, m)
+
+    def call():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    if backward:
+        def step():
+            q.grad = k.grad = v.grad = None
+            call().sum().backward()
+        return bench_proc.timed(step, warmup, iters)[0]
+    with torch.no_grad():
+        return bench_proc.timed(call, warmup, iters)[0]
 
 
 def torch_sdpa(torch, b, h, l, d, warmup, iters, backward, mask=None, softcap=None,
@@ -138,6 +166,19 @@ def main():
             rows.append({"label": label, "ours": var, "dense": plain, "torch": tv, "kind": flag})
             print(f"{label}: ours {var:.1f} ms, plain {plain:.1f} ms, torch {tv:.1f} ms",
                   file=sys.stderr, flush=True)
+    b, h, l, d = 64, 8, 512, 64
+    for backward in (False, True):
+        kind = "forward+backward" if backward else "forward"
+        packed, rec = ours(b, h, l, d, t, *short_it, backward, varlen=True)
+        pad, _ = ours(b, h, l, d, t, *short_it, backward, varlen=True, padded=True)
+        lengths = rec["lengths"]
+        tp = torch_padded(torch, lengths, h, d, *short_it, backward)
+        mean = sum(lengths) / len(lengths)
+        label = (f"packed batch of {b} sequences, lengths {min(lengths)}-{max(lengths)} "
+                 f"(mean {mean:.0f}), H={h} D={d}, {kind}")
+        rows.append({"label": label, "ours": packed, "dense": pad, "torch": tp, "kind": "varlen"})
+        print(f"{label}: ours {packed:.1f} ms, padded {pad:.1f} ms, torch padded {tp:.1f} ms",
+              file=sys.stderr, flush=True)
     doc = {"threads": t, "torch_version": torch.__version__, "quick": opts.quick, "rows": rows}
     bench_proc.finish(doc, opts.json_out, report_lines, evaluate_targets)
 
@@ -148,7 +189,11 @@ def report_lines(doc):
         "Command: `python3 tools/bench_variants.py` (run by `tools/bench_torch.py --sections "
         "variants`). multihead rows are `multihead bench --module sdpa` with `--causal "
         "--window 512`, `--softcap 50`, `--alibi` or `--sinks`; \"ours, plain\" is the same "
-        "call without the variant (dense causal for the window rows). PyTorch's window rows are "
+        "call without the variant (dense causal for the window rows; for the packed rows, "
+        "`--varlen` against `--varlen --padded`: the same sequences padded to the longest "
+        "through SDPA with key lengths). PyTorch's packed rows are SDPA on the padded batch "
+        "with a key padding mask (its variable-length attention is CUDA-only). "
+        "PyTorch's window rows are "
         "`F.scaled_dot_product_attention` given the band as a bool mask, its ALiBi rows SDPA "
         "given the bias as a float mask; its soft-cap and sink rows are written out (PyTorch "
         "has no argument for them; the sinks as gpt-oss's eager attention), for reference.\n",
@@ -169,6 +214,10 @@ def evaluate_targets(doc):
         if r["kind"] == "window":
             checks = [("window vs our dense causal (x)", r["dense"] / r["ours"], 6.0),
                       ("window vs PyTorch band mask (x)", r["torch"] / r["ours"], 5.0)]
+        elif r["kind"] == "varlen":
+            if "backward" not in r["label"]:
+                continue
+            checks = [("packed vs our padded batch (x)", r["dense"] / r["ours"], 1.5)]
         else:
             what = {"softcap": "soft cap", "alibi": "ALiBi", "sinks": "sinks"}[r["kind"]]
             checks = [(f"{what} vs plain (x, at least)", r["dense"] / r["ours"], 1 / 1.15)]
