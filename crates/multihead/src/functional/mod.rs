@@ -15,7 +15,7 @@ mod add;
 pub(crate) mod core;
 mod mha;
 mod sdpa;
-mod varlen;
+pub(crate) mod varlen;
 
 pub use self::core::safe_softmax_last_dim;
 pub use add::add;

@@ -236,19 +236,53 @@ pub fn varlen_attention(
     opts: &SdpaOptions,
 ) -> Result<Tensor> {
     let plan = explain_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, opts)?;
-    let (hq, hk, e, ev) = validate(query, key, value, (cu_seqlens_q, cu_seqlens_k), opts)?;
+    let heads = validate(query, key, value, (cu_seqlens_q, cu_seqlens_k), opts)?;
+    run(query, key, value, heads, (cu_seqlens_q, cu_seqlens_k), opts, plan.path)
+}
+
+/// [`varlen_attention`] on 2-D `(T, H·E)` views (the heads side by side in each row, as a
+/// projection writes them), for the modules' packed forward; the output is `(Tq, Hq·Ev)`.
+pub(crate) fn varlen_rows(
+    (query, key, value): (&Tensor, &Tensor, &Tensor),
+    (hq, hk): (usize, usize),
+    cu: &CuSeqlens,
+    opts: &SdpaOptions,
+) -> Result<Tensor> {
+    let (e, ev) = (query.dim(1)? / hq.max(1), value.dim(1)? / hk.max(1));
+    // The checks of the rank-3 shapes the rows stand for (zero-strided: nothing allocated).
+    let shaped = |x: &Tensor, h: usize, w: usize| -> Result<Tensor> {
+        Ok(Tensor::zeros((), x.dtype(), x.device())?.broadcast_as((x.dim(0)?, h, w))?)
+    };
+    let (qs, ks, vs) = (shaped(query, hq, e)?, shaped(key, hk, e)?, shaped(value, hk, ev)?);
+    let plan = explain_varlen(&qs, &ks, &vs, cu, cu, opts)?;
+    run(query, key, value, (hq, hk, e, ev), (cu, cu), opts, plan.path)
+}
+
+/// Runs a validated call on the planned path; q, k, v rank 3, or rank 2 with the heads side
+/// by side.
+fn run(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    (hq, hk, e, ev): (usize, usize, usize, usize),
+    (cu_seqlens_q, cu_seqlens_k): (&CuSeqlens, &CuSeqlens),
+    opts: &SdpaOptions,
+    path: Path,
+) -> Result<Tensor> {
+    let rows = query.rank() == 2;
     if crate::precision::is_reduced(query.dtype()) {
         use crate::precision::widen;
         let (q, k, v) = (widen(query)?, widen(key)?, widen(value)?);
+        let (heads, cu) = ((hq, hk, e, ev), (cu_seqlens_q, cu_seqlens_k));
         let y = crate::mode::rounded_products(query.dtype(), || {
-            varlen_attention(&q, &k, &v, cu_seqlens_q, cu_seqlens_k, opts)
+            run(&q, &k, &v, heads, cu, opts, Path::Fused)
         })?;
         return crate::precision::narrow(&y, query.dtype());
     }
     let dropout = (opts.dropout_p > 0.0)
         .then(|| (opts.dropout_p, opts.dropout_key.unwrap_or_else(next_dropout_key)));
     let scale = opts.scale.unwrap_or_else(|| 1.0 / (e as f64).sqrt());
-    match plan.path {
+    match path {
         Path::Fused => {
             let cu = (cu_seqlens_q.0.clone(), cu_seqlens_k.0.clone());
             let op = VarlenAttention::new(
@@ -267,19 +301,22 @@ pub fn varlen_attention(
             for (b, (wq, wk)) in seq.enumerate() {
                 let (l, s) = (wq[1] - wq[0], wk[1] - wk[0]);
                 // (T, H, E) rows -> (H, T, E): SDPA with the heads as its batch.
-                let part = |t: &Tensor, from, n| -> Result<Tensor> {
-                    Ok(t.narrow(0, from, n)?.transpose(0, 1)?.contiguous()?)
+                let part = |t: &Tensor, from, n, (h, w): (usize, usize)| -> Result<Tensor> {
+                    let x = t.narrow(0, from, n)?;
+                    let x = if rows { x.reshape((n, h, w))? } else { x };
+                    Ok(x.transpose(0, 1)?.contiguous()?)
                 };
-                let (q, k, v) =
-                    (part(query, wq[0], l)?, part(key, wk[0], s)?, part(value, wk[0], s)?);
+                let q = part(query, wq[0], l, (hq, e))?;
+                let (k, v) = (part(key, wk[0], s, (hk, e))?, part(value, wk[0], s, (hk, ev))?);
                 let mut o = opts.clone().scale(scale);
                 o.dropout_key = dropout.map(|(_, key)| sequence_key(key, b));
-                let out = scaled_dot_product_attention(&q, &k, &v, &o)?;
-                outs.push(out.transpose(0, 1)?);
+                let out = scaled_dot_product_attention(&q, &k, &v, &o)?.transpose(0, 1)?;
+                outs.push(if rows { out.reshape((l, hq * ev))? } else { out });
             }
             let refs: Vec<&Tensor> = outs.iter().collect();
+            let empty: &[usize] = if rows { &[0, hq * ev] } else { &[0, hq, ev] };
             match refs.is_empty() {
-                true => Ok(Tensor::zeros((0, hq, ev), query.dtype(), query.device())?),
+                true => Ok(Tensor::zeros(empty, query.dtype(), query.device())?),
                 false => cat_nonempty(&refs, 0),
             }
         }

@@ -1,8 +1,10 @@
 //! `torch.nn.MultiheadAttention`.
 
 mod incremental;
+mod packed;
 
 pub use incremental::StaticKv;
+pub use packed::PackedOptions;
 
 use candle_core::{DType, Tensor};
 use candle_nn::{Init, VarBuilder};

@@ -151,6 +151,55 @@ impl TransformerEncoderLayer {
     }
 }
 
+impl TransformerEncoderLayer {
+    /// Runs the layer on a packed batch of variable-length sequences: `src` holds their
+    /// tokens one after another (`cu`: where each starts) and each token attends to its own
+    /// sequence only ([`MultiheadAttention::forward_packed`](crate::MultiheadAttention::forward_packed));
+    /// the norms and the feed-forward block run on the rows as they are. The same numbers as
+    /// [`forward`](Self::forward) on each sequence alone, without computing padding. f32 and
+    /// f64 (reduced dtypes: widen first).
+    ///
+    /// # Shapes
+    /// * `src` `(T, E)`; output `(T, E)`.
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use multihead::functional::CuSeqlens;
+    /// use multihead::multihead_attention::PackedOptions;
+    /// use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
+    ///
+    /// let vm = VarMap::new();
+    /// let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    /// let layer = TransformerEncoderLayer::new(LayerConfig::new(8, 2).with_dim_feedforward(16), vb)?;
+    /// let x = Tensor::randn(0f32, 1.0, (9, 8), &Device::Cpu)?; // sequences of 2, 7 tokens
+    /// let y = layer.forward_packed(&x, &CuSeqlens::from_lengths(&[2, 7]), &PackedOptions::default())?;
+    /// assert_eq!(y.dims(), &[9, 8]);
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
+    // Mirrors torch.nn.TransformerEncoderLayer.forward on each sequence of a packed batch.
+    pub fn forward_packed(
+        &self,
+        src: &Tensor,
+        cu: &crate::functional::CuSeqlens,
+        opts: &crate::multihead_attention::PackedOptions,
+    ) -> Result<Tensor> {
+        let (p, t) = (self.cfg.dropout, self.training);
+        let attend = |x: &Tensor| -> Result<Tensor> {
+            crate::activation::dropout(&self.self_attn.forward_packed(x, cu, opts)?, p, t)
+        };
+        let x = src;
+        if self.cfg.norm_first {
+            let x = residual(x, &attend(&self.norm1.forward(x)?)?)?;
+            residual(&x, &self.feed_forward(&self.norm2.forward(&x)?)?)
+        } else {
+            let x = self.norm1.forward_residual(x, &attend(x)?)?;
+            self.norm2.forward_residual(&x, &self.feed_forward(&x)?)
+        }
+    }
+}
+
 impl NamedParameters for TransformerEncoderLayer {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         let mut v = prefixed("self_attn", self.self_attn.named_parameters());

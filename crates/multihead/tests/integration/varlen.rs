@@ -119,3 +119,94 @@ fn bad_packed_batches_are_errors() {
         assert!(varlen_attention(&x2, &x2, &x2, &ok, &ok, &o()).is_err());
     }
 }
+
+/// `MultiheadAttention::forward_packed` gives what `forward` gives on each sequence alone,
+/// on both paths; the gradients of the input and every parameter agree between the paths,
+/// with dropout in training and grouped-query heads.
+#[test]
+fn packed_mha_equals_each_sequence_alone() {
+    use multihead::multihead_attention::PackedOptions;
+    use multihead::{MhaConfig, MhaOptions};
+    let lens = [5usize, 1, 0, 33, 17];
+    let cu = CuSeqlens::from_lengths(&lens);
+    let t: usize = lens.iter().sum();
+    for cfg in [MhaConfig::new(16, 4), MhaConfig::new(16, 4).with_num_kv_heads(2)] {
+        let (mut m, vm) = crate::common::mha(cfg.clone(), DType::F32);
+        m.eval();
+        let x = det(&[t, 16], DType::F32, 3.0);
+        for backend in [Backend::Fused, Backend::Composed] {
+            let o = PackedOptions::default().is_causal(true).backend(backend);
+            let packed = m.forward_packed(&x, &cu, &o).unwrap();
+            for (b, &n) in lens.iter().enumerate().filter(|(_, &n)| n > 0) {
+                let xs = x.narrow(0, cu.offsets()[b], n).unwrap().unsqueeze(1).unwrap();
+                let mask = multihead::generate_square_subsequent_mask(n, DType::F32, x.device());
+                let opts = MhaOptions::default()
+                    .need_weights(false)
+                    .attn_mask(multihead::Mask::Float(mask.unwrap()));
+                let want = m.forward(&xs, &xs, &xs, &opts.backend(backend)).unwrap().output;
+                let got = packed.narrow(0, cu.offsets()[b], n).unwrap();
+                assert_close(&got, &want.squeeze(1).unwrap(), Tolerance::F32_FORWARD, "sequence");
+            }
+        }
+        // Training with dropout: fused and composed agree on outputs and every gradient.
+        let (mut m, vm2) = crate::common::mha(cfg.with_dropout(0.3), DType::F32);
+        m.train(true);
+        let grads = |backend| {
+            let xv = var(&x);
+            let o = PackedOptions::default()
+                .dropout_key(DropoutKey { seed: 4, offset: 1 })
+                .backend(backend);
+            let y = m.forward_packed(xv.as_tensor(), &cu, &o).unwrap();
+            let g = det(y.dims(), DType::F32, 6.0);
+            let store = y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+            let data = vm2.data().lock().unwrap();
+            let mut names: Vec<_> = data.keys().cloned().collect();
+            names.sort();
+            let mut gs = vec![y.clone(), store.get(xv.as_tensor()).unwrap().clone()];
+            gs.extend(names.iter().map(|n| store.get(data[n].as_tensor()).unwrap().clone()));
+            gs
+        };
+        let (a, b) = (grads(Backend::Fused), grads(Backend::Composed));
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert_close(x, y, Tolerance::F32_GRAD, &format!("training, tensor {i}"));
+        }
+        drop(vm);
+    }
+}
+
+/// `TransformerEncoderLayer::forward_packed` gives what a padded batch with its key padding
+/// mask gives, post-norm and pre-norm.
+#[test]
+fn packed_encoder_layer_equals_the_padded_batch() {
+    use multihead::multihead_attention::PackedOptions;
+    use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
+    let lens = [6usize, 13, 2];
+    let (e, max) = (16usize, 13usize);
+    let cu = CuSeqlens::from_lengths(&lens);
+    let t: usize = lens.iter().sum();
+    let x = det(&[t, e], DType::F32, 7.0);
+    for norm_first in [false, true] {
+        let vm = candle_nn::VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, x.device());
+        let cfg = LayerConfig::new(e, 4).with_dim_feedforward(32).with_batch_first(true);
+        let mut layer = TransformerEncoderLayer::new(cfg.with_norm_first(norm_first), vb).unwrap();
+        layer.eval();
+        let packed = layer.forward_packed(&x, &cu, &PackedOptions::default()).unwrap();
+        let mut rows = Vec::new();
+        let mut pad = Vec::new();
+        for (b, &n) in lens.iter().enumerate() {
+            let part = x.narrow(0, cu.offsets()[b], n).unwrap();
+            let zeros = Tensor::zeros((max - n, e), DType::F32, x.device()).unwrap();
+            rows.push(Tensor::cat(&[&part, &zeros], 0).unwrap());
+            pad.extend((0..max).map(|i| u8::from(i >= n)));
+        }
+        let padded = Tensor::stack(&rows, 0).unwrap();
+        let kpm = multihead::Mask::Bool(Tensor::from_vec(pad, (3, max), x.device()).unwrap());
+        let out = layer.forward(&padded, None, Some(&kpm), false).unwrap();
+        for (b, &n) in lens.iter().enumerate() {
+            let want = out.get(b).unwrap().narrow(0, 0, n).unwrap();
+            let got = packed.narrow(0, cu.offsets()[b], n).unwrap();
+            assert_close(&got, &want, Tolerance::F32_FORWARD, "layer");
+        }
+    }
+}
