@@ -174,6 +174,9 @@ fn bad_alibi_and_sinks_are_errors_on_both_paths() {
     }
 }
 
+/// A learned-bias case: name, q/k/v shapes, the bias's shape, options.
+type BiasCase<'a> = (&'a str, [&'a [usize]; 3], &'a [usize], SdpaOptions);
+
 /// A learned additive bias (T5/Swin relative positions) on the fused path: outputs and the
 /// gradients of q, k, v and the bias against the composed path, for biases broadcast over the
 /// batch, the heads or both, through soft caps in both placements, windows, dropout and GQA.
@@ -183,7 +186,7 @@ fn a_learned_bias_gets_its_gradient_on_the_fused_path() {
     let (qg, kg): (&[usize], &[usize]) = (&[2, 6, 33, 8], &[2, 2, 40, 8]);
     let key = DropoutKey { seed: 9, offset: 0 };
     let o = SdpaOptions::default;
-    let cases: Vec<(&str, [&[usize]; 3], &[usize], SdpaOptions)> = vec![
+    let cases: Vec<BiasCase> = vec![
         ("per head", [q, kv, kv], &[1, 4, 70, 90], o()),
         ("full", [q, kv, kv], &[2, 4, 70, 90], o().softcap(0.8)),
         ("shared", [q, kv, kv], &[70, 90], o().window(Some(20), Some(5)).softcap(1.2)),
