@@ -18,10 +18,18 @@ pub struct EmbedArgs {
     /// One JSON object per line: {"text": ..., "embedding": [...]}.
     #[arg(long)]
     pub json: bool,
-    /// Texts per padded batch, 1 to 65536. Batches are formed from texts of similar length
-    /// (sorted within windows of 64 batches); the output keeps the input order.
+    /// Texts per padded batch, 1 to 65536. Texts are sorted by length within windows of 64
+    /// batches; the output keeps the input order. An f32 model packs a window's texts into
+    /// batches of up to `--pack-tokens` tokens (no padding computed); `--padded` pads batches
+    /// of `--batch` texts instead (a bf16 model always does).
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
+    /// The most tokens of one packed batch (f32), 1 to 2^24.
+    #[arg(long, default_value_t = 4096)]
+    pub pack_tokens: usize,
+    /// Pad each batch to its longest text instead of packing it.
+    #[arg(long)]
+    pub padded: bool,
     /// Worker threads, 1 to 1024 (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -73,8 +81,13 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     };
     let out = std::io::stdout();
     let mut out = std::io::BufWriter::new(out.lock());
+    if !(1..=1 << 24).contains(&args.pack_tokens) {
+        bail!("--pack-tokens must be between 1 and {}, got {}", 1 << 24, args.pack_tokens);
+    }
+    let packing =
+        (!args.padded && m.dtype() == candle_core::DType::F32).then_some(args.pack_tokens);
     for chunk in texts.chunks(window) {
-        for (text, e) in chunk.iter().zip(embed_window(&m, chunk, batch)?) {
+        for (text, e) in chunk.iter().zip(embed_window(&m, chunk, batch, packing)?) {
             write_embedding(&mut out, text, &e, args.json)?;
         }
         out.flush()?;
@@ -119,19 +132,52 @@ fn read_lines(mut input: impl BufRead) -> Result<Vec<String>> {
 }
 
 /// Embeds a window of texts in batches of similar length; returns them in input order.
-fn embed_window(m: &MiniLm, texts: &[String], batch: usize) -> Result<Vec<Vec<f32>>> {
+/// Padded batches hold `batch` texts; packed ones (`packing`: their most tokens) as many
+/// texts as fit.
+fn embed_window(
+    m: &MiniLm,
+    texts: &[String],
+    batch: usize,
+    packing: Option<usize>,
+) -> Result<Vec<Vec<f32>>> {
     let ids = m.tokenize(texts)?;
     let mut order: Vec<usize> = (0..ids.len()).collect();
     order.sort_by_key(|&i| ids[i].len());
+    let groups: Vec<&[usize]> = match packing {
+        None => order.chunks(batch).collect(),
+        Some(most) => pack_groups(&order, |i| ids[i].len(), most),
+    };
     let mut result = vec![Vec::new(); ids.len()];
-    for group in order.chunks(batch) {
+    for group in groups {
         let seqs: Vec<&[u32]> = group.iter().map(|&i| ids[i].as_slice()).collect();
-        let emb = m.embed_ids(&seqs)?.to_vec2::<f32>()?;
-        for (&i, e) in group.iter().zip(emb) {
+        let emb = match packing {
+            None => m.embed_ids(&seqs)?,
+            Some(_) => m.embed_ids_packed(&seqs)?,
+        };
+        for (&i, e) in group.iter().zip(emb.to_vec2::<f32>()?) {
             result[i] = e;
         }
     }
     Ok(result)
+}
+
+/// Consecutive groups of `order` for packed batches: each takes texts while its tokens stay
+/// within `most` (a text longer than that is a group of its own).
+fn pack_groups(order: &[usize], len: impl Fn(usize) -> usize, most: usize) -> Vec<&[usize]> {
+    let mut groups = Vec::new();
+    let (mut start, mut tokens) = (0usize, 0usize);
+    for (k, &i) in order.iter().enumerate() {
+        let n = len(i);
+        if k > start && tokens + n > most {
+            groups.push(&order[start..k]);
+            (start, tokens) = (k, 0);
+        }
+        tokens += n;
+    }
+    if start < order.len() {
+        groups.push(&order[start..]);
+    }
+    groups
 }
 
 fn write_embedding(out: &mut impl std::io::Write, text: &str, e: &[f32], json: bool) -> Result<()> {

@@ -12,6 +12,8 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
+use multihead::functional::CuSeqlens;
+use multihead::multihead_attention::PackedOptions;
 use multihead::state_dict::{load_safetensors, load_strict};
 use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
 use multihead::{Activation, LayerNorm, Mask};
@@ -92,6 +94,8 @@ impl BertConfig {
 /// all-MiniLM-L6-v2 built from this crate's layers.
 pub struct MiniLm {
     tokenizer: Tokenizer,
+    /// The weights' dtype.
+    dtype: DType,
     word: Tensor,
     position: Tensor,
     token_type: Tensor,
@@ -274,7 +278,12 @@ impl MiniLm {
             extra.sort();
             bail!("model.safetensors has tensors this model does not use: {extra:?}");
         }
-        Ok(Self { tokenizer, word, position, token_type, norm, layers })
+        Ok(Self { tokenizer, dtype, word, position, token_type, norm, layers })
+    }
+
+    /// The weights' dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// Tokenizes texts (truncated at 256 tokens, as sentence-transformers does).
@@ -313,6 +322,48 @@ impl MiniLm {
     /// graph is kept). Returns `(N, hidden)`.
     pub fn embed_ids(&self, ids: &[&[u32]]) -> Result<Tensor> {
         multihead::no_grad(|| self.embed_ids_graded(ids))
+    }
+
+    /// Embeds tokenized texts as one packed batch: their tokens one after another, each
+    /// attending to its own text only (`forward_packed`), so no padding is computed; mean
+    /// pooled and L2-normalised as [`embed_ids`](Self::embed_ids), under `no_grad`. f32 models
+    /// (a bf16 model takes the padded path). Returns `(N, hidden)`.
+    pub fn embed_ids_packed(&self, seqs: &[&[u32]]) -> Result<Tensor> {
+        multihead::no_grad(|| self.embed_packed_graded(seqs))
+    }
+
+    fn embed_packed_graded(&self, seqs: &[&[u32]]) -> Result<Tensor> {
+        let dev = Device::Cpu;
+        let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
+        let (n, t, hidden) = (seqs.len(), lens.iter().sum::<usize>(), self.word.dim(1)?);
+        if t == 0 {
+            return Ok(Tensor::zeros((n, hidden), DType::F32, &dev)?);
+        }
+        let cu = CuSeqlens::from_lengths(&lens);
+        let ids: Vec<u32> = seqs.concat();
+        let pos: Vec<u32> = lens.iter().flat_map(|&l| 0..l as u32).collect();
+        let ids = Tensor::from_vec(ids, (t,), &dev)?;
+        let pos = Tensor::from_vec(pos, (t,), &dev)?;
+        let x = (self.word.index_select(&ids, 0)? + self.position.index_select(&pos, 0)?)?
+            .broadcast_add(&self.token_type.get(0)?)?;
+        let mut x = self.norm.forward(&x)?;
+        for layer in &self.layers {
+            x = layer.forward_packed(&x, &cu, &PackedOptions::default())?;
+        }
+        // Mean over each text's tokens, then L2 normalisation, in f32.
+        let rows = x.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let mut out = Vec::with_capacity(n * hidden);
+        for w in cu.offsets().windows(2) {
+            let mut mean = vec![0f64; hidden];
+            for row in &rows[w[0]..w[1]] {
+                mean.iter_mut().zip(row).for_each(|(m, &x)| *m += x as f64);
+            }
+            let count = ((w[1] - w[0]) as f64).max(1e-9);
+            mean.iter_mut().for_each(|m| *m /= count);
+            let norm = mean.iter().map(|m| m * m).sum::<f64>().sqrt().max(1e-12);
+            out.extend(mean.iter().map(|m| (m / norm) as f32));
+        }
+        Ok(Tensor::from_vec(out, (n, hidden), &dev)?)
     }
 
     fn embed_ids_graded(&self, seqs: &[&[u32]]) -> Result<Tensor> {

@@ -27,15 +27,16 @@ fn embed(dir: &PathBuf, texts: &[String], batch: usize) -> Vec<(String, Vec<f64>
 }
 
 fn embed_as(dir: &PathBuf, texts: &[String], batch: usize, dtype: &str) -> Vec<(String, Vec<f64>)> {
+    embed_with(dir, texts, &["--batch", &batch.to_string(), "--dtype", dtype])
+}
+
+fn embed_with(dir: &PathBuf, texts: &[String], args: &[&str]) -> Vec<(String, Vec<f64>)> {
     let o = Command::new(env!("CARGO_BIN_EXE_multihead"))
         .arg("embed")
         .arg("--model")
         .arg(dir)
         .arg("--json")
-        .arg("--batch")
-        .arg(batch.to_string())
-        .arg("--dtype")
-        .arg(dtype)
+        .args(args)
         .args(texts)
         .output()
         .expect("runs");
@@ -91,21 +92,31 @@ fn reference() -> (Vec<String>, Vec<Vec<f64>>) {
     (texts, expected)
 }
 
+/// Packed (the default for f32), packed one text per batch, padded batches and padded texts
+/// alone: each within 1e-5 of sentence-transformers, in input order.
 #[test]
 fn minilm_matches_sentence_transformers() {
     let Some(dir) = model_dir_or_skip() else { return };
     let (texts, expected) = reference();
-    let batched = embed(&dir, &texts, 32);
-    let single = embed(&dir, &texts, 1);
-    assert_eq!(batched.len(), texts.len());
+    let runs = [
+        ("packed", embed(&dir, &texts, 32)),
+        ("packed alone", embed_with(&dir, &texts, &["--pack-tokens", "1"])),
+        ("padded", embed_with(&dir, &texts, &["--padded", "--batch", "32"])),
+        ("padded alone", embed_with(&dir, &texts, &["--padded", "--batch", "1"])),
+    ];
     let mut worst = 0f64;
-    for (i, ((t, b), (_, s))) in batched.iter().zip(&single).enumerate() {
-        assert_eq!(t, &texts[i], "input order");
-        assert_eq!(b.len(), 384);
-        for ((x, y), z) in b.iter().zip(&expected[i]).zip(s) {
-            worst = worst.max((x - y).abs());
-            assert!((x - y).abs() <= 1e-5, "text {i} {t:?}: {x} vs sentence-transformers {y}");
-            assert!((x - z).abs() <= 1e-5, "text {i}: batched {x} vs alone {z}");
+    for (what, run) in &runs {
+        assert_eq!(run.len(), texts.len(), "{what}");
+        for (i, (t, b)) in run.iter().enumerate() {
+            assert_eq!(t, &texts[i], "{what}: input order");
+            assert_eq!(b.len(), 384);
+            for (x, y) in b.iter().zip(&expected[i]) {
+                worst = worst.max((x - y).abs());
+                assert!(
+                    (x - y).abs() <= 1e-5,
+                    "{what}, text {i} {t:?}: {x} vs sentence-transformers {y}"
+                );
+            }
         }
     }
     eprintln!("MiniLM max |ours - sentence-transformers| = {worst:.3e}");
