@@ -56,6 +56,9 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     if !(1..=MAX_BATCH).contains(&batch) {
         bail!("--batch must be between 1 and {MAX_BATCH}, got {batch}");
     }
+    if !(1..=1 << 24).contains(&args.pack_tokens) {
+        bail!("--pack-tokens must be between 1 and {}, got {}", 1 << 24, args.pack_tokens);
+    }
     if let Some(t) = args.threads {
         if !(1..=MAX_THREADS).contains(&t) {
             bail!("--threads must be between 1 and {MAX_THREADS}, got {t} (leave it out for one per core)");
@@ -81,9 +84,6 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     };
     let out = std::io::stdout();
     let mut out = std::io::BufWriter::new(out.lock());
-    if !(1..=1 << 24).contains(&args.pack_tokens) {
-        bail!("--pack-tokens must be between 1 and {}, got {}", 1 << 24, args.pack_tokens);
-    }
     let packing =
         (!args.padded && m.dtype() == candle_core::DType::F32).then_some(args.pack_tokens);
     for chunk in texts.chunks(window) {

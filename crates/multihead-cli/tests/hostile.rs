@@ -278,6 +278,8 @@ fn embed_sizes_out_of_range_are_errors_naming_the_flag() {
         ("--batch", "0"),
         ("--threads", "0"),
         ("--threads", "100000"),
+        ("--pack-tokens", "0"),
+        ("--pack-tokens", "99999999999"),
     ] {
         let o = bin()
             .args(["embed", "--model", "/nonexistent", flag, value, "hello"])
@@ -332,6 +334,9 @@ fn bench_and_demo_size_flags_are_checked_first() {
         (&["bench", "--tgt-len", "100000000", "--src-len", "100000000"], "--tgt-len"),
         (&["bench", "--iters", "0"], "--iters"),
         (&["bench", "--threads", "0"], "--threads"),
+        (&["bench", "--module", "sdpa", "--padded"], "--padded"),
+        (&["bench", "--module", "mha", "--varlen"], "--varlen"),
+        (&["bench", "--module", "sdpa", "--varlen", "--sinks"], "--varlen"),
         (&["demo", "--batch", huge], "--batch"),
         (&["demo", "--seq-len", "100000"], "--seq-len"),
         (&["demo", "--seq2seq", "--seq-len", huge], "--seq-len"),
