@@ -106,6 +106,8 @@ fn time_kernel(a: &BenchArgs, cache: &multihead::KvCache) -> Result<f64> {
         kv_len: &kv_len,
         q_pos: &q_pos,
         q_len: &q_len,
+        softcap: None,
+        sinks: None,
     };
     let (ql, cl) = (Layout4::contiguous(h, 1, hd), Layout4::contiguous(hk, cap, hd));
     let mut best = f64::INFINITY;

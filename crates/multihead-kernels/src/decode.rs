@@ -13,8 +13,9 @@
 //!   `q_pos[b] + t` and sees itself and everything before it);
 //! * `vis = kv_len[b]` otherwise.
 //!
-//! `out[b,h,t,:] = Σ_j softmax_j(scale · q[b,h,t,:]·k[b,hk,j,:]) v[b,hk,j,:]` over the visible
-//! keys, with `hk = h / (heads_q / heads_kv)` (grouped-query attention: the query heads of
+//! `out[b,h,t,:] = Σ_j softmax_j(cap(scale · q[b,h,t,:]·k[b,hk,j,:])) v[b,hk,j,:]` over the
+//! visible keys (`cap` the optional soft cap; an optional sink per head joins the softmax's
+//! denominator), with `hk = h / (heads_q / heads_kv)` (grouped-query attention: the query heads of
 //! one kv head share one pass over its keys). A row with no visible key is zero. Keys a row
 //! cannot see are never read, so whatever the cache holds past `kv_len` does not matter.
 //!
@@ -36,7 +37,7 @@
 //! let q = vec![0.1f32; 2 * 4 * 8];
 //! let kv = vec![0.5f32; 2 * 2 * 10 * 8];
 //! let (kv_len, q_pos, q_len) = ([3, 10], [2, 9], [1, 1]);
-//! let p = DecodeParams { dims, scale: 0.35, causal: true, kv_len: &kv_len, q_pos: &q_pos, q_len: &q_len };
+//! let p = DecodeParams { dims, scale: 0.35, causal: true, kv_len: &kv_len, q_pos: &q_pos, q_len: &q_len, softcap: None, sinks: None };
 //! let mut out = vec![0f32; 2 * 4 * 8];
 //! let (ql, cl) = (Layout4::contiguous(4, 1, 8), Layout4::contiguous(2, 10, 8));
 //! decode_attention(&p, &q, ql, &kv, cl, &kv, cl, &mut out, ql)?;
@@ -93,6 +94,13 @@ pub struct DecodeParams<'a> {
     pub q_pos: &'a [usize],
     /// Valid rows per batch entry; rows from `q_len[b]` on are padding and give zeros.
     pub q_len: &'a [usize],
+    /// Tanh soft cap of the scaled scores, `c·tanh(scale·q·k / c)` (finite, positive), as in
+    /// [`AttnParams::softcap`](crate::attention::AttnParams::softcap).
+    pub softcap: Option<f32>,
+    /// Attention sinks, one logit per query head (`heads_q` values) in every row's softmax
+    /// denominator, as in [`AttnParams::sinks`](crate::attention::AttnParams::sinks). A
+    /// padding row stays zero.
+    pub sinks: Option<&'a [f32]>,
 }
 
 impl DecodeParams<'_> {
@@ -132,6 +140,18 @@ fn check_params(p: &DecodeParams) -> Result<(), KernelError> {
                 format!("has {} entries for a batch of {}", xs.len(), d.batch),
             ));
         }
+    }
+    if let Some(c) = p.softcap.filter(|c| !(c.is_finite() && *c > 0.0)) {
+        return Err(invalid(
+            "softcap",
+            format!("the soft cap must be finite and positive, got {c}"),
+        ));
+    }
+    if let Some(x) = p.sinks.filter(|x| x.len() != d.heads_q) {
+        return Err(invalid(
+            "sinks",
+            format!("expected one value per query head ({}), got {}", d.heads_q, x.len()),
+        ));
     }
     if let Some((b, &n)) = p.kv_len.iter().enumerate().find(|(_, &n)| n > d.capacity) {
         return Err(invalid(
@@ -374,6 +394,9 @@ impl<E: Elem> Base<'_, E> {
             }
             for (i, part) in parts.chunks_exact_mut(st).enumerate().filter(|(i, _)| len[*i] > 0) {
                 let row_scores = &mut scores[i * KEY_CHUNK..i * KEY_CHUNK + len[i]];
+                if let Some(c) = self.p.softcap {
+                    cap_scores::<S>(row_scores, c);
+                }
                 part[0] = max_of::<S>(row_scores);
                 part[1] = exp_sum::<S>(row_scores, part[0]);
             }
@@ -397,13 +420,25 @@ impl<E: Elem> Base<'_, E> {
     unsafe fn finish<S: Simd>(&self, b: usize, row: Row, state: &[f32]) {
         let dv = self.p.dims.dv;
         let l = state[1];
+        // A sink joins the denominator: `acc · a / (l·a + exp(sink − m'))`, `m' = max(m, sink)`.
+        let sink = self.p.sinks.map(|x| x[row.h]).filter(|&s| s != f32::NEG_INFINITY);
+        let div = match sink {
+            _ if l == 0.0 => 0.0,
+            Some(s) if !s.is_finite() => f32::NAN,
+            Some(s) => {
+                let top = state[0].max(s);
+                let a = (state[0] - top).exp();
+                (l * a + (s - top).exp()) / a
+            }
+            None => l,
+        };
         // SAFETY: the row `(b, h, t)` of `out` was checked by the entry point.
         unsafe {
             let o = self.out.0.add(self.ol.offset(b, row.h, row.t));
             if l == 0.0 {
                 std::ptr::write_bytes(o, 0, dv);
             } else {
-                map_div::<S>(&state[2..], l, o);
+                map_div::<S>(&state[2..], div, o);
             }
         }
     }
@@ -483,6 +518,25 @@ unsafe fn scores_of<S: Simd, E: Elem>(
         }
         for (i, s) in scores.iter_mut().enumerate().skip(j) {
             *s = S::reduce_add(dot_e::<S, E>(q.as_ptr(), key(i), d));
+        }
+    }
+}
+
+/// `s = c·tanh(s/c)` in place (a vector tanh, within 4 f32 epsilons).
+#[inline(always)]
+unsafe fn cap_scores<S: Simd>(s: &mut [f32], c: f32) {
+    let (l, n) = (S::LANES, s.len());
+    // SAFETY: loads and stores stay inside `s`.
+    unsafe {
+        let (cv, inv) = (S::splat(c), S::splat(1.0 / c));
+        let mut j = 0;
+        while j + l <= n {
+            let p = s.as_mut_ptr().add(j);
+            S::store(p, S::mul(cv, S::tanh(S::mul(S::load(p), inv))));
+            j += l;
+        }
+        for x in &mut s[j..] {
+            *x = c * (*x / c).tanh();
         }
     }
 }
@@ -760,12 +814,14 @@ pub fn decode_reference(
                     .map(|j| {
                         let kr = &k[kl.offset(b, hk, j)..][..d.d];
                         let s: f64 = qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum();
-                        s * p.scale as f64
+                        let s = s * p.scale as f64;
+                        p.softcap.map_or(s, |c| c as f64 * (s / c as f64).tanh())
                     })
                     .collect();
-                let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let sink = p.sinks.map_or(f64::NEG_INFINITY, |x| x[h] as f64);
+                let m = scores.iter().copied().fold(sink, f64::max);
                 let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                let sum: f64 = w.iter().sum();
+                let sum: f64 = w.iter().sum::<f64>() + (sink - m).exp();
                 let o = &mut out[ol.offset(b, h, t)..][..d.dv];
                 for (c, x) in o.iter_mut().enumerate() {
                     let acc: f64 = w

@@ -16,6 +16,8 @@ struct Case {
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
+    softcap: Option<f32>,
+    sinks: Option<Vec<f32>>,
 }
 
 impl Case {
@@ -32,6 +34,8 @@ impl Case {
             q: rand_vec(d.batch * d.heads_q * d.rows * d.d, seed),
             k: rand_vec(d.batch * d.heads_kv * d.capacity * d.d, seed + 1),
             v: rand_vec(d.batch * d.heads_kv * d.capacity * d.dv, seed + 2),
+            softcap: None,
+            sinks: None,
         }
     }
     fn params(&self) -> DecodeParams<'_> {
@@ -42,6 +46,8 @@ impl Case {
             kv_len: &self.kv_len,
             q_pos: &self.q_pos,
             q_len: &self.q_len,
+            softcap: self.softcap,
+            sinks: self.sinks.as_deref(),
         }
     }
     fn layouts(&self) -> [Layout4; 4] {
@@ -111,6 +117,26 @@ fn cases() -> Vec<Case> {
         }
     }
     out
+}
+
+/// A soft cap and sinks (gpt-oss, Gemma 2) against the reference, in both modes (split across
+/// chunks and sequential), with grouped heads, a sink of -inf (none) and a large one.
+#[test]
+fn softcap_and_sinks_match_the_reference() {
+    for (n, mut case) in cases().into_iter().enumerate().filter(|(n, _)| n % 5 == 0) {
+        let hq = case.dims.heads_q;
+        case.softcap = (n % 2 == 0).then_some(0.8);
+        let pool = [0.5f32, -2.0, f32::NEG_INFINITY, 6.0, 0.0, 1.5];
+        case.sinks = Some((0..hq).map(|h| pool[(h + n) % pool.len()]).collect());
+        let want = case.reference();
+        for level in levels() {
+            for sequential in [false, true] {
+                let got = with_simd_level(level, || case.run(sequential));
+                let err = max_diff(&got, &want);
+                assert!(err <= 3e-6, "{:?} {level:?} sequential={sequential}: {err}", case.dims);
+            }
+        }
+    }
 }
 
 #[test]

@@ -90,6 +90,9 @@ pub(crate) struct DecodeOp {
     pub kv_len: Vec<usize>,
     pub q_pos: Vec<usize>,
     pub q_len: Vec<usize>,
+    /// Soft cap and sinks (`forward_cached_with`).
+    pub softcap: Option<f32>,
+    pub sinks: Option<Vec<f32>>,
 }
 
 impl CustomOp3 for DecodeOp {
@@ -155,6 +158,8 @@ impl CustomOp3 for DecodeOp {
             kv_len: &self.kv_len,
             q_pos: &self.q_pos,
             q_len: &self.q_len,
+            softcap: self.softcap,
+            sinks: self.sinks.as_deref(),
         };
         let q = &q[q0..];
         match (qs, ks, vs) {

@@ -36,6 +36,38 @@ pub struct StaticKv {
     pub memory: Tensor,
 }
 
+/// Options of [`MultiheadAttention::forward_cached_with`]: the variants the decode kernel
+/// runs. The default is plain causal attention (what [`forward_cached`](MultiheadAttention::forward_cached) does).
+///
+/// # Example
+/// ```
+/// use multihead::multihead_attention::CachedOptions;
+/// let o = CachedOptions::default().softcap(50.0);
+/// assert_eq!(o.softcap, Some(50.0));
+/// ```
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct CachedOptions {
+    /// Tanh soft cap of the scaled scores, `c·tanh(q·kᵀ/√D / c)` (Gemma 2); finite, positive.
+    pub softcap: Option<f64>,
+    /// Attention sinks (gpt-oss), one logit per query head, `(H,)`: they join every row's
+    /// softmax denominator. Values only (the cached path is inference).
+    pub sinks: Option<Tensor>,
+}
+
+impl CachedOptions {
+    /// Sets the soft cap.
+    pub fn softcap(mut self, c: f64) -> Self {
+        self.softcap = Some(c);
+        self
+    }
+    /// Sets the sinks, `(H,)`.
+    pub fn sinks(mut self, sinks: Tensor) -> Self {
+        self.sinks = Some(sinks);
+        self
+    }
+}
+
 /// A validated cached call.
 struct Step {
     /// The input with a batch dimension, in the module's layout.
@@ -46,6 +78,9 @@ struct Step {
     t: usize,
     /// New tokens per row.
     counts: Vec<usize>,
+    /// The soft cap and the sinks' values (`CachedOptions`, checked).
+    softcap: Option<f32>,
+    sinks: Option<Vec<f32>>,
 }
 
 /// Which keys each new row sees (the decode kernel's rule, for the composed path).
@@ -127,6 +162,7 @@ impl MultiheadAttention {
         x: &Tensor,
         cache: &KvCache,
         lengths: Option<&[usize]>,
+        opts: &CachedOptions,
     ) -> Result<Step> {
         self.check_cached_config()?;
         let cfg = &self.cfg;
@@ -182,7 +218,34 @@ impl MultiheadAttention {
             }
         };
         cache.check_room(CACHED, &counts)?;
-        Ok(Step { x: x3, unbatched, batch_first, n, t, counts })
+        let (softcap, sinks) = self.check_cached_options(opts)?;
+        Ok(Step { x: x3, unbatched, batch_first, n, t, counts, softcap, sinks })
+    }
+
+    /// The soft cap (finite, positive) and the sinks (`(H,)`) of a cached call.
+    fn check_cached_options(
+        &self,
+        opts: &CachedOptions,
+    ) -> Result<(Option<f32>, Option<Vec<f32>>)> {
+        if let Some(c) = opts.softcap {
+            if !(c.is_finite() && c > 0.0 && (c as f32).is_finite() && c as f32 > 0.0) {
+                let msg = format!(
+                    "the soft cap must be finite and positive, got {c}; pass None to turn it off"
+                );
+                return Err(config_err("softcap", msg));
+            }
+        }
+        let h = self.cfg.num_heads;
+        let sinks = match &opts.sinks {
+            Some(t) if t.dims() != [h] => {
+                let msg =
+                    format!("expected one sink per head, shape [{h}], got {}", fmt_shape(t.dims()));
+                return Err(Error::Shape { op: CACHED, arg: "sinks", msg });
+            }
+            Some(t) => Some(t.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+            None => None,
+        };
+        Ok((opts.softcap.map(|c| c as f32), sinks))
     }
 
     /// The one decision of a cached call: the fused decode kernel (f32 or bf16 on the CPU; a
@@ -203,7 +266,7 @@ impl MultiheadAttention {
         cache: &KvCache,
         lengths: Option<&[usize]>,
     ) -> Result<Plan> {
-        let step = self.validate_step(x, cache, lengths)?;
+        let step = self.validate_step(x, cache, lengths, &CachedOptions::default())?;
         self.plan_step(&step)
     }
 
@@ -233,7 +296,46 @@ impl MultiheadAttention {
         cache: &mut KvCache,
         lengths: Option<&[usize]>,
     ) -> Result<Tensor> {
-        let step = self.validate_step(x, cache, lengths)?;
+        self.forward_cached_with(x, cache, lengths, &CachedOptions::default())
+    }
+
+    /// [`forward_cached`](Self::forward_cached) with a soft cap and attention sinks
+    /// ([`CachedOptions`]; a sliding window is the cache's own,
+    /// [`new_sliding_cache`](Self::new_sliding_cache)). The decode kernel applies them, the
+    /// composed path too; at every step the output equals a full forward with the same
+    /// variants (`SdpaOptions::softcap`, `SdpaOptions::sinks`) over the prefix.
+    ///
+    /// # Shapes
+    /// * As for [`forward_cached`](Self::forward_cached); sinks `(H,)`.
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use multihead::multihead_attention::CachedOptions;
+    /// use multihead::{MhaConfig, MultiheadAttention};
+    ///
+    /// let vm = VarMap::new();
+    /// let mut m = MultiheadAttention::new(MhaConfig::new(8, 2), VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))?;
+    /// m.eval();
+    /// let mut cache = m.new_cache(1, 16)?;
+    /// let sinks = Tensor::new(&[0.5f32, -1.0], &Device::Cpu)?;
+    /// let opts = CachedOptions::default().softcap(30.0).sinks(sinks);
+    /// let x = Tensor::randn(0f32, 1.0, (3, 1, 8), &Device::Cpu)?; // (T, N, E)
+    /// let y = m.forward_cached_with(&x, &mut cache, None, &opts)?;
+    /// assert_eq!(y.dims(), &[3, 1, 8]);
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
+    // Mirrors torch.nn.MultiheadAttention.forward over the prefix with a soft cap and sinks
+    // (Gemma 2's and gpt-oss's attention) at the new positions.
+    pub fn forward_cached_with(
+        &self,
+        x: &Tensor,
+        cache: &mut KvCache,
+        lengths: Option<&[usize]>,
+        opts: &CachedOptions,
+    ) -> Result<Tensor> {
+        let step = self.validate_step(x, cache, lengths, opts)?;
         let plan = self.plan_step(&step)?;
         crate::mode::no_grad(|| self.run_step(&step, &plan, cache))
     }
@@ -345,10 +447,12 @@ impl MultiheadAttention {
                 kv_len: rows.kv_len.clone(),
                 q_pos: rows.q_pos.clone(),
                 q_len: rows.q_len.clone(),
+                softcap: step.softcap,
+                sinks: step.sinks.clone(),
             };
             return Ok(q.apply_op3_no_bwd(cache.keys(), cache.values(), &op)?);
         }
-        self.attend_cache_composed(q, cache, rows, step.batch_first)
+        self.attend_cache_composed(q, cache, rows, step)
     }
 
     /// The composed path: per row, softmax attention over its valid cache slots in candle
@@ -358,8 +462,9 @@ impl MultiheadAttention {
         q: &Tensor,
         cache: &KvCache,
         rows: &Rows,
-        batch_first: bool,
+        step: &Step,
     ) -> Result<Tensor> {
+        let (batch_first, cap) = (step.batch_first, step.softcap.map(|c| (c as f64, false)));
         let cfg = &self.cfg;
         let (h, hk, hd, e) = (cfg.num_heads, cfg.kv_heads(), cfg.head_dim(), cfg.embed_dim);
         let q = if batch_first { q.clone() } else { q.transpose(0, 1)? }; // (N, T, E)
@@ -385,8 +490,12 @@ impl MultiheadAttention {
             let cd = if crate::precision::is_reduced(q.dtype()) { DType::F32 } else { q.dtype() };
             let (qb, kb, vb) = (qb.to_dtype(cd)?, kb.to_dtype(cd)?, vb.to_dtype(cd)?);
             let mask = Tensor::from_vec(mask, (1, t, kv_len), q.device())?.to_dtype(cd)?;
-            let (o, _) =
-                attention_core(&qb, &kb, &vb, Some(&mask), (scale, None, None), None, false)?;
+            let sinks = match &step.sinks {
+                Some(s) => Some(Tensor::from_vec(s.clone(), (h, 1, 1), q.device())?.to_dtype(cd)?),
+                None => None,
+            };
+            let score = (scale, cap, sinks.as_ref());
+            let (o, _) = attention_core(&qb, &kb, &vb, Some(&mask), score, None, false)?;
             outs.push(o.to_dtype(q.dtype())?.transpose(0, 1)?.reshape((t, e))?);
         }
         let out = Tensor::stack(&outs, 0)?;

@@ -3,7 +3,7 @@
 mod incremental;
 mod packed;
 
-pub use incremental::StaticKv;
+pub use incremental::{CachedOptions, StaticKv};
 pub use packed::PackedOptions;
 
 use candle_core::{DType, Tensor};

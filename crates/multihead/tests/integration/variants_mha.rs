@@ -130,3 +130,66 @@ fn mha_variants_reject_bad_combinations() {
         assert!(e.to_string().contains("multi_head_attention_forward"), "{e}");
     }
 }
+
+/// `forward_cached_with`: a soft cap step by step equals the full forward with the cap and a
+/// causal mask over the prefix; with sinks too, the decode kernel (f32) equals the composed
+/// path (the same module in f64), token by token and in chunks.
+#[test]
+fn cached_decoding_takes_the_softcap_and_sinks() {
+    use multihead::multihead_attention::CachedOptions;
+    let cfg = MhaConfig::new(16, 4).with_num_kv_heads(2);
+    let (mut m32, _v32) = mha(cfg.clone(), DType::F32);
+    let (mut m64, _v64) = mha(cfg, DType::F64);
+    m32.eval();
+    m64.eval();
+    let x = det(&[9, 2, 16], DType::F32, 3.0); // (T, N, E)
+    let sinks = Tensor::new(&[0.3f32, -1.0, 2.0, f32::NEG_INFINITY], x.device()).unwrap();
+    // The soft cap alone against the full forward over the prefix.
+    let cap = CachedOptions::default().softcap(0.9);
+    let mut cache = m32.new_cache(2, 16).unwrap();
+    let mut steps = Vec::new();
+    for (from, n) in [(0, 4), (4, 1), (5, 4)] {
+        steps.push(
+            m32.forward_cached_with(&x.narrow(0, from, n).unwrap(), &mut cache, None, &cap)
+                .unwrap(),
+        );
+    }
+    let stepped = Tensor::cat(&steps, 0).unwrap();
+    let mask = multihead::generate_square_subsequent_mask(9, DType::F32, x.device()).unwrap();
+    let full = MhaOptions::default().need_weights(false).attn_mask(Mask::Float(mask)).softcap(0.9);
+    let want = m32.forward(&x, &x, &x, &full).unwrap().output;
+    assert_close(&stepped, &want, Tolerance::F32_FORWARD, "soft cap, stepped vs full");
+    // Cap and sinks: the fused decode kernel (f32) against the composed path (f64).
+    let both = CachedOptions::default().softcap(0.9).sinks(sinks.clone());
+    let both64 = CachedOptions::default().softcap(0.9).sinks(sinks.to_dtype(DType::F64).unwrap());
+    let (mut c32, mut c64) = (m32.new_cache(2, 16).unwrap(), m64.new_cache(2, 16).unwrap());
+    let x64 = x.to_dtype(DType::F64).unwrap();
+    let lens = [2usize, 1];
+    for (from, n) in [(0, 3), (3, 1), (4, 5)] {
+        let l = (n == 3).then_some(&lens[..]);
+        let a =
+            m32.forward_cached_with(&x.narrow(0, from, n).unwrap(), &mut c32, l, &both).unwrap();
+        let b = m64
+            .forward_cached_with(&x64.narrow(0, from, n).unwrap(), &mut c64, l, &both64)
+            .unwrap();
+        let b = b.to_dtype(DType::F32).unwrap();
+        assert_close(&a, &b, Tolerance::F32_FORWARD, "cap + sinks, fused vs composed");
+    }
+    // The sinks change the result; bad options are errors naming them.
+    let mut c = m32.new_cache(2, 16).unwrap();
+    let plain = m32.forward_cached(&x, &mut c, None).unwrap();
+    let mut c = m32.new_cache(2, 16).unwrap();
+    let sunk =
+        m32.forward_cached_with(&x, &mut c, None, &CachedOptions::default().sinks(sinks)).unwrap();
+    let diff =
+        (plain - sunk).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    assert!(diff > 1e-3, "sinks had no effect");
+    let mut c = m32.new_cache(2, 16).unwrap();
+    let bad = CachedOptions::default().softcap(-1.0);
+    let e = m32.forward_cached_with(&x, &mut c, None, &bad).map(|_| ()).unwrap_err();
+    assert!(matches!(e, Error::Config { arg: "softcap", .. }), "{e}");
+    let bad = CachedOptions::default().sinks(det(&[3], DType::F32, 1.0));
+    let e = m32.forward_cached_with(&x, &mut c, None, &bad).map(|_| ()).unwrap_err();
+    assert!(e.to_string().contains("sinks"), "{e}");
+    assert_eq!(c.lens(), &[0, 0], "a refused call leaves the cache unchanged");
+}
