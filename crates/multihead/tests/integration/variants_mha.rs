@@ -193,3 +193,66 @@ fn cached_decoding_takes_the_softcap_and_sinks() {
     assert!(e.to_string().contains("sinks"), "{e}");
     assert_eq!(c.lens(), &[0, 0], "a refused call leaves the cache unchanged");
 }
+
+/// Sinks through `MultiheadAttention::forward`: fused against composed (output, per-head
+/// weights under no_grad, and the gradients of the input, the sinks and every parameter), and
+/// the cached decode with sinks equals the full forward with them over the prefix.
+#[test]
+fn mha_sinks_match_between_paths_and_the_cache() {
+    use multihead::multihead_attention::CachedOptions;
+    let cfg = MhaConfig::new(16, 4);
+    let x = det(&[7, 2, 16], DType::F32, 2.0);
+    let (mut m, vm) = mha(cfg, DType::F32);
+    m.eval();
+    let sink_vals = Tensor::new(&[0.4f32, -0.7, 1.9, 0.0], x.device()).unwrap();
+    let run = |backend| {
+        let (xv, sv) = (var(&x), var(&sink_vals));
+        let o = MhaOptions::default().need_weights(false).sinks(sv.as_tensor().clone());
+        let xt = xv.as_tensor();
+        let y = m.forward(xt, xt, xt, &o.backend(backend)).unwrap().output;
+        let g = det(y.dims(), DType::F32, 5.0);
+        let store = y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+        let data = vm.data().lock().unwrap();
+        let mut names: Vec<_> = data.keys().cloned().collect();
+        names.sort();
+        let mut out = vec![
+            y.clone(),
+            store.get(xt).unwrap().clone(),
+            store.get(sv.as_tensor()).unwrap().clone(),
+        ];
+        out.extend(names.iter().map(|n| store.get(data[n].as_tensor()).unwrap().clone()));
+        out
+    };
+    let (a, b) = (run(Backend::Fused), run(Backend::Composed));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert_close(x, y, Tolerance::F32_GRAD, &format!("sinks, tensor {i}"));
+    }
+    let w = MhaOptions::default().sinks(sink_vals.clone()).average_attn_weights(false);
+    let fwd = |o: MhaOptions| multihead::no_grad(|| m.forward(&x, &x, &x, &o)).unwrap();
+    let (wf, wc) = (fwd(w.clone().backend(Backend::Fused)), fwd(w.backend(Backend::Composed)));
+    assert_close(
+        &wf.attn_weights.unwrap(),
+        &wc.attn_weights.unwrap(),
+        Tolerance::F32_FORWARD,
+        "weights",
+    );
+    // Cached decoding with the sinks equals the full causal forward with them.
+    let mut cache = m.new_cache(2, 8).unwrap();
+    let opts = CachedOptions::default().sinks(sink_vals.clone());
+    let steps: Vec<Tensor> = [(0, 3), (3, 1), (4, 3)]
+        .iter()
+        .map(|&(f, n)| {
+            m.forward_cached_with(&x.narrow(0, f, n).unwrap(), &mut cache, None, &opts).unwrap()
+        })
+        .collect();
+    let mask = multihead::generate_square_subsequent_mask(7, DType::F32, x.device()).unwrap();
+    let full =
+        MhaOptions::default().need_weights(false).attn_mask(Mask::Float(mask)).sinks(sink_vals);
+    let want = m.forward(&x, &x, &x, &full).unwrap().output;
+    assert_close(&Tensor::cat(&steps, 0).unwrap(), &want, Tolerance::F32_FORWARD, "cached vs full");
+    // A wrong shape or dtype is an error naming the sinks.
+    for bad in [det(&[3], DType::F32, 1.0), det(&[4], DType::F64, 1.0)] {
+        let e = m.forward(&x, &x, &x, &MhaOptions::default().sinks(bad)).map(|_| ()).unwrap_err();
+        assert!(e.to_string().contains("sinks"), "{e}");
+    }
+}

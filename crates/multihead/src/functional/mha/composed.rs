@@ -117,7 +117,11 @@ pub(crate) fn attend(
     };
     // Attention (steps 12-13), then the heads concatenated back.
     let scale = 1.0 / (hd as f64).sqrt();
-    let score = (scale, variants.cap(), None);
+    let sinks = match &call.sinks {
+        Some(t) => Some(t.reshape((1, h, 1))?.broadcast_as((n, h, 1))?.reshape((n * h, 1, 1))?),
+        None => None,
+    };
+    let score = (scale, variants.cap(), sinks.as_ref());
     let (attn, weights) =
         attention_core(&q, &k, &v, mask.as_ref(), score, dropout, call.need_weights)?;
     let attn = attn.transpose(0, 1)?.contiguous()?.reshape((l, n, e))?;

@@ -64,6 +64,10 @@ pub(crate) fn attend(
     let op = FlashAttention::new(dims, scale, call.causal, masks, dropout, conv)
         .with_variants(&call.variants)
         .with_rounded_products(call.need_weights);
+    let op = match &call.sinks {
+        Some(t) => op.with_sinks(t.to_vec1::<f32>()?),
+        None => op,
+    };
     if call.static_kv.is_some() {
         return static_attention(call, proj, &op);
     }
@@ -73,6 +77,7 @@ pub(crate) fn attend(
         Packed::Kv(kv) => op.apply_packed_kv(&proj.q, kv)?,
         Packed::None => op.apply(&proj.q, &proj.k, &proj.v)?,
     };
+    let attn = with_sinks(&op, attn, call)?;
     let weights = if call.need_weights {
         let w = op.weights(&proj.q, &proj.k, call.average_attn_weights)?;
         Some(if call.average_attn_weights { w.squeeze(1)? } else { w })
@@ -80,6 +85,14 @@ pub(crate) fn attend(
         None
     };
     Ok((attn, weights))
+}
+
+/// The output of `op` joined to the graph of the sinks (their gradient), when there are any.
+fn with_sinks(op: &FlashAttention, attn: Tensor, call: &MhaCall) -> Result<Tensor> {
+    match &call.sinks {
+        Some(s) => crate::fused::sinks::attach(op, &attn, s),
+        None => Ok(attn),
+    }
 }
 
 /// `(T, N, heads·hd)` (or `(N, T, ·)` with `batch_first`) -> `(N, heads, T, hd)`, contiguous.
@@ -107,7 +120,8 @@ fn static_attention(
     let qh = to_bhtd(&proj.q, h, hd, call.batch_first)?;
     let kh = proj.k.reshape((n, hk, s, hd))?;
     let vh = proj.v.reshape((n, hk, s, hd))?;
-    let attn = from_bhtd(&bhtd.apply(&qh, &kh, &vh)?, (n, l, e), call.batch_first)?;
+    let attn = with_sinks(&bhtd, bhtd.apply(&qh, &kh, &vh)?, call)?;
+    let attn = from_bhtd(&attn, (n, l, e), call.batch_first)?;
     let weights = if call.need_weights {
         let w = bhtd.weights(&qh, &kh, call.average_attn_weights)?;
         Some(if call.average_attn_weights { w.squeeze(1)? } else { w })

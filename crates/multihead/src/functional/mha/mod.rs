@@ -100,6 +100,9 @@ pub struct MhaOptions {
     /// `docs/variants.md`). They apply around the causal hint and the masks as in SDPA; not
     /// with `bias_k`/`bias_v` or `add_zero_attn`. Default none.
     pub variants: crate::Variants,
+    /// Attention sinks (gpt-oss): a learned logit per head, `(H,)` in the parameters' dtype,
+    /// joining every row's softmax denominator with no value; differentiable. Default none.
+    pub sinks: Option<Tensor>,
 }
 
 impl Default for MhaOptions {
@@ -115,6 +118,7 @@ impl Default for MhaOptions {
             static_k: None,
             static_v: None,
             variants: crate::Variants::default(),
+            sinks: None,
         }
     }
 }
@@ -178,6 +182,11 @@ impl MhaOptions {
     /// Sets the ALiBi slopes, one per head.
     pub fn alibi(mut self, slopes: Vec<f64>) -> Self {
         self.variants.alibi_slopes = Some(slopes);
+        self
+    }
+    /// Sets the attention sinks, `(H,)`.
+    pub fn sinks(mut self, sinks: Tensor) -> Self {
+        self.sinks = Some(sinks);
         self
     }
     /// Sets `static_k` and `static_v`, `(N·Hkv, S, D)` each (see
@@ -373,6 +382,7 @@ impl Widened {
         o.key_padding_mask = mask(&opts.key_padding_mask)?;
         o.static_k = widen_opt(opts.static_k.as_ref())?;
         o.static_v = widen_opt(opts.static_v.as_ref())?;
+        o.sinks = widen_opt(opts.sinks.as_ref())?;
         Ok(Self {
             q,
             k,

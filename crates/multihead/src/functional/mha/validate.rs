@@ -49,6 +49,8 @@ pub(crate) struct MhaCall<'a> {
     pub backend: crate::mode::Backend,
     /// Soft cap, window, alignment, key lengths, ALiBi (checked).
     pub variants: crate::Variants,
+    /// Attention sinks `(H,)` (checked).
+    pub sinks: Option<Tensor>,
 }
 
 impl MhaCall<'_> {
@@ -337,6 +339,19 @@ fn check_in_proj(
 }
 
 /// Checks `static_k`/`static_v`: both or neither, `(N·hk, S, hd)` each with the same `S`, the
+/// The sinks: `(H,)` in the parameters' dtype.
+fn check_sinks(sinks: Option<&Tensor>, h: usize, dtype: DType) -> Result<()> {
+    let Some(t) = sinks else { return Ok(()) };
+    if t.dims() != [h] {
+        let msg = format!("expected one sink per head, shape [{h}], got {}", fmt_shape(t.dims()));
+        return Err(shape_err("sinks", msg));
+    }
+    if t.dtype() != dtype {
+        return Err(dtype_err("sinks", t.dtype(), dtype));
+    }
+    Ok(())
+}
+
 /// The variants: SDPA's checks (key lengths per batch entry, slopes per head), and none with
 /// the extra key columns of `bias_k` or `add_zero_attn` (where their index would be unclear).
 fn check_variants(
@@ -523,6 +538,7 @@ pub(crate) fn validate<'a>(
     let static_kv = check_static(opts, params, (n, hk, hd), dtype)?;
     let s = static_kv.as_ref().map_or(Ok(s), |(k, _)| k.dim(1))?;
     check_variants(opts, params, (n, h, s))?;
+    check_sinks(opts.sinks.as_ref(), h, dtype)?;
     let (kpm, attn_mask) = convert_masks(opts, unbatched, (n, l, s, h), dtype)?;
     // The is_causal hint (docs/pytorch-behaviour.md §4).
     let (attn_mask, causal) = if opts.is_causal && kpm.is_none() && !opts.need_weights {
@@ -556,5 +572,6 @@ pub(crate) fn validate<'a>(
         average_attn_weights: opts.average_attn_weights,
         backend: opts.backend,
         variants: opts.variants.clone(),
+        sinks: opts.sinks.clone(),
     })
 }
