@@ -31,9 +31,14 @@ impl Band {
     /// The band of batch entry `b` (validated parameters).
     pub(crate) fn of(p: &AttnParams<'_>, b: usize) -> Band {
         let right = if p.causal { Some(0) } else { p.window.right };
+        // Exact in i128, then clamped to just past the ends: queries are `0..L` and keys
+        // `0..S`, so any bound beyond `-(L + 1)..=S + 1` hides (or shows) the same entries,
+        // and the tiles' arithmetic stays far from overflow for any window and offset.
+        let (l, s) = (p.dims.l as i128, p.dims.s as i128);
+        let near = |x: i128| x.clamp(-(l + 1), s + 1) as isize;
         Band {
-            lo: p.window.left.map(|w| p.offset.saturating_sub(signed(w))),
-            hi: right.map(|w| p.offset.saturating_add(signed(w))),
+            lo: p.window.left.map(|w| near(p.offset as i128 - w as i128)),
+            hi: right.map(|w| near(p.offset as i128 + w as i128)),
             len: p.kv_lengths.and_then(|k| k.get(b).copied()).unwrap_or(p.dims.s).min(p.dims.s),
         }
     }

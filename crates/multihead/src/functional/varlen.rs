@@ -281,9 +281,9 @@ fn run(
     }
     let dropout = (opts.dropout_p > 0.0)
         .then(|| (opts.dropout_p, opts.dropout_key.unwrap_or_else(next_dropout_key)));
-    let scale = opts.scale.unwrap_or_else(|| 1.0 / (e as f64).sqrt());
     match path {
         Path::Fused => {
+            let scale = opts.scale.unwrap_or_else(|| 1.0 / (e as f64).sqrt());
             let cu = (cu_seqlens_q.0.clone(), cu_seqlens_k.0.clone());
             let op = VarlenAttention::new(
                 cu,
@@ -308,7 +308,9 @@ fn run(
                 };
                 let q = part(query, wq[0], l, (hq, e))?;
                 let (k, v) = (part(key, wk[0], s, (hk, e))?, part(value, wk[0], s, (hk, ev))?);
-                let mut o = opts.clone().scale(scale);
+                // The user's scale as given: SDPA's default for it is this call's too (and
+                // takes head size 0, where 1/√E is infinite, as PyTorch does).
+                let mut o = opts.clone();
                 o.dropout_key = dropout.map(|(_, key)| sequence_key(key, b));
                 let out = scaled_dot_product_attention(&q, &k, &v, &o)?.transpose(0, 1)?;
                 outs.push(if rows { out.reshape((l, hq * ev))? } else { out });

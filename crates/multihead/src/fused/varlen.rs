@@ -58,7 +58,8 @@ impl<'a> Rows<'a> {
         if last != 1 && dims[dims.len() - 1] > 1 {
             candle_core::bail!("varlen attention: the feature dimension must be contiguous");
         }
-        Ok(Rows { data: &s[l.start_offset()..], row, head })
+        // An empty view may start at (or past) the end of an empty storage.
+        Ok(Rows { data: s.get(l.start_offset()..).unwrap_or(&[]), row, head })
     }
 
     /// Rows `from..from + n` as a batch of one `[1, heads, n, d]`.

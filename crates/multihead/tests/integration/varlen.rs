@@ -210,3 +210,54 @@ fn packed_encoder_layer_equals_the_padded_batch() {
         }
     }
 }
+
+/// Degenerate packed batches run on both paths and agree: no rows at all (no sequences, or
+/// only empty ones), an empty view of a larger tensor, and head size 0 (PyTorch's SDPA then
+/// averages the values).
+#[test]
+fn empty_batches_and_empty_heads_agree_between_the_paths() {
+    let o = || SdpaOptions::default().is_causal(true);
+    for cu in [vec![0], vec![0, 0, 0]] {
+        let cu = CuSeqlens::from_offsets(cu);
+        for backend in [Backend::Fused, Backend::Composed] {
+            let q = var(&det(&[0, 2, 4], DType::F32, 1.0));
+            let out = varlen_attention(q.as_tensor(), &q, &q, &cu, &cu, &o().backend(backend));
+            let out = out.expect("empty batch");
+            assert_eq!(out.dims(), [0, 2, 4]);
+            // The backward runs; a gradient, where candle keeps one, is empty too.
+            let grads = out.sum_all().unwrap().backward().expect("empty backward");
+            assert!(grads.get(&q).is_none_or(|g| g.dims() == [0, 2, 4]));
+            // An empty view that starts past a larger tensor's first row.
+            let x = det(&[5, 2, 4], DType::F32, 1.0).narrow(0, 5, 0).unwrap();
+            let y = varlen_attention(&x, &x, &x, &cu, &cu, &o().backend(backend)).unwrap();
+            assert_eq!(y.dims(), [0, 2, 4]);
+        }
+    }
+    // A module on an empty packed batch (its projections' outputs are empty storages).
+    let (m, _vm) = crate::common::mha(multihead::MhaConfig::new(16, 4), DType::F32);
+    for cu in [vec![0], vec![0, 0, 0]] {
+        let cu = CuSeqlens::from_offsets(cu);
+        for backend in [Backend::Fused, Backend::Composed] {
+            let x = det(&[0, 16], DType::F32, 1.0);
+            let po = multihead::multihead_attention::PackedOptions::default().backend(backend);
+            let y = m.forward_packed(&x, &cu, &po.is_causal(true)).expect("empty packed batch");
+            assert_eq!(y.dims(), [0, 16]);
+        }
+    }
+    let lens = [3usize, 0, 5];
+    let cu = CuSeqlens::from_lengths(&lens);
+    let shapes: [&[usize]; 3] = [&[8, 2, 0], &[8, 2, 0], &[8, 2, 4]];
+    let (a, ga) = run(shapes, (&cu, &cu), &o().backend(Backend::Fused));
+    let (b, gb) = run(shapes, (&cu, &cu), &o().backend(Backend::Composed));
+    assert_close(&a, &b, Tolerance::F32_FORWARD, "head size 0: output");
+    assert_close(&ga[2], &gb[2], Tolerance::F32_GRAD, "head size 0: dv");
+    // Equal to PyTorch's rule: with no features every visible key scores the same.
+    let v = det(&[8, 2, 4], DType::F32, 3.0);
+    let first = v.narrow(0, 0, 1).unwrap();
+    assert_close(
+        &a.narrow(0, 0, 1).unwrap(),
+        &first,
+        Tolerance::F32_FORWARD,
+        "first row sees itself",
+    );
+}

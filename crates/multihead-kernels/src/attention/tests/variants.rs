@@ -48,6 +48,23 @@ fn windows_skip_and_hide_the_keys_outside() {
 }
 
 #[test]
+fn huge_windows_at_extreme_offsets_follow_the_reference() {
+    // Bounds beyond isize: `offset + right` and `offset - left` overflow a saturating sum.
+    let far = isize::MAX - 3;
+    for &(offset, left, right) in &[
+        (-far, None, Some(usize::MAX)),
+        (far, Some(usize::MAX), None),
+        (-far, Some(usize::MAX), Some(usize::MAX)),
+        (far, Some(usize::MAX - 1), Some(usize::MAX)),
+        (-far, Some(5), Some(usize::MAX)),
+    ] {
+        let mut c = Case::new(1, 2, 40, 70, 8);
+        (c.offset, c.window) = (offset, window(left, right));
+        check_case(&c);
+    }
+}
+
+#[test]
 fn key_lengths_hide_the_padded_keys() {
     let mut c = Case::new(4, 2, 65, 300, 32);
     c.lens = Some(vec![300, 0, 1, 257]);
