@@ -108,6 +108,7 @@ fn time_kernel(a: &BenchArgs, cache: &multihead::KvCache) -> Result<f64> {
         q_len: &q_len,
         softcap: None,
         sinks: None,
+        alibi: None,
     };
     let (ql, cl) = (Layout4::contiguous(h, 1, hd), Layout4::contiguous(hk, cap, hd));
     let mut best = f64::INFINITY;

@@ -37,7 +37,7 @@
 //! let q = vec![0.1f32; 2 * 4 * 8];
 //! let kv = vec![0.5f32; 2 * 2 * 10 * 8];
 //! let (kv_len, q_pos, q_len) = ([3, 10], [2, 9], [1, 1]);
-//! let p = DecodeParams { dims, scale: 0.35, causal: true, kv_len: &kv_len, q_pos: &q_pos, q_len: &q_len, softcap: None, sinks: None };
+//! let p = DecodeParams { dims, scale: 0.35, causal: true, kv_len: &kv_len, q_pos: &q_pos, q_len: &q_len, softcap: None, sinks: None, alibi: None };
 //! let mut out = vec![0f32; 2 * 4 * 8];
 //! let (ql, cl) = (Layout4::contiguous(4, 1, 8), Layout4::contiguous(2, 10, 8));
 //! decode_attention(&p, &q, ql, &kv, cl, &kv, cl, &mut out, ql)?;
@@ -101,6 +101,11 @@ pub struct DecodeParams<'a> {
     /// denominator, as in [`AttnParams::sinks`](crate::attention::AttnParams::sinks). A
     /// padding row stays zero.
     pub sinks: Option<&'a [f32]>,
+    /// ALiBi slopes, one per query head (`heads_q` finite values): row `t` at position
+    /// `q_pos[b] + t` adds `−m_h·|q_pos[b] + t − j|` to its score of key `j` (after the cap),
+    /// as [`AttnParams::alibi`](crate::attention::AttnParams::alibi) does with a diagonal
+    /// offset of `q_pos[b]`.
+    pub alibi: Option<&'a [f32]>,
 }
 
 impl DecodeParams<'_> {
@@ -152,6 +157,14 @@ fn check_params(p: &DecodeParams) -> Result<(), KernelError> {
             "sinks",
             format!("expected one value per query head ({}), got {}", d.heads_q, x.len()),
         ));
+    }
+    if let Some(m) = p.alibi {
+        if m.len() != d.heads_q || m.iter().any(|x| !x.is_finite()) {
+            return Err(invalid(
+                "alibi",
+                format!("expected one finite slope per query head ({}), got {m:?}", d.heads_q),
+            ));
+        }
     }
     if let Some((b, &n)) = p.kv_len.iter().enumerate().find(|(_, &n)| n > d.capacity) {
         return Err(invalid(
@@ -397,6 +410,9 @@ impl<E: Elem> Base<'_, E> {
                 if let Some(c) = self.p.softcap {
                     cap_scores::<S>(row_scores, c);
                 }
+                if let (Some(m), Some(row)) = (self.p.alibi, rows[i]) {
+                    add_alibi(row_scores, -m[row.h], self.p.q_pos[b].saturating_add(row.t), start);
+                }
                 part[0] = max_of::<S>(row_scores);
                 part[1] = exp_sum::<S>(row_scores, part[0]);
             }
@@ -441,6 +457,15 @@ impl<E: Elem> Base<'_, E> {
                 map_div::<S>(&state[2..], div, o);
             }
         }
+    }
+}
+
+/// Adds ALiBi's `−m·|pos − j|` to the scores of keys `start..start + scores.len()` (the
+/// distance exact below 2^24, multiplied by the negated slope as the attention kernels do).
+fn add_alibi(scores: &mut [f32], neg_slope: f32, pos: usize, start: usize) {
+    for (j, s) in scores.iter_mut().enumerate() {
+        let dist = (pos as f64 - (start + j) as f64).abs() as f32;
+        *s += dist * neg_slope;
     }
 }
 
@@ -815,7 +840,9 @@ pub fn decode_reference(
                         let kr = &k[kl.offset(b, hk, j)..][..d.d];
                         let s: f64 = qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum();
                         let s = s * p.scale as f64;
-                        p.softcap.map_or(s, |c| c as f64 * (s / c as f64).tanh())
+                        let s = p.softcap.map_or(s, |c| c as f64 * (s / c as f64).tanh());
+                        let pos = p.q_pos[b].saturating_add(t) as f64;
+                        s - p.alibi.map_or(0.0, |m| m[h] as f64 * (pos - j as f64).abs())
                     })
                     .collect();
                 let sink = p.sinks.map_or(f64::NEG_INFINITY, |x| x[h] as f64);

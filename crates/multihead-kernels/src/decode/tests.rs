@@ -18,6 +18,7 @@ struct Case {
     v: Vec<f32>,
     softcap: Option<f32>,
     sinks: Option<Vec<f32>>,
+    alibi: Option<Vec<f32>>,
 }
 
 impl Case {
@@ -36,6 +37,7 @@ impl Case {
             v: rand_vec(d.batch * d.heads_kv * d.capacity * d.dv, seed + 2),
             softcap: None,
             sinks: None,
+            alibi: None,
         }
     }
     fn params(&self) -> DecodeParams<'_> {
@@ -48,6 +50,7 @@ impl Case {
             q_len: &self.q_len,
             softcap: self.softcap,
             sinks: self.sinks.as_deref(),
+            alibi: self.alibi.as_deref(),
         }
     }
     fn layouts(&self) -> [Layout4; 4] {
@@ -128,6 +131,26 @@ fn softcap_and_sinks_match_the_reference() {
         case.softcap = (n % 2 == 0).then_some(0.8);
         let pool = [0.5f32, -2.0, f32::NEG_INFINITY, 6.0, 0.0, 1.5];
         case.sinks = Some((0..hq).map(|h| pool[(h + n) % pool.len()]).collect());
+        let want = case.reference();
+        for level in levels() {
+            for sequential in [false, true] {
+                let got = with_simd_level(level, || case.run(sequential));
+                let err = max_diff(&got, &want);
+                assert!(err <= 3e-6, "{:?} {level:?} sequential={sequential}: {err}", case.dims);
+            }
+        }
+    }
+}
+
+/// ALiBi slopes against the reference, alone and with a soft cap and sinks, in both modes,
+/// causal or not, with grouped heads and rows that start past the first chunk.
+#[test]
+fn alibi_matches_the_reference() {
+    for (n, mut case) in cases().into_iter().enumerate().filter(|(n, _)| n % 4 == 1) {
+        let hq = case.dims.heads_q;
+        case.alibi = Some((0..hq).map(|h| 2f32.powi(-(h as i32 + n as i32 % 3))).collect());
+        case.softcap = (n % 3 == 0).then_some(1.5);
+        case.sinks = (n % 2 == 0).then(|| (0..hq).map(|h| h as f32 - 1.0).collect());
         let want = case.reference();
         for level in levels() {
             for sequential in [false, true] {
@@ -319,6 +342,12 @@ fn bad_arguments_are_errors() {
     let short = [8];
     let p = DecodeParams { kv_len: &short, ..case.params() };
     assert!(call(&p, &case.k).to_string().contains("1 entries for a batch of 2"));
+    let (few, nan) = ([0.5f32; 3], [0.5f32, f32::NAN, 0.1, 0.2]);
+    for slopes in [&few[..], &nan[..]] {
+        let p = DecodeParams { alibi: Some(slopes), ..case.params() };
+        let e = call(&p, &case.k);
+        assert!(matches!(e, KernelError::InvalidArgument { name: "alibi", .. }), "{e}");
+    }
     let p = case.params();
     assert!(matches!(call(&p, &case.k[1..]), KernelError::SliceTooShort { name: "k", .. }));
 }

@@ -93,6 +93,8 @@ pub(crate) struct DecodeOp {
     /// Soft cap and sinks (`forward_cached_with`).
     pub softcap: Option<f32>,
     pub sinks: Option<Vec<f32>>,
+    /// ALiBi slopes per query head.
+    pub alibi: Option<Vec<f32>>,
 }
 
 impl CustomOp3 for DecodeOp {
@@ -160,6 +162,7 @@ impl CustomOp3 for DecodeOp {
             q_len: &self.q_len,
             softcap: self.softcap,
             sinks: self.sinks.as_deref(),
+            alibi: self.alibi.as_deref(),
         };
         let q = &q[q0..];
         match (qs, ks, vs) {

@@ -42,8 +42,9 @@ pub struct StaticKv {
 /// # Example
 /// ```
 /// use multihead::multihead_attention::CachedOptions;
-/// let o = CachedOptions::default().softcap(50.0);
+/// let o = CachedOptions::default().softcap(50.0).alibi(multihead::Variants::alibi_slopes_for(4));
 /// assert_eq!(o.softcap, Some(50.0));
+/// assert_eq!(o.alibi_slopes.as_ref().map(Vec::len), Some(4));
 /// ```
 #[derive(Clone, Debug, Default)]
 #[non_exhaustive]
@@ -53,6 +54,11 @@ pub struct CachedOptions {
     /// Attention sinks (gpt-oss), one logit per query head, `(H,)`: they join every row's
     /// softmax denominator. Values only (the cached path is inference).
     pub sinks: Option<Tensor>,
+    /// ALiBi slopes, one per query head (BLOOM, MPT; [`Variants::alibi_slopes_for`](crate::Variants::alibi_slopes_for)
+    /// gives the paper's): the token at position `p` adds `−m_h·(p − j)` to its score of the
+    /// cached token at position `j`, as `Variants::alibi` does in the full causal forward.
+    /// Full caches only (a sliding cache's slots do not keep positions).
+    pub alibi_slopes: Option<Vec<f64>>,
 }
 
 impl CachedOptions {
@@ -64,6 +70,11 @@ impl CachedOptions {
     /// Sets the sinks, `(H,)`.
     pub fn sinks(mut self, sinks: Tensor) -> Self {
         self.sinks = Some(sinks);
+        self
+    }
+    /// Sets the ALiBi slopes, one per query head.
+    pub fn alibi(mut self, slopes: Vec<f64>) -> Self {
+        self.alibi_slopes = Some(slopes);
         self
     }
 }
@@ -81,6 +92,8 @@ struct Step {
     /// The soft cap and the sinks' values (`CachedOptions`, checked).
     softcap: Option<f32>,
     sinks: Option<Vec<f32>>,
+    /// ALiBi slopes in f32 (checked).
+    alibi: Option<Vec<f32>>,
 }
 
 /// Which keys each new row sees (the decode kernel's rule, for the composed path).
@@ -219,7 +232,8 @@ impl MultiheadAttention {
         };
         cache.check_room(CACHED, &counts)?;
         let (softcap, sinks) = self.check_cached_options(opts)?;
-        Ok(Step { x: x3, unbatched, batch_first, n, t, counts, softcap, sinks })
+        let alibi = self.check_cached_alibi(opts, cache)?;
+        Ok(Step { x: x3, unbatched, batch_first, n, t, counts, softcap, sinks, alibi })
     }
 
     /// The soft cap (finite, positive) and the sinks (`(H,)`) of a cached call.
@@ -246,6 +260,32 @@ impl MultiheadAttention {
             None => None,
         };
         Ok((opts.softcap.map(|c| c as f32), sinks))
+    }
+
+    /// The ALiBi slopes of a cached call: one finite (in f32) slope per query head, over a
+    /// full cache.
+    fn check_cached_alibi(
+        &self,
+        opts: &CachedOptions,
+        cache: &KvCache,
+    ) -> Result<Option<Vec<f32>>> {
+        let Some(m) = &opts.alibi_slopes else { return Ok(None) };
+        let h = self.cfg.num_heads;
+        if m.len() != h {
+            let msg = format!("expected one slope per query head (H = {h}), got {}", m.len());
+            return Err(config_err("alibi_slopes", msg));
+        }
+        if let Some((i, x)) = m.iter().enumerate().find(|(_, x)| !(**x as f32).is_finite()) {
+            let msg = format!("the slope of head {i} is {x}; slopes must be finite (in f32)");
+            return Err(config_err("alibi_slopes", msg));
+        }
+        if let Some(w) = cache.window() {
+            let msg = format!(
+                "ALiBi needs each cached token's position, which a sliding cache (window {w}) does not keep; use a full cache (new_cache)"
+            );
+            return Err(config_err("alibi_slopes", msg));
+        }
+        Ok(Some(m.iter().map(|&x| x as f32).collect()))
     }
 
     /// The one decision of a cached call: the fused decode kernel (f32 or bf16 on the CPU; a
@@ -299,11 +339,12 @@ impl MultiheadAttention {
         self.forward_cached_with(x, cache, lengths, &CachedOptions::default())
     }
 
-    /// [`forward_cached`](Self::forward_cached) with a soft cap and attention sinks
-    /// ([`CachedOptions`]; a sliding window is the cache's own,
+    /// [`forward_cached`](Self::forward_cached) with a soft cap, attention sinks and ALiBi
+    /// slopes ([`CachedOptions`]; a sliding window is the cache's own,
     /// [`new_sliding_cache`](Self::new_sliding_cache)). The decode kernel applies them, the
     /// composed path too; at every step the output equals a full forward with the same
-    /// variants (`SdpaOptions::softcap`, `SdpaOptions::sinks`) over the prefix.
+    /// variants (`softcap`, `sinks`, `alibi` of [`MhaOptions`](crate::functional::MhaOptions))
+    /// over the prefix. ALiBi needs a full cache ([`new_cache`](Self::new_cache)).
     ///
     /// # Shapes
     /// * As for [`forward_cached`](Self::forward_cached); sinks `(H,)`.
@@ -326,8 +367,8 @@ impl MultiheadAttention {
     /// assert_eq!(y.dims(), &[3, 1, 8]);
     /// # Ok::<(), multihead::Error>(())
     /// ```
-    // Mirrors torch.nn.MultiheadAttention.forward over the prefix with a soft cap and sinks
-    // (Gemma 2's and gpt-oss's attention) at the new positions.
+    // Mirrors torch.nn.MultiheadAttention.forward over the prefix with a soft cap, sinks and ALiBi
+    // (Gemma 2, gpt-oss, BLOOM) at the new positions.
     pub fn forward_cached_with(
         &self,
         x: &Tensor,
@@ -449,6 +490,7 @@ impl MultiheadAttention {
                 q_len: rows.q_len.clone(),
                 softcap: step.softcap,
                 sinks: step.sinks.clone(),
+                alibi: step.alibi.clone(),
             };
             return Ok(q.apply_op3_no_bwd(cache.keys(), cache.values(), &op)?);
         }
@@ -480,16 +522,25 @@ impl MultiheadAttention {
                 Ok(c.contiguous()?.reshape((h, kv_len, hd))?)
             };
             let (kb, vb) = (expand(cache.keys())?, expand(cache.values())?);
-            let mask: Vec<f32> = (0..t)
-                .flat_map(|i| {
-                    let vis = rows.visible(b, i);
-                    (0..kv_len).map(move |j| if j < vis { 0.0 } else { f32::NEG_INFINITY })
+            // (1 | H, T, S): hidden keys -inf, visible ones 0 or their ALiBi bias (the
+            // distance exact in f32, times the negated slope, as the kernels form it).
+            let slopes = step.alibi.clone().unwrap_or_else(|| vec![0.0]);
+            let mh = slopes.len();
+            let mask: Vec<f32> = slopes
+                .iter()
+                .flat_map(|&m| (0..t).map(move |i| (m, i)))
+                .flat_map(|(m, i)| {
+                    let (vis, pos) = (rows.visible(b, i), rows.q_pos[b] + i);
+                    (0..kv_len).map(move |j| match j < vis {
+                        true => (pos as f64 - j as f64).abs() as f32 * -m,
+                        false => f32::NEG_INFINITY,
+                    })
                 })
                 .collect();
             // bf16/f16 attend in f32 and round once, as every operation here does.
             let cd = if crate::precision::is_reduced(q.dtype()) { DType::F32 } else { q.dtype() };
             let (qb, kb, vb) = (qb.to_dtype(cd)?, kb.to_dtype(cd)?, vb.to_dtype(cd)?);
-            let mask = Tensor::from_vec(mask, (1, t, kv_len), q.device())?.to_dtype(cd)?;
+            let mask = Tensor::from_vec(mask, (mh, t, kv_len), q.device())?.to_dtype(cd)?;
             let sinks = match &step.sinks {
                 Some(s) => Some(Tensor::from_vec(s.clone(), (h, 1, 1), q.device())?.to_dtype(cd)?),
                 None => None,

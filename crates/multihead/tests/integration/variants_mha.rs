@@ -194,6 +194,61 @@ fn cached_decoding_takes_the_softcap_and_sinks() {
     assert_eq!(c.lens(), &[0, 0], "a refused call leaves the cache unchanged");
 }
 
+/// `forward_cached_with` with ALiBi (BLOOM, MPT decoding): step by step, in chunks of several
+/// tokens, equals the full forward with the slopes and a causal mask over the prefix; the
+/// decode kernel (f32) equals the composed path (f64) with padded rows; bad slopes and a
+/// sliding cache are refused before the cache changes.
+#[test]
+fn cached_decoding_takes_alibi() {
+    use multihead::multihead_attention::CachedOptions;
+    let cfg = MhaConfig::new(16, 4).with_num_kv_heads(2);
+    let (mut m32, _v32) = mha(cfg.clone(), DType::F32);
+    let (mut m64, _v64) = mha(cfg, DType::F64);
+    m32.eval();
+    m64.eval();
+    let x = det(&[11, 2, 16], DType::F32, 5.0); // (T, N, E)
+    let slopes = Variants::alibi_slopes_for(4).into_iter().map(|m| m * 4.0).collect::<Vec<_>>();
+    let opts = CachedOptions::default().alibi(slopes.clone());
+    let mut cache = m32.new_cache(2, 16).unwrap();
+    let mut steps = Vec::new();
+    for (from, n) in [(0, 5), (5, 1), (6, 1), (7, 4)] {
+        let xs = x.narrow(0, from, n).unwrap();
+        steps.push(m32.forward_cached_with(&xs, &mut cache, None, &opts).unwrap());
+    }
+    let stepped = Tensor::cat(&steps, 0).unwrap();
+    let mask = multihead::generate_square_subsequent_mask(11, DType::F32, x.device()).unwrap();
+    let full = MhaOptions::default().need_weights(false).attn_mask(Mask::Float(mask));
+    let want = m32.forward(&x, &x, &x, &full.clone().alibi(slopes.clone())).unwrap().output;
+    assert_close(&stepped, &want, Tolerance::F32_FORWARD, "ALiBi, stepped vs full");
+    let plain = m32.forward(&x, &x, &x, &full).unwrap().output;
+    let diff = (plain - &stepped).unwrap().abs().unwrap().max_all().unwrap();
+    assert!(diff.to_scalar::<f32>().unwrap() > 1e-3, "ALiBi had no effect");
+    // With a soft cap and padded rows: the decode kernel (f32) against the composed path (f64).
+    let both = opts.clone().softcap(1.2);
+    let (mut c32, mut c64) = (m32.new_cache(2, 16).unwrap(), m64.new_cache(2, 16).unwrap());
+    let x64 = x.to_dtype(DType::F64).unwrap();
+    let lens = [3usize, 1];
+    for (from, n) in [(0, 3), (3, 1), (4, 7)] {
+        let l = (n == 3).then_some(&lens[..]);
+        let a =
+            m32.forward_cached_with(&x.narrow(0, from, n).unwrap(), &mut c32, l, &both).unwrap();
+        let b =
+            m64.forward_cached_with(&x64.narrow(0, from, n).unwrap(), &mut c64, l, &both).unwrap();
+        let b = b.to_dtype(DType::F32).unwrap();
+        assert_close(&a, &b, Tolerance::F32_FORWARD, "ALiBi + cap, fused vs composed");
+    }
+    let mut c = m32.new_cache(2, 16).unwrap();
+    for bad in [vec![0.5; 3], vec![0.5, f64::NAN, 0.1, 0.2], vec![1e300; 4]] {
+        let e = m32.forward_cached_with(&x, &mut c, None, &CachedOptions::default().alibi(bad));
+        let e = e.map(|_| ()).unwrap_err();
+        assert!(matches!(e, Error::Config { arg: "alibi_slopes", .. }), "{e}");
+    }
+    assert_eq!(c.lens(), &[0, 0], "a refused call leaves the cache unchanged");
+    let mut ring = m32.new_sliding_cache(2, 4).unwrap();
+    let e = m32.forward_cached_with(&x, &mut ring, None, &opts).map(|_| ()).unwrap_err();
+    assert!(e.to_string().contains("sliding cache"), "{e}");
+}
+
 /// Sinks through `MultiheadAttention::forward`: fused against composed (output, per-head
 /// weights under no_grad, and the gradients of the input, the sinks and every parameter), and
 /// the cached decode with sinks equals the full forward with them over the prefix.
