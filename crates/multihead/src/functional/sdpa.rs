@@ -194,12 +194,17 @@ fn check_basics(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaOptions
     Ok(())
 }
 
-/// The sinks: `(Hq,)`, the query's dtype and device.
-fn check_sinks(t: &Tensor, query: &Tensor, heads: Option<usize>) -> Result<()> {
+/// The sinks of `op`: `(Hq,)`, the query's dtype and device.
+pub(crate) fn check_sinks(
+    op: &'static str,
+    t: &Tensor,
+    query: &Tensor,
+    heads: Option<usize>,
+) -> Result<()> {
     let Some(h) = heads else {
         let msg =
             "sinks need a head dimension: give query as (N, H, L, E) or (H, L, E)".to_string();
-        return Err(Error::Config { op: SDPA, arg: "sinks", msg });
+        return Err(Error::Config { op, arg: "sinks", msg });
     };
     if t.dims() != [h] {
         let msg = format!(
@@ -207,16 +212,16 @@ fn check_sinks(t: &Tensor, query: &Tensor, heads: Option<usize>) -> Result<()> {
             fmt_shape(t.dims()),
             fmt_shape(query.dims())
         );
-        return Err(shape_err("sinks", msg));
+        return Err(Error::Shape { op, arg: "sinks", msg });
     }
     if t.dtype() != query.dtype() {
         let msg =
             format!("sinks are {:?} but query is {:?}; convert them", t.dtype(), query.dtype());
-        return Err(Error::DType { op: SDPA, arg: "sinks", msg });
+        return Err(Error::DType { op, arg: "sinks", msg });
     }
     if !t.device().same_device(query.device()) {
         let msg = format!("sinks are on {:?} but query is on {:?}", t.device(), query.device());
-        return Err(Error::Config { op: SDPA, arg: "sinks", msg });
+        return Err(Error::Config { op, arg: "sinks", msg });
     }
     Ok(())
 }
@@ -311,7 +316,7 @@ fn validate(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaOptions) ->
     let heads = batch.last().copied();
     opts.variants.check(SDPA, (n, heads), s)?;
     if let Some(t) = &opts.sinks {
-        check_sinks(t, query, heads)?;
+        check_sinks(SDPA, t, query, heads)?;
     }
     let scale = opts.scale.unwrap_or_else(|| 1.0 / (e as f64).sqrt());
     Ok(SdpaCall { batch, l, s, e, ev, mask, scale })

@@ -158,8 +158,8 @@ fn validate(
             "a packed batch gives each sequence's keys by cu_seqlens_k; leave kv_lengths out",
         ));
     }
-    if opts.sinks.is_some() {
-        return Err(config("sinks", "attention sinks are not supported on packed batches yet; use scaled_dot_product_attention on a padded batch"));
+    if let Some(t) = &opts.sinks {
+        super::sdpa::check_sinks(VARLEN, t, q, Some(hq))?;
     }
     opts.variants.check(VARLEN, (None, Some(hq)), cu_k.max_len())?;
     Ok((hq, hk, e, ev))
@@ -204,7 +204,8 @@ pub fn explain_varlen(
 /// only, with SDPA's options (`is_causal`, the scale, dropout, GQA, and the variants: windows,
 /// causal alignment, soft cap, ALiBi, each applied per sequence). No padding is computed: the
 /// fused kernels run each sequence on its own rows, forward and backward; the composed path
-/// runs SDPA on each sequence. Not with `attn_mask`, `kv_lengths` or `sinks`.
+/// runs SDPA on each sequence. Attention sinks (`(Hq,)`, differentiable) join every row's
+/// softmax as in SDPA. Not with `attn_mask` or `kv_lengths`.
 ///
 /// Dropout draws each sequence's mask under its own key derived from the call's, so the two
 /// paths agree but a padded batch's mask differs.
@@ -274,8 +275,10 @@ fn run(
         use crate::precision::widen;
         let (q, k, v) = (widen(query)?, widen(key)?, widen(value)?);
         let (heads, cu) = ((hq, hk, e, ev), (cu_seqlens_q, cu_seqlens_k));
+        let mut o = opts.clone();
+        o.sinks = crate::precision::widen_opt(opts.sinks.as_ref())?;
         let y = crate::mode::rounded_products(query.dtype(), || {
-            run(&q, &k, &v, heads, cu, opts, Path::Fused)
+            run(&q, &k, &v, heads, cu, &o, Path::Fused)
         })?;
         return crate::precision::narrow(&y, query.dtype());
     }
@@ -293,7 +296,13 @@ fn run(
                 dropout,
                 &opts.variants,
             );
-            op.apply(query, key, value)
+            match &opts.sinks {
+                None => op.apply(query, key, value),
+                Some(t) => {
+                    let op = op.with_sinks(t.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?);
+                    crate::fused::varlen_sinks::attach(&op, &op.apply(query, key, value)?, t)
+                }
+            }
         }
         Path::Composed => {
             let seq = cu_seqlens_q.0.windows(2).zip(cu_seqlens_k.0.windows(2));

@@ -211,7 +211,7 @@ impl FlashAttention {
             .map_err(|e| candle_core::Error::Msg(format!("flash attention backward: {e}")))
     }
 
-    pub(super) fn params(&self) -> AttnParams<'_> {
+    pub(crate) fn params(&self) -> AttnParams<'_> {
         let mut p = AttnParams::new(self.dims);
         p.scale = self.scale;
         p.causal = self.causal;

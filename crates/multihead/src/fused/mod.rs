@@ -29,6 +29,7 @@ pub(crate) mod mask_grad;
 pub(crate) mod norm;
 pub(crate) mod sinks;
 pub(crate) mod varlen;
+pub(crate) mod varlen_sinks;
 pub(crate) mod zeros;
 
 /// Makes a forward-only linear op (a type with `fn run(&self, x, w, bias: Option<_>)` over CPU

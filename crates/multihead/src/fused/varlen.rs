@@ -35,20 +35,22 @@ pub(crate) struct VarlenAttention {
     pub causal: bool,
     pub dropout: Option<(f64, DropoutKey)>,
     pub variants: Arc<crate::Variants>,
+    /// Attention sinks, one per query head (their gradient: [`super::varlen_sinks`]).
+    pub sinks: Option<Arc<Vec<f32>>>,
     /// Each sequence's row statistics.
-    lse: Arc<Mutex<Vec<Vec<f32>>>>,
+    pub(super) lse: Arc<Mutex<Vec<Vec<f32>>>>,
 }
 
 /// One input's rows: the data from the view's start, the stride between rows and between
 /// heads.
-struct Rows<'a> {
+pub(super) struct Rows<'a> {
     data: &'a [f32],
     row: usize,
     head: usize,
 }
 
 impl<'a> Rows<'a> {
-    fn of(s: &'a [f32], l: &Layout, head_dim: usize) -> candle_core::Result<Self> {
+    pub(super) fn of(s: &'a [f32], l: &Layout, head_dim: usize) -> candle_core::Result<Self> {
         let (dims, st) = (l.dims(), l.stride());
         let (row, head, last) = match dims.len() {
             2 => (st[0], head_dim, st[1]),
@@ -63,7 +65,7 @@ impl<'a> Rows<'a> {
     }
 
     /// Rows `from..from + n` as a batch of one `[1, heads, n, d]`.
-    fn part(&self, from: usize, n: usize) -> (&'a [f32], Layout4) {
+    pub(super) fn part(&self, from: usize, n: usize) -> (&'a [f32], Layout4) {
         let l4 = Layout4 { batch: 0, head: self.head, seq: self.row };
         if n == 0 {
             return (&self.data[..0], l4);
@@ -119,24 +121,41 @@ impl VarlenAttention {
             causal,
             dropout,
             variants: Arc::new(variants.clone()),
+            sinks: None,
             lse: Arc::default(),
         }
     }
 
+    /// The same op with attention sinks, one per query head (validated by the caller).
+    pub(crate) fn with_sinks(self, sinks: Vec<f32>) -> Self {
+        Self { sinks: Some(Arc::new(sinks)), ..self }
+    }
+
     /// The sequences' `(query rows, key rows)`.
-    fn spans(&self) -> Vec<((usize, usize), (usize, usize))> {
+    pub(super) fn spans(&self) -> Vec<((usize, usize), (usize, usize))> {
         let q = self.cu_q.windows(2).map(|w| (w[0], w[1] - w[0]));
         let k = self.cu_k.windows(2).map(|w| (w[0], w[1] - w[0]));
         q.zip(k).collect()
     }
 
     /// The flash op of sequence `b` with `l` queries and `s` keys (a batch of one).
-    fn sequence_op(&self, b: usize, l: usize, s: usize) -> FlashAttention {
+    pub(super) fn sequence_op(&self, b: usize, l: usize, s: usize) -> FlashAttention {
         let (hq, hk, d, dv) = self.heads;
         let dims = AttnDims { batch: 1, heads_q: hq, heads_kv: hk, l, s, d, dv };
         let dropout = self.dropout.map(|(p, key)| (p, sequence_key(key, b)));
-        FlashAttention::new(dims, self.scale, self.causal, Vec::new(), dropout, Convention::Bhtd)
-            .with_variants(&self.variants)
+        let op = FlashAttention::new(
+            dims,
+            self.scale,
+            self.causal,
+            Vec::new(),
+            dropout,
+            Convention::Bhtd,
+        )
+        .with_variants(&self.variants);
+        match &self.sinks {
+            Some(x) => op.with_sinks(x.to_vec()),
+            None => op,
+        }
     }
 
     /// The output rows of each sequence: `buf` (rows of `width` floats) split at the query

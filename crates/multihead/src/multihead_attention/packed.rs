@@ -32,6 +32,9 @@ pub struct PackedOptions {
     pub dropout_key: Option<DropoutKey>,
     /// Which implementation runs.
     pub backend: Backend,
+    /// Attention sinks (gpt-oss), one learned logit per head, `(H,)` in the module's dtype;
+    /// differentiable.
+    pub sinks: Option<Tensor>,
 }
 
 impl PackedOptions {
@@ -53,6 +56,11 @@ impl PackedOptions {
     /// Sets the backend.
     pub fn backend(mut self, backend: Backend) -> Self {
         self.backend = backend;
+        self
+    }
+    /// Sets the attention sinks, `(H,)`.
+    pub fn sinks(mut self, sinks: Tensor) -> Self {
+        self.sinks = Some(sinks);
         self
     }
 }
@@ -128,6 +136,7 @@ impl MultiheadAttention {
             .enable_gqa(h != hk)
             .variants(opts.variants.clone())
             .backend(be);
+        sdpa.sinks = opts.sinks.clone();
         if self.training && cfg.dropout > 0.0 {
             sdpa = sdpa.dropout_p(cfg.dropout);
             sdpa.dropout_key = opts.dropout_key;

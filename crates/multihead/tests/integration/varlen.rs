@@ -261,3 +261,103 @@ fn empty_batches_and_empty_heads_agree_between_the_paths() {
         "first row sees itself",
     );
 }
+
+/// Attention sinks over a packed batch: the fused op (sinks folded into each sequence's
+/// statistics, their gradient summed over the sequences) against the composed path (SDPA
+/// with the sinks per sequence): outputs and the gradients of q, k, v and the sinks, with
+/// empty sequences, a sequence without keys, grouped heads, a window and dropout.
+#[test]
+fn varlen_sinks_match_between_the_paths() {
+    let (lq, lk) = ([9usize, 0, 70, 1, 33], [9usize, 4, 70, 0, 40]);
+    let (cq, ck) = (CuSeqlens::from_lengths(&lq), CuSeqlens::from_lengths(&lk));
+    let (tq, tk) = (lq.iter().sum::<usize>(), lk.iter().sum::<usize>());
+    let key = DropoutKey { seed: 3, offset: 9 };
+    for (what, opts) in [
+        ("plain", SdpaOptions::default()),
+        ("causal, window, gqa", SdpaOptions::default().is_causal(true).window(Some(5), None)),
+        ("dropout", SdpaOptions::default().dropout_p(0.2).dropout_key(key)),
+    ] {
+        let run = |backend| {
+            let q = var(&det(&[tq, 4, 16], DType::F32, 1.0));
+            let k = var(&det(&[tk, 2, 16], DType::F32, 2.0));
+            let v = var(&det(&[tk, 2, 16], DType::F32, 3.0));
+            let sinks = var(&Tensor::new(
+                &[0.5f32, -1.0, 2.0, f32::NEG_INFINITY],
+                &candle_core::Device::Cpu,
+            )
+            .unwrap());
+            let o = opts.clone().enable_gqa(true).sinks(sinks.as_tensor().clone()).backend(backend);
+            let out = varlen_attention(&q, &k, &v, &cq, &ck, &o).expect("varlen with sinks");
+            let g = det(out.dims(), DType::F32, 4.0);
+            let grads = out.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+            let mut all = vec![out];
+            all.extend([&q, &k, &v, &sinks].map(|t| grads.get(t).expect("grad").clone()));
+            all
+        };
+        let (a, b) = (run(Backend::Fused), run(Backend::Composed));
+        for (name, (x, y)) in ["output", "dq", "dk", "dv", "dsinks"].iter().zip(a.iter().zip(&b)) {
+            assert_close(x, y, Tolerance::F32_GRAD, &format!("{what}: {name}"));
+        }
+        let ds = a[4].to_vec1::<f32>().unwrap();
+        assert!(ds[..3].iter().all(|g| g.abs() > 1e-4) && ds[3] == 0.0, "{what}: {ds:?}");
+    }
+    // bf16 inputs and sinks: widened to f32 with the sinks (both paths), close to f32.
+    let x = det(&[tq, 4, 16], DType::F32, 1.0);
+    let s32 = Tensor::new(&[0.5f32, -1.0, 2.0, 0.0], x.device()).unwrap();
+    let f32_out =
+        varlen_attention(&x, &x, &x, &cq, &cq, &SdpaOptions::default().sinks(s32.clone()));
+    let (xb, sb) = (x.to_dtype(DType::BF16).unwrap(), s32.to_dtype(DType::BF16).unwrap());
+    for backend in [Backend::Fused, Backend::Composed] {
+        let o = SdpaOptions::default().sinks(sb.clone()).backend(backend);
+        let y = varlen_attention(&xb, &xb, &xb, &cq, &cq, &o).expect("bf16 with sinks");
+        let y = y.to_dtype(DType::F32).unwrap();
+        assert_close(&y, f32_out.as_ref().unwrap(), Tolerance::BF16_FORWARD, "bf16 sinks");
+    }
+    // Wrong shape or dtype: errors naming the packed call and the sinks.
+    for bad in [det(&[3], DType::F32, 1.0), det(&[4], DType::F64, 1.0)] {
+        let o = SdpaOptions::default().sinks(bad);
+        let e = varlen_attention(&x, &x, &x, &cq, &cq, &o).unwrap_err();
+        assert!(
+            e.to_string().contains("varlen_attention") && e.to_string().contains("sinks"),
+            "{e}"
+        );
+    }
+}
+
+/// `forward_packed` with sinks gives what `forward` with the same sinks gives on each
+/// sequence alone, on both paths, and the sinks' gradient agrees between the paths.
+#[test]
+fn packed_mha_takes_sinks() {
+    use multihead::functional::MhaOptions;
+    use multihead::multihead_attention::PackedOptions;
+    use multihead::MhaConfig;
+    let lens = [6usize, 0, 21, 1];
+    let cu = CuSeqlens::from_lengths(&lens);
+    let t: usize = lens.iter().sum();
+    let (mut m, _vm) = crate::common::mha(MhaConfig::new(16, 4).with_num_kv_heads(2), DType::F32);
+    m.eval();
+    let x = det(&[t, 16], DType::F32, 7.0);
+    let dev = x.device().clone();
+    let mut dsinks = Vec::new();
+    for backend in [Backend::Fused, Backend::Composed] {
+        let sinks = var(&Tensor::new(&[1.0f32, -0.5, 0.0, 3.0], &dev).unwrap());
+        let o = PackedOptions::default().is_causal(true).sinks(sinks.as_tensor().clone());
+        let packed = m.forward_packed(&x, &cu, &o.backend(backend)).unwrap();
+        for (b, &n) in lens.iter().enumerate().filter(|(_, &n)| n > 0) {
+            let xs = x.narrow(0, cu.offsets()[b], n).unwrap().unsqueeze(1).unwrap();
+            let mask = multihead::generate_square_subsequent_mask(n, DType::F32, &dev).unwrap();
+            let opts = MhaOptions::default()
+                .need_weights(false)
+                .attn_mask(multihead::Mask::Float(mask))
+                .sinks(sinks.as_tensor().clone())
+                .backend(backend);
+            let want = m.forward(&xs, &xs, &xs, &opts).unwrap().output;
+            let got = packed.narrow(0, cu.offsets()[b], n).unwrap();
+            assert_close(&got, &want.squeeze(1).unwrap(), Tolerance::F32_FORWARD, "sequence");
+        }
+        let g = det(packed.dims(), DType::F32, 2.0);
+        let grads = packed.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+        dsinks.push(grads.get(&sinks).expect("dsinks").clone());
+    }
+    assert_close(&dsinks[0], &dsinks[1], Tolerance::F32_GRAD, "dsinks, fused vs composed");
+}
