@@ -82,8 +82,8 @@ pub struct BenchArgs {
     /// Return the (head-averaged) attention weights.
     #[arg(long)]
     pub need_weights: bool,
-    /// A sliding window (sdpa only): each query sees this many keys before its own (with
-    /// `--causal`, Mistral's sliding window).
+    /// A sliding window (sdpa, decode): each query sees this many keys before its own (with
+    /// `--causal`, Mistral's sliding window; decode: `CachedOptions::window` over the full cache).
     #[arg(long)]
     pub window: Option<usize>,
     /// A tanh soft cap on the scores (sdpa only), as Gemma 2's.
@@ -251,10 +251,10 @@ fn check_sizes(a: &BenchArgs) -> Result<()> {
     in_range("--src-len", a.src_len, min_src, usize::MAX)?;
     let rows = a.tgt_len.saturating_add(a.src_len);
     fits("--batch, --tgt-len, --src-len, --embed-dim", &[a.batch, rows, a.embed_dim], 6)?;
-    let variant = a.window.is_some() || a.softcap.is_some() || a.alibi || a.sinks || a.varlen;
-    if a.module != Module::Sdpa && variant {
+    let variant = a.softcap.is_some() || a.alibi || a.sinks || a.varlen;
+    if a.module != Module::Sdpa && (variant || a.window.is_some() && a.module != Module::Decode) {
         anyhow::bail!(
-            "--window, --softcap, --alibi, --sinks and --varlen apply to --module sdpa only"
+            "--softcap, --alibi, --sinks and --varlen apply to --module sdpa only, --window to sdpa and decode"
         );
     }
     if a.padded && !a.varlen {

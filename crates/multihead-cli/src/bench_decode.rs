@@ -50,19 +50,25 @@ pub fn decode_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
     let size = dt.size_in_bytes();
     let cache_bytes = 2.0 * (b * hk * s * hd * size) as f64;
     let weight_bytes = ((e * (e + 2 * kv) + e * e) * size) as f64;
+    let read_share =
+        a.window.map_or(1.0, |w| (w.saturating_add(1)).min(s.max(1)) as f64 / s.max(1) as f64);
     let extra = serde_json::json!({
         "num_kv_heads": hk,
         "cache_bytes": cache_bytes,
         "weight_bytes": weight_bytes,
         "attn_kernel_ms": kernel_ms,
-        "attn_kernel_gbps": cache_bytes / (kernel_ms * 1e-3) / 1e9,
+        // The bytes a step reads: the window's keys and values only (whole chunks before it
+        // are skipped; the chunk that holds its start is read from there).
+        "attn_kernel_gbps": cache_bytes * read_share / (kernel_ms * 1e-3) / 1e9,
     });
     let x = randn(&[b, 1, e], dt, &dev)?;
+    let mut opts = multihead::multihead_attention::CachedOptions::default();
+    opts.window = a.window;
     let cache = RefCell::new(cache);
     let step = move || -> Result<()> {
         let _keep = &vm;
         let mut c = cache.borrow_mut();
-        let y = mha.forward_cached(&x, &mut c, None)?;
+        let y = mha.forward_cached_with(&x, &mut c, None, &opts)?;
         std::hint::black_box(y);
         c.truncate(s)?; // the next step decodes the same position again
         Ok(())
@@ -109,6 +115,7 @@ fn time_kernel(a: &BenchArgs, cache: &multihead::KvCache) -> Result<f64> {
         softcap: None,
         sinks: None,
         alibi: None,
+        window: a.window,
     };
     let (ql, cl) = (Layout4::contiguous(h, 1, hd), Layout4::contiguous(hk, cap, hd));
     let mut best = f64::INFINITY;

@@ -337,6 +337,7 @@ fn bench_and_demo_size_flags_are_checked_first() {
         (&["bench", "--module", "sdpa", "--padded"], "--padded"),
         (&["bench", "--module", "mha", "--varlen"], "--varlen"),
         (&["bench", "--module", "sdpa", "--varlen", "--sinks"], "--varlen"),
+        (&["bench", "--module", "mha", "--window", "4"], "--window"),
         (&["demo", "--batch", huge], "--batch"),
         (&["demo", "--seq-len", "100000"], "--seq-len"),
         (&["demo", "--seq2seq", "--seq-len", huge], "--seq-len"),

@@ -11,7 +11,10 @@
 //! * `vis = 0` when `t >= q_len[b]` (a padding row: its output is zero);
 //! * `vis = min(q_pos[b] + t + 1, kv_len[b])` when `causal` (row `t` sits at position
 //!   `q_pos[b] + t` and sees itself and everything before it);
-//! * `vis = kv_len[b]` otherwise.
+//! * `vis = kv_len[b]` otherwise;
+//!
+//! and with a left `window` `w`, only keys from `first(b, t) = q_pos[b] + t − w` on (Mistral's
+//! sliding window over a full cache: whole chunks before it are skipped).
 //!
 //! `out[b,h,t,:] = Σ_j softmax_j(cap(scale · q[b,h,t,:]·k[b,hk,j,:])) v[b,hk,j,:]` over the
 //! visible keys (`cap` the optional soft cap; an optional sink per head joins the softmax's
@@ -37,7 +40,7 @@
 //! let q = vec![0.1f32; 2 * 4 * 8];
 //! let kv = vec![0.5f32; 2 * 2 * 10 * 8];
 //! let (kv_len, q_pos, q_len) = ([3, 10], [2, 9], [1, 1]);
-//! let p = DecodeParams { dims, scale: 0.35, causal: true, kv_len: &kv_len, q_pos: &q_pos, q_len: &q_len, softcap: None, sinks: None, alibi: None };
+//! let p = DecodeParams { dims, scale: 0.35, causal: true, kv_len: &kv_len, q_pos: &q_pos, q_len: &q_len, softcap: None, sinks: None, alibi: None, window: None };
 //! let mut out = vec![0f32; 2 * 4 * 8];
 //! let (ql, cl) = (Layout4::contiguous(4, 1, 8), Layout4::contiguous(2, 10, 8));
 //! decode_attention(&p, &q, ql, &kv, cl, &kv, cl, &mut out, ql)?;
@@ -106,6 +109,9 @@ pub struct DecodeParams<'a> {
     /// as [`AttnParams::alibi`](crate::attention::AttnParams::alibi) does with a diagonal
     /// offset of `q_pos[b]`.
     pub alibi: Option<&'a [f32]>,
+    /// A left window: row `t` sees no key before `q_pos[b] + t − window`, as
+    /// [`Window::left`](crate::attention::Window::left) with a diagonal offset of `q_pos[b]`.
+    pub window: Option<usize>,
 }
 
 impl DecodeParams<'_> {
@@ -114,6 +120,19 @@ impl DecodeParams<'_> {
     pub fn visible(&self, b: usize, t: usize) -> usize {
         visible_keys(self.causal, self.kv_len[b], self.q_pos[b], self.q_len[b], t)
     }
+
+    /// The first key row `t` of batch entry `b` sees (0 without a window).
+    #[inline]
+    pub fn first(&self, b: usize, t: usize) -> usize {
+        first_key(self.window, self.q_pos[b], t)
+    }
+}
+
+/// The first key row `t` sees under a left `window`, its row 0 at position `q_pos` (the rule
+/// of the module docs; composed paths use it too).
+#[inline]
+pub fn first_key(window: Option<usize>, q_pos: usize, t: usize) -> usize {
+    window.map_or(0, |w| q_pos.saturating_add(t).saturating_sub(w))
 }
 
 /// The keys row `t` sees in a batch entry with `kv_len` cached keys, its row 0 at position
@@ -327,6 +346,8 @@ struct Base<'a, E> {
 struct Row {
     h: usize,
     t: usize,
+    /// Keys `first..vis` are visible.
+    first: usize,
     vis: usize,
 }
 
@@ -347,7 +368,8 @@ impl<E: Elem> Base<'_, E> {
             let r = blk * ROW_BLOCK + i;
             if r < d.rows * self.group {
                 let (t, g) = (r / self.group, r % self.group);
-                *slot = Some(Row { h: hk * self.group + g, t, vis: self.p.visible(b, t) });
+                let (first, vis) = (self.p.first(b, t), self.p.visible(b, t));
+                *slot = Some(Row { h: hk * self.group + g, t, first, vis });
             }
         }
         (b, hk, rows)
@@ -371,11 +393,16 @@ impl<E: Elem> Base<'_, E> {
     ) {
         let (d, st) = (self.p.dims, self.stride());
         let start = c * KEY_CHUNK;
-        let mut len = [0usize; ROW_BLOCK];
+        // Row `i` sees the chunk's keys `lo[i]..len[i]` (none when `lo[i] == len[i]`).
+        let (mut lo, mut len) = ([0usize; ROW_BLOCK], [0usize; ROW_BLOCK]);
         for (i, part) in parts.chunks_exact_mut(st).enumerate() {
             part[0] = f32::NEG_INFINITY;
             part[1..].fill(0.0);
             len[i] = rows[i].map_or(0, |r| r.vis.min(start + KEY_CHUNK).saturating_sub(start));
+            lo[i] = rows[i].map_or(0, |r| r.first.saturating_sub(start)).min(len[i]);
+            if lo[i] == len[i] {
+                (lo[i], len[i]) = (0, 0);
+            }
         }
         let longest = len.iter().copied().max().unwrap_or(0);
         if longest == 0 {
@@ -398,31 +425,36 @@ impl<E: Elem> Base<'_, E> {
             }
             let key = |j: usize| self.k.0.add(self.kl.offset(b, hk, start + j));
             let value = |j: usize| self.v.0.add(self.vl.offset(b, hk, start + j));
+            // Row `i`'s part `from..hi` of the sub-block at `sb` (empty: `from >= hi`).
+            let span = |i: usize, sb: usize| (sb.max(lo[i]), len[i].min(sb + SUB_BLOCK));
             for sb in (0..longest).step_by(SUB_BLOCK) {
-                for (i, &n) in len.iter().enumerate().filter(|(_, &n)| n > sb) {
-                    let hi = n.min(sb + SUB_BLOCK);
-                    let out = &mut scores[i * KEY_CHUNK + sb..i * KEY_CHUNK + hi];
-                    scores_of::<S, E>(&qs[q_of(i)], |j| key(sb + j), out);
+                for i in 0..ROW_BLOCK {
+                    let (from, hi) = span(i, sb);
+                    if from < hi {
+                        let out = &mut scores[i * KEY_CHUNK + from..i * KEY_CHUNK + hi];
+                        scores_of::<S, E>(&qs[q_of(i)], |j| key(from + j), out);
+                    }
                 }
             }
             for (i, part) in parts.chunks_exact_mut(st).enumerate().filter(|(i, _)| len[*i] > 0) {
-                let row_scores = &mut scores[i * KEY_CHUNK..i * KEY_CHUNK + len[i]];
+                let row_scores = &mut scores[i * KEY_CHUNK + lo[i]..i * KEY_CHUNK + len[i]];
                 if let Some(c) = self.p.softcap {
                     cap_scores::<S>(row_scores, c);
                 }
                 if let (Some(m), Some(row)) = (self.p.alibi, rows[i]) {
-                    add_alibi(row_scores, -m[row.h], self.p.q_pos[b].saturating_add(row.t), start);
+                    let pos = self.p.q_pos[b].saturating_add(row.t);
+                    add_alibi(row_scores, -m[row.h], pos, start + lo[i]);
                 }
                 part[0] = max_of::<S>(row_scores);
                 part[1] = exp_sum::<S>(row_scores, part[0]);
             }
             for sb in (0..longest).step_by(SUB_BLOCK) {
-                for (i, part) in
-                    parts.chunks_exact_mut(st).enumerate().filter(|(i, _)| len[*i] > sb)
-                {
-                    let hi = len[i].min(sb + SUB_BLOCK);
-                    let p = &scores[i * KEY_CHUNK + sb..i * KEY_CHUNK + hi];
-                    weighted_sum::<S, E>(p, |j| value(sb + j), &mut part[2..]);
+                for (i, part) in parts.chunks_exact_mut(st).enumerate() {
+                    let (from, hi) = span(i, sb);
+                    if from < hi {
+                        let p = &scores[i * KEY_CHUNK + from..i * KEY_CHUNK + hi];
+                        weighted_sum::<S, E>(p, |j| value(from + j), &mut part[2..]);
+                    }
                 }
             }
         }
@@ -833,9 +865,9 @@ pub fn decode_reference(
         for h in 0..d.heads_q {
             let hk = h / group;
             for t in 0..d.rows {
-                let vis = p.visible(b, t);
+                let (first, vis) = (p.first(b, t).min(p.visible(b, t)), p.visible(b, t));
                 let qr = &q[ql.offset(b, h, t)..][..d.d];
-                let scores: Vec<f64> = (0..vis)
+                let scores: Vec<f64> = (first..vis)
                     .map(|j| {
                         let kr = &k[kl.offset(b, hk, j)..][..d.d];
                         let s: f64 = qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum();
@@ -854,9 +886,9 @@ pub fn decode_reference(
                     let acc: f64 = w
                         .iter()
                         .enumerate()
-                        .map(|(j, wj)| wj * v[vl.offset(b, hk, j) + c] as f64)
+                        .map(|(j, wj)| wj * v[vl.offset(b, hk, first + j) + c] as f64)
                         .sum();
-                    *x = if vis == 0 { 0.0 } else { (acc / sum) as f32 };
+                    *x = if first == vis { 0.0 } else { (acc / sum) as f32 };
                 }
             }
         }

@@ -19,6 +19,7 @@ struct Case {
     softcap: Option<f32>,
     sinks: Option<Vec<f32>>,
     alibi: Option<Vec<f32>>,
+    window: Option<usize>,
 }
 
 impl Case {
@@ -38,6 +39,7 @@ impl Case {
             softcap: None,
             sinks: None,
             alibi: None,
+            window: None,
         }
     }
     fn params(&self) -> DecodeParams<'_> {
@@ -51,6 +53,7 @@ impl Case {
             softcap: self.softcap,
             sinks: self.sinks.as_deref(),
             alibi: self.alibi.as_deref(),
+            window: self.window,
         }
     }
     fn layouts(&self) -> [Layout4; 4] {
@@ -160,6 +163,51 @@ fn alibi_matches_the_reference() {
             }
         }
     }
+}
+
+/// A left window over a full cache against the reference: narrower than a chunk, across chunk
+/// boundaries, zero (the row's own key only), wider than the cache; causal or not, with ALiBi
+/// and sinks, in both modes.
+#[test]
+fn windows_match_the_reference() {
+    let windows = [Some(0), Some(1), Some(37), Some(511), Some(513), Some(usize::MAX)];
+    for (n, mut case) in cases().into_iter().enumerate().filter(|(n, _)| n % 3 == 2) {
+        let hq = case.dims.heads_q;
+        case.window = windows[n % windows.len()];
+        case.alibi = (n % 4 == 0).then(|| (0..hq).map(|h| 0.1 * (h + 1) as f32).collect());
+        case.sinks = (n % 5 == 0).then(|| vec![0.25; hq]);
+        let want = case.reference();
+        for level in levels() {
+            for sequential in [false, true] {
+                let got = with_simd_level(level, || case.run(sequential));
+                let err = max_diff(&got, &want);
+                let w = case.window;
+                assert!(
+                    err <= 3e-6,
+                    "{:?} window {w:?} {level:?} seq={sequential}: {err}",
+                    case.dims
+                );
+            }
+        }
+    }
+}
+
+/// Keys before a row's window are never read: NaN there changes nothing.
+#[test]
+fn keys_before_the_window_are_never_read() {
+    let dims =
+        DecodeDims { batch: 1, heads_q: 2, heads_kv: 1, rows: 3, capacity: 1200, d: 8, dv: 8 };
+    let mut case = Case::new(dims, true, vec![1200], 11);
+    case.window = Some(100);
+    let clean = case.run(false);
+    // Row 0 sits at position 1197 and sees keys 1097.. ; everything before is poisoned.
+    for j in 0..1097 {
+        case.k[j * 8] = f32::NAN;
+        case.v[j * 8 + 1] = f32::INFINITY;
+    }
+    let got = case.run(false);
+    assert!(got.iter().zip(&clean).all(|(a, b)| a.to_bits() == b.to_bits()));
+    assert!(max_diff(&got, &case.reference()) <= 2e-6);
 }
 
 #[test]

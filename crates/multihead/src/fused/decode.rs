@@ -95,6 +95,8 @@ pub(crate) struct DecodeOp {
     pub sinks: Option<Vec<f32>>,
     /// ALiBi slopes per query head.
     pub alibi: Option<Vec<f32>>,
+    /// A left window (`CachedOptions::window`).
+    pub window: Option<usize>,
 }
 
 impl CustomOp3 for DecodeOp {
@@ -163,6 +165,7 @@ impl CustomOp3 for DecodeOp {
             softcap: self.softcap,
             sinks: self.sinks.as_deref(),
             alibi: self.alibi.as_deref(),
+            window: self.window,
         };
         let q = &q[q0..];
         match (qs, ks, vs) {

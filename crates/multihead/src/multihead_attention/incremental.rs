@@ -59,6 +59,12 @@ pub struct CachedOptions {
     /// cached token at position `j`, as `Variants::alibi` does in the full causal forward.
     /// Full caches only (a sliding cache's slots do not keep positions).
     pub alibi_slopes: Option<Vec<f64>>,
+    /// A left window over a full cache, as `MhaOptions::window(Some(left), None)`: the token at
+    /// position `p` sees the cached tokens `p − left ..= p` (`left + 1` tokens, what a sliding
+    /// cache of `left + 1` holds, but decoded in chunks and over a cache that keeps every
+    /// token, Gemma 2's local layers beside its global ones). Whole key chunks before the
+    /// window are skipped.
+    pub window: Option<usize>,
 }
 
 impl CachedOptions {
@@ -75,6 +81,11 @@ impl CachedOptions {
     /// Sets the ALiBi slopes, one per query head.
     pub fn alibi(mut self, slopes: Vec<f64>) -> Self {
         self.alibi_slopes = Some(slopes);
+        self
+    }
+    /// Sets the left window.
+    pub fn window(mut self, left: usize) -> Self {
+        self.window = Some(left);
         self
     }
 }
@@ -94,6 +105,8 @@ struct Step {
     sinks: Option<Vec<f32>>,
     /// ALiBi slopes in f32 (checked).
     alibi: Option<Vec<f32>>,
+    /// The left window (a full cache).
+    window: Option<usize>,
 }
 
 /// Which keys each new row sees (the decode kernel's rule, for the composed path).
@@ -102,13 +115,19 @@ struct Rows {
     q_pos: Vec<usize>,
     q_len: Vec<usize>,
     causal: bool,
+    window: Option<usize>,
 }
 
 impl Rows {
-    /// The decode kernel's rule, shared.
+    /// The decode kernel's rule, shared: row `t` of entry `b` sees keys
+    /// `first(b, t)..visible(b, t)`.
     fn visible(&self, b: usize, t: usize) -> usize {
         let (kv, pos, len) = (self.kv_len[b], self.q_pos[b], self.q_len[b]);
         multihead_kernels::decode::visible_keys(self.causal, kv, pos, len, t)
+    }
+
+    fn first(&self, b: usize, t: usize) -> usize {
+        multihead_kernels::decode::first_key(self.window, self.q_pos[b], t)
     }
 }
 
@@ -233,7 +252,14 @@ impl MultiheadAttention {
         cache.check_room(CACHED, &counts)?;
         let (softcap, sinks) = self.check_cached_options(opts)?;
         let alibi = self.check_cached_alibi(opts, cache)?;
-        Ok(Step { x: x3, unbatched, batch_first, n, t, counts, softcap, sinks, alibi })
+        if let (Some(left), Some(w)) = (opts.window, cache.window()) {
+            let msg = format!(
+                "a sliding cache (window {w}) has its window already; pass window {left} with a full cache (new_cache), or leave it out"
+            );
+            return Err(config_err("window", msg));
+        }
+        let window = opts.window;
+        Ok(Step { x: x3, unbatched, batch_first, n, t, counts, softcap, sinks, alibi, window })
     }
 
     /// The soft cap (finite, positive) and the sinks (`(H,)`) of a cached call.
@@ -339,12 +365,13 @@ impl MultiheadAttention {
         self.forward_cached_with(x, cache, lengths, &CachedOptions::default())
     }
 
-    /// [`forward_cached`](Self::forward_cached) with a soft cap, attention sinks and ALiBi
-    /// slopes ([`CachedOptions`]; a sliding window is the cache's own,
-    /// [`new_sliding_cache`](Self::new_sliding_cache)). The decode kernel applies them, the
-    /// composed path too; at every step the output equals a full forward with the same
-    /// variants (`softcap`, `sinks`, `alibi` of [`MhaOptions`](crate::functional::MhaOptions))
-    /// over the prefix. ALiBi needs a full cache ([`new_cache`](Self::new_cache)).
+    /// [`forward_cached`](Self::forward_cached) with a soft cap, attention sinks, ALiBi
+    /// slopes and a left window ([`CachedOptions`]; a sliding cache,
+    /// [`new_sliding_cache`](Self::new_sliding_cache), has a window of its own). The decode
+    /// kernel applies them, the composed path too; at every step the output equals a full
+    /// forward with the same variants (`softcap`, `sinks`, `alibi`, `window` of
+    /// [`MhaOptions`](crate::functional::MhaOptions)) over the prefix. ALiBi and `window` need a
+    /// full cache ([`new_cache`](Self::new_cache)).
     ///
     /// # Shapes
     /// * As for [`forward_cached`](Self::forward_cached); sinks `(H,)`.
@@ -367,8 +394,8 @@ impl MultiheadAttention {
     /// assert_eq!(y.dims(), &[3, 1, 8]);
     /// # Ok::<(), multihead::Error>(())
     /// ```
-    // Mirrors torch.nn.MultiheadAttention.forward over the prefix with a soft cap, sinks and ALiBi
-    // (Gemma 2, gpt-oss, BLOOM) at the new positions.
+    // Mirrors torch.nn.MultiheadAttention.forward over the prefix with a soft cap, sinks, ALiBi
+    // or a sliding window (Gemma 2, gpt-oss, BLOOM, Mistral) at the new positions.
     pub fn forward_cached_with(
         &self,
         x: &Tensor,
@@ -397,6 +424,7 @@ impl MultiheadAttention {
                 q_pos,
                 q_len: step.counts.clone(),
                 causal: true,
+                window: step.window,
             };
             self.attend_cache(&q, cache, &rows, step, plan)?
         } else {
@@ -415,6 +443,7 @@ impl MultiheadAttention {
                     q_pos: vec![0; step.n],
                     q_len: counts,
                     causal: false,
+                    window: None,
                 };
                 outs.push(self.attend_cache(
                     &q.narrow(seq_dim, i, 1)?,
@@ -491,6 +520,7 @@ impl MultiheadAttention {
                 softcap: step.softcap,
                 sinks: step.sinks.clone(),
                 alibi: step.alibi.clone(),
+                window: rows.window,
             };
             return Ok(q.apply_op3_no_bwd(cache.keys(), cache.values(), &op)?);
         }
@@ -530,8 +560,8 @@ impl MultiheadAttention {
                 .iter()
                 .flat_map(|&m| (0..t).map(move |i| (m, i)))
                 .flat_map(|(m, i)| {
-                    let (vis, pos) = (rows.visible(b, i), rows.q_pos[b] + i);
-                    (0..kv_len).map(move |j| match j < vis {
+                    let (seen, pos) = (rows.first(b, i)..rows.visible(b, i), rows.q_pos[b] + i);
+                    (0..kv_len).map(move |j| match seen.contains(&j) {
                         true => (pos as f64 - j as f64).abs() as f32 * -m,
                         false => f32::NEG_INFINITY,
                     })

@@ -249,6 +249,60 @@ fn cached_decoding_takes_alibi() {
     assert!(e.to_string().contains("sliding cache"), "{e}");
 }
 
+/// `forward_cached_with` with a left window over a full cache: decoded in chunks, it equals
+/// the full forward with the causal window, and a sliding cache of `left + 1` decoded token
+/// by token; the decode kernel (f32) equals the composed path (f64) with padded rows, ALiBi
+/// and a cap; a window with a sliding cache is refused.
+#[test]
+fn cached_decoding_takes_a_window_over_a_full_cache() {
+    use multihead::multihead_attention::CachedOptions;
+    let cfg = MhaConfig::new(16, 4).with_num_kv_heads(2);
+    let (mut m32, _v32) = mha(cfg.clone(), DType::F32);
+    let (mut m64, _v64) = mha(cfg, DType::F64);
+    m32.eval();
+    m64.eval();
+    let x = det(&[13, 2, 16], DType::F32, 6.0); // (T, N, E)
+    let left = 3usize;
+    let opts = CachedOptions::default().window(left);
+    let chunks = [(0, 6), (6, 1), (7, 6)];
+    let mut cache = m32.new_cache(2, 16).unwrap();
+    let stepped: Vec<Tensor> = chunks
+        .iter()
+        .map(|&(from, n)| {
+            m32.forward_cached_with(&x.narrow(0, from, n).unwrap(), &mut cache, None, &opts)
+                .unwrap()
+        })
+        .collect();
+    let stepped = Tensor::cat(&stepped, 0).unwrap();
+    let full = MhaOptions::default().need_weights(false).window(Some(left), Some(0));
+    let want = m32.forward(&x, &x, &x, &full).unwrap().output;
+    assert_close(&stepped, &want, Tolerance::F32_FORWARD, "window, chunks vs full");
+    let mut ring = m32.new_sliding_cache(2, left + 1).unwrap();
+    let one: Vec<Tensor> = (0..13)
+        .map(|i| m32.forward_cached(&x.narrow(0, i, 1).unwrap(), &mut ring, None).unwrap())
+        .collect();
+    let one = Tensor::cat(&one, 0).unwrap();
+    assert_close(&stepped, &one, Tolerance::F32_FORWARD, "window vs the sliding cache");
+    // Fused (f32) against composed (f64), with padded rows, ALiBi and a cap.
+    let more = opts.clone().alibi(vec![0.5, 0.25, 0.125, 0.0625]).softcap(2.0);
+    let (mut c32, mut c64) = (m32.new_cache(2, 16).unwrap(), m64.new_cache(2, 16).unwrap());
+    let x64 = x.to_dtype(DType::F64).unwrap();
+    let lens = [6usize, 2];
+    for &(from, n) in &chunks {
+        let l = (n == 6 && from == 0).then_some(&lens[..]);
+        let a =
+            m32.forward_cached_with(&x.narrow(0, from, n).unwrap(), &mut c32, l, &more).unwrap();
+        let b =
+            m64.forward_cached_with(&x64.narrow(0, from, n).unwrap(), &mut c64, l, &more).unwrap();
+        let b = b.to_dtype(DType::F32).unwrap();
+        assert_close(&a, &b, Tolerance::F32_FORWARD, "window + ALiBi + cap, fused vs composed");
+    }
+    let mut ring = m32.new_sliding_cache(2, 4).unwrap();
+    let e = m32.forward_cached_with(&x, &mut ring, None, &opts).map(|_| ()).unwrap_err();
+    assert!(matches!(e, Error::Config { arg: "window", .. }), "{e}");
+    assert_eq!(ring.lens(), &[0, 0], "a refused call leaves the cache unchanged");
+}
+
 /// Sinks through `MultiheadAttention::forward`: fused against composed (output, per-head
 /// weights under no_grad, and the gradients of the input, the sinks and every parameter), and
 /// the cached decode with sinks equals the full forward with them over the prefix.
