@@ -446,12 +446,16 @@ impl<E: Elem> Base<'_, E> {
                     add_alibi(row_scores, -m[row.h], pos, start + lo[i]);
                 }
                 part[0] = max_of::<S>(row_scores);
-                part[1] = exp_sum::<S>(row_scores, part[0]);
+                // Every score of the chunk -inf (an ALiBi bias beyond f32's range): the chunk
+                // gives nothing (`(-inf, 0)`, as `merge` expects), not `exp(-inf + inf)` = NaN.
+                if part[0] != f32::NEG_INFINITY {
+                    part[1] = exp_sum::<S>(row_scores, part[0]);
+                }
             }
             for sb in (0..longest).step_by(SUB_BLOCK) {
                 for (i, part) in parts.chunks_exact_mut(st).enumerate() {
                     let (from, hi) = span(i, sb);
-                    if from < hi {
+                    if from < hi && part[0] != f32::NEG_INFINITY {
                         let p = &scores[i * KEY_CHUNK + from..i * KEY_CHUNK + hi];
                         weighted_sum::<S, E>(p, |j| value(from + j), &mut part[2..]);
                     }

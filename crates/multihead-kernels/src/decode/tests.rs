@@ -192,6 +192,24 @@ fn windows_match_the_reference() {
     }
 }
 
+/// Slopes so large that the bias of distant keys overflows to -inf: those keys get no
+/// weight (the chunks they fill give nothing), as in the f64 reference, not NaN.
+#[test]
+fn an_overflowing_alibi_bias_hides_keys_instead_of_giving_nan() {
+    let dims =
+        DecodeDims { batch: 1, heads_q: 2, heads_kv: 1, rows: 2, capacity: 1100, d: 8, dv: 8 };
+    let mut case = Case::new(dims, true, vec![1100], 13);
+    case.alibi = Some(vec![1e36, 0.5]);
+    let want = case.reference();
+    for level in levels() {
+        for sequential in [false, true] {
+            let got = with_simd_level(level, || case.run(sequential));
+            assert!(got.iter().all(|x| x.is_finite()), "{level:?}: {got:?}");
+            assert!(max_diff(&got, &want) <= 2e-6, "{level:?} sequential={sequential}");
+        }
+    }
+}
+
 /// Keys before a row's window are never read: NaN there changes nothing.
 #[test]
 fn keys_before_the_window_are_never_read() {

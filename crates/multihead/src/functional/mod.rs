@@ -14,7 +14,7 @@
 mod add;
 pub(crate) mod core;
 mod mha;
-mod sdpa;
+pub(crate) mod sdpa;
 pub(crate) mod varlen;
 
 pub use self::core::safe_softmax_last_dim;

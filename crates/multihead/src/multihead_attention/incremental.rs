@@ -62,8 +62,8 @@ pub struct CachedOptions {
     /// A left window over a full cache, as `MhaOptions::window(Some(left), None)`: the token at
     /// position `p` sees the cached tokens `p − left ..= p` (`left + 1` tokens, what a sliding
     /// cache of `left + 1` holds, but decoded in chunks and over a cache that keeps every
-    /// token, Gemma 2's local layers beside its global ones). Whole key chunks before the
-    /// window are skipped.
+    /// token, Gemma 2's local layers beside its global ones). Keys before the window are
+    /// never read.
     pub window: Option<usize>,
 }
 
@@ -103,8 +103,9 @@ struct Step {
     /// The soft cap and the sinks' values (`CachedOptions`, checked).
     softcap: Option<f32>,
     sinks: Option<Vec<f32>>,
-    /// ALiBi slopes in f32 (checked).
-    alibi: Option<Vec<f32>>,
+    /// ALiBi slopes (checked; the kernel takes them in f32, an f64 module's composed path in
+    /// f64).
+    alibi: Option<Vec<f64>>,
     /// The left window (a full cache).
     window: Option<usize>,
 }
@@ -294,7 +295,7 @@ impl MultiheadAttention {
         &self,
         opts: &CachedOptions,
         cache: &KvCache,
-    ) -> Result<Option<Vec<f32>>> {
+    ) -> Result<Option<Vec<f64>>> {
         let Some(m) = &opts.alibi_slopes else { return Ok(None) };
         let h = self.cfg.num_heads;
         if m.len() != h {
@@ -311,7 +312,7 @@ impl MultiheadAttention {
             );
             return Err(config_err("alibi_slopes", msg));
         }
-        Ok(Some(m.iter().map(|&x| x as f32).collect()))
+        Ok(Some(m.clone()))
     }
 
     /// The one decision of a cached call: the fused decode kernel (f32 or bf16 on the CPU; a
@@ -519,7 +520,7 @@ impl MultiheadAttention {
                 q_len: rows.q_len.clone(),
                 softcap: step.softcap,
                 sinks: step.sinks.clone(),
-                alibi: step.alibi.clone(),
+                alibi: step.alibi.as_ref().map(|m| m.iter().map(|&x| x as f32).collect()),
                 window: rows.window,
             };
             return Ok(q.apply_op3_no_bwd(cache.keys(), cache.values(), &op)?);
@@ -552,18 +553,18 @@ impl MultiheadAttention {
                 Ok(c.contiguous()?.reshape((h, kv_len, hd))?)
             };
             let (kb, vb) = (expand(cache.keys())?, expand(cache.values())?);
-            // (1 | H, T, S): hidden keys -inf, visible ones 0 or their ALiBi bias (the
-            // distance exact in f32, times the negated slope, as the kernels form it).
+            // (1 | H, T, S): hidden keys -inf, visible ones 0 or their ALiBi bias (in f64, as
+            // the full forward's composed path forms it; rounded to the attention's dtype).
             let slopes = step.alibi.clone().unwrap_or_else(|| vec![0.0]);
             let mh = slopes.len();
-            let mask: Vec<f32> = slopes
+            let mask: Vec<f64> = slopes
                 .iter()
                 .flat_map(|&m| (0..t).map(move |i| (m, i)))
                 .flat_map(|(m, i)| {
                     let (seen, pos) = (rows.first(b, i)..rows.visible(b, i), rows.q_pos[b] + i);
                     (0..kv_len).map(move |j| match seen.contains(&j) {
-                        true => (pos as f64 - j as f64).abs() as f32 * -m,
-                        false => f32::NEG_INFINITY,
+                        true => -m * (pos as f64 - j as f64).abs(),
+                        false => f64::NEG_INFINITY,
                     })
                 })
                 .collect();

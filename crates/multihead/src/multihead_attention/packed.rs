@@ -111,6 +111,10 @@ impl MultiheadAttention {
             let msg = "a packed batch is self-attention without bias_k/bias_v, add_zero_attn or other kdim/vdim; use forward on a padded batch".to_string();
             return Err(Error::Config { op: OP, arg: "forward_packed", msg });
         }
+        if let Some(t) = &opts.sinks {
+            // Checked before any work, naming this call.
+            crate::functional::sdpa::check_sinks(OP, t, x, Some(h))?;
+        }
         let p = self.params()?;
         let kv = hk * hd;
         let be = opts.backend;

@@ -237,6 +237,22 @@ fn cached_decoding_takes_alibi() {
         let b = b.to_dtype(DType::F32).unwrap();
         assert_close(&a, &b, Tolerance::F32_FORWARD, "ALiBi + cap, fused vs composed");
     }
+    // f64 (the composed path): slopes f32 cannot hold, equal to the full forward to 1e-10.
+    let odd = vec![0.3, 0.7, 0.11, 1.3];
+    let mut c64 = m64.new_cache(2, 16).unwrap();
+    let o64 = CachedOptions::default().alibi(odd.clone());
+    let steps: Vec<Tensor> = [(0, 5), (5, 6)]
+        .iter()
+        .map(|&(from, n)| {
+            m64.forward_cached_with(&x64.narrow(0, from, n).unwrap(), &mut c64, None, &o64).unwrap()
+        })
+        .collect();
+    let mask64 = multihead::generate_square_subsequent_mask(11, DType::F64, x.device()).unwrap();
+    let full64 =
+        MhaOptions::default().need_weights(false).attn_mask(Mask::Float(mask64)).alibi(odd);
+    let want64 = m64.forward(&x64, &x64, &x64, &full64).unwrap().output;
+    let got64 = Tensor::cat(&steps, 0).unwrap();
+    assert_close(&got64, &want64, Tolerance::F64, "ALiBi in f64, stepped vs full");
     let mut c = m32.new_cache(2, 16).unwrap();
     for bad in [vec![0.5; 3], vec![0.5, f64::NAN, 0.1, 0.2], vec![1e300; 4]] {
         let e = m32.forward_cached_with(&x, &mut c, None, &CachedOptions::default().alibi(bad));

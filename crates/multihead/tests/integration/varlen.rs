@@ -360,4 +360,10 @@ fn packed_mha_takes_sinks() {
         dsinks.push(grads.get(&sinks).expect("dsinks").clone());
     }
     assert_close(&dsinks[0], &dsinks[1], Tolerance::F32_GRAD, "dsinks, fused vs composed");
+    // Wrong sinks: an error naming the module's call and the sinks.
+    for bad in [det(&[2], DType::F32, 1.0), det(&[4], DType::F64, 1.0)] {
+        let o = PackedOptions::default().sinks(bad);
+        let e = m.forward_packed(&x, &cu, &o).unwrap_err().to_string();
+        assert!(e.starts_with("MultiheadAttention: sinks"), "{e}");
+    }
 }

@@ -126,6 +126,17 @@ fn slopes(h: usize) -> Vec<f32> {
     m
 }
 
+/// Slopes so large that the bias of distant keys overflows to -inf in f32: whole tiles of -inf
+/// scores give those keys no weight, as in the reference, never NaN.
+#[test]
+fn an_overflowing_alibi_bias_hides_keys() {
+    let mut c = Case::new(1, 2, 200, 300, 16);
+    c.alibi = Some(vec![1e36, 0.5]);
+    check_case(&c);
+    c.causal = true;
+    check_case(&c);
+}
+
 #[test]
 fn alibi_adds_the_distance_bias() {
     // Plain, causal at an offset (bottom-right), with masks, dropout and grouped heads.
