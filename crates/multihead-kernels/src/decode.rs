@@ -427,6 +427,8 @@ impl<E: Elem> Base<'_, E> {
             let value = |j: usize| self.v.0.add(self.vl.offset(b, hk, start + j));
             // Row `i`'s part `from..hi` of the sub-block at `sb` (empty: `from >= hi`).
             let span = |i: usize, sb: usize| (sb.max(lo[i]), len[i].min(sb + SUB_BLOCK));
+            // Rows whose scores in this chunk are all -inf.
+            let mut hidden = [false; ROW_BLOCK];
             for sb in (0..longest).step_by(SUB_BLOCK) {
                 for i in 0..ROW_BLOCK {
                     let (from, hi) = span(i, sb);
@@ -448,14 +450,17 @@ impl<E: Elem> Base<'_, E> {
                 part[0] = max_of::<S>(row_scores);
                 // Every score of the chunk -inf (an ALiBi bias beyond f32's range): the chunk
                 // gives nothing (`(-inf, 0)`, as `merge` expects), not `exp(-inf + inf)` = NaN.
-                if part[0] != f32::NEG_INFINITY {
+                // (A NaN score may also leave the vector max at -inf: it must stay NaN.)
+                hidden[i] = part[0] == f32::NEG_INFINITY
+                    && row_scores.iter().all(|&x| x == f32::NEG_INFINITY);
+                if !hidden[i] {
                     part[1] = exp_sum::<S>(row_scores, part[0]);
                 }
             }
             for sb in (0..longest).step_by(SUB_BLOCK) {
                 for (i, part) in parts.chunks_exact_mut(st).enumerate() {
                     let (from, hi) = span(i, sb);
-                    if from < hi && part[0] != f32::NEG_INFINITY {
+                    if from < hi && !hidden[i] {
                         let p = &scores[i * KEY_CHUNK + from..i * KEY_CHUNK + hi];
                         weighted_sum::<S, E>(p, |j| value(from + j), &mut part[2..]);
                     }

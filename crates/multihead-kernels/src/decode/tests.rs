@@ -125,6 +125,20 @@ fn cases() -> Vec<Case> {
     out
 }
 
+/// `case` at every SIMD level, in both modes (split across chunks and sequential), within
+/// `tol` of the reference.
+fn assert_matches_reference(case: &Case, tol: f32) {
+    let want = case.reference();
+    for level in levels() {
+        for sequential in [false, true] {
+            let got = with_simd_level(level, || case.run(sequential));
+            let err = max_diff(&got, &want);
+            let (d, w, m) = (case.dims, case.window, &case.alibi);
+            assert!(err <= tol, "{d:?} window {w:?} alibi {m:?} {level:?} seq={sequential}: {err}");
+        }
+    }
+}
+
 /// A soft cap and sinks (gpt-oss, Gemma 2) against the reference, in both modes (split across
 /// chunks and sequential), with grouped heads, a sink of -inf (none) and a large one.
 #[test]
@@ -134,14 +148,7 @@ fn softcap_and_sinks_match_the_reference() {
         case.softcap = (n % 2 == 0).then_some(0.8);
         let pool = [0.5f32, -2.0, f32::NEG_INFINITY, 6.0, 0.0, 1.5];
         case.sinks = Some((0..hq).map(|h| pool[(h + n) % pool.len()]).collect());
-        let want = case.reference();
-        for level in levels() {
-            for sequential in [false, true] {
-                let got = with_simd_level(level, || case.run(sequential));
-                let err = max_diff(&got, &want);
-                assert!(err <= 3e-6, "{:?} {level:?} sequential={sequential}: {err}", case.dims);
-            }
-        }
+        assert_matches_reference(&case, 3e-6);
     }
 }
 
@@ -154,14 +161,7 @@ fn alibi_matches_the_reference() {
         case.alibi = Some((0..hq).map(|h| 2f32.powi(-(h as i32 + n as i32 % 3))).collect());
         case.softcap = (n % 3 == 0).then_some(1.5);
         case.sinks = (n % 2 == 0).then(|| (0..hq).map(|h| h as f32 - 1.0).collect());
-        let want = case.reference();
-        for level in levels() {
-            for sequential in [false, true] {
-                let got = with_simd_level(level, || case.run(sequential));
-                let err = max_diff(&got, &want);
-                assert!(err <= 3e-6, "{:?} {level:?} sequential={sequential}: {err}", case.dims);
-            }
-        }
+        assert_matches_reference(&case, 3e-6);
     }
 }
 
@@ -176,19 +176,7 @@ fn windows_match_the_reference() {
         case.window = windows[n % windows.len()];
         case.alibi = (n % 4 == 0).then(|| (0..hq).map(|h| 0.1 * (h + 1) as f32).collect());
         case.sinks = (n % 5 == 0).then(|| vec![0.25; hq]);
-        let want = case.reference();
-        for level in levels() {
-            for sequential in [false, true] {
-                let got = with_simd_level(level, || case.run(sequential));
-                let err = max_diff(&got, &want);
-                let w = case.window;
-                assert!(
-                    err <= 3e-6,
-                    "{:?} window {w:?} {level:?} seq={sequential}: {err}",
-                    case.dims
-                );
-            }
-        }
+        assert_matches_reference(&case, 3e-6);
     }
 }
 
@@ -388,6 +376,20 @@ fn a_nan_key_in_view_makes_its_rows_nan() {
     for level in levels() {
         let got = with_simd_level(level, || case.run(false));
         assert!(got.iter().all(|x| x.is_nan()), "{level:?}: {got:?}");
+    }
+}
+
+/// A chunk whose only visible key is NaN gives NaN, not the empty chunk of an all -inf one.
+#[test]
+fn a_lone_nan_key_makes_its_row_nan() {
+    let dims = DecodeDims { batch: 1, heads_q: 1, heads_kv: 1, rows: 1, capacity: 4, d: 8, dv: 8 };
+    let mut case = Case::new(dims, true, vec![1], 5);
+    case.k[2] = f32::NAN;
+    for level in levels() {
+        for sequential in [false, true] {
+            let got = with_simd_level(level, || case.run(sequential));
+            assert!(got.iter().all(|x| x.is_nan()), "{level:?}: {got:?}");
+        }
     }
 }
 

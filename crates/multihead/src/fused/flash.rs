@@ -267,6 +267,24 @@ pub(super) fn cpu_f32(s: &CpuStorage) -> candle_core::Result<&[f32]> {
     super::cpu_f32(s, "flash attention")
 }
 
+/// A copy of the f32 view `(s, l)`: the forward of the identity ops that join extra inputs
+/// (sinks, a learned mask) to the graph of an attention output. `what` names the buffer.
+pub(super) fn identity_copy(
+    s: &CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    // The attention ops' outputs are contiguous (they made them).
+    let x = cpu_f32(s)?;
+    let n = l.shape().elem_count();
+    let mut out = crate::alloc::try_zeros::<f32>(n, what)?;
+    let start = l.start_offset();
+    if let Some(src) = x.get(start..start + n) {
+        out.copy_from_slice(src);
+    }
+    Ok((CpuStorage::F32(out), l.shape().clone()))
+}
+
 pub(super) fn contiguous_layout4(conv: Convention, dims: &[usize]) -> candle_core::Result<Layout4> {
     Ok(conv.layout4(&Layout::contiguous(dims))?.1)
 }

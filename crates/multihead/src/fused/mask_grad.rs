@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use multihead_kernels::attention::flash_backward_dscores;
 
-use super::flash::{contiguous_layout4, cpu_f32, f32s, FlashAttention};
+use super::flash::{contiguous_layout4, f32s, FlashAttention};
 use crate::error::Result;
 
 /// The gradients of q, k and v computed by [`MaskGrad`]'s backward, for the flash op's.
@@ -37,13 +37,7 @@ impl CustomOp2 for MaskGrad {
         _s2: &CpuStorage,
         _l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        // The flash op's output is contiguous (it made it).
-        let x = cpu_f32(s1)?;
-        let n = l1.shape().elem_count();
-        let mut out = crate::alloc::try_zeros::<f32>(n, "attention output")?;
-        let start = l1.start_offset();
-        out.copy_from_slice(&x[start..start + n]);
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        super::flash::identity_copy(s1, l1, "attention output")
     }
 
     fn bwd(

@@ -9,7 +9,7 @@
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use multihead_kernels::attention::sink_grad;
 
-use super::flash::{cpu_f32, FlashAttention};
+use super::flash::FlashAttention;
 use crate::error::Result;
 
 /// Identity on `(out, sinks) -> out` whose backward computes the sinks' gradient from the
@@ -30,13 +30,7 @@ impl CustomOp2 for SinkGrad {
         _s2: &CpuStorage,
         _l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        // The flash op's output is contiguous (it made it).
-        let x = cpu_f32(s1)?;
-        let n = l1.shape().elem_count();
-        let mut out = crate::alloc::try_zeros::<f32>(n, "attention sinks output")?;
-        let start = l1.start_offset();
-        out.copy_from_slice(&x[start..start + n]);
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        super::flash::identity_copy(s1, l1, "attention sinks output")
     }
 
     fn bwd(

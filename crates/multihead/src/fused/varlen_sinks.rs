@@ -10,7 +10,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use multihead_kernels::attention::sink_grad;
 use rayon::prelude::*;
 
-use super::flash::{cpu_f32, f32s};
+use super::flash::f32s;
 use super::varlen::{Rows, VarlenAttention};
 use crate::error::Result;
 
@@ -32,15 +32,7 @@ impl CustomOp2 for VarlenSinkGrad {
         _s2: &CpuStorage,
         _l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        // The varlen op's output is contiguous (it made it).
-        let x = cpu_f32(s1)?;
-        let n = l1.shape().elem_count();
-        let mut out = crate::alloc::try_zeros::<f32>(n, "attention sinks output")?;
-        let start = l1.start_offset();
-        if let Some(src) = x.get(start..start + n) {
-            out.copy_from_slice(src);
-        }
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        super::flash::identity_copy(s1, l1, "attention sinks output")
     }
 
     fn bwd(
