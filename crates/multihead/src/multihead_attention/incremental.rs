@@ -371,7 +371,7 @@ impl MultiheadAttention {
     /// [`new_sliding_cache`](Self::new_sliding_cache), has a window of its own). The decode
     /// kernel applies them, the composed path too; at every step the output equals a full
     /// forward with the same variants (`softcap`, `sinks`, `alibi`, `window` of
-    /// [`MhaOptions`](crate::functional::MhaOptions)) over the prefix. ALiBi and `window` need a
+    /// [`MhaOptions`]) over the prefix. ALiBi and `window` need a
     /// full cache ([`new_cache`](Self::new_cache)).
     ///
     /// # Shapes
