@@ -557,6 +557,9 @@ impl MultiheadAttention {
             // the full forward's composed path forms it; rounded to the attention's dtype).
             let slopes = step.alibi.clone().unwrap_or_else(|| vec![0.0]);
             let mh = slopes.len();
+            // A mask per head with ALiBi: checked before it is built (and its f32 copy).
+            let hint = "decode in shorter chunks, or use the fused f32 path";
+            crate::alloc::ensure(CACHED, "attention mask", &[mh, t, kv_len], DType::F64, 2, hint)?;
             let mask: Vec<f64> = slopes
                 .iter()
                 .flat_map(|&m| (0..t).map(move |i| (m, i)))
