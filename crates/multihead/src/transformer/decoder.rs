@@ -2,12 +2,12 @@ use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
 use super::{
-    build_stack, detect_is_causal, final_norm, seq_len, stack_parameters, DecoderMasks,
+    build_stack, detect_is_causal, final_norm, layer_key, seq_len, stack_parameters, DecoderMasks,
     LayerConfig, NormConfig, TransformerDecoderLayer,
 };
 use crate::error::Result;
 use crate::layer_norm::LayerNorm;
-use crate::NamedParameters;
+use crate::{MhaOptions, NamedParameters};
 
 /// `torch.nn.TransformerDecoder`: `num_layers` decoder layers and an optional final LayerNorm.
 ///
@@ -53,6 +53,11 @@ impl TransformerDecoder {
         Ok(Self { layers, norm })
     }
 
+    /// The layers.
+    pub fn layers(&self) -> &[TransformerDecoderLayer] {
+        &self.layers
+    }
+
     /// Sets training mode on every layer.
     pub fn train(&mut self, mode: bool) {
         self.layers.iter_mut().for_each(|l| l.train(mode));
@@ -72,10 +77,48 @@ impl TransformerDecoder {
             masks.tgt_is_causal,
             seq_len(tgt, batch_first)?,
         )?;
-        let layer_masks = DecoderMasks { tgt_is_causal: Some(causal), ..masks.clone() };
+        let (self_opts, cross_opts) = masks.options(causal);
+        self.forward_with(tgt, memory, &self_opts, &cross_opts)
+    }
+
+    /// Runs the stack with the options of every layer's self- and cross-attention calls, as
+    /// [`TransformerDecoderLayer::forward_with`] runs one layer (`self_opts.is_causal` taken as
+    /// given: no causal-mask detection). With a dropout key `(seed, offset)` in either
+    /// options, layer `i` takes `(seed, offset + i)` there, so the layers do not share a mask.
+    ///
+    /// # Shapes
+    /// * As in [`TransformerDecoderLayer::forward_with`].
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use multihead::transformer::{LayerConfig, TransformerDecoder};
+    /// use multihead::{CausalAlign, MhaOptions, Variants};
+    ///
+    /// let vm = VarMap::new();
+    /// let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    /// let dec = TransformerDecoder::new(LayerConfig::new(8, 2).with_dim_feedforward(16), 2, None, vb)?;
+    /// // Causal self-attention with ALiBi, without a mask tensor.
+    /// let v = Variants::default().window(None, Some(0)).alibi(Variants::alibi_slopes_for(2));
+    /// let self_opts = MhaOptions::default().variants(v);
+    /// let (tgt, memory) = (Tensor::randn(0f32, 1.0, (6, 2, 8), &Device::Cpu)?, Tensor::randn(0f32, 1.0, (9, 2, 8), &Device::Cpu)?);
+    /// let y = dec.forward_with(&tgt, &memory, &self_opts, &MhaOptions::default())?;
+    /// assert_eq!(y.dims(), &[6, 2, 8]);
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
+    // Mirrors torch.nn.TransformerDecoder.forward, with the attention variants.
+    pub fn forward_with(
+        &self,
+        tgt: &Tensor,
+        memory: &Tensor,
+        self_opts: &MhaOptions,
+        cross_opts: &MhaOptions,
+    ) -> Result<Tensor> {
         let mut x = tgt.clone();
-        for layer in &self.layers {
-            x = layer.forward(&x, memory, &layer_masks)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let (so, co) = (layer_key(self_opts, i), layer_key(cross_opts, i));
+            x = layer.forward_with(&x, memory, &so, &co)?;
         }
         final_norm(self.norm.as_ref(), x)
     }

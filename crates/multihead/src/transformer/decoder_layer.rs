@@ -2,12 +2,12 @@ use crate::fused::zeros::residual;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
-use super::{attention_block, feed_forward, prefixed, LayerConfig};
+use super::{attention_block, feed_forward, mask_options, prefixed, LayerConfig};
 use crate::error::Result;
 use crate::layer_norm::LayerNorm;
 use crate::linear::Linear;
 use crate::mask::Mask;
-use crate::{MultiheadAttention, NamedParameters};
+use crate::{MhaOptions, MultiheadAttention, NamedParameters};
 
 /// The masks and causal hints of a decoder call, PyTorch's argument names, all off by default.
 #[derive(Clone, Debug, Default)]
@@ -105,27 +105,14 @@ impl TransformerDecoderLayer {
         self.train(false);
     }
 
-    fn self_block(
+    fn block(
         &self,
-        x: &Tensor,
-        mask: Option<&Mask>,
-        kpm: Option<&Mask>,
-        causal: bool,
-    ) -> Result<Tensor> {
-        let (p, t) = (self.cfg.dropout, self.training);
-        attention_block(&self.self_attn, x, x, mask, kpm, causal, p, t)
-    }
-
-    fn cross_block(
-        &self,
+        attn: &MultiheadAttention,
         x: &Tensor,
         mem: &Tensor,
-        mask: Option<&Mask>,
-        kpm: Option<&Mask>,
-        causal: bool,
+        opts: &MhaOptions,
     ) -> Result<Tensor> {
-        let (p, t) = (self.cfg.dropout, self.training);
-        attention_block(&self.multihead_attn, x, mem, mask, kpm, causal, p, t)
+        attention_block(attn, x, mem, opts, self.cfg.dropout, self.training)
     }
 
     fn feed_forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -142,53 +129,95 @@ impl TransformerDecoderLayer {
     /// Runs the layer; `masks.tgt_is_causal = None` means `false` here.
     // Mirrors torch.nn.TransformerDecoderLayer.forward.
     pub fn forward(&self, tgt: &Tensor, memory: &Tensor, masks: &DecoderMasks) -> Result<Tensor> {
+        let (self_opts, cross_opts) = masks.options(masks.tgt_is_causal.unwrap_or(false));
+        self.forward_with(tgt, memory, &self_opts, &cross_opts)
+    }
+
+    /// Runs the layer with the options of a [`MultiheadAttention`] call for its self-attention
+    /// (`self_opts`: PyTorch's `tgt_mask`, `tgt_key_padding_mask`, `tgt_is_causal`) and for its
+    /// cross-attention over `memory` (`cross_opts`: `memory_mask`,
+    /// `memory_key_padding_mask`, `memory_is_causal`), each with the variants PyTorch's layer
+    /// lacks (soft cap, windows, causal alignment, key lengths, ALiBi, sinks; see
+    /// `docs/variants.md`), as in
+    /// [`TransformerEncoderLayer::forward_with`](super::TransformerEncoderLayer::forward_with):
+    /// the weights are never returned, a dropout key keys that attention's dropout only.
+    ///
+    /// # Shapes
+    /// * `tgt`, `memory` as in [`forward`](Self::forward); the options' shapes as in
+    ///   [`MhaOptions`] with `L = S = T` for `self_opts`, `L = T` for `cross_opts`.
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use multihead::transformer::{LayerConfig, TransformerDecoderLayer};
+    /// use multihead::MhaOptions;
+    ///
+    /// let vm = VarMap::new();
+    /// let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    /// let mut layer = TransformerDecoderLayer::new(LayerConfig::new(8, 2).with_dim_feedforward(16), vb)?;
+    /// layer.eval();
+    /// // Causal self-attention over the last 4 tokens, soft-capped cross-attention.
+    /// let self_opts = MhaOptions::default().window(Some(4), Some(0));
+    /// let cross_opts = MhaOptions::default().softcap(20.0);
+    /// let (tgt, memory) = (Tensor::randn(0f32, 1.0, (6, 2, 8), &Device::Cpu)?, Tensor::randn(0f32, 1.0, (9, 2, 8), &Device::Cpu)?);
+    /// assert_eq!(layer.forward_with(&tgt, &memory, &self_opts, &cross_opts)?.dims(), &[6, 2, 8]);
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
+    // Mirrors torch.nn.TransformerDecoderLayer.forward, with the attention variants.
+    pub fn forward_with(
+        &self,
+        tgt: &Tensor,
+        memory: &Tensor,
+        self_opts: &MhaOptions,
+        cross_opts: &MhaOptions,
+    ) -> Result<Tensor> {
         let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {
-            m.forward(&r(tgt)?, &r(memory)?, masks)
+            m.forward_with(&r(tgt)?, &r(memory)?, self_opts, cross_opts)
         };
         if let Some(y) = crate::precision::autocast_run(self, tgt.dtype(), autocast) {
             return y;
         }
         let dtype = tgt.dtype();
-        let all = [
-            masks.tgt_mask.as_ref(),
-            masks.memory_mask.as_ref(),
-            masks.tgt_key_padding_mask.as_ref(),
-            masks.memory_key_padding_mask.as_ref(),
-        ];
         if crate::precision::is_reduced(dtype)
             && dtype == self.self_attn.dtype()
             && memory.dtype() == dtype
-            && crate::precision::masks_match(&all, dtype)
+            && crate::functional::options_in(self_opts, dtype)
+            && crate::functional::options_in(cross_opts, dtype)
         {
             // bf16/f16: the f32 layer between one widening and one rounding.
-            use crate::precision::{narrow, widen, widen_mask, CastParams};
-            let m = DecoderMasks {
-                tgt_mask: widen_mask(masks.tgt_mask.as_ref())?,
-                memory_mask: widen_mask(masks.memory_mask.as_ref())?,
-                tgt_key_padding_mask: widen_mask(masks.tgt_key_padding_mask.as_ref())?,
-                memory_key_padding_mask: widen_mask(masks.memory_key_padding_mask.as_ref())?,
-                ..masks.clone()
-            };
+            use crate::functional::widen_options;
+            use crate::precision::{narrow, widen, CastParams};
+            let (so, co) = (widen_options(self_opts)?, widen_options(cross_opts)?);
             let widened = self.widened()?;
             let (t, mem) = (widen(tgt)?, widen(memory)?);
-            let y = crate::mode::rounded_products(dtype, || widened.forward(&t, &mem, &m))?;
+            let y =
+                crate::mode::rounded_products(dtype, || widened.forward_with(&t, &mem, &so, &co))?;
             return narrow(&y, dtype);
         }
-        let tc = masks.tgt_is_causal.unwrap_or(false);
-        let mc = masks.memory_is_causal;
-        let (tm, tk) = (masks.tgt_mask.as_ref(), masks.tgt_key_padding_mask.as_ref());
-        let (mm, mk) = (masks.memory_mask.as_ref(), masks.memory_key_padding_mask.as_ref());
+        let (sa, ca) = (&self.self_attn, &self.multihead_attn);
         let x = tgt;
         if self.cfg.norm_first {
-            let x = residual(x, &self.self_block(&self.norm1.forward(x)?, tm, tk, tc)?)?;
-            let x = residual(&x, &self.cross_block(&self.norm2.forward(&x)?, memory, mm, mk, mc)?)?;
+            let h = self.norm1.forward(x)?;
+            let x = residual(x, &self.block(sa, &h, &h, self_opts)?)?;
+            let x = residual(&x, &self.block(ca, &self.norm2.forward(&x)?, memory, cross_opts)?)?;
             residual(&x, &self.feed_forward(&self.norm3.forward(&x)?)?)
         } else {
             // Each residual sum and its norm are one op (`LayerNorm::forward_residual`).
-            let x = self.norm1.forward_residual(x, &self.self_block(x, tm, tk, tc)?)?;
-            let x = self.norm2.forward_residual(&x, &self.cross_block(&x, memory, mm, mk, mc)?)?;
+            let x = self.norm1.forward_residual(x, &self.block(sa, x, x, self_opts)?)?;
+            let x = self.norm2.forward_residual(&x, &self.block(ca, &x, memory, cross_opts)?)?;
             self.norm3.forward_residual(&x, &self.feed_forward(&x)?)
         }
+    }
+}
+
+impl DecoderMasks {
+    /// The options of the self- and cross-attention calls these masks make, with `tgt_causal`
+    /// as the self-attention's hint.
+    pub(crate) fn options(&self, tgt_causal: bool) -> (MhaOptions, MhaOptions) {
+        let (tm, tk) = (self.tgt_mask.as_ref(), self.tgt_key_padding_mask.as_ref());
+        let (mm, mk) = (self.memory_mask.as_ref(), self.memory_key_padding_mask.as_ref());
+        (mask_options(tm, tk, tgt_causal), mask_options(mm, mk, self.memory_is_causal))
     }
 }
 

@@ -2,13 +2,13 @@ use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 
 use super::{
-    build_stack, detect_is_causal, final_norm, seq_len, stack_parameters, LayerConfig, NormConfig,
-    TransformerEncoderLayer,
+    build_stack, detect_is_causal, final_norm, layer_key, mask_options, seq_len, stack_parameters,
+    LayerConfig, NormConfig, TransformerEncoderLayer,
 };
 use crate::error::Result;
 use crate::layer_norm::LayerNorm;
 use crate::mask::Mask;
-use crate::NamedParameters;
+use crate::{MhaOptions, NamedParameters};
 
 /// `torch.nn.TransformerEncoder`: `num_layers` encoder layers and an optional final LayerNorm.
 ///
@@ -121,47 +121,92 @@ impl TransformerEncoder {
     ) -> Result<Tensor> {
         let batch_first = self.layers.first().map(|l| l.config().batch_first).unwrap_or(false);
         let is_causal = detect_is_causal(mask, is_causal, seq_len(src, batch_first)?)?;
-        // PyTorch's nested-tensor ("sparsity") fast path, in inference only.
-        let padded = match src_key_padding_mask {
-            Some(kpm)
-                if !self.training
-                    && !crate::mode::grad_enabled()
-                    && mask.is_none()
-                    && src.rank() == 3
-                    && kpm.dims() == [src.dim(0)?, src.dim(1)?]
-                    && kpm.tensor().dtype()
-                        == if kpm.is_bool() { DType::U8 } else { src.dtype() }
-                    && self.nested_path_eligible() =>
-            {
-                let p = kpm.tensor().ne(0f64)?;
-                if self.mask_check {
-                    left_aligned(&p)?.then_some(p)
-                } else {
-                    Some(first_unpadded(&p)?)
-                }
+        self.forward_with(src, &mask_options(mask, src_key_padding_mask, is_causal))
+    }
+
+    /// Runs the stack with the options of a [`MultiheadAttention`](crate::MultiheadAttention)
+    /// call for every layer's self-attention, as
+    /// [`TransformerEncoderLayer::forward_with`] runs one layer: `opts.attn_mask`,
+    /// `opts.key_padding_mask` and `opts.is_causal` are PyTorch's `mask`,
+    /// `src_key_padding_mask` and `is_causal` (taken as given: no causal-mask detection), and
+    /// the variants and sinks apply in every layer. The nested-tensor path of inference applies
+    /// as in [`forward`](Self::forward). With `opts.dropout_key = Some((seed, offset))`, layer
+    /// `i`'s attention dropout takes `(seed, offset + i)`, so the layers do not share a mask.
+    ///
+    /// # Shapes
+    /// * `src` as in [`forward`](Self::forward); the options' shapes as in
+    ///   [`MhaOptions`] with `L = S`.
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use multihead::transformer::{LayerConfig, TransformerEncoder};
+    /// use multihead::{MhaOptions, Variants};
+    ///
+    /// let vm = VarMap::new();
+    /// let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    /// let enc = TransformerEncoder::new(LayerConfig::new(8, 2).with_dim_feedforward(16), 2, None, vb)?;
+    /// // ALiBi instead of position embeddings, two heads.
+    /// let variants = Variants::default().alibi(Variants::alibi_slopes_for(2));
+    /// let x = Tensor::randn(0f32, 1.0, (5, 3, 8), &Device::Cpu)?;
+    /// let y = enc.forward_with(&x, &MhaOptions { variants, ..Default::default() })?;
+    /// assert_eq!(y.dims(), &[5, 3, 8]);
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
+    // Mirrors torch.nn.TransformerEncoder.forward, with the attention variants.
+    pub fn forward_with(&self, src: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
+        let layer_opts = |i: usize, kpm: Option<Mask>| {
+            let mut o = layer_key(opts, i);
+            if let Some(k) = kpm {
+                o.key_padding_mask = Some(k);
             }
-            _ => None,
+            o
         };
         let mut x = src.clone();
-        if let Some(p) = &padded {
+        if let Some(p) = self.nested_padding(src, opts)? {
             // The nested path drops padded tokens (nonzero kpm entries) entirely: their values,
             // NaN or infinite ones included, never reach the other tokens, and their outputs
             // are +0. Here they are zeroed on the way in, masked out of attention, and replaced
             // by +0 on the way out.
-            let kpm = Mask::Bool(p.clone());
             let pad = p.unsqueeze(2)?.broadcast_as(x.shape())?;
             let zeros = x.zeros_like()?;
             x = pad.where_cond(&zeros, &x)?;
-            for layer in &self.layers {
-                x = layer.forward(&x, None, Some(&kpm), false)?;
+            for (i, layer) in self.layers.iter().enumerate() {
+                let o = layer_opts(i, Some(Mask::Bool(p.clone())));
+                x = layer.forward_with(&x, &MhaOptions { is_causal: false, ..o })?;
             }
             x = pad.where_cond(&zeros, &x)?;
         } else {
-            for layer in &self.layers {
-                x = layer.forward(&x, mask, src_key_padding_mask, is_causal)?;
+            for (i, layer) in self.layers.iter().enumerate() {
+                x = layer.forward_with(&x, &layer_opts(i, None))?;
             }
         }
         final_norm(self.norm.as_ref(), x)
+    }
+
+    /// The padding of PyTorch's nested-tensor ("sparsity") fast path, in inference only: the
+    /// positions it drops, `(N, S)`, or `None` where the path does not apply.
+    fn nested_padding(&self, src: &Tensor, opts: &MhaOptions) -> Result<Option<Tensor>> {
+        let Some(kpm) = &opts.key_padding_mask else {
+            return Ok(None);
+        };
+        let eligible = !self.training
+            && !crate::mode::grad_enabled()
+            && opts.attn_mask.is_none()
+            && src.rank() == 3
+            && kpm.dims() == [src.dim(0)?, src.dim(1)?]
+            && kpm.tensor().dtype() == if kpm.is_bool() { DType::U8 } else { src.dtype() }
+            && self.nested_path_eligible();
+        if !eligible {
+            return Ok(None);
+        }
+        let p = kpm.tensor().ne(0f64)?;
+        if self.mask_check {
+            Ok(left_aligned(&p)?.then_some(p))
+        } else {
+            Ok(Some(first_unpadded(&p)?))
+        }
     }
 }
 

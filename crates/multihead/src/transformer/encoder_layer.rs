@@ -2,12 +2,12 @@ use crate::fused::zeros::residual;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
-use super::{attention_block, feed_forward, prefixed, LayerConfig};
+use super::{attention_block, feed_forward, mask_options, prefixed, LayerConfig};
 use crate::error::Result;
 use crate::layer_norm::LayerNorm;
 use crate::linear::Linear;
 use crate::mask::Mask;
-use crate::{MultiheadAttention, NamedParameters};
+use crate::{MhaOptions, MultiheadAttention, NamedParameters};
 
 /// `torch.nn.TransformerEncoderLayer`: self-attention and a feed-forward block, each with a
 /// residual connection and LayerNorm (after the block by default, before it with
@@ -84,15 +84,8 @@ impl TransformerEncoderLayer {
         self.training
     }
 
-    fn attend(
-        &self,
-        x: &Tensor,
-        mask: Option<&Mask>,
-        kpm: Option<&Mask>,
-        causal: bool,
-    ) -> Result<Tensor> {
-        let (p, t) = (self.cfg.dropout, self.training);
-        attention_block(&self.self_attn, x, x, mask, kpm, causal, p, t)
+    fn attend(&self, x: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
+        attention_block(&self.self_attn, x, x, opts, self.cfg.dropout, self.training)
     }
 
     fn feed_forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -116,35 +109,71 @@ impl TransformerEncoderLayer {
         src_key_padding_mask: Option<&Mask>,
         is_causal: bool,
     ) -> Result<Tensor> {
-        let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {
-            m.forward(&r(src)?, src_mask, src_key_padding_mask, is_causal)
-        };
+        self.forward_with(src, &mask_options(src_mask, src_key_padding_mask, is_causal))
+    }
+
+    /// Runs the layer with the options of a [`MultiheadAttention`] call for its self-attention:
+    /// PyTorch's `src_mask`, `src_key_padding_mask` and `is_causal` are `opts.attn_mask`,
+    /// `opts.key_padding_mask` and `opts.is_causal`, and the variants PyTorch's layer lacks
+    /// (`opts.variants`: soft cap, windows, causal alignment, key lengths, ALiBi; `opts.sinks`;
+    /// see `docs/variants.md`) apply inside the block as in
+    /// [`MultiheadAttention::forward`](crate::MultiheadAttention::forward), fused where the plan
+    /// allows. `need_weights` and `average_attn_weights` are ignored: the layer returns no
+    /// weights. `opts.dropout_key` keys the attention's dropout only; the layer's other dropouts
+    /// draw from the global generator. [`forward`](Self::forward) is this call with the masks
+    /// alone.
+    ///
+    /// # Shapes
+    /// * `src` as in [`forward`](Self::forward); the options' shapes as in
+    ///   [`MhaOptions`](crate::MhaOptions) with `L = S`.
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
+    /// use multihead::{MhaOptions, Variants};
+    ///
+    /// let vm = VarMap::new();
+    /// let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    /// let cfg = LayerConfig::new(8, 2).with_dim_feedforward(16).with_batch_first(true);
+    /// let mut layer = TransformerEncoderLayer::new(cfg, vb)?;
+    /// layer.eval();
+    /// // Mistral-style: each token sees itself and the 3 tokens before it (no later one);
+    /// // Gemma-2-style capped scores.
+    /// let variants = Variants::default().window(Some(3), Some(0)).softcap(30.0);
+    /// let opts = MhaOptions { variants, ..Default::default() };
+    /// let x = Tensor::randn(0f32, 1.0, (2, 6, 8), &Device::Cpu)?;
+    /// assert_eq!(layer.forward_with(&x, &opts)?.dims(), &[2, 6, 8]);
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
+    // Mirrors torch.nn.TransformerEncoderLayer.forward, with the attention variants.
+    pub fn forward_with(&self, src: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
+        let autocast =
+            |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| m.forward_with(&r(src)?, opts);
         if let Some(y) = crate::precision::autocast_run(self, src.dtype(), autocast) {
             return y;
         }
-        let masks = [src_mask, src_key_padding_mask];
-        if crate::precision::is_reduced(src.dtype())
-            && src.dtype() == self.self_attn.dtype()
-            && crate::precision::masks_match(&masks, src.dtype())
+        let dtype = src.dtype();
+        if crate::precision::is_reduced(dtype)
+            && dtype == self.self_attn.dtype()
+            && crate::functional::options_in(opts, dtype)
         {
             // bf16/f16: the f32 layer between one widening and one rounding.
-            use crate::precision::{narrow, widen, widen_mask, CastParams};
-            let (m, k) = (widen_mask(src_mask)?, widen_mask(src_key_padding_mask)?);
+            use crate::precision::{narrow, widen, CastParams};
+            let o = crate::functional::widen_options(opts)?;
             let (widened, x) = (self.widened()?, widen(src)?);
-            let y = crate::mode::rounded_products(src.dtype(), || {
-                widened.forward(&x, m.as_ref(), k.as_ref(), is_causal)
-            })?;
-            return narrow(&y, src.dtype());
+            let y = crate::mode::rounded_products(dtype, || widened.forward_with(&x, &o))?;
+            return narrow(&y, dtype);
         }
         let x = src;
         if self.cfg.norm_first {
-            let sa =
-                self.attend(&self.norm1.forward(x)?, src_mask, src_key_padding_mask, is_causal)?;
+            let sa = self.attend(&self.norm1.forward(x)?, opts)?;
             let x = residual(x, &sa)?;
             residual(&x, &self.feed_forward(&self.norm2.forward(&x)?)?)
         } else {
             // Each residual sum and its norm are one op (`LayerNorm::forward_residual`).
-            let sa = self.attend(x, src_mask, src_key_padding_mask, is_causal)?;
+            let sa = self.attend(x, opts)?;
             let x = self.norm1.forward_residual(x, &sa)?;
             self.norm2.forward_residual(&x, &self.feed_forward(&x)?)
         }

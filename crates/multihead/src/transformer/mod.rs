@@ -153,22 +153,46 @@ impl Default for NormConfig {
     }
 }
 
-/// `dropout(attn(x, mem, mem, need_weights=False)[0])`: a layer's attention block.
-#[allow(clippy::too_many_arguments)]
+/// The options of a layer's attention call built from PyTorch's layer arguments.
+pub(crate) fn mask_options(
+    mask: Option<&crate::Mask>,
+    kpm: Option<&crate::Mask>,
+    is_causal: bool,
+) -> crate::MhaOptions {
+    let mut opts = crate::MhaOptions::default().need_weights(false).is_causal(is_causal);
+    opts.attn_mask = mask.cloned();
+    opts.key_padding_mask = kpm.cloned();
+    opts
+}
+
+/// `opts` for layer `i` of a stack: a dropout key `(seed, offset)` becomes
+/// `(seed, offset + i)`, so that the layers do not share a dropout mask.
+pub(crate) fn layer_key(opts: &crate::MhaOptions, i: usize) -> crate::MhaOptions {
+    let mut o = opts.clone();
+    o.dropout_key = opts.dropout_key.map(|k| crate::random::DropoutKey {
+        seed: k.seed,
+        offset: k.offset.wrapping_add(i as u64),
+    });
+    o
+}
+
+/// `dropout(attn(x, mem, mem, need_weights=False)[0])`: a layer's attention block (`opts` as
+/// given, but without weights: a layer returns none).
 pub(crate) fn attention_block(
     attn: &crate::MultiheadAttention,
     x: &candle_core::Tensor,
     mem: &candle_core::Tensor,
-    mask: Option<&crate::Mask>,
-    kpm: Option<&crate::Mask>,
-    is_causal: bool,
+    opts: &crate::MhaOptions,
     p: f64,
     training: bool,
 ) -> crate::Result<candle_core::Tensor> {
-    let mut opts = crate::MhaOptions::default().need_weights(false).is_causal(is_causal);
-    opts.attn_mask = mask.cloned();
-    opts.key_padding_mask = kpm.cloned();
-    crate::activation::dropout(&attn.forward(x, mem, mem, &opts)?.output, p, training)
+    let out = if opts.need_weights {
+        let opts = crate::MhaOptions { need_weights: false, ..opts.clone() };
+        attn.forward(x, mem, mem, &opts)?
+    } else {
+        attn.forward(x, mem, mem, opts)?
+    };
+    crate::activation::dropout(&out.output, p, training)
 }
 
 /// `dropout(linear2(dropout(activation(linear1(x)))))`: a layer's feed-forward block.

@@ -19,5 +19,6 @@ mod transformer;
 mod variant_golden;
 mod variants;
 mod variants_bias;
+mod variants_layers;
 mod variants_mha;
 mod varlen;

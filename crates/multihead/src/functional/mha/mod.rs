@@ -7,7 +7,7 @@ mod fused;
 mod project;
 mod validate;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::error::Result;
 use crate::fused::dispatch::{decide, dtype_device_blocker, Path, Plan, Reason};
@@ -338,6 +338,29 @@ pub(crate) fn mha_plan_impl(
     plan(&call, opts)
 }
 
+/// `opts` with its float masks, static keys and values and sinks widened to f32 (the f32 twin
+/// of a bf16/f16 call).
+pub(crate) fn widen_options(opts: &MhaOptions) -> Result<MhaOptions> {
+    use crate::precision::{widen_mask, widen_opt};
+    let mut o = opts.clone();
+    o.attn_mask = widen_mask(opts.attn_mask.as_ref())?;
+    o.key_padding_mask = widen_mask(opts.key_padding_mask.as_ref())?;
+    o.static_k = widen_opt(opts.static_k.as_ref())?;
+    o.static_v = widen_opt(opts.static_v.as_ref())?;
+    o.sinks = widen_opt(opts.sinks.as_ref())?;
+    Ok(o)
+}
+
+/// Whether every float tensor of `opts` (float masks, static keys and values, sinks) is in
+/// `dtype`: a reduced-precision call whose options may be widened with its inputs. Otherwise
+/// the call runs as given and validation names the argument in the wrong dtype.
+pub(crate) fn options_in(opts: &MhaOptions, dtype: DType) -> bool {
+    let masks = [opts.attn_mask.as_ref(), opts.key_padding_mask.as_ref()];
+    let tensors = [opts.static_k.as_ref(), opts.static_v.as_ref(), opts.sinks.as_ref()];
+    crate::precision::masks_match(&masks, dtype)
+        && tensors.iter().flatten().all(|t| t.dtype() == dtype)
+}
+
 /// A bf16/f16 call in f32: the inputs (aliasing kept), parameters, float masks and static
 /// keys widened, so that the f32 path (the fused kernels on the CPU) runs it and accumulates
 /// in f32, as PyTorch's CPU kernels do for reduced precision.
@@ -371,18 +394,7 @@ impl Widened {
             InProj::Packed(w) => vec![widen(w)?],
             InProj::Separate { q, k, v } => vec![widen(q)?, widen(k)?, widen(v)?],
         };
-        let mask = |m: &Option<Mask>| -> Result<Option<Mask>> {
-            Ok(match m {
-                Some(Mask::Float(t)) => Some(Mask::Float(widen(t)?)),
-                other => other.clone(),
-            })
-        };
-        let mut o = opts.clone();
-        o.attn_mask = mask(&opts.attn_mask)?;
-        o.key_padding_mask = mask(&opts.key_padding_mask)?;
-        o.static_k = widen_opt(opts.static_k.as_ref())?;
-        o.static_v = widen_opt(opts.static_v.as_ref())?;
-        o.sinks = widen_opt(opts.sinks.as_ref())?;
+        let o = widen_options(opts)?;
         Ok(Self {
             q,
             k,

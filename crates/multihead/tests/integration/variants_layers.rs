@@ -1,0 +1,306 @@
+//! The attention variants through the Transformer layers' padded forward
+//! (`TransformerEncoderLayer::forward_with`, `TransformerEncoder::forward_with`): equal to the
+//! block written by hand from the same parameters, fused against composed with gradients, the
+//! stack equal to its layers (dropout keys per layer), the nested-tensor path kept, bf16, and
+//! bad options as errors naming the argument.
+
+use candle_core::{DType, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use multihead::random::DropoutKey;
+use multihead::transformer::{
+    LayerConfig, NormConfig, TransformerEncoder, TransformerEncoderLayer,
+};
+use multihead::{
+    Backend, Error, LayerNorm, Linear, Mask, MhaOptions, MultiheadAttention, Variants,
+};
+use multihead_parity::Tolerance;
+
+use crate::common::{assert_close, det, dev};
+
+/// Gives every variable deterministic non-trivial values.
+fn perturb(vm: &VarMap, dtype: DType) {
+    let data = vm.data().lock().expect("lock");
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for (i, name) in names.iter().enumerate() {
+        let v = &data[*name];
+        let base = if name.contains("norm") && name.ends_with("weight") { 1.0 } else { 0.0 };
+        let t = det(v.dims(), DType::F64, i as f64).affine(0.3, base).expect("affine");
+        v.set(&t.to_dtype(dtype).expect("dtype")).expect("set");
+    }
+}
+
+fn cfg() -> LayerConfig {
+    LayerConfig::new(16, 4).with_dim_feedforward(24).with_dropout(0.0).with_batch_first(true)
+}
+
+/// Every variant at once (window, soft cap, ALiBi, key lengths) and sinks, in `dtype`.
+fn all_variants(dtype: DType) -> MhaOptions {
+    let v = Variants::default()
+        .window(Some(4), Some(1))
+        .softcap(0.9)
+        .alibi(vec![0.5, 0.25, 0.1, -0.05])
+        .kv_lengths(vec![11, 8]);
+    let sinks = Tensor::new(&[0.3f64, -1.0, 0.0, 2.0], &dev()).unwrap().to_dtype(dtype).unwrap();
+    MhaOptions::default().variants(v).sinks(sinks)
+}
+
+/// The post-norm and pre-norm blocks written by hand from the layer's own parameters (the
+/// modules built again from the same `VarMap`) equal `forward_with`: the options reach the
+/// attention, and only it.
+#[test]
+fn encoder_layer_forward_with_equals_the_block_by_hand() {
+    for norm_first in [false, true] {
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F64, &dev());
+        let c = cfg().with_norm_first(norm_first);
+        let mut layer = TransformerEncoderLayer::new(c.clone(), vb.clone()).unwrap();
+        perturb(&vm, DType::F64);
+        layer.eval();
+        let mut mha = MultiheadAttention::new(
+            multihead::MhaConfig::new(16, 4).with_batch_first(true),
+            vb.pp("self_attn"),
+        )
+        .unwrap();
+        mha.eval();
+        let lin1 = Linear::new(16, 24, true, vb.pp("linear1")).unwrap();
+        let lin2 = Linear::new(24, 16, true, vb.pp("linear2")).unwrap();
+        let norm1 = LayerNorm::new(16, 1e-5, true, vb.pp("norm1")).unwrap();
+        let norm2 = LayerNorm::new(16, 1e-5, true, vb.pp("norm2")).unwrap();
+        let x = det(&[2, 11, 16], DType::F64, 1.0);
+        let opts = all_variants(DType::F64);
+        let attn = |h: &Tensor| mha.forward(h, h, h, &opts).unwrap().output;
+        let ff = |h: &Tensor| lin2.forward(&lin1.forward(h).unwrap().relu().unwrap()).unwrap();
+        let by_hand = if norm_first {
+            let x1 = (&x + attn(&norm1.forward(&x).unwrap())).unwrap();
+            (&x1 + ff(&norm2.forward(&x1).unwrap())).unwrap()
+        } else {
+            let x1 = norm1.forward(&(&x + attn(&x)).unwrap()).unwrap();
+            norm2.forward(&(&x1 + ff(&x1)).unwrap()).unwrap()
+        };
+        let y = layer.forward_with(&x, &opts).unwrap();
+        assert_close(&y, &by_hand, Tolerance::F64, &format!("norm_first={norm_first}"));
+        // The variants change the output (the test would not see them dropped).
+        let plain = layer.forward(&x, None, None, false).unwrap();
+        let d = (&y - &plain).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>();
+        assert!(d.unwrap() > 1e-3, "the variants had no effect");
+        // forward(masks) is forward_with(masks).
+        let kpm = Mask::Bool(
+            Tensor::new(&[[0u8; 11], [0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]], &dev()).unwrap(),
+        );
+        let a = layer.forward(&x, None, Some(&kpm), false).unwrap();
+        let b = layer.forward_with(&x, &MhaOptions::default().key_padding_mask(kpm)).unwrap();
+        assert_close(&a, &b, Tolerance::F64, "forward is forward_with");
+    }
+}
+
+/// Output and gradients (input, every parameter, the sinks) of `sum(y ∘ g)` for a layer in
+/// training mode (dropout 0) on the given backend.
+fn train_step(backend: Backend) -> Vec<Tensor> {
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let layer = TransformerEncoderLayer::new(cfg(), vb).unwrap();
+    perturb(&vm, DType::F32);
+    let x = Var::from_tensor(&det(&[2, 11, 16], DType::F32, 2.0)).unwrap();
+    let mut opts = all_variants(DType::F32).backend(backend);
+    let sinks = Var::from_tensor(opts.sinks.as_ref().unwrap()).unwrap();
+    opts.sinks = Some(sinks.as_tensor().clone());
+    let y = layer.forward_with(x.as_tensor(), &opts).unwrap();
+    let g = det(y.dims(), DType::F32, 3.0);
+    let grads = y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+    let mut out = vec![y, grads.get(x.as_tensor()).expect("dx").clone()];
+    out.push(grads.get(sinks.as_tensor()).expect("dsinks").clone());
+    let data = vm.data().lock().unwrap();
+    let mut names: Vec<_> = data.keys().cloned().collect();
+    names.sort();
+    for n in names {
+        out.push(grads.get(data[&n].as_tensor()).expect("param grad").clone());
+    }
+    out
+}
+
+#[test]
+fn encoder_layer_variants_train_the_same_on_both_paths() {
+    let fused = train_step(Backend::Fused);
+    let composed = train_step(Backend::Composed);
+    assert_eq!(fused.len(), composed.len());
+    for (i, (a, b)) in fused.iter().zip(&composed).enumerate() {
+        let tol = if i == 0 { Tolerance::F32_FORWARD } else { Tolerance::F32_GRAD };
+        assert_close(a, b, tol, &format!("tensor {i} (0 output, 1 dx, 2 dsinks, then parameters)"));
+    }
+}
+
+/// The stack is its layers called in turn with the same options, layer `i`'s attention dropout
+/// keyed `(seed, offset + i)`; the global generator is drawn in the same order.
+#[test]
+fn encoder_stack_forward_with_is_its_layers() {
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F64, &dev());
+    let c = cfg().with_dropout(0.3);
+    let enc = TransformerEncoder::new(c, 3, Some(NormConfig::default()), vb.clone()).unwrap();
+    perturb(&vm, DType::F64);
+    let norm = LayerNorm::new(16, 1e-5, true, vb.pp("norm")).unwrap();
+    let x = det(&[2, 11, 16], DType::F64, 4.0);
+    let key = DropoutKey { seed: 5, offset: 100 };
+    let opts = all_variants(DType::F64).dropout_key(key);
+    multihead::manual_seed(9);
+    let y = enc.forward_with(&x, &opts).unwrap();
+    multihead::manual_seed(9);
+    let mut h = x.clone();
+    for (i, layer) in enc.layers().iter().enumerate() {
+        let k = DropoutKey { seed: 5, offset: 100 + i as u64 };
+        h = layer.forward_with(&h, &opts.clone().dropout_key(k)).unwrap();
+    }
+    assert_close(&y, &norm.forward(&h).unwrap(), Tolerance::F64, "stack");
+    // Sharing one key across layers would give other numbers.
+    multihead::manual_seed(9);
+    let mut shared = x.clone();
+    for layer in enc.layers() {
+        shared = layer.forward_with(&shared, &opts).unwrap();
+    }
+    let shared = norm.forward(&shared).unwrap();
+    let d = (&y - &shared).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>();
+    assert!(d.unwrap() > 1e-6, "the layers shared a dropout mask");
+}
+
+/// In inference with a left-aligned padding mask, the nested-tensor path still applies with
+/// the variants: padded rows come out 0 (before the final norm, none here), the others equal
+/// each sequence run alone with the same variants.
+#[test]
+fn encoder_stack_nested_path_keeps_the_variants() {
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F64, &dev());
+    let mut enc = TransformerEncoder::new(cfg(), 2, None, vb).unwrap();
+    perturb(&vm, DType::F64);
+    enc.eval();
+    let x = det(&[2, 9, 16], DType::F64, 5.0);
+    let kpm = Mask::Bool(Tensor::new(&[[0u8; 9], [0, 0, 0, 0, 0, 0, 1, 1, 1]], &dev()).unwrap());
+    let v =
+        Variants::default().window(Some(2), Some(2)).softcap(0.8).alibi(vec![0.5, 0.2, 0.1, 0.0]);
+    let opts = MhaOptions::default().variants(v);
+    let y =
+        multihead::no_grad(|| enc.forward_with(&x, &opts.clone().key_padding_mask(kpm))).unwrap();
+    let pad = y.narrow(0, 1, 1).unwrap().narrow(1, 6, 3).unwrap();
+    assert_eq!(pad.abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap(), 0.0);
+    for (n, len) in [(0usize, 9usize), (1, 6)] {
+        let alone = x.narrow(0, n, 1).unwrap().narrow(1, 0, len).unwrap();
+        let want = multihead::no_grad(|| enc.forward_with(&alone, &opts)).unwrap();
+        let got = y.narrow(0, n, 1).unwrap().narrow(1, 0, len).unwrap();
+        assert_close(&got, &want, Tolerance::F64, &format!("sequence {n}"));
+    }
+}
+
+/// A bf16 layer runs the variants as its f32 twin between one widening and one rounding (bf16
+/// sinks widened with it); sinks in another dtype are an error naming them.
+#[test]
+fn encoder_layer_variants_in_bf16() {
+    let vm = VarMap::new();
+    let mut layer =
+        TransformerEncoderLayer::new(cfg(), VarBuilder::from_varmap(&vm, DType::F32, &dev()))
+            .unwrap();
+    perturb(&vm, DType::F32);
+    layer.eval();
+    let vm16 = VarMap::new();
+    let mut half =
+        TransformerEncoderLayer::new(cfg(), VarBuilder::from_varmap(&vm16, DType::BF16, &dev()))
+            .unwrap();
+    perturb(&vm16, DType::BF16);
+    half.eval();
+    let x = det(&[2, 11, 16], DType::F32, 6.0)
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let want = layer.forward_with(&x, &all_variants(DType::F32)).unwrap();
+    let got =
+        half.forward_with(&x.to_dtype(DType::BF16).unwrap(), &all_variants(DType::BF16)).unwrap();
+    assert_eq!(got.dtype(), DType::BF16);
+    assert_close(&got.to_dtype(DType::F32).unwrap(), &want, Tolerance::BF16_FORWARD, "bf16 layer");
+    let e = half
+        .forward_with(&x.to_dtype(DType::BF16).unwrap(), &all_variants(DType::F32))
+        .unwrap_err();
+    assert!(matches!(e, Error::DType { .. }), "{e}");
+    assert!(e.to_string().contains("sinks"), "{e}");
+}
+
+/// Bad options are the errors `MultiheadAttention` gives, on both paths.
+#[test]
+fn encoder_layer_forward_with_rejects_bad_options() {
+    let vm = VarMap::new();
+    let layer =
+        TransformerEncoderLayer::new(cfg(), VarBuilder::from_varmap(&vm, DType::F32, &dev()))
+            .unwrap();
+    let x = det(&[2, 5, 16], DType::F32, 1.0);
+    for backend in [Backend::Fused, Backend::Composed] {
+        let o = || MhaOptions::default().backend(backend);
+        let e = layer.forward_with(&x, &o().alibi(vec![1.0])).unwrap_err();
+        assert!(matches!(e, Error::Config { arg: "alibi_slopes", .. }), "{e}");
+        let e = layer
+            .forward_with(&x, &o().variants(Variants::default().kv_lengths(vec![5, 6])))
+            .unwrap_err();
+        assert!(matches!(e, Error::Config { arg: "kv_lengths", .. }), "{e}");
+        let e = layer.forward_with(&x, &o().softcap(-1.0)).unwrap_err();
+        assert!(e.to_string().contains("softcap"), "{e}");
+        let sinks = Tensor::zeros(3, DType::F32, &dev()).unwrap();
+        let e = layer.forward_with(&x, &o().sinks(sinks)).unwrap_err();
+        assert!(matches!(e, Error::Shape { .. }), "{e}");
+    }
+}
+
+/// The decoder layer written by hand from its own parameters equals `forward_with`: the self
+/// options reach the self-attention, the cross options the cross-attention; the stack is its
+/// layers with a dropout key per layer.
+#[test]
+fn decoder_forward_with_equals_the_block_by_hand_and_its_layers() {
+    use multihead::transformer::{TransformerDecoder, TransformerDecoderLayer};
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F64, &dev());
+    let mut layer = TransformerDecoderLayer::new(cfg(), vb.clone()).unwrap();
+    perturb(&vm, DType::F64);
+    layer.eval();
+    let build = |name: &str| {
+        let c = multihead::MhaConfig::new(16, 4).with_batch_first(true);
+        let mut m = MultiheadAttention::new(c, vb.pp(name)).unwrap();
+        m.eval();
+        m
+    };
+    let (sa, ca) = (build("self_attn"), build("multihead_attn"));
+    let lin1 = Linear::new(16, 24, true, vb.pp("linear1")).unwrap();
+    let lin2 = Linear::new(24, 16, true, vb.pp("linear2")).unwrap();
+    let norm = |i: usize| LayerNorm::new(16, 1e-5, true, vb.pp(format!("norm{i}"))).unwrap();
+    let (tgt, mem) = (det(&[2, 11, 16], DType::F64, 7.0), det(&[2, 8, 16], DType::F64, 8.0));
+    let self_opts = all_variants(DType::F64);
+    let cross = Variants::default().softcap(0.5).kv_lengths(vec![8, 5]).alibi(vec![0.1; 4]);
+    let cross_opts = MhaOptions::default().variants(cross);
+    let x1 = sa.forward(&tgt, &tgt, &tgt, &self_opts).unwrap().output;
+    let x1 = norm(1).forward(&(&tgt + x1).unwrap()).unwrap();
+    let x2 = ca.forward(&x1, &mem, &mem, &cross_opts).unwrap().output;
+    let x2 = norm(2).forward(&(&x1 + x2).unwrap()).unwrap();
+    let ff = lin2.forward(&lin1.forward(&x2).unwrap().relu().unwrap()).unwrap();
+    let by_hand = norm(3).forward(&(&x2 + ff).unwrap()).unwrap();
+    let y = layer.forward_with(&tgt, &mem, &self_opts, &cross_opts).unwrap();
+    assert_close(&y, &by_hand, Tolerance::F64, "decoder layer");
+
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F64, &dev());
+    let dec = TransformerDecoder::new(cfg().with_dropout(0.25), 2, None, vb).unwrap();
+    perturb(&vm, DType::F64);
+    let key = |o: u64| DropoutKey { seed: 3, offset: o };
+    let (so, co) = (self_opts.dropout_key(key(10)), cross_opts.dropout_key(key(50)));
+    multihead::manual_seed(4);
+    let y = dec.forward_with(&tgt, &mem, &so, &co).unwrap();
+    multihead::manual_seed(4);
+    let mut h = tgt.clone();
+    for (i, l) in dec.layers().iter().enumerate() {
+        let i = i as u64;
+        h = l
+            .forward_with(
+                &h,
+                &mem,
+                &so.clone().dropout_key(key(10 + i)),
+                &co.clone().dropout_key(key(50 + i)),
+            )
+            .unwrap();
+    }
+    assert_close(&y, &h, Tolerance::F64, "decoder stack");
+}
