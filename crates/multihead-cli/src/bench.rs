@@ -260,10 +260,8 @@ fn check_sizes(a: &BenchArgs) -> Result<()> {
     if a.padded && !a.varlen {
         anyhow::bail!("--padded pads the sequences of --varlen; give both");
     }
-    if a.varlen && (a.sinks || a.tgt_len != a.src_len) {
-        anyhow::bail!(
-            "--varlen runs self-attention without sinks: drop --sinks, give --src-len = --tgt-len"
-        );
+    if a.varlen && a.tgt_len != a.src_len {
+        anyhow::bail!("--varlen runs self-attention: give --src-len = --tgt-len");
     }
     if matches!(a.module, Module::EncoderLayer | Module::DecoderLayer | Module::Linear) {
         fits("--batch, --tgt-len, --dim-feedforward", &[a.batch, a.tgt_len, a.dim_feedforward], 3)?;

@@ -110,7 +110,11 @@ fn varlen_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
     let lens = varlen_lengths(a);
     let (total, max) = (lens.iter().sum::<usize>(), lens.iter().copied().max().unwrap_or(0));
     let cu = CuSeqlens::from_lengths(&lens);
-    let mut opts = options(a, None);
+    let sinks = match a.sinks {
+        true => Some(Var::from_tensor(&randn(&[h], dt, &dev)?)?),
+        false => None,
+    };
+    let mut opts = options(a, sinks.as_ref());
     let shape: Vec<usize> = if a.padded {
         opts = opts.kv_lengths(lens.clone());
         vec![a.batch, h, max, d]
@@ -122,7 +126,7 @@ fn varlen_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
     let (q, k, v) = (q?, k?, v?);
     let extra = serde_json::json!({
         "lengths": lens, "tokens": total, "padded_tokens": a.batch * max,
-        "visible_pairs": visible_pairs(a),
+        "visible_pairs": visible_pairs(a), "sinks": a.sinks,
     });
     let padded = a.padded;
     let call = move |q: &Tensor, k: &Tensor, v: &Tensor| -> multihead::Result<Tensor> {

@@ -336,7 +336,7 @@ fn bench_and_demo_size_flags_are_checked_first() {
         (&["bench", "--threads", "0"], "--threads"),
         (&["bench", "--module", "sdpa", "--padded"], "--padded"),
         (&["bench", "--module", "mha", "--varlen"], "--varlen"),
-        (&["bench", "--module", "sdpa", "--varlen", "--sinks"], "--varlen"),
+        (&["bench", "--module", "sdpa", "--varlen", "--src-len", "64"], "--varlen"),
         (&["bench", "--module", "mha", "--window", "4"], "--window"),
         (&["demo", "--batch", huge], "--batch"),
         (&["demo", "--seq-len", "100000"], "--seq-len"),
