@@ -97,26 +97,11 @@ fn time_kernel(a: &BenchArgs, cache: &multihead::KvCache) -> Result<f64> {
     let q = Tensor::randn(0f32, 1.0, b * h * hd, &Device::Cpu)?.to_vec1::<f32>()?;
     let mut out = vec![0f32; b * h * hd];
     let (kv_len, q_pos, q_len) = (vec![s; b], vec![s.saturating_sub(1); b], vec![1; b]);
-    let p = DecodeParams {
-        dims: DecodeDims {
-            batch: b,
-            heads_q: h,
-            heads_kv: hk,
-            rows: 1,
-            capacity: cap,
-            d: hd,
-            dv: hd,
-        },
-        scale: 1.0 / (hd as f32).sqrt(),
-        causal: false,
-        kv_len: &kv_len,
-        q_pos: &q_pos,
-        q_len: &q_len,
-        softcap: None,
-        sinks: None,
-        alibi: None,
-        window: a.window,
-    };
+    let dims =
+        DecodeDims { batch: b, heads_q: h, heads_kv: hk, rows: 1, capacity: cap, d: hd, dv: hd };
+    let mut p = DecodeParams::new(dims, &kv_len, &q_pos, &q_len);
+    p.scale = 1.0 / (hd as f32).sqrt();
+    p.window = a.window;
     let (ql, cl) = (Layout4::contiguous(h, 1, hd), Layout4::contiguous(hk, cap, hd));
     let mut best = f64::INFINITY;
     for i in 0..a.warmup + a.iters.max(1) {

@@ -40,7 +40,8 @@
 //! let q = vec![0.1f32; 2 * 4 * 8];
 //! let kv = vec![0.5f32; 2 * 2 * 10 * 8];
 //! let (kv_len, q_pos, q_len) = ([3, 10], [2, 9], [1, 1]);
-//! let p = DecodeParams { dims, scale: 0.35, causal: true, kv_len: &kv_len, q_pos: &q_pos, q_len: &q_len, softcap: None, sinks: None, alibi: None, window: None };
+//! let mut p = DecodeParams::new(dims, &kv_len, &q_pos, &q_len);
+//! (p.scale, p.causal) = (0.35, true);
 //! let mut out = vec![0f32; 2 * 4 * 8];
 //! let (ql, cl) = (Layout4::contiguous(4, 1, 8), Layout4::contiguous(2, 10, 8));
 //! decode_attention(&p, &q, ql, &kv, cl, &kv, cl, &mut out, ql)?;
@@ -82,8 +83,10 @@ pub struct DecodeDims {
     pub dv: usize,
 }
 
-/// Everything but the tensors.
+/// Everything but the tensors: [`DecodeParams::new`], then set the fields a call needs (the
+/// struct grows with the kernel's options, hence `#[non_exhaustive]`).
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct DecodeParams<'a> {
     /// Sizes.
     pub dims: DecodeDims,
@@ -114,7 +117,28 @@ pub struct DecodeParams<'a> {
     pub window: Option<usize>,
 }
 
-impl DecodeParams<'_> {
+impl<'a> DecodeParams<'a> {
+    /// Parameters without a causal rule, cap, sinks, ALiBi or window, `scale = 1/sqrt(d)`.
+    pub fn new(
+        dims: DecodeDims,
+        kv_len: &'a [usize],
+        q_pos: &'a [usize],
+        q_len: &'a [usize],
+    ) -> Self {
+        DecodeParams {
+            dims,
+            scale: 1.0 / (dims.d.max(1) as f32).sqrt(),
+            causal: false,
+            kv_len,
+            q_pos,
+            q_len,
+            softcap: None,
+            sinks: None,
+            alibi: None,
+            window: None,
+        }
+    }
+
     /// Keys row `t` of batch entry `b` sees.
     #[inline]
     pub fn visible(&self, b: usize, t: usize) -> usize {

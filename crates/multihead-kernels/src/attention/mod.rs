@@ -185,8 +185,10 @@ impl MaskView<'_> {
     }
 }
 
-/// Everything but the tensors.
+/// Everything but the tensors: [`AttnParams::new`], then set the fields a call needs (the
+/// struct grows with the kernels' options, hence `#[non_exhaustive]`).
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct AttnParams<'a> {
     /// Sizes.
     pub dims: AttnDims,

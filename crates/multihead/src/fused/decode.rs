@@ -147,26 +147,22 @@ impl CustomOp3 for DecodeOp {
             Layout4 { batch: e, head: self.head_dim, seq: n * e }
         };
         let mut out = crate::alloc::try_zeros::<f32>(n * t * e, name)?;
-        let params = DecodeParams {
-            dims: DecodeDims {
-                batch: n,
-                heads_q: self.heads,
-                heads_kv: self.heads_kv,
-                rows: t,
-                capacity: cap,
-                d: self.head_dim,
-                dv: self.head_dim,
-            },
-            scale: (1.0 / (self.head_dim as f64).sqrt()) as f32,
-            causal: self.causal,
-            kv_len: &self.kv_len,
-            q_pos: &self.q_pos,
-            q_len: &self.q_len,
-            softcap: self.softcap,
-            sinks: self.sinks.as_deref(),
-            alibi: self.alibi.as_deref(),
-            window: self.window,
+        let kdims = DecodeDims {
+            batch: n,
+            heads_q: self.heads,
+            heads_kv: self.heads_kv,
+            rows: t,
+            capacity: cap,
+            d: self.head_dim,
+            dv: self.head_dim,
         };
+        let mut params = DecodeParams::new(kdims, &self.kv_len, &self.q_pos, &self.q_len);
+        params.scale = (1.0 / (self.head_dim as f64).sqrt()) as f32;
+        params.causal = self.causal;
+        params.softcap = self.softcap;
+        params.sinks = self.sinks.as_deref();
+        params.alibi = self.alibi.as_deref();
+        params.window = self.window;
         let q = &q[q0..];
         match (qs, ks, vs) {
             (CpuStorage::F32(_), CpuStorage::F32(k), CpuStorage::F32(v)) => {
