@@ -76,6 +76,7 @@ pub mod mask;
 pub mod memory;
 pub mod mode;
 pub mod multihead_attention;
+mod pool;
 mod precision;
 pub mod random;
 pub mod state_dict;
@@ -97,6 +98,7 @@ pub use mode::{
     with_bf16_products, Backend, Bf16Products,
 };
 pub use multihead_attention::{MhaConfig, MultiheadAttention, StaticKv};
+pub use pool::on_pool;
 pub use random::manual_seed;
 pub use state_dict::NamedParameters;
 pub use train::Train;

@@ -74,6 +74,20 @@ impl Linear {
     /// Applies the layer.
     // Mirrors torch.nn.Linear.forward.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        crate::pool::on_pool_for(self.macs(x), || self.forward_here(x))
+    }
+
+    /// The multiply-adds of the product on `x`: a larger call hops onto the pool once.
+    fn macs(&self, x: &Tensor) -> usize {
+        let (out, k) = (self.weight.dims().first().copied().unwrap_or(0), x.dims().last());
+        crate::pool::product_macs(
+            x.elem_count() / k.copied().unwrap_or(1).max(1),
+            k.copied().unwrap_or(0),
+            out,
+        )
+    }
+
+    fn forward_here(&self, x: &Tensor) -> Result<Tensor> {
         if let Some(y) = crate::precision::autocast_run(self, x.dtype(), |m, r| m.forward(&r(x)?)) {
             return y;
         }
@@ -106,6 +120,10 @@ impl Linear {
     /// ```
     // Mirrors activation(torch.nn.Linear.forward(x)).
     pub fn forward_act(&self, x: &Tensor, activation: crate::Activation) -> Result<Tensor> {
+        crate::pool::on_pool_for(self.macs(x), || self.forward_act_here(x, activation))
+    }
+
+    fn forward_act_here(&self, x: &Tensor, activation: crate::Activation) -> Result<Tensor> {
         let autocast =
             |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| m.forward_act(&r(x)?, activation);
         if let Some(y) = crate::precision::autocast_run(self, x.dtype(), autocast) {
@@ -114,7 +132,7 @@ impl Linear {
         let act = match activation {
             crate::Activation::Relu => Act::Relu,
             crate::Activation::Gelu => Act::Gelu,
-            other => return other.forward(&self.forward(x)?),
+            other => return other.forward(&self.forward_here(x)?),
         };
         linear_then(x, &self.weight, self.bias.as_ref(), act, "linear", "input", Backend::Auto)
     }

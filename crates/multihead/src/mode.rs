@@ -5,6 +5,8 @@
 //! when a call is planned; the kernels that then run on rayon's worker threads do not read them.
 //! A closure that itself spawns work on other threads (for example `rayon::scope` around
 //! several forwards) must enter [`no_grad`], [`autocast`] or [`with_backend`] inside each task.
+//! The one hop onto rayon's pool that a large module call makes, and
+//! [`on_pool`](crate::on_pool), carry every mode of the calling thread with them.
 //!
 //! The scopes restore the previous mode when they end, also when the closure panics and the
 //! panic is caught further up.
@@ -292,4 +294,41 @@ pub fn with_backend<R>(backend: Backend, f: impl FnOnce() -> R) -> R {
 /// This thread's default backend: [`Backend::Auto`] unless inside [`with_backend`].
 pub fn default_backend() -> Backend {
     BACKEND.with(|c| c.get())
+}
+
+/// Every mode of this thread (this module's and the bf16 kernel of
+/// [`multihead_kernels::bf16gemm::with_bf16_kernel`]), to be entered on another thread: a call
+/// that hops onto rayon's pool ([`crate::pool`]) runs there as it would have run here.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Modes {
+    bf16_products: Bf16Products,
+    rounded_products: bool,
+    backend: Backend,
+    grad: bool,
+    autocast: Option<DType>,
+    bf16_kernel: multihead_kernels::bf16gemm::Bf16Kernel,
+}
+
+impl Modes {
+    /// This thread's modes.
+    pub(crate) fn current() -> Self {
+        Modes {
+            bf16_products: BF16_PRODUCTS.with(|c| c.get()),
+            rounded_products: ROUNDED_PRODUCTS.with(|c| c.get()),
+            backend: BACKEND.with(|c| c.get()),
+            grad: GRAD.with(|c| c.get()),
+            autocast: AUTOCAST.with(|c| c.get()),
+            bf16_kernel: multihead_kernels::bf16gemm::active_bf16_kernel(),
+        }
+    }
+
+    /// Runs `f` on this thread with these modes, restoring the thread's own afterwards.
+    pub(crate) fn enter<R>(self, f: impl FnOnce() -> R) -> R {
+        let _a = Restore::set(&BF16_PRODUCTS, self.bf16_products);
+        let _b = Restore::set(&ROUNDED_PRODUCTS, self.rounded_products);
+        let _c = Restore::set(&BACKEND, self.backend);
+        let _d = Restore::set(&GRAD, self.grad);
+        let _e = Restore::set(&AUTOCAST, self.autocast);
+        multihead_kernels::bf16gemm::with_bf16_kernel(self.bf16_kernel, f)
+    }
 }

@@ -433,6 +433,20 @@ impl MultiheadAttention {
         value: &Tensor,
         opts: &MhaOptions,
     ) -> Result<MhaOutput> {
+        // The packed projection's multiply-adds: a larger call hops onto the pool once.
+        let rows = query.elem_count().max(key.elem_count()) / self.cfg.embed_dim.max(1);
+        let macs = crate::pool::product_macs(rows, self.cfg.embed_dim, 3 * self.cfg.embed_dim);
+        crate::pool::on_pool_for(macs, || self.forward_here(query, key, value, opts))
+    }
+
+    /// [`forward`](Self::forward) on this thread.
+    fn forward_here(
+        &self,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        opts: &MhaOptions,
+    ) -> Result<MhaOutput> {
         if let Some(dt) = crate::precision::autocast_for(query.dtype()) {
             return self.forward_autocast(query, key, value, opts, dt);
         }

@@ -115,12 +115,16 @@ impl TransformerDecoder {
         self_opts: &MhaOptions,
         cross_opts: &MhaOptions,
     ) -> Result<Tensor> {
-        let mut x = tgt.clone();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let (so, co) = (layer_key(self_opts, i), layer_key(cross_opts, i));
-            x = layer.forward_with(&x, memory, &so, &co)?;
-        }
-        final_norm(self.norm.as_ref(), x)
+        let elements = tgt.elem_count().max(memory.elem_count());
+        let macs = self.layers.first().map_or(0, |l| l.config().layer_macs(elements));
+        crate::pool::on_pool_for(macs, || {
+            let mut x = tgt.clone();
+            for (i, layer) in self.layers.iter().enumerate() {
+                let (so, co) = (layer_key(self_opts, i), layer_key(cross_opts, i));
+                x = layer.forward_with(&x, memory, &so, &co)?;
+            }
+            final_norm(self.norm.as_ref(), x)
+        })
     }
 }
 

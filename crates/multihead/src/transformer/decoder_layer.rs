@@ -172,6 +172,18 @@ impl TransformerDecoderLayer {
         self_opts: &MhaOptions,
         cross_opts: &MhaOptions,
     ) -> Result<Tensor> {
+        let macs = self.cfg.layer_macs(tgt.elem_count().max(memory.elem_count()));
+        crate::pool::on_pool_for(macs, || self.forward_here(tgt, memory, self_opts, cross_opts))
+    }
+
+    /// [`forward_with`](Self::forward_with) on this thread.
+    fn forward_here(
+        &self,
+        tgt: &Tensor,
+        memory: &Tensor,
+        self_opts: &MhaOptions,
+        cross_opts: &MhaOptions,
+    ) -> Result<Tensor> {
         let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {
             m.forward_with(&r(tgt)?, &r(memory)?, self_opts, cross_opts)
         };

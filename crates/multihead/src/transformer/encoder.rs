@@ -156,6 +156,12 @@ impl TransformerEncoder {
     /// ```
     // Mirrors torch.nn.TransformerEncoder.forward, with the attention variants.
     pub fn forward_with(&self, src: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
+        let macs = self.layers.first().map_or(0, |l| l.config().layer_macs(src.elem_count()));
+        crate::pool::on_pool_for(macs, || self.forward_here(src, opts))
+    }
+
+    /// [`forward_with`](Self::forward_with) on this thread.
+    fn forward_here(&self, src: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
         let layer_opts = |i: usize, kpm: Option<Mask>| {
             let mut o = layer_key(opts, i);
             if let Some(k) = kpm {

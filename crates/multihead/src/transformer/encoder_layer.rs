@@ -149,6 +149,12 @@ impl TransformerEncoderLayer {
     /// ```
     // Mirrors torch.nn.TransformerEncoderLayer.forward, with the attention variants.
     pub fn forward_with(&self, src: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
+        let macs = self.cfg.layer_macs(src.elem_count());
+        crate::pool::on_pool_for(macs, || self.forward_here(src, opts))
+    }
+
+    /// [`forward_with`](Self::forward_with) on this thread.
+    fn forward_here(&self, src: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
         let autocast =
             |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| m.forward_with(&r(src)?, opts);
         if let Some(y) = crate::precision::autocast_run(self, src.dtype(), autocast) {
@@ -209,6 +215,16 @@ impl TransformerEncoderLayer {
     /// ```
     // Mirrors torch.nn.TransformerEncoderLayer.forward on each sequence of a packed batch.
     pub fn forward_packed(
+        &self,
+        src: &Tensor,
+        cu: &crate::functional::CuSeqlens,
+        opts: &crate::multihead_attention::PackedOptions,
+    ) -> Result<Tensor> {
+        let macs = self.cfg.layer_macs(src.elem_count());
+        crate::pool::on_pool_for(macs, || self.forward_packed_here(src, cu, opts))
+    }
+
+    fn forward_packed_here(
         &self,
         src: &Tensor,
         cu: &crate::functional::CuSeqlens,

@@ -130,6 +130,15 @@ impl LayerConfig {
         Ok(())
     }
 
+    /// The multiply-adds of the largest product of a layer call on `elements` input elements
+    /// (the packed projection or the feed-forward block's): a larger call hops onto rayon's
+    /// pool once ([`crate::pool`]).
+    pub(crate) fn layer_macs(&self, elements: usize) -> usize {
+        let rows = elements / self.d_model.max(1);
+        let widest = self.dim_feedforward.max(self.d_model.saturating_mul(3));
+        crate::pool::product_macs(rows, self.d_model, widest)
+    }
+
     pub(crate) fn mha_config(&self) -> crate::MhaConfig {
         crate::MhaConfig::new(self.d_model, self.nhead)
             .with_dropout(self.dropout)

@@ -13,6 +13,7 @@ mod fused;
 mod fuzz;
 mod golden;
 mod hardening;
+mod pool;
 mod properties;
 mod state_dict;
 mod transformer;
