@@ -225,7 +225,10 @@ pub fn run(args: DemoArgs) -> Result<()> {
     };
     let (held_x, held_y) = batch(args.seed, u64::MAX, 1000, l, &dev)?;
     let start = Instant::now();
-    train(&args, steps, &logits, &mut opt, (&held_x, &held_y))?;
+    // The whole loop on rayon's pool, backward passes included (multihead::on_pool): one hop,
+    // not one per parallel operation.
+    let held = (&held_x, &held_y);
+    multihead::on_pool(|| train(&args, steps, &logits, &mut opt, held))?;
     let secs = start.elapsed().as_secs_f64();
     let held_acc = accuracy(&logits(&held_x)?, &held_y)?;
     say!(

@@ -321,7 +321,8 @@ impl MiniLm {
     /// mask, mean pooled over real tokens and L2-normalised, under `no_grad` (no autograd
     /// graph is kept). Returns `(N, hidden)`.
     pub fn embed_ids(&self, ids: &[&[u32]]) -> Result<Tensor> {
-        multihead::no_grad(|| self.embed_ids_graded(ids))
+        // One hop onto rayon's pool for the whole batch (multihead::on_pool).
+        multihead::on_pool(|| multihead::no_grad(|| self.embed_ids_graded(ids)))
     }
 
     /// Embeds tokenized texts as one packed batch: their tokens one after another, each
@@ -329,7 +330,7 @@ impl MiniLm {
     /// pooled and L2-normalised as [`embed_ids`](Self::embed_ids), under `no_grad`. f32 models
     /// (a bf16 model takes the padded path). Returns `(N, hidden)`.
     pub fn embed_ids_packed(&self, seqs: &[&[u32]]) -> Result<Tensor> {
-        multihead::no_grad(|| self.embed_packed_graded(seqs))
+        multihead::on_pool(|| multihead::no_grad(|| self.embed_packed_graded(seqs)))
     }
 
     fn embed_packed_graded(&self, seqs: &[&[u32]]) -> Result<Tensor> {
