@@ -61,7 +61,7 @@ const CLASSES: usize = 10;
 const EPS: f64 = 1e-6;
 
 /// One encoder block, as the ViT calls it.
-trait Block: NamedParameters + Train {
+trait Block: NamedParameters + Train + Sync {
     fn forward(&self, x: &Tensor) -> multihead::Result<Tensor>;
 }
 
@@ -185,6 +185,11 @@ impl<B: Block> Vit<B> {
     /// `images` (N, 3, 32, 32) -> logits (N, 10).
     // Mirrors torchvision.models.VisionTransformer.forward.
     fn forward(&self, images: &Tensor) -> multihead::Result<Tensor> {
+        // The whole forward on rayon's pool: one hop, not one per module (docs/porting.md).
+        multihead::on_pool(|| self.forward_here(images))
+    }
+
+    fn forward_here(&self, images: &Tensor) -> multihead::Result<Tensor> {
         let n = images.dim(0)?;
         let g = IMAGE / PATCH;
         // _process_input: (N, 3, 32, 32) -> (N, 16, 64); the conv as a product per patch, its
