@@ -49,3 +49,17 @@ pub fn assert_close(actual: &Tensor, expected: &Tensor, tol: Tolerance, what: &s
         expected.dims()
     );
 }
+
+/// Gives every variable of `vm` deterministic non-trivial values in `dtype` (norm weights
+/// around 1).
+pub fn perturb(vm: &VarMap, dtype: DType) {
+    let data = vm.data().lock().expect("lock");
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for (i, name) in names.iter().enumerate() {
+        let v = &data[*name];
+        let base = if name.contains("norm") && name.ends_with("weight") { 1.0 } else { 0.0 };
+        let t = det(v.dims(), DType::F64, i as f64).affine(0.3, base).expect("affine");
+        v.set(&t.to_dtype(dtype).expect("dtype")).expect("set");
+    }
+}

@@ -17,16 +17,8 @@ fn vb(vm: &VarMap) -> VarBuilder<'static> {
     VarBuilder::from_varmap(vm, F64, &dev())
 }
 
-/// Gives every variable deterministic non-trivial values.
 fn perturb(vm: &VarMap) {
-    let data = vm.data().lock().expect("lock");
-    let mut names: Vec<&String> = data.keys().collect();
-    names.sort();
-    for (i, name) in names.iter().enumerate() {
-        let v = &data[*name];
-        let base = if name.contains("norm") && name.ends_with("weight") { 1.0 } else { 0.0 };
-        v.set(&det(v.dims(), F64, i as f64).affine(0.3, base).expect("affine")).expect("set");
-    }
+    crate::common::perturb(vm, F64);
 }
 
 fn cfg() -> LayerConfig {

@@ -15,20 +15,7 @@ use multihead::{
 };
 use multihead_parity::Tolerance;
 
-use crate::common::{assert_close, det, dev};
-
-/// Gives every variable deterministic non-trivial values.
-fn perturb(vm: &VarMap, dtype: DType) {
-    let data = vm.data().lock().expect("lock");
-    let mut names: Vec<&String> = data.keys().collect();
-    names.sort();
-    for (i, name) in names.iter().enumerate() {
-        let v = &data[*name];
-        let base = if name.contains("norm") && name.ends_with("weight") { 1.0 } else { 0.0 };
-        let t = det(v.dims(), DType::F64, i as f64).affine(0.3, base).expect("affine");
-        v.set(&t.to_dtype(dtype).expect("dtype")).expect("set");
-    }
-}
+use crate::common::{assert_close, det, dev, perturb};
 
 fn cfg() -> LayerConfig {
     LayerConfig::new(16, 4).with_dim_feedforward(24).with_dropout(0.0).with_batch_first(true)
