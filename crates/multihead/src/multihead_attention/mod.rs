@@ -435,7 +435,8 @@ impl MultiheadAttention {
     ) -> Result<MhaOutput> {
         // The packed projection's multiply-adds: a larger call hops onto the pool once.
         let rows = query.elem_count().max(key.elem_count()) / self.cfg.embed_dim.max(1);
-        let macs = crate::pool::product_macs(rows, self.cfg.embed_dim, 3 * self.cfg.embed_dim);
+        let e = self.cfg.embed_dim;
+        let macs = crate::pool::product_macs(rows, e, e.saturating_mul(3));
         crate::pool::on_pool_for(macs, || self.forward_here(query, key, value, opts))
     }
 
