@@ -94,7 +94,7 @@ impl TransformerDecoder {
     /// use candle_core::{DType, Device, Tensor};
     /// use candle_nn::{VarBuilder, VarMap};
     /// use multihead::transformer::{LayerConfig, TransformerDecoder};
-    /// use multihead::{CausalAlign, MhaOptions, Variants};
+    /// use multihead::{MhaOptions, Variants};
     ///
     /// let vm = VarMap::new();
     /// let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
