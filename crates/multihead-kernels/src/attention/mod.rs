@@ -483,6 +483,14 @@ fn product(name: &'static str, xs: &[usize]) -> Result<usize, KernelError> {
 // Block sizes (tuned on Zen 5 at D = 64; 64/512 and 128/256 measure the same within noise).
 /// Query block rows (forward and weights): 4 AVX-512 vectors of queries.
 const FWD_BR: usize = 64;
+
+/// Whether the forward reads a head's keys and values more than once: with several query
+/// blocks (`l` above the forward's block of 64 rows) or query heads sharing a key/value head.
+/// Only then does copying strided keys and values into contiguous rows first pay (see
+/// `gather`); read once, they are read in place.
+pub fn forward_rereads_keys(l: usize, heads_q: usize, heads_kv: usize) -> bool {
+    l > FWD_BR || heads_q != heads_kv
+}
 /// Key block rows (forward and weights): the 256 x 64 score tile is 64 KiB (L2).
 const FWD_BC: usize = 256;
 /// Query block rows (backward).
@@ -660,9 +668,14 @@ pub fn flash_forward(
     }
     let finite = finite_heads(p, (q, ql), (k, kl), Some((v, vl)));
     // Every query block re-reads its head's keys and values: strided rows are copied first
-    // (see `gather`).
-    let kc = gather::contiguous_heads(k, kl, [d.batch, d.heads_kv, d.s, d.d]);
-    let vc = gather::contiguous_heads(v, vl, [d.batch, d.heads_kv, d.s, d.dv]);
+    // (see `gather`), unless they are read once.
+    let (kc, vc) = match forward_rereads_keys(d.l, d.heads_q, d.heads_kv) {
+        true => (
+            gather::contiguous_heads(k, kl, [d.batch, d.heads_kv, d.s, d.d]),
+            gather::contiguous_heads(v, vl, [d.batch, d.heads_kv, d.s, d.dv]),
+        ),
+        false => (None, None),
+    };
     let (k, kl) = kc.as_ref().map_or((k, kl), |(c, l)| (c.as_slice(), *l));
     let (v, vl) = vc.as_ref().map_or((v, vl), |(c, l)| (c.as_slice(), *l));
     let mut task = forward::FwdTask::new(p, q, ql, k, kl, v, vl, out, ol, lse, FWD_BR, FWD_BC);

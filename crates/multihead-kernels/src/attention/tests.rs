@@ -523,6 +523,14 @@ fn packed_strided_inputs() {
     let mut c = Case::new(1, 8, 70, 70, 64);
     c.packed = true;
     check_case(&c);
+    // One query block per head (l ≤ 64): the keys and values are read in place, not copied.
+    for l in [17, 64] {
+        let mut c = Case::new(2, 4, l, l, 32);
+        c.packed = true;
+        c.causal = l == 64;
+        c.masks = vec![MaskKind::KeyPad];
+        check_case(&c);
+    }
 }
 
 /// The packed backwards write into one `[B, L, 3, H, D]` gradient (or dq apart and one
