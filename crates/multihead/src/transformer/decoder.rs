@@ -84,7 +84,9 @@ impl TransformerDecoder {
     /// Runs the stack with the options of every layer's self- and cross-attention calls, as
     /// [`TransformerDecoderLayer::forward_with`] runs one layer (`self_opts.is_causal` taken as
     /// given: no causal-mask detection). With a dropout key `(seed, offset)` in either
-    /// options, layer `i` takes `(seed, offset + i)` there, so the layers do not share a mask.
+    /// options, layer `i` takes `(seed, offset + i·2^48)` there, so the layers do not share a
+    /// mask (nor meet keys a caller advances by one per step). `static_k`/`static_v` are
+    /// refused in both options (every layer would take the same keys).
     ///
     /// # Shapes
     /// * As in [`TransformerDecoderLayer::forward_with`].
@@ -115,6 +117,9 @@ impl TransformerDecoder {
         self_opts: &MhaOptions,
         cross_opts: &MhaOptions,
     ) -> Result<Tensor> {
+        const OP: &str = "TransformerDecoder.forward_with";
+        super::refuse_static_kv(OP, "self_opts", self_opts)?;
+        super::refuse_static_kv(OP, "cross_opts", cross_opts)?;
         let elements = tgt.elem_count().max(memory.elem_count());
         let macs = self.layers.first().map_or(0, |l| l.config().layer_macs(elements));
         crate::pool::on_pool_for(macs, || {

@@ -141,6 +141,8 @@ impl TransformerDecoderLayer {
     /// `docs/variants.md`), as in
     /// [`TransformerEncoderLayer::forward_with`](super::TransformerEncoderLayer::forward_with):
     /// the weights are never returned, a dropout key keys that attention's dropout only.
+    /// `static_k`/`static_v` are refused in `self_opts` (an `Error::Config`) and taken in
+    /// `cross_opts` (precomputed memory keys and values, as `MultiheadAttention` takes them).
     ///
     /// # Shapes
     /// * `tgt`, `memory` as in [`forward`](Self::forward); the options' shapes as in
@@ -172,6 +174,7 @@ impl TransformerDecoderLayer {
         self_opts: &MhaOptions,
         cross_opts: &MhaOptions,
     ) -> Result<Tensor> {
+        super::refuse_static_kv("TransformerDecoderLayer.forward_with", "self_opts", self_opts)?;
         let macs = self.cfg.layer_macs(tgt.elem_count().max(memory.elem_count()));
         crate::pool::on_pool_for(macs, || self.forward_here(tgt, memory, self_opts, cross_opts))
     }

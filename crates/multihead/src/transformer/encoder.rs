@@ -131,7 +131,9 @@ impl TransformerEncoder {
     /// `src_key_padding_mask` and `is_causal` (taken as given: no causal-mask detection), and
     /// the variants and sinks apply in every layer. The nested-tensor path of inference applies
     /// as in [`forward`](Self::forward). With `opts.dropout_key = Some((seed, offset))`, layer
-    /// `i`'s attention dropout takes `(seed, offset + i)`, so the layers do not share a mask.
+    /// `i`'s attention dropout takes `(seed, offset + i·2^48)`, so the layers do not share a
+    /// mask (nor meet keys a caller advances by one per step). `static_k`/`static_v` are
+    /// refused (an `Error::Config`): they would replace every layer's own projections.
     ///
     /// # Shapes
     /// * `src` as in [`forward`](Self::forward); the options' shapes as in
@@ -156,6 +158,7 @@ impl TransformerEncoder {
     /// ```
     // Mirrors torch.nn.TransformerEncoder.forward, with the attention variants.
     pub fn forward_with(&self, src: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
+        super::refuse_static_kv("TransformerEncoder.forward_with", "opts", opts)?;
         let macs = self.layers.first().map_or(0, |l| l.config().layer_macs(src.elem_count()));
         crate::pool::on_pool_for(macs, || self.forward_here(src, opts))
     }

@@ -120,8 +120,11 @@ impl TransformerEncoderLayer {
     /// [`MultiheadAttention::forward`](crate::MultiheadAttention::forward), fused where the plan
     /// allows. `need_weights` and `average_attn_weights` are ignored: the layer returns no
     /// weights. `opts.dropout_key` keys the attention's dropout only; the layer's other dropouts
-    /// draw from the global generator. [`forward`](Self::forward) is this call with the masks
-    /// alone.
+    /// draw from the global generator; `opts.backend` chooses the attention's path only.
+    /// `static_k`/`static_v` are refused (an `Error::Config`): self-attention projects its own
+    /// keys. As in PyTorch's layer, the attention runs with `need_weights=False`, so
+    /// `is_causal` with an `attn_mask` and no padding mask uses the causal mask in its place.
+    /// [`forward`](Self::forward) is this call with the masks alone.
     ///
     /// # Shapes
     /// * `src` as in [`forward`](Self::forward); the options' shapes as in
@@ -149,6 +152,7 @@ impl TransformerEncoderLayer {
     /// ```
     // Mirrors torch.nn.TransformerEncoderLayer.forward, with the attention variants.
     pub fn forward_with(&self, src: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
+        super::refuse_static_kv("TransformerEncoderLayer.forward_with", "opts", opts)?;
         let macs = self.cfg.layer_macs(src.elem_count());
         crate::pool::on_pool_for(macs, || self.forward_here(src, opts))
     }

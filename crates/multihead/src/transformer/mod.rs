@@ -174,15 +174,41 @@ pub(crate) fn mask_options(
     opts
 }
 
+/// How far apart two layers' dropout keys are: layer `i` of a stack takes `offset + i·2^48`,
+/// so keys a caller advances by one per step never meet another layer's.
+pub(crate) const LAYER_KEY_STRIDE: u64 = 1 << 48;
+
 /// `opts` for layer `i` of a stack: a dropout key `(seed, offset)` becomes
-/// `(seed, offset + i)`, so that the layers do not share a dropout mask.
+/// `(seed, offset + i·2^48)`, so that the layers do not share a dropout mask, nor meet the
+/// keys of the caller's next steps.
 pub(crate) fn layer_key(opts: &crate::MhaOptions, i: usize) -> crate::MhaOptions {
     let mut o = opts.clone();
     o.dropout_key = opts.dropout_key.map(|k| crate::random::DropoutKey {
         seed: k.seed,
-        offset: k.offset.wrapping_add(i as u64),
+        offset: k.offset.wrapping_add((i as u64).wrapping_mul(LAYER_KEY_STRIDE)),
     });
     o
+}
+
+/// Refuses `static_k`/`static_v` in a layer's options (`which`: the argument's name): the
+/// layer's own projections would be skipped (in self-attention, or in every layer of a
+/// stack), silently changing the model.
+pub(crate) fn refuse_static_kv(
+    op: &'static str,
+    which: &'static str,
+    opts: &crate::MhaOptions,
+) -> crate::Result<()> {
+    if opts.static_k.is_none() && opts.static_v.is_none() {
+        return Ok(());
+    }
+    Err(crate::Error::Config {
+        op,
+        arg: which,
+        msg: "static_k/static_v would replace the layer's own key and value projections (in \
+              self-attention, or in every layer of a stack); give them to \
+              MultiheadAttention::forward, or to one TransformerDecoderLayer's cross_opts"
+            .into(),
+    })
 }
 
 /// `dropout(attn(x, mem, mem, need_weights=False)[0])`: a layer's attention block (`opts` as

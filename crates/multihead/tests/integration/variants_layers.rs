@@ -135,7 +135,7 @@ fn encoder_stack_forward_with_is_its_layers() {
     multihead::manual_seed(9);
     let mut h = x.clone();
     for (i, layer) in enc.layers().iter().enumerate() {
-        let k = DropoutKey { seed: 5, offset: 100 + i as u64 };
+        let k = DropoutKey { seed: 5, offset: 100 + ((i as u64) << 48) };
         h = layer.forward_with(&h, &opts.clone().dropout_key(k)).unwrap();
     }
     assert_close(&y, &norm.forward(&h).unwrap(), Tolerance::F64, "stack");
@@ -284,10 +284,38 @@ fn decoder_forward_with_equals_the_block_by_hand_and_its_layers() {
             .forward_with(
                 &h,
                 &mem,
-                &so.clone().dropout_key(key(10 + i)),
-                &co.clone().dropout_key(key(50 + i)),
+                &so.clone().dropout_key(key(10 + (i << 48))),
+                &co.clone().dropout_key(key(50 + (i << 48))),
             )
             .unwrap();
     }
     assert_close(&y, &h, Tolerance::F64, "decoder stack");
+}
+
+/// `static_k`/`static_v` would replace the layers' own projections: refused in the layers'
+/// self-attention options and in the stacks, taken in one decoder layer's cross options.
+#[test]
+fn layers_refuse_static_keys_where_they_would_replace_projections() {
+    use multihead::transformer::{TransformerDecoder, TransformerDecoderLayer};
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let enc_layer = TransformerEncoderLayer::new(cfg(), vb.pp("a")).unwrap();
+    let enc = TransformerEncoder::new(cfg(), 2, None, vb.pp("b")).unwrap();
+    let dec_layer = TransformerDecoderLayer::new(cfg(), vb.pp("c")).unwrap();
+    let dec = TransformerDecoder::new(cfg(), 2, None, vb.pp("d")).unwrap();
+    let x = det(&[2, 5, 16], DType::F32, 1.0);
+    let kv = det(&[8, 5, 4], DType::F32, 2.0); // (N·H, S, D)
+    let st = MhaOptions { static_k: Some(kv.clone()), static_v: Some(kv), ..Default::default() };
+    let refused = |r: multihead::Result<Tensor>, arg: &str| {
+        let e = r.unwrap_err();
+        assert!(matches!(e, Error::Config { arg: a, .. } if a == arg), "{e}");
+        assert!(e.to_string().contains("static_k"), "{e}");
+    };
+    let none = MhaOptions::default();
+    refused(enc_layer.forward_with(&x, &st), "opts");
+    refused(enc.forward_with(&x, &st), "opts");
+    refused(dec_layer.forward_with(&x, &x, &st, &none), "self_opts");
+    refused(dec.forward_with(&x, &x, &st, &none), "self_opts");
+    refused(dec.forward_with(&x, &x, &none, &st), "cross_opts");
+    assert_eq!(dec_layer.forward_with(&x, &x, &none, &st).unwrap().dims(), &[2, 5, 16]);
 }
