@@ -654,3 +654,35 @@ fn cross_attention_over_one_memory_equals_composed_with_padding_and_nan() {
     assert_eq!(nan_rows(a), nan_rows(b));
     assert_eq!(nan_rows(a), vec![false, true, false]);
 }
+
+/// Keys and values read once (one query block per head, L ≤ 64) are read in place: a strided
+/// view (heads taken out of `[N, S, H, D]` rows) and a broadcast view (one batch entry's keys
+/// for every entry) give the composed numbers, gradients included.
+#[test]
+fn sdpa_reads_strided_and_broadcast_keys_in_place() {
+    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    for l in [17usize, 64] {
+        let q = var(&det(&[2, 3, l, 8], DType::F32, 1.0));
+        let k_rows = var(&det(&[2, l, 3, 8], DType::F32, 2.0));
+        let v_one = var(&det(&[1, 3, l, 8], DType::F32, 3.0));
+        let run = |b: Backend| {
+            let k = k_rows.as_tensor().transpose(1, 2).unwrap();
+            let v = v_one.as_tensor().broadcast_as((2, 3, l, 8)).unwrap();
+            let o = SdpaOptions::default().is_causal(l == 64).backend(b);
+            let y = scaled_dot_product_attention(q.as_tensor(), &k, &v, &o).unwrap();
+            let g = y.mul(&det(y.dims(), DType::F32, 4.0)).unwrap().sum_all().unwrap();
+            let grads = g.backward().unwrap();
+            let gs: Vec<Tensor> = [q.as_tensor(), k_rows.as_tensor(), v_one.as_tensor()]
+                .iter()
+                .map(|t| grads.get(t).expect("grad").clone())
+                .collect();
+            (y, gs)
+        };
+        let (a, ga) = run(Backend::Fused);
+        let (b, gb) = run(Backend::Composed);
+        assert_close(&a, &b, Tolerance::F32_FORWARD, &format!("l={l}: output"));
+        for (i, (x, y)) in ga.iter().zip(&gb).enumerate() {
+            assert_close(x, y, Tolerance::F32_GRAD, &format!("l={l}: gradient {i}"));
+        }
+    }
+}
