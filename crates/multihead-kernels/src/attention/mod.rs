@@ -484,12 +484,14 @@ fn product(name: &'static str, xs: &[usize]) -> Result<usize, KernelError> {
 /// Query block rows (forward and weights): 4 AVX-512 vectors of queries.
 const FWD_BR: usize = 64;
 
-/// Whether the forward reads a head's keys and values more than once: with several query
-/// blocks (`l` above the forward's block of 64 rows) or query heads sharing a key/value head.
-/// Only then does copying strided keys and values into contiguous rows first pay (see
-/// `gather`); read once, they are read in place.
-pub fn forward_rereads_keys(l: usize, heads_q: usize, heads_kv: usize) -> bool {
-    l > FWD_BR || heads_q != heads_kv
+/// Whether the forward copies strided keys and values into contiguous rows before its tasks
+/// read them (see `gather`): when a head's keys are read more than once (several query blocks,
+/// `l` above the forward's block of 64 rows, or query heads sharing a key/value head) and
+/// they are more than one key block (`s` above 256 rows). A head's keys that fit one key
+/// block are re-read from the cache whatever their stride; longer ones, strided, evict each
+/// other and defeat the prefetchers, and the copy pays (measured in docs/performance.md).
+pub fn forward_copies_keys(l: usize, s: usize, heads_q: usize, heads_kv: usize) -> bool {
+    (l > FWD_BR || heads_q != heads_kv) && s > FWD_BC
 }
 /// Key block rows (forward and weights): the 256 x 64 score tile is 64 KiB (L2).
 const FWD_BC: usize = 256;
@@ -667,9 +669,9 @@ pub fn flash_forward(
         return Ok(());
     }
     let finite = finite_heads(p, (q, ql), (k, kl), Some((v, vl)));
-    // Every query block re-reads its head's keys and values: strided rows are copied first
-    // (see `gather`), unless they are read once.
-    let (kc, vc) = match forward_rereads_keys(d.l, d.heads_q, d.heads_kv) {
+    // Query blocks that re-read more than a key block of strided keys and values read
+    // contiguous copies (see `gather` and `forward_copies_keys`).
+    let (kc, vc) = match forward_copies_keys(d.l, d.s, d.heads_q, d.heads_kv) {
         true => (
             gather::contiguous_heads(k, kl, [d.batch, d.heads_kv, d.s, d.d]),
             gather::contiguous_heads(v, vl, [d.batch, d.heads_kv, d.s, d.dv]),

@@ -519,9 +519,18 @@ fn packed_strided_inputs() {
     c.masks = vec![MaskKind::KeyPad];
     c.dropout = Some(0.1);
     check_case(&c);
-    // Rows 2 KiB apart (H·D = 512 floats), the stride that the contiguous copies are for.
+    // Rows 2 KiB apart (H·D = 512 floats), the stride that the contiguous copies are for;
+    // several query blocks over one key block read the keys in place.
     let mut c = Case::new(1, 8, 70, 70, 64);
     c.packed = true;
+    check_case(&c);
+    // More than a key block (s > 256) re-read by several query blocks: copied contiguous.
+    let mut c = Case::new(1, 2, 300, 300, 16);
+    c.packed = true;
+    assert!(crate::attention::forward_copies_keys(c.l, c.s, c.hq, c.hkv));
+    check_case(&c);
+    c.causal = true;
+    c.masks = vec![MaskKind::KeyPad];
     check_case(&c);
     // One query block per head (l ≤ 64): the keys and values are read in place, not copied.
     for l in [17, 64] {

@@ -201,10 +201,12 @@ impl CustomOp3 for VarlenAttention {
             Rows::of(cpu_f32(s3)?, l3, dv)?,
         );
         let (tq, tk) = (l1.dims()[0], l2.dims()[0]);
-        // Every query block re-reads its sequence's keys and values: contiguous rows (unless
-        // every sequence's keys are read once: one query block each, no shared kv heads).
-        let longest = self.cu_q.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
-        let (kc, vc) = match multihead_kernels::attention::forward_rereads_keys(longest, hq, hk) {
+        // Contiguous keys and values for the whole call when some sequence re-reads more than
+        // a key block of them (`forward_copies_keys`); read in place otherwise.
+        let longest = |cu: &[usize]| cu.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        let (lq, lk) = (longest(&self.cu_q), longest(&self.cu_k));
+        let copy = multihead_kernels::attention::forward_copies_keys(lq, lk, hq, hk);
+        let (kc, vc) = match copy {
             true => (head_major(&k, (tk, hk, d))?, head_major(&v, (tk, hk, dv))?),
             false => (None, None),
         };

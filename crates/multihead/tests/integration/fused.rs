@@ -655,13 +655,14 @@ fn cross_attention_over_one_memory_equals_composed_with_padding_and_nan() {
     assert_eq!(nan_rows(a), vec![false, true, false]);
 }
 
-/// Keys and values read once (one query block per head, L ≤ 64) are read in place: a strided
-/// view (heads taken out of `[N, S, H, D]` rows) and a broadcast view (one batch entry's keys
-/// for every entry) give the composed numbers, gradients included.
+/// Keys and values of at most one key block (S ≤ 256) are read in place, and longer ones
+/// copied contiguous first: a strided view (heads taken out of `[N, S, H, D]` rows) and a
+/// broadcast view (one batch entry's keys for every entry) give the composed numbers,
+/// gradients included, either way.
 #[test]
 fn sdpa_reads_strided_and_broadcast_keys_in_place() {
     use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
-    for l in [17usize, 64] {
+    for l in [17usize, 64, 130, 300] {
         let q = var(&det(&[2, 3, l, 8], DType::F32, 1.0));
         let k_rows = var(&det(&[2, l, 3, 8], DType::F32, 2.0));
         let v_one = var(&det(&[1, 3, l, 8], DType::F32, 3.0));
