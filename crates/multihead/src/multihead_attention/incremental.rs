@@ -100,9 +100,10 @@ struct Step {
     t: usize,
     /// New tokens per row.
     counts: Vec<usize>,
-    /// The soft cap and the sinks' values (`CachedOptions`, checked).
-    softcap: Option<f32>,
-    sinks: Option<Vec<f32>>,
+    /// The soft cap and the sinks' values (`CachedOptions`, checked; the kernel takes them in
+    /// f32, an f64 module's composed path in f64).
+    softcap: Option<f64>,
+    sinks: Option<Vec<f64>>,
     /// ALiBi slopes (checked; the kernel takes them in f32, an f64 module's composed path in
     /// f64).
     alibi: Option<Vec<f64>>,
@@ -267,7 +268,7 @@ impl MultiheadAttention {
     fn check_cached_options(
         &self,
         opts: &CachedOptions,
-    ) -> Result<(Option<f32>, Option<Vec<f32>>)> {
+    ) -> Result<(Option<f64>, Option<Vec<f64>>)> {
         if let Some(c) = opts.softcap {
             if !(c.is_finite() && c > 0.0 && (c as f32).is_finite() && c as f32 > 0.0) {
                 let msg = format!(
@@ -283,10 +284,10 @@ impl MultiheadAttention {
                     format!("expected one sink per head, shape [{h}], got {}", fmt_shape(t.dims()));
                 return Err(Error::Shape { op: CACHED, arg: "sinks", msg });
             }
-            Some(t) => Some(t.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+            Some(t) => Some(t.to_dtype(DType::F64)?.to_vec1::<f64>()?),
             None => None,
         };
-        Ok((opts.softcap.map(|c| c as f32), sinks))
+        Ok((opts.softcap, sinks))
     }
 
     /// The ALiBi slopes of a cached call: one finite (in f32) slope per query head, over a
@@ -518,8 +519,8 @@ impl MultiheadAttention {
                 kv_len: rows.kv_len.clone(),
                 q_pos: rows.q_pos.clone(),
                 q_len: rows.q_len.clone(),
-                softcap: step.softcap,
-                sinks: step.sinks.clone(),
+                softcap: step.softcap.map(|c| c as f32),
+                sinks: step.sinks.as_ref().map(|s| s.iter().map(|&x| x as f32).collect()),
                 alibi: step.alibi.as_ref().map(|m| m.iter().map(|&x| x as f32).collect()),
                 window: rows.window,
             };
@@ -537,7 +538,7 @@ impl MultiheadAttention {
         rows: &Rows,
         step: &Step,
     ) -> Result<Tensor> {
-        let (batch_first, cap) = (step.batch_first, step.softcap.map(|c| (c as f64, false)));
+        let (batch_first, cap) = (step.batch_first, step.softcap.map(|c| (c, false)));
         let cfg = &self.cfg;
         let (h, hk, hd, e) = (cfg.num_heads, cfg.kv_heads(), cfg.head_dim(), cfg.embed_dim);
         let q = if batch_first { q.clone() } else { q.transpose(0, 1)? }; // (N, T, E)
@@ -699,9 +700,37 @@ impl MultiheadAttention {
         memory: &StaticKv,
         key_padding_mask: Option<&Mask>,
     ) -> Result<Tensor> {
-        let mut opts =
-            MhaOptions::default().need_weights(false).static_kv(memory.k.clone(), memory.v.clone());
+        let mut opts = MhaOptions::default().need_weights(false);
         opts.key_padding_mask = key_padding_mask.cloned();
+        self.forward_static_with(x, memory, &opts)
+    }
+
+    /// [`forward_static`](Self::forward_static) with every option of [`MhaOptions`] (masks,
+    /// variants, sinks) over the projected memory; `opts.static_k`/`static_v` are replaced by
+    /// the memory's. Returns the output only.
+    ///
+    /// # Shapes
+    /// * x: as in [`forward_static`](Self::forward_static); the options' as in
+    ///   [`MhaOptions`], `S` the memory's length.
+    // Mirrors torch.nn.functional.multi_head_attention_forward(..., static_k=, static_v=),
+    // with the attention variants.
+    pub fn forward_static_with(
+        &self,
+        x: &Tensor,
+        memory: &StaticKv,
+        opts: &MhaOptions,
+    ) -> Result<Tensor> {
+        let opts = opts.clone().static_kv(memory.k.clone(), memory.v.clone());
         Ok(self.forward(x, &memory.memory, &memory.memory, &opts)?.output)
+    }
+
+    /// The path [`forward_static_with`](Self::forward_static_with) takes, and why, without
+    /// running it; bad arguments give the error the call would.
+    ///
+    /// # Shapes
+    /// * As in [`forward_static_with`](Self::forward_static_with).
+    pub fn explain_static(&self, x: &Tensor, memory: &StaticKv, opts: &MhaOptions) -> Result<Plan> {
+        let opts = opts.clone().static_kv(memory.k.clone(), memory.v.clone());
+        self.explain(x, &memory.memory, &memory.memory, &opts)
     }
 }

@@ -8,9 +8,84 @@ use super::{feed_forward, final_norm, Transformer, TransformerDecoder, Transform
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::mask::Mask;
-use crate::StaticKv;
+use crate::multihead_attention::CachedOptions;
+use crate::{MhaOptions, StaticKv};
 
 const STEP: &str = "TransformerDecoder::forward_step";
+
+/// The attention variants of one incremental decoding step through the decoder layers
+/// ([`TransformerDecoderLayer::forward_step_with`], [`TransformerDecoder::forward_step_with`],
+/// [`Transformer::decode_step_with`]).
+///
+/// The step equals [`TransformerDecoder::forward_with`] over the whole prefix at the new
+/// positions when that call's `self_opts` are causal (`is_causal` with the causal mask, or
+/// `window(left, Some(0))`) with the same soft cap, sinks, ALiBi slopes and left window as
+/// `self_attn`, and its `cross_opts` are `cross_attn` plus the memory's key padding mask given
+/// to [`TransformerDecoder::start`].
+///
+/// # Example
+/// ```
+/// use multihead::multihead_attention::CachedOptions;
+/// use multihead::transformer::StepOptions;
+/// use multihead::{MhaOptions, Variants};
+///
+/// let opts = StepOptions::default()
+///     .self_attn(CachedOptions::default().softcap(50.0).window(4095))
+///     .cross_attn(MhaOptions::default().variants(Variants::default().softcap(50.0)));
+/// assert_eq!(opts.self_attn.window, Some(4095));
+/// ```
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct StepOptions {
+    /// The self-attention over each layer's cache: soft cap, sinks, ALiBi slopes and a left
+    /// window ([`CachedOptions`]; the step is causal).
+    pub self_attn: CachedOptions,
+    /// The cross-attention over the memory: its soft cap (`variants.softcap`), `sinks` and key
+    /// lengths (`variants.kv_lengths`), which do not depend on the target position. Masks,
+    /// `is_causal`, windows, ALiBi and causal alignment depend on it and are refused (the
+    /// memory's key padding mask is given to `start`).
+    pub cross_attn: MhaOptions,
+}
+
+impl StepOptions {
+    /// Sets the self-attention's options.
+    pub fn self_attn(mut self, opts: CachedOptions) -> Self {
+        self.self_attn = opts;
+        self
+    }
+    /// Sets the cross-attention's options.
+    pub fn cross_attn(mut self, opts: MhaOptions) -> Self {
+        self.cross_attn = opts;
+        self
+    }
+}
+
+/// Refuses the cross-attention options a step cannot honour: those that depend on the target
+/// position (or replace the memory's keys), naming the first one set.
+fn check_step_cross(o: &MhaOptions) -> Result<()> {
+    let v = &o.variants;
+    let set = [
+        (o.attn_mask.is_some(), "attn_mask"),
+        (o.key_padding_mask.is_some(), "key_padding_mask (give it to start())"),
+        (o.is_causal, "is_causal"),
+        (v.window != Default::default(), "variants.window"),
+        (v.alibi_slopes.is_some(), "variants.alibi_slopes"),
+        (v.align != Default::default(), "variants.align"),
+        (o.static_k.is_some() || o.static_v.is_some(), "static_k/static_v"),
+    ];
+    match set.iter().find(|(on, _)| *on) {
+        None => Ok(()),
+        Some((_, name)) => Err(Error::Config {
+            op: STEP,
+            arg: "cross_attn",
+            msg: format!(
+                "{name} cannot be used in a decoding step's cross-attention (it depends on the \
+                 target position, or replaces the memory's keys); the soft cap, sinks and key \
+                 lengths can, or run TransformerDecoder::forward_with over the prefix"
+            ),
+        }),
+    }
+}
 
 /// What a decoder needs between steps: one self-attention [`KvCache`] per layer, the memory's
 /// cross-attention keys and values per layer, and the memory's key padding mask.
@@ -73,6 +148,29 @@ impl TransformerDecoderLayer {
         memory_key_padding_mask: Option<&Mask>,
         lengths: Option<&[usize]>,
     ) -> Result<Tensor> {
+        let kpm = memory_key_padding_mask;
+        self.forward_step_with(x, memory, cache, kpm, lengths, &StepOptions::default())
+    }
+
+    /// [`forward_step`](Self::forward_step) with attention variants ([`StepOptions`]): at the
+    /// new positions it equals [`forward_with`](Self::forward_with) over the prefix with the
+    /// matching options (see [`StepOptions`]). Bad options are an error before the cache
+    /// changes.
+    ///
+    /// # Shapes
+    /// * As in [`forward_step`](Self::forward_step); the cross-attention's sinks `(H,)`, key
+    ///   lengths one per row.
+    // Mirrors torch.nn.TransformerDecoderLayer.forward at the new positions of the sequence,
+    // with the attention variants.
+    pub fn forward_step_with(
+        &self,
+        x: &Tensor,
+        memory: &StaticKv,
+        cache: &mut KvCache,
+        memory_key_padding_mask: Option<&Mask>,
+        lengths: Option<&[usize]>,
+        opts: &StepOptions,
+    ) -> Result<Tensor> {
         if self.training && self.cfg.dropout > 0.0 {
             return Err(Error::Config {
                 op: STEP,
@@ -84,10 +182,20 @@ impl TransformerDecoderLayer {
                 ),
             });
         }
+        check_step_cross(&opts.cross_attn)?;
+        let cross = {
+            let mut o = opts.cross_attn.clone().need_weights(false);
+            o.key_padding_mask = memory_key_padding_mask.cloned();
+            o
+        };
+        // The cross-attention's options checked against the step's shapes before the cache
+        // changes (the self-attention checks its own first).
+        self.multihead_attn.explain_static(x, memory, &cross)?;
         crate::mode::no_grad(|| {
-            let sa = |x: &Tensor, c: &mut KvCache| self.self_attn.forward_cached(x, c, lengths);
-            let ca =
-                |x: &Tensor| self.multihead_attn.forward_static(x, memory, memory_key_padding_mask);
+            let sa = |x: &Tensor, c: &mut KvCache| {
+                self.self_attn.forward_cached_with(x, c, lengths, &opts.self_attn)
+            };
+            let ca = |x: &Tensor| self.multihead_attn.forward_static_with(x, memory, &cross);
             let ff = |x: &Tensor| {
                 let (l1, l2) = (&self.linear1, &self.linear2);
                 feed_forward(l1, l2, self.cfg.activation, 0.0, false, x)
@@ -173,6 +281,59 @@ impl TransformerDecoder {
         state: &mut DecoderState,
         lengths: Option<&[usize]>,
     ) -> Result<Tensor> {
+        self.forward_step_with(x, state, lengths, &StepOptions::default())
+    }
+
+    /// [`forward_step`](Self::forward_step) with attention variants in every layer
+    /// ([`StepOptions`]): at the new positions it equals [`forward_with`](Self::forward_with)
+    /// over the prefix with the matching options. Bad options are an error before any cache
+    /// changes (every layer takes the same options and shapes, and the first checks them
+    /// before it appends).
+    ///
+    /// # Shapes
+    /// * As in [`forward_step`](Self::forward_step).
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device, Tensor, D};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use multihead::multihead_attention::CachedOptions;
+    /// use multihead::transformer::{LayerConfig, StepOptions, TransformerDecoder};
+    /// use multihead::{MhaOptions, Variants};
+    ///
+    /// let vm = VarMap::new();
+    /// let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    /// let mut dec = TransformerDecoder::new(LayerConfig::new(8, 2).with_dim_feedforward(16), 2, None, vb)?;
+    /// dec.eval();
+    /// let (tgt, memory) = (Tensor::randn(0f32, 1.0, (5, 1, 8), &Device::Cpu)?, Tensor::randn(0f32, 1.0, (7, 1, 8), &Device::Cpu)?);
+    /// // Gemma-2-like: soft caps and a local window of 2 earlier tokens.
+    /// let step = StepOptions::default()
+    ///     .self_attn(CachedOptions::default().softcap(20.0).window(2))
+    ///     .cross_attn(MhaOptions::default().softcap(20.0));
+    /// let mut state = dec.start(&memory, None, 8)?;
+    /// let mut rows = Vec::new();
+    /// for t in 0..5 {
+    ///     rows.push(dec.forward_step_with(&tgt.narrow(0, t, 1)?, &mut state, None, &step)?);
+    /// }
+    /// let full = dec.forward_with(
+    ///     &tgt,
+    ///     &memory,
+    ///     &MhaOptions::default().softcap(20.0).window(Some(2), Some(0)),
+    ///     &MhaOptions::default().softcap(20.0),
+    /// )?;
+    /// let diff = (Tensor::cat(&rows, 0)? - full)?.abs()?.flatten_all()?.max(D::Minus1)?;
+    /// assert!(diff.to_scalar::<f32>()? < 1e-5);
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
+    // Mirrors torch.nn.TransformerDecoder.forward at the new positions of the sequence, with
+    // the attention variants.
+    pub fn forward_step_with(
+        &self,
+        x: &Tensor,
+        state: &mut DecoderState,
+        lengths: Option<&[usize]>,
+        opts: &StepOptions,
+    ) -> Result<Tensor> {
         if state.caches.len() != self.layers.len() {
             return Err(Error::Config {
                 op: STEP,
@@ -188,7 +349,7 @@ impl TransformerDecoder {
         let mut x = x.clone();
         let kpm = state.memory_key_padding_mask.clone();
         for ((layer, cache), mem) in self.layers.iter().zip(&mut state.caches).zip(&state.memory) {
-            x = layer.forward_step(&x, mem, cache, kpm.as_ref(), lengths)?;
+            x = layer.forward_step_with(&x, mem, cache, kpm.as_ref(), lengths, opts)?;
         }
         crate::mode::no_grad(|| final_norm(self.norm.as_ref(), x))
     }
@@ -275,5 +436,22 @@ impl Transformer {
         lengths: Option<&[usize]>,
     ) -> Result<Tensor> {
         self.decoder.forward_step(x, state, lengths)
+    }
+
+    /// [`decode_step`](Self::decode_step) with attention variants in every decoder layer (see
+    /// [`TransformerDecoder::forward_step_with`]).
+    ///
+    /// # Shapes
+    /// * As in [`decode_step`](Self::decode_step).
+    // Mirrors torch.nn.Transformer.decoder(tgt, memory, ...) at the new positions, with the
+    // attention variants.
+    pub fn decode_step_with(
+        &self,
+        x: &Tensor,
+        state: &mut DecoderState,
+        lengths: Option<&[usize]>,
+        opts: &StepOptions,
+    ) -> Result<Tensor> {
+        self.decoder.forward_step_with(x, state, lengths, opts)
     }
 }

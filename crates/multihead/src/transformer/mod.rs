@@ -23,8 +23,8 @@ pub use decoder_layer::{DecoderMasks, TransformerDecoderLayer};
 pub use encoder::TransformerEncoder;
 pub use encoder_layer::TransformerEncoderLayer;
 pub use generate::{GenerateOptions, Sampling};
-pub use incremental::DecoderState;
-pub use transformer::{Transformer, TransformerConfig, TransformerMasks};
+pub use incremental::{DecoderState, StepOptions};
+pub use transformer::{Transformer, TransformerConfig, TransformerMasks, TransformerOptions};
 
 use crate::activation::Activation;
 

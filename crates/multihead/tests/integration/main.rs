@@ -22,4 +22,5 @@ mod variants;
 mod variants_bias;
 mod variants_layers;
 mod variants_mha;
+mod variants_steps;
 mod varlen;

@@ -319,3 +319,95 @@ fn layers_refuse_static_keys_where_they_would_replace_projections() {
     refused(dec.forward_with(&x, &x, &none, &st), "cross_opts");
     assert_eq!(dec_layer.forward_with(&x, &x, &none, &st).unwrap().dims(), &[2, 5, 16]);
 }
+
+/// `Transformer::forward_with` is its encoder's and decoder's `forward_with` in turn, the
+/// decoder's dropout keys after the encoder's layers; with masks alone it is `forward`; and it
+/// refuses static keys naming the options.
+#[test]
+fn transformer_forward_with_is_its_stacks() {
+    use multihead::transformer::{
+        DecoderMasks, Transformer, TransformerConfig, TransformerMasks, TransformerOptions,
+    };
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F64, &dev());
+    let tc = TransformerConfig {
+        layer: cfg().with_dropout(0.25),
+        num_encoder_layers: 2,
+        num_decoder_layers: 2,
+    };
+    let mut model = Transformer::new(tc, vb).unwrap();
+    perturb(&vm, DType::F64);
+    let (src, tgt) = (det(&[2, 11, 16], DType::F64, 1.0), det(&[2, 7, 16], DType::F64, 2.0));
+    let key = |o: u64| DropoutKey { seed: 8, offset: o };
+    let enc = all_variants(DType::F64).dropout_key(key(0));
+    let causal = Variants::default().window(Some(3), Some(0)).softcap(0.7);
+    let dec_self = MhaOptions::default().variants(causal).dropout_key(key(1000));
+    let cross = MhaOptions::default().variants(Variants::default().kv_lengths(vec![11, 6]));
+    let opts = TransformerOptions::default()
+        .encoder(enc.clone())
+        .decoder_self(dec_self.clone())
+        .decoder_cross(cross.clone().dropout_key(key(2000)));
+    multihead::manual_seed(3);
+    let y = model.forward_with(&src, &tgt, &opts).unwrap();
+    multihead::manual_seed(3);
+    let memory = model.encoder().forward_with(&src, &enc).unwrap();
+    let shift = 2u64 << 48; // two encoder layers
+    let by_stacks = model
+        .decoder()
+        .forward_with(
+            &tgt,
+            &memory,
+            &dec_self.clone().dropout_key(key(1000 + shift)),
+            &cross.clone().dropout_key(key(2000 + shift)),
+        )
+        .unwrap();
+    assert_close(&y, &by_stacks, Tolerance::F64, "training, dropout keyed per layer");
+    // The decoder's keys unshifted (layer i of both stacks sharing a key) give other numbers.
+    multihead::manual_seed(3);
+    let same_keys = model
+        .decoder()
+        .forward_with(&tgt, &memory, &dec_self, &cross.clone().dropout_key(key(2000)))
+        .unwrap();
+    let d = (&y - &same_keys).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>();
+    assert!(d.unwrap() > 1e-6, "the decoder's keys were not shifted past the encoder's");
+
+    // Masks only: forward_with is forward.
+    model.eval();
+    let tgt_mask = multihead::generate_square_subsequent_mask(7, DType::F64, &dev()).unwrap();
+    let kpm =
+        Mask::Bool(Tensor::new(&[[0u8; 11], [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1]], &dev()).unwrap());
+    let decoder = DecoderMasks {
+        tgt_mask: Some(Mask::Float(tgt_mask.clone())),
+        tgt_is_causal: Some(true),
+        memory_key_padding_mask: Some(kpm.clone()),
+        ..Default::default()
+    };
+    let masks =
+        TransformerMasks { src_key_padding_mask: Some(kpm.clone()), decoder, ..Default::default() };
+    let a = model.forward(&src, &tgt, &masks).unwrap();
+    let opts = TransformerOptions::default()
+        .encoder(MhaOptions::default().key_padding_mask(kpm.clone()))
+        .decoder_self(MhaOptions::default().attn_mask(Mask::Float(tgt_mask)).is_causal(true))
+        .decoder_cross(MhaOptions::default().key_padding_mask(kpm));
+    let b = model.forward_with(&src, &tgt, &opts).unwrap();
+    assert_close(&a, &b, Tolerance::F64, "masks only: forward_with is forward");
+    // The variants reach the model.
+    let v =
+        model.forward_with(&src, &tgt, &opts.clone().encoder(all_variants(DType::F64))).unwrap();
+    let d = (&v - &b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>();
+    assert!(d.unwrap() > 1e-3, "the encoder's variants had no effect");
+
+    let kv = det(&[8, 7, 4], DType::F64, 2.0);
+    let st = MhaOptions { static_k: Some(kv.clone()), static_v: Some(kv), ..Default::default() };
+    for (o, arg) in [
+        (TransformerOptions::default().encoder(st.clone()), "opts.encoder"),
+        (TransformerOptions::default().decoder_self(st.clone()), "opts.decoder_self"),
+        (TransformerOptions::default().decoder_cross(st.clone()), "opts.decoder_cross"),
+    ] {
+        let e = model.forward_with(&src, &tgt, &o).unwrap_err();
+        assert!(matches!(e, Error::Config { arg: a, .. } if a == arg), "{e}");
+    }
+    // Mismatched batches: the shape error of forward.
+    let e = model.forward_with(&src, &tgt.narrow(0, 0, 1).unwrap(), &opts).unwrap_err();
+    assert!(matches!(e, Error::Shape { arg: "tgt", .. }), "{e}");
+}
