@@ -19,6 +19,7 @@ use super::tile::{
     add_row, copy_rows, pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR,
 };
 use super::{AttnParams, Layout4};
+use crate::bf16gemm::micro::Kernel;
 
 pub(crate) struct BwdTask<'a> {
     p: &'a AttnParams<'a>,
@@ -174,7 +175,7 @@ impl Task for BwdTask<'_> {
         let d = &self.p.dims;
         let brp = self.br.div_ceil(lanes) * lanes;
         let bf16: usize = if self.p.bf16_products {
-            BwdBf16::sizes(self.br, self.bc, d.d, d.dv).iter().map(|&n| round16(n)).sum()
+            BwdBf16::sizes(self.kern, self.br, self.bc, d.d, d.dv).iter().map(|&n| round16(n)).sum()
         } else {
             0
         };
@@ -227,13 +228,15 @@ impl Task for BwdTask<'_> {
             // The bf16 products' buffers (null without them); a query block fits one panel.
             bb: match p.bf16_products && brp_max <= bf::MAX_LANES {
                 true => {
-                    let sizes = BwdBf16::sizes(self.br, self.bc, d, dv);
+                    let sizes = BwdBf16::sizes(self.kern, self.br, self.bc, d, dv);
                     BwdBf16::carve(sizes.map(|n| cv.take(n).as_mut_ptr()))
                 }
                 false => BwdBf16::carve([std::ptr::null_mut(); 9]),
             },
         };
 
+        // The tiles configured on this thread for the AMX kernel (released at the end).
+        let _tiles = (!sc.bb.qp.is_null()).then(|| self.kern.begin());
         // SAFETY: every row pointer addresses a row validated by `flash_backward`; scratch
         // pieces are sized by `scratch_len`; this task alone writes `dk[b, hk]`, `dv[b, hk]`
         // and `dq[b, h]` for the query heads `h` of kv head `hk` (output layouts were checked
@@ -337,7 +340,7 @@ impl BwdTask<'_> {
                 (dorow, dold) = (sc.doc.as_ptr(), dv);
             }
             if bf {
-                sc.bb.start_block(qrow, qld, dorow, dold, br, d, dv);
+                sc.bb.start_block(kern, qrow, qld, dorow, dold, br, d, dv);
             } else {
                 pack_transposed::<S>(sc.qt, brp, qrow, qld, br, d, p.scale);
                 pack_transposed::<S>(sc.dot, brp, dorow, dold, br, dv, 1.0);
@@ -704,19 +707,20 @@ struct BwdBf16 {
 }
 
 impl BwdBf16 {
-    /// Scratch sizes in f32 units: panels, rounded rows, words and `dQᵀ`.
-    fn sizes(br: usize, bc: usize, d: usize, dv: usize) -> [usize; 9] {
+    /// Scratch sizes in f32 units on `kern` (its operand layout: [`bf::Shape`]): panels,
+    /// rounded rows, words and `dQᵀ`.
+    fn sizes(kern: Kernel, br: usize, bc: usize, d: usize, dv: usize) -> [usize; 9] {
         use crate::bf16gemm::{MR, NR};
-        let (bcr, kpr, kpc) = (bc.div_ceil(MR) * MR, br.div_ceil(2), bc.div_ceil(2));
-        let width = |n: usize| n.div_ceil(2) * 2;
+        let sh = bf::Shape::of(kern);
+        let (bcr, kpr, kpc) = (sh.rows(bc), sh.kp(br.div_ceil(2)), sh.kp(bc.div_ceil(2)));
         [
-            (d.div_ceil(2) + dv.div_ceil(2)) * NR,
-            bcr * width(d.max(dv)) / 2 + 1,
-            bcr * width(NR) / 2,
-            bcr * width(NR) / 2,
+            (sh.kp(d.div_ceil(2)) + sh.kp(dv.div_ceil(2))) * NR,
+            bcr * sh.kp(d.max(dv).div_ceil(2)) + 1,
+            bcr * NR.max(2 * kpr) / 2,
+            bcr * NR.max(2 * kpr) / 2,
             kpr * dv.div_ceil(NR) * NR,
             kpr * d.div_ceil(NR) * NR,
-            kpc * d.div_ceil(MR) * MR,
+            sh.transposed_words(bc, d),
             kpc * NR,
             d.div_ceil(MR) * MR * NR,
         ]
@@ -745,6 +749,7 @@ impl BwdBf16 {
     #[inline(always)]
     unsafe fn start_block(
         &self,
+        kern: Kernel,
         q: *const f32,
         ql: usize,
         dout: *const f32,
@@ -754,13 +759,15 @@ impl BwdBf16 {
         dv: usize,
     ) {
         use crate::bf16gemm::NR;
+        let sh = bf::Shape::of(kern);
+        let (kpd, kpv, kpr) = (sh.kp(d.div_ceil(2)), sh.kp(dv.div_ceil(2)), sh.kp(br.div_ceil(2)));
         // SAFETY: within the buffers `sizes` describes and the rows the caller guarantees.
         unsafe {
-            let dop = self.qp.add(d.div_ceil(2) * NR);
-            bf::pack_q(q, ql, br, d, self.qp);
-            bf::pack_q(dout, dl, br, dv, dop);
-            bf::pair_rows((dout, dl), br, dv, self.dow, dv.div_ceil(NR) * NR, true);
-            bf::pair_rows((q, ql), br, d, self.qw, d.div_ceil(NR) * NR, true);
+            let dop = self.qp.add(kpd * NR);
+            bf::pack_q(q, ql, br, d, (self.qp, kpd));
+            bf::pack_q(dout, dl, br, dv, (dop, kpv));
+            bf::pair_rows((dout, dl), br, dv, (self.dow, kpr), dv.div_ceil(NR) * NR, true);
+            bf::pair_rows((q, ql), br, d, (self.qw, kpr), d.div_ceil(NR) * NR, true);
         }
     }
 
@@ -782,9 +789,10 @@ impl BwdBf16 {
         brp: usize,
     ) {
         use crate::bf16gemm::NR;
-        // SAFETY: forwarded; the panels were packed by `start_block`.
+        let kpd = bf::Shape::of(kern).kp(d.div_ceil(2));
+        // SAFETY: forwarded; the panels were packed by `start_block` for the same kernel.
         unsafe {
-            let dop = self.qp.add(d.div_ceil(2) * NR) as *const u32;
+            let dop = self.qp.add(kpd * NR) as *const u32;
             let kb = self.kb;
             bf::scores(kern, &Scores { k, ld: kl, bc, d, qp: self.qp, scale, st, brp, kb });
             let (ld, qp, scale, st) = (vl, dop, 1.0, dpt);
@@ -806,20 +814,20 @@ impl BwdBf16 {
         (d, dv): (usize, usize),
         g: BlockGrads,
     ) {
-        use crate::bf16gemm::{MR, NR};
-        let (kpr, kpc) = (br.div_ceil(2), bc.div_ceil(2));
-        let width = brp.div_ceil(2) * 2;
-        let dr = d.div_ceil(MR) * MR;
-        // SAFETY: every buffer is sized by `sizes`; the products stay inside the rows the
-        // caller guarantees (`product` clips partial tiles).
+        use crate::bf16gemm::NR;
+        let sh = bf::Shape::of(kern);
+        let (kpr, kpc) = (sh.kp(br.div_ceil(2)), sh.kp(bc.div_ceil(2)));
+        // The rounded rows hold whole pairs of the block's lanes, and whole tile steps.
+        let width = (brp.div_ceil(2) * 2).max(2 * kpr);
+        // SAFETY: every buffer is sized by `sizes` for this kernel; the products stay inside
+        // the rows the caller guarantees (`product` clips partial tiles).
         unsafe {
-            bf::round_rows(st, brp, bc, br, self.pa, width);
-            bf::round_rows(dpt, brp, bc, br, self.dsa, width);
+            bf::round_rows(st, brp, (bc, sh.mr), br, self.pa, width);
+            bf::round_rows(dpt, brp, (bc, sh.mr), br, self.dsa, width);
             bf::product(kern, (self.pa, (width, 2)), kpr, bc, self.dow, dv, g.dvj, true);
             bf::product(kern, (self.dsa, (width, 2)), kpr, bc, self.qw, d, g.dkj, true);
-            bf::pair_rows(g.kj, bc, d, self.kw, dr, false);
-            bf::pair_rows((dpt, brp), bc, brp, self.dsw, NR, true);
-            let a = (self.kw as *const u16, (2, 2 * dr));
+            bf::pair_rows((dpt, brp), bc, brp, (self.dsw, kpc), NR, true);
+            let a = bf::transposed_a(sh, g.kj, bc, d, self.kw);
             bf::product(kern, a, kpc, d, self.dsw, NR, (self.dqt, NR), !g.first);
         }
     }

@@ -11,6 +11,12 @@
 //!
 //! The row sums of the softmax stay f32 sums of the unrounded probabilities, as PyTorch's.
 //!
+//! The operands are laid out for the micro-kernel that runs ([`Shape`]): the `vdpbf16ps`
+//! kernels read `A` as pairs through two strides, in blocks of 6 rows; the AMX tiles (and their
+//! emulation) read row-major `A` pairs in blocks of 32 rows, and both operands' depth in whole
+//! tile steps of 16 pairs (zero past the depth), so `Vᵀ` and `Kᵀ` are packed row-major
+//! ([`pair_cols`]) for them.
+//!
 //! [`AttnParams::bf16_products`]: super::AttnParams::bf16_products
 
 use crate::bf16gemm::micro::{Kernel, Tile};
@@ -20,11 +26,47 @@ use crate::convert::f32_to_bf16_bits as bf;
 /// The widest query block the bf16 products take (one panel of pair words).
 pub(crate) const MAX_LANES: usize = NR;
 
-/// Scratch sizes, in f32 units, of the bf16 products of one forward task: the query panel,
-/// the rounded key rows, the value and probability pair words and the transposed output.
-pub(crate) fn scratch(bc: usize, d: usize, dv: usize) -> [usize; 5] {
-    let (kpd, kpc, dvr) = (d.div_ceil(2), bc.div_ceil(2), dv.div_ceil(MR) * MR);
-    [kpd * NR, bc.div_ceil(MR) * MR * kpd, kpc * dvr, kpc * NR, dvr * NR]
+/// How a micro-kernel wants its operands: rows of `A` in blocks of `mr` (zero rows after the
+/// last), the depth in pairs rounded up to a multiple of `kpa` (zero pairs after it), and
+/// whether `A` must be row-major pairs (the tile kernels).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shape {
+    pub mr: usize,
+    pub kpa: usize,
+    pub tiles: bool,
+}
+
+impl Shape {
+    pub(crate) fn of(kern: Kernel) -> Self {
+        Shape { mr: kern.mr(), kpa: kern.kp_align(), tiles: kern.tiles() }
+    }
+    /// `pairs` rounded up to the kernel's depth step.
+    pub(crate) fn kp(self, pairs: usize) -> usize {
+        pairs.div_ceil(self.kpa) * self.kpa
+    }
+    /// `rows` rounded up to the kernel's row block.
+    pub(crate) fn rows(self, rows: usize) -> usize {
+        rows.div_ceil(self.mr) * self.mr
+    }
+    /// Words of the `A` operand of a transposed product (`Vᵀ·Pᵀ`, `Kᵀ·dSᵀ`): `cols` channels
+    /// over `rows` keys, as [`pair_rows`] (row-major by pair, `cols` rounded to `MR`) or, for
+    /// the tiles, [`pair_cols`] (row-major by channel).
+    pub(crate) fn transposed_words(self, rows: usize, cols: usize) -> usize {
+        let kp = self.kp(rows.div_ceil(2));
+        match self.tiles {
+            true => self.rows(cols) * kp,
+            false => kp * cols.div_ceil(MR) * MR,
+        }
+    }
+}
+
+/// Scratch sizes, in f32 units, of the bf16 products of one forward task on `kern`: the query
+/// panel, the rounded key rows, the value and probability pair words and the transposed
+/// output.
+pub(crate) fn scratch(kern: Kernel, bc: usize, d: usize, dv: usize) -> [usize; 5] {
+    let sh = Shape::of(kern);
+    let (kpd, kpc, dvr) = (sh.kp(d.div_ceil(2)), sh.kp(bc.div_ceil(2)), dv.div_ceil(MR) * MR);
+    [kpd * NR, sh.rows(bc) * kpd, sh.transposed_words(bc, dv), kpc * NR, dvr * NR]
 }
 
 /// `lo | hi << 16`.
@@ -33,17 +75,26 @@ fn pair(lo: u16, hi: u16) -> u32 {
     u32::from(lo) | (u32::from(hi) << 16)
 }
 
-/// Rounds query rows `i < br` (`d` floats each, `ld` apart) into the panel `qp`: word `(p, i)`
-/// holds elements `2p` (low half) and `2p + 1` (high half) of row `i`; lanes `br..NR` and the
-/// element after an odd `d` are zero.
+/// Rounds query rows `i < br` (`d` floats each, `ld` apart) into the panel `qp` of `kp` pair
+/// rows: word `(p, i)` holds elements `2p` (low half) and `2p + 1` (high half) of row `i`;
+/// lanes `br..NR`, the element after an odd `d` and the pairs from `d.div_ceil(2)` to `kp` are
+/// zero.
 ///
 /// # Safety
-/// `q + i·ld + c` is readable for `i < br`, `c < d`; `qp` holds `d.div_ceil(2) · NR` words;
-/// `br <= NR`.
-pub(crate) unsafe fn pack_q(q: *const f32, ld: usize, br: usize, d: usize, qp: *mut u32) {
+/// `q + i·ld + c` is readable for `i < br`, `c < d`; `qp` holds `kp · NR` words, `kp` at
+/// least `d.div_ceil(2)`; `br <= NR`.
+pub(crate) unsafe fn pack_q(
+    q: *const f32,
+    ld: usize,
+    br: usize,
+    d: usize,
+    (qp, kp): (*mut u32, usize),
+) {
     // SAFETY: within the ranges the caller guarantees.
     unsafe {
-        for p in 0..d.div_ceil(2) {
+        let pairs = d.div_ceil(2);
+        std::ptr::write_bytes(qp.add(pairs * NR), 0, (kp - pairs) * NR);
+        for p in 0..pairs {
             let out = qp.add(p * NR);
             for i in 0..NR {
                 *out.add(i) = if i < br {
@@ -101,12 +152,14 @@ unsafe fn scores_avx512(kern: Kernel, s: &Scores) {
 
 #[inline(always)]
 unsafe fn scores_impl(kern: Kernel, s: &Scores) {
-    let kpd = s.d.div_ceil(2);
+    let sh = Shape::of(kern);
+    let kpd = sh.kp(s.d.div_ceil(2));
     let dp = 2 * kpd;
-    // SAFETY: rows `j < bc` of `k` are readable; `kb` holds `bc` rounded up to `MR` rows of
-    // `dp` elements; the product writes rows `< bc` and lanes `< brp` of `st`.
+    // SAFETY: rows `j < bc` of `k` are readable; `kb` holds `bc` rounded up to the kernel's
+    // rows of `dp` elements; the query panel has `kpd` pair rows (`pack_q` with the same
+    // shape); the product writes rows `< bc` and lanes `< brp` of `st`.
     unsafe {
-        round_rows(s.k, s.ld, s.bc, s.d, s.kb, dp);
+        round_rows(s.k, s.ld, (s.bc, sh.mr), s.d, s.kb, dp);
         product(kern, (s.kb, (dp, 2)), kpd, s.bc, s.qp, s.brp, (s.st, s.brp), false);
         for x in std::slice::from_raw_parts_mut(s.st, s.bc * s.brp) {
             *x *= s.scale;
@@ -157,50 +210,120 @@ unsafe fn values_avx512(kern: Kernel, x: &Values) {
 
 #[inline(always)]
 unsafe fn values_impl(kern: Kernel, x: &Values) {
-    let kpc = x.bc.div_ceil(2);
-    let dvr = x.dv.div_ceil(MR) * MR;
+    let sh = Shape::of(kern);
+    let kpc = sh.kp(x.bc.div_ceil(2));
     // SAFETY: rows `< bc` of `st` and `v` are readable; `pw` holds `kpc · NR` words, `vw`
-    // `kpc · dvr`, `ot` `dvr · NR` floats.
+    // `sh.transposed_words(bc, dv)`, `ot` `dv` rounded up to `MR` rows of `NR` floats.
     unsafe {
-        pair_rows((x.st, x.brp), x.bc, x.brp, x.pw, NR, true);
-        pair_rows((x.v, x.ld), x.bc, x.dv, x.vw, dvr, false);
-        // Row `r` of `A` (channel `r`) of pair `p` is word `p · dvr + r`.
-        let a = (x.vw as *const u16, (2, 2 * dvr));
+        pair_rows((x.st, x.brp), x.bc, x.brp, (x.pw, kpc), NR, true);
+        let a = transposed_a(sh, (x.v, x.ld), x.bc, x.dv, x.vw);
         product(kern, a, kpc, x.dv, x.pw, NR, (x.ot, NR), x.accumulate);
     }
 }
 
-/// Pair words of `rows` rows of `cols` floats (`ld` apart): word `(p, c)` holds rows `2p`
-/// (low half) and `2p + 1` (high half, 0 past `rows`) of column `c`; columns `cols..width` are
-/// zero. Row-major (`out + p·width + c`, an `A` operand), or with `panels` as the `B` panels
-/// of [`product`] (`NR` columns each: `out + (c / NR)·kp·NR + p·NR + c % NR`, `width` a
-/// multiple of `NR`).
+/// Packs the `A` of a transposed product, `cols` channels over `rows` key rows (`ld` apart),
+/// into `out` for `sh`'s kernel; returns it with its strides. The `vdpbf16ps` kernels take
+/// [`pair_rows`]' words (row `r` of `A`, channel `r`, pair `p` at word `p · cols_r + r`), the
+/// tiles [`pair_cols`]' (at word `r · kp + p`).
 ///
 /// # Safety
 /// `src + r·ld + c` is readable for `r < rows`, `c < cols`; `out` holds
-/// `rows.div_ceil(2) · width` words; `cols <= width`.
+/// `sh.transposed_words(rows, cols)` words.
+#[inline(always)]
+pub(crate) unsafe fn transposed_a(
+    sh: Shape,
+    src: (*const f32, usize),
+    rows: usize,
+    cols: usize,
+    out: *mut u32,
+) -> (*const u16, (usize, usize)) {
+    let kp = sh.kp(rows.div_ceil(2));
+    // SAFETY: forwarded; `out` is sized by `transposed_words` for either layout.
+    unsafe {
+        if sh.tiles {
+            pair_cols(src, rows, cols, out, (kp, sh.rows(cols)));
+            (out as *const u16, (2 * kp, 2))
+        } else {
+            let cr = cols.div_ceil(MR) * MR;
+            pair_rows(src, rows, cols, (out, kp), cr, false);
+            (out as *const u16, (2, 2 * cr))
+        }
+    }
+}
+
+/// The transposed pairs of `rows` rows of `cols` floats (`ld` apart), row-major by column:
+/// word `(c, p)` at `out + c·kp + p` holds rows `2p` (low half) and `2p + 1` (high half) of
+/// column `c` (zero past `rows`); columns `cols..nrows` are zero rows. The tile kernels' `A`.
+///
+/// # Safety
+/// `src + r·ld + c` is readable for `r < rows`, `c < cols`; `out` holds `nrows · kp` words,
+/// `kp >= rows.div_ceil(2)`, `nrows >= cols`.
+#[inline(always)]
+pub(crate) unsafe fn pair_cols(
+    (src, ld): (*const f32, usize),
+    rows: usize,
+    cols: usize,
+    out: *mut u32,
+    (kp, nrows): (usize, usize),
+) {
+    let at = |r: usize, c: usize| {
+        if r < rows {
+            // SAFETY: `r < rows`, and `c < cols` at every call below.
+            bf(unsafe { *src.add(r * ld + c) })
+        } else {
+            0
+        }
+    };
+    // SAFETY: within the ranges the caller guarantees.
+    unsafe {
+        for c in 0..nrows {
+            let o = out.add(c * kp);
+            if c >= cols {
+                std::ptr::write_bytes(o, 0, kp);
+                continue;
+            }
+            for p in 0..kp {
+                *o.add(p) = pair(at(2 * p, c), at(2 * p + 1, c));
+            }
+        }
+    }
+}
+
+/// Pair words of `rows` rows of `cols` floats (`ld` apart) as `kp` pair rows: word `(p, c)`
+/// holds rows `2p` (low half) and `2p + 1` (high half, 0 past `rows`) of column `c`; columns
+/// `cols..width` and pair rows from `rows.div_ceil(2)` to `kp` are zero. Row-major
+/// (`out + p·width + c`, an `A` operand), or with `panels` as the `B` panels of [`product`]
+/// (`NR` columns each: `out + (c / NR)·kp·NR + p·NR + c % NR`, `width` a multiple of `NR`).
+///
+/// # Safety
+/// `src + r·ld + c` is readable for `r < rows`, `c < cols`; `out` holds `kp · width` words,
+/// `kp >= rows.div_ceil(2)`; `cols <= width`.
 #[inline(always)]
 pub(crate) unsafe fn pair_rows(
     (src, ld): (*const f32, usize),
     rows: usize,
     cols: usize,
-    out: *mut u32,
+    (out, kp): (*mut u32, usize),
     width: usize,
     panels: bool,
 ) {
-    let kp = rows.div_ceil(2);
+    let live = rows.div_ceil(2);
     // Runs of contiguous words: the whole row, or one run per panel.
     let run = if panels { NR } else { width };
     // SAFETY: within the ranges the caller guarantees.
     unsafe {
         for p in 0..kp {
-            let lo = src.add(2 * p * ld);
-            let hi = (2 * p + 1 < rows).then(|| src.add((2 * p + 1) * ld));
             for c0 in (0..width).step_by(run) {
                 let o = match panels {
                     true => out.add((c0 / NR) * kp * NR + p * NR),
                     false => out.add(p * width),
                 };
+                if p >= live {
+                    std::ptr::write_bytes(o, 0, run);
+                    continue;
+                }
+                let lo = src.add(2 * p * ld);
+                let hi = (2 * p + 1 < rows).then(|| src.add((2 * p + 1) * ld));
                 let n = cols.saturating_sub(c0).min(run);
                 interleave(lo.add(c0), hi.map(|h| h.add(c0)), n, o);
                 std::ptr::write_bytes(o.add(n), 0, run - n);
@@ -233,23 +356,23 @@ unsafe fn interleave(lo: *const f32, hi: Option<*const f32>, n: usize, out: *mut
 }
 
 /// `rows` rows of `cols` floats (`ld` apart) rounded to bf16 rows of `width` elements (`width`
-/// even, at least `cols`, zero past `cols`), with zero rows up to a multiple of `MR`.
+/// even, at least `cols`, zero past `cols`), with zero rows up to a multiple of `mr`.
 ///
 /// # Safety
 /// `src + r·ld + c` is readable for `r < rows`, `c < cols`; `out` holds
-/// `rows.div_ceil(MR) · MR · width` elements.
+/// `rows.div_ceil(mr) · mr · width` elements.
 #[inline(always)]
 pub(crate) unsafe fn round_rows(
     src: *const f32,
     ld: usize,
-    rows: usize,
+    (rows, mr): (usize, usize),
     cols: usize,
     out: *mut u16,
     width: usize,
 ) {
     // SAFETY: within the ranges the caller guarantees.
     unsafe {
-        for r in 0..rows.div_ceil(MR) * MR {
+        for r in 0..rows.div_ceil(mr) * mr {
             let o = out.add(r * width);
             if r < rows {
                 let row = src.add(r * ld);
@@ -267,8 +390,9 @@ pub(crate) unsafe fn round_rows(
 }
 
 /// `C[r][c] (+)= Σ_p A[r][p] · B[p][c]` for `r < rows`, `c < cols`: `A` pairs at
-/// `a + r·rs + p·cs` (bf16 elements, `rows` rounded up to `MR` readable), `B` as
-/// `cols.div_ceil(NR)` panels of `kp · NR` pair words, `C` f32 with row stride `ldc`.
+/// `a + r·rs + p·cs` (bf16 elements, `rows` rounded up to the kernel's rows readable, in its
+/// layout: see [`Shape`]), `B` as `cols.div_ceil(NR)` panels of `kp · NR` pair words (`kp` a
+/// multiple of the kernel's depth step), `C` f32 with row stride `ldc`.
 ///
 /// # Safety
 /// As the fields say; `kern` is available on this CPU.
@@ -286,14 +410,15 @@ pub(crate) unsafe fn product(
     // SAFETY: every tile lies inside the operands the caller describes; partial tiles go
     // through `edge`, which touches only their live part of `C`.
     unsafe {
+        let mr = kern.mr();
         for q in 0..cols.div_ceil(NR) {
             let panel = b.add(q * kp * NR);
             let live_cols = NR.min(cols - q * NR);
-            for r0 in (0..rows).step_by(MR) {
+            for r0 in (0..rows).step_by(mr) {
                 let tile =
                     Tile { kp, a: a.add(r0 * strides.0), strides, b: panel, load_c: accumulate };
-                let (live, cp) = (MR.min(rows - r0), c.add(r0 * ldc + q * NR));
-                if live == MR && live_cols == NR {
+                let (live, cp) = (mr.min(rows - r0), c.add(r0 * ldc + q * NR));
+                if live == mr && live_cols == NR {
                     tile.run(kern, cp, ldc);
                 } else {
                     tile.edge(kern, cp, ldc, live, live_cols);

@@ -90,7 +90,7 @@ impl Task for FwdTask<'_> {
         let d = &self.p.dims;
         let brp = self.br.div_ceil(lanes) * lanes;
         let bf16: usize = if self.p.bf16_products {
-            bf::scratch(self.bc, d.d, d.dv).iter().map(|&n| round16(n)).sum()
+            bf::scratch(self.kern, self.bc, d.d, d.dv).iter().map(|&n| round16(n)).sum()
         } else {
             0
         };
@@ -133,7 +133,7 @@ impl Task for FwdTask<'_> {
         let bf = p.bf16_products && brp <= bf::MAX_LANES;
         let kern = self.kern;
         let [qp, kb, vw, pw, ot] = match bf {
-            true => bf::scratch(self.bc, d, dv).map(|n| cv.take(n).as_mut_ptr()),
+            true => bf::scratch(kern, self.bc, d, dv).map(|n| cv.take(n).as_mut_ptr()),
             false => [std::ptr::null_mut(); 5],
         };
         let (qp, kb, vw, pw) = (qp as *mut u32, kb as *mut u16, vw as *mut u32, pw as *mut u32);
@@ -144,8 +144,11 @@ impl Task for FwdTask<'_> {
         // `out[b, h]` and the statistics of `[b, h]` (the output layout was checked to be non-overlapping).
         unsafe {
             let qrow = self.q.0.add(self.ql.offset(b, h, i0));
+            // The tiles configured on this thread for the AMX kernel (released at the end).
+            let _tiles = bf.then(|| kern.begin());
             if bf {
-                bf::pack_q(qrow, self.ql.seq, br, d, qp);
+                let kp = bf::Shape::of(kern).kp(d.div_ceil(2));
+                bf::pack_q(qrow, self.ql.seq, br, d, (qp, kp));
             } else {
                 pack_transposed::<S>(qt, brp, qrow, self.ql.seq, br, d, p.scale);
             }

@@ -4,10 +4,12 @@
 
 use super::reference;
 use super::*;
+use crate::bf16gemm::{with_bf16_kernel, Bf16Kernel};
 use crate::dropout::DropoutKey;
 
 use crate::testutil::{levels, rand_vec};
 
+mod tiles;
 mod variants;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -1175,6 +1177,17 @@ fn rounded_case(c: &Case) -> (Vec<MaskData>, Inputs, [Vec<f32>; 3]) {
     (masks, x, r)
 }
 
+/// The products' runs of the bf16 tests: every SIMD level on the default kernel, and the tile
+/// kernels (their emulation; real AMX tiles where granted) at the detected level.
+fn product_runs() -> Vec<(SimdLevel, Bf16Kernel)> {
+    let mut runs: Vec<_> = levels().into_iter().map(|l| (l, Bf16Kernel::Auto)).collect();
+    runs.push((detected_simd_level(), Bf16Kernel::AmxEmulated));
+    if crate::bf16gemm::amx_available() {
+        runs.push((detected_simd_level(), Bf16Kernel::Amx));
+    }
+    runs
+}
+
 #[test]
 fn bf16_products_multiply_rounded_operands_and_round_the_probabilities() {
     let mut odd = Case::new(2, 2, 70, 300, 33);
@@ -1197,26 +1210,30 @@ fn bf16_products_multiply_rounded_operands_and_round_the_probabilities() {
         let (eout, else_) = reference::forward(&p, &qr, x.ql, &kr, x.kl, &vr, x.vl);
         let rows = c.b * c.hq * c.l;
         let lsel = Layout4::contiguous(c.hq, c.l, 1);
-        for level in levels() {
+        for (level, kern) in product_runs() {
             with_simd_level(level, || {
-                let run = |p: &AttnParams, q: &[f32], k: &[f32], v: &[f32]| {
-                    let mut out = vec![f32::NAN; x.out_len];
-                    let mut lse = vec![f32::NAN; 2 * rows];
-                    flash_forward(p, q, x.ql, k, x.kl, v, x.vl, &mut out, x.ol, &mut lse).unwrap();
-                    let lse: Vec<f32> = (0..rows).map(|r| lse[r] + lse[rows + r]).collect();
-                    (out, lse)
-                };
-                let (out, lse) = run(&pb, q, k, v);
-                // Scores from the rounded q and k (the statistics are that exact), outputs
-                // within the rounding of the probabilities (half a bf16 step of each).
-                assert_close("lse", &c, &lse, lsel, &else_, [c.b, c.hq, c.l, 1], 2e-5);
-                let sizes = [c.b, c.hq, c.l, c.dv];
-                assert_close("out", &c, &out, x.ol, &eout, sizes, 4e-3);
-                // ... and the probabilities were rounded: the f32 kernel on the same rounded
-                // operands differs.
-                let (out32, _) = run(&p, &qr, &kr, &vr);
-                let diff = out.iter().zip(&out32).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-                assert!(diff > 0.0, "no rounding seen in {c:?}");
+                with_bf16_kernel(kern, || {
+                    let run = |p: &AttnParams, q: &[f32], k: &[f32], v: &[f32]| {
+                        let mut out = vec![f32::NAN; x.out_len];
+                        let mut lse = vec![f32::NAN; 2 * rows];
+                        flash_forward(p, q, x.ql, k, x.kl, v, x.vl, &mut out, x.ol, &mut lse)
+                            .unwrap();
+                        let lse: Vec<f32> = (0..rows).map(|r| lse[r] + lse[rows + r]).collect();
+                        (out, lse)
+                    };
+                    let (out, lse) = run(&pb, q, k, v);
+                    // Scores from the rounded q and k (the statistics are that exact), outputs
+                    // within the rounding of the probabilities (half a bf16 step of each).
+                    assert_close("lse", &c, &lse, lsel, &else_, [c.b, c.hq, c.l, 1], 2e-5);
+                    let sizes = [c.b, c.hq, c.l, c.dv];
+                    assert_close("out", &c, &out, x.ol, &eout, sizes, 4e-3);
+                    // ... and the probabilities were rounded: the f32 kernel on the same rounded
+                    // operands differs.
+                    let (out32, _) = run(&p, &qr, &kr, &vr);
+                    let diff =
+                        out.iter().zip(&out32).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                    assert!(diff > 0.0, "no rounding seen in {c:?}");
+                })
             });
         }
     }
@@ -1240,30 +1257,32 @@ fn bf16_products_backward_matches_the_gradients_of_the_rounded_operands() {
         let (edq, edk, edv) =
             reference::backward(&p, &qr, x.ql, &kr, x.kl, &vr, x.vl, &x.dout, x.dol);
         let (dkl, dvl) = (x.dkl, x.dvl);
-        for level in levels() {
+        for (level, kern) in product_runs() {
             with_simd_level(level, || {
-                let r = run_kernels(&c, &pb, &x);
-                // Each product rounds its operands (dO, P, dS) to bf16: half a step each.
-                let within = |what: &str, got: &[f32], gl: Layout4, exp: &[f64], sizes| {
-                    let scale = exp.iter().fold(0f64, |m, v| m.max(v.abs()));
-                    assert_close(what, &c, got, gl, exp, sizes, 2f64.powi(-6) * scale);
-                };
-                within("dq", &r.dq, x.dql, &edq, [c.b, c.hq, c.l, c.d]);
-                within("dk", &r.dk, dkl, &edk, [c.b, c.hkv, c.s, c.d]);
-                within("dv", &r.dv, dvl, &edv, [c.b, c.hkv, c.s, c.dv]);
-                // The f32 kernels on the rounded operands differ: the products rounded.
-                let r32 = run_kernels(
-                    &c,
-                    &p,
-                    &Inputs {
-                        q: round_bf16(&x.q),
-                        k: round_bf16(&x.k),
-                        v: round_bf16(&x.v),
-                        dout: x.dout.clone(),
-                        ..x
-                    },
-                );
-                assert_ne!(r.dk, r32.dk, "no rounding seen in {c:?}");
+                with_bf16_kernel(kern, || {
+                    let r = run_kernels(&c, &pb, &x);
+                    // Each product rounds its operands (dO, P, dS) to bf16: half a step each.
+                    let within = |what: &str, got: &[f32], gl: Layout4, exp: &[f64], sizes| {
+                        let scale = exp.iter().fold(0f64, |m, v| m.max(v.abs()));
+                        assert_close(what, &c, got, gl, exp, sizes, 2f64.powi(-6) * scale);
+                    };
+                    within("dq", &r.dq, x.dql, &edq, [c.b, c.hq, c.l, c.d]);
+                    within("dk", &r.dk, dkl, &edk, [c.b, c.hkv, c.s, c.d]);
+                    within("dv", &r.dv, dvl, &edv, [c.b, c.hkv, c.s, c.dv]);
+                    // The f32 kernels on the rounded operands differ: the products rounded.
+                    let r32 = run_kernels(
+                        &c,
+                        &p,
+                        &Inputs {
+                            q: round_bf16(&x.q),
+                            k: round_bf16(&x.k),
+                            v: round_bf16(&x.v),
+                            dout: x.dout.clone(),
+                            ..x
+                        },
+                    );
+                    assert_ne!(r.dk, r32.dk, "no rounding seen in {c:?}");
+                })
             });
         }
     }

@@ -169,11 +169,11 @@ impl Kernel {
     }
 }
 
-/// The `vdpbf16ps`-layout kernel for the attention tiles (AVX512-BF16 where the CPU has it and
-/// the SIMD level is AVX-512, the portable kernel elsewhere): they pack their operands in that
-/// layout, whatever [`super::Bf16Kernel`] the products of `matmul_bf16` take.
+/// The kernel of the attention tiles' bf16 products: the one [`super::Bf16Kernel`] resolves
+/// to on the calling thread, as for `matmul_bf16` (the tiles pack their operands in its layout:
+/// `attention::bf16::Shape`).
 pub(crate) fn kernel() -> Kernel {
-    super::select::vector_or_portable()
+    super::select::resolve()
 }
 
 /// One micro-tile's operands.

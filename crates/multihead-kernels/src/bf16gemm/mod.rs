@@ -43,7 +43,7 @@
 //! # Ok::<(), multihead_kernels::attention::KernelError>(())
 //! ```
 
-mod amx;
+pub(crate) mod amx;
 #[cfg(test)]
 mod amx_tests;
 mod driver;
