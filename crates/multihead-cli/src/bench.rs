@@ -424,6 +424,7 @@ fn report(
                 "bf16_products": multihead::bf16_products(),
                 "bf16_kernel": format!("{:?}", multihead_kernels::bf16gemm::active_bf16_kernel()),
                 "bf16_dot_speedup": multihead_kernels::bf16gemm::bf16_dot_speedup(),
+                "bf16_products_plan": multihead::explain_bf16_products().to_string(),
         });
         if let (Some(o), Some(x)) = (obj.as_object_mut(), extra.as_object()) {
             o.extend(x.clone());
@@ -470,6 +471,9 @@ fn report(
         if extra.as_object().is_some_and(|o| !o.is_empty()) {
             say!("  {extra}");
         }
+    }
+    if a.candle_dtype() == DType::BF16 && !a.json {
+        say!("  {}", multihead::explain_bf16_products());
     }
     Ok(())
 }

@@ -78,6 +78,7 @@ pub mod mode;
 pub mod multihead_attention;
 mod pool;
 mod precision;
+mod products;
 pub mod random;
 pub mod state_dict;
 pub mod train;
@@ -99,6 +100,7 @@ pub use mode::{
 };
 pub use multihead_attention::{MhaConfig, MultiheadAttention, StaticKv};
 pub use pool::on_pool;
+pub use products::{explain_bf16_products, ProductsPlan};
 pub use random::manual_seed;
 pub use state_dict::NamedParameters;
 pub use train::Train;

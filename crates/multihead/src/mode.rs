@@ -72,7 +72,9 @@ impl std::str::FromStr for Backend {
     }
 }
 
-/// How bf16 computation multiplies: bf16 operands directly, or widened to f32 first.
+/// How bf16 computation multiplies: bf16 operands directly, or widened to f32 first
+/// ([`explain_bf16_products`](crate::explain_bf16_products) says which, on which micro-kernel,
+/// and why).
 ///
 /// * `Auto` (the default): [`Direct`](Self::Direct) on CPUs where the bf16 dot-product
 ///   instruction (AVX512-BF16 `vdpbf16ps`) outruns f32 FMA (measured once per process: AMD
@@ -132,26 +134,11 @@ pub fn bf16_products() -> bool {
     }
 }
 
-/// `Auto`'s choice: the environment override, or the measured rate of the bf16 dot product.
+/// `Auto`'s choice: the environment override, AMX tiles where asked for and granted, or the
+/// measured rate of the bf16 dot product (one decision, explained by
+/// [`explain_bf16_products`](crate::explain_bf16_products)).
 fn bf16_products_auto() -> bool {
-    static AUTO: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    use multihead_kernels::bf16gemm::{
-        amx_available, bf16_dot_speedup, Bf16Kernel, AMX_BY_DEFAULT,
-    };
-    *AUTO.get_or_init(|| {
-        let products = std::env::var("MULTIHEAD_BF16_PRODUCTS").ok();
-        let kernel = std::env::var("MULTIHEAD_BF16_KERNEL").ok();
-        let asked_amx = products.as_deref() == Some("amx")
-            || kernel.and_then(|k| k.parse::<Bf16Kernel>().ok()) == Some(Bf16Kernel::Amx);
-        // AMX tiles run bf16 products several times faster than f32 FMA (where the tiles are
-        // not granted, `amx` falls back to the measurement).
-        let tiles = (asked_amx || AMX_BY_DEFAULT) && amx_available();
-        match products.as_deref() {
-            Some("direct") => true,
-            Some("widened") => false,
-            _ => tiles || bf16_dot_speedup().is_some_and(|r| r >= 1.25),
-        }
-    })
+    crate::products::auto_decision().0
 }
 
 /// Runs `f`, a bf16 module's f32 computation, with its products' operands rounded to bf16
@@ -169,7 +156,7 @@ pub(crate) fn in_rounded_products() -> bool {
 }
 
 thread_local! {
-    static BF16_PRODUCTS: Cell<Bf16Products> = const { Cell::new(Bf16Products::Auto) };
+    pub(crate) static BF16_PRODUCTS: Cell<Bf16Products> = const { Cell::new(Bf16Products::Auto) };
     static ROUNDED_PRODUCTS: Cell<bool> = const { Cell::new(false) };
     static BACKEND: Cell<Backend> = const { Cell::new(Backend::Auto) };
     static GRAD: Cell<bool> = const { Cell::new(true) };

@@ -1,0 +1,132 @@
+//! How bf16 products multiply, and why: [`Bf16Products::Auto`]'s one decision
+//! ([`explain_bf16_products`]), which [`crate::bf16_products`] follows.
+
+use std::fmt;
+
+use multihead_kernels::bf16gemm::{
+    active_bf16_kernel, amx_available, bf16_dot_speedup, Bf16Kernel, AMX_BY_DEFAULT,
+};
+
+use crate::mode::{Bf16Products, BF16_PRODUCTS};
+
+/// How the bf16 products started on this thread multiply, and why (from
+/// [`explain_bf16_products`]).
+///
+/// # Example
+/// ```
+/// use multihead::{explain_bf16_products, with_bf16_products, Bf16Products};
+///
+/// let plan = with_bf16_products(Bf16Products::Widened, explain_bf16_products);
+/// assert!(!plan.direct);
+/// assert!(plan.to_string().starts_with("bf16 products widened to f32"), "{plan}");
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct ProductsPlan {
+    /// bf16 operands multiplied as they are (summed in f32); else widened to f32 first.
+    pub direct: bool,
+    /// The micro-kernel of direct products (linear layers and attention alike).
+    pub kernel: Bf16Kernel,
+    /// Why, in words.
+    pub reason: String,
+}
+
+impl fmt::Display for ProductsPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.direct, self.kernel) {
+            (false, _) => write!(f, "bf16 products widened to f32, because {}", self.reason),
+            (true, k) => {
+                let on = match k {
+                    Bf16Kernel::Amx => "AMX tiles (tdpbf16ps)",
+                    Bf16Kernel::AmxEmulated => "the emulation of AMX tiles",
+                    Bf16Kernel::Avx512Bf16 => "AVX512-BF16 (vdpbf16ps)",
+                    _ => "the portable kernel",
+                };
+                write!(f, "bf16 products on {on}, because {}", self.reason)
+            }
+        }
+    }
+}
+
+/// How bf16 products started on this thread multiply ([`Bf16Products`]: the thread's choice,
+/// or `Auto`'s decision for this process), on which micro-kernel, and why: for example "bf16
+/// products on AMX tiles (tdpbf16ps), because AMX was asked for and the kernel granted the
+/// tile state", or "bf16 products widened to f32, because AMX was asked for but is not
+/// available (...), and this CPU has no AVX512-BF16".
+pub fn explain_bf16_products() -> ProductsPlan {
+    let (direct, reason) = match BF16_PRODUCTS.with(|c| c.get()) {
+        Bf16Products::Direct => (true, "Bf16Products::Direct was asked for".to_string()),
+        Bf16Products::Widened => (false, "Bf16Products::Widened was asked for".to_string()),
+        Bf16Products::Auto => auto_decision().clone(),
+    };
+    ProductsPlan { direct, kernel: active_bf16_kernel(), reason }
+}
+
+/// `Auto`'s choice for this process: direct or widened, and why.
+pub(crate) fn auto_decision() -> &'static (bool, String) {
+    static AUTO: std::sync::OnceLock<(bool, String)> = std::sync::OnceLock::new();
+    AUTO.get_or_init(|| {
+        let products = std::env::var("MULTIHEAD_BF16_PRODUCTS").ok();
+        let kernel = std::env::var("MULTIHEAD_BF16_KERNEL").ok();
+        decide(products.as_deref(), kernel.as_deref(), amx_available(), bf16_dot_speedup())
+    })
+}
+
+/// `Auto`'s rule, from the two environment variables, whether AMX is granted, and the measured
+/// rate of the bf16 dot product over f32 FMA.
+fn decide(
+    products: Option<&str>,
+    kernel: Option<&str>,
+    amx: bool,
+    speedup: Option<f64>,
+) -> (bool, String) {
+    match products {
+        Some("direct") => return (true, "MULTIHEAD_BF16_PRODUCTS=direct".into()),
+        Some("widened") => return (false, "MULTIHEAD_BF16_PRODUCTS=widened".into()),
+        _ => {}
+    }
+    let asked_amx = products == Some("amx")
+        || kernel.and_then(|k| k.parse::<Bf16Kernel>().ok()) == Some(Bf16Kernel::Amx);
+    // AMX tiles run bf16 products several times faster than f32 FMA.
+    let tiles = match (asked_amx, AMX_BY_DEFAULT, amx) {
+        (true, _, true) => return (true, "AMX was asked for and the kernel granted the tile state".into()),
+        (_, true, true) => return (true, "AMX tiles are granted on this CPU".into()),
+        (true, _, false) => "AMX was asked for but is not available (no AMX-BF16, or the operating system did not grant the tile state)",
+        (false, false, true) => "AMX tiles are off by default until tested on an AMX CPU (MULTIHEAD_BF16_KERNEL=amx turns them on)",
+        (false, _, false) => "this CPU has no AMX tiles",
+    };
+    match speedup {
+        Some(r) if r >= 1.25 => {
+            (true, format!("{tiles}, and the bf16 dot product runs at {r:.2}x the f32 FMA rate"))
+        }
+        Some(r) => (
+            false,
+            format!("{tiles}, and the bf16 dot product runs at only {r:.2}x the f32 FMA rate (1.25x needed)"),
+        ),
+        None => (false, format!("{tiles}, and this CPU has no AVX512-BF16")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decide;
+
+    #[test]
+    fn auto_decides_from_the_environment_amx_and_the_measured_rate() {
+        let d = |p, k, amx, r| decide(p, k, amx, r);
+        assert!(d(Some("direct"), None, false, None).0);
+        assert!(!d(Some("widened"), Some("amx"), true, Some(2.0)).0);
+        let (on, why) = d(Some("amx"), None, true, Some(0.5));
+        assert!(on && why.contains("granted"), "{why}");
+        let (on, why) = d(None, Some("amx"), false, Some(0.5));
+        assert!(!on && why.contains("not available") && why.contains("0.50x"), "{why}");
+        let (on, why) = d(None, None, false, Some(2.0));
+        assert!(on && why.contains("2.00x"), "{why}");
+        let (on, why) = d(None, None, false, None);
+        assert!(!on && why.contains("no AVX512-BF16"), "{why}");
+        if !multihead_kernels::bf16gemm::AMX_BY_DEFAULT {
+            let (on, why) = d(None, None, true, Some(0.5));
+            assert!(!on && why.contains("off by default"), "{why}");
+        }
+    }
+}
