@@ -49,10 +49,11 @@ impl fmt::Display for ProductsPlan {
 }
 
 /// How bf16 products started on this thread multiply ([`Bf16Products`]: the thread's choice,
-/// or `Auto`'s decision for this process), on which micro-kernel, and why: for example "bf16
-/// products on AMX tiles (tdpbf16ps), because AMX was asked for and the kernel granted the
-/// tile state", or "bf16 products widened to f32, because AMX was asked for but is not
-/// available (...), and this CPU has no AVX512-BF16".
+/// or `Auto`'s decision for this process, made once from the environment and the CPU), on
+/// which micro-kernel (this thread's `Bf16Kernel`), and why: for example "bf16 products on
+/// AMX tiles (tdpbf16ps), because the environment asked for AMX and the kernel granted the
+/// tile state", or "bf16 products widened to f32, because the environment asked for AMX, which
+/// is not available (...), and this CPU has no AVX512-BF16".
 pub fn explain_bf16_products() -> ProductsPlan {
     let (direct, reason) = match BF16_PRODUCTS.with(|c| c.get()) {
         Bf16Products::Direct => (true, "Bf16Products::Direct was asked for".to_string()),
@@ -89,10 +90,12 @@ fn decide(
         || kernel.and_then(|k| k.parse::<Bf16Kernel>().ok()) == Some(Bf16Kernel::Amx);
     // AMX tiles run bf16 products several times faster than f32 FMA.
     let tiles = match (asked_amx, AMX_BY_DEFAULT, amx) {
-        (true, _, true) => return (true, "AMX was asked for and the kernel granted the tile state".into()),
+        (true, _, true) => {
+            return (true, "the environment asked for AMX and the kernel granted the tile state".into())
+        }
         (_, true, true) => return (true, "AMX tiles are granted on this CPU".into()),
-        (true, _, false) => "AMX was asked for but is not available (no AMX-BF16, or the operating system did not grant the tile state)",
-        (false, false, true) => "AMX tiles are off by default until tested on an AMX CPU (MULTIHEAD_BF16_KERNEL=amx turns them on)",
+        (true, _, false) => "the environment asked for AMX, which is not available (no AMX-BF16, or the operating system did not grant the tile state)",
+        (false, false, true) => "AMX tiles are granted but not taken by default until tested on an AMX CPU (MULTIHEAD_BF16_KERNEL=amx turns them on for the process, with_bf16_kernel for a thread)",
         (false, _, false) => "this CPU has no AMX tiles",
     };
     match speedup {

@@ -677,18 +677,18 @@ unsafe fn f32_grads<S: Simd>(
 }
 
 /// The output-gradient rows of one key block and whether it is the query block's first.
-struct BlockGrads {
+pub(super) struct BlockGrads {
     /// `dV_j` and `dK_j` rows (accumulated into) and their row strides.
-    dvj: (*mut f32, usize),
-    dkj: (*mut f32, usize),
+    pub(super) dvj: (*mut f32, usize),
+    pub(super) dkj: (*mut f32, usize),
     /// `K_j` rows and their stride.
-    kj: (*const f32, usize),
-    first: bool,
+    pub(super) kj: (*const f32, usize),
+    pub(super) first: bool,
 }
 
 /// The backward's bf16 products (`AttnParams::bf16_products`): the scratch of one task and the
 /// five products of a tile, each with bf16 operands and f32 sums.
-struct BwdBf16 {
+pub(super) struct BwdBf16 {
     /// Panels of the query block's `q` rows, then of its `dO` rows (the two score tiles).
     qp: *mut u32,
     /// Rounded key (or value) rows of the score tiles.
@@ -703,13 +703,13 @@ struct BwdBf16 {
     kw: *mut u32,
     dsw: *mut u32,
     /// `dQᵀ` of the query block, channels × lanes.
-    dqt: *mut f32,
+    pub(super) dqt: *mut f32,
 }
 
 impl BwdBf16 {
     /// Scratch sizes in f32 units on `kern` (its operand layout: [`bf::Shape`]): panels,
     /// rounded rows, words and `dQᵀ`.
-    fn sizes(kern: Kernel, br: usize, bc: usize, d: usize, dv: usize) -> [usize; 9] {
+    pub(super) fn sizes(kern: Kernel, br: usize, bc: usize, d: usize, dv: usize) -> [usize; 9] {
         use crate::bf16gemm::{MR, NR};
         let sh = bf::Shape::of(kern);
         let (bcr, kpr, kpc) = (sh.rows(bc), sh.kp(br.div_ceil(2)), sh.kp(bc.div_ceil(2)));
@@ -727,7 +727,7 @@ impl BwdBf16 {
     }
 
     /// The buffers from carved scratch pointers (in the order of `sizes`).
-    fn carve(p: [*mut f32; 9]) -> Self {
+    pub(super) fn carve(p: [*mut f32; 9]) -> Self {
         BwdBf16 {
             qp: p[0] as *mut u32,
             kb: p[1] as *mut u16,
@@ -747,7 +747,7 @@ impl BwdBf16 {
     /// `q`/`dout` rows `< br` readable (`d`/`dv` floats each); buffers sized by `sizes`.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn start_block(
+    pub(super) unsafe fn start_block(
         &self,
         kern: Kernel,
         q: *const f32,
@@ -805,7 +805,7 @@ impl BwdBf16 {
     /// # Safety
     /// `st`/`dpt` hold the tile's `P∘m` and `dS` (`bc · brp`); the rows in `g` are valid.
     #[inline(always)]
-    unsafe fn grads(
+    pub(super) unsafe fn grads(
         &self,
         kern: crate::bf16gemm::micro::Kernel,
         (st, dpt): (*const f32, *const f32),

@@ -201,8 +201,9 @@ impl CustomOp3 for VarlenAttention {
             Rows::of(cpu_f32(s3)?, l3, dv)?,
         );
         let (tq, tk) = (l1.dims()[0], l2.dims()[0]);
-        // Contiguous keys and values for the whole call when some sequence re-reads more than
-        // a key block of them (`forward_copies_keys`); read in place otherwise.
+        // Contiguous keys and values for the whole call when its longest query and key runs
+        // (perhaps of different sequences: erring towards the copy) would re-read more than a
+        // key block (`forward_copies_keys`); read in place otherwise.
         let longest = |cu: &[usize]| cu.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
         let (lq, lk) = (longest(&self.cu_q), longest(&self.cu_k));
         let copy = multihead_kernels::attention::forward_copies_keys(lq, lk, hq, hk);

@@ -188,9 +188,16 @@ impl TransformerDecoderLayer {
             o.key_padding_mask = memory_key_padding_mask.cloned();
             o
         };
-        // The cross-attention's options checked against the step's shapes before the cache
-        // changes (the self-attention checks its own first).
-        self.multihead_attn.explain_static(x, memory, &cross)?;
+        // Options on the cross-attention are checked against the step's shapes before the
+        // cache changes (the self-attention checks its own first); without any, there is
+        // nothing the memory's `start` did not check (and no widening of a bf16 layer's
+        // weights to plan a call that cannot fail).
+        let plain = opts.cross_attn.sinks.is_none()
+            && opts.cross_attn.variants.softcap.is_none()
+            && opts.cross_attn.variants.kv_lengths.is_none();
+        if !plain {
+            self.multihead_attn.explain_static(x, memory, &cross)?;
+        }
         crate::mode::no_grad(|| {
             let sa = |x: &Tensor, c: &mut KvCache| {
                 self.self_attn.forward_cached_with(x, c, lengths, &opts.self_attn)

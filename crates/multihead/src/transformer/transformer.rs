@@ -181,7 +181,9 @@ impl Transformer {
     /// `opts.decoder_cross` (each `is_causal` taken as given: no causal-mask detection). A
     /// dropout key `(seed, offset)` keys encoder layer `i` with `(seed, offset + i·2^48)` and
     /// decoder layer `i` with `(seed, offset + (num_encoder_layers + i)·2^48)`, so no two
-    /// layers share a dropout mask. `static_k`/`static_v` are refused (`Error::Config`).
+    /// layers share a dropout mask; a decoder layer's self- and cross-attention take the key
+    /// of their own options, so give those two different keys (or offsets) for independent
+    /// masks. `static_k`/`static_v` are refused (`Error::Config`).
     ///
     /// # Shapes
     /// * As in [`forward`](Self::forward); the options' shapes as in [`MhaOptions`] (`L = S`
