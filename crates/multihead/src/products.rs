@@ -129,7 +129,7 @@ mod tests {
         assert!(!on && why.contains("no AVX512-BF16"), "{why}");
         if !multihead_kernels::bf16gemm::AMX_BY_DEFAULT {
             let (on, why) = d(None, None, true, Some(0.5));
-            assert!(!on && why.contains("off by default"), "{why}");
+            assert!(!on && why.contains("not taken by default"), "{why}");
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Tensor};
 
-use super::{DecoderMasks, Transformer};
+use super::{StepOptions, Transformer};
 use crate::error::{Error, Result};
 use crate::mask::Mask;
 use crate::random::DropoutKey;
@@ -159,6 +159,52 @@ impl Transformer {
         embed: impl Fn(&[u32], usize) -> Result<Tensor>,
         logits: impl Fn(&Tensor) -> Result<Tensor>,
     ) -> Result<Vec<Vec<u32>>> {
+        let how = (opts, &StepOptions::default());
+        self.generate_with(memory, memory_key_padding_mask, bos, how, embed, logits)
+    }
+
+    /// [`generate`](Self::generate) with attention variants in every decoder layer
+    /// ([`StepOptions`], as [`decode_step_with`](Self::decode_step_with) takes them): with the
+    /// cache each step runs `decode_step_with`; without it (`use_cache: false`) each step
+    /// recomputes the prefix with [`StepOptions::prefix_options`], giving the same tokens.
+    ///
+    /// # Shapes
+    /// * As in [`generate`](Self::generate).
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use multihead::multihead_attention::CachedOptions;
+    /// use multihead::transformer::{GenerateOptions, LayerConfig, StepOptions, Transformer, TransformerConfig};
+    ///
+    /// let dev = Device::Cpu;
+    /// let vm = VarMap::new();
+    /// let layer = LayerConfig::new(8, 2).with_dim_feedforward(16).with_batch_first(true);
+    /// let cfg = TransformerConfig { layer, num_encoder_layers: 1, num_decoder_layers: 1 };
+    /// let mut model = Transformer::new(cfg, VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
+    /// model.eval();
+    /// let memory = model.encode(&Tensor::randn(0f32, 1.0, (1, 4, 8), &dev)?, None, None)?;
+    /// let table = Tensor::randn(0f32, 1.0, (5, 8), &dev)?; // 5 tokens
+    /// let embed = |ids: &[u32], _pos: usize| Ok(table.index_select(&Tensor::new(ids, &dev)?, 0)?);
+    /// let logits = |h: &Tensor| Ok(h.matmul(&table.t()?)?);
+    /// let step = StepOptions::default().self_attn(CachedOptions::default().softcap(5.0).window(2));
+    /// let opts = GenerateOptions { max_new_tokens: 4, ..Default::default() };
+    /// let out = model.generate_with(&memory, None, &[0], (&opts, &step), embed, logits)?;
+    /// assert_eq!(out[0].len(), 4);
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
+    // The decoding loop users write around torch.nn.Transformer.decoder, with the attention
+    // variants.
+    pub fn generate_with(
+        &self,
+        memory: &Tensor,
+        memory_key_padding_mask: Option<&Mask>,
+        bos: &[u32],
+        (opts, step): (&GenerateOptions, &StepOptions),
+        embed: impl Fn(&[u32], usize) -> Result<Tensor>,
+        logits: impl Fn(&Tensor) -> Result<Tensor>,
+    ) -> Result<Vec<Vec<u32>>> {
         let bf = self.cfg.layer.batch_first;
         let n = bos.len();
         if memory.rank() != 3 || memory.dim(if bf { 0 } else { 1 })? != n {
@@ -203,11 +249,11 @@ impl Transformer {
             }
             let x = x.unsqueeze(seq_dim)?; // (N, 1, E) or (1, N, E)
             let h = match &mut state {
-                Some(state) => self.decode_step(&x, state, None)?,
+                Some(state) => self.decode_step_with(&x, state, None, step)?,
                 None => {
                     inputs.push(x);
                     let prefix = Tensor::cat(&inputs, seq_dim)?;
-                    self.recompute_last(&prefix, memory, memory_key_padding_mask)?
+                    self.recompute_last(&prefix, memory, memory_key_padding_mask, step)?
                 }
             };
             let next = pick(&logits(&h.squeeze(seq_dim)?)?, n, opts.sampling, pos)?;
@@ -225,23 +271,24 @@ impl Transformer {
         Ok(out)
     }
 
-    /// The decoder over a whole prefix with a causal mask, at its last position.
+    /// The decoder over a whole prefix with a causal mask (and the options that `step`'s
+    /// steps equal), at its last position.
     fn recompute_last(
         &self,
         prefix: &Tensor,
         memory: &Tensor,
         kpm: Option<&Mask>,
+        step: &StepOptions,
     ) -> Result<Tensor> {
         let seq_dim = if self.cfg.layer.batch_first { 1 } else { 0 };
         let len = prefix.dim(seq_dim)?;
         let mask = crate::generate_square_subsequent_mask(len, prefix.dtype(), prefix.device())?;
-        let masks = DecoderMasks {
-            tgt_mask: Some(Mask::Float(mask)),
-            tgt_is_causal: Some(true),
-            memory_key_padding_mask: kpm.cloned(),
-            ..Default::default()
-        };
-        let h = crate::mode::no_grad(|| self.decoder.forward(prefix, memory, &masks))?;
+        let (mut self_opts, cross_opts) = step.prefix_options(kpm);
+        // The causal mask as PyTorch's decoder takes it (the window's right side says so too).
+        self_opts = self_opts.attn_mask(Mask::Float(mask)).is_causal(true);
+        let h = crate::mode::no_grad(|| {
+            self.decoder.forward_with(prefix, memory, &self_opts, &cross_opts)
+        })?;
         Ok(h.narrow(seq_dim, len - 1, 1)?)
     }
 }

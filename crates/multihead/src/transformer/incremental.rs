@@ -58,6 +58,37 @@ impl StepOptions {
         self.cross_attn = opts;
         self
     }
+
+    /// The options of [`TransformerDecoder::forward_with`] over the whole prefix that steps
+    /// with these options equal at the new positions: causal self-attention
+    /// (`window(left, Some(0))`) with the same soft cap, ALiBi slopes and sinks, and the
+    /// cross-attention's options with the memory's key padding mask.
+    ///
+    /// # Example
+    /// ```
+    /// use multihead::multihead_attention::CachedOptions;
+    /// use multihead::transformer::StepOptions;
+    ///
+    /// let step = StepOptions::default().self_attn(CachedOptions::default().window(3).softcap(9.0));
+    /// let (self_opts, _cross) = step.prefix_options(None);
+    /// assert_eq!(self_opts.variants.window.left, Some(3));
+    /// assert_eq!(self_opts.variants.window.right, Some(0));
+    /// assert_eq!(self_opts.variants.softcap, Some(9.0));
+    /// ```
+    pub fn prefix_options(
+        &self,
+        memory_key_padding_mask: Option<&Mask>,
+    ) -> (MhaOptions, MhaOptions) {
+        let c = &self.self_attn;
+        let mut v = crate::Variants::default().window(c.window, Some(0));
+        v.softcap = c.softcap;
+        v.alibi_slopes = c.alibi_slopes.clone();
+        let mut self_opts = MhaOptions::default().variants(v);
+        self_opts.sinks = c.sinks.clone();
+        let mut cross = self.cross_attn.clone();
+        cross.key_padding_mask = memory_key_padding_mask.cloned();
+        (self_opts, cross)
+    }
 }
 
 /// Refuses the cross-attention options a step cannot honour: those that depend on the target

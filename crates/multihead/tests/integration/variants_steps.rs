@@ -168,3 +168,44 @@ fn bad_step_options_are_errors_before_any_cache_changes() {
         assert_eq!(c.positions(), &[1, 1]);
     }
 }
+
+/// `generate_with`: the cached steps with the variants give the tokens of recomputing the
+/// prefix with `StepOptions::prefix_options`, greedy and sampled, and the variants change
+/// what is generated.
+#[test]
+fn generation_with_variants_gives_the_tokens_of_recomputing() {
+    use multihead::transformer::{GenerateOptions, Sampling};
+    let (m, _vm) = model(true, DType::F32);
+    let table = det(&[9, 16], DType::F32, 5.0);
+    let embed = |toks: &[u32], p: usize| -> multihead::Result<Tensor> {
+        let e = table.index_select(&Tensor::new(toks, &dev())?, 0)?;
+        Ok((e + 0.1 * p as f64)?)
+    };
+    let logits = |h: &Tensor| -> multihead::Result<Tensor> { Ok((h.matmul(&table.t()?)? * 4.0)?) };
+    let src = det(&[2, 6, 16], DType::F32, 6.0);
+    let memory = m.encoder().forward_with(&src, &MhaOptions::default()).unwrap();
+    let sinks = Tensor::new(&[0.5f32, -0.5, 1.0, 0.0], &dev()).unwrap();
+    let step = StepOptions::default()
+        .self_attn(
+            CachedOptions::default()
+                .softcap(0.7)
+                .window(3)
+                .alibi(vec![0.3, 0.2, 0.1, 0.05])
+                .sinks(sinks),
+        )
+        .cross_attn(MhaOptions::default().softcap(0.9));
+    let mut any_change = false;
+    for sampling in [Sampling::Greedy, Sampling::Sample { temperature: 0.9, seed: 7 }] {
+        let opts = GenerateOptions { max_new_tokens: 24, sampling, eos: None, use_cache: true };
+        let cached =
+            m.generate_with(&memory, None, &[0, 1], (&opts, &step), embed, logits).unwrap();
+        let no_cache = GenerateOptions { use_cache: false, ..opts.clone() };
+        let recomputed =
+            m.generate_with(&memory, None, &[0, 1], (&no_cache, &step), embed, logits).unwrap();
+        assert_eq!(cached, recomputed, "{sampling:?}");
+        assert_eq!(cached[0].len(), 24);
+        let plain = m.generate(&memory, None, &[0, 1], &opts, embed, logits).unwrap();
+        any_change |= plain != cached;
+    }
+    assert!(any_change, "the variants did not change a single token");
+}
