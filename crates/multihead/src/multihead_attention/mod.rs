@@ -571,8 +571,9 @@ impl MultiheadAttention {
             id if id == query.id() => q.clone(),
             _ => round(value, dt)?,
         };
+        let opts = crate::functional::round_masks(opts, &|t| round(t, dt))?;
         let out = crate::mode::autocast_off(|| {
-            crate::mode::rounded_products(dt, || m.forward(&q, &k, &v, opts))
+            crate::mode::rounded_products(dt, || m.forward(&q, &k, &v, &opts))
         })?;
         Ok(MhaOutput {
             output: round(&out.output, dt)?,

@@ -188,7 +188,9 @@ impl TransformerDecoderLayer {
         cross_opts: &MhaOptions,
     ) -> Result<Tensor> {
         let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {
-            m.forward_with(&r(tgt)?, &r(memory)?, self_opts, cross_opts)
+            use crate::functional::round_masks;
+            let (so, co) = (round_masks(self_opts, r)?, round_masks(cross_opts, r)?);
+            m.forward_with(&r(tgt)?, &r(memory)?, &so, &co)
         };
         if let Some(y) = crate::precision::autocast_run(self, tgt.dtype(), autocast) {
             return y;

@@ -159,8 +159,9 @@ impl TransformerEncoderLayer {
 
     /// [`forward_with`](Self::forward_with) on this thread.
     fn forward_here(&self, src: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
-        let autocast =
-            |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| m.forward_with(&r(src)?, opts);
+        let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {
+            m.forward_with(&r(src)?, &crate::functional::round_masks(opts, r)?)
+        };
         if let Some(y) = crate::precision::autocast_run(self, src.dtype(), autocast) {
             return y;
         }

@@ -123,3 +123,60 @@ fn autocast_is_scoped_and_f32_outside_it() {
     assert_eq!(bits(&y), bits(&rounded));
     assert_ne!(bits(&y), bits(&plain));
 }
+
+/// Under autocast a float mask is rounded to the autocast dtype, as PyTorch's autocast casts
+/// SDPA's `attn_mask` (into which MHA merges both masks): MultiheadAttention (with and without
+/// weights) and the encoder and decoder layers give the bits of the same call with the mask
+/// rounded beforehand, and other numbers than with no mask.
+#[test]
+fn autocast_rounds_float_masks_as_pytorch_casts_them() {
+    use candle_nn::{VarBuilder, VarMap};
+    use multihead::transformer::{LayerConfig, TransformerDecoderLayer, TransformerEncoderLayer};
+    use multihead::{Mask, MhaConfig, MhaOptions, MultiheadAttention};
+    let dev = candle_core::Device::Cpu;
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev);
+    let mha =
+        MultiheadAttention::new(MhaConfig::new(8, 2).with_batch_first(true), vb.pp("m")).unwrap();
+    let cfg =
+        LayerConfig::new(8, 2).with_dim_feedforward(16).with_batch_first(true).with_dropout(0.0);
+    let enc = TransformerEncoderLayer::new(cfg.clone(), vb.pp("e")).unwrap();
+    let dec = TransformerDecoderLayer::new(cfg, vb.pp("d")).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (2, 3, 8), &dev).unwrap();
+    // Values bf16 cannot hold: rounding them changes the scores.
+    let mask = (Tensor::randn(0f32, 1.0, (3, 3), &dev).unwrap() * 0.37).unwrap();
+    let kpm = (Tensor::randn(0f32, 1.0, (2, 3), &dev).unwrap() * 0.29).unwrap();
+    let rounded = |t: &Tensor| t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+    let opts = |m: &Tensor, k: &Tensor| {
+        MhaOptions::default()
+            .attn_mask(Mask::Float(m.clone()))
+            .key_padding_mask(Mask::Float(k.clone()))
+    };
+    let (given, pre) = (opts(&mask, &kpm), opts(&rounded(&mask), &rounded(&kpm)));
+    type Run<'a> = Box<dyn Fn(&MhaOptions) -> Tensor + 'a>;
+    let runs: Vec<(&str, Run)> = vec![
+        (
+            "mha",
+            Box::new(|o: &MhaOptions| {
+                mha.forward(&x, &x, &x, &o.clone().need_weights(false)).unwrap().output
+            }),
+        ),
+        ("mha weights", Box::new(|o: &MhaOptions| mha.forward(&x, &x, &x, o).unwrap().output)),
+        ("encoder layer", Box::new(|o: &MhaOptions| enc.forward_with(&x, o).unwrap())),
+        (
+            "decoder self",
+            Box::new(|o: &MhaOptions| dec.forward_with(&x, &x, o, &MhaOptions::default()).unwrap()),
+        ),
+        (
+            "decoder cross",
+            Box::new(|o: &MhaOptions| dec.forward_with(&x, &x, &MhaOptions::default(), o).unwrap()),
+        ),
+    ];
+    for (what, run) in &runs {
+        let a = autocast(DType::BF16, || run(&given));
+        let b = autocast(DType::BF16, || run(&pre));
+        assert_eq!(bits(&a), bits(&b), "{what}: the mask was not rounded under autocast");
+        let none = autocast(DType::BF16, || run(&MhaOptions::default()));
+        assert_ne!(bits(&a), bits(&none), "{what}: the mask had no effect");
+    }
+}

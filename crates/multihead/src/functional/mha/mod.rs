@@ -351,6 +351,25 @@ pub(crate) fn widen_options(opts: &MhaOptions) -> Result<MhaOptions> {
     Ok(o)
 }
 
+/// `opts` with its float masks passed through `round` (under `autocast`: PyTorch's autocast
+/// casts SDPA's `attn_mask`, into which MHA merges both masks, to the autocast dtype). Bool
+/// masks, static keys and values and sinks stay as given.
+pub(crate) fn round_masks(
+    opts: &MhaOptions,
+    round: &dyn Fn(&Tensor) -> Result<Tensor>,
+) -> Result<MhaOptions> {
+    let r = |m: &Option<Mask>| -> Result<Option<Mask>> {
+        Ok(match m {
+            Some(Mask::Float(t)) => Some(Mask::Float(round(t)?)),
+            other => other.clone(),
+        })
+    };
+    let mut o = opts.clone();
+    o.attn_mask = r(&opts.attn_mask)?;
+    o.key_padding_mask = r(&opts.key_padding_mask)?;
+    Ok(o)
+}
+
 /// Whether every float tensor of `opts` (float masks, static keys and values, sinks) is in
 /// `dtype`: a reduced-precision call whose options may be widened with its inputs. Otherwise
 /// the call runs as given and validation names the argument in the wrong dtype.
