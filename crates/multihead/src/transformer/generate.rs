@@ -205,6 +205,8 @@ impl Transformer {
         embed: impl Fn(&[u32], usize) -> Result<Tensor>,
         logits: impl Fn(&Tensor) -> Result<Tensor>,
     ) -> Result<Vec<Vec<u32>>> {
+        // The step's own refusals, with the cache or without (recomputing would apply them).
+        super::incremental::check_step_cross(&step.cross_attn)?;
         let bf = self.cfg.layer.batch_first;
         let n = bos.len();
         if memory.rank() != 3 || memory.dim(if bf { 0 } else { 1 })? != n {
@@ -286,6 +288,10 @@ impl Transformer {
         let (mut self_opts, cross_opts) = step.prefix_options(kpm);
         // The causal mask as PyTorch's decoder takes it (the window's right side says so too).
         self_opts = self_opts.attn_mask(Mask::Float(mask)).is_causal(true);
+        // The cached steps take sinks of any float dtype; the full forward, the model's.
+        if let Some(s) = &self_opts.sinks {
+            self_opts.sinks = Some(s.to_dtype(prefix.dtype())?);
+        }
         let h = crate::mode::no_grad(|| {
             self.decoder.forward_with(prefix, memory, &self_opts, &cross_opts)
         })?;

@@ -93,7 +93,7 @@ impl StepOptions {
 
 /// Refuses the cross-attention options a step cannot honour: those that depend on the target
 /// position (or replace the memory's keys), naming the first one set.
-fn check_step_cross(o: &MhaOptions) -> Result<()> {
+pub(super) fn check_step_cross(o: &MhaOptions) -> Result<()> {
     let v = &o.variants;
     let set = [
         (o.attn_mask.is_some(), "attn_mask"),

@@ -209,3 +209,37 @@ fn generation_with_variants_gives_the_tokens_of_recomputing() {
     }
     assert!(any_change, "the variants did not change a single token");
 }
+
+/// `generate_with` refuses what a step refuses whether or not it uses the cache, and an f64
+/// model given f32 sinks (which the cached steps take) generates the same tokens both ways.
+#[test]
+fn generation_refuses_step_options_and_takes_sinks_of_any_dtype_both_ways() {
+    use multihead::transformer::GenerateOptions;
+    let (m, _vm) = model(false, DType::F64);
+    let table = det(&[7, 16], DType::F64, 8.0);
+    let embed = |toks: &[u32], _p: usize| -> multihead::Result<Tensor> {
+        Ok(table.index_select(&Tensor::new(toks, &dev())?, 0)?)
+    };
+    let logits = |h: &Tensor| -> multihead::Result<Tensor> { Ok((h.matmul(&table.t()?)? * 3.0)?) };
+    let memory = m
+        .encoder()
+        .forward_with(&det(&[2, 5, 16], DType::F64, 9.0), &MhaOptions::default())
+        .unwrap();
+    let mask = Mask::Bool(Tensor::zeros((1, 5), DType::U8, &dev()).unwrap());
+    let bad = StepOptions::default().cross_attn(MhaOptions::default().attn_mask(mask));
+    for use_cache in [true, false] {
+        let opts = GenerateOptions { max_new_tokens: 3, use_cache, ..Default::default() };
+        let e = m.generate_with(&memory, None, &[0, 1], (&opts, &bad), embed, logits).unwrap_err();
+        assert!(
+            matches!(&e, Error::Config { arg: "cross_attn", .. }),
+            "use_cache={use_cache}: {e}"
+        );
+    }
+    let sinks = Tensor::new(&[0.25f32, -0.5, 1.5, 0.0], &dev()).unwrap();
+    let step = StepOptions::default().self_attn(CachedOptions::default().sinks(sinks).softcap(0.8));
+    let run = |use_cache| {
+        let opts = GenerateOptions { max_new_tokens: 12, use_cache, ..Default::default() };
+        m.generate_with(&memory, None, &[0, 1], (&opts, &step), embed, logits).unwrap()
+    };
+    assert_eq!(run(true), run(false));
+}
