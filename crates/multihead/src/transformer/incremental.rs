@@ -202,6 +202,21 @@ impl TransformerDecoderLayer {
         lengths: Option<&[usize]>,
         opts: &StepOptions,
     ) -> Result<Tensor> {
+        let kpm = memory_key_padding_mask;
+        self.step(x, (memory, kpm), cache, lengths, (opts, true))
+    }
+
+    /// [`forward_step_with`](Self::forward_step_with), planning the cross-attention first when
+    /// `check` (a stack's later layers skip it: the first layer checked the same options on
+    /// the same shapes, and a bf16 layer's plan widens its weights and the memory).
+    fn step(
+        &self,
+        x: &Tensor,
+        (memory, memory_key_padding_mask): (&StaticKv, Option<&Mask>),
+        cache: &mut KvCache,
+        lengths: Option<&[usize]>,
+        (opts, check): (&StepOptions, bool),
+    ) -> Result<Tensor> {
         if self.training && self.cfg.dropout > 0.0 {
             return Err(Error::Config {
                 op: STEP,
@@ -226,7 +241,7 @@ impl TransformerDecoderLayer {
         let plain = opts.cross_attn.sinks.is_none()
             && opts.cross_attn.variants.softcap.is_none()
             && opts.cross_attn.variants.kv_lengths.is_none();
-        if !plain {
+        if check && !plain {
             self.multihead_attn.explain_static(x, memory, &cross)?;
         }
         crate::mode::no_grad(|| {
@@ -386,8 +401,10 @@ impl TransformerDecoder {
         }
         let mut x = x.clone();
         let kpm = state.memory_key_padding_mask.clone();
-        for ((layer, cache), mem) in self.layers.iter().zip(&mut state.caches).zip(&state.memory) {
-            x = layer.forward_step_with(&x, mem, cache, kpm.as_ref(), lengths, opts)?;
+        let layers = self.layers.iter().zip(&mut state.caches).zip(&state.memory);
+        for (i, ((layer, cache), mem)) in layers.enumerate() {
+            // The first layer plans the cross-attention's options; the others take its word.
+            x = layer.step(&x, (mem, kpm.as_ref()), cache, lengths, (opts, i == 0))?;
         }
         crate::mode::no_grad(|| final_norm(self.norm.as_ref(), x))
     }
