@@ -2,7 +2,9 @@ use crate::fused::zeros::residual;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
-use super::{attention_block, feed_forward, mask_options, prefixed, LayerConfig};
+use super::{
+    attention_block, feed_forward, mask_options, prefixed, DropoutSlot, LayerConfig, LayerDropout,
+};
 use crate::error::Result;
 use crate::layer_norm::LayerNorm;
 use crate::linear::Linear;
@@ -105,25 +107,19 @@ impl TransformerDecoderLayer {
         self.train(false);
     }
 
+    /// An attention block and its dropout (`slot` of the layer's dropouts `drop`).
     fn block(
         &self,
         attn: &MultiheadAttention,
-        x: &Tensor,
-        mem: &Tensor,
+        (x, mem): (&Tensor, &Tensor),
         opts: &MhaOptions,
+        (drop, slot): (&LayerDropout, DropoutSlot),
     ) -> Result<Tensor> {
-        attention_block(attn, x, mem, opts, self.cfg.dropout, self.training)
+        attention_block(attn, (x, mem), opts, drop, slot)
     }
 
-    fn feed_forward(&self, x: &Tensor) -> Result<Tensor> {
-        feed_forward(
-            &self.linear1,
-            &self.linear2,
-            self.cfg.activation,
-            self.cfg.dropout,
-            self.training,
-            x,
-        )
+    fn feed_forward(&self, x: &Tensor, drop: &LayerDropout) -> Result<Tensor> {
+        feed_forward(&self.linear1, &self.linear2, self.cfg.activation, drop, x)
     }
 
     /// Runs the layer; `masks.tgt_is_causal = None` means `false` here.
@@ -140,7 +136,10 @@ impl TransformerDecoderLayer {
     /// lacks (soft cap, windows, causal alignment, key lengths, ALiBi, sinks; see
     /// `docs/variants.md`), as in
     /// [`TransformerEncoderLayer::forward_with`](super::TransformerEncoderLayer::forward_with):
-    /// the weights are never returned, a dropout key keys that attention's dropout only.
+    /// the weights are never returned; a dropout key keys that attention's dropout, and the
+    /// key of `self_opts` also the layer's other dropouts (each at its own offset) and, when
+    /// `cross_opts` has no key, the cross-attention's, so a keyed call draws nothing from the
+    /// global generator.
     /// `static_k`/`static_v` are refused in `self_opts` (an `Error::Config`) and taken in
     /// `cross_opts` (precomputed memory keys and values, as `MultiheadAttention` takes them).
     ///
@@ -213,17 +212,30 @@ impl TransformerDecoderLayer {
             return narrow(&y, dtype);
         }
         let (sa, ca) = (&self.self_attn, &self.multihead_attn);
+        // The layer's own dropouts are keyed by the self-attention's key, when given.
+        let drop = LayerDropout::new(self.cfg.dropout, self.training, self_opts.dropout_key);
+        let keyed_cross;
+        let cross_opts = match (cross_opts.dropout_key, drop.key(DropoutSlot::CrossAttention)) {
+            (None, Some(k)) => {
+                keyed_cross = cross_opts.clone().dropout_key(k);
+                &keyed_cross
+            }
+            _ => cross_opts,
+        };
+        let (own, cross) = ((&drop, DropoutSlot::SelfBlock), (&drop, DropoutSlot::CrossBlock));
         let x = tgt;
         if self.cfg.norm_first {
             let h = self.norm1.forward(x)?;
-            let x = residual(x, &self.block(sa, &h, &h, self_opts)?)?;
-            let x = residual(&x, &self.block(ca, &self.norm2.forward(&x)?, memory, cross_opts)?)?;
-            residual(&x, &self.feed_forward(&self.norm3.forward(&x)?)?)
+            let x = residual(x, &self.block(sa, (&h, &h), self_opts, own)?)?;
+            let h = self.norm2.forward(&x)?;
+            let x = residual(&x, &self.block(ca, (&h, memory), cross_opts, cross)?)?;
+            residual(&x, &self.feed_forward(&self.norm3.forward(&x)?, &drop)?)
         } else {
             // Each residual sum and its norm are one op (`LayerNorm::forward_residual`).
-            let x = self.norm1.forward_residual(x, &self.block(sa, x, x, self_opts)?)?;
-            let x = self.norm2.forward_residual(&x, &self.block(ca, &x, memory, cross_opts)?)?;
-            self.norm3.forward_residual(&x, &self.feed_forward(&x)?)
+            let x = self.norm1.forward_residual(x, &self.block(sa, (x, x), self_opts, own)?)?;
+            let c = self.block(ca, (&x, memory), cross_opts, cross)?;
+            let x = self.norm2.forward_residual(&x, &c)?;
+            self.norm3.forward_residual(&x, &self.feed_forward(&x, &drop)?)
         }
     }
 }

@@ -2,7 +2,9 @@ use crate::fused::zeros::residual;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
-use super::{attention_block, feed_forward, mask_options, prefixed, LayerConfig};
+use super::{
+    attention_block, feed_forward, mask_options, prefixed, DropoutSlot, LayerConfig, LayerDropout,
+};
 use crate::error::Result;
 use crate::layer_norm::LayerNorm;
 use crate::linear::Linear;
@@ -84,19 +86,18 @@ impl TransformerEncoderLayer {
         self.training
     }
 
-    fn attend(&self, x: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
-        attention_block(&self.self_attn, x, x, opts, self.cfg.dropout, self.training)
+    /// The layer's own dropouts, keyed by `key` (the self-attention's) when given.
+    fn dropouts(&self, key: Option<crate::random::DropoutKey>) -> LayerDropout {
+        LayerDropout::new(self.cfg.dropout, self.training, key)
     }
 
-    fn feed_forward(&self, x: &Tensor) -> Result<Tensor> {
-        feed_forward(
-            &self.linear1,
-            &self.linear2,
-            self.cfg.activation,
-            self.cfg.dropout,
-            self.training,
-            x,
-        )
+    fn attend(&self, x: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
+        let drop = self.dropouts(opts.dropout_key);
+        attention_block(&self.self_attn, (x, x), opts, &drop, DropoutSlot::SelfBlock)
+    }
+
+    fn feed_forward(&self, x: &Tensor, drop: &LayerDropout) -> Result<Tensor> {
+        feed_forward(&self.linear1, &self.linear2, self.cfg.activation, drop, x)
     }
 
     /// Runs the layer. `is_causal` is PyTorch's hint: it needs `src_mask` (see
@@ -119,8 +120,10 @@ impl TransformerEncoderLayer {
     /// see `docs/variants.md`) apply inside the block as in
     /// [`MultiheadAttention::forward`](crate::MultiheadAttention::forward), fused where the plan
     /// allows. `need_weights` and `average_attn_weights` are ignored: the layer returns no
-    /// weights. `opts.dropout_key` keys the attention's dropout only; the layer's other dropouts
-    /// draw from the global generator; `opts.backend` chooses the attention's path only.
+    /// weights. `opts.dropout_key` keys the attention's dropout and, each at its own offset
+    /// (`slot·2^40`), the layer's other dropouts, so a keyed call draws nothing from the global
+    /// generator (without a key they draw from it, as PyTorch's do); `opts.backend` chooses the
+    /// attention's path only.
     /// `static_k`/`static_v` are refused (an `Error::Config`): self-attention projects its own
     /// keys. As in PyTorch's layer, the attention runs with `need_weights=False`, so
     /// `is_causal` with an `attn_mask` and no padding mask uses the causal mask in its place.
@@ -178,15 +181,16 @@ impl TransformerEncoderLayer {
             return narrow(&y, dtype);
         }
         let x = src;
+        let drop = self.dropouts(opts.dropout_key);
         if self.cfg.norm_first {
             let sa = self.attend(&self.norm1.forward(x)?, opts)?;
             let x = residual(x, &sa)?;
-            residual(&x, &self.feed_forward(&self.norm2.forward(&x)?)?)
+            residual(&x, &self.feed_forward(&self.norm2.forward(&x)?, &drop)?)
         } else {
             // Each residual sum and its norm are one op (`LayerNorm::forward_residual`).
             let sa = self.attend(x, opts)?;
             let x = self.norm1.forward_residual(x, &sa)?;
-            self.norm2.forward_residual(&x, &self.feed_forward(&x)?)
+            self.norm2.forward_residual(&x, &self.feed_forward(&x, &drop)?)
         }
     }
 }
@@ -235,17 +239,17 @@ impl TransformerEncoderLayer {
         cu: &crate::functional::CuSeqlens,
         opts: &crate::multihead_attention::PackedOptions,
     ) -> Result<Tensor> {
-        let (p, t) = (self.cfg.dropout, self.training);
+        let drop = self.dropouts(opts.dropout_key);
         let attend = |x: &Tensor| -> Result<Tensor> {
-            crate::activation::dropout(&self.self_attn.forward_packed(x, cu, opts)?, p, t)
+            drop.apply(&self.self_attn.forward_packed(x, cu, opts)?, DropoutSlot::SelfBlock)
         };
         let x = src;
         if self.cfg.norm_first {
             let x = residual(x, &attend(&self.norm1.forward(x)?)?)?;
-            residual(&x, &self.feed_forward(&self.norm2.forward(&x)?)?)
+            residual(&x, &self.feed_forward(&self.norm2.forward(&x)?, &drop)?)
         } else {
             let x = self.norm1.forward_residual(x, &attend(x)?)?;
-            self.norm2.forward_residual(&x, &self.feed_forward(&x)?)
+            self.norm2.forward_residual(&x, &self.feed_forward(&x, &drop)?)
         }
     }
 }

@@ -4,7 +4,10 @@
 
 use candle_core::Tensor;
 
-use super::{feed_forward, final_norm, Transformer, TransformerDecoder, TransformerDecoderLayer};
+use super::{
+    feed_forward, final_norm, LayerDropout, Transformer, TransformerDecoder,
+    TransformerDecoderLayer,
+};
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::mask::Mask;
@@ -251,7 +254,7 @@ impl TransformerDecoderLayer {
             let ca = |x: &Tensor| self.multihead_attn.forward_static_with(x, memory, &cross);
             let ff = |x: &Tensor| {
                 let (l1, l2) = (&self.linear1, &self.linear2);
-                feed_forward(l1, l2, self.cfg.activation, 0.0, false, x)
+                feed_forward(l1, l2, self.cfg.activation, &LayerDropout::off(), x)
             };
             if self.cfg.norm_first {
                 let x = (x + sa(&self.norm1.forward(x)?, cache)?)?;

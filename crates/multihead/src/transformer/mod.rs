@@ -211,15 +211,72 @@ pub(crate) fn refuse_static_kv(
     })
 }
 
+/// A layer's own dropouts (after each attention block, and twice in the feed-forward block)
+/// and where their keys come from: the layer's key (its self-attention options'
+/// `dropout_key`) when there is one, each dropout at its own offset from it (and a decoder's
+/// cross-attention, when its options have no key of their own), so that a keyed call draws
+/// nothing from the global generator and gives the same numbers whatever other threads draw;
+/// the global generator otherwise, as PyTorch's layers do.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LayerDropout {
+    p: f64,
+    training: bool,
+    key: Option<crate::random::DropoutKey>,
+}
+
+/// Which of a layer's dropouts: the offset of its key from the layer's key is `slot · 2^40`
+/// (stacks keep layers `2^48` apart, so up to 255 slots never reach the next layer's key).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum DropoutSlot {
+    SelfBlock = 1,
+    CrossBlock = 2,
+    FeedForwardInner = 3,
+    FeedForwardOutput = 4,
+    /// The cross-attention's own attention dropout, when its options carry no key.
+    CrossAttention = 5,
+}
+
+impl LayerDropout {
+    pub(crate) fn new(p: f64, training: bool, key: Option<crate::random::DropoutKey>) -> Self {
+        Self { p, training, key }
+    }
+
+    /// No dropout (inference, incremental decoding).
+    pub(crate) fn off() -> Self {
+        Self { p: 0.0, training: false, key: None }
+    }
+
+    /// The key dropout `slot` of the layer uses, if the layer is keyed.
+    pub(crate) fn key(&self, slot: DropoutSlot) -> Option<crate::random::DropoutKey> {
+        self.key.map(|k| crate::random::DropoutKey {
+            seed: k.seed,
+            offset: k.offset.wrapping_add((slot as u64) << 40),
+        })
+    }
+
+    // Mirrors torch.nn.Dropout as a layer applies it.
+    pub(crate) fn apply(
+        &self,
+        x: &candle_core::Tensor,
+        slot: DropoutSlot,
+    ) -> crate::Result<candle_core::Tensor> {
+        match self.key(slot) {
+            Some(k) if self.training && self.p > 0.0 => {
+                crate::activation::dropout_with_key(x, self.p, k)
+            }
+            _ => crate::activation::dropout(x, self.p, self.training),
+        }
+    }
+}
+
 /// `dropout(attn(x, mem, mem, need_weights=False)[0])`: a layer's attention block (`opts` as
 /// given, but without weights: a layer returns none).
 pub(crate) fn attention_block(
     attn: &crate::MultiheadAttention,
-    x: &candle_core::Tensor,
-    mem: &candle_core::Tensor,
+    (x, mem): (&candle_core::Tensor, &candle_core::Tensor),
     opts: &crate::MhaOptions,
-    p: f64,
-    training: bool,
+    drop: &LayerDropout,
+    slot: DropoutSlot,
 ) -> crate::Result<candle_core::Tensor> {
     let out = if opts.need_weights {
         let opts = crate::MhaOptions { need_weights: false, ..opts.clone() };
@@ -227,7 +284,7 @@ pub(crate) fn attention_block(
     } else {
         attn.forward(x, mem, mem, opts)?
     };
-    crate::activation::dropout(&out.output, p, training)
+    drop.apply(&out.output, slot)
 }
 
 /// `dropout(linear2(dropout(activation(linear1(x)))))`: a layer's feed-forward block.
@@ -235,14 +292,13 @@ pub(crate) fn feed_forward(
     linear1: &crate::Linear,
     linear2: &crate::Linear,
     activation: Activation,
-    p: f64,
-    training: bool,
+    drop: &LayerDropout,
     x: &candle_core::Tensor,
 ) -> crate::Result<candle_core::Tensor> {
     // The activation rides in the product's op (one pass and one graph node fewer).
     let h = linear1.forward_act(x, activation)?;
-    let h = crate::activation::dropout(&h, p, training)?;
-    crate::activation::dropout(&linear2.forward(&h)?, p, training)
+    let h = drop.apply(&h, DropoutSlot::FeedForwardInner)?;
+    drop.apply(&linear2.forward(&h)?, DropoutSlot::FeedForwardOutput)
 }
 
 /// The parameters of one layer: attention blocks (`4E² + 4E` each), the feed-forward block

@@ -8,7 +8,7 @@ use candle_core::{DType, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use multihead::random::DropoutKey;
 use multihead::transformer::{
-    LayerConfig, NormConfig, TransformerEncoder, TransformerEncoderLayer,
+    LayerConfig, NormConfig, TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer,
 };
 use multihead::{
     Backend, Error, LayerNorm, Linear, Mask, MhaOptions, MultiheadAttention, Variants,
@@ -130,9 +130,7 @@ fn encoder_stack_forward_with_is_its_layers() {
     let x = det(&[2, 11, 16], DType::F64, 4.0);
     let key = DropoutKey { seed: 5, offset: 100 };
     let opts = all_variants(DType::F64).dropout_key(key);
-    multihead::manual_seed(9);
     let y = enc.forward_with(&x, &opts).unwrap();
-    multihead::manual_seed(9);
     let mut h = x.clone();
     for (i, layer) in enc.layers().iter().enumerate() {
         let k = DropoutKey { seed: 5, offset: 100 + ((i as u64) << 48) };
@@ -140,7 +138,6 @@ fn encoder_stack_forward_with_is_its_layers() {
     }
     assert_close(&y, &norm.forward(&h).unwrap(), Tolerance::F64, "stack");
     // Sharing one key across layers would give other numbers.
-    multihead::manual_seed(9);
     let mut shared = x.clone();
     for layer in enc.layers() {
         shared = layer.forward_with(&shared, &opts).unwrap();
@@ -274,9 +271,7 @@ fn decoder_forward_with_equals_the_block_by_hand_and_its_layers() {
     perturb(&vm, DType::F64);
     let key = |o: u64| DropoutKey { seed: 3, offset: o };
     let (so, co) = (self_opts.dropout_key(key(10)), cross_opts.dropout_key(key(50)));
-    multihead::manual_seed(4);
     let y = dec.forward_with(&tgt, &mem, &so, &co).unwrap();
-    multihead::manual_seed(4);
     let mut h = tgt.clone();
     for (i, l) in dec.layers().iter().enumerate() {
         let i = i as u64;
@@ -347,9 +342,7 @@ fn transformer_forward_with_is_its_stacks() {
         .encoder(enc.clone())
         .decoder_self(dec_self.clone())
         .decoder_cross(cross.clone().dropout_key(key(2000)));
-    multihead::manual_seed(3);
     let y = model.forward_with(&src, &tgt, &opts).unwrap();
-    multihead::manual_seed(3);
     let memory = model.encoder().forward_with(&src, &enc).unwrap();
     let shift = 2u64 << 48; // two encoder layers
     let by_stacks = model
@@ -363,7 +356,6 @@ fn transformer_forward_with_is_its_stacks() {
         .unwrap();
     assert_close(&y, &by_stacks, Tolerance::F64, "training, dropout keyed per layer");
     // The decoder's keys unshifted (layer i of both stacks sharing a key) give other numbers.
-    multihead::manual_seed(3);
     let same_keys = model
         .decoder()
         .forward_with(&tgt, &memory, &dec_self, &cross.clone().dropout_key(key(2000)))
@@ -410,4 +402,44 @@ fn transformer_forward_with_is_its_stacks() {
     // Mismatched batches: the shape error of forward.
     let e = model.forward_with(&src, &tgt.narrow(0, 0, 1).unwrap(), &opts).unwrap_err();
     assert!(matches!(e, Error::Shape { arg: "tgt", .. }), "{e}");
+}
+
+/// A layer called with a dropout key keys its own dropouts (after each attention block and in
+/// the feed-forward block) from it: what the global generator holds does not change the
+/// numbers (before, the feed-forward dropouts drew from it, and the keyed tests above failed
+/// when other tests drew keys between their seed and their calls).
+#[test]
+fn keyed_layers_draw_nothing_from_the_global_generator() {
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F64, &dev());
+    let mut enc = TransformerEncoderLayer::new(cfg().with_dropout(0.3), vb.pp("enc")).unwrap();
+    let mut dec = TransformerDecoderLayer::new(cfg().with_dropout(0.3), vb.pp("dec")).unwrap();
+    perturb(&vm, DType::F64);
+    let (x, mem) = (det(&[2, 9, 16], DType::F64, 3.0), det(&[2, 5, 16], DType::F64, 4.0));
+    let keyed = |offset: u64| MhaOptions::default().dropout_key(DropoutKey { seed: 7, offset });
+    let cross = MhaOptions::default();
+    let run = |enc: &TransformerEncoderLayer, dec: &TransformerDecoderLayer, offset: u64| {
+        let e = enc.forward_with(&x, &keyed(offset)).unwrap();
+        let d = dec.forward_with(&x, &mem, &keyed(offset), &cross).unwrap();
+        (e, d)
+    };
+    multihead::manual_seed(1);
+    let (e1, d1) = run(&enc, &dec, 40);
+    multihead::manual_seed(2);
+    let _ = multihead::random::next_dropout_key();
+    let (e2, d2) = run(&enc, &dec, 40);
+    let exact = Tolerance { rel: 0.0, abs: 0.0 };
+    assert_close(&e2, &e1, exact, "encoder layer, same key, another global state");
+    assert_close(&d2, &d1, exact, "decoder layer, same key, another global state");
+    // The dropouts do act, and another key gives another mask.
+    let differs = |a: &Tensor, b: &Tensor| {
+        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+        d > 1e-6
+    };
+    let (e3, d3) = run(&enc, &dec, 41);
+    assert!(differs(&e3, &e1) && differs(&d3, &d1), "another key, the same masks");
+    enc.eval();
+    dec.eval();
+    let (e0, d0) = run(&enc, &dec, 40);
+    assert!(differs(&e0, &e1) && differs(&d0, &d1), "training drew no dropout");
 }
