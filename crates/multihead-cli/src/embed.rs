@@ -69,6 +69,9 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     // The model first: a wrong directory is reported before stdin is waited for.
     let m = MiniLm::load(&resolve_model_dir(&args.model), args.dtype.candle())
         .with_context(|| format!("loading the model from {}", args.model.display()))?;
+    if m.dtype() == candle_core::DType::BF16 && !args.quiet {
+        eprintln!("multihead embed: {}", bf16_note());
+    }
     let texts = match args.texts.is_empty() {
         true => read_lines(std::io::stdin().lock())?,
         false => args.texts,
@@ -95,6 +98,19 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     }
     pb.finish_and_clear();
     Ok(())
+}
+
+/// What `--dtype bf16` does on this CPU, for stderr: where its products are widened to f32,
+/// bf16 costs what f32 costs (and its batches are padded, not packed), so say so.
+fn bf16_note() -> String {
+    let plan = multihead::explain_bf16_products();
+    match plan.direct {
+        true => plan.to_string(),
+        false => format!(
+            "{plan}; on this CPU --dtype bf16 is no faster than f32 (which is closer to \
+             sentence-transformers)"
+        ),
+    }
 }
 
 /// The largest `--batch`: a batch pads its texts to the longest, and a window holds 64 batches.

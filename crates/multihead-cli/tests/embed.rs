@@ -149,6 +149,37 @@ fn bf16_embeddings_stay_within_cosine_0_999_of_f32() {
     eprintln!("MiniLM bf16: lowest cosine vs f32 = {lowest:.7}");
 }
 
+/// `--dtype bf16` says on stderr how its products run on this CPU (widened to f32 where the
+/// bf16 dot product is slow, as on some Intel Xeons: then no faster than f32); `--quiet` and
+/// f32 say nothing. The embeddings on stdout are unchanged by the note.
+#[test]
+fn bf16_says_how_its_products_run() {
+    let Some(dir) = model_dir_or_skip() else { return };
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_multihead"))
+            .args(["embed", "--json", "--model"])
+            .arg(&dir)
+            .args(args)
+            .arg("hello world")
+            .output()
+            .expect("runs");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        (
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let (out, err) = run(&["--dtype", "bf16"]);
+    assert!(err.starts_with("multihead embed: bf16 products "), "stderr: {err}");
+    let widened = err.contains("widened to f32");
+    assert_eq!(widened, err.contains("no faster than f32"), "stderr: {err}");
+    let (quiet_out, quiet_err) = run(&["--dtype", "bf16", "--quiet"]);
+    assert!(quiet_err.is_empty(), "--quiet, stderr: {quiet_err}");
+    assert_eq!(out, quiet_out, "the note changed stdout");
+    let (_, f32_err) = run(&["--dtype", "f32"]);
+    assert!(f32_err.is_empty(), "f32, stderr: {f32_err}");
+}
+
 /// A change to a model's weights.
 type Edit = dyn FnOnce(&mut HashMap<String, Tensor>);
 
