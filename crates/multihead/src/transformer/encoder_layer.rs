@@ -91,9 +91,8 @@ impl TransformerEncoderLayer {
         LayerDropout::new(self.cfg.dropout, self.training, key)
     }
 
-    fn attend(&self, x: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
-        let drop = self.dropouts(opts.dropout_key);
-        attention_block(&self.self_attn, (x, x), opts, &drop, DropoutSlot::SelfBlock)
+    fn attend(&self, x: &Tensor, opts: &MhaOptions, drop: &LayerDropout) -> Result<Tensor> {
+        attention_block(&self.self_attn, (x, x), opts, drop, DropoutSlot::SelfBlock)
     }
 
     fn feed_forward(&self, x: &Tensor, drop: &LayerDropout) -> Result<Tensor> {
@@ -183,12 +182,12 @@ impl TransformerEncoderLayer {
         let x = src;
         let drop = self.dropouts(opts.dropout_key);
         if self.cfg.norm_first {
-            let sa = self.attend(&self.norm1.forward(x)?, opts)?;
+            let sa = self.attend(&self.norm1.forward(x)?, opts, &drop)?;
             let x = residual(x, &sa)?;
             residual(&x, &self.feed_forward(&self.norm2.forward(&x)?, &drop)?)
         } else {
             // Each residual sum and its norm are one op (`LayerNorm::forward_residual`).
-            let sa = self.attend(x, opts)?;
+            let sa = self.attend(x, opts, &drop)?;
             let x = self.norm1.forward_residual(x, &sa)?;
             self.norm2.forward_residual(&x, &self.feed_forward(&x, &drop)?)
         }
