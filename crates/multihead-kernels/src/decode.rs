@@ -618,11 +618,11 @@ unsafe fn cap_scores<S: Simd>(s: &mut [f32], c: f32) {
     let (l, n) = (S::LANES, s.len());
     // SAFETY: loads and stores stay inside `s`.
     unsafe {
-        let (cv, inv) = (S::splat(c), S::splat(1.0 / c));
+        let inv = 1.0 / c;
         let mut j = 0;
         while j + l <= n {
             let p = s.as_mut_ptr().add(j);
-            S::store(p, S::mul(cv, S::tanh(S::mul(S::load(p), inv))));
+            S::store(p, S::softcap(S::load(p), c, inv));
             j += l;
         }
         for x in &mut s[j..] {

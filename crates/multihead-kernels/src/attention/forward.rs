@@ -191,9 +191,15 @@ impl Task for FwdTask<'_> {
                     score_tile::<S>(kj, self.kl.seq, d, qtp, brp, stp, bc, diag);
                 }
                 let alibi = Alibi::of(p, h, i0, j0);
-                let tile = (st.as_mut_ptr(), brp, nvec, bc);
-                cap_tile::<S>(p, tile, (mt.as_ptr(), per_key), alibi.as_ref());
-                if banded && band.partial(i0, br, j0, bc) {
+                let partial = banded && band.partial(i0, br, j0, bc);
+                // The cap goes into the softmax pass where nothing comes between the two (the
+                // masks and the bias after the cap, no band to hide); else a pass of its own.
+                let fused_cap = p.softcap.filter(|_| !partial && !bias_before_cap(p));
+                if fused_cap.is_none() {
+                    let tile = (st.as_mut_ptr(), brp, nvec, bc);
+                    cap_tile::<S>(p, tile, (mt.as_ptr(), per_key), alibi.as_ref());
+                }
+                if partial {
                     let how = if clip { Hide::Fill(f32::NEG_INFINITY) } else { Hide::AddNegInf };
                     band.hide(st, brp, (i0, j0, bc), how);
                 }
@@ -201,7 +207,8 @@ impl Task for FwdTask<'_> {
                 let alibi = alibi.filter(|_| !bias_before_cap(p));
                 let drop = dropout.as_ref().map(|dr| (dr, j0));
                 let tile = ScoreTile { st: st.as_mut_ptr(), brp, nvec, bc };
-                softmax_tile::<S>(&tile, (mask, alibi.as_ref()), &mut running, drop);
+                let mods = ScoreMods { cap: fused_cap, mask, alibi: alibi.as_ref() };
+                softmax_tile::<S>(&tile, &mods, &mut running, drop);
                 // Rescale O where the max grew, then O += P V.
                 let (vj, ld) = (vbase.add(j0 * self.vl.seq), self.vl.seq);
                 if bf {
@@ -298,11 +305,20 @@ struct Running<'s> {
     alpha: &'s mut [f32],
 }
 
-/// The online-softmax update of one score tile: the masks added (`mask`: a pointer and whether
-/// it holds one value per key, else one per entry) and the ALiBi bias, the running max and its rescaling factors
-/// updated (pass 1, vertical over keys), then the tile replaced by `P = exp(S - m)` (times the
-/// dropout multipliers of `dropout`'s block at key offset `j0`) while the running sums are
-/// rescaled and increased (pass 2).
+/// What the softmax pass applies to a fresh score before its max: the soft cap `c` (when no
+/// pass of its own took it), then the masks (a pointer and whether it holds one value per key,
+/// else one per entry) and the ALiBi bias.
+struct ScoreMods<'a> {
+    cap: Option<f32>,
+    mask: Option<(*const f32, bool)>,
+    alibi: Option<&'a Alibi>,
+}
+
+/// The online-softmax update of one score tile: the scores capped, the masks and the ALiBi
+/// bias added (`mods`), the running max and its rescaling factors updated (pass 1, vertical
+/// over keys), then the tile replaced by `P = exp(S - m)` (times the dropout multipliers of
+/// `dropout`'s block at key offset `j0`) while the running sums are rescaled and increased
+/// (pass 2).
 ///
 /// # Safety
 /// `S` is available; the tile (and a per-entry mask) hold `bc · brp` floats, a per-key mask
@@ -310,11 +326,14 @@ struct Running<'s> {
 #[inline(always)]
 unsafe fn softmax_tile<S: Simd>(
     t: &ScoreTile,
-    (mask, alibi): (Option<(*const f32, bool)>, Option<&Alibi>),
+    mods: &ScoreMods<'_>,
     run: &mut Running<'_>,
     dropout: Option<(&BlockDropout, usize)>,
 ) {
     let (l, stp, brp) = (S::LANES, t.st, t.brp);
+    let (mask, alibi) = (mods.mask, mods.alibi);
+    let (cap, inv) = (mods.cap.unwrap_or(1.0), mods.cap.map_or(1.0, |c| 1.0 / c));
+    let modified = mods.cap.is_some() || mask.is_some() || alibi.is_some();
     // SAFETY: within the tile and the running slices (caller).
     unsafe {
         for vi in 0..t.nvec {
@@ -322,6 +341,9 @@ unsafe fn softmax_tile<S: Simd>(
             for j in 0..t.bc {
                 let ptr = stp.add(j * brp + vi * l);
                 let mut x = S::load(ptr);
+                if mods.cap.is_some() {
+                    x = S::softcap(x, cap, inv);
+                }
                 if let Some((mtp, per_key)) = mask {
                     let m = match per_key {
                         true => S::splat(*mtp.add(j)),
@@ -332,7 +354,7 @@ unsafe fn softmax_tile<S: Simd>(
                 if let Some(a) = alibi {
                     x = S::add(x, a.vector::<S>(vi * l, j));
                 }
-                if mask.is_some() || alibi.is_some() {
+                if modified {
                     S::store(ptr, x);
                 }
                 mx = S::max(mx, x);

@@ -54,6 +54,8 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     /// x86 `maxps` semantics: `if a > b { a } else { b }` (so a NaN in `b` propagates).
     unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
+    /// x86 `minps` semantics: `if a < b { a } else { b }` (so a NaN in `b` propagates).
+    unsafe fn min(a: Self::V, b: Self::V) -> Self::V;
     /// `a / b`.
     unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
     /// `e^x`, relative error below 2e-7; `exp(-inf) = 0`, NaN propagates.
@@ -65,11 +67,12 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
         // SAFETY: vector arithmetic only.
         unsafe { Self::div(Self::splat(1.0), x) }
     }
-    /// `tanh(x)`: Eigen's rational approximation (a degree-13 odd numerator over a degree-6
-    /// even denominator on `x` clamped to ±7.905, where tanh rounds to ±1), within a few ulp
-    /// (tested against f64); NaN propagates.
+    /// The soft cap `c·tanh(v/c)` (`inv` is `1/c`): Eigen's rational approximation of tanh (a
+    /// degree-13 odd numerator over a degree-6 even denominator) on `v` clamped to
+    /// `±7.905·c`, where tanh rounds to ±1, with the cap folded into the clamp and the
+    /// numerator; within a few ulp of `c·tanh(v/c)` (tested against f64); NaN propagates.
     #[inline(always)]
-    unsafe fn tanh(x: Self::V) -> Self::V {
+    unsafe fn softcap(v: Self::V, c: f32, inv: f32) -> Self::V {
         const CLAMP: f32 = 7.905_311;
         const A: [f32; 7] = [
             4.893_524_6e-3,
@@ -83,11 +86,11 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
         const B: [f32; 4] = [4.893_525e-3, 2.268_434_6e-3, 1.185_347_1e-4, 1.198_258_4e-6];
         // SAFETY: vector arithmetic only (the trait's contract covers the instruction set).
         unsafe {
-            let zero = Self::splat(0.0);
-            let lo = Self::splat(-CLAMP);
-            // max(-c, min(x, c)) with min(x, c) = -max(-c, -x); `max` keeps a NaN second
-            // operand, so NaN passes through both.
-            let x = Self::max(lo, Self::sub(zero, Self::max(lo, Self::sub(zero, x))));
+            // max(-b, min(b, v)): `min` and `max` keep a NaN second operand, so NaN passes
+            // through both. (`CLAMP·c` may be +inf for a huge cap: then nothing is clamped.)
+            let bound = CLAMP * c;
+            let vc = Self::max(Self::splat(-bound), Self::min(Self::splat(bound), v));
+            let x = Self::mul(vc, Self::splat(inv));
             let x2 = Self::mul(x, x);
             let mut p = Self::splat(A[6]);
             for &a in A[..6].iter().rev() {
@@ -97,7 +100,8 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
             for &b in B[..3].iter().rev() {
                 q = Self::fma(q, x2, Self::splat(b));
             }
-            Self::mul(Self::mul(x, p), Self::recip(q))
+            // c·(x·p/q) = vc·p/q.
+            Self::mul(Self::mul(vc, p), Self::recip(q))
         }
     }
     /// The sum of the lanes (in a fixed order).
@@ -236,6 +240,14 @@ unsafe impl Simd for Scalar {
     #[inline(always)]
     unsafe fn max(a: f32, b: f32) -> f32 {
         if a > b {
+            a
+        } else {
+            b
+        }
+    }
+    #[inline(always)]
+    unsafe fn min(a: f32, b: f32) -> f32 {
+        if a < b {
             a
         } else {
             b
@@ -385,6 +397,11 @@ unsafe impl Simd for Avx2 {
     unsafe fn max(a: __m256, b: __m256) -> __m256 {
         // SAFETY: AVX is available (trait contract).
         unsafe { _mm256_max_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn min(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX is available (trait contract).
+        unsafe { _mm256_min_ps(a, b) }
     }
     #[inline(always)]
     unsafe fn exp(x: __m256) -> __m256 {
@@ -570,6 +587,11 @@ unsafe impl Simd for Avx512 {
     unsafe fn max(a: __m512, b: __m512) -> __m512 {
         // SAFETY: AVX-512F is available (trait contract).
         unsafe { _mm512_max_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn min(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract).
+        unsafe { _mm512_min_ps(a, b) }
     }
     #[inline(always)]
     unsafe fn exp(x: __m512) -> __m512 {

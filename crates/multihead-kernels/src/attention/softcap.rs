@@ -20,11 +20,11 @@ pub(crate) unsafe fn softcap_tile<S: Simd>(
     let l = S::LANES;
     // SAFETY: every access lies in the tile (caller).
     unsafe {
-        let (cv, inv, lowest) = (S::splat(c), S::splat(1.0 / c), S::splat(f32::MIN));
+        let (inv, lowest) = (1.0 / c, S::splat(f32::MIN));
         for x in (0..bc * brp).step_by(l) {
             let p = st.add(x);
             let v = S::load(p);
-            let mut y = S::mul(cv, S::tanh(S::mul(v, inv)));
+            let mut y = S::softcap(v, c, inv);
             if keep_neg_inf {
                 // `v − max(v, MIN)` is 0 for finite `v` and `-inf` for `v = -inf`.
                 y = S::add(y, S::sub(v, S::max(v, lowest)));

@@ -316,21 +316,33 @@ fn bad_variant_arguments_are_errors() {
     }
 }
 
-/// The largest error of the vector tanh over a fine grid and the specials, in units of
-/// `f32::EPSILON · max(|tanh x|, 2^-10)` (relative near 0, absolute near ±1); a NaN input must give NaN.
-fn tanh_max_error(level: SimdLevel) -> f64 {
+/// The largest error of the vector soft cap `c·tanh(x/c)` over a fine grid of `x/c` and the
+/// specials, in units of `f32::EPSILON · c · max(|tanh(x/c)|, 2^-10)` (relative near 0,
+/// absolute near ±c); a NaN input must give NaN.
+fn softcap_max_error(level: SimdLevel, c: f32) -> f64 {
     use super::super::simd::Simd;
-    let mut xs: Vec<f32> = (-100_000..=100_000).map(|i| i as f32 * 1e-4).collect();
-    xs.extend([1e-30, -1e-30, 1e-6, -3e-4, 7.9, 8.0, -8.0, 1e30, -1e30]);
-    xs.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN]);
-    fn run<S: Simd>(xs: &[f32]) -> Vec<f32> {
+    let mut xs: Vec<f32> = (-100_000..=100_000).map(|i| i as f32 * 1e-4 * c).collect();
+    xs.extend([1e-30, -1e-30, 1e-6, -3e-4, 7.9, 8.0, -8.0, 1e30, -1e30].map(|x| x * c));
+    xs.extend([f32::MAX, f32::MIN, f32::INFINITY, f32::NEG_INFINITY, f32::NAN]);
+    let inv = 1.0 / c;
+    let run = |xs: &[f32]| match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `levels()` only yields supported levels.
+        SimdLevel::Avx512 => unsafe { run512(xs, c, inv) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        SimdLevel::Avx2 => unsafe { run256(xs, c, inv) },
+        _ => run_at::<super::super::simd::Scalar>(xs, c, inv),
+    };
+    fn run_at<S: Simd>(xs: &[f32], c: f32, inv: f32) -> Vec<f32> {
         let mut x = xs.to_vec();
         x.resize(xs.len().div_ceil(16) * 16, 0.0);
         let mut out = vec![0.0; x.len()];
         for (i, chunk) in x.chunks(S::LANES).enumerate() {
             // SAFETY: only called at a level the CPU supports; chunks hold LANES floats.
             unsafe {
-                S::store(out.as_mut_ptr().add(i * S::LANES), S::tanh(S::load(chunk.as_ptr())))
+                let y = S::softcap(S::load(chunk.as_ptr()), c, inv);
+                S::store(out.as_mut_ptr().add(i * S::LANES), y)
             }
         }
         out.truncate(xs.len());
@@ -338,40 +350,34 @@ fn tanh_max_error(level: SimdLevel) -> f64 {
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    unsafe fn run512(xs: &[f32]) -> Vec<f32> {
-        run::<super::super::simd::Avx512>(xs)
+    unsafe fn run512(xs: &[f32], c: f32, inv: f32) -> Vec<f32> {
+        run_at::<super::super::simd::Avx512>(xs, c, inv)
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn run256(xs: &[f32]) -> Vec<f32> {
-        run::<super::super::simd::Avx2>(xs)
+    unsafe fn run256(xs: &[f32], c: f32, inv: f32) -> Vec<f32> {
+        run_at::<super::super::simd::Avx2>(xs, c, inv)
     }
-    let ys = match level {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `levels()` only yields supported levels.
-        SimdLevel::Avx512 => unsafe { run512(&xs) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        SimdLevel::Avx2 => unsafe { run256(&xs) },
-        _ => run::<super::super::simd::Scalar>(&xs),
-    };
+    let ys = run(&xs);
     let mut worst = 0f64;
     for (&x, &y) in xs.iter().zip(&ys) {
         if x.is_nan() {
-            assert!(y.is_nan(), "{level:?}: tanh(NaN) = {y}");
+            assert!(y.is_nan(), "{level:?}: softcap(NaN, {c}) = {y}");
             continue;
         }
-        let e = (x as f64).tanh();
-        let unit = f32::EPSILON as f64 * e.abs().max(1.0 / 1024.0);
-        worst = worst.max((y as f64 - e).abs() / unit);
+        let e = (x as f64 / c as f64).tanh();
+        let unit = f32::EPSILON as f64 * c as f64 * e.abs().max(1.0 / 1024.0);
+        worst = worst.max((y as f64 - c as f64 * e).abs() / unit);
     }
     worst
 }
 
 #[test]
-fn vector_tanh_is_accurate_and_keeps_nan() {
+fn vector_softcap_is_accurate_and_keeps_nan() {
     for level in levels() {
-        let err = tanh_max_error(level);
-        assert!(err < 4.0, "{level:?}: largest error {err} eps");
+        for c in [1.0, 0.5, 30.0, 50.0, 1e-3, 1e30] {
+            let err = softcap_max_error(level, c);
+            assert!(err < 4.0, "{level:?}, cap {c}: largest error {err} eps");
+        }
     }
 }
