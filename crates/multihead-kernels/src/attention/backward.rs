@@ -568,6 +568,7 @@ unsafe fn probs_and_dscores<S: Simd>(
     unsafe {
         let inv = S::splat(softcap.map_or(0.0, |c| 1.0 / c));
         for vi in 0..t.nvec {
+            let mut col = alibi.map(|a| a.column::<S>(vi * l));
             let lv = S::load(lsev.add(vi * l));
             let mv = S::load(maxv.add(vi * l));
             let dd = S::load(dvec.add(vi * l));
@@ -582,8 +583,8 @@ unsafe fn probs_and_dscores<S: Simd>(
                     };
                     x = S::add(x, m);
                 }
-                if let Some(a) = alibi {
-                    x = S::add(x, a.vector::<S>(vi * l, j));
+                if let Some(c) = col.as_mut() {
+                    x = S::add(x, c.next());
                 }
                 let pe = S::exp(S::sub(S::sub(x, mv), lv));
                 let dp = S::load(t.dpt.add(off));

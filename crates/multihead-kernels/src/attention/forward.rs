@@ -337,6 +337,7 @@ unsafe fn softmax_tile<S: Simd>(
     // SAFETY: within the tile and the running slices (caller).
     unsafe {
         for vi in 0..t.nvec {
+            let mut col = alibi.map(|a| a.column::<S>(vi * l));
             let mut mx = S::splat(f32::NEG_INFINITY);
             for j in 0..t.bc {
                 let ptr = stp.add(j * brp + vi * l);
@@ -351,8 +352,8 @@ unsafe fn softmax_tile<S: Simd>(
                     };
                     x = S::add(x, m);
                 }
-                if let Some(a) = alibi {
-                    x = S::add(x, a.vector::<S>(vi * l, j));
+                if let Some(c) = col.as_mut() {
+                    x = S::add(x, c.next());
                 }
                 if modified {
                     S::store(ptr, x);

@@ -29,18 +29,17 @@ impl Alibi {
         Some(Alibi { neg_slope: -slope, base: base as f32 })
     }
 
-    /// The bias of queries `lane0..lane0 + LANES` (tile-local) for key row `j` of the tile.
+    /// The bias of queries `lane0..lane0 + LANES` (tile-local) down the tile's key rows:
+    /// [`AlibiColumn::next`] gives key row 0, then 1, and so on.
     ///
     /// # Safety
     /// `S` is available and has at most 16 lanes.
     #[inline(always)]
-    pub(crate) unsafe fn vector<S: Simd>(&self, lane0: usize, j: usize) -> S::V {
+    pub(crate) unsafe fn column<S: Simd>(&self, lane0: usize) -> AlibiColumn<S> {
         // SAFETY: `IOTA` holds 16 floats, at least `S::LANES`.
         unsafe {
-            let shift = self.base + lane0 as f32 - j as f32;
-            let d = S::add(S::load(IOTA.as_ptr()), S::splat(shift));
-            let abs = S::max(d, S::sub(S::splat(0.0), d));
-            S::mul(abs, S::splat(self.neg_slope))
+            let d = S::add(S::load(IOTA.as_ptr()), S::splat(self.base + lane0 as f32));
+            AlibiColumn { d, one: S::splat(1.0), neg_slope: S::splat(self.neg_slope) }
         }
     }
 
@@ -59,12 +58,37 @@ impl Alibi {
         let l = S::LANES;
         // SAFETY: within the tile (caller).
         unsafe {
-            for j in 0..bc {
-                for vi in 0..nvec {
+            for vi in 0..nvec {
+                let mut col = self.column::<S>(vi * l);
+                for j in 0..bc {
                     let p = st.add(j * brp + vi * l);
-                    S::store(p, S::add(S::load(p), self.vector::<S>(vi * l, j)));
+                    S::store(p, S::add(S::load(p), col.next()));
                 }
             }
+        }
+    }
+}
+
+/// The ALiBi bias of one vector of queries, key row after key row: the signed distances `d`
+/// of the current key row (integers, exact below 2^24) and the negated slope.
+pub(crate) struct AlibiColumn<S: Simd> {
+    d: S::V,
+    one: S::V,
+    neg_slope: S::V,
+}
+
+impl<S: Simd> AlibiColumn<S> {
+    /// The bias `−m·|d|` of the current key row; moves to the next one.
+    ///
+    /// # Safety
+    /// `S` is available.
+    #[inline(always)]
+    pub(crate) unsafe fn next(&mut self) -> S::V {
+        // SAFETY: vector arithmetic only.
+        unsafe {
+            let b = S::mul(S::abs(self.d), self.neg_slope);
+            self.d = S::sub(self.d, self.one);
+            b
         }
     }
 }

@@ -56,6 +56,8 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
     /// x86 `minps` semantics: `if a < b { a } else { b }` (so a NaN in `b` propagates).
     unsafe fn min(a: Self::V, b: Self::V) -> Self::V;
+    /// `|a|` (the sign bit cleared; NaN stays NaN).
+    unsafe fn abs(a: Self::V) -> Self::V;
     /// `a / b`.
     unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
     /// `e^x`, relative error below 2e-7; `exp(-inf) = 0`, NaN propagates.
@@ -254,6 +256,10 @@ unsafe impl Simd for Scalar {
         }
     }
     #[inline(always)]
+    unsafe fn abs(a: f32) -> f32 {
+        a.abs()
+    }
+    #[inline(always)]
     unsafe fn exp(x: f32) -> f32 {
         x.exp()
     }
@@ -402,6 +408,11 @@ unsafe impl Simd for Avx2 {
     unsafe fn min(a: __m256, b: __m256) -> __m256 {
         // SAFETY: AVX is available (trait contract).
         unsafe { _mm256_min_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn abs(a: __m256) -> __m256 {
+        // SAFETY: AVX is available (trait contract).
+        unsafe { _mm256_andnot_ps(_mm256_set1_ps(-0.0), a) }
     }
     #[inline(always)]
     unsafe fn exp(x: __m256) -> __m256 {
@@ -592,6 +603,11 @@ unsafe impl Simd for Avx512 {
     unsafe fn min(a: __m512, b: __m512) -> __m512 {
         // SAFETY: AVX-512F is available (trait contract).
         unsafe { _mm512_min_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn abs(a: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract).
+        unsafe { _mm512_abs_ps(a) }
     }
     #[inline(always)]
     unsafe fn exp(x: __m512) -> __m512 {

@@ -211,6 +211,7 @@ unsafe fn probs_tile<S: Simd>(
     // SAFETY: within the tile and the statistics (caller).
     unsafe {
         for vi in 0..nvec {
+            let mut col = alibi.map(|a| a.column::<S>(vi * l));
             let lv = S::load(lsev.add(vi * l));
             let mv = S::load(maxv.add(vi * l));
             for j in 0..bc {
@@ -219,8 +220,8 @@ unsafe fn probs_tile<S: Simd>(
                 if let Some(mtp) = mask {
                     x = S::add(x, S::load(mtp.add(off)));
                 }
-                if let Some(a) = alibi {
-                    x = S::add(x, a.vector::<S>(vi * l, j));
+                if let Some(c) = col.as_mut() {
+                    x = S::add(x, c.next());
                 }
                 let mut e = S::exp(S::sub(S::sub(x, mv), lv));
                 if let Some((dr, j0)) = dropout {
