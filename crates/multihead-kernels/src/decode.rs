@@ -776,6 +776,8 @@ struct PartialTask<'a, E> {
 }
 
 impl<E: Elem> Task for PartialTask<'_, E> {
+    const FLUSH_TO_ZERO: bool = true;
+
     fn count(&self) -> usize {
         let d = self.base.p.dims;
         d.batch * d.heads_kv * self.base.blocks * self.base.chunks
@@ -804,6 +806,8 @@ struct CombineTask<'a, E> {
 }
 
 impl<E: Elem> Task for CombineTask<'_, E> {
+    const FLUSH_TO_ZERO: bool = true;
+
     fn count(&self) -> usize {
         let d = self.base.p.dims;
         d.batch * d.heads_kv * self.base.blocks
@@ -841,6 +845,8 @@ struct SequentialTask<'a, E> {
 }
 
 impl<E: Elem> Task for SequentialTask<'_, E> {
+    const FLUSH_TO_ZERO: bool = true;
+
     fn count(&self) -> usize {
         let d = self.base.p.dims;
         d.batch * d.heads_kv * self.base.blocks

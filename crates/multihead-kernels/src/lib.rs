@@ -30,6 +30,7 @@ pub mod decode;
 pub mod dropout;
 pub(crate) mod elem;
 pub mod epilogue;
+pub(crate) mod fpenv;
 pub mod gemv;
 pub mod norm;
 

@@ -159,6 +159,8 @@ struct Chunk {
 }
 
 impl Task for BwdTask<'_> {
+    const FLUSH_TO_ZERO: bool = true;
+
     fn count(&self) -> usize {
         self.p.dims.batch * self.p.dims.heads_kv
     }

@@ -156,6 +156,9 @@ pub(crate) trait Task: Sync {
     fn work(&self) -> usize {
         usize::MAX
     }
+    /// Whether the tasks run with subnormal results flushed to zero (attention's kernels:
+    /// see [`crate::fpenv`]); the others compute every result exactly as rounded.
+    const FLUSH_TO_ZERO: bool = false;
     /// Runs task `t`.
     ///
     /// # Safety
@@ -215,6 +218,8 @@ pub(crate) fn par_run<T: Task>(level: SimdLevel, task: &T) {
     let level = level.min(detected_simd_level());
     let len = task.scratch_len(level.lanes());
     let one = |t: usize| {
+        // Set per task: a rayon worker may run other work between two tasks.
+        let _ftz = T::FLUSH_TO_ZERO.then(crate::fpenv::FlushToZero::on);
         with_scratch(len, |buf| match level {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `level <= detected_simd_level()`, so the CPU has AVX-512F and DQ.

@@ -77,6 +77,8 @@ impl<'a> FwdTask<'a> {
 }
 
 impl Task for FwdTask<'_> {
+    const FLUSH_TO_ZERO: bool = true;
+
     fn count(&self) -> usize {
         self.p.dims.batch * self.p.dims.heads_q * self.nq
     }

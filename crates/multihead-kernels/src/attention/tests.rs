@@ -1112,6 +1112,36 @@ fn nan_query_in_a_fully_masked_block_is_nan() {
     }
 }
 
+/// The kernels run with subnormal results flushed to zero (`crate::fpenv`: on Intel each
+/// subnormal result costs an assist) and leave the calling thread's setting as it was: values
+/// of 2^-130 (subnormal, read as they are) attended with weight 1/2 give 2^-131 exactly in the
+/// reference and 0 here; values of 2^-100 give 2^-101 in both.
+#[test]
+fn subnormal_results_are_flushed_inside_the_kernels_only() {
+    let (l, s, d) = (3usize, 2usize, 4usize);
+    let dims = AttnDims { batch: 1, heads_q: 1, heads_kv: 1, l, s, d, dv: d };
+    let (ql, kl) = (Layout4::contiguous(1, l, d), Layout4::contiguous(1, s, d));
+    let (q, k) = (vec![0.0f32; l * d], vec![0.0f32; s * d]);
+    let p = AttnParams::new(dims);
+    for (exp, flushed) in [(-130, true), (-100, false)] {
+        let v: Vec<f32> = (0..s * d).map(|i| if i < d { 2f32.powi(exp) } else { 0.0 }).collect();
+        let (eout, _) = reference::forward(&p, &q, ql, &k, kl, &v, kl);
+        assert_eq!(eout[0], 2f64.powi(exp - 1));
+        for level in levels() {
+            with_simd_level(level, || {
+                let mut out = vec![1f32; l * d];
+                let mut lse = vec![0f32; 2 * l];
+                flash_forward(&p, &q, ql, &k, kl, &v, kl, &mut out, ql, &mut lse).unwrap();
+                let want = if flushed { 0.0 } else { eout[0] as f32 };
+                assert!(out.iter().all(|&o| o == want), "{level:?}, 2^{exp}: {out:?}");
+            });
+        }
+    }
+    // This small call ran its tasks on this thread; subnormal results are back here.
+    let tiny = std::hint::black_box(2f32.powi(-100)) * std::hint::black_box(2f32.powi(-30));
+    assert_eq!(tiny, 2f32.powi(-130));
+}
+
 /// A saturated softmax (each row one-hot: the best key's score leads by hundreds) has query
 /// and key gradients of 0 (the f64 reference: below 1e-100), because `dP_j - D` cancels
 /// exactly when `O = V_j`. The kernel's `D` must be summed as `dP` is for that: summed in

@@ -62,6 +62,8 @@ impl<'a> WeightsTask<'a> {
 }
 
 impl Task for WeightsTask<'_> {
+    const FLUSH_TO_ZERO: bool = true;
+
     fn count(&self) -> usize {
         let d = &self.p.dims;
         d.batch * if self.average { 1 } else { d.heads_q } * self.nq
