@@ -1,7 +1,9 @@
 //! The epilogue of a linear layer's product: `y = act(y + bias)` over the rows of `y`, in
 //! place, in one parallel pass (what would otherwise be a bias pass before the product and an
-//! activation pass after it); and its backward's bias gradient, the column sums of the
-//! output gradient ([`bias_grad`]).
+//! activation pass after it); the same pass keeping `y + bias` and writing the activation to
+//! a second buffer ([`bias_act_into`], for a training step whose backward needs the
+//! pre-activation); and its backward's bias gradient, the column sums of the output gradient
+//! ([`bias_grad`]).
 //!
 //! The activations give the bits of their standalone kernels in
 //! [`activation`](crate::activation): ReLU keeps NaN and gives `+0` for every input `<= 0`;
@@ -44,6 +46,9 @@ struct EpilogueTask {
     rows_per_task: usize,
     bias: Option<ConstPtr<f32>>,
     act: Act,
+    /// Where the activation goes: `None` for `y` itself; else `y` keeps `y + bias` and this
+    /// buffer (as long as `y`) takes `act(y + bias)`.
+    out: Option<SyncPtr<f32>>,
 }
 
 impl Task for EpilogueTask {
@@ -58,9 +63,9 @@ impl Task for EpilogueTask {
         let (l, n) = (S::LANES, self.n);
         let r0 = t * self.rows_per_task;
         let r1 = (r0 + self.rows_per_task).min(self.rows);
-        // SAFETY: rows `r0..r1` of `n` elements are inside `y` and the bias holds `n` values
-        // (checked by `bias_act_in_place`); the tails are masked; this task alone writes its
-        // rows.
+        // SAFETY: rows `r0..r1` of `n` elements are inside `y` (and `out`, as long as `y`)
+        // and the bias holds `n` values (checked by the entry points); the tails are masked;
+        // this task alone writes its rows.
         unsafe {
             let zero = S::splat(0.0);
             for r in r0..r1 {
@@ -72,6 +77,13 @@ impl Task for EpilogueTask {
                     if let Some(b) = self.bias {
                         v = S::add(v, S::load_m(b.0.add(j), mask));
                     }
+                    let dst = match self.out {
+                        Some(o) => {
+                            S::store_m(row.add(j), v, mask);
+                            o.0.add(r * n)
+                        }
+                        None => row,
+                    };
                     v = match self.act {
                         Act::Identity => v,
                         // max returns its second operand when either is NaN (NaN kept); adding
@@ -79,7 +91,7 @@ impl Task for EpilogueTask {
                         Act::Relu => S::add(S::max(zero, v), zero),
                         Act::Gelu => S::mul(v, cdf_pdf::<S>(v).0),
                     };
-                    S::store_m(row.add(j), v, mask);
+                    S::store_m(dst.add(j), v, mask);
                     j += l;
                 }
             }
@@ -111,7 +123,42 @@ pub fn bias_act_in_place(
         rows_per_task: (BLOCK / n).max(1),
         bias: bias.map(|b| ConstPtr(b.as_ptr())),
         act,
+        out: None,
     };
+    par_run(simd_level(), &task);
+    Ok(())
+}
+
+/// `y[r, j] += bias[j]` and `out[r, j] = act(y[r, j])`, in one pass: the pre-activation kept
+/// in `y` (a training step's backward needs it) and the activation written to `out`, which
+/// need not be initialised: on `Ok`, every element of `out[..y.len()]` has been written. The
+/// same bits as [`bias_act_in_place`] gives for `y + bias` and the activation.
+///
+/// Errors: as [`bias_act_in_place`], and `out` shorter than `y`.
+pub fn bias_act_into(
+    y: &mut [f32],
+    n: usize,
+    bias: Option<&[f32]>,
+    act: Act,
+    out: &mut [std::mem::MaybeUninit<f32>],
+) -> Result<(), KernelError> {
+    if out.len() < y.len() {
+        return Err(KernelError::SliceTooShort { name: "out", needed: y.len(), len: out.len() });
+    }
+    if y.is_empty() {
+        return Ok(());
+    }
+    check_rows(y, n, bias)?;
+    let task = EpilogueTask {
+        y: SyncPtr(y.as_mut_ptr()),
+        rows: y.len() / n,
+        n,
+        rows_per_task: (BLOCK / n).max(1),
+        bias: bias.map(|b| ConstPtr(b.as_ptr())),
+        act,
+        out: Some(SyncPtr(out.as_mut_ptr().cast::<f32>())),
+    };
+    // Every row of `0..rows` is written once (whole rows, the tails masked).
     par_run(simd_level(), &task);
     Ok(())
 }
@@ -242,6 +289,7 @@ mod tests {
     use crate::activation::{gelu_forward, relu_forward};
     use crate::attention::with_simd_level;
     use crate::testutil::{levels, rand_vec};
+    use std::mem::MaybeUninit;
 
     #[test]
     fn matches_the_reference_and_the_standalone_activations_at_every_simd_level() {
@@ -272,6 +320,20 @@ mod tests {
                         .unwrap();
                         let mut y = y0.clone();
                         with_simd_level(level, || bias_act_in_place(&mut y, n, b, act)).unwrap();
+                        // Into a second buffer (stale NaNs in it): the same bits, `y + b` kept.
+                        let (mut pre, mut out) =
+                            (y0.clone(), vec![MaybeUninit::new(f32::NAN); y.len()]);
+                        with_simd_level(level, || bias_act_into(&mut pre, n, b, act, &mut out))
+                            .unwrap();
+                        for i in 0..y.len() {
+                            // SAFETY: every element was initialised (to NaN, then written).
+                            let o = unsafe { out[i].assume_init() };
+                            assert!(o.to_bits() == y[i].to_bits() || (o.is_nan() && y[i].is_nan()));
+                            let s = sum[i];
+                            assert!(
+                                pre[i].to_bits() == s.to_bits() || (pre[i].is_nan() && s.is_nan())
+                            );
+                        }
                         for i in 0..y.len() {
                             let (got, w) = (y[i], want[i]);
                             let ok = (got.is_nan() && w.is_nan())
@@ -298,6 +360,11 @@ mod tests {
         assert!(bias_act_in_place(&mut y, 0, None, Act::Relu).is_err());
         assert!(bias_act_in_place(&mut y, 3, Some(&[1.0, 2.0]), Act::Identity).is_err());
         assert!(bias_act_in_place(&mut [], 0, None, Act::Gelu).is_ok());
+        let mut out = [MaybeUninit::new(0f32); 5];
+        let e = bias_act_into(&mut y, 3, None, Act::Gelu, &mut out);
+        assert!(matches!(e, Err(KernelError::SliceTooShort { name: "out", .. })), "{e:?}");
+        let mut out = [MaybeUninit::new(0f32); 6];
+        assert!(bias_act_into(&mut y, 4, None, Act::Gelu, &mut out).is_err());
     }
 
     #[test]

@@ -115,6 +115,30 @@ pub(crate) fn try_zeros<T: Copy + Default + Send + Sync>(
     Ok(v)
 }
 
+/// A `Vec` of `n` elements that `write` fills, allocated without being zeroed first (for
+/// kernels that write every element of their output), or a candle error when it cannot be
+/// allocated or `write` fails.
+///
+/// # Safety
+/// When `write` returns `Ok`, it has initialised all `n` elements of the slice it was given.
+pub(crate) unsafe fn try_written<T>(
+    n: usize,
+    what: &str,
+    write: impl FnOnce(&mut [std::mem::MaybeUninit<T>]) -> candle_core::Result<()>,
+) -> candle_core::Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        candle_core::Error::Msg(format!(
+            "{what}: {n} elements of {} bytes cannot be allocated",
+            std::mem::size_of::<T>()
+        ))
+    })?;
+    write(&mut v.spare_capacity_mut()[..n])?;
+    // SAFETY: `write` initialised the first `n` elements of the reserved capacity (caller).
+    unsafe { v.set_len(n) };
+    Ok(v)
+}
+
 /// Elements from which [`try_zeros`] fills in parallel, and its chunk.
 const PAR_FILL_MIN: usize = 1 << 20;
 const PAR_FILL_CHUNK: usize = 1 << 16;

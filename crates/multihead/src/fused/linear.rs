@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
 use multihead_kernels::bf16gemm::Elems;
-use multihead_kernels::epilogue::bias_act_in_place;
 pub(crate) use multihead_kernels::epilogue::Act;
+use multihead_kernels::epilogue::{bias_act_in_place, bias_act_into};
 
 /// `F.linear` as one candle op on f32 CPU tensors: `y = x Wᵀ + b` and its backward
 /// (`dx = dy W`, `dW = dyᵀ x`, `db = Σ dy`) straight on gemm's AVX-512 kernels. One graph node
@@ -336,10 +336,14 @@ impl FusedLinear {
         };
         match self.act {
             Act::Gelu if self.keep_pre => {
-                epilogue(&mut y, Act::Identity)?;
-                let mut h = crate::alloc::try_zeros::<f32>(y.len(), "fused linear gelu")?;
-                multihead_kernels::activation::gelu_forward(&y, &mut h)
-                    .map_err(|e| candle_core::Error::Msg(format!("fused linear gelu: {e}")))?;
+                // One pass: `y + bias` kept in `y` for the backward, GELU of it into `h`.
+                let len = y.len();
+                let write = |h: &mut [std::mem::MaybeUninit<f32>]| {
+                    bias_act_into(&mut y, out_f, bias, Act::Gelu, h)
+                        .map_err(|e| candle_core::Error::Msg(format!("fused linear gelu: {e}")))
+                };
+                // SAFETY: `bias_act_into` writes every element of `h` when it returns `Ok`.
+                let h = unsafe { crate::alloc::try_written(len, "fused linear gelu", write) }?;
                 let pre = std::mem::replace(&mut y, h);
                 *self.pre.lock().map_err(|_| poisoned())? = Some(Arc::new(pre));
             }
@@ -372,9 +376,13 @@ impl FusedLinear {
                 "fused linear gelu: the gradient does not fit its layout".into(),
             )
         })?;
-        let mut dpre = crate::alloc::try_zeros::<f32>(pre.len(), "fused linear gelu grad")?;
-        multihead_kernels::activation::gelu_backward(&pre, gv, &mut dpre)
-            .map_err(|e| candle_core::Error::Msg(format!("fused linear gelu backward: {e}")))?;
+        let write = |d: &mut [std::mem::MaybeUninit<f32>]| {
+            multihead_kernels::activation::gelu_backward_uninit(&pre, gv, d)
+                .map_err(|e| candle_core::Error::Msg(format!("fused linear gelu backward: {e}")))
+        };
+        // SAFETY: `gelu_backward_uninit` writes every element of `d` when it returns `Ok`.
+        let dpre =
+            unsafe { crate::alloc::try_written(pre.len(), "fused linear gelu grad", write) }?;
         Tensor::from_vec(dpre, grad.shape(), grad.device())
     }
 
