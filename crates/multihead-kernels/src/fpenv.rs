@@ -14,6 +14,13 @@
 //! magnitude, which becomes a zero of its sign: an absolute difference below 1.2e-38 per
 //! operation, as TensorFlow's CPU kernels do by default (`ScopedFlushDenormal`). Outside x86-64
 //! the guard does nothing.
+//!
+//! Rust's and LLVM's model of floating point assumes the default MXCSR, so the compiler may
+//! move a float operation across the guard's `ldmxcsr` or fold it at compile time: then that
+//! result is rounded as if the guard were off (or on). That changes which tiny results are
+//! flushed, never memory safety; the kernels' results hold either way (a flushed result is
+//! within 2^-126 of the exact one), and the guard is set and cleared around whole tasks, whose
+//! floating point work runs through the SIMD intrinsics between the two.
 
 /// Flush-to-zero on the current thread until dropped (see the module docs).
 pub(crate) struct FlushToZero {

@@ -38,8 +38,9 @@ impl Alibi {
     pub(crate) unsafe fn column<S: Simd>(&self, lane0: usize) -> AlibiColumn<S> {
         // SAFETY: `IOTA` holds 16 floats, at least `S::LANES`.
         unsafe {
-            let d = S::add(S::load(IOTA.as_ptr()), S::splat(self.base + lane0 as f32));
-            AlibiColumn { d, one: S::splat(1.0), neg_slope: S::splat(self.neg_slope) }
+            let d0 = S::add(S::load(IOTA.as_ptr()), S::splat(self.base + lane0 as f32));
+            let (j, one, neg_slope) = (S::splat(0.0), S::splat(1.0), S::splat(self.neg_slope));
+            AlibiColumn { d0, j, one, neg_slope }
         }
     }
 
@@ -69,10 +70,13 @@ impl Alibi {
     }
 }
 
-/// The ALiBi bias of one vector of queries, key row after key row: the signed distances `d`
-/// of the current key row (integers, exact below 2^24) and the negated slope.
+/// The ALiBi bias of one vector of queries, key row after key row: the signed distances `d0`
+/// of the tile's first key row, the current row `j` (counted exactly: a tile has far fewer
+/// than 2^24 rows) and the negated slope. Each distance `d0 − j` is one rounding of the exact
+/// one (exact below 2^24), however many rows came before.
 pub(crate) struct AlibiColumn<S: Simd> {
-    d: S::V,
+    d0: S::V,
+    j: S::V,
     one: S::V,
     neg_slope: S::V,
 }
@@ -86,8 +90,8 @@ impl<S: Simd> AlibiColumn<S> {
     pub(crate) unsafe fn next(&mut self) -> S::V {
         // SAFETY: vector arithmetic only.
         unsafe {
-            let b = S::mul(S::abs(self.d), self.neg_slope);
-            self.d = S::sub(self.d, self.one);
+            let b = S::mul(S::abs(S::sub(self.d0, self.j)), self.neg_slope);
+            self.j = S::add(self.j, self.one);
             b
         }
     }

@@ -8,6 +8,9 @@
 #[cfg(target_arch = "x86_64")]
 use core::arch::x86_64::*;
 
+/// Where tanh rounds to ±1 in f32: the soft cap clamps `v/c` to ±this.
+const SOFTCAP_CLAMP: f32 = 7.905_311;
+
 /// Vector operations on f32 lanes.
 ///
 /// # Safety
@@ -75,7 +78,27 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     /// numerator; within a few ulp of `c·tanh(v/c)` (tested against f64); NaN propagates.
     #[inline(always)]
     unsafe fn softcap(v: Self::V, c: f32, inv: f32) -> Self::V {
-        const CLAMP: f32 = 7.905_311;
+        /// 2^-32 and 2^32: exact scalings.
+        const DOWN: f32 = 1.0 / 4_294_967_296.0;
+        const UP: f32 = 4_294_967_296.0;
+        // SAFETY: vector arithmetic only (the trait's contract covers the instruction set).
+        unsafe {
+            if SOFTCAP_CLAMP * c <= f32::MAX {
+                Self::softcap_folded(v, c, inv)
+            } else {
+                // A cap above 4.3e37, whose bound would overflow (and whose inverse may be
+                // subnormal, flushed to 0 inside the kernels): the same function on `v` and
+                // `c` scaled by 2^-32, scaled back (exact, but for `|v|` below 5e-29).
+                let cs = c * DOWN;
+                let r = Self::softcap_folded(Self::mul(v, Self::splat(DOWN)), cs, 1.0 / cs);
+                Self::mul(r, Self::splat(UP))
+            }
+        }
+    }
+    /// [`Simd::softcap`] for a cap whose bound `SOFTCAP_CLAMP·c` is finite and whose `inv`
+    /// is normal.
+    #[inline(always)]
+    unsafe fn softcap_folded(v: Self::V, c: f32, inv: f32) -> Self::V {
         const A: [f32; 7] = [
             4.893_524_6e-3,
             6.372_619_3e-4,
@@ -89,8 +112,8 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
         // SAFETY: vector arithmetic only (the trait's contract covers the instruction set).
         unsafe {
             // max(-b, min(b, v)): `min` and `max` keep a NaN second operand, so NaN passes
-            // through both. (`CLAMP·c` may be +inf for a huge cap: then nothing is clamped.)
-            let bound = CLAMP * c;
+            // through both.
+            let bound = SOFTCAP_CLAMP * c;
             let vc = Self::max(Self::splat(-bound), Self::min(Self::splat(bound), v));
             let x = Self::mul(vc, Self::splat(inv));
             let x2 = Self::mul(x, x);
