@@ -116,16 +116,7 @@ pub fn bias_act_in_place(
     if bias.is_none() && act == Act::Identity {
         return Ok(());
     }
-    let task = EpilogueTask {
-        y: SyncPtr(y.as_mut_ptr()),
-        rows: y.len() / n,
-        n,
-        rows_per_task: (BLOCK / n).max(1),
-        bias: bias.map(|b| ConstPtr(b.as_ptr())),
-        act,
-        out: None,
-    };
-    par_run(simd_level(), &task);
+    run(y, n, bias, act, None);
     Ok(())
 }
 
@@ -149,6 +140,14 @@ pub fn bias_act_into(
         return Ok(());
     }
     check_rows(y, n, bias)?;
+    run(y, n, bias, act, Some(SyncPtr(out.as_mut_ptr().cast::<f32>())));
+    Ok(())
+}
+
+/// Runs the epilogue over the checked rows of `y` (non-empty, whole rows of `n > 0`, a bias of
+/// `n` values; `out`, if any, as long as `y`): every row of `0..rows` is written once (whole
+/// rows, the tails masked).
+fn run(y: &mut [f32], n: usize, bias: Option<&[f32]>, act: Act, out: Option<SyncPtr<f32>>) {
     let task = EpilogueTask {
         y: SyncPtr(y.as_mut_ptr()),
         rows: y.len() / n,
@@ -156,11 +155,9 @@ pub fn bias_act_into(
         rows_per_task: (BLOCK / n).max(1),
         bias: bias.map(|b| ConstPtr(b.as_ptr())),
         act,
-        out: Some(SyncPtr(out.as_mut_ptr().cast::<f32>())),
+        out,
     };
-    // Every row of `0..rows` is written once (whole rows, the tails masked).
     par_run(simd_level(), &task);
-    Ok(())
 }
 
 /// `y` is whole rows of `n` elements (`n > 0`) and the bias, if any, holds `n` values.

@@ -88,11 +88,9 @@ fn memory_limit() -> usize {
     })
 }
 
-/// A zeroed `Vec` of `n` elements, or a candle error when it cannot be allocated.
-pub(crate) fn try_zeros<T: Copy + Default + Send + Sync>(
-    n: usize,
-    what: &str,
-) -> candle_core::Result<Vec<T>> {
+/// An empty `Vec` with room for exactly `n` elements, or a candle error naming `what` when
+/// that cannot be allocated.
+fn try_empty<T>(n: usize, what: &str) -> candle_core::Result<Vec<T>> {
     let mut v = Vec::new();
     v.try_reserve_exact(n).map_err(|_| {
         candle_core::Error::Msg(format!(
@@ -100,6 +98,15 @@ pub(crate) fn try_zeros<T: Copy + Default + Send + Sync>(
             std::mem::size_of::<T>()
         ))
     })?;
+    Ok(v)
+}
+
+/// A zeroed `Vec` of `n` elements, or a candle error when it cannot be allocated.
+pub(crate) fn try_zeros<T: Copy + Default + Send + Sync>(
+    n: usize,
+    what: &str,
+) -> candle_core::Result<Vec<T>> {
+    let mut v = try_empty(n, what)?;
     if n < PAR_FILL_MIN {
         v.resize(n, T::default());
         return Ok(v);
@@ -126,13 +133,7 @@ pub(crate) unsafe fn try_written<T>(
     what: &str,
     write: impl FnOnce(&mut [std::mem::MaybeUninit<T>]) -> candle_core::Result<()>,
 ) -> candle_core::Result<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| {
-        candle_core::Error::Msg(format!(
-            "{what}: {n} elements of {} bytes cannot be allocated",
-            std::mem::size_of::<T>()
-        ))
-    })?;
+    let mut v = try_empty(n, what)?;
     write(&mut v.spare_capacity_mut()[..n])?;
     // SAFETY: `write` initialised the first `n` elements of the reserved capacity (caller).
     unsafe { v.set_len(n) };
