@@ -52,7 +52,8 @@
 use crate::attention::exec::{round16, try_par_run, Carver, ConstPtr, SyncPtr, Task};
 use crate::attention::simd::Simd;
 use crate::attention::{check_tensor, simd_level, KernelError, Layout4};
-use crate::elem::{dot as dot_e, Elem};
+use crate::elem::Elem;
+use tiles::{run_scores, run_weighted, runs_of, Rows};
 
 /// Keys per chunk (one task's share of a row's keys).
 pub const KEY_CHUNK: usize = 512;
@@ -402,7 +403,10 @@ impl<E: Elem> Base<'_, E> {
     /// The partial softmaxes of a block's rows over chunk `c` (keys `c·KEY_CHUNK ..`), into
     /// `parts` (`ROW_BLOCK` rows of `[max, sum, acc; dv]`). The chunk is walked in sub-blocks of
     /// [`SUB_BLOCK`] keys with the rows inside, so that the rows of a grouped-query block read
-    /// each sub-block of keys and values from L1. `buf` holds [`chunk_scratch`] floats.
+    /// each sub-block of keys and values from L1, and rows that see the same keys go through
+    /// the products together, register-tiled ([`tiles`]: each key and value vector loaded once
+    /// for up to four rows, the bits of each row unchanged). `buf` holds [`chunk_scratch`]
+    /// floats.
     ///
     /// # Safety
     /// `S`'s instruction set is available; the layouts were checked by the entry point.
@@ -447,21 +451,30 @@ impl<E: Elem> Base<'_, E> {
                     }
                 }
             }
-            let key = |j: usize| self.k.0.add(self.kl.offset(b, hk, start + j));
-            let value = |j: usize| self.v.0.add(self.vl.offset(b, hk, start + j));
+            let keys = |from: usize| Rows {
+                base: self.k.0.add(self.kl.offset(b, hk, start + from)),
+                stride: self.kl.seq,
+            };
+            let values = |from: usize| Rows {
+                base: self.v.0.add(self.vl.offset(b, hk, start + from)),
+                stride: self.vl.seq,
+            };
             // Row `i`'s part `from..hi` of the sub-block at `sb` (empty: `from >= hi`).
             let span = |i: usize, sb: usize| (sb.max(lo[i]), len[i].min(sb + SUB_BLOCK));
-            // Rows whose scores in this chunk are all -inf.
-            let mut hidden = [false; ROW_BLOCK];
+            let (runs, n_runs) = runs_of(&lo, &len, tiles::max_rows::<S>());
+            let scores0 = scores.as_mut_ptr();
             for sb in (0..longest).step_by(SUB_BLOCK) {
-                for i in 0..ROW_BLOCK {
-                    let (from, hi) = span(i, sb);
+                for &(i0, count) in &runs[..n_runs] {
+                    let (from, hi) = span(i0, sb);
                     if from < hi {
-                        let out = &mut scores[i * KEY_CHUNK + from..i * KEY_CHUNK + hi];
-                        scores_of::<S, E>(&qs[q_of(i)], |j| key(from + j), out);
+                        let q = |r: usize| qs[q_of(i0 + r)].as_ptr();
+                        let out = |r: usize| scores0.add((i0 + r) * KEY_CHUNK + from);
+                        run_scores::<S, E>(count, q, d.d, keys(from), hi - from, out);
                     }
                 }
             }
+            // Rows whose scores in this chunk are all -inf.
+            let mut hidden = [false; ROW_BLOCK];
             for (i, part) in parts.chunks_exact_mut(st).enumerate().filter(|(i, _)| len[*i] > 0) {
                 let row_scores = &mut scores[i * KEY_CHUNK + lo[i]..i * KEY_CHUNK + len[i]];
                 if let Some(c) = self.p.softcap {
@@ -481,12 +494,28 @@ impl<E: Elem> Base<'_, E> {
                     part[1] = exp_sum::<S>(row_scores, part[0]);
                 }
             }
+            // A run with a hidden row goes row by row (the hidden row skipped).
+            let mut visible = [(0, 0); ROW_BLOCK];
+            let mut n_visible = 0;
+            for &(i0, count) in &runs[..n_runs] {
+                if hidden[i0..i0 + count].iter().any(|&h| h) {
+                    for i in (i0..i0 + count).filter(|&i| !hidden[i]) {
+                        visible[n_visible] = (i, 1);
+                        n_visible += 1;
+                    }
+                } else {
+                    visible[n_visible] = (i0, count);
+                    n_visible += 1;
+                }
+            }
+            let acc0 = parts.as_mut_ptr();
             for sb in (0..longest).step_by(SUB_BLOCK) {
-                for (i, part) in parts.chunks_exact_mut(st).enumerate() {
-                    let (from, hi) = span(i, sb);
-                    if from < hi && !hidden[i] {
-                        let p = &scores[i * KEY_CHUNK + from..i * KEY_CHUNK + hi];
-                        weighted_sum::<S, E>(p, |j| value(from + j), &mut part[2..]);
+                for &(i0, count) in &visible[..n_visible] {
+                    let (from, hi) = span(i0, sb);
+                    if from < hi {
+                        let p = |r: usize| scores.as_ptr().add((i0 + r) * KEY_CHUNK + from);
+                        let acc = |r: usize| acc0.add((i0 + r) * st + 2);
+                        run_weighted::<S, E>(count, p, hi - from, values(from), acc, d.dv);
                     }
                 }
             }
@@ -551,67 +580,6 @@ unsafe fn merge<S: Simd>(state: &mut [f32], part: &[f32]) {
     unsafe { scale_add::<S>(&mut state[2..], a, &part[2..], bc) };
 }
 
-/// The partial sums of four dot products `q · k_i` over `n` floats, in one pass over `q`
-/// (four independent chains).
-#[inline(always)]
-unsafe fn dot4<S: Simd, E: Elem>(q: *const f32, k: [*const E; 4], n: usize) -> [S::V; 4] {
-    let l = S::LANES;
-    // SAFETY: the caller guarantees `n` readable floats at `q` and at each `k[i]`.
-    unsafe {
-        let mut acc = [S::splat(0.0); 4];
-        let mut j = 0;
-        while j + l <= n {
-            let qv = S::load(q.add(j));
-            for (a, kp) in acc.iter_mut().zip(k) {
-                *a = S::fma(qv, E::load::<S>(kp.add(j)), *a);
-            }
-            j += l;
-        }
-        if j < n {
-            let mask = S::tail_mask(n - j);
-            let qv = S::load_m(q.add(j), mask);
-            for (a, kp) in acc.iter_mut().zip(k) {
-                *a = S::fma(qv, E::load_n::<S>(kp.add(j), n - j, mask), *a);
-            }
-        }
-        acc
-    }
-}
-
-/// `scores[j] = q · key(j)`: `LANES` keys at a time, four dot products per pass over `q`,
-/// their lane sums reduced together.
-#[inline(always)]
-unsafe fn scores_of<S: Simd, E: Elem>(
-    q: &[f32],
-    key: impl Fn(usize) -> *const E,
-    scores: &mut [f32],
-) {
-    let (l, n, d) = (S::LANES, scores.len(), q.len());
-    // SAFETY: `key(j)` points at `d` readable floats for `j < n` (caller); `accs` holds
-    // `LANES <= 16` vectors and `scores[j..j + LANES]` is in bounds.
-    unsafe {
-        let mut accs = [S::splat(0.0); 16];
-        let mut j = 0;
-        while j + l <= n {
-            let mut i = 0;
-            while i + 4 <= l {
-                let ks = [key(j + i), key(j + i + 1), key(j + i + 2), key(j + i + 3)];
-                let [a0, a1, a2, a3] = dot4::<S, E>(q.as_ptr(), ks, d);
-                accs[i..i + 4].copy_from_slice(&[a0, a1, a2, a3]);
-                i += 4;
-            }
-            for (ii, acc) in accs.iter_mut().enumerate().take(l).skip(i) {
-                *acc = dot_e::<S, E>(q.as_ptr(), key(j + ii), d);
-            }
-            S::reduce_many(accs.as_ptr(), scores.as_mut_ptr().add(j));
-            j += l;
-        }
-        for (i, s) in scores.iter_mut().enumerate().skip(j) {
-            *s = S::reduce_add(dot_e::<S, E>(q.as_ptr(), key(i), d));
-        }
-    }
-}
-
 /// `s = c·tanh(s/c)` in place (a vector tanh, within 4 f32 epsilons).
 #[inline(always)]
 unsafe fn cap_scores<S: Simd>(s: &mut [f32], c: f32) {
@@ -646,65 +614,6 @@ unsafe fn max_of<S: Simd>(s: &[f32]) -> f32 {
         }
         S::store(lanes.as_mut_ptr(), acc);
         lanes[..l].iter().chain(&s[j..]).fold(f32::NEG_INFINITY, |m, &x| m.max(x))
-    }
-}
-
-/// `acc[c] += Σ_j p[j]·value(j)[c]`: even and odd `j` in two register chains (up to four
-/// vectors of `acc` each), added to `acc` at the end; a fixed order of operations.
-#[inline(always)]
-unsafe fn weighted_sum<S: Simd, E: Elem>(
-    p: &[f32],
-    value: impl Fn(usize) -> *const E,
-    acc: &mut [f32],
-) {
-    let (l, dv) = (S::LANES, acc.len());
-    let mut c = 0;
-    // SAFETY: `value(j)` points at `dv` readable floats for `j < p.len()` (caller); masked
-    // accesses stay inside `acc` and the value rows.
-    unsafe {
-        while c < dv {
-            let nb = (dv - c).div_ceil(l).min(4);
-            // Not a closure: closures do not inherit the caller's target features.
-            let mut masks = [S::full_mask(); 4];
-            let mut live = [l; 4];
-            for (b, m) in masks.iter_mut().enumerate().take(nb) {
-                let at = c + b * l;
-                if at + l > dv {
-                    *m = S::tail_mask(dv - at);
-                    live[b] = dv - at;
-                }
-            }
-            let (mut even, mut odd) = ([S::splat(0.0); 4], [S::splat(0.0); 4]);
-            let mut j = 0;
-            while j + 2 <= p.len() {
-                let (pe, po) = (S::splat(p[j]), S::splat(p[j + 1]));
-                let (re, ro) = (value(j).add(c), value(j + 1).add(c));
-                for b in 0..4 {
-                    if b < nb {
-                        let ve = E::load_n::<S>(re.add(b * l), live[b], masks[b]);
-                        let vo = E::load_n::<S>(ro.add(b * l), live[b], masks[b]);
-                        even[b] = S::fma(pe, ve, even[b]);
-                        odd[b] = S::fma(po, vo, odd[b]);
-                    }
-                }
-                j += 2;
-            }
-            if j < p.len() {
-                let (pe, re) = (S::splat(p[j]), value(j).add(c));
-                for b in 0..4 {
-                    if b < nb {
-                        let ve = E::load_n::<S>(re.add(b * l), live[b], masks[b]);
-                        even[b] = S::fma(pe, ve, even[b]);
-                    }
-                }
-            }
-            for b in 0..nb {
-                let at = acc.as_mut_ptr().add(c + b * l);
-                let sum = S::add(S::load_m(at, masks[b]), S::add(even[b], odd[b]));
-                S::store_m(at, sum, masks[b]);
-            }
-            c += nb * l;
-        }
     }
 }
 
@@ -934,6 +843,8 @@ pub fn decode_reference(
     }
     Ok(())
 }
+
+mod tiles;
 
 #[cfg(test)]
 mod tests;

@@ -419,3 +419,70 @@ fn bad_arguments_are_errors() {
     let p = case.params();
     assert!(matches!(call(&p, &case.k[1..]), KernelError::SliceTooShort { name: "k", .. }));
 }
+
+/// Rows that share their keys (the query heads of a grouped-query kv head, the rows of a
+/// prefill without a causal rule) are register-tiled together; each row must still get the
+/// bits it gets alone: one call per `(batch, head, row)` over a one-head copy of its cache.
+#[test]
+fn tiled_rows_give_the_bits_of_each_row_alone() {
+    let mut seed = 40;
+    for (hq, hk, rows, causal) in
+        [(8, 1, 1, false), (6, 2, 3, false), (3, 1, 2, true), (5, 5, 9, false)]
+    {
+        for (d, dv) in [(64, 64), (19, 33), (24, 80)] {
+            let dims =
+                DecodeDims { batch: 2, heads_q: hq, heads_kv: hk, rows, capacity: 700, d, dv };
+            let mut case = Case::new(dims, causal, vec![700, 530], seed);
+            seed += 1;
+            match seed % 3 {
+                0 => case.softcap = Some(1.5),
+                1 => case.alibi = Some((0..hq).map(|h| 0.01 * (h + 1) as f32).collect()),
+                _ => case.sinks = Some((0..hq).map(|h| h as f32 * 0.3 - 1.0).collect()),
+            }
+            let [ql, kl, vl, ol] = case.layouts();
+            for level in levels() {
+                let together = with_simd_level(level, || case.run(false));
+                for (b, h, t) in (0..2)
+                    .flat_map(|b| (0..hq).flat_map(move |h| (0..rows).map(move |t| (b, h, t))))
+                {
+                    let kvh = h / (hq / hk);
+                    let one = DecodeDims { batch: 1, heads_q: 1, heads_kv: 1, rows: 1, ..dims };
+                    let q = case.q[ql.offset(b, h, t)..][..d].to_vec();
+                    let k = case.k[kl.offset(b, kvh, 0)..][..700 * d].to_vec();
+                    let v = case.v[vl.offset(b, kvh, 0)..][..700 * dv].to_vec();
+                    let (kv_len, q_pos, q_len) =
+                        ([case.kv_len[b]], [case.q_pos[b] + t], [usize::from(t < case.q_len[b])]);
+                    let (sinks, alibi) =
+                        (case.sinks.as_ref().map(|x| [x[h]]), case.alibi.as_ref().map(|x| [x[h]]));
+                    let mut p = DecodeParams::new(one, &kv_len, &q_pos, &q_len);
+                    (p.scale, p.causal, p.softcap) = (case.params().scale, causal, case.softcap);
+                    (p.sinks, p.alibi) =
+                        (sinks.as_ref().map(|x| &x[..]), alibi.as_ref().map(|x| &x[..]));
+                    let mut out = vec![f32::NAN; dv];
+                    let (l1q, l1k, l1v) = (
+                        Layout4::contiguous(1, 1, d),
+                        Layout4::contiguous(1, 700, d),
+                        Layout4::contiguous(1, 700, dv),
+                    );
+                    with_simd_level(level, || {
+                        decode_attention(
+                            &p,
+                            &q,
+                            l1q,
+                            &k,
+                            l1k,
+                            &v,
+                            l1v,
+                            &mut out,
+                            Layout4::contiguous(1, 1, dv),
+                        )
+                    })
+                    .unwrap();
+                    let want = &together[ol.offset(b, h, t)..][..dv];
+                    let same = out.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{dims:?} causal={causal} {level:?} row ({b}, {h}, {t})");
+                }
+            }
+        }
+    }
+}

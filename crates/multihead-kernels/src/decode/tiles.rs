@@ -1,0 +1,357 @@
+//! The decode kernel's inner products, register-tiled over the query rows that see the same
+//! keys: the query heads of one token under grouped-query attention, or the rows of a prefill
+//! chunk without a causal rule. Each key and value vector is loaded once for up to
+//! [`max_rows`] rows instead of once per row.
+//!
+//! Every lane of every row goes through exactly the operations of the one-row kernel, in the
+//! same order (one fused multiply-add chain per key over `d`, the same lane-sum network per
+//! group of `LANES` keys; even and odd keys in two chains per value column), so the result of
+//! a row does not depend on how many rows share its tile: the bits are those of the row
+//! alone.
+
+use crate::attention::simd::Simd;
+use crate::elem::{dot as dot_e, Elem};
+
+/// The most rows one tile takes at this SIMD level: four with 32 vector registers (16 score
+/// accumulators), two with 16.
+#[inline(always)]
+pub(super) fn max_rows<S: Simd>() -> usize {
+    if S::LANES >= 16 {
+        4
+    } else {
+        2
+    }
+}
+
+/// A strided run of `E` rows: row `j` starts at `base + j·stride`.
+#[derive(Clone, Copy)]
+pub(super) struct Rows<E> {
+    pub base: *const E,
+    pub stride: usize,
+}
+
+impl<E> Rows<E> {
+    /// Row `j`.
+    ///
+    /// # Safety
+    /// Row `j` lies inside the allocation `base` points into.
+    #[inline(always)]
+    pub unsafe fn at(self, j: usize) -> *const E {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.base.add(j * self.stride) }
+    }
+}
+
+/// `out[r][j] = q_r · key(j)` for `j < n` and the `R` rows `r`: `LANES` keys at a time, four
+/// keys per pass over `d`, all rows' products of a key vector from one load; each row's
+/// `LANES` lane sums reduced together.
+///
+/// # Safety
+/// `S`'s instruction set is available; `q[r]` has `d` readable floats and `out[r]` `n`
+/// writable ones; keys `0..n` of `keys` have `d` readable elements each.
+#[inline(always)]
+pub(super) unsafe fn scores<S: Simd, E: Elem, const R: usize>(
+    q: [*const f32; R],
+    d: usize,
+    keys: Rows<E>,
+    n: usize,
+    out: [*mut f32; R],
+) {
+    let l = S::LANES;
+    // SAFETY: every pointer formed below stays inside the rows the caller vouches for; `accs`
+    // holds 16 >= LANES vectors per row.
+    unsafe {
+        let mut accs = [[S::splat(0.0); 16]; R];
+        let mut j = 0;
+        while j + l <= n {
+            let mut i = 0;
+            while i + 4 <= l {
+                let ks =
+                    [keys.at(j + i), keys.at(j + i + 1), keys.at(j + i + 2), keys.at(j + i + 3)];
+                let acc = dot4_rows::<S, E, R>(q, ks, d);
+                for r in 0..R {
+                    accs[r][i..i + 4].copy_from_slice(&acc[r]);
+                }
+                i += 4;
+            }
+            for r in 0..R {
+                for (ii, acc) in accs[r].iter_mut().enumerate().take(l).skip(i) {
+                    *acc = dot_e::<S, E>(q[r], keys.at(j + ii), d);
+                }
+                S::reduce_many(accs[r].as_ptr(), out[r].add(j));
+            }
+            j += l;
+        }
+        for jj in j..n {
+            for r in 0..R {
+                *out[r].add(jj) = S::reduce_add(dot_e::<S, E>(q[r], keys.at(jj), d));
+            }
+        }
+    }
+}
+
+/// The partial sums of the dot products `q_r · k_i` (four keys, `R` rows) over `n` floats, in
+/// one pass: each key vector is loaded once for all rows, each query vector once for all keys.
+#[inline(always)]
+unsafe fn dot4_rows<S: Simd, E: Elem, const R: usize>(
+    q: [*const f32; R],
+    k: [*const E; 4],
+    n: usize,
+) -> [[S::V; 4]; R] {
+    let l = S::LANES;
+    // SAFETY: the caller guarantees `n` readable floats at each `q[r]` and elements at each
+    // `k[i]`; the tail is masked.
+    unsafe {
+        let mut acc = [[S::splat(0.0); 4]; R];
+        let mut c = 0;
+        while c + l <= n {
+            // Loops, not `map`: closures do not inherit the caller's target features.
+            let mut kv = [S::splat(0.0); 4];
+            for (v, kp) in kv.iter_mut().zip(k) {
+                *v = E::load::<S>(kp.add(c));
+            }
+            for r in 0..R {
+                let qv = S::load(q[r].add(c));
+                for (a, &kv) in acc[r].iter_mut().zip(&kv) {
+                    *a = S::fma(qv, kv, *a);
+                }
+            }
+            c += l;
+        }
+        if c < n {
+            let mask = S::tail_mask(n - c);
+            let mut kv = [S::splat(0.0); 4];
+            for (v, kp) in kv.iter_mut().zip(k) {
+                *v = E::load_n::<S>(kp.add(c), n - c, mask);
+            }
+            for r in 0..R {
+                let qv = S::load_m(q[r].add(c), mask);
+                for (a, &kv) in acc[r].iter_mut().zip(&kv) {
+                    *a = S::fma(qv, kv, *a);
+                }
+            }
+        }
+        acc
+    }
+}
+
+/// `acc_r[c] += Σ_j p_r[j]·value(j)[c]` for `j < n` and the `R` rows: per value column, even
+/// and odd `j` in two register chains per row, added to `acc_r` at the end. Columns go in
+/// blocks of `NB` vectors (no masks) and then one masked block for the rest.
+///
+/// # Safety
+/// `S`'s instruction set is available; `p[r]` has `n` readable floats, `acc[r]` `dv`
+/// writable ones, and values `0..n` of `values` `dv` readable elements each.
+#[inline(always)]
+pub(super) unsafe fn weighted<S: Simd, E: Elem, const R: usize, const NB: usize>(
+    p: [*const f32; R],
+    n: usize,
+    values: Rows<E>,
+    acc: [*mut f32; R],
+    dv: usize,
+) {
+    let l = S::LANES;
+    let mut c = 0;
+    // SAFETY: forwarded from the caller; blocks stay inside `dv`.
+    unsafe {
+        while c + NB * l <= dv {
+            weighted_block::<S, E, R, NB>(p, n, values, acc, c, [S::full_mask(); NB], [l; NB]);
+            c += NB * l;
+        }
+        while c < dv {
+            // Not a closure: closures do not inherit the caller's target features.
+            let mut masks = [S::full_mask(); NB];
+            let mut live = [0; NB];
+            for (b, (m, w)) in masks.iter_mut().zip(&mut live).enumerate() {
+                let at = (c + b * l).min(dv);
+                *w = (dv - at).min(l);
+                if *w < l {
+                    *m = S::tail_mask(*w);
+                }
+            }
+            weighted_block::<S, E, R, NB>(p, n, values, acc, c, masks, live);
+            c += NB * l;
+        }
+    }
+}
+
+/// The `live` columns of `row` from column `c` (all `LANES` when `full`).
+///
+/// # Safety
+/// As for [`weighted_block`].
+#[inline(always)]
+unsafe fn load<S: Simd, E: Elem>(
+    row: *const E,
+    c: usize,
+    full: bool,
+    live: usize,
+    mask: S::M,
+) -> S::V {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        if full {
+            E::load::<S>(row.add(c))
+        } else {
+            E::load_n::<S>(row.add(c), live, mask)
+        }
+    }
+}
+
+/// One block of `NB` value vectors at column `c` of [`weighted`]: vector `b` covers `live[b]`
+/// columns (`masks[b]`); a vector with no live column loads and stores nothing.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn weighted_block<S: Simd, E: Elem, const R: usize, const NB: usize>(
+    p: [*const f32; R],
+    n: usize,
+    values: Rows<E>,
+    acc: [*mut f32; R],
+    c: usize,
+    masks: [S::M; NB],
+    live: [usize; NB],
+) {
+    let l = S::LANES;
+    let full = live.iter().all(|&w| w == l);
+    // SAFETY: the caller guarantees the value rows and accumulators cover `c + live[b]`
+    // columns of vector `b`; masked accesses stay inside them.
+    unsafe {
+        let (mut even, mut odd) = ([[S::splat(0.0); NB]; R], [[S::splat(0.0); NB]; R]);
+        let mut j = 0;
+        while j + 2 <= n {
+            let (re, ro) = (values.at(j), values.at(j + 1));
+            let mut ve = [S::splat(0.0); NB];
+            let mut vo = [S::splat(0.0); NB];
+            for b in 0..NB {
+                if live[b] > 0 {
+                    (ve[b], vo[b]) = (
+                        load::<S, E>(re, c + b * l, full, live[b], masks[b]),
+                        load::<S, E>(ro, c + b * l, full, live[b], masks[b]),
+                    );
+                }
+            }
+            for r in 0..R {
+                let (pe, po) = (S::splat(*p[r].add(j)), S::splat(*p[r].add(j + 1)));
+                for b in 0..NB {
+                    even[r][b] = S::fma(pe, ve[b], even[r][b]);
+                    odd[r][b] = S::fma(po, vo[b], odd[r][b]);
+                }
+            }
+            j += 2;
+        }
+        if j < n {
+            let re = values.at(j);
+            let mut ve = [S::splat(0.0); NB];
+            for (b, v) in ve.iter_mut().enumerate() {
+                if live[b] > 0 {
+                    *v = load::<S, E>(re, c + b * l, full, live[b], masks[b]);
+                }
+            }
+            for r in 0..R {
+                let pe = S::splat(*p[r].add(j));
+                for b in 0..NB {
+                    even[r][b] = S::fma(pe, ve[b], even[r][b]);
+                }
+            }
+        }
+        for r in 0..R {
+            for b in (0..NB).filter(|&b| live[b] > 0) {
+                let at = acc[r].add(c + b * l);
+                let sum = S::add(S::load_m(at, masks[b]), S::add(even[r][b], odd[r][b]));
+                S::store_m(at, sum, masks[b]);
+            }
+        }
+    }
+}
+
+/// Splits a block's rows into runs of consecutive rows that see the same keys of a chunk
+/// (`lo[i]..len[i]`, not empty), each at most `max` rows: `(first row, rows)` and the number
+/// of runs.
+pub(super) fn runs_of<const N: usize>(
+    lo: &[usize; N],
+    len: &[usize; N],
+    max: usize,
+) -> ([(usize, usize); N], usize) {
+    let (mut runs, mut n) = ([(0, 0); N], 0);
+    let mut i = 0;
+    while i < N {
+        if len[i] == 0 {
+            i += 1;
+            continue;
+        }
+        let mut e = i + 1;
+        while e < N && e - i < max && (lo[e], len[e]) == (lo[i], len[i]) {
+            e += 1;
+        }
+        runs[n] = (i, e - i);
+        n += 1;
+        i = e;
+    }
+    (runs, n)
+}
+
+/// [`scores`] for `rows` (1 to 4) rows: row `r`'s query at `q(r)`, its scores to `out(r)`.
+///
+/// # Safety
+/// As for [`scores`], for every `r < rows`.
+#[inline(always)]
+pub(super) unsafe fn run_scores<S: Simd, E: Elem>(
+    rows: usize,
+    q: impl Fn(usize) -> *const f32,
+    d: usize,
+    keys: Rows<E>,
+    n: usize,
+    out: impl Fn(usize) -> *mut f32,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match rows {
+            1 => scores::<S, E, 1>([q(0)], d, keys, n, [out(0)]),
+            2 => scores::<S, E, 2>([q(0), q(1)], d, keys, n, [out(0), out(1)]),
+            3 => scores::<S, E, 3>([q(0), q(1), q(2)], d, keys, n, [out(0), out(1), out(2)]),
+            _ => scores::<S, E, 4>(
+                [q(0), q(1), q(2), q(3)],
+                d,
+                keys,
+                n,
+                [out(0), out(1), out(2), out(3)],
+            ),
+        }
+    }
+}
+
+/// [`weighted`] for `rows` (1 to 4) rows: row `r`'s probabilities at `p(r)`, its
+/// accumulators at `acc(r)`. Four value vectors per block for up to two rows (two rows on
+/// 16 registers), two for more.
+///
+/// # Safety
+/// As for [`weighted`], for every `r < rows`.
+#[inline(always)]
+pub(super) unsafe fn run_weighted<S: Simd, E: Elem>(
+    rows: usize,
+    p: impl Fn(usize) -> *const f32,
+    n: usize,
+    values: Rows<E>,
+    acc: impl Fn(usize) -> *mut f32,
+    dv: usize,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match rows {
+            1 => weighted::<S, E, 1, 4>([p(0)], n, values, [acc(0)], dv),
+            2 if S::LANES >= 16 => {
+                weighted::<S, E, 2, 4>([p(0), p(1)], n, values, [acc(0), acc(1)], dv)
+            }
+            2 => weighted::<S, E, 2, 2>([p(0), p(1)], n, values, [acc(0), acc(1)], dv),
+            3 => {
+                weighted::<S, E, 3, 2>([p(0), p(1), p(2)], n, values, [acc(0), acc(1), acc(2)], dv)
+            }
+            _ => weighted::<S, E, 4, 2>(
+                [p(0), p(1), p(2), p(3)],
+                n,
+                values,
+                [acc(0), acc(1), acc(2), acc(3)],
+                dv,
+            ),
+        }
+    }
+}
