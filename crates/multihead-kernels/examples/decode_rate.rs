@@ -8,7 +8,8 @@
 //! ```
 //!
 //! Without arguments it runs the shapes of BENCHMARKS.md's decode table (B=1 S=4096 and
-//! S=32768, H=8 over K = 8, 2 and 1). Threads: `RAYON_NUM_THREADS`.
+//! S=32768, H=8 over K = 8, 2 and 1). Threads: `RAYON_NUM_THREADS`; `VARIANT=softcap|alibi|sinks`
+//! adds a soft cap of 30, ALiBi or sinks (slopes and sinks `2^-(h+1)` per head).
 
 use std::time::Instant;
 
@@ -23,6 +24,13 @@ fn case(b: usize, h: usize, k: usize, s: usize, rows: usize) {
     let (kv_len, q_pos, q_len) = (vec![s; b], vec![s - rows; b], vec![rows; b]);
     let mut p = DecodeParams::new(dims, &kv_len, &q_pos, &q_len);
     p.causal = true;
+    let per_head: Vec<f32> = (0..h).map(|i| 0.5f32.powi(i as i32 + 1)).collect();
+    match std::env::var("VARIANT").as_deref() {
+        Ok("softcap") => p.softcap = Some(30.0),
+        Ok("alibi") => p.alibi = Some(&per_head),
+        Ok("sinks") => p.sinks = Some(&per_head),
+        _ => {}
+    }
     let mut out = vec![0f32; b * h * rows * d];
     let (ql, cl) = (Layout4::contiguous(h, rows, d), Layout4::contiguous(k, s, d));
     let iters = (2_000_000_000 / (b * h * rows * s * d * 4).max(1)).clamp(20, 5000);

@@ -482,7 +482,7 @@ impl<E: Elem> Base<'_, E> {
                 }
                 if let (Some(m), Some(row)) = (self.p.alibi, rows[i]) {
                     let pos = self.p.q_pos[b].saturating_add(row.t);
-                    add_alibi(row_scores, -m[row.h], pos, start + lo[i]);
+                    add_alibi::<S>(row_scores, -m[row.h], pos, start + lo[i]);
                 }
                 part[0] = max_of::<S>(row_scores);
                 // Every score of the chunk -inf (an ALiBi bias beyond f32's range): the chunk
@@ -556,10 +556,37 @@ impl<E: Elem> Base<'_, E> {
 
 /// Adds ALiBi's `−m·|pos − j|` to the scores of keys `start..start + scores.len()` (the
 /// distance exact below 2^24, multiplied by the negated slope as the attention kernels do).
-fn add_alibi(scores: &mut [f32], neg_slope: f32, pos: usize, start: usize) {
-    for (j, s) in scores.iter_mut().enumerate() {
-        let dist = (pos as f64 - (start + j) as f64).abs() as f32;
-        *s += dist * neg_slope;
+/// Vectors of distances where every position is below 2^24 (then `pos − j` is exact in f32);
+/// beyond, each distance is rounded from f64 one score at a time. The same bits either way
+/// below 2^24.
+#[inline(always)]
+unsafe fn add_alibi<S: Simd>(scores: &mut [f32], neg_slope: f32, pos: usize, start: usize) {
+    const EXACT: usize = 1 << 24;
+    let n = scores.len();
+    if pos >= EXACT || start.saturating_add(n) > EXACT {
+        for (j, s) in scores.iter_mut().enumerate() {
+            let dist = (pos as f64 - (start + j) as f64).abs() as f32;
+            *s += dist * neg_slope;
+        }
+        return;
+    }
+    const IOTA: [f32; 16] =
+        [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0];
+    let l = S::LANES;
+    // SAFETY: `IOTA` holds 16 >= LANES floats; masked accesses stay inside `scores`.
+    unsafe {
+        let (m, iota) = (S::splat(neg_slope), S::load(IOTA.as_ptr()));
+        // Both positions are below 2^24, so `d0` and every `d0 − j` are exact integers.
+        let d0 = S::splat(pos as f32 - start as f32);
+        let p = scores.as_mut_ptr();
+        let mut j = 0;
+        while j < n {
+            let mask = if j + l <= n { S::full_mask() } else { S::tail_mask(n - j) };
+            let dist = S::abs(S::sub(d0, S::add(iota, S::splat(j as f32))));
+            let x = S::add(S::load_m(p.add(j), mask), S::mul(dist, m));
+            S::store_m(p.add(j), x, mask);
+            j += l;
+        }
     }
 }
 

@@ -486,3 +486,58 @@ fn tiled_rows_give_the_bits_of_each_row_alone() {
         }
     }
 }
+
+/// The vector ALiBi bias gives the bits of the one-score-at-a-time f64 distances at every
+/// level: keys before and after the row, distances up to and past 2^24, ragged tails.
+#[test]
+fn vector_alibi_gives_the_bits_of_the_f64_distances() {
+    use crate::attention::simd::{Scalar, Simd};
+    use crate::attention::SimdLevel;
+    fn run_at<S: Simd>(x: &mut [f32], m: f32, pos: usize, start: usize) {
+        // SAFETY: only called at a level the CPU supports.
+        unsafe { add_alibi::<S>(x, m, pos, start) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn run512(x: &mut [f32], m: f32, pos: usize, start: usize) {
+        run_at::<crate::attention::simd::Avx512>(x, m, pos, start)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run256(x: &mut [f32], m: f32, pos: usize, start: usize) {
+        run_at::<crate::attention::simd::Avx2>(x, m, pos, start)
+    }
+    let big = 1usize << 24;
+    for (pos, start, n) in [
+        (300, 0, 301),
+        (10, 0, 37),
+        (5, 100, 17),
+        (big - 3, big - 40, 37),
+        (big - 1, big - 512, 512),
+        (big + 5, big - 7, 19),
+        (3 * big + 1, 3, 33),
+    ] {
+        for m in [-0.5f32, -0.0123, -3.0e-7] {
+            let scores: Vec<f32> = (0..n).map(|j| (j as f32 * 0.37).sin()).collect();
+            let want: Vec<f32> = scores
+                .iter()
+                .enumerate()
+                .map(|(j, &s)| s + (pos as f64 - (start + j) as f64).abs() as f32 * m)
+                .collect();
+            for level in levels() {
+                let mut got = scores.clone();
+                match level {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `levels()` only yields supported levels.
+                    SimdLevel::Avx512 => unsafe { run512(&mut got, m, pos, start) },
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: as above.
+                    SimdLevel::Avx2 => unsafe { run256(&mut got, m, pos, start) },
+                    _ => run_at::<Scalar>(&mut got, m, pos, start),
+                }
+                let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{level:?} pos {pos} start {start} n {n} slope {m}");
+            }
+        }
+    }
+}
