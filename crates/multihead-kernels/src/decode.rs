@@ -559,6 +559,9 @@ impl<E: Elem> Base<'_, E> {
 /// Vectors of distances where every position is below 2^24 (then `pos − j` is exact in f32);
 /// beyond, each distance is rounded from f64 one score at a time. The same bits either way
 /// below 2^24.
+///
+/// # Safety
+/// `S`'s instruction set is available.
 #[inline(always)]
 unsafe fn add_alibi<S: Simd>(scores: &mut [f32], neg_slope: f32, pos: usize, start: usize) {
     const EXACT: usize = 1 << 24;

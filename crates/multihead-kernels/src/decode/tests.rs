@@ -434,6 +434,8 @@ fn tiled_rows_give_the_bits_of_each_row_alone() {
                 DecodeDims { batch: 2, heads_q: hq, heads_kv: hk, rows, capacity: 700, d, dv };
             let mut case = Case::new(dims, causal, vec![700, 530], seed);
             seed += 1;
+            // A window puts the first visible key inside a sub-block (runs with `lo > 0`).
+            case.window = (seed % 2 == 0).then_some(333);
             match seed % 3 {
                 0 => case.softcap = Some(1.5),
                 1 => case.alibi = Some((0..hq).map(|h| 0.01 * (h + 1) as f32).collect()),
@@ -456,6 +458,7 @@ fn tiled_rows_give_the_bits_of_each_row_alone() {
                         (case.sinks.as_ref().map(|x| [x[h]]), case.alibi.as_ref().map(|x| [x[h]]));
                     let mut p = DecodeParams::new(one, &kv_len, &q_pos, &q_len);
                     (p.scale, p.causal, p.softcap) = (case.params().scale, causal, case.softcap);
+                    p.window = case.window;
                     (p.sinks, p.alibi) =
                         (sinks.as_ref().map(|x| &x[..]), alibi.as_ref().map(|x| &x[..]));
                     let mut out = vec![f32::NAN; dv];
@@ -480,7 +483,11 @@ fn tiled_rows_give_the_bits_of_each_row_alone() {
                     .unwrap();
                     let want = &together[ol.offset(b, h, t)..][..dv];
                     let same = out.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{dims:?} causal={causal} {level:?} row ({b}, {h}, {t})");
+                    assert!(
+                        same,
+                        "{dims:?} causal={causal} window={:?} {level:?} row ({b}, {h}, {t})",
+                        case.window
+                    );
                 }
             }
         }

@@ -92,6 +92,10 @@ pub(super) unsafe fn scores<S: Simd, E: Elem, const R: usize>(
 
 /// The partial sums of the dot products `q_r · k_i` (four keys, `R` rows) over `n` floats, in
 /// one pass: each key vector is loaded once for all rows, each query vector once for all keys.
+///
+/// # Safety
+/// `S`'s instruction set is available; `n` readable floats at each `q[r]` and elements at
+/// each `k[i]`.
 #[inline(always)]
 unsafe fn dot4_rows<S: Simd, E: Elem, const R: usize>(
     q: [*const f32; R],
@@ -165,7 +169,7 @@ pub(super) unsafe fn weighted<S: Simd, E: Elem, const R: usize, const NB: usize>
             for (b, (m, w)) in masks.iter_mut().zip(&mut live).enumerate() {
                 let at = (c + b * l).min(dv);
                 *w = (dv - at).min(l);
-                if *w < l {
+                if *w > 0 && *w < l {
                     *m = S::tail_mask(*w);
                 }
             }
@@ -320,8 +324,8 @@ pub(super) unsafe fn run_scores<S: Simd, E: Elem>(
 }
 
 /// [`weighted`] for `rows` (1 to 4) rows: row `r`'s probabilities at `p(r)`, its
-/// accumulators at `acc(r)`. Four value vectors per block for up to two rows (two rows on
-/// 16 registers), two for more.
+/// accumulators at `acc(r)`. Four value vectors per block for up to two rows, two for more
+/// (and for any row count on 16 registers).
 ///
 /// # Safety
 /// As for [`weighted`], for every `r < rows`.
@@ -337,7 +341,8 @@ pub(super) unsafe fn run_weighted<S: Simd, E: Elem>(
     // SAFETY: forwarded from the caller.
     unsafe {
         match rows {
-            1 => weighted::<S, E, 1, 4>([p(0)], n, values, [acc(0)], dv),
+            1 if S::LANES >= 16 => weighted::<S, E, 1, 4>([p(0)], n, values, [acc(0)], dv),
+            1 => weighted::<S, E, 1, 2>([p(0)], n, values, [acc(0)], dv),
             2 if S::LANES >= 16 => {
                 weighted::<S, E, 2, 4>([p(0), p(1)], n, values, [acc(0), acc(1)], dv)
             }
