@@ -465,11 +465,13 @@ impl<E: Elem> Base<'_, E> {
             let scores0 = scores.as_mut_ptr();
             for sb in (0..longest).step_by(SUB_BLOCK) {
                 for &(i0, count) in &runs[..n_runs] {
-                    let (from, hi) = span(i0, sb);
-                    if from < hi {
+                    // A run's rows start at the same key; each ends at its own.
+                    let from = span(i0, sb).0;
+                    let n = |r: usize| span(i0 + r, sb).1.saturating_sub(from);
+                    if (0..count).any(|r| n(r) > 0) {
                         let q = |r: usize| qs[q_of(i0 + r)].as_ptr();
                         let out = |r: usize| scores0.add((i0 + r) * KEY_CHUNK + from);
-                        run_scores::<S, E>(count, q, d.d, keys(from), hi - from, out);
+                        run_scores::<S, E>(count, q, d.d, keys(from), n, out);
                     }
                 }
             }
@@ -511,11 +513,12 @@ impl<E: Elem> Base<'_, E> {
             let acc0 = parts.as_mut_ptr();
             for sb in (0..longest).step_by(SUB_BLOCK) {
                 for &(i0, count) in &visible[..n_visible] {
-                    let (from, hi) = span(i0, sb);
-                    if from < hi {
+                    let from = span(i0, sb).0;
+                    let n = |r: usize| span(i0 + r, sb).1.saturating_sub(from);
+                    if (0..count).any(|r| n(r) > 0) {
                         let p = |r: usize| scores.as_ptr().add((i0 + r) * KEY_CHUNK + from);
                         let acc = |r: usize| acc0.add((i0 + r) * st + 2);
-                        run_weighted::<S, E>(count, p, hi - from, values(from), acc, d.dv);
+                        run_weighted::<S, E>(count, p, n, values(from), acc, d.dv);
                     }
                 }
             }

@@ -426,9 +426,14 @@ fn bad_arguments_are_errors() {
 #[test]
 fn tiled_rows_give_the_bits_of_each_row_alone() {
     let mut seed = 40;
-    for (hq, hk, rows, causal) in
-        [(8, 1, 1, false), (6, 2, 3, false), (3, 1, 2, true), (5, 5, 9, false)]
-    {
+    for (hq, hk, rows, causal) in [
+        (8, 1, 1, false),
+        (6, 2, 3, false),
+        (3, 1, 2, true),
+        (5, 5, 9, false),
+        (2, 2, 11, true),
+        (4, 2, 6, true),
+    ] {
         for (d, dv) in [(64, 64), (19, 33), (24, 80)] {
             let dims =
                 DecodeDims { batch: 2, heads_q: hq, heads_kv: hk, rows, capacity: 700, d, dv };

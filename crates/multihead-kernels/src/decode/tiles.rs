@@ -1,7 +1,7 @@
 //! The decode kernel's inner products, register-tiled over the query rows that see the same
 //! keys: the query heads of one token under grouped-query attention, or the rows of a prefill
-//! chunk without a causal rule. Each key and value vector is loaded once for up to
-//! [`max_rows`] rows instead of once per row.
+//! chunk (with a causal rule their keys start together and end a few keys apart). Each key
+//! and value vector is loaded once for up to [`max_rows`] rows instead of once per row.
 //!
 //! Every lane of every row goes through exactly the operations of the one-row kernel, in the
 //! same order (one fused multiply-add chain per key over `d`, the same lane-sum network per
@@ -42,28 +42,32 @@ impl<E> Rows<E> {
     }
 }
 
-/// `out[r][j] = q_r · key(j)` for `j < n` and the `R` rows `r`: `LANES` keys at a time, four
-/// keys per pass over `d`, all rows' products of a key vector from one load; each row's
-/// `LANES` lane sums reduced together.
+/// `out[r][j] = q_r · key(j)` for `j < n[r]` and the `R` rows `r`: `LANES` keys at a time,
+/// four keys per pass over `d`, all rows' products of a key vector from one load; each row's
+/// `LANES` lane sums reduced together. The rows share keys `0..max(n)` (a causal prefill's
+/// rows end at different keys): a row's keys past its own last whole group of `LANES` are
+/// summed one at a time, as they are when the row runs alone. A row's slots from `n[r]` to
+/// `max(n)` are written and hold nothing of use.
 ///
 /// # Safety
-/// `S`'s instruction set is available; `q[r]` has `d` readable floats and `out[r]` `n`
-/// writable ones; keys `0..n` of `keys` have `d` readable elements each.
+/// `S`'s instruction set is available; `q[r]` has `d` readable floats and `out[r]` `max(n)`
+/// writable ones; keys `0..max(n)` of `keys` have `d` readable elements each.
 #[inline(always)]
 pub(super) unsafe fn scores<S: Simd, E: Elem, const R: usize>(
     q: [*const f32; R],
     d: usize,
     keys: Rows<E>,
-    n: usize,
+    n: [usize; R],
     out: [*mut f32; R],
 ) {
     let l = S::LANES;
+    let most = n.iter().copied().max().unwrap_or(0);
     // SAFETY: every pointer formed below stays inside the rows the caller vouches for; `accs`
     // holds 16 >= LANES vectors per row.
     unsafe {
         let mut accs = [[S::splat(0.0); 16]; R];
         let mut j = 0;
-        while j + l <= n {
+        while j + l <= most {
             let mut i = 0;
             while i + 4 <= l {
                 let ks =
@@ -82,8 +86,10 @@ pub(super) unsafe fn scores<S: Simd, E: Elem, const R: usize>(
             }
             j += l;
         }
-        for jj in j..n {
-            for r in 0..R {
+        for r in 0..R {
+            // The keys a shorter row sums one at a time (past its last whole group).
+            let from = if n[r] < most { n[r] - n[r] % l } else { j };
+            for jj in from..n[r] {
                 *out[r].add(jj) = S::reduce_add(dot_e::<S, E>(q[r], keys.at(jj), d));
             }
         }
@@ -139,17 +145,18 @@ unsafe fn dot4_rows<S: Simd, E: Elem, const R: usize>(
     }
 }
 
-/// `acc_r[c] += Σ_j p_r[j]·value(j)[c]` for `j < n` and the `R` rows: per value column, even
-/// and odd `j` in two register chains per row, added to `acc_r` at the end. Columns go in
-/// blocks of `NB` vectors (no masks) and then one masked block for the rest.
+/// `acc_r[c] += Σ_j p_r[j]·value(j)[c]` for `j < n[r]` and the `R` rows: per value column,
+/// even and odd `j` in two register chains per row, added to `acc_r` at the end. Columns go in
+/// blocks of `NB` vectors (no masks) and then one masked block for the rest. A value row is
+/// read only if some row of the tile sees it.
 ///
 /// # Safety
-/// `S`'s instruction set is available; `p[r]` has `n` readable floats, `acc[r]` `dv`
-/// writable ones, and values `0..n` of `values` `dv` readable elements each.
+/// `S`'s instruction set is available; `p[r]` has `n[r]` readable floats, `acc[r]` `dv`
+/// writable ones, and values `0..max(n)` of `values` `dv` readable elements each.
 #[inline(always)]
 pub(super) unsafe fn weighted<S: Simd, E: Elem, const R: usize, const NB: usize>(
     p: [*const f32; R],
-    n: usize,
+    n: [usize; R],
     values: Rows<E>,
     acc: [*mut f32; R],
     dv: usize,
@@ -207,7 +214,7 @@ unsafe fn load<S: Simd, E: Elem>(
 #[allow(clippy::too_many_arguments)]
 unsafe fn weighted_block<S: Simd, E: Elem, const R: usize, const NB: usize>(
     p: [*const f32; R],
-    n: usize,
+    n: [usize; R],
     values: Rows<E>,
     acc: [*mut f32; R],
     c: usize,
@@ -220,17 +227,18 @@ unsafe fn weighted_block<S: Simd, E: Elem, const R: usize, const NB: usize>(
     // columns of vector `b`; masked accesses stay inside them.
     unsafe {
         let (mut even, mut odd) = ([[S::splat(0.0); NB]; R], [[S::splat(0.0); NB]; R]);
+        let (fewest, most) =
+            (n.iter().copied().min().unwrap_or(0), n.iter().copied().max().unwrap_or(0));
         let mut j = 0;
-        while j + 2 <= n {
+        // Pairs every row sees.
+        while j + 2 <= fewest {
             let (re, ro) = (values.at(j), values.at(j + 1));
             let mut ve = [S::splat(0.0); NB];
             let mut vo = [S::splat(0.0); NB];
             for b in 0..NB {
                 if live[b] > 0 {
-                    (ve[b], vo[b]) = (
-                        load::<S, E>(re, c + b * l, full, live[b], masks[b]),
-                        load::<S, E>(ro, c + b * l, full, live[b], masks[b]),
-                    );
+                    ve[b] = load::<S, E>(re, c + b * l, full, live[b], masks[b]);
+                    vo[b] = load::<S, E>(ro, c + b * l, full, live[b], masks[b]);
                 }
             }
             for r in 0..R {
@@ -242,20 +250,35 @@ unsafe fn weighted_block<S: Simd, E: Elem, const R: usize, const NB: usize>(
             }
             j += 2;
         }
-        if j < n {
-            let re = values.at(j);
+        // The rest, row by row: a pair, or a last even key, as far as each row sees.
+        while j < most {
+            let pair = j + 1 < most;
+            let (re, ro) = (values.at(j), values.at(j + pair as usize));
             let mut ve = [S::splat(0.0); NB];
-            for (b, v) in ve.iter_mut().enumerate() {
+            let mut vo = [S::splat(0.0); NB];
+            for b in 0..NB {
                 if live[b] > 0 {
-                    *v = load::<S, E>(re, c + b * l, full, live[b], masks[b]);
+                    ve[b] = load::<S, E>(re, c + b * l, full, live[b], masks[b]);
+                    if pair {
+                        vo[b] = load::<S, E>(ro, c + b * l, full, live[b], masks[b]);
+                    }
                 }
             }
             for r in 0..R {
-                let pe = S::splat(*p[r].add(j));
-                for b in 0..NB {
-                    even[r][b] = S::fma(pe, ve[b], even[r][b]);
+                if j + 2 <= n[r] {
+                    let (pe, po) = (S::splat(*p[r].add(j)), S::splat(*p[r].add(j + 1)));
+                    for b in 0..NB {
+                        even[r][b] = S::fma(pe, ve[b], even[r][b]);
+                        odd[r][b] = S::fma(po, vo[b], odd[r][b]);
+                    }
+                } else if j < n[r] {
+                    let pe = S::splat(*p[r].add(j));
+                    for b in 0..NB {
+                        even[r][b] = S::fma(pe, ve[b], even[r][b]);
+                    }
                 }
             }
+            j += 2;
         }
         for r in 0..R {
             for b in (0..NB).filter(|&b| live[b] > 0) {
@@ -267,14 +290,18 @@ unsafe fn weighted_block<S: Simd, E: Elem, const R: usize, const NB: usize>(
     }
 }
 
-/// Splits a block's rows into runs of consecutive rows that see the same keys of a chunk
-/// (`lo[i]..len[i]`, not empty), each at most `max` rows: `(first row, rows)` and the number
-/// of runs.
+/// Splits a block's rows into runs of consecutive rows whose keys of a chunk start at the same
+/// key (`lo[i]`) and are not empty (`lo[i] < len[i]`; the ends may differ, as a causal
+/// prefill's rows do, by less than `SPREAD`), each at most `max` rows: `(first row, rows)` and
+/// the number of runs.
 pub(super) fn runs_of<const N: usize>(
     lo: &[usize; N],
     len: &[usize; N],
     max: usize,
 ) -> ([(usize, usize); N], usize) {
+    /// Rows whose ends differ by more go in separate runs (the shorter would compute
+    /// scores it does not use).
+    const SPREAD: usize = 16;
     let (mut runs, mut n) = ([(0, 0); N], 0);
     let mut i = 0;
     while i < N {
@@ -282,8 +309,13 @@ pub(super) fn runs_of<const N: usize>(
             i += 1;
             continue;
         }
-        let mut e = i + 1;
-        while e < N && e - i < max && (lo[e], len[e]) == (lo[i], len[i]) {
+        let (mut e, mut lowest, mut highest) = (i + 1, len[i], len[i]);
+        while e < N && e - i < max && len[e] > 0 && lo[e] == lo[i] {
+            let (lw, hg) = (lowest.min(len[e]), highest.max(len[e]));
+            if hg - lw >= SPREAD {
+                break;
+            }
+            (lowest, highest) = (lw, hg);
             e += 1;
         }
         runs[n] = (i, e - i);
@@ -293,7 +325,8 @@ pub(super) fn runs_of<const N: usize>(
     (runs, n)
 }
 
-/// [`scores`] for `rows` (1 to 4) rows: row `r`'s query at `q(r)`, its scores to `out(r)`.
+/// [`scores`] for `rows` (1 to 4) rows: row `r`'s query at `q(r)`, its `n(r)` scores to
+/// `out(r)`.
 ///
 /// # Safety
 /// As for [`scores`], for every `r < rows`.
@@ -303,27 +336,33 @@ pub(super) unsafe fn run_scores<S: Simd, E: Elem>(
     q: impl Fn(usize) -> *const f32,
     d: usize,
     keys: Rows<E>,
-    n: usize,
+    n: impl Fn(usize) -> usize,
     out: impl Fn(usize) -> *mut f32,
 ) {
     // SAFETY: forwarded from the caller.
     unsafe {
         match rows {
-            1 => scores::<S, E, 1>([q(0)], d, keys, n, [out(0)]),
-            2 => scores::<S, E, 2>([q(0), q(1)], d, keys, n, [out(0), out(1)]),
-            3 => scores::<S, E, 3>([q(0), q(1), q(2)], d, keys, n, [out(0), out(1), out(2)]),
+            1 => scores::<S, E, 1>([q(0)], d, keys, [n(0)], [out(0)]),
+            2 => scores::<S, E, 2>([q(0), q(1)], d, keys, [n(0), n(1)], [out(0), out(1)]),
+            3 => scores::<S, E, 3>(
+                [q(0), q(1), q(2)],
+                d,
+                keys,
+                [n(0), n(1), n(2)],
+                [out(0), out(1), out(2)],
+            ),
             _ => scores::<S, E, 4>(
                 [q(0), q(1), q(2), q(3)],
                 d,
                 keys,
-                n,
+                [n(0), n(1), n(2), n(3)],
                 [out(0), out(1), out(2), out(3)],
             ),
         }
     }
 }
 
-/// [`weighted`] for `rows` (1 to 4) rows: row `r`'s probabilities at `p(r)`, its
+/// [`weighted`] for `rows` (1 to 4) rows: row `r`'s `n(r)` probabilities at `p(r)`, its
 /// accumulators at `acc(r)`. Four value vectors per block for up to two rows, two for more
 /// (and for any row count on 16 registers).
 ///
@@ -333,26 +372,31 @@ pub(super) unsafe fn run_scores<S: Simd, E: Elem>(
 pub(super) unsafe fn run_weighted<S: Simd, E: Elem>(
     rows: usize,
     p: impl Fn(usize) -> *const f32,
-    n: usize,
+    n: impl Fn(usize) -> usize,
     values: Rows<E>,
     acc: impl Fn(usize) -> *mut f32,
     dv: usize,
 ) {
+    let wide = S::LANES >= 16;
     // SAFETY: forwarded from the caller.
     unsafe {
         match rows {
-            1 if S::LANES >= 16 => weighted::<S, E, 1, 4>([p(0)], n, values, [acc(0)], dv),
-            1 => weighted::<S, E, 1, 2>([p(0)], n, values, [acc(0)], dv),
-            2 if S::LANES >= 16 => {
-                weighted::<S, E, 2, 4>([p(0), p(1)], n, values, [acc(0), acc(1)], dv)
+            1 if wide => weighted::<S, E, 1, 4>([p(0)], [n(0)], values, [acc(0)], dv),
+            1 => weighted::<S, E, 1, 2>([p(0)], [n(0)], values, [acc(0)], dv),
+            2 if wide => {
+                weighted::<S, E, 2, 4>([p(0), p(1)], [n(0), n(1)], values, [acc(0), acc(1)], dv)
             }
-            2 => weighted::<S, E, 2, 2>([p(0), p(1)], n, values, [acc(0), acc(1)], dv),
-            3 => {
-                weighted::<S, E, 3, 2>([p(0), p(1), p(2)], n, values, [acc(0), acc(1), acc(2)], dv)
-            }
+            2 => weighted::<S, E, 2, 2>([p(0), p(1)], [n(0), n(1)], values, [acc(0), acc(1)], dv),
+            3 => weighted::<S, E, 3, 2>(
+                [p(0), p(1), p(2)],
+                [n(0), n(1), n(2)],
+                values,
+                [acc(0), acc(1), acc(2)],
+                dv,
+            ),
             _ => weighted::<S, E, 4, 2>(
                 [p(0), p(1), p(2), p(3)],
-                n,
+                [n(0), n(1), n(2), n(3)],
                 values,
                 [acc(0), acc(1), acc(2), acc(3)],
                 dv,
