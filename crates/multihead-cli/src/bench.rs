@@ -22,8 +22,9 @@ pub enum Module {
     /// `nn.TransformerDecoderLayer`: target `(N, L, E)` over memory `(N, S, E)`.
     DecoderLayer,
     /// One incremental decoding step of `MultiheadAttention` over a KV cache preloaded with S
-    /// tokens per row: q/k/v projections of one new token, cache append, attention over the
-    /// S+1 cached keys, output projection.
+    /// tokens per row: q/k/v projections of the new tokens (`--new-tokens`, default one),
+    /// cache append, attention over the cached keys (each new token causal over the cache and
+    /// the tokens before it), output projection.
     Decode,
     /// `nn.Linear(E, F)` on `(N, L, E)`: `--embed-dim` in, `--dim-feedforward` out, with a
     /// bias; `--backward` adds the gradients of the input, weight and bias.
@@ -76,6 +77,10 @@ pub struct BenchArgs {
     /// Key/value heads for grouped-query attention (decode only; default H).
     #[arg(long)]
     pub num_kv_heads: Option<usize>,
+    /// New tokens per step (decode only): 1 decodes one token per sequence, more is a prefill
+    /// chunk (a prompt into the cache when `--src-len` is 0).
+    #[arg(long, default_value_t = 1)]
+    pub new_tokens: usize,
     /// Causal attention (a causal mask with the is_causal hint).
     #[arg(long)]
     pub causal: bool,
@@ -177,8 +182,9 @@ pub fn model_flops(a: &BenchArgs) -> f64 {
         Module::EncoderLayer => attn(l, l, a.causal) + ff,
         Module::DecoderLayer => attn(l, l, a.causal) + attn(l, s, false) + ff,
         Module::Decode => {
-            let kv = decode_kv_dim(a) as f64;
-            2.0 * b * e * (2.0 * e + 2.0 * kv) + 4.0 * b * (s + 1.0) * e
+            // New token t sees the S cached keys and the t + 1 new ones up to itself.
+            let (kv, t) = (decode_kv_dim(a) as f64, a.new_tokens as f64);
+            2.0 * b * t * e * (2.0 * e + 2.0 * kv) + 4.0 * b * (t * s + t * (t + 1.0) / 2.0) * e
         }
         Module::Linear => 2.0 * b * l * e * f,
         Module::Sdpa => 4.0 * b * crate::bench_sdpa::visible_pairs(a) * e,
@@ -249,8 +255,13 @@ fn check_sizes(a: &BenchArgs) -> Result<()> {
     // A decode run may start from an empty cache.
     let min_src = usize::from(a.module != Module::Decode);
     in_range("--src-len", a.src_len, min_src, usize::MAX)?;
-    let rows = a.tgt_len.saturating_add(a.src_len);
-    fits("--batch, --tgt-len, --src-len, --embed-dim", &[a.batch, rows, a.embed_dim], 6)?;
+    in_range("--new-tokens", a.new_tokens, 1, usize::MAX)?;
+    if a.module != Module::Decode && a.new_tokens != 1 {
+        anyhow::bail!("--new-tokens applies to --module decode only (the others take --tgt-len)");
+    }
+    let rows = a.tgt_len.max(a.new_tokens).saturating_add(a.src_len);
+    let sizes = "--batch, --tgt-len (or --new-tokens), --src-len, --embed-dim";
+    fits(sizes, &[a.batch, rows, a.embed_dim], 6)?;
     let variant = a.softcap.is_some() || a.alibi || a.sinks || a.varlen;
     if a.module != Module::Sdpa && (variant || a.window.is_some() && a.module != Module::Decode) {
         anyhow::bail!(
@@ -412,7 +423,7 @@ fn report(
         let mut obj = serde_json::json!({
                 "min_ms": min, "median_ms": median, "gflops": gflops, "peak_rss_mib": rss,
                 "baseline_rss_mib": baseline,
-                "threads": a.threads, "batch": a.batch, "tgt_len": a.tgt_len, "src_len": a.src_len,
+                "threads": a.threads, "batch": a.batch, "tgt_len": a.tgt_len, "src_len": a.src_len, "new_tokens": a.new_tokens,
                 "embed_dim": a.embed_dim, "num_heads": a.num_heads, "causal": a.causal,
                 "need_weights": a.need_weights, "backward": a.backward, "iters": times.len(),
                 "module": format!("{:?}", a.module), "dim_feedforward": a.dim_feedforward,
@@ -448,7 +459,7 @@ fn report(
             a.module,
             if a.backward { "forward+backward" } else { "forward" },
             a.batch,
-            a.tgt_len,
+            if a.module == Module::Decode { a.new_tokens } else { a.tgt_len },
             a.src_len,
             a.embed_dim,
             a.num_heads,

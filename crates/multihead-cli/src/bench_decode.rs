@@ -1,6 +1,6 @@
 //! `multihead bench --module decode`: one incremental decoding step of `MultiheadAttention`
-//! over a KV cache preloaded with `--src-len` tokens per row, and the decode kernel alone over
-//! the same cache (for its memory bandwidth).
+//! (`--new-tokens` new tokens per row) over a KV cache preloaded with `--src-len` tokens per
+//! row, and the decode kernel alone over the same cache (for its memory bandwidth).
 
 use std::cell::RefCell;
 use std::time::Instant;
@@ -33,7 +33,8 @@ pub fn decode_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
     let mut mha = MultiheadAttention::new(cfg, VarBuilder::from_varmap(&vm, dt, &dev))?;
     mha.eval();
     let (b, s, e) = (a.batch, a.src_len, a.embed_dim);
-    let mut cache = mha.new_cache(b, s + 1)?;
+    let t_new = a.new_tokens;
+    let mut cache = mha.new_cache(b, s.saturating_add(t_new))?;
     let mut done = 0;
     while done < s {
         let t = PRELOAD_CHUNK.min(s - done);
@@ -61,7 +62,7 @@ pub fn decode_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
         // are skipped; the chunk that holds its start is read from there).
         "attn_kernel_gbps": cache_bytes * read_share / (kernel_ms * 1e-3) / 1e9,
     });
-    let x = randn(&[b, 1, e], dt, &dev)?;
+    let x = randn(&[b, t_new, e], dt, &dev)?;
     let mut opts = multihead::multihead_attention::CachedOptions::default();
     opts.window = a.window;
     let cache = RefCell::new(cache);
@@ -70,16 +71,16 @@ pub fn decode_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
         let mut c = cache.borrow_mut();
         let y = mha.forward_cached_with(&x, &mut c, None, &opts)?;
         std::hint::black_box(y);
-        c.truncate(s)?; // the next step decodes the same position again
+        c.truncate(s)?; // the next step decodes the same positions again
         Ok(())
     };
     Ok((Box::new(step), extra))
 }
 
-/// The minimum time of the decode kernel alone (one query row per sequence over the `S` cached
-/// keys), in ms.
+/// The minimum time of the decode kernel alone over the `S` cached keys, in ms: the step's
+/// rows (`--new-tokens`) at the last positions, causal.
 fn time_kernel(a: &BenchArgs, cache: &multihead::KvCache) -> Result<f64> {
-    let (b, h, s) = (a.batch, a.num_heads, a.src_len);
+    let (b, h, s, t) = (a.batch, a.num_heads, a.src_len, a.new_tokens);
     let (hk, hd, cap) = (cache.kv_heads(), cache.head_dim(), cache.capacity());
     // The cache's own elements: f32, or bf16 bits.
     let bits = |t: &Tensor| -> Result<Vec<u16>> {
@@ -94,15 +95,15 @@ fn time_kernel(a: &BenchArgs, cache: &multihead::KvCache) -> Result<f64> {
         let f = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
         (f(cache.keys())?, f(cache.values())?, Vec::new(), Vec::new())
     };
-    let q = Tensor::randn(0f32, 1.0, b * h * hd, &Device::Cpu)?.to_vec1::<f32>()?;
-    let mut out = vec![0f32; b * h * hd];
-    let (kv_len, q_pos, q_len) = (vec![s; b], vec![s.saturating_sub(1); b], vec![1; b]);
+    let q = Tensor::randn(0f32, 1.0, b * h * t * hd, &Device::Cpu)?.to_vec1::<f32>()?;
+    let mut out = vec![0f32; b * h * t * hd];
+    let (kv_len, q_pos, q_len) = (vec![s; b], vec![s.saturating_sub(t); b], vec![t; b]);
     let dims =
-        DecodeDims { batch: b, heads_q: h, heads_kv: hk, rows: 1, capacity: cap, d: hd, dv: hd };
+        DecodeDims { batch: b, heads_q: h, heads_kv: hk, rows: t, capacity: cap, d: hd, dv: hd };
     let mut p = DecodeParams::new(dims, &kv_len, &q_pos, &q_len);
-    p.scale = 1.0 / (hd as f32).sqrt();
+    (p.scale, p.causal) = (1.0 / (hd as f32).sqrt(), true);
     p.window = a.window;
-    let (ql, cl) = (Layout4::contiguous(h, 1, hd), Layout4::contiguous(hk, cap, hd));
+    let (ql, cl) = (Layout4::contiguous(h, t, hd), Layout4::contiguous(hk, cap, hd));
     let mut best = f64::INFINITY;
     for i in 0..a.warmup + a.iters.max(1) {
         let t = Instant::now();
