@@ -553,3 +553,33 @@ fn vector_alibi_gives_the_bits_of_the_f64_distances() {
         }
     }
 }
+
+/// Causal prefill rows share a tile although they end at different keys: a NaN key or value
+/// that only the later rows see makes those rows NaN and leaves the earlier ones finite (the
+/// tile computes the shorter rows' scores past their end but never uses them).
+#[test]
+fn a_nan_past_a_tiled_rows_end_stays_out_of_it() {
+    let dims =
+        DecodeDims { batch: 1, heads_q: 1, heads_kv: 1, rows: 8, capacity: 40, d: 16, dv: 16 };
+    for in_key in [true, false] {
+        let mut case = Case::new(dims, true, vec![40], 9);
+        // Rows sit at positions 32..40; key 35 is seen by rows 3.. only.
+        let at = 35 * 16 + 5;
+        if in_key {
+            case.k[at] = f32::NAN;
+        } else {
+            case.v[at] = f32::NAN;
+        }
+        for level in levels() {
+            let got = with_simd_level(level, || case.run(false));
+            for (t, row) in got.chunks(16).enumerate() {
+                let nan = if in_key { row.iter().all(|x| x.is_nan()) } else { row[5].is_nan() };
+                let finite = row.iter().all(|x| x.is_finite());
+                assert!(
+                    if t < 3 { finite } else { nan },
+                    "{level:?} key={in_key} row {t}: {row:?}"
+                );
+            }
+        }
+    }
+}
