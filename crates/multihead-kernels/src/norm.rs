@@ -25,6 +25,8 @@
 //! # Ok::<(), multihead_kernels::attention::KernelError>(())
 //! ```
 
+use std::mem::MaybeUninit;
+
 use crate::attention::exec::{par_run, SyncPtr, Task};
 use crate::attention::simd::Simd;
 use crate::attention::{simd_level, KernelError};
@@ -218,7 +220,7 @@ pub fn layer_norm_forward(
     y: &mut [f32],
     stats: &mut NormStats,
 ) -> Result<(), KernelError> {
-    forward(x, None, None, d, (weight, bias), eps, y, stats)
+    forward(x, None, None, d, (weight, bias), eps, Out::of(y), stats)
 }
 
 /// The LayerNorm forward of `z = x + residual` (a Transformer layer's residual connection and
@@ -252,27 +254,94 @@ pub fn add_layer_norm_forward(
     y: &mut [f32],
     stats: &mut NormStats,
 ) -> Result<(), KernelError> {
+    forward(x, Some(residual), z.map(Out::of), d, (weight, bias), eps, Out::of(y), stats)
+}
+
+/// [`layer_norm_forward`] into memory that need not be initialised: on `Ok`, every element
+/// of `y[..x.len()]` has been written (so the output can be allocated without being zeroed).
+// Mirrors torch.nn.functional.layer_norm over the last dimension.
+pub fn layer_norm_forward_uninit(
+    x: &[f32],
+    d: usize,
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    eps: f32,
+    y: &mut [MaybeUninit<f32>],
+    stats: &mut NormStats,
+) -> Result<(), KernelError> {
+    covers_every_row(x, d)?;
+    let y = Out::of(y);
+    forward(x, None, None, d, (weight, bias), eps, y, stats)
+}
+
+/// [`add_layer_norm_forward`] into memory that need not be initialised: on `Ok`, every
+/// element of `y[..x.len()]` and of `z[..x.len()]` (when given) has been written.
+#[allow(clippy::too_many_arguments)]
+// Mirrors torch.nn.functional.layer_norm(x + residual) (post-norm residual blocks).
+pub fn add_layer_norm_forward_uninit(
+    x: &[f32],
+    residual: &[f32],
+    d: usize,
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    eps: f32,
+    z: Option<&mut [MaybeUninit<f32>]>,
+    y: &mut [MaybeUninit<f32>],
+    stats: &mut NormStats,
+) -> Result<(), KernelError> {
+    covers_every_row(x, d)?;
+    let (z, y) = (z.map(Out::of), Out::of(y));
     forward(x, Some(residual), z, d, (weight, bias), eps, y, stats)
+}
+
+/// An output slice as the tasks write it: a pointer and the elements it holds.
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: SyncPtr<f32>,
+    len: usize,
+}
+
+impl Out {
+    fn of<T: OutElem>(s: &mut [T]) -> Self {
+        Out { ptr: SyncPtr(s.as_mut_ptr().cast::<f32>()), len: s.len() }
+    }
+}
+
+/// `f32` or `MaybeUninit<f32>`: the element types the entry points write (same layout).
+trait OutElem {}
+impl OutElem for f32 {}
+impl OutElem for MaybeUninit<f32> {}
+
+/// The `_uninit` entry points promise every element of their outputs written; the tasks
+/// write whole rows, so `x` must be whole rows of `d > 0` floats (or empty).
+fn covers_every_row(x: &[f32], d: usize) -> Result<(), KernelError> {
+    if d == 0 && !x.is_empty() {
+        return Err(KernelError::InvalidArgument {
+            name: "d",
+            msg: format!("rows of 0 features cannot cover {} input elements", x.len()),
+        });
+    }
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
 fn forward(
     x: &[f32],
     residual: Option<&[f32]>,
-    z: Option<&mut [f32]>,
+    z: Option<Out>,
     d: usize,
     (weight, bias): (&[f32], Option<&[f32]>),
     eps: f32,
-    y: &mut [f32],
+    y: Out,
     stats: &mut NormStats,
 ) -> Result<(), KernelError> {
     let rows = rows_of(x, d, weight, bias)?;
-    check("y", x.len(), y.len())?;
+    check("y", x.len(), y.len)?;
     if let Some(r) = residual {
         check("residual", x.len(), r.len())?;
     }
     if let Some(z) = &z {
-        check("z", x.len(), z.len())?;
+        check("z", x.len(), z.len)?;
     }
     check("stats.mean", rows, stats.mean.len())?;
     check("stats.rstd", rows, stats.rstd.len())?;
@@ -282,16 +351,18 @@ fn forward(
     let task = FwdTask {
         x,
         residual,
-        z: z.map(|z| SyncPtr(z.as_mut_ptr())),
+        z: z.map(|z| z.ptr),
         d,
         rows,
         w: weight,
         b: bias,
         eps,
-        y: SyncPtr(y.as_mut_ptr()),
+        y: y.ptr,
         mean: SyncPtr(stats.mean.as_mut_ptr()),
         rstd: SyncPtr(stats.rstd.as_mut_ptr()),
     };
+    // Every row `0..rows` of `y` (and `z`) is written: whole blocks, each row in full (the
+    // tail of a row masked).
     par_run(simd_level(), &task);
     Ok(())
 }
@@ -374,9 +445,41 @@ pub fn layer_norm_backward(
     dw: &mut [f32],
     db: &mut [f32],
 ) -> Result<(), KernelError> {
+    backward(x, dy, d, weight, stats, Out::of(dx), dw, db)
+}
+
+/// [`layer_norm_backward`] into a `dx` that need not be initialised: on `Ok`, every element of
+/// `dx[..x.len()]` has been written.
+#[allow(clippy::too_many_arguments)]
+// Mirrors the backward of torch.nn.functional.layer_norm.
+pub fn layer_norm_backward_uninit(
+    x: &[f32],
+    dy: &[f32],
+    d: usize,
+    weight: &[f32],
+    stats: &NormStats,
+    dx: &mut [MaybeUninit<f32>],
+    dw: &mut [f32],
+    db: &mut [f32],
+) -> Result<(), KernelError> {
+    covers_every_row(x, d)?;
+    backward(x, dy, d, weight, stats, Out::of(dx), dw, db)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward(
+    x: &[f32],
+    dy: &[f32],
+    d: usize,
+    weight: &[f32],
+    stats: &NormStats,
+    dx: Out,
+    dw: &mut [f32],
+    db: &mut [f32],
+) -> Result<(), KernelError> {
     let rows = rows_of(x, d, weight, None)?;
     check("dy", x.len(), dy.len())?;
-    check("dx", x.len(), dx.len())?;
+    check("dx", x.len(), dx.len)?;
     check("dw", d, dw.len())?;
     check("db", d, db.len())?;
     check("stats.mean", rows, stats.mean.len())?;
@@ -395,9 +498,10 @@ pub fn layer_norm_backward(
         rows,
         w: weight,
         stats,
-        dx: SyncPtr(dx.as_mut_ptr()),
+        dx: dx.ptr,
         partial: SyncPtr(partial.as_mut_ptr()),
     };
+    // Every row `0..rows` of `dx` is written in full.
     par_run(simd_level(), &task);
     // Column sums in block order: the same bits for any thread count.
     for blk in partial.chunks_exact(2 * d) {
@@ -540,6 +644,87 @@ mod tests {
             })
         };
         assert_eq!(run(1), run(3));
+    }
+
+    /// The `_uninit` forms write every element of buffers that start as NaN, with the bits of
+    /// the forms that take initialised buffers, at every SIMD level.
+    #[test]
+    fn uninit_outputs_are_written_in_full_with_the_same_bits() {
+        let nan = || MaybeUninit::new(f32::NAN);
+        let bits = |v: &[MaybeUninit<f32>]| -> Vec<u32> {
+            // SAFETY: the buffers were initialised (to NaN, then by the kernel).
+            v.iter().map(|x| unsafe { x.assume_init() }.to_bits()).collect::<Vec<_>>()
+        };
+        let plain = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for &(rows, d) in &[(1, 1), (3, 5), (33, 16), (65, 17), (7, 384)] {
+            let n = rows * d;
+            let (x, res, dy) = (rand_vec(n, 21), rand_vec(n, 22), rand_vec(n, 23));
+            let (w, b) = (rand_vec(d, 24), rand_vec(d, 25));
+            for &level in &crate::testutil::levels() {
+                with_simd_level(level, || {
+                    let (mut y0, mut z0, mut st0) =
+                        (vec![0f32; n], vec![0f32; n], NormStats::new(rows));
+                    add_layer_norm_forward(
+                        &x,
+                        &res,
+                        d,
+                        &w,
+                        Some(&b),
+                        1e-5,
+                        Some(&mut z0),
+                        &mut y0,
+                        &mut st0,
+                    )
+                    .unwrap();
+                    let (mut y, mut z, mut st) =
+                        (vec![nan(); n], vec![nan(); n], NormStats::new(rows));
+                    add_layer_norm_forward_uninit(
+                        &x,
+                        &res,
+                        d,
+                        &w,
+                        Some(&b),
+                        1e-5,
+                        Some(&mut z),
+                        &mut y,
+                        &mut st,
+                    )
+                    .unwrap();
+                    assert_eq!((bits(&y), bits(&z), &st), (plain(&y0), plain(&z0), &st0));
+                    let mut y = vec![nan(); n];
+                    layer_norm_forward_uninit(&z0, d, &w, Some(&b), 1e-5, &mut y, &mut st).unwrap();
+                    assert_eq!(bits(&y), plain(&y0));
+                    let (mut dx0, mut dw0, mut db0) = (vec![0f32; n], vec![0f32; d], vec![0f32; d]);
+                    layer_norm_backward(&z0, &dy, d, &w, &st0, &mut dx0, &mut dw0, &mut db0)
+                        .unwrap();
+                    let (mut dx, mut dw, mut db) = (vec![nan(); n], vec![0f32; d], vec![0f32; d]);
+                    layer_norm_backward_uninit(&z0, &dy, d, &w, &st0, &mut dx, &mut dw, &mut db)
+                        .unwrap();
+                    assert_eq!(
+                        (bits(&dx), plain(&dw), plain(&db)),
+                        (plain(&dx0), plain(&dw0), plain(&db0))
+                    );
+                });
+            }
+        }
+        // Rows of no features cannot cover a non-empty input: an error, not an unwritten buffer.
+        let (mut y, mut st) = (vec![nan(); 2], NormStats::new(0));
+        assert!(
+            layer_norm_forward_uninit(&[1.0, 2.0], 0, &[], None, 1e-5, &mut y, &mut st).is_err()
+        );
+        let (mut dw, mut db) = (vec![0f32; 0], vec![0f32; 0]);
+        let mut dx = vec![nan(); 2];
+        assert!(layer_norm_backward_uninit(
+            &[1.0, 2.0],
+            &[1.0, 1.0],
+            0,
+            &[],
+            &st,
+            &mut dx,
+            &mut dw,
+            &mut db
+        )
+        .is_err());
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 use multihead_kernels::norm::{
-    add_layer_norm_forward, layer_norm_backward, layer_norm_forward, NormStats,
+    add_layer_norm_forward_uninit, layer_norm_backward_uninit, layer_norm_forward_uninit, NormStats,
 };
 
 use crate::error::Result;
@@ -46,10 +46,13 @@ impl LayerNormOp {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let d = w.len();
         let rows = x.0.len().checked_div(d).unwrap_or(0);
-        let mut y = crate::alloc::try_zeros::<f32>(x.0.len(), "fused layer_norm output")?;
         let mut stats = NormStats::new(rows);
-        layer_norm_forward(x.0, d, w, b, self.eps, &mut y, &mut stats)
-            .map_err(|e| candle_core::Error::Msg(format!("fused layer_norm: {e}")))?;
+        let write = |y: &mut [std::mem::MaybeUninit<f32>]| {
+            layer_norm_forward_uninit(x.0, d, w, b, self.eps, y, &mut stats)
+                .map_err(|e| candle_core::Error::Msg(format!("fused layer_norm: {e}")))
+        };
+        // SAFETY: on `Ok` the kernel has written every element of `y` (its `_uninit` contract).
+        let y = unsafe { crate::alloc::try_written(x.0.len(), "fused layer_norm output", write) }?;
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
         Ok((CpuStorage::F32(y), x.1.shape().clone()))
     }
@@ -62,11 +65,14 @@ impl LayerNormOp {
         let (xv, wv) = (storage_f32(&xs, xl, "x")?, storage_f32(&ws, wl, "weight")?);
         let gv = storage_f32(&gs, gl, "grad")?;
         let d = wv.len();
-        let mut dx = crate::alloc::try_zeros::<f32>(xv.len(), "fused layer_norm dx")?;
         let (mut dw, mut db) = (vec![0f32; d], vec![0f32; d]);
         let stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-        layer_norm_backward(xv, gv, d, wv, &stats, &mut dx, &mut dw, &mut db)
-            .map_err(|e| candle_core::Error::Msg(format!("fused layer_norm backward: {e}")))?;
+        let write = |dx: &mut [std::mem::MaybeUninit<f32>]| {
+            layer_norm_backward_uninit(xv, gv, d, wv, &stats, dx, &mut dw, &mut db)
+                .map_err(|e| candle_core::Error::Msg(format!("fused layer_norm backward: {e}")))
+        };
+        // SAFETY: on `Ok` the kernel has written every element of `dx` (its `_uninit` contract).
+        let dx = unsafe { crate::alloc::try_written(xv.len(), "fused layer_norm dx", write) }?;
         let dev = x.device();
         Ok([
             Tensor::from_vec(dx, x.shape(), dev)?,
@@ -179,11 +185,14 @@ impl AddLayerNormOp {
         let gv = storage_f32(&gs, gl, "grad")?;
         let (w, _) = self.params(storage_f32(&ws, wl, "weight")?);
         let d = w.len();
-        let mut dz = crate::alloc::try_zeros::<f32>(sum.len(), "fused add+layer_norm dx")?;
         let (mut dw, mut db) = (vec![0f32; d], vec![0f32; d]);
         let stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-        layer_norm_backward(&sum, gv, d, w, &stats, &mut dz, &mut dw, &mut db)
-            .map_err(|e| candle_core::Error::Msg(format!("fused add+layer_norm backward: {e}")))?;
+        let write = |dz: &mut [std::mem::MaybeUninit<f32>]| {
+            layer_norm_backward_uninit(&sum, gv, d, w, &stats, dz, &mut dw, &mut db)
+                .map_err(|e| candle_core::Error::Msg(format!("fused add+layer_norm backward: {e}")))
+        };
+        // SAFETY: on `Ok` the kernel has written every element of `dz` (its `_uninit` contract).
+        let dz = unsafe { crate::alloc::try_written(sum.len(), "fused add+layer_norm dx", write) }?;
         if self.bias {
             dw.extend_from_slice(&db);
         }
@@ -215,15 +224,39 @@ impl CustomOp3 for AddLayerNormOp {
         let (x, r) = (contiguous_f32(s1, l1, "x")?, contiguous_f32(s2, l2, "residual")?);
         let (w, b) = self.params(contiguous_f32(s3, l3, "weight")?);
         let rows = x.len().checked_div(w.len()).unwrap_or(0);
-        let mut y = crate::alloc::try_zeros::<f32>(x.len(), "fused add+layer_norm output")?;
-        let mut sum = match self.keep_sum {
-            true => Some(crate::alloc::try_zeros::<f32>(x.len(), "fused add+layer_norm sum")?),
-            false => None,
-        };
         let mut stats = NormStats::new(rows);
-        let z = sum.as_deref_mut();
-        add_layer_norm_forward(x, r, w.len(), w, b, self.eps, z, &mut y, &mut stats)
-            .map_err(|e| candle_core::Error::Msg(format!("fused add+layer_norm: {e}")))?;
+        let mut sum = None;
+        let eps = self.eps;
+        let err = |e| candle_core::Error::Msg(format!("fused add+layer_norm: {e}"));
+        // Neither buffer is zeroed first: the kernel writes every element of both.
+        let write_y = |y: &mut [std::mem::MaybeUninit<f32>]| {
+            if !self.keep_sum {
+                return add_layer_norm_forward_uninit(
+                    x,
+                    r,
+                    w.len(),
+                    w,
+                    b,
+                    eps,
+                    None,
+                    y,
+                    &mut stats,
+                )
+                .map_err(err);
+            }
+            let write_z = |z: &mut [std::mem::MaybeUninit<f32>]| {
+                add_layer_norm_forward_uninit(x, r, w.len(), w, b, eps, Some(z), y, &mut stats)
+                    .map_err(err)
+            };
+            // SAFETY: on `Ok` the kernel has written every element of `z` and `y`.
+            sum = Some(unsafe {
+                crate::alloc::try_written(x.len(), "fused add+layer_norm sum", write_z)
+            }?);
+            Ok(())
+        };
+        // SAFETY: on `Ok` the kernel has written every element of `y` (in either branch).
+        let y =
+            unsafe { crate::alloc::try_written(x.len(), "fused add+layer_norm output", write_y) }?;
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
         *self.sum.lock().unwrap_or_else(|e| e.into_inner()) = sum.map(Arc::new);
         Ok((CpuStorage::F32(y), l1.shape().clone()))
