@@ -15,6 +15,9 @@ const CHUNK: usize = 1 << 15;
 /// `x + y`, same shape, both f32 and contiguous.
 struct Add;
 
+/// A chunk of the output and the matching chunks of `x` and `y`.
+type Chunks<'a> = (&'a mut [MaybeUninit<f32>], (&'a [f32], &'a [f32]));
+
 impl CustomOp2 for Add {
     fn name(&self) -> &'static str {
         "residual-add"
@@ -38,7 +41,7 @@ impl CustomOp2 for Add {
         if a.len() != b.len() || l1.dims() != l2.dims() {
             candle_core::bail!("residual add: shapes {:?} and {:?} differ", l1.dims(), l2.dims());
         }
-        let add = |(o, (x, y)): (&mut [MaybeUninit<f32>], (&[f32], &[f32]))| {
+        let add = |(o, (x, y)): Chunks<'_>| {
             for ((o, x), y) in o.iter_mut().zip(x).zip(y) {
                 o.write(x + y);
             }
