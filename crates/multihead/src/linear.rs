@@ -44,8 +44,15 @@ impl Linear {
         bias: bool,
         vb: VarBuilder,
     ) -> Result<Self> {
-        let bound = if in_features > 0 { 1.0 / (in_features as f64).sqrt() } else { 0.0 };
-        let init = Init::Uniform { lo: -bound, up: bound };
+        // PyTorch's bound is 0 without inputs (`Linear(0, d)`: a zero bias); an empty uniform
+        // range is an error in candle, so that case is a constant.
+        let init = match in_features {
+            0 => Init::Const(0.0),
+            n => {
+                let bound = 1.0 / (n as f64).sqrt();
+                Init::Uniform { lo: -bound, up: bound }
+            }
+        };
         let weight =
             crate::state_dict::get_param(&vb, &[out_features, in_features], "weight", init)?;
         let bias = if bias {

@@ -109,19 +109,20 @@ impl LayerConfig {
         self.bias = v;
         self
     }
-    /// Checks the constructor's rules: the attention's ([`MhaConfig::validate`]), a positive
-    /// `dim_feedforward` whose weights fit in memory, `layer_norm_eps` finite and `>= 0`.
+    /// Checks the constructor's rules: the attention's ([`MhaConfig::validate`]), a
+    /// `dim_feedforward` whose weights fit in memory (0 is accepted, as in PyTorch: the
+    /// feed-forward block then gives `linear2.bias` alone), `layer_norm_eps` finite and `>= 0`.
     ///
     /// [`MhaConfig::validate`]: crate::MhaConfig::validate
     pub fn validate(&self) -> crate::Result<()> {
         self.mha_config().validate()?;
         let err = |arg, msg| crate::Error::Config { op: "TransformerLayer", arg, msg };
         let ff = self.d_model.checked_mul(self.dim_feedforward).and_then(|n| n.checked_mul(8));
-        if self.dim_feedforward == 0 || ff.is_none_or(|b| b > isize::MAX as usize) {
+        if ff.is_none_or(|b| b > isize::MAX as usize) {
             return Err(err(
                 "dim_feedforward",
                 format!(
-                    "dim_feedforward must be positive and d_model x dim_feedforward addressable, got d_model={} and dim_feedforward={}",
+                    "d_model x dim_feedforward must be addressable, got d_model={} and dim_feedforward={}",
                     self.d_model, self.dim_feedforward
                 ),
             ));

@@ -192,3 +192,82 @@ fn layer_norm_and_gelu_match_naive_formulas() {
     assert_eq!(g[1], 0.0);
     assert!(Tolerance::F64.close(g[2], -0.15865525393145707));
 }
+
+/// `dim_feedforward=0`, which PyTorch accepts: the feed-forward block is `linear2.bias` alone
+/// (`Linear(d, 0)` gives no features and `Linear(0, d)` its bias), so the layer must equal one
+/// with a single hidden unit whose weights are zero, forward and backward, in f32, bf16 and
+/// f64, both norm placements, both activations (`relu(0) = gelu(0) = 0`), on the fused and the
+/// composed paths.
+#[test]
+fn a_zero_width_feed_forward_is_its_output_bias_alone() {
+    use multihead::state_dict::load_strict;
+    for dtype in [DType::F32, DType::BF16, F64] {
+        for (norm_first, act) in [(false, Activation::Relu), (true, Activation::Gelu)] {
+            for backend in [multihead::Backend::Auto, multihead::Backend::Composed] {
+                let base = LayerConfig::new(8, 2)
+                    .with_dropout(0.0)
+                    .with_batch_first(true)
+                    .with_norm_first(norm_first)
+                    .with_activation(act);
+                let vm = VarMap::new();
+                TransformerEncoderLayer::new(base.clone().with_dim_feedforward(1), vb(&vm))
+                    .unwrap();
+                perturb(&vm);
+                let mut one: std::collections::HashMap<String, Tensor> = vm
+                    .data()
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+                    .collect();
+                for k in ["linear1.weight", "linear1.bias", "linear2.weight"] {
+                    let z = one[k].zeros_like().unwrap();
+                    one.insert(k.to_string(), z);
+                }
+                let mut zero = one.clone();
+                zero.insert("linear1.weight".into(), Tensor::zeros((0, 8), F64, &dev()).unwrap());
+                zero.insert("linear1.bias".into(), Tensor::zeros(0, F64, &dev()).unwrap());
+                zero.insert("linear2.weight".into(), Tensor::zeros((8, 0), F64, &dev()).unwrap());
+                let run = |state: &std::collections::HashMap<String, Tensor>, ff: usize| {
+                    let cfg = base.clone().with_dim_feedforward(ff);
+                    let (layer, _) = load_strict(state, dtype, &dev(), |vb| {
+                        TransformerEncoderLayer::new(cfg, vb)
+                    })
+                    .unwrap();
+                    let x = candle_core::Var::from_tensor(&det(&[2, 5, 8], dtype, 1.0)).unwrap();
+                    let y = multihead::with_backend(backend, || {
+                        layer.forward(x.as_tensor(), None, None, false)
+                    })
+                    .unwrap();
+                    let up = det(&[2, 5, 8], dtype, 2.0);
+                    let g = y.mul(&up).unwrap().sum_all().unwrap().backward().unwrap();
+                    let mut grads = vec![("x".to_string(), g.get(x.as_tensor()).unwrap().clone())];
+                    for (n, t) in layer.named_parameters() {
+                        if !n.starts_with("linear1") && n != "linear2.weight" {
+                            grads.push((n, g.get(&t).unwrap().clone()));
+                        }
+                    }
+                    (y, grads)
+                };
+                let (y1, g1) = run(&one, 1);
+                let (y0, g0) = run(&zero, 0);
+                let what = format!("{dtype:?} norm_first={norm_first} {act:?} {backend:?}");
+                let f64s = |t: &Tensor| {
+                    t.to_dtype(F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()
+                };
+                assert_eq!(f64s(&y0), f64s(&y1), "output, {what}");
+                for ((n, a), (_, b)) in g0.iter().zip(&g1) {
+                    assert_eq!(f64s(a), f64s(b), "grad {n}, {what}");
+                }
+            }
+        }
+    }
+    // A fresh layer initialises `Linear(0, d)`'s bias to zero, as PyTorch's bound of 0 does.
+    let vm = VarMap::new();
+    let layer = TransformerEncoderLayer::new(cfg().with_dim_feedforward(0), vb(&vm)).unwrap();
+    let params: std::collections::HashMap<String, Tensor> =
+        layer.named_parameters().into_iter().collect();
+    let bias = params["linear2.bias"].to_vec1::<f64>().unwrap();
+    assert_eq!(bias, vec![0.0; 8]);
+    assert_eq!(params["linear1.weight"].dims(), &[0, 8]);
+}
