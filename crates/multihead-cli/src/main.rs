@@ -162,7 +162,11 @@ fn replay(case_dir: &Path, out: &Path) -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("multihead replay: {}: {e}", case_dir.display());
+            // Errors about the case's files already name its directory.
+            match e {
+                multihead::Error::File { .. } => eprintln!("multihead replay: {e}"),
+                _ => eprintln!("multihead replay: {}: {e}", case_dir.display()),
+            }
             ExitCode::FAILURE
         }
     }

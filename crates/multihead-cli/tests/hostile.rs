@@ -411,3 +411,49 @@ fn check_counts_a_file_given_as_a_case_as_failed() {
     assert_eq!(o.status.code(), Some(1), "{t}");
     assert!(t.contains("FAIL") && t.contains("0 passed, 1 failed"), "{t}");
 }
+
+// An adversarial sweep (2026-12-04) found four malformed cases that ran, or failed with a
+// message that did not say what was wrong.
+#[test]
+fn cases_that_contradict_themselves_are_errors_that_say_how() {
+    let replay = |dir: &Path| {
+        let out = dir.parent().unwrap().join("out.safetensors");
+        let o = bin().arg("replay").arg(dir).arg("--out").arg(&out).output().unwrap();
+        assert_ne!(o.status.code(), Some(0), "{}", text(&o));
+        text(&o)
+    };
+    // A key said to be the query that is not: it was replaced by the query without a word.
+    let dir = edited_case("mha/batch_first_distinct_f64", "alias", |v| {
+        v["aliasing"]["key_is_query"] = true.into();
+    });
+    let t = replay(&dir);
+    assert!(t.contains("aliasing.key_is_query is true but input.key"), "{t}");
+    // A bool mask read as float, and the reverse with values that are not 0 or 1.
+    let dir = edited_case("mha/batch_first_separate_bool_kpm_f32", "kind", |v| {
+        v["call"]["key_padding_mask"] = "float".into();
+    });
+    let t = replay(&dir);
+    assert!(t.contains(r#"call.key_padding_mask is "float" but input.key_padding_mask has logical_dtype "bool""#), "{t}");
+    let dir = edited_case("mha/distinct_float_kpm_f64", "float-as-bool", |v| {
+        v["call"]["key_padding_mask"] = "bool".into();
+        if let Some(t) = v["tensors"].get_mut("input.key_padding_mask") {
+            t.as_object_mut().unwrap().remove("logical_dtype");
+        }
+    });
+    let t = replay(&dir);
+    assert!(t.contains("is read as a bool mask but is stored as F64"), "{t}");
+    // A top-level array: the message said "expected a string".
+    let dir = edited_case("mha/batch1_n1_f32", "array", |v| *v = serde_json::json!([1, 2, 3]));
+    let t = replay(&dir);
+    assert!(t.contains("case.json must be a JSON object") && t.contains("got an array"), "{t}");
+    assert_eq!(t.matches(&*dir.display().to_string()).count(), 1, "the directory named once: {t}");
+    // An upstream gradient of the wrong shape: candle's "shape mismatch in mul" named neither.
+    let dir = edited_case("mha/batch1_n1_f32", "grad", |_| {});
+    let st = dir.join("case.safetensors");
+    let mut w = multihead::state_dict::load_safetensors(&st, &candle_core::Device::Cpu).unwrap();
+    let g = candle_core::Tensor::zeros((2, 2), w["grad.output"].dtype(), &candle_core::Device::Cpu);
+    w.insert("grad.output".into(), g.unwrap());
+    multihead::state_dict::save_safetensors(w.iter().map(|(k, t)| (k.as_str(), t)), &st).unwrap();
+    let t = replay(&dir);
+    assert!(t.contains("grad.output has shape [2, 2] but the output is"), "{t}");
+}

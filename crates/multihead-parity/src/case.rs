@@ -128,6 +128,21 @@ impl Case {
     }
 
     fn parse_meta(dir: &Path, value: Value) -> Result<(CaseMeta, Module, DType, &'static str)> {
+        if !value.is_object() {
+            let kind = match value {
+                Value::Array(_) => "an array",
+                Value::String(_) => "a string",
+                Value::Number(_) => "a number",
+                Value::Bool(_) => "a boolean",
+                _ => "null",
+            };
+            return Err(case_err(
+                dir,
+                format!(
+                    "case.json must be a JSON object (format_version, module, ...), got {kind}"
+                ),
+            ));
+        }
         // The module first: a case for another module fails on that, not on its other keys.
         if let Some(m) = value.get("module").and_then(Value::as_str) {
             if !crate::meta::SUPPORTED_MODULES.contains(&m) {
@@ -319,11 +334,45 @@ impl Case {
             .get(&format!("input.{name}"))
             .and_then(|m| m.logical_dtype.as_deref());
         let is_bool = match (kind, logical) {
+            (Some(k), Some(l)) if (k == MaskKind::Bool) != (l == "bool") => {
+                return Err(case_err(
+                    &self.dir,
+                    format!(
+                    "call.{name} is {:?} but input.{name} has logical_dtype {l:?}; make them agree",
+                    if k == MaskKind::Bool { "bool" } else { "float" }
+                ),
+                ))
+            }
             (Some(MaskKind::Bool), _) => true,
             (Some(MaskKind::Float), _) => false,
             (None, Some("bool")) => true,
             _ => t.dtype() == DType::U8,
         };
-        Ok(Some(if is_bool { Mask::Bool(t.to_dtype(DType::U8)?) } else { Mask::Float(t.clone()) }))
+        if !is_bool {
+            if t.dtype() == DType::U8 {
+                return Err(case_err(
+                    &self.dir,
+                    format!(
+                        "input.{name} is stored as uint8 (a bool mask) but is read as a float mask; say \"bool\" in call.{name}"
+                    ),
+                ));
+            }
+            return Ok(Some(Mask::Float(t.clone())));
+        }
+        if t.dtype() != DType::U8 {
+            // A float tensor read as bool: only 0 and 1 say which positions are masked; any
+            // other value (-inf, -1e9) means a float mask was mislabelled.
+            let values = t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+            if let Some(v) = values.iter().find(|&&v| v != 0.0 && v != 1.0) {
+                return Err(case_err(
+                    &self.dir,
+                    format!(
+                        "input.{name} is read as a bool mask but is stored as {:?} and holds {v}, not only 0 and 1; store a bool mask as uint8, or say \"float\" in call.{name}",
+                        t.dtype()
+                    ),
+                ));
+            }
+        }
+        Ok(Some(Mask::Bool(t.to_dtype(DType::U8)?)))
     }
 }

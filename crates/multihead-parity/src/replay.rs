@@ -80,9 +80,28 @@ fn gradients<'a>(
     Ok(out)
 }
 
-fn upstream(case: &Case) -> Result<&Tensor> {
-    case.tensor("grad.output")
-        .ok_or_else(|| case_err(&case.dir, "grad_mode is true but grad.output is missing"))
+/// `grad.output`, which must have the output's shape.
+fn upstream<'a>(case: &'a Case, output: &Tensor) -> Result<&'a Tensor> {
+    let g = case
+        .tensor("grad.output")
+        .ok_or_else(|| case_err(&case.dir, "grad_mode is true but grad.output is missing"))?;
+    same_shape(case, "grad.output", g, "the output", output)?;
+    Ok(g)
+}
+
+/// An error naming `name` when `g` and `t` differ in shape (candle would only say "mul").
+fn same_shape(case: &Case, name: &str, g: &Tensor, what: &str, t: &Tensor) -> Result<()> {
+    if g.dims() == t.dims() {
+        return Ok(());
+    }
+    Err(case_err(
+        &case.dir,
+        format!(
+            "{name} has shape {:?} but {what} is {:?}; store the gradient with the shape of what it is the gradient of",
+            g.dims(),
+            t.dims()
+        ),
+    ))
 }
 
 /// `F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p=0, is_causal, scale,
@@ -111,7 +130,7 @@ fn replay_sdpa(case: &Case, call: &SdpaCallArgs) -> Result<ReplayResult> {
     if !case.meta.grad_mode {
         return Ok(result);
     }
-    let loss = out.mul(upstream(case)?)?.sum_all()?;
+    let loss = out.mul(upstream(case, &out)?)?.sum_all()?;
     let named = [("query", &q), ("key", &k), ("value", &v)]
         .map(|(n, t)| (format!("grad.{n}"), t.as_tensor()));
     result.extend(gradients(&loss, named)?);
@@ -128,6 +147,7 @@ fn replay_mha(case: &Case, ctor: &MhaCtor) -> Result<ReplayResult> {
     })?;
     mha.train(case.meta.training);
     let alias = case.meta.aliasing;
+    check_aliasing(case)?;
     let q = case.input_var("query")?;
     let k = if alias.key_is_query { q.clone() } else { case.input_var("key")? };
     let v = if alias.value_is_key { k.clone() } else { case.input_var("value")? };
@@ -147,11 +167,12 @@ fn replay_mha(case: &Case, ctor: &MhaCtor) -> Result<ReplayResult> {
     if !case.meta.grad_mode {
         return Ok(result);
     }
-    let mut loss = out.output.mul(upstream(case)?)?.sum_all()?;
+    let mut loss = out.output.mul(upstream(case, &out.output)?)?.sum_all()?;
     if let Some(gw) = case.tensor("grad.attn_weights") {
         let w = out.attn_weights.as_ref().ok_or_else(|| {
             case_err(&case.dir, "grad.attn_weights is given but the call returns no weights")
         })?;
+        same_shape(case, "grad.attn_weights", gw, "the attention weights", w)?;
         loss = loss.add(&w.mul(gw)?.sum_all()?)?;
     }
     let params = mha.named_parameters();
@@ -165,6 +186,62 @@ fn replay_mha(case: &Case, ctor: &MhaCtor) -> Result<ReplayResult> {
     named.extend(params.iter().map(|(n, t)| (format!("grad.param.{n}"), t)));
     result.extend(gradients(&loss, named)?);
     Ok(result)
+}
+
+/// Aliased inputs are stored in full and bit-identical (case-format.md): a stored key that
+/// differs from the query it is said to be would otherwise be replaced by the query silently.
+fn check_aliasing(case: &Case) -> Result<()> {
+    let alias = case.meta.aliasing;
+    let pairs = [
+        (alias.key_is_query, "key", "query", "key_is_query"),
+        (alias.value_is_key, "value", "key", "value_is_key"),
+    ];
+    for (said, name, of, flag) in pairs {
+        let (Some(a), Some(b)) =
+            (case.tensor(&format!("input.{name}")), case.tensor(&format!("input.{of}")))
+        else {
+            continue;
+        };
+        if said && !bit_identical(a, b)? {
+            return Err(case_err(
+                &case.dir,
+                format!(
+                    "aliasing.{flag} is true but input.{name} {:?} is not bit-identical to input.{of} {:?}; store the same tensor for both, or set {flag} to false",
+                    a.dims(),
+                    b.dims()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Same shape and the same bits (NaN payloads included), compared through `u8` views.
+fn bit_identical(a: &Tensor, b: &Tensor) -> Result<bool> {
+    if a.dims() != b.dims() || a.dtype() != b.dtype() {
+        return Ok(false);
+    }
+    let bytes = |t: &Tensor| -> Result<Vec<u64>> {
+        Ok(match t.dtype() {
+            candle_core::DType::F64 => {
+                t.flatten_all()?.to_vec1::<f64>()?.into_iter().map(f64::to_bits).collect()
+            }
+            candle_core::DType::F32 => t
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .into_iter()
+                .map(|x| u64::from(x.to_bits()))
+                .collect(),
+            _ => t
+                .flatten_all()?
+                .to_dtype(candle_core::DType::F32)?
+                .to_vec1::<f32>()?
+                .into_iter()
+                .map(|x| u64::from(x.to_bits()))
+                .collect(),
+        })
+    };
+    Ok(bytes(a)? == bytes(b)?)
 }
 
 /// A built Transformer-family module.
@@ -335,7 +412,7 @@ fn replay_transformer(case: &Case) -> Result<ReplayResult> {
     if !case.meta.grad_mode {
         return Ok(result);
     }
-    let loss = output.mul(upstream(case)?)?.sum_all()?;
+    let loss = output.mul(upstream(case, &output)?)?.sum_all()?;
     let params = built.named_parameters();
     let mut named: Vec<(String, &Tensor)> =
         inputs.iter().map(|(n, v)| (format!("grad.{n}"), v.as_tensor())).collect();

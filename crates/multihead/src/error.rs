@@ -123,7 +123,19 @@ pub enum Error {
     },
     /// An error raised inside candle.
     #[error("candle: {0}")]
-    Candle(#[from] candle_core::Error),
+    Candle(#[source] candle_core::Error),
+}
+
+/// Keeps candle's message and drops the backtrace candle attaches when `RUST_BACKTRACE` is set
+/// (dozens of lines of frames in what should be a one-line message).
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        let mut e = e;
+        while let candle_core::Error::WithBacktrace { inner, .. } = e {
+            e = *inner;
+        }
+        Error::Candle(e)
+    }
 }
 
 /// Lets `?` turn a multihead error into a candle error, so these layers work inside

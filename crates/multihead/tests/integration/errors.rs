@@ -273,3 +273,18 @@ fn sdpa_checks() {
     contains_all(&sd(&q, &k, &k, SdpaOptions::default().dropout_p(1.5)), &["dropout", "1.5"]);
     contains_all(&sd(&q, &t(&[2, 4, 5, 7]), &k, SdpaOptions::default()), &["key", "(2, 4, 5, 7)"]);
 }
+
+/// candle attaches a backtrace to its errors when `RUST_BACKTRACE` is set; through
+/// `multihead::Error` the message stays one line (the sweep of 2026-12-04 saw 18).
+#[test]
+fn candle_errors_lose_their_backtrace_in_the_message() {
+    let inner = candle_core::Error::Msg("shape mismatch in mul".into());
+    let with = candle_core::Error::WithBacktrace {
+        inner: Box::new(inner),
+        backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+    };
+    assert!(with.to_string().lines().count() > 1, "candle's own message carries the frames");
+    let e = Error::from(with);
+    assert_eq!(e.to_string(), "candle: shape mismatch in mul");
+    assert_eq!(format!("{e:?}"), "candle: shape mismatch in mul");
+}

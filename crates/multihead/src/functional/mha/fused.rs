@@ -21,15 +21,15 @@ pub(crate) fn attend(
     let (l, n, e, h, hd, s) = (call.l, call.n, call.e, call.h, call.hd, call.s);
     if call.need_weights {
         let hw = if call.average_attn_weights { 1 } else { h };
-        crate::alloc::ensure(
-            MHA,
-            "attn_weights",
-            &[n, hw, l, s],
-            call.dtype,
-            1,
+        // Averaging over heads only helps when the weights are per head.
+        let hint = if call.average_attn_weights {
+            "set need_weights=false (attention itself never builds an L×S matrix), or use a \
+             smaller batch or shorter sequences"
+        } else {
             "set need_weights=false (attention itself never builds an L×S matrix), or \
-             average_attn_weights=true, or a smaller batch",
-        )?;
+             average_attn_weights=true, or a smaller batch"
+        };
+        crate::alloc::ensure(MHA, "attn_weights", &[n, hw, l, s], call.dtype, 1, hint)?;
     }
     if s == 0 {
         // No keys: every row is fully masked, so the attention is zero (as on the composed path).
