@@ -460,7 +460,8 @@ fn report(
             if a.backward { "forward+backward" } else { "forward" },
             a.batch,
             if a.module == Module::Decode { a.new_tokens } else { a.tgt_len },
-            a.src_len,
+            // The encoder layer's attention is over its own sequence: --src-len plays no part.
+            if a.module == Module::EncoderLayer { a.tgt_len } else { a.src_len },
             a.embed_dim,
             a.num_heads,
             if a.causal { " causal" } else { "" },
