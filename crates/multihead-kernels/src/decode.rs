@@ -613,11 +613,14 @@ unsafe fn merge<S: Simd>(state: &mut [f32], part: &[f32]) {
     unsafe { scale_add::<S>(&mut state[2..], a, &part[2..], bc) };
 }
 
-/// `s = c·tanh(s/c)` in place (a vector tanh, within 4 f32 epsilons).
+/// `s = c·tanh(s/c)` in place (a vector tanh, within 4 f32 epsilons). The tail goes through
+/// the same vector form, masked: a scalar `c·tanh(s/c)` loses small scores under a huge cap,
+/// where `s/c` is subnormal and the kernels' flush-to-zero makes it 0 (the vector form
+/// multiplies `s` itself by a ratio of polynomials instead).
 #[inline(always)]
 unsafe fn cap_scores<S: Simd>(s: &mut [f32], c: f32) {
     let (l, n) = (S::LANES, s.len());
-    // SAFETY: loads and stores stay inside `s`.
+    // SAFETY: loads and stores stay inside `s` (the tail's are masked to its length).
     unsafe {
         let inv = 1.0 / c;
         let mut j = 0;
@@ -626,8 +629,9 @@ unsafe fn cap_scores<S: Simd>(s: &mut [f32], c: f32) {
             S::store(p, S::softcap(S::load(p), c, inv));
             j += l;
         }
-        for x in &mut s[j..] {
-            *x = c * (*x / c).tanh();
+        if j < n {
+            let (p, m) = (s.as_mut_ptr().add(j), S::tail_mask(n - j));
+            S::store_m(p, S::softcap(S::load_m(p, m), c, inv), m);
         }
     }
 }

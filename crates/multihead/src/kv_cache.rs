@@ -412,9 +412,15 @@ impl KvCache {
             Some(w) => self.positions.iter().map(|&p| p % w).collect(),
             None => self.lens.clone(),
         };
-        let op = Append { slots, counts: counts.to_vec(), ring: self.window.is_some() };
-        self.k.inplace_op2(k, &op)?;
-        self.v.inplace_op2(v, &op)?;
+        // Nothing to write (no new token in any row, or an empty cache: no batch, no capacity
+        // or no features): candle refuses in-place writes into an empty tensor, and there is
+        // nothing to copy anyway.
+        let empty = self.k.elem_count() == 0 || self.v.elem_count() == 0;
+        if !empty && counts.iter().any(|&n| n > 0) {
+            let op = Append { slots, counts: counts.to_vec(), ring: self.window.is_some() };
+            self.k.inplace_op2(k, &op)?;
+            self.v.inplace_op2(v, &op)?;
+        }
         for (b, &n) in counts.iter().enumerate() {
             self.positions[b] += n;
             self.lens[b] =

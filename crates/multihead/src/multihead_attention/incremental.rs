@@ -284,7 +284,11 @@ impl MultiheadAttention {
                     format!("expected one sink per head, shape [{h}], got {}", fmt_shape(t.dims()));
                 return Err(Error::Shape { op: CACHED, arg: "sinks", msg });
             }
-            Some(t) => Some(t.to_dtype(DType::F64)?.to_vec1::<f64>()?),
+            Some(t) => {
+                // Learned logits: an integer tensor is a mistake, not something to convert.
+                crate::alloc::expect_float(CACHED, "sinks", t.dtype())?;
+                Some(t.to_dtype(DType::F64)?.to_vec1::<f64>()?)
+            }
             None => None,
         };
         Ok((opts.softcap, sinks))
@@ -584,7 +588,11 @@ impl MultiheadAttention {
             let (o, _) = attention_core(&qb, &kb, &vb, Some(&mask), score, None, false)?;
             outs.push(o.to_dtype(q.dtype())?.transpose(0, 1)?.reshape((t, e))?);
         }
-        let out = Tensor::stack(&outs, 0)?;
+        // No rows: an empty batch of the right shape (candle cannot stack nothing).
+        let out = match outs.is_empty() {
+            true => Tensor::zeros((0, t, e), q.dtype(), q.device())?,
+            false => Tensor::stack(&outs, 0)?,
+        };
         Ok(if batch_first { out } else { out.transpose(0, 1)? })
     }
 

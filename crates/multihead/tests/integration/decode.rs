@@ -216,6 +216,45 @@ fn a_full_cache_is_an_error_and_is_left_unchanged() {
     assert_eq!(big.lens(), &[5, 3]);
 }
 
+/// Empty caches (no capacity, no rows) take calls that append nothing, on both paths; a token
+/// that does not fit is `CacheFull`. (An adversarial sweep found candle's "dst has repeated
+/// elements" instead: an in-place write into an empty tensor.)
+#[test]
+fn empty_caches_take_calls_that_append_nothing() {
+    let m = module(16, 2, None, DType::F32);
+    let bias = || m.named_parameters().into_iter().find(|(n, _)| n == "out_proj.bias").unwrap().1;
+    for backend in [Backend::Auto, Backend::Composed] {
+        let run = |cache: &mut KvCache, x: &Tensor, counts: Option<&[usize]>| {
+            multihead::with_backend(backend, || m.forward_cached(x, cache, counts))
+        };
+        let mut zero = m.new_cache(2, 0).unwrap();
+        let y = run(&mut zero, &det(&[2, 1, 16], DType::F32, 1.0), Some(&[0, 0])).unwrap();
+        assert_eq!(y.dims(), &[2, 1, 16]);
+        // A row with nothing to attend to gives the output projection's bias, as S = 0 does.
+        let want = bias().to_vec1::<f32>().unwrap();
+        assert_eq!(y.flatten_to(1).unwrap().to_vec2::<f32>().unwrap(), vec![want.clone(), want]);
+        let y = run(&mut zero, &det(&[2, 0, 16], DType::F32, 1.0), None).unwrap();
+        assert_eq!(y.dims(), &[2, 0, 16]);
+        let e = run(&mut zero, &det(&[2, 1, 16], DType::F32, 1.0), None).unwrap_err();
+        assert!(matches!(e, Error::CacheFull { .. }), "{e}");
+        assert_eq!(zero.lens(), &[0, 0]);
+        let empty = Tensor::zeros((2, 2, 0, 8), DType::F32, &dev()).unwrap();
+        zero.append_kv(&empty, &empty, None).unwrap();
+        let mut none = m.new_cache(0, 0).unwrap();
+        let y = run(&mut none, &det(&[0, 1, 16], DType::F32, 1.0), None).unwrap();
+        assert_eq!(y.dims(), &[0, 1, 16]);
+        let mut rows0 = m.new_cache(0, 4).unwrap();
+        run(&mut rows0, &det(&[0, 3, 16], DType::F32, 1.0), None).unwrap();
+    }
+    // Integer sinks are refused, as scaled_dot_product_attention refuses them.
+    let mut cache = m.new_cache(2, 4).unwrap();
+    let opts = multihead::multihead_attention::CachedOptions::default()
+        .sinks(Tensor::new(&[1u8, 2], &dev()).unwrap());
+    let x = det(&[2, 1, 16], DType::F32, 1.0);
+    let e = m.forward_cached_with(&x, &mut cache, None, &opts).unwrap_err().to_string();
+    assert!(e.contains("sinks") && e.contains("expected a float tensor"), "{e}");
+}
+
 #[test]
 fn bad_cached_calls_are_typed_errors() {
     let mut m = module(16, 2, None, DType::F32);
