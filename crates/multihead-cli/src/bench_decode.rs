@@ -77,8 +77,9 @@ pub fn decode_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
     Ok((Box::new(step), extra))
 }
 
-/// The minimum time of the decode kernel alone over the `S` cached keys, in ms: the step's
-/// rows (`--new-tokens`) at the last positions, causal.
+/// The minimum time of the decode kernel alone, in ms: the step's rows (`--new-tokens`) at
+/// positions `S..S + T`, causal over the `S` cached keys and themselves (slots the cache holds
+/// zeroed until the step writes them), as the step runs them.
 fn time_kernel(a: &BenchArgs, cache: &multihead::KvCache) -> Result<f64> {
     let (b, h, s, t) = (a.batch, a.num_heads, a.src_len, a.new_tokens);
     let (hk, hd, cap) = (cache.kv_heads(), cache.head_dim(), cache.capacity());
@@ -97,7 +98,7 @@ fn time_kernel(a: &BenchArgs, cache: &multihead::KvCache) -> Result<f64> {
     };
     let q = Tensor::randn(0f32, 1.0, b * h * t * hd, &Device::Cpu)?.to_vec1::<f32>()?;
     let mut out = vec![0f32; b * h * t * hd];
-    let (kv_len, q_pos, q_len) = (vec![s; b], vec![s.saturating_sub(t); b], vec![t; b]);
+    let (kv_len, q_pos, q_len) = (vec![s.saturating_add(t); b], vec![s; b], vec![t; b]);
     let dims =
         DecodeDims { batch: b, heads_q: h, heads_kv: hk, rows: t, capacity: cap, d: hd, dv: hd };
     let mut p = DecodeParams::new(dims, &kv_len, &q_pos, &q_len);
