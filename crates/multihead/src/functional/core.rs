@@ -72,7 +72,9 @@ pub(crate) fn attention_core(
     let dv = v.dim(2)?;
     if b == 0 || l == 0 || s == 0 {
         // Nothing to attend: PyTorch's softmax over an empty row is empty and bmm gives zeros.
-        let out = crate::fused::zeros::zeros_of(&[b, l, dv], q.dtype(), &[q, k, v])?;
+        let mut inputs = vec![q, k, v];
+        inputs.extend(mask.into_iter().chain(sinks));
+        let out = crate::fused::zeros::zeros_of(&[b, l, dv], q.dtype(), &inputs)?;
         let w = Tensor::zeros((b, l, s), q.dtype(), q.device())?;
         return Ok((out, want_weights.then_some(w)));
     }

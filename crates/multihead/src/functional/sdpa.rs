@@ -447,8 +447,13 @@ pub fn scaled_dot_product_attention(
     crate::alloc::ensure(SDPA, "output", &out_dims, query.dtype(), 1, "use smaller inputs")?;
     if out_dims.contains(&0) || call.s == 0 {
         // Nothing to attend: an empty softmax row gives a zero output row on both paths
-        // (kept in the graph: the inputs get zero gradients).
-        return crate::fused::zeros::zeros_of(&out_dims, query.dtype(), &[query, key, value]);
+        // (kept in the graph: the inputs, a float mask and the sinks get zero gradients).
+        let mut inputs = vec![query, key, value];
+        if let Some(Mask::Float(m)) = &opts.attn_mask {
+            inputs.push(m);
+        }
+        inputs.extend(opts.sinks.as_ref());
+        return crate::fused::zeros::zeros_of(&out_dims, query.dtype(), &inputs);
     }
     let dropout = (opts.dropout_p > 0.0)
         .then(|| (opts.dropout_p, opts.dropout_key.unwrap_or_else(next_dropout_key)));

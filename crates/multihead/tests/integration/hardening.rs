@@ -468,20 +468,21 @@ fn empty_calls_give_zero_gradients_to_inputs_and_parameters() {
             let q = Var::from_tensor(&t(&[2, 3, l, 8])).unwrap();
             let k = Var::from_tensor(&t(&[2, 3, s, 8])).unwrap();
             let v = Var::from_tensor(&t(&[2, 3, s, 8])).unwrap();
+            // A learned bias and sinks are parameters too (the output does not depend on them).
+            let bias = Var::from_tensor(&t(&[l, s])).unwrap();
+            let sinks = Var::from_tensor(&t(&[3])).unwrap();
+            let opts = multihead::SdpaOptions::default()
+                .attn_mask(multihead::Mask::Float(bias.as_tensor().clone()))
+                .sinks(sinks.as_tensor().clone());
             let y = with_backend(backend, || {
-                scaled_dot_product_attention(
-                    q.as_tensor(),
-                    k.as_tensor(),
-                    v.as_tensor(),
-                    &Default::default(),
-                )
+                scaled_dot_product_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &opts)
             })
             .unwrap();
             let grads = (y.sqr().unwrap().sum_all().unwrap() + y.sum_all().unwrap())
                 .unwrap()
                 .backward()
                 .unwrap();
-            for (n, x) in [("q", &q), ("k", &k), ("v", &v)] {
+            for (n, x) in [("q", &q), ("k", &k), ("v", &v), ("mask", &bias), ("sinks", &sinks)] {
                 zeros_for(&grads, &format!("{backend:?} sdpa l={l} s={s} {n}"), x.as_tensor());
             }
         }
@@ -489,7 +490,14 @@ fn empty_calls_give_zero_gradients_to_inputs_and_parameters() {
             let (m, _vm) = mha(MhaConfig::new(8, 2).with_batch_first(true), DType::F32);
             let q = Var::from_tensor(&t(&[n, l, 8])).unwrap();
             let kv = Var::from_tensor(&t(&[n, s, 8])).unwrap();
-            let opts = MhaOptions { need_weights: false, ..Default::default() };
+            let (bias, kpm) =
+                (Var::from_tensor(&t(&[l, s])).unwrap(), Var::from_tensor(&t(&[n, s])).unwrap());
+            let opts = MhaOptions {
+                need_weights: false,
+                attn_mask: Some(multihead::Mask::Float(bias.as_tensor().clone())),
+                key_padding_mask: Some(multihead::Mask::Float(kpm.as_tensor().clone())),
+                ..Default::default()
+            };
             let y = with_backend(backend, || {
                 m.forward(q.as_tensor(), kv.as_tensor(), kv.as_tensor(), &opts)
             })
@@ -502,6 +510,8 @@ fn empty_calls_give_zero_gradients_to_inputs_and_parameters() {
             let what = format!("{backend:?} mha n={n} l={l} s={s}");
             zeros_for(&grads, &format!("{what} query"), q.as_tensor());
             zeros_for(&grads, &format!("{what} key"), kv.as_tensor());
+            zeros_for(&grads, &format!("{what} attn_mask"), bias.as_tensor());
+            zeros_for(&grads, &format!("{what} key_padding_mask"), kpm.as_tensor());
             for (name, p) in m.named_parameters() {
                 if s == 0 && name == "out_proj.bias" {
                     // No keys: every output row is out_proj.bias, which gets dL/dy summed.

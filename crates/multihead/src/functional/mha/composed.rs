@@ -111,7 +111,15 @@ pub(crate) fn attend(
             None => None,
         };
         match (attn_mask, kpm) {
-            (Some(a), Some(p)) => Some(a.broadcast_add(&p)?),
+            (Some(a), Some(p)) => {
+                let sum = a.broadcast_add(&p)?;
+                // candle's add of empty tensors gives its right-hand side no gradient.
+                Some(if sum.elem_count() == 0 {
+                    crate::fused::zeros::zeros_of(sum.dims(), sum.dtype(), &[&a, &p])?
+                } else {
+                    sum
+                })
+            }
             (a, p) => a.or(p),
         }
     };

@@ -34,7 +34,9 @@ pub(crate) fn attend(
     if s == 0 {
         // No keys: every row is fully masked, so the attention is zero (as on the composed path).
         let attn = if call.batch_first { [n, l, e] } else { [l, n, e] };
-        let attn = crate::fused::zeros::zeros_of(&attn, call.dtype, &[&proj.q, &proj.k, &proj.v])?;
+        let mut inputs = vec![&proj.q, &proj.k, &proj.v];
+        inputs.extend(call.kpm.iter().chain(&call.attn_mask));
+        let attn = crate::fused::zeros::zeros_of(&attn, call.dtype, &inputs)?;
         let w = match (call.need_weights, call.average_attn_weights) {
             (false, _) => None,
             (true, true) => Some(Tensor::zeros((n, l, 0), call.dtype, attn.device())?),

@@ -529,6 +529,7 @@ fn empty_output(call: &MhaCall) -> Result<MhaOutput> {
     if let Some((k, v)) = &call.static_kv {
         inputs.extend([k, v]);
     }
+    inputs.extend(call.kpm.iter().chain(&call.attn_mask));
     let dims = if call.batch_first { [n, l, e] } else { [l, n, e] };
     let output = crate::fused::zeros::zeros_of(&dims, dtype, &inputs)?;
     let s2 = call.s_total();
