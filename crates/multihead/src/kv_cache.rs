@@ -401,11 +401,15 @@ impl KvCache {
             None => vec![t; self.batch_size()],
         };
         self.check_room(APPEND, &counts)?;
-        self.append(&k.contiguous()?, &v.contiguous()?, &counts)
+        // Views are read in place, except where the last dimension is strided.
+        let rows = |x: &Tensor| -> Result<Tensor> {
+            Ok(if x.dim(3)? > 1 && x.stride()[3] != 1 { x.contiguous()? } else { x.clone() })
+        };
+        self.append(&rows(k)?, &rows(v)?, &counts)
     }
 
-    /// Writes `counts[b]` new tokens of `k`/`v` `(N, Hkv, T, D)` (contiguous) after each row's
-    /// last token. The caller checked room and shapes.
+    /// Writes `counts[b]` new tokens of `k`/`v` `(N, Hkv, T, D)` or `(N, T, Hkv·D)` (any
+    /// strides, the last 1) after each row's last token. The caller checked room and shapes.
     pub(crate) fn append(&mut self, k: &Tensor, v: &Tensor, counts: &[usize]) -> Result<()> {
         let c = self.capacity();
         let slots = match self.window {

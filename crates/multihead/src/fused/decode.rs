@@ -14,12 +14,61 @@ use super::flash::Convention;
 
 const APPEND: &str = "kv cache append";
 
-/// Copies new rows `(N, Hk, T, D)` (contiguous) into cache slots `(N, Hk, C, D)`: token `t` of
-/// batch entry `b` goes to slot `slots[b] + t` (modulo `C` in a ring), for `t < counts[b]`.
+/// Copies new rows into cache slots `(N, Hk, C, D)`: token `t` of batch entry `b` goes to
+/// slot `slots[b] + t` (modulo `C` in a ring), for `t < counts[b]`. The rows are `(N, Hk, T,
+/// D)` or, as the projections leave them, `(N, T, Hk·D)`: any strides whose last is 1 (a
+/// narrowed or transposed view is read in place, not copied first).
 pub(crate) struct Append {
     pub slots: Vec<usize>,
     pub counts: Vec<usize>,
     pub ring: bool,
+}
+
+/// Where the new rows' `(b, h, t)` vectors of `d` elements lie in their storage.
+struct Source {
+    start: usize,
+    /// Strides of the batch entry, the head and the token.
+    stride: [usize; 3],
+    t: usize,
+}
+
+impl Source {
+    /// The rows' layout, checked against the cache's `(n, hk, d)` and the storage's `len`.
+    fn of(sl: &Layout, (n, hk, d): (usize, usize, usize), len: usize) -> candle_core::Result<Self> {
+        let (dims, st) = (sl.dims(), sl.stride());
+        let (t, stride, last) = match (dims, st) {
+            (&[n2, hk2, t, d2], &[s0, s1, s2, s3]) if (n2, hk2, d2) == (n, hk, d) => {
+                (t, [s0, s1, s2], s3)
+            }
+            (&[n2, t, w], &[s0, s1, s2]) if n2 == n && Some(w) == hk.checked_mul(d) => {
+                (t, [s0, d, s1], s2)
+            }
+            _ => candle_core::bail!(
+                "{APPEND}: rows {dims:?} fit neither (N, Hk, T, D) nor (N, T, Hk·D) for a cache \
+                 of N={n}, Hk={hk}, D={d}"
+            ),
+        };
+        if d > 1 && last != 1 {
+            candle_core::bail!("{APPEND}: the rows' last dimension must have stride 1");
+        }
+        // The last element of the last vector lies inside the storage.
+        let reach = [n, hk, t]
+            .iter()
+            .zip(stride)
+            .try_fold(sl.start_offset(), |acc, (&k, s)| {
+                k.saturating_sub(1).checked_mul(s).and_then(|x| acc.checked_add(x))
+            })
+            .and_then(|x| x.checked_add(d));
+        if n * hk * t * d > 0 && reach.is_none_or(|r| r > len) {
+            candle_core::bail!("{APPEND}: the rows' layout reaches past their storage");
+        }
+        Ok(Self { start: sl.start_offset(), stride, t })
+    }
+
+    /// The offset of vector `(b, h, i)`.
+    fn at(&self, b: usize, h: usize, i: usize) -> usize {
+        self.start + b * self.stride[0] + h * self.stride[1] + i * self.stride[2]
+    }
 }
 
 impl Append {
@@ -30,27 +79,27 @@ impl Append {
         src: &[T],
         sl: &Layout,
     ) -> candle_core::Result<()> {
-        let (&[n, hk, c, d], &[n2, hk2, t, d2]) = (dl.dims(), sl.dims()) else {
-            candle_core::bail!("{APPEND}: expected 4-D cache and rows");
+        let &[n, hk, c, d] = dl.dims() else {
+            candle_core::bail!("{APPEND}: expected a 4-D cache");
         };
-        let (Some((d0, d1)), Some((s0, s1))) = (dl.contiguous_offsets(), sl.contiguous_offsets())
-        else {
-            candle_core::bail!("{APPEND}: cache and rows must be contiguous");
+        let Some((d0, d1)) = dl.contiguous_offsets() else {
+            candle_core::bail!("{APPEND}: the cache must be contiguous");
         };
-        if (n, hk, d) != (n2, hk2, d2) || self.slots.len() != n || self.counts.len() != n {
-            candle_core::bail!("{APPEND}: shapes {:?} and {:?} disagree", dl.dims(), sl.dims());
+        let from = Source::of(sl, (n, hk, d), src.len())?;
+        if self.slots.len() != n || self.counts.len() != n {
+            candle_core::bail!("{APPEND}: {} slots for a batch of {n}", self.slots.len());
         }
-        let (dst, src) = (&mut dst[d0..d1], &src[s0..s1]);
+        let dst = &mut dst[d0..d1];
         for b in 0..n {
-            if self.counts[b] > t || (!self.ring && self.slots[b] + self.counts[b] > c) {
+            if self.counts[b] > from.t || (!self.ring && self.slots[b] + self.counts[b] > c) {
                 candle_core::bail!("{APPEND}: row {b} does not fit");
             }
             for h in 0..hk {
                 for i in 0..self.counts[b] {
                     let slot = if self.ring { (self.slots[b] + i) % c } else { self.slots[b] + i };
                     let to = ((b * hk + h) * c + slot) * d;
-                    let from = ((b * hk + h) * t + i) * d;
-                    dst[to..to + d].copy_from_slice(&src[from..from + d]);
+                    let at = from.at(b, h, i);
+                    dst[to..to + d].copy_from_slice(&src[at..at + d]);
                 }
             }
         }

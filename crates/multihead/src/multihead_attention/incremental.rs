@@ -416,12 +416,11 @@ impl MultiheadAttention {
 
     fn run_step(&self, step: &Step, plan: &Plan, cache: &mut KvCache) -> Result<Tensor> {
         let (q, k, v) = self.project_step(&step.x)?;
-        let to_bhtd = |t: &Tensor| -> Result<Tensor> {
-            let t = if step.batch_first { t.clone() } else { t.transpose(0, 1)? };
-            let (hk, hd) = (self.cfg.kv_heads(), self.cfg.head_dim());
-            Ok(t.contiguous()?.reshape((step.n, step.t, hk, hd))?.transpose(1, 2)?.contiguous()?)
+        // `(N, T, Hk·D)` views of the projections: the append reads them in place.
+        let (k, v) = match step.batch_first {
+            true => (k, v),
+            false => (k.transpose(0, 1)?, v.transpose(0, 1)?),
         };
-        let (k, v) = (to_bhtd(&k)?, to_bhtd(&v)?);
         let attn = if cache.window().is_none() {
             let q_pos = cache.lens().to_vec();
             cache.append(&k, &v, &step.counts)?;
@@ -439,11 +438,7 @@ impl MultiheadAttention {
             let mut outs = Vec::with_capacity(step.t);
             for i in 0..step.t {
                 let counts: Vec<usize> = step.counts.iter().map(|&c| usize::from(i < c)).collect();
-                cache.append(
-                    &k.narrow(2, i, 1)?.contiguous()?,
-                    &v.narrow(2, i, 1)?.contiguous()?,
-                    &counts,
-                )?;
+                cache.append(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?, &counts)?;
                 let rows = Rows {
                     kv_len: cache.lens().to_vec(),
                     q_pos: vec![0; step.n],

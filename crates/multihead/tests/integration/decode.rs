@@ -825,3 +825,41 @@ fn start_decoding_checks_the_memory_padding_mask() {
     let kpm = Mask::Bool(Tensor::zeros((2, 7), DType::U8, &dev()).unwrap());
     assert!(model.start_decoding(&memory, Some(&kpm), 4).is_ok());
 }
+
+/// `append_kv` and the cached forward read strided keys and values in place (a transposed
+/// `(N, T, Hkv, D)` tensor, a narrowed one, a last dimension with a stride): every view
+/// writes exactly the elements its contiguous copy writes, in a plain cache and a ring.
+#[test]
+fn appended_views_write_what_their_contiguous_copies_write() {
+    let (n, hk, t, d) = (2usize, 3usize, 5usize, 4usize);
+    let src = rand_t(&[n, t + 2, hk, 2 * d], DType::F32, 7, 1.0);
+    // (N, Hk, T, D) views: a transpose of a narrow, and one whose last stride is 2.
+    let wide = src.narrow(1, 1, t).unwrap().transpose(1, 2).unwrap(); // (N, Hk, T, 2D)
+    let views = [
+        wide.narrow(3, d, d).unwrap(),
+        wide.reshape((n, hk, t, d, 2)).unwrap().narrow(4, 1, 1).unwrap().squeeze(4).unwrap(),
+    ];
+    for (i, view) in views.iter().enumerate() {
+        assert!(!view.is_contiguous(), "view {i} is a view");
+        let copy = view.contiguous().unwrap();
+        for ring in [false, true] {
+            let make = || match ring {
+                false => KvCache::new(n, hk, d, 9, DType::F32, &dev()).unwrap(),
+                true => KvCache::sliding_window(n, hk, d, 4, DType::F32, &dev()).unwrap(),
+            };
+            let (mut a, mut b) = (make(), make());
+            for counts in [Some(&[2usize, 5][..]), Some(&[3, 0]), None] {
+                if !ring && counts.is_none() {
+                    continue; // 2 + 3 + 5 tokens would not fit in 9
+                }
+                a.append_kv(view, view, counts).unwrap();
+                b.append_kv(&copy, &copy, counts).unwrap();
+            }
+            assert_eq!(a.lens(), b.lens());
+            for (x, y) in [(a.keys(), b.keys()), (a.values(), b.values())] {
+                let (x, y) = (x.flatten_all().unwrap(), y.flatten_all().unwrap());
+                assert_eq!(x.to_vec1::<f32>().unwrap(), y.to_vec1::<f32>().unwrap(), "view {i}");
+            }
+        }
+    }
+}
