@@ -94,6 +94,8 @@ impl BertConfig {
 /// all-MiniLM-L6-v2 built from this crate's layers.
 pub struct MiniLm {
     tokenizer: Tokenizer,
+    /// Where long texts may be cut before tokenizing.
+    cuts: Cuts,
     /// The weights' dtype.
     dtype: DType,
     word: Tensor,
@@ -170,20 +172,82 @@ fn check_finite(w: &HashMap<String, Tensor>) -> Result<()> {
 /// 256 tokens of ordinary text take a few kilobytes.
 const PREFIX_BYTES: usize = 16 << 10;
 
+/// Where a long text may be cut before tokenizing (see [`word_prefix`]).
+#[derive(Debug, Default)]
+struct Cuts {
+    /// The tokenizer's added tokens (`[CLS]`, `[MASK]`, ...), matched in the raw text before
+    /// anything else: a cut must not split one.
+    specials: Vec<String>,
+    /// The normaliser puts spaces around CJK ideographs (BERT's `handle_chinese_chars`), so
+    /// the point between two of them is a word boundary too.
+    cjk: bool,
+}
+
+impl Cuts {
+    fn of(tokenizer: &Tokenizer) -> Self {
+        let mut specials: Vec<String> =
+            tokenizer.get_added_tokens_decoder().into_values().map(|t| t.content).collect();
+        specials.retain(|s| !s.is_empty());
+        specials.sort();
+        let cjk = matches!(
+            tokenizer.get_normalizer(),
+            Some(tokenizers::NormalizerWrapper::BertNormalizer(n)) if n.handle_chinese_chars
+        );
+        Self { specials, cjk }
+    }
+
+    /// Whether an added token occurs in `text` across byte `i`.
+    fn splits_special(&self, text: &[u8], i: usize) -> bool {
+        self.specials.iter().any(|s| {
+            let s = s.as_bytes();
+            (i.saturating_sub(s.len() - 1)..i).any(|at| text[at..].starts_with(s))
+        })
+    }
+}
+
+/// BERT's CJK ideographs (the ranges of its normaliser's `handle_chinese_chars`).
+fn is_cjk_ideograph(c: char) -> bool {
+    matches!(
+        c as u32,
+        0x4E00..=0x9FFF
+            | 0x3400..=0x4DBF
+            | 0x20000..=0x2A6DF
+            | 0x2A700..=0x2B73F
+            | 0x2B740..=0x2B81F
+            | 0x2B920..=0x2CEAF
+            | 0xF900..=0xFAFF
+            | 0x2F800..=0x2FA1F
+    )
+}
+
 /// The longest prefix of `text` of at least `limit` bytes that ends at a word boundary BERT's
-/// tokenizer cannot move: before an ASCII space or tab, or after ASCII punctuation (a token of
-/// its own). The normaliser and pre-tokenizer work character by character and split there,
-/// and WordPiece works within words, so the prefix's tokens are the first tokens of the whole
-/// text. The whole text when it is shorter or has no such boundary past `limit`.
-fn word_prefix(text: &str, limit: usize) -> &str {
-    let bytes = text.as_bytes();
-    if bytes.len() <= limit {
+/// tokenizer cannot move: before an ASCII space or tab, after ASCII punctuation (a token of
+/// its own), or between two CJK ideographs when the normaliser isolates them; never inside
+/// an added token such as `[MASK]` (matched in the raw text first). The normaliser and
+/// pre-tokenizer work character by character and split there, and WordPiece works within
+/// words, so the prefix's tokens are the first tokens of the whole text. The whole text when
+/// it is shorter or has no such boundary past `limit`.
+fn word_prefix<'t>(text: &'t str, limit: usize, cuts: &Cuts) -> &'t str {
+    if text.len() <= limit {
         return text;
     }
-    let cut = (limit..bytes.len())
-        .find(|&i| matches!(bytes[i], b' ' | b'\t') || bytes[i - 1].is_ascii_punctuation());
-    // Both kinds of cut are next to an ASCII byte: a character boundary.
-    cut.and_then(|i| text.get(..i)).unwrap_or(text)
+    let mut start = limit.max(1);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    let bytes = text.as_bytes();
+    let mut prev = text[..start].chars().next_back();
+    for (at, c) in text[start..].char_indices() {
+        let i = start + at;
+        let boundary = matches!(c, ' ' | '\t')
+            || prev.is_some_and(|p| p.is_ascii_punctuation())
+            || (cuts.cjk && is_cjk_ideograph(c) && prev.is_some_and(is_cjk_ideograph));
+        if boundary && !cuts.splits_special(bytes, i) {
+            return &text[..i];
+        }
+        prev = Some(c);
+    }
+    text
 }
 
 fn take(w: &mut HashMap<String, Tensor>, key: &str) -> Result<Tensor> {
@@ -278,7 +342,8 @@ impl MiniLm {
             extra.sort();
             bail!("model.safetensors has tensors this model does not use: {extra:?}");
         }
-        Ok(Self { tokenizer, dtype, word, position, token_type, norm, layers })
+        let cuts = Cuts::of(&tokenizer);
+        Ok(Self { tokenizer, cuts, dtype, word, position, token_type, norm, layers })
     }
 
     /// The weights' dtype.
@@ -292,7 +357,8 @@ impl MiniLm {
     /// [`PREFIX_BYTES`], then four times as long, until its tokens fill the 256 (then they are
     /// the full text's first 256 tokens) or the prefix is the whole text. The tokenizer's
     /// memory grows with what it is given (about a hundred bytes per input byte), so a
-    /// megabyte-long line costs what its first few kilobytes do.
+    /// megabyte-long line costs what its first few kilobytes do, unless it has no boundary
+    /// [`word_prefix`] may cut at (a line of kana or Thai is tokenized whole).
     pub fn tokenize(&self, texts: &[String]) -> Result<Vec<Vec<u32>>> {
         let mut limits = vec![PREFIX_BYTES; texts.len()];
         let mut ids: Vec<Option<Vec<u32>>> = vec![None; texts.len()];
@@ -302,7 +368,7 @@ impl MiniLm {
                 return Ok(ids.into_iter().flatten().collect());
             }
             let inputs: Vec<&str> =
-                todo.iter().map(|&i| word_prefix(&texts[i], limits[i])).collect();
+                todo.iter().map(|&i| word_prefix(&texts[i], limits[i], &self.cuts)).collect();
             let encodings = self
                 .tokenizer
                 .encode_batch(inputs.clone(), true)
@@ -404,23 +470,33 @@ impl MiniLm {
 
 #[cfg(test)]
 mod tests {
-    use super::word_prefix;
+    use super::{word_prefix, Cuts};
 
     #[test]
     fn word_prefix_ends_at_a_boundary_the_tokenizer_keeps() {
+        let plain = Cuts::default();
+        let wp = |t: &str, limit: usize| word_prefix(t, limit, &plain).to_string();
         // Short texts, and texts without a boundary past the limit, are whole.
-        assert_eq!(word_prefix("short text", 64), "short text");
-        assert_eq!(word_prefix(&"x".repeat(100), 10), "x".repeat(100));
+        assert_eq!(wp("short text", 64), "short text");
+        assert_eq!(wp(&"x".repeat(100), 10), "x".repeat(100));
         // Before a space or a tab, never inside a word.
-        let t = "aaaa bbbbbbbb cc";
-        assert_eq!(word_prefix(t, 6), "aaaa bbbbbbbb");
-        assert_eq!(word_prefix("aaaa\tbbbbbbbb\tcc", 6), "aaaa\tbbbbbbbb");
+        assert_eq!(wp("aaaa bbbbbbbb cc", 6), "aaaa bbbbbbbb");
+        assert_eq!(wp("aaaa\tbbbbbbbb\tcc", 6), "aaaa\tbbbbbbbb");
         // After ASCII punctuation (a token of its own).
-        assert_eq!(word_prefix("aaaa.bbbbbbbb.cc", 6), "aaaa.bbbbbbbb.");
-        // Multi-byte characters are never split: the cut is next to an ASCII byte.
-        let u = "éééééé ü";
-        assert_eq!(word_prefix(u, 3), "éééééé");
+        assert_eq!(wp("aaaa.bbbbbbbb.cc", 6), "aaaa.bbbbbbbb.");
+        // Multi-byte characters are never split.
+        assert_eq!(wp("éééééé ü", 3), "éééééé");
         // The limit is a minimum: a boundary right at it counts.
-        assert_eq!(word_prefix("abc def", 3), "abc");
+        assert_eq!(wp("abc def", 3), "abc");
+        // CJK ideographs are not boundaries unless the normaliser isolates them.
+        assert_eq!(wp("中文中文中文", 4), "中文中文中文");
+        let bert = Cuts { specials: vec!["[MASK]".into(), "[CLS]".into()], cjk: true };
+        assert_eq!(word_prefix("中文中文中文", 4, &bert), "中文");
+        assert_eq!(word_prefix("中文かな", 4, &bert), "中文かな");
+        // Never inside an added token: "[" is punctuation, "[MASK]" one token.
+        assert_eq!(word_prefix("aaaa [MASK] bb", 6, &bert), "aaaa [MASK]");
+        assert_eq!(word_prefix("aaaa[MASK][CLS]x", 5, &bert), "aaaa[MASK]");
+        assert_eq!(word_prefix("aaaa[MASK][CLS]x", 11, &bert), "aaaa[MASK][CLS]");
+        assert_eq!(wp("aaaa [MASK] bb", 6), "aaaa [");
     }
 }
