@@ -2053,6 +2053,8 @@ def sdpa_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> 
     mask = None
     if c["mask"] is not None:
         shp = (c["L"], c["S"]) if c["mask"].get("broadcast") else lead + (c["H"], c["L"], c["S"])
+        if c["mask"].get("shape"):  # an explicit broadcast shape, e.g. (1, L, S)
+            shp = tuple(c["mask"]["shape"])
         take = torch.rand(shp) < 0.7
         if c["mask"].get("full_row"):
             take[..., 0, :] = False
@@ -2143,6 +2145,14 @@ def sdpa_fixture_configs() -> list[dict]:
             dtype=dt, mask={"type": "float", "broadcast": True})
         add(f"sdpa_gqa_scale_{tag}", "enable_gqa with 4 query heads over 2, explicit scale, Ev != E",
             dtype=dt, H=4, Hkv=2, enable_gqa=True, scale=0.3, Ev=6)
+    # PyTorch's bf16 CPU attention takes its math path (f32 products, no bf16 rounding of the
+    # probabilities) for Ev != E and for a 3-D mask on 4-D inputs; bf16 products must not
+    # round there either.
+    add("sdpa_ev_ne_e_math_bf16", "bfloat16, Ev != E with gradients (PyTorch's math path)",
+        dtype="bfloat16", N=1, H=1, L=8, S=8, E=32, Ev=3, scale=2.0)
+    add("sdpa_mask_3d_math_bf16", "bfloat16, a (1, L, S) float mask on 4-D inputs (math path)",
+        dtype="bfloat16", N=1, H=2, L=8, S=8, E=16, scale=2.0,
+        mask={"type": "float", "shape": [1, 8, 8]})
     add("sdpa_unbatched_eval_f32", "3-D inputs, forward only", N=None, grad_mode=False,
         L=7, S=7, is_causal=True)
     add("sdpa_long_f32", "longer keys than one kernel tile (S = 300)", N=1, L=16, S=300, E=8,

@@ -91,8 +91,9 @@ impl std::str::FromStr for Backend {
 ///   attention's probabilities included (as PyTorch's bf16 flash kernel rounds them).
 ///   With a gradient recorded, the backward products take bf16 operands too (the linear
 ///   layers' output gradient times weight and times input; attention's five products), with
-///   f32 sums. Attention keeps f32 products where PyTorch's takes its math path (grouped-query
-///   heads, dropout) and when it returns its weights.
+///   f32 sums. Attention keeps f32 products where PyTorch's takes its math path (dropout; in
+///   `scaled_dot_product_attention`, `Ev ≠ E`, a 3-D mask on 4-D inputs, inputs not 3-D or
+///   4-D, a broadcast batch), for grouped-query heads, and when it returns its weights.
 ///   Without AVX512-BF16 a portable kernel computes the same sums, slowly.
 /// * `Widened`: the operands are widened to f32 and multiplied on the f32 kernels; inside a
 ///   layer, intermediate results stay f32 until the layer's output is rounded.
@@ -146,6 +147,15 @@ fn bf16_products_auto() -> bool {
 /// kernels).
 pub(crate) fn rounded_products<R>(dtype: DType, f: impl FnOnce() -> R) -> R {
     let on = dtype == DType::BF16 && bf16_products();
+    let _restore = Restore::set(&ROUNDED_PRODUCTS, on);
+    f()
+}
+
+/// [`rounded_products`] where `like_flash` (PyTorch's bf16 attention would round its products
+/// here); otherwise `f` runs with rounding off, products widened to f32 as PyTorch's math path
+/// computes them.
+pub(crate) fn rounded_products_if<R>(dtype: DType, like_flash: bool, f: impl FnOnce() -> R) -> R {
+    let on = like_flash && dtype == DType::BF16 && bf16_products();
     let _restore = Restore::set(&ROUNDED_PRODUCTS, on);
     f()
 }

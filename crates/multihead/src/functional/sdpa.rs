@@ -383,6 +383,24 @@ pub fn explain_sdpa(
     plan(query, key, value, &call, opts)
 }
 
+/// Whether PyTorch 2.15's CPU attention takes its flash kernel for this reduced-precision call
+/// (which rounds the probabilities and the backward's operands to bf16) rather than its math
+/// path (which widens to f32): 4-D inputs, or 3-D ones (run as 4-D with a batch of one), with
+/// the value's width equal to the query's, keys and values not broadcast over the batch, and a
+/// mask of rank 2 or 4 for 4-D inputs (checked by the autograd node torch 2.15 records: a 3-D
+/// mask, 2-D or 5-D inputs, `Ev ≠ E` or a broadcast batch give `ToCopyBackward0`). Dropout and
+/// grouped heads are decided by the flash op itself (`FlashAttention::with_rounded_products`).
+fn pytorch_bf16_flash(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaOptions) -> bool {
+    let (r, qd, kd, vd) = (query.rank(), query.dims(), key.dims(), value.dims());
+    let same_rank = key.rank() == r && value.rank() == r;
+    let mask_ok = match (&opts.attn_mask, r) {
+        (None, _) | (Some(_), 3) => true,
+        (Some(m), _) => matches!(m.tensor().rank(), 2 | 4),
+    };
+    let batch_ok = r != 4 || (kd[0] == qd[0] && vd[0] == qd[0]);
+    same_rank && matches!(r, 3 | 4) && qd[r - 1] == vd[r - 1] && batch_ok && mask_ok
+}
+
 /// A bf16/f16 call in f32 (the f32 path, fused on the CPU, accumulating in f32 as PyTorch's
 /// CPU kernels do): inputs and a float mask widened.
 fn widened(
@@ -436,8 +454,9 @@ pub fn scaled_dot_product_attention(
 ) -> Result<Tensor> {
     let call = validate(query, key, value, opts)?;
     if crate::precision::is_reduced(query.dtype()) {
+        let like_flash = pytorch_bf16_flash(query, key, value, opts);
         let (q, k, v, o) = widened(query, key, value, opts)?;
-        let y = crate::mode::rounded_products(query.dtype(), || {
+        let y = crate::mode::rounded_products_if(query.dtype(), like_flash, || {
             scaled_dot_product_attention(&q, &k, &v, &o)
         })?;
         return crate::precision::narrow(&y, query.dtype());
