@@ -307,9 +307,21 @@ impl MiniLm {
             let p = |s: &str| format!("encoder.layer.{i}.{s}");
             let mut st = HashMap::new();
             let cat = |w: &mut HashMap<String, Tensor>, what: &str| -> Result<Tensor> {
+                // Each part of the shape the layer expects (named by its key), converted to
+                // f32 before they are joined: the file may mix dtypes, and every weight is
+                // converted on load as PyTorch's `load_state_dict` copies it into the model's.
+                let want: &[usize] =
+                    if what == "weight" { &[cfg.hidden, cfg.hidden] } else { &[cfg.hidden] };
                 let parts = ["query", "key", "value"]
                     .iter()
-                    .map(|n| take(w, &p(&format!("attention.self.{n}.{what}"))))
+                    .map(|n| {
+                        let key = p(&format!("attention.self.{n}.{what}"));
+                        let t = take(w, &key)?;
+                        if t.dims() != want {
+                            bail!("model.safetensors: {key} is {:?}, expected {want:?}", t.dims());
+                        }
+                        Ok(t.to_dtype(DType::F32)?)
+                    })
                     .collect::<Result<Vec<_>>>()?;
                 Ok(Tensor::cat(&parts, 0)?)
             };

@@ -244,6 +244,17 @@ fn malformed_weights_are_refused_at_load() {
             }),
             "position_embeddings.weight has 10 rows",
         ),
+        (
+            // The query/key/value parts are checked by their own keys before they are joined
+            // (a wrong one used to fail inside the join, naming neither).
+            "key_bias",
+            Box::new(|w| {
+                let k = "encoder.layer.4.attention.self.key.bias";
+                let t = w[k].narrow(0, 0, 100).unwrap();
+                w.insert(k.into(), t);
+            }),
+            "encoder.layer.4.attention.self.key.bias is [100], expected [384]",
+        ),
     ];
     for (name, edit, expect) in cases {
         let m = edited_model(&dir, name, edit);
