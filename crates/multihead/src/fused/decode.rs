@@ -41,7 +41,7 @@ impl Source {
                 (t, [s0, s1, s2], s3)
             }
             (&[n2, t, w], &[s0, s1, s2]) if n2 == n && Some(w) == hk.checked_mul(d) => {
-                (t, [s0, d, s1], s2)
+                (t, [s0, d.saturating_mul(s2), s1], s2)
             }
             _ => candle_core::bail!(
                 "{APPEND}: rows {dims:?} fit neither (N, Hk, T, D) nor (N, T, Hk·D) for a cache \
