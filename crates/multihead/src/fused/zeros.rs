@@ -71,6 +71,16 @@ pub(crate) fn zeros_of(dims: &[usize], dtype: DType, inputs: &[&Tensor]) -> Resu
     Ok(out)
 }
 
+/// A broadcast sum `x + y` (masks merged by addition); when the sum is empty, its zeros
+/// connected to both (candle's add of empty tensors gives its right-hand side no gradient).
+pub(crate) fn broadcast_sum(x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let sum = x.broadcast_add(y)?;
+    if sum.elem_count() == 0 {
+        return zeros_of(sum.dims(), sum.dtype(), &[x, y]);
+    }
+    Ok(sum)
+}
+
 /// A residual sum `x + y`; for empty tensors the sum's zeros connected to both (candle's add
 /// of two empty tensors gives its right-hand side no gradient).
 pub(crate) fn residual(x: &Tensor, y: &Tensor) -> Result<Tensor> {

@@ -486,7 +486,13 @@ fn empty_calls_give_zero_gradients_to_inputs_and_parameters() {
                 zeros_for(&grads, &format!("{backend:?} sdpa l={l} s={s} {n}"), x.as_tensor());
             }
         }
-        for (n, l, s) in [(0usize, 4usize, 4usize), (2, 0, 4), (2, 4, 0)] {
+        // A soft cap sends the masks through the variants' merge on the composed path.
+        let cases = [(0usize, 4usize, 4usize), (2, 0, 4), (2, 4, 0)];
+        let variants =
+            [multihead::Variants::default(), multihead::Variants::default().softcap(30.0)];
+        for ((n, l, s), variants) in
+            cases.iter().flat_map(|&c| variants.iter().map(move |v| (c, v)))
+        {
             let (m, _vm) = mha(MhaConfig::new(8, 2).with_batch_first(true), DType::F32);
             let q = Var::from_tensor(&t(&[n, l, 8])).unwrap();
             let kv = Var::from_tensor(&t(&[n, s, 8])).unwrap();
@@ -496,6 +502,7 @@ fn empty_calls_give_zero_gradients_to_inputs_and_parameters() {
                 need_weights: false,
                 attn_mask: Some(multihead::Mask::Float(bias.as_tensor().clone())),
                 key_padding_mask: Some(multihead::Mask::Float(kpm.as_tensor().clone())),
+                variants: variants.clone(),
                 ..Default::default()
             };
             let y = with_backend(backend, || {
@@ -507,7 +514,7 @@ fn empty_calls_give_zero_gradients_to_inputs_and_parameters() {
                 .unwrap()
                 .backward()
                 .unwrap();
-            let what = format!("{backend:?} mha n={n} l={l} s={s}");
+            let what = format!("{backend:?} mha n={n} l={l} s={s} {variants:?}");
             zeros_for(&grads, &format!("{what} query"), q.as_tensor());
             zeros_for(&grads, &format!("{what} key"), kv.as_tensor());
             zeros_for(&grads, &format!("{what} attn_mask"), bias.as_tensor());

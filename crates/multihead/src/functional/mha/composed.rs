@@ -111,15 +111,7 @@ pub(crate) fn attend(
             None => None,
         };
         match (attn_mask, kpm) {
-            (Some(a), Some(p)) => {
-                let sum = a.broadcast_add(&p)?;
-                // candle's add of empty tensors gives its right-hand side no gradient.
-                Some(if sum.elem_count() == 0 {
-                    crate::fused::zeros::zeros_of(sum.dims(), sum.dtype(), &[&a, &p])?
-                } else {
-                    sum
-                })
-            }
+            (Some(a), Some(p)) => Some(crate::fused::zeros::broadcast_sum(&a, &p)?),
             (a, p) => a.or(p),
         }
     };
@@ -169,7 +161,7 @@ fn variant_mask(
     let mut mask: Option<Tensor> = None;
     for part in parts.into_iter().flatten() {
         mask = Some(match mask {
-            Some(m) => m.broadcast_add(&part)?,
+            Some(m) => crate::fused::zeros::broadcast_sum(&m, &part)?,
             None => part,
         });
     }
