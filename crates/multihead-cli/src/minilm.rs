@@ -188,7 +188,6 @@ impl Cuts {
         let mut specials: Vec<String> =
             tokenizer.get_added_tokens_decoder().into_values().map(|t| t.content).collect();
         specials.retain(|s| !s.is_empty());
-        specials.sort();
         let cjk = matches!(
             tokenizer.get_normalizer(),
             Some(tokenizers::NormalizerWrapper::BertNormalizer(n)) if n.handle_chinese_chars
@@ -196,11 +195,13 @@ impl Cuts {
         Self { specials, cjk }
     }
 
-    /// Whether an added token occurs in `text` across byte `i`.
+    /// Whether an added token occurs in `text` across byte `i` (in any ASCII case: a token
+    /// matched after a lowercasing normaliser must not be split either).
     fn splits_special(&self, text: &[u8], i: usize) -> bool {
         self.specials.iter().any(|s| {
             let s = s.as_bytes();
-            (i.saturating_sub(s.len() - 1)..i).any(|at| text[at..].starts_with(s))
+            (i.saturating_sub(s.len() - 1)..i)
+                .any(|at| text[at..].get(..s.len()).is_some_and(|w| w.eq_ignore_ascii_case(s)))
         })
     }
 }
@@ -507,6 +508,7 @@ mod tests {
         assert_eq!(word_prefix("中文かな", 4, &bert), "中文かな");
         // Never inside an added token: "[" is punctuation, "[MASK]" one token.
         assert_eq!(word_prefix("aaaa [MASK] bb", 6, &bert), "aaaa [MASK]");
+        assert_eq!(word_prefix("aaaa [mask] bb", 6, &bert), "aaaa [mask]");
         assert_eq!(word_prefix("aaaa[MASK][CLS]x", 5, &bert), "aaaa[MASK]");
         assert_eq!(word_prefix("aaaa[MASK][CLS]x", 11, &bert), "aaaa[MASK][CLS]");
         assert_eq!(wp("aaaa [MASK] bb", 6), "aaaa [");
