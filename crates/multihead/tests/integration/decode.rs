@@ -827,7 +827,8 @@ fn start_decoding_checks_the_memory_padding_mask() {
 }
 
 /// `append_kv` and the cached forward read strided keys and values in place (a transposed
-/// `(N, T, Hkv, D)` tensor, a narrowed one, a last dimension with a stride): every view
+/// `(N, T, Hkv, D)` tensor, a narrowed one, a last dimension with a stride, a batch
+/// broadcast): every view
 /// writes exactly the elements its contiguous copy writes, in a plain cache and a ring.
 #[test]
 fn appended_views_write_what_their_contiguous_copies_write() {
@@ -835,9 +836,11 @@ fn appended_views_write_what_their_contiguous_copies_write() {
     let src = rand_t(&[n, t + 2, hk, 2 * d], DType::F32, 7, 1.0);
     // (N, Hk, T, D) views: a transpose of a narrow, and one whose last stride is 2.
     let wide = src.narrow(1, 1, t).unwrap().transpose(1, 2).unwrap(); // (N, Hk, T, 2D)
+    let one = rand_t(&[1, hk, t, d], DType::F32, 8, 1.0);
     let views = [
         wide.narrow(3, d, d).unwrap(),
         wide.reshape((n, hk, t, d, 2)).unwrap().narrow(4, 1, 1).unwrap().squeeze(4).unwrap(),
+        one.broadcast_as((n, hk, t, d)).unwrap(), // a stride of 0 over the batch
     ];
     for (i, view) in views.iter().enumerate() {
         assert!(!view.is_contiguous(), "view {i} is a view");
@@ -856,6 +859,15 @@ fn appended_views_write_what_their_contiguous_copies_write() {
                 b.append_kv(&copy, &copy, counts).unwrap();
             }
             assert_eq!(a.lens(), b.lens());
+            // A wrong shape or dtype is a typed error that changes nothing.
+            let before = a.lens().to_vec();
+            let short = view.narrow(3, 0, d - 1).unwrap();
+            let e = a.append_kv(&short, &short, None).unwrap_err();
+            assert!(matches!(e, Error::Shape { arg: "k", .. }), "{e}");
+            let f64s = view.to_dtype(DType::F64).unwrap();
+            let e = a.append_kv(&f64s, &f64s, None).unwrap_err();
+            assert!(matches!(e, Error::DType { arg: "k", .. }), "{e}");
+            assert_eq!(a.lens(), &before[..]);
             for (x, y) in [(a.keys(), b.keys()), (a.values(), b.values())] {
                 let (x, y) = (x.flatten_all().unwrap(), y.flatten_all().unwrap());
                 assert_eq!(x.to_vec1::<f32>().unwrap(), y.to_vec1::<f32>().unwrap(), "view {i}");
