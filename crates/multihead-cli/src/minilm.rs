@@ -5,19 +5,25 @@
 //! The model is BERT: token, position and token-type embeddings with a LayerNorm, six post-norm
 //! encoder layers (GELU, LayerNorm eps 1e-12), mean pooling over real tokens, L2
 //! normalisation. BERT's separate query/key/value weights are concatenated into PyTorch's packed
-//! `in_proj_weight` at load time, so each layer is a plain [`TransformerEncoderLayer`].
+//! `in_proj_weight` at load time, so each layer is a plain [`TransformerEncoderLayer`]. The
+//! pooling, the normalisation, the token limit and lowercasing are read from the folder's
+//! sentence-transformers files (`crate::sentence`), so another BERT sentence model with a
+//! different pipeline is embedded as sentence-transformers embeds it.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use multihead::functional::CuSeqlens;
 use multihead::multihead_attention::PackedOptions;
 use multihead::state_dict::{load_safetensors, load_strict};
 use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
 use multihead::{Activation, LayerNorm, Mask};
-use tokenizers::{Tokenizer, TruncationParams};
+use tokenizers::normalizers::{Lowercase, Sequence};
+use tokenizers::{NormalizerWrapper, Tokenizer, TruncationParams};
+
+use crate::sentence::Pipeline;
 
 /// The BERT hyper-parameters read from `config.json`.
 struct BertConfig {
@@ -98,6 +104,10 @@ pub struct MiniLm {
     cuts: Cuts,
     /// The weights' dtype.
     dtype: DType,
+    /// Pooling and normalisation after the encoder.
+    pipeline: Pipeline,
+    /// The most tokens of a text, `[CLS]` and `[SEP]` included (longer ones are truncated).
+    max_tokens: usize,
     word: Tensor,
     position: Tensor,
     token_type: Tensor,
@@ -105,9 +115,59 @@ pub struct MiniLm {
     layers: Vec<TransformerEncoderLayer>,
 }
 
-/// sentence-transformers' `max_seq_length` for all-MiniLM-L6-v2: texts are truncated to this
-/// many tokens, [CLS] and [SEP] included.
-pub(crate) const MAX_TOKENS: usize = 256;
+/// The most tokens of a text, as sentence-transformers sets it: `sentence_bert_config.json`'s
+/// `max_seq_length` when given (it must fit the position table), else the smaller of
+/// `tokenizer_config.json`'s `model_max_length` and `config.json`'s `max_position_embeddings`
+/// (the position table's rows when neither is given).
+fn token_limit(pipeline: &Pipeline, cfg: &BertConfig, position_rows: usize) -> Result<usize> {
+    let limit = match pipeline.max_seq_length {
+        Some(n) => {
+            if n > position_rows {
+                bail!(
+                    "model.safetensors: embeddings.position_embeddings.weight has {position_rows} rows, fewer than sentence_bert_config.json's max_seq_length {n}; lower max_seq_length to at most {position_rows}"
+                );
+            }
+            n
+        }
+        None => {
+            let path = pipeline.transformer_dir.join("tokenizer_config.json");
+            let declared = std::fs::read_to_string(&path)
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| v.get("model_max_length").and_then(|x| x.as_f64()))
+                .filter(|x| *x >= 0.0)
+                .map(|x| x.min(usize::MAX as f64) as usize);
+            let mut n = cfg.positions.unwrap_or(position_rows).min(position_rows);
+            if let Some(d) = declared {
+                n = n.min(d);
+            }
+            n
+        }
+    };
+    if limit < 2 {
+        bail!("the token limit is {limit}; it must be at least 2 ([CLS] and [SEP]): raise max_seq_length in sentence_bert_config.json");
+    }
+    Ok(limit)
+}
+
+/// Lowercases texts before the tokenizer's own normaliser, as sentence-transformers does for
+/// `do_lower_case` (unless the normaliser already starts from a `Lowercase` step).
+fn lowercase_first(tokenizer: &mut Tokenizer) -> Result<()> {
+    let steps: Vec<NormalizerWrapper> = match tokenizer.get_normalizer().cloned() {
+        None => Vec::new(),
+        Some(NormalizerWrapper::Sequence(s)) => s.into_iter().collect(),
+        Some(n) => vec![n],
+    };
+    if steps.iter().any(|n| matches!(n, NormalizerWrapper::Lowercase(_))) {
+        return Ok(());
+    }
+    let mut all = vec![NormalizerWrapper::Lowercase(Lowercase)];
+    all.extend(steps);
+    tokenizer
+        .with_normalizer(Some(NormalizerWrapper::Sequence(Sequence::new(all))))
+        .map_err(|e| anyhow::anyhow!("do_lower_case: {e}"))?;
+    Ok(())
+}
 
 /// An embedding table `embeddings.{name}.weight` must be `(rows, hidden)` with at least
 /// `rows` rows (every token id, position or token type the model looks up), and exactly the
@@ -188,10 +248,16 @@ impl Cuts {
         let mut specials: Vec<String> =
             tokenizer.get_added_tokens_decoder().into_values().map(|t| t.content).collect();
         specials.retain(|s| !s.is_empty());
-        let cjk = matches!(
-            tokenizer.get_normalizer(),
-            Some(tokenizers::NormalizerWrapper::BertNormalizer(n)) if n.handle_chinese_chars
-        );
+        // BERT's normaliser, alone or after the `Lowercase` step `do_lower_case` puts first
+        // (lowercasing moves no boundary).
+        let steps: &[NormalizerWrapper] = match tokenizer.get_normalizer() {
+            Some(NormalizerWrapper::Sequence(s)) => s.as_ref(),
+            Some(n) => std::slice::from_ref(n),
+            None => &[],
+        };
+        let isolates = |n: &NormalizerWrapper| matches!(n, NormalizerWrapper::BertNormalizer(b) if b.handle_chinese_chars);
+        let cjk = steps.iter().any(isolates)
+            && steps.iter().all(|n| isolates(n) || matches!(n, NormalizerWrapper::Lowercase(_)));
         Self { specials, cjk }
     }
 
@@ -255,33 +321,112 @@ fn take(w: &mut HashMap<String, Tensor>, key: &str) -> Result<Tensor> {
     w.remove(key).with_context(|| format!("model.safetensors lacks {key}"))
 }
 
-impl MiniLm {
-    /// Loads `config.json`, `tokenizer.json` and `model.safetensors` from `dir`.
-    pub fn load(dir: &Path, dtype: DType) -> Result<Self> {
-        let cfg = read_config(dir)?;
-        let dev = Device::Cpu;
-        let mut tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
-            .map_err(|e| anyhow::anyhow!("loading tokenizer.json: {e}"))?;
-        // sentence-transformers: truncate at max_seq_length 256, pad per batch (we pad ourselves).
-        tokenizer
-            .with_truncation(Some(TruncationParams {
-                max_length: MAX_TOKENS,
-                ..Default::default()
-            }))
-            .map_err(|e| anyhow::anyhow!("truncation: {e}"))?;
-        tokenizer.with_padding(None);
-        let mut w = load_safetensors(dir.join("model.safetensors"), &dev)?;
-        let strip: Vec<String> = w.keys().filter(|k| k.starts_with("bert.")).cloned().collect();
-        for k in strip {
-            let short = &k["bert.".len()..];
-            if w.contains_key(short) {
-                bail!("model.safetensors has both {k} and {short}; keep one of them");
-            }
-            if let Some(t) = w.remove(&k) {
-                w.insert(short.to_string(), t);
-            }
+/// The file's tokenizer, truncating at `max_tokens` and padding nothing (batches are padded
+/// or packed here), lowercasing first for `do_lower_case`.
+fn load_tokenizer(dir: &Path, max_tokens: usize, do_lower_case: bool) -> Result<Tokenizer> {
+    let mut tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
+        .map_err(|e| anyhow::anyhow!("loading tokenizer.json: {e}"))?;
+    tokenizer
+        .with_truncation(Some(TruncationParams { max_length: max_tokens, ..Default::default() }))
+        .map_err(|e| anyhow::anyhow!("truncation: {e}"))?;
+    tokenizer.with_padding(None);
+    if do_lower_case {
+        lowercase_first(&mut tokenizer)?;
+    }
+    Ok(tokenizer)
+}
+
+/// `model.safetensors` by BertModel's keys (a `bert.` prefix removed), every weight finite.
+fn load_weights(dir: &Path) -> Result<HashMap<String, Tensor>> {
+    let mut w = load_safetensors(dir.join("model.safetensors"), &Device::Cpu)?;
+    let strip: Vec<String> = w.keys().filter(|k| k.starts_with("bert.")).cloned().collect();
+    for k in strip {
+        let short = &k["bert.".len()..];
+        if w.contains_key(short) {
+            bail!("model.safetensors has both {k} and {short}; keep one of them");
         }
-        check_finite(&w)?;
+        if let Some(t) = w.remove(&k) {
+            w.insert(short.to_string(), t);
+        }
+    }
+    check_finite(&w)?;
+    Ok(w)
+}
+
+/// Encoder layer `i` from BERT's keys: the query/key/value weights joined into PyTorch's
+/// packed `in_proj_weight`, every part shape-checked under the file's own key first.
+fn load_layer(
+    w: &mut HashMap<String, Tensor>,
+    i: usize,
+    cfg: &BertConfig,
+    dtype: DType,
+) -> Result<TransformerEncoderLayer> {
+    let (h, f) = (cfg.hidden, cfg.intermediate);
+    let p = |s: &str| format!("encoder.layer.{i}.{s}");
+    let take_shaped = |w: &mut HashMap<String, Tensor>, key: &str, want: &[usize]| {
+        let t = take(w, key)?;
+        if t.dims() != want {
+            bail!("model.safetensors: {key} is {:?}, expected {want:?}", t.dims());
+        }
+        Ok(t)
+    };
+    let mut st = HashMap::new();
+    for (what, want) in [("weight", &[h, h][..]), ("bias", &[h][..])] {
+        // Converted to f32 before they are joined: the file may mix dtypes, and every weight
+        // is converted on load as PyTorch's `load_state_dict` copies it into the model's.
+        let parts = ["query", "key", "value"]
+            .iter()
+            .map(|n| {
+                Ok(take_shaped(w, &p(&format!("attention.self.{n}.{what}")), want)?
+                    .to_dtype(DType::F32)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        st.insert(format!("self_attn.in_proj_{what}"), Tensor::cat(&parts, 0)?);
+    }
+    for (ours, theirs, weight, bias) in [
+        ("self_attn.out_proj", "attention.output.dense", &[h, h][..], h),
+        ("norm1", "attention.output.LayerNorm", &[h][..], h),
+        ("linear1", "intermediate.dense", &[f, h][..], f),
+        ("linear2", "output.dense", &[h, f][..], h),
+        ("norm2", "output.LayerNorm", &[h][..], h),
+    ] {
+        st.insert(
+            format!("{ours}.weight"),
+            take_shaped(w, &p(&format!("{theirs}.weight")), weight)?,
+        );
+        st.insert(format!("{ours}.bias"), take_shaped(w, &p(&format!("{theirs}.bias")), &[bias])?);
+    }
+    let layer_cfg = LayerConfig::new(h, cfg.heads)
+        .with_dim_feedforward(f)
+        .with_dropout(0.0)
+        .with_activation(Activation::Gelu)
+        .with_layer_norm_eps(cfg.eps)
+        .with_batch_first(true);
+    let (mut layer, _) =
+        load_strict(&st, dtype, &Device::Cpu, |vb| TransformerEncoderLayer::new(layer_cfg, vb))?;
+    layer.eval();
+    Ok(layer)
+}
+
+impl MiniLm {
+    /// Loads a sentence-transformers folder: its pipeline (`modules.json`, the Pooling config,
+    /// `sentence_bert_config.json`) and the Transformer module's `config.json`,
+    /// `tokenizer.json` and `model.safetensors`.
+    pub fn load(dir: &Path, dtype: DType) -> Result<Self> {
+        let pipeline = Pipeline::read(dir)?;
+        let tdir = pipeline.transformer_dir.clone();
+        let cfg = read_config(&tdir)?;
+        if let Some(d) = pipeline.pooled_dim.filter(|&d| d != cfg.hidden) {
+            bail!(
+                "the Pooling config's embedding dimension is {d} but config.json's hidden_size is {}; they must match",
+                cfg.hidden
+            );
+        }
+        let mut w = load_weights(&tdir)?;
+        let position_key = "embeddings.position_embeddings.weight";
+        let position_rows = w.get(position_key).and_then(|t| t.dims().first().copied());
+        let max_tokens = token_limit(&pipeline, &cfg, position_rows.unwrap_or(usize::MAX))?;
+        let tokenizer = load_tokenizer(&tdir, max_tokens, pipeline.do_lower_case)?;
         let vocab = tokenizer.get_vocab_size(true);
         let table = |w: &mut HashMap<String, Tensor>, name: &str, rows: usize, declared| {
             let t = take(w, &format!("embeddings.{name}.weight"))?;
@@ -289,65 +434,16 @@ impl MiniLm {
             Ok::<_, anyhow::Error>(t.to_dtype(dtype)?)
         };
         let word = table(&mut w, "word_embeddings", vocab, cfg.vocab)?;
-        let position = table(&mut w, "position_embeddings", MAX_TOKENS, cfg.positions)?;
+        let position = table(&mut w, "position_embeddings", max_tokens, cfg.positions)?;
         let token_type = table(&mut w, "token_type_embeddings", 1, cfg.token_types)?;
         let mut norm_state = HashMap::new();
         norm_state.insert("weight".to_string(), take(&mut w, "embeddings.LayerNorm.weight")?);
         norm_state.insert("bias".to_string(), take(&mut w, "embeddings.LayerNorm.bias")?);
-        let (norm, _) = load_strict(&norm_state, dtype, &dev, |vb| {
+        let (norm, _) = load_strict(&norm_state, dtype, &Device::Cpu, |vb| {
             LayerNorm::new(cfg.hidden, cfg.eps, true, vb)
         })?;
-        let layer_cfg = LayerConfig::new(cfg.hidden, cfg.heads)
-            .with_dim_feedforward(cfg.intermediate)
-            .with_dropout(0.0)
-            .with_activation(Activation::Gelu)
-            .with_layer_norm_eps(cfg.eps)
-            .with_batch_first(true);
-        let mut layers = Vec::new();
-        for i in 0..cfg.layers {
-            let p = |s: &str| format!("encoder.layer.{i}.{s}");
-            let mut st = HashMap::new();
-            let cat = |w: &mut HashMap<String, Tensor>, what: &str| -> Result<Tensor> {
-                // Each part of the shape the layer expects (named by its key), converted to
-                // f32 before they are joined: the file may mix dtypes, and every weight is
-                // converted on load as PyTorch's `load_state_dict` copies it into the model's.
-                let want: &[usize] =
-                    if what == "weight" { &[cfg.hidden, cfg.hidden] } else { &[cfg.hidden] };
-                let parts = ["query", "key", "value"]
-                    .iter()
-                    .map(|n| {
-                        let key = p(&format!("attention.self.{n}.{what}"));
-                        let t = take(w, &key)?;
-                        if t.dims() != want {
-                            bail!("model.safetensors: {key} is {:?}, expected {want:?}", t.dims());
-                        }
-                        Ok(t.to_dtype(DType::F32)?)
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                Ok(Tensor::cat(&parts, 0)?)
-            };
-            st.insert("self_attn.in_proj_weight".to_string(), cat(&mut w, "weight")?);
-            st.insert("self_attn.in_proj_bias".to_string(), cat(&mut w, "bias")?);
-            for (ours, theirs) in [
-                ("self_attn.out_proj", "attention.output.dense"),
-                ("norm1", "attention.output.LayerNorm"),
-                ("linear1", "intermediate.dense"),
-                ("linear2", "output.dense"),
-                ("norm2", "output.LayerNorm"),
-            ] {
-                for what in ["weight", "bias"] {
-                    st.insert(
-                        format!("{ours}.{what}"),
-                        take(&mut w, &p(&format!("{theirs}.{what}")))?,
-                    );
-                }
-            }
-            let (mut layer, _) = load_strict(&st, dtype, &dev, |vb| {
-                TransformerEncoderLayer::new(layer_cfg.clone(), vb)
-            })?;
-            layer.eval();
-            layers.push(layer);
-        }
+        let layers =
+            (0..cfg.layers).map(|i| load_layer(&mut w, i, &cfg, dtype)).collect::<Result<_>>()?;
         w.remove("embeddings.position_ids");
         w.retain(|k, _| !k.starts_with("pooler."));
         if !w.is_empty() {
@@ -356,7 +452,18 @@ impl MiniLm {
             bail!("model.safetensors has tensors this model does not use: {extra:?}");
         }
         let cuts = Cuts::of(&tokenizer);
-        Ok(Self { tokenizer, cuts, dtype, word, position, token_type, norm, layers })
+        Ok(Self {
+            tokenizer,
+            cuts,
+            dtype,
+            pipeline,
+            max_tokens,
+            word,
+            position,
+            token_type,
+            norm,
+            layers,
+        })
     }
 
     /// The weights' dtype.
@@ -364,11 +471,12 @@ impl MiniLm {
         self.dtype
     }
 
-    /// Tokenizes texts (truncated at 256 tokens, as sentence-transformers does).
+    /// Tokenizes texts (truncated at the model's `max_seq_length`, as sentence-transformers
+    /// does).
     ///
     /// A long text is tokenized from a prefix ending at a word boundary: a prefix of
-    /// [`PREFIX_BYTES`], then four times as long, until its tokens fill the 256 (then they are
-    /// the full text's first 256 tokens) or the prefix is the whole text. The tokenizer's
+    /// [`PREFIX_BYTES`], then four times as long, until its tokens fill the limit (then they
+    /// are the full text's first tokens) or the prefix is the whole text. The tokenizer's
     /// memory grows with what it is given (about a hundred bytes per input byte), so a
     /// megabyte-long line costs what its first few kilobytes do, unless it has no boundary
     /// [`word_prefix`] may cut at (a line of kana or Thai is tokenized whole).
@@ -387,7 +495,7 @@ impl MiniLm {
                 .encode_batch(inputs.clone(), true)
                 .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
             for ((&i, input), e) in todo.iter().zip(&inputs).zip(&encodings) {
-                if input.len() == texts[i].len() || e.get_ids().len() >= MAX_TOKENS {
+                if input.len() == texts[i].len() || e.get_ids().len() >= self.max_tokens {
                     ids[i] = Some(e.get_ids().to_vec());
                 } else {
                     limits[i] = limits[i].saturating_mul(4);
@@ -397,27 +505,28 @@ impl MiniLm {
     }
 
     /// Embeds a batch of tokenized texts: padded to the longest, masked with a key padding
-    /// mask, mean pooled over real tokens and L2-normalised, under `no_grad` (no autograd
-    /// graph is kept). Returns `(N, hidden)`.
-    pub fn embed_ids(&self, ids: &[&[u32]]) -> Result<Tensor> {
+    /// mask, pooled over each text's tokens and normalised as the folder's pipeline says
+    /// ([`Pipeline::finish`]), under `no_grad` (no autograd graph is kept). One embedding of
+    /// [`dims`](Self::dims) values per text.
+    pub fn embed_ids(&self, ids: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
         // One hop onto rayon's pool for the whole batch (multihead::on_pool).
         multihead::on_pool(|| multihead::no_grad(|| self.embed_ids_graded(ids)))
     }
 
     /// Embeds tokenized texts as one packed batch: their tokens one after another, each
-    /// attending to its own text only (`forward_packed`), so no padding is computed; mean
-    /// pooled and L2-normalised as [`embed_ids`](Self::embed_ids), under `no_grad`. f32 models
-    /// (a bf16 model takes the padded path). Returns `(N, hidden)`.
-    pub fn embed_ids_packed(&self, seqs: &[&[u32]]) -> Result<Tensor> {
+    /// attending to its own text only (`forward_packed`), so no padding is computed; pooled
+    /// and normalised as [`embed_ids`](Self::embed_ids), under `no_grad`. f32 models (a bf16
+    /// model takes the padded path).
+    pub fn embed_ids_packed(&self, seqs: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
         multihead::on_pool(|| multihead::no_grad(|| self.embed_packed_graded(seqs)))
     }
 
-    fn embed_packed_graded(&self, seqs: &[&[u32]]) -> Result<Tensor> {
+    fn embed_packed_graded(&self, seqs: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
         let dev = Device::Cpu;
         let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
-        let (n, t, hidden) = (seqs.len(), lens.iter().sum::<usize>(), self.word.dim(1)?);
+        let (t, hidden) = (lens.iter().sum::<usize>(), self.word.dim(1)?);
         if t == 0 {
-            return Ok(Tensor::zeros((n, hidden), DType::F32, &dev)?);
+            return Ok(seqs.iter().map(|_| self.pipeline.finish(&[], hidden)).collect());
         }
         let cu = CuSeqlens::from_lengths(&lens);
         let ids: Vec<u32> = seqs.concat();
@@ -430,23 +539,16 @@ impl MiniLm {
         for layer in &self.layers {
             x = layer.forward_packed(&x, &cu, &PackedOptions::default())?;
         }
-        // Mean over each text's tokens, then L2 normalisation, in f32.
-        let rows = x.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        let mut out = Vec::with_capacity(n * hidden);
-        for w in cu.offsets().windows(2) {
-            let mut mean = vec![0f64; hidden];
-            for row in &rows[w[0]..w[1]] {
-                mean.iter_mut().zip(row).for_each(|(m, &x)| *m += x as f64);
-            }
-            let count = ((w[1] - w[0]) as f64).max(1e-9);
-            mean.iter_mut().for_each(|m| *m /= count);
-            let norm = mean.iter().map(|m| m * m).sum::<f64>().sqrt().max(1e-12);
-            out.extend(mean.iter().map(|m| (m / norm) as f32));
-        }
-        Ok(Tensor::from_vec(out, (n, hidden), &dev)?)
+        // Pooling and normalisation in f32, each text over its own rows.
+        let rows = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(cu
+            .offsets()
+            .windows(2)
+            .map(|w| self.pipeline.finish(&rows[w[0] * hidden..w[1] * hidden], hidden))
+            .collect())
     }
 
-    fn embed_ids_graded(&self, seqs: &[&[u32]]) -> Result<Tensor> {
+    fn embed_ids_graded(&self, seqs: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
         let dev = Device::Cpu;
         let n = seqs.len();
         let len = seqs.iter().map(|e| e.len()).max().unwrap_or(0).max(1);
@@ -464,20 +566,21 @@ impl MiniLm {
             .broadcast_add(&self.position.narrow(0, 0, len)?)?
             .broadcast_add(&self.token_type.get(0)?)?;
         let mut x = self.norm.forward(&x)?;
-        let pad = Tensor::from_vec(pad, (n, len), &dev)?;
-        let kpm = Mask::Bool(pad.clone());
+        let kpm = Mask::Bool(Tensor::from_vec(pad, (n, len), &dev)?);
         for layer in &self.layers {
             x = layer.forward(&x, None, Some(&kpm), false)?;
         }
-        // Pooling and normalisation in f32 whatever the model's dtype.
-        let x = x.to_dtype(DType::F32)?;
-        // Mean over real tokens.
-        let keep = pad.eq(0u8)?.to_dtype(DType::F32)?.unsqueeze(2)?;
-        let summed = x.broadcast_mul(&keep)?.sum(1)?;
-        let counts = keep.sum(1)?.clamp(1e-9, f64::INFINITY)?;
-        let mean = summed.broadcast_div(&counts)?;
-        let norm = mean.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.clamp(1e-12, f64::INFINITY)?;
-        Ok(mean.broadcast_div(&norm)?)
+        // Pooling and normalisation in f32 whatever the model's dtype, over real tokens only.
+        let hidden = x.dim(2)?;
+        let rows = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(seqs
+            .iter()
+            .enumerate()
+            .map(|(r, e)| {
+                let at = r * len * hidden;
+                self.pipeline.finish(&rows[at..at + e.len() * hidden], hidden)
+            })
+            .collect())
     }
 }
 

@@ -180,6 +180,17 @@ fn bf16_says_how_its_products_run() {
     assert!(f32_err.is_empty(), "f32, stderr: {f32_err}");
 }
 
+/// The files of a sentence-transformers folder that `multihead embed` reads.
+const MODEL_FILES: [&str; 7] = [
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "model.safetensors",
+    "modules.json",
+    "sentence_bert_config.json",
+    "1_Pooling/config.json",
+];
+
 /// A change to a model's weights.
 type Edit = dyn FnOnce(&mut HashMap<String, Tensor>);
 
@@ -192,7 +203,8 @@ fn edited_model(
     let out = std::env::temp_dir().join(format!("multihead-embed-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).unwrap();
-    for f in ["config.json", "tokenizer.json"] {
+    std::fs::create_dir_all(out.join("1_Pooling")).unwrap();
+    for f in MODEL_FILES.iter().filter(|f| **f != "model.safetensors") {
         std::fs::copy(dir.join(f), out.join(f)).unwrap();
     }
     let dev = candle_core::Device::Cpu;
@@ -295,4 +307,132 @@ fn a_line_that_is_not_utf8_is_named() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("line 3 is not valid UTF-8 (at byte 4"), "{err}");
+}
+
+/// A copy of the model folder rebuilt as `tools/sentence_pipelines.py` builds a variant: the
+/// Transformer's files moved into `transformer_path`, the tokenizer's lowercasing switched,
+/// then files replaced (a JSON value) or removed (null). The weights are linked, not copied.
+fn pipeline_folder(dir: &std::path::Path, v: &Value) -> PathBuf {
+    let name = v["name"].as_str().unwrap();
+    let out = std::env::temp_dir().join(format!("multihead-pipe-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let sub = v["transformer_path"].as_str().unwrap_or("");
+    std::fs::create_dir_all(out.join(sub)).unwrap();
+    std::fs::create_dir_all(out.join("1_Pooling")).unwrap();
+    for f in MODEL_FILES {
+        let transformer = !matches!(f, "modules.json" | "1_Pooling/config.json");
+        let to = if transformer { out.join(sub).join(f) } else { out.join(f) };
+        if f == "model.safetensors" {
+            std::os::unix::fs::symlink(dir.join(f), &to).unwrap();
+        } else {
+            std::fs::copy(dir.join(f), &to).unwrap();
+        }
+    }
+    if let Some(lower) = v["tokenizer_lowercase"].as_bool() {
+        for (f, edit) in [
+            ("tokenizer.json", "/normalizer/lowercase"),
+            ("tokenizer_config.json", "/do_lower_case"),
+        ] {
+            let path = out.join(sub).join(f);
+            let mut j: Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            *j.pointer_mut(edit).unwrap() = Value::Bool(lower);
+            std::fs::write(&path, j.to_string()).unwrap();
+        }
+    }
+    for (rel, value) in v["files"].as_object().unwrap() {
+        let path = out.join(rel);
+        match value {
+            Value::Null => std::fs::remove_file(&path).unwrap(),
+            _ => std::fs::write(&path, value.to_string()).unwrap(),
+        }
+    }
+    out
+}
+
+/// Thirteen sentence-transformers pipelines around the same encoder (CLS, max, weighted,
+/// last-token and concatenated pooling, with and without Normalize, three token limits, a
+/// plain Hugging Face folder, the Transformer in a subfolder, a cased tokenizer with and
+/// without `do_lower_case`): packed and padded, each within 1e-5 (relative above 1) of what
+/// sentence-transformers gave for the same folder (`tools/sentence_pipelines.py`).
+#[test]
+fn other_sentence_transformers_pipelines_match_it_too() {
+    let Some(dir) = model_dir_or_skip() else { return };
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/minilm/pipelines.json");
+    let fixture: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let texts: Vec<String> =
+        fixture["texts"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().into()).collect();
+    let variants = fixture["variants"].as_array().unwrap();
+    assert_eq!(variants.len(), 13);
+    for v in variants {
+        let name = v["name"].as_str().unwrap();
+        let folder = pipeline_folder(&dir, v);
+        for args in [&["--batch", "32"][..], &["--padded", "--batch", "2"]] {
+            let got = embed_with(&folder, &texts, args);
+            assert_eq!(got.len(), texts.len(), "{name}");
+            for (i, ((_, b), want)) in
+                got.iter().zip(v["embeddings"].as_array().unwrap()).enumerate()
+            {
+                let want: Vec<f64> =
+                    want.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+                assert_eq!(b.len(), want.len(), "{name} {args:?}: dims");
+                for (x, y) in b.iter().zip(&want) {
+                    assert!(
+                        (x - y).abs() <= 1e-5 * y.abs().max(1.0),
+                        "{name} {args:?}, text {i}: {x} vs sentence-transformers {y}"
+                    );
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&folder);
+    }
+}
+
+/// What `multihead embed` cannot run is refused at load with the file and what to do: a Dense
+/// module, an unknown pooling mode, a pooled width that is not the encoder's, a token limit
+/// past the position table.
+#[test]
+fn unsupported_pipelines_are_refused_at_load() {
+    let Some(dir) = model_dir_or_skip() else { return };
+    let modules = serde_json::json!([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+    ]);
+    let cases = [
+        ("dense", "modules.json", modules, "Dense and other modules are not supported"),
+        (
+            "mode",
+            "1_Pooling/config.json",
+            serde_json::json!({"pooling_mode": "median"}),
+            "unknown pooling mode \"median\"",
+        ),
+        (
+            "width",
+            "1_Pooling/config.json",
+            serde_json::json!({"word_embedding_dimension": 768}),
+            "embedding dimension is 768 but config.json's hidden_size is 384",
+        ),
+        (
+            "limit",
+            "sentence_bert_config.json",
+            serde_json::json!({"max_seq_length": 1000}),
+            "has 512 rows, fewer than sentence_bert_config.json's max_seq_length 1000",
+        ),
+    ];
+    for (name, file, value, expect) in cases {
+        let v = serde_json::json!({"name": format!("bad-{name}"), "files": {file: value}});
+        let folder = pipeline_folder(&dir, &v);
+        let o = Command::new(env!("CARGO_BIN_EXE_multihead"))
+            .args(["embed", "--json", "--model"])
+            .arg(&folder)
+            .arg("hello")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{name}: accepted: {}", String::from_utf8_lossy(&o.stdout));
+        assert!(err.contains(expect), "{name}: {err}");
+        let _ = std::fs::remove_dir_all(&folder);
+    }
 }
