@@ -205,7 +205,16 @@ fn write_embedding(out: &mut impl std::io::Write, text: &str, e: &[f32], json: b
         writeln!(out, "{}", serde_json::json!({ "text": text, "embedding": e }))?;
     } else {
         let head: Vec<String> = e.iter().take(4).map(|v| format!("{v:+.4}")).collect();
-        writeln!(out, "[{} ... ] ({} dims)  {text}", head.join(", "), e.len())?;
+        // One line per text: control characters (a newline in an argument, a lone `\r`)
+        // are written escaped, as `\n`, `\r`, `\u{1b}`.
+        let shown: String = text
+            .chars()
+            .map(|c| match c.is_control() {
+                true => c.escape_default().to_string(),
+                false => c.to_string(),
+            })
+            .collect();
+        writeln!(out, "[{} ... ] ({} dims)  {shown}", head.join(", "), e.len())?;
     }
     Ok(())
 }
@@ -219,4 +228,17 @@ fn resolve_model_dir(dir: &Path) -> PathBuf {
         }
     }
     dir.to_path_buf()
+}
+
+#[cfg(test)]
+mod tests {
+    /// The plain output is one line per text whatever the text holds.
+    #[test]
+    fn plain_output_escapes_control_characters() {
+        let mut out = Vec::new();
+        super::write_embedding(&mut out, "a\nb\rc\u{1b}d é\t", &[0.5, -0.25], false)
+            .unwrap_or_default();
+        let line = String::from_utf8_lossy(&out);
+        assert_eq!(line, "[+0.5000, -0.2500 ... ] (2 dims)  a\\nb\\rc\\u{1b}d é\\t\n");
+    }
 }

@@ -85,6 +85,11 @@ enum Command {
 fn main() -> ExitCode {
     pin_thread_count();
     let cli = Cli::parse();
+    // A misspelt MULTIHEAD_BF16_PRODUCTS or MULTIHEAD_BF16_KERNEL is refused, not ignored.
+    if let Err(e) = multihead::check_bf16_environment() {
+        eprintln!("multihead: {e}");
+        return ExitCode::from(2);
+    }
     let backend = match cli.backend {
         Some(b) => b,
         None if std::env::var_os("MULTIHEAD_NO_FUSED")

@@ -65,6 +65,24 @@ fn replay_of_a_bad_case_fails_with_one_line_and_writes_nothing() {
     assert!(!out.exists());
 }
 
+/// A misspelt bf16 variable is refused before anything runs (the library alone ignores it).
+#[test]
+fn an_unknown_bf16_environment_value_is_refused() {
+    let case = fixtures().join("weights_in_loss_unbatched_bias_kv_f64");
+    for (var, value, expect) in [
+        ("MULTIHEAD_BF16_PRODUCTS", "fast", "MULTIHEAD_BF16_PRODUCTS: unknown value \"fast\""),
+        ("MULTIHEAD_BF16_KERNEL", "tiles", "MULTIHEAD_BF16_KERNEL: unknown bf16 kernel \"tiles\""),
+    ] {
+        let o = bin().env(var, value).arg("check").arg(&case).output().expect("runs");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{var}={value}: {err}");
+        assert!(err.contains(expect), "{var}={value}: {err}");
+        assert!(o.stdout.is_empty(), "{var}={value}: ran anyway");
+    }
+    let o = bin().env("MULTIHEAD_BF16_PRODUCTS", "widened").arg("check").arg(&case).output();
+    assert!(o.expect("runs").status.success(), "a valid value is accepted");
+}
+
 #[test]
 fn check_ends_with_the_count_line() {
     let o = bin()

@@ -63,13 +63,61 @@ pub fn explain_bf16_products() -> ProductsPlan {
     ProductsPlan { direct, kernel: active_bf16_kernel(), reason }
 }
 
+/// Checks the two environment variables that steer bf16 products, `MULTIHEAD_BF16_PRODUCTS`
+/// (`amx`, `direct`, `widened` or `auto`) and `MULTIHEAD_BF16_KERNEL` (`auto`, `amx`,
+/// `amx-emulated`, `avx512bf16` or `portable`). The library ignores an unknown value (`Auto`
+/// decides as if it were unset, and [`explain_bf16_products`] says so); a program can call
+/// this first to refuse a misspelt one instead, as the `multihead` command does.
+///
+/// # Errors
+/// [`Error::Config`](crate::Error::Config) naming the variable, its value and the valid ones.
+///
+/// # Example
+/// ```
+/// // Unset or valid values pass.
+/// std::env::remove_var("MULTIHEAD_BF16_PRODUCTS");
+/// multihead::check_bf16_environment()?;
+/// # Ok::<(), multihead::Error>(())
+/// ```
+pub fn check_bf16_environment() -> crate::Result<()> {
+    let products = std::env::var("MULTIHEAD_BF16_PRODUCTS").ok();
+    let kernel = std::env::var("MULTIHEAD_BF16_KERNEL").ok();
+    match environment_problem(products.as_deref(), kernel.as_deref()) {
+        None => Ok(()),
+        Some((arg, msg)) => Err(crate::Error::Config { op: "bf16 products", arg, msg }),
+    }
+}
+
+/// The first of the two variables whose value is unknown, and why.
+fn environment_problem(
+    products: Option<&str>,
+    kernel: Option<&str>,
+) -> Option<(&'static str, String)> {
+    if let Some(p) = products.filter(|p| !matches!(*p, "" | "auto" | "amx" | "direct" | "widened"))
+    {
+        return Some((
+            "MULTIHEAD_BF16_PRODUCTS",
+            format!("unknown value {p:?}; use amx, direct, widened or auto, or unset it"),
+        ));
+    }
+    match kernel.filter(|k| !k.is_empty()).map(str::parse::<Bf16Kernel>) {
+        Some(Err(e)) => Some(("MULTIHEAD_BF16_KERNEL", format!("{e}, or unset it"))),
+        _ => None,
+    }
+}
+
 /// `Auto`'s choice for this process: direct or widened, and why.
 pub(crate) fn auto_decision() -> &'static (bool, String) {
     static AUTO: std::sync::OnceLock<(bool, String)> = std::sync::OnceLock::new();
     AUTO.get_or_init(|| {
         let products = std::env::var("MULTIHEAD_BF16_PRODUCTS").ok();
         let kernel = std::env::var("MULTIHEAD_BF16_KERNEL").ok();
-        decide(products.as_deref(), kernel.as_deref(), amx_available(), bf16_dot_speedup())
+        let (direct, why) =
+            decide(products.as_deref(), kernel.as_deref(), amx_available(), bf16_dot_speedup());
+        match environment_problem(products.as_deref(), kernel.as_deref()) {
+            Some((var, msg)) => (direct, format!("{why} ({var}: {msg}; it was ignored)")),
+            None => (direct, why),
+        }
     })
 }
 
@@ -127,6 +175,16 @@ mod tests {
         assert!(on && why.contains("2.00x"), "{why}");
         let (on, why) = d(None, None, false, None);
         assert!(!on && why.contains("no AVX512-BF16"), "{why}");
+        // Unknown values are named (the library ignores them; the CLI refuses them).
+        let bad = super::environment_problem(Some("fast"), None).unwrap_or_default();
+        assert_eq!(bad.0, "MULTIHEAD_BF16_PRODUCTS");
+        assert!(bad.1.contains("\"fast\"") && bad.1.contains("direct"), "{}", bad.1);
+        let bad = super::environment_problem(Some("direct"), Some("tiles")).unwrap_or_default();
+        assert_eq!(bad.0, "MULTIHEAD_BF16_KERNEL");
+        assert!(bad.1.contains("\"tiles\"") && bad.1.contains("avx512bf16"), "{}", bad.1);
+        for (p, k) in [(None, None), (Some("amx"), Some("amx-emulated")), (Some(""), Some(""))] {
+            assert_eq!(super::environment_problem(p, k), None, "{p:?} {k:?}");
+        }
         if !multihead_kernels::bf16gemm::AMX_BY_DEFAULT {
             let (on, why) = d(None, None, true, Some(0.5));
             assert!(!on && why.contains("not taken by default"), "{why}");
