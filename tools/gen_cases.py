@@ -2155,6 +2155,10 @@ def sdpa_fixture_configs() -> list[dict]:
         mask={"type": "float", "shape": [1, 8, 8]})
     add("sdpa_unbatched_eval_f32", "3-D inputs, forward only", N=None, grad_mode=False,
         L=7, S=7, is_causal=True)
+    # A 1-D (S,) mask broadcasts on 3-D inputs (PyTorch 2.15 raises IndexError for it on 4-D
+    # inputs, where multihead broadcasts it too).
+    add("sdpa_mask_1d_unbatched_f32", "3-D inputs, a 1-D (S,) float mask, with gradients",
+        N=None, L=5, S=7, mask={"type": "float", "shape": [7]})
     add("sdpa_long_f32", "longer keys than one kernel tile (S = 300)", N=1, L=16, S=300, E=8,
         mask={"type": "bool"})
     add("sdpa_eval_long_bf16",

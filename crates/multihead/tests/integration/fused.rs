@@ -173,6 +173,10 @@ fn sdpa_fused_equals_composed_with_gqa_masks_and_gradients() {
         Some(Mask::Bool(bool_mask(&[33, 47], 0.1))),
         Some(Mask::Float(det(&[2, 1, 33, 47], DType::F32, 4.0))),
         Some(Mask::Float(det(&[1, 47], DType::F32, 5.0))),
+        // 1-D masks broadcast as any other (PyTorch 2.15 raises IndexError for them on 4-D
+        // inputs: docs/pytorch-behaviour.md §8.18).
+        Some(Mask::Bool(bool_mask(&[47], 0.2))),
+        Some(Mask::Float(det(&[47], DType::F32, 7.0))),
     ];
     for (i, mask) in masks.into_iter().enumerate() {
         for causal in [false, true] {
