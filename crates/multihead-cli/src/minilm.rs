@@ -272,6 +272,13 @@ impl Cuts {
     }
 }
 
+/// A character BERT's pre-tokenizer makes a token of its own: ASCII punctuation or any
+/// Unicode punctuation (`。`, `、`, `«`, ...), as its `is_bert_punc` says.
+fn is_bert_punctuation(c: char) -> bool {
+    use unicode_categories::UnicodeCategories;
+    c.is_ascii_punctuation() || c.is_punctuation()
+}
+
 /// BERT's CJK ideographs (the ranges of its normaliser's `handle_chinese_chars`).
 fn is_cjk_ideograph(c: char) -> bool {
     matches!(
@@ -288,8 +295,8 @@ fn is_cjk_ideograph(c: char) -> bool {
 }
 
 /// The longest prefix of `text` of at least `limit` bytes that ends at a word boundary BERT's
-/// tokenizer cannot move: before an ASCII space or tab, after ASCII punctuation (a token of
-/// its own), or between two CJK ideographs when the normaliser isolates them; never inside
+/// tokenizer cannot move: before an ASCII space or tab, after punctuation (ASCII or Unicode,
+/// a token of its own), or between two CJK ideographs when the normaliser isolates them; never inside
 /// an added token such as `[MASK]` (matched in the raw text first). The normaliser and
 /// pre-tokenizer work character by character and split there, and WordPiece works within
 /// words, so the prefix's tokens are the first tokens of the whole text. The whole text when
@@ -307,7 +314,7 @@ fn word_prefix<'t>(text: &'t str, limit: usize, cuts: &Cuts) -> &'t str {
     for (at, c) in text[start..].char_indices() {
         let i = start + at;
         let boundary = matches!(c, ' ' | '\t')
-            || prev.is_some_and(|p| p.is_ascii_punctuation())
+            || prev.is_some_and(is_bert_punctuation)
             || (cuts.cjk && is_cjk_ideograph(c) && prev.is_some_and(is_cjk_ideograph));
         if boundary && !cuts.splits_special(bytes, i) {
             return &text[..i];
@@ -609,6 +616,9 @@ mod tests {
         let bert = Cuts { specials: vec!["[MASK]".into(), "[CLS]".into()], cjk: true };
         assert_eq!(word_prefix("中文中文中文", 4, &bert), "中文");
         assert_eq!(word_prefix("中文かな", 4, &bert), "中文かな");
+        // After Unicode punctuation too (a kana line with its full stops).
+        assert_eq!(wp("かなかな。かなかな。かな", 4), "かなかな。");
+        assert_eq!(wp("aaaa«bb cc", 3), "aaaa«");
         // Never inside an added token: "[" is punctuation, "[MASK]" one token.
         assert_eq!(word_prefix("aaaa [MASK] bb", 6, &bert), "aaaa [MASK]");
         assert_eq!(word_prefix("aaaa [mask] bb", 6, &bert), "aaaa [mask]");
