@@ -80,6 +80,7 @@ mod pool;
 mod precision;
 mod products;
 pub mod random;
+mod st_read;
 pub mod state_dict;
 pub mod train;
 pub mod transformer;

@@ -95,35 +95,13 @@ pub fn load_safetensors(
 }
 
 /// The tensors of a safetensors file that candle can hold, and the names and dtypes of those
-/// it cannot (other integer widths, 8-bit floats).
+/// it cannot (other integer widths, 8-bit floats): each read straight into its own storage
+/// (`crate::st_read`).
 fn read_safetensors(
     path: &Path,
     device: &Device,
 ) -> Result<(HashMap<String, Tensor>, BTreeMap<String, String>)> {
-    let bytes = std::fs::read(path).map_err(|e| file_err(path, format!("cannot read: {e}")))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes)
-        .map_err(|e| file_err(path, format!("not a safetensors file: {e}")))?;
-    let (mut out, mut unsupported) = (HashMap::new(), BTreeMap::new());
-    for (name, view) in st.tensors() {
-        let shape = view.shape().to_vec();
-        let data = view.data();
-        use safetensors::Dtype as S;
-        let dtype = match view.dtype() {
-            S::BOOL | S::U8 => DType::U8,
-            S::F32 => DType::F32,
-            S::F64 => DType::F64,
-            S::F16 => DType::F16,
-            S::BF16 => DType::BF16,
-            S::U32 => DType::U32,
-            S::I64 => DType::I64,
-            other => {
-                unsupported.insert(name, format!("{other:?}"));
-                continue;
-            }
-        };
-        out.insert(name, Tensor::from_raw_buffer(data, dtype, &shape, device)?);
-    }
-    Ok((out, unsupported))
+    crate::st_read::read(path, device)
 }
 
 /// Writes named tensors to a safetensors file under their names (PyTorch's keys).

@@ -503,3 +503,140 @@ fn saving_what_was_loaded_checks_the_modules_list_and_keeps_only_its_parameters(
     assert!(err.contains("loaded [\"class_token\"]") && err.contains("named_parameters"), "{err}");
     assert!(!path.exists(), "nothing is written");
 }
+
+/// The reader that fills each tensor straight from the file gives the bytes the `safetensors`
+/// crate sees, for every dtype candle holds (bool as u8), an empty tensor and a scalar; a
+/// dtype candle lacks is reported by name; a file cut short, grown by a byte or with a header
+/// length past its end is a file error, not a panic.
+#[test]
+fn safetensors_files_are_read_tensor_by_tensor_as_the_crate_reads_them() {
+    use safetensors::tensor::TensorView;
+    use safetensors::Dtype as S;
+    let dir = std::env::temp_dir().join(format!("multihead-st-read-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bytes = |n: usize, salt: u8| -> Vec<u8> {
+        (0..n).map(|i| (i as u8).wrapping_mul(37).wrapping_add(salt)).collect()
+    };
+    let specs: Vec<(&str, S, Vec<usize>, usize)> = vec![
+        ("f32", S::F32, vec![3, 5], 4),
+        ("f64", S::F64, vec![2, 3], 8),
+        ("f16", S::F16, vec![7], 2),
+        ("bf16", S::BF16, vec![2, 2, 2], 2),
+        ("u8", S::U8, vec![9], 1),
+        ("bool", S::BOOL, vec![4], 1),
+        ("u32", S::U32, vec![3], 4),
+        ("i64", S::I64, vec![2], 8),
+        ("empty", S::F32, vec![0, 4], 4),
+        ("scalar", S::F32, vec![], 4),
+    ];
+    let mut data: Vec<(String, S, Vec<usize>, Vec<u8>)> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, (n, d, s, w))| {
+            let mut b = bytes(s.iter().product::<usize>() * w, i as u8);
+            if *d == S::BOOL {
+                b.iter_mut().for_each(|x| *x &= 1);
+            }
+            // Floats: finite values only (the bytes are compared, not the numbers).
+            if matches!(d, S::F32 | S::F64 | S::F16 | S::BF16) {
+                b.chunks_mut(*w).for_each(|c| c[w - 1] = 0x3f);
+            }
+            (n.to_string(), *d, s.clone(), b)
+        })
+        .collect();
+    let views: Vec<(String, TensorView)> = data
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    let file = dir.join("all.safetensors");
+    safetensors::serialize_to_file(views.clone(), None, &file).unwrap();
+    let map = load_safetensors(&file, &dev()).unwrap();
+    assert_eq!(map.len(), data.len());
+    for (name, _, shape, raw) in &data {
+        let t = &map[name];
+        assert_eq!(t.dims(), shape.as_slice(), "{name}");
+        let got: Vec<u8> = match t.dtype() {
+            DType::F32 => t
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            DType::F64 => t
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap()
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            DType::F16 => t
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<half::f16>()
+                .unwrap()
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            DType::BF16 => t
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<half::bf16>()
+                .unwrap()
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            DType::U8 => t.flatten_all().unwrap().to_vec1::<u8>().unwrap(),
+            DType::U32 => t
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<u32>()
+                .unwrap()
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            DType::I64 => t
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<i64>()
+                .unwrap()
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            other => panic!("{name}: {other:?}"),
+        };
+        assert_eq!(&got, raw, "{name}: bytes");
+    }
+    // An i32 tensor between two others: named, and the ones after it still read.
+    data.insert(1, ("int32".into(), S::I32, vec![3], bytes(12, 9)));
+    let views: Vec<(String, TensorView)> = data
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &file).unwrap();
+    let err = load_safetensors(&file, &dev()).unwrap_err().to_string();
+    assert!(err.contains("tensor int32: unsupported dtype I32"), "{err}");
+    // Malformed files.
+    let whole = std::fs::read(&file).unwrap();
+    let mut long_header = whole.clone();
+    long_header[..8].copy_from_slice(&(whole.len() as u64).to_le_bytes());
+    let mut grown = whole.clone();
+    grown.push(0);
+    for (what, b) in [
+        ("cut", whole[..whole.len() - 1].to_vec()),
+        ("grown", grown),
+        ("header", long_header),
+        ("tiny", whole[..5].to_vec()),
+    ] {
+        std::fs::write(&file, &b).unwrap();
+        match load_safetensors(&file, &dev()) {
+            Err(Error::File { msg, .. }) => {
+                assert!(msg.starts_with("not a safetensors file"), "{what}: {msg}")
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,136 @@
+//! Reads a safetensors file tensor by tensor, each straight into its own storage.
+//!
+//! Reading the whole file into one buffer and copying each tensor out of it touches every
+//! byte twice in fresh memory: a 90 MB model (all-MiniLM-L6-v2) took 0.3-0.6 s to load on a
+//! 2-core VM, 80% of it the kernel clearing the pages of the two copies. Here the header is
+//! parsed first (checked as the `safetensors` crate checks a whole file: offsets contiguous,
+//! sizes matching shapes and dtypes, the data ending where the file ends), then each tensor's
+//! bytes are read into a vector of its element type that the tensor then owns.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::Read;
+use std::path::Path;
+
+use candle_core::{Device, Tensor, WithDType};
+use half::{bf16, f16};
+use safetensors::tensor::Metadata;
+use safetensors::Dtype as S;
+
+use crate::error::{Error, Result};
+
+/// The largest header the `safetensors` crate accepts (100 MB).
+const MAX_HEADER: u64 = 100_000_000;
+
+fn file_err(path: &Path, msg: impl Into<String>) -> Error {
+    Error::File { path: path.to_path_buf(), msg: msg.into() }
+}
+
+/// The tensors of the file that candle can hold, and the names and dtypes of those it cannot
+/// (other integer widths, 8-bit floats), whose bytes are skipped.
+pub(crate) fn read(
+    path: &Path,
+    device: &Device,
+) -> Result<(HashMap<String, Tensor>, BTreeMap<String, String>)> {
+    let bad = |msg: String| file_err(path, format!("not a safetensors file: {msg}"));
+    let mut file = File::open(path).map_err(|e| file_err(path, format!("cannot read: {e}")))?;
+    let len = file.metadata().map_err(|e| file_err(path, format!("cannot read: {e}")))?.len();
+    let mut word = [0u8; 8];
+    file.read_exact(&mut word)
+        .map_err(|_| bad(format!("{len} bytes, shorter than the 8-byte header length")))?;
+    let n = u64::from_le_bytes(word);
+    if n > MAX_HEADER || n > len.saturating_sub(8) {
+        return Err(bad(format!("header length {n} does not fit the file's {len} bytes")));
+    }
+    let mut header = Vec::new();
+    header.try_reserve_exact(n as usize).map_err(|_| Error::Alloc {
+        op: "load_safetensors",
+        what: "header",
+        msg: format!("{n} bytes cannot be allocated; free memory"),
+    })?;
+    header.resize(n as usize, 0);
+    file.read_exact(&mut header).map_err(|e| bad(format!("reading the header: {e}")))?;
+    let meta: Metadata = serde_json::from_slice(&header)
+        .map_err(|e| bad(format!("header is not valid metadata: {e}")))?;
+    if 8 + n + meta.data_len() as u64 != len {
+        return Err(bad(format!(
+            "header and data take {} bytes but the file has {len}",
+            8 + n + meta.data_len() as u64
+        )));
+    }
+    let (mut out, mut unsupported) = (HashMap::new(), BTreeMap::new());
+    // In offset order: each tensor's bytes follow the previous one's.
+    for name in meta.offset_keys() {
+        let Some(info) = meta.info(&name) else { continue };
+        let bytes = info.data_offsets.1 - info.data_offsets.0;
+        let shape = info.shape.as_slice();
+        let t = match info.dtype {
+            S::BOOL | S::U8 => read_as::<u8>(&mut file, path, &name, shape, device)?,
+            S::F32 => read_as::<f32>(&mut file, path, &name, shape, device)?,
+            S::F64 => read_as::<f64>(&mut file, path, &name, shape, device)?,
+            S::F16 => read_as::<f16>(&mut file, path, &name, shape, device)?,
+            S::BF16 => read_as::<bf16>(&mut file, path, &name, shape, device)?,
+            S::U32 => read_as::<u32>(&mut file, path, &name, shape, device)?,
+            S::I64 => read_as::<i64>(&mut file, path, &name, shape, device)?,
+            other => {
+                skip(&mut file, path, &name, bytes as u64)?;
+                unsupported.insert(name, format!("{other:?}"));
+                continue;
+            }
+        };
+        out.insert(name, t);
+    }
+    Ok((out, unsupported))
+}
+
+/// Element types whose every bit pattern is a valid value, so that bytes read from a file
+/// may fill them.
+trait Plain: WithDType {}
+impl Plain for u8 {}
+impl Plain for u32 {}
+impl Plain for i64 {}
+impl Plain for f32 {}
+impl Plain for f64 {}
+impl Plain for f16 {}
+impl Plain for bf16 {}
+
+/// The next tensor of the file, of `shape` and element type `T` (little-endian in the file,
+/// as on every CPU candle runs on).
+fn read_as<T: Plain>(
+    file: &mut File,
+    path: &Path,
+    name: &str,
+    shape: &[usize],
+    device: &Device,
+) -> Result<Tensor> {
+    // The metadata was validated: the element count fits `usize` and the bytes fit the file.
+    let count: usize = shape.iter().product();
+    let mut data: Vec<T> = Vec::new();
+    data.try_reserve_exact(count).map_err(|_| Error::Alloc {
+        op: "load_safetensors",
+        what: "tensor",
+        msg: format!(
+            "{name} of shape {shape:?} ({:?}) cannot be allocated; free memory or load a smaller file",
+            T::DTYPE
+        ),
+    })?;
+    data.resize(count, T::zero());
+    let size = count * std::mem::size_of::<T>();
+    // SAFETY: `data` holds `count` initialised values of `T`, which is `size` bytes of plain
+    // data; every byte pattern is a valid `T` (`Plain`), so writing bytes through this view
+    // keeps every element valid, and the view ends before `data` is used again.
+    let view = unsafe { std::slice::from_raw_parts_mut(data.as_mut_ptr().cast::<u8>(), size) };
+    file.read_exact(view)
+        .map_err(|e| file_err(path, format!("cannot read tensor {name} ({size} bytes): {e}")))?;
+    Ok(Tensor::from_vec(data, shape, device)?)
+}
+
+/// Skips the next `bytes` bytes of the file (a tensor candle cannot hold).
+fn skip(file: &mut File, path: &Path, name: &str, bytes: u64) -> Result<()> {
+    let copied = std::io::copy(&mut file.by_ref().take(bytes), &mut std::io::sink())
+        .map_err(|e| file_err(path, format!("cannot read tensor {name}: {e}")))?;
+    match copied == bytes {
+        true => Ok(()),
+        false => Err(file_err(path, format!("tensor {name}: the file ends inside it"))),
+    }
+}
