@@ -219,6 +219,19 @@ fn edited_model(
     out
 }
 
+/// Embedding "hello" with the model in `dir` fails, and stderr says `expect`.
+fn assert_refused(dir: &std::path::Path, name: &str, expect: &str) {
+    let o = Command::new(env!("CARGO_BIN_EXE_multihead"))
+        .args(["embed", "--json", "--model"])
+        .arg(dir)
+        .arg("hello")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{name}: accepted; stdout {}", String::from_utf8_lossy(&o.stdout));
+    assert!(err.contains(expect), "{name}: {err}");
+}
+
 /// Malformed weights are refused at load, naming the tensor: a flattened word table ran and
 /// gave wrong embeddings (each token's one number broadcast over the hidden size), a NaN
 /// weight gave all-null embeddings, and a short position table failed only on a long text.
@@ -270,19 +283,7 @@ fn malformed_weights_are_refused_at_load() {
     ];
     for (name, edit, expect) in cases {
         let m = edited_model(&dir, name, edit);
-        let o = Command::new(env!("CARGO_BIN_EXE_multihead"))
-            .args(["embed", "--json", "--model"])
-            .arg(&m)
-            .arg("hello")
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(
-            !o.status.success(),
-            "{name}: accepted; stdout {}",
-            String::from_utf8_lossy(&o.stdout)
-        );
-        assert!(err.contains(expect), "{name}: {err}");
+        assert_refused(&m, name, expect);
         let _ = std::fs::remove_dir_all(&m);
     }
 }
@@ -424,15 +425,7 @@ fn unsupported_pipelines_are_refused_at_load() {
     for (name, file, value, expect) in cases {
         let v = serde_json::json!({"name": format!("bad-{name}"), "files": {file: value}});
         let folder = pipeline_folder(&dir, &v);
-        let o = Command::new(env!("CARGO_BIN_EXE_multihead"))
-            .args(["embed", "--json", "--model"])
-            .arg(&folder)
-            .arg("hello")
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success(), "{name}: accepted: {}", String::from_utf8_lossy(&o.stdout));
-        assert!(err.contains(expect), "{name}: {err}");
+        assert_refused(&folder, name, expect);
         let _ = std::fs::remove_dir_all(&folder);
     }
 }

@@ -504,6 +504,11 @@ fn saving_what_was_loaded_checks_the_modules_list_and_keeps_only_its_parameters(
     assert!(!path.exists(), "nothing is written");
 }
 
+/// A tensor's elements as little-endian bytes.
+fn le<T: candle_core::WithDType, const W: usize>(t: &Tensor, f: fn(T) -> [u8; W]) -> Vec<u8> {
+    t.flatten_all().unwrap().to_vec1::<T>().unwrap().into_iter().flat_map(f).collect()
+}
+
 /// The reader that fills each tensor straight from the file gives the bytes the `safetensors`
 /// crate sees, for every dtype candle holds (bool as u8), an empty tensor and a scalar; a
 /// dtype candle lacks is reported by name; a file cut short, grown by a byte or with a header
@@ -556,55 +561,13 @@ fn safetensors_files_are_read_tensor_by_tensor_as_the_crate_reads_them() {
         let t = &map[name];
         assert_eq!(t.dims(), shape.as_slice(), "{name}");
         let got: Vec<u8> = match t.dtype() {
-            DType::F32 => t
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            DType::F64 => t
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f64>()
-                .unwrap()
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            DType::F16 => t
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<half::f16>()
-                .unwrap()
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            DType::BF16 => t
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<half::bf16>()
-                .unwrap()
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            DType::U8 => t.flatten_all().unwrap().to_vec1::<u8>().unwrap(),
-            DType::U32 => t
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<u32>()
-                .unwrap()
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            DType::I64 => t
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<i64>()
-                .unwrap()
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
+            DType::F32 => le(t, f32::to_le_bytes),
+            DType::F64 => le(t, f64::to_le_bytes),
+            DType::F16 => le(t, half::f16::to_le_bytes),
+            DType::BF16 => le(t, half::bf16::to_le_bytes),
+            DType::U8 => le(t, u8::to_le_bytes),
+            DType::U32 => le(t, u32::to_le_bytes),
+            DType::I64 => le(t, i64::to_le_bytes),
             other => panic!("{name}: {other:?}"),
         };
         assert_eq!(&got, raw, "{name}: bytes");
