@@ -34,7 +34,15 @@ pub(crate) fn read(
 ) -> Result<(HashMap<String, Tensor>, BTreeMap<String, String>)> {
     let bad = |msg: String| file_err(path, format!("not a safetensors file: {msg}"));
     let mut file = File::open(path).map_err(|e| file_err(path, format!("cannot read: {e}")))?;
-    let len = file.metadata().map_err(|e| file_err(path, format!("cannot read: {e}")))?.len();
+    let stat = file.metadata().map_err(|e| file_err(path, format!("cannot read: {e}")))?;
+    if stat.is_dir() {
+        return Err(file_err(path, "cannot read: it is a directory"));
+    }
+    if !stat.is_file() {
+        // A pipe or a device has no length to check the header against: read it whole.
+        return read_stream(file, path, device);
+    }
+    let len = stat.len();
     let mut word = [0u8; 8];
     file.read_exact(&mut word)
         .map_err(|_| bad(format!("{len} bytes, shorter than the 8-byte header length")))?;
@@ -78,6 +86,37 @@ pub(crate) fn read(
                 continue;
             }
         };
+        out.insert(name, t);
+    }
+    Ok((out, unsupported))
+}
+
+/// A file without a known length (a pipe, a device), read whole and then parsed.
+fn read_stream(
+    mut file: File,
+    path: &Path,
+    device: &Device,
+) -> Result<(HashMap<String, Tensor>, BTreeMap<String, String>)> {
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes).map_err(|e| file_err(path, format!("cannot read: {e}")))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| file_err(path, format!("not a safetensors file: {e}")))?;
+    let (mut out, mut unsupported) = (HashMap::new(), BTreeMap::new());
+    for (name, view) in st.tensors() {
+        let dtype = match view.dtype() {
+            S::BOOL | S::U8 => candle_core::DType::U8,
+            S::F32 => candle_core::DType::F32,
+            S::F64 => candle_core::DType::F64,
+            S::F16 => candle_core::DType::F16,
+            S::BF16 => candle_core::DType::BF16,
+            S::U32 => candle_core::DType::U32,
+            S::I64 => candle_core::DType::I64,
+            other => {
+                unsupported.insert(name, format!("{other:?}"));
+                continue;
+            }
+        };
+        let t = Tensor::from_raw_buffer(view.data(), dtype, view.shape(), device)?;
         out.insert(name, t);
     }
     Ok((out, unsupported))

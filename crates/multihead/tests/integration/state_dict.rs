@@ -581,8 +581,24 @@ fn safetensors_files_are_read_tensor_by_tensor_as_the_crate_reads_them() {
     safetensors::serialize_to_file(views, None, &file).unwrap();
     let err = load_safetensors(&file, &dev()).unwrap_err().to_string();
     assert!(err.contains("tensor int32: unsupported dtype I32"), "{err}");
-    // Malformed files.
+    // A pipe has no length to check against: it is read whole, with the same result.
+    let fifo = dir.join("pipe.safetensors");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success(), "mkfifo");
     let whole = std::fs::read(&file).unwrap();
+    let writer = {
+        let (fifo, whole) = (fifo.clone(), whole.clone());
+        std::thread::spawn(move || std::fs::write(fifo, whole).unwrap())
+    };
+    let piped = load_safetensors(&fifo, &dev()).unwrap_err().to_string();
+    writer.join().unwrap();
+    assert_eq!(piped, err.replace("all.safetensors", "pipe.safetensors"));
+    // A directory is named as one.
+    match load_safetensors(&dir, &dev()) {
+        Err(Error::File { msg, .. }) => assert_eq!(msg, "cannot read: it is a directory"),
+        other => panic!("directory: {other:?}"),
+    }
+    // Malformed files.
     let mut long_header = whole.clone();
     long_header[..8].copy_from_slice(&(whole.len() as u64).to_le_bytes());
     let mut grown = whole.clone();
