@@ -11,6 +11,8 @@ sentence-transformers embeds the same texts with each, and the script writes::
      "variants": [{"name", "files": {relative path: JSON value, or null to delete},
                    "transformer_path": "" or a subfolder the model files move into,
                    "tokenizer_lowercase": null or the BertNormalizer's new `lowercase`,
+                   "cli": the `multihead embed` arguments that ask what "encode" asked of
+                          sentence-transformers (a prompt by name or by text), if any,
                    "dims", "embeddings": [[...], ...]}]}
 
 The Rust test (`crates/multihead-cli/tests/embed.rs`) rebuilds each folder the same way and
@@ -82,6 +84,32 @@ VARIANTS = [
     {"name": "cased_tokenizer", "tokenizer_lowercase": False, "files": {}},
     {"name": "cased_tokenizer_do_lower_case", "tokenizer_lowercase": False, "files": {
         "sentence_bert_config.json": {"max_seq_length": 256, "do_lower_case": True}}},
+    # Values as Python reads them: truthy flags, a float length, a string flag.
+    {"name": "python_truthiness", "tokenizer_lowercase": False, "files": {
+        "1_Pooling/config.json": {"word_embedding_dimension": 384.0, "pooling_mode_cls_token": 1,
+                                  "pooling_mode_max_tokens": "true", "pooling_mode_mean_tokens": 0},
+        "sentence_bert_config.json": {"max_seq_length": 128.0, "do_lower_case": "true"}}},
+    # tokenizer_args' model_max_length overrides max_seq_length.
+    {"name": "tokenizer_args_limit", "files": {
+        "sentence_bert_config.json": {"max_seq_length": 256, "tokenizer_args": {"model_max_length": 16}}}},
+    # Without modules.json, sentence_bert_config.json is not read (a plain model: 512 tokens).
+    {"name": "bare_folder_ignores_sbert_config", "files": {
+        "modules.json": None, "sentence_bert_config.json": {"max_seq_length": 8, "do_lower_case": True}}},
+    # Prompts: the default one, one asked for by name, one given as text, and pooling that
+    # leaves the prompt's tokens out.
+    {"name": "default_prompt", "files": {
+        "config_sentence_transformers.json": {"prompts": {"query": "query: ", "doc": "passage: "},
+                                              "default_prompt_name": "query"}}},
+    {"name": "prompt_by_name_excluded", "encode": {"prompt_name": "doc"}, "cli": ["--prompt-name", "doc"],
+     "files": {
+        "config_sentence_transformers.json": {"prompts": {"query": "query: ", "doc": "passage: "},
+                                              "default_prompt_name": "query"},
+        "1_Pooling/config.json": {"embedding_dimension": 384, "pooling_mode": ["cls", "mean", "weightedmean"],
+                                  "include_prompt": False}}},
+    {"name": "prompt_text_excluded_max_last", "encode": {"prompt": "Represent this sentence: "},
+     "cli": ["--prompt", "Represent this sentence: "], "files": {
+        "1_Pooling/config.json": {"embedding_dimension": 384, "pooling_mode": ["max", "lasttoken"],
+                                  "include_prompt": False}}},
 ]
 
 # The files of the Transformer module (moved together by `transformer_path`).
@@ -133,8 +161,9 @@ def main() -> None:
             folder = Path(tmp) / v["name"]
             build(args.model, folder, v)
             model = SentenceTransformer(str(folder), device="cpu")
-            emb = model.encode(TEXTS, batch_size=32, convert_to_numpy=True)
-            rec = {k: v[k] for k in ("name", "files", "transformer_path", "tokenizer_lowercase") if k in v}
+            emb = model.encode(TEXTS, batch_size=32, convert_to_numpy=True, **v.get("encode", {}))
+            rec = {k: v[k] for k in ("name", "files", "transformer_path", "tokenizer_lowercase", "cli")
+                   if k in v}
             rec["max_seq_length"] = model.max_seq_length
             rec["dims"] = int(emb.shape[1])
             rec["embeddings"] = [[float(f"{x:.8g}") for x in row] for row in emb.tolist()]

@@ -41,6 +41,15 @@ pub struct EmbedArgs {
     /// taking bf16 operands where the CPU's bf16 dot product outruns f32 FMA; pooling in f32).
     #[arg(long, value_enum, default_value_t = crate::bench::DTypeArg::F32)]
     pub dtype: crate::bench::DTypeArg,
+    /// Put the folder's prompt of this name (config_sentence_transformers.json's `prompts`)
+    /// before every text, as sentence-transformers' `encode(..., prompt_name=...)`; an empty
+    /// name means no prompt. Without it, the folder's `default_prompt_name` is used, if any.
+    #[arg(long)]
+    pub prompt_name: Option<String>,
+    /// Put this text before every text (sentence-transformers' `encode(..., prompt=...)`);
+    /// it takes precedence over `--prompt-name`.
+    #[arg(long)]
+    pub prompt: Option<String>,
     /// No progress bar (it is drawn on stderr for inputs of several windows, on a terminal).
     #[arg(long)]
     pub quiet: bool,
@@ -71,8 +80,10 @@ pub fn run(args: EmbedArgs) -> Result<()> {
         rayon::ThreadPoolBuilder::new().num_threads(t).build_global().ok();
     }
     // The model first: a wrong directory is reported before stdin is waited for.
-    let m = MiniLm::load(&resolve_model_dir(&args.model), args.dtype.candle())
+    let mut m = MiniLm::load(&resolve_model_dir(&args.model), args.dtype.candle())
         .with_context(|| format!("loading the model from {}", args.model.display()))?;
+    let prompt = m.pipeline().choose_prompt(args.prompt.as_deref(), args.prompt_name.as_deref())?;
+    m.set_prompt(prompt)?;
     if m.dtype() == candle_core::DType::BF16 && !args.quiet {
         eprintln!("multihead embed: {}", bf16_note());
     }

@@ -49,6 +49,9 @@ fn read_config(dir: &Path) -> Result<BertConfig> {
             }),
         }
     };
+    if let Some(t) = v.get("model_type").filter(|t| t.as_str() != Some("bert")) {
+        bail!("config.json: model_type {t} is not supported; multihead embed runs BERT models (model_type \"bert\")");
+    }
     if v.get("hidden_act").and_then(|x| x.as_str()) != Some("gelu") {
         bail!("config.json: only hidden_act \"gelu\" is supported");
     }
@@ -108,6 +111,10 @@ pub struct MiniLm {
     pipeline: Pipeline,
     /// The most tokens of a text, `[CLS]` and `[SEP]` included (longer ones are truncated).
     max_tokens: usize,
+    /// Put before every text (empty: none).
+    prompt: String,
+    /// The prompt's tokens at the start of every text (`[CLS]` included).
+    prompt_len: usize,
     word: Tensor,
     position: Tensor,
     token_type: Tensor,
@@ -131,12 +138,27 @@ fn token_limit(pipeline: &Pipeline, cfg: &BertConfig, position_rows: usize) -> R
         }
         None => {
             let path = pipeline.transformer_dir.join("tokenizer_config.json");
-            let declared = std::fs::read_to_string(&path)
-                .ok()
-                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-                .and_then(|v| v.get("model_max_length").and_then(|x| x.as_f64()))
-                .filter(|x| *x >= 0.0)
-                .map(|x| x.min(usize::MAX as f64) as usize);
+            let declared = match path.exists() {
+                false => None,
+                true => {
+                    let text = std::fs::read_to_string(&path)
+                        .with_context(|| format!("reading {}", path.display()))?;
+                    let v: serde_json::Value = serde_json::from_str(&text)
+                        .with_context(|| format!("parsing {}", path.display()))?;
+                    match v.get("model_max_length") {
+                        None | Some(serde_json::Value::Null) => None,
+                        // Tokenizers without a limit say 1e30: a whole number too.
+                        Some(x) => match x.as_f64() {
+                            Some(f) if f >= 0.0 && f.fract() == 0.0 => {
+                                Some(if f >= usize::MAX as f64 { usize::MAX } else { f as usize })
+                            }
+                            _ => bail!(
+                                "tokenizer_config.json: model_max_length must be a whole number, got {x}"
+                            ),
+                        },
+                    }
+                }
+            };
             let mut n = cfg.positions.unwrap_or(position_rows).min(position_rows);
             if let Some(d) = declared {
                 n = n.min(d);
@@ -241,6 +263,9 @@ struct Cuts {
     /// The normaliser puts spaces around CJK ideographs (BERT's `handle_chinese_chars`), so
     /// the point between two of them is a word boundary too.
     cjk: bool,
+    /// The tokenizer is not BERT's (its normaliser and pre-tokenizer): no cut is known to be
+    /// safe, so texts are tokenized whole.
+    whole: bool,
 }
 
 impl Cuts {
@@ -256,9 +281,15 @@ impl Cuts {
             None => &[],
         };
         let isolates = |n: &NormalizerWrapper| matches!(n, NormalizerWrapper::BertNormalizer(b) if b.handle_chinese_chars);
-        let cjk = steps.iter().any(isolates)
-            && steps.iter().all(|n| isolates(n) || matches!(n, NormalizerWrapper::Lowercase(_)));
-        Self { specials, cjk }
+        let bert_steps = steps.iter().all(|n| {
+            matches!(n, NormalizerWrapper::BertNormalizer(_) | NormalizerWrapper::Lowercase(_))
+        });
+        let cjk = bert_steps && steps.iter().any(isolates);
+        let bert_split = matches!(
+            tokenizer.get_pre_tokenizer(),
+            Some(tokenizers::PreTokenizerWrapper::BertPreTokenizer(_))
+        );
+        Self { specials, cjk, whole: !(bert_steps && bert_split) }
     }
 
     /// Whether an added token occurs in `text` across byte `i` (in any ASCII case: a token
@@ -302,7 +333,7 @@ fn is_cjk_ideograph(c: char) -> bool {
 /// words, so the prefix's tokens are the first tokens of the whole text. The whole text when
 /// it is shorter or has no such boundary past `limit`.
 fn word_prefix<'t>(text: &'t str, limit: usize, cuts: &Cuts) -> &'t str {
-    if text.len() <= limit {
+    if text.len() <= limit || cuts.whole {
         return text;
     }
     let mut start = limit.max(1);
@@ -465,6 +496,8 @@ impl MiniLm {
             dtype,
             pipeline,
             max_tokens,
+            prompt: String::new(),
+            prompt_len: 0,
             word,
             position,
             token_type,
@@ -478,6 +511,27 @@ impl MiniLm {
         self.dtype
     }
 
+    /// The folder's sentence-transformers pipeline.
+    pub fn pipeline(&self) -> &Pipeline {
+        &self.pipeline
+    }
+
+    /// Puts `prompt` before every text from now on (sentence-transformers' `encode(...,
+    /// prompt=...)`); its tokens count as the prompt's for a Pooling module that leaves them
+    /// out: the prompt tokenized alone, without a trailing special token (`[SEP]`).
+    pub fn set_prompt(&mut self, prompt: String) -> Result<()> {
+        let e = self
+            .tokenizer
+            .encode(prompt.as_str(), true)
+            .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
+        let ids = e.get_ids();
+        let specials = self.tokenizer.get_added_tokens_decoder();
+        let last_special = ids.last().is_some_and(|id| specials.get(id).is_some_and(|t| t.special));
+        self.prompt_len = ids.len() - usize::from(last_special);
+        self.prompt = prompt;
+        Ok(())
+    }
+
     /// Tokenizes texts (truncated at the model's `max_seq_length`, as sentence-transformers
     /// does).
     ///
@@ -488,6 +542,14 @@ impl MiniLm {
     /// megabyte-long line costs what its first few kilobytes do, unless it has no boundary
     /// [`word_prefix`] may cut at (a line of kana or Thai is tokenized whole).
     pub fn tokenize(&self, texts: &[String]) -> Result<Vec<Vec<u32>>> {
+        if self.prompt.is_empty() {
+            return self.tokenize_texts(texts);
+        }
+        let prompted: Vec<String> = texts.iter().map(|t| format!("{}{t}", self.prompt)).collect();
+        self.tokenize_texts(&prompted)
+    }
+
+    fn tokenize_texts(&self, texts: &[String]) -> Result<Vec<Vec<u32>>> {
         let mut limits = vec![PREFIX_BYTES; texts.len()];
         let mut ids: Vec<Option<Vec<u32>>> = vec![None; texts.len()];
         loop {
@@ -513,8 +575,8 @@ impl MiniLm {
 
     /// Embeds a batch of tokenized texts: padded to the longest, masked with a key padding
     /// mask, pooled over each text's tokens and normalised as the folder's pipeline says
-    /// ([`Pipeline::finish`]), under `no_grad` (no autograd graph is kept). One embedding of
-    /// [`dims`](Self::dims) values per text.
+    /// ([`Pipeline::finish`]), under `no_grad` (no autograd graph is kept). One embedding per
+    /// text (the hidden size times the number of pooling modes).
     pub fn embed_ids(&self, ids: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
         // One hop onto rayon's pool for the whole batch (multihead::on_pool).
         multihead::on_pool(|| multihead::no_grad(|| self.embed_ids_graded(ids)))
@@ -533,7 +595,7 @@ impl MiniLm {
         let lens: Vec<usize> = seqs.iter().map(|s| s.len()).collect();
         let (t, hidden) = (lens.iter().sum::<usize>(), self.word.dim(1)?);
         if t == 0 {
-            return Ok(seqs.iter().map(|_| self.pipeline.finish(&[], hidden)).collect());
+            return Ok(seqs.iter().map(|_| self.pipeline.finish(&[], hidden, 0)).collect());
         }
         let cu = CuSeqlens::from_lengths(&lens);
         let ids: Vec<u32> = seqs.concat();
@@ -551,7 +613,9 @@ impl MiniLm {
         Ok(cu
             .offsets()
             .windows(2)
-            .map(|w| self.pipeline.finish(&rows[w[0] * hidden..w[1] * hidden], hidden))
+            .map(|w| {
+                self.pipeline.finish(&rows[w[0] * hidden..w[1] * hidden], hidden, self.prompt_len)
+            })
             .collect())
     }
 
@@ -585,7 +649,7 @@ impl MiniLm {
             .enumerate()
             .map(|(r, e)| {
                 let at = r * len * hidden;
-                self.pipeline.finish(&rows[at..at + e.len() * hidden], hidden)
+                self.pipeline.finish(&rows[at..at + e.len() * hidden], hidden, self.prompt_len)
             })
             .collect())
     }
@@ -613,7 +677,8 @@ mod tests {
         assert_eq!(wp("abc def", 3), "abc");
         // CJK ideographs are not boundaries unless the normaliser isolates them.
         assert_eq!(wp("中文中文中文", 4), "中文中文中文");
-        let bert = Cuts { specials: vec!["[MASK]".into(), "[CLS]".into()], cjk: true };
+        let bert =
+            Cuts { specials: vec!["[MASK]".into(), "[CLS]".into()], cjk: true, whole: false };
         assert_eq!(word_prefix("中文中文中文", 4, &bert), "中文");
         assert_eq!(word_prefix("中文かな", 4, &bert), "中文かな");
         // After Unicode punctuation too (a kana line with its full stops).
@@ -625,5 +690,8 @@ mod tests {
         assert_eq!(word_prefix("aaaa[MASK][CLS]x", 5, &bert), "aaaa[MASK]");
         assert_eq!(word_prefix("aaaa[MASK][CLS]x", 11, &bert), "aaaa[MASK][CLS]");
         assert_eq!(wp("aaaa [MASK] bb", 6), "aaaa [");
+        // Another tokenizer's texts are never cut.
+        let other = Cuts { whole: true, ..Cuts::default() };
+        assert_eq!(word_prefix("aaaa bbbb cccc", 4, &other), "aaaa bbbb cccc");
     }
 }

@@ -6,7 +6,9 @@
 //! sentence-transformers' `Pooling` and `Normalize` modules do.
 //!
 //! A folder without `modules.json` is a plain Hugging Face model: sentence-transformers wraps
-//! it in mean pooling without normalisation, and so does this.
+//! it in mean pooling without normalisation and reads none of its own files there, and so
+//! does this. Flags and numbers are read as Python reads them (`1` and `"true"` are true,
+//! `128.0` is 128), since sentence-transformers passes them on unchecked.
 
 use std::path::{Path, PathBuf};
 
@@ -58,6 +60,40 @@ pub(crate) struct Pipeline {
     pub pooled_dim: Option<usize>,
     /// Whether a Normalize module ends the pipeline (L2 normalisation, eps 1e-12).
     pub normalize: bool,
+    /// Whether a prompt's tokens are pooled with the text's (the Pooling config's
+    /// `include_prompt`, default true).
+    pub include_prompt: bool,
+    /// `config_sentence_transformers.json`'s named prompts (`"query": "query: "`).
+    pub prompts: Prompts,
+    /// The prompt `encode` puts before every text when none is asked for, by name.
+    pub default_prompt_name: Option<String>,
+}
+
+/// Python's truth value of a JSON value (sentence-transformers reads flags with `if x:`).
+fn truthy(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64().is_some_and(|x| x != 0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+    }
+}
+
+/// A non-negative whole number (`128` or `128.0`), or `None` for `null` or absent; anything
+/// else is an error naming `what`.
+fn whole(v: Option<&Value>, what: &str) -> Result<Option<usize>> {
+    let v = match v {
+        None | Some(Value::Null) => return Ok(None),
+        Some(v) => v,
+    };
+    let n = v.as_u64().or_else(|| {
+        v.as_f64().filter(|x| *x >= 0.0 && x.fract() == 0.0 && *x < 2f64.powi(63)).map(|x| x as u64)
+    });
+    n.and_then(|n| usize::try_from(n).ok())
+        .map(Some)
+        .with_context(|| format!("{what} must be a non-negative whole number, got {v}"))
 }
 
 fn read_json(path: &Path) -> Result<Value> {
@@ -75,19 +111,32 @@ impl Pipeline {
     /// Reads the pipeline of the model folder `dir`.
     pub fn read(dir: &Path) -> Result<Self> {
         let modules = dir.join("modules.json");
-        if !modules.is_file() {
+        if !modules.exists() {
             // A plain Hugging Face folder: what sentence-transformers builds around it.
-            return Self::with_transformer(dir.to_path_buf(), vec![PoolMode::Mean], None, false);
+            return Ok(Self {
+                transformer_dir: dir.to_path_buf(),
+                max_seq_length: None,
+                do_lower_case: false,
+                modes: vec![PoolMode::Mean],
+                pooled_dim: None,
+                normalize: false,
+                include_prompt: true,
+                prompts: Vec::new(),
+                default_prompt_name: None,
+            });
         }
         let list = read_json(&modules)?;
         let Some(list) = list.as_array() else {
             bail!("modules.json must be a list of modules, got {list}");
         };
         let mut kinds = Vec::new();
-        for m in list {
+        for (i, m) in list.iter().enumerate() {
             let t = m.get("type").and_then(Value::as_str).unwrap_or_default();
-            let path = m.get("path").and_then(Value::as_str).unwrap_or_default();
-            kinds.push((short_type(t).to_string(), path.to_string(), t.to_string()));
+            let Some(path) = m.get("path").and_then(Value::as_str) else {
+                bail!("modules.json: module {i} ({t}) has no \"path\"");
+            };
+            let ours = t.strip_prefix("sentence_transformers.").map(short_type).unwrap_or("");
+            kinds.push((ours.to_string(), path.to_string(), t.to_string()));
         }
         let names: Vec<&str> = kinds.iter().map(|k| k.0.as_str()).collect();
         let normalize = match names.as_slice() {
@@ -96,77 +145,83 @@ impl Pipeline {
             _ => {
                 let full: Vec<&str> = kinds.iter().map(|k| k.2.as_str()).collect();
                 bail!(
-                    "modules.json lists {full:?}; multihead embed runs a Transformer, a Pooling \
-                     module and optionally Normalize, in that order (Dense and other modules are \
-                     not supported)"
+                    "modules.json lists {full:?}; multihead embed runs sentence-transformers' \
+                     Transformer, Pooling and optionally Normalize, in that order (Dense, custom \
+                     and other modules are not supported)"
                 );
             }
         };
-        let (modes, pooled_dim) = read_pooling(&dir.join(&kinds[1].1).join("config.json"))?;
-        Self::with_transformer(dir.join(&kinds[0].1), modes, pooled_dim, normalize)
+        let pooling = read_pooling(&dir.join(&kinds[1].1).join("config.json"))?;
+        let transformer_dir = dir.join(&kinds[0].1);
+        let (max_seq_length, do_lower_case) = read_transformer_config(&transformer_dir)?;
+        let (prompts, default_prompt_name) = read_prompts(dir)?;
+        Ok(Self {
+            transformer_dir,
+            max_seq_length,
+            do_lower_case,
+            modes: pooling.modes,
+            pooled_dim: Some(pooling.dim),
+            normalize,
+            include_prompt: pooling.include_prompt,
+            prompts,
+            default_prompt_name,
+        })
     }
 
-    fn with_transformer(
-        transformer_dir: PathBuf,
-        modes: Vec<PoolMode>,
-        pooled_dim: Option<usize>,
-        normalize: bool,
-    ) -> Result<Self> {
-        let (mut max_seq_length, mut do_lower_case) = (None, false);
-        let sbert = transformer_dir.join("sentence_bert_config.json");
-        if sbert.is_file() {
-            let v = read_json(&sbert)?;
-            max_seq_length = match v.get("max_seq_length") {
-                None | Some(Value::Null) => None,
-                Some(x) => Some(x.as_u64().and_then(|n| usize::try_from(n).ok()).with_context(
-                    || {
-                        format!(
-                            "sentence_bert_config.json: max_seq_length must be a non-negative integer, got {x}"
-                        )
-                    },
-                )?),
-            };
-            do_lower_case = match v.get("do_lower_case") {
-                None | Some(Value::Null) => false,
-                Some(x) => x.as_bool().with_context(|| {
-                    format!(
-                        "sentence_bert_config.json: do_lower_case must be true or false, got {x}"
-                    )
-                })?,
-            };
+    /// The prompt to put before every text: `--prompt` as given, else the prompt named by
+    /// `--prompt-name` (an empty name means none), else the folder's default prompt, if any.
+    pub fn choose_prompt(&self, text: Option<&str>, name: Option<&str>) -> Result<String> {
+        if let Some(t) = text {
+            return Ok(t.to_string());
         }
-        Ok(Self { transformer_dir, max_seq_length, do_lower_case, modes, pooled_dim, normalize })
+        let Some(name) = name.or(self.default_prompt_name.as_deref()).filter(|n| !n.is_empty())
+        else {
+            return Ok(String::new());
+        };
+        match self.prompts.iter().find(|p| p.0 == name) {
+            Some(p) => Ok(p.1.clone()),
+            None => {
+                let names: Vec<&str> = self.prompts.iter().map(|p| p.0.as_str()).collect();
+                bail!("no prompt named {name:?}; config_sentence_transformers.json has {names:?}")
+            }
+        }
     }
 
     /// One text's embedding from its final hidden states `rows` (`len × hidden`, row-major;
     /// a text of no tokens pools to zeros): the pooling modes concatenated, then L2-normalised when the pipeline ends
     /// in Normalize. Sums are taken in f64.
-    pub fn finish(&self, rows: &[f32], hidden: usize) -> Vec<f32> {
+    pub fn finish(&self, rows: &[f32], hidden: usize, prompt_len: usize) -> Vec<f32> {
         let len = rows.len().checked_div(hidden).unwrap_or(0);
         let row = |i: usize| &rows[i * hidden..(i + 1) * hidden];
+        // Pooled tokens: the prompt's are left out when the Pooling config says so (then the
+        // weighted mean keeps each token's own position as its weight, and CLS pooling takes
+        // the first token after the prompt, as sentence-transformers does).
+        let first = if self.include_prompt { 0 } else { prompt_len.min(len) };
         let mut out = Vec::with_capacity(self.modes.len() * hidden);
+        let zeros = || std::iter::repeat_n(0.0, hidden);
         for mode in &self.modes {
             match mode {
-                PoolMode::Cls | PoolMode::LastToken | PoolMode::Max if len == 0 => {
-                    out.extend(std::iter::repeat_n(0.0, hidden))
-                }
-                PoolMode::Cls => out.extend_from_slice(row(0)),
+                _ if len == 0 => out.extend(zeros()),
+                // All tokens left out: the first (sentence-transformers' argmax of an empty
+                // mask), no last token (zeros), a maximum over nothing (-inf).
+                PoolMode::Cls => out.extend_from_slice(row(if first < len { first } else { 0 })),
+                PoolMode::LastToken if first == len => out.extend(zeros()),
                 PoolMode::LastToken => out.extend_from_slice(row(len - 1)),
-                PoolMode::Max => out.extend(
-                    (0..hidden)
-                        .map(|c| (0..len).map(|i| row(i)[c]).fold(f32::NEG_INFINITY, f32::max)),
-                ),
+                PoolMode::Max => out
+                    .extend((0..hidden).map(|c| {
+                        (first..len).map(|i| row(i)[c]).fold(f32::NEG_INFINITY, f32::max)
+                    })),
                 PoolMode::Mean | PoolMode::MeanSqrtLen | PoolMode::WeightedMean => {
                     let weight = |i: usize| match mode {
                         PoolMode::WeightedMean => (i + 1) as f64,
                         _ => 1.0,
                     };
                     let mut sum = vec![0f64; hidden];
-                    for i in 0..len {
+                    for i in first..len {
                         let w = weight(i);
                         sum.iter_mut().zip(row(i)).for_each(|(s, &x)| *s += w * x as f64);
                     }
-                    let total: f64 = (0..len).map(weight).sum::<f64>().max(1e-9);
+                    let total: f64 = (first..len).map(weight).sum::<f64>().max(1e-9);
                     let denom = if *mode == PoolMode::MeanSqrtLen { total.sqrt() } else { total };
                     out.extend(sum.iter().map(|s| (s / denom) as f32));
                 }
@@ -180,18 +235,28 @@ impl Pipeline {
     }
 }
 
-/// The Pooling module's modes and declared dimension, from its `config.json`: the
-/// `pooling_mode` key (a name or a list of names), or the legacy `pooling_mode_*` flags
-/// (mean when none is set), as sentence-transformers reads them.
-fn read_pooling(path: &Path) -> Result<(Vec<PoolMode>, Option<usize>)> {
+/// What a Pooling module's `config.json` says.
+struct PoolingConfig {
+    modes: Vec<PoolMode>,
+    dim: usize,
+    include_prompt: bool,
+}
+
+/// The Pooling module's config: the `pooling_mode` key (a name or a list of names), or the
+/// legacy `pooling_mode_*` flags (mean when none is set), as sentence-transformers reads
+/// them; its embedding dimension (required, as sentence-transformers requires it).
+fn read_pooling(path: &Path) -> Result<PoolingConfig> {
     let v = read_json(path)?;
     let name = path.display();
-    let dim = match v.get("embedding_dimension").or_else(|| v.get("word_embedding_dimension")) {
-        None | Some(Value::Null) => None,
-        Some(x) => Some(x.as_u64().and_then(|n| usize::try_from(n).ok()).with_context(|| {
-            format!("{name}: the embedding dimension must be a non-negative integer, got {x}")
-        })?),
-    };
+    if !v.is_object() {
+        bail!("{name}: the Pooling config must be a JSON object, got {v}");
+    }
+    let key = ["embedding_dimension", "word_embedding_dimension"]
+        .into_iter()
+        .find(|k| v.get(*k).is_some())
+        .unwrap_or("word_embedding_dimension");
+    let dim = whole(v.get(key), &format!("{name}: {key}"))?
+        .with_context(|| format!("{name}: the Pooling config lacks {key}"))?;
     let by_name = |s: &Value| -> Result<PoolMode> {
         let s = s.as_str().unwrap_or_default();
         MODES.iter().find(|m| m.1 == s).map(|m| m.0).with_context(|| {
@@ -206,11 +271,8 @@ fn read_pooling(path: &Path) -> Result<(Vec<PoolMode>, Option<usize>)> {
         Some(s @ Value::String(_)) => vec![by_name(s)?],
         Some(x) => bail!("{name}: pooling_mode must be a mode's name or a list of them, got {x}"),
         None => {
-            let set: Vec<PoolMode> = MODES
-                .iter()
-                .filter(|m| v.get(m.2).and_then(Value::as_bool).unwrap_or(false))
-                .map(|m| m.0)
-                .collect();
+            let set: Vec<PoolMode> =
+                MODES.iter().filter(|m| v.get(m.2).is_some_and(truthy)).map(|m| m.0).collect();
             if set.is_empty() {
                 vec![PoolMode::Mean]
             } else {
@@ -218,7 +280,70 @@ fn read_pooling(path: &Path) -> Result<(Vec<PoolMode>, Option<usize>)> {
             }
         }
     };
-    Ok((modes, dim))
+    let include_prompt = v.get("include_prompt").is_none_or(truthy);
+    Ok(PoolingConfig { modes, dim, include_prompt })
+}
+
+/// `sentence_bert_config.json` in the Transformer's folder: the token limit and
+/// `do_lower_case`. The limit is `tokenizer_args` / `processor_kwargs`' `model_max_length`
+/// when given (sentence-transformers lets it override `max_seq_length`), else
+/// `max_seq_length`.
+fn read_transformer_config(dir: &Path) -> Result<(Option<usize>, bool)> {
+    let path = dir.join("sentence_bert_config.json");
+    if !path.exists() {
+        return Ok((None, false));
+    }
+    let v = read_json(&path)?;
+    if !v.is_object() {
+        bail!("sentence_bert_config.json must be a JSON object, got {v}");
+    }
+    let mut limit = whole(v.get("max_seq_length"), "sentence_bert_config.json: max_seq_length")?;
+    for kw in ["tokenizer_args", "processor_kwargs"] {
+        let what = format!("sentence_bert_config.json: {kw}.model_max_length");
+        if let Some(n) = whole(v.get(kw).and_then(|a| a.get("model_max_length")), &what)? {
+            limit = Some(n);
+        }
+    }
+    Ok((limit, v.get("do_lower_case").is_some_and(truthy)))
+}
+
+/// Named prompts: `(name, text)`.
+type Prompts = Vec<(String, String)>;
+
+/// `config_sentence_transformers.json`'s named prompts and default prompt name (none when the
+/// file is absent).
+fn read_prompts(dir: &Path) -> Result<(Prompts, Option<String>)> {
+    let path = dir.join("config_sentence_transformers.json");
+    if !path.exists() {
+        return Ok((Vec::new(), None));
+    }
+    let v = read_json(&path)?;
+    let mut prompts = Vec::new();
+    if let Some(map) = v.get("prompts").and_then(Value::as_object) {
+        for (k, p) in map {
+            // A null prompt is an empty one (sentence-transformers' `_validate_prompts`).
+            let text = match p {
+                Value::Null => String::new(),
+                Value::String(t) => t.clone(),
+                other => bail!(
+                    "config_sentence_transformers.json: prompt {k:?} must be text, got {other}"
+                ),
+            };
+            prompts.push((k.clone(), text));
+        }
+    }
+    let default = match v.get("default_prompt_name") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(n)) => Some(n.clone()),
+        Some(x) => {
+            bail!("config_sentence_transformers.json: default_prompt_name must be text, got {x}")
+        }
+    };
+    if let Some(n) = default.as_ref().filter(|n| !prompts.iter().any(|p| &p.0 == *n)) {
+        let names: Vec<&str> = prompts.iter().map(|p| p.0.as_str()).collect();
+        bail!("config_sentence_transformers.json: the default prompt {n:?} is not among the prompts {names:?}");
+    }
+    Ok((prompts, default))
 }
 
 #[cfg(test)]
@@ -233,6 +358,9 @@ mod tests {
             modes,
             pooled_dim: None,
             normalize,
+            include_prompt: true,
+            prompts: Vec::new(),
+            default_prompt_name: None,
         }
     }
 
@@ -240,7 +368,7 @@ mod tests {
     #[test]
     fn each_pooling_mode_matches_its_definition() {
         let rows = [1.0, -2.0, 3.0, 0.5, -1.0, 4.0];
-        let p = |m| pipeline(vec![m], false).finish(&rows, 2);
+        let p = |m| pipeline(vec![m], false).finish(&rows, 2, 1);
         assert_eq!(p(PoolMode::Cls), vec![1.0, -2.0]);
         assert_eq!(p(PoolMode::LastToken), vec![-1.0, 4.0]);
         assert_eq!(p(PoolMode::Max), vec![3.0, 4.0]);
@@ -249,7 +377,12 @@ mod tests {
         assert_eq!(p(PoolMode::MeanSqrtLen), vec![(3.0 / root3) as f32, (2.5 / root3) as f32]);
         // Weights 1, 2, 3 over 6.
         assert_eq!(p(PoolMode::WeightedMean), vec![4.0 / 6.0, 11.0 / 6.0]);
-        let both = pipeline(vec![PoolMode::Max, PoolMode::Cls], true).finish(&rows, 2);
+        let both = pipeline(vec![PoolMode::Max, PoolMode::Cls], true).finish(&rows, 2, 0);
+        // Without the prompt's first token: the weighted mean keeps weights 2 and 3.
+        let mut no_prompt = pipeline(vec![PoolMode::Cls, PoolMode::WeightedMean], false);
+        no_prompt.include_prompt = false;
+        assert_eq!(no_prompt.finish(&rows, 2, 1), vec![3.0, 0.5, 0.6, 2.6]);
+        assert_eq!(no_prompt.finish(&rows, 2, 3), vec![1.0, -2.0, 0.0, 0.0]);
         let norm = (9.0f32 + 16.0 + 1.0 + 4.0).sqrt();
         let want = [3.0 / norm, 4.0 / norm, 1.0 / norm, -2.0 / norm];
         for (a, b) in both.iter().zip(want) {

@@ -351,10 +351,11 @@ fn pipeline_folder(dir: &std::path::Path, v: &Value) -> PathBuf {
     out
 }
 
-/// Thirteen sentence-transformers pipelines around the same encoder (CLS, max, weighted,
-/// last-token and concatenated pooling, with and without Normalize, three token limits, a
-/// plain Hugging Face folder, the Transformer in a subfolder, a cased tokenizer with and
-/// without `do_lower_case`): packed and padded, each within 1e-5 (relative above 1) of what
+/// Nineteen sentence-transformers pipelines around the same encoder (CLS, max, weighted,
+/// last-token and concatenated pooling, with and without Normalize, token limits from three
+/// places, a plain Hugging Face folder, the Transformer in a subfolder, a cased tokenizer with
+/// and without `do_lower_case`, flags and numbers as Python reads them, prompts by default,
+/// by name and by text, pooled with the text or left out): packed and padded, each within 1e-5 (relative above 1) of what
 /// sentence-transformers gave for the same folder (`tools/sentence_pipelines.py`).
 #[test]
 fn other_sentence_transformers_pipelines_match_it_too() {
@@ -365,12 +366,15 @@ fn other_sentence_transformers_pipelines_match_it_too() {
     let texts: Vec<String> =
         fixture["texts"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().into()).collect();
     let variants = fixture["variants"].as_array().unwrap();
-    assert_eq!(variants.len(), 13);
+    assert_eq!(variants.len(), 19);
     for v in variants {
         let name = v["name"].as_str().unwrap();
         let folder = pipeline_folder(&dir, v);
-        for args in [&["--batch", "32"][..], &["--padded", "--batch", "2"]] {
-            let got = embed_with(&folder, &texts, args);
+        let cli: Vec<&str> =
+            v["cli"].as_array().map_or(vec![], |a| a.iter().map(|x| x.as_str().unwrap()).collect());
+        for batching in [&["--batch", "32"][..], &["--padded", "--batch", "2"]] {
+            let args = [batching, &cli].concat();
+            let got = embed_with(&folder, &texts, &args);
             assert_eq!(got.len(), texts.len(), "{name}");
             for (i, ((_, b), want)) in
                 got.iter().zip(v["embeddings"].as_array().unwrap()).enumerate()
@@ -391,7 +395,8 @@ fn other_sentence_transformers_pipelines_match_it_too() {
 }
 
 /// What `multihead embed` cannot run is refused at load with the file and what to do: a Dense
-/// module, an unknown pooling mode, a pooled width that is not the encoder's, a token limit
+/// or custom module, a default prompt that is not there, a model that is not BERT (RoBERTa's positions start at 2: it would run, wrongly),
+/// an unknown pooling mode, a pooled width that is not the encoder's, a token limit
 /// past the position table.
 #[test]
 fn unsupported_pipelines_are_refused_at_load() {
@@ -401,12 +406,33 @@ fn unsupported_pipelines_are_refused_at_load() {
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
         {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
     ]);
+    let mut roberta: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    roberta["model_type"] = "roberta".into();
+    let custom = serde_json::json!([
+        {"idx": 0, "name": "0", "path": "", "type": "mypkg.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]);
+    let prompts = serde_json::json!({"prompts": {"query": "q: "}, "default_prompt_name": "doc"});
     let cases = [
-        ("dense", "modules.json", modules, "Dense and other modules are not supported"),
+        ("dense", "modules.json", modules, "(Dense, custom and other modules are not supported)"),
+        ("custom", "modules.json", custom, "lists [\"mypkg.Transformer\""),
+        (
+            "prompt",
+            "config_sentence_transformers.json",
+            prompts,
+            "the default prompt \"doc\" is not among the prompts [\"query\"]",
+        ),
+        (
+            "roberta",
+            "config.json",
+            roberta,
+            "model_type \"roberta\" is not supported; multihead embed runs BERT models",
+        ),
         (
             "mode",
             "1_Pooling/config.json",
-            serde_json::json!({"pooling_mode": "median"}),
+            serde_json::json!({"word_embedding_dimension": 384, "pooling_mode": "median"}),
             "unknown pooling mode \"median\"",
         ),
         (

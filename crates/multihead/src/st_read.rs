@@ -47,7 +47,10 @@ pub(crate) fn read(
     file.read_exact(&mut word)
         .map_err(|_| bad(format!("{len} bytes, shorter than the 8-byte header length")))?;
     let n = u64::from_le_bytes(word);
-    if n > MAX_HEADER || n > len.saturating_sub(8) {
+    if n > MAX_HEADER {
+        return Err(bad(format!("header length {n} is over the format's limit of {MAX_HEADER}")));
+    }
+    if n > len.saturating_sub(8) {
         return Err(bad(format!("header length {n} does not fit the file's {len} bytes")));
     }
     let mut header = Vec::new();
