@@ -1,7 +1,8 @@
 //! The sentence-transformers pipeline around the encoder, as a model folder describes it:
 //! `modules.json` (a Transformer, a Pooling module, optionally Normalize),
-//! `sentence_bert_config.json` (`max_seq_length`, `do_lower_case`) and the Pooling module's
-//! `config.json` (which token embeddings make the sentence embedding). Read once at load;
+//! `sentence_bert_config.json` (`max_seq_length`, `do_lower_case`), the Pooling module's
+//! `config.json` (which token embeddings make the sentence embedding) and
+//! `config_sentence_transformers.json` (named prompts, the default one). Read once at load;
 //! [`Pipeline::finish`] then turns one text's final hidden states into its embedding, as
 //! sentence-transformers' `Pooling` and `Normalize` modules do.
 //!
@@ -188,8 +189,9 @@ impl Pipeline {
     }
 
     /// One text's embedding from its final hidden states `rows` (`len × hidden`, row-major;
-    /// a text of no tokens pools to zeros): the pooling modes concatenated, then L2-normalised when the pipeline ends
-    /// in Normalize. Sums are taken in f64.
+    /// a text of no tokens pools to zeros), whose first `prompt_len` tokens are the prompt's:
+    /// the pooling modes concatenated, then L2-normalised when the pipeline ends in
+    /// Normalize. Sums are taken in f64.
     pub fn finish(&self, rows: &[f32], hidden: usize, prompt_len: usize) -> Vec<f32> {
         let len = rows.len().checked_div(hidden).unwrap_or(0);
         let row = |i: usize| &rows[i * hidden..(i + 1) * hidden];
