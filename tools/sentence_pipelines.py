@@ -106,6 +106,12 @@ VARIANTS = [
                                               "default_prompt_name": "query"},
         "1_Pooling/config.json": {"embedding_dimension": 384, "pooling_mode": ["cls", "mean", "weightedmean"],
                                   "include_prompt": False}}},
+    # No prompt: nothing is left out, whatever include_prompt says; and sentence-transformers'
+    # built-in prompt names (empty) are accepted.
+    {"name": "include_prompt_false_no_prompt", "encode": {"prompt_name": "query"},
+     "cli": ["--prompt-name", "query"], "files": {
+        "1_Pooling/config.json": {"embedding_dimension": 384, "pooling_mode": ["cls", "mean"],
+                                  "include_prompt": False}}},
     {"name": "prompt_text_excluded_max_last", "encode": {"prompt": "Represent this sentence: "},
      "cli": ["--prompt", "Represent this sentence: "], "files": {
         "1_Pooling/config.json": {"embedding_dimension": 384, "pooling_mode": ["max", "lasttoken"],

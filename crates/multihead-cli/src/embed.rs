@@ -105,7 +105,7 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     let packing =
         (!args.padded && m.dtype() == candle_core::DType::F32).then_some(args.pack_tokens);
     if let Some(tokens) = packing {
-        crate::GLOBAL.set_budget(packed_cache_budget(tokens));
+        crate::GLOBAL.set_budget(packed_cache_budget(tokens, m.temporaries_per_token()));
     }
     for chunk in texts.chunks(window) {
         for (text, e) in chunk.iter().zip(embed_window(&m, chunk, batch, packing)?) {
@@ -132,13 +132,14 @@ fn bf16_note() -> String {
 }
 
 /// The block cache for packed batches: they hold nearly `--pack-tokens` tokens each, so their
-/// tensors come back in the same few sizes, and a layer's temporaries (about 48 KiB a token
-/// for all-MiniLM-L6-v2) must fit or each batch faults fresh pages in again. Measured on the
-/// 2000-sentence corpus (2 threads, Intel Xeon model 207): 64 MiB gave 5.96% of the samples
-/// to the kernel clearing pages and a 282 MB peak; 64 MiB + 48 KiB a token (256 MiB at 4096)
-/// 2.91% and 268 MB. (Padded batches keep 64 MiB: 256 MiB held 579 MB there.)
-fn packed_cache_budget(pack_tokens: usize) -> usize {
-    (64usize << 20).saturating_add(pack_tokens.saturating_mul(48 << 10)).min(1 << 30)
+/// tensors come back in the same few sizes, and a layer's temporaries (`per_token`: about 48
+/// KiB for all-MiniLM-L6-v2) must fit or each batch faults fresh pages in again. Measured on
+/// the 2000-sentence corpus (2 threads, Intel Xeon model 207): 64 MiB gave 5.96% of the
+/// samples to the kernel clearing pages and a 282 MB peak; 64 MiB + 48 KiB a token (256 MiB
+/// at 4096) 2.91% and 268 MB. (Padded batches keep 64 MiB: 256 MiB held 579 MB there.) At
+/// most 4 GiB.
+fn packed_cache_budget(pack_tokens: usize, per_token: usize) -> usize {
+    (64usize << 20).saturating_add(pack_tokens.saturating_mul(per_token)).min(4 << 30)
 }
 
 /// The largest `--batch`: a batch pads its texts to the longest, and a window holds 64 batches.
@@ -229,13 +230,21 @@ fn write_embedding(out: &mut impl std::io::Write, text: &str, e: &[f32], json: b
         writeln!(out, "{}", serde_json::json!({ "text": text, "embedding": e }))?;
     } else {
         let head: Vec<String> = e.iter().take(4).map(|v| format!("{v:+.4}")).collect();
-        // One line per text: control characters (a newline in an argument, a lone `\r`)
-        // are written escaped, as `\n`, `\r`, `\u{1b}`.
+        // One line per text, read back unambiguously: control characters (a newline in an
+        // argument, a lone `\r`), line separators and bidirectional controls are written
+        // escaped (`\n`, `\r`, `\u{1b}`, `\u{2028}`), and so is a backslash (`\\`).
         let shown: String = text
             .chars()
-            .map(|c| match c.is_control() {
-                true => c.escape_default().to_string(),
-                false => c.to_string(),
+            .map(|c| match c {
+                '\\' => "\\\\".to_string(),
+                '\u{2028}'
+                | '\u{2029}'
+                | '\u{200e}'
+                | '\u{200f}'
+                | '\u{202a}'..='\u{202e}'
+                | '\u{2066}'..='\u{2069}' => c.escape_unicode().to_string(),
+                c if c.is_control() => c.escape_default().to_string(),
+                c => c.to_string(),
             })
             .collect();
         writeln!(out, "[{} ... ] ({} dims)  {shown}", head.join(", "), e.len())?;
@@ -260,9 +269,10 @@ mod tests {
     #[test]
     fn plain_output_escapes_control_characters() {
         let mut out = Vec::new();
-        super::write_embedding(&mut out, "a\nb\rc\u{1b}d é\t", &[0.5, -0.25], false)
-            .unwrap_or_default();
+        let text = "a\nb\rc\u{1b}d é\t\\n\u{2028}\u{202e}";
+        super::write_embedding(&mut out, text, &[0.5, -0.25], false).unwrap_or_default();
         let line = String::from_utf8_lossy(&out);
-        assert_eq!(line, "[+0.5000, -0.2500 ... ] (2 dims)  a\\nb\\rc\\u{1b}d é\\t\n");
+        let want = r"a\nb\rc\u{1b}d é\t\\n\u{2028}\u{202e}";
+        assert_eq!(line, format!("[+0.5000, -0.2500 ... ] (2 dims)  {want}\n"));
     }
 }

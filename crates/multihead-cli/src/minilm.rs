@@ -111,6 +111,8 @@ pub struct MiniLm {
     pipeline: Pipeline,
     /// The most tokens of a text, `[CLS]` and `[SEP]` included (longer ones are truncated).
     max_tokens: usize,
+    /// The hidden and feed-forward widths.
+    widths: (usize, usize),
     /// Put before every text (empty: none).
     prompt: String,
     /// The prompt's tokens at the start of every text (`[CLS]` included).
@@ -167,7 +169,7 @@ fn token_limit(pipeline: &Pipeline, cfg: &BertConfig, position_rows: usize) -> R
         }
     };
     if limit < 2 {
-        bail!("the token limit is {limit}; it must be at least 2 ([CLS] and [SEP]): raise max_seq_length in sentence_bert_config.json");
+        bail!("the token limit is {limit}; it must be at least 2 ([CLS] and [SEP]): raise max_seq_length (or tokenizer_args' model_max_length) in sentence_bert_config.json, or model_max_length in tokenizer_config.json");
     }
     Ok(limit)
 }
@@ -496,6 +498,7 @@ impl MiniLm {
             dtype,
             pipeline,
             max_tokens,
+            widths: (cfg.hidden, cfg.intermediate),
             prompt: String::new(),
             prompt_len: 0,
             word,
@@ -511,6 +514,13 @@ impl MiniLm {
         self.dtype
     }
 
+    /// About how many bytes of temporaries one token of a packed batch makes in a layer: 48
+    /// KiB for all-MiniLM-L6-v2 (hidden 384, feed-forward 1536), in proportion to the two
+    /// widths for another model.
+    pub fn temporaries_per_token(&self) -> usize {
+        (48usize << 10).saturating_mul(self.widths.0 + self.widths.1) / (384 + 1536)
+    }
+
     /// The folder's sentence-transformers pipeline.
     pub fn pipeline(&self) -> &Pipeline {
         &self.pipeline
@@ -520,6 +530,12 @@ impl MiniLm {
     /// prompt=...)`); its tokens count as the prompt's for a Pooling module that leaves them
     /// out: the prompt tokenized alone, without a trailing special token (`[SEP]`).
     pub fn set_prompt(&mut self, prompt: String) -> Result<()> {
+        if prompt.is_empty() {
+            // No prompt, no prompt tokens (sentence-transformers sets no prompt length then).
+            self.prompt_len = 0;
+            self.prompt = prompt;
+            return Ok(());
+        }
         let e = self
             .tokenizer
             .encode(prompt.as_str(), true)
@@ -540,7 +556,8 @@ impl MiniLm {
     /// are the full text's first tokens) or the prefix is the whole text. The tokenizer's
     /// memory grows with what it is given (about a hundred bytes per input byte), so a
     /// megabyte-long line costs what its first few kilobytes do, unless it has no boundary
-    /// [`word_prefix`] may cut at (a line of kana or Thai is tokenized whole).
+    /// [`word_prefix`] may cut at (a line of kana or Thai without spaces or punctuation is
+    /// tokenized whole).
     pub fn tokenize(&self, texts: &[String]) -> Result<Vec<Vec<u32>>> {
         if self.prompt.is_empty() {
             return self.tokenize_texts(texts);

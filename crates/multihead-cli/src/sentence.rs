@@ -122,7 +122,7 @@ impl Pipeline {
                 pooled_dim: None,
                 normalize: false,
                 include_prompt: true,
-                prompts: Vec::new(),
+                prompts: ["query", "document"].map(|n| (n.to_string(), String::new())).to_vec(),
                 default_prompt_name: None,
             });
         }
@@ -300,11 +300,11 @@ fn read_transformer_config(dir: &Path) -> Result<(Option<usize>, bool)> {
         bail!("sentence_bert_config.json must be a JSON object, got {v}");
     }
     let mut limit = whole(v.get("max_seq_length"), "sentence_bert_config.json: max_seq_length")?;
-    for kw in ["tokenizer_args", "processor_kwargs"] {
-        let what = format!("sentence_bert_config.json: {kw}.model_max_length");
-        if let Some(n) = whole(v.get(kw).and_then(|a| a.get("model_max_length")), &what)? {
-            limit = Some(n);
-        }
+    // sentence-transformers moves `tokenizer_args` into `processor_kwargs`, replacing it.
+    let kw = if v.get("tokenizer_args").is_some() { "tokenizer_args" } else { "processor_kwargs" };
+    let what = format!("sentence_bert_config.json: {kw}.model_max_length");
+    if let Some(n) = whole(v.get(kw).and_then(|a| a.get("model_max_length")), &what)? {
+        limit = Some(n);
     }
     Ok((limit, v.get("do_lower_case").is_some_and(truthy)))
 }
@@ -312,15 +312,23 @@ fn read_transformer_config(dir: &Path) -> Result<(Option<usize>, bool)> {
 /// Named prompts: `(name, text)`.
 type Prompts = Vec<(String, String)>;
 
-/// `config_sentence_transformers.json`'s named prompts and default prompt name (none when the
-/// file is absent).
+/// `config_sentence_transformers.json`'s named prompts (over sentence-transformers' own
+/// `query` and `document`, both empty) and default prompt name.
 fn read_prompts(dir: &Path) -> Result<(Prompts, Option<String>)> {
     let path = dir.join("config_sentence_transformers.json");
     if !path.exists() {
-        return Ok((Vec::new(), None));
+        return Ok((["query", "document"].map(|n| (n.to_string(), String::new())).to_vec(), None));
     }
     let v = read_json(&path)?;
-    let mut prompts = Vec::new();
+    // sentence-transformers' own prompts, empty unless the file gives them.
+    let mut prompts: Prompts =
+        ["query", "document"].map(|n| (n.to_string(), String::new())).to_vec();
+    match v.get("prompts") {
+        None | Some(Value::Null) | Some(Value::Object(_)) => {}
+        Some(x) => bail!(
+            "config_sentence_transformers.json: prompts must be an object of named texts, got {x}"
+        ),
+    }
     if let Some(map) = v.get("prompts").and_then(Value::as_object) {
         for (k, p) in map {
             // A null prompt is an empty one (sentence-transformers' `_validate_prompts`).
@@ -331,7 +339,10 @@ fn read_prompts(dir: &Path) -> Result<(Prompts, Option<String>)> {
                     "config_sentence_transformers.json: prompt {k:?} must be text, got {other}"
                 ),
             };
-            prompts.push((k.clone(), text));
+            match prompts.iter_mut().find(|p| &p.0 == k) {
+                Some(p) => p.1 = text,
+                None => prompts.push((k.clone(), text)),
+            }
         }
     }
     let default = match v.get("default_prompt_name") {

@@ -351,7 +351,7 @@ fn pipeline_folder(dir: &std::path::Path, v: &Value) -> PathBuf {
     out
 }
 
-/// Nineteen sentence-transformers pipelines around the same encoder (CLS, max, weighted,
+/// Twenty sentence-transformers pipelines around the same encoder (CLS, max, weighted,
 /// last-token and concatenated pooling, with and without Normalize, token limits from three
 /// places, a plain Hugging Face folder, the Transformer in a subfolder, a cased tokenizer with
 /// and without `do_lower_case`, flags and numbers as Python reads them, prompts by default,
@@ -366,7 +366,7 @@ fn other_sentence_transformers_pipelines_match_it_too() {
     let texts: Vec<String> =
         fixture["texts"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().into()).collect();
     let variants = fixture["variants"].as_array().unwrap();
-    assert_eq!(variants.len(), 19);
+    assert_eq!(variants.len(), 20);
     for v in variants {
         let name = v["name"].as_str().unwrap();
         let folder = pipeline_folder(&dir, v);
@@ -413,7 +413,7 @@ fn unsupported_pipelines_are_refused_at_load() {
         {"idx": 0, "name": "0", "path": "", "type": "mypkg.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
     ]);
-    let prompts = serde_json::json!({"prompts": {"query": "q: "}, "default_prompt_name": "doc"});
+    let prompts = serde_json::json!({"prompts": {"q": "q: "}, "default_prompt_name": "doc"});
     let cases = [
         ("dense", "modules.json", modules, "(Dense, custom and other modules are not supported)"),
         ("custom", "modules.json", custom, "lists [\"mypkg.Transformer\""),
@@ -421,7 +421,7 @@ fn unsupported_pipelines_are_refused_at_load() {
             "prompt",
             "config_sentence_transformers.json",
             prompts,
-            "the default prompt \"doc\" is not among the prompts [\"query\"]",
+            "the default prompt \"doc\" is not among the prompts [\"query\", \"document\", \"q\"]",
         ),
         (
             "roberta",

@@ -68,7 +68,7 @@ pub(crate) fn ensure(
 /// The machine's RAM plus swap in bytes (Linux: `/proc/meminfo`), read once; `usize::MAX`
 /// where unknown. No single buffer larger than this can ever be backed, whatever the kernel's
 /// overcommit policy would promise.
-fn memory_limit() -> usize {
+pub(crate) fn memory_limit() -> usize {
     static LIMIT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *LIMIT.get_or_init(|| {
         let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {

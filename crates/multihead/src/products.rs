@@ -80,8 +80,16 @@ pub fn explain_bf16_products() -> ProductsPlan {
 /// # Ok::<(), multihead::Error>(())
 /// ```
 pub fn check_bf16_environment() -> crate::Result<()> {
-    let products = std::env::var("MULTIHEAD_BF16_PRODUCTS").ok();
-    let kernel = std::env::var("MULTIHEAD_BF16_KERNEL").ok();
+    let read = |arg: &'static str| match std::env::var(arg) {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(v)) => Err(crate::Error::Config {
+            op: "bf16 products",
+            arg,
+            msg: format!("value {v:?} is not UTF-8; use one of the documented names, or unset it"),
+        }),
+    };
+    let (products, kernel) = (read("MULTIHEAD_BF16_PRODUCTS")?, read("MULTIHEAD_BF16_KERNEL")?);
     match environment_problem(products.as_deref(), kernel.as_deref()) {
         None => Ok(()),
         Some((arg, msg)) => Err(crate::Error::Config { op: "bf16 products", arg, msg }),

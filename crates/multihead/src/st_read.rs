@@ -44,8 +44,12 @@ pub(crate) fn read(
     }
     let len = stat.len();
     let mut word = [0u8; 8];
-    file.read_exact(&mut word)
-        .map_err(|_| bad(format!("{len} bytes, shorter than the 8-byte header length")))?;
+    file.read_exact(&mut word).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => {
+            bad(format!("{len} bytes, shorter than the 8-byte header length"))
+        }
+        _ => file_err(path, format!("cannot read: {e}")),
+    })?;
     let n = u64::from_le_bytes(word);
     if n > MAX_HEADER {
         return Err(bad(format!("header length {n} is over the format's limit of {MAX_HEADER}")));
@@ -63,11 +67,10 @@ pub(crate) fn read(
     file.read_exact(&mut header).map_err(|e| bad(format!("reading the header: {e}")))?;
     let meta: Metadata = serde_json::from_slice(&header)
         .map_err(|e| bad(format!("header is not valid metadata: {e}")))?;
-    if 8 + n + meta.data_len() as u64 != len {
-        return Err(bad(format!(
-            "header and data take {} bytes but the file has {len}",
-            8 + n + meta.data_len() as u64
-        )));
+    let total = (8 + n).checked_add(meta.data_len() as u64);
+    if total != Some(len) {
+        let took = total.map_or("more than 2^64".to_string(), |t| t.to_string());
+        return Err(bad(format!("header and data take {took} bytes but the file has {len}")));
     }
     let (mut out, mut unsupported) = (HashMap::new(), BTreeMap::new());
     // In offset order: each tensor's bytes follow the previous one's.
@@ -100,8 +103,24 @@ fn read_stream(
     path: &Path,
     device: &Device,
 ) -> Result<(HashMap<String, Tensor>, BTreeMap<String, String>)> {
-    let mut bytes = Vec::new();
-    file.read_to_end(&mut bytes).map_err(|e| file_err(path, format!("cannot read: {e}")))?;
+    // At most what this machine could hold: an endless stream (a device such as /dev/zero)
+    // is an error, not a process killed for memory.
+    let limit = crate::alloc::memory_limit();
+    let (mut bytes, mut chunk) = (Vec::new(), vec![0u8; 1 << 16]);
+    loop {
+        let n = file.read(&mut chunk).map_err(|e| file_err(path, format!("cannot read: {e}")))?;
+        if n == 0 {
+            break;
+        }
+        if bytes.len().saturating_add(n) > limit || bytes.try_reserve(n).is_err() {
+            let msg = format!(
+                "cannot read: the stream is longer than the memory free here ({} bytes read)",
+                bytes.len()
+            );
+            return Err(file_err(path, msg));
+        }
+        bytes.extend_from_slice(&chunk[..n]);
+    }
     let st = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(|e| file_err(path, format!("not a safetensors file: {e}")))?;
     let (mut out, mut unsupported) = (HashMap::new(), BTreeMap::new());
@@ -127,14 +146,24 @@ fn read_stream(
 
 /// Element types whose every bit pattern is a valid value, so that bytes read from a file
 /// may fill them.
-trait Plain: WithDType {}
-impl Plain for u8 {}
-impl Plain for u32 {}
-impl Plain for i64 {}
-impl Plain for f32 {}
-impl Plain for f64 {}
-impl Plain for f16 {}
-impl Plain for bf16 {}
+///
+/// # Safety
+/// An implementor must be plain data: no padding, no invalid bit patterns, no pointers.
+unsafe trait Plain: WithDType {}
+// SAFETY: an integer of fixed width: every bit pattern is a value, no padding.
+unsafe impl Plain for u8 {}
+// SAFETY: an integer of fixed width: every bit pattern is a value, no padding.
+unsafe impl Plain for u32 {}
+// SAFETY: an integer of fixed width: every bit pattern is a value, no padding.
+unsafe impl Plain for i64 {}
+// SAFETY: an IEEE float of fixed width: every bit pattern is a value, no padding.
+unsafe impl Plain for f32 {}
+// SAFETY: an IEEE float of fixed width: every bit pattern is a value, no padding.
+unsafe impl Plain for f64 {}
+// SAFETY: an IEEE half (`half::f16` is a `u16`) of fixed width: every bit pattern is a value, no padding.
+unsafe impl Plain for f16 {}
+// SAFETY: a bfloat16 (`half::bf16` is a `u16`) of fixed width: every bit pattern is a value, no padding.
+unsafe impl Plain for bf16 {}
 
 /// The next tensor of the file, of `shape` and element type `T` (little-endian in the file,
 /// as on every CPU candle runs on).
@@ -160,7 +189,9 @@ fn read_as<T: Plain>(
     let size = count * std::mem::size_of::<T>();
     // SAFETY: `data` holds `count` initialised values of `T`, which is `size` bytes of plain
     // data; every byte pattern is a valid `T` (`Plain`), so writing bytes through this view
-    // keeps every element valid, and the view ends before `data` is used again.
+    // keeps every element valid, and the view ends before `data` is used again. (The bytes
+    // are little-endian, as safetensors stores them; like candle's own loader, this gives the
+    // right values on the little-endian CPUs candle runs on.)
     let view = unsafe { std::slice::from_raw_parts_mut(data.as_mut_ptr().cast::<u8>(), size) };
     file.read_exact(view)
         .map_err(|e| file_err(path, format!("cannot read tensor {name} ({size} bytes): {e}")))?;

@@ -79,12 +79,15 @@ thread_local! {
 }
 
 /// The process default: `MULTIHEAD_BF16_KERNEL`, else `amx` when `MULTIHEAD_BF16_PRODUCTS=amx`,
-/// else `Auto` (an unknown value is `Auto` too).
+/// else `Auto` (an unknown value is `Auto` too; an empty one is unset).
 fn process_default() -> Bf16Kernel {
     static DEFAULT: OnceLock<Bf16Kernel> = OnceLock::new();
     *DEFAULT.get_or_init(|| {
-        if let Ok(v) = std::env::var("MULTIHEAD_BF16_KERNEL") {
-            return v.parse().unwrap_or_default();
+        // An empty value is unset, as `multihead::check_bf16_environment` treats it.
+        if let Ok(v) = std::env::var("MULTIHEAD_BF16_KERNEL").as_deref() {
+            if !v.is_empty() {
+                return v.parse().unwrap_or_default();
+            }
         }
         match std::env::var("MULTIHEAD_BF16_PRODUCTS").as_deref() {
             Ok("amx") => Bf16Kernel::Amx,

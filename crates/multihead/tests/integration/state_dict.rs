@@ -581,7 +581,36 @@ fn safetensors_files_are_read_tensor_by_tensor_as_the_crate_reads_them() {
     safetensors::serialize_to_file(views, None, &file).unwrap();
     let err = load_safetensors(&file, &dev()).unwrap_err().to_string();
     assert!(err.contains("tensor int32: unsupported dtype I32"), "{err}");
-    // A pipe has no length to check against: it is read whole, with the same result.
+    // A pipe has no length to check against: it is read whole, with the same result, and
+    // so is a pipe that holds a good file.
+    let good = dir.join("good.safetensors");
+    let good_views: Vec<(String, TensorView)> = data
+        .iter()
+        .filter(|d| d.1 != S::I32)
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(good_views, None, &good).unwrap();
+    let good_fifo = dir.join("good.pipe");
+    let made = std::process::Command::new("mkfifo").arg(&good_fifo).status().unwrap();
+    assert!(made.success(), "mkfifo");
+    let writer = {
+        let (fifo, bytes) = (good_fifo.clone(), std::fs::read(&good).unwrap());
+        std::thread::spawn(move || std::fs::write(fifo, bytes).unwrap())
+    };
+    // (load_safetensors opens the pipe first thing, so the writer is never left waiting.)
+    let from_pipe = load_safetensors(&good_fifo, &dev()).unwrap();
+    writer.join().unwrap();
+    let from_file = load_safetensors(&good, &dev()).unwrap();
+    assert_eq!(from_pipe.len(), from_file.len());
+    for (k, t) in &from_file {
+        let p = &from_pipe[k];
+        assert_eq!((t.dtype(), t.dims()), (p.dtype(), p.dims()), "{k} through a pipe");
+        let bits = |x: &Tensor| -> Vec<u64> {
+            let v = x.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+            v.to_vec1::<f64>().unwrap().iter().map(|f| f.to_bits()).collect()
+        };
+        assert_eq!(bits(t), bits(p), "{k} through a pipe");
+    }
     let fifo = dir.join("pipe.safetensors");
     let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
     assert!(made.success(), "mkfifo");
@@ -617,5 +646,35 @@ fn safetensors_files_are_read_tensor_by_tensor_as_the_crate_reads_them() {
             other => panic!("{what}: {other:?}"),
         }
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A tensor candle cannot hold is skipped over, and the tensors after it in the file are read
+/// from the right place (a module loaded non-strictly gets its parameters, the skipped one is
+/// reported as unexpected).
+#[test]
+fn tensors_after_a_skipped_one_are_read_from_their_own_offsets() {
+    let dir = std::env::temp_dir().join(format!("multihead-st-skip-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let weight: Vec<f32> = (0..6).map(|i| i as f32 * 0.5 - 1.0).collect();
+    let bias: Vec<f32> = vec![0.25, -4.0];
+    let header = r#"{"weight":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},"int32":{"dtype":"I32","shape":[3],"data_offsets":[24,36]},"bias":{"dtype":"F32","shape":[2],"data_offsets":[36,44]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend(weight.iter().flat_map(|x| x.to_le_bytes()));
+    bytes.extend([7u8; 12]);
+    bytes.extend(bias.iter().flat_map(|x| x.to_le_bytes()));
+    let file = dir.join("skip.safetensors");
+    std::fs::write(&file, &bytes).unwrap();
+    let (lin, _, report) = multihead::state_dict::load_file(&file, DType::F32, &dev(), |vb| {
+        multihead::Linear::new(3, 2, true, vb)
+    })
+    .unwrap();
+    let got = lin.named_parameters();
+    let w = got.iter().find(|(k, _)| k == "weight").unwrap().1.flatten_all().unwrap();
+    let b = got.iter().find(|(k, _)| k == "bias").unwrap().1.clone();
+    assert_eq!(w.to_vec1::<f32>().unwrap(), weight);
+    assert_eq!(b.to_vec1::<f32>().unwrap(), bias);
+    assert!(format!("{report:?}").contains("int32"), "{report:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
