@@ -103,9 +103,10 @@ fn read_stream(
     path: &Path,
     device: &Device,
 ) -> Result<(HashMap<String, Tensor>, BTreeMap<String, String>)> {
-    // At most what this machine could hold: an endless stream (a device such as /dev/zero)
-    // is an error, not a process killed for memory.
-    let limit = crate::alloc::memory_limit();
+    // At most half of what this machine could hold (its tensors are then copied out of the
+    // buffer, a second copy): an endless stream (a device such as /dev/zero) is an error,
+    // not a process killed for memory.
+    let limit = crate::alloc::memory_limit() / 2;
     let (mut bytes, mut chunk) = (Vec::new(), vec![0u8; 1 << 16]);
     loop {
         let n = file.read(&mut chunk).map_err(|e| file_err(path, format!("cannot read: {e}")))?;
