@@ -112,6 +112,13 @@ VARIANTS = [
      "cli": ["--prompt-name", "query"], "files": {
         "1_Pooling/config.json": {"embedding_dimension": 384, "pooling_mode": ["cls", "mean"],
                                   "include_prompt": False}}},
+    # No tokenizer.json: the tokenizer is built from vocab.txt and tokenizer_config.json.
+    {"name": "vocab_only", "files": {"tokenizer.json": None}},
+    {"name": "vocab_only_cased", "files": {
+        "tokenizer.json": None,
+        "tokenizer_config.json": {"do_lower_case": False, "tokenizer_class": "BertTokenizer",
+                                  "model_max_length": 512, "unk_token": "[UNK]", "sep_token": "[SEP]",
+                                  "pad_token": "[PAD]", "cls_token": "[CLS]", "mask_token": "[MASK]"}}},
     {"name": "prompt_text_excluded_max_last", "encode": {"prompt": "Represent this sentence: "},
      "cli": ["--prompt", "Represent this sentence: "], "files": {
         "1_Pooling/config.json": {"embedding_dimension": 384, "pooling_mode": ["max", "lasttoken"],

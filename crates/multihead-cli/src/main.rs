@@ -16,6 +16,7 @@ mod bench;
 mod bench_decode;
 mod bench_linear;
 mod bench_sdpa;
+mod bert_tokenizer;
 mod demo;
 mod demo_seq2seq;
 mod embed;

@@ -20,9 +20,9 @@ use multihead::multihead_attention::PackedOptions;
 use multihead::state_dict::{load_safetensors, load_strict};
 use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
 use multihead::{Activation, LayerNorm, Mask};
-use tokenizers::normalizers::{Lowercase, Sequence};
-use tokenizers::{NormalizerWrapper, Tokenizer, TruncationParams};
+use tokenizers::Tokenizer;
 
+use crate::bert_tokenizer::{self, load_tokenizer, Cuts};
 use crate::sentence::Pipeline;
 
 /// The BERT hyper-parameters read from `config.json`.
@@ -174,25 +174,6 @@ fn token_limit(pipeline: &Pipeline, cfg: &BertConfig, position_rows: usize) -> R
     Ok(limit)
 }
 
-/// Lowercases texts before the tokenizer's own normaliser, as sentence-transformers does for
-/// `do_lower_case` (unless the normaliser already starts from a `Lowercase` step).
-fn lowercase_first(tokenizer: &mut Tokenizer) -> Result<()> {
-    let steps: Vec<NormalizerWrapper> = match tokenizer.get_normalizer().cloned() {
-        None => Vec::new(),
-        Some(NormalizerWrapper::Sequence(s)) => s.into_iter().collect(),
-        Some(n) => vec![n],
-    };
-    if steps.iter().any(|n| matches!(n, NormalizerWrapper::Lowercase(_))) {
-        return Ok(());
-    }
-    let mut all = vec![NormalizerWrapper::Lowercase(Lowercase)];
-    all.extend(steps);
-    tokenizer
-        .with_normalizer(Some(NormalizerWrapper::Sequence(Sequence::new(all))))
-        .map_err(|e| anyhow::anyhow!("do_lower_case: {e}"))?;
-    Ok(())
-}
-
 /// An embedding table `embeddings.{name}.weight` must be `(rows, hidden)` with at least
 /// `rows` rows (every token id, position or token type the model looks up), and exactly the
 /// rows `config.json` declares when it declares them.
@@ -252,128 +233,8 @@ fn check_finite(w: &HashMap<String, Tensor>) -> Result<()> {
     Ok(())
 }
 
-/// The length from which a text is tokenized from a prefix first (see `MiniLm::tokenize`):
-/// 256 tokens of ordinary text take a few kilobytes.
-const PREFIX_BYTES: usize = 16 << 10;
-
-/// Where a long text may be cut before tokenizing (see [`word_prefix`]).
-#[derive(Debug, Default)]
-struct Cuts {
-    /// The tokenizer's added tokens (`[CLS]`, `[MASK]`, ...), matched in the raw text before
-    /// anything else: a cut must not split one.
-    specials: Vec<String>,
-    /// The normaliser puts spaces around CJK ideographs (BERT's `handle_chinese_chars`), so
-    /// the point between two of them is a word boundary too.
-    cjk: bool,
-    /// The tokenizer is not BERT's (its normaliser and pre-tokenizer): no cut is known to be
-    /// safe, so texts are tokenized whole.
-    whole: bool,
-}
-
-impl Cuts {
-    fn of(tokenizer: &Tokenizer) -> Self {
-        let mut specials: Vec<String> =
-            tokenizer.get_added_tokens_decoder().into_values().map(|t| t.content).collect();
-        specials.retain(|s| !s.is_empty());
-        // BERT's normaliser, alone or after the `Lowercase` step `do_lower_case` puts first
-        // (lowercasing moves no boundary).
-        let steps: &[NormalizerWrapper] = match tokenizer.get_normalizer() {
-            Some(NormalizerWrapper::Sequence(s)) => s.as_ref(),
-            Some(n) => std::slice::from_ref(n),
-            None => &[],
-        };
-        let isolates = |n: &NormalizerWrapper| matches!(n, NormalizerWrapper::BertNormalizer(b) if b.handle_chinese_chars);
-        let bert_steps = steps.iter().all(|n| {
-            matches!(n, NormalizerWrapper::BertNormalizer(_) | NormalizerWrapper::Lowercase(_))
-        });
-        let cjk = bert_steps && steps.iter().any(isolates);
-        let bert_split = matches!(
-            tokenizer.get_pre_tokenizer(),
-            Some(tokenizers::PreTokenizerWrapper::BertPreTokenizer(_))
-        );
-        Self { specials, cjk, whole: !(bert_steps && bert_split) }
-    }
-
-    /// Whether an added token occurs in `text` across byte `i` (in any ASCII case: a token
-    /// matched after a lowercasing normaliser must not be split either).
-    fn splits_special(&self, text: &[u8], i: usize) -> bool {
-        self.specials.iter().any(|s| {
-            let s = s.as_bytes();
-            (i.saturating_sub(s.len() - 1)..i)
-                .any(|at| text[at..].get(..s.len()).is_some_and(|w| w.eq_ignore_ascii_case(s)))
-        })
-    }
-}
-
-/// A character BERT's pre-tokenizer makes a token of its own: ASCII punctuation or any
-/// Unicode punctuation (`。`, `、`, `«`, ...), as its `is_bert_punc` says.
-fn is_bert_punctuation(c: char) -> bool {
-    use unicode_categories::UnicodeCategories;
-    c.is_ascii_punctuation() || c.is_punctuation()
-}
-
-/// BERT's CJK ideographs (the ranges of its normaliser's `handle_chinese_chars`).
-fn is_cjk_ideograph(c: char) -> bool {
-    matches!(
-        c as u32,
-        0x4E00..=0x9FFF
-            | 0x3400..=0x4DBF
-            | 0x20000..=0x2A6DF
-            | 0x2A700..=0x2B73F
-            | 0x2B740..=0x2B81F
-            | 0x2B920..=0x2CEAF
-            | 0xF900..=0xFAFF
-            | 0x2F800..=0x2FA1F
-    )
-}
-
-/// The longest prefix of `text` of at least `limit` bytes that ends at a word boundary BERT's
-/// tokenizer cannot move: before an ASCII space or tab, after punctuation (ASCII or Unicode,
-/// a token of its own), or between two CJK ideographs when the normaliser isolates them; never inside
-/// an added token such as `[MASK]` (matched in the raw text first). The normaliser and
-/// pre-tokenizer work character by character and split there, and WordPiece works within
-/// words, so the prefix's tokens are the first tokens of the whole text. The whole text when
-/// it is shorter or has no such boundary past `limit`.
-fn word_prefix<'t>(text: &'t str, limit: usize, cuts: &Cuts) -> &'t str {
-    if text.len() <= limit || cuts.whole {
-        return text;
-    }
-    let mut start = limit.max(1);
-    while !text.is_char_boundary(start) {
-        start += 1;
-    }
-    let bytes = text.as_bytes();
-    let mut prev = text[..start].chars().next_back();
-    for (at, c) in text[start..].char_indices() {
-        let i = start + at;
-        let boundary = matches!(c, ' ' | '\t')
-            || prev.is_some_and(is_bert_punctuation)
-            || (cuts.cjk && is_cjk_ideograph(c) && prev.is_some_and(is_cjk_ideograph));
-        if boundary && !cuts.splits_special(bytes, i) {
-            return &text[..i];
-        }
-        prev = Some(c);
-    }
-    text
-}
-
 fn take(w: &mut HashMap<String, Tensor>, key: &str) -> Result<Tensor> {
     w.remove(key).with_context(|| format!("model.safetensors lacks {key}"))
-}
-
-/// The file's tokenizer, truncating at `max_tokens` and padding nothing (batches are padded
-/// or packed here), lowercasing first for `do_lower_case`.
-fn load_tokenizer(dir: &Path, max_tokens: usize, do_lower_case: bool) -> Result<Tokenizer> {
-    let mut tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
-        .map_err(|e| anyhow::anyhow!("loading tokenizer.json: {e}"))?;
-    tokenizer
-        .with_truncation(Some(TruncationParams { max_length: max_tokens, ..Default::default() }))
-        .map_err(|e| anyhow::anyhow!("truncation: {e}"))?;
-    tokenizer.with_padding(None);
-    if do_lower_case {
-        lowercase_first(&mut tokenizer)?;
-    }
-    Ok(tokenizer)
 }
 
 /// `model.safetensors` by BertModel's keys (a `bert.` prefix removed), every weight finite.
@@ -548,16 +409,9 @@ impl MiniLm {
         Ok(())
     }
 
-    /// Tokenizes texts (truncated at the model's `max_seq_length`, as sentence-transformers
-    /// does).
-    ///
-    /// A long text is tokenized from a prefix ending at a word boundary: a prefix of
-    /// [`PREFIX_BYTES`], then four times as long, until its tokens fill the limit (then they
-    /// are the full text's first tokens) or the prefix is the whole text. The tokenizer's
-    /// memory grows with what it is given (about a hundred bytes per input byte), so a
-    /// megabyte-long line costs what its first few kilobytes do, unless it has no boundary
-    /// [`word_prefix`] may cut at (a line of kana or Thai without spaces or punctuation is
-    /// tokenized whole).
+    /// Tokenizes texts, the prompt put before each, truncated at the model's
+    /// `max_seq_length` as sentence-transformers does (long texts from a prefix:
+    /// [`bert_tokenizer::tokenize`]).
     pub fn tokenize(&self, texts: &[String]) -> Result<Vec<Vec<u32>>> {
         if self.prompt.is_empty() {
             return self.tokenize_texts(texts);
@@ -567,27 +421,7 @@ impl MiniLm {
     }
 
     fn tokenize_texts(&self, texts: &[String]) -> Result<Vec<Vec<u32>>> {
-        let mut limits = vec![PREFIX_BYTES; texts.len()];
-        let mut ids: Vec<Option<Vec<u32>>> = vec![None; texts.len()];
-        loop {
-            let todo: Vec<usize> = (0..texts.len()).filter(|&i| ids[i].is_none()).collect();
-            if todo.is_empty() {
-                return Ok(ids.into_iter().flatten().collect());
-            }
-            let inputs: Vec<&str> =
-                todo.iter().map(|&i| word_prefix(&texts[i], limits[i], &self.cuts)).collect();
-            let encodings = self
-                .tokenizer
-                .encode_batch(inputs.clone(), true)
-                .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
-            for ((&i, input), e) in todo.iter().zip(&inputs).zip(&encodings) {
-                if input.len() == texts[i].len() || e.get_ids().len() >= self.max_tokens {
-                    ids[i] = Some(e.get_ids().to_vec());
-                } else {
-                    limits[i] = limits[i].saturating_mul(4);
-                }
-            }
-        }
+        bert_tokenizer::tokenize(&self.tokenizer, &self.cuts, texts, self.max_tokens)
     }
 
     /// Embeds a batch of tokenized texts: padded to the longest, masked with a key padding
@@ -669,46 +503,5 @@ impl MiniLm {
                 self.pipeline.finish(&rows[at..at + e.len() * hidden], hidden, self.prompt_len)
             })
             .collect())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{word_prefix, Cuts};
-
-    #[test]
-    fn word_prefix_ends_at_a_boundary_the_tokenizer_keeps() {
-        let plain = Cuts::default();
-        let wp = |t: &str, limit: usize| word_prefix(t, limit, &plain).to_string();
-        // Short texts, and texts without a boundary past the limit, are whole.
-        assert_eq!(wp("short text", 64), "short text");
-        assert_eq!(wp(&"x".repeat(100), 10), "x".repeat(100));
-        // Before a space or a tab, never inside a word.
-        assert_eq!(wp("aaaa bbbbbbbb cc", 6), "aaaa bbbbbbbb");
-        assert_eq!(wp("aaaa\tbbbbbbbb\tcc", 6), "aaaa\tbbbbbbbb");
-        // After ASCII punctuation (a token of its own).
-        assert_eq!(wp("aaaa.bbbbbbbb.cc", 6), "aaaa.bbbbbbbb.");
-        // Multi-byte characters are never split.
-        assert_eq!(wp("éééééé ü", 3), "éééééé");
-        // The limit is a minimum: a boundary right at it counts.
-        assert_eq!(wp("abc def", 3), "abc");
-        // CJK ideographs are not boundaries unless the normaliser isolates them.
-        assert_eq!(wp("中文中文中文", 4), "中文中文中文");
-        let bert =
-            Cuts { specials: vec!["[MASK]".into(), "[CLS]".into()], cjk: true, whole: false };
-        assert_eq!(word_prefix("中文中文中文", 4, &bert), "中文");
-        assert_eq!(word_prefix("中文かな", 4, &bert), "中文かな");
-        // After Unicode punctuation too (a kana line with its full stops).
-        assert_eq!(wp("かなかな。かなかな。かな", 4), "かなかな。");
-        assert_eq!(wp("aaaa«bb cc", 3), "aaaa«");
-        // Never inside an added token: "[" is punctuation, "[MASK]" one token.
-        assert_eq!(word_prefix("aaaa [MASK] bb", 6, &bert), "aaaa [MASK]");
-        assert_eq!(word_prefix("aaaa [mask] bb", 6, &bert), "aaaa [mask]");
-        assert_eq!(word_prefix("aaaa[MASK][CLS]x", 5, &bert), "aaaa[MASK]");
-        assert_eq!(word_prefix("aaaa[MASK][CLS]x", 11, &bert), "aaaa[MASK][CLS]");
-        assert_eq!(wp("aaaa [MASK] bb", 6), "aaaa [");
-        // Another tokenizer's texts are never cut.
-        let other = Cuts { whole: true, ..Cuts::default() };
-        assert_eq!(word_prefix("aaaa bbbb cccc", 4, &other), "aaaa bbbb cccc");
     }
 }
