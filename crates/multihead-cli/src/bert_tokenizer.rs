@@ -134,8 +134,9 @@ fn word_prefix<'t>(text: &'t str, limit: usize, cuts: &Cuts) -> &'t str {
     text
 }
 
-/// The folder's tokenizer (`tokenizer.json`, else built from `vocab.txt`), truncating at `max_tokens` and padding nothing (batches are padded
-/// or packed here), lowercasing first for `do_lower_case`.
+/// The folder's tokenizer (`tokenizer.json`, else built from `vocab.txt`), truncating at
+/// `max_tokens` and padding nothing (batches are padded or packed here), lowercasing first for
+/// `do_lower_case`.
 pub(crate) fn load_tokenizer(
     dir: &Path,
     max_tokens: usize,
