@@ -101,8 +101,10 @@ fn environment_problem(
     products: Option<&str>,
     kernel: Option<&str>,
 ) -> Option<(&'static str, String)> {
-    if let Some(p) = products.filter(|p| !matches!(*p, "" | "auto" | "amx" | "direct" | "widened"))
-    {
+    let known = |p: &str| {
+        matches!(p.to_ascii_lowercase().as_str(), "" | "auto" | "amx" | "direct" | "widened")
+    };
+    if let Some(p) = products.filter(|p| !known(p)) {
         return Some((
             "MULTIHEAD_BF16_PRODUCTS",
             format!("unknown value {p:?}; use amx, direct, widened or auto, or unset it"),
@@ -118,7 +120,9 @@ fn environment_problem(
 pub(crate) fn auto_decision() -> &'static (bool, String) {
     static AUTO: std::sync::OnceLock<(bool, String)> = std::sync::OnceLock::new();
     AUTO.get_or_init(|| {
-        let products = std::env::var("MULTIHEAD_BF16_PRODUCTS").ok();
+        // Names in any ASCII case, as the kernel's names are.
+        let products =
+            std::env::var("MULTIHEAD_BF16_PRODUCTS").ok().map(|v| v.to_ascii_lowercase());
         let kernel = std::env::var("MULTIHEAD_BF16_KERNEL").ok();
         let (direct, why) =
             decide(products.as_deref(), kernel.as_deref(), amx_available(), bf16_dot_speedup());
@@ -190,7 +194,7 @@ mod tests {
         let bad = super::environment_problem(Some("direct"), Some("tiles")).unwrap_or_default();
         assert_eq!(bad.0, "MULTIHEAD_BF16_KERNEL");
         assert!(bad.1.contains("\"tiles\"") && bad.1.contains("avx512bf16"), "{}", bad.1);
-        for (p, k) in [(None, None), (Some("amx"), Some("amx-emulated")), (Some(""), Some(""))] {
+        for (p, k) in [(None, None), (Some("AMX"), Some("amx-emulated")), (Some(""), Some(""))] {
             assert_eq!(super::environment_problem(p, k), None, "{p:?} {k:?}");
         }
         if !multihead_kernels::bf16gemm::AMX_BY_DEFAULT {

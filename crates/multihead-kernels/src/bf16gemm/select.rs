@@ -89,8 +89,8 @@ fn process_default() -> Bf16Kernel {
                 return v.parse().unwrap_or_default();
             }
         }
-        match std::env::var("MULTIHEAD_BF16_PRODUCTS").as_deref() {
-            Ok("amx") => Bf16Kernel::Amx,
+        match std::env::var("MULTIHEAD_BF16_PRODUCTS") {
+            Ok(v) if v.eq_ignore_ascii_case("amx") => Bf16Kernel::Amx,
             _ => Bf16Kernel::Auto,
         }
     })
