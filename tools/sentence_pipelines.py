@@ -11,6 +11,7 @@ sentence-transformers embeds the same texts with each, and the script writes::
      "variants": [{"name", "files": {relative path: JSON value, or null to delete},
                    "transformer_path": "" or a subfolder the model files move into,
                    "tokenizer_lowercase": null or the BertNormalizer's new `lowercase`,
+                   "dense": Dense modules whose weights `dense_weights` makes, if any,
                    "cli": the `multihead embed` arguments that ask what "encode" asked of
                           sentence-transformers (a prompt by name or by text), if any,
                    "dims", "embeddings": [[...], ...]}]}
@@ -119,6 +120,20 @@ VARIANTS = [
         "tokenizer_config.json": {"do_lower_case": False, "tokenizer_class": "BertTokenizer",
                                   "model_max_length": 512, "unk_token": "[UNK]", "sep_token": "[SEP]",
                                   "pad_token": "[PAD]", "cls_token": "[CLS]", "mask_token": "[MASK]"}}},
+    # Dense modules after pooling, with weights from `dense_weights` (the Rust test makes the
+    # same ones): Tanh with a bias then Normalize; Identity with the input added back, then
+    # ReLU with a projected residual and no Normalize.
+    {"name": "dense_tanh_normalize", "dense": [
+        {"path": "2_Dense", "in": 384, "out": 96, "act": "Tanh", "bias": True, "residual": False, "salt": 1.0}],
+     "files": {"modules.json": MODULES[:2] + [
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+        {"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"}]}},
+    {"name": "dense_two_residual", "dense": [
+        {"path": "2_Dense", "in": 384, "out": 384, "act": "Identity", "bias": False, "residual": True, "salt": 2.0},
+        {"path": "3_Dense", "in": 384, "out": 64, "act": "ReLU", "bias": True, "residual": True, "salt": 3.0}],
+     "files": {"modules.json": MODULES[:2] + [
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+        {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}]}},
     {"name": "prompt_text_excluded_max_last", "encode": {"prompt": "Represent this sentence: "},
      "cli": ["--prompt", "Represent this sentence: "], "files": {
         "1_Pooling/config.json": {"embedding_dimension": 384, "pooling_mode": ["max", "lasttoken"],
@@ -128,6 +143,37 @@ VARIANTS = [
 # The files of the Transformer module (moved together by `transformer_path`).
 TRANSFORMER_FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                      "special_tokens_map.json", "vocab.txt", "sentence_bert_config.json"]
+
+
+def dense_weights(spec: dict) -> dict:
+    """A Dense module's weights from a formula the Rust test repeats (f64, then f32)."""
+    import math
+    import numpy as np
+    o, i, salt = spec["out"], spec["in"], spec["salt"]
+    w = {"linear.weight": np.array([[0.2 * math.sin(0.37 * r + 0.11 * c + salt) for c in range(i)]
+                                    for r in range(o)], dtype=np.float32)}
+    if spec["bias"]:
+        w["linear.bias"] = np.array([0.1 * math.cos(0.5 * r + salt) for r in range(o)], dtype=np.float32)
+    if spec["residual"] and i != o:
+        w["residual.weight"] = np.array([[0.05 * math.sin(0.13 * r - 0.29 * c + salt) for c in range(i)]
+                                         for r in range(o)], dtype=np.float32)
+    return w
+
+
+def save_dense(folder: Path, spec: dict) -> dict:
+    """Saves a sentence-transformers Dense module with `dense_weights`; returns its config."""
+    import torch
+    from torch import nn
+    from sentence_transformers.models import Dense
+    act = {"Tanh": nn.Tanh(), "Identity": nn.Identity(), "ReLU": nn.ReLU()}[spec["act"]]
+    d = Dense(spec["in"], spec["out"], bias=spec["bias"], activation_function=act,
+              use_residual=spec["residual"])
+    for k, v in dense_weights(spec).items():
+        mod, name = k.split(".")
+        getattr(getattr(d, mod), name).data = torch.from_numpy(v)
+    (folder / spec["path"]).mkdir(parents=True, exist_ok=True)
+    d.save(str(folder / spec["path"]))
+    return json.loads((folder / spec["path"] / "config.json").read_text())
 
 
 def build(src: Path, dst: Path, variant: dict) -> None:
@@ -148,6 +194,8 @@ def build(src: Path, dst: Path, variant: dict) -> None:
         cfg = json.loads(cfg_path.read_text())
         cfg["do_lower_case"] = lower
         cfg_path.write_text(json.dumps(cfg))
+    for spec in variant.get("dense", []):
+        variant["files"][spec["path"] + "/config.json"] = save_dense(dst, spec)
     for rel, value in variant["files"].items():
         path = dst / rel
         if value is None:
@@ -175,8 +223,8 @@ def main() -> None:
             build(args.model, folder, v)
             model = SentenceTransformer(str(folder), device="cpu")
             emb = model.encode(TEXTS, batch_size=32, convert_to_numpy=True, **v.get("encode", {}))
-            rec = {k: v[k] for k in ("name", "files", "transformer_path", "tokenizer_lowercase", "cli")
-                   if k in v}
+            rec = {k: v[k] for k in ("name", "files", "transformer_path", "tokenizer_lowercase", "cli",
+                                     "dense") if k in v}
             rec["max_seq_length"] = model.max_seq_length
             rec["dims"] = int(emb.shape[1])
             rec["embeddings"] = [[float(f"{x:.8g}") for x in row] for row in emb.tolist()]

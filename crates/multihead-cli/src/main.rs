@@ -19,6 +19,7 @@ mod bench_sdpa;
 mod bert_tokenizer;
 mod demo;
 mod demo_seq2seq;
+mod dense;
 mod embed;
 mod limits;
 mod minilm;

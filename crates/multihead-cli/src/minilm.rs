@@ -323,6 +323,8 @@ impl MiniLm {
                 cfg.hidden
             );
         }
+        let mut pipeline = pipeline;
+        pipeline.load_dense(cfg.hidden)?;
         let mut w = load_weights(&tdir)?;
         let position_key = "embeddings.position_embeddings.weight";
         let position_rows = w.get(position_key).and_then(|t| t.dims().first().copied());

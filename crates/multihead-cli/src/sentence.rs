@@ -1,5 +1,5 @@
 //! The sentence-transformers pipeline around the encoder, as a model folder describes it:
-//! `modules.json` (a Transformer, a Pooling module, optionally Normalize),
+//! `modules.json` (a Transformer, a Pooling module, Dense modules, optionally Normalize),
 //! `sentence_bert_config.json` (`max_seq_length`, `do_lower_case`), the Pooling module's
 //! `config.json` (which token embeddings make the sentence embedding) and
 //! `config_sentence_transformers.json` (named prompts, the default one). Read once at load;
@@ -15,6 +15,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
+
+use crate::dense::Dense;
 
 /// One pooling mode of sentence-transformers' `Pooling` module.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +61,10 @@ pub(crate) struct Pipeline {
     /// The Pooling config's embedding dimension, when it gives one (checked against the
     /// encoder's hidden size).
     pub pooled_dim: Option<usize>,
+    /// The Dense modules' folders, in order (loaded by [`Pipeline::load_dense`]).
+    pub dense_dirs: Vec<PathBuf>,
+    /// The Dense modules, applied to the pooled embedding in order.
+    pub dense: Vec<Dense>,
     /// Whether a Normalize module ends the pipeline (L2 normalisation, eps 1e-12).
     pub normalize: bool,
     /// Whether a prompt's tokens are pooled with the text's (the Pooling config's
@@ -120,6 +126,8 @@ impl Pipeline {
                 do_lower_case: false,
                 modes: vec![PoolMode::Mean],
                 pooled_dim: None,
+                dense_dirs: Vec::new(),
+                dense: Vec::new(),
                 normalize: false,
                 include_prompt: true,
                 prompts: ["query", "document"].map(|n| (n.to_string(), String::new())).to_vec(),
@@ -140,18 +148,22 @@ impl Pipeline {
             kinds.push((ours.to_string(), path.to_string(), t.to_string()));
         }
         let names: Vec<&str> = kinds.iter().map(|k| k.0.as_str()).collect();
-        let normalize = match names.as_slice() {
-            ["Transformer", "Pooling"] => false,
-            ["Transformer", "Pooling", "Normalize"] => true,
+        // Transformer, Pooling, Dense..., and Normalize last if at all.
+        let normalize = names.len() > 2 && names.last() == Some(&"Normalize");
+        let end = names.len() - usize::from(normalize);
+        let dense = names.get(2..end).unwrap_or_default();
+        match (names.get(..2), dense.iter().all(|n| *n == "Dense")) {
+            (Some(["Transformer", "Pooling"]), true) => {}
             _ => {
                 let full: Vec<&str> = kinds.iter().map(|k| k.2.as_str()).collect();
                 bail!(
                     "modules.json lists {full:?}; multihead embed runs sentence-transformers' \
-                     Transformer, Pooling and optionally Normalize, in that order (Dense, custom \
-                     and other modules are not supported)"
+                     Transformer, Pooling, any Dense modules and optionally Normalize, in that \
+                     order (custom and other modules are not supported)"
                 );
             }
         };
+        let dense_dirs = kinds[2..end].iter().map(|k| dir.join(&k.1)).collect();
         let pooling = read_pooling(&dir.join(&kinds[1].1).join("config.json"))?;
         let transformer_dir = dir.join(&kinds[0].1);
         let (max_seq_length, do_lower_case) = read_transformer_config(&transformer_dir)?;
@@ -162,11 +174,25 @@ impl Pipeline {
             do_lower_case,
             modes: pooling.modes,
             pooled_dim: Some(pooling.dim),
+            dense_dirs,
+            dense: Vec::new(),
             normalize,
             include_prompt: pooling.include_prompt,
             prompts,
             default_prompt_name,
         })
+    }
+
+    /// Loads the Dense modules for an encoder of width `hidden`; returns the embedding's width.
+    pub fn load_dense(&mut self, hidden: usize) -> Result<usize> {
+        let mut width = self.modes.len() * hidden;
+        self.dense.clear();
+        for dir in &self.dense_dirs {
+            let d = Dense::read(dir, width)?;
+            width = d.out_features();
+            self.dense.push(d);
+        }
+        Ok(width)
     }
 
     /// The prompt to put before every text: `--prompt` as given, else the prompt named by
@@ -228,6 +254,9 @@ impl Pipeline {
                     out.extend(sum.iter().map(|s| (s / denom) as f32));
                 }
             }
+        }
+        for d in &self.dense {
+            out = d.apply(&out);
         }
         if self.normalize {
             let norm = out.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt().max(1e-12);
@@ -370,6 +399,8 @@ mod tests {
             do_lower_case: false,
             modes,
             pooled_dim: None,
+            dense_dirs: Vec::new(),
+            dense: Vec::new(),
             normalize,
             include_prompt: true,
             prompts: Vec::new(),

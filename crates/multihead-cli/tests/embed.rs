@@ -311,6 +311,27 @@ fn a_line_that_is_not_utf8_is_named() {
     assert!(err.contains("line 3 is not valid UTF-8 (at byte 4"), "{err}");
 }
 
+/// A Dense module's weights from the formula of `tools/sentence_pipelines.py`'s
+/// `dense_weights` (f64, then f32).
+fn save_dense_weights(spec: &Value, path: &std::path::Path) {
+    let (o, i) = (spec["out"].as_u64().unwrap() as usize, spec["in"].as_u64().unwrap() as usize);
+    let salt = spec["salt"].as_f64().unwrap();
+    let dev = candle_core::Device::Cpu;
+    let matrix = |f: &dyn Fn(f64, f64) -> f64| {
+        let v: Vec<f32> = (0..o * i).map(|k| f((k / i) as f64, (k % i) as f64) as f32).collect();
+        Tensor::from_vec(v, (o, i), &dev).unwrap()
+    };
+    let mut w = vec![("linear.weight", matrix(&|r, c| 0.2 * (0.37 * r + 0.11 * c + salt).sin()))];
+    if spec["bias"].as_bool().unwrap() {
+        let b: Vec<f32> = (0..o).map(|r| (0.1 * (0.5 * r as f64 + salt).cos()) as f32).collect();
+        w.push(("linear.bias", Tensor::from_vec(b, o, &dev).unwrap()));
+    }
+    if spec["residual"].as_bool().unwrap() && i != o {
+        w.push(("residual.weight", matrix(&|r, c| 0.05 * (0.13 * r - 0.29 * c + salt).sin())));
+    }
+    multihead::state_dict::save_safetensors(w.iter().map(|(k, t)| (*k, t)), path).unwrap();
+}
+
 /// A copy of the model folder rebuilt as `tools/sentence_pipelines.py` builds a variant: the
 /// Transformer's files moved into `transformer_path`, the tokenizer's lowercasing switched,
 /// then files replaced (a JSON value) or removed (null). The weights are linked, not copied.
@@ -342,6 +363,11 @@ fn pipeline_folder(dir: &std::path::Path, v: &Value) -> PathBuf {
             std::fs::write(&path, j.to_string()).unwrap();
         }
     }
+    for spec in v["dense"].as_array().map_or(&[][..], |a| a.as_slice()) {
+        let dir = out.join(spec["path"].as_str().unwrap());
+        std::fs::create_dir_all(&dir).unwrap();
+        save_dense_weights(spec, &dir.join("model.safetensors"));
+    }
     for (rel, value) in v["files"].as_object().unwrap() {
         let path = out.join(rel);
         match value {
@@ -352,11 +378,12 @@ fn pipeline_folder(dir: &std::path::Path, v: &Value) -> PathBuf {
     out
 }
 
-/// Twenty-two sentence-transformers pipelines around the same encoder (CLS, max, weighted,
+/// Twenty-four sentence-transformers pipelines around the same encoder (CLS, max, weighted,
 /// last-token and concatenated pooling, with and without Normalize, token limits from three
 /// places, a plain Hugging Face folder, the Transformer in a subfolder, a cased tokenizer with
 /// and without `do_lower_case`, no tokenizer.json (built from vocab.txt, cased and uncased),
-/// flags and numbers as Python reads them, prompts by default,
+/// Dense modules (Tanh with a bias, Identity and ReLU with residuals), flags and numbers as
+/// Python reads them, prompts by default,
 /// by name and by text, pooled with the text or left out): packed and padded, each within 1e-5 (relative above 1) of what
 /// sentence-transformers gave for the same folder (`tools/sentence_pipelines.py`).
 #[test]
@@ -368,7 +395,7 @@ fn other_sentence_transformers_pipelines_match_it_too() {
     let texts: Vec<String> =
         fixture["texts"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().into()).collect();
     let variants = fixture["variants"].as_array().unwrap();
-    assert_eq!(variants.len(), 22);
+    assert_eq!(variants.len(), 24);
     for v in variants {
         let name = v["name"].as_str().unwrap();
         let folder = pipeline_folder(&dir, v);
@@ -396,8 +423,8 @@ fn other_sentence_transformers_pipelines_match_it_too() {
     }
 }
 
-/// What `multihead embed` cannot run is refused at load with the file and what to do: a Dense
-/// or custom module, a default prompt that is not there, a model that is not BERT (RoBERTa's positions start at 2: it would run, wrongly),
+/// What `multihead embed` cannot run is refused at load with the file and what to do: a
+/// LayerNorm or custom module, a default prompt that is not there, a model that is not BERT (RoBERTa's positions start at 2: it would run, wrongly),
 /// an unknown pooling mode, a pooled width that is not the encoder's, a token limit
 /// past the position table.
 #[test]
@@ -406,7 +433,7 @@ fn unsupported_pipelines_are_refused_at_load() {
     let modules = serde_json::json!([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+        {"idx": 2, "name": "2", "path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"},
     ]);
     let mut roberta: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
@@ -417,7 +444,7 @@ fn unsupported_pipelines_are_refused_at_load() {
     ]);
     let prompts = serde_json::json!({"prompts": {"q": "q: "}, "default_prompt_name": "doc"});
     let cases = [
-        ("dense", "modules.json", modules, "(Dense, custom and other modules are not supported)"),
+        ("layer_norm", "modules.json", modules, "(custom and other modules are not supported)"),
         ("custom", "modules.json", custom, "lists [\"mypkg.Transformer\""),
         (
             "prompt",
@@ -450,6 +477,27 @@ fn unsupported_pipelines_are_refused_at_load() {
             "has 512 rows, fewer than sentence_bert_config.json's max_seq_length 1000",
         ),
     ];
+    // A Dense module with an activation this does not compute.
+    let gelu = serde_json::json!({
+        "name": "bad-gelu",
+        "dense": [{"path": "2_Dense", "in": 384, "out": 8, "bias": true, "residual": false, "salt": 0.0}],
+        "files": {
+            "modules.json": [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+            ],
+            "2_Dense/config.json": {"in_features": 384, "out_features": 8, "bias": true,
+                "activation_function": "torch.nn.modules.activation.GELU"},
+        },
+    });
+    let folder = pipeline_folder(&dir, &gelu);
+    assert_refused(
+        &folder,
+        "gelu",
+        "activation_function torch.nn.modules.activation.GELU is not supported",
+    );
+    let _ = std::fs::remove_dir_all(&folder);
     for (name, file, value, expect) in cases {
         let v = serde_json::json!({"name": format!("bad-{name}"), "files": {file: value}});
         let folder = pipeline_folder(&dir, &v);
