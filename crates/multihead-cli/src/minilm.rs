@@ -23,7 +23,7 @@ use multihead::{Activation, LayerNorm, Mask};
 use tokenizers::Tokenizer;
 
 use crate::bert_tokenizer::{self, load_tokenizer, Cuts};
-use crate::sentence::Pipeline;
+use crate::sentence::{read_json, whole, Pipeline};
 
 /// The BERT hyper-parameters read from `config.json`.
 struct BertConfig {
@@ -142,24 +142,10 @@ fn token_limit(pipeline: &Pipeline, cfg: &BertConfig, position_rows: usize) -> R
             let path = pipeline.transformer_dir.join("tokenizer_config.json");
             let declared = match path.exists() {
                 false => None,
-                true => {
-                    let text = std::fs::read_to_string(&path)
-                        .with_context(|| format!("reading {}", path.display()))?;
-                    let v: serde_json::Value = serde_json::from_str(&text)
-                        .with_context(|| format!("parsing {}", path.display()))?;
-                    match v.get("model_max_length") {
-                        None | Some(serde_json::Value::Null) => None,
-                        // Tokenizers without a limit say 1e30: a whole number too.
-                        Some(x) => match x.as_f64() {
-                            Some(f) if f >= 0.0 && f.fract() == 0.0 => {
-                                Some(if f >= usize::MAX as f64 { usize::MAX } else { f as usize })
-                            }
-                            _ => bail!(
-                                "tokenizer_config.json: model_max_length must be a whole number, got {x}"
-                            ),
-                        },
-                    }
-                }
+                true => whole(
+                    read_json(&path)?.get("model_max_length"),
+                    "tokenizer_config.json: model_max_length",
+                )?,
             };
             let mut n = cfg.positions.unwrap_or(position_rows).min(position_rows);
             if let Some(d) = declared {

@@ -88,22 +88,33 @@ fn truthy(v: &Value) -> bool {
     }
 }
 
-/// A non-negative whole number (`128` or `128.0`), or `None` for `null` or absent; anything
-/// else is an error naming `what`.
-fn whole(v: Option<&Value>, what: &str) -> Result<Option<usize>> {
+/// A non-negative whole number (`128` or `128.0`; one past `usize`, such as the `1e30` of a
+/// tokenizer without a limit, is `usize::MAX`), or `None` for `null` or absent; anything else
+/// is an error naming `what`.
+pub(crate) fn whole(v: Option<&Value>, what: &str) -> Result<Option<usize>> {
     let v = match v {
         None | Some(Value::Null) => return Ok(None),
         Some(v) => v,
     };
-    let n = v.as_u64().or_else(|| {
-        v.as_f64().filter(|x| *x >= 0.0 && x.fract() == 0.0 && *x < 2f64.powi(63)).map(|x| x as u64)
-    });
-    n.and_then(|n| usize::try_from(n).ok())
-        .map(Some)
-        .with_context(|| format!("{what} must be a non-negative whole number, got {v}"))
+    let n = match v.as_u64() {
+        Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+        None => v.as_f64().filter(|x| *x >= 0.0 && x.fract() == 0.0).map(|x| {
+            if x >= usize::MAX as f64 {
+                usize::MAX
+            } else {
+                x as usize
+            }
+        }),
+    };
+    n.map(Some).with_context(|| format!("{what} must be a non-negative whole number, got {v}"))
 }
 
-fn read_json(path: &Path) -> Result<Value> {
+/// sentence-transformers' own prompts, both empty until a folder gives them text.
+fn builtin_prompts() -> Prompts {
+    ["query", "document"].map(|n| (n.to_string(), String::new())).to_vec()
+}
+
+pub(crate) fn read_json(path: &Path) -> Result<Value> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
@@ -130,7 +141,7 @@ impl Pipeline {
                 dense: Vec::new(),
                 normalize: false,
                 include_prompt: true,
-                prompts: ["query", "document"].map(|n| (n.to_string(), String::new())).to_vec(),
+                prompts: builtin_prompts(),
                 default_prompt_name: None,
             });
         }
@@ -346,12 +357,11 @@ type Prompts = Vec<(String, String)>;
 fn read_prompts(dir: &Path) -> Result<(Prompts, Option<String>)> {
     let path = dir.join("config_sentence_transformers.json");
     if !path.exists() {
-        return Ok((["query", "document"].map(|n| (n.to_string(), String::new())).to_vec(), None));
+        return Ok((builtin_prompts(), None));
     }
     let v = read_json(&path)?;
     // sentence-transformers' own prompts, empty unless the file gives them.
-    let mut prompts: Prompts =
-        ["query", "document"].map(|n| (n.to_string(), String::new())).to_vec();
+    let mut prompts = builtin_prompts();
     match v.get("prompts") {
         None | Some(Value::Null) | Some(Value::Object(_)) => {}
         Some(x) => bail!(

@@ -233,6 +233,14 @@ fn assert_refused(dir: &std::path::Path, name: &str, expect: &str) {
     assert!(err.contains(expect), "{name}: {err}");
 }
 
+/// An edit that keeps the first `n` rows of the weight `key`.
+fn first_rows(key: &'static str, n: usize) -> Box<Edit> {
+    Box::new(move |w| {
+        let t = w[key].narrow(0, 0, n).unwrap();
+        w.insert(key.into(), t);
+    })
+}
+
 /// Malformed weights are refused at load, naming the tensor: a flattened word table ran and
 /// gave wrong embeddings (each token's one number broadcast over the hidden size), a NaN
 /// weight gave all-null embeddings, and a short position table failed only on a long text.
@@ -263,22 +271,14 @@ fn malformed_weights_are_refused_at_load() {
         ),
         (
             "pos10",
-            Box::new(|w| {
-                let k = "embeddings.position_embeddings.weight";
-                let t = w[k].narrow(0, 0, 10).unwrap();
-                w.insert(k.into(), t);
-            }),
+            first_rows("embeddings.position_embeddings.weight", 10),
             "position_embeddings.weight has 10 rows",
         ),
         (
             // The query/key/value parts are checked by their own keys before they are joined
             // (a wrong one used to fail inside the join, naming neither).
             "key_bias",
-            Box::new(|w| {
-                let k = "encoder.layer.4.attention.self.key.bias";
-                let t = w[k].narrow(0, 0, 100).unwrap();
-                w.insert(k.into(), t);
-            }),
+            first_rows("encoder.layer.4.attention.self.key.bias", 100),
             "encoder.layer.4.attention.self.key.bias is [100], expected [384]",
         ),
     ];

@@ -12,7 +12,7 @@ use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
-use candle_core::{Device, Tensor, WithDType};
+use candle_core::{DType, Device, Tensor, WithDType};
 use half::{bf16, f16};
 use safetensors::tensor::Metadata;
 use safetensors::Dtype as S;
@@ -78,17 +78,17 @@ pub(crate) fn read(
         let Some(info) = meta.info(&name) else { continue };
         let bytes = info.data_offsets.1 - info.data_offsets.0;
         let shape = info.shape.as_slice();
-        let t = match info.dtype {
-            S::BOOL | S::U8 => read_as::<u8>(&mut file, path, &name, shape, device)?,
-            S::F32 => read_as::<f32>(&mut file, path, &name, shape, device)?,
-            S::F64 => read_as::<f64>(&mut file, path, &name, shape, device)?,
-            S::F16 => read_as::<f16>(&mut file, path, &name, shape, device)?,
-            S::BF16 => read_as::<bf16>(&mut file, path, &name, shape, device)?,
-            S::U32 => read_as::<u32>(&mut file, path, &name, shape, device)?,
-            S::I64 => read_as::<i64>(&mut file, path, &name, shape, device)?,
-            other => {
+        let t = match candle_dtype(info.dtype) {
+            Some(DType::U8) => read_as::<u8>(&mut file, path, &name, shape, device)?,
+            Some(DType::F32) => read_as::<f32>(&mut file, path, &name, shape, device)?,
+            Some(DType::F64) => read_as::<f64>(&mut file, path, &name, shape, device)?,
+            Some(DType::F16) => read_as::<f16>(&mut file, path, &name, shape, device)?,
+            Some(DType::BF16) => read_as::<bf16>(&mut file, path, &name, shape, device)?,
+            Some(DType::U32) => read_as::<u32>(&mut file, path, &name, shape, device)?,
+            Some(DType::I64) => read_as::<i64>(&mut file, path, &name, shape, device)?,
+            _ => {
                 skip(&mut file, path, &name, bytes as u64)?;
-                unsupported.insert(name, format!("{other:?}"));
+                unsupported.insert(name, format!("{:?}", info.dtype));
                 continue;
             }
         };
@@ -126,23 +126,29 @@ fn read_stream(
         .map_err(|e| file_err(path, format!("not a safetensors file: {e}")))?;
     let (mut out, mut unsupported) = (HashMap::new(), BTreeMap::new());
     for (name, view) in st.tensors() {
-        let dtype = match view.dtype() {
-            S::BOOL | S::U8 => candle_core::DType::U8,
-            S::F32 => candle_core::DType::F32,
-            S::F64 => candle_core::DType::F64,
-            S::F16 => candle_core::DType::F16,
-            S::BF16 => candle_core::DType::BF16,
-            S::U32 => candle_core::DType::U32,
-            S::I64 => candle_core::DType::I64,
-            other => {
-                unsupported.insert(name, format!("{other:?}"));
-                continue;
-            }
+        let Some(dtype) = candle_dtype(view.dtype()) else {
+            unsupported.insert(name, format!("{:?}", view.dtype()));
+            continue;
         };
         let t = Tensor::from_raw_buffer(view.data(), dtype, view.shape(), device)?;
         out.insert(name, t);
     }
     Ok((out, unsupported))
+}
+
+/// The dtype candle holds a tensor of this file dtype in (bool as `u8`: `1` for true, the
+/// form `Mask::Bool` takes), if it has one.
+fn candle_dtype(d: S) -> Option<DType> {
+    match d {
+        S::BOOL | S::U8 => Some(DType::U8),
+        S::F32 => Some(DType::F32),
+        S::F64 => Some(DType::F64),
+        S::F16 => Some(DType::F16),
+        S::BF16 => Some(DType::BF16),
+        S::U32 => Some(DType::U32),
+        S::I64 => Some(DType::I64),
+        _ => None,
+    }
 }
 
 /// Element types whose every bit pattern is a valid value, so that bytes read from a file
