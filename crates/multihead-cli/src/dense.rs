@@ -42,7 +42,22 @@ fn take(
     if t.dims() != shape {
         bail!("{}: {key} is {:?}, expected {shape:?}", file.display(), t.dims());
     }
-    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    if !t.dtype().is_float() {
+        bail!(
+            "{}: {key} is {:?}; a Dense weight must be a float tensor",
+            file.display(),
+            t.dtype()
+        );
+    }
+    let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    // As for the encoder's weights: a NaN or infinite one would make every embedding NaN.
+    if v.iter().any(|x| !x.is_finite()) {
+        bail!(
+            "{}: {key} holds NaN or infinite values; the embeddings would be NaN",
+            file.display()
+        );
+    }
+    Ok(v)
 }
 
 impl Dense {

@@ -498,6 +498,22 @@ fn unsupported_pipelines_are_refused_at_load() {
         "activation_function torch.nn.modules.activation.GELU is not supported",
     );
     let _ = std::fs::remove_dir_all(&folder);
+    // A Dense weight that is NaN is refused like an encoder weight.
+    let mut nan = gelu.clone();
+    nan["name"] = "bad-dense-nan".into();
+    nan["files"]["2_Dense/config.json"]["activation_function"] =
+        "torch.nn.modules.activation.Tanh".into();
+    let folder = pipeline_folder(&dir, &nan);
+    let cpu = candle_core::Device::Cpu;
+    let bias = Tensor::from_vec(vec![f32::NAN; 8], 8, &cpu).unwrap();
+    let weight = Tensor::zeros((8, 384), candle_core::DType::F32, &cpu).unwrap();
+    multihead::state_dict::save_safetensors(
+        [("linear.weight", &weight), ("linear.bias", &bias)],
+        folder.join("2_Dense/model.safetensors"),
+    )
+    .unwrap();
+    assert_refused(&folder, "dense-nan", "linear.bias holds NaN or infinite values");
+    let _ = std::fs::remove_dir_all(&folder);
     for (name, file, value, expect) in cases {
         let v = serde_json::json!({"name": format!("bad-{name}"), "files": {file: value}});
         let folder = pipeline_folder(&dir, &v);
