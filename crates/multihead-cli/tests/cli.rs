@@ -10,6 +10,9 @@ use candle_core::Device;
 use multihead::state_dict::load_safetensors;
 use multihead_parity::Tolerance;
 
+mod common;
+use common::Scratch;
+
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_multihead"))
 }
@@ -18,16 +21,15 @@ fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/mha")
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("multihead-cli-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&d).expect("tmp dir");
-    d
+fn tmp(name: &str) -> Scratch {
+    Scratch::new(&format!("cli-{name}"))
 }
 
 #[test]
 fn replay_writes_every_result_the_contract_names() {
     let case = fixtures().join("weights_in_loss_unbatched_bias_kv_f64");
-    let out = tmp("replay").join("result.safetensors");
+    let scratch = tmp("replay");
+    let out = scratch.join("result.safetensors");
     let status = bin().arg("replay").arg(&case).arg("--out").arg(&out).status().expect("runs");
     assert!(status.success());
     let result = load_safetensors(&out, &Device::Cpu).expect("result");

@@ -7,12 +7,15 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use candle_core::Tensor;
 
 use serde_json::Value;
+
+mod common;
+use common::Scratch;
 
 fn model_dir() -> Option<PathBuf> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
@@ -22,15 +25,15 @@ fn model_dir() -> Option<PathBuf> {
     dir.join("model.safetensors").is_file().then_some(dir)
 }
 
-fn embed(dir: &PathBuf, texts: &[String], batch: usize) -> Vec<(String, Vec<f64>)> {
+fn embed(dir: &Path, texts: &[String], batch: usize) -> Vec<(String, Vec<f64>)> {
     embed_as(dir, texts, batch, "f32")
 }
 
-fn embed_as(dir: &PathBuf, texts: &[String], batch: usize, dtype: &str) -> Vec<(String, Vec<f64>)> {
+fn embed_as(dir: &Path, texts: &[String], batch: usize, dtype: &str) -> Vec<(String, Vec<f64>)> {
     embed_with(dir, texts, &["--batch", &batch.to_string(), "--dtype", dtype])
 }
 
-fn embed_with(dir: &PathBuf, texts: &[String], args: &[&str]) -> Vec<(String, Vec<f64>)> {
+fn embed_with(dir: &Path, texts: &[String], args: &[&str]) -> Vec<(String, Vec<f64>)> {
     let o = Command::new(env!("CARGO_BIN_EXE_multihead"))
         .arg("embed")
         .arg("--model")
@@ -200,10 +203,8 @@ fn edited_model(
     dir: &std::path::Path,
     name: &str,
     edit: impl FnOnce(&mut HashMap<String, Tensor>),
-) -> PathBuf {
-    let out = std::env::temp_dir().join(format!("multihead-embed-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
-    std::fs::create_dir_all(&out).unwrap();
+) -> Scratch {
+    let out = Scratch::new(&format!("embed-{name}"));
     std::fs::create_dir_all(out.join("1_Pooling")).unwrap();
     for f in MODEL_FILES.iter().filter(|f| **f != "model.safetensors") {
         std::fs::copy(dir.join(f), out.join(f)).unwrap();
@@ -285,7 +286,6 @@ fn malformed_weights_are_refused_at_load() {
     for (name, edit, expect) in cases {
         let m = edited_model(&dir, name, edit);
         assert_refused(&m, name, expect);
-        let _ = std::fs::remove_dir_all(&m);
     }
 }
 
@@ -335,10 +335,9 @@ fn save_dense_weights(spec: &Value, path: &std::path::Path) {
 /// A copy of the model folder rebuilt as `tools/sentence_pipelines.py` builds a variant: the
 /// Transformer's files moved into `transformer_path`, the tokenizer's lowercasing switched,
 /// then files replaced (a JSON value) or removed (null). The weights are linked, not copied.
-fn pipeline_folder(dir: &std::path::Path, v: &Value) -> PathBuf {
+fn pipeline_folder(dir: &Path, v: &Value) -> Scratch {
     let name = v["name"].as_str().unwrap();
-    let out = std::env::temp_dir().join(format!("multihead-pipe-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
+    let out = Scratch::new(&format!("pipe-{name}"));
     let sub = v["transformer_path"].as_str().unwrap_or("");
     std::fs::create_dir_all(out.join(sub)).unwrap();
     std::fs::create_dir_all(out.join("1_Pooling")).unwrap();
@@ -419,7 +418,6 @@ fn other_sentence_transformers_pipelines_match_it_too() {
                 }
             }
         }
-        let _ = std::fs::remove_dir_all(&folder);
     }
 }
 
@@ -497,7 +495,6 @@ fn unsupported_pipelines_are_refused_at_load() {
         "gelu",
         "activation_function torch.nn.modules.activation.GELU is not supported",
     );
-    let _ = std::fs::remove_dir_all(&folder);
     // A Dense weight that is NaN is refused like an encoder weight.
     let mut nan = gelu.clone();
     nan["name"] = "bad-dense-nan".into();
@@ -513,11 +510,9 @@ fn unsupported_pipelines_are_refused_at_load() {
     )
     .unwrap();
     assert_refused(&folder, "dense-nan", "linear.bias holds NaN or infinite values");
-    let _ = std::fs::remove_dir_all(&folder);
     for (name, file, value, expect) in cases {
         let v = serde_json::json!({"name": format!("bad-{name}"), "files": {file: value}});
         let folder = pipeline_folder(&dir, &v);
         assert_refused(&folder, name, expect);
-        let _ = std::fs::remove_dir_all(&folder);
     }
 }

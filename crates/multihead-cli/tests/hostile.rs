@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+mod common;
+use common::Scratch;
+
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_multihead"))
 }
@@ -17,18 +20,14 @@ fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("multihead-hostile-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmp(name: &str) -> Scratch {
+    Scratch::new(&format!("hostile-{name}"))
 }
 
 /// Copies a fixture case and rewrites its case.json with `edit`.
-fn edited_case(fixture: &str, name: &str, edit: impl FnOnce(&mut Value)) -> PathBuf {
+fn edited_case(fixture: &str, name: &str, edit: impl FnOnce(&mut Value)) -> Scratch {
     let src = fixtures().join(fixture);
-    let dir = tmp(name).join("case");
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = tmp(name).sub("case");
     std::fs::copy(src.join("case.safetensors"), dir.join("case.safetensors")).unwrap();
     let mut v: Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("case.json")).unwrap()).unwrap();
@@ -389,7 +388,7 @@ fn malformed_tolerances_and_sdpa_parameters_are_errors() {
 }
 
 /// A copy of a fixture case with one more stored tensor, `name` (a copy of its query).
-fn case_with_extra_tensor(fixture: &str, name: &str) -> PathBuf {
+fn case_with_extra_tensor(fixture: &str, name: &str) -> Scratch {
     let dir = edited_case(fixture, name, |_| {});
     let st = dir.join("case.safetensors");
     let mut w = multihead::state_dict::load_safetensors(&st, &candle_core::Device::Cpu).unwrap();

@@ -577,8 +577,8 @@ fn empty_and_oversized_caches_are_handled() {
 #[test]
 fn a_grouped_query_module_saves_and_loads_under_its_documented_keys() {
     let m = module(32, 8, Some(2), DType::F32);
-    let dir = std::env::temp_dir().join(format!("multihead-gqa-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
     let path = dir.join("gqa.safetensors");
     multihead::state_dict::save_state_dict(&m, &path).unwrap();
     let shapes: std::collections::BTreeMap<String, Vec<usize>> =
@@ -615,7 +615,6 @@ fn a_grouped_query_module_saves_and_loads_under_its_documented_keys() {
         Err(e) => e.to_string(),
     };
     assert!(err.contains("missing keys [\"in_proj_weight\"]"), "{err}");
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

@@ -67,8 +67,8 @@ fn fresh_parameters_follow_pytorch_init() {
 fn safetensors_round_trip_gives_the_same_module() {
     let cfg = MhaConfig::new(6, 3).with_kdim(4).with_vdim(5).with_add_bias_kv(true);
     let (m, _) = mha(cfg.clone(), DType::F64);
-    let dir = std::env::temp_dir().join(format!("multihead-sd-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
     let path = dir.join("mha.safetensors");
     save_state_dict(&m, &path).unwrap();
     let loaded = load_safetensors(&path, &dev()).unwrap();
@@ -82,7 +82,6 @@ fn safetensors_round_trip_gives_the_same_module() {
     let a = m.forward(&q, &k, &v, &MhaOptions::default()).unwrap();
     let b = m2.forward(&q, &k, &v, &MhaOptions::default()).unwrap();
     assert_close(&b.output, &a.output, Tolerance { rel: 0.0, abs: 0.0 }, "round trip");
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
@@ -160,8 +159,8 @@ fn every_problem_of_a_state_dict_is_reported_at_once() {
 fn entries_in_dtypes_candle_lacks_are_unexpected_keys_unless_the_module_asks_for_them() {
     // A file with an int32 step counter beside the module's weights (candle has no i32).
     let (m, _) = mha(MhaConfig::new(8, 2), DType::F32);
-    let dir = std::env::temp_dir().join(format!("mh_sd_i32_{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
     let path = dir.join("with_i32.safetensors");
     let mut views: Vec<(String, Vec<u8>, Vec<usize>, safetensors::Dtype)> = m
         .named_parameters()
@@ -208,7 +207,6 @@ fn entries_in_dtypes_candle_lacks_are_unexpected_keys_unless_the_module_asks_for
     })
     .map(|(m, _)| m)
     .expect_err("asked");
-    std::fs::remove_dir_all(&dir).ok();
     assert!(err.to_string().contains("step: dtype I32 cannot be read"), "{err}");
 }
 
@@ -297,9 +295,8 @@ fn embedding_loads_by_its_pytorch_key_and_rejects_bad_indices() {
 fn save_follows_links_keeps_modes_and_refuses_non_files() {
     use multihead::state_dict::save_safetensors;
     use std::os::unix::fs::{symlink, PermissionsExt};
-    let dir = std::env::temp_dir().join(format!("multihead-save-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
     let t = Tensor::arange(0f32, 6.0, &dev()).unwrap();
     let save = |p: &std::path::Path| save_safetensors([("t", &t)], p);
     let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
@@ -329,12 +326,11 @@ fn save_follows_links_keeps_modes_and_refuses_non_files() {
     let twice = save_safetensors([("t", &t), ("t", &t)], &new).unwrap_err();
     assert!(twice.to_string().contains("\"t\" is given twice"), "{twice}");
 
-    let err = save(&dir).unwrap_err();
+    let err = save(dir).unwrap_err();
     assert!(
         matches!(err, Error::File { .. }) && err.to_string().contains("not a regular file"),
         "{err}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -443,12 +439,11 @@ fn a_key_map_loads_and_saves_under_the_files_names_and_checks_itself() {
     let map = torchvision_map();
     let (loaded, vars) =
         load_strict(&map.to_module(&file).unwrap(), DType::F32, &dev(), build).unwrap();
-    let dir = std::env::temp_dir().join(format!("multihead_keymap_{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
     let path = dir.join("saved.safetensors");
     save_loaded_with(&loaded, &vars, &map, &path).unwrap();
     let back = load_safetensors(&path, &dev()).unwrap();
-    std::fs::remove_dir_all(&dir).ok();
     let mut want: Vec<&String> = file.keys().collect();
     let mut got: Vec<&String> = back.keys().collect();
     want.sort();
@@ -517,8 +512,8 @@ fn le<T: candle_core::WithDType, const W: usize>(t: &Tensor, f: fn(T) -> [u8; W]
 fn safetensors_files_are_read_tensor_by_tensor_as_the_crate_reads_them() {
     use safetensors::tensor::TensorView;
     use safetensors::Dtype as S;
-    let dir = std::env::temp_dir().join(format!("multihead-st-read-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
     let bytes = |n: usize, salt: u8| -> Vec<u8> {
         (0..n).map(|i| (i as u8).wrapping_mul(37).wrapping_add(salt)).collect()
     };
@@ -623,7 +618,7 @@ fn safetensors_files_are_read_tensor_by_tensor_as_the_crate_reads_them() {
     writer.join().unwrap();
     assert_eq!(piped, err.replace("all.safetensors", "pipe.safetensors"));
     // A directory is named as one.
-    match load_safetensors(&dir, &dev()) {
+    match load_safetensors(dir, &dev()) {
         Err(Error::File { msg, .. }) => assert_eq!(msg, "cannot read: it is a directory"),
         other => panic!("directory: {other:?}"),
     }
@@ -646,7 +641,6 @@ fn safetensors_files_are_read_tensor_by_tensor_as_the_crate_reads_them() {
             other => panic!("{what}: {other:?}"),
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A tensor candle cannot hold is skipped over, and the tensors after it in the file are read
@@ -654,8 +648,8 @@ fn safetensors_files_are_read_tensor_by_tensor_as_the_crate_reads_them() {
 /// reported as unexpected).
 #[test]
 fn tensors_after_a_skipped_one_are_read_from_their_own_offsets() {
-    let dir = std::env::temp_dir().join(format!("multihead-st-skip-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
     let weight: Vec<f32> = (0..6).map(|i| i as f32 * 0.5 - 1.0).collect();
     let bias: Vec<f32> = vec![0.25, -4.0];
     let header = r#"{"weight":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},"int32":{"dtype":"I32","shape":[3],"data_offsets":[24,36]},"bias":{"dtype":"F32","shape":[2],"data_offsets":[36,44]}}"#;
@@ -676,5 +670,4 @@ fn tensors_after_a_skipped_one_are_read_from_their_own_offsets() {
     assert_eq!(w.to_vec1::<f32>().unwrap(), weight);
     assert_eq!(b.to_vec1::<f32>().unwrap(), bias);
     assert!(format!("{report:?}").contains("int32"), "{report:?}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
