@@ -90,7 +90,7 @@ pub(crate) fn memory_limit() -> usize {
 
 /// An empty `Vec` with room for exactly `n` elements, or a candle error naming `what` when
 /// that cannot be allocated.
-fn try_empty<T>(n: usize, what: &str) -> candle_core::Result<Vec<T>> {
+pub(crate) fn try_empty<T>(n: usize, what: &str) -> candle_core::Result<Vec<T>> {
     let mut v = Vec::new();
     v.try_reserve_exact(n).map_err(|_| {
         candle_core::Error::Msg(format!(

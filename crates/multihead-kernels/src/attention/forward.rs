@@ -26,7 +26,8 @@ pub(crate) struct FwdTask<'a> {
     vl: Layout4,
     out: SyncPtr<f32>,
     ol: Layout4,
-    lse: SyncPtr<f32>,
+    /// The row statistics, or `None` where the caller keeps none (no backward will run).
+    lse: Option<SyncPtr<f32>>,
     br: usize,
     bc: usize,
     nq: usize,
@@ -39,7 +40,9 @@ pub(crate) struct FwdTask<'a> {
 }
 
 impl<'a> FwdTask<'a> {
-    /// The arguments were validated by `flash_forward`.
+    /// The arguments were validated by `flash_forward`: `out` addresses the output through
+    /// `ol`, `lse` (when given) holds `2·batch·heads_q·l` floats, both writable and alive for
+    /// the task's lifetime.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         p: &'a AttnParams<'a>,
@@ -49,9 +52,9 @@ impl<'a> FwdTask<'a> {
         kl: Layout4,
         v: &'a [f32],
         vl: Layout4,
-        out: &'a mut [f32],
+        out: SyncPtr<f32>,
         ol: Layout4,
-        lse: &'a mut [f32],
+        lse: Option<SyncPtr<f32>>,
         br: usize,
         bc: usize,
     ) -> Self {
@@ -64,9 +67,9 @@ impl<'a> FwdTask<'a> {
             kl,
             v: ConstPtr(v.as_ptr()),
             vl,
-            out: SyncPtr(out.as_mut_ptr()),
+            out,
             ol,
-            lse: SyncPtr(lse.as_mut_ptr()),
+            lse,
             br,
             bc,
             nq: p.dims.l.div_ceil(br),
@@ -273,18 +276,19 @@ impl FwdTask<'_> {
         let sink = self.p.sinks.map(|x| x[r.h]);
         // SAFETY: `run` validated these rows; this task alone writes them.
         unsafe {
-            let max_row = self.lse.0.add(r0);
-            let lse_row = self.lse.0.add(rows + r0);
             for i in 0..r.br {
                 let dst = self.out.0.add(self.ol.offset(r.b, r.h, r.i0 + i));
                 let (src, l) = (o.as_ptr().add(i * r.dv), sum[i]);
                 let dead = r.empty || (l == 0.0 && r.finite);
-                let (scale, stats) = row_end(dead, (max[i], l), sink);
+                let (scale, (m, denominator)) = row_end(dead, (max[i], l), sink);
                 match scale {
                     None => zero_row(dst, r.dv),
                     Some(f) => scale_row::<S>(dst, src, r.dv, f),
                 }
-                (*max_row.add(i), *lse_row.add(i)) = stats;
+                if let Some(lse) = self.lse {
+                    *lse.0.add(r0 + i) = m;
+                    *lse.0.add(rows + r0 + i) = denominator.ln();
+                }
             }
         }
     }

@@ -663,13 +663,42 @@ pub fn flash_forward(
     ol: Layout4,
     lse: &mut [f32],
 ) -> Result<(), KernelError> {
+    // SAFETY: `MaybeUninit<f32>` has the layout of `f32`, and the kernel writes only floats
+    // through these views, so the slices stay initialised.
+    let (out, lse) = unsafe { (as_uninit(out), as_uninit(lse)) };
+    flash_forward_uninit(p, q, ql, k, kl, v, vl, out, ol, Some(lse))
+}
+
+/// [`flash_forward`] into memory that need not be initialised, so that a caller can allocate
+/// its output without zeroing it first: on `Ok`, every element of `out` that `ol` addresses
+/// for `[batch, heads_q, l, dv]` has been written (all of it for a contiguous layout), and all
+/// of `lse` when given. With `lse` `None` the row statistics are not computed (inference: no
+/// backward will need them), which saves a logarithm per row.
+///
+/// Errors: as [`flash_forward`].
+#[allow(clippy::too_many_arguments)]
+// Mirrors torch.nn.functional.scaled_dot_product_attention's CPU flash kernel (forward).
+pub fn flash_forward_uninit(
+    p: &AttnParams<'_>,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    v: &[f32],
+    vl: Layout4,
+    out: &mut [std::mem::MaybeUninit<f32>],
+    ol: Layout4,
+    lse: Option<&mut [std::mem::MaybeUninit<f32>]>,
+) -> Result<(), KernelError> {
     check_params(p)?;
     let d = p.dims;
     check_tensor("q", q.len(), [d.batch, d.heads_q, d.l, d.d], ql, false)?;
     check_tensor("k", k.len(), [d.batch, d.heads_kv, d.s, d.d], kl, false)?;
     check_tensor("v", v.len(), [d.batch, d.heads_kv, d.s, d.dv], vl, false)?;
     check_tensor("out", out.len(), [d.batch, d.heads_q, d.l, d.dv], ol, true)?;
-    check_len("lse", product("lse", &[2, d.batch, d.heads_q, d.l])?, lse.len())?;
+    if let Some(lse) = &lse {
+        check_len("lse", product("lse", &[2, d.batch, d.heads_q, d.l])?, lse.len())?;
+    }
     if d.batch == 0 || d.heads_q == 0 || d.l == 0 {
         return Ok(());
     }
@@ -685,9 +714,21 @@ pub fn flash_forward(
     };
     let (k, kl) = kc.as_ref().map_or((k, kl), |(c, l)| (c.as_slice(), *l));
     let (v, vl) = vc.as_ref().map_or((v, vl), |(c, l)| (c.as_slice(), *l));
+    let out = exec::SyncPtr(out.as_mut_ptr().cast::<f32>());
+    let lse = lse.map(|x| exec::SyncPtr(x.as_mut_ptr().cast::<f32>()));
     let mut task = forward::FwdTask::new(p, q, ql, k, kl, v, vl, out, ol, lse, FWD_BR, FWD_BC);
     task.finite = &finite;
     exec::try_par_run(simd_level(), &task, "flash_forward")
+}
+
+/// `x` viewed as possibly uninitialised floats.
+///
+/// # Safety
+/// Nothing but floats may be written through the view (it must stay initialised).
+unsafe fn as_uninit(x: &mut [f32]) -> &mut [std::mem::MaybeUninit<f32>] {
+    // SAFETY: `MaybeUninit<f32>` has the size and alignment of `f32`; the caller writes only
+    // initialised floats through the view.
+    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast(), x.len()) }
 }
 
 /// The attention backward (FlashAttention-2 recomputation from `lse`). Overwrites `dq`

@@ -6,31 +6,33 @@
 use super::{check_params, check_tensor, product, AttnParams, KernelError, Layout4};
 
 /// How a finished query row is written: the factor on its accumulated output (`None`: a zero
-/// row) and its statistics `(max, ln Σ)`, from its running `(max, sum)`; `dead` when no key was
-/// seen (a zero row). A finite `sink` joins the sum; `-inf` (or none) changes nothing; NaN or
-/// `+inf` makes the row NaN, as a softmax over a row holding it does.
+/// row) and its statistics `(max, Σ)` before the log (the caller stores `(max, ln Σ)`, and
+/// takes the log only when it keeps the statistics), from its running `(max, sum)`; `dead`
+/// when no key was seen (a zero row). A finite `sink` joins the sum; `-inf` (or none) changes
+/// nothing; NaN or `+inf` makes the row NaN, as a softmax over a row holding it does.
 pub(crate) fn row_end(
     dead: bool,
     (m, l): (f32, f32),
     sink: Option<f32>,
 ) -> (Option<f32>, (f32, f32)) {
+    // `ln` of each second member gives the statistics: ln ∞ = ∞, ln 1 = 0, ln NaN = NaN.
     let plain = || match (dead, l == 0.0) {
         (true, _) => (None, (0.0, f32::INFINITY)),
         (false, true) => (Some(1.0), (0.0, f32::INFINITY)),
-        (false, false) => (Some(1.0 / l), (m, l.ln())),
+        (false, false) => (Some(1.0 / l), (m, l)),
     };
     match sink {
         None => plain(),
         Some(s) if s == f32::NEG_INFINITY => plain(),
         Some(s) if !s.is_finite() => (Some(f32::NAN), (f32::NAN, f32::NAN)),
         // Only the sink: every key weight is 0 and the sink's is 1.
-        Some(s) if dead => (None, (s, 0.0)),
-        Some(s) if l == 0.0 => (Some(1.0), (s, 0.0)),
+        Some(s) if dead => (None, (s, 1.0)),
+        Some(s) if l == 0.0 => (Some(1.0), (s, 1.0)),
         Some(s) => {
             let top = m.max(s);
             let a = (m - top).exp();
             let sum = l * a + (s - top).exp();
-            (Some(a / sum), (top, sum.ln()))
+            (Some(a / sum), (top, sum))
         }
     }
 }

@@ -303,6 +303,14 @@ fn run_kernels(c: &Case, p: &AttnParams<'_>, x: &Inputs) -> Results {
     let mut lse = vec![f32::NAN; 2 * rows];
     let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
     flash_forward(p, q, x.ql, k, x.kl, v, x.vl, &mut out, x.ol, &mut lse).unwrap();
+    // Into memory given as uninitialised, without statistics: the same bits, and every
+    // element `flash_forward` wrote is written (a skipped one would keep its NaN here and
+    // differ from the other's value, or from the reference).
+    let mut bare = vec![std::mem::MaybeUninit::new(f32::NAN); x.out_len];
+    flash_forward_uninit(p, q, x.ql, k, x.kl, v, x.vl, &mut bare, x.ol, None).unwrap();
+    // SAFETY: every element was initialised (to NaN) before the call.
+    let bare: Vec<u32> = bare.iter().map(|x| unsafe { x.assume_init() }.to_bits()).collect();
+    assert!(bare == out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "uninit forward");
     let mut dq = vec![f32::NAN; x.dq_len];
     let mut dk = vec![f32::NAN; c.b * c.hkv * c.s * c.d];
     let mut dv = vec![f32::NAN; c.b * c.hkv * c.s * c.dv];

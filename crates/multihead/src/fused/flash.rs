@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use multihead_kernels::attention::{
-    attention_weights, flash_backward, flash_forward, AttnDims, AttnParams, KernelError, Layout4,
-    MaskView,
+    attention_weights, flash_backward, flash_forward_uninit, AttnDims, AttnParams, KernelError,
+    Layout4, MaskView,
 };
 use multihead_kernels::dropout::DropoutKey;
 
@@ -105,9 +105,21 @@ pub(crate) struct FlashAttention {
     /// Attention sinks, one per query head (their gradient: [`super::sinks`]).
     pub(super) sinks: Option<Arc<Vec<f32>>>,
     pub(super) lse: Arc<Mutex<Vec<f32>>>,
+    /// Whether the forward keeps the row statistics for a backward: not where no gradient can
+    /// be asked for (inside `no_grad`, with inputs that carry no graph), which saves a
+    /// logarithm per row.
+    keep_stats: bool,
+    /// Whether [`Self::weights`] will read the statistics after the forward (they are kept
+    /// then whatever the gradients).
+    weights_later: bool,
     /// dq, dk, dv already computed by a learned mask's backward ([`super::mask_grad`]).
     pub(super) grads: super::mask_grad::Stash,
 }
+
+/// The backward's error where the forward kept no statistics.
+pub(super) const NO_STATS: &str = "flash attention backward: the forward kept no row statistics \
+    (it ran inside multihead::no_grad on inputs that carry no graph); run the forward with \
+    gradients enabled to differentiate it";
 
 impl FlashAttention {
     pub(crate) fn new(
@@ -130,6 +142,8 @@ impl FlashAttention {
             alibi: None,
             sinks: None,
             lse: Arc::new(Mutex::new(Vec::new())),
+            keep_stats: true,
+            weights_later: false,
             grads: Arc::default(),
         }
     }
@@ -173,17 +187,36 @@ impl FlashAttention {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let out_dims = self.conv.out_shape(q_dims, self.dims.dv);
         let o4 = contiguous_layout4(self.conv, &out_dims)?;
-        let mut out =
-            crate::alloc::try_zeros::<f32>(out_dims.iter().product(), "flash attention output")?;
         let d = self.dims;
-        let mut lse = crate::alloc::try_zeros::<f32>(
-            2 * d.batch * d.heads_q * d.l,
-            "flash attention row statistics",
-        )?;
-        flash_forward(&self.params(), q, q4, k, k4, v, v4, &mut out, o4, &mut lse)
+        let n = out_dims.iter().product();
+        let rows = if self.keep_stats { 2 * d.batch * d.heads_q * d.l } else { 0 };
+        let mut out = crate::alloc::try_empty::<f32>(n, "flash attention output")?;
+        let mut lse = crate::alloc::try_empty::<f32>(rows, "flash attention row statistics")?;
+        let stats = self.keep_stats.then(|| &mut lse.spare_capacity_mut()[..rows]);
+        let dst = &mut out.spare_capacity_mut()[..n];
+        flash_forward_uninit(&self.params(), q, q4, k, k4, v, v4, dst, o4, stats)
             .map_err(|e| candle_core::Error::Msg(format!("flash attention forward: {e}")))?;
+        // SAFETY: on `Ok` the kernel wrote every element of the contiguous output and, when
+        // kept, all `rows` statistics (`flash_forward_uninit`); otherwise `rows` is 0.
+        unsafe {
+            out.set_len(n);
+            lse.set_len(rows);
+        }
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
         Ok((CpuStorage::F32(out), Shape::from(out_dims)))
+    }
+
+    /// The same op, whose forward keeps the statistics for [`Self::weights`] when
+    /// `need_weights`.
+    pub(crate) fn with_weights_later(self, need_weights: bool) -> Self {
+        Self { weights_later: need_weights, ..self }
+    }
+
+    /// The op as applied to inputs `xs`: keeping the statistics only where the weights or a
+    /// backward can ask for them (gradients enabled, or an input carrying a graph).
+    pub(super) fn for_inputs(&self, xs: &[&Tensor]) -> Self {
+        let graph = crate::mode::grad_enabled() || xs.iter().any(|x| x.track_op());
+        Self { keep_stats: self.weights_later || graph, ..self.clone() }
     }
 
     /// Hands `f` what every backward of this op reads besides its inputs: the kernel
@@ -206,6 +239,10 @@ impl FlashAttention {
         let (o_off, o4) = self.conv.layout4(ol)?;
         let (g_off, g4) = self.conv.layout4(gl)?;
         let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
+        let d = self.dims;
+        if lse.len() != 2 * d.batch * d.heads_q * d.l {
+            return Err(candle_core::Error::Msg(NO_STATS.into()));
+        }
         let (out, g) = ((&f32s(&os)?[o_off..], o4), (&f32s(&gs)?[g_off..], g4));
         f(&self.params(), out, g, &lse)
             .map_err(|e| candle_core::Error::Msg(format!("flash attention backward: {e}")))
@@ -357,6 +394,6 @@ impl CustomOp3 for FlashAttention {
 impl FlashAttention {
     /// Applies the op to `(q, k, v)`; the result is differentiable through [`CustomOp3::bwd`].
     pub(crate) fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        Ok(q.apply_op3_arc(k, v, Arc::new(Box::new(self.clone())))?)
+        Ok(q.apply_op3_arc(k, v, Arc::new(Box::new(self.for_inputs(&[q, k, v]))))?)
     }
 }

@@ -128,11 +128,11 @@ impl CustomOp2 for PackedKv {
 impl FlashAttention {
     /// Applies the op to a packed `(L, N, 3E)` self-attention projection.
     pub(crate) fn apply_packed(&self, qkv: &Tensor) -> Result<Tensor> {
-        Ok(qkv.apply_op1_arc(Arc::new(Box::new(PackedQkv(self.clone()))))?)
+        Ok(qkv.apply_op1_arc(Arc::new(Box::new(PackedQkv(self.for_inputs(&[qkv])))))?)
     }
 
     /// Applies the op to a query and a packed `(S, N, 2E)` key/value projection.
     pub(crate) fn apply_packed_kv(&self, q: &Tensor, kv: &Tensor) -> Result<Tensor> {
-        Ok(q.apply_op2_arc(kv, Arc::new(Box::new(PackedKv(self.clone()))))?)
+        Ok(q.apply_op2_arc(kv, Arc::new(Box::new(PackedKv(self.for_inputs(&[q, kv])))))?)
     }
 }

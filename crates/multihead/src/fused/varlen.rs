@@ -11,7 +11,9 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
-use multihead_kernels::attention::{flash_backward, flash_forward, AttnDims, KernelError, Layout4};
+use multihead_kernels::attention::{
+    flash_backward, flash_forward_uninit, AttnDims, KernelError, Layout4,
+};
 use multihead_kernels::dropout::DropoutKey;
 use rayon::prelude::*;
 
@@ -37,8 +39,11 @@ pub(crate) struct VarlenAttention {
     pub variants: Arc<crate::Variants>,
     /// Attention sinks, one per query head (their gradient: [`super::varlen_sinks`]).
     pub sinks: Option<Arc<Vec<f32>>>,
-    /// Each sequence's row statistics.
+    /// Each sequence's row statistics (none where the forward kept none: see `keep_stats`).
     pub(super) lse: Arc<Mutex<Vec<Vec<f32>>>>,
+    /// Whether the forward keeps the row statistics for a backward (as
+    /// `FlashAttention::keep_stats`).
+    keep_stats: bool,
 }
 
 /// One input's rows: the data from the view's start, the stride between rows and between
@@ -123,6 +128,7 @@ impl VarlenAttention {
             variants: Arc::new(variants.clone()),
             sinks: None,
             lse: Arc::default(),
+            keep_stats: true,
         }
     }
 
@@ -160,12 +166,12 @@ impl VarlenAttention {
 
     /// The output rows of each sequence: `buf` (rows of `width` floats) split at the query
     /// offsets.
-    fn split_rows<'b>(
+    fn split_rows<'b, T>(
         &self,
-        mut buf: &'b mut [f32],
+        mut buf: &'b mut [T],
         cu: &[usize],
         width: usize,
-    ) -> Vec<&'b mut [f32]> {
+    ) -> Vec<&'b mut [T]> {
         let mut parts = Vec::with_capacity(cu.len());
         for w in cu.windows(2) {
             let (head, rest) = buf.split_at_mut((w[1] - w[0]) * width);
@@ -219,28 +225,42 @@ impl CustomOp3 for VarlenAttention {
             Some(buf) => Rows { data: buf, row: dv, head: tk * dv },
             None => v,
         };
-        let mut out = crate::alloc::try_zeros::<f32>(tq * hq * dv, "varlen attention output")?;
+        let n = tq * hq * dv;
+        let mut out = crate::alloc::try_empty::<f32>(n, "varlen attention output")?;
         let o4 = Layout4 { batch: 0, head: dv, seq: hq * dv };
         let spans = self.spans();
-        let outs = self.split_rows(&mut out, &self.cu_q, hq * dv);
+        let outs = self.split_rows(&mut out.spare_capacity_mut()[..n], &self.cu_q, hq * dv);
+        let keep = self.keep_stats;
         let lse: Vec<Vec<f32>> = outs
             .into_par_iter()
             .zip(spans.par_iter().enumerate())
             .map(|(o, (b, &((q0, l), (k0, s))))| {
-                let mut lse = vec![0f32; 2 * hq * l];
+                let mut lse = if keep { vec![0f32; 2 * hq * l] } else { Vec::new() };
                 if l == 0 || s == 0 {
                     // No keys: zero rows (as for fully masked rows), statistics (0, inf).
-                    lse[hq * l..].fill(f32::INFINITY);
+                    o.fill(std::mem::MaybeUninit::new(0.0));
+                    if keep {
+                        lse[hq * l..].fill(f32::INFINITY);
+                    }
                     return Ok(lse);
                 }
                 let op = self.sequence_op(b, l, s);
                 let ((qs, q4), (ks, k4), (vs, v4)) = (q.part(q0, l), k.part(k0, s), v.part(k0, s));
-                flash_forward(&op.params(), qs, q4, ks, k4, vs, v4, o, o4, &mut lse)
+                // SAFETY: `f32` and `MaybeUninit<f32>` share their layout; the kernel writes
+                // only floats, so the statistics stay initialised.
+                let stats = keep.then(|| unsafe {
+                    std::slice::from_raw_parts_mut(lse.as_mut_ptr().cast(), lse.len())
+                });
+                flash_forward_uninit(&op.params(), qs, q4, ks, k4, vs, v4, o, o4, stats)
                     .map_err(|e| kernel_err("forward", e))?;
                 Ok(lse)
             })
             .collect::<candle_core::Result<_>>()?;
-        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
+        // SAFETY: every sequence's rows were written on success (zeros where it has no keys or
+        // no queries, the kernel's output otherwise: `flash_forward_uninit` writes every
+        // element of a contiguous output), and the sequences' rows tile all `tq` rows.
+        unsafe { out.set_len(n) };
+        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = if keep { lse } else { Vec::new() };
         let shape = match l1.dims().len() {
             3 => Shape::from((tq, hq, dv)),
             _ => Shape::from((tq, hq * dv)),
@@ -279,6 +299,9 @@ impl CustomOp3 for VarlenAttention {
         );
         let spans = self.spans();
         let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
+        if lse.len() != spans.len() {
+            candle_core::bail!("{}", super::flash::NO_STATS);
+        }
         let dqs = self.split_rows(&mut dq, &self.cu_q, hq * d);
         let dks = self.split_rows(&mut dk, &self.cu_k, hk * d);
         let dvs = self.split_rows(&mut dvv, &self.cu_k, hk * dv);
@@ -327,7 +350,11 @@ impl CustomOp3 for VarlenAttention {
 
 impl VarlenAttention {
     /// Applies the op to `(q, k, v)`; the result is differentiable through [`CustomOp3::bwd`].
+    /// The row statistics are kept for a backward only where one can be asked for
+    /// (gradients enabled, or an input carrying a graph).
     pub(crate) fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        Ok(q.apply_op3_arc(k, v, Arc::new(Box::new(self.clone())))?)
+        let keep_stats = crate::mode::grad_enabled() || [q, k, v].iter().any(|x| x.track_op());
+        let op = Self { keep_stats, ..self.clone() };
+        Ok(q.apply_op3_arc(k, v, Arc::new(Box::new(op)))?)
     }
 }

@@ -49,6 +49,9 @@ impl CustomOp2 for VarlenSinkGrad {
         let (or, gr) = (Rows::of(f32s(&os)?, ol, dv)?, Rows::of(f32s(&gs)?, gl, dv)?);
         let lse = self.op.lse.lock().unwrap_or_else(|e| e.into_inner());
         let spans = self.op.spans();
+        if lse.len() != spans.len() {
+            candle_core::bail!("{}", super::flash::NO_STATS);
+        }
         // Sequences without queries or keys have zero output rows: no gradient.
         let parts: Vec<Vec<f32>> = spans
             .par_iter()

@@ -367,3 +367,42 @@ fn packed_mha_takes_sinks() {
         assert!(e.starts_with("MultiheadAttention: sinks"), "{e}");
     }
 }
+
+/// Inside `no_grad` the fused kernels keep no row statistics for inputs that carry no graph
+/// (inference): the outputs have the bits they have with gradients enabled, a graph that
+/// still reaches them through tracked sinks gets an error naming `no_grad` from its backward
+/// (not a panic), and tracked inputs keep the statistics and their gradients.
+#[test]
+fn no_grad_keeps_no_statistics_and_says_so_if_asked_for_a_gradient() {
+    let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (lq, lk) = ([9usize, 0, 70, 1, 33], [9usize, 4, 70, 0, 40]);
+    let (cq, ck) = (CuSeqlens::from_lengths(&lq), CuSeqlens::from_lengths(&lk));
+    let (tq, tk) = (lq.iter().sum::<usize>(), lk.iter().sum::<usize>());
+    let packed = [det(&[tq, 4, 16], DType::F32, 1.0), det(&[tk, 2, 16], DType::F32, 2.0)];
+    let batched = [det(&[2, 4, 70, 16], DType::F32, 1.0), det(&[2, 2, 50, 16], DType::F32, 2.0)];
+    let sinks = var(&Tensor::new(&[0.5f32, -1.0, 2.0, 0.0], &candle_core::Device::Cpu).unwrap());
+    let opts = SdpaOptions::default().enable_gqa(true).is_causal(true).backend(Backend::Fused);
+    let with_sinks = opts.clone().sinks(sinks.as_tensor().clone());
+    type Call<'a> = Box<dyn Fn(&Tensor, &Tensor, &SdpaOptions) -> multihead::Result<Tensor> + 'a>;
+    let calls: [(&str, [Tensor; 2], Call); 2] = [
+        ("varlen", packed, Box::new(|q, kv, o| varlen_attention(q, kv, kv, &cq, &ck, o))),
+        ("sdpa", batched, Box::new(|q, kv, o| scaled_dot_product_attention(q, kv, kv, o))),
+    ];
+    for (what, [q, kv], call) in calls {
+        let graded = call(&q, &kv, &with_sinks).expect("forward");
+        let bare = multihead::no_grad(|| call(&q, &kv, &with_sinks)).expect("no_grad forward");
+        assert_eq!(bits(&bare), bits(&graded), "{what}: no_grad changed the output");
+        let e = bare.sum_all().unwrap().backward().expect_err("no statistics").to_string();
+        assert!(e.contains("no row statistics") && e.contains("no_grad"), "{what}: {e}");
+        // Tracked inputs inside no_grad: the statistics are kept, the gradient is the same.
+        let (qv, kvv) = (var(&q), var(&kv));
+        let grad = |out: Tensor| {
+            let g = out.sum_all().unwrap().backward().expect("backward");
+            bits(g.get(qv.as_tensor()).expect("dq"))
+        };
+        let outside = grad(call(qv.as_tensor(), kvv.as_tensor(), &opts).unwrap());
+        let inside =
+            grad(multihead::no_grad(|| call(qv.as_tensor(), kvv.as_tensor(), &opts)).unwrap());
+        assert_eq!(inside, outside, "{what}: dq inside no_grad");
+    }
+}

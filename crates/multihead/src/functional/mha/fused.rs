@@ -65,7 +65,8 @@ pub(crate) fn attend(
     let conv = Convention::SeqFirst { heads: h, head_dim: hd, batch_first: call.batch_first };
     let op = FlashAttention::new(dims, scale, call.causal, masks, dropout, conv)
         .with_variants(&call.variants)
-        .with_rounded_products(call.need_weights);
+        .with_rounded_products(call.need_weights)
+        .with_weights_later(call.need_weights);
     let op = match &call.sinks {
         Some(t) => op.with_sinks(t.to_vec1::<f32>()?),
         None => op,
