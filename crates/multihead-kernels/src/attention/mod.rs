@@ -675,6 +675,26 @@ pub fn flash_forward(
 /// of `lse` when given. With `lse` `None` the row statistics are not computed (inference: no
 /// backward will need them), which saves a logarithm per row.
 ///
+/// # Shapes
+/// As [`flash_forward`]: `q` (N, Hq, L, E), `k` (N, Hk, S, E), `v` (N, Hk, S, Ev), `out`
+/// (N, Hq, L, Ev), each through its layout.
+///
+/// ```
+/// use multihead_kernels::attention::{flash_forward_uninit, AttnDims, AttnParams, Layout4};
+/// let dims = AttnDims { batch: 1, heads_q: 2, heads_kv: 2, l: 3, s: 4, d: 8, dv: 8 };
+/// let (q, kv) = (vec![0.5f32; 2 * 3 * 8], vec![0.25f32; 2 * 4 * 8]);
+/// let (ql, kl) = (Layout4::contiguous(2, 3, 8), Layout4::contiguous(2, 4, 8));
+/// let mut out = Vec::with_capacity(2 * 3 * 8);
+/// flash_forward_uninit(
+///     &AttnParams::new(dims), &q, ql, &kv, kl, &kv, kl,
+///     &mut out.spare_capacity_mut()[..48], ql, None,
+/// )?;
+/// // SAFETY: the kernel wrote all 48 elements of the contiguous output.
+/// unsafe { out.set_len(48) };
+/// assert!(out.iter().all(|&x| x == 0.25)); // every value row is 0.25
+/// # Ok::<(), multihead_kernels::attention::KernelError>(())
+/// ```
+///
 /// Errors: as [`flash_forward`].
 #[allow(clippy::too_many_arguments)]
 // Mirrors torch.nn.functional.scaled_dot_product_attention's CPU flash kernel (forward).
