@@ -225,6 +225,10 @@ impl CustomOp3 for VarlenAttention {
             Some(buf) => Rows { data: buf, row: dv, head: tk * dv },
             None => v,
         };
+        // The sequences' rows must tile the output exactly: none is left unwritten.
+        if self.cu_q.last().copied().unwrap_or(0) != tq {
+            candle_core::bail!("varlen attention: the query offsets do not end at {tq} rows");
+        }
         let n = tq * hq * dv;
         let mut out = crate::alloc::try_empty::<f32>(n, "varlen attention output")?;
         let o4 = Layout4 { batch: 0, head: dv, seq: hq * dv };
