@@ -43,6 +43,13 @@ LONG_TEXT = " ".join(
 LONG_WORDS = " ".join(("alpha", "beta", "gamma", "delta", "epsilon")[i % 5] + str(i) for i in range(3000))
 LONG_PUNCT = ".".join(f"token{i}" for i in range(3000))
 HUGE_WORD_THEN_TEXT = "x" * 20000 + " then an ordinary sentence follows the very long word."
+# Lines with no space or punctuation past the first prefix: one word longer than WordPiece's
+# 100 characters ([UNK]), which `multihead embed` cuts inside (kana; Thai with its combining
+# vowel and tone marks, which the normaliser strips); and a word that a no-break space ends
+# 120 letters before the end (not one long word: tokenized whole).
+KANA_LINE = "".join(chr(0x3041 + (i * 7) % 86) for i in range(6000))
+THAI_LINE = "".join(chr(0x0E01 + i % 46) + ("\u0E48" if i % 3 == 0 else "") for i in range(6000))
+KANA_NBSP = KANA_LINE[:5460] + "\u00a0" + KANA_LINE[:120]
 
 CONFIG_KEYS = ["architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
                "intermediate_size", "hidden_act", "layer_norm_eps", "max_position_embeddings",
@@ -64,6 +71,9 @@ TEXTS = [
     LONG_WORDS,
     LONG_PUNCT,
     HUGE_WORD_THEN_TEXT,
+    KANA_LINE,
+    THAI_LINE,
+    KANA_NBSP,
 ]
 
 

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use tokenizers::normalizers::{Lowercase, Sequence};
-use tokenizers::{NormalizerWrapper, Tokenizer, TruncationParams};
+use tokenizers::{ModelWrapper, NormalizerWrapper, Tokenizer, TruncationParams};
 
 /// Lowercases texts before the tokenizer's own normaliser, as sentence-transformers does for
 /// `do_lower_case` (unless the normaliser already starts from a `Lowercase` step).
@@ -45,6 +45,11 @@ pub(crate) struct Cuts {
     /// The tokenizer is not BERT's (its normaliser and pre-tokenizer): no cut is known to be
     /// safe, so texts are tokenized whole.
     whole: bool,
+    /// WordPiece's `max_input_chars_per_word`: a longer word is one unknown token whatever
+    /// its length, so a text whose last word runs on past it may be cut inside that word
+    /// (see [`word_prefix`]). `None` where that is not known to hold (another model, or an
+    /// added token that could split such a run).
+    long_word: Option<usize>,
 }
 
 impl Cuts {
@@ -68,7 +73,17 @@ impl Cuts {
             tokenizer.get_pre_tokenizer(),
             Some(tokenizers::PreTokenizerWrapper::BertPreTokenizer(_))
         );
-        Self { specials, cjk, whole: !(bert_steps && bert_split) }
+        let whole = !(bert_steps && bert_split);
+        // An added token is matched in the raw text first and so splits a word; one with a
+        // character that ends a word anyway (`[` of `[MASK]`) cannot split a run of letters.
+        let split_safe = specials.iter().all(|s| s.chars().any(|c| ends_word(c, cjk)));
+        let long_word = match tokenizer.get_model() {
+            ModelWrapper::WordPiece(wp) if !whole && split_safe => {
+                Some(wp.max_input_chars_per_word)
+            }
+            _ => None,
+        };
+        Self { specials, cjk, whole, long_word }
     }
 
     /// Whether an added token occurs in `text` across byte `i` (in any ASCII case: a token
@@ -87,6 +102,20 @@ impl Cuts {
 fn is_bert_punctuation(c: char) -> bool {
     use unicode_categories::UnicodeCategories;
     c.is_ascii_punctuation() || c.is_punctuation()
+}
+
+/// Where BERT's normaliser and pre-tokenizer may end a word: whitespace (any, as its
+/// normaliser maps it to a space), punctuation, and a CJK ideograph when `cjk` (isolated).
+fn ends_word(c: char, cjk: bool) -> bool {
+    c.is_whitespace() || is_bert_punctuation(c) || (cjk && is_cjk_ideograph(c))
+}
+
+/// A character that stays a character of its word through BERT's normaliser (a letter or a
+/// number: control characters are removed, and so are combining marks when accents are
+/// stripped; decomposing and lowercasing a letter never removes it).
+fn stays(c: char) -> bool {
+    use unicode_categories::UnicodeCategories;
+    c.is_letter() || c.is_number()
 }
 
 /// BERT's CJK ideographs (the ranges of its normaliser's `handle_chinese_chars`).
@@ -109,11 +138,15 @@ fn is_cjk_ideograph(c: char) -> bool {
 /// a token of its own), or between two CJK ideographs when the normaliser isolates them; never inside
 /// an added token such as `[MASK]` (matched in the raw text first). The normaliser and
 /// pre-tokenizer work character by character and split there, and WordPiece works within
-/// words, so the prefix's tokens are the first tokens of the whole text. The whole text when
-/// it is shorter or has no such boundary past `limit`.
-fn word_prefix<'t>(text: &'t str, limit: usize, cuts: &Cuts) -> &'t str {
+/// words, so the prefix's tokens are the first tokens of the whole text. Without such a
+/// boundary past `limit`, the whole text, or, when the text ends in one word that has more
+/// than WordPiece's `max_input_chars_per_word` letters past `limit` ([`Cuts::long_word`]), the
+/// text cut just after that many letters: that word is one unknown token in the prefix as in
+/// the text, so their tokens are the same. The flag says the prefix tokenizes as the whole
+/// text does (the whole text or such a cut).
+fn word_prefix<'t>(text: &'t str, limit: usize, cuts: &Cuts) -> (&'t str, bool) {
     if text.len() <= limit || cuts.whole {
-        return text;
+        return (text, true);
     }
     let mut start = limit.max(1);
     while !text.is_char_boundary(start) {
@@ -121,17 +154,31 @@ fn word_prefix<'t>(text: &'t str, limit: usize, cuts: &Cuts) -> &'t str {
     }
     let bytes = text.as_bytes();
     let mut prev = text[..start].chars().next_back();
+    // Letters of the current word past `start`, and where they first outnumbered WordPiece's
+    // longest word.
+    let (mut run, mut long_cut) = (0usize, None);
     for (at, c) in text[start..].char_indices() {
         let i = start + at;
         let boundary = matches!(c, ' ' | '\t')
             || prev.is_some_and(is_bert_punctuation)
             || (cuts.cjk && is_cjk_ideograph(c) && prev.is_some_and(is_cjk_ideograph));
         if boundary && !cuts.splits_special(bytes, i) {
-            return &text[..i];
+            return (&text[..i], false);
+        }
+        if ends_word(c, cuts.cjk) {
+            (run, long_cut) = (0, None);
+        } else if stays(c) {
+            run += 1;
+            if long_cut.is_none() && cuts.long_word.is_some_and(|most| run > most) {
+                long_cut = Some(i + c.len_utf8());
+            }
         }
         prev = Some(c);
     }
-    text
+    match long_cut {
+        Some(end) if !cuts.splits_special(bytes, end) => (&text[..end], true),
+        _ => (text, true),
+    }
 }
 
 /// The folder's tokenizer (`tokenizer.json`, else built from `vocab.txt`), truncating at
@@ -164,8 +211,8 @@ pub(crate) fn load_tokenizer(
 /// [`PREFIX_BYTES`], then four times as long, until its tokens fill the limit (then they are
 /// the full text's first tokens) or the prefix is the whole text. The tokenizer's memory grows
 /// with what it is given (about a hundred bytes per input byte), so a megabyte-long line costs
-/// what its first few kilobytes do, unless it has no boundary [`word_prefix`] may cut at (a
-/// line of kana or Thai without spaces or punctuation is tokenized whole).
+/// what its first few kilobytes do; a line without spaces or punctuation (kana, Thai) is one
+/// unknown word past WordPiece's longest word, and is cut there ([`word_prefix`]).
 pub(crate) fn tokenize(
     tokenizer: &Tokenizer,
     cuts: &Cuts,
@@ -179,13 +226,12 @@ pub(crate) fn tokenize(
         if todo.is_empty() {
             return Ok(ids.into_iter().flatten().collect());
         }
-        let inputs: Vec<&str> =
-            todo.iter().map(|&i| word_prefix(&texts[i], limits[i], cuts)).collect();
-        let encodings = tokenizer
-            .encode_batch(inputs.clone(), true)
-            .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
-        for ((&i, input), e) in todo.iter().zip(&inputs).zip(&encodings) {
-            if input.len() == texts[i].len() || e.get_ids().len() >= max_tokens {
+        let (inputs, exact): (Vec<&str>, Vec<bool>) =
+            todo.iter().map(|&i| word_prefix(&texts[i], limits[i], cuts)).unzip();
+        let encodings =
+            tokenizer.encode_batch(inputs, true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+        for ((&i, exact), e) in todo.iter().zip(exact).zip(&encodings) {
+            if exact || e.get_ids().len() >= max_tokens {
                 ids[i] = Some(e.get_ids().to_vec());
             } else {
                 limits[i] = limits[i].saturating_mul(4);
@@ -274,7 +320,7 @@ mod tests {
     #[test]
     fn word_prefix_ends_at_a_boundary_the_tokenizer_keeps() {
         let plain = Cuts::default();
-        let wp = |t: &str, limit: usize| word_prefix(t, limit, &plain).to_string();
+        let wp = |t: &str, limit: usize| word_prefix(t, limit, &plain).0.to_string();
         // Short texts, and texts without a boundary past the limit, are whole.
         assert_eq!(wp("short text", 64), "short text");
         assert_eq!(wp(&"x".repeat(100), 10), "x".repeat(100));
@@ -290,20 +336,56 @@ mod tests {
         // CJK ideographs are not boundaries unless the normaliser isolates them.
         assert_eq!(wp("中文中文中文", 4), "中文中文中文");
         let bert =
-            Cuts { specials: vec!["[MASK]".into(), "[CLS]".into()], cjk: true, whole: false };
-        assert_eq!(word_prefix("中文中文中文", 4, &bert), "中文");
-        assert_eq!(word_prefix("中文かな", 4, &bert), "中文かな");
+            Cuts { specials: vec!["[MASK]".into(), "[CLS]".into()], cjk: true, ..Cuts::default() };
+        assert_eq!(word_prefix("中文中文中文", 4, &bert).0, "中文");
+        assert_eq!(word_prefix("中文かな", 4, &bert).0, "中文かな");
         // After Unicode punctuation too (a kana line with its full stops).
         assert_eq!(wp("かなかな。かなかな。かな", 4), "かなかな。");
         assert_eq!(wp("aaaa«bb cc", 3), "aaaa«");
         // Never inside an added token: "[" is punctuation, "[MASK]" one token.
-        assert_eq!(word_prefix("aaaa [MASK] bb", 6, &bert), "aaaa [MASK]");
-        assert_eq!(word_prefix("aaaa [mask] bb", 6, &bert), "aaaa [mask]");
-        assert_eq!(word_prefix("aaaa[MASK][CLS]x", 5, &bert), "aaaa[MASK]");
-        assert_eq!(word_prefix("aaaa[MASK][CLS]x", 11, &bert), "aaaa[MASK][CLS]");
+        assert_eq!(word_prefix("aaaa [MASK] bb", 6, &bert).0, "aaaa [MASK]");
+        assert_eq!(word_prefix("aaaa [mask] bb", 6, &bert).0, "aaaa [mask]");
+        assert_eq!(word_prefix("aaaa[MASK][CLS]x", 5, &bert).0, "aaaa[MASK]");
+        assert_eq!(word_prefix("aaaa[MASK][CLS]x", 11, &bert).0, "aaaa[MASK][CLS]");
         assert_eq!(wp("aaaa [MASK] bb", 6), "aaaa [");
         // Another tokenizer's texts are never cut.
         let other = Cuts { whole: true, ..Cuts::default() };
-        assert_eq!(word_prefix("aaaa bbbb cccc", 4, &other), "aaaa bbbb cccc");
+        assert_eq!(word_prefix("aaaa bbbb cccc", 4, &other).0, "aaaa bbbb cccc");
+    }
+
+    /// A text that ends in a word longer than WordPiece's longest is cut after that many
+    /// letters past the limit plus one, and only then; marks and control characters do not
+    /// count (the normaliser may remove them), anything that ends a word starts the count
+    /// again, and the flag says when the prefix tokenizes as the whole text.
+    #[test]
+    fn a_text_ending_in_one_long_word_is_cut_inside_it() {
+        let cuts = Cuts {
+            specials: vec!["[MASK]".into()],
+            cjk: true,
+            long_word: Some(4),
+            ..Cuts::default()
+        };
+        let wp = |t: &str, limit: usize| {
+            let (prefix, exact) = word_prefix(t, limit, &cuts);
+            (prefix.to_string(), exact)
+        };
+        assert_eq!(wp("ab cdefghij", 2), ("ab".into(), false));
+        assert_eq!(wp("abcdefghij", 2), ("abcdefg".into(), true));
+        assert_eq!(wp("かなかなかなかなかな", 3), ("かなかなかな".into(), true));
+        // Combining marks and control characters are not counted.
+        assert_eq!(
+            wp("ab\u{301}c\u{301}d\u{200b}e\u{301}fghij", 2),
+            ("ab\u{301}c\u{301}d\u{200b}e\u{301}fg".into(), true)
+        );
+        // A word that ends (no-break space, CJK) starts the count again.
+        assert_eq!(wp("abcdef\u{a0}ghij", 2), ("abcdef\u{a0}ghij".into(), true));
+        assert_eq!(wp("abcdef\u{a0}ghijk", 2), ("abcdef\u{a0}ghijk".into(), true));
+        assert_eq!(wp("abcdef\u{a0}ghijkl", 2), ("abcdef\u{a0}ghijk".into(), true));
+        assert_eq!(wp("abcdef中ghi", 2), ("abcdef中ghi".into(), true));
+        // Short enough: whole.
+        assert_eq!(wp("abcdef", 2), ("abcdef".into(), true));
+        // Without `long_word` (another model) the whole text.
+        let plain = Cuts::default();
+        assert_eq!(word_prefix("abcdefghij", 2, &plain), ("abcdefghij", true));
     }
 }
