@@ -190,6 +190,9 @@ pub(crate) fn load_tokenizer(
     do_lower_case: bool,
 ) -> Result<Tokenizer> {
     let json = dir.join("tokenizer.json");
+    for file in ["tokenizer.json", "tokenizer_config.json", "vocab.txt"] {
+        crate::sentence::plain_file(&dir.join(file))?;
+    }
     let mut tokenizer = match !json.exists() && dir.join("vocab.txt").is_file() {
         true => from_vocab(dir)?,
         false => Tokenizer::from_file(json)

@@ -64,6 +64,7 @@ impl Dense {
     /// Reads the module in `dir`, whose input is `input` values wide.
     pub fn read(dir: &Path, input: usize) -> Result<Self> {
         let cfg_path = dir.join("config.json");
+        crate::sentence::plain_file(&cfg_path)?;
         let text = std::fs::read_to_string(&cfg_path)
             .with_context(|| format!("reading {}", cfg_path.display()))?;
         let v: Value = serde_json::from_str(&text)

@@ -39,6 +39,7 @@ struct BertConfig {
 }
 
 fn read_config(dir: &Path) -> Result<BertConfig> {
+    crate::sentence::plain_file(&dir.join("config.json"))?;
     let text = std::fs::read_to_string(dir.join("config.json")).context("reading config.json")?;
     let v: serde_json::Value = serde_json::from_str(&text).context("parsing config.json")?;
     let get = |k: &str| -> Result<usize> {

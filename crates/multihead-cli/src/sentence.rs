@@ -114,7 +114,21 @@ fn builtin_prompts() -> Prompts {
     ["query", "document"].map(|n| (n.to_string(), String::new())).to_vec()
 }
 
+/// Refuses a path that names a FIFO, a socket or a device: a model folder holds plain files,
+/// and reading a FIFO that nobody writes would wait for ever. (A missing path passes: its
+/// reader names it.)
+pub(crate) fn plain_file(path: &Path) -> Result<()> {
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() && !m.is_dir() => bail!(
+            "{}: not a regular file (a FIFO, a socket or a device); a model folder holds plain files",
+            path.display()
+        ),
+        _ => Ok(()),
+    }
+}
+
 pub(crate) fn read_json(path: &Path) -> Result<Value> {
+    plain_file(path)?;
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))

@@ -515,4 +515,12 @@ fn unsupported_pipelines_are_refused_at_load() {
         let folder = pipeline_folder(&dir, &v);
         assert_refused(&folder, name, expect);
     }
+    // A FIFO where a config file belongs (nobody writes it): refused, not waited on.
+    for file in ["config.json", "tokenizer.json", "1_Pooling/config.json"] {
+        let v = serde_json::json!({"name": "bad-fifo", "files": {file: null}});
+        let folder = pipeline_folder(&dir, &v);
+        let made = Command::new("mkfifo").arg(folder.join(file)).status().unwrap();
+        assert!(made.success(), "mkfifo");
+        assert_refused(&folder, file, "not a regular file (a FIFO, a socket or a device)");
+    }
 }

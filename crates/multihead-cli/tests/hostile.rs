@@ -456,3 +456,18 @@ fn cases_that_contradict_themselves_are_errors_that_say_how() {
     let t = replay(&dir);
     assert!(t.contains("grad.output has shape [2, 2] but the output is"), "{t}");
 }
+
+// A FIFO as case.json (nobody writes it) was waited on for ever.
+#[test]
+fn replay_refuses_a_fifo_as_case_json() {
+    let dir = tmp("fifo");
+    let src = fixtures().join("mha/packed_self_nomask_f32/case.safetensors");
+    std::fs::copy(src, dir.join("case.safetensors")).unwrap();
+    assert!(Command::new("mkfifo").arg(dir.join("case.json")).status().unwrap().success());
+    let start = Instant::now();
+    let o = bin().arg("replay").arg(&*dir).arg("--out").arg(dir.join("r.st")).output().unwrap();
+    assert!(start.elapsed() < Duration::from_secs(60), "replay took {:?}", start.elapsed());
+    assert!(!o.status.success());
+    let t = text(&o);
+    assert!(t.contains("case.json is not a regular file"), "{t}");
+}

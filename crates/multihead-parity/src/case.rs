@@ -108,9 +108,17 @@ impl Case {
     pub fn load(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref();
         let json_path = dir.join("case.json");
-        let size = std::fs::metadata(&json_path)
-            .map_err(|e| case_err(dir, format!("cannot read case.json: {e}")))?
-            .len();
+        let meta = std::fs::metadata(&json_path)
+            .map_err(|e| case_err(dir, format!("cannot read case.json: {e}")))?;
+        if !meta.is_file() {
+            // A FIFO that nobody writes would be waited on for ever.
+            return Err(case_err(
+                dir,
+                "case.json is not a regular file (a FIFO, a socket, a device or a directory)"
+                    .to_string(),
+            ));
+        }
+        let size = meta.len();
         if size > MAX_JSON_BYTES {
             return Err(case_err(
                 dir,

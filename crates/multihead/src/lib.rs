@@ -65,6 +65,7 @@ pub mod activation;
 mod alloc;
 pub mod embedding;
 pub mod error;
+mod fifo;
 pub mod functional;
 pub mod fused;
 mod key_groups;

@@ -33,14 +33,15 @@ pub(crate) fn read(
     device: &Device,
 ) -> Result<(HashMap<String, Tensor>, BTreeMap<String, String>)> {
     let bad = |msg: String| file_err(path, format!("not a safetensors file: {msg}"));
-    let mut file = File::open(path).map_err(|e| file_err(path, format!("cannot read: {e}")))?;
+    let (mut file, fifo) =
+        crate::fifo::open(path).map_err(|e| file_err(path, format!("cannot read: {e}")))?;
     let stat = file.metadata().map_err(|e| file_err(path, format!("cannot read: {e}")))?;
     if stat.is_dir() {
         return Err(file_err(path, "cannot read: it is a directory"));
     }
     if !stat.is_file() {
         // A pipe or a device has no length to check the header against: read it whole.
-        return read_stream(file, path, device);
+        return read_stream(file, fifo, path, device);
     }
     let len = stat.len();
     let mut word = [0u8; 8];
@@ -100,6 +101,7 @@ pub(crate) fn read(
 /// A file without a known length (a pipe, a device), read whole and then parsed.
 fn read_stream(
     mut file: File,
+    fifo: bool,
     path: &Path,
     device: &Device,
 ) -> Result<(HashMap<String, Tensor>, BTreeMap<String, String>)> {
@@ -108,8 +110,20 @@ fn read_stream(
     // not a process killed for memory.
     let limit = crate::alloc::memory_limit() / 2;
     let (mut bytes, mut chunk) = (Vec::new(), vec![0u8; 1 << 16]);
+    let opened = std::time::Instant::now();
     loop {
         let n = file.read(&mut chunk).map_err(|e| file_err(path, format!("cannot read: {e}")))?;
+        if n == 0 && fifo && bytes.is_empty() {
+            // No writer yet: wait a little for one, then say so rather than hang.
+            if crate::fifo::wait_for_data(opened) {
+                continue;
+            }
+            let secs = crate::fifo::FIFO_WAIT.as_secs();
+            let msg = format!(
+                "cannot read: it is a FIFO and nothing was written to it in {secs} s; start the process that writes it first"
+            );
+            return Err(file_err(path, msg));
+        }
         if n == 0 {
             break;
         }

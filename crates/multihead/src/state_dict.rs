@@ -80,6 +80,10 @@ fn file_err(path: &Path, msg: impl Into<String>) -> Error {
 /// are rejected with a clear error. ([`load_file`] and [`load_strict_file`] accept such
 /// tensors under keys the module does not have, as PyTorch does, and report them as
 /// unexpected.)
+///
+/// A pipe (a FIFO, `<(zcat model.safetensors.gz)`) is read whole, up to half the machine's
+/// memory. A FIFO is opened without waiting for its writer; if nothing has been written to it
+/// within five seconds, that is an error rather than a wait for ever.
 pub fn load_safetensors(
     path: impl AsRef<Path>,
     device: &Device,

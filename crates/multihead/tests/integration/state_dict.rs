@@ -617,6 +617,13 @@ fn safetensors_files_are_read_tensor_by_tensor_as_the_crate_reads_them() {
     let piped = load_safetensors(&fifo, &dev()).unwrap_err().to_string();
     writer.join().unwrap();
     assert_eq!(piped, err.replace("all.safetensors", "pipe.safetensors"));
+    // A FIFO that nobody writes is an error after a bounded wait, not a hang.
+    let idle = dir.join("idle.pipe");
+    assert!(std::process::Command::new("mkfifo").arg(&idle).status().unwrap().success());
+    let start = std::time::Instant::now();
+    let e = load_safetensors(&idle, &dev()).unwrap_err().to_string();
+    assert!(e.contains("it is a FIFO and nothing was written to it"), "{e}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(30), "{:?}", start.elapsed());
     // A directory is named as one.
     match load_safetensors(dir, &dev()) {
         Err(Error::File { msg, .. }) => assert_eq!(msg, "cannot read: it is a directory"),
