@@ -44,7 +44,7 @@ LONG_WORDS = " ".join(("alpha", "beta", "gamma", "delta", "epsilon")[i % 5] + st
 LONG_PUNCT = ".".join(f"token{i}" for i in range(3000))
 HUGE_WORD_THEN_TEXT = "x" * 20000 + " then an ordinary sentence follows the very long word."
 # Lines with no space or punctuation past the first prefix: one word longer than WordPiece's
-# 100 characters ([UNK]), which `multihead embed` cuts inside (kana; Thai with its combining
+# 100 characters ([UNK]), which `multihead embed` shortens (kana; Thai with its combining
 # vowel and tone marks, which the normaliser strips); and a word that a no-break space ends
 # 120 letters before the end (not one long word: tokenized whole).
 KANA_LINE = "".join(chr(0x3041 + (i * 7) % 86) for i in range(6000))

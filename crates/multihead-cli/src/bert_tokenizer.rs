@@ -46,9 +46,9 @@ pub(crate) struct Cuts {
     /// safe, so texts are tokenized whole.
     whole: bool,
     /// WordPiece's `max_input_chars_per_word`: a longer word is one unknown token whatever
-    /// its length, so a text whose last word runs on past it may be cut inside that word
-    /// (see [`word_prefix`]). `None` where that is not known to hold (another model, or an
-    /// added token that could split such a run).
+    /// its length, so such a word may be shortened before tokenizing (see
+    /// [`shorten_long_words`]). `None` where that is not known to hold (another model, or an
+    /// added token that a shortened word could make or unmake).
     long_word: Option<usize>,
 }
 
@@ -74,15 +74,18 @@ impl Cuts {
             Some(tokenizers::PreTokenizerWrapper::BertPreTokenizer(_))
         );
         let whole = !(bert_steps && bert_split);
-        // An added token is matched in the raw text first and so splits a word; one with a
-        // character that ends a word anyway (`[` of `[MASK]`) cannot split a run of letters.
-        let split_safe = specials.iter().all(|s| s.chars().any(|c| ends_word(c, cjk)));
         let long_word = match tokenizer.get_model() {
-            ModelWrapper::WordPiece(wp) if !whole && split_safe => {
-                Some(wp.max_input_chars_per_word)
-            }
+            ModelWrapper::WordPiece(wp) if !whole => Some(wp.max_input_chars_per_word),
             _ => None,
         };
+        // Added tokens are matched in the raw text first. One that starts with a character
+        // that ends a word anyway (`[` of `[MASK]`) and holds no word longer than WordPiece's
+        // longest can neither start inside a shortened word nor span one.
+        let long_word = long_word.filter(|&most| {
+            specials.iter().all(|s| {
+                s.chars().next().is_some_and(|c| ends_word(c, cjk)) && longest_word(s, cjk) <= most
+            })
+        });
         Self { specials, cjk, whole, long_word }
     }
 
@@ -118,6 +121,52 @@ fn stays(c: char) -> bool {
     c.is_letter() || c.is_number()
 }
 
+/// The most letters and numbers between two characters that end a word, in `text`.
+fn longest_word(text: &str, cjk: bool) -> usize {
+    let (mut run, mut most) = (0usize, 0usize);
+    for c in text.chars() {
+        if ends_word(c, cjk) {
+            run = 0;
+        } else if stays(c) {
+            run += 1;
+            most = most.max(run);
+        }
+    }
+    most
+}
+
+/// `text` with every word of more than WordPiece's `max_input_chars_per_word` letters
+/// ([`Cuts::long_word`]) cut after one more letter than that, up to the character that ends
+/// it: WordPiece makes such a word one unknown token whatever its length, so the tokens do not
+/// change, and a megabyte-long word (a line of kana or Thai without spaces or punctuation)
+/// costs what a short one does. Only letters and numbers are counted (the normaliser may
+/// remove marks and control characters, never a letter); whitespace, punctuation and, when the
+/// normaliser isolates them, CJK ideographs end a word and are all kept. The text itself
+/// (borrowed) when it has no such word or the tokenizer gives no such guarantee.
+fn shorten_long_words<'t>(text: &'t str, cuts: &Cuts) -> std::borrow::Cow<'t, str> {
+    use std::borrow::Cow;
+    let Some(most) = cuts.long_word else { return Cow::Borrowed(text) };
+    // The shortened text, from the first character dropped on; letters kept of this word.
+    let (mut out, mut run): (Option<String>, usize) = (None, 0);
+    for (i, c) in text.char_indices() {
+        let keep = if ends_word(c, cuts.cjk) {
+            run = 0;
+            true
+        } else if run > most {
+            false // the word already has its `most + 1` letters
+        } else {
+            run += usize::from(stays(c));
+            true
+        };
+        match (keep, out.as_mut()) {
+            (true, Some(o)) => o.push(c),
+            (false, None) => out = Some(text[..i].to_string()),
+            _ => {}
+        }
+    }
+    out.map_or(Cow::Borrowed(text), Cow::Owned)
+}
+
 /// BERT's CJK ideographs (the ranges of its normaliser's `handle_chinese_chars`).
 fn is_cjk_ideograph(c: char) -> bool {
     matches!(
@@ -138,15 +187,11 @@ fn is_cjk_ideograph(c: char) -> bool {
 /// a token of its own), or between two CJK ideographs when the normaliser isolates them; never inside
 /// an added token such as `[MASK]` (matched in the raw text first). The normaliser and
 /// pre-tokenizer work character by character and split there, and WordPiece works within
-/// words, so the prefix's tokens are the first tokens of the whole text. Without such a
-/// boundary past `limit`, the whole text, or, when the text ends in one word that has more
-/// than WordPiece's `max_input_chars_per_word` letters past `limit` ([`Cuts::long_word`]), the
-/// text cut just after that many letters: that word is one unknown token in the prefix as in
-/// the text, so their tokens are the same. The flag says the prefix tokenizes as the whole
-/// text does (the whole text or such a cut).
-fn word_prefix<'t>(text: &'t str, limit: usize, cuts: &Cuts) -> (&'t str, bool) {
+/// words, so the prefix's tokens are the first tokens of the whole text. The whole text when
+/// it is shorter or has no such boundary past `limit`.
+fn word_prefix<'t>(text: &'t str, limit: usize, cuts: &Cuts) -> &'t str {
     if text.len() <= limit || cuts.whole {
-        return (text, true);
+        return text;
     }
     let mut start = limit.max(1);
     while !text.is_char_boundary(start) {
@@ -154,31 +199,17 @@ fn word_prefix<'t>(text: &'t str, limit: usize, cuts: &Cuts) -> (&'t str, bool) 
     }
     let bytes = text.as_bytes();
     let mut prev = text[..start].chars().next_back();
-    // Letters of the current word past `start`, and where they first outnumbered WordPiece's
-    // longest word.
-    let (mut run, mut long_cut) = (0usize, None);
     for (at, c) in text[start..].char_indices() {
         let i = start + at;
         let boundary = matches!(c, ' ' | '\t')
             || prev.is_some_and(is_bert_punctuation)
             || (cuts.cjk && is_cjk_ideograph(c) && prev.is_some_and(is_cjk_ideograph));
         if boundary && !cuts.splits_special(bytes, i) {
-            return (&text[..i], false);
-        }
-        if ends_word(c, cuts.cjk) {
-            (run, long_cut) = (0, None);
-        } else if stays(c) {
-            run += 1;
-            if long_cut.is_none() && cuts.long_word.is_some_and(|most| run > most) {
-                long_cut = Some(i + c.len_utf8());
-            }
+            return &text[..i];
         }
         prev = Some(c);
     }
-    match long_cut {
-        Some(end) if !cuts.splits_special(bytes, end) => (&text[..end], true),
-        _ => (text, true),
-    }
+    text
 }
 
 /// The folder's tokenizer (`tokenizer.json`, else built from `vocab.txt`), truncating at
@@ -214,14 +245,22 @@ pub(crate) fn load_tokenizer(
 /// [`PREFIX_BYTES`], then four times as long, until its tokens fill the limit (then they are
 /// the full text's first tokens) or the prefix is the whole text. The tokenizer's memory grows
 /// with what it is given (about a hundred bytes per input byte), so a megabyte-long line costs
-/// what its first few kilobytes do; a line without spaces or punctuation (kana, Thai) is one
-/// unknown word past WordPiece's longest word, and is cut there ([`word_prefix`]).
+/// what its first few kilobytes do. Words longer than WordPiece's longest are shortened first
+/// ([`shorten_long_words`]: one unknown token either way), so a line without spaces or
+/// punctuation (kana, Thai) costs no more.
 pub(crate) fn tokenize(
     tokenizer: &Tokenizer,
     cuts: &Cuts,
     texts: &[String],
     max_tokens: usize,
 ) -> Result<Vec<Vec<u32>>> {
+    let texts: Vec<std::borrow::Cow<str>> = texts
+        .iter()
+        .map(|t| match t.len() > PREFIX_BYTES {
+            true => shorten_long_words(t, cuts),
+            false => std::borrow::Cow::Borrowed(t.as_str()),
+        })
+        .collect();
     let mut limits = vec![PREFIX_BYTES; texts.len()];
     let mut ids: Vec<Option<Vec<u32>>> = vec![None; texts.len()];
     loop {
@@ -229,12 +268,13 @@ pub(crate) fn tokenize(
         if todo.is_empty() {
             return Ok(ids.into_iter().flatten().collect());
         }
-        let (inputs, exact): (Vec<&str>, Vec<bool>) =
-            todo.iter().map(|&i| word_prefix(&texts[i], limits[i], cuts)).unzip();
-        let encodings =
-            tokenizer.encode_batch(inputs, true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
-        for ((&i, exact), e) in todo.iter().zip(exact).zip(&encodings) {
-            if exact || e.get_ids().len() >= max_tokens {
+        let inputs: Vec<&str> =
+            todo.iter().map(|&i| word_prefix(&texts[i], limits[i], cuts)).collect();
+        let encodings = tokenizer
+            .encode_batch(inputs.clone(), true)
+            .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+        for ((&i, input), e) in todo.iter().zip(&inputs).zip(&encodings) {
+            if input.len() == texts[i].len() || e.get_ids().len() >= max_tokens {
                 ids[i] = Some(e.get_ids().to_vec());
             } else {
                 limits[i] = limits[i].saturating_mul(4);
@@ -318,12 +358,12 @@ fn from_vocab(dir: &Path) -> Result<Tokenizer> {
 
 #[cfg(test)]
 mod tests {
-    use super::{word_prefix, Cuts};
+    use super::{shorten_long_words, word_prefix, Cuts};
 
     #[test]
     fn word_prefix_ends_at_a_boundary_the_tokenizer_keeps() {
         let plain = Cuts::default();
-        let wp = |t: &str, limit: usize| word_prefix(t, limit, &plain).0.to_string();
+        let wp = |t: &str, limit: usize| word_prefix(t, limit, &plain).to_string();
         // Short texts, and texts without a boundary past the limit, are whole.
         assert_eq!(wp("short text", 64), "short text");
         assert_eq!(wp(&"x".repeat(100), 10), "x".repeat(100));
@@ -340,55 +380,39 @@ mod tests {
         assert_eq!(wp("中文中文中文", 4), "中文中文中文");
         let bert =
             Cuts { specials: vec!["[MASK]".into(), "[CLS]".into()], cjk: true, ..Cuts::default() };
-        assert_eq!(word_prefix("中文中文中文", 4, &bert).0, "中文");
-        assert_eq!(word_prefix("中文かな", 4, &bert).0, "中文かな");
+        assert_eq!(word_prefix("中文中文中文", 4, &bert), "中文");
+        assert_eq!(word_prefix("中文かな", 4, &bert), "中文かな");
         // After Unicode punctuation too (a kana line with its full stops).
         assert_eq!(wp("かなかな。かなかな。かな", 4), "かなかな。");
         assert_eq!(wp("aaaa«bb cc", 3), "aaaa«");
         // Never inside an added token: "[" is punctuation, "[MASK]" one token.
-        assert_eq!(word_prefix("aaaa [MASK] bb", 6, &bert).0, "aaaa [MASK]");
-        assert_eq!(word_prefix("aaaa [mask] bb", 6, &bert).0, "aaaa [mask]");
-        assert_eq!(word_prefix("aaaa[MASK][CLS]x", 5, &bert).0, "aaaa[MASK]");
-        assert_eq!(word_prefix("aaaa[MASK][CLS]x", 11, &bert).0, "aaaa[MASK][CLS]");
+        assert_eq!(word_prefix("aaaa [MASK] bb", 6, &bert), "aaaa [MASK]");
+        assert_eq!(word_prefix("aaaa [mask] bb", 6, &bert), "aaaa [mask]");
+        assert_eq!(word_prefix("aaaa[MASK][CLS]x", 5, &bert), "aaaa[MASK]");
+        assert_eq!(word_prefix("aaaa[MASK][CLS]x", 11, &bert), "aaaa[MASK][CLS]");
         assert_eq!(wp("aaaa [MASK] bb", 6), "aaaa [");
         // Another tokenizer's texts are never cut.
         let other = Cuts { whole: true, ..Cuts::default() };
-        assert_eq!(word_prefix("aaaa bbbb cccc", 4, &other).0, "aaaa bbbb cccc");
+        assert_eq!(word_prefix("aaaa bbbb cccc", 4, &other), "aaaa bbbb cccc");
     }
 
-    /// A text that ends in a word longer than WordPiece's longest is cut after that many
-    /// letters past the limit plus one, and only then; marks and control characters do not
-    /// count (the normaliser may remove them), anything that ends a word starts the count
-    /// again, and the flag says when the prefix tokenizes as the whole text.
+    /// Words longer than WordPiece's longest keep one letter more than that and lose the rest
+    /// up to their end; marks and control characters do not count (the normaliser may remove
+    /// them), whitespace, punctuation and CJK end a word, and added tokens are left whole.
     #[test]
-    fn a_text_ending_in_one_long_word_is_cut_inside_it() {
-        let cuts = Cuts {
-            specials: vec!["[MASK]".into()],
-            cjk: true,
-            long_word: Some(4),
-            ..Cuts::default()
-        };
-        let wp = |t: &str, limit: usize| {
-            let (prefix, exact) = word_prefix(t, limit, &cuts);
-            (prefix.to_string(), exact)
-        };
-        assert_eq!(wp("ab cdefghij", 2), ("ab".into(), false));
-        assert_eq!(wp("abcdefghij", 2), ("abcdefg".into(), true));
-        assert_eq!(wp("かなかなかなかなかな", 3), ("かなかなかな".into(), true));
-        // Combining marks and control characters are not counted.
-        assert_eq!(
-            wp("ab\u{301}c\u{301}d\u{200b}e\u{301}fghij", 2),
-            ("ab\u{301}c\u{301}d\u{200b}e\u{301}fg".into(), true)
-        );
-        // A word that ends (no-break space, CJK) starts the count again.
-        assert_eq!(wp("abcdef\u{a0}ghij", 2), ("abcdef\u{a0}ghij".into(), true));
-        assert_eq!(wp("abcdef\u{a0}ghijk", 2), ("abcdef\u{a0}ghijk".into(), true));
-        assert_eq!(wp("abcdef\u{a0}ghijkl", 2), ("abcdef\u{a0}ghijk".into(), true));
-        assert_eq!(wp("abcdef中ghi", 2), ("abcdef中ghi".into(), true));
-        // Short enough: whole.
-        assert_eq!(wp("abcdef", 2), ("abcdef".into(), true));
-        // Without `long_word` (another model) the whole text.
+    fn words_past_wordpieces_longest_are_shortened() {
+        let cuts = Cuts { long_word: Some(4), cjk: true, ..Cuts::default() };
+        let sh = |t: &str| shorten_long_words(t, &cuts).into_owned();
+        assert_eq!(sh("ab abcde abcdefgh."), "ab abcde abcde.");
+        assert_eq!(sh("かなかなかなかな。かな"), "かなかなか。かな");
+        assert_eq!(sh("a\u{301}b\u{200b}cd\u{301}efg h"), "a\u{301}b\u{200b}cd\u{301}e h");
+        assert_eq!(sh("abcdefg\u{a0}abcdefg"), "abcde\u{a0}abcde");
+        assert_eq!(sh("abcdefg中abcdefg"), "abcde中abcde");
+        assert_eq!(sh("abcdefg[MASK]x"), "abcde[MASK]x");
+        assert_eq!(sh("😀😀😀😀😀😀😀"), "😀😀😀😀😀😀😀");
+        assert!(matches!(shorten_long_words("abc def", &cuts), std::borrow::Cow::Borrowed(_)));
+        // Another model's words are never shortened.
         let plain = Cuts::default();
-        assert_eq!(word_prefix("abcdefghij", 2, &plain), ("abcdefghij", true));
+        assert_eq!(shorten_long_words("abcdefghij", &plain), "abcdefghij");
     }
 }
