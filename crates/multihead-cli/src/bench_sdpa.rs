@@ -93,7 +93,10 @@ pub fn sdpa_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
                 let y = scaled_dot_product_attention(qt, kt, vt, &opts)?;
                 std::hint::black_box(crate::bench::loss(&y)?.backward()?);
             } else {
-                let y = multihead::no_grad(|| scaled_dot_product_attention(qt, kt, vt, &opts))?;
+                // Inference: inputs without a graph under no_grad, as PyTorch's forward-only
+                // rows (tensors not requiring grad, `torch.no_grad()`).
+                let (qt, kt, vt) = (qt.detach(), kt.detach(), vt.detach());
+                let y = multihead::no_grad(|| scaled_dot_product_attention(&qt, &kt, &vt, &opts))?;
                 std::hint::black_box(y);
             }
             Ok(())
@@ -142,7 +145,9 @@ fn varlen_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
                 let y = call(qt, kt, vt)?;
                 std::hint::black_box(crate::bench::loss(&y)?.backward()?);
             } else {
-                std::hint::black_box(multihead::no_grad(|| call(qt, kt, vt))?);
+                // Inference, as above.
+                let (qt, kt, vt) = (qt.detach(), kt.detach(), vt.detach());
+                std::hint::black_box(multihead::no_grad(|| call(&qt, &kt, &vt))?);
             }
             Ok(())
         }),
