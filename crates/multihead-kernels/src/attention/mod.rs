@@ -664,15 +664,15 @@ pub fn flash_forward(
     lse: &mut [f32],
 ) -> Result<(), KernelError> {
     // SAFETY: `MaybeUninit<f32>` has the layout of `f32`, and the kernel writes only floats
-    // through these views, so the slices stay initialised.
-    let (out, lse) = unsafe { (as_uninit(out), as_uninit(lse)) };
+    // through the view, so `out` stays initialised.
+    let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast(), out.len()) };
     flash_forward_uninit(p, q, ql, k, kl, v, vl, out, ol, Some(lse))
 }
 
 /// [`flash_forward`] into memory that need not be initialised, so that a caller can allocate
 /// its output without zeroing it first: on `Ok`, every element of `out` that `ol` addresses
 /// for `[batch, heads_q, l, dv]` has been written (all of it for a contiguous layout), and all
-/// of `lse` when given. With `lse` `None` the row statistics are not computed (inference: no
+/// of `lse` when given (a few floats a row: it is given initialised). With `lse` `None` the row statistics are not computed (inference: no
 /// backward will need them), which saves a logarithm per row.
 ///
 /// # Shapes
@@ -708,7 +708,7 @@ pub fn flash_forward_uninit(
     vl: Layout4,
     out: &mut [std::mem::MaybeUninit<f32>],
     ol: Layout4,
-    lse: Option<&mut [std::mem::MaybeUninit<f32>]>,
+    lse: Option<&mut [f32]>,
 ) -> Result<(), KernelError> {
     check_params(p)?;
     let d = p.dims;
@@ -735,20 +735,10 @@ pub fn flash_forward_uninit(
     let (k, kl) = kc.as_ref().map_or((k, kl), |(c, l)| (c.as_slice(), *l));
     let (v, vl) = vc.as_ref().map_or((v, vl), |(c, l)| (c.as_slice(), *l));
     let out = exec::SyncPtr(out.as_mut_ptr().cast::<f32>());
-    let lse = lse.map(|x| exec::SyncPtr(x.as_mut_ptr().cast::<f32>()));
+    let lse = lse.map(|x| exec::SyncPtr(x.as_mut_ptr()));
     let mut task = forward::FwdTask::new(p, q, ql, k, kl, v, vl, out, ol, lse, FWD_BR, FWD_BC);
     task.finite = &finite;
     exec::try_par_run(simd_level(), &task, "flash_forward")
-}
-
-/// `x` viewed as possibly uninitialised floats.
-///
-/// # Safety
-/// Nothing but floats may be written through the view (it must stay initialised).
-unsafe fn as_uninit(x: &mut [f32]) -> &mut [std::mem::MaybeUninit<f32>] {
-    // SAFETY: `MaybeUninit<f32>` has the size and alignment of `f32`; the caller writes only
-    // initialised floats through the view.
-    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast(), x.len()) }
 }
 
 /// The attention backward (FlashAttention-2 recomputation from `lse`). Overwrites `dq`

@@ -116,6 +116,12 @@ pub(crate) struct FlashAttention {
     pub(super) grads: super::mask_grad::Stash,
 }
 
+/// Whether a backward may reach an op applied to `xs`: gradients enabled, or an input that
+/// carries a graph (inside `no_grad`, inputs without one build none).
+pub(super) fn gradient_possible(xs: &[&Tensor]) -> bool {
+    crate::mode::grad_enabled() || xs.iter().any(|x| x.track_op())
+}
+
 /// The backward's error where the forward kept no statistics.
 pub(super) const NO_STATS: &str = "flash attention backward: the forward kept no row statistics \
     (it ran inside multihead::no_grad on inputs that carry no graph); run the forward with \
@@ -190,18 +196,15 @@ impl FlashAttention {
         let d = self.dims;
         let n = out_dims.iter().product();
         let rows = if self.keep_stats { 2 * d.batch * d.heads_q * d.l } else { 0 };
-        let mut out = crate::alloc::try_empty::<f32>(n, "flash attention output")?;
-        let mut lse = crate::alloc::try_empty::<f32>(rows, "flash attention row statistics")?;
-        let stats = self.keep_stats.then(|| &mut lse.spare_capacity_mut()[..rows]);
-        let dst = &mut out.spare_capacity_mut()[..n];
-        flash_forward_uninit(&self.params(), q, q4, k, k4, v, v4, dst, o4, stats)
-            .map_err(|e| candle_core::Error::Msg(format!("flash attention forward: {e}")))?;
-        // SAFETY: on `Ok` the kernel wrote every element of the contiguous output and, when
-        // kept, all `rows` statistics (`flash_forward_uninit`); otherwise `rows` is 0.
-        unsafe {
-            out.set_len(n);
-            lse.set_len(rows);
-        }
+        let mut lse = crate::alloc::try_zeros::<f32>(rows, "flash attention row statistics")?;
+        let stats = self.keep_stats.then_some(&mut lse[..]);
+        let write = |dst: &mut [std::mem::MaybeUninit<f32>]| {
+            flash_forward_uninit(&self.params(), q, q4, k, k4, v, v4, dst, o4, stats)
+                .map_err(|e| candle_core::Error::Msg(format!("flash attention forward: {e}")))
+        };
+        // SAFETY: on `Ok` the kernel wrote every element of the contiguous output
+        // (`flash_forward_uninit`).
+        let out = unsafe { crate::alloc::try_written(n, "flash attention output", write) }?;
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
         Ok((CpuStorage::F32(out), Shape::from(out_dims)))
     }
@@ -215,8 +218,7 @@ impl FlashAttention {
     /// The op as applied to inputs `xs`: keeping the statistics only where the weights or a
     /// backward can ask for them (gradients enabled, or an input carrying a graph).
     pub(super) fn for_inputs(&self, xs: &[&Tensor]) -> Self {
-        let graph = crate::mode::grad_enabled() || xs.iter().any(|x| x.track_op());
-        Self { keep_stats: self.weights_later || graph, ..self.clone() }
+        Self { keep_stats: self.weights_later || gradient_possible(xs), ..self.clone() }
     }
 
     /// Hands `f` what every backward of this op reads besides its inputs: the kernel

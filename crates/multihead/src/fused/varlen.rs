@@ -250,11 +250,7 @@ impl CustomOp3 for VarlenAttention {
                 }
                 let op = self.sequence_op(b, l, s);
                 let ((qs, q4), (ks, k4), (vs, v4)) = (q.part(q0, l), k.part(k0, s), v.part(k0, s));
-                // SAFETY: `f32` and `MaybeUninit<f32>` share their layout; the kernel writes
-                // only floats, so the statistics stay initialised.
-                let stats = keep.then(|| unsafe {
-                    std::slice::from_raw_parts_mut(lse.as_mut_ptr().cast(), lse.len())
-                });
+                let stats = keep.then_some(&mut lse[..]);
                 flash_forward_uninit(&op.params(), qs, q4, ks, k4, vs, v4, o, o4, stats)
                     .map_err(|e| kernel_err("forward", e))?;
                 Ok(lse)
@@ -357,8 +353,7 @@ impl VarlenAttention {
     /// The row statistics are kept for a backward only where one can be asked for
     /// (gradients enabled, or an input carrying a graph).
     pub(crate) fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        let keep_stats = crate::mode::grad_enabled() || [q, k, v].iter().any(|x| x.track_op());
-        let op = Self { keep_stats, ..self.clone() };
+        let op = Self { keep_stats: super::flash::gradient_possible(&[q, k, v]), ..self.clone() };
         Ok(q.apply_op3_arc(k, v, Arc::new(Box::new(op)))?)
     }
 }
