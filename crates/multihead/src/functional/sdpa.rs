@@ -322,6 +322,20 @@ fn validate(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaOptions) ->
     Ok(SdpaCall { batch, l, s, e, ev, mask, scale })
 }
 
+/// A validated f32 CPU call on 3-D or 5-D+ inputs as the 4-D call the fused kernels take
+/// (`sdpa_rank`), unless the composed path is asked for; `None` where it stays as it is.
+fn fused_four_d(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    opts: &SdpaOptions,
+) -> Result<Option<super::sdpa_rank::FourD>> {
+    if dtype_device_blocker(query).is_some() || opts.backend == Backend::Composed {
+        return Ok(None);
+    }
+    super::sdpa_rank::four_d(query, key, value, opts)
+}
+
 /// Step 2: the path, and why.
 fn plan(
     query: &Tensor,
@@ -380,6 +394,9 @@ pub fn explain_sdpa(
         let (q, k, v, o) = widened(query, key, value, opts)?;
         return explain_sdpa(&q, &k, &v, &o);
     }
+    if let Some(f) = fused_four_d(query, key, value, opts)? {
+        return explain_sdpa(&f.query, &f.key, &f.value, &f.opts);
+    }
     plan(query, key, value, &call, opts)
 }
 
@@ -423,9 +440,11 @@ fn widened(
 /// Scaled dot-product attention: `softmax(q kᵀ · scale + mask) v`, with optional dropout on the
 /// weights.
 ///
-/// Fully masked rows give zeros, as PyTorch's CPU backends do. The fused kernels run for 4-D
-/// f32 CPU input (see [`explain_sdpa`]); every other call runs the composed candle path, with
-/// the same checks and the same numbers.
+/// Fully masked rows give zeros, as PyTorch's CPU backends do. The fused kernels run for f32
+/// CPU input (see [`explain_sdpa`]): 4-D, or 3-D and wider with the dimensions before the heads
+/// merged into one batch where the query, key and value share them (a 3-D input's first
+/// dimension is its heads, as `enable_gqa` reads it); every other call runs the composed candle
+/// path, with the same checks and the same numbers.
 ///
 /// # Shapes
 /// * `query` `(..., Hq, L, E)`, `key` `(..., H, S, E)`, `value` `(..., H, S, Ev)`, at least 2-D;
@@ -460,6 +479,10 @@ pub fn scaled_dot_product_attention(
             scaled_dot_product_attention(&q, &k, &v, &o)
         })?;
         return crate::precision::narrow(&y, query.dtype());
+    }
+    if let Some(f) = fused_four_d(query, key, value, opts)? {
+        let y = scaled_dot_product_attention(&f.query, &f.key, &f.value, &f.opts)?;
+        return Ok(y.reshape(with(&f.batch, call.l, call.ev))?);
     }
     let plan = plan(query, key, value, &call, opts)?;
     let out_dims = with(&call.batch, call.l, call.ev);

@@ -35,7 +35,9 @@ pub enum Reason {
     ZeroAttn,
     /// The weights were asked for while gradients are recorded; the fused weights carry none.
     WeightsWithGrad,
-    /// SDPA inputs are not all 4-D `(N, H, L, E)`.
+    /// SDPA inputs that cannot run as one 4-D `(N, H, L, E)` call (rank 2, leading dimensions
+    /// that differ between query, key and value, `kv_lengths` on wider inputs, or a mask whose
+    /// leading dimensions neither match nor broadcast).
     NotFourD,
     /// SDPA batch dimensions that broadcast (differ between query, key and value).
     BroadcastBatch,
@@ -68,7 +70,12 @@ impl fmt::Display for Reason {
                 "need_weights=true while gradients are recorded: the fused kernels' weights carry \
                  no gradient (run under multihead::no_grad or set need_weights=false)"
             ),
-            Reason::NotFourD => write!(f, "the fused SDPA takes 4-D (N, H, L, E) inputs"),
+            Reason::NotFourD => write!(
+                f,
+                "the fused SDPA takes (N, H, L, E) inputs, or (H, L, E) and wider ones whose \
+                 dimensions before the heads are the same for query, key and value, without \
+                 kv_lengths, and with a mask that has those dimensions or broadcasts over them"
+            ),
             Reason::BroadcastBatch => {
                 write!(f, "query, key and value have different batch sizes (broadcast)")
             }

@@ -221,6 +221,110 @@ fn sdpa_fused_equals_composed_with_gqa_masks_and_gradients() {
     }
 }
 
+/// 3-D and 5-D inputs take the fused kernels as the 4-D call with their leading dimensions
+/// merged (bit for bit that call), and agree with the composed path, gradients and dropout
+/// included; a mask whose leading dimensions cannot be merged keeps the composed path.
+#[test]
+fn sdpa_on_3d_and_5d_inputs_runs_fused_as_the_4d_call() {
+    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    let bits = |t: &Tensor| -> Vec<u32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+    };
+    // (lead, mask shape and whether it is boolean, fused expected)
+    type MaskSpec = Option<(Vec<usize>, bool)>;
+    let cases: Vec<(Vec<usize>, MaskSpec, bool)> = vec![
+        (vec![2, 3], None, true),
+        (vec![2, 3], Some((vec![9, 11], true)), true),
+        (vec![2, 3], Some((vec![2, 3, 4, 9, 11], false)), true),
+        (vec![2, 3], Some((vec![1, 1, 1, 9, 11], false)), true),
+        (vec![2, 3], Some((vec![3, 4, 1, 11], false)), false), // (3, ...) against lead (2, 3)
+        (vec![1, 3], Some((vec![3, 1, 9, 11], true)), true),
+        (vec![], None, true),
+        (vec![], Some((vec![4, 9, 11], false)), true),
+    ];
+    for (ci, (lead, mask, fused_expected)) in cases.into_iter().enumerate() {
+        let shape = |h: usize, l: usize, e: usize| {
+            let mut v = lead.clone();
+            v.extend([h, l, e]);
+            v
+        };
+        let (q0, k0, v0) = (
+            det(&shape(4, 9, 8), DType::F32, 1.0),
+            det(&shape(2, 11, 8), DType::F32, 2.0),
+            det(&shape(2, 11, 6), DType::F32, 3.0),
+        );
+        let mask = mask.map(|(dims, is_bool)| match is_bool {
+            true => Mask::Bool(bool_mask(&dims, 0.3)),
+            false => Mask::Float(det(&dims, DType::F32, 4.0)),
+        });
+        for p in [0.0, 0.3] {
+            let mut opts = SdpaOptions::default().enable_gqa(true).scale(0.4).dropout_p(p);
+            opts = opts.dropout_key(DropoutKey { seed: 7, offset: 0 });
+            opts.attn_mask = mask.clone();
+            let what = format!("case {ci}, p {p}");
+            let go = |fused: bool| {
+                with_backend(backend(fused), || {
+                    let (q, k, v) = (var(&q0), var(&k0), var(&v0));
+                    let plan = explain_sdpa(q.as_tensor(), k.as_tensor(), v.as_tensor(), &opts);
+                    assert_eq!(
+                        plan.unwrap().path == Path::Fused,
+                        fused && fused_expected,
+                        "{what}"
+                    );
+                    let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
+                    let out = scaled_dot_product_attention(qt, kt, vt, &opts).unwrap();
+                    let up = det(out.dims(), DType::F32, 6.0);
+                    let g = out.mul(&up).unwrap().sum_all().unwrap().backward().unwrap();
+                    let grads: Vec<Tensor> =
+                        [qt, kt, vt].iter().map(|t| g.get(t).unwrap().clone()).collect();
+                    (out, grads)
+                })
+            };
+            let (a, ga) = go(true);
+            let (b, gb) = go(false);
+            assert_eq!(
+                a.dims(),
+                q0.dims()[..q0.rank() - 1]
+                    .iter()
+                    .chain(&[6])
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .as_slice()
+            );
+            assert_close(&a, &b, Tolerance::F32_FORWARD, &what);
+            for (x, y) in ga.iter().zip(&gb) {
+                assert_close(x, y, Tolerance::F32_GRAD, &format!("{what}: grad"));
+            }
+            if fused_expected {
+                // The 4-D call on the merged inputs, bit for bit.
+                let n: usize = lead.iter().product();
+                let four = |t: &Tensor| {
+                    let d = t.dims();
+                    let r = d.len();
+                    t.reshape((n, d[r - 3], d[r - 2], d[r - 1])).unwrap()
+                };
+                let mut o4 = opts.clone();
+                o4.attn_mask = mask.as_ref().map(|m| {
+                    let t = m.tensor();
+                    let d = t.dims().to_vec();
+                    let t = match d.len() {
+                        0..=3 => t.clone(),
+                        r if d[..r - 3].iter().all(|&x| x == 1) => t.reshape(&d[r - 3..]).unwrap(),
+                        r => t.reshape((n, d[r - 3], d[r - 2], d[r - 1])).unwrap(),
+                    };
+                    if m.is_bool() {
+                        Mask::Bool(t)
+                    } else {
+                        Mask::Float(t)
+                    }
+                });
+                let y4 = scaled_dot_product_attention(&four(&q0), &four(&k0), &four(&v0), &o4);
+                assert_eq!(bits(&y4.unwrap()), bits(&a), "{what}: the 4-D call");
+            }
+        }
+    }
+}
+
 #[test]
 fn the_module_takes_the_fused_path_on_f32_and_not_on_f64() {
     let x32 = det(&[5, 2, 8], DType::F32, 1.0);
