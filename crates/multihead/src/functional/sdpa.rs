@@ -329,11 +329,12 @@ fn fused_four_d(
     key: &Tensor,
     value: &Tensor,
     opts: &SdpaOptions,
+    call: &SdpaCall,
 ) -> Result<Option<super::sdpa_rank::FourD>> {
     if dtype_device_blocker(query).is_some() || opts.backend == Backend::Composed {
         return Ok(None);
     }
-    super::sdpa_rank::four_d(query, key, value, opts)
+    super::sdpa_rank::four_d(query, key, value, opts, &call.batch)
 }
 
 /// Step 2: the path, and why.
@@ -348,15 +349,10 @@ fn plan(
         if query.rank() != 4 || key.rank() != 4 || value.rank() != 4 {
             return Some(Reason::NotFourD);
         }
-        let (qd, kd, vd) = (query.dims(), key.dims(), value.dims());
-        if kd[1] != vd[1] {
+        // Batch and head dimensions that broadcast are read in place (`fused_views`); key and
+        // value head counts that differ, neither being 1, are not.
+        if kv_heads(key, value, call).is_none() {
             return Some(Reason::KvHeads);
-        }
-        if kd[0] != qd[0] || vd[0] != qd[0] || (kd[1] != qd[1] && call.batch[1] != qd[1]) {
-            return Some(Reason::BroadcastBatch);
-        }
-        if kd[1] != qd[1] && !(kd[1] > 0 && qd[1] % kd[1] == 0) {
-            return Some(Reason::BroadcastBatch);
         }
         if call.mask.as_ref().is_some_and(|m| m.rank() > 4) {
             return Some(Reason::MaskRank);
@@ -394,7 +390,7 @@ pub fn explain_sdpa(
         let (q, k, v, o) = widened(query, key, value, opts)?;
         return explain_sdpa(&q, &k, &v, &o);
     }
-    if let Some(f) = fused_four_d(query, key, value, opts)? {
+    if let Some(f) = fused_four_d(query, key, value, opts, &call)? {
         return explain_sdpa(&f.query, &f.key, &f.value, &f.opts);
     }
     plan(query, key, value, &call, opts)
@@ -441,10 +437,10 @@ fn widened(
 /// weights.
 ///
 /// Fully masked rows give zeros, as PyTorch's CPU backends do. The fused kernels run for f32
-/// CPU input (see [`explain_sdpa`]): 4-D, or 3-D and wider with the dimensions before the heads
-/// merged into one batch where the query, key and value share them (a 3-D input's first
-/// dimension is its heads, as `enable_gqa` reads it); every other call runs the composed candle
-/// path, with the same checks and the same numbers.
+/// CPU input (see [`explain_sdpa`]): 4-D, with batch and head dimensions that broadcast read in
+/// place, or 3-D and wider with the dimensions before the heads merged into one batch (a 3-D
+/// input's first dimension is its heads, as `enable_gqa` reads it); every other call runs the
+/// composed candle path, with the same checks and the same numbers.
 ///
 /// # Shapes
 /// * `query` `(..., Hq, L, E)`, `key` `(..., H, S, E)`, `value` `(..., H, S, Ev)`, at least 2-D;
@@ -480,7 +476,7 @@ pub fn scaled_dot_product_attention(
         })?;
         return crate::precision::narrow(&y, query.dtype());
     }
-    if let Some(f) = fused_four_d(query, key, value, opts)? {
+    if let Some(f) = fused_four_d(query, key, value, opts, &call)? {
         let y = scaled_dot_product_attention(&f.query, &f.key, &f.value, &f.opts)?;
         return Ok(y.reshape(with(&f.batch, call.l, call.ev))?);
     }
@@ -573,6 +569,34 @@ fn run_composed(
     Ok(out.reshape(with(batch, l, ev))?)
 }
 
+/// The key and value heads of the fused call: their common count, or the broadcast heads'
+/// where one of them has a single head; `None` for two different counts.
+fn kv_heads(key: &Tensor, value: &Tensor, call: &SdpaCall) -> Option<usize> {
+    let (hk, hv) = (key.dims()[1], value.dims()[1]);
+    match (hk == hv, hk == 1 || hv == 1) {
+        (true, _) => Some(hk),
+        (false, true) => call.batch.get(1).copied(),
+        (false, false) => None,
+    }
+}
+
+/// The 4-D inputs as the views the fused op reads: batch (and heads) broadcast to the call's
+/// (stride 0, nothing copied), keys and values to `kv_heads`.
+fn fused_views(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    call: &SdpaCall,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, hq) = (call.batch[0], call.batch[1]);
+    let hk = kv_heads(key, value, call).unwrap_or(hq);
+    Ok((
+        query.broadcast_as((b, hq, call.l, call.e))?,
+        key.broadcast_as((b, hk, call.s, call.e))?,
+        value.broadcast_as((b, hk, call.s, call.ev))?,
+    ))
+}
+
 /// Step 3, fused: the flash-attention op on `(B, H, T, D)` input.
 fn run_fused(
     query: &Tensor,
@@ -583,6 +607,8 @@ fn run_fused(
     dropout: Option<(f64, DropoutKey)>,
 ) -> Result<Tensor> {
     use crate::fused::flash::{Convention, FlashAttention, OwnedMask};
+    let (query, key, value) = fused_views(query, key, value, call)?;
+    let (query, key, value) = (&query, &key, &value);
     let (b, hq, l, e) = query.dims4()?;
     let hk = key.dim(1)?;
     let mut masks = Vec::new();

@@ -1,11 +1,12 @@
 //! SDPA on 3-D or 5-D and wider inputs as the 4-D call the fused kernels take.
 //!
 //! `F.scaled_dot_product_attention` takes `(..., H, L, E)`: any number of dimensions before the
-//! heads. The fused kernels take `(N, H, L, E)`. Where the dimensions before the heads are the
-//! same for the query, the key and the value, merging them into one batch (a batch of one for
-//! 3-D inputs, whose first dimension is the heads', as `enable_gqa` reads it) changes nothing
-//! but the shape: the flattened order of `(batch, head)` pairs is the one the composed path
-//! uses too (its dropout counters included), and the output is reshaped back.
+//! heads. The fused kernels take `(N, H, L, E)`. Merging the dimensions before the heads into
+//! one batch (a batch of one for 3-D inputs, whose first dimension is the heads', as
+//! `enable_gqa` reads it) changes nothing but the shape: the flattened order of `(batch, head)`
+//! pairs is the one the composed path uses too (its dropout counters included), and the output
+//! is reshaped back. An input whose leading dimensions broadcast is expanded to the others'
+//! first (a copy, as on the composed path).
 
 use candle_core::Tensor;
 
@@ -14,7 +15,7 @@ use crate::mask::Mask;
 use crate::Result;
 
 /// A call reshaped to 4-D: the inputs, the options (with the mask reshaped), and the output's
-/// dimensions before `L` in the original call (`lead` then the query's heads).
+/// dimensions before `L` in the original call (the broadcast leading dimensions, then heads).
 pub(crate) struct FourD {
     pub(crate) query: Tensor,
     pub(crate) key: Tensor,
@@ -23,30 +24,32 @@ pub(crate) struct FourD {
     pub(crate) batch: Vec<usize>,
 }
 
-/// The 4-D form of a validated 3-D or 5-D+ call, or `None` where the call is 4-D already or
-/// cannot be merged: inputs of different ranks or leading dimensions (broadcast over the
-/// batch), per-batch key lengths (their batch is the first dimension), or a mask whose
-/// leading dimensions are neither all 1 nor the inputs' own.
+/// The 4-D form of a validated 3-D or 5-D+ call whose dimensions before `L` broadcast to
+/// `batch`, or `None` where the call is 4-D already or cannot be merged: inputs of different
+/// ranks, or per-batch key lengths (their batch is the first dimension). An input or a mask
+/// whose leading dimensions broadcast is expanded to them (a copy, as the composed path makes).
 pub(crate) fn four_d(
     query: &Tensor,
     key: &Tensor,
     value: &Tensor,
     opts: &SdpaOptions,
+    batch: &[usize],
 ) -> Result<Option<FourD>> {
     let r = query.rank();
-    if r == 4 || r < 3 || key.rank() != r || value.rank() != r {
+    if r == 4 || r < 3 || key.rank() != r || value.rank() != r || batch.len() != r - 2 {
         return Ok(None);
     }
     if opts.variants.kv_lengths.is_some() {
         return Ok(None);
     }
-    let lead = &query.dims()[..r - 3];
-    if &key.dims()[..r - 3] != lead || &value.dims()[..r - 3] != lead {
-        return Ok(None);
-    }
+    let lead = &batch[..r - 3];
     let n: usize = lead.iter().product();
     let merge = |t: &Tensor| -> Result<Tensor> {
         let d = t.dims();
+        let t = match &d[..r - 3] == lead {
+            true => t.clone(),
+            false => t.broadcast_as([lead, &d[r - 3..]].concat())?,
+        };
         Ok(t.reshape((n, d[r - 3], d[r - 2], d[r - 1]))?)
     };
     let mut o = opts.clone();
@@ -59,14 +62,14 @@ pub(crate) fn four_d(
             Mask::Float(_) => Mask::Float(t),
         });
     }
-    let mut batch = lead.to_vec();
-    batch.push(query.dim(r - 3)?);
-    Ok(Some(FourD { query: merge(query)?, key: merge(key)?, value: merge(value)?, opts: o, batch }))
+    let (query, key, value) = (merge(query)?, merge(key)?, merge(value)?);
+    Ok(Some(FourD { query, key, value, opts: o, batch: batch.to_vec() }))
 }
 
 /// The mask for the merged batch: a mask of at most 3 dimensions broadcasts as before; a wider
-/// one loses its leading dimensions when they are all 1, or has them merged when they are the
-/// inputs' `lead` (after the ones broadcasting adds on its left). `None` otherwise.
+/// one loses its leading dimensions when they are all 1, has them merged when they are the
+/// inputs' `lead` (after the ones broadcasting adds on its left), and is expanded to `lead`
+/// first otherwise (a copy). `None` for a mask wider than the inputs.
 fn merged_mask(t: &Tensor, lead: &[usize]) -> Result<Option<Tensor>> {
     let m = t.rank();
     if m <= 3 {
@@ -80,10 +83,11 @@ fn merged_mask(t: &Tensor, lead: &[usize]) -> Result<Option<Tensor>> {
     if own.iter().all(|&x| x == 1) {
         return Ok(Some(t.reshape(tail)?));
     }
+    let n: usize = lead.iter().product();
     let pad = lead.len() - own.len();
-    if lead[..pad].iter().all(|&x| x == 1) && own == &lead[pad..] {
-        let n: usize = own.iter().product();
-        return Ok(Some(t.reshape((n, tail[0], tail[1], tail[2]))?));
-    }
-    Ok(None)
+    let t = match lead[..pad].iter().all(|&x| x == 1) && own == &lead[pad..] {
+        true => t.clone(),
+        false => t.broadcast_as([lead, tail].concat())?,
+    };
+    Ok(Some(t.reshape((n, tail[0], tail[1], tail[2]))?))
 }

@@ -35,13 +35,13 @@ pub enum Reason {
     ZeroAttn,
     /// The weights were asked for while gradients are recorded; the fused weights carry none.
     WeightsWithGrad,
-    /// SDPA inputs that cannot run as one 4-D `(N, H, L, E)` call (rank 2, leading dimensions
-    /// that differ between query, key and value, `kv_lengths` on wider inputs, or a mask whose
-    /// leading dimensions neither match nor broadcast).
+    /// SDPA inputs that cannot run as one 4-D `(N, H, L, E)` call (rank 2, ranks that differ
+    /// between query, key and value, or `kv_lengths` on wider inputs).
     NotFourD,
-    /// SDPA batch dimensions that broadcast (differ between query, key and value).
+    /// SDPA batch dimensions that broadcast (differ between query, key and value). No longer
+    /// given: the fused path reads them in place.
     BroadcastBatch,
-    /// SDPA key and value head counts differ.
+    /// SDPA key and value head counts differ, neither being 1.
     KvHeads,
     /// An attention mask of more than 4 dimensions.
     MaskRank,
@@ -72,9 +72,8 @@ impl fmt::Display for Reason {
             ),
             Reason::NotFourD => write!(
                 f,
-                "the fused SDPA takes (N, H, L, E) inputs, or (H, L, E) and wider ones whose \
-                 dimensions before the heads are the same for query, key and value, without \
-                 kv_lengths, and with a mask that has those dimensions or broadcasts over them"
+                "the fused SDPA takes (N, H, L, E) inputs, or (H, L, E) and wider ones of one \
+                 rank for query, key and value (without kv_lengths there)"
             ),
             Reason::BroadcastBatch => {
                 write!(f, "query, key and value have different batch sizes (broadcast)")

@@ -232,26 +232,36 @@ fn sdpa_on_3d_and_5d_inputs_runs_fused_as_the_4d_call() {
     };
     // (lead, mask shape and whether it is boolean, fused expected)
     type MaskSpec = Option<(Vec<usize>, bool)>;
+    // The last field says whether the call runs fused; every case here does now (a mask whose
+    // leading dimensions broadcast is expanded), and the path is asserted for each.
     let cases: Vec<(Vec<usize>, MaskSpec, bool)> = vec![
         (vec![2, 3], None, true),
         (vec![2, 3], Some((vec![9, 11], true)), true),
         (vec![2, 3], Some((vec![2, 3, 4, 9, 11], false)), true),
         (vec![2, 3], Some((vec![1, 1, 1, 9, 11], false)), true),
-        (vec![2, 3], Some((vec![3, 4, 1, 11], false)), false), // (3, ...) against lead (2, 3)
+        (vec![2, 3], Some((vec![3, 4, 1, 11], false)), true), // expanded over the first dim
         (vec![1, 3], Some((vec![3, 1, 9, 11], true)), true),
         (vec![], None, true),
         (vec![], Some((vec![4, 9, 11], false)), true),
+        // Keys and values broadcast over the first leading dimension (expanded, then merged).
+        (vec![2, 3, 0], Some((vec![3, 1, 9, 11], false)), true),
     ];
     for (ci, (lead, mask, fused_expected)) in cases.into_iter().enumerate() {
-        let shape = |h: usize, l: usize, e: usize| {
+        // A trailing 0 in `lead` marks keys and values with a first leading dimension of 1.
+        let kv_one = lead.last() == Some(&0);
+        let lead: Vec<usize> = lead.into_iter().filter(|&x| x != 0).collect();
+        let shape = |h: usize, l: usize, e: usize, kv: bool| {
             let mut v = lead.clone();
+            if kv && kv_one {
+                v[0] = 1;
+            }
             v.extend([h, l, e]);
             v
         };
         let (q0, k0, v0) = (
-            det(&shape(4, 9, 8), DType::F32, 1.0),
-            det(&shape(2, 11, 8), DType::F32, 2.0),
-            det(&shape(2, 11, 6), DType::F32, 3.0),
+            det(&shape(4, 9, 8, false), DType::F32, 1.0),
+            det(&shape(2, 11, 8, true), DType::F32, 2.0),
+            det(&shape(2, 11, 6, true), DType::F32, 3.0),
         );
         let mask = mask.map(|(dims, is_bool)| match is_bool {
             true => Mask::Bool(bool_mask(&dims, 0.3)),
@@ -301,6 +311,8 @@ fn sdpa_on_3d_and_5d_inputs_runs_fused_as_the_4d_call() {
                 let four = |t: &Tensor| {
                     let d = t.dims();
                     let r = d.len();
+                    let full: Vec<usize> = lead.iter().chain(&d[r - 3..]).copied().collect();
+                    let t = t.broadcast_as(full).unwrap();
                     t.reshape((n, d[r - 3], d[r - 2], d[r - 1])).unwrap()
                 };
                 let mut o4 = opts.clone();
@@ -310,7 +322,12 @@ fn sdpa_on_3d_and_5d_inputs_runs_fused_as_the_4d_call() {
                     let t = match d.len() {
                         0..=3 => t.clone(),
                         r if d[..r - 3].iter().all(|&x| x == 1) => t.reshape(&d[r - 3..]).unwrap(),
-                        r => t.reshape((n, d[r - 3], d[r - 2], d[r - 1])).unwrap(),
+                        r => {
+                            let full: Vec<usize> =
+                                lead.iter().chain(&d[r - 3..]).copied().collect();
+                            let t = t.broadcast_as(full).unwrap();
+                            t.reshape((n, d[r - 3], d[r - 2], d[r - 1])).unwrap()
+                        }
                     };
                     if m.is_bool() {
                         Mask::Bool(t)
@@ -767,6 +784,56 @@ fn cross_attention_over_one_memory_equals_composed_with_padding_and_nan() {
 /// copied contiguous first: a strided view (heads taken out of `[N, S, H, D]` rows) and a
 /// broadcast view (one batch entry's keys for every entry) give the composed numbers,
 /// gradients included, either way.
+/// Batch and head dimensions that broadcast between query, key and value run on the fused
+/// kernels, read in place, with the composed path's outputs and gradients.
+#[test]
+fn sdpa_broadcast_batch_and_heads_run_fused() {
+    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    let shapes: [([usize; 4], [usize; 4], [usize; 4]); 4] = [
+        ([2, 3, 19, 8], [1, 3, 23, 8], [1, 3, 23, 5]),
+        ([2, 3, 19, 8], [2, 1, 23, 8], [1, 3, 23, 5]),
+        ([1, 1, 19, 8], [2, 3, 23, 8], [2, 3, 23, 5]),
+        ([2, 4, 70, 8], [1, 1, 130, 8], [1, 1, 130, 5]),
+    ];
+    for (i, (qs, ks, vs)) in shapes.into_iter().enumerate() {
+        for (causal, p) in [(false, 0.0), (true, 0.0), (false, 0.2)] {
+            let mut opts = SdpaOptions::default()
+                .is_causal(causal)
+                .dropout_p(p)
+                .dropout_key(DropoutKey { seed: 3, offset: 0 });
+            if !causal {
+                opts = opts.attn_mask(Mask::Float(det(&[qs[2], ks[2]], DType::F32, 5.0)));
+            }
+            let what = format!("shapes {i}, causal {causal}, p {p}");
+            let go = |fused: bool| {
+                with_backend(backend(fused), || {
+                    let (q, k, v) = (
+                        var(&det(&qs, DType::F32, 1.0)),
+                        var(&det(&ks, DType::F32, 2.0)),
+                        var(&det(&vs, DType::F32, 3.0)),
+                    );
+                    let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
+                    let plan = explain_sdpa(qt, kt, vt, &opts).unwrap();
+                    assert_eq!(plan.path == Path::Fused, fused, "{what}: {plan:?}");
+                    let out = scaled_dot_product_attention(qt, kt, vt, &opts).unwrap();
+                    let up = det(out.dims(), DType::F32, 6.0);
+                    let g = out.mul(&up).unwrap().sum_all().unwrap().backward().unwrap();
+                    let grads: Vec<Tensor> =
+                        [qt, kt, vt].iter().map(|t| g.get(t).unwrap().clone()).collect();
+                    (out, grads)
+                })
+            };
+            let ((a, ga), (b, gb)) = (go(true), go(false));
+            assert_eq!(a.dims(), b.dims(), "{what}");
+            assert_close(&a, &b, Tolerance::F32_FORWARD, &what);
+            for (x, y) in ga.iter().zip(&gb) {
+                assert_eq!(x.dims(), y.dims(), "{what}: gradient shape");
+                assert_close(x, y, Tolerance::F32_GRAD, &format!("{what}: grad"));
+            }
+        }
+    }
+}
+
 #[test]
 fn sdpa_reads_strided_and_broadcast_keys_in_place() {
     use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
