@@ -78,6 +78,22 @@ pub(crate) fn attention_core(
         let w = Tensor::zeros((b, l, s), q.dtype(), q.device())?;
         return Ok((out, want_weights.then_some(w)));
     }
+    let w = attention_probs(q, k, mask, (scale, softcap, sinks), dropout)?;
+    let out = w.matmul(v)?;
+    Ok((out, want_weights.then_some(w)))
+}
+
+/// The (post-dropout) attention weights `(B, L, S)` of [`attention_core`], for non-empty `q`
+/// `(B, L, D)` and `k` `(B, S, D)`.
+pub(crate) fn attention_probs(
+    q: &Tensor,
+    k: &Tensor,
+    mask: Option<&Tensor>,
+    (scale, softcap, sinks): (f64, Option<(f64, bool)>, Option<&Tensor>),
+    dropout: Option<(f64, DropoutKey)>,
+) -> Result<Tensor> {
+    let (b, l, _) = q.dims3()?;
+    let s = k.dim(1)?;
     let scores = q.affine(scale, 0.0)?.matmul(&k.t()?)?;
     let cap = |x: &Tensor, c: f64| -> Result<Tensor> {
         Ok(x.affine(1.0 / c, 0.0)?.tanh()?.affine(c, 0.0)?)
@@ -111,8 +127,7 @@ pub(crate) fn attention_core(
             w = apply_dropout(&w, p, key)?;
         }
     }
-    let out = w.matmul(v)?;
-    Ok((out, want_weights.then_some(w)))
+    Ok(w)
 }
 
 pub(crate) fn check_dropout(p: f64, op: &'static str) -> Result<()> {

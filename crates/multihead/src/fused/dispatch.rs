@@ -33,7 +33,8 @@ pub enum Reason {
     BiasKv,
     /// `add_zero_attn` adds a key column the fused kernels do not take.
     ZeroAttn,
-    /// The weights were asked for while gradients are recorded; the fused weights carry none.
+    /// The weights were asked for while gradients are recorded. No longer given: the fused
+    /// path gives its weights their gradient (or computes them with candle operations).
     WeightsWithGrad,
     /// SDPA inputs that cannot run as one 4-D `(N, H, L, E)` call (rank 2, ranks that differ
     /// between query, key and value, or `kv_lengths` on wider inputs).

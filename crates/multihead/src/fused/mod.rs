@@ -30,6 +30,7 @@ pub(crate) mod norm;
 pub(crate) mod sinks;
 pub(crate) mod varlen;
 pub(crate) mod varlen_sinks;
+pub(crate) mod weights_grad;
 pub(crate) mod zeros;
 
 /// Makes a forward-only linear op (a type with `fn run(&self, x, w, bias: Option<_>)` over CPU

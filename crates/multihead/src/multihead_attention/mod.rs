@@ -478,13 +478,16 @@ impl MultiheadAttention {
     /// let vm = VarMap::new();
     /// let mha = MultiheadAttention::new(MhaConfig::new(8, 2), VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))?;
     /// let x = Tensor::zeros((3, 1, 8), DType::F32, &Device::Cpu)?; // (L, N, E)
-    /// // Weights with gradients recorded need the composed path ...
+    /// // f32 on the CPU runs the fused kernels ...
     /// let plan = mha.explain(&x, &x, &x, &MhaOptions::default())?;
+    /// assert_eq!(plan.path, Path::Fused);
+    /// // ... f64 the composed path, and the plan says why.
+    /// let x64 = x.to_dtype(DType::F64)?;
+    /// let vm64 = VarMap::new();
+    /// let mha64 = MultiheadAttention::new(MhaConfig::new(8, 2), VarBuilder::from_varmap(&vm64, DType::F64, &Device::Cpu))?;
+    /// let plan = mha64.explain(&x64, &x64, &x64, &MhaOptions::default())?;
     /// assert_eq!(plan.path, Path::Composed);
     /// println!("{plan}");
-    /// // ... without weights, the fused kernels run.
-    /// let plan = mha.explain(&x, &x, &x, &MhaOptions::default().need_weights(false))?;
-    /// assert_eq!(plan.path, Path::Fused);
     /// # Ok::<(), multihead::Error>(())
     /// ```
     pub fn explain(

@@ -141,6 +141,66 @@ fn fused_dropout_draws_the_composed_mask() {
     compare(cfg, opts, 24, 24, 2, true, "dropout");
 }
 
+/// The weights asked for while gradients are recorded (PyTorch's default `need_weights=True`
+/// in training): the output runs fused and the weights come through candle operations, so a
+/// loss that uses them gets their gradient; output, weights and every gradient as on the
+/// composed path, with dropout (the same mask for both), masks, grouped and static keys.
+#[test]
+fn weights_with_gradients_run_the_output_fused_and_carry_their_gradient() {
+    let kpm = Mask::Bool(Tensor::new(&[[0u8; 17], [0; 17]], &dev()).unwrap());
+    let cases = [
+        (MhaConfig::new(16, 4), MhaOptions::default(), "plain"),
+        (
+            MhaConfig::new(16, 4).with_dropout(0.3),
+            MhaOptions::default().dropout_key(DropoutKey { seed: 9, offset: 1 }),
+            "dropout",
+        ),
+        (
+            MhaConfig::new(16, 4),
+            MhaOptions::default()
+                .attn_mask(Mask::Bool(bool_mask(&[12, 17], 0.4)))
+                .key_padding_mask(kpm)
+                .average_attn_weights(false),
+            "masks, per head",
+        ),
+        (MhaConfig::new(16, 4).with_num_kv_heads(2), MhaOptions::default(), "grouped"),
+        // Self-attention (one packed projection), batch first: keys are the query.
+        (MhaConfig::new(16, 4).with_batch_first(true), MhaOptions::default(), "self"),
+    ];
+    for (cfg, opts, what) in cases {
+        let self_attn = what == "self";
+        let (mut m, _vm) = mha(cfg.clone(), DType::F32);
+        m.train(true);
+        let q0 = det(&[12, 2, 16], DType::F32, 1.0);
+        let k0 = det(&[17, 2, 16], DType::F32, 2.0);
+        let go = |fused: bool| {
+            with_backend(backend(fused), || {
+                let q = var(&q0);
+                let k = if self_attn { q.clone() } else { var(&k0) };
+                let plan = m.explain(q.as_tensor(), k.as_tensor(), k.as_tensor(), &opts).unwrap();
+                assert_eq!(plan.path == Path::Fused, fused, "{what}: {plan:?}");
+                let out = m.forward(q.as_tensor(), k.as_tensor(), k.as_tensor(), &opts).unwrap();
+                let w = out.attn_weights.clone().expect("weights");
+                let loss = out.output.mul(&det(out.output.dims(), DType::F32, 3.0)).unwrap();
+                let wl = w.mul(&det(w.dims(), DType::F32, 4.0)).unwrap().sum_all().unwrap();
+                let grads = loss.sum_all().unwrap().add(&wl).unwrap().backward().unwrap();
+                let mut gs: Vec<Tensor> =
+                    [&q, &k].iter().map(|t| grads.get(t.as_tensor()).unwrap().clone()).collect();
+                for (_, p) in m.named_parameters() {
+                    gs.push(grads.get(&p).expect("parameter gradient").clone());
+                }
+                (out.output, w, gs)
+            })
+        };
+        let ((a, wa, ga), (b, wb, gb)) = (go(true), go(false));
+        assert_close(&a, &b, Tolerance::F32_FORWARD, &format!("{what}: output"));
+        assert_close(&wa, &wb, Tolerance::F32_FORWARD, &format!("{what}: weights"));
+        for (i, (x, y)) in ga.iter().zip(&gb).enumerate() {
+            assert_close(x, y, Tolerance::F32_GRAD, &format!("{what}: gradient {i}"));
+        }
+    }
+}
+
 #[test]
 fn fused_weights_in_no_grad_equal_the_composed_weights() {
     let cfg = MhaConfig::new(16, 4);

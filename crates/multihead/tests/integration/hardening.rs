@@ -168,13 +168,15 @@ fn attention_weights_larger_than_memory_are_a_typed_error() {
     assert!(matches!(e, Error::Alloc { what: "attn_weights", .. }), "{e:?}");
     let msg = e.to_string();
     assert!(msg.contains("64.0 GiB") && msg.contains("need_weights=false"), "{msg}");
-    // Composed with gradients: (64·2, 65536, 65536) scores = 2 TiB each.
+    // With gradients: the weights (64, 65536, 65536) = 1 TiB on the fused path, and the
+    // (64·2, 65536, 65536) scores = 2 TiB on the composed one.
     let (m, _vm) = mha(MhaConfig::new(8, 2), DType::F32);
     let x = Tensor::zeros((65536, 64, 8), DType::F32, &dev()).unwrap();
     let x = candle_core::Var::from_tensor(&x).unwrap();
-    let e = m
-        .forward(x.as_tensor(), x.as_tensor(), x.as_tensor(), &MhaOptions::default())
-        .expect_err("too large");
+    let go = || m.forward(x.as_tensor(), x.as_tensor(), x.as_tensor(), &MhaOptions::default());
+    let e = go().expect_err("too large");
+    assert!(matches!(e, Error::Alloc { what: "attn_weights", .. }), "{e:?}");
+    let e = with_backend(Backend::Composed, go).expect_err("too large");
     assert!(matches!(e, Error::Alloc { what: "attention scores", .. }), "{e:?}");
     // SDPA on the composed path (f64).
     let q = Tensor::zeros((64, 2, 65536, 4), DType::F64, &dev()).unwrap();

@@ -7,7 +7,7 @@ use super::project::Projected;
 use super::validate::MhaCall;
 use super::MHA;
 use crate::error::Result;
-use crate::functional::core::{attention_core, cat_nonempty};
+use crate::functional::core::{attention_core, attention_probs, cat_nonempty};
 use crate::mask::causal_upper_left;
 use crate::random::DropoutKey;
 
@@ -27,6 +27,17 @@ fn pad_col(m: Option<Tensor>) -> Result<Option<Tensor>> {
     }
 }
 
+/// The heads of one call as the attention core takes them: `q` `(N·H, L, hd)`, `k` and `v`
+/// `(N·H, S', hd)` (the `bias_k` and zero-attention keys appended, grouped heads expanded), the
+/// merged additive mask, and the sinks per `(N·H)` row.
+struct Heads {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Option<Tensor>,
+    sinks: Option<Tensor>,
+}
+
 /// The attention output `(L, N, E)` (`(N, L, E)` with `batch_first`) and, when asked, the
 /// weights `(N, L, S')` or `(N, H, L, S')`.
 pub(crate) fn attend(
@@ -34,7 +45,49 @@ pub(crate) fn attend(
     proj: Projected,
     dropout: Option<(f64, DropoutKey)>,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let (l, n, e, h, hd, hk, kv_e) = (call.l, call.n, call.e, call.h, call.hd, call.hk, call.kv_e);
+    let (l, n, e) = (call.l, call.n, call.e);
+    let hs = heads(call, proj)?;
+    let scale = 1.0 / (call.hd as f64).sqrt();
+    let score = (scale, call.variants.cap(), hs.sinks.as_ref());
+    let (attn, weights) =
+        attention_core(&hs.q, &hs.k, &hs.v, hs.mask.as_ref(), score, dropout, call.need_weights)?;
+    let attn = attn.transpose(0, 1)?.contiguous()?.reshape((l, n, e))?;
+    let attn = if call.batch_first { attn.transpose(0, 1)? } else { attn };
+    let weights = weights.map(|w| head_weights(call, w)).transpose()?;
+    Ok((attn, weights))
+}
+
+/// The (post-dropout) attention weights alone, `(N, L, S')` or `(N, H, L, S')`, through candle
+/// operations, so that a gradient flows through them: what the fused path returns beside its
+/// output when the weights are asked for while gradients are recorded. The dropout key is the
+/// fused output's, so both see the same mask.
+pub(crate) fn weights(
+    call: &MhaCall,
+    proj: &Projected,
+    dropout: Option<(f64, DropoutKey)>,
+) -> Result<Tensor> {
+    let proj = Projected {
+        q: proj.q.clone(),
+        k: proj.k.clone(),
+        v: proj.v.clone(),
+        packed: super::project::Packed::None,
+    };
+    let hs = heads(call, proj)?;
+    let scale = 1.0 / (call.hd as f64).sqrt();
+    let score = (scale, call.variants.cap(), hs.sinks.as_ref());
+    let w = attention_probs(&hs.q, &hs.k, hs.mask.as_ref(), score, dropout)?;
+    head_weights(call, w)
+}
+
+/// `(N·H, L, S')` weights as the caller gets them: per head, or averaged over the heads.
+fn head_weights(call: &MhaCall, w: Tensor) -> Result<Tensor> {
+    let w = w.reshape((call.n, call.h, call.l, call.s_total()))?;
+    Ok(if call.average_attn_weights { w.mean(1)? } else { w })
+}
+
+/// Steps 7-11: the heads split, the extra keys appended and the masks merged.
+fn heads(call: &MhaCall, proj: Projected) -> Result<Heads> {
+    let (l, n, h, hd, hk, kv_e) = (call.l, call.n, call.h, call.hd, call.hk, call.kv_e);
     let s2 = call.s_total();
     crate::alloc::ensure(
         MHA,
@@ -115,25 +168,11 @@ pub(crate) fn attend(
             (a, p) => a.or(p),
         }
     };
-    // Attention (steps 12-13), then the heads concatenated back.
-    let scale = 1.0 / (hd as f64).sqrt();
     let sinks = match &call.sinks {
         Some(t) => Some(t.reshape((1, h, 1))?.broadcast_as((n, h, 1))?.reshape((n * h, 1, 1))?),
         None => None,
     };
-    let score = (scale, variants.cap(), sinks.as_ref());
-    let (attn, weights) =
-        attention_core(&q, &k, &v, mask.as_ref(), score, dropout, call.need_weights)?;
-    let attn = attn.transpose(0, 1)?.contiguous()?.reshape((l, n, e))?;
-    let attn = if call.batch_first { attn.transpose(0, 1)? } else { attn };
-    let weights = match weights {
-        Some(w) => {
-            let w = w.reshape((n, h, l, s2))?;
-            Some(if call.average_attn_weights { w.mean(1)? } else { w })
-        }
-        None => None,
-    };
-    Ok((attn, weights))
+    Ok(Heads { q, k, v, mask, sinks })
 }
 
 /// The merged additive mask with the variants (no `bias_k` or zero-attention columns: checked),

@@ -9,10 +9,12 @@ use super::validate::MhaCall;
 use super::MHA;
 use crate::error::Result;
 use crate::fused::flash::{Convention, FlashAttention, OwnedMask};
+use crate::fused::weights_grad;
 use crate::random::DropoutKey;
 
 /// The attention output `(L, N, E)` (`(N, L, E)` with `batch_first`) and, when asked, the
-/// weights (no gradient flows through them; the plan allows them only without a graph).
+/// weights: from the weights kernel without a graph, or through candle operations (with their
+/// gradient) while one is recorded (`composed::weights`).
 pub(crate) fn attend(
     call: &MhaCall,
     proj: &Projected,
@@ -63,16 +65,23 @@ pub(crate) fn attend(
     }
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let conv = Convention::SeqFirst { heads: h, head_dim: hd, batch_first: call.batch_first };
+    // Weights that carry a gradient: from the kernel with the softmax's gradient attached
+    // (`weights_grad`), or, with dropout, a soft cap or sinks, from candle operations.
+    let graded_weights = call.need_weights && super::records_grad(call);
+    let kernel_grad = graded_weights
+        && dropout.is_none_or(|(p, _)| p == 0.0)
+        && call.variants.softcap.is_none()
+        && call.sinks.is_none();
     let op = FlashAttention::new(dims, scale, call.causal, masks, dropout, conv)
         .with_variants(&call.variants)
         .with_rounded_products(call.need_weights)
-        .with_weights_later(call.need_weights);
+        .with_weights_later(call.need_weights && (kernel_grad || !graded_weights));
     let op = match &call.sinks {
         Some(t) => op.with_sinks(t.to_vec1::<f32>()?),
         None => op,
     };
     if call.static_kv.is_some() {
-        return static_attention(call, proj, &op);
+        return static_attention(call, proj, &op, dropout);
     }
     // The kernels read the projections' strided heads themselves (copying what they re-read).
     let attn = match &proj.packed {
@@ -81,7 +90,13 @@ pub(crate) fn attend(
         Packed::None => op.apply(&proj.q, &proj.k, &proj.v)?,
     };
     let attn = with_sinks(&op, attn, call)?;
-    let weights = if call.need_weights {
+    let weights = if kernel_grad {
+        let layout = (h, hd, call.batch_first);
+        let w = weights_grad::weights(&op, &proj.q, &proj.k, call.average_attn_weights, layout)?;
+        Some(w)
+    } else if graded_weights {
+        Some(super::composed::weights(call, proj, dropout)?)
+    } else if call.need_weights {
         let w = op.weights(&proj.q, &proj.k, call.average_attn_weights)?;
         Some(if call.average_attn_weights { w.squeeze(1)? } else { w })
     } else {
@@ -117,6 +132,7 @@ fn static_attention(
     call: &MhaCall,
     proj: &Projected,
     op: &FlashAttention,
+    dropout: Option<(f64, DropoutKey)>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let (l, n, e, h, hd, hk, s) = (call.l, call.n, call.e, call.h, call.hd, call.hk, call.s);
     let bhtd = op.with_convention(Convention::Bhtd);
@@ -125,7 +141,9 @@ fn static_attention(
     let vh = proj.v.reshape((n, hk, s, hd))?;
     let attn = with_sinks(&bhtd, bhtd.apply(&qh, &kh, &vh)?, call)?;
     let attn = from_bhtd(&attn, (n, l, e), call.batch_first)?;
-    let weights = if call.need_weights {
+    let weights = if call.need_weights && super::records_grad(call) {
+        Some(super::composed::weights(call, proj, dropout)?)
+    } else if call.need_weights {
         let w = bhtd.weights(&qh, &kh, call.average_attn_weights)?;
         Some(if call.average_attn_weights { w.squeeze(1)? } else { w })
     } else {

@@ -292,7 +292,7 @@ pub fn explain_mha(
 
 /// Whether a gradient will be recorded through the attention: grad mode is on and an input or
 /// an in-projection parameter is tracked by candle.
-fn records_grad(call: &MhaCall) -> bool {
+pub(super) fn records_grad(call: &MhaCall) -> bool {
     let p = call.params;
     let mut tracked = [&call.query, &call.key, &call.value].iter().any(|t| t.track_op());
     tracked |= match p.in_proj {
@@ -312,8 +312,7 @@ fn plan(call: &MhaCall, opts: &MhaOptions) -> Result<Plan> {
     let blocker = dtype_device_blocker(&call.query)
         .or_else(|| masks_grad.then_some(Reason::MaskGrad))
         .or_else(|| p.bias_k.is_some().then_some(Reason::BiasKv))
-        .or_else(|| p.add_zero_attn.then_some(Reason::ZeroAttn))
-        .or_else(|| (call.need_weights && records_grad(call)).then_some(Reason::WeightsWithGrad));
+        .or_else(|| p.add_zero_attn.then_some(Reason::ZeroAttn));
     decide(MHA, opts.backend, blocker)
 }
 
