@@ -29,9 +29,9 @@ pub enum Reason {
     DType(DType),
     /// The fused kernels run on the CPU only.
     Device,
-    /// `bias_k`/`bias_v` add key columns the fused kernels do not take.
+    /// `bias_k`/`bias_v` add key columns. No longer given: the fused path appends them.
     BiasKv,
-    /// `add_zero_attn` adds a key column the fused kernels do not take.
+    /// `add_zero_attn` adds a key column. No longer given: the fused path appends it.
     ZeroAttn,
     /// The weights were asked for while gradients are recorded. No longer given: the fused
     /// path gives its weights their gradient (or computes them with candle operations).

@@ -133,6 +133,58 @@ fn fused_equals_composed_without_and_with_masks() {
     );
 }
 
+/// `bias_k`/`bias_v` and `add_zero_attn` run on the fused kernels (their key columns appended
+/// to the projections), with the composed path's outputs, weights and gradients (`bias_k` and
+/// `bias_v` included): masks, dropout, weights with gradients, batch first, static keys.
+#[test]
+fn extra_key_columns_run_fused() {
+    let attn = Mask::Bool(bool_mask(&[10, 13], 0.7));
+    let kpm = Mask::Float(det(&[2, 13], DType::F32, 5.0));
+    let masks = MhaOptions::default().attn_mask(attn).key_padding_mask(kpm);
+    let static_kv = MhaOptions::default()
+        .static_kv(det(&[2 * 4, 9, 4], DType::F32, 7.0), det(&[2 * 4, 9, 4], DType::F32, 8.0));
+    let both = |c: MhaConfig| c.with_add_bias_kv(true).with_add_zero_attn(true);
+    let plain = MhaOptions::default();
+    // (config, options, L, S, what); `compare` makes the query (L, 2, 16) and keys (S, 2, 16).
+    let cases = [
+        (MhaConfig::new(16, 4).with_add_bias_kv(true), plain.clone(), 10, 13, "bias_kv"),
+        (MhaConfig::new(16, 4).with_add_zero_attn(true), plain.clone(), 10, 13, "zero_attn"),
+        (both(MhaConfig::new(16, 4)), masks, 10, 13, "both, masks"),
+        (both(MhaConfig::new(16, 4)).with_dropout(0.2), plain.clone(), 10, 13, "dropout"),
+        (both(MhaConfig::new(16, 4)).with_batch_first(true), plain, 7, 7, "batch first"),
+    ];
+    for (cfg, opts, l, s, what) in cases {
+        let opts = opts.dropout_key(DropoutKey { seed: 4, offset: 0 });
+        let (m, _vm) = mha(cfg.clone(), DType::F32);
+        let (q, k) = (det(&[l, 2, 16], DType::F32, 1.0), det(&[s, 2, 16], DType::F32, 2.0));
+        let plan = m.explain(&q, &k, &k, &opts).unwrap();
+        assert_eq!(plan.path, Path::Fused, "{what}: {plan:?}");
+        compare(cfg.clone(), opts.clone(), l, s, 2, true, what);
+        compare(cfg, opts.need_weights(false), l, s, 2, true, what);
+    }
+    // Static keys (the zero-attention key appended to them): the key and value inputs get no
+    // gradient, so outputs, weights and the query's gradient.
+    let cfg = MhaConfig::new(16, 4).with_add_zero_attn(true);
+    let (m, _vm) = mha(cfg, DType::F32);
+    let x = det(&[10, 2, 16], DType::F32, 1.0);
+    let go = |fused: bool| {
+        with_backend(backend(fused), || {
+            let q = var(&x);
+            let plan = m.explain(q.as_tensor(), &x, &x, &static_kv).unwrap();
+            assert_eq!(plan.path == Path::Fused, fused, "static keys: {plan:?}");
+            let out = m.forward(q.as_tensor(), &x, &x, &static_kv).unwrap();
+            let w = out.attn_weights.clone().expect("weights");
+            let loss = out.output.sum_all().unwrap().add(&w.sqr().unwrap().sum_all().unwrap());
+            let g = loss.unwrap().backward().unwrap();
+            (out.output, w, g.get(q.as_tensor()).unwrap().clone())
+        })
+    };
+    let ((a, wa, ga), (b, wb, gb)) = (go(true), go(false));
+    assert_close(&a, &b, Tolerance::F32_FORWARD, "static keys: output");
+    assert_close(&wa, &wb, Tolerance::F32_FORWARD, "static keys: weights");
+    assert_close(&ga, &gb, Tolerance::F32_GRAD, "static keys: query gradient");
+}
+
 #[test]
 fn fused_dropout_draws_the_composed_mask() {
     let cfg = MhaConfig::new(16, 2).with_dropout(0.3);

@@ -35,8 +35,9 @@ fn on_pool_runs_on_a_worker_with_the_callers_modes() {
 /// they cannot run is still the error, not a silent composed run on the worker.
 #[test]
 fn a_hopping_module_call_keeps_the_backend() {
-    let (m, _vm) = mha(MhaConfig::new(64, 4).with_add_bias_kv(true), DType::F32);
-    let x = det(&[64, 2, 64], DType::F32, 1.0); // 128 rows × 64 × 192: hops
+    // f64: the fused kernels take f32 only.
+    let (m, _vm) = mha(MhaConfig::new(64, 4), DType::F64);
+    let x = det(&[64, 2, 64], DType::F64, 1.0); // 128 rows × 64 × 192: hops
     let o = MhaOptions::default().need_weights(false);
     assert!(m.forward(&x, &x, &x, &o).is_ok());
     let forced = with_backend(Backend::Fused, || m.forward(&x, &x, &x, &o));

@@ -20,7 +20,20 @@ pub(crate) fn attend(
     proj: &Projected,
     dropout: Option<(f64, DropoutKey)>,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let (l, n, e, h, hd, s) = (call.l, call.n, call.e, call.h, call.hd, call.s);
+    let (l, n, e, h, hd) = (call.l, call.n, call.e, call.h, call.hd);
+    // `S'`: with the `bias_k` and zero-attention keys, appended to copies of the projections.
+    let s = call.s_total();
+    // The caller's projections, for weights computed by candle operations (which append the
+    // extra keys themselves).
+    let original = proj;
+    let extended;
+    let (proj, attn_mask, kpm) = match extra_keys(call, proj)? {
+        Some(x) => {
+            extended = x;
+            (&extended.proj, extended.attn_mask.clone(), extended.kpm.clone())
+        }
+        None => (proj, call.attn_mask.clone(), call.kpm.clone()),
+    };
     if call.need_weights {
         let hw = if call.average_attn_weights { 1 } else { h };
         // Averaging over heads only helps when the weights are per head.
@@ -37,7 +50,7 @@ pub(crate) fn attend(
         // No keys: every row is fully masked, so the attention is zero (as on the composed path).
         let attn = if call.batch_first { [n, l, e] } else { [l, n, e] };
         let mut inputs = vec![&proj.q, &proj.k, &proj.v];
-        inputs.extend(call.kpm.iter().chain(&call.attn_mask));
+        inputs.extend(kpm.iter().chain(&attn_mask));
         let attn = crate::fused::zeros::zeros_of(&attn, call.dtype, &inputs)?;
         let w = match (call.need_weights, call.average_attn_weights) {
             (false, _) => None,
@@ -56,11 +69,11 @@ pub(crate) fn attend(
         dv: hd,
     };
     let mut masks = Vec::new();
-    if let Some(a) = &call.attn_mask {
+    if let Some(a) = &attn_mask {
         let strides = if a.dim(0)? == 1 { [0, 0, s, 1] } else { [h * l * s, l * s, s, 1] };
         masks.push(OwnedMask::new(a, strides)?);
     }
-    if let Some(p) = &call.kpm {
+    if let Some(p) = &kpm {
         masks.push(OwnedMask::new(p, [s, 0, 0, 1])?);
     }
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
@@ -81,7 +94,7 @@ pub(crate) fn attend(
         None => op,
     };
     if call.static_kv.is_some() {
-        return static_attention(call, proj, &op, dropout);
+        return static_attention(call, (original, proj), &op, dropout);
     }
     // The kernels read the projections' strided heads themselves (copying what they re-read).
     let attn = match &proj.packed {
@@ -95,7 +108,7 @@ pub(crate) fn attend(
         let w = weights_grad::weights(&op, &proj.q, &proj.k, call.average_attn_weights, layout)?;
         Some(w)
     } else if graded_weights {
-        Some(super::composed::weights(call, proj, dropout)?)
+        Some(super::composed::weights(call, original, dropout)?)
     } else if call.need_weights {
         let w = op.weights(&proj.q, &proj.k, call.average_attn_weights)?;
         Some(if call.average_attn_weights { w.squeeze(1)? } else { w })
@@ -103,6 +116,62 @@ pub(crate) fn attend(
         None
     };
     Ok((attn, weights))
+}
+
+/// A call's projections and masks with the extra key columns appended.
+struct ExtraKeys {
+    proj: Projected,
+    attn_mask: Option<Tensor>,
+    kpm: Option<Tensor>,
+}
+
+/// `bias_k`/`bias_v` (`docs/pytorch-behaviour.md` §3, step 7) and the zero-attention key and
+/// value (step 9) appended to the projected keys and values, in that order, and a zero column
+/// for each appended to the masks (those keys are never masked); `None` without either. The
+/// projections are copied (the kernels then read them unpacked); gradients reach `bias_k`,
+/// `bias_v` and the projections through the concatenation.
+fn extra_keys(call: &MhaCall, proj: &Projected) -> Result<Option<ExtraKeys>> {
+    let p = call.params;
+    if p.bias_k.is_none() && !p.add_zero_attn {
+        return Ok(None);
+    }
+    let (n, kv_e) = (call.n, call.kv_e);
+    // Keys run along dimension 0, or 1 with `batch_first`; static keys `(N·hk, S, hd)` along 1
+    // (they take no `bias_k`: validation refuses it).
+    let (seq, one) = match (call.static_kv.is_some(), call.batch_first) {
+        (true, _) => (1, (n * call.hk, 1, call.hd)),
+        (false, true) => (1, (n, 1, kv_e)),
+        (false, false) => (0, (1, n, kv_e)),
+    };
+    let (mut ks, mut vs) = (vec![proj.k.clone()], vec![proj.v.clone()]);
+    if let (Some(bk), Some(bv)) = (p.bias_k, p.bias_v) {
+        ks.push(bk.reshape((1, 1, kv_e))?.broadcast_as(one)?);
+        vs.push(bv.reshape((1, 1, kv_e))?.broadcast_as(one)?);
+    }
+    if p.add_zero_attn {
+        let z = Tensor::zeros(one, call.dtype, proj.k.device())?;
+        ks.push(z.clone());
+        vs.push(z);
+    }
+    let extra = ks.len() - 1;
+    let pad = |m: &Option<Tensor>| -> Result<Option<Tensor>> {
+        let Some(m) = m else { return Ok(None) };
+        let mut dims = m.dims().to_vec();
+        let last = dims.len() - 1;
+        dims[last] = extra;
+        let z = Tensor::zeros(dims, m.dtype(), m.device())?;
+        Ok(Some(Tensor::cat(&[m, &z], last)?))
+    };
+    Ok(Some(ExtraKeys {
+        proj: Projected {
+            q: proj.q.clone(),
+            k: Tensor::cat(&ks, seq)?,
+            v: Tensor::cat(&vs, seq)?,
+            packed: Packed::None,
+        },
+        attn_mask: pad(&call.attn_mask)?,
+        kpm: pad(&call.kpm)?,
+    }))
 }
 
 /// The output of `op` joined to the graph of the sinks (their gradient), when there are any.
@@ -127,14 +196,16 @@ fn from_bhtd(o: &Tensor, (n, l, e): (usize, usize, usize), batch_first: bool) ->
 }
 
 /// `static_k`/`static_v` `(N·hk, S, hd)`: the query goes to `(N, H, L, hd)` and the kernels
-/// read the static tensors as they are.
+/// read the static tensors as they are (in `proj`, with the zero-attention key appended;
+/// `original` holds the caller's).
 fn static_attention(
     call: &MhaCall,
-    proj: &Projected,
+    (original, proj): (&Projected, &Projected),
     op: &FlashAttention,
     dropout: Option<(f64, DropoutKey)>,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let (l, n, e, h, hd, hk, s) = (call.l, call.n, call.e, call.h, call.hd, call.hk, call.s);
+    let (l, n, e, h, hd, hk) = (call.l, call.n, call.e, call.h, call.hd, call.hk);
+    let s = call.s_total();
     let bhtd = op.with_convention(Convention::Bhtd);
     let qh = to_bhtd(&proj.q, h, hd, call.batch_first)?;
     let kh = proj.k.reshape((n, hk, s, hd))?;
@@ -142,7 +213,7 @@ fn static_attention(
     let attn = with_sinks(&bhtd, bhtd.apply(&qh, &kh, &vh)?, call)?;
     let attn = from_bhtd(&attn, (n, l, e), call.batch_first)?;
     let weights = if call.need_weights && super::records_grad(call) {
-        Some(super::composed::weights(call, proj, dropout)?)
+        Some(super::composed::weights(call, original, dropout)?)
     } else if call.need_weights {
         let w = bhtd.weights(&qh, &kh, call.average_attn_weights)?;
         Some(if call.average_attn_weights { w.squeeze(1)? } else { w })

@@ -306,13 +306,10 @@ pub(super) fn records_grad(call: &MhaCall) -> bool {
 
 /// Step 2: the one decision between the fused kernels and the composed path.
 fn plan(call: &MhaCall, opts: &MhaOptions) -> Result<Plan> {
-    let p = call.params;
     let masks_grad = crate::fused::dispatch::mask_records_grad(opts.attn_mask.as_ref())
         || crate::fused::dispatch::mask_records_grad(opts.key_padding_mask.as_ref());
-    let blocker = dtype_device_blocker(&call.query)
-        .or_else(|| masks_grad.then_some(Reason::MaskGrad))
-        .or_else(|| p.bias_k.is_some().then_some(Reason::BiasKv))
-        .or_else(|| p.add_zero_attn.then_some(Reason::ZeroAttn));
+    let blocker =
+        dtype_device_blocker(&call.query).or_else(|| masks_grad.then_some(Reason::MaskGrad));
     decide(MHA, opts.backend, blocker)
 }
 
