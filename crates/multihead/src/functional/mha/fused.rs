@@ -8,6 +8,7 @@ use super::project::{Packed, Projected};
 use super::validate::MhaCall;
 use super::MHA;
 use crate::error::Result;
+use crate::functional::core::cat_nonempty;
 use crate::fused::flash::{Convention, FlashAttention, OwnedMask};
 use crate::fused::weights_grad;
 use crate::random::DropoutKey;
@@ -160,13 +161,14 @@ fn extra_keys(call: &MhaCall, proj: &Projected) -> Result<Option<ExtraKeys>> {
         let last = dims.len() - 1;
         dims[last] = extra;
         let z = Tensor::zeros(dims, m.dtype(), m.device())?;
-        Ok(Some(Tensor::cat(&[m, &z], last)?))
+        Ok(Some(cat_nonempty(&[m, &z], last)?))
     };
+    let (ks, vs): (Vec<&Tensor>, Vec<&Tensor>) = (ks.iter().collect(), vs.iter().collect());
     Ok(Some(ExtraKeys {
         proj: Projected {
             q: proj.q.clone(),
-            k: Tensor::cat(&ks, seq)?,
-            v: Tensor::cat(&vs, seq)?,
+            k: cat_nonempty(&ks, seq)?,
+            v: cat_nonempty(&vs, seq)?,
             packed: Packed::None,
         },
         attn_mask: pad(&call.attn_mask)?,
