@@ -53,6 +53,16 @@ impl CustomOp3 for WeightsGrad {
         let d = self.op.dims;
         let (n, h, hk, l, s) = (d.batch, d.heads_q, d.heads_kv, d.l, d.s);
         let (_, hd, batch_first) = self.layout;
+        // The per-head probabilities, their gradient and the scores' gradient.
+        crate::alloc::ensure(
+            "multi_head_attention_forward",
+            "attention weights' gradient",
+            &[n, h, l, s],
+            candle_core::DType::F32,
+            3,
+            "keep the weights out of the loss, or set need_weights=false",
+        )
+        .map_err(candle_core::Error::wrap)?;
         let p = self.op.weights(q, k, false).map_err(candle_core::Error::wrap)?;
         let g = if self.average {
             grad_res

@@ -333,6 +333,19 @@ fn sdpa_fused_equals_composed_with_gqa_masks_and_gradients() {
     }
 }
 
+/// SDPA's output and the gradients of q, k and v for the loss `Σ out ∘ up` (a fixed `up`).
+fn sdpa_and_grads(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: &multihead::functional::SdpaOptions,
+) -> (Tensor, Vec<Tensor>) {
+    let out = multihead::functional::scaled_dot_product_attention(q, k, v, opts).unwrap();
+    let up = det(out.dims(), DType::F32, 6.0);
+    let g = out.mul(&up).unwrap().sum_all().unwrap().backward().unwrap();
+    (out, [q, k, v].iter().map(|t| g.get(t).unwrap().clone()).collect())
+}
+
 /// 3-D and 5-D inputs take the fused kernels as the 4-D call with their leading dimensions
 /// merged (bit for bit that call), and agree with the composed path, gradients and dropout
 /// included; a mask whose leading dimensions cannot be merged keeps the composed path.
@@ -394,12 +407,7 @@ fn sdpa_on_3d_and_5d_inputs_runs_fused_as_the_4d_call() {
                         "{what}"
                     );
                     let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
-                    let out = scaled_dot_product_attention(qt, kt, vt, &opts).unwrap();
-                    let up = det(out.dims(), DType::F32, 6.0);
-                    let g = out.mul(&up).unwrap().sum_all().unwrap().backward().unwrap();
-                    let grads: Vec<Tensor> =
-                        [qt, kt, vt].iter().map(|t| g.get(t).unwrap().clone()).collect();
-                    (out, grads)
+                    sdpa_and_grads(qt, kt, vt, &opts)
                 })
             };
             let (a, ga) = go(true);
@@ -900,7 +908,7 @@ fn cross_attention_over_one_memory_equals_composed_with_padding_and_nan() {
 /// kernels, read in place, with the composed path's outputs and gradients.
 #[test]
 fn sdpa_broadcast_batch_and_heads_run_fused() {
-    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    use multihead::functional::SdpaOptions;
     let shapes: [([usize; 4], [usize; 4], [usize; 4]); 4] = [
         ([2, 3, 19, 8], [1, 3, 23, 8], [1, 3, 23, 5]),
         ([2, 3, 19, 8], [2, 1, 23, 8], [1, 3, 23, 5]),
@@ -927,12 +935,7 @@ fn sdpa_broadcast_batch_and_heads_run_fused() {
                     let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
                     let plan = explain_sdpa(qt, kt, vt, &opts).unwrap();
                     assert_eq!(plan.path == Path::Fused, fused, "{what}: {plan:?}");
-                    let out = scaled_dot_product_attention(qt, kt, vt, &opts).unwrap();
-                    let up = det(out.dims(), DType::F32, 6.0);
-                    let g = out.mul(&up).unwrap().sum_all().unwrap().backward().unwrap();
-                    let grads: Vec<Tensor> =
-                        [qt, kt, vt].iter().map(|t| g.get(t).unwrap().clone()).collect();
-                    (out, grads)
+                    sdpa_and_grads(qt, kt, vt, &opts)
                 })
             };
             let ((a, ga), (b, gb)) = (go(true), go(false));
