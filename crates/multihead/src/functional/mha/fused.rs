@@ -14,8 +14,9 @@ use crate::fused::weights_grad;
 use crate::random::DropoutKey;
 
 /// The attention output `(L, N, E)` (`(N, L, E)` with `batch_first`) and, when asked, the
-/// weights: from the weights kernel without a graph, or through candle operations (with their
-/// gradient) while one is recorded (`composed::weights`).
+/// weights: from the weights kernel, carrying the softmax's gradient while a graph is recorded
+/// (`weights_grad`), or, with a graph and dropout, a soft cap or sinks (or static keys), through
+/// candle operations (`composed::weights`).
 pub(crate) fn attend(
     call: &MhaCall,
     proj: &Projected,
