@@ -74,35 +74,32 @@ impl CustomOp3 for WeightsGrad {
         };
         let ds = p.mul(&g.broadcast_sub(&g.mul(&p)?.sum_keepdim(3)?)?)?;
         let scale = self.op.scale as f64;
-        let qh = heads_of(q, h, hd, batch_first)?;
-        let kh = heads_of(k, hk, hd, batch_first)?;
+        let wrap = candle_core::Error::wrap;
+        let qh = to_bhtd(q, h, hd, batch_first).map_err(wrap)?;
+        let kh = to_bhtd(k, hk, hd, batch_first).map_err(wrap)?;
         // Query head i reads key head i / (h / hk).
         let kx = kh.unsqueeze(2)?.broadcast_as((n, hk, h / hk, s, hd))?.reshape((n, h, s, hd))?;
         let dq = ds.matmul(&kx.contiguous()?)?.affine(scale, 0.0)?;
         let dk = ds.transpose(2, 3)?.contiguous()?.matmul(&qh)?.affine(scale, 0.0)?;
         let dk = dk.reshape((n, hk, h / hk, s, hd))?.sum(2)?;
-        let dq = caller_layout(&dq, batch_first)?;
-        let dk = caller_layout(&dk, batch_first)?;
+        let dq = from_bhtd(&dq, batch_first).map_err(wrap)?;
+        let dk = from_bhtd(&dk, batch_first).map_err(wrap)?;
         Ok((None, Some(dq), Some(dk)))
     }
 }
 
 /// `(T, N, heads·hd)` (or `(N, T, ·)` with `batch_first`) -> `(N, heads, T, hd)`, contiguous.
-fn heads_of(t: &Tensor, heads: usize, hd: usize, batch_first: bool) -> candle_core::Result<Tensor> {
+pub(crate) fn to_bhtd(t: &Tensor, heads: usize, hd: usize, batch_first: bool) -> Result<Tensor> {
     let t = if batch_first { t.clone() } else { t.transpose(0, 1)? };
     let (nb, len, _) = t.dims3()?;
-    t.contiguous()?.reshape((nb, len, heads, hd))?.transpose(1, 2)?.contiguous()
+    Ok(t.contiguous()?.reshape((nb, len, heads, hd))?.transpose(1, 2)?.contiguous()?)
 }
 
-/// `(N, heads, T, hd)` -> `(T, N, heads·hd)` (or `(N, T, ·)` with `batch_first`).
-fn caller_layout(t: &Tensor, batch_first: bool) -> candle_core::Result<Tensor> {
-    let (nb, heads, len, hd) = t.dims4()?;
-    let t = t.transpose(1, 2)?.contiguous()?.reshape((nb, len, heads * hd))?;
-    if batch_first {
-        Ok(t)
-    } else {
-        t.transpose(0, 1)?.contiguous()
-    }
+/// `(N, H, T, hd)` -> the caller's `(T, N, H·hd)` or `(N, T, H·hd)`.
+pub(crate) fn from_bhtd(o: &Tensor, batch_first: bool) -> Result<Tensor> {
+    let (n, h, t, hd) = o.dims4()?;
+    let o = o.transpose(1, 2)?.contiguous()?.reshape((n, t, h * hd))?;
+    Ok(if batch_first { o } else { o.transpose(0, 1)? })
 }
 
 /// The weights `(N, L, S)` (averaged) or `(N, H, L, S)` of `op`'s forward over the projected

@@ -13,7 +13,7 @@ use crate::random::DropoutKey;
 
 /// Appends a zero column to an additive mask (for the `bias_k` and zero-attention keys, which
 /// are never masked).
-fn pad_col(m: Option<Tensor>) -> Result<Option<Tensor>> {
+pub(super) fn pad_col(m: Option<Tensor>) -> Result<Option<Tensor>> {
     match m {
         Some(m) => {
             let mut dims = m.dims().to_vec();

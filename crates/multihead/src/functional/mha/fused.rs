@@ -10,7 +10,7 @@ use super::MHA;
 use crate::error::Result;
 use crate::functional::core::cat_nonempty;
 use crate::fused::flash::{Convention, FlashAttention, OwnedMask};
-use crate::fused::weights_grad;
+use crate::fused::weights_grad::{self, from_bhtd, to_bhtd};
 use crate::random::DropoutKey;
 
 /// The attention output `(L, N, E)` (`(N, L, E)` with `batch_first`) and, when asked, the
@@ -155,25 +155,20 @@ fn extra_keys(call: &MhaCall, proj: &Projected) -> Result<Option<ExtraKeys>> {
         ks.push(z.clone());
         vs.push(z);
     }
-    let extra = ks.len() - 1;
-    let pad = |m: &Option<Tensor>| -> Result<Option<Tensor>> {
-        let Some(m) = m else { return Ok(None) };
-        let mut dims = m.dims().to_vec();
-        let last = dims.len() - 1;
-        dims[last] = extra;
-        let z = Tensor::zeros(dims, m.dtype(), m.device())?;
-        Ok(Some(cat_nonempty(&[m, &z], last)?))
+    // One zero column per appended key, as the composed path pads.
+    let pad = |mut m: Option<Tensor>| -> Result<Option<Tensor>> {
+        for _ in 1..ks.len() {
+            m = super::composed::pad_col(m)?;
+        }
+        Ok(m)
     };
+    let (attn_mask, kpm) = (pad(call.attn_mask.clone())?, pad(call.kpm.clone())?);
     let (ks, vs): (Vec<&Tensor>, Vec<&Tensor>) = (ks.iter().collect(), vs.iter().collect());
+    let (k, v) = (cat_nonempty(&ks, seq)?, cat_nonempty(&vs, seq)?);
     Ok(Some(ExtraKeys {
-        proj: Projected {
-            q: proj.q.clone(),
-            k: cat_nonempty(&ks, seq)?,
-            v: cat_nonempty(&vs, seq)?,
-            packed: Packed::None,
-        },
-        attn_mask: pad(&call.attn_mask)?,
-        kpm: pad(&call.kpm)?,
+        proj: Projected { q: proj.q.clone(), k, v, packed: Packed::None },
+        attn_mask,
+        kpm,
     }))
 }
 
@@ -185,19 +180,6 @@ fn with_sinks(op: &FlashAttention, attn: Tensor, call: &MhaCall) -> Result<Tenso
     }
 }
 
-/// `(T, N, heads·hd)` (or `(N, T, ·)` with `batch_first`) -> `(N, heads, T, hd)`, contiguous.
-fn to_bhtd(t: &Tensor, heads: usize, hd: usize, batch_first: bool) -> Result<Tensor> {
-    let t = if batch_first { t.clone() } else { t.transpose(0, 1)? };
-    let (nb, len, _) = t.dims3()?;
-    Ok(t.contiguous()?.reshape((nb, len, heads, hd))?.transpose(1, 2)?.contiguous()?)
-}
-
-/// `(N, H, L, hd)` -> the caller's `(L, N, E)` or `(N, L, E)`.
-fn from_bhtd(o: &Tensor, (n, l, e): (usize, usize, usize), batch_first: bool) -> Result<Tensor> {
-    let o = o.transpose(1, 2)?.contiguous()?.reshape((n, l, e))?;
-    Ok(if batch_first { o } else { o.transpose(0, 1)? })
-}
-
 /// `static_k`/`static_v` `(N·hk, S, hd)`: the query goes to `(N, H, L, hd)` and the kernels
 /// read the static tensors as they are (in `proj`, with the zero-attention key appended;
 /// `original` holds the caller's).
@@ -207,14 +189,14 @@ fn static_attention(
     op: &FlashAttention,
     dropout: Option<(f64, DropoutKey)>,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let (l, n, e, h, hd, hk) = (call.l, call.n, call.e, call.h, call.hd, call.hk);
+    let (n, h, hd, hk) = (call.n, call.h, call.hd, call.hk);
     let s = call.s_total();
     let bhtd = op.with_convention(Convention::Bhtd);
     let qh = to_bhtd(&proj.q, h, hd, call.batch_first)?;
     let kh = proj.k.reshape((n, hk, s, hd))?;
     let vh = proj.v.reshape((n, hk, s, hd))?;
     let attn = with_sinks(&bhtd, bhtd.apply(&qh, &kh, &vh)?, call)?;
-    let attn = from_bhtd(&attn, (n, l, e), call.batch_first)?;
+    let attn = from_bhtd(&attn, call.batch_first)?;
     let weights = if call.need_weights && super::records_grad(call) {
         Some(super::composed::weights(call, original, dropout)?)
     } else if call.need_weights {
