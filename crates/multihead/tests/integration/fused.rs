@@ -185,6 +185,72 @@ fn extra_key_columns_run_fused() {
     assert_close(&ga, &gb, Tolerance::F32_GRAD, "static keys: query gradient");
 }
 
+/// The calls that now run fused (3-D and broadcast SDPA, extra key columns, weights with
+/// gradients) give the composed path's NaN, errors and numbers on strided views, NaN inputs,
+/// wrong shapes and f64.
+#[test]
+fn new_fused_paths_agree_with_composed_on_nan_views_shapes_and_dtypes() {
+    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    let nan_at = |t: &Tensor, i: usize| -> Tensor {
+        let mut v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v[i] = f32::NAN;
+        Tensor::from_vec(v, t.dims(), &dev()).unwrap()
+    };
+    // SDPA: a transposed 3-D query, NaN in one key; a batch-broadcast key with NaN.
+    let q3 = det(&[4, 8, 9], DType::F32, 1.0).transpose(1, 2).unwrap(); // (4, 9, 8), strided
+    let k3 = nan_at(&det(&[4, 11, 8], DType::F32, 2.0), 30);
+    let v3 = det(&[4, 11, 8], DType::F32, 3.0);
+    let q4 = det(&[2, 4, 9, 8], DType::F32, 1.0);
+    let k4 = nan_at(&det(&[1, 4, 11, 8], DType::F32, 2.0), 100);
+    let v4 = det(&[1, 4, 11, 8], DType::F32, 3.0).broadcast_as((2, 4, 11, 8)).unwrap();
+    for (q, k, v) in [(&q3, &k3, &v3), (&q4, &k4, &v4)] {
+        let mask = Mask::Bool(bool_mask(&[9, 11], 0.5));
+        let go = |fused: bool| {
+            let o = SdpaOptions::default().attn_mask(mask.clone()).backend(backend(fused));
+            assert_eq!(explain_sdpa(q, k, v, &o).unwrap().path == Path::Fused, fused);
+            scaled_dot_product_attention(q, k, v, &o).unwrap()
+        };
+        let (a, b) = (go(true), go(false));
+        let nans = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(nans.iter().any(|x| x.is_nan()), "a NaN key reaches the output");
+        assert_close(&a, &b, Tolerance::F32_FORWARD, "sdpa with NaN");
+        // Wrong shapes: the same error on both paths; f64 takes the composed path on both.
+        let bad = det(&[4, 11, 7], DType::F32, 4.0);
+        let err = |fused: bool| {
+            let o = SdpaOptions::default().backend(backend(fused));
+            scaled_dot_product_attention(&q3, &bad, &v3, &o).unwrap_err().to_string()
+        };
+        assert_eq!(err(true), err(false));
+        let (q64, k64, v64) = (
+            q.to_dtype(DType::F64).unwrap(),
+            k.to_dtype(DType::F64).unwrap(),
+            v.to_dtype(DType::F64).unwrap(),
+        );
+        let plan = explain_sdpa(&q64, &k64, &v64, &SdpaOptions::default()).unwrap();
+        assert_eq!(plan.path, Path::Composed, "f64: {plan:?}");
+    }
+    // MHA with extra key columns and the weights with gradients: a NaN query row.
+    let cfg = MhaConfig::new(16, 4).with_add_bias_kv(true).with_add_zero_attn(true);
+    let (m, _vm) = mha(cfg, DType::F32);
+    let x = nan_at(&det(&[6, 2, 16], DType::F32, 1.0), 20);
+    let go = |fused: bool| {
+        with_backend(backend(fused), || {
+            let q = var(&x);
+            let out =
+                m.forward(q.as_tensor(), q.as_tensor(), q.as_tensor(), &MhaOptions::default());
+            let out = out.unwrap();
+            let w = out.attn_weights.clone().expect("weights");
+            let loss = out.output.sum_all().unwrap().add(&w.sum_all().unwrap()).unwrap();
+            let g = loss.backward().unwrap();
+            (out.output, w, g.get(q.as_tensor()).unwrap().clone())
+        })
+    };
+    let ((a, wa, ga), (b, wb, gb)) = (go(true), go(false));
+    assert_close(&a, &b, Tolerance::F32_FORWARD, "mha with NaN: output");
+    assert_close(&wa, &wb, Tolerance::F32_FORWARD, "mha with NaN: weights");
+    assert_close(&ga, &gb, Tolerance::F32_GRAD, "mha with NaN: gradient");
+}
+
 #[test]
 fn fused_dropout_draws_the_composed_mask() {
     let cfg = MhaConfig::new(16, 2).with_dropout(0.3);
