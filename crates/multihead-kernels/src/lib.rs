@@ -9,7 +9,7 @@
 //! and backward ([`norm`]), GELU and ReLU forward and backward ([`activation`]), the
 //! bias-and-activation pass after a linear layer's product ([`epilogue`]), attention of a few
 //! new rows over a KV cache ([`decode`]), products of a few rows with a weight ([`gemv`]), a
-//! packed GEMM of bf16 operands on AVX512-BF16 ([`bf16gemm`]), bf16 conversions ([`convert`]) and the counter-based dropout generator ([`dropout`]), which
+//! packed GEMM of bf16 operands on AVX512-BF16 ([`bf16gemm`]), bf16 conversions ([`convert`]), sums over broadcast dimensions ([`reduce`]) and the counter-based dropout generator ([`dropout`]), which
 //! the attention forward and backward share so that a backward pass can regenerate the
 //! forward's mask without storing it.
 //!
@@ -33,6 +33,7 @@ pub mod epilogue;
 pub(crate) mod fpenv;
 pub mod gemv;
 pub mod norm;
+pub mod reduce;
 
 /// Helpers shared by the kernel tests.
 #[cfg(test)]
