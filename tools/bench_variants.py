@@ -20,7 +20,14 @@ Rows (2 threads unless ``--threads``; fastest time after warm-up):
 * a packed batch of 64 sequences (``--varlen``: lengths log-uniform in 16..512, mean ~150),
   H=8 D=64, forward and forward+backward, against the same sequences padded to the longest
   through our SDPA with key lengths (target: forward+backward ≥ 1.5x) and PyTorch's SDPA
-  with a key padding mask.
+  with a key padding mask;
+* a learned ``(L, S)`` attention bias (a float ``attn_mask`` that requires grad, T5-style)
+  through ``nn.MultiheadAttention`` at B=8 L=S=256 E=512 H=8, forward+backward:
+  ``multihead bench --module mha --learned-mask --backward`` against the same call without
+  the mask, against ``multihead --backend composed`` (where such a call ran before the fused
+  path took it) and against PyTorch's MHA given the bias (which takes its math path).
+
+``--only window,softcap,alibi,sinks,varlen,learned`` runs some of the sections.
 """
 
 from __future__ import annotations
@@ -54,6 +61,33 @@ def ours(b, h, l, d, threads, warmup, iters, backward, causal=False, window=None
     rec = json.loads(res.stdout.strip().splitlines()[-1])
     assert varlen or rec["path"] == "Fused", rec
     return (rec["min_ms"], rec) if varlen else rec["min_ms"]
+
+
+def ours_mha(b, l, e, h, threads, warmup, iters, learned, backend=None):
+    cmd = [str(BIN)] + (["--backend", backend] if backend else [])
+    cmd += ["bench", "--module", "mha", "--batch", str(b), "--num-heads", str(h),
+            "--tgt-len", str(l), "--src-len", str(l), "--embed-dim", str(e), "--backward",
+            "--threads", str(threads), "--warmup", str(warmup), "--iters", str(iters), "--json"]
+    cmd += ["--learned-mask"] if learned else []
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
+    rec = json.loads(res.stdout.strip().splitlines()[-1])
+    assert rec["path"] == ("Composed" if backend == "composed" else "Fused"), rec
+    return rec["min_ms"]
+
+
+def torch_mha_learned(torch, b, l, e, h, warmup, iters):
+    """PyTorch's nn.MultiheadAttention (batch_first) with an (L, S) float attn_mask that
+    requires grad, forward+backward of the output's sum."""
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(e, h, batch_first=True)
+    x = torch.randn(b, l, e, requires_grad=True)
+    bias = (torch.randn(l, l) * 0.5).requires_grad_()
+
+    def step():
+        x.grad = bias.grad = None
+        m.zero_grad(set_to_none=True)
+        m(x, x, x, attn_mask=bias, need_weights=False)[0].sum().backward()
+    return bench_proc.timed(step, warmup, iters)[0]
 
 
 def torch_padded(torch, lengths, h, d, warmup, iters, backward):
@@ -119,7 +153,13 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json-out", type=Path, default=REPO / "target/bench_variants.json")
+    sections = ["window", "softcap", "alibi", "sinks", "varlen", "learned"]
+    ap.add_argument("--only", default=",".join(sections),
+                    help="comma-separated sections: " + ", ".join(sections))
     opts = ap.parse_args()
+    only = set(opts.only.split(","))
+    if not only <= set(sections):
+        sys.exit(f"--only takes {', '.join(sections)}; got {opts.only}")
     import torch
 
     torch.set_num_threads(opts.threads)
@@ -131,7 +171,7 @@ def main():
     short_it = (2, 5) if opts.quick else (3, 20)
     b, h, l, d, w = 1, 8, 8192, 64, 512
     mask = band(torch, l, w)
-    for backward in (False, True):
+    for backward in (False, True) if "window" in only else ():
         kind = "forward+backward" if backward else "forward"
         dense = ours(b, h, l, d, t, *long_it, backward, causal=True)
         win = ours(b, h, l, d, t, *long_it, backward, causal=True, window=w)
@@ -142,7 +182,7 @@ def main():
         print(f"{label}: ours {win:.1f} ms, dense causal {dense:.1f} ms, torch {tw:.1f} ms",
               file=sys.stderr, flush=True)
     b, h, l, d, c = 8, 8, 512, 64, 50.0
-    for backward in (False, True):
+    for backward in (False, True) if "softcap" in only else ():
         kind = "forward+backward" if backward else "forward"
         plain = ours(b, h, l, d, t, *short_it, backward)
         capped = ours(b, h, l, d, t, *short_it, backward, softcap=c)
@@ -155,7 +195,7 @@ def main():
     slopes = torch.tensor([2.0 ** (-8.0 * i / h) for i in range(1, h + 1)])
     pos = torch.arange(l)
     alibi_bias = -slopes.view(h, 1, 1) * (pos.view(l, 1) - pos.view(1, l)).abs()
-    for name, flag in (("ALiBi", "alibi"), ("sinks", "sinks")):
+    for name, flag in ((n, f) for n, f in (("ALiBi", "alibi"), ("sinks", "sinks")) if f in only):
         for backward in (False, True):
             kind = "forward+backward" if backward else "forward"
             plain = ours(b, h, l, d, t, *short_it, backward)
@@ -167,7 +207,7 @@ def main():
             print(f"{label}: ours {var:.1f} ms, plain {plain:.1f} ms, torch {tv:.1f} ms",
                   file=sys.stderr, flush=True)
     b, h, l, d = 64, 8, 512, 64
-    for backward in (False, True):
+    for backward in (False, True) if "varlen" in only else ():
         kind = "forward+backward" if backward else "forward"
         packed, rec = ours(b, h, l, d, t, *short_it, backward, varlen=True)
         pad, _ = ours(b, h, l, d, t, *short_it, backward, varlen=True, padded=True)
@@ -179,8 +219,25 @@ def main():
         rows.append({"label": label, "ours": packed, "dense": pad, "torch": tp, "kind": "varlen"})
         print(f"{label}: ours {packed:.1f} ms, padded {pad:.1f} ms, torch padded {tp:.1f} ms",
               file=sys.stderr, flush=True)
+    if "learned" in only:
+        rows.append(learned_row(torch, t, short_it))
     doc = {"threads": t, "torch_version": torch.__version__, "quick": opts.quick, "rows": rows}
     bench_proc.finish(doc, opts.json_out, report_lines, evaluate_targets)
+
+
+def learned_row(torch, t, its):
+    """The learned-bias row: fused, the same call without the mask, composed, PyTorch."""
+    b, l, e, h = 8, 256, 512, 8
+    learned = ours_mha(b, l, e, h, t, *its, True)
+    plain = ours_mha(b, l, e, h, t, *its, False)
+    composed = ours_mha(b, l, e, h, t, *its, True, backend="composed")
+    tl = torch_mha_learned(torch, b, l, e, h, *its)
+    label = (f"learned (L, S) bias through MultiheadAttention, B={b} L=S={l} E={e} H={h}, "
+             f"forward+backward (composed: {composed:.1f} ms)")
+    print(f"{label}: ours {learned:.1f} ms, no mask {plain:.1f} ms, torch {tl:.1f} ms",
+          file=sys.stderr, flush=True)
+    return {"label": label, "ours": learned, "dense": plain, "torch": tl, "kind": "learned",
+            "composed": composed}
 
 
 def report_lines(doc):
@@ -196,7 +253,11 @@ def report_lines(doc):
         "PyTorch's window rows are "
         "`F.scaled_dot_product_attention` given the band as a bool mask, its ALiBi rows SDPA "
         "given the bias as a float mask; its soft-cap and sink rows are written out (PyTorch "
-        "has no argument for them; the sinks as gpt-oss's eager attention), for reference.\n",
+        "has no argument for them; the sinks as gpt-oss's eager attention), for reference. "
+        "The learned-bias row is `multihead bench --module mha --learned-mask --backward` "
+        "(\"plain\": without the mask; the label gives `multihead --backend composed`, where "
+        "the call ran before) against PyTorch's `nn.MultiheadAttention` given the bias as an "
+        "`attn_mask` that requires grad.\n",
         "| case | PyTorch | multihead, plain | multihead | vs plain | vs PyTorch |",
         "|---|---|---|---|---|---|",
     ]
@@ -214,6 +275,8 @@ def evaluate_targets(doc):
         if r["kind"] == "window":
             checks = [("window vs our dense causal (x)", r["dense"] / r["ours"], 6.0),
                       ("window vs PyTorch band mask (x)", r["torch"] / r["ours"], 5.0)]
+        elif r["kind"] == "learned":
+            checks = [("learned bias, fused vs composed (x)", r["composed"] / r["ours"], 1.0)]
         elif r["kind"] == "varlen":
             if "backward" not in r["label"]:
                 continue

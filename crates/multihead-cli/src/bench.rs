@@ -101,6 +101,10 @@ pub struct BenchArgs {
     /// gradient too).
     #[arg(long)]
     pub sinks: bool,
+    /// A learned additive mask (mha only): an `(L, S)` float `attn_mask` that is a `Var` (a
+    /// relative-position bias, as T5's); with `--backward`, its gradient too.
+    #[arg(long)]
+    pub learned_mask: bool,
     /// Variable-length sequences (sdpa only): `--batch` sequences of lengths drawn
     /// log-uniformly from 16 to `--tgt-len` (seeded; mean about 143 for 512), packed and run
     /// through `varlen_attention`.
@@ -268,6 +272,12 @@ fn check_sizes(a: &BenchArgs) -> Result<()> {
             "--softcap, --alibi, --sinks and --varlen apply to --module sdpa only, --window to sdpa and decode"
         );
     }
+    if a.learned_mask && (a.module != Module::Mha || a.causal) {
+        anyhow::bail!(
+            "--learned-mask is an (L, S) bias for --module mha, without --causal (fold a causal \
+             band into the bias instead)"
+        );
+    }
     if a.padded && !a.varlen {
         anyhow::bail!("--padded pads the sequences of --varlen; give both");
     }
@@ -285,7 +295,7 @@ pub type Step<'a> = Box<dyn Fn() -> Result<()> + 'a>;
 
 fn workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
     match a.module {
-        Module::Mha => Ok((mha_workload(a)?, serde_json::json!({}))),
+        Module::Mha => mha_workload(a),
         Module::EncoderLayer | Module::DecoderLayer => {
             Ok((layer_workload(a)?, serde_json::json!({})))
         }
@@ -359,7 +369,8 @@ fn layer_workload(a: &BenchArgs) -> Result<Step<'_>> {
     }))
 }
 
-fn mha_workload(a: &BenchArgs) -> Result<Step<'_>> {
+/// The MHA call, and the path it takes (`{"path": "Fused"}`).
+fn mha_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
     let dev = Device::Cpu;
     let vm = VarMap::new();
     let cfg = MhaConfig::new(a.embed_dim, a.num_heads).with_batch_first(true);
@@ -390,10 +401,24 @@ fn mha_workload(a: &BenchArgs) -> Result<Step<'_>> {
     if a.key_padding {
         opts = opts.key_padding_mask(key_padding(a.batch, a.src_len, &dev)?);
     }
+    // Kept alive by the closure: the bias's gradient is part of the backward.
+    let bias = if a.learned_mask {
+        let b = Var::from_tensor(&(randn(&[a.tgt_len, a.src_len], dt, &dev)? * 0.5)?)?;
+        opts = opts.attn_mask(Mask::Float(b.as_tensor().clone()));
+        Some(b)
+    } else {
+        None
+    };
     let qv = Var::from_tensor(&q)?;
     let kvv = if a.src_len == a.tgt_len { qv.clone() } else { Var::from_tensor(&kv)? };
-    Ok(Box::new(move || -> Result<()> {
-        let _keep = &vm;
+    let plan = if a.backward {
+        mha.explain(qv.as_tensor(), kvv.as_tensor(), kvv.as_tensor(), &opts)?
+    } else {
+        multihead::no_grad(|| mha.explain(&q, &kv, &kv, &opts))?
+    };
+    let extra = serde_json::json!({ "path": format!("{:?}", plan.path) });
+    let step: Step<'_> = Box::new(move || -> Result<()> {
+        let _keep = (&vm, &bias);
         if a.backward {
             let out = mha.forward(qv.as_tensor(), kvv.as_tensor(), kvv.as_tensor(), &opts)?;
             let grads = loss(&out.output)?.backward()?;
@@ -404,7 +429,8 @@ fn mha_workload(a: &BenchArgs) -> Result<Step<'_>> {
             std::hint::black_box(out);
         }
         Ok(())
-    }))
+    });
+    Ok((step, extra))
 }
 
 /// Prints the timing (one line, or one JSON object).
@@ -431,6 +457,7 @@ fn report(
                 "norm_first": a.norm_first,
                 "num_kv_heads": a.num_kv_heads, "window": a.window, "softcap": a.softcap,
                 "alibi": a.alibi, "sinks": a.sinks, "varlen": a.varlen, "padded": a.padded,
+                "learned_mask": a.learned_mask,
                 "dtype": format!("{:?}", a.candle_dtype()),
                 "bf16_products": multihead::bf16_products(),
                 "bf16_kernel": format!("{:?}", multihead_kernels::bf16gemm::active_bf16_kernel()),
@@ -475,6 +502,7 @@ fn report(
             a.sinks.then(|| " sinks".to_string()),
             a.varlen.then(|| format!(" varlen {:?}", crate::bench_sdpa::varlen_lengths(a))),
             a.padded.then(|| " padded".to_string()),
+            a.learned_mask.then(|| " learned-mask".to_string()),
         ];
         let variants: String = variants.into_iter().flatten().collect();
         if !variants.is_empty() {

@@ -814,11 +814,10 @@ pub fn flash_backward_dscores(
     check_tensor("dq", dq.len(), [d.batch, d.heads_q, d.l, d.d], dql, true)?;
     check_tensor("dk", dk.len(), [d.batch, d.heads_kv, d.s, d.d], dkl, true)?;
     check_tensor("dv", dv.len(), [d.batch, d.heads_kv, d.s, d.dv], dvl, true)?;
-    let n = product("dscores", &[d.batch, d.heads_q, d.l, d.s])?;
-    check_len("dscores", n, dscores.len())?;
+    let dscores = scores_output(p, Some(dscores))?;
     let ptr = |x: &mut [f32]| exec::SyncPtr(x.as_mut_ptr());
     let outs = [(ptr(dq), dql), (ptr(dk), dkl), (ptr(dv), dvl)];
-    run_backward(p, ins, lse, outs, Some(ptr(dscores)))
+    run_backward(p, ins, lse, outs, dscores)
 }
 
 /// [`flash_backward`] for self-attention whose q, k and v gradients share one buffer, as the
@@ -827,7 +826,8 @@ pub fn flash_backward_dscores(
 /// `2·heads·dl.head` later (`dqkv` is a `[batch, 3·heads, l, d]` tensor through `dl`).
 ///
 /// Needs `heads_q == heads_kv`, `d == dv` and `l == s`; writes every element of those three
-/// parts, so no separate gradients need interleaving afterwards.
+/// parts, so no separate gradients need interleaving afterwards. With `dscores`, also writes
+/// the scores' gradient there, as [`flash_backward_dscores`] does.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward_packed(
     p: &AttnParams<'_>,
@@ -844,6 +844,7 @@ pub fn flash_backward_packed(
     lse: &[f32],
     dqkv: &mut [f32],
     dl: Layout4,
+    dscores: Option<&mut [f32]>,
 ) -> Result<(), KernelError> {
     let d = p.dims;
     if d.heads_q != d.heads_kv || d.d != d.dv || d.l != d.s {
@@ -857,13 +858,27 @@ pub fn flash_backward_packed(
     let ins = [(q, ql), (k, kl), (v, vl), (out, ol), (dout, dol)];
     check_backward_inputs(p, ins, lse)?;
     let [dq, dk, dv] = packed_outputs("dqkv", dqkv, dl, [d.batch, d.heads_q, d.l, d.d])?;
-    run_backward(p, ins, lse, [(dq, dl), (dk, dl), (dv, dl)], None)
+    let dscores = scores_output(p, dscores)?;
+    run_backward(p, ins, lse, [(dq, dl), (dk, dl), (dv, dl)], dscores)
+}
+
+/// The checked `[batch, heads_q, l, s]` buffer of the scores' gradient, when asked for.
+fn scores_output(
+    p: &AttnParams<'_>,
+    dscores: Option<&mut [f32]>,
+) -> Result<Option<exec::SyncPtr<f32>>, KernelError> {
+    let Some(ds) = dscores else { return Ok(None) };
+    let d = p.dims;
+    let n = product("dscores", &[d.batch, d.heads_q, d.l, d.s])?;
+    check_len("dscores", n, ds.len())?;
+    Ok(Some(exec::SyncPtr(ds.as_mut_ptr())))
 }
 
 /// [`flash_backward`] whose k and v gradients share one buffer, as the gradient of a packed
 /// key/value projection `[.., 2·E]` (cross-attention over one memory) does: the gradient of
 /// k's row `(b, h, j)` lands at `dkvl.offset(b, h, j)` and v's `heads_kv·dkvl.head` floats
 /// later (`dkv` is a `[batch, 2·heads_kv, s, d]` tensor through `dkvl`). Needs `d == dv`.
+/// With `dscores`, also writes the scores' gradient there, as [`flash_backward_dscores`] does.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward_kv_packed(
     p: &AttnParams<'_>,
@@ -882,6 +897,7 @@ pub fn flash_backward_kv_packed(
     dql: Layout4,
     dkv: &mut [f32],
     dkvl: Layout4,
+    dscores: Option<&mut [f32]>,
 ) -> Result<(), KernelError> {
     let d = p.dims;
     if d.d != d.dv {
@@ -897,7 +913,8 @@ pub fn flash_backward_kv_packed(
     check_tensor("dq", dq.len(), [d.batch, d.heads_q, d.l, d.d], dql, true)?;
     let [dk, dv] = packed_outputs("dkv", dkv, dkvl, [d.batch, d.heads_kv, d.s, d.d])?;
     let dq = exec::SyncPtr(dq.as_mut_ptr());
-    run_backward(p, ins, lse, [(dq, dql), (dk, dkvl), (dv, dkvl)], None)
+    let dscores = scores_output(p, dscores)?;
+    run_backward(p, ins, lse, [(dq, dql), (dk, dkvl), (dv, dkvl)], dscores)
 }
 
 /// The `N` parts of a packed gradient buffer: `buf` viewed through `l` as `[batch, N·heads,

@@ -579,11 +579,28 @@ fn packed_backward_equals_three_gradients() {
                 flash_forward(&p, q, x.ql, k, x.kl, v, x.vl, &mut out, x.ol, &mut lse).unwrap();
                 lse
             };
+            // With the scores' gradient: the same bits as flash_backward_dscores's.
+            let mut ds = vec![f32::NAN; r.dscores.len()];
             flash_backward_packed(
-                &p, q, x.ql, k, x.kl, v, x.vl, ins.0, ins.1, ins.2, ins.3, &lse, &mut dqkv, dl,
+                &p,
+                q,
+                x.ql,
+                k,
+                x.kl,
+                v,
+                x.vl,
+                ins.0,
+                ins.1,
+                ins.2,
+                ins.3,
+                &lse,
+                &mut dqkv,
+                dl,
+                Some(&mut ds),
             )
             .unwrap();
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&ds), bits(&r.dscores), "packed dscores ({level:?})");
             for (part, (what, g, gl)) in
                 [("dq", &r.dq, x.dql), ("dk", &r.dk, x.dkl), ("dv", &r.dv, x.dvl)]
                     .iter()
@@ -605,11 +622,28 @@ fn packed_backward_equals_three_gradients() {
             // k and v packed, q apart: [B, S, 2, H, D] and the query's own layout.
             let kvl = Layout4 { batch: c.s * 2 * w, head: c.d, seq: 2 * w };
             let (mut dq, mut dkv) = (vec![f32::NAN; x.dq_len], vec![f32::NAN; 2 * n]);
+            let mut ds = vec![f32::NAN; r.dscores.len()];
             flash_backward_kv_packed(
-                &p, q, x.ql, k, x.kl, v, x.vl, ins.0, ins.1, ins.2, ins.3, &lse, &mut dq, x.dql,
-                &mut dkv, kvl,
+                &p,
+                q,
+                x.ql,
+                k,
+                x.kl,
+                v,
+                x.vl,
+                ins.0,
+                ins.1,
+                ins.2,
+                ins.3,
+                &lse,
+                &mut dq,
+                x.dql,
+                &mut dkv,
+                kvl,
+                Some(&mut ds),
             )
             .unwrap();
+            assert_eq!(bits(&ds), bits(&r.dscores), "kv-packed dscores ({level:?})");
             assert_eq!(bits(&dq), bits(&r.dq), "dq differs with k and v packed ({level:?})");
             for (part, (what, g, gl)) in
                 [("dk", &r.dk, x.dkl), ("dv", &r.dv, x.dvl)].iter().enumerate()
@@ -631,7 +665,10 @@ fn packed_backward_equals_three_gradients() {
     let o = vec![0.0; x.out_len];
     let run = |p: &AttnParams<'_>, buf: &mut [f32], dl: Layout4| {
         let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
-        flash_backward_packed(p, q, x.ql, k, x.kl, v, x.vl, &o, x.ol, &x.dout, x.dol, &lse, buf, dl)
+        let ds = None;
+        flash_backward_packed(
+            p, q, x.ql, k, x.kl, v, x.vl, &o, x.ol, &x.dout, x.dol, &lse, buf, dl, ds,
+        )
     };
     let mut buf = vec![0.0; 3 * n];
     let mut p2 = p;
@@ -641,6 +678,27 @@ fn packed_backward_equals_three_gradients() {
     assert!(matches!(run(&p, &mut short, dl), Err(KernelError::SliceTooShort { .. })));
     let overlapping = Layout4 { head: 1, ..dl };
     assert!(matches!(run(&p, &mut buf, overlapping), Err(KernelError::OverlappingOutput { .. })));
+    // A scores' gradient shorter than `[b, hq, l, s]`.
+    let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
+    let mut ds = vec![0.0; c.b * c.hq * c.l * c.s - 1];
+    let e = flash_backward_packed(
+        &p,
+        q,
+        x.ql,
+        k,
+        x.kl,
+        v,
+        x.vl,
+        &o,
+        x.ol,
+        &x.dout,
+        x.dol,
+        &lse,
+        &mut buf,
+        dl,
+        Some(&mut ds),
+    );
+    assert!(matches!(e, Err(KernelError::SliceTooShort { name: "dscores", .. })), "{e:?}");
     // The key/value one: d != dv, a short buffer.
     let kvl = Layout4 { batch: c.s * 2 * w, head: c.d, seq: 2 * w };
     let run_kv = |p: &AttnParams<'_>, buf: &mut [f32]| {
@@ -648,6 +706,7 @@ fn packed_backward_equals_three_gradients() {
         let mut dq = vec![0.0; x.dq_len];
         flash_backward_kv_packed(
             p, q, x.ql, k, x.kl, v, x.vl, &o, x.ol, &x.dout, x.dol, &lse, &mut dq, x.dql, buf, kvl,
+            None,
         )
     };
     let mut p3 = p;
@@ -666,7 +725,7 @@ fn packed_backward_equals_three_gradients() {
     let lse = vec![0.0; 2 * c.b * c.hq * c.l];
     flash_backward_kv_packed(
         &p, q, x.ql, k, x.kl, v, x.vl, &r.out, x.ol, &x.dout, x.dol, &lse, &mut dq, x.dql,
-        &mut dkv, kvl,
+        &mut dkv, kvl, None,
     )
     .unwrap();
     assert!(dq.iter().all(|&g| g == 0.0) && r.dq.iter().all(|&g| g == 0.0));

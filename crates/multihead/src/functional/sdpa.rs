@@ -656,7 +656,8 @@ fn run_fused(
     let mut out = op.apply(&q, &k, &v)?;
     if let (Some(mask), true) = (&call.mask, mask_records_grad(opts.attn_mask.as_ref())) {
         // A learned bias: its gradient joins the graph through an identity on the output.
-        out = crate::fused::mask_grad::attach(&op, &out, mask, [&q, &k, &v])?;
+        let inputs = crate::fused::mask_grad::Inputs::Unpacked([q.clone(), k.clone(), v.clone()]);
+        out = crate::fused::mask_grad::attach(&op, &out, mask, inputs)?;
     }
     match &opts.sinks {
         // The sinks' gradient joins the graph through an identity on the output.

@@ -48,8 +48,8 @@ pub enum Reason {
     MaskRank,
     /// The input's rows are not evenly strided (a fused linear needs `(m, k)` rows).
     Layout,
-    /// A float mask is part of the graph (a learned bias); the fused kernels copy masks and
-    /// give them no gradient.
+    /// A float mask is part of the graph (a learned bias). No longer given: the fused path
+    /// gives learned masks their gradient (SDPA and MultiheadAttention).
     MaskGrad,
 }
 

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use multihead_kernels::attention::{
-    attention_weights, flash_backward, flash_forward_uninit, AttnDims, AttnParams, KernelError,
-    Layout4, MaskView,
+    attention_weights, flash_backward, flash_backward_dscores, flash_forward_uninit, AttnDims,
+    AttnParams, KernelError, Layout4, MaskView,
 };
 use multihead_kernels::dropout::DropoutKey;
 
@@ -180,6 +180,13 @@ impl FlashAttention {
     /// with its own saved statistics.
     pub(crate) fn with_convention(&self, conv: Convention) -> Self {
         Self { conv, lse: Arc::new(Mutex::new(Vec::new())), grads: Arc::default(), ..self.clone() }
+    }
+
+    /// The `N` gradients a learned mask's backward computed for this op's inputs
+    /// ([`super::mask_grad`]), taken (once).
+    pub(super) fn take_stashed<const N: usize>(&self) -> Option<[Tensor; N]> {
+        let g = self.grads.lock().unwrap_or_else(|e| e.into_inner()).take()?;
+        g.try_into().ok()
     }
 
     /// Runs the kernel forward into a new output for a query of dims `q_dims`, and keeps the
@@ -361,36 +368,55 @@ impl CustomOp3 for FlashAttention {
         res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        if let Some([dq, dk, dv]) = self.grads.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            // A learned mask's backward ran the kernels already, for this output's gradient.
-            return Ok((Some(dq), Some(dk), Some(dv)));
-        }
-        let (qs, ql) = q.storage_and_layout();
-        let (ks, kl) = k.storage_and_layout();
-        let (vs, vl) = v.storage_and_layout();
-        let (q_off, q4) = self.conv.layout4(ql)?;
-        let (k_off, k4) = self.conv.layout4(kl)?;
-        let (v_off, v4) = self.conv.layout4(vl)?;
-        let mut dq = crate::alloc::try_zeros::<f32>(q.elem_count(), "flash attention dq")?;
-        let mut dk = crate::alloc::try_zeros::<f32>(k.elem_count(), "flash attention dk")?;
-        let mut dv = crate::alloc::try_zeros::<f32>(v.elem_count(), "flash attention dv")?;
-        let dq4 = contiguous_layout4(self.conv, q.dims())?;
-        let dk4 = contiguous_layout4(self.conv, k.dims())?;
-        let dv4 = contiguous_layout4(self.conv, v.dims())?;
-        let (qv, kv, vv) = (&f32s(&qs)?[q_off..], &f32s(&ks)?[k_off..], &f32s(&vs)?[v_off..]);
-        self.with_saved(res, grad_res, |p, (o, o4), (g, g4), lse| {
-            let (dq, dk, dv) = ((&mut dq[..], dq4), (&mut dk[..], dk4), (&mut dv[..], dv4));
-            flash_backward(
-                p, qv, q4, kv, k4, vv, v4, o, o4, g, g4, lse, dq.0, dq.1, dk.0, dk.1, dv.0, dv.1,
-            )
-        })?;
-        let dev = q.device();
-        Ok((
-            Some(Tensor::from_vec(dq, q.shape(), dev)?),
-            Some(Tensor::from_vec(dk, k.shape(), dev)?),
-            Some(Tensor::from_vec(dv, v.shape(), dev)?),
-        ))
+        let [dq, dk, dv] = match self.take_stashed::<3>() {
+            Some(g) => g,
+            None => backward_unpacked(self, [q, k, v], res, grad_res, None)?,
+        };
+        Ok((Some(dq), Some(dk), Some(dv)))
     }
+}
+
+/// dq, dk and dv of `op` applied to `q`, `k`, `v` (unpacked), for the output `res` and its
+/// gradient; with `dscores`, the scores' gradient too (`flash_backward_dscores`).
+pub(super) fn backward_unpacked(
+    op: &FlashAttention,
+    [q, k, v]: [&Tensor; 3],
+    res: &Tensor,
+    grad_res: &Tensor,
+    dscores: Option<&mut [f32]>,
+) -> candle_core::Result<[Tensor; 3]> {
+    let conv = op.conv;
+    let (qs, ql) = q.storage_and_layout();
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let (q_off, q4) = conv.layout4(ql)?;
+    let (k_off, k4) = conv.layout4(kl)?;
+    let (v_off, v4) = conv.layout4(vl)?;
+    let mut dq = crate::alloc::try_zeros::<f32>(q.elem_count(), "flash attention dq")?;
+    let mut dk = crate::alloc::try_zeros::<f32>(k.elem_count(), "flash attention dk")?;
+    let mut dv = crate::alloc::try_zeros::<f32>(v.elem_count(), "flash attention dv")?;
+    let dq4 = contiguous_layout4(conv, q.dims())?;
+    let dk4 = contiguous_layout4(conv, k.dims())?;
+    let dv4 = contiguous_layout4(conv, v.dims())?;
+    let (qv, kv, vv) = (&f32s(&qs)?[q_off..], &f32s(&ks)?[k_off..], &f32s(&vs)?[v_off..]);
+    op.with_saved(res, grad_res, |p, (o, o4), (g, g4), lse| {
+        let (dq, dk, dv) = ((&mut dq[..], dq4), (&mut dk[..], dk4), (&mut dv[..], dv4));
+        match dscores {
+            Some(ds) => flash_backward_dscores(
+                p, qv, q4, kv, k4, vv, v4, o, o4, g, g4, lse, dq.0, dq.1, dk.0, dk.1, dv.0, dv.1,
+                ds,
+            ),
+            None => flash_backward(
+                p, qv, q4, kv, k4, vv, v4, o, o4, g, g4, lse, dq.0, dq.1, dk.0, dk.1, dv.0, dv.1,
+            ),
+        }
+    })?;
+    let dev = q.device();
+    Ok([
+        Tensor::from_vec(dq, q.shape(), dev)?,
+        Tensor::from_vec(dk, k.shape(), dev)?,
+        Tensor::from_vec(dv, v.shape(), dev)?,
+    ])
 }
 
 impl FlashAttention {

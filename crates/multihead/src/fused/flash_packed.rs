@@ -59,19 +59,35 @@ impl CustomOp1 for PackedQkv {
         res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
-        let (xs, xl) = qkv.storage_and_layout();
-        let [(qo, q4), (ko, k4), (vo, v4)] = parts::<3>(self.0.conv, xl)?;
-        // One (L, N, 3E) gradient written in place by the kernel: dq, dk and dv of a row are
-        // its three thirds.
-        let mut dqkv = crate::alloc::try_zeros::<f32>(qkv.elem_count(), "flash attention dqkv")?;
-        let [(_, d4), ..] = parts::<3>(self.0.conv, &Layout::contiguous(qkv.dims()))?;
-        let x = f32s(&xs)?;
-        let (q, k, v) = (&x[qo..], &x[ko..], &x[vo..]);
-        self.0.with_saved(res, grad_res, |p, (o, o4), (g, g4), lse| {
-            flash_backward_packed(p, q, q4, k, k4, v, v4, o, o4, g, g4, lse, &mut dqkv, d4)
-        })?;
-        Ok(Some(Tensor::from_vec(dqkv, qkv.shape(), qkv.device())?))
+        let [dqkv] = match self.0.take_stashed::<1>() {
+            Some(g) => g,
+            None => backward_qkv(&self.0, qkv, res, grad_res, None)?,
+        };
+        Ok(Some(dqkv))
     }
+}
+
+/// The packed gradient of `op` applied to a packed `(L, N, 3E)` projection, for the output
+/// `res` and its gradient; with `dscores`, the scores' gradient too.
+pub(super) fn backward_qkv(
+    op: &FlashAttention,
+    qkv: &Tensor,
+    res: &Tensor,
+    grad_res: &Tensor,
+    dscores: Option<&mut [f32]>,
+) -> candle_core::Result<[Tensor; 1]> {
+    let (xs, xl) = qkv.storage_and_layout();
+    let [(qo, q4), (ko, k4), (vo, v4)] = parts::<3>(op.conv, xl)?;
+    // One (L, N, 3E) gradient written in place by the kernel: dq, dk and dv of a row are its
+    // three thirds.
+    let mut dqkv = crate::alloc::try_zeros::<f32>(qkv.elem_count(), "flash attention dqkv")?;
+    let [(_, d4), ..] = parts::<3>(op.conv, &Layout::contiguous(qkv.dims()))?;
+    let x = f32s(&xs)?;
+    let (q, k, v) = (&x[qo..], &x[ko..], &x[vo..]);
+    op.with_saved(res, grad_res, |p, (o, o4), (g, g4), lse| {
+        flash_backward_packed(p, q, q4, k, k4, v, v4, o, o4, g, g4, lse, &mut dqkv, d4, dscores)
+    })?;
+    Ok([Tensor::from_vec(dqkv, qkv.shape(), qkv.device())?])
 }
 
 /// The op on a query and one packed `(S, N, 2E)` key/value projection.
@@ -102,27 +118,41 @@ impl CustomOp2 for PackedKv {
         res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (qs, ql) = q.storage_and_layout();
-        let (xs, xl) = kv.storage_and_layout();
-        let (q_off, q4) = self.0.conv.layout4(ql)?;
-        let [(ko, k4), (vo, v4)] = parts::<2>(self.0.conv, xl)?;
-        let mut dq = crate::alloc::try_zeros::<f32>(q.elem_count(), "flash attention dq")?;
-        let mut dkv = crate::alloc::try_zeros::<f32>(kv.elem_count(), "flash attention dkv")?;
-        let dq4 = contiguous_layout4(self.0.conv, q.dims())?;
-        let [(_, dkv4), _] = parts::<2>(self.0.conv, &Layout::contiguous(kv.dims()))?;
-        let (x, qv) = (f32s(&xs)?, &f32s(&qs)?[q_off..]);
-        let (k, v) = (&x[ko..], &x[vo..]);
-        self.0.with_saved(res, grad_res, |p, (o, o4), (g, g4), lse| {
-            flash_backward_kv_packed(
-                p, qv, q4, k, k4, v, v4, o, o4, g, g4, lse, &mut dq, dq4, &mut dkv, dkv4,
-            )
-        })?;
-        let dev = q.device();
-        Ok((
-            Some(Tensor::from_vec(dq, q.shape(), dev)?),
-            Some(Tensor::from_vec(dkv, kv.shape(), dev)?),
-        ))
+        let [dq, dkv] = match self.0.take_stashed::<2>() {
+            Some(g) => g,
+            None => backward_kv(&self.0, q, kv, res, grad_res, None)?,
+        };
+        Ok((Some(dq), Some(dkv)))
     }
+}
+
+/// dq and the packed key/value gradient of `op` applied to `q` and a packed `(S, N, 2E)`
+/// projection, for the output `res` and its gradient; with `dscores`, the scores' gradient too.
+pub(super) fn backward_kv(
+    op: &FlashAttention,
+    q: &Tensor,
+    kv: &Tensor,
+    res: &Tensor,
+    grad_res: &Tensor,
+    dscores: Option<&mut [f32]>,
+) -> candle_core::Result<[Tensor; 2]> {
+    let (qs, ql) = q.storage_and_layout();
+    let (xs, xl) = kv.storage_and_layout();
+    let (q_off, q4) = op.conv.layout4(ql)?;
+    let [(ko, k4), (vo, v4)] = parts::<2>(op.conv, xl)?;
+    let mut dq = crate::alloc::try_zeros::<f32>(q.elem_count(), "flash attention dq")?;
+    let mut dkv = crate::alloc::try_zeros::<f32>(kv.elem_count(), "flash attention dkv")?;
+    let dq4 = contiguous_layout4(op.conv, q.dims())?;
+    let [(_, dkv4), _] = parts::<2>(op.conv, &Layout::contiguous(kv.dims()))?;
+    let (x, qv) = (f32s(&xs)?, &f32s(&qs)?[q_off..]);
+    let (k, v) = (&x[ko..], &x[vo..]);
+    op.with_saved(res, grad_res, |p, (o, o4), (g, g4), lse| {
+        flash_backward_kv_packed(
+            p, qv, q4, k, k4, v, v4, o, o4, g, g4, lse, &mut dq, dq4, &mut dkv, dkv4, dscores,
+        )
+    })?;
+    let dev = q.device();
+    Ok([Tensor::from_vec(dq, q.shape(), dev)?, Tensor::from_vec(dkv, kv.shape(), dev)?])
 }
 
 impl FlashAttention {

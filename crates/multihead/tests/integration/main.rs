@@ -14,6 +14,7 @@ mod fused;
 mod fuzz;
 mod golden;
 mod hardening;
+mod mha_learned_mask;
 mod pool;
 mod properties;
 mod state_dict;

@@ -10,6 +10,7 @@ use super::MHA;
 use crate::error::Result;
 use crate::functional::core::cat_nonempty;
 use crate::fused::flash::{Convention, FlashAttention, OwnedMask};
+use crate::fused::mask_grad::Inputs;
 use crate::fused::weights_grad::{self, from_bhtd, to_bhtd};
 use crate::random::DropoutKey;
 
@@ -82,8 +83,12 @@ pub(crate) fn attend(
     let conv = Convention::SeqFirst { heads: h, head_dim: hd, batch_first: call.batch_first };
     // Weights that carry a gradient: from the kernel with the softmax's gradient attached
     // (`weights_grad`), or, with dropout, a soft cap or sinks, from candle operations.
-    let graded_weights = call.need_weights && super::records_grad(call);
+    // A learned float mask (a bias that requires grad) gets its gradient through an identity
+    // on the output (`mask_grad`); its weights, when asked for, through candle operations.
+    let learned = learned_mask(attn_mask.as_ref(), kpm.as_ref(), (n, h, l, s))?;
+    let graded_weights = call.need_weights && (super::records_grad(call) || learned.is_some());
     let kernel_grad = graded_weights
+        && learned.is_none()
         && dropout.is_none_or(|(p, _)| p == 0.0)
         && call.variants.softcap.is_none()
         && call.sinks.is_none();
@@ -96,13 +101,23 @@ pub(crate) fn attend(
         None => op,
     };
     if call.static_kv.is_some() {
-        return static_attention(call, (original, proj), &op, dropout);
+        return static_attention(call, (original, proj), &op, dropout, learned.as_ref());
     }
     // The kernels read the projections' strided heads themselves (copying what they re-read).
-    let attn = match &proj.packed {
-        Packed::Qkv(qkv) => op.apply_packed(qkv)?,
-        Packed::Kv(kv) => op.apply_packed_kv(&proj.q, kv)?,
-        Packed::None => op.apply(&proj.q, &proj.k, &proj.v)?,
+    let (attn, inputs) = match &proj.packed {
+        Packed::Qkv(qkv) => (op.apply_packed(qkv)?, Inputs::Qkv(qkv.clone())),
+        Packed::Kv(kv) => {
+            (op.apply_packed_kv(&proj.q, kv)?, Inputs::Kv(proj.q.clone(), kv.clone()))
+        }
+        Packed::None => {
+            let qkv = [proj.q.clone(), proj.k.clone(), proj.v.clone()];
+            (op.apply(&proj.q, &proj.k, &proj.v)?, Inputs::Unpacked(qkv))
+        }
+    };
+    // A learned mask's backward computes the inputs' gradients for the op (`mask_grad`).
+    let attn = match &learned {
+        Some(m) => crate::fused::mask_grad::attach(&op, &attn, m, inputs)?,
+        None => attn,
     };
     let attn = with_sinks(&op, attn, call)?;
     let weights = if kernel_grad {
@@ -118,6 +133,30 @@ pub(crate) fn attend(
         None
     };
     Ok((attn, weights))
+}
+
+/// The float masks that carry a graph while gradients are recorded, as one `(N|1, H|1, L, S)`
+/// tensor whose gradient reaches each (`attn_mask` `(1 | N·H, L, S)`, `kpm` `(N, S)`); their
+/// sum where both do (PyTorch's merged mask). `None` where neither does: the kernels copy the
+/// masks and give them no gradient.
+fn learned_mask(
+    attn_mask: Option<&Tensor>,
+    kpm: Option<&Tensor>,
+    (n, h, l, s): (usize, usize, usize, usize),
+) -> Result<Option<Tensor>> {
+    fn learned(m: Option<&Tensor>) -> Option<&Tensor> {
+        m.filter(|t| crate::mode::grad_enabled() && t.track_op())
+    }
+    let am = match learned(attn_mask) {
+        Some(a) if a.dim(0)? == 1 => Some(a.reshape((1, 1, l, s))?),
+        Some(a) => Some(a.reshape((n, h, l, s))?),
+        None => None,
+    };
+    let kp = learned(kpm).map(|p| p.reshape((n, 1, 1, s))).transpose()?;
+    Ok(match (am, kp) {
+        (Some(a), Some(p)) => Some(a.broadcast_add(&p)?),
+        (a, p) => a.or(p),
+    })
 }
 
 /// A call's projections and masks with the extra key columns appended.
@@ -188,6 +227,7 @@ fn static_attention(
     (original, proj): (&Projected, &Projected),
     op: &FlashAttention,
     dropout: Option<(f64, DropoutKey)>,
+    learned: Option<&Tensor>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let (n, h, hd, hk) = (call.n, call.h, call.hd, call.hk);
     let s = call.s_total();
@@ -195,9 +235,14 @@ fn static_attention(
     let qh = to_bhtd(&proj.q, h, hd, call.batch_first)?;
     let kh = proj.k.reshape((n, hk, s, hd))?;
     let vh = proj.v.reshape((n, hk, s, hd))?;
-    let attn = with_sinks(&bhtd, bhtd.apply(&qh, &kh, &vh)?, call)?;
+    let mut attn = bhtd.apply(&qh, &kh, &vh)?;
+    if let Some(m) = learned {
+        let inputs = Inputs::Unpacked([qh.clone(), kh.clone(), vh.clone()]);
+        attn = crate::fused::mask_grad::attach(&bhtd, &attn, m, inputs)?;
+    }
+    let attn = with_sinks(&bhtd, attn, call)?;
     let attn = from_bhtd(&attn, call.batch_first)?;
-    let weights = if call.need_weights && super::records_grad(call) {
+    let weights = if call.need_weights && (super::records_grad(call) || learned.is_some()) {
         Some(super::composed::weights(call, original, dropout)?)
     } else if call.need_weights {
         let w = bhtd.weights(&qh, &kh, call.average_attn_weights)?;

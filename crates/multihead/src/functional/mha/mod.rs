@@ -10,7 +10,7 @@ mod validate;
 use candle_core::{DType, Tensor};
 
 use crate::error::Result;
-use crate::fused::dispatch::{decide, dtype_device_blocker, Path, Plan, Reason};
+use crate::fused::dispatch::{decide, dtype_device_blocker, Path, Plan};
 use crate::linear::linear;
 use crate::mask::Mask;
 use crate::mode::{grad_enabled, Backend};
@@ -306,11 +306,7 @@ pub(super) fn records_grad(call: &MhaCall) -> bool {
 
 /// Step 2: the one decision between the fused kernels and the composed path.
 fn plan(call: &MhaCall, opts: &MhaOptions) -> Result<Plan> {
-    let masks_grad = crate::fused::dispatch::mask_records_grad(opts.attn_mask.as_ref())
-        || crate::fused::dispatch::mask_records_grad(opts.key_padding_mask.as_ref());
-    let blocker =
-        dtype_device_blocker(&call.query).or_else(|| masks_grad.then_some(Reason::MaskGrad));
-    decide(MHA, opts.backend, blocker)
+    decide(MHA, opts.backend, dtype_device_blocker(&call.query))
 }
 
 // Internal: validate and plan with the aliasing and layout the module knows.
