@@ -182,3 +182,58 @@ fn a_learned_mask_with_weights_dropout_softcap_and_static_keys() {
     let o = no_weights().static_kv(sk, sv);
     compare(cfg, x(), stat, o, "static keys");
 }
+
+/// `-inf` entries and a fully masked row in a learned mask: the same output and gradients on
+/// both paths (masked entries get a zero gradient; the masked row attends to nothing).
+#[test]
+fn a_learned_mask_with_minus_infinity_and_a_fully_masked_row() {
+    let (l, n, e, h) = (6, 2, 8, 2);
+    let mut m = det(&[l, l], DType::F32, 2.0).to_vec2::<f32>().unwrap();
+    m[1][2] = f32::NEG_INFINITY;
+    m[3] = vec![f32::NEG_INFINITY; l];
+    let bias = var(&Tensor::new(m, &crate::common::dev()).unwrap());
+    let learned = Learned { attn: Some(bias), kpm: None };
+    let cfg = MhaConfig::new(e, h);
+    compare(cfg.clone(), self_inputs(&[l, n, e]), learned.clone(), no_weights(), "-inf");
+    let (_, _, g) = run(&cfg, &self_inputs(&[l, n, e]), &learned, no_weights());
+    let dmask = g[1].to_vec2::<f32>().unwrap();
+    assert_eq!(dmask[1][2], 0.0);
+    assert!(dmask[3].iter().all(|&x| x == 0.0), "{:?}", dmask[3]);
+}
+
+/// A learned `src_mask` through `TransformerEncoderLayer::forward_with`: the mask's, the
+/// input's and every parameter's gradients equal between the paths.
+#[test]
+fn a_learned_src_mask_through_the_encoder_layer() {
+    use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
+    let (n, l, e) = (2, 9, 16);
+    let run = |backend: Backend| -> (Tensor, Vec<Tensor>) {
+        let vm = VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &crate::common::dev());
+        let c = LayerConfig::new(e, 4).with_dim_feedforward(24).with_dropout(0.0);
+        let layer = TransformerEncoderLayer::new(c.with_batch_first(true), vb).unwrap();
+        crate::common::perturb(&vm, DType::F32);
+        let x = var(&det(&[n, l, e], DType::F32, 1.0));
+        let bias = mask(&[l, l], 2.0).unwrap();
+        let opts =
+            MhaOptions::default().attn_mask(Mask::Float(bias.as_tensor().clone())).backend(backend);
+        let out = layer.forward_with(x.as_tensor(), &opts).unwrap();
+        let g = det(out.dims(), DType::F32, 4.0);
+        let grads = out.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+        let mut gs = vec![grads.get(x.as_tensor()).unwrap().clone()];
+        gs.push(grads.get(bias.as_tensor()).expect("the mask's gradient").clone());
+        let data = vm.data().lock().unwrap();
+        let mut names: Vec<_> = data.keys().cloned().collect();
+        names.sort();
+        for k in names {
+            gs.push(grads.get(data[&k].as_tensor()).expect("parameter gradient").clone());
+        }
+        (out, gs)
+    };
+    let (a, ga) = run(Backend::Fused);
+    let (b, gb) = run(Backend::Composed);
+    assert_close(&a, &b, Tolerance::F32_FORWARD, "encoder layer output");
+    for (i, (x, y)) in ga.iter().zip(&gb).enumerate() {
+        assert_close(x, y, Tolerance::F32_GRAD, &format!("encoder layer gradient {i}"));
+    }
+}
