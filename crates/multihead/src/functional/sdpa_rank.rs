@@ -25,9 +25,10 @@ pub(crate) struct FourD {
 }
 
 /// The 4-D form of a validated 3-D or 5-D+ call whose dimensions before `L` broadcast to
-/// `batch`, or `None` where the call is 4-D already or cannot be merged: inputs of different
-/// ranks, or per-batch key lengths (their batch is the first dimension). An input or a mask
-/// whose leading dimensions broadcast is expanded to them (a copy, as the composed path makes).
+/// `batch`, or `None` where the call is 4-D already or cannot be merged (inputs of different
+/// ranks). An input or a mask whose leading dimensions broadcast is expanded to them (a copy,
+/// as the composed path makes). Per-batch key lengths (one per entry of the first dimension)
+/// are repeated over the dimensions merged into it.
 pub(crate) fn four_d(
     query: &Tensor,
     key: &Tensor,
@@ -37,9 +38,6 @@ pub(crate) fn four_d(
 ) -> Result<Option<FourD>> {
     let r = query.rank();
     if r == 4 || r < 3 || key.rank() != r || value.rank() != r || batch.len() != r - 2 {
-        return Ok(None);
-    }
-    if opts.variants.kv_lengths.is_some() {
         return Ok(None);
     }
     let lead = &batch[..r - 3];
@@ -53,6 +51,13 @@ pub(crate) fn four_d(
         Ok(t.reshape((n, d[r - 3], d[r - 2], d[r - 1]))?)
     };
     let mut o = opts.clone();
+    if let Some(lens) = &opts.variants.kv_lengths {
+        // Entry `b` of the first dimension covers `n / lens.len()` merged entries (validation
+        // gave one length per entry of it).
+        let per = n.checked_div(lens.len()).unwrap_or(0);
+        o.variants.kv_lengths =
+            Some(lens.iter().flat_map(|&k| std::iter::repeat_n(k, per)).collect());
+    }
     if let Some(m) = &opts.attn_mask {
         let Some(t) = merged_mask(m.tensor(), lead)? else {
             return Ok(None);

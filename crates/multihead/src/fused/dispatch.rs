@@ -36,8 +36,8 @@ pub enum Reason {
     /// The weights were asked for while gradients are recorded. No longer given: the fused
     /// path gives its weights their gradient (or computes them with candle operations).
     WeightsWithGrad,
-    /// SDPA inputs that cannot run as one 4-D `(N, H, L, E)` call (rank 2, ranks that differ
-    /// between query, key and value, or `kv_lengths` on wider inputs).
+    /// SDPA inputs that cannot run as one 4-D `(N, H, L, E)` call (rank 2, or ranks that
+    /// differ between query, key and value).
     NotFourD,
     /// SDPA batch dimensions that broadcast (differ between query, key and value). No longer
     /// given: the fused path reads them in place.
@@ -74,7 +74,7 @@ impl fmt::Display for Reason {
             Reason::NotFourD => write!(
                 f,
                 "the fused SDPA takes (N, H, L, E) inputs, or (H, L, E) and wider ones of one \
-                 rank for query, key and value (without kv_lengths there)"
+                 rank for query, key and value"
             ),
             Reason::BroadcastBatch => {
                 write!(f, "query, key and value have different batch sizes (broadcast)")

@@ -1043,3 +1043,53 @@ fn sdpa_reads_strided_and_broadcast_keys_in_place() {
         }
     }
 }
+
+/// Key lengths on 5-D inputs run fused: one length per entry of the first dimension, repeated
+/// over the dimensions merged into the batch; the same numbers as the composed path (and as
+/// the 4-D call with the lengths repeated, bit for bit), gradients and dropout included.
+#[test]
+fn sdpa_key_lengths_on_5d_inputs_run_fused() {
+    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    let (q0, k0, v0) = (
+        det(&[2, 3, 4, 9, 8], DType::F32, 1.0),
+        det(&[2, 3, 2, 11, 8], DType::F32, 2.0),
+        det(&[2, 3, 2, 11, 6], DType::F32, 3.0),
+    );
+    for p in [0.0, 0.3] {
+        let opts = SdpaOptions::default()
+            .enable_gqa(true)
+            .kv_lengths(vec![7, 11])
+            .dropout_p(p)
+            .dropout_key(DropoutKey { seed: 5, offset: 0 });
+        let go = |fused: bool| {
+            with_backend(backend(fused), || {
+                let (q, k, v) = (var(&q0), var(&k0), var(&v0));
+                let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
+                let plan = explain_sdpa(qt, kt, vt, &opts).unwrap();
+                assert_eq!(plan.path == Path::Fused, fused, "{plan}");
+                sdpa_and_grads(qt, kt, vt, &opts)
+            })
+        };
+        let (a, ga) = go(true);
+        let (b, gb) = go(false);
+        assert_close(&a, &b, Tolerance::F32_FORWARD, &format!("p {p}: output"));
+        for (x, y) in ga.iter().zip(&gb) {
+            assert_close(x, y, Tolerance::F32_GRAD, &format!("p {p}: gradient"));
+        }
+        // Key 7 onward of the first entry is hidden: its value rows get no gradient.
+        let dv = ga[2].get(0).unwrap().narrow(2, 7, 4).unwrap();
+        assert_eq!(dv.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+        // The 4-D call with the lengths repeated over the merged dimension.
+        let four = |t: &Tensor| {
+            let d = t.dims();
+            t.reshape((6, d[2], d[3], d[4])).unwrap()
+        };
+        let o4 = opts.clone().kv_lengths(vec![7, 7, 7, 11, 11, 11]);
+        let m = no_grad(|| scaled_dot_product_attention(&four(&q0), &four(&k0), &four(&v0), &o4));
+        let bits = |t: &Tensor| {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        assert_eq!(bits(&m.unwrap()), bits(&a), "p {p}: the merged 4-D call");
+    }
+}
