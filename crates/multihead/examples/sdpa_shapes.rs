@@ -26,6 +26,7 @@ fn time(q: &Tensor, k: &Tensor, v: &Tensor, backend: Backend) -> Result<f64> {
 fn main() -> Result<()> {
     let r = |d: &[usize]| Tensor::randn(0f32, 1.0, d, &Device::Cpu);
     let cases = [
+        ("2-D (L, E) = (1024, 64)", [1024, 64].to_vec(), [1024, 64].to_vec()),
         ("3-D (H, L, E) = (8, 512, 64)", [8, 512, 64].to_vec(), [8, 512, 64].to_vec()),
         ("5-D (2, 4, 8, 256, 64)", [2, 4, 8, 256, 64].to_vec(), [2, 4, 8, 256, 64].to_vec()),
         (

@@ -438,9 +438,9 @@ fn widened(
 ///
 /// Fully masked rows give zeros, as PyTorch's CPU backends do. The fused kernels run for f32
 /// CPU input (see [`explain_sdpa`]): 4-D, with batch and head dimensions that broadcast read in
-/// place, or 3-D and wider with the dimensions before the heads merged into one batch (a 3-D
-/// input's first dimension is its heads, as `enable_gqa` reads it); every other call runs the
-/// composed candle path, with the same checks and the same numbers.
+/// place, or 2-D, 3-D and wider with the dimensions before the heads merged into one batch (a
+/// 3-D input's first dimension is its heads, as `enable_gqa` reads it; a 2-D one is one head);
+/// every other call runs the composed candle path, with the same checks and the same numbers.
 ///
 /// # Shapes
 /// * `query` `(..., Hq, L, E)`, `key` `(..., H, S, E)`, `value` `(..., H, S, Ev)`, at least 2-D;

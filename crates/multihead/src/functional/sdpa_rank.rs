@@ -1,4 +1,4 @@
-//! SDPA on 3-D or 5-D and wider inputs as the 4-D call the fused kernels take.
+//! SDPA on 2-D, 3-D or 5-D and wider inputs as the 4-D call the fused kernels take.
 //!
 //! `F.scaled_dot_product_attention` takes `(..., H, L, E)`: any number of dimensions before the
 //! heads. The fused kernels take `(N, H, L, E)`. Merging the dimensions before the heads into
@@ -6,7 +6,7 @@
 //! `enable_gqa` reads it) changes nothing but the shape: the flattened order of `(batch, head)`
 //! pairs is the one the composed path uses too (its dropout counters included), and the output
 //! is reshaped back. An input whose leading dimensions broadcast is expanded to the others'
-//! first (a copy, as on the composed path).
+//! first (a copy, as on the composed path). A 2-D `(L, E)` input is one head of a batch of one.
 
 use candle_core::Tensor;
 
@@ -24,7 +24,7 @@ pub(crate) struct FourD {
     pub(crate) batch: Vec<usize>,
 }
 
-/// The 4-D form of a validated 3-D or 5-D+ call whose dimensions before `L` broadcast to
+/// The 4-D form of a validated 2-D, 3-D or 5-D+ call whose dimensions before `L` broadcast to
 /// `batch`, or `None` where the call is 4-D already or cannot be merged (inputs of different
 /// ranks). An input or a mask whose leading dimensions broadcast is expanded to them (a copy,
 /// as the composed path makes). Per-batch key lengths (one per entry of the first dimension)
@@ -37,8 +37,18 @@ pub(crate) fn four_d(
     batch: &[usize],
 ) -> Result<Option<FourD>> {
     let r = query.rank();
-    if r == 4 || r < 3 || key.rank() != r || value.rank() != r || batch.len() != r - 2 {
+    if r == 4 || r < 2 || key.rank() != r || value.rank() != r || batch.len() != r - 2 {
         return Ok(None);
+    }
+    if r == 2 {
+        // One head: `(L, E)` as `(1, 1, L, E)` (validation refused the options that need a
+        // batch or head dimension; a mask broadcasts to `(L, S)` as before).
+        let one = |t: &Tensor| -> Result<Tensor> {
+            let d = t.dims();
+            Ok(t.reshape((1, 1, d[0], d[1]))?)
+        };
+        let (query, key, value) = (one(query)?, one(key)?, one(value)?);
+        return Ok(Some(FourD { query, key, value, opts: opts.clone(), batch: Vec::new() }));
     }
     let lead = &batch[..r - 3];
     let n: usize = lead.iter().product();

@@ -36,8 +36,8 @@ pub enum Reason {
     /// The weights were asked for while gradients are recorded. No longer given: the fused
     /// path gives its weights their gradient (or computes them with candle operations).
     WeightsWithGrad,
-    /// SDPA inputs that cannot run as one 4-D `(N, H, L, E)` call (rank 2, or ranks that
-    /// differ between query, key and value).
+    /// SDPA inputs that cannot run as one 4-D `(N, H, L, E)` call: ranks that differ between
+    /// query, key and value.
     NotFourD,
     /// SDPA batch dimensions that broadcast (differ between query, key and value). No longer
     /// given: the fused path reads them in place.
@@ -73,8 +73,8 @@ impl fmt::Display for Reason {
             ),
             Reason::NotFourD => write!(
                 f,
-                "the fused SDPA takes (N, H, L, E) inputs, or (H, L, E) and wider ones of one \
-                 rank for query, key and value"
+                "the fused SDPA takes query, key and value of one rank ((N, H, L, E), or \
+                 (L, E), (H, L, E) and wider ones merged to it)"
             ),
             Reason::BroadcastBatch => {
                 write!(f, "query, key and value have different batch sizes (broadcast)")

@@ -1093,3 +1093,44 @@ fn sdpa_key_lengths_on_5d_inputs_run_fused() {
         assert_eq!(bits(&m.unwrap()), bits(&a), "p {p}: the merged 4-D call");
     }
 }
+
+/// 2-D `(L, E)` inputs (single-head attention as the tutorials write it) run fused as one head
+/// of a batch of one: the composed path's numbers and gradients, with masks, the causal flag,
+/// dropout, a soft cap and a window.
+#[test]
+fn sdpa_on_2d_inputs_runs_fused() {
+    use multihead::functional::SdpaOptions;
+    let (q0, k0, v0) = (
+        det(&[9, 8], DType::F32, 1.0),
+        det(&[11, 8], DType::F32, 2.0),
+        det(&[11, 6], DType::F32, 3.0),
+    );
+    let key = DropoutKey { seed: 3, offset: 0 };
+    let o = || SdpaOptions::default();
+    let cases = [
+        ("plain", o()),
+        ("bool mask", o().attn_mask(Mask::Bool(bool_mask(&[9, 11], 0.3)))),
+        ("float key mask", o().attn_mask(Mask::Float(det(&[11], DType::F32, 4.0)))),
+        ("causal, scale", o().is_causal(true).scale(0.3)),
+        ("dropout", o().dropout_p(0.3).dropout_key(key)),
+        ("soft cap, window", o().softcap(0.8).window(Some(3), Some(1))),
+    ];
+    for (what, opts) in cases {
+        let go = |fused: bool| {
+            with_backend(backend(fused), || {
+                let (q, k, v) = (var(&q0), var(&k0), var(&v0));
+                let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
+                let plan = explain_sdpa(qt, kt, vt, &opts).unwrap();
+                assert_eq!(plan.path == Path::Fused, fused, "{what}: {plan}");
+                sdpa_and_grads(qt, kt, vt, &opts)
+            })
+        };
+        let (a, ga) = go(true);
+        let (b, gb) = go(false);
+        assert_eq!(a.dims(), &[9, 6], "{what}");
+        assert_close(&a, &b, Tolerance::F32_FORWARD, &format!("{what}: output"));
+        for (x, y) in ga.iter().zip(&gb) {
+            assert_close(x, y, Tolerance::F32_GRAD, &format!("{what}: gradient"));
+        }
+    }
+}
