@@ -2047,12 +2047,14 @@ def sdpa_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> 
     dtype = DTYPES[c["dtype"]]
     torch.manual_seed(c["seed"])
     lead = () if c["N"] is None else (c["N"],)
-    q = torch.randn(lead + (c["H"], c["L"], c["E"]), dtype=dtype)
-    k = torch.randn(lead + (c["Hkv"], c["S"], c["E"]), dtype=dtype)
-    v = torch.randn(lead + (c["Hkv"], c["S"], c["Ev"]), dtype=dtype)
+    # H = 0: no head dimension (2-D inputs without N).
+    hq, hk = ((c["H"],), (c["Hkv"],)) if c["H"] else ((), ())
+    q = torch.randn(lead + hq + (c["L"], c["E"]), dtype=dtype)
+    k = torch.randn(lead + hk + (c["S"], c["E"]), dtype=dtype)
+    v = torch.randn(lead + hk + (c["S"], c["Ev"]), dtype=dtype)
     mask = None
     if c["mask"] is not None:
-        shp = (c["L"], c["S"]) if c["mask"].get("broadcast") else lead + (c["H"], c["L"], c["S"])
+        shp = (c["L"], c["S"]) if c["mask"].get("broadcast") else lead + hq + (c["L"], c["S"])
         if c["mask"].get("shape"):  # an explicit broadcast shape, e.g. (1, L, S)
             shp = tuple(c["mask"]["shape"])
         take = torch.rand(shp) < 0.7
@@ -2159,6 +2161,13 @@ def sdpa_fixture_configs() -> list[dict]:
     # inputs, where multihead broadcasts it too).
     add("sdpa_mask_1d_unbatched_f32", "3-D inputs, a 1-D (S,) float mask, with gradients",
         N=None, L=5, S=7, mask={"type": "float", "shape": [7]})
+    # 2-D (L, E) inputs: one head, no batch (the tutorials' single-head attention).
+    add("sdpa_2d_causal_f32", "2-D inputs, is_causal with L > S, with gradients", N=None, H=0,
+        L=7, S=5, is_causal=True)
+    add("sdpa_2d_float_mask_f64", "2-D inputs, a float (L, S) mask, Ev != E, float64",
+        dtype="float64", N=None, H=0, L=6, S=9, Ev=3, scale=0.7, mask={"type": "float"})
+    add("sdpa_2d_bool_mask_bf16", "2-D inputs, bfloat16, a bool mask with a fully masked row",
+        dtype="bfloat16", N=None, H=0, L=5, S=40, E=16, mask={"type": "bool", "full_row": True})
     add("sdpa_long_f32", "longer keys than one kernel tile (S = 300)", N=1, L=16, S=300, E=8,
         mask={"type": "bool"})
     add("sdpa_eval_long_bf16",
@@ -2170,9 +2179,12 @@ def sdpa_fixture_configs() -> list[dict]:
 def sdpa_random_config(rng: random.Random, index: int) -> dict:
     H = rng.choice([1, 2, 4])
     gqa = H > 1 and rng.random() < 0.3
+    N = rng.choice([None, 1, 3])
+    if N is None and rng.random() < 0.3:
+        H, gqa = 0, False  # 2-D inputs
     return dict(
         name=f"random_{index:04d}_sdpa", dtype=rng.choice(["float32", "float64"]),
-        grad_mode=rng.random() < 0.8, N=rng.choice([None, 1, 3]), H=H,
+        grad_mode=rng.random() < 0.8, N=N, H=H,
         Hkv=(H // 2 if gqa else H), enable_gqa=gqa, L=rng.randint(1, 9), S=rng.randint(1, 9),
         E=rng.choice([1, 3, 8, 16]), Ev=rng.choice([None, 5]),
         mask=rng.choice([None, {"type": "bool"}, {"type": "float", "broadcast": True}]),
