@@ -232,6 +232,7 @@ MHA_DEFAULTS = dict(
     weights_in_loss=False,
     attn_mask=None,
     kpm=None,
+    mask_grad=False,  # float masks require grad (a learned bias): expect.grad.<mask> stored
 )
 
 
@@ -528,6 +529,13 @@ def mha_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> d
         if N is None:
             kpm = kpm.view(S)
     # for unbatched, a 3-D mask is (H,L,S), which is (N*H,L,S) with N=1: nothing to do
+    learned = {}
+    if c["mask_grad"] and c["grad_mode"]:
+        for name, m in (("attn_mask", attn_mask), ("key_padding_mask", kpm)):
+            if m is not None and m.dtype != torch.bool:
+                learned[name] = m.detach().clone().requires_grad_(True)
+        attn_mask = learned.get("attn_mask", attn_mask)
+        kpm = learned.get("key_padding_mask", kpm)
 
     distinct = mha_inputs_order(alias)
     leaves = {"query": q, "key": k, "value": v}
@@ -588,6 +596,8 @@ def mha_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> d
         params = dict(mha.named_parameters())
         for key in mha.state_dict().keys():
             tensors[f"expect.grad.param.{key}"] = params[key].grad
+        for name, m in learned.items():
+            tensors[f"expect.grad.{name}"] = m.grad
 
     expects = [t for n, t in tensors.items() if n.startswith("expect.")]
     nan = has_nan(expects)
@@ -667,6 +677,13 @@ def mha_replay(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.
     attn_mask = logical(tensors, meta, "input.attn_mask") if "input.attn_mask" in tensors else None
     kpm = (logical(tensors, meta, "input.key_padding_mask")
            if "input.key_padding_mask" in tensors else None)
+    # Learned masks: those whose gradient the case stores.
+    learned = {}
+    for name, m in (("attn_mask", attn_mask), ("key_padding_mask", kpm)):
+        if grad_mode and f"expect.grad.{name}" in tensors:
+            learned[name] = m.detach().clone().requires_grad_(True)
+    attn_mask = learned.get("attn_mask", attn_mask)
+    kpm = learned.get("key_padding_mask", kpm)
     g = tensors.get("grad.output")
     g_w = tensors.get("grad.attn_weights")
     out, w, _ = mha_call(mha, q, k, v, meta["call"], attn_mask, kpm, grad_mode, g, g_w)
@@ -679,6 +696,8 @@ def mha_replay(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.
         named = dict(mha.named_parameters())
         for key in mha.state_dict().keys():
             res[f"grad.param.{key}"] = named[key].grad
+        for name, m in learned.items():
+            res[f"grad.{name}"] = m.grad
     return res
 
 
@@ -701,6 +720,12 @@ def mha_check_contract(meta: dict, tensors: dict[str, torch.Tensor]) -> list[str
             if not meta["call"]["need_weights"]:
                 errs.append("grad.attn_weights without need_weights")
             want.add("grad.attn_weights")
+        # A learned (float, requires-grad) mask stores its gradient.
+        for m in ("attn_mask", "key_padding_mask"):
+            if f"expect.grad.{m}" in tensors:
+                if meta["call"][m] != "float":
+                    errs.append(f"expect.grad.{m} for a mask that is not float")
+                want.add(f"expect.grad.{m}")
     have = {n for n in tensors if not n.startswith("ref64.")}
     if have != want:
         errs.append(f"missing {sorted(want - have)}, unexpected {sorted(have - want)}")
@@ -851,6 +876,18 @@ def mha_fixture_configs() -> list[dict]:
         attn_mask=_fm())
     add("distinct_float_mask3d_f64", "3-D (N*H,L,S) float attn_mask with -inf entries, float64",
         attn_mask=_fm(dims=3), N=3, **F64)
+    # Learned masks (float masks that require grad, as a relative-position bias): their
+    # gradients are stored as expect.grad.attn_mask / expect.grad.key_padding_mask.
+    add("learned_mask2d_self_f32", "self-attention, a learned 2-D float attn_mask (with -inf)",
+        alias="self", L=5, E=8, H=2, attn_mask=_fm(), mask_grad=True, need_weights=False)
+    add("learned_masks_both_f32",
+        "distinct inputs, learned 3-D (N*H,L,S) float attn_mask and float kpm, weights in loss",
+        E=8, H=4, attn_mask=_fm(dims=3), kpm=_fk(), mask_grad=True, weights_in_loss=True,
+        average_attn_weights=False)
+    add("learned_kpm_bias_kv_zero_attn_f32",
+        "key is value, learned float kpm, add_bias_kv and add_zero_attn, batch_first",
+        alias="kv", S=6, kpm=_fk(), mask_grad=True, need_weights=False, add_bias_kv=True,
+        add_zero_attn=True, batch_first=True)
     add("self_bool_kpm_f32", "self-attention with a bool key_padding_mask",
         alias="self", L=5, kpm=_bk())
     add("kv_float_kpm_f32", "key is value with a float key_padding_mask (-inf and finite values)",

@@ -455,6 +455,24 @@ fn cases_that_contradict_themselves_are_errors_that_say_how() {
     multihead::state_dict::save_safetensors(w.iter().map(|(k, t)| (k.as_str(), t)), &st).unwrap();
     let t = replay(&dir);
     assert!(t.contains("grad.output has shape [2, 2] but the output is"), "{t}");
+    // A gradient stored for a bool mask: only a float mask (a learned bias) has one.
+    let dir = edited_case("mha/batch_first_separate_bool_kpm_f32", "bool-grad", |v| {
+        let shape = v["tensors"]["input.key_padding_mask"]["shape"].clone();
+        v["tensors"]["expect.grad.key_padding_mask"] =
+            serde_json::json!({"shape": shape, "dtype": "float32"});
+    });
+    let st = dir.join("case.safetensors");
+    let mut w = multihead::state_dict::load_safetensors(&st, &candle_core::Device::Cpu).unwrap();
+    let g = w["input.key_padding_mask"].to_dtype(candle_core::DType::F32).unwrap();
+    w.insert("expect.grad.key_padding_mask".into(), g);
+    multihead::state_dict::save_safetensors(w.iter().map(|(k, t)| (k.as_str(), t)), &st).unwrap();
+    let t = replay(&dir);
+    assert!(
+        t.contains(
+            "expect.grad.key_padding_mask is stored but key_padding_mask is not a float mask"
+        ),
+        "{t}"
+    );
 }
 
 // A FIFO as case.json (nobody writes it) was waited on for ever.

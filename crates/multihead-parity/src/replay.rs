@@ -10,7 +10,7 @@ use multihead::transformer::{
     DecoderMasks, LayerConfig, NormConfig, Transformer, TransformerConfig, TransformerDecoder,
     TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer, TransformerMasks,
 };
-use multihead::{Activation, MhaConfig, MhaOptions, MultiheadAttention, Result};
+use multihead::{Activation, Mask, MhaConfig, MhaOptions, MultiheadAttention, Result};
 
 use crate::case::{case_err, Case};
 use crate::meta::{LayerCallArgs, LayerCtor, MhaCtor, Module, SdpaCallArgs, StackCtor};
@@ -123,7 +123,9 @@ fn replay_sdpa(case: &Case, call: &SdpaCallArgs) -> Result<ReplayResult> {
     let (q, k, v) = (case.input_var("query")?, case.input_var("key")?, case.input_var("value")?);
     let mut opts = SdpaOptions::default().is_causal(call.is_causal).enable_gqa(call.enable_gqa);
     opts.scale = call.scale;
-    opts.attn_mask = case.mask("attn_mask", call.attn_mask)?;
+    let (attn_mask, mask_var) =
+        learned(case, "attn_mask", case.mask("attn_mask", call.attn_mask)?)?;
+    opts.attn_mask = attn_mask;
     let out = scaled_dot_product_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &opts)?;
     let mut result = ReplayResult::new();
     result.insert("output".into(), out.contiguous()?);
@@ -131,8 +133,12 @@ fn replay_sdpa(case: &Case, call: &SdpaCallArgs) -> Result<ReplayResult> {
         return Ok(result);
     }
     let loss = out.mul(upstream(case, &out)?)?.sum_all()?;
-    let named = [("query", &q), ("key", &k), ("value", &v)]
-        .map(|(n, t)| (format!("grad.{n}"), t.as_tensor()));
+    let mut named: Vec<(String, &Tensor)> = [("query", &q), ("key", &k), ("value", &v)]
+        .map(|(n, t)| (format!("grad.{n}"), t.as_tensor()))
+        .into();
+    if let Some(m) = &mask_var {
+        named.push(("grad.attn_mask".into(), m.as_tensor()));
+    }
     result.extend(gradients(&loss, named)?);
     Ok(result)
 }
@@ -155,8 +161,10 @@ fn replay_mha(case: &Case, ctor: &MhaCtor) -> Result<ReplayResult> {
         .need_weights(call.need_weights)
         .average_attn_weights(call.average_attn_weights)
         .is_causal(call.is_causal.unwrap_or(false));
-    opts.attn_mask = case.mask("attn_mask", call.attn_mask)?;
-    opts.key_padding_mask = case.mask("key_padding_mask", call.key_padding_mask)?;
+    let (attn_mask, am_var) = learned(case, "attn_mask", case.mask("attn_mask", call.attn_mask)?)?;
+    let kpm = case.mask("key_padding_mask", call.key_padding_mask)?;
+    let (kpm, kpm_var) = learned(case, "key_padding_mask", kpm)?;
+    (opts.attn_mask, opts.key_padding_mask) = (attn_mask, kpm);
 
     let out = mha.forward(q.as_tensor(), k.as_tensor(), v.as_tensor(), &opts)?;
     let mut result = ReplayResult::new();
@@ -184,8 +192,34 @@ fn replay_mha(case: &Case, ctor: &MhaCtor) -> Result<ReplayResult> {
         named.push(("grad.value".into(), v.as_tensor()));
     }
     named.extend(params.iter().map(|(n, t)| (format!("grad.param.{n}"), t)));
+    for (n, m) in [("attn_mask", &am_var), ("key_padding_mask", &kpm_var)] {
+        if let Some(m) = m {
+            named.push((format!("grad.{n}"), m.as_tensor()));
+        }
+    }
     result.extend(gradients(&loss, named)?);
     Ok(result)
+}
+
+/// A float mask that the case marks as learned (it stores `expect.grad.<name>`: a bias that
+/// requires grad in PyTorch) as a `Var`, whose gradient the replay reports as `grad.<name>`.
+fn learned(case: &Case, name: &str, mask: Option<Mask>) -> Result<(Option<Mask>, Option<Var>)> {
+    if case.tensor(&format!("expect.grad.{name}")).is_none() {
+        return Ok((mask, None));
+    }
+    match mask {
+        Some(Mask::Float(t)) => {
+            let v = Var::from_tensor(&t)?;
+            Ok((Some(Mask::Float(v.as_tensor().clone())), Some(v)))
+        }
+        _ => Err(case_err(
+            &case.dir,
+            format!(
+                "expect.grad.{name} is stored but {name} is not a float mask; only a float mask \
+                 (a learned bias) has a gradient"
+            ),
+        )),
+    }
 }
 
 /// Aliased inputs are stored in full and bit-identical (case-format.md): a stored key that
