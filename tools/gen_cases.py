@@ -597,7 +597,9 @@ def mha_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> d
         for key in mha.state_dict().keys():
             tensors[f"expect.grad.param.{key}"] = params[key].grad
         for name, m in learned.items():
-            tensors[f"expect.grad.{name}"] = m.grad
+            # No gradient (the is_causal hint drops the mask): zeros, as the replay reports.
+            tensors[f"expect.grad.{name}"] = (
+                m.grad if m.grad is not None else torch.zeros_like(m.detach()))
 
     expects = [t for n, t in tensors.items() if n.startswith("expect.")]
     nan = has_nan(expects)
@@ -697,7 +699,7 @@ def mha_replay(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.
         for key in mha.state_dict().keys():
             res[f"grad.param.{key}"] = named[key].grad
         for name, m in learned.items():
-            res[f"grad.{name}"] = m.grad
+            res[f"grad.{name}"] = m.grad if m.grad is not None else torch.zeros_like(m.detach())
     return res
 
 
@@ -1116,7 +1118,7 @@ def mha_random_config(rng: random.Random, index: int) -> dict:
         training=training, grad_mode=grad_mode, L=L, S=S, N=N, alias=alias,
         need_weights=need_weights, average_attn_weights=rng.random() < 0.6,
         is_causal=is_causal, weights_in_loss=need_weights and rng.random() < 0.5,
-        attn_mask=am, kpm=kp,
+        attn_mask=am, kpm=kp, mask_grad=grad_mode and rng.random() < 0.4,
     )
 
 
