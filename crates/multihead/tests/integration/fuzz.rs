@@ -405,6 +405,19 @@ fn run_mha(d: &MhaDraw) -> Result<(), TestCaseError> {
         1 => Some(mask_tensor(&kpm_shape, d.kpm_float as u8, 0.4)),
         _ => Some(mask_tensor(&[nb + 1, s + 1], d.kpm_float as u8, 0.5)),
     };
+    // With gradients, a float mask is learned (a Var): its gradient is compared below.
+    let learn = |m: Option<Mask>| -> Result<Option<Mask>, TestCaseError> {
+        Ok(match m {
+            Some(Mask::Float(t)) if d.grad => {
+                let v = candle_core::Var::from_tensor(&t)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                Some(Mask::Float(v.as_tensor().clone()))
+            }
+            m => m,
+        })
+    };
+    opts.attn_mask = learn(opts.attn_mask.take())?;
+    opts.key_padding_mask = learn(opts.key_padding_mask.take())?;
     let (q, k, v) = if d.grad {
         let var = |t: &Tensor| candle_core::Var::from_tensor(t).map(|v| v.as_tensor().clone());
         let q2 = var(&q).map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -418,21 +431,39 @@ fn run_mha(d: &MhaDraw) -> Result<(), TestCaseError> {
     } else {
         (q, k, v)
     };
-    let call = |b: Backend| {
+    let poisoned = [pq, pk, pv, pp].iter().any(|&p| !matches!(p, Poison::None));
+    let masks: Vec<Tensor> = [&opts.attn_mask, &opts.key_padding_mask]
+        .into_iter()
+        .filter_map(|m| match m {
+            Some(Mask::Float(t)) if d.grad => Some(t.clone()),
+            _ => None,
+        })
+        .collect();
+    // The outputs, then (with gradients and clean inputs) each learned mask's gradient of the
+    // sum of the outputs.
+    let call = |b: Backend| -> multihead::Result<Vec<Tensor>> {
         let o = opts.clone().backend(b);
-        if d.grad {
-            m.forward(&q, &k, &v, &o)
+        let out = if d.grad {
+            m.forward(&q, &k, &v, &o)?
         } else {
-            no_grad(|| m.forward(&q, &k, &v, &o))
+            no_grad(|| m.forward(&q, &k, &v, &o))?
+        };
+        let mut ts = vec![out.output.clone()];
+        ts.extend(out.attn_weights.clone());
+        if !masks.is_empty() && !poisoned {
+            let mut loss = out.output.sum_all()?;
+            if let Some(w) = &out.attn_weights {
+                loss = (loss + w.sum_all()?)?;
+            }
+            let grads = loss.backward()?;
+            for t in &masks {
+                ts.push(grads.get(t).cloned().unwrap_or(t.zeros_like()?));
+            }
         }
+        Ok(ts)
     };
     let infs = [pq, pk, pv, pp].iter().any(|&p| is_inf(p));
-    let outputs = |o: &multihead::MhaOutput| {
-        let mut v = vec![o.output.clone()];
-        v.extend(o.attn_weights.clone());
-        v
-    };
-    agree(call(Backend::Composed), call(Backend::Auto), outputs, !infs)
+    agree(call(Backend::Composed), call(Backend::Auto), |t| t.clone(), !infs)
 }
 
 proptest! {
