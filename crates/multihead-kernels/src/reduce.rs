@@ -3,7 +3,8 @@
 //! the larger gradient summed over the dimensions it repeated.
 //!
 //! Every output element adds its sources in their order in the input (row-major), so the
-//! results are bitwise those of the reference twin ([`reference`]) for any thread count.
+//! results are bitwise those of the reference twin ([`reference`](mod@reference)) for any
+//! thread count.
 //!
 //! ```
 //! use multihead_kernels::reduce::sum_to_broadcast;
