@@ -322,7 +322,7 @@ fn validate(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaOptions) ->
     Ok(SdpaCall { batch, l, s, e, ev, mask, scale })
 }
 
-/// A validated f32 CPU call on 3-D or 5-D+ inputs as the 4-D call the fused kernels take
+/// A validated f32 CPU call on 2-D, 3-D or 5-D+ inputs as the 4-D call the fused kernels take
 /// (`sdpa_rank`), unless the composed path is asked for; `None` where it stays as it is.
 fn fused_four_d(
     query: &Tensor,
@@ -411,7 +411,9 @@ fn pytorch_bf16_flash(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaO
         (Some(m), _) => matches!(m.tensor().rank(), 2 | 4),
     };
     let batch_ok = r != 4 || (kd[0] == qd[0] && vd[0] == qd[0]);
-    same_rank && matches!(r, 3 | 4) && qd[r - 1] == vd[r - 1] && batch_ok && mask_ok
+    // A mask that requires grad sends PyTorch to its math path too.
+    let learned = mask_records_grad(opts.attn_mask.as_ref());
+    same_rank && matches!(r, 3 | 4) && qd[r - 1] == vd[r - 1] && batch_ok && mask_ok && !learned
 }
 
 /// A bf16/f16 call in f32 (the f32 path, fused on the CPU, accumulating in f32 as PyTorch's

@@ -167,12 +167,13 @@ impl FlashAttention {
 
     /// The same op with bf16 products where a bf16 module's computation rounds its products
     /// (`crate::mode::rounded_products`) and PyTorch's bf16 CPU attention would run its flash
-    /// kernel, which rounds the probabilities: not with the weights, grouped-query heads or
-    /// dropout, where PyTorch takes its math path (products in f32) and so do we.
-    pub(crate) fn with_rounded_products(self, need_weights: bool) -> Self {
+    /// kernel, which rounds the probabilities: not with the weights or a mask that requires
+    /// grad (`math_path`), grouped-query heads or dropout, where PyTorch takes its math path
+    /// (products in f32) and so do we.
+    pub(crate) fn with_rounded_products(self, math_path: bool) -> Self {
         let dropout = self.dropout.is_some_and(|(p, _)| p > 0.0);
         let grouped = self.dims.heads_q != self.dims.heads_kv;
-        let on = crate::mode::in_rounded_products() && !need_weights && !grouped && !dropout;
+        let on = crate::mode::in_rounded_products() && !math_path && !grouped && !dropout;
         Self { bf16_products: on, ..self }
     }
 

@@ -417,3 +417,40 @@ fn a_bf16_linear_in_training_is_one_op_with_the_widened_paths_bits() {
         }
     }
 }
+
+/// A mask that requires grad sends PyTorch's bf16 attention to its math path (f32 products,
+/// `ToCopyBackward0`), so bf16 products must not round there: SDPA and MultiheadAttention (with
+/// identity projections, exact in bf16 either way) give the widened path's bits under
+/// `Bf16Products::Direct`.
+#[test]
+fn a_learned_mask_keeps_f32_attention_products_as_pytorch_does() {
+    use candle_nn::{VarBuilder, VarMap};
+    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    let bf = DType::BF16;
+    let (q, k, v) =
+        (det(&[1, 2, 8, 16], bf, 1.0), det(&[1, 2, 8, 16], bf, 2.0), det(&[1, 2, 8, 16], bf, 3.0));
+    let bias = var(&det(&[8, 8], bf, 4.0));
+    let opts = SdpaOptions::default().attn_mask(Mask::Float(bias.as_tensor().clone()));
+    let run = || scaled_dot_product_attention(&q, &k, &v, &opts).unwrap();
+    assert_eq!(bits(&direct(run)), bits(&widened(run)), "sdpa");
+    // MultiheadAttention whose projections are identities.
+    let (e, l) = (16, 8);
+    let vm = VarMap::new();
+    let m = MultiheadAttention::new(MhaConfig::new(e, 2), VarBuilder::from_varmap(&vm, bf, &dev()))
+        .unwrap();
+    let eye = Tensor::eye(e, bf, &dev()).unwrap();
+    for (name, var) in vm.data().lock().unwrap().iter() {
+        let t = match name.as_str() {
+            "in_proj_weight" => Tensor::cat(&[&eye, &eye, &eye], 0).unwrap(),
+            "out_proj.weight" => eye.clone(),
+            _ => var.zeros_like().unwrap(),
+        };
+        var.set(&t).unwrap();
+    }
+    let x = det(&[l, 2, e], bf, 5.0);
+    let bias = var(&det(&[l, l], bf, 6.0));
+    let o =
+        MhaOptions::default().need_weights(false).attn_mask(Mask::Float(bias.as_tensor().clone()));
+    let run = || m.forward(&x, &x, &x, &o).unwrap().output;
+    assert_eq!(bits(&direct(run)), bits(&widened(run)), "multihead attention");
+}

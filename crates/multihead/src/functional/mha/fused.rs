@@ -94,7 +94,9 @@ pub(crate) fn attend(
         && call.sinks.is_none();
     let op = FlashAttention::new(dims, scale, call.causal, masks, dropout, conv)
         .with_variants(&call.variants)
-        .with_rounded_products(call.need_weights)
+        // PyTorch's bf16 attention takes its math path (f32 products) for the weights and for
+        // a mask that requires grad.
+        .with_rounded_products(call.need_weights || learned.is_some())
         .with_weights_later(call.need_weights && (kernel_grad || !graded_weights));
     let op = match &call.sinks {
         Some(t) => op.with_sinks(t.to_vec1::<f32>()?),
