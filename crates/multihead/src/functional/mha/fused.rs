@@ -85,7 +85,9 @@ pub(crate) fn attend(
     // (`weights_grad`), or, with dropout, a soft cap or sinks, from candle operations.
     // A learned float mask (a bias that requires grad) gets its gradient through an identity
     // on the output (`mask_grad`); its weights, when asked for, through candle operations.
-    let learned = learned_mask(attn_mask.as_ref(), kpm.as_ref(), (n, h, l, s))?;
+    let [am_learned, kpm_learned] = call.learned_masks;
+    let am = attn_mask.as_ref().filter(|_| am_learned);
+    let learned = learned_mask(am, kpm.as_ref().filter(|_| kpm_learned), (n, h, l, s))?;
     let graded_weights = call.need_weights && (super::records_grad(call) || learned.is_some());
     let kernel_grad = graded_weights
         && learned.is_none()
@@ -137,24 +139,21 @@ pub(crate) fn attend(
     Ok((attn, weights))
 }
 
-/// The float masks that carry a graph while gradients are recorded, as one `(N|1, H|1, L, S)`
-/// tensor whose gradient reaches each (`attn_mask` `(1 | N·H, L, S)`, `kpm` `(N, S)`); their
-/// sum where both do (PyTorch's merged mask). `None` where neither does: the kernels copy the
-/// masks and give them no gradient.
+/// The learned masks (float masks in the graph while gradients are recorded) as one
+/// `(N|1, H|1, L, S)` tensor whose gradient reaches each (`attn_mask` `(1 | N·H, L, S)`, `kpm`
+/// `(N, S)`); their sum where both are (PyTorch's merged mask). `None` where neither is: the
+/// kernels copy the masks and give them no gradient.
 fn learned_mask(
     attn_mask: Option<&Tensor>,
     kpm: Option<&Tensor>,
     (n, h, l, s): (usize, usize, usize, usize),
 ) -> Result<Option<Tensor>> {
-    fn learned(m: Option<&Tensor>) -> Option<&Tensor> {
-        m.filter(|t| crate::mode::grad_enabled() && t.track_op())
-    }
-    let am = match learned(attn_mask) {
+    let am = match attn_mask {
         Some(a) if a.dim(0)? == 1 => Some(a.reshape((1, 1, l, s))?),
         Some(a) => Some(a.reshape((n, h, l, s))?),
         None => None,
     };
-    let kp = learned(kpm).map(|p| p.reshape((n, 1, 1, s))).transpose()?;
+    let kp = kpm.map(|p| p.reshape((n, 1, 1, s))).transpose()?;
     Ok(match (am, kp) {
         (Some(a), Some(p)) => Some(a.broadcast_add(&p)?),
         (a, p) => a.or(p),

@@ -39,6 +39,9 @@ pub(crate) struct MhaCall<'a> {
     pub kpm: Option<Tensor>,
     /// The additive attention mask, `(1, L, S)` or `(N·H, L, S)`.
     pub attn_mask: Option<Tensor>,
+    /// Whether `attn_mask` and `kpm` are learned: float masks in the graph while gradients
+    /// are recorded (`mask_records_grad`; a bool mask never is, whatever made it).
+    pub learned_masks: [bool; 2],
     /// The `is_causal` hint replaced the attention mask (`docs/pytorch-behaviour.md` §4).
     pub causal: bool,
     /// Dropout probability in effect (0 unless training).
@@ -566,6 +569,8 @@ pub(crate) fn validate<'a>(
         static_kv,
         kpm,
         attn_mask,
+        learned_masks: [opts.attn_mask.as_ref(), opts.key_padding_mask.as_ref()]
+            .map(crate::fused::dispatch::mask_records_grad),
         causal,
         dropout_p: if training { params.dropout_p } else { 0.0 },
         need_weights: opts.need_weights,
