@@ -30,6 +30,17 @@ pub(crate) enum Inputs {
     Kv(Tensor, Tensor),
 }
 
+impl Inputs {
+    /// Whether an input is in candle's graph (so the flash op's backward will run).
+    fn any_tracked(&self) -> bool {
+        match self {
+            Inputs::Unpacked(ts) => ts.iter().any(Tensor::track_op),
+            Inputs::Qkv(t) => t.track_op(),
+            Inputs::Kv(q, kv) => q.track_op() || kv.track_op(),
+        }
+    }
+}
+
 /// Identity on `(out, mask) -> out`; its backward computes every gradient of the attention.
 struct MaskGrad {
     op: FlashAttention,
@@ -60,7 +71,7 @@ impl CustomOp2 for MaskGrad {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let d = self.op.dims;
         let full = [d.batch, d.heads_q, d.l, d.s];
-        let n = crate::alloc::elements("scaled_dot_product_attention", "mask gradient", &full)?;
+        let n = crate::alloc::elements("flash attention backward", "mask gradient", &full)?;
         let mut ds = crate::alloc::try_zeros::<f32>(n, "attention mask gradient")?;
         let (op, g, ds_out) = (&self.op, grad_res, Some(&mut ds[..]));
         let grads = match &self.inputs {
@@ -74,7 +85,11 @@ impl CustomOp2 for MaskGrad {
                 super::flash_packed::backward_kv(op, q, kv, out, g, ds_out)?.to_vec()
             }
         };
-        *self.op.grads.lock().unwrap_or_else(|e| e.into_inner()) = Some(grads);
+        // The flash op's backward takes them, if candle recorded it (an input in the graph);
+        // otherwise nothing would, and they are dropped here.
+        if self.inputs.any_tracked() {
+            *self.op.grads.lock().unwrap_or_else(|e| e.into_inner()) = Some(grads);
+        }
         let dmask = reduce_to(&ds, full, mask.dims())?;
         let dmask = Tensor::from_vec(dmask, mask.dims(), mask.device())?;
         Ok((Some(grad_res.clone()), Some(dmask)))
@@ -85,13 +100,19 @@ impl CustomOp2 for MaskGrad {
 /// broadcastable) repeats, in that shape.
 fn reduce_to(g: &[f32], full: [usize; 4], dims: &[usize]) -> candle_core::Result<Vec<f32>> {
     let Some(lead) = 4usize.checked_sub(dims.len()) else {
-        candle_core::bail!("attention mask gradient: a mask of rank {} (at most 4)", dims.len())
+        candle_core::bail!(
+            "attention mask gradient: a mask of shape {dims:?} (rank at most 4) for scores of \
+             shape {full:?}"
+        )
     };
     let to: [usize; 4] = std::array::from_fn(|i| if i < lead { 1 } else { dims[i - lead] });
     let n = to.iter().product();
     let mut out = crate::alloc::try_zeros::<f32>(n, "attention mask gradient")?;
     multihead_kernels::reduce::sum_to_broadcast(g, full, to, &mut out)
-        .map_err(|e| candle_core::Error::Msg(format!("attention mask gradient: {e}")))?;
+        .map_err(|e| {
+            let msg = format!("attention mask gradient of shape {dims:?} from {full:?}: {e}");
+            candle_core::Error::Msg(msg)
+        })?;
     Ok(out)
 }
 
