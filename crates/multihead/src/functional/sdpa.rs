@@ -331,7 +331,7 @@ fn fused_four_d(
     opts: &SdpaOptions,
     call: &SdpaCall,
 ) -> Result<Option<super::sdpa_rank::FourD>> {
-    if dtype_device_blocker(query).is_some() || opts.backend == Backend::Composed {
+    if dtype_device_blocker(query).is_some() || opts.backend.resolve() == Backend::Composed {
         return Ok(None);
     }
     super::sdpa_rank::four_d(query, key, value, opts, &call.batch)
