@@ -8,6 +8,10 @@
 //! scores' gradient, keeps the inputs' gradients (in the form the op's own backward returns
 //! them, packed or not) for the flash op's backward to hand out, passes the output's gradient
 //! through, and gives the mask the scores' gradient summed over the dimensions it broadcasts.
+//!
+//! The stash belongs to the forward call: two backward passes through one graph run one after
+//! the other (as candle runs them on one thread); running them at once from two threads could
+//! hand one pass the other's input gradients.
 
 use std::sync::{Arc, Mutex};
 
@@ -108,11 +112,10 @@ fn reduce_to(g: &[f32], full: [usize; 4], dims: &[usize]) -> candle_core::Result
     let to: [usize; 4] = std::array::from_fn(|i| if i < lead { 1 } else { dims[i - lead] });
     let n = to.iter().product();
     let mut out = crate::alloc::try_zeros::<f32>(n, "attention mask gradient")?;
-    multihead_kernels::reduce::sum_to_broadcast(g, full, to, &mut out)
-        .map_err(|e| {
-            let msg = format!("attention mask gradient of shape {dims:?} from {full:?}: {e}");
-            candle_core::Error::Msg(msg)
-        })?;
+    multihead_kernels::reduce::sum_to_broadcast(g, full, to, &mut out).map_err(|e| {
+        let msg = format!("attention mask gradient of shape {dims:?} from {full:?}: {e}");
+        candle_core::Error::Msg(msg)
+    })?;
     Ok(out)
 }
 

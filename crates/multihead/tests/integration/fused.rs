@@ -1133,4 +1133,18 @@ fn sdpa_on_2d_inputs_runs_fused() {
             assert_close(x, y, Tolerance::F32_GRAD, &format!("{what}: gradient"));
         }
     }
+    // A learned (S,) bias on 2-D inputs: its gradient, reduced from (1, 1, L, S), on both paths.
+    let bias = var(&det(&[11], DType::F32, 7.0));
+    let mask_grad = |fused: bool| {
+        with_backend(backend(fused), || {
+            let opts = SdpaOptions::default().attn_mask(Mask::Float(bias.as_tensor().clone()));
+            let out = multihead::functional::scaled_dot_product_attention(&q0, &k0, &v0, &opts);
+            let up = det(&[9, 6], DType::F32, 6.0);
+            let g = out.unwrap().mul(&up).unwrap().sum_all().unwrap().backward().unwrap();
+            g.get(bias.as_tensor()).expect("the bias's gradient").clone()
+        })
+    };
+    let (a, b) = (mask_grad(true), mask_grad(false));
+    assert_eq!(a.dims(), &[11]);
+    assert_close(&a, &b, Tolerance::F32_GRAD, "2-D learned bias gradient");
 }

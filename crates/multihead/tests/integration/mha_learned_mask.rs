@@ -237,3 +237,61 @@ fn a_learned_src_mask_through_the_encoder_layer() {
         assert_close(x, y, Tolerance::F32_GRAD, &format!("encoder layer gradient {i}"));
     }
 }
+
+/// Bad or unusual learned masks: a broadcast view of a smaller `Var` (its gradient summed), a
+/// NaN entry (the same NaN rows on both paths), a wrong dtype and a wrong shape (the same
+/// typed error on both paths).
+#[test]
+fn learned_masks_as_views_with_nan_and_wrong_dtype_or_shape() {
+    let (l, n, e, h) = (7, 2, 8, 2);
+    let cfg = MhaConfig::new(e, h);
+    // A (1, S) Var broadcast to (L, S): a view with stride 0.
+    let small = var(&det(&[1, l], DType::F32, 3.0));
+    let view = small.as_tensor().broadcast_as((l, l)).unwrap();
+    let grads = |b: Backend| {
+        let (m, _vm) = mha(cfg.clone(), DType::F32);
+        let x = det(&[l, n, e], DType::F32, 1.0);
+        let o = no_weights().attn_mask(Mask::Float(view.clone())).backend(b);
+        let out = m.forward(&x, &x, &x, &o).unwrap().output;
+        let g = out.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        (out, g.get(small.as_tensor()).expect("the small bias's gradient").clone())
+    };
+    let ((oa, ga), (ob, gb)) = (grads(Backend::Fused), grads(Backend::Composed));
+    assert_close(&oa, &ob, Tolerance::F32_FORWARD, "broadcast view: output");
+    assert_eq!(ga.dims(), &[1, l]);
+    assert_close(&ga, &gb, Tolerance::F32_GRAD, "broadcast view: gradient");
+    // A NaN in the bias: row 2 of every head is NaN on both paths, the other rows are not.
+    let mut m = det(&[l, l], DType::F32, 2.0).to_vec2::<f32>().unwrap();
+    m[2][4] = f32::NAN;
+    let nan = var(&Tensor::new(m, &crate::common::dev()).unwrap());
+    let learned = Learned { attn: Some(nan), kpm: None };
+    let rows = |b: Backend| {
+        let (o, _, _) = run(&cfg, &self_inputs(&[l, n, e]), &learned, no_weights().backend(b));
+        let o = o.to_dtype(DType::F64).unwrap();
+        let v: Vec<Vec<f64>> =
+            (0..l).map(|i| o.get(i).unwrap().flatten_all().unwrap().to_vec1().unwrap()).collect();
+        v.iter().map(|r| r.iter().any(|x| x.is_nan())).collect::<Vec<bool>>()
+    };
+    let nan_rows = rows(Backend::Fused);
+    assert_eq!(nan_rows, rows(Backend::Composed));
+    assert!(nan_rows[2] && nan_rows.iter().filter(|&&r| r).count() == 1, "{nan_rows:?}");
+    // A wrong dtype and a wrong shape: one error, whatever the path.
+    let errs = |mask: Tensor| -> Vec<String> {
+        [Backend::Fused, Backend::Composed]
+            .map(|b| {
+                let (m, _vm) = mha(cfg.clone(), DType::F32);
+                let x = det(&[l, n, e], DType::F32, 1.0);
+                let o = no_weights().attn_mask(Mask::Float(mask.clone())).backend(b);
+                m.forward(&x, &x, &x, &o).expect_err("a bad mask").to_string()
+            })
+            .to_vec()
+    };
+    let f64_mask = var(&det(&[l, l], DType::F64, 2.0));
+    let e64 = errs(f64_mask.as_tensor().clone());
+    assert_eq!(e64[0], e64[1]);
+    assert!(e64[0].contains("attn_mask"), "{}", e64[0]);
+    let wrong = var(&det(&[l, l + 1], DType::F32, 2.0));
+    let es = errs(wrong.as_tensor().clone());
+    assert_eq!(es[0], es[1]);
+    assert!(es[0].contains("attn_mask") && es[0].contains(&format!("{}", l + 1)), "{}", es[0]);
+}
