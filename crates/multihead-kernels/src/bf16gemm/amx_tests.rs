@@ -1,16 +1,17 @@
 //! The AMX layout: the driver on the emulated tile kernel (and on real tiles where granted)
 //! against a sequential emulation of the whole product, bit for bit; the emulated instruction
-//! against Intel's definition; and the kernel choice.
+//! against the tiles' measured arithmetic (on every CPU) and against the tiles themselves at the
+//! edges of the f32 range (where AMX is granted); and the kernel choice.
 
 #![allow(clippy::unwrap_used)]
 
-use super::amx::tdp_pair;
+use super::amx::{tdp_element, AMX_KP};
 use super::*;
 use crate::testutil::rand_vec;
 
 /// `C (+)= A·B` as tile products compute it, one element at a time: for each `k` block of the
-/// driver ([`KC`] deep, its pairs rounded up to whole 16-pair tile steps with zeros), each pair
-/// in order through [`tdp_pair`].
+/// driver ([`KC`] deep, its pairs rounded up to whole 16-pair tile steps with zeros), each step
+/// of 16 pairs in order through [`tdp_element`].
 fn amx_reference(a: BfMat, b: BfMat, c: &mut [f32], ldc: usize, accumulate: bool) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     for i in 0..m {
@@ -23,8 +24,10 @@ fn amx_reference(a: BfMat, b: BfMat, c: &mut [f32], ldc: usize, accumulate: bool
                     let half = |e: usize| if e < kc { u32::from(get(p0 + e)) } else { 0 };
                     half(2 * q) | (half(2 * q + 1) << 16)
                 };
-                for q in 0..kp {
-                    acc = tdp_pair(acc, word(&|p| a.bits(i, p), q), word(&|p| b.bits(p, j), q));
+                for q0 in (0..kp).step_by(AMX_KP) {
+                    acc = tdp_element(acc, |q| {
+                        (word(&|p| a.bits(i, p), q0 + q), word(&|p| b.bits(p, j), q0 + q))
+                    });
                 }
             }
             c[i * ldc + j] = acc;
@@ -153,29 +156,92 @@ fn tile_kernels_match_the_sequential_emulation_bit_for_bit() {
 }
 
 #[test]
-fn the_emulated_instruction_follows_intels_definition() {
+fn tile_kernels_match_the_sequential_emulation_at_the_edges_of_f32() {
+    // Products near the subnormal range (chains flushed mid-way), products overflowing to
+    // infinity (and chains of opposite infinities), and a subnormal accumulator: where the
+    // order and the flushing of the tiles' sums decide the bits. Random signs and exponents.
+    let (m, n, k) = (33, 47, 2 * KC + 40);
+    let spread = |len: usize, seed: u64, base: i32, span: i32| -> Vec<f32> {
+        let e = rand_vec(len, seed ^ 0x55);
+        rand_vec(len, seed)
+            .into_iter()
+            .zip(e)
+            .map(|(x, e)| x * 2f32.powi(base + (e.abs() * span as f32) as i32))
+            .collect()
+    };
+    let cases = [("tiny", -66, 6, 2f32.powi(-124)), ("huge", 58, 8, 1.0), ("normal", -3, 6, 1e-39)];
+    for kern in tile_kernels() {
+        for (what, base, span, c_scale) in cases {
+            let a = spread(m * k, 11, base, span);
+            let b = spread(k * n, 12, base, span);
+            let av = BfMat::f32(&a, m, k);
+            let bv = BfMat::f32(&b, k, n);
+            let c0: Vec<f32> = rand_vec(m * n, 13).into_iter().map(|x| x * c_scale).collect();
+            for accumulate in [false, true] {
+                let mut want = c0.clone();
+                amx_reference(av, bv, &mut want, n, accumulate);
+                for threads in [1, 2] {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
+                    let mut got = c0.clone();
+                    pool.unwrap()
+                        .install(|| {
+                            with_bf16_kernel(kern, || matmul_bf16(av, bv, &mut got, n, accumulate))
+                        })
+                        .unwrap();
+                    same_bits(
+                        &got,
+                        &want,
+                        &format!("{kern:?} {what} acc={accumulate} t={threads}"),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// One emulated instruction on pairs `(a_k, b_k)` for `k < pairs.len()`, zeros after.
+fn tdp(acc: f32, pairs: &[(u32, u32)]) -> f32 {
+    tdp_element(acc, |k| pairs.get(k).copied().unwrap_or((0, 0)))
+}
+
+#[test]
+fn the_emulated_instruction_follows_the_tiles_measured_arithmetic() {
     let bf = |x: f32| crate::convert::f32_to_bf16_bits(x);
     let pair = |even: f32, odd: f32| u32::from(bf(even)) | (u32::from(bf(odd)) << 16);
-    // The even product is added first: 1 + 2^-24 rounds to 1 (ties to even), then 1 - 1 = 0.
-    // Odd first would give 2^-24.
+    let one = pair(1.0, 1.0);
     let tiny = 2f32.powi(-24);
-    assert_eq!(tdp_pair(1.0, pair(tiny, 1.0), pair(1.0, -1.0)), 0.0);
-    // Each accumulation is fused: 2^-126 + 2^-140 is a normal number and kept exactly, though
-    // the product 2^-140 alone is subnormal (and would be flushed).
+    // The even and the odd products run in two chains: even 1 + 2^-24 = 1 (ties to even), odd
+    // 2^-24 + 2^-24 = 2^-23, then 1 + 2^-23. Intel's sequential order gives 1.
+    assert_eq!(tdp(0.0, &[(pair(1.0, tiny), one), (pair(tiny, tiny), one)]), 1.0 + 2.0 * tiny);
+    // The accumulator comes last: 1 + (2^-24 + 2^-24). Added first, each half-ulp would be lost.
+    assert_eq!(tdp(1.0, &[(pair(tiny, tiny), one)]), 1.0 + 2.0 * tiny);
+    // Each chain step is fused: 2^-126 + 2^-140 is a normal number and kept exactly, though the
+    // product 2^-140 alone is subnormal (and would be flushed).
+    let e63 = 2f32.powi(-63);
     let e70 = 2f32.powi(-70);
     let min = f32::MIN_POSITIVE;
-    assert_eq!(tdp_pair(min, pair(e70, 0.0), pair(e70, 0.0)), min + 2f32.powi(-140));
-    // A subnormal result is flushed to zero of its sign (the odd product here, as the even
-    // product of zeros added afterwards would turn -0 into +0).
-    assert_eq!(tdp_pair(0.0, pair(0.0, e70), pair(0.0, e70)).to_bits(), 0);
-    assert_eq!(tdp_pair(0.0, pair(0.0, -e70), pair(0.0, e70)).to_bits(), 0x8000_0000);
-    // A subnormal bf16 input reads as zero: 2^-130 · 2^100 would be 2^-30.
+    let chain = [(pair(e63, 0.0), pair(e63, 0.0)), (pair(e70, 0.0), pair(e70, 0.0))];
+    assert_eq!(tdp(0.0, &chain), min + 2f32.powi(-140));
+    // A subnormal step is flushed to zero of its sign, and the chains start at +0: -0 survives
+    // only from the last pair (after it, no +0 product turns it into +0).
+    let neg = (pair(-e70, -e70), pair(e70, e70));
+    let mut last = [(0, 0); 16];
+    last[15] = neg;
+    assert_eq!(tdp(-0.0, &last).to_bits(), 0x8000_0000);
+    assert_eq!(tdp(0.0, &last).to_bits(), 0);
+    assert_eq!(tdp(-0.0, &[neg]).to_bits(), 0);
+    // A subnormal accumulator reads as zero, as does a subnormal bf16 input (2^-130 · 2^100
+    // would be 2^-30).
+    assert_eq!(tdp(1e-39, &[]).to_bits(), 0);
     let sub = 0x0010u32; // bf16 2^-130, subnormal
-    assert_eq!(tdp_pair(0.0, sub, pair(2f32.powi(100), 0.0)), 0.0);
-    // NaN and infinity propagate; inf - inf is NaN.
-    assert!(tdp_pair(0.0, pair(f32::NAN, 1.0), pair(1.0, 1.0)).is_nan());
-    assert!(tdp_pair(0.0, pair(f32::INFINITY, 1.0), pair(1.0, f32::NEG_INFINITY)).is_nan());
-    assert_eq!(tdp_pair(1.0, pair(f32::INFINITY, 0.0), pair(2.0, 0.0)), f32::INFINITY);
+    assert_eq!(tdp(0.0, &[(sub, pair(2f32.powi(100), 0.0))]), 0.0);
+    // NaN and infinity propagate; inf - inf is NaN, across the chains too.
+    assert!(tdp(0.0, &[(pair(f32::NAN, 1.0), one)]).is_nan());
+    assert!(tdp(0.0, &[(pair(f32::INFINITY, 1.0), pair(1.0, f32::NEG_INFINITY))]).is_nan());
+    assert_eq!(tdp(1.0, &[(pair(f32::INFINITY, 0.0), pair(2.0, 0.0))]), f32::INFINITY);
+    // Chains that overflow apart: +inf + -inf is NaN, where one chain would have kept +inf.
+    let big = 2f32.powi(64);
+    assert!(tdp(0.0, &[(pair(big, big), pair(big, -big))]).is_nan());
 }
 
 #[test]

@@ -5,7 +5,7 @@
 
 use crate::attention::backward::{BlockGrads, BwdBf16};
 use crate::attention::bf16::{self as bf, Scores, Shape, Values};
-use crate::bf16gemm::amx::{amx_available, tdp_pair};
+use crate::bf16gemm::amx::{amx_available, tdp_element, AMX_KP};
 use crate::bf16gemm::micro::Kernel;
 use crate::bf16gemm::NR;
 use crate::convert::f32_to_bf16_bits as round;
@@ -24,7 +24,7 @@ fn tile_kernels() -> Vec<Kernel> {
 }
 
 /// `acc` plus the pairs of two length-`n` rows (given as functions of the index) by
-/// `tdp_pair`, one pair after another, through the kernel's padded depth (zero pairs).
+/// `tdp_element`, 16 pairs at a time, through the kernel's padded depth (zero pairs).
 fn tdp_dot(
     sh: Shape,
     n: usize,
@@ -36,7 +36,9 @@ fn tdp_dot(
         let at = |i: usize| if i < n { round(f(i)) } else { 0 };
         u32::from(at(2 * p)) | (u32::from(at(2 * p + 1)) << 16)
     };
-    (0..sh.kp(n.div_ceil(2))).fold(acc, |acc, p| tdp_pair(acc, word(&a, p), word(&b, p)))
+    (0..sh.kp(n.div_ceil(2)))
+        .step_by(AMX_KP)
+        .fold(acc, |acc, p0| tdp_element(acc, |p| (word(&a, p0 + p), word(&b, p0 + p))))
 }
 
 fn same_bits(got: &[f32], want: &[f32], what: &str) {
