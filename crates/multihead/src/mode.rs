@@ -81,8 +81,8 @@ impl std::str::FromStr for Backend {
 ///   Zen 4 and Zen 5) or where the bf16 products run on AMX tiles, [`Widened`](Self::Widened)
 ///   elsewhere. The environment variable `MULTIHEAD_BF16_PRODUCTS=direct` or `=widened`
 ///   overrides the measurement; `=amx` means direct products on AMX tiles where the CPU and
-///   the operating system grant them (the tile kernel is off by default until it has run on an
-///   AMX CPU: `multihead_kernels::bf16gemm::Bf16Kernel`, `MULTIHEAD_BF16_KERNEL`).
+///   the operating system grant them (which `Auto` takes too; `MULTIHEAD_BF16_KERNEL` names
+///   another micro-kernel: `multihead_kernels::bf16gemm::Bf16Kernel`).
 /// * `Direct`: products take bf16 operands, summed in f32, as PyTorch's bf16 CPU products do:
 ///   a bf16 [`Linear`](crate::Linear) multiplies its bf16 input and weight as they are, and
 ///   inside a bf16 [`MultiheadAttention`](crate::MultiheadAttention), Transformer layer or

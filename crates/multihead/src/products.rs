@@ -146,16 +146,19 @@ fn decide(
         Some("widened") => return (false, "MULTIHEAD_BF16_PRODUCTS=widened".into()),
         _ => {}
     }
-    let asked_amx = products == Some("amx")
-        || kernel.and_then(|k| k.parse::<Bf16Kernel>().ok()) == Some(Bf16Kernel::Amx);
+    let named = kernel.and_then(|k| k.parse::<Bf16Kernel>().ok());
+    let asked_amx = products == Some("amx") || named == Some(Bf16Kernel::Amx);
+    // A kernel named in the environment other than AMX (or `auto`) keeps the tiles off.
+    let other_kernel = named.is_some_and(|k| !matches!(k, Bf16Kernel::Auto | Bf16Kernel::Amx));
     // AMX tiles run bf16 products several times faster than f32 FMA.
-    let tiles = match (asked_amx, AMX_BY_DEFAULT, amx) {
+    let tiles = match (asked_amx, AMX_BY_DEFAULT && !other_kernel, amx) {
         (true, _, true) => {
             return (true, "the environment asked for AMX and the kernel granted the tile state".into())
         }
         (_, true, true) => return (true, "AMX tiles are granted on this CPU".into()),
         (true, _, false) => "the environment asked for AMX, which is not available (no AMX-BF16, or the operating system did not grant the tile state)",
-        (false, false, true) => "AMX tiles are granted but not taken by default until tested on an AMX CPU (MULTIHEAD_BF16_KERNEL=amx turns them on for the process, with_bf16_kernel for a thread)",
+        (false, false, true) if other_kernel => "AMX tiles are granted, but MULTIHEAD_BF16_KERNEL names another kernel",
+        (false, false, true) => "AMX tiles are granted but not taken by default (MULTIHEAD_BF16_KERNEL=amx turns them on for the process, with_bf16_kernel for a thread)",
         (false, _, false) => "this CPU has no AMX tiles",
     };
     match speedup {
@@ -197,9 +200,13 @@ mod tests {
         for (p, k) in [(None, None), (Some("AMX"), Some("amx-emulated")), (Some(""), Some(""))] {
             assert_eq!(super::environment_problem(p, k), None, "{p:?} {k:?}");
         }
-        if !multihead_kernels::bf16gemm::AMX_BY_DEFAULT {
-            let (on, why) = d(None, None, true, Some(0.5));
-            assert!(!on && why.contains("not taken by default"), "{why}");
-        }
+        // Granted tiles are taken by default, unless the environment names another kernel.
+        assert!(multihead_kernels::bf16gemm::AMX_BY_DEFAULT);
+        let (on, why) = d(None, None, true, Some(0.5));
+        assert!(on && why == "AMX tiles are granted on this CPU", "{why}");
+        let (on, why) = d(None, Some("avx512bf16"), true, Some(0.5));
+        assert!(!on && why.contains("names another kernel") && why.contains("0.50x"), "{why}");
+        let (on, _) = d(None, Some("auto"), true, Some(0.5));
+        assert!(on);
     }
 }

@@ -23,7 +23,8 @@
 //! The micro-kernel is swappable ([`Bf16Kernel`]): besides `vdpbf16ps`, an AMX kernel runs
 //! `32 × 64` tiles of `C` on the tile registers (`tdpbf16ps`, with `A` packed row-major and
 //! `k` padded to whole 16-pair tile steps), and its exact emulation runs the same layout on any
-//! CPU. The AMX kernel is off by default ([`AMX_BY_DEFAULT`]) until it has run on an AMX CPU.
+//! CPU. `Auto` takes the AMX kernel where the tiles are granted ([`AMX_BY_DEFAULT`]: it has run
+//! on an AMX CPU, bit for bit its emulation).
 //!
 //! Where the CPU lacks AVX512-BF16 (or a lower SIMD level is forced), a portable kernel
 //! computes the same sums in the same order in f32 (subnormals kept), so the two agree on
