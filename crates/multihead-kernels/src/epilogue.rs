@@ -99,6 +99,141 @@ impl Task for EpilogueTask {
     }
 }
 
+/// One tile of a product with a bf16 output (the bf16 GEMM's fused epilogue):
+/// `out[r·ldo + j] = bf16(act(tile[r·ld + j] + bias[j]))` for `r < rows`, `j < cols`, the
+/// tile left holding `act(tile + bias)`. The bits of [`bias_act_in_place`] followed by
+/// rounding to nearest even ([`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits)).
+pub(crate) struct TileToBf16 {
+    pub(crate) tile: *mut f32,
+    pub(crate) ld: usize,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) bias: Option<*const f32>,
+    pub(crate) act: Act,
+    pub(crate) out: *mut u16,
+    pub(crate) ldo: usize,
+}
+
+impl TileToBf16 {
+    /// Runs the epilogue at `level` (at most the detected level).
+    ///
+    /// # Safety
+    /// `tile` holds `rows` rows of `cols` floats `ld` apart, `bias` (if any) `cols` values,
+    /// `out` `rows` rows of `cols` bf16 `ldo` apart, none aliasing another; `level` is
+    /// available on this CPU.
+    pub(crate) unsafe fn run(&self, level: crate::attention::SimdLevel) {
+        use crate::attention::SimdLevel;
+        // SAFETY: forwarded; each level's features are the caller's guarantee.
+        unsafe {
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                SimdLevel::Avx512 => self.avx512(),
+                #[cfg(target_arch = "x86_64")]
+                SimdLevel::Avx2 => self.avx2(),
+                _ => {
+                    self.bias_act::<crate::attention::simd::Scalar>();
+                    self.narrow_scalar();
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    unsafe fn avx512(&self) {
+        use std::arch::x86_64::*;
+        // SAFETY: AVX-512F is available (the caller's guarantee); rows `r < rows` of `cols`
+        // elements lie in `tile` and `out`; the tails are masked.
+        unsafe {
+            self.bias_act::<crate::attention::simd::Avx512>();
+            for r in 0..self.rows {
+                let (src, dst) = (self.tile.add(r * self.ld), self.out.add(r * self.ldo));
+                for j in (0..self.cols).step_by(16) {
+                    let live = (self.cols - j).min(16);
+                    let mask: __mmask16 = if live == 16 { 0xFFFF } else { (1 << live) - 1 };
+                    let x = _mm512_maskz_loadu_ps(mask, src.add(j));
+                    let bits = _mm512_castps_si512(x);
+                    // Round to nearest even: bits + 0x7FFF + ((bits >> 16) & 1), the top half;
+                    // NaN: the sign and top payload bits, made quiet.
+                    let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+                    let sum =
+                        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+                    let rounded = _mm512_srli_epi32::<16>(sum);
+                    let quiet =
+                        _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x0040));
+                    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+                    let w = _mm512_mask_mov_epi32(rounded, nan, quiet);
+                    _mm256_mask_storeu_epi16(
+                        dst.add(j) as *mut i16,
+                        mask,
+                        _mm512_cvtepi32_epi16(w),
+                    );
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2(&self) {
+        // SAFETY: AVX2 and FMA are available (the caller's guarantee); forwarded.
+        unsafe {
+            self.bias_act::<crate::attention::simd::Avx2>();
+            self.narrow_scalar();
+        }
+    }
+
+    /// The tile rounded to bf16 element by element.
+    #[inline(always)]
+    unsafe fn narrow_scalar(&self) {
+        for r in 0..self.rows {
+            for j in 0..self.cols {
+                // SAFETY: `r < rows`, `j < cols` lie in `tile` and `out` (`run`'s contract).
+                unsafe {
+                    *self.out.add(r * self.ldo + j) =
+                        crate::convert::f32_to_bf16_bits(*self.tile.add(r * self.ld + j));
+                }
+            }
+        }
+    }
+
+    /// `act(tile + bias)` in place, as [`EpilogueTask`] computes it.
+    #[inline(always)]
+    unsafe fn bias_act<S: Simd>(&self) {
+        if self.bias.is_none() && self.act == Act::Identity {
+            return;
+        }
+        let l = S::LANES;
+        // SAFETY: rows `r < rows` of `cols` elements lie in `tile`, the bias holds `cols`
+        // values; the tails are masked.
+        unsafe {
+            let zero = S::splat(0.0);
+            for r in 0..self.rows {
+                let row = self.tile.add(r * self.ld);
+                let mut j = 0;
+                while j < self.cols {
+                    let mask = if j + l <= self.cols {
+                        S::full_mask()
+                    } else {
+                        S::tail_mask(self.cols - j)
+                    };
+                    let mut v = S::load_m(row.add(j), mask);
+                    if let Some(b) = self.bias {
+                        v = S::add(v, S::load_m(b.add(j), mask));
+                    }
+                    v = match self.act {
+                        Act::Identity => v,
+                        Act::Relu => S::add(S::max(zero, v), zero),
+                        Act::Gelu => S::mul(v, cdf_pdf::<S>(v).0),
+                    };
+                    S::store_m(row.add(j), v, mask);
+                    j += l;
+                }
+            }
+        }
+    }
+}
+
 /// `y[r, j] = act(y[r, j] + bias[j])` for the rows of `n` elements of `y`, in place.
 ///
 /// Errors: `n` is 0 while `y` is not empty, `y`'s length is not a multiple of `n`, or the
@@ -227,6 +362,22 @@ const MAX_ROW_BLOCKS: usize = 64;
 /// # Ok::<(), multihead_kernels::attention::KernelError>(())
 /// ```
 pub fn bias_grad(dy: &[f32], n: usize) -> Result<Vec<f32>, KernelError> {
+    column_sums(dy, n, |v| v)
+}
+
+/// [`bias_grad`] of a bf16 gradient (bits), each value widened as it is added: the bits
+/// `bias_grad` gives for the widened gradient, without widening it first.
+pub fn bias_grad_bf16(dy: &[u16], n: usize) -> Result<Vec<f32>, KernelError> {
+    column_sums(dy, n, crate::convert::bf16_bits_to_f32)
+}
+
+/// The column sums of `dy`'s rows of `n`, in f32, in blocks of rows summed in parallel and
+/// then in block order (the same order whatever the thread count).
+fn column_sums<T: Copy + Sync>(
+    dy: &[T],
+    n: usize,
+    value: impl Fn(T) -> f32 + Sync,
+) -> Result<Vec<f32>, KernelError> {
     use rayon::prelude::*;
     if dy.is_empty() {
         return zeroed(n);
@@ -244,7 +395,7 @@ pub fn bias_grad(dy: &[f32], n: usize) -> Result<Vec<f32>, KernelError> {
     partial.par_chunks_mut(n).zip(dy.par_chunks(per_block * n)).for_each(|(acc, rows)| {
         for row in rows.chunks_exact(n) {
             for (a, v) in acc.iter_mut().zip(row) {
-                *a += *v;
+                *a += value(*v);
             }
         }
     });
@@ -386,6 +537,16 @@ mod tests {
                 );
                 assert_eq!(got[j].to_bits(), alone[j].to_bits(), "{rows}x{n} [{j}] one thread");
             }
+            // A bf16 gradient: the bits of the widened gradient's column sums.
+            let bits: Vec<u16> = dy.iter().map(|&v| crate::convert::f32_to_bf16_bits(v)).collect();
+            let widened: Vec<f32> =
+                bits.iter().map(|&b| crate::convert::bf16_bits_to_f32(b)).collect();
+            let want = bias_grad(&widened, n).unwrap();
+            let got = bias_grad_bf16(&bits, n).unwrap();
+            assert!(
+                got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits()),
+                "{rows}x{n} bf16"
+            );
         }
         let nan = [1.0, f32::NAN, 2.0, 3.0];
         let db = bias_grad(&nan, 2).unwrap();

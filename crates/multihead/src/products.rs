@@ -201,7 +201,7 @@ mod tests {
             assert_eq!(super::environment_problem(p, k), None, "{p:?} {k:?}");
         }
         // Granted tiles are taken by default, unless the environment names another kernel.
-        assert!(multihead_kernels::bf16gemm::AMX_BY_DEFAULT);
+        const { assert!(multihead_kernels::bf16gemm::AMX_BY_DEFAULT) };
         let (on, why) = d(None, None, true, Some(0.5));
         assert!(on && why == "AMX tiles are granted on this CPU", "{why}");
         let (on, why) = d(None, Some("avx512bf16"), true, Some(0.5));

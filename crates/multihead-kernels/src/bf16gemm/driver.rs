@@ -6,18 +6,34 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+use super::amx::AMX_MR;
 use super::micro::{Kernel, Tile};
 use super::pack::{pack_a, pack_b, ABlock, BBlock};
 use super::select::resolve;
 use super::{BfMat, KC, NC, NR};
 use crate::attention::exec::{ConstPtr, SyncPtr};
-use crate::attention::KernelError;
+use crate::attention::{KernelError, SimdLevel};
+use crate::epilogue::{Act, TileToBf16};
 
 /// Row blocks of `A`: 96 rows of `KC` bf16, 192 KiB: an L2's share (sixteen tiles of the
 /// `vdpbf16ps` kernel, three of the AMX kernel).
 const MC: usize = 96;
 /// `B` panels one packing task handles.
 const PACK_PANELS: usize = 2;
+/// Words of a packed `B` block on the bf16-output path, whose one block spans the whole depth
+/// (4 MiB: 1024 columns at a depth of 2048, 512 at 4096).
+const DEEP_B_WORDS: usize = 1 << 20;
+
+/// Where the product goes.
+#[derive(Clone, Copy)]
+pub(super) enum Out {
+    /// f32 `C` with row stride `ldc`, overwritten or (`accumulate`) added to.
+    F32 { c: SyncPtr<f32>, ldc: usize, accumulate: bool },
+    /// `bf16(act(A·B + bias))` with row stride `ldo`: the whole depth in one block, each tile
+    /// computed into a local buffer and its epilogue applied as it leaves the kernel (no f32
+    /// `C` in memory).
+    Bf16 { out: SyncPtr<u16>, ldo: usize, bias: Option<ConstPtr<f32>>, act: Act, level: SimdLevel },
+}
 
 thread_local! {
     /// The packed `B` block, reused across calls on the calling thread.
@@ -70,35 +86,33 @@ fn row_blocks(m: usize, threads: usize, mr: usize) -> (usize, usize) {
 
 /// Runs the product (arguments checked by `matmul_bf16`, `m, n, k > 0`). Without
 /// `accumulate`, every element of the `m × n` view of `C` is written before it is read, so
-/// `c` may point at memory not yet initialised.
+/// `c` may point at memory not yet initialised; so may a bf16 output.
 ///
 /// # Safety
-/// `c` is valid for writes (and, with `accumulate`, reads) of row `i` at `c + i·ldc`,
-/// columns `0..n`, for `i < m`, and no other reference reaches that memory meanwhile.
-pub(super) unsafe fn run(
-    a: &BfMat,
-    b: &BfMat,
-    c: *mut f32,
-    ldc: usize,
-    accumulate: bool,
-) -> Result<(), KernelError> {
+/// An f32 `C` is valid for writes (and, with `accumulate`, reads) of row `i` at `c + i·ldc`,
+/// columns `0..n`, for `i < m`; a bf16 output likewise at `out + i·ldo`, its bias (if any)
+/// holds `n` values; no other reference reaches the output meanwhile.
+pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelError> {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let kern = resolve();
-    let nc_max = NC.min(n.div_ceil(NR) * NR);
-    let len = pairs(kern, KC.min(k)) * nc_max;
+    let (kc_max, nc_max) = match out {
+        Out::F32 { .. } => (KC, NC),
+        Out::Bf16 { .. } => (k, (DEEP_B_WORDS / pairs(kern, k) / NR * NR).clamp(NR, NC)),
+    };
+    let nc_max = nc_max.min(n.div_ceil(NR) * NR);
+    let len = pairs(kern, kc_max.min(k)) * nc_max;
     with_buffer(&PACKED_B, len, "b", |buf| {
         let packed = SyncPtr(buf.as_mut_ptr());
         let threads = rayon::current_num_threads().max(1);
         let (mc, blocks) = row_blocks(m, threads, kern.mr());
-        let c = SyncPtr(c);
-        for j0 in (0..n).step_by(NC) {
-            let cols = (n - j0).min(NC);
+        for j0 in (0..n).step_by(nc_max) {
+            let cols = (n - j0).min(nc_max);
             let panels = cols.div_ceil(NR);
             // Few row blocks: also cut the columns, so that every thread has work.
             let col_parts =
                 if blocks >= 2 * threads { 1 } else { (2 * threads).div_ceil(blocks).min(panels) };
-            for p0 in (0..k).step_by(KC) {
-                let kc = (k - p0).min(KC);
+            for p0 in (0..k).step_by(kc_max) {
+                let kc = (k - p0).min(kc_max);
                 let kp = pairs(kern, kc);
                 (0..panels.div_ceil(PACK_PANELS)).into_par_iter().for_each(|t| {
                     let range = t * PACK_PANELS..((t + 1) * PACK_PANELS).min(panels);
@@ -111,8 +125,8 @@ pub(super) unsafe fn run(
                     }
                 });
                 let block = Block { p0, kc, kp, j0, cols, panels, packed: ConstPtr(packed.0) };
-                let pass =
-                    Pass { a, block, m, mc, col_parts, c, ldc, load_c: p0 > 0 || accumulate };
+                let load_c = p0 > 0 || matches!(out, Out::F32 { accumulate: true, .. });
+                let pass = Pass { a, block, m, mc, col_parts, out, load_c };
                 (0..blocks * col_parts).into_par_iter().try_for_each(|t| pass.task(t, kern))?;
             }
         }
@@ -146,8 +160,7 @@ struct Pass<'a> {
     m: usize,
     mc: usize,
     col_parts: usize,
-    c: SyncPtr<f32>,
-    ldc: usize,
+    out: Out,
     load_c: bool,
 }
 
@@ -163,11 +176,13 @@ impl Pass<'_> {
         let kp = x.kp;
         let lda = 2 * kp;
         let (q0, q1) = (part * x.panels / self.col_parts, (part + 1) * x.panels / self.col_parts);
+        // A bf16 output's tiles leave the kernel through this buffer.
+        let mut local = [0f32; AMX_MR * NR];
         with_buffer(&A_BLOCK, padded * lda, "a", |abuf| {
             // SAFETY: `abuf` holds `padded · lda` elements; the block lies inside `a`
-            // (checked by `matmul_bf16`); tiles are inside `C` (checked too) and this task
-            // alone writes rows `i0..i0+rows` of panels `q0..q1`; the packed `B` was written
-            // before this pass began.
+            // (checked by `matmul_bf16`); tiles are inside the output (checked too) and this
+            // task alone writes rows `i0..i0+rows` of panels `q0..q1`; the packed `B` was
+            // written before this pass began; `local` holds a whole tile of either kernel.
             unsafe {
                 let blk = ABlock { i0, rows, padded, p0: x.p0, kc: x.kc, lda };
                 let strides = pack_a(kern, self.a, blk, abuf.as_mut_ptr());
@@ -178,13 +193,31 @@ impl Pass<'_> {
                     let cols = NR.min(x.cols - q * NR);
                     for ir in (0..rows).step_by(mr) {
                         let ap = abuf.as_ptr().add(ir * lda);
-                        let c = self.c.0.add((i0 + ir) * self.ldc + j);
                         let live = mr.min(rows - ir);
                         let tile = Tile { kp, a: ap, strides, b: bpanel, load_c: self.load_c };
-                        if live == mr && cols == NR {
-                            tile.run(kern, c, self.ldc);
-                        } else {
-                            tile.edge(kern, c, self.ldc, live, cols);
+                        match self.out {
+                            Out::F32 { c, ldc, .. } => {
+                                let c = c.0.add((i0 + ir) * ldc + j);
+                                if live == mr && cols == NR {
+                                    tile.run(kern, c, ldc);
+                                } else {
+                                    tile.edge(kern, c, ldc, live, cols);
+                                }
+                            }
+                            Out::Bf16 { out, ldo, bias, act, level } => {
+                                tile.run(kern, local.as_mut_ptr(), NR);
+                                let epi = TileToBf16 {
+                                    tile: local.as_mut_ptr(),
+                                    ld: NR,
+                                    rows: live,
+                                    cols,
+                                    bias: bias.map(|b| b.0.add(j)),
+                                    act,
+                                    out: out.0.add((i0 + ir) * ldo + j),
+                                    ldo,
+                                };
+                                epi.run(level);
+                            }
                         }
                     }
                 }

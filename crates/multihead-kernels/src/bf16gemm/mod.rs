@@ -59,8 +59,10 @@ pub use amx::amx_available;
 pub use rate::{bf16_dot_available, bf16_dot_speedup};
 pub use select::{active_bf16_kernel, with_bf16_kernel, Bf16Kernel, AMX_BY_DEFAULT};
 
+use crate::attention::exec::{ConstPtr, SyncPtr};
 use crate::attention::KernelError;
 use crate::convert::{bf16_bits_to_f32, f32_to_bf16_bits};
+use crate::epilogue::{bias_act_in_place, bias_act_reference, Act};
 
 /// Depth of one `k` block (even). Deep blocks: each block is one pass over `C`, whose tiles
 /// are loaded and stored again per block, and those loads miss the caches once `C` outgrows
@@ -235,7 +237,7 @@ pub fn matmul_bf16(
     }
     // SAFETY: `check` bounds the `m × n` view with row stride `ldc` inside `c`, which the
     // exclusive borrow reserves for the call.
-    unsafe { driver::run(&a, &b, c.as_mut_ptr(), ldc, accumulate) }
+    unsafe { driver::run(&a, &b, driver::Out::F32 { c: SyncPtr(c.as_mut_ptr()), ldc, accumulate }) }
 }
 
 /// `A · B` as [`matmul_bf16`] computes it, in a new row-major `m × n` buffer that is not
@@ -260,10 +262,113 @@ pub fn matmul_bf16_new(a: BfMat, b: BfMat) -> Result<Vec<f32>, KernelError> {
     // `accumulate` the driver writes all of them before any is read, and only then does
     // `set_len` expose them.
     unsafe {
-        driver::run(&a, &b, c.as_mut_ptr(), n, false)?;
+        driver::run(
+            &a,
+            &b,
+            driver::Out::F32 { c: SyncPtr(c.as_mut_ptr()), ldc: n, accumulate: false },
+        )?;
         c.set_len(len);
     }
     Ok(c)
+}
+
+/// Deepest product [`matmul_bf16_to_bf16`] runs with its epilogue fused (one block spans the
+/// depth); deeper ones take the f32 product, then the epilogue and the rounding as passes.
+const MAX_FUSED_DEPTH: usize = 1 << 13;
+
+/// `bf16(act(A·B + bias))`: the product as [`matmul_bf16`] computes it (bf16 operands, f32
+/// sums), the bias added and the activation applied in f32, and the result rounded once to
+/// bf16 (nearest even), in a new row-major `m × n` buffer of bf16 bits. The bits of
+/// [`matmul_bf16_new`], then [`bias_act_in_place`], then
+/// [`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits); but each tile's epilogue runs as
+/// the tile leaves the micro-kernel, so no f32 `m × n` buffer exists (a bf16 layer's outputs
+/// and gradients are written once, half the bytes).
+///
+/// Errors: as [`matmul_bf16_new`]'s, and a bias that does not hold `n` values.
+///
+/// ```
+/// use multihead_kernels::bf16gemm::{matmul_bf16_to_bf16, BfMat};
+/// use multihead_kernels::convert::bf16_bits_to_f32;
+/// use multihead_kernels::epilogue::Act;
+///
+/// // relu(x · Wᵀ + b): x (2×3), W (2×3), b (2,); these values are exact in bf16.
+/// let x = [1.0, 2.0, 3.0, -1.0, -2.0, -3.0];
+/// let w = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0];
+/// let y = matmul_bf16_to_bf16(BfMat::f32(&x, 2, 3), BfMat::f32(&w, 2, 3).t(), Some(&[0.5, -1.0]), Act::Relu)?;
+/// let y: Vec<f32> = y.into_iter().map(bf16_bits_to_f32).collect();
+/// assert_eq!(y, [1.5, 4.0, 0.0, 0.0]);
+/// # Ok::<(), multihead_kernels::attention::KernelError>(())
+/// ```
+pub fn matmul_bf16_to_bf16(
+    a: BfMat,
+    b: BfMat,
+    bias: Option<&[f32]>,
+    act: Act,
+) -> Result<Vec<u16>, KernelError> {
+    let (m, n, k) = check_operands(&a, &b)?;
+    if let Some(bias) = bias {
+        if bias.len() != n {
+            return Err(KernelError::InvalidArgument {
+                name: "bias",
+                msg: format!(
+                    "the product has {n} columns, so the bias needs {n} values, got {}",
+                    bias.len()
+                ),
+            });
+        }
+    }
+    let len = m.checked_mul(n).ok_or_else(|| KernelError::InvalidArgument {
+        name: "c",
+        msg: format!("{m} x {n} outputs overflow usize"),
+    })?;
+    if k == 0 || k > MAX_FUSED_DEPTH || len == 0 {
+        let mut y = matmul_bf16_new(a, b)?;
+        bias_act_in_place(&mut y, n, bias, act)?;
+        let mut out: Vec<u16> = Vec::new();
+        out.try_reserve_exact(len).map_err(|_| KernelError::InvalidArgument {
+            name: "c",
+            msg: format!("cannot allocate {len} bf16 outputs"),
+        })?;
+        out.resize(len, 0);
+        crate::convert::f32_to_bf16(&y, &mut out)?;
+        return Ok(out);
+    }
+    let mut out: Vec<u16> = Vec::new();
+    out.try_reserve_exact(len).map_err(|_| KernelError::InvalidArgument {
+        name: "c",
+        msg: format!("cannot allocate {len} bf16 outputs"),
+    })?;
+    let level = crate::attention::simd_level();
+    let target = driver::Out::Bf16 {
+        out: SyncPtr(out.as_mut_ptr()),
+        ldo: n,
+        bias: bias.map(|b| ConstPtr(b.as_ptr())),
+        act,
+        level,
+    };
+    // SAFETY: the buffer holds `len = m · n` bf16 (reserved above), rows `n` apart, and the
+    // bias `n` values (checked); the driver writes every element of the view before
+    // `set_len` exposes them.
+    unsafe {
+        driver::run(&a, &b, target)?;
+        out.set_len(len);
+    }
+    Ok(out)
+}
+
+/// The reference twin of [`matmul_bf16_to_bf16`]: [`matmul_bf16_reference`], the epilogue's
+/// reference and the reference rounding.
+pub fn matmul_bf16_to_bf16_reference(
+    a: BfMat,
+    b: BfMat,
+    bias: Option<&[f32]>,
+    act: Act,
+) -> Result<Vec<u16>, KernelError> {
+    let (m, n, _) = check_operands(&a, &b)?;
+    let mut y = vec![0f32; m * n];
+    matmul_bf16_reference(a, b, &mut y, n, false)?;
+    bias_act_reference(&mut y, n, bias, act)?;
+    Ok(y.into_iter().map(crate::convert::f32_to_bf16_reference).collect())
 }
 
 /// The reference twin of [`matmul_bf16`]: a triple loop over the bf16-rounded operands,

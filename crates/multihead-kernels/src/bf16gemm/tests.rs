@@ -256,3 +256,75 @@ fn transposed_and_row_major_packing_keep_nan_infinity_and_broadcast_views() {
         }
     }
 }
+
+#[test]
+fn a_bf16_output_is_the_f32_product_then_the_epilogue_bit_for_bit() {
+    use crate::convert::bf16_bits_to_f32;
+    use crate::epilogue::Act;
+    // Every kernel this CPU runs (the AMX tiles where granted, their emulation everywhere),
+    // awkward sizes, a depth past one f32 block (the bf16 output takes the depth in one
+    // block), more columns than one block, every layout, NaN in the bias, 1-3 threads.
+    let mut kernels = vec![Bf16Kernel::Portable, Bf16Kernel::AmxEmulated];
+    if amx_available() {
+        kernels.push(Bf16Kernel::Amx);
+    }
+    if bf16_dot_available() {
+        kernels.push(Bf16Kernel::Avx512Bf16);
+    }
+    let shapes =
+        [(1, 1, 1), (33, 70, 40), (17, 66, 2 * KC + 17), (5, 1030, 33), (0, 5, 4), (3, 4, 0)];
+    for (m, n, k) in shapes {
+        let a = rand_vec(m * k, 41);
+        let b = rand_vec(k * n, 42);
+        let mut bias = rand_vec(n, 43);
+        if n > 3 {
+            bias[3] = f32::NAN;
+        }
+        for (l, (sa, sb)) in layouts(m, n, k).into_iter().enumerate() {
+            let (av, bv) = (view(Elems::F32(&a), m, k, sa), view(Elems::F32(&b), k, n, sb));
+            for act in [Act::Identity, Act::Relu, Act::Gelu] {
+                for bias in [None, Some(&bias[..])] {
+                    let reference = matmul_bf16_to_bf16_reference(av, bv, bias, act).unwrap();
+                    for &kern in &kernels {
+                        for threads in [1, 2, 3] {
+                            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
+                            let (got, want) = pool.unwrap().install(|| {
+                                with_bf16_kernel(kern, || {
+                                    let got = matmul_bf16_to_bf16(av, bv, bias, act).unwrap();
+                                    let mut y = matmul_bf16_new(av, bv).unwrap();
+                                    crate::epilogue::bias_act_in_place(&mut y, n, bias, act)
+                                        .unwrap();
+                                    let want: Vec<u16> =
+                                        y.iter().map(|&x| f32_to_bf16_bits(x)).collect();
+                                    (got, want)
+                                })
+                            });
+                            let what = format!(
+                                "{kern:?} {m}x{n}x{k} layout {l} {act:?} bias {} t={threads}",
+                                bias.is_some()
+                            );
+                            assert_eq!(got, want, "{what}");
+                            // The reference twin: within bf16's rounding of f32 sums.
+                            for (i, (g, r)) in got.iter().zip(&reference).enumerate() {
+                                let (g, r) = (bf16_bits_to_f32(*g), bf16_bits_to_f32(*r));
+                                assert!(
+                                    (g.is_nan() && r.is_nan())
+                                        || (g - r).abs()
+                                            <= 1e-2 * (1.0 + r.abs()) + 1e-5 * k as f32,
+                                    "{what}: element {i}: {g} vs reference {r}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let e = matmul_bf16_to_bf16(
+        BfMat::f32(&[1.0; 6], 2, 3),
+        BfMat::f32(&[1.0; 6], 3, 2),
+        Some(&[0.0; 3]),
+        Act::Identity,
+    );
+    assert!(matches!(e, Err(KernelError::InvalidArgument { name: "bias", .. })), "{e:?}");
+}

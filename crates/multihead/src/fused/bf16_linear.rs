@@ -3,7 +3,7 @@
 //! when no gradient is recorded.
 
 use candle_core::{CpuStorage, Layout, Shape};
-use multihead_kernels::bf16gemm::{matmul_bf16_new, BfMat, Elems};
+use multihead_kernels::bf16gemm::{matmul_bf16_new, matmul_bf16_to_bf16, BfMat, Elems};
 use multihead_kernels::epilogue::{bias_act_in_place, Act};
 
 const OP: &str = "linear (bf16 products)";
@@ -73,7 +73,6 @@ impl Bf16Linear {
             col_stride: 1,
         };
         let err = |e| candle_core::Error::Msg(format!("{OP}: {e}"));
-        let mut y = matmul_bf16_new(x, w.t()).map_err(err)?;
         let mut widened = Vec::new();
         let b = match bias {
             Some((bs, bl)) => {
@@ -84,14 +83,20 @@ impl Bf16Linear {
             }
             None => None,
         };
-        if m > 0 {
-            bias_act_in_place(&mut y, n, b, self.act).map_err(err)?;
-        }
         let mut out_dims = lead.to_vec();
         out_dims.push(n);
         let out = match xs {
-            CpuStorage::BF16(_) => CpuStorage::BF16(super::convert::narrow_vec(&y, OP)?),
-            _ => CpuStorage::F32(y),
+            // The bias, activation and rounding on each tile as it leaves the kernel.
+            CpuStorage::BF16(_) => CpuStorage::BF16(super::convert::from_bits(
+                matmul_bf16_to_bf16(x, w.t(), b, self.act).map_err(err)?,
+            )),
+            _ => {
+                let mut y = matmul_bf16_new(x, w.t()).map_err(err)?;
+                if m > 0 {
+                    bias_act_in_place(&mut y, n, b, self.act).map_err(err)?;
+                }
+                CpuStorage::F32(y)
+            }
         };
         Ok((out, Shape::from(out_dims)))
     }

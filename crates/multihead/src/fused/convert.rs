@@ -11,6 +11,12 @@ pub(crate) struct Widen;
 /// f32 → bf16 (round to nearest even).
 pub(crate) struct NarrowBf16;
 
+/// bf16 bits as bf16 values, without a copy (what the kernels' bf16 outputs become).
+pub(crate) fn from_bits(v: Vec<u16>) -> Vec<bf16> {
+    use half::vec::HalfBitsVecExt;
+    v.reinterpret_into()
+}
+
 /// The contiguous data of a storage under a layout, or an error naming the op.
 fn contiguous<'a, T>(v: &'a [T], l: &Layout, op: &str) -> candle_core::Result<&'a [T]> {
     match l.contiguous_offsets() {

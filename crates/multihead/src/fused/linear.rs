@@ -217,6 +217,31 @@ impl Product<'_> {
 }
 
 impl Product<'_> {
+    /// `bf16(act(product + bias))` of the bf16-rounded operands (f32 sums) in a new bf16
+    /// buffer: the epilogue runs on each tile as it leaves the kernel (no f32 output in
+    /// memory), with the bits of [`Self::new_output`] followed by the epilogue and rounding.
+    fn bf16_output_with(
+        &self,
+        bias: Option<&[f32]>,
+        act: Act,
+        what: &str,
+    ) -> candle_core::Result<Vec<half::bf16>> {
+        use multihead_kernels::bf16gemm::{matmul_bf16_to_bf16, BfMat};
+        self.check()?;
+        let view = |data, rows, cols, (row_stride, col_stride)| BfMat {
+            data,
+            rows,
+            cols,
+            row_stride,
+            col_stride,
+        };
+        let a = view(self.lhs, self.m, self.k, self.lhs_strides);
+        let b = view(self.rhs, self.k, self.n, self.rhs_strides);
+        let y = matmul_bf16_to_bf16(a, b, bias, act)
+            .map_err(|e| candle_core::Error::Msg(format!("{what}: {e}")))?;
+        Ok(super::convert::from_bits(y))
+    }
+
     /// The product of the bf16-rounded operands (f32 sums) in a new buffer of `len` floats.
     fn bf16_output(&self, len: usize, what: &str) -> candle_core::Result<Vec<f32>> {
         use multihead_kernels::bf16gemm::{matmul_bf16_new, BfMat};
@@ -328,6 +353,15 @@ impl FusedLinear {
             rhs_strides: (1, in_f),
             bf16: self.bf16,
         };
+        let mut dims = x.1.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = out_f;
+        }
+        if bf16_out && !(self.act == Act::Gelu && self.keep_pre) {
+            // The bias, activation and rounding on each tile as it leaves the kernel.
+            let y = product.bf16_output_with(bias, self.act, "fused linear output")?;
+            return Ok((CpuStorage::BF16(y), Shape::from(dims)));
+        }
         let mut y = product.new_output("fused linear output")?;
         // The bias and the activation in one parallel pass after the product.
         let epilogue = |y: &mut [f32], act| {
@@ -348,10 +382,6 @@ impl FusedLinear {
                 *self.pre.lock().map_err(|_| poisoned())? = Some(Arc::new(pre));
             }
             act => epilogue(&mut y, act)?,
-        }
-        let mut dims = x.1.dims().to_vec();
-        if let Some(last) = dims.last_mut() {
-            *last = out_f;
         }
         let y = match bf16_out {
             true => CpuStorage::BF16(super::convert::narrow_vec(&y, "fused linear output")?),
@@ -394,8 +424,11 @@ impl FusedLinear {
         y: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-        // A bf16 op's gradient in f32 (exact), and its output for ReLU's selection.
         let dtype = x.dtype();
+        if dtype == DType::BF16 && self.act == Act::Identity {
+            return self.backward_bf16(x, w, grad);
+        }
+        // A bf16 op's gradient in f32 (exact), and its output for ReLU's selection.
         let widen = |t: &Tensor| match dtype {
             DType::BF16 => super::convert::to_dtype(t, DType::F32),
             _ => Ok(t.clone()),
@@ -408,49 +441,99 @@ impl FusedLinear {
             Act::Relu => super::activation::relu_grad(&y, &grad)?,
             Act::Gelu => self.gelu_grad(&grad)?,
         };
+        let (gs, gl) = grad.storage_and_layout();
+        let out_f = w.dim(0)?;
+        let len = grad.elem_count();
+        let gv = f32s(&gs)?.get(gl.start_offset()..gl.start_offset() + len).ok_or_else(|| {
+            candle_core::Error::Msg("fused linear: the gradient does not fit its layout".into())
+        })?;
+        let db = multihead_kernels::epilogue::bias_grad(gv, out_f)
+            .map_err(|e| candle_core::Error::Msg(format!("fused linear db: {e}")))?;
+        let (dx, dw) = self.input_and_weight_grads(x, w, Elems::F32(gv))?;
+        Ok((dx, dw, output(db, out_f, dtype)?))
+    }
+
+    /// The backward of a bf16 op without an activation: the bf16 gradient multiplied as it
+    /// is (its values are bf16 already, so the products are those of the widened gradient),
+    /// and its column sums widened element by element.
+    fn backward_bf16(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let grad = grad.contiguous()?;
+        let (gs, gl) = grad.storage_and_layout();
+        let gv = match &*gs {
+            candle_core::Storage::Cpu(CpuStorage::BF16(v)) => {
+                super::convert::bits(v.get(gl.start_offset()..).unwrap_or_default())
+            }
+            _ => candle_core::bail!("fused linear: a bf16 op's gradient must be bf16 on the CPU"),
+        };
+        let out_f = w.dim(0)?;
+        let m = grad.elem_count() / out_f.max(1);
+        let rows = gv.get(..m * out_f).ok_or_else(|| {
+            candle_core::Error::Msg("fused linear: the gradient does not fit its layout".into())
+        })?;
+        let db = multihead_kernels::epilogue::bias_grad_bf16(rows, out_f)
+            .map_err(|e| candle_core::Error::Msg(format!("fused linear db: {e}")))?;
+        let (dx, dw) = self.input_and_weight_grads(x, w, Elems::Bf16(rows))?;
+        Ok((dx, dw, output(db, out_f, DType::BF16)?))
+    }
+
+    /// `dx = dy·W` and `dW = dyᵀ·x` from the output gradient `gv` (rows of `out_f`), in x's
+    /// dtype: a bf16 op's written as bf16 by the products' epilogue.
+    fn input_and_weight_grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        gv: Elems<'_>,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let dtype = x.dtype();
         let x = if rows(x.layout()).is_some() { x.clone() } else { x.contiguous()? };
         let w = w.contiguous()?;
         let (out_f, in_f) = w.dims2()?;
         let m = x.elem_count() / in_f.max(1);
         let (xs, xl) = x.storage_and_layout();
         let (ws, wl) = w.storage_and_layout();
-        let (gs, gl) = grad.storage_and_layout();
         let (x_off, x_rs) =
             rows(xl).ok_or_else(|| candle_core::Error::Msg("fused linear: x rows".into()))?;
         let xv = elems(&xs, x_off, "x")?;
         let wv = elems(&ws, wl.start_offset(), "the weight")?;
-        let gv = &f32s(&gs)?[gl.start_offset()..];
         // dx (m×in) = dy (m×out) · W (out×in)
         let dx = Product {
             m,
             n: in_f,
             k: out_f,
-            lhs: Elems::F32(gv),
+            lhs: gv,
             lhs_strides: (out_f, 1),
             rhs: wv,
             rhs_strides: (in_f, 1),
             bf16: self.bf16,
         };
-        let dx = dx.new_output("fused linear dx")?;
         // dW (out×in) = dyᵀ (out×m) · x (m×in)
         let dw = Product {
             m: out_f,
             n: in_f,
             k: m,
-            lhs: Elems::F32(gv),
+            lhs: gv,
             lhs_strides: (1, out_f),
             rhs: xv,
             rhs_strides: (x_rs, 1),
             bf16: self.bf16,
         };
+        let dev = candle_core::Device::Cpu;
+        if dtype == DType::BF16 && self.bf16 {
+            let dx = dx.bf16_output_with(None, Act::Identity, "fused linear dx")?;
+            let dw = dw.bf16_output_with(None, Act::Identity, "fused linear dw")?;
+            return Ok((
+                Tensor::from_vec(dx, x.shape(), &dev)?,
+                Tensor::from_vec(dw, (out_f, in_f), &dev)?,
+            ));
+        }
+        let dx = dx.new_output("fused linear dx")?;
         let dw = dw.new_output("fused linear dw")?;
-        let db = multihead_kernels::epilogue::bias_grad(&gv[..m * out_f], out_f)
-            .map_err(|e| candle_core::Error::Msg(format!("fused linear db: {e}")))?;
-        Ok((
-            output(dx, x.shape(), dtype)?,
-            output(dw, (out_f, in_f), dtype)?,
-            output(db, out_f, dtype)?,
-        ))
+        Ok((output(dx, x.shape(), dtype)?, output(dw, (out_f, in_f), dtype)?))
     }
 }
 
