@@ -163,11 +163,16 @@ impl TileToBf16 {
                         _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x0040));
                     let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
                     let w = _mm512_mask_mov_epi32(rounded, nan, quiet);
-                    _mm256_mask_storeu_epi16(
-                        dst.add(j) as *mut i16,
-                        mask,
-                        _mm512_cvtepi32_epi16(w),
-                    );
+                    // Full vectors stored whole, a tail through a local buffer (AVX-512F only:
+                    // a masked 16-bit store would need BW and VL).
+                    let halves = _mm512_cvtepi32_epi16(w);
+                    if live == 16 {
+                        _mm256_storeu_si256(dst.add(j) as *mut __m256i, halves);
+                    } else {
+                        let mut tail = [0u16; 16];
+                        _mm256_storeu_si256(tail.as_mut_ptr() as *mut __m256i, halves);
+                        std::ptr::copy_nonoverlapping(tail.as_ptr(), dst.add(j), live);
+                    }
                 }
             }
         }

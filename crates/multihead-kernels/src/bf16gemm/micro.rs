@@ -148,11 +148,15 @@ impl Kernel {
         }
     }
 
-    /// Whether the packers may use AVX-512 (the CPU has AVX-512F and BW).
+    /// Whether the packers may use AVX-512 (the CPU has AVX-512F, BW and VL: every CPU with
+    /// AVX512-BF16 or AMX has them; checked all the same).
     pub(crate) fn avx512_packing(self) -> bool {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512Bf16 | Kernel::Amx => true,
+            Kernel::Avx512Bf16 | Kernel::Amx => {
+                std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+            }
             _ => false,
         }
     }

@@ -68,7 +68,7 @@ pub(super) unsafe fn pack_a(kern: Kernel, a: &BfMat, blk: ABlock, dst: *mut u16)
 
 /// Row-major packing (the AMX layout) compiled for AVX-512.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn pack_a_rows_avx512(a: &BfMat, blk: ABlock, dst: *mut u16) -> (usize, usize) {
     // SAFETY: forwarded; a transposed `A` (the `dyᵀ` of a weight gradient) is read along its
     // contiguous runs and scattered into rows, as `panels_avx512::pack_rows` requires.
@@ -322,8 +322,8 @@ mod panels_avx512 {
     ///
     /// # Safety
     /// As for `pack_a_typed`, with `a.row_stride == 1` and `cs == a.col_stride`; `lda` is even
-    /// and at least `kc`, `padded · lda / 2` fits in `i32`; the CPU has AVX-512F and BW.
-    #[target_feature(enable = "avx512f,avx512bw")]
+    /// and at least `kc`, `padded · lda / 2` fits in `i32`; the CPU has AVX-512F, BW and VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn pack_rows<T: Lanes>(src: *const T, cs: usize, blk: ABlock, dst: *mut u16) {
         let ABlock { i0, rows, padded, p0, kc, lda } = blk;
         let kp = lda / 2;
@@ -541,7 +541,7 @@ mod tests {
     /// The transposing row packer (the AMX layout) against the scalar one, bit for bit.
     #[test]
     fn the_transposing_row_packer_matches_the_scalar_one_bit_for_bit() {
-        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")) {
+        if !(is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl")) {
             eprintln!("no AVX-512 here: the transposing row packer (AMX CPUs only) not run");
             return;
         }
