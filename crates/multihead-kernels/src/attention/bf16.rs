@@ -132,12 +132,12 @@ pub(crate) struct Scores {
 /// # Safety
 /// The pointers in `s` are valid as its fields say; `kern` is available on this CPU.
 pub(crate) unsafe fn scores(kern: Kernel, s: &Scores) {
-    // SAFETY: forwarded; the AVX-512 entry is taken only with the AVX512-BF16 kernel, whose
-    // CPU has AVX-512F and BW.
+    // SAFETY: forwarded; the AVX-512 entry is taken only where the packers may use AVX-512
+    // (the AVX512-BF16 and AMX kernels, on a CPU with AVX-512F, BW and VL).
     unsafe {
         match kern {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512Bf16 => scores_avx512(kern, s),
+            _ if kern.avx512_packing() => scores_avx512(kern, s),
             _ => scores_impl(kern, s),
         }
     }
@@ -195,7 +195,7 @@ pub(crate) unsafe fn values(kern: Kernel, x: &Values) {
     unsafe {
         match kern {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512Bf16 => values_avx512(kern, x),
+            _ if kern.avx512_packing() => values_avx512(kern, x),
             _ => values_impl(kern, x),
         }
     }
