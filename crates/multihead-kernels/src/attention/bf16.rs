@@ -132,26 +132,41 @@ pub(crate) struct Scores {
 /// # Safety
 /// The pointers in `s` are valid as its fields say; `kern` is available on this CPU.
 pub(crate) unsafe fn scores(kern: Kernel, s: &Scores) {
+    // SAFETY: forwarded.
+    unsafe { scores_with(kern, s, true) }
+}
+
+/// [`scores`] with the key rows already rounded into `s.kb` (as `scores` rounds them:
+/// [`prepack`](super::prepack)).
+///
+/// # Safety
+/// As for [`scores`], and `s.kb` holds the rounded rows.
+pub(crate) unsafe fn scores_packed(kern: Kernel, s: &Scores) {
+    // SAFETY: forwarded.
+    unsafe { scores_with(kern, s, false) }
+}
+
+unsafe fn scores_with(kern: Kernel, s: &Scores, pack: bool) {
     // SAFETY: forwarded; the AVX-512 entry is taken only where the packers may use AVX-512
     // (the AVX512-BF16 and AMX kernels, on a CPU with AVX-512F, BW and VL).
     unsafe {
         match kern {
             #[cfg(target_arch = "x86_64")]
-            _ if kern.avx512_packing() => scores_avx512(kern, s),
-            _ => scores_impl(kern, s),
+            _ if kern.avx512_packing() => scores_avx512(kern, s, pack),
+            _ => scores_impl(kern, s, pack),
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn scores_avx512(kern: Kernel, s: &Scores) {
+unsafe fn scores_avx512(kern: Kernel, s: &Scores, pack: bool) {
     // SAFETY: forwarded (compiled for AVX-512 so that the conversions vectorise).
-    unsafe { scores_impl(kern, s) }
+    unsafe { scores_impl(kern, s, pack) }
 }
 
 #[inline(always)]
-unsafe fn scores_impl(kern: Kernel, s: &Scores) {
+unsafe fn scores_impl(kern: Kernel, s: &Scores, pack: bool) {
     let sh = Shape::of(kern);
     let kpd = sh.kp(s.d.div_ceil(2));
     let dp = 2 * kpd;
@@ -159,7 +174,9 @@ unsafe fn scores_impl(kern: Kernel, s: &Scores) {
     // rows of `dp` elements; the query panel has `kpd` pair rows (`pack_q` with the same
     // shape); the product writes rows `< bc` and lanes `< brp` of `st`.
     unsafe {
-        round_rows(s.k, s.ld, (s.bc, sh.mr), s.d, s.kb, dp);
+        if pack {
+            round_rows(s.k, s.ld, (s.bc, sh.mr), s.d, s.kb, dp);
+        }
         product(kern, (s.kb, (dp, 2)), kpd, s.bc, s.qp, s.brp, (s.st, s.brp), false);
         for x in std::slice::from_raw_parts_mut(s.st, s.bc * s.brp) {
             *x *= s.scale;
@@ -191,33 +208,59 @@ pub(crate) struct Values {
 /// # Safety
 /// The pointers in `x` are valid as its fields say; `kern` is available on this CPU.
 pub(crate) unsafe fn values(kern: Kernel, x: &Values) {
+    // SAFETY: forwarded.
+    unsafe { values_with(kern, x, true) }
+}
+
+/// [`values`] with the value pairs already in `x.vw` (as `values` packs them:
+/// [`prepack`](super::prepack)).
+///
+/// # Safety
+/// As for [`values`], and `x.vw` holds the packed pairs.
+pub(crate) unsafe fn values_packed(kern: Kernel, x: &Values) {
+    // SAFETY: forwarded.
+    unsafe { values_with(kern, x, false) }
+}
+
+unsafe fn values_with(kern: Kernel, x: &Values, pack: bool) {
     // SAFETY: as for `scores`.
     unsafe {
         match kern {
             #[cfg(target_arch = "x86_64")]
-            _ if kern.avx512_packing() => values_avx512(kern, x),
-            _ => values_impl(kern, x),
+            _ if kern.avx512_packing() => values_avx512(kern, x, pack),
+            _ => values_impl(kern, x, pack),
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn values_avx512(kern: Kernel, x: &Values) {
+unsafe fn values_avx512(kern: Kernel, x: &Values, pack: bool) {
     // SAFETY: forwarded (compiled for AVX-512 so that the interleaving vectorises).
-    unsafe { values_impl(kern, x) }
+    unsafe { values_impl(kern, x, pack) }
 }
 
 #[inline(always)]
-unsafe fn values_impl(kern: Kernel, x: &Values) {
+unsafe fn values_impl(kern: Kernel, x: &Values, pack: bool) {
     let sh = Shape::of(kern);
     let kpc = sh.kp(x.bc.div_ceil(2));
     // SAFETY: rows `< bc` of `st` and `v` are readable; `pw` holds `kpc · NR` words, `vw`
     // `sh.transposed_words(bc, dv)`, `ot` `dv` rounded up to `MR` rows of `NR` floats.
     unsafe {
         pair_rows((x.st, x.brp), x.bc, x.brp, (x.pw, kpc), NR, true);
-        let a = transposed_a(sh, (x.v, x.ld), x.bc, x.dv, x.vw);
+        let a = match pack {
+            true => transposed_a(sh, (x.v, x.ld), x.bc, x.dv, x.vw),
+            false => (x.vw as *const u16, transposed_strides(sh, x.bc, x.dv)),
+        };
         product(kern, a, kpc, x.dv, x.pw, NR, (x.ot, NR), x.accumulate);
+    }
+}
+
+/// The strides of [`transposed_a`]'s operand for `rows` keys and `cols` channels.
+fn transposed_strides(sh: Shape, rows: usize, cols: usize) -> (usize, usize) {
+    match sh.tiles {
+        true => (2 * sh.kp(rows.div_ceil(2)), 2),
+        false => (2, 2 * cols.div_ceil(MR) * MR),
     }
 }
 
@@ -242,13 +285,11 @@ pub(crate) unsafe fn transposed_a(
     unsafe {
         if sh.tiles {
             pair_cols(src, rows, cols, out, (kp, sh.rows(cols)));
-            (out as *const u16, (2 * kp, 2))
         } else {
-            let cr = cols.div_ceil(MR) * MR;
-            pair_rows(src, rows, cols, (out, kp), cr, false);
-            (out as *const u16, (2, 2 * cr))
+            pair_rows(src, rows, cols, (out, kp), cols.div_ceil(MR) * MR, false);
         }
     }
+    (out as *const u16, transposed_strides(sh, rows, cols))
 }
 
 /// The transposed pairs of `rows` rows of `cols` floats (`ld` apart), row-major by column:

@@ -37,6 +37,8 @@ pub(crate) struct FwdTask<'a> {
     /// The bf16 micro-kernel of `AttnParams::bf16_products`, chosen on the calling thread (a
     /// worker does not see the caller's forced SIMD level).
     pub(crate) kern: crate::bf16gemm::micro::Kernel,
+    /// The bf16 products' key and value blocks packed once per head (where built).
+    pub(crate) packed: Option<&'a super::prepack::Prepacked>,
 }
 
 impl<'a> FwdTask<'a> {
@@ -75,6 +77,7 @@ impl<'a> FwdTask<'a> {
             nq: p.dims.l.div_ceil(br),
             finite: &[],
             kern: crate::bf16gemm::micro::kernel(),
+            packed: None,
         }
     }
 }
@@ -188,9 +191,21 @@ impl Task for FwdTask<'_> {
                 }
                 let diag = if clip { band.diag(i0, j0) } else { None };
                 let kj = kbase.add(j0 * self.kl.seq);
+                // This block's keys and values packed once per head, where they were.
+                let ready =
+                    if bf { self.packed.and_then(|pk| pk.block(b, hk, j0, bc)) } else { None };
                 if bf {
-                    let (ld, qp, scale, st, kb) = (self.kl.seq, qp, p.scale, st.as_mut_ptr(), kb);
-                    bf::scores(kern, &Scores { k: kj, ld, bc, d, qp, scale, st, brp, kb });
+                    let (ld, qp, scale, st) = (self.kl.seq, qp, p.scale, st.as_mut_ptr());
+                    match ready {
+                        Some((kb, _)) => {
+                            let kb = kb.cast_mut();
+                            let s = Scores { k: kj, ld, bc, d, qp, scale, st, brp, kb };
+                            bf::scores_packed(kern, &s);
+                        }
+                        None => {
+                            bf::scores(kern, &Scores { k: kj, ld, bc, d, qp, scale, st, brp, kb })
+                        }
+                    }
                 } else {
                     let (stp, qtp) = (st.as_mut_ptr(), qt.as_ptr());
                     score_tile::<S>(kj, self.kl.seq, d, qtp, brp, stp, bc, diag);
@@ -221,10 +236,17 @@ impl Task for FwdTask<'_> {
                         rescale_lanes::<S>(ot, dv, running.alpha.as_ptr(), nvec);
                     }
                     let (st, accumulate) = (st.as_ptr(), !first);
-                    bf::values(
-                        kern,
-                        &Values { st, brp, bc, v: vj, ld, dv, ot, accumulate, vw, pw },
-                    );
+                    match ready {
+                        Some((_, vp)) => {
+                            let vw = vp.cast_mut();
+                            let x = Values { st, brp, bc, v: vj, ld, dv, ot, accumulate, vw, pw };
+                            bf::values_packed(kern, &x);
+                        }
+                        None => bf::values(
+                            kern,
+                            &Values { st, brp, bc, v: vj, ld, dv, ot, accumulate, vw, pw },
+                        ),
+                    }
                 } else {
                     let values = (vj, ld, dv);
                     accumulate_values::<S>(o, &running.alpha[..br], &tile, values, first, diag);

@@ -89,6 +89,7 @@ mod forward;
 mod gather;
 mod gemm;
 mod mask;
+mod prepack;
 pub mod reference;
 mod scoremod;
 pub(crate) mod simd;
@@ -738,6 +739,11 @@ pub fn flash_forward_uninit(
     let lse = lse.map(|x| exec::SyncPtr(x.as_mut_ptr()));
     let mut task = forward::FwdTask::new(p, q, ql, k, kl, v, vl, out, ol, lse, FWD_BR, FWD_BC);
     task.finite = &finite;
+    // bf16 products over several query blocks per head: the key and value blocks packed once.
+    let packed = (p.bf16_products && d.l > FWD_BR)
+        .then(|| prepack::Prepacked::new(task.kern, &d, (k, kl), (v, vl), FWD_BC))
+        .flatten();
+    task.packed = packed.as_ref();
     exec::try_par_run(simd_level(), &task, "flash_forward")
 }
 

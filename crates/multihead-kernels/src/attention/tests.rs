@@ -1337,6 +1337,58 @@ fn bf16_products_multiply_rounded_operands_and_round_the_probabilities() {
 }
 
 #[test]
+fn bf16_keys_and_values_packed_once_per_head_give_the_per_block_bits() {
+    // Without a causal mask the query blocks are independent: the rows of a long call (keys and
+    // values packed once per head) equal, bit for bit, the same rows computed by short calls of
+    // one query block each (which pack their own key blocks). Keys past one block and not a
+    // multiple of it, odd head dimensions, GQA, with and without a key padding mask (the blocks
+    // it trims pack their own), on every kernel this CPU runs.
+    for masks in [vec![], vec![MaskKind::KeyPad]] {
+        let mut c = Case::new(2, 4, 150, 300, 33);
+        (c.hkv, c.dv, c.masks) = (2, 17, masks);
+        let (masks, x, _) = rounded_case(&c);
+        let p = AttnParams { bf16_products: true, ..params(&c, &masks) };
+        let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
+        for (level, kern) in product_runs() {
+            with_simd_level(level, || {
+                with_bf16_kernel(kern, || {
+                    let rows = c.b * c.hq * c.l;
+                    let mut out = vec![f32::NAN; x.out_len];
+                    let mut lse = vec![f32::NAN; 2 * rows];
+                    flash_forward(&p, q, x.ql, k, x.kl, v, x.vl, &mut out, x.ol, &mut lse).unwrap();
+                    for i0 in (0..c.l).step_by(FWD_BR) {
+                        let n = FWD_BR.min(c.l - i0);
+                        let dims = AttnDims { l: n, ..p.dims };
+                        let short = AttnParams { dims, ..p };
+                        let ol = Layout4::contiguous(c.hq, n, c.dv);
+                        let mut o = vec![f32::NAN; c.b * c.hq * n * c.dv];
+                        let mut ls = vec![f32::NAN; 2 * c.b * c.hq * n];
+                        let qs = &q[i0 * x.ql.seq..];
+                        flash_forward(&short, qs, x.ql, k, x.kl, v, x.vl, &mut o, ol, &mut ls)
+                            .unwrap();
+                        for (b, h, i, ch) in (0..c.b).flat_map(|b| {
+                            (0..c.hq).flat_map(move |h| {
+                                (0..n).flat_map(move |i| (0..c.dv).map(move |ch| (b, h, i, ch)))
+                            })
+                        }) {
+                            let long = out[x.ol.offset(b, h, i0 + i) + ch];
+                            let one = o[ol.offset(b, h, i) + ch];
+                            assert_eq!(
+                                long.to_bits(),
+                                one.to_bits(),
+                                "{kern:?} {level:?} masks {:?} row {} of ({b}, {h}) channel {ch}",
+                                c.masks,
+                                i0 + i
+                            );
+                        }
+                    }
+                })
+            });
+        }
+    }
+}
+
+#[test]
 fn bf16_products_backward_matches_the_gradients_of_the_rounded_operands() {
     let mut odd = Case::new(2, 2, 70, 200, 33);
     odd.dv = 80; // two 64-column panels of dV

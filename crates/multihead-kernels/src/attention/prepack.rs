@@ -1,0 +1,162 @@
+//! The forward's bf16 key and value operands packed once per head, for every query block.
+//!
+//! Each query block of the bf16 forward rounds its key block into rows for `Sᵀ = K_j·Q_iᵀ`
+//! ([`round_rows`](super::bf16::round_rows)) and its value block into the transposed pairs of
+//! `Oᵀ += V_jᵀ·Pᵀ` ([`transposed_a`](super::bf16::transposed_a)). With `L / FWD_BR` query
+//! blocks per head, a head's keys and values were packed that many times; on AMX tiles the
+//! packing took longer than the products (bf16 MHA at L = S = 512: eight packings per head).
+//! Here every key block of every `(batch, kv head)` is packed once, in parallel, into the same
+//! words the per-block packers write; a query block whose key block lies on the grid (starts at
+//! a multiple of the block size and reads it whole) takes them as they are, any other (a
+//! band's first block, keys trimmed by a mask) packs its own as before. The bits are the same
+//! either way.
+
+use rayon::prelude::*;
+
+use super::bf16::{self as bf, Shape};
+use super::{AttnDims, Layout4};
+use crate::bf16gemm::micro::Kernel;
+
+/// The packed key and value blocks of every `(batch, kv head)`.
+pub(crate) struct Prepacked {
+    /// Rounded key rows, `k_len` elements per block.
+    k: Vec<u16>,
+    /// Transposed value pairs, `v_len` words per block.
+    v: Vec<u32>,
+    k_len: usize,
+    v_len: usize,
+    /// Key blocks per head.
+    blocks: usize,
+    heads_kv: usize,
+    /// Keys per block.
+    bc: usize,
+    s: usize,
+}
+
+impl Prepacked {
+    /// Packs `k` and `v` (validated by `flash_forward`, `[batch, heads_kv, s, d|dv]` through
+    /// their layouts) in blocks of `bc` keys for `kern`; `None` where the buffers cannot be
+    /// allocated (the tasks then pack their own blocks).
+    pub(crate) fn new(
+        kern: Kernel,
+        dims: &AttnDims,
+        (k, kl): (&[f32], Layout4),
+        (v, vl): (&[f32], Layout4),
+        bc: usize,
+    ) -> Option<Prepacked> {
+        let sh = Shape::of(kern);
+        let dp = 2 * sh.kp(dims.d.div_ceil(2));
+        let k_len = sh.rows(bc) * dp;
+        let v_len = sh.transposed_words(bc, dims.dv);
+        let blocks = dims.s.div_ceil(bc);
+        let count = dims.batch.checked_mul(dims.heads_kv)?.checked_mul(blocks)?;
+        let mut kbuf: Vec<u16> = Vec::new();
+        let mut vbuf: Vec<u32> = Vec::new();
+        kbuf.try_reserve_exact(count.checked_mul(k_len)?).ok()?;
+        vbuf.try_reserve_exact(count.checked_mul(v_len)?).ok()?;
+        kbuf.resize(count * k_len, 0);
+        vbuf.resize(count * v_len, 0);
+        kbuf.par_chunks_mut(k_len).zip(vbuf.par_chunks_mut(v_len)).enumerate().for_each(
+            |(t, (kb, vw))| {
+                let (bh, jb) = (t / blocks, t % blocks);
+                let (b, h) = (bh / dims.heads_kv, bh % dims.heads_kv);
+                let j0 = jb * bc;
+                let step = bc.min(dims.s - j0);
+                // SAFETY: rows `j0..j0 + step < s` of head `(b, h)` lie inside `k` and `v`
+                // (validated by `flash_forward`), `d` and `dv` floats each; `kb` and `vw`
+                // hold one block's packed words (sized above for `bc >= step` keys).
+                unsafe {
+                    let kr = k.as_ptr().add(kl.offset(b, h, j0));
+                    let vr = v.as_ptr().add(vl.offset(b, h, j0));
+                    pack_block(kern, (kr, kl.seq), (vr, vl.seq), step, dims, kb, vw);
+                }
+            },
+        );
+        Some(Prepacked {
+            k: kbuf,
+            v: vbuf,
+            k_len,
+            v_len,
+            blocks,
+            heads_kv: dims.heads_kv,
+            bc,
+            s: dims.s,
+        })
+    }
+
+    /// The packed key rows and value pairs of the `bc` keys from `j0` of `(b, kv head h)`,
+    /// where that is a whole block of the grid.
+    pub(crate) fn block(
+        &self,
+        b: usize,
+        h: usize,
+        j0: usize,
+        bc: usize,
+    ) -> Option<(*const u16, *const u32)> {
+        if !j0.is_multiple_of(self.bc) || bc != self.bc.min(self.s.checked_sub(j0)?) {
+            return None;
+        }
+        let t = (b * self.heads_kv + h) * self.blocks + j0 / self.bc;
+        let k = self.k.get(t * self.k_len..(t + 1) * self.k_len)?;
+        let v = self.v.get(t * self.v_len..(t + 1) * self.v_len)?;
+        Some((k.as_ptr(), v.as_ptr()))
+    }
+}
+
+/// One block packed as the forward's tasks pack it.
+///
+/// # Safety
+/// `k + r·kld + c` (`c < d`) and `v + r·vld + c` (`c < dv`) are readable for `r < step`; `kb`
+/// and `vw` hold one block's words for `step` keys.
+unsafe fn pack_block(
+    kern: Kernel,
+    k: (*const f32, usize),
+    v: (*const f32, usize),
+    step: usize,
+    dims: &AttnDims,
+    kb: &mut [u16],
+    vw: &mut [u32],
+) {
+    // SAFETY: forwarded; the AVX-512 build is taken where the kernel's packers may use it.
+    unsafe {
+        #[cfg(target_arch = "x86_64")]
+        if kern.avx512_packing() {
+            return pack_block_avx512(kern, k, v, step, dims, kb, vw);
+        }
+        pack_block_impl(kern, k, v, step, dims, kb, vw)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_block_avx512(
+    kern: Kernel,
+    k: (*const f32, usize),
+    v: (*const f32, usize),
+    step: usize,
+    dims: &AttnDims,
+    kb: &mut [u16],
+    vw: &mut [u32],
+) {
+    // SAFETY: forwarded (compiled for AVX-512 so that the conversions vectorise).
+    unsafe { pack_block_impl(kern, k, v, step, dims, kb, vw) }
+}
+
+#[inline(always)]
+unsafe fn pack_block_impl(
+    kern: Kernel,
+    (k, kld): (*const f32, usize),
+    (v, vld): (*const f32, usize),
+    step: usize,
+    dims: &AttnDims,
+    kb: &mut [u16],
+    vw: &mut [u32],
+) {
+    let sh = Shape::of(kern);
+    let dp = 2 * sh.kp(dims.d.div_ceil(2));
+    // SAFETY: the caller's ranges; the same calls `bf::scores` and `bf::values` make.
+    unsafe {
+        bf::round_rows(k, kld, (step, sh.mr), dims.d, kb.as_mut_ptr(), dp);
+        bf::transposed_a(sh, (v, vld), step, dims.dv, vw.as_mut_ptr());
+    }
+}
