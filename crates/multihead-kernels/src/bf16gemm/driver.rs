@@ -140,7 +140,7 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
 /// packer's 16-row scatters then evict each other (a bf16 `Linear`'s weight gradient on AMX, at
 /// a depth of 4096, packed 2x faster with the extra line).
 fn a_stride(kern: Kernel, kp: usize) -> usize {
-    if kern.tiles() && (2 * kp) % 512 == 0 {
+    if kern.tiles() && (2 * kp).is_multiple_of(512) {
         2 * kp + 32
     } else {
         2 * kp
