@@ -99,10 +99,10 @@ impl Task for EpilogueTask {
     }
 }
 
-/// One tile of a product with a bf16 output (the bf16 GEMM's fused epilogue):
-/// `out[r·ldo + j] = bf16(act(tile[r·ld + j] + bias[j]))` for `r < rows`, `j < cols`, the
-/// tile left holding `act(tile + bias)`. The bits of [`bias_act_in_place`] followed by
-/// rounding to nearest even ([`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits)).
+/// One tile of a product's epilogue (the bf16 GEMM's fused epilogue): the tile becomes
+/// `act(tile[r·ld + j] + bias[j])` for `r < rows`, `j < cols`, the bits of
+/// [`bias_act_in_place`]; with a bf16 output, `out[r·ldo + j]` is that rounded to nearest even
+/// ([`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits)).
 pub(crate) struct TileToBf16 {
     pub(crate) tile: *mut f32,
     pub(crate) ld: usize,
@@ -110,6 +110,7 @@ pub(crate) struct TileToBf16 {
     pub(crate) cols: usize,
     pub(crate) bias: Option<*const f32>,
     pub(crate) act: Act,
+    /// The bf16 output, or null for the f32 tile alone.
     pub(crate) out: *mut u16,
     pub(crate) ldo: usize,
 }
@@ -119,8 +120,8 @@ impl TileToBf16 {
     ///
     /// # Safety
     /// `tile` holds `rows` rows of `cols` floats `ld` apart, `bias` (if any) `cols` values,
-    /// `out` `rows` rows of `cols` bf16 `ldo` apart, none aliasing another; `level` is
-    /// available on this CPU.
+    /// `out` (unless null) `rows` rows of `cols` bf16 `ldo` apart, none aliasing another;
+    /// `level` is available on this CPU.
     pub(crate) unsafe fn run(&self, level: crate::attention::SimdLevel) {
         use crate::attention::SimdLevel;
         // SAFETY: forwarded; each level's features are the caller's guarantee.
@@ -132,7 +133,9 @@ impl TileToBf16 {
                 SimdLevel::Avx2 => self.avx2(),
                 _ => {
                     self.bias_act::<crate::attention::simd::Scalar>();
-                    self.narrow_scalar();
+                    if !self.out.is_null() {
+                        self.narrow_scalar();
+                    }
                 }
             }
         }
@@ -146,6 +149,9 @@ impl TileToBf16 {
         // elements lie in `tile` and `out`; the tails are masked.
         unsafe {
             self.bias_act::<crate::attention::simd::Avx512>();
+            if self.out.is_null() {
+                return;
+            }
             for r in 0..self.rows {
                 let (src, dst) = (self.tile.add(r * self.ld), self.out.add(r * self.ldo));
                 for j in (0..self.cols).step_by(16) {
@@ -184,7 +190,9 @@ impl TileToBf16 {
         // SAFETY: AVX2 and FMA are available (the caller's guarantee); forwarded.
         unsafe {
             self.bias_act::<crate::attention::simd::Avx2>();
-            self.narrow_scalar();
+            if !self.out.is_null() {
+                self.narrow_scalar();
+            }
         }
     }
 

@@ -27,12 +27,21 @@ const DEEP_B_WORDS: usize = 1 << 20;
 /// Where the product goes.
 #[derive(Clone, Copy)]
 pub(super) enum Out {
-    /// f32 `C` with row stride `ldc`, overwritten or (`accumulate`) added to.
-    F32 { c: SyncPtr<f32>, ldc: usize, accumulate: bool },
+    /// f32 `C` with row stride `ldc`, overwritten or (`accumulate`) added to; with an
+    /// epilogue, each tile becomes `act(C + bias)` after its last `k` block.
+    F32 { c: SyncPtr<f32>, ldc: usize, accumulate: bool, epilogue: Option<Epilogue> },
     /// `bf16(act(A·B + bias))` with row stride `ldo`: the whole depth in one block, each tile
     /// computed into a local buffer and its epilogue applied as it leaves the kernel (no f32
     /// `C` in memory).
-    Bf16 { out: SyncPtr<u16>, ldo: usize, bias: Option<ConstPtr<f32>>, act: Act, level: SimdLevel },
+    Bf16 { out: SyncPtr<u16>, ldo: usize, epilogue: Epilogue },
+}
+
+/// A product's epilogue: `act(C + bias)` (bias of `n` values), at `level`.
+#[derive(Clone, Copy)]
+pub(super) struct Epilogue {
+    pub(super) bias: Option<ConstPtr<f32>>,
+    pub(super) act: Act,
+    pub(super) level: SimdLevel,
 }
 
 thread_local! {
@@ -126,7 +135,8 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
                 });
                 let block = Block { p0, kc, kp, j0, cols, panels, packed: ConstPtr(packed.0) };
                 let load_c = p0 > 0 || matches!(out, Out::F32 { accumulate: true, .. });
-                let pass = Pass { a, block, m, mc, col_parts, out, load_c };
+                let last = p0 + kc == k;
+                let pass = Pass { a, block, m, mc, col_parts, out, load_c, last };
                 (0..blocks * col_parts).into_par_iter().try_for_each(|t| pass.task(t, kern))?;
             }
         }
@@ -175,6 +185,8 @@ struct Pass<'a> {
     col_parts: usize,
     out: Out,
     load_c: bool,
+    /// Whether this is the last `k` block (the epilogue's turn).
+    last: bool,
 }
 
 impl Pass<'_> {
@@ -209,27 +221,22 @@ impl Pass<'_> {
                         let live = mr.min(rows - ir);
                         let tile = Tile { kp, a: ap, strides, b: bpanel, load_c: self.load_c };
                         match self.out {
-                            Out::F32 { c, ldc, .. } => {
+                            Out::F32 { c, ldc, epilogue, .. } => {
                                 let c = c.0.add((i0 + ir) * ldc + j);
                                 if live == mr && cols == NR {
                                     tile.run(kern, c, ldc);
                                 } else {
                                     tile.edge(kern, c, ldc, live, cols);
                                 }
+                                if let Some(e) = epilogue.filter(|_| self.last) {
+                                    let out = (std::ptr::null_mut(), 0);
+                                    e.apply((c, ldc), live, cols, j, out);
+                                }
                             }
-                            Out::Bf16 { out, ldo, bias, act, level } => {
+                            Out::Bf16 { out, ldo, epilogue } => {
                                 tile.run(kern, local.as_mut_ptr(), NR);
-                                let epi = TileToBf16 {
-                                    tile: local.as_mut_ptr(),
-                                    ld: NR,
-                                    rows: live,
-                                    cols,
-                                    bias: bias.map(|b| b.0.add(j)),
-                                    act,
-                                    out: out.0.add((i0 + ir) * ldo + j),
-                                    ldo,
-                                };
-                                epi.run(level);
+                                let out = (out.0.add((i0 + ir) * ldo + j), ldo);
+                                epilogue.apply((local.as_mut_ptr(), NR), live, cols, j, out);
                             }
                         }
                     }
@@ -237,5 +244,29 @@ impl Pass<'_> {
             }
             Ok(())
         })
+    }
+}
+
+impl Epilogue {
+    /// Applies the epilogue to a `rows × cols` tile at column `j` of the product (`out`: the
+    /// bf16 output's tile and row stride, or null).
+    ///
+    /// # Safety
+    /// The tile and the output tile hold `rows` rows of `cols` elements at their strides; the
+    /// bias (if any) holds the product's columns.
+    unsafe fn apply(
+        &self,
+        (tile, ld): (*mut f32, usize),
+        rows: usize,
+        cols: usize,
+        j: usize,
+        (out, ldo): (*mut u16, usize),
+    ) {
+        // SAFETY: forwarded; the bias's columns `j..j + cols` exist.
+        unsafe {
+            let bias = self.bias.map(|b| b.0.add(j));
+            let epi = TileToBf16 { tile, ld, rows, cols, bias, act: self.act, out, ldo };
+            epi.run(self.level);
+        }
     }
 }

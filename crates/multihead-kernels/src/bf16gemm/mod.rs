@@ -237,14 +237,33 @@ pub fn matmul_bf16(
     }
     // SAFETY: `check` bounds the `m × n` view with row stride `ldc` inside `c`, which the
     // exclusive borrow reserves for the call.
-    unsafe { driver::run(&a, &b, driver::Out::F32 { c: SyncPtr(c.as_mut_ptr()), ldc, accumulate }) }
+    unsafe {
+        driver::run(
+            &a,
+            &b,
+            driver::Out::F32 { c: SyncPtr(c.as_mut_ptr()), ldc, accumulate, epilogue: None },
+        )
+    }
 }
 
 /// `A · B` as [`matmul_bf16`] computes it, in a new row-major `m × n` buffer that is not
 /// zeroed first (the product writes every element: a pass over memory saved). Errors as
 /// [`matmul_bf16`]'s, and when `m · n` floats cannot be allocated.
 pub fn matmul_bf16_new(a: BfMat, b: BfMat) -> Result<Vec<f32>, KernelError> {
+    matmul_bf16_new_with(a, b, None, Act::Identity)
+}
+
+/// `act(A·B + bias)` in f32: [`matmul_bf16_new`], then [`bias_act_in_place`], bit for bit, but
+/// each tile's epilogue runs as its last `k` block leaves the micro-kernel (no second pass
+/// over the output). Errors as [`matmul_bf16_to_bf16`]'s.
+pub fn matmul_bf16_new_with(
+    a: BfMat,
+    b: BfMat,
+    bias: Option<&[f32]>,
+    act: Act,
+) -> Result<Vec<f32>, KernelError> {
     let (m, n, k) = check_operands(&a, &b)?;
+    check_bias(bias, n)?;
     let len = m.checked_mul(n).ok_or_else(|| KernelError::InvalidArgument {
         name: "c",
         msg: format!("{m} x {n} outputs overflow usize"),
@@ -256,20 +275,38 @@ pub fn matmul_bf16_new(a: BfMat, b: BfMat) -> Result<Vec<f32>, KernelError> {
     })?;
     if k == 0 || len == 0 {
         c.resize(len, 0.0);
+        bias_act_in_place(&mut c, n, bias, act)?;
         return Ok(c);
     }
-    // SAFETY: the buffer holds `len = m · n` floats (reserved above), rows `n` apart; without
-    // `accumulate` the driver writes all of them before any is read, and only then does
-    // `set_len` expose them.
+    let epilogue = (bias.is_some() || act != Act::Identity).then(|| driver::Epilogue {
+        bias: bias.map(|b| ConstPtr(b.as_ptr())),
+        act,
+        level: crate::attention::simd_level(),
+    });
+    // SAFETY: the buffer holds `len = m · n` floats (reserved above), rows `n` apart, and the
+    // bias `n` values (checked); without `accumulate` the driver writes all of them before any
+    // is read, and only then does `set_len` expose them.
     unsafe {
-        driver::run(
-            &a,
-            &b,
-            driver::Out::F32 { c: SyncPtr(c.as_mut_ptr()), ldc: n, accumulate: false },
-        )?;
+        let target =
+            driver::Out::F32 { c: SyncPtr(c.as_mut_ptr()), ldc: n, accumulate: false, epilogue };
+        driver::run(&a, &b, target)?;
         c.set_len(len);
     }
     Ok(c)
+}
+
+/// A bias of `n` values, if any.
+fn check_bias(bias: Option<&[f32]>, n: usize) -> Result<(), KernelError> {
+    match bias {
+        Some(b) if b.len() != n => Err(KernelError::InvalidArgument {
+            name: "bias",
+            msg: format!(
+                "the product has {n} columns, so the bias needs {n} values, got {}",
+                b.len()
+            ),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Deepest product [`matmul_bf16_to_bf16`] runs with its epilogue fused (one block spans the
@@ -306,17 +343,7 @@ pub fn matmul_bf16_to_bf16(
     act: Act,
 ) -> Result<Vec<u16>, KernelError> {
     let (m, n, k) = check_operands(&a, &b)?;
-    if let Some(bias) = bias {
-        if bias.len() != n {
-            return Err(KernelError::InvalidArgument {
-                name: "bias",
-                msg: format!(
-                    "the product has {n} columns, so the bias needs {n} values, got {}",
-                    bias.len()
-                ),
-            });
-        }
-    }
+    check_bias(bias, n)?;
     let len = m.checked_mul(n).ok_or_else(|| KernelError::InvalidArgument {
         name: "c",
         msg: format!("{m} x {n} outputs overflow usize"),
@@ -338,14 +365,12 @@ pub fn matmul_bf16_to_bf16(
         name: "c",
         msg: format!("cannot allocate {len} bf16 outputs"),
     })?;
-    let level = crate::attention::simd_level();
-    let target = driver::Out::Bf16 {
-        out: SyncPtr(out.as_mut_ptr()),
-        ldo: n,
+    let epilogue = driver::Epilogue {
         bias: bias.map(|b| ConstPtr(b.as_ptr())),
         act,
-        level,
+        level: crate::attention::simd_level(),
     };
+    let target = driver::Out::Bf16 { out: SyncPtr(out.as_mut_ptr()), ldo: n, epilogue };
     // SAFETY: the buffer holds `len = m · n` bf16 (reserved above), rows `n` apart, and the
     // bias `n` values (checked); the driver writes every element of the view before
     // `set_len` exposes them.

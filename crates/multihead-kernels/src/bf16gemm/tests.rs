@@ -258,7 +258,7 @@ fn transposed_and_row_major_packing_keep_nan_infinity_and_broadcast_views() {
 }
 
 #[test]
-fn a_bf16_output_is_the_f32_product_then_the_epilogue_bit_for_bit() {
+fn fused_epilogues_are_the_f32_product_then_the_epilogue_bit_for_bit() {
     use crate::convert::bf16_bits_to_f32;
     use crate::epilogue::Act;
     // Every kernel this CPU runs (the AMX tiles where granted, their emulation everywhere),
@@ -288,15 +288,16 @@ fn a_bf16_output_is_the_f32_product_then_the_epilogue_bit_for_bit() {
                     for &kern in &kernels {
                         for threads in [1, 2, 3] {
                             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
-                            let (got, want) = pool.unwrap().install(|| {
+                            let (got, want, got32, want32) = pool.unwrap().install(|| {
                                 with_bf16_kernel(kern, || {
                                     let got = matmul_bf16_to_bf16(av, bv, bias, act).unwrap();
+                                    let got32 = matmul_bf16_new_with(av, bv, bias, act).unwrap();
                                     let mut y = matmul_bf16_new(av, bv).unwrap();
                                     crate::epilogue::bias_act_in_place(&mut y, n, bias, act)
                                         .unwrap();
                                     let want: Vec<u16> =
                                         y.iter().map(|&x| f32_to_bf16_bits(x)).collect();
-                                    (got, want)
+                                    (got, want, got32, y)
                                 })
                             });
                             let what = format!(
@@ -304,6 +305,9 @@ fn a_bf16_output_is_the_f32_product_then_the_epilogue_bit_for_bit() {
                                 bias.is_some()
                             );
                             assert_eq!(got, want, "{what}");
+                            let bits =
+                                |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(bits(&got32), bits(&want32), "{what} (f32 output)");
                             // The reference twin: within bf16's rounding of f32 sums.
                             for (i, (g, r)) in got.iter().zip(&reference).enumerate() {
                                 let (g, r) = (bf16_bits_to_f32(*g), bf16_bits_to_f32(*r));

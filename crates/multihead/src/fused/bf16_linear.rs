@@ -3,8 +3,8 @@
 //! when no gradient is recorded.
 
 use candle_core::{CpuStorage, Layout, Shape};
-use multihead_kernels::bf16gemm::{matmul_bf16_new, matmul_bf16_to_bf16, BfMat, Elems};
-use multihead_kernels::epilogue::{bias_act_in_place, Act};
+use multihead_kernels::bf16gemm::{matmul_bf16_new_with, matmul_bf16_to_bf16, BfMat, Elems};
+use multihead_kernels::epilogue::Act;
 
 const OP: &str = "linear (bf16 products)";
 
@@ -90,13 +90,7 @@ impl Bf16Linear {
             CpuStorage::BF16(_) => CpuStorage::BF16(super::convert::from_bits(
                 matmul_bf16_to_bf16(x, w.t(), b, self.act).map_err(err)?,
             )),
-            _ => {
-                let mut y = matmul_bf16_new(x, w.t()).map_err(err)?;
-                if m > 0 {
-                    bias_act_in_place(&mut y, n, b, self.act).map_err(err)?;
-                }
-                CpuStorage::F32(y)
-            }
+            _ => CpuStorage::F32(matmul_bf16_new_with(x, w.t(), b, self.act).map_err(err)?),
         };
         Ok((out, Shape::from(out_dims)))
     }

@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
-use multihead_kernels::bf16gemm::Elems;
+use multihead_kernels::bf16gemm::{BfMat, Elems};
 pub(crate) use multihead_kernels::epilogue::Act;
 use multihead_kernels::epilogue::{bias_act_in_place, bias_act_into};
 
@@ -226,25 +226,32 @@ impl Product<'_> {
         act: Act,
         what: &str,
     ) -> candle_core::Result<Vec<half::bf16>> {
-        use multihead_kernels::bf16gemm::{matmul_bf16_to_bf16, BfMat};
+        use multihead_kernels::bf16gemm::matmul_bf16_to_bf16;
         self.check()?;
-        let view = |data, rows, cols, (row_stride, col_stride)| BfMat {
-            data,
-            rows,
-            cols,
-            row_stride,
-            col_stride,
-        };
-        let a = view(self.lhs, self.m, self.k, self.lhs_strides);
-        let b = view(self.rhs, self.k, self.n, self.rhs_strides);
+        let (a, b) = self.views();
         let y = matmul_bf16_to_bf16(a, b, bias, act)
             .map_err(|e| candle_core::Error::Msg(format!("{what}: {e}")))?;
         Ok(super::convert::from_bits(y))
     }
 
-    /// The product of the bf16-rounded operands (f32 sums) in a new buffer of `len` floats.
-    fn bf16_output(&self, len: usize, what: &str) -> candle_core::Result<Vec<f32>> {
-        use multihead_kernels::bf16gemm::{matmul_bf16_new, BfMat};
+    /// `act(product + bias)` of the bf16-rounded operands (f32 sums) in a new f32 buffer, the
+    /// epilogue applied to each tile as it leaves the kernel: the bits of
+    /// [`Self::new_output`] followed by the epilogue pass.
+    fn f32_output_with(
+        &self,
+        bias: Option<&[f32]>,
+        act: Act,
+        what: &str,
+    ) -> candle_core::Result<Vec<f32>> {
+        use multihead_kernels::bf16gemm::matmul_bf16_new_with;
+        self.check()?;
+        let (a, b) = self.views();
+        matmul_bf16_new_with(a, b, bias, act)
+            .map_err(|e| candle_core::Error::Msg(format!("{what}: {e}")))
+    }
+
+    /// The operands as the bf16 GEMM's views.
+    fn views(&self) -> (BfMat<'_>, BfMat<'_>) {
         let view = |data, rows, cols, (row_stride, col_stride)| BfMat {
             data,
             rows,
@@ -252,8 +259,16 @@ impl Product<'_> {
             row_stride,
             col_stride,
         };
-        let a = view(self.lhs, self.m, self.k, self.lhs_strides);
-        let b = view(self.rhs, self.k, self.n, self.rhs_strides);
+        (
+            view(self.lhs, self.m, self.k, self.lhs_strides),
+            view(self.rhs, self.k, self.n, self.rhs_strides),
+        )
+    }
+
+    /// The product of the bf16-rounded operands (f32 sums) in a new buffer of `len` floats.
+    fn bf16_output(&self, len: usize, what: &str) -> candle_core::Result<Vec<f32>> {
+        use multihead_kernels::bf16gemm::matmul_bf16_new;
+        let (a, b) = self.views();
         let y =
             matmul_bf16_new(a, b).map_err(|e| candle_core::Error::Msg(format!("{what}: {e}")))?;
         debug_assert_eq!(y.len(), len);
@@ -357,10 +372,14 @@ impl FusedLinear {
         if let Some(last) = dims.last_mut() {
             *last = out_f;
         }
-        if bf16_out && !(self.act == Act::Gelu && self.keep_pre) {
-            // The bias, activation and rounding on each tile as it leaves the kernel.
-            let y = product.bf16_output_with(bias, self.act, "fused linear output")?;
-            return Ok((CpuStorage::BF16(y), Shape::from(dims)));
+        if self.bf16 && !(self.act == Act::Gelu && self.keep_pre) {
+            // The bias, activation (and rounding) on each tile as it leaves the kernel.
+            let what = "fused linear output";
+            let y = match bf16_out {
+                true => CpuStorage::BF16(product.bf16_output_with(bias, self.act, what)?),
+                false => CpuStorage::F32(product.f32_output_with(bias, self.act, what)?),
+            };
+            return Ok((y, Shape::from(dims)));
         }
         let mut y = product.new_output("fused linear output")?;
         // The bias and the activation in one parallel pass after the product.
