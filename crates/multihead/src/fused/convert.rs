@@ -27,18 +27,23 @@ fn contiguous<'a, T>(v: &'a [T], l: &Layout, op: &str) -> candle_core::Result<&'
 
 /// `src` widened into a new f32 vector (the allocation checked).
 pub(crate) fn widen_vec(src: &[bf16], op: &str) -> candle_core::Result<Vec<f32>> {
-    let mut out = crate::alloc::try_zeros::<f32>(src.len(), op)?;
-    multihead_kernels::convert::bf16_to_f32(src.reinterpret_cast(), &mut out)
-        .map_err(|e| candle_core::Error::Msg(format!("{op}: {e}")))?;
-    Ok(out)
+    let write = |d: &mut [std::mem::MaybeUninit<f32>]| {
+        multihead_kernels::convert::bf16_to_f32_uninit(src.reinterpret_cast(), d)
+            .map_err(|e| candle_core::Error::Msg(format!("{op}: {e}")))
+    };
+    // SAFETY: `bf16_to_f32_uninit` writes all `src.len()` elements when it returns `Ok`.
+    unsafe { crate::alloc::try_written(src.len(), op, write) }
 }
 
 /// `src` rounded (to nearest even) into a new bf16 vector (the allocation checked).
 pub(crate) fn narrow_vec(src: &[f32], op: &str) -> candle_core::Result<Vec<bf16>> {
-    let mut out = crate::alloc::try_zeros::<bf16>(src.len(), op)?;
-    multihead_kernels::convert::f32_to_bf16(src, out.reinterpret_cast_mut())
-        .map_err(|e| candle_core::Error::Msg(format!("{op}: {e}")))?;
-    Ok(out)
+    let write = |d: &mut [std::mem::MaybeUninit<u16>]| {
+        multihead_kernels::convert::f32_to_bf16_uninit(src, d)
+            .map_err(|e| candle_core::Error::Msg(format!("{op}: {e}")))
+    };
+    // SAFETY: `f32_to_bf16_uninit` writes all `src.len()` elements when it returns `Ok`.
+    let bits = unsafe { crate::alloc::try_written(src.len(), op, write) }?;
+    Ok(from_bits(bits))
 }
 
 /// The f32 values of elements `a..b` of an f32 or bf16 storage: borrowed when f32, widened
