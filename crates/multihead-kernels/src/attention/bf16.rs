@@ -90,6 +90,12 @@ pub(crate) unsafe fn pack_q(
     d: usize,
     (qp, kp): (*mut u32, usize),
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::bf16gemm::pack::vector_packing() {
+        // SAFETY: the same words, by the AVX-512 column packer (row `i` is column `i` of the
+        // panel, contiguous along the head dimension).
+        return unsafe { crate::bf16gemm::pack::column_panel_f32(q, ld, br, d, (qp, kp)) };
+    }
     // SAFETY: within the ranges the caller guarantees.
     unsafe {
         let pairs = d.div_ceil(2);
@@ -307,6 +313,21 @@ pub(crate) unsafe fn pair_cols(
     out: *mut u32,
     (kp, nrows): (usize, usize),
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::bf16gemm::pack::vector_packing() && nrows * kp <= i32::MAX as usize {
+        // SAFETY: the same words, by the AVX-512 transposing packer: column `c` is row `c` of
+        // the output (bf16 rows of `2·kp`), its elements `ld` apart along the rows.
+        return unsafe {
+            crate::bf16gemm::pack::transpose_rows_f32(
+                src,
+                ld,
+                (cols, nrows),
+                rows,
+                out as *mut u16,
+                2 * kp,
+            )
+        };
+    }
     let at = |r: usize, c: usize| {
         if r < rows {
             // SAFETY: `r < rows`, and `c < cols` at every call below.

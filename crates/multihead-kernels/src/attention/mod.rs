@@ -627,9 +627,26 @@ fn all_finite(
     }
     use rayon::prelude::*;
     const EXP: u32 = 0x7f80_0000;
-    // An OR of comparisons: vectorises at any x86-64 level (no early exit).
-    let finite =
-        |c: &[f32]| c.iter().fold(0u32, |acc, f| acc | u32::from(f.to_bits() & EXP == EXP)) == 0;
+    // An OR of comparisons: vectorises at any x86-64 level (no early exit); on 16 lanes where
+    // the SIMD level is AVX-512 (4 lanes took a tenth of a bf16 causal attention call).
+    fn scan(c: &[f32]) -> bool {
+        c.iter().fold(0u32, |acc, f| acc | u32::from(f.to_bits() & EXP == EXP)) == 0
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    fn scan_avx512(c: &[f32]) -> bool {
+        scan(c)
+    }
+    let wide = simd_level() == SimdLevel::Avx512;
+    let finite = |c: &[f32]| {
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            // SAFETY: the SIMD level is AVX-512, so the CPU has AVX-512F.
+            return unsafe { scan_avx512(c) };
+        }
+        let _ = wide;
+        scan(c)
+    };
     spans.iter().all(|(x, a, b)| {
         let span = &x[*a..*b];
         // One chunk's worth is scanned here: sending it to the pool costs more.

@@ -49,7 +49,7 @@ pub(crate) mod amx;
 mod amx_tests;
 mod driver;
 pub(crate) mod micro;
-mod pack;
+pub(crate) mod pack;
 mod rate;
 mod select;
 #[cfg(test)]

@@ -469,6 +469,59 @@ mod panels_avx512 {
     }
 }
 
+/// Whether the CPU has what the AVX-512 packers need (AVX-512F, BW and VL).
+pub(crate) fn vector_packing() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Rows `0..rows` of a transposed f32 matrix (element `(r, p)` at `src + r + p·cs`, `p < kc`)
+/// rounded into bf16 rows `lda` apart (zeros past `kc` and in rows `rows..padded`): the
+/// attention's transposed value and key pairs, by the AVX-512 transposing packer.
+///
+/// # Safety
+/// [`vector_packing`] is true; the elements are readable; `dst` holds `padded · lda`
+/// elements, `lda` even and at least `kc`, `padded · lda / 2` fits in `i32`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn transpose_rows_f32(
+    src: *const f32,
+    cs: usize,
+    (rows, padded): (usize, usize),
+    kc: usize,
+    dst: *mut u16,
+    lda: usize,
+) {
+    let blk = ABlock { i0: 0, rows, padded, p0: 0, kc, lda };
+    // SAFETY: forwarded.
+    unsafe { panels_avx512::pack_rows(src, cs, blk, dst) }
+}
+
+/// One `NR`-wide panel of pair words from `cols` columns of f32 contiguous along `k` (column
+/// `j` at `src + j·cs`, `kc` elements): word `(p, j)` at `dst + p·NR + j`, zeros past the
+/// columns and from pair `kc.div_ceil(2)` to `kp`. The attention's query panels, by the
+/// AVX-512 column packer.
+///
+/// # Safety
+/// [`vector_packing`] is true; the elements are readable; `dst` holds `kp · NR` words, `kp`
+/// at least `kc.div_ceil(2)`, `cols <= NR`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn column_panel_f32(
+    src: *const f32,
+    cs: usize,
+    cols: usize,
+    kc: usize,
+    (dst, kp): (*mut u32, usize),
+) {
+    let blk = BBlock { p0: 0, kc, kp, j0: 0, cols, panels: 0..1 };
+    // SAFETY: forwarded.
+    unsafe { panels_avx512::pack_cols(src, cs, blk, dst) }
+}
+
 /// Where a block of `B` is packed from and to: rows `p0..p0+kc` and column panels `panels`
 /// (of [`NR`] columns, counted from `j0`, `cols` columns in all).
 #[derive(Clone)]
