@@ -94,11 +94,14 @@ def rust_json(dtype, module, flags, threads, warmup, iters, products=None):
 
 
 def report_lines(doc):
-    peak = doc.get("bf16_peak")
+    amx = doc.get("bf16_kernel") == "Amx"
+    peak = doc.get("amx_peak") if amx and doc.get("amx_peak") else doc.get("bf16_peak")
+    loop = "`tdpbf16ps` (AMX) loop" if amx and doc.get("amx_peak") else "`vdpbf16ps` loop"
     share_text = (f"as a share of the measured bf16 peak ({peak:.0f} GFLOP/s, `peak.c`'s "
-                  "`vdpbf16ps` loop)" if peak else "(no bf16 peak was measured)")
+                  f"{loop})" if peak else "(no bf16 peak was measured)")
     direct = bool(doc.get("bf16_products"))
-    how = ("multiplies bf16 operands on its AVX512-BF16 kernels (projections: "
+    kernels = "AMX tiles (`tdpbf16ps`)" if amx else "AVX512-BF16 kernels"
+    how = (f"multiplies bf16 operands on its {kernels} (projections: "
            "`multihead_kernels::bf16gemm`; attention: `AttnParams::bf16_products`), with f32 "
            "sums, as PyTorch's bf16 kernels do" if direct else
            "computes every bf16 operation in f32 (its f32 kernels) and rounds once per "
@@ -113,10 +116,12 @@ def report_lines(doc):
         "f32 FMAs outrun the machine's `vdpbf16ps` rate (on some CPUs, such as Intel's family 6 "
         "model 207 Xeon, `vdpbf16ps` runs at half the f32 FMA rate).\n",
         "multihead chooses between the two ways (`multihead::Bf16Products`: bf16 operands, or "
-        "widened to f32) by itself, taking bf16 operands where that instruction outruns f32 "
-        "FMA. This CPU's measured `vdpbf16ps`/FMA rate is "
-        f"{doc.get('bf16_dot_speedup') or 0:.2f}, so the default here is "
-        f"{'direct' if direct else 'widened'}; the column \"direct products\" forces bf16 "
+        "widened to f32) by itself, taking bf16 operands on AMX tiles where Linux grants them, "
+        "else where the `vdpbf16ps` instruction outruns f32 FMA. This CPU's measured "
+        f"`vdpbf16ps`/FMA rate is {doc.get('bf16_dot_speedup') or 0:.2f}"
+        f"{' and AMX tiles are granted' if amx else ''}, so the default here is "
+        f"{'direct' if direct else 'widened'} (`explain_bf16_products()`: "
+        f"\"{doc.get('bf16_products_plan') or 'not recorded'}\"); the column \"direct products\" forces bf16 "
         "operands (`MULTIHEAD_BF16_PRODUCTS=direct`; in training the backward products go "
         f"direct too){', the default here' if direct else ''}.\n",
         "| case | PyTorch bf16 | PyTorch f32 | multihead bf16 | multihead f32 | bf16 speed-up "
@@ -165,6 +170,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--bf16-peak", type=float, default=None)
+    ap.add_argument("--amx-peak", type=float, default=None,
+                    help="peak.c's amx_bf16: the bf16 shares are of it where AMX tiles ran")
     ap.add_argument("--json-out", type=Path, default=REPO / "target/bench_bf16.json")
     opts = ap.parse_args()
     import torch
@@ -182,6 +189,8 @@ def main():
         row["ours_bf16"] = first["min_ms"]
         choice["bf16_products"] = first.get("bf16_products")
         choice["bf16_dot_speedup"] = first.get("bf16_dot_speedup")
+        choice["bf16_kernel"] = first.get("bf16_kernel")
+        choice["bf16_products_plan"] = first.get("bf16_products_plan")
         row["ours_bf16_direct"] = rust_case("bf16", module, flags, opts.threads, warmup, iters,
                                             "direct")
         row["ours_f32"] = rust_case("f32", module, flags, opts.threads, warmup, iters)
@@ -189,7 +198,7 @@ def main():
         print(f"{label}: torch bf16 {row['torch_bf16']:.1f} ms, multihead bf16 "
               f"{row['ours_bf16']:.1f} ms", file=sys.stderr, flush=True)
     doc = {"threads": opts.threads, "torch_version": torch.__version__, "quick": opts.quick,
-           "bf16_peak": opts.bf16_peak, "rows": rows, **choice}
+           "bf16_peak": opts.bf16_peak, "amx_peak": opts.amx_peak, "rows": rows, **choice}
     bench_proc.finish(doc, opts.json_out, report_lines, evaluate_targets)
 
 

@@ -799,9 +799,13 @@ def run_section(opts, script, extra=()):
                                extra)
 
 
-def run_bf16_section(opts, bf16_peak):
-    """Runs ``tools/bench_bf16.py`` (with the bf16 peak)."""
-    return run_section(opts, "bench_bf16.py", ["--bf16-peak", str(bf16_peak)] if bf16_peak else [])
+def run_bf16_section(opts, peak):
+    """Runs ``tools/bench_bf16.py`` (with the bf16 peaks: ``vdpbf16ps``, and AMX's if measured)."""
+    extra = []
+    for flag, key in (("--bf16-peak", "bf16"), ("--amx-peak", "amx_bf16")):
+        if peak.get(key):
+            extra += [flag, str(peak[key])]
+    return run_section(opts, "bench_bf16.py", extra)
 
 
 def run_gemm_section(opts, peak):
@@ -1581,7 +1585,7 @@ def main(argv):
     bf16_rec = None
     if "bf16" in opts.sections:
         print(f"[bf16 {time.perf_counter() - t_start:6.0f}s] bfloat16", flush=True)
-        bf16_rec = run_bf16_section(opts, peak.get("bf16"))
+        bf16_rec = run_bf16_section(opts, peak)
         print("[bf16] " + (bf16_rec.get("error", "")[-300:] or "; ".join(
             f"{r['label']}: torch {r['torch_bf16']:.1f} ms, multihead {r['ours_bf16']:.1f} ms"
             for r in bf16_rec["rows"])), flush=True)
