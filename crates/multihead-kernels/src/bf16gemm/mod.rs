@@ -317,7 +317,7 @@ const MAX_FUSED_DEPTH: usize = 1 << 13;
 /// sums), the bias added and the activation applied in f32, and the result rounded once to
 /// bf16 (nearest even), in a new row-major `m × n` buffer of bf16 bits. The bits of
 /// [`matmul_bf16_new`], then [`bias_act_in_place`], then
-/// [`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits); but each tile's epilogue runs as
+/// [`f32_to_bf16_bits`]; but each tile's epilogue runs as
 /// the tile leaves the micro-kernel, so no f32 `m × n` buffer exists (a bf16 layer's outputs
 /// and gradients are written once, half the bytes).
 ///
