@@ -132,6 +132,28 @@ unsafe fn widen_avx512(s: &[u16], d: &mut [MaybeUninit<f32>]) {
     }
 }
 
+/// 16 floats rounded to bf16 as [`f32_to_bf16_bits`] rounds them, each in the low half of its
+/// 32-bit lane: `bits + 0x7FFF + ((bits >> 16) & 1)`, the top half; a NaN keeps its sign and
+/// top payload bits, made quiet.
+///
+/// # Safety
+/// AVX-512F is available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn round16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    // SAFETY: register arithmetic only (the caller's AVX-512F).
+    unsafe {
+        let bits = _mm512_castps_si512(x);
+        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+        let sum = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+        let rounded = _mm512_srli_epi32::<16>(sum);
+        let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x0040));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+        _mm512_mask_mov_epi32(rounded, nan, quiet)
+    }
+}
+
 /// The rounding loop on 16 lanes (the tail element by element): [`f32_to_bf16_bits`]'s bits.
 ///
 /// # Safety
@@ -144,16 +166,7 @@ unsafe fn narrow_avx512(s: &[f32], d: &mut [MaybeUninit<u16>]) {
     // SAFETY: vectors `i..i + 16 <= full` lie in both slices.
     unsafe {
         for i in (0..full).step_by(16) {
-            let x = _mm512_loadu_ps(s.as_ptr().add(i));
-            let bits = _mm512_castps_si512(x);
-            // Round to nearest even: bits + 0x7FFF + ((bits >> 16) & 1), the top half; NaN:
-            // the sign and top payload bits, made quiet.
-            let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
-            let sum = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-            let rounded = _mm512_srli_epi32::<16>(sum);
-            let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x0040));
-            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
-            let w = _mm512_mask_mov_epi32(rounded, nan, quiet);
+            let w = round16(_mm512_loadu_ps(s.as_ptr().add(i)));
             _mm256_storeu_si256(d.as_mut_ptr().add(i) as *mut __m256i, _mm512_cvtepi32_epi16(w));
         }
     }

@@ -67,7 +67,6 @@ impl Task for EpilogueTask {
         // and the bias holds `n` values (checked by the entry points); the tails are masked;
         // this task alone writes its rows.
         unsafe {
-            let zero = S::splat(0.0);
             for r in r0..r1 {
                 let row = self.y.0.add(r * n);
                 let mut j = 0;
@@ -84,17 +83,30 @@ impl Task for EpilogueTask {
                         }
                         None => row,
                     };
-                    v = match self.act {
-                        Act::Identity => v,
-                        // max returns its second operand when either is NaN (NaN kept); adding
-                        // +0 turns the -0 that max keeps for -0 into +0.
-                        Act::Relu => S::add(S::max(zero, v), zero),
-                        Act::Gelu => S::mul(v, cdf_pdf::<S>(v).0),
-                    };
+                    v = act_vec::<S>(self.act, v);
                     S::store_m(dst.add(j), v, mask);
                     j += l;
                 }
             }
+        }
+    }
+}
+
+/// The activation of one vector, as the standalone kernels compute it.
+///
+/// # Safety
+/// `S`'s instruction set is available.
+#[inline(always)]
+unsafe fn act_vec<S: Simd>(act: Act, v: S::V) -> S::V {
+    // SAFETY: arithmetic only (the caller's instruction set).
+    unsafe {
+        let zero = S::splat(0.0);
+        match act {
+            Act::Identity => v,
+            // max returns its second operand when either is NaN (NaN kept); adding +0 turns the
+            // -0 that max keeps for -0 into +0.
+            Act::Relu => S::add(S::max(zero, v), zero),
+            Act::Gelu => S::mul(v, cdf_pdf::<S>(v).0),
         }
     }
 }
@@ -157,18 +169,7 @@ impl TileToBf16 {
                 for j in (0..self.cols).step_by(16) {
                     let live = (self.cols - j).min(16);
                     let mask: __mmask16 = if live == 16 { 0xFFFF } else { (1 << live) - 1 };
-                    let x = _mm512_maskz_loadu_ps(mask, src.add(j));
-                    let bits = _mm512_castps_si512(x);
-                    // Round to nearest even: bits + 0x7FFF + ((bits >> 16) & 1), the top half;
-                    // NaN: the sign and top payload bits, made quiet.
-                    let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
-                    let sum =
-                        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-                    let rounded = _mm512_srli_epi32::<16>(sum);
-                    let quiet =
-                        _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x0040));
-                    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
-                    let w = _mm512_mask_mov_epi32(rounded, nan, quiet);
+                    let w = crate::convert::round16(_mm512_maskz_loadu_ps(mask, src.add(j)));
                     // Full vectors stored whole, a tail through a local buffer (AVX-512F only:
                     // a masked 16-bit store would need BW and VL).
                     let halves = _mm512_cvtepi32_epi16(w);
@@ -220,7 +221,6 @@ impl TileToBf16 {
         // SAFETY: rows `r < rows` of `cols` elements lie in `tile`, the bias holds `cols`
         // values; the tails are masked.
         unsafe {
-            let zero = S::splat(0.0);
             for r in 0..self.rows {
                 let row = self.tile.add(r * self.ld);
                 let mut j = 0;
@@ -234,11 +234,7 @@ impl TileToBf16 {
                     if let Some(b) = self.bias {
                         v = S::add(v, S::load_m(b.add(j), mask));
                     }
-                    v = match self.act {
-                        Act::Identity => v,
-                        Act::Relu => S::add(S::max(zero, v), zero),
-                        Act::Gelu => S::mul(v, cdf_pdf::<S>(v).0),
-                    };
+                    v = act_vec::<S>(self.act, v);
                     S::store_m(row.add(j), v, mask);
                     j += l;
                 }

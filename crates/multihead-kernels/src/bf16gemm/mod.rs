@@ -264,15 +264,7 @@ pub fn matmul_bf16_new_with(
 ) -> Result<Vec<f32>, KernelError> {
     let (m, n, k) = check_operands(&a, &b)?;
     check_bias(bias, n)?;
-    let len = m.checked_mul(n).ok_or_else(|| KernelError::InvalidArgument {
-        name: "c",
-        msg: format!("{m} x {n} outputs overflow usize"),
-    })?;
-    let mut c: Vec<f32> = Vec::new();
-    c.try_reserve_exact(len).map_err(|_| KernelError::InvalidArgument {
-        name: "c",
-        msg: format!("cannot allocate {len} outputs"),
-    })?;
+    let (len, mut c) = output::<f32>(m, n)?;
     if k == 0 || len == 0 {
         c.resize(len, 0.0);
         bias_act_in_place(&mut c, n, bias, act)?;
@@ -293,6 +285,21 @@ pub fn matmul_bf16_new_with(
         c.set_len(len);
     }
     Ok(c)
+}
+
+/// `m · n` and an empty buffer with room for that many outputs, or the error that says why
+/// not.
+fn output<T>(m: usize, n: usize) -> Result<(usize, Vec<T>), KernelError> {
+    let len = m.checked_mul(n).ok_or_else(|| KernelError::InvalidArgument {
+        name: "c",
+        msg: format!("{m} x {n} outputs overflow usize"),
+    })?;
+    let mut c: Vec<T> = Vec::new();
+    c.try_reserve_exact(len).map_err(|_| KernelError::InvalidArgument {
+        name: "c",
+        msg: format!("cannot allocate {len} outputs"),
+    })?;
+    Ok((len, c))
 }
 
 /// A bias of `n` values, if any.
@@ -344,27 +351,14 @@ pub fn matmul_bf16_to_bf16(
 ) -> Result<Vec<u16>, KernelError> {
     let (m, n, k) = check_operands(&a, &b)?;
     check_bias(bias, n)?;
-    let len = m.checked_mul(n).ok_or_else(|| KernelError::InvalidArgument {
-        name: "c",
-        msg: format!("{m} x {n} outputs overflow usize"),
-    })?;
+    let (len, mut out) = output::<u16>(m, n)?;
     if k == 0 || k > MAX_FUSED_DEPTH || len == 0 {
-        let mut y = matmul_bf16_new(a, b)?;
-        bias_act_in_place(&mut y, n, bias, act)?;
-        let mut out: Vec<u16> = Vec::new();
-        out.try_reserve_exact(len).map_err(|_| KernelError::InvalidArgument {
-            name: "c",
-            msg: format!("cannot allocate {len} bf16 outputs"),
-        })?;
-        out.resize(len, 0);
-        crate::convert::f32_to_bf16(&y, &mut out)?;
+        let y = matmul_bf16_new_with(a, b, bias, act)?;
+        crate::convert::f32_to_bf16_uninit(&y, &mut out.spare_capacity_mut()[..len])?;
+        // SAFETY: the conversion wrote all `len` elements of the reserved capacity.
+        unsafe { out.set_len(len) };
         return Ok(out);
     }
-    let mut out: Vec<u16> = Vec::new();
-    out.try_reserve_exact(len).map_err(|_| KernelError::InvalidArgument {
-        name: "c",
-        msg: format!("cannot allocate {len} bf16 outputs"),
-    })?;
     let epilogue = driver::Epilogue {
         bias: bias.map(|b| ConstPtr(b.as_ptr())),
         act,

@@ -251,19 +251,7 @@ mod panels_avx512 {
         #[inline(always)]
         unsafe fn bits16(p: *const f32, mask: __mmask16) -> __m512i {
             // SAFETY: forwarded; masked lanes are not read.
-            unsafe {
-                let x = _mm512_maskz_loadu_ps(mask, p);
-                let bits = _mm512_castps_si512(x);
-                // Round to nearest even: bits + 0x7FFF + ((bits >> 16) & 1), then the top half.
-                let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
-                let sum = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-                let rounded = _mm512_srli_epi32::<16>(sum);
-                // NaN: the sign and top payload bits, made quiet.
-                let quiet =
-                    _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x0040));
-                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
-                _mm512_mask_mov_epi32(rounded, nan, quiet)
-            }
+            unsafe { crate::convert::round16(_mm512_maskz_loadu_ps(mask, p)) }
         }
     }
 
