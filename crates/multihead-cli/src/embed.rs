@@ -22,12 +22,12 @@ pub struct EmbedArgs {
     #[arg(long)]
     pub json: bool,
     /// Texts per padded batch, 1 to 65536. Texts are sorted by length within windows of 64
-    /// batches; the output keeps the input order. An f32 model packs a window's texts into
-    /// batches of up to `--pack-tokens` tokens (no padding computed); `--padded` pads batches
-    /// of `--batch` texts instead (a bf16 model always does).
+    /// batches; the output keeps the input order. A window's texts are packed into batches of
+    /// up to `--pack-tokens` tokens (no padding computed); `--padded` pads batches of
+    /// `--batch` texts instead.
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
-    /// The most tokens of one packed batch (f32), 1 to 2^24.
+    /// The most tokens of one packed batch, 1 to 2^24.
     #[arg(long, default_value_t = 4096)]
     pub pack_tokens: usize,
     /// Pad each batch to its longest text instead of packing it.
@@ -102,8 +102,7 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     };
     let out = std::io::stdout();
     let mut out = std::io::BufWriter::new(out.lock());
-    let packing =
-        (!args.padded && m.dtype() == candle_core::DType::F32).then_some(args.pack_tokens);
+    let packing = (!args.padded).then_some(args.pack_tokens);
     if let Some(tokens) = packing {
         crate::GLOBAL.set_budget(packed_cache_budget(tokens, m.temporaries_per_token()));
     }
@@ -119,7 +118,7 @@ pub fn run(args: EmbedArgs) -> Result<()> {
 }
 
 /// What `--dtype bf16` does on this CPU, for stderr: where its products are widened to f32,
-/// bf16 costs what f32 costs (and its batches are padded, not packed), so say so.
+/// bf16 costs what f32 costs, so say so.
 fn bf16_note() -> String {
     let plan = multihead::explain_bf16_products();
     match plan.direct {

@@ -424,8 +424,8 @@ impl MiniLm {
 
     /// Embeds tokenized texts as one packed batch: their tokens one after another, each
     /// attending to its own text only (`forward_packed`), so no padding is computed; pooled
-    /// and normalised as [`embed_ids`](Self::embed_ids), under `no_grad`. f32 models (a bf16
-    /// model takes the padded path).
+    /// and normalised as [`embed_ids`](Self::embed_ids), under `no_grad`. A bf16 model runs
+    /// each layer in f32 between one widening and one rounding, as its padded batches do.
     pub fn embed_ids_packed(&self, seqs: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
         multihead::on_pool(|| multihead::no_grad(|| self.embed_packed_graded(seqs)))
     }

@@ -295,7 +295,8 @@ fn run(
                 opts.is_causal,
                 dropout,
                 &opts.variants,
-            );
+            )
+            .with_rounded_products();
             match &opts.sinks {
                 None => op.apply(query, key, value),
                 Some(t) => {

@@ -165,6 +165,12 @@ impl FlashAttention {
         Self { sinks: Some(Arc::new(sinks)), ..self }
     }
 
+    /// The same op with its products' operands rounded to bf16 (`on`) or widened, as decided
+    /// by a caller that ran on another thread (varlen attention's sequences).
+    pub(crate) fn with_bf16_products(self, on: bool) -> Self {
+        Self { bf16_products: on, ..self }
+    }
+
     /// The same op with bf16 products where a bf16 module's computation rounds its products
     /// (`crate::mode::rounded_products`) and PyTorch's bf16 CPU attention would run its flash
     /// kernel, which rounds the probabilities: not with the weights or a mask that requires

@@ -44,6 +44,10 @@ pub(crate) struct VarlenAttention {
     /// Whether the forward keeps the row statistics for a backward (as
     /// `FlashAttention::keep_stats`).
     keep_stats: bool,
+    /// Whether the products take bf16 operands (a bf16 call under rounded products, decided
+    /// on the calling thread as `FlashAttention::with_rounded_products` decides it: the
+    /// sequences run on the pool's threads, which do not see the caller's mode).
+    bf16_products: bool,
 }
 
 /// One input's rows: the data from the view's start, the stride between rows and between
@@ -129,7 +133,19 @@ impl VarlenAttention {
             sinks: None,
             lse: Arc::default(),
             keep_stats: true,
+            bf16_products: false,
         }
+    }
+
+    /// The same op with its products' operands rounded to bf16 where the calling thread
+    /// asks for rounded products (PyTorch's bf16 flash kernel, per sequence; not with grouped
+    /// heads or dropout, where PyTorch takes its math path: see
+    /// `FlashAttention::with_rounded_products`).
+    pub(crate) fn with_rounded_products(self) -> Self {
+        let (hq, hk, _, _) = self.heads;
+        let dropout = self.dropout.is_some_and(|(p, _)| p > 0.0);
+        let on = crate::mode::in_rounded_products() && hq == hk && !dropout;
+        Self { bf16_products: on, ..self }
     }
 
     /// The same op with attention sinks, one per query head (validated by the caller).
@@ -157,7 +173,8 @@ impl VarlenAttention {
             dropout,
             Convention::Bhtd,
         )
-        .with_variants(&self.variants);
+        .with_variants(&self.variants)
+        .with_bf16_products(self.bf16_products);
         match &self.sinks {
             Some(x) => op.with_sinks(x.to_vec()),
             None => op,

@@ -238,6 +238,18 @@ impl TransformerEncoderLayer {
         cu: &crate::functional::CuSeqlens,
         opts: &crate::multihead_attention::PackedOptions,
     ) -> Result<Tensor> {
+        let dtype = src.dtype();
+        if crate::precision::is_reduced(dtype) && dtype == self.self_attn.dtype() {
+            // bf16/f16: the f32 layer between one widening and one rounding, as `forward_with`
+            // computes a padded batch (candle's own bf16 adds and norms were most of the time).
+            use crate::precision::{narrow, widen, CastParams};
+            let mut o = opts.clone();
+            o.sinks = crate::precision::widen_opt(opts.sinks.as_ref())?;
+            let (widened, x) = (self.widened()?, widen(src)?);
+            let y =
+                crate::mode::rounded_products(dtype, || widened.forward_packed_here(&x, cu, &o))?;
+            return narrow(&y, dtype);
+        }
         let drop = self.dropouts(opts.dropout_key);
         let attend = |x: &Tensor| -> Result<Tensor> {
             drop.apply(&self.self_attn.forward_packed(x, cu, opts)?, DropoutSlot::SelfBlock)

@@ -211,6 +211,54 @@ fn packed_encoder_layer_equals_the_padded_batch() {
     }
 }
 
+/// A bf16 `TransformerEncoderLayer::forward_packed` computes as the padded batch does (the
+/// f32 layer between one widening and one rounding, bf16 products where they are taken): the
+/// same bf16 bits for every real token, post-norm and pre-norm.
+#[test]
+fn packed_bf16_encoder_layer_has_the_padded_batchs_bits() {
+    use multihead::multihead_attention::PackedOptions;
+    use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
+    let lens = [6usize, 13, 2];
+    let (e, max) = (16usize, 13usize);
+    let cu = CuSeqlens::from_lengths(&lens);
+    let t: usize = lens.iter().sum();
+    let x = det(&[t, e], DType::F32, 7.0).to_dtype(DType::BF16).unwrap();
+    for norm_first in [false, true] {
+        let vm = candle_nn::VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::BF16, x.device());
+        let cfg = LayerConfig::new(e, 4).with_dim_feedforward(32).with_batch_first(true);
+        let mut layer = TransformerEncoderLayer::new(cfg.with_norm_first(norm_first), vb).unwrap();
+        layer.eval();
+        let packed = layer.forward_packed(&x, &cu, &PackedOptions::default()).unwrap();
+        assert_eq!(packed.dtype(), DType::BF16);
+        let mut rows = Vec::new();
+        let mut pad = Vec::new();
+        for (b, &n) in lens.iter().enumerate() {
+            let part = x.narrow(0, cu.offsets()[b], n).unwrap();
+            let zeros = Tensor::zeros((max - n, e), DType::BF16, x.device()).unwrap();
+            rows.push(Tensor::cat(&[&part, &zeros], 0).unwrap());
+            pad.extend((0..max).map(|i| u8::from(i >= n)));
+        }
+        let padded = Tensor::stack(&rows, 0).unwrap();
+        let kpm = multihead::Mask::Bool(Tensor::from_vec(pad, (3, max), x.device()).unwrap());
+        let out = layer.forward(&padded, None, Some(&kpm), false).unwrap();
+        let bits = |t: &Tensor| -> Vec<u16> {
+            t.flatten_all()
+                .unwrap()
+                .to_vec1::<half::bf16>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        for (b, &n) in lens.iter().enumerate() {
+            let want = out.get(b).unwrap().narrow(0, 0, n).unwrap();
+            let got = packed.narrow(0, cu.offsets()[b], n).unwrap();
+            assert_eq!(bits(&got), bits(&want), "sequence {b}, norm_first {norm_first}");
+        }
+    }
+}
+
 /// Degenerate packed batches run on both paths and agree: no rows at all (no sequences, or
 /// only empty ones), an empty view of a larger tensor, and head size 0 (PyTorch's SDPA then
 /// averages the values).
