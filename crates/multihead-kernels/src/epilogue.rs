@@ -115,7 +115,7 @@ unsafe fn act_vec<S: Simd>(act: Act, v: S::V) -> S::V {
 /// `act(tile[r·ld + j] + bias[j])` for `r < rows`, `j < cols`, the bits of
 /// [`bias_act_in_place`]; with a bf16 output, `out[r·ldo + j]` is that rounded to nearest even
 /// ([`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits)).
-pub(crate) struct TileToBf16 {
+pub(crate) struct TileEpilogue {
     pub(crate) tile: *mut f32,
     pub(crate) ld: usize,
     pub(crate) rows: usize,
@@ -127,7 +127,7 @@ pub(crate) struct TileToBf16 {
     pub(crate) ldo: usize,
 }
 
-impl TileToBf16 {
+impl TileEpilogue {
     /// Runs the epilogue at `level` (at most the detected level).
     ///
     /// # Safety

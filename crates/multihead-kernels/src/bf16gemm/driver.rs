@@ -13,7 +13,7 @@ use super::select::resolve;
 use super::{BfMat, KC, NC, NR};
 use crate::attention::exec::{ConstPtr, SyncPtr};
 use crate::attention::{KernelError, SimdLevel};
-use crate::epilogue::{Act, TileToBf16};
+use crate::epilogue::{Act, TileEpilogue};
 
 /// Row blocks of `A`: 96 rows of `KC` bf16, 192 KiB: an L2's share (sixteen tiles of the
 /// `vdpbf16ps` kernel, three of the AMX kernel).
@@ -265,7 +265,7 @@ impl Epilogue {
         // SAFETY: forwarded; the bias's columns `j..j + cols` exist.
         unsafe {
             let bias = self.bias.map(|b| b.0.add(j));
-            let epi = TileToBf16 { tile, ld, rows, cols, bias, act: self.act, out, ldo };
+            let epi = TileEpilogue { tile, ld, rows, cols, bias, act: self.act, out, ldo };
             epi.run(self.level);
         }
     }

@@ -332,3 +332,43 @@ fn fused_epilogues_are_the_f32_product_then_the_epilogue_bit_for_bit() {
     );
     assert!(matches!(e, Err(KernelError::InvalidArgument { name: "bias", .. })), "{e:?}");
 }
+
+#[test]
+fn fused_epilogues_take_broadcast_views_and_refuse_what_cannot_be() {
+    use crate::epilogue::Act;
+    // A broadcast A (every row the same, row stride 0) and a B read through a column stride:
+    // the epilogue paths give the unfused bits.
+    let (m, n, k) = (37, 70, 45);
+    let row = rand_vec(k, 61);
+    let b = rand_vec(n * k, 62);
+    let mut bias = rand_vec(n, 63);
+    bias[5] = f32::NAN;
+    let av = BfMat { data: Elems::F32(&row), rows: m, cols: k, row_stride: 0, col_stride: 1 };
+    let bv = BfMat::f32(&b, n, k).t();
+    let mut want = matmul_bf16_new(av, bv).unwrap();
+    crate::epilogue::bias_act_in_place(&mut want, n, Some(&bias), Act::Gelu).unwrap();
+    let got = matmul_bf16_new_with(av, bv, Some(&bias), Act::Gelu).unwrap();
+    let same = |g: f32, w: f32| g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan());
+    assert!(got.iter().zip(&want).all(|(g, w)| same(*g, *w)), "f32 output");
+    let got = matmul_bf16_to_bf16(av, bv, Some(&bias), Act::Gelu).unwrap();
+    assert!(got.iter().zip(&want).all(|(g, w)| *g == f32_to_bf16_bits(*w)), "bf16 output");
+    // Rows equal, as the broadcast says.
+    assert_eq!(got[..n], got[(m - 1) * n..]);
+    // A short view, an output too large to count, a wrong bias: typed errors naming them.
+    let short = BfMat { rows: m + 1, ..av };
+    let e = matmul_bf16_to_bf16(BfMat { row_stride: k, ..short }, bv, None, Act::Identity);
+    assert!(
+        matches!(
+            e,
+            Err(KernelError::SliceTooShort { .. }) | Err(KernelError::InvalidArgument { .. })
+        ),
+        "{e:?}"
+    );
+    let huge = BfMat { rows: usize::MAX / 2, ..av };
+    let e = matmul_bf16_new_with(huge, bv, None, Act::Relu);
+    assert!(matches!(e, Err(KernelError::InvalidArgument { name: "c", .. })), "{e:?}");
+    let e = matmul_bf16_to_bf16(huge, bv, None, Act::Relu);
+    assert!(matches!(e, Err(KernelError::InvalidArgument { name: "c", .. })), "{e:?}");
+    let e = matmul_bf16_new_with(av, bv, Some(&bias[..3]), Act::Identity);
+    assert!(matches!(e, Err(KernelError::InvalidArgument { name: "bias", .. })), "{e:?}");
+}

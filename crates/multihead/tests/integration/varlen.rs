@@ -174,38 +174,51 @@ fn packed_mha_equals_each_sequence_alone() {
     }
 }
 
+/// A `TransformerEncoderLayer` (E = 16, 4 heads, feed-forward 32, eval) of `dtype` on the
+/// packed sequences `lens` of `x`, and on the same sequences as a padded batch with its key
+/// padding mask: `(packed (T, E), padded output (3, max, E), offsets)`.
+fn packed_and_padded_layer(
+    dtype: DType,
+    norm_first: bool,
+    lens: &[usize],
+) -> (Tensor, Tensor, Vec<usize>) {
+    use multihead::multihead_attention::PackedOptions;
+    use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
+    let e = 16usize;
+    let max = lens.iter().copied().max().unwrap_or(0);
+    let cu = CuSeqlens::from_lengths(lens);
+    let t: usize = lens.iter().sum();
+    let x = det(&[t, e], DType::F32, 7.0).to_dtype(dtype).unwrap();
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, dtype, x.device());
+    let cfg = LayerConfig::new(e, 4).with_dim_feedforward(32).with_batch_first(true);
+    let mut layer = TransformerEncoderLayer::new(cfg.with_norm_first(norm_first), vb).unwrap();
+    layer.eval();
+    let packed = layer.forward_packed(&x, &cu, &PackedOptions::default()).unwrap();
+    let mut rows = Vec::new();
+    let mut pad = Vec::new();
+    for (b, &n) in lens.iter().enumerate() {
+        let part = x.narrow(0, cu.offsets()[b], n).unwrap();
+        let zeros = Tensor::zeros((max - n, e), dtype, x.device()).unwrap();
+        rows.push(Tensor::cat(&[&part, &zeros], 0).unwrap());
+        pad.extend((0..max).map(|i| u8::from(i >= n)));
+    }
+    let padded = Tensor::stack(&rows, 0).unwrap();
+    let kpm = Tensor::from_vec(pad, (lens.len(), max), x.device()).unwrap();
+    let out = layer.forward(&padded, None, Some(&multihead::Mask::Bool(kpm)), false).unwrap();
+    (packed, out, cu.offsets().to_vec())
+}
+
 /// `TransformerEncoderLayer::forward_packed` gives what a padded batch with its key padding
 /// mask gives, post-norm and pre-norm.
 #[test]
 fn packed_encoder_layer_equals_the_padded_batch() {
-    use multihead::multihead_attention::PackedOptions;
-    use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
     let lens = [6usize, 13, 2];
-    let (e, max) = (16usize, 13usize);
-    let cu = CuSeqlens::from_lengths(&lens);
-    let t: usize = lens.iter().sum();
-    let x = det(&[t, e], DType::F32, 7.0);
     for norm_first in [false, true] {
-        let vm = candle_nn::VarMap::new();
-        let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, x.device());
-        let cfg = LayerConfig::new(e, 4).with_dim_feedforward(32).with_batch_first(true);
-        let mut layer = TransformerEncoderLayer::new(cfg.with_norm_first(norm_first), vb).unwrap();
-        layer.eval();
-        let packed = layer.forward_packed(&x, &cu, &PackedOptions::default()).unwrap();
-        let mut rows = Vec::new();
-        let mut pad = Vec::new();
-        for (b, &n) in lens.iter().enumerate() {
-            let part = x.narrow(0, cu.offsets()[b], n).unwrap();
-            let zeros = Tensor::zeros((max - n, e), DType::F32, x.device()).unwrap();
-            rows.push(Tensor::cat(&[&part, &zeros], 0).unwrap());
-            pad.extend((0..max).map(|i| u8::from(i >= n)));
-        }
-        let padded = Tensor::stack(&rows, 0).unwrap();
-        let kpm = multihead::Mask::Bool(Tensor::from_vec(pad, (3, max), x.device()).unwrap());
-        let out = layer.forward(&padded, None, Some(&kpm), false).unwrap();
+        let (packed, out, offsets) = packed_and_padded_layer(DType::F32, norm_first, &lens);
         for (b, &n) in lens.iter().enumerate() {
             let want = out.get(b).unwrap().narrow(0, 0, n).unwrap();
-            let got = packed.narrow(0, cu.offsets()[b], n).unwrap();
+            let got = packed.narrow(0, offsets[b], n).unwrap();
             assert_close(&got, &want, Tolerance::F32_FORWARD, "layer");
         }
     }
@@ -216,44 +229,17 @@ fn packed_encoder_layer_equals_the_padded_batch() {
 /// same bf16 bits for every real token, post-norm and pre-norm.
 #[test]
 fn packed_bf16_encoder_layer_has_the_padded_batchs_bits() {
-    use multihead::multihead_attention::PackedOptions;
-    use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
     let lens = [6usize, 13, 2];
-    let (e, max) = (16usize, 13usize);
-    let cu = CuSeqlens::from_lengths(&lens);
-    let t: usize = lens.iter().sum();
-    let x = det(&[t, e], DType::F32, 7.0).to_dtype(DType::BF16).unwrap();
+    let bits = |t: &Tensor| -> Vec<u16> {
+        let v = t.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap();
+        v.iter().map(|v| v.to_bits()).collect()
+    };
     for norm_first in [false, true] {
-        let vm = candle_nn::VarMap::new();
-        let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::BF16, x.device());
-        let cfg = LayerConfig::new(e, 4).with_dim_feedforward(32).with_batch_first(true);
-        let mut layer = TransformerEncoderLayer::new(cfg.with_norm_first(norm_first), vb).unwrap();
-        layer.eval();
-        let packed = layer.forward_packed(&x, &cu, &PackedOptions::default()).unwrap();
+        let (packed, out, offsets) = packed_and_padded_layer(DType::BF16, norm_first, &lens);
         assert_eq!(packed.dtype(), DType::BF16);
-        let mut rows = Vec::new();
-        let mut pad = Vec::new();
-        for (b, &n) in lens.iter().enumerate() {
-            let part = x.narrow(0, cu.offsets()[b], n).unwrap();
-            let zeros = Tensor::zeros((max - n, e), DType::BF16, x.device()).unwrap();
-            rows.push(Tensor::cat(&[&part, &zeros], 0).unwrap());
-            pad.extend((0..max).map(|i| u8::from(i >= n)));
-        }
-        let padded = Tensor::stack(&rows, 0).unwrap();
-        let kpm = multihead::Mask::Bool(Tensor::from_vec(pad, (3, max), x.device()).unwrap());
-        let out = layer.forward(&padded, None, Some(&kpm), false).unwrap();
-        let bits = |t: &Tensor| -> Vec<u16> {
-            t.flatten_all()
-                .unwrap()
-                .to_vec1::<half::bf16>()
-                .unwrap()
-                .iter()
-                .map(|v| v.to_bits())
-                .collect()
-        };
         for (b, &n) in lens.iter().enumerate() {
             let want = out.get(b).unwrap().narrow(0, 0, n).unwrap();
-            let got = packed.narrow(0, cu.offsets()[b], n).unwrap();
+            let got = packed.narrow(0, offsets[b], n).unwrap();
             assert_eq!(bits(&got), bits(&want), "sequence {b}, norm_first {norm_first}");
         }
     }
