@@ -314,7 +314,7 @@ pub(crate) unsafe fn pair_cols(
     (kp, nrows): (usize, usize),
 ) {
     #[cfg(target_arch = "x86_64")]
-    if crate::bf16gemm::pack::vector_packing() && nrows * kp <= i32::MAX as usize {
+    if crate::bf16gemm::pack::vector_packing() {
         // SAFETY: the same words, by the AVX-512 transposing packer: column `c` is row `c` of
         // the output (bf16 rows of `2·kp`), its elements `ld` apart along the rows.
         return unsafe {

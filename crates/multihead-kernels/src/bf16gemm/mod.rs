@@ -54,6 +54,8 @@ mod rate;
 mod select;
 #[cfg(test)]
 mod tests;
+#[cfg(target_arch = "x86_64")]
+mod transpose;
 
 pub use amx::amx_available;
 pub use rate::{bf16_dot_available, bf16_dot_speedup};

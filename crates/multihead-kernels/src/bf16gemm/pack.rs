@@ -330,9 +330,10 @@ mod panels_avx512 {
 
     /// The panels of a `B` whose columns are contiguous along `k` (column `j` at
     /// `src + (j0 + j)·cs`, element `p0 + p` at `+ p0 + p`): bit for bit `pack_b_typed`'s.
-    /// For each group of 16 pairs and each column, one 32-element run is read and its 16
-    /// words scattered down the panel (`NR` words apart); walking down every column a pair at
-    /// a time instead cost a tenth of a bf16 `Linear` forward.
+    /// For each group of 16 pairs and 16 columns, each column's 32-element run is read as 16
+    /// words, the 16 × 16 words are transposed in registers and each pair row of the panel is
+    /// stored at once. Walking down every column a pair at a time instead cost a tenth of a
+    /// bf16 `Linear` forward; scattering each column's words down the panel, a third of that.
     ///
     /// # Safety
     /// As for `pack_b_typed`, with `b.row_stride == 1` and `cs == b.col_stride`; the CPU has
@@ -341,8 +342,6 @@ mod panels_avx512 {
     pub(super) unsafe fn pack_cols<T: Lanes>(src: *const T, cs: usize, blk: BBlock, dst: *mut u32) {
         let BBlock { p0, kc, kp, j0, cols, panels } = blk;
         let live_pairs = kc.div_ceil(2);
-        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        let index = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(NR as i32));
         // SAFETY: column `j < cols` holds elements `p0..p0 + kc` inside `b` (the block lies
         // inside it); panel words `(p + r)·NR + j` with `p + r < live_pairs <= kp`, `j < NR`
         // lie inside the panels addressed, and the pairs from `live_pairs` to `kp` are zeroed.
@@ -353,15 +352,23 @@ mod panels_avx512 {
                 std::ptr::write_bytes(panel.add(live_pairs * NR), 0, (kp - live_pairs) * NR);
                 for p in (0..live_pairs).step_by(16) {
                     let np = (live_pairs - p).min(16);
-                    let mask: __mmask16 = if np == 16 { 0xFFFF } else { (1 << np) - 1 };
                     let elems = (kc - 2 * p).min(32);
-                    for j in 0..NR {
-                        let out = panel.add(p * NR + j) as *mut i32;
-                        let w = match j < live {
-                            true => words16(src.add(p0 + 2 * p + (j0 + q * NR + j) * cs), elems),
-                            false => _mm512_setzero_si512(),
-                        };
-                        _mm512_mask_i32scatter_epi32::<4>(out, mask, index, w);
+                    for jg in (0..live).step_by(16) {
+                        let mut w = [_mm512_setzero_si512(); 16];
+                        for (jj, x) in w.iter_mut().enumerate().take(live - jg) {
+                            let col = src.add(p0 + 2 * p + (j0 + q * NR + jg + jj) * cs);
+                            *x = words16(col, elems);
+                        }
+                        super::super::transpose::transpose16(&mut w);
+                        for (r, x) in w.iter().enumerate().take(np) {
+                            let out = panel.add((p + r) * NR + jg) as *mut __m512i;
+                            _mm512_storeu_si512(out, *x);
+                        }
+                    }
+                    // Columns past the live ones are zero.
+                    for r in 0..np {
+                        let row = panel.add((p + r) * NR);
+                        std::ptr::write_bytes(row.add(live), 0, NR - live);
                     }
                 }
             }
@@ -406,48 +413,55 @@ mod panels_avx512 {
 
     /// A transposed block (row `i`, pair element `p` at `src + i + p·cs`) in the row-major
     /// layout of the AMX kernel: row `i` at `dst + i·lda`, element `p` at `p`, zeros past `kc`
-    /// and in the rows past `rows`; bit for bit `pack_a_typed`'s. Each step reads two runs of
-    /// 16 rows (pair `q`'s elements) and scatters the 16 words into the rows: packing row by
+    /// and in the rows past `rows`; bit for bit `pack_a_typed`'s. Each step reads the runs of
+    /// 16 rows of 16 pairs (32 source runs), joins each pair's two runs into words, transposes
+    /// the 16 × 16 words in registers and stores each row's 16 words at once. Packing row by
     /// row instead reads a new cache line per element (a third of a bf16 `Linear`'s training
-    /// step on AMX).
+    /// step on AMX); scattering each pair's 16 words to the rows, one `vpscatterdd` per pair,
+    /// took 12% of it (a tenth of it with the transpose).
     ///
     /// # Safety
     /// As for `pack_a_typed`, with `a.row_stride == 1` and `cs == a.col_stride`; `lda` is even
-    /// and at least `kc`, `padded · lda / 2` fits in `i32`; the CPU has AVX-512F, BW and VL.
+    /// and at least `kc`; the CPU has AVX-512F, BW and VL.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn pack_rows<T: Lanes>(src: *const T, cs: usize, blk: ABlock, dst: *mut u16) {
         let ABlock { i0, rows, padded, p0, kc, lda } = blk;
         let kp = lda / 2;
-        // Word offsets of rows 0..16 of a group (`lda / 2` words apart).
-        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        let index = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(kp as i32));
         // SAFETY: source elements `i0 + i + (p0 + p)·cs` with `i < rows` (the masks) and
-        // `p < kc` are inside `a`, and so are the prefetched lines (rows below `p0 + kc`);
-        // destination words `(i + r)·kp + q` with `i + r < rows`, `q < kp` and the zeroed rows
-        // below `padded` lie inside `padded · lda` elements.
+        // `p < kc` are inside `a`, and so are the prefetched runs (rows below `p0 + kc`);
+        // destination words `(i + r)·kp + q` with `i + r < rows` and `q < kp` (the store
+        // masks) and the zeroed rows below `padded` lie inside `padded · lda` elements.
         unsafe {
-            for i in (0..rows).step_by(16) {
-                let live = (rows - i).min(16);
-                let mask = if live == 16 { 0xFFFF } else { (1u16 << live) - 1 };
-                let out = dst.add(i * lda) as *mut i32;
-                let at = |p: usize| src.add(i0 + i + (p0 + p) * cs);
-                for q in 0..kp {
-                    let (p, bytes) = (2 * q, 16 * std::mem::size_of::<T>());
-                    if p + 17 < kc {
-                        for line in [at(p + 16), at(p + 17)] {
-                            for off in (0..bytes).step_by(64) {
-                                _mm_prefetch::<_MM_HINT_T0>((line as *const i8).wrapping_add(off));
-                            }
-                        }
+            let run = |p: usize| src.add(i0 + (p0 + p) * cs);
+            let bytes = rows * std::mem::size_of::<T>();
+            // Pair blocks outside, row groups inside: the 32 source runs of a block (each the
+            // block's rows) are read once for all its row groups.
+            for q0 in (0..kp).step_by(16) {
+                let nq = (kp - q0).min(16);
+                let qmask: __mmask16 = if nq == 16 { 0xFFFF } else { (1 << nq) - 1 };
+                // Prefetch the next block's runs.
+                for p in (2 * q0 + 32..(2 * q0 + 64).min(kc)).map(run) {
+                    for off in (0..bytes).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>((p as *const i8).add(off));
                     }
-                    let lo = if p < kc { T::bits16(at(p), mask) } else { _mm512_setzero_si512() };
-                    let hi = if p + 1 < kc {
-                        T::bits16(at(p + 1), mask)
-                    } else {
-                        _mm512_setzero_si512()
-                    };
-                    let w = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
-                    _mm512_mask_i32scatter_epi32::<4>(out.add(q), mask, index, w);
+                }
+                for i in (0..rows).step_by(16) {
+                    let live = (rows - i).min(16);
+                    let mask = if live == 16 { 0xFFFF } else { (1u16 << live) - 1 };
+                    let mut w = [_mm512_setzero_si512(); 16];
+                    for (j, x) in w.iter_mut().enumerate().take(nq) {
+                        let p = 2 * (q0 + j);
+                        let half = |p: usize| match p < kc {
+                            true => T::bits16(run(p).add(i), mask),
+                            false => _mm512_setzero_si512(),
+                        };
+                        *x = _mm512_or_si512(half(p), _mm512_slli_epi32::<16>(half(p + 1)));
+                    }
+                    super::super::transpose::transpose16(&mut w);
+                    for (r, x) in w.iter().enumerate().take(live) {
+                        let out = dst.add((i + r) * lda + 2 * q0) as *mut i32;
+                        _mm512_mask_storeu_epi32(out, qmask, *x);
+                    }
                 }
             }
             for i in rows..padded {
@@ -474,7 +488,7 @@ pub(crate) fn vector_packing() -> bool {
 ///
 /// # Safety
 /// [`vector_packing`] is true; the elements are readable; `dst` holds `padded · lda`
-/// elements, `lda` even and at least `kc`, `padded · lda / 2` fits in `i32`.
+/// elements, `lda` even and at least `kc`.
 #[cfg(target_arch = "x86_64")]
 pub(crate) unsafe fn transpose_rows_f32(
     src: *const f32,

@@ -100,19 +100,23 @@ fn matches_the_reference_for_every_layout_level_and_thread_count() {
 
 #[test]
 fn bf16_operands_give_what_their_f32_values_give() {
-    let (m, n, k) = (19, 70, 203);
+    // Every layout (the transposing packers read bf16 runs as they read f32 ones), with rows,
+    // pairs and columns that cross the packers' 16-row, 16-pair and 16-column groups.
+    let (m, n, k) = (37, 70, 203);
     let a = rand_vec(m * k, 5).iter().map(|&x| f32_to_bf16_bits(x * 3.0)).collect::<Vec<_>>();
     let w = rand_vec(n * k, 6).iter().map(|&x| f32_to_bf16_bits(x)).collect::<Vec<_>>();
     let wide =
         |v: &[u16]| v.iter().map(|&b| crate::convert::bf16_bits_to_f32(b)).collect::<Vec<_>>();
     let (a32, w32) = (wide(&a), wide(&w));
-    let mut from_bits = vec![0f32; m * n];
-    let mut from_f32 = vec![0f32; m * n];
-    matmul_bf16(BfMat::bf16(&a, m, k), BfMat::bf16(&w, n, k).t(), &mut from_bits, n, false)
-        .unwrap();
-    matmul_bf16(BfMat::f32(&a32, m, k), BfMat::f32(&w32, n, k).t(), &mut from_f32, n, false)
-        .unwrap();
-    assert_eq!(from_bits, from_f32);
+    for (l, (sa, sb)) in layouts(m, n, k).into_iter().enumerate() {
+        let mut from_bits = vec![0f32; m * n];
+        let mut from_f32 = vec![0f32; m * n];
+        let (ab, bb) = (view(Elems::Bf16(&a), m, k, sa), view(Elems::Bf16(&w), k, n, sb));
+        let (af, bf) = (view(Elems::F32(&a32), m, k, sa), view(Elems::F32(&w32), k, n, sb));
+        matmul_bf16(ab, bb, &mut from_bits, n, false).unwrap();
+        matmul_bf16(af, bf, &mut from_f32, n, false).unwrap();
+        assert_eq!(from_bits, from_f32, "layout {l}");
+    }
 }
 
 #[test]
