@@ -14,6 +14,7 @@
 //! * [`no_grad`] is PyTorch's `torch.no_grad()`; [`Backend`] and `explain` choose and report the
 //!   path a call takes (the fused CPU kernels or the composed candle reference), see [`mode`].
 //! * [`memory::ReuseLarge`] is a global-allocator wrapper that keeps large freed blocks for reuse.
+//! * [`cast`] is `Tensor::to_dtype` with a fast bf16 <-> f32 path on the CPU (PyTorch's `t.to(dtype)`).
 //! * Incremental decoding: [`KvCache`] with [`MultiheadAttention::forward_cached`], cross-attention
 //!   keys projected once ([`StaticKv`], PyTorch's `static_k`/`static_v`), the decoder's
 //!   [`forward_step`](transformer::TransformerDecoder::forward_step) and
@@ -102,6 +103,7 @@ pub use mode::{
 };
 pub use multihead_attention::{MhaConfig, MultiheadAttention, StaticKv};
 pub use pool::on_pool;
+pub use precision::cast;
 pub use products::{check_bf16_environment, explain_bf16_products, ProductsPlan};
 pub use random::manual_seed;
 pub use state_dict::NamedParameters;

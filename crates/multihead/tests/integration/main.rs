@@ -6,6 +6,7 @@ mod autocast;
 mod backward_store;
 mod behaviour;
 mod bf16_products;
+mod cast;
 mod common;
 mod cos_init;
 mod decode;

@@ -1,0 +1,95 @@
+//! `multihead::cast` gives candle's `to_dtype` bits, forward and backward, on the values where
+//! rounding decides (ties, the edge of overflow, subnormals, NaN, infinities, signed zeros) and
+//! on strided views.
+
+use candle_core::{DType, Tensor, Var};
+
+use crate::common::dev;
+
+/// f32 values where the rounding to bf16 matters, then a ramp of ordinary ones.
+fn awkward() -> Vec<f32> {
+    let mut v = vec![
+        1.0 + 1.0 / 256.0,    // a tie: rounds to the even 1.0
+        1.0 + 3.0 / 256.0,    // a tie: rounds up
+        -(1.0 + 1.0 / 256.0), // a negative tie
+        f32::MAX,             // rounds to infinity
+        3.389_531_4e38,       // just below bf16's largest finite value
+        1e-39,                // an f32 subnormal
+        -1e-45,               // the smallest negative subnormal
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::from_bits(0x7f80_0001), // a signalling NaN (comes out quieted)
+        f32::from_bits(0xffc0_1234), // a negative NaN with a payload
+    ];
+    v.extend((0..1000).map(|i| (i as f32 * 0.7331).sin() * 10f32.powi(i % 9 - 4)));
+    v
+}
+
+fn bits_f32(t: &Tensor) -> Vec<u32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+}
+
+fn bits_bf16(t: &Tensor) -> Vec<u16> {
+    let v = t.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap();
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn cast_rounds_and_widens_as_candle_does() {
+    let x = Tensor::new(awkward().as_slice(), &dev()).unwrap();
+    let ours = multihead::cast(&x, DType::BF16).unwrap();
+    let theirs = x.to_dtype(DType::BF16).unwrap();
+    assert_eq!(ours.dtype(), DType::BF16);
+    assert_eq!(bits_bf16(&ours), bits_bf16(&theirs));
+    let wide = multihead::cast(&theirs, DType::F32).unwrap();
+    assert_eq!(bits_f32(&wide), bits_f32(&theirs.to_dtype(DType::F32).unwrap()));
+    // The tie went to the even value (so the comparison above is not of two wrong answers).
+    assert_eq!(wide.get(0).unwrap().to_scalar::<f32>().unwrap(), 1.0);
+    assert_eq!(wide.get(3).unwrap().to_scalar::<f32>().unwrap(), f32::INFINITY);
+}
+
+#[test]
+fn cast_reads_strided_and_broadcast_views() {
+    let v = awkward();
+    let x = Tensor::new(&v[..1014], &dev()).unwrap().reshape((39, 26)).unwrap();
+    for view in [
+        x.t().unwrap(),
+        x.narrow(1, 3, 7).unwrap(),
+        x.get(5).unwrap().broadcast_as((4, 26)).unwrap(),
+    ] {
+        let ours = multihead::cast(&view, DType::BF16).unwrap();
+        assert_eq!(ours.dims(), view.dims());
+        assert_eq!(bits_bf16(&ours), bits_bf16(&view.to_dtype(DType::BF16).unwrap()));
+    }
+    // Same dtype: the tensor itself.
+    assert_eq!(bits_f32(&multihead::cast(&x, DType::F32).unwrap()), bits_f32(&x));
+}
+
+#[test]
+fn cast_passes_gradients_back_as_to_dtype_does() {
+    // bf16 parameter -> f32 -> a weighted sum: the gradient is the weights rounded to bf16.
+    let w: Vec<f32> = awkward()[14..114].to_vec();
+    let weights = Tensor::new(w.as_slice(), &dev()).unwrap();
+    let p = Var::from_tensor(&Tensor::ones(100, DType::BF16, &dev()).unwrap()).unwrap();
+    let grad = |cast: &dyn Fn(&Tensor) -> Tensor| {
+        let loss = (cast(p.as_tensor()) * &weights).unwrap().sum_all().unwrap();
+        bits_bf16(loss.backward().unwrap().get(p.as_tensor()).unwrap())
+    };
+    let ours = grad(&|t| multihead::cast(t, DType::F32).unwrap());
+    let theirs = grad(&|t| t.to_dtype(DType::F32).unwrap());
+    assert_eq!(ours, theirs);
+    assert_ne!(ours, vec![0u16; 100], "the gradient is not all zero");
+    // And the other way: an f32 parameter through bf16.
+    let q = Var::new(w.as_slice(), &dev()).unwrap();
+    let grad = |cast: &dyn Fn(&Tensor) -> Tensor| {
+        let y = cast(q.as_tensor()).to_dtype(DType::F32).unwrap();
+        let loss = (y * &weights).unwrap().sum_all().unwrap();
+        bits_f32(loss.backward().unwrap().get(q.as_tensor()).unwrap())
+    };
+    let ours = grad(&|t| multihead::cast(t, DType::BF16).unwrap());
+    let theirs = grad(&|t| t.to_dtype(DType::BF16).unwrap());
+    assert_eq!(ours, theirs);
+}
