@@ -321,7 +321,7 @@ impl MiniLm {
         let table = |w: &mut HashMap<String, Tensor>, name: &str, rows: usize, declared| {
             let t = take(w, &format!("embeddings.{name}.weight"))?;
             check_table(&t, name, (rows, declared), cfg.hidden)?;
-            Ok::<_, anyhow::Error>(t.to_dtype(dtype)?)
+            Ok::<_, anyhow::Error>(multihead::cast(&t, dtype)?)
         };
         let word = table(&mut w, "word_embeddings", vocab, cfg.vocab)?;
         let position = table(&mut w, "position_embeddings", max_tokens, cfg.positions)?;

@@ -651,7 +651,7 @@ fn load_with<M: NamedParameters>(
     {
         let mut data = vm.data().lock().unwrap_or_else(|e| e.into_inner());
         for (k, t) in state {
-            let t = t.to_dtype(dtype)?.to_device(device)?;
+            let t = crate::precision::cast(t, dtype)?.to_device(device)?;
             data.insert(k.clone(), Var::from_tensor(&t)?);
         }
     }
