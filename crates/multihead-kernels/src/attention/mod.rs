@@ -741,9 +741,14 @@ pub fn flash_forward_uninit(
         return Ok(());
     }
     let finite = finite_heads(p, (q, ql), (k, kl), Some((v, vl)));
-    // Query blocks that re-read more than a key block of strided keys and values read
-    // contiguous copies (see `gather` and `forward_copies_keys`).
-    let (kc, vc) = match forward_copies_keys(d.l, d.s, d.heads_q, d.heads_kv) {
+    // bf16 products on the tiles over several query blocks per head: the key and value blocks
+    // are packed once (below), from the strided rows as they are.
+    let kern = crate::bf16gemm::micro::kernel();
+    let prepacks = p.bf16_products && d.l > FWD_BR && kern.tiles();
+    // Otherwise query blocks that re-read more than a key block of strided keys and values
+    // read contiguous copies (see `gather` and `forward_copies_keys`).
+    let copies = !prepacks && forward_copies_keys(d.l, d.s, d.heads_q, d.heads_kv);
+    let (kc, vc) = match copies {
         true => (
             gather::contiguous_heads(k, kl, [d.batch, d.heads_kv, d.s, d.d]),
             gather::contiguous_heads(v, vl, [d.batch, d.heads_kv, d.s, d.dv]),

@@ -1342,10 +1342,18 @@ fn bf16_keys_and_values_packed_once_per_head_give_the_per_block_bits() {
     // values packed once per head) equal, bit for bit, the same rows computed by short calls of
     // one query block each (which pack their own key blocks). Keys past one block and not a
     // multiple of it, odd head dimensions, GQA, with and without a key padding mask (the blocks
-    // it trims pack their own), on every kernel this CPU runs.
+    // it trims pack their own), and keys and values strided in one packed projection (packed
+    // from their rows as they are, without the contiguous copy), on every kernel this CPU runs.
+    let mut cases = Vec::new();
     for masks in [vec![], vec![MaskKind::KeyPad]] {
         let mut c = Case::new(2, 4, 150, 300, 33);
         (c.hkv, c.dv, c.masks) = (2, 17, masks);
+        cases.push(c);
+    }
+    let mut packed = Case::new(1, 2, 300, 300, 24);
+    packed.packed = true;
+    cases.push(packed);
+    for c in cases {
         let (masks, x, _) = rounded_case(&c);
         let p = AttnParams { bf16_products: true, ..params(&c, &masks) };
         let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
