@@ -802,7 +802,7 @@ unsafe impl Simd for Avx512 {
 /// Transposes a 16 x 16 block held as 16 row vectors: `out[c]` lane `r` is `rows[r]` lane `c`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+pub(crate) unsafe fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
     // SAFETY: AVX-512F is available (caller); register-only shuffles.
     unsafe {
         // Stage 1: interleave rows pairwise (32-bit, within 128-bit lanes).

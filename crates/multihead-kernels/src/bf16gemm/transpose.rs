@@ -3,8 +3,8 @@
 //!
 //! The transposing packers (`dyᵀ` into the AMX rows, `Wᵀ` into pair panels) used to scatter
 //! each run of sixteen pair words to sixteen rows: one `vpscatterdd` per run, about a word per
-//! cycle. Here four rounds of shuffles (64 instructions for 256 words) put the words in place
-//! and each row leaves in one 64-byte store.
+//! cycle. The attention's transpose of 16 × 16 floats (four rounds of shuffles, 64 instructions
+//! for 256 words) puts the words in place instead, and each row leaves in one 64-byte store.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -17,32 +17,17 @@ use std::arch::x86_64::*;
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn transpose16(r: &mut [__m512i; 16]) {
-    // Round 1: pairs of rows interleaved by words, within each 128-bit lane L: t[2k] holds
-    // columns 4L, 4L+1 of rows 2k, 2k+1; t[2k+1] columns 4L+2, 4L+3.
-    let mut t = [_mm512_setzero_si512(); 16];
-    for k in 0..8 {
-        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
-        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    // The shuffles move 32-bit lanes whatever they hold; the casts only retype. (Plain loops:
+    // closures would not inherit this function's target features, and their intrinsics would
+    // be calls through memory.)
+    let mut floats = [_mm512_setzero_ps(); 16];
+    for (f, x) in floats.iter_mut().zip(r.iter()) {
+        *f = _mm512_castsi512_ps(*x);
     }
-    // Round 2: u[4m + c], lane L, holds column 4L + c of rows 4m..4m+4.
-    let mut u = [_mm512_setzero_si512(); 16];
-    for m in 0..4 {
-        let (a, b, c, d) = (t[4 * m], t[4 * m + 1], t[4 * m + 2], t[4 * m + 3]);
-        u[4 * m] = _mm512_unpacklo_epi64(a, c);
-        u[4 * m + 1] = _mm512_unpackhi_epi64(a, c);
-        u[4 * m + 2] = _mm512_unpacklo_epi64(b, d);
-        u[4 * m + 3] = _mm512_unpackhi_epi64(b, d);
-    }
-    // Rounds 3 and 4: row 4L + c gathers lane L of u[c], u[4 + c], u[8 + c], u[12 + c].
-    for c in 0..4 {
-        let x0 = _mm512_shuffle_i32x4::<0x44>(u[c], u[4 + c]);
-        let x1 = _mm512_shuffle_i32x4::<0xEE>(u[c], u[4 + c]);
-        let y0 = _mm512_shuffle_i32x4::<0x44>(u[8 + c], u[12 + c]);
-        let y1 = _mm512_shuffle_i32x4::<0xEE>(u[8 + c], u[12 + c]);
-        r[c] = _mm512_shuffle_i32x4::<0x88>(x0, y0);
-        r[4 + c] = _mm512_shuffle_i32x4::<0xDD>(x0, y0);
-        r[8 + c] = _mm512_shuffle_i32x4::<0x88>(x1, y1);
-        r[12 + c] = _mm512_shuffle_i32x4::<0xDD>(x1, y1);
+    // SAFETY: AVX-512F is available (the caller's guarantee).
+    let t = unsafe { crate::attention::simd::transpose16(floats) };
+    for (x, f) in r.iter_mut().zip(t) {
+        *x = _mm512_castps_si512(f);
     }
 }
 
