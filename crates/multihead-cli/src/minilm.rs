@@ -436,7 +436,7 @@ impl MiniLm {
     /// tenth of a bf16 embedding run, for a few hundred thousand elements per batch.
     fn embedding_sum(&self, words: &Tensor, positions: &Tensor) -> Result<Tensor> {
         let token_type = self.token_type.get(0)?;
-        if !matches!(self.dtype, DType::BF16 | DType::F16) {
+        if self.dtype != DType::BF16 {
             return Ok(words.broadcast_add(positions)?.broadcast_add(&token_type)?);
         }
         let wide = |t: &Tensor| multihead::cast(t, DType::F32);

@@ -50,20 +50,28 @@ pub(crate) fn narrow(t: &Tensor, dtype: DType) -> Result<Tensor> {
 /// ```
 // Mirrors torch.Tensor.to(dtype).
 pub fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
-    convert(t, dtype)
+    convert_as(t, dtype, "cast")
 }
 
 /// `t` converted to `dtype`, after checking that what the conversion allocates can be
-/// allocated: the copy of a strided or broadcast view, and the result (a broadcast view of a
-/// few values can stand for more elements than memory holds).
+/// allocated (see [`convert_as`]).
 fn convert(t: &Tensor, dtype: DType) -> Result<Tensor> {
-    const OP: &str = "bf16/f16 conversion";
+    convert_as(t, dtype, "bf16/f16 conversion")
+}
+
+/// `t` converted to `dtype` for `op`, after checking that what a conversion on the CPU
+/// allocates can be allocated: the result, and the copy of a strided or broadcast view that
+/// the fast bf16 <-> f32 ops make first (a broadcast view of a few values can stand for more
+/// elements than memory holds).
+fn convert_as(t: &Tensor, dtype: DType, op: &'static str) -> Result<Tensor> {
     const HINT: &str = "use a smaller input (a broadcast view is copied before it is converted)";
-    if t.dtype() != dtype {
-        if !t.is_contiguous() {
-            crate::alloc::ensure(OP, "copy of the input", t.dims(), t.dtype(), 1, HINT)?;
+    if t.dtype() != dtype && t.device().is_cpu() {
+        let fast =
+            matches!((t.dtype(), dtype), (DType::BF16, DType::F32) | (DType::F32, DType::BF16));
+        if fast && !t.is_contiguous() {
+            crate::alloc::ensure(op, "copy of the input", t.dims(), t.dtype(), 1, HINT)?;
         }
-        crate::alloc::ensure(OP, "converted tensor", t.dims(), dtype, 1, HINT)?;
+        crate::alloc::ensure(op, "converted tensor", t.dims(), dtype, 1, HINT)?;
     }
     Ok(crate::fused::convert::to_dtype(t, dtype)?)
 }

@@ -146,9 +146,10 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
 
 /// The row stride of a packed block of `A` with `kp` pairs (in bf16 elements): `2·kp`, and for
 /// the AMX layout one cache line more where `2·kp` is a multiple of 512 elements. Rows 1 KiB
-/// (or a multiple) apart fall into the same L1 sets: the tiles' 16-row loads and the transposing
-/// packer's 16-row scatters then evict each other (a bf16 `Linear`'s weight gradient on AMX, at
-/// a depth of 4096, packed 2x faster with the extra line).
+/// (or a multiple) apart fall into the same L1 sets: the tiles' 16-row loads then evict each
+/// other, and so did the transposing packer's 16-row scatters (a bf16 `Linear`'s weight gradient
+/// on AMX, at a depth of 4096, packed 2x faster with the extra line; the packer now stores 16
+/// rows of 64 bytes per step, which the line keeps in different sets too).
 fn a_stride(kern: Kernel, kp: usize) -> usize {
     if kern.tiles() && (2 * kp).is_multiple_of(512) {
         2 * kp + 32

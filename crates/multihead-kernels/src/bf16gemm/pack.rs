@@ -73,7 +73,7 @@ pub(super) unsafe fn pack_a(kern: Kernel, a: &BfMat, blk: ABlock, dst: *mut u16)
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn pack_a_rows_avx512(a: &BfMat, blk: ABlock, dst: *mut u16) -> (usize, usize) {
     // SAFETY: forwarded; a transposed `A` (the `dyᵀ` of a weight gradient) is read along its
-    // contiguous runs and scattered into rows, as `panels_avx512::pack_rows` requires.
+    // contiguous runs and transposed into rows, as `panels_avx512::pack_rows` requires.
     unsafe {
         if a.col_stride != 1 && a.row_stride == 1 {
             match a.data {
@@ -429,8 +429,9 @@ mod panels_avx512 {
         let kp = lda / 2;
         // SAFETY: source elements `i0 + i + (p0 + p)·cs` with `i < rows` (the masks) and
         // `p < kc` are inside `a`, and so are the prefetched runs (rows below `p0 + kc`);
-        // destination words `(i + r)·kp + q` with `i + r < rows` and `q < kp` (the store
-        // masks) and the zeroed rows below `padded` lie inside `padded · lda` elements.
+        // destination words `(i + r)·kp + q` with `i + r < rows` (`take(live)`) and `q < kp`
+        // (the store masks) and the zeroed rows below `padded` lie inside `padded · lda`
+        // elements.
         unsafe {
             let run = |p: usize| src.add(i0 + (p0 + p) * cs);
             let bytes = rows * std::mem::size_of::<T>();
@@ -557,7 +558,7 @@ pub(super) unsafe fn pack_b(kern: Kernel, b: &BfMat, blk: BBlock, dst: *mut u32)
 }
 
 /// [`pack_b`] on AVX-512: a `B` whose columns are contiguous (the `Wᵀ` of `x·Wᵀ`) read 32
-/// elements at a time and scattered into the panels' pair rows, the other layouts by the
+/// elements at a time and transposed into the panels' pair rows, the other layouts by the
 /// scalar packer compiled for AVX-512.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
@@ -779,13 +780,17 @@ mod tests {
         a[2 * m + 4] = 1e-39;
         let a16: Vec<u16> = a.iter().map(|&x| crate::convert::f32_to_bf16_bits(x)).collect();
         // (i0, rows, padded, p0, kc, lda): whole and partial 16-row groups, odd depths, padding
-        // past the depth and past the rows.
+        // past the depth and past the rows, and rows whose pairs are not a multiple of 16 (the
+        // attention's transposed pairs; the last 16-pair block is partial).
         let blocks = [
             (0, 16, 32, 0, 32, 32),
             (3, 1, 32, 1, 7, 32),
             (5, 33, 64, 10, 65, 96),
             (0, 70, 96, 0, 75, 96),
             (54, 16, 32, 74, 1, 32),
+            (2, 19, 19, 3, 7, 8),
+            (0, 35, 40, 4, 65, 66),
+            (1, 17, 17, 0, 36, 38),
         ];
         for (i0, rows, padded, p0, kc, lda) in blocks {
             let blk = ABlock { i0, rows, padded, p0, kc, lda };

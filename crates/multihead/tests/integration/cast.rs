@@ -93,3 +93,30 @@ fn cast_passes_gradients_back_as_to_dtype_does() {
     let theirs = grad(&|t| t.to_dtype(DType::BF16).unwrap());
     assert_eq!(ours, theirs);
 }
+
+#[test]
+fn cast_takes_candles_conversion_for_other_dtypes() {
+    let x = Tensor::new(&awkward()[..200], &dev()).unwrap();
+    for dtype in [DType::F16, DType::F64, DType::U8, DType::U32] {
+        let ours = multihead::cast(&x, dtype).unwrap();
+        let theirs = x.to_dtype(dtype).unwrap();
+        assert_eq!(ours.dtype(), dtype);
+        // Compare through f64, which holds every value of these dtypes exactly (NaN aside).
+        let wide = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+        for (i, (a, b)) in wide(&ours).iter().zip(wide(&theirs)).enumerate() {
+            assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{dtype:?} {i}");
+        }
+    }
+}
+
+#[test]
+fn cast_of_a_view_too_large_to_allocate_is_an_error_naming_cast() {
+    // A broadcast view of one value standing for 2^40 elements: 4 TiB once converted.
+    let x = Tensor::zeros((1, 1), DType::F32, &dev()).unwrap();
+    let huge = x.broadcast_as((1usize << 20, 1usize << 20)).unwrap();
+    for dtype in [DType::BF16, DType::F64] {
+        let e = multihead::cast(&huge, dtype).expect_err("4 TiB");
+        assert!(matches!(e, multihead::Error::Alloc { op: "cast", .. }), "{dtype:?}: {e:?}");
+        assert!(e.to_string().contains("cast"), "{e}");
+    }
+}
