@@ -23,6 +23,7 @@
 //! ```
 
 pub mod activation;
+pub(crate) mod aligned;
 pub mod attention;
 pub mod bf16gemm;
 pub mod convert;

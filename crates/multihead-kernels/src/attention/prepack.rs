@@ -14,15 +14,18 @@
 use rayon::prelude::*;
 
 use super::bf16::{self as bf, Shape};
+use crate::aligned::{aligned_mut, line_offset};
 use super::{AttnDims, Layout4};
 use crate::bf16gemm::micro::Kernel;
 
 /// The packed key and value blocks of every `(batch, kv head)`.
 pub(crate) struct Prepacked {
-    /// Rounded key rows, `k_len` elements per block.
+    /// Rounded key rows, `k_len` elements per block, from element `k_off`.
     k: Vec<u16>,
-    /// Transposed value pairs, `v_len` words per block.
+    /// Transposed value pairs, `v_len` words per block, from word `v_off`.
     v: Vec<u32>,
+    k_off: usize,
+    v_off: usize,
     k_len: usize,
     v_len: usize,
     /// Key blocks per head.
@@ -50,12 +53,10 @@ impl Prepacked {
         let v_len = sh.transposed_words(bc, dims.dv);
         let blocks = dims.s.div_ceil(bc);
         let count = dims.batch.checked_mul(dims.heads_kv)?.checked_mul(blocks)?;
-        let mut kbuf: Vec<u16> = Vec::new();
-        let mut vbuf: Vec<u32> = Vec::new();
-        kbuf.try_reserve_exact(count.checked_mul(k_len)?).ok()?;
-        vbuf.try_reserve_exact(count.checked_mul(v_len)?).ok()?;
-        kbuf.resize(count * k_len, 0);
-        vbuf.resize(count * v_len, 0);
+        let (mut k_own, mut v_own): (Vec<u16>, Vec<u32>) = (Vec::new(), Vec::new());
+        // From line boundaries: the tiles load these rows (see `aligned`).
+        let kbuf = aligned_mut(&mut k_own, count.checked_mul(k_len)?)?;
+        let vbuf = aligned_mut(&mut v_own, count.checked_mul(v_len)?)?;
         kbuf.par_chunks_mut(k_len).zip(vbuf.par_chunks_mut(v_len)).enumerate().for_each(
             |(t, (kb, vw))| {
                 let (bh, jb) = (t / blocks, t % blocks);
@@ -72,9 +73,12 @@ impl Prepacked {
                 }
             },
         );
+        let (k_off, v_off) = (line_offset(&k_own), line_offset(&v_own));
         Some(Prepacked {
-            k: kbuf,
-            v: vbuf,
+            k: k_own,
+            v: v_own,
+            k_off,
+            v_off,
             k_len,
             v_len,
             blocks,
@@ -97,8 +101,8 @@ impl Prepacked {
             return None;
         }
         let t = (b * self.heads_kv + h) * self.blocks + j0 / self.bc;
-        let k = self.k.get(t * self.k_len..(t + 1) * self.k_len)?;
-        let v = self.v.get(t * self.v_len..(t + 1) * self.v_len)?;
+        let k = self.k.get(self.k_off + t * self.k_len..self.k_off + (t + 1) * self.k_len)?;
+        let v = self.v.get(self.v_off + t * self.v_len..self.v_off + (t + 1) * self.v_len)?;
         Some((k.as_ptr(), v.as_ptr()))
     }
 }

@@ -11,6 +11,7 @@ use super::micro::{Kernel, Tile};
 use super::pack::{pack_a, pack_b, ABlock, BBlock};
 use super::select::resolve;
 use super::{BfMat, KC, NC, NR};
+use crate::aligned::{aligned_mut, AlignedTile};
 use crate::attention::exec::{ConstPtr, SyncPtr};
 use crate::attention::{KernelError, SimdLevel};
 use crate::epilogue::{Act, TileEpilogue};
@@ -51,9 +52,9 @@ thread_local! {
     static A_BLOCK: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Runs `f` on `key`'s buffer grown to at least `len` elements (a private one if the thread's
-/// is in use by a re-entrant call, which is not expected), or errors naming what could not be
-/// allocated.
+/// Runs `f` on `len` elements of `key`'s buffer from a 64-byte boundary (a private one if the
+/// thread's is in use by a re-entrant call, which is not expected), or errors naming what could
+/// not be allocated.
 fn with_buffer<T: Copy + Default + 'static, R>(
     key: &'static std::thread::LocalKey<RefCell<Vec<T>>>,
     len: usize,
@@ -67,14 +68,12 @@ fn with_buffer<T: Copy + Default + 'static, R>(
             Ok(v) => &mut **v,
             Err(_) => &mut own,
         };
-        if v.len() < len {
-            v.try_reserve_exact(len - v.len()).map_err(|_| KernelError::InvalidArgument {
-                name: "matmul_bf16",
-                msg: format!("cannot allocate {len} elements to pack {what}"),
-            })?;
-            v.resize(len, T::default());
-        }
-        f(v)
+        // From a line boundary: the tiles load these rows (see `aligned`).
+        let buf = aligned_mut(v, len).ok_or_else(|| KernelError::InvalidArgument {
+            name: "matmul_bf16",
+            msg: format!("cannot allocate {len} elements to pack {what}"),
+        })?;
+        f(buf)
     })
 }
 
@@ -203,7 +202,8 @@ impl Pass<'_> {
         let lda = a_stride(kern, kp);
         let (q0, q1) = (part * x.panels / self.col_parts, (part + 1) * x.panels / self.col_parts);
         // A bf16 output's tiles leave the kernel through this buffer.
-        let mut local = [0f32; AMX_MR * NR];
+        let mut local = AlignedTile::<{ AMX_MR * NR }>::zeros();
+        let local = &mut local.0;
         with_buffer(&A_BLOCK, padded * lda, "a", |abuf| {
             // SAFETY: `abuf` holds `padded · lda` elements; the block lies inside `a`
             // (checked by `matmul_bf16`); tiles are inside the output (checked too) and this

@@ -227,7 +227,8 @@ impl Tile {
         live: usize,
         cols: usize,
     ) {
-        let mut tile = [0f32; AMX_MR * NR];
+        let mut tile = crate::aligned::AlignedTile::<{ AMX_MR * NR }>::zeros();
+        let tile = &mut tile.0;
         // SAFETY: the local tile is full size; `c` is read and written in its live part only.
         unsafe {
             if self.load_c {
