@@ -111,10 +111,21 @@ unsafe fn act_vec<S: Simd>(act: Act, v: S::V) -> S::V {
     }
 }
 
-/// One tile of a product's epilogue (the bf16 GEMM's fused epilogue): the tile becomes
+/// Where a tile's epilogue puts its result.
+#[derive(Clone, Copy)]
+pub(crate) enum TileOut {
+    /// Back into the tile.
+    InPlace,
+    /// A bf16 output (rows `ldo` apart), rounded to nearest even
+    /// ([`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits)).
+    Bf16 { out: *mut u16, ldo: usize },
+}
+
+/// One tile of a product's epilogue (the bf16 GEMM's fused epilogue):
 /// `act(tile[r·ld + j] + bias[j])` for `r < rows`, `j < cols`, the bits of
-/// [`bias_act_in_place`]; with a bf16 output, `out[r·ldo + j]` is that rounded to nearest even
-/// ([`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits)).
+/// [`bias_act_in_place`], written where [`TileOut`] says; with an output other than the tile,
+/// the tile is scratch (left as it was or holding the activation).
+#[derive(Clone, Copy)]
 pub(crate) struct TileEpilogue {
     pub(crate) tile: *mut f32,
     pub(crate) ld: usize,
@@ -122,9 +133,7 @@ pub(crate) struct TileEpilogue {
     pub(crate) cols: usize,
     pub(crate) bias: Option<*const f32>,
     pub(crate) act: Act,
-    /// The bf16 output, or null for the f32 tile alone.
-    pub(crate) out: *mut u16,
-    pub(crate) ldo: usize,
+    pub(crate) dest: TileOut,
 }
 
 impl TileEpilogue {
@@ -132,8 +141,8 @@ impl TileEpilogue {
     ///
     /// # Safety
     /// `tile` holds `rows` rows of `cols` floats `ld` apart, `bias` (if any) `cols` values,
-    /// `out` (unless null) `rows` rows of `cols` bf16 `ldo` apart, none aliasing another;
-    /// `level` is available on this CPU.
+    /// an output `rows` rows of `cols` elements `ldo` apart, none aliasing another; `level` is
+    /// available on this CPU.
     pub(crate) unsafe fn run(&self, level: crate::attention::SimdLevel) {
         use crate::attention::SimdLevel;
         // SAFETY: forwarded; each level's features are the caller's guarantee.
@@ -143,11 +152,24 @@ impl TileEpilogue {
                 SimdLevel::Avx512 => self.avx512(),
                 #[cfg(target_arch = "x86_64")]
                 SimdLevel::Avx2 => self.avx2(),
-                _ => {
-                    self.bias_act::<crate::attention::simd::Scalar>();
-                    if !self.out.is_null() {
-                        self.narrow_scalar();
-                    }
+                _ => self.portable::<crate::attention::simd::Scalar>(),
+            }
+        }
+    }
+
+    /// The epilogue on `S`'s vectors, a bf16 output rounded element by element.
+    ///
+    /// # Safety
+    /// As for `run`, with `S`'s instruction set available.
+    #[inline(always)]
+    unsafe fn portable<S: Simd>(&self) {
+        // SAFETY: forwarded.
+        unsafe {
+            match self.dest {
+                TileOut::InPlace => self.bias_act::<S>(),
+                TileOut::Bf16 { out, ldo } => {
+                    self.bias_act::<S>();
+                    self.narrow_scalar(out, ldo);
                 }
             }
         }
@@ -160,12 +182,15 @@ impl TileEpilogue {
         // SAFETY: AVX-512F is available (the caller's guarantee); rows `r < rows` of `cols`
         // elements lie in `tile` and `out`; the tails are masked.
         unsafe {
-            self.bias_act::<crate::attention::simd::Avx512>();
-            if self.out.is_null() {
-                return;
+            let TileOut::Bf16 { out, ldo } = self.dest else {
+                return self.portable::<crate::attention::simd::Avx512>();
+            };
+            if self.cols >= 32 {
+                return self.narrow_lines_avx512(out, ldo);
             }
+            self.bias_act::<crate::attention::simd::Avx512>();
             for r in 0..self.rows {
-                let (src, dst) = (self.tile.add(r * self.ld), self.out.add(r * self.ldo));
+                let (src, dst) = (self.tile.add(r * self.ld), out.add(r * ldo));
                 for j in (0..self.cols).step_by(16) {
                     let live = (self.cols - j).min(16);
                     let mask: __mmask16 = if live == 16 { 0xFFFF } else { (1 << live) - 1 };
@@ -185,26 +210,70 @@ impl TileEpilogue {
         }
     }
 
+    /// The bf16 output in one pass over the tile, 32 columns at a time: `act(tile + bias)`
+    /// rounded and stored as one 64-byte vector (a whole cache line where the output's row is
+    /// aligned), the f32 tile read but not written (a bf16 output's tile is scratch). The
+    /// columns past the last multiple of 32 go the two-pass way. The same bits as the two
+    /// passes: the same operations in the same order, without the f32 store and load between.
+    ///
+    /// On an AMX CPU (family 6 model 167, 2 threads), the bf16 `Linear(512, 2048)` forward on
+    /// `(8, 512, 512)` went from 4.93-5.00 to 3.74-3.77 ms (minimum of 200, three runs each);
+    /// the two passes, with a 32-byte store per 16 columns into rows 4 KiB apart, held the
+    /// tiles back.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn avx2(&self) {
-        // SAFETY: AVX2 and FMA are available (the caller's guarantee); forwarded.
+    #[target_feature(enable = "avx512f,avx512dq")]
+    unsafe fn narrow_lines_avx512(&self, out: *mut u16, ldo: usize) {
+        use crate::attention::simd::{Avx512, Simd};
+        use std::arch::x86_64::*;
+        let whole = self.cols / 32 * 32;
+        // SAFETY: AVX-512F and DQ are available (the caller's guarantee); columns `j + 32 <=
+        // whole <= cols` of rows `r < rows` lie in `tile` and `out`, the bias holds `cols`
+        // values; the rest is forwarded to the two-pass path with the same rows.
         unsafe {
-            self.bias_act::<crate::attention::simd::Avx2>();
-            if !self.out.is_null() {
-                self.narrow_scalar();
+            let value = |row: *const f32, j: usize| {
+                let mut v = _mm512_loadu_ps(row.add(j));
+                if let Some(b) = self.bias {
+                    v = Avx512::add(v, _mm512_loadu_ps(b.add(j)));
+                }
+                let v = act_vec::<Avx512>(self.act, v);
+                _mm512_cvtepi32_epi16(crate::convert::round16(v))
+            };
+            for r in 0..self.rows {
+                let (src, dst) = (self.tile.add(r * self.ld), out.add(r * ldo));
+                for j in (0..whole).step_by(32) {
+                    let lo = _mm512_castsi256_si512(value(src, j));
+                    let both = _mm512_inserti64x4::<1>(lo, value(src, j + 16));
+                    _mm512_storeu_si512(dst.add(j) as *mut __m512i, both);
+                }
+            }
+            if whole < self.cols {
+                let rest = TileEpilogue {
+                    tile: self.tile.add(whole),
+                    cols: self.cols - whole,
+                    bias: self.bias.map(|b| b.add(whole)),
+                    dest: TileOut::Bf16 { out: out.add(whole), ldo },
+                    ..*self
+                };
+                rest.avx512();
             }
         }
     }
 
-    /// The tile rounded to bf16 element by element.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2(&self) {
+        // SAFETY: AVX2 and FMA are available (the caller's guarantee); forwarded.
+        unsafe { self.portable::<crate::attention::simd::Avx2>() }
+    }
+
+    /// The tile rounded to bf16 element by element into `out` (rows `ldo` apart).
     #[inline(always)]
-    unsafe fn narrow_scalar(&self) {
+    unsafe fn narrow_scalar(&self, out: *mut u16, ldo: usize) {
         for r in 0..self.rows {
             for j in 0..self.cols {
                 // SAFETY: `r < rows`, `j < cols` lie in `tile` and `out` (`run`'s contract).
                 unsafe {
-                    *self.out.add(r * self.ldo + j) =
+                    *out.add(r * ldo + j) =
                         crate::convert::f32_to_bf16_bits(*self.tile.add(r * self.ld + j));
                 }
             }

@@ -14,8 +14,8 @@
 use rayon::prelude::*;
 
 use super::bf16::{self as bf, Shape};
-use crate::aligned::{aligned_mut, line_offset};
 use super::{AttnDims, Layout4};
+use crate::aligned::{aligned_mut, line_offset};
 use crate::bf16gemm::micro::Kernel;
 
 /// The packed key and value blocks of every `(batch, kv head)`.

@@ -275,8 +275,16 @@ fn fused_epilogues_are_the_f32_product_then_the_epilogue_bit_for_bit() {
     if bf16_dot_available() {
         kernels.push(Bf16Kernel::Avx512Bf16);
     }
-    let shapes =
-        [(1, 1, 1), (33, 70, 40), (17, 66, 2 * KC + 17), (5, 1030, 33), (0, 5, 4), (3, 4, 0)];
+    // (9, 45, 20): a tile of 32 columns stored as one line and 13 more two passes.
+    let shapes = [
+        (1, 1, 1),
+        (33, 70, 40),
+        (9, 45, 20),
+        (17, 66, 2 * KC + 17),
+        (5, 1030, 33),
+        (0, 5, 4),
+        (3, 4, 0),
+    ];
     for (m, n, k) in shapes {
         let a = rand_vec(m * k, 41);
         let b = rand_vec(k * n, 42);
