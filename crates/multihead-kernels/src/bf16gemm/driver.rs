@@ -22,12 +22,12 @@ const MC: usize = 96;
 /// `B` panels one packing task handles.
 const PACK_PANELS: usize = 2;
 /// Words of a packed `B` block on the bf16-output path, whose one block spans the whole depth
-/// (1 MiB: 1024 columns at a depth of 512, 256 at 2048), so that it stays in each core's L2
-/// while the row blocks stream past it. At 4 MiB (1024 columns at a depth of 2048) the AMX
-/// loop read `B` from L3: a microbenchmark of the loop ran 1130-1150 GFLOP/s a core at 1024
-/// columns and 1390-1400 at 256 (family 6 model 167); the 2048 -> 512 bf16 `Linear` forward
-/// went from 4.12-4.45 to 4.11-4.18 ms (minimum of 200, three runs each).
-const DEEP_B_WORDS: usize = 1 << 18;
+/// (4 MiB: 1024 columns at a depth of 2048, 512 at 4096). A quarter of that kept the block in
+/// L2 (a microbenchmark of the AMX loop: 1130-1150 GFLOP/s a core at 1024 columns of depth
+/// 2048, 1390-1400 at 256) and the 2048 -> 512 bf16 `Linear` forward went 4.12-4.45 ->
+/// 4.11-4.18 ms, but its backward's `dx = dy·W` then packed `dy` twice: fwd+bwd 25.7-27.0 ->
+/// 29.4-30.3 ms (family 6 model 167).
+const DEEP_B_WORDS: usize = 1 << 20;
 
 /// Where the product goes.
 #[derive(Clone, Copy)]
