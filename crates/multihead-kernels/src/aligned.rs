@@ -3,9 +3,9 @@
 //! The AMX tile loads and stores read and write 16 rows of 64 bytes; where those rows
 //! straddle two cache lines each, they run at a third of their rate. Measured on an AMX CPU
 //! (family 6 model 167 under KVM), one core, a 2 × 2 tile step (four `tileloadd`, four
-//! `tdpbf16ps`) from L1: 0.93 TFLOP/s with its operands 16 bytes past a line (where the
-//! allocator puts a large `Vec`), 2.66 aligned. Every buffer that tiles read goes through
-//! [`aligned_mut`].
+//! `tdpbf16ps`) from L1: 0.93 TFLOP/s with its operands 16 bytes past a line (where glibc's
+//! allocator puts a large `Vec`; mimalloc's large blocks happen to start on one), 2.66 aligned.
+//! Every buffer that the tiles load goes through [`aligned_mut`] or is an [`AlignedTile`].
 
 /// Bytes of a cache line.
 pub(crate) const LINE: usize = 64;
