@@ -9,7 +9,7 @@
 //! and backward ([`norm`]), GELU and ReLU forward and backward ([`activation`]), the
 //! bias-and-activation pass after a linear layer's product ([`epilogue`]), attention of a few
 //! new rows over a KV cache ([`decode`]), products of a few rows with a weight ([`gemv`]), a
-//! packed GEMM of bf16 operands on AVX512-BF16 ([`bf16gemm`]), bf16 conversions ([`convert`]), sums over broadcast dimensions ([`reduce`]) and the counter-based dropout generator ([`dropout`]), which
+//! packed GEMM of bf16 operands on AVX512-BF16 ([`bf16gemm`]), bf16 conversions ([`convert`]), sums over broadcast dimensions ([`reduce`]), the sum of a vector in f32 ([`sum`]) and the counter-based dropout generator ([`dropout`]), which
 //! the attention forward and backward share so that a backward pass can regenerate the
 //! forward's mask without storing it.
 //!
@@ -35,6 +35,7 @@ pub(crate) mod fpenv;
 pub mod gemv;
 pub mod norm;
 pub mod reduce;
+pub mod sum;
 
 /// Helpers shared by the kernel tests.
 #[cfg(test)]

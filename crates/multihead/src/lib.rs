@@ -103,7 +103,7 @@ pub use mode::{
 };
 pub use multihead_attention::{MhaConfig, MultiheadAttention, StaticKv};
 pub use pool::on_pool;
-pub use precision::cast;
+pub use precision::{cast, sum_f32};
 pub use products::{check_bf16_environment, explain_bf16_products, ProductsPlan};
 pub use random::manual_seed;
 pub use state_dict::NamedParameters;

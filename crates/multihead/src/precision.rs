@@ -53,6 +53,52 @@ pub fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
     convert_as(t, dtype, "cast")
 }
 
+/// The sum of every element of `t`, accumulated in f32, as a scalar f32 tensor, with a
+/// gradient: PyTorch's `t.sum(dtype=torch.float32)` (for a bf16 `t`, what `t.sum()` adds up
+/// before it rounds to bf16). A loss that ends a training step.
+///
+/// On the CPU, f32 and bf16 tensors are summed on every thread in a fixed order (the same bits
+/// for any thread count: `multihead_kernels::sum`), and the backward writes the gradient
+/// (every element the sum's gradient, in `t`'s dtype) as one contiguous tensor. candle's
+/// `sum_all` sums on one thread, and its backward broadcasts the scalar gradient, which the
+/// gradient store then adds into zeros. Other dtypes and devices take `cast` to f32 and
+/// candle's `sum_all`. The order of the additions differs from candle's, so the sum may differ
+/// from `sum_all`'s in its last bits.
+///
+/// A strided or broadcast view is copied first; a copy that cannot be allocated is an
+/// [`Error`](crate::Error), not an abort.
+///
+/// # Shapes
+/// `t`: any shape. Returns a scalar (shape `()`).
+///
+/// # Example
+/// ```
+/// use candle_core::{DType, Device, Tensor, Var};
+///
+/// let x = Var::from_tensor(&Tensor::new(&[[1.0f32, 2.0], [3.0, 4.0]], &Device::Cpu)?)?;
+/// let loss = multihead::sum_f32(&(x.as_tensor() * 3.0)?)?;
+/// assert_eq!(loss.to_scalar::<f32>()?, 30.0);
+/// let grads = loss.backward()?;
+/// let g = grads.get(x.as_tensor()).expect("x has a gradient");
+/// assert_eq!(g.to_vec2::<f32>()?, vec![vec![3.0, 3.0], vec![3.0, 3.0]]);
+/// let b = multihead::cast(&Tensor::ones((2, 3), DType::F32, &Device::Cpu)?, DType::BF16)?;
+/// assert_eq!(multihead::sum_f32(&b)?.dtype(), DType::F32);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+// Mirrors torch.sum(input, dtype=torch.float32).
+pub fn sum_f32(t: &Tensor) -> Result<Tensor> {
+    const OP: &str = "sum_f32";
+    if !t.device().is_cpu() || !matches!(t.dtype(), DType::F32 | DType::BF16) {
+        return Ok(convert_as(t, DType::F32, OP)?.sum_all()?);
+    }
+    if !t.is_contiguous() {
+        let hint =
+            "use a smaller input (a strided or broadcast view is copied before it is summed)";
+        crate::alloc::ensure(OP, "copy of the input", t.dims(), t.dtype(), 1, hint)?;
+    }
+    Ok(t.contiguous()?.apply_op1(crate::fused::sum::SumF32)?)
+}
+
 /// `t` converted to `dtype`, after checking that what the conversion allocates can be
 /// allocated (see [`convert_as`]).
 fn convert(t: &Tensor, dtype: DType) -> Result<Tensor> {

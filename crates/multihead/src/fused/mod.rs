@@ -13,6 +13,7 @@
 //! * `activation`: exact-form GELU and ReLU as one candle op each, with a backward.
 //! * `norm`: LayerNorm as one candle op over `multihead_kernels::norm`, with a backward.
 //! * `zeros`: the zeros of a call with nothing to compute, kept in the graph.
+//! * `sum`: the sum of every element in f32, whose backward writes the gradient out whole.
 //!
 //! [`Plan`]: dispatch::Plan
 
@@ -28,6 +29,7 @@ pub(crate) mod linear;
 pub(crate) mod mask_grad;
 pub(crate) mod norm;
 pub(crate) mod sinks;
+pub(crate) mod sum;
 pub(crate) mod varlen;
 pub(crate) mod varlen_sinks;
 pub(crate) mod weights_grad;

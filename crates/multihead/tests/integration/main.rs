@@ -19,6 +19,7 @@ mod mha_learned_mask;
 mod pool;
 mod properties;
 mod state_dict;
+mod sum;
 mod transformer;
 mod variant_golden;
 mod variants;

@@ -1,0 +1,130 @@
+//! The sum of all elements of a vector in f32, in a fixed order: a loss's `out.sum()`.
+//!
+//! The elements are cut into chunks of [`CHUNK`] that the threads take. Each chunk keeps 16
+//! running sums (element `i` of the chunk goes into sum `i % 16`); the 16 are added pairwise
+//! (8 + 8, 4 + 4, 2 + 2, 1 + 1), and the chunk sums are added in order. So the result is the
+//! same bits for any thread count and any SIMD level, and [`reference`](mod@reference) computes them on one
+//! thread. bf16 elements are widened exactly before they are added.
+//!
+//! ```
+//! use multihead_kernels::sum::sum_f32;
+//!
+//! let x: Vec<f32> = (1..=100).map(|i| i as f32).collect();
+//! assert_eq!(sum_f32(&x), 5050.0);
+//! ```
+
+use rayon::prelude::*;
+
+use crate::convert::bf16_bits_to_f32;
+
+/// Elements per chunk (the unit of work of one task).
+pub const CHUNK: usize = 1 << 14;
+/// Running sums per chunk.
+const LANES: usize = 16;
+
+/// One chunk's sum: 16 running sums, then added pairwise.
+#[inline(always)]
+fn chunk_sum<T: Copy>(c: &[T], f: impl Fn(T) -> f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut blocks = c.chunks_exact(LANES);
+    for blk in &mut blocks {
+        for (a, &x) in acc.iter_mut().zip(blk) {
+            *a += f(x);
+        }
+    }
+    for (a, &x) in acc.iter_mut().zip(blocks.remainder()) {
+        *a += f(x);
+    }
+    let mut w = LANES / 2;
+    while w > 0 {
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+        w /= 2;
+    }
+    acc[0]
+}
+
+/// The chunk sums added in order.
+fn sum_chunks<T: Copy + Sync>(x: &[T], f: impl Fn(T) -> f32 + Sync + Copy) -> f32 {
+    if x.len() <= CHUNK {
+        return chunk_sum(x, f);
+    }
+    let sums: Vec<f32> = x.par_chunks(CHUNK).map(|c| chunk_sum(c, f)).collect();
+    sums.iter().fold(0.0, |s, &c| s + c)
+}
+
+/// The sum of `x` in f32 (0 for an empty `x`; NaN and infinities propagate).
+pub fn sum_f32(x: &[f32]) -> f32 {
+    sum_chunks(x, |v| v)
+}
+
+/// The sum of the bf16 values `x` (their bits) in f32, each widened exactly.
+pub fn sum_bf16(x: &[u16]) -> f32 {
+    sum_chunks(x, bf16_bits_to_f32)
+}
+
+/// The same sums on one thread, chunk after chunk: the twin the tests compare with.
+pub mod reference {
+    use super::{chunk_sum, CHUNK};
+    use crate::convert::bf16_bits_to_f32;
+
+    /// [`super::sum_f32`] on one thread.
+    pub fn sum_f32(x: &[f32]) -> f32 {
+        if x.len() <= CHUNK {
+            return chunk_sum(x, |v| v);
+        }
+        x.chunks(CHUNK).fold(0.0, |s, c| s + chunk_sum(c, |v| v))
+    }
+
+    /// [`super::sum_bf16`] on one thread.
+    pub fn sum_bf16(x: &[u16]) -> f32 {
+        if x.len() <= CHUNK {
+            return chunk_sum(x, bf16_bits_to_f32);
+        }
+        x.chunks(CHUNK).fold(0.0, |s, c| s + chunk_sum(c, bf16_bits_to_f32))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::convert::f32_to_bf16_bits;
+    use crate::testutil::rand_vec;
+
+    #[test]
+    fn sums_match_the_twin_and_f64_for_any_thread_count() {
+        for n in [0, 1, 15, 16, 17, CHUNK - 1, CHUNK, CHUNK + 1, 5 * CHUNK + 77] {
+            let x = rand_vec(n, n as u64 + 3);
+            let bits: Vec<u16> = x.iter().map(|&v| f32_to_bf16_bits(v)).collect();
+            let exact: f64 = x.iter().map(|&v| v as f64).sum();
+            let exact_bf: f64 = bits.iter().map(|&b| bf16_bits_to_f32(b) as f64).sum();
+            for threads in [1, 2, 3] {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
+                let pool = pool.expect("a thread pool");
+                let (s, sb) = pool.install(|| (sum_f32(&x), sum_bf16(&bits)));
+                assert_eq!(s.to_bits(), reference::sum_f32(&x).to_bits(), "n {n} t {threads}");
+                assert_eq!(sb.to_bits(), reference::sum_bf16(&bits).to_bits(), "n {n}");
+                // Within f32 rounding of the exact sum of |x| (each |x| < 1).
+                let tol = 1e-6 * (n as f64 + 1.0);
+                assert!((s as f64 - exact).abs() <= tol, "n {n}: {s} vs {exact}");
+                assert!((sb as f64 - exact_bf).abs() <= tol, "n {n}: {sb} vs {exact_bf}");
+            }
+        }
+        assert_eq!(sum_f32(&[]), 0.0);
+        assert!(sum_f32(&[1.0, f32::NAN, 2.0]).is_nan());
+        assert_eq!(sum_f32(&[1.0, f32::INFINITY]), f32::INFINITY);
+        // The order is the documented one: 16 running sums, then pairwise.
+        let x: Vec<f32> = (0..40).map(|i| if i == 0 { 1e8 } else { 1.0 }).collect();
+        let mut lanes = [0f32; 16];
+        for (i, &v) in x.iter().enumerate() {
+            lanes[i % 16] += v;
+        }
+        for w in [8, 4, 2, 1] {
+            for l in 0..w {
+                lanes[l] += lanes[l + w];
+            }
+        }
+        assert_eq!(sum_f32(&x), lanes[0]);
+    }
+}
