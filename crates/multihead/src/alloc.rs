@@ -106,9 +106,18 @@ pub(crate) fn try_zeros<T: Copy + Default + Send + Sync>(
     n: usize,
     what: &str,
 ) -> candle_core::Result<Vec<T>> {
+    try_filled(n, T::default(), what)
+}
+
+/// A `Vec` of `n` copies of `value`, or a candle error when it cannot be allocated.
+pub(crate) fn try_filled<T: Copy + Send + Sync>(
+    n: usize,
+    value: T,
+    what: &str,
+) -> candle_core::Result<Vec<T>> {
     let mut v = try_empty(n, what)?;
     if n < PAR_FILL_MIN {
-        v.resize(n, T::default());
+        v.resize(n, value);
         return Ok(v);
     }
     // Large buffers are filled on every thread: one thread's memset (and the page faults of
@@ -116,7 +125,7 @@ pub(crate) fn try_zeros<T: Copy + Default + Send + Sync>(
     use rayon::prelude::*;
     v.spare_capacity_mut()[..n]
         .par_chunks_mut(PAR_FILL_CHUNK)
-        .for_each(|c| c.fill(std::mem::MaybeUninit::new(T::default())));
+        .for_each(|c| c.fill(std::mem::MaybeUninit::new(value)));
     // SAFETY: the loop above initialised all `n` elements of the reserved capacity.
     unsafe { v.set_len(n) };
     Ok(v)
@@ -140,7 +149,7 @@ pub(crate) unsafe fn try_written<T>(
     Ok(v)
 }
 
-/// Elements from which [`try_zeros`] fills in parallel, and its chunk.
+/// Elements from which [`try_filled`] fills in parallel, and its chunk.
 const PAR_FILL_MIN: usize = 1 << 20;
 const PAR_FILL_CHUNK: usize = 1 << 16;
 

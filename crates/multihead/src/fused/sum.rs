@@ -6,6 +6,11 @@
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use half::bf16;
 
+use crate::alloc::try_filled;
+
+/// What the gradient's allocation is called in its error.
+const WHAT: &str = "sum_f32 gradient";
+
 /// `sum(x)` accumulated in f32, for an f32 or bf16 `x`.
 pub(crate) struct SumF32;
 
@@ -40,24 +45,13 @@ impl CustomOp1 for SumF32 {
         };
         let n = arg.elem_count();
         let out = match arg.dtype() {
-            DType::F32 => Tensor::from_vec(filled(n, g)?, arg.shape(), arg.device())?,
+            DType::F32 => Tensor::from_vec(try_filled(n, g, WHAT)?, arg.shape(), arg.device())?,
             DType::BF16 => {
-                Tensor::from_vec(filled(n, bf16::from_f32(g))?, arg.shape(), arg.device())?
+                let v = try_filled(n, bf16::from_f32(g), WHAT)?;
+                Tensor::from_vec(v, arg.shape(), arg.device())?
             }
             dt => candle_core::bail!("sum_f32: no gradient for a {dt:?} input"),
         };
         Ok(Some(out))
     }
-}
-
-/// `n` copies of `v` in a new vector, filled in parallel (the allocation checked).
-fn filled<T: Copy + Send + Sync>(n: usize, v: T) -> candle_core::Result<Vec<T>> {
-    use rayon::prelude::*;
-    let write = |d: &mut [std::mem::MaybeUninit<T>]| {
-        d.par_chunks_mut(1 << 16)
-            .for_each(|c| c.iter_mut().for_each(|x| *x = std::mem::MaybeUninit::new(v)));
-        Ok(())
-    };
-    // SAFETY: `write` initialises every element of its slice.
-    unsafe { crate::alloc::try_written(n, "sum_f32 gradient", write) }
 }
