@@ -124,7 +124,7 @@ pub(crate) struct Scores {
     pub d: usize,
     /// The query panel of [`pack_q`].
     pub qp: *const u32,
-    /// Multiplies the sums.
+    /// Multiplies the sums (1: left to the caller).
     pub scale: f32,
     /// Output `[bc][brp]` and its lanes (`brp <= NR`).
     pub st: *mut f32,
@@ -184,8 +184,11 @@ unsafe fn scores_impl(kern: Kernel, s: &Scores, pack: bool) {
             round_rows(s.k, s.ld, (s.bc, sh.mr), s.d, s.kb, dp);
         }
         product(kern, (s.kb, (dp, 2)), kpd, s.bc, s.qp, s.brp, (s.st, s.brp), false);
-        for x in std::slice::from_raw_parts_mut(s.st, s.bc * s.brp) {
-            *x *= s.scale;
+        // A scale of 1 changes no bits: the forward passes it where its softmax pass scales.
+        if s.scale != 1.0 {
+            for x in std::slice::from_raw_parts_mut(s.st, s.bc * s.brp) {
+                *x *= s.scale;
+            }
         }
     }
 }
@@ -206,6 +209,33 @@ pub(crate) struct Values {
     /// Scratch for the value and probability pair words ([`scratch`]).
     pub vw: *mut u32,
     pub pw: *mut u32,
+    /// The keys `vw`'s value pairs were packed for (`bc`, or more where they are the first
+    /// keys of a larger block: [`Prepacked::block`](super::prepack::Prepacked::block)).
+    pub v_keys: usize,
+    /// Whether `pw` holds the probabilities' pair words already ([`zero_pair_padding`] and
+    /// the softmax pass wrote them), so that `st` is not read.
+    pub p_packed: bool,
+}
+
+/// Zeroes what the probabilities' pair words `pw` (`kp` pair rows of [`NR`] words, as
+/// [`pair_rows`] writes them for `bc` key rows and `brp` lanes) hold besides the pairs
+/// themselves: the lanes from `brp` in the live pair rows, and the pair rows from
+/// `bc.div_ceil(2)` to `kp`.
+///
+/// # Safety
+/// `pw` holds `kp · NR` words; `brp <= NR`, `bc.div_ceil(2) <= kp`.
+#[inline(always)]
+pub(crate) unsafe fn zero_pair_padding(pw: *mut u32, bc: usize, brp: usize, kp: usize) {
+    let live = bc.div_ceil(2);
+    // SAFETY: within the `kp · NR` words the caller guarantees.
+    unsafe {
+        if brp < NR {
+            for p in 0..live {
+                std::ptr::write_bytes(pw.add(p * NR + brp), 0, NR - brp);
+            }
+        }
+        std::ptr::write_bytes(pw.add(live * NR), 0, (kp - live) * NR);
+    }
 }
 
 /// `Oᵀ[c][i] (+)= Σ_j bf16(V[j][c]) · bf16(P[i][j])` for `c < dv`, `i < NR` (lanes past `brp`
@@ -253,10 +283,12 @@ unsafe fn values_impl(kern: Kernel, x: &Values, pack: bool) {
     // SAFETY: rows `< bc` of `st` and `v` are readable; `pw` holds `kpc · NR` words, `vw`
     // `sh.transposed_words(bc, dv)`, `ot` `dv` rounded up to `MR` rows of `NR` floats.
     unsafe {
-        pair_rows((x.st, x.brp), x.bc, x.brp, (x.pw, kpc), NR, true);
+        if !x.p_packed {
+            pair_rows((x.st, x.brp), x.bc, x.brp, (x.pw, kpc), NR, true);
+        }
         let a = match pack {
             true => transposed_a(sh, (x.v, x.ld), x.bc, x.dv, x.vw),
-            false => (x.vw as *const u16, transposed_strides(sh, x.bc, x.dv)),
+            false => (x.vw as *const u16, transposed_strides(sh, x.v_keys, x.dv)),
         };
         product(kern, a, kpc, x.dv, x.pw, NR, (x.ot, NR), x.accumulate);
     }

@@ -10,7 +10,7 @@ use super::bf16::{self as bf, Scores, Values};
 use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
 use super::mask::{build_mask_keys, build_mask_tile, TilePos};
-use super::scoremod::{bias_before_cap, cap_tile, Alibi};
+use super::scoremod::{bias_before_cap, cap_tile, Alibi, AlibiColumn};
 use super::simd::Simd;
 use super::sinks::row_end;
 use super::tile::{pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR};
@@ -191,13 +191,22 @@ impl Task for FwdTask<'_> {
                 }
                 let diag = if clip { band.diag(i0, j0) } else { None };
                 let kj = kbase.add(j0 * self.kl.seq);
+                let partial = banded && band.partial(i0, br, j0, bc);
+                // The cap goes into the softmax pass where nothing comes between the two (the
+                // masks and the bias after the cap, no band to hide); else a pass of its own.
+                let fused_cap = p.softcap.filter(|_| !partial && !bias_before_cap(p));
+                // The bf16 products' scale goes into the softmax pass too where no pass comes
+                // between (the same bits: the pass multiplies first); the f32 products' is in
+                // the query block already.
+                let fold_scale = bf && !partial && !bias_before_cap(p);
                 // This block's keys and values packed once per head, where they were.
                 let ready =
                     if bf { self.packed.and_then(|pk| pk.block(b, hk, j0, bc)) } else { None };
                 if bf {
-                    let (ld, qp, scale, st) = (self.kl.seq, qp, p.scale, st.as_mut_ptr());
+                    let scale = if fold_scale { 1.0 } else { p.scale };
+                    let (ld, qp, st) = (self.kl.seq, qp, st.as_mut_ptr());
                     match ready {
-                        Some((kb, _)) => {
+                        Some((kb, _, _)) => {
                             let kb = kb.cast_mut();
                             let s = Scores { k: kj, ld, bc, d, qp, scale, st, brp, kb };
                             bf::scores_packed(kern, &s);
@@ -211,10 +220,6 @@ impl Task for FwdTask<'_> {
                     score_tile::<S>(kj, self.kl.seq, d, qtp, brp, stp, bc, diag);
                 }
                 let alibi = Alibi::of(p, h, i0, j0);
-                let partial = banded && band.partial(i0, br, j0, bc);
-                // The cap goes into the softmax pass where nothing comes between the two (the
-                // masks and the bias after the cap, no band to hide); else a pass of its own.
-                let fused_cap = p.softcap.filter(|_| !partial && !bias_before_cap(p));
                 if fused_cap.is_none() {
                     let tile = (st.as_mut_ptr(), brp, nvec, bc);
                     cap_tile::<S>(p, tile, (mt.as_ptr(), per_key), alibi.as_ref());
@@ -227,8 +232,15 @@ impl Task for FwdTask<'_> {
                 let alibi = alibi.filter(|_| !bias_before_cap(p));
                 let drop = dropout.as_ref().map(|dr| (dr, j0));
                 let tile = ScoreTile { st: st.as_mut_ptr(), brp, nvec, bc };
-                let mods = ScoreMods { cap: fused_cap, mask, alibi: alibi.as_ref() };
-                softmax_tile::<S>(&tile, &mods, &mut running, drop);
+                let scale = if fold_scale { p.scale } else { 1.0 };
+                let mods = ScoreMods { scale, cap: fused_cap, mask, alibi: alibi.as_ref() };
+                // The bf16 products' probabilities go straight into their pair words.
+                let pack = bf.then(|| {
+                    let kpc = bf::Shape::of(kern).kp(bc.div_ceil(2));
+                    bf::zero_pair_padding(pw, bc, brp, kpc);
+                    pw
+                });
+                softmax_tile::<S>(&tile, &mods, &mut running, drop, pack);
                 // Rescale O where the max grew, then O += P V.
                 let (vj, ld) = (vbase.add(j0 * self.vl.seq), self.vl.seq);
                 if bf {
@@ -237,15 +249,42 @@ impl Task for FwdTask<'_> {
                     }
                     let (st, accumulate) = (st.as_ptr(), !first);
                     match ready {
-                        Some((_, vp)) => {
-                            let vw = vp.cast_mut();
-                            let x = Values { st, brp, bc, v: vj, ld, dv, ot, accumulate, vw, pw };
+                        Some((_, vp, v_keys)) => {
+                            let (vw, p_packed) = (vp.cast_mut(), true);
+                            let x = Values {
+                                st,
+                                brp,
+                                bc,
+                                v: vj,
+                                ld,
+                                dv,
+                                ot,
+                                accumulate,
+                                vw,
+                                pw,
+                                v_keys,
+                                p_packed,
+                            };
                             bf::values_packed(kern, &x);
                         }
-                        None => bf::values(
-                            kern,
-                            &Values { st, brp, bc, v: vj, ld, dv, ot, accumulate, vw, pw },
-                        ),
+                        None => {
+                            let (v_keys, p_packed) = (bc, true);
+                            let x = Values {
+                                st,
+                                brp,
+                                bc,
+                                v: vj,
+                                ld,
+                                dv,
+                                ot,
+                                accumulate,
+                                vw,
+                                pw,
+                                v_keys,
+                                p_packed,
+                            };
+                            bf::values(kern, &x)
+                        }
                     }
                 } else {
                     let values = (vj, ld, dv);
@@ -333,10 +372,11 @@ struct Running<'s> {
     alpha: &'s mut [f32],
 }
 
-/// What the softmax pass applies to a fresh score before its max: the soft cap `c` (when no
-/// pass of its own took it), then the masks (a pointer and whether it holds one value per key,
-/// else one per entry) and the ALiBi bias.
+/// What the softmax pass applies to a fresh score before its max: the scale (1: none), the
+/// soft cap `c` (when no pass of its own took it), then the masks (a pointer and whether it
+/// holds one value per key, else one per entry) and the ALiBi bias.
 struct ScoreMods<'a> {
+    scale: f32,
     cap: Option<f32>,
     mask: Option<(*const f32, bool)>,
     alibi: Option<&'a Alibi>,
@@ -344,50 +384,98 @@ struct ScoreMods<'a> {
 
 /// The online-softmax update of one score tile: the scores capped, the masks and the ALiBi
 /// bias added (`mods`), the running max and its rescaling factors updated (pass 1, vertical
-/// over keys), then the tile replaced by `P = exp(S - m)` (times the dropout multipliers of
-/// `dropout`'s block at key offset `j0`) while the running sums are rescaled and increased
-/// (pass 2).
+/// over keys), then `P = exp(S - m)` (times the dropout multipliers of `dropout`'s block at
+/// key offset `j0`) while the running sums are rescaled and increased (pass 2). `P` replaces
+/// the tile, or, with `pack`, goes into the bf16 products' pair words there (two key rows per
+/// word row, as [`bf::pair_rows`] packs them; the caller zeroes the padding).
 ///
 /// # Safety
 /// `S` is available; the tile (and a per-entry mask) hold `bc · brp` floats, a per-key mask
-/// `bc`; the running slices `nvec · S::LANES`.
+/// `bc`; the running slices `nvec · S::LANES`; `pack` holds `bc.div_ceil(2)` rows of
+/// [`bf::MAX_LANES`] words, with `brp <= MAX_LANES`.
 #[inline(always)]
 unsafe fn softmax_tile<S: Simd>(
     t: &ScoreTile,
     mods: &ScoreMods<'_>,
     run: &mut Running<'_>,
     dropout: Option<(&BlockDropout, usize)>,
+    pack: Option<*mut u32>,
+) {
+    // Groups of four vectors of queries (a row of a 64-lane tile on AVX-512) walk the tile's
+    // rows in order; each lane still sees the keys in order, so the bits are those of one
+    // vector at a time.
+    // SAFETY: forwarded (the groups cover vectors `0..nvec`).
+    unsafe {
+        let mut v0 = 0;
+        while v0 + 4 <= t.nvec {
+            max_pass::<S, 4>(t, mods, run, v0);
+            exp_pass::<S, 4>(t, run, dropout, pack, v0);
+            v0 += 4;
+        }
+        while v0 < t.nvec {
+            max_pass::<S, 1>(t, mods, run, v0);
+            exp_pass::<S, 1>(t, run, dropout, pack, v0);
+            v0 += 1;
+        }
+    }
+}
+
+/// Pass 1 of [`softmax_tile`] for the `G` vectors of queries from `v0`: the scores modified
+/// (and stored back where anything modified them), the running max and its rescaling factors.
+///
+/// # Safety
+/// As for [`softmax_tile`], with `v0 + G <= t.nvec`.
+#[inline(always)]
+unsafe fn max_pass<S: Simd, const G: usize>(
+    t: &ScoreTile,
+    mods: &ScoreMods<'_>,
+    run: &mut Running<'_>,
+    v0: usize,
 ) {
     let (l, stp, brp) = (S::LANES, t.st, t.brp);
     let (mask, alibi) = (mods.mask, mods.alibi);
     let (cap, inv) = (mods.cap.unwrap_or(1.0), mods.cap.map_or(1.0, |c| 1.0 / c));
-    let modified = mods.cap.is_some() || mask.is_some() || alibi.is_some();
+    let scaled = mods.scale != 1.0;
+    let modified = scaled || mods.cap.is_some() || mask.is_some() || alibi.is_some();
     // SAFETY: within the tile and the running slices (caller).
     unsafe {
-        for vi in 0..t.nvec {
-            let mut col = alibi.map(|a| a.column::<S>(vi * l));
-            let mut mx = S::splat(f32::NEG_INFINITY);
-            for j in 0..t.bc {
-                let ptr = stp.add(j * brp + vi * l);
+        let scale = S::splat(mods.scale);
+        let mut mx = [S::splat(f32::NEG_INFINITY); G];
+        let mut cols: [Option<AlibiColumn<S>>; G] = [None; G];
+        if let Some(a) = alibi {
+            for (u, c) in cols.iter_mut().enumerate() {
+                *c = Some(a.column::<S>((v0 + u) * l));
+            }
+        }
+        for j in 0..t.bc {
+            for u in 0..G {
+                let at = j * brp + (v0 + u) * l;
+                let ptr = stp.add(at);
                 let mut x = S::load(ptr);
+                if scaled {
+                    x = S::mul(x, scale);
+                }
                 if mods.cap.is_some() {
                     x = S::softcap(x, cap, inv);
                 }
                 if let Some((mtp, per_key)) = mask {
                     let m = match per_key {
                         true => S::splat(*mtp.add(j)),
-                        false => S::load(mtp.add(j * brp + vi * l)),
+                        false => S::load(mtp.add(at)),
                     };
                     x = S::add(x, m);
                 }
-                if let Some(c) = col.as_mut() {
+                if let Some(c) = cols[u].as_mut() {
                     x = S::add(x, c.next());
                 }
                 if modified {
                     S::store(ptr, x);
                 }
-                mx = S::max(mx, x);
+                mx[u] = S::max(mx[u], x);
             }
+        }
+        for (u, &mx) in mx.iter().enumerate() {
+            let vi = v0 + u;
             let mo = S::load(run.max.as_ptr().add(vi * l));
             // f32::MIN, not -inf, as the reference of an all -inf row: exp(-inf - MIN)
             // is 0 where exp(-inf - -inf) would be NaN.
@@ -395,21 +483,88 @@ unsafe fn softmax_tile<S: Simd>(
             S::store(run.max.as_mut_ptr().add(vi * l), mn);
             S::store(run.alpha.as_mut_ptr().add(vi * l), S::exp(S::sub(mo, mn)));
         }
-        for vi in 0..t.nvec {
-            let r = S::load(run.max.as_ptr().add(vi * l));
-            let mut sum = S::splat(0.0);
-            for j in 0..t.bc {
-                let ptr = stp.add(j * brp + vi * l);
-                let mut e = S::exp(S::sub(S::load(ptr), r));
-                sum = S::add(sum, e);
-                if let Some((dr, j0)) = dropout {
-                    e = S::mul(e, dr.vector::<S>(vi * l, j0 + j));
+    }
+}
+
+/// Pass 2 of [`softmax_tile`] for the `G` vectors of queries from `v0`: `P`, into the tile or
+/// the pair words of `pack`, and the running sums.
+///
+/// # Safety
+/// As for [`softmax_tile`], with `v0 + G <= t.nvec`.
+#[inline(always)]
+unsafe fn exp_pass<S: Simd, const G: usize>(
+    t: &ScoreTile,
+    run: &mut Running<'_>,
+    dropout: Option<(&BlockDropout, usize)>,
+    pack: Option<*mut u32>,
+    v0: usize,
+) {
+    let (l, stp, brp) = (S::LANES, t.st, t.brp);
+    // SAFETY: within the tile, the pair words and the running slices (caller).
+    unsafe {
+        let mut r = [S::splat(0.0); G];
+        for (u, r) in r.iter_mut().enumerate() {
+            *r = S::load(run.max.as_ptr().add((v0 + u) * l));
+        }
+        let mut sum = [S::splat(0.0); G];
+        match pack {
+            None => {
+                for j in 0..t.bc {
+                    for u in 0..G {
+                        let (lane, sum) = ((v0 + u) * l, &mut sum[u]);
+                        let ptr = stp.add(j * brp + lane);
+                        let e = probability::<S>(ptr, r[u], sum, dropout, (lane, j));
+                        S::store(ptr, e);
+                    }
                 }
-                S::store(ptr, e);
             }
+            Some(pw) => {
+                for j in (0..t.bc).step_by(2) {
+                    for u in 0..G {
+                        let (lane, sum) = ((v0 + u) * l, &mut sum[u]);
+                        let ptr = stp.add(j * brp + lane);
+                        let lo = probability::<S>(ptr, r[u], sum, dropout, (lane, j));
+                        let hi = match j + 1 < t.bc {
+                            true => {
+                                probability::<S>(ptr.add(brp), r[u], sum, dropout, (lane, j + 1))
+                            }
+                            false => S::splat(0.0),
+                        };
+                        S::store_bf16_pairs(pw.add(j / 2 * bf::MAX_LANES + lane), lo, hi);
+                    }
+                }
+            }
+        }
+        for (u, &sum) in sum.iter().enumerate() {
+            let vi = v0 + u;
             let lp = run.sum.as_mut_ptr().add(vi * l);
             let a = S::load(run.alpha.as_ptr().add(vi * l));
             S::store(lp, S::fma(a, S::load(lp), sum));
+        }
+    }
+}
+
+/// `exp(x - r)` for the scores at `ptr`, added to `sum`, then times the dropout multipliers
+/// of key row `j` (tile-local) for the lanes from `lane` (the running sum takes `P` before
+/// dropout).
+///
+/// # Safety
+/// `S` is available; `ptr` holds `S::LANES` floats.
+#[inline(always)]
+unsafe fn probability<S: Simd>(
+    ptr: *const f32,
+    r: S::V,
+    sum: &mut S::V,
+    dropout: Option<(&BlockDropout, usize)>,
+    (lane, j): (usize, usize),
+) -> S::V {
+    // SAFETY: vector arithmetic on the lanes the caller guarantees.
+    unsafe {
+        let e = S::exp(S::sub(S::load(ptr), r));
+        *sum = S::add(*sum, e);
+        match dropout {
+            Some((dr, j0)) => S::mul(e, dr.vector::<S>(lane, j0 + j)),
+            None => e,
         }
     }
 }

@@ -7,9 +7,9 @@
 //! packing took longer than the products (bf16 MHA at L = S = 512: eight packings per head).
 //! Here every key block of every `(batch, kv head)` is packed once, in parallel, into the same
 //! words the per-block packers write; a query block whose key block lies on the grid (starts at
-//! a multiple of the block size and reads it whole) takes them as they are, any other (a
-//! band's first block, keys trimmed by a mask) packs its own as before. The bits are the same
-//! either way.
+//! a multiple of the block size) takes them as they are, whole or the first keys of them (a
+//! causal query block's last keys: see [`Prepacked::block`]); any other (a band's first block,
+//! keys trimmed to an odd count) packs its own as before. The bits are the same either way.
 
 use rayon::prelude::*;
 
@@ -34,6 +34,8 @@ pub(crate) struct Prepacked {
     /// Keys per block.
     bc: usize,
     s: usize,
+    /// Keys per tile step of the value pairs (twice the kernel's pair alignment).
+    step_keys: usize,
 }
 
 impl Prepacked {
@@ -85,25 +87,35 @@ impl Prepacked {
             heads_kv: dims.heads_kv,
             bc,
             s: dims.s,
+            step_keys: 2 * sh.kpa,
         })
     }
 
-    /// The packed key rows and value pairs of the `bc` keys from `j0` of `(b, kv head h)`,
-    /// where that is a whole block of the grid.
+    /// The packed key rows and value pairs of the `bc` keys from `j0` of `(b, kv head h)`, and
+    /// the keys the value pairs were packed for (their row stride follows from it), where those
+    /// keys are a block of the grid or its first keys in whole tile steps of pairs.
+    ///
+    /// The first keys of a block are the same words as a block of those keys alone: key row
+    /// `r` is rounded into row `r` either way, and the rows the product reads past `bc` only
+    /// reach output rows that are not written; the value pair `(c, p)` is the same word for
+    /// `p < bc / 2`, and with `bc` a multiple of the tile step the product reads no pair past
+    /// them (a block of its own would have no zero pairs to read either).
     pub(crate) fn block(
         &self,
         b: usize,
         h: usize,
         j0: usize,
         bc: usize,
-    ) -> Option<(*const u16, *const u32)> {
-        if !j0.is_multiple_of(self.bc) || bc != self.bc.min(self.s.checked_sub(j0)?) {
+    ) -> Option<(*const u16, *const u32, usize)> {
+        let keys = self.bc.min(self.s.checked_sub(j0)?);
+        let prefix = bc < keys && bc.is_multiple_of(self.step_keys);
+        if !j0.is_multiple_of(self.bc) || !(bc == keys || prefix) {
             return None;
         }
         let t = (b * self.heads_kv + h) * self.blocks + j0 / self.bc;
         let k = self.k.get(self.k_off + t * self.k_len..self.k_off + (t + 1) * self.k_len)?;
         let v = self.v.get(self.v_off + t * self.v_len..self.v_off + (t + 1) * self.v_len)?;
-        Some((k.as_ptr(), v.as_ptr()))
+        Some((k.as_ptr(), v.as_ptr(), keys))
     }
 }
 

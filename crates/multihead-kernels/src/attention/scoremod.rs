@@ -74,6 +74,7 @@ impl Alibi {
 /// of the tile's first key row, the current row `j` (counted exactly: a tile has far fewer
 /// than 2^24 rows) and the negated slope. Each distance `d0 − j` is one rounding of the exact
 /// one (exact below 2^24), however many rows came before.
+#[derive(Clone, Copy)]
 pub(crate) struct AlibiColumn<S: Simd> {
     d0: S::V,
     j: S::V,

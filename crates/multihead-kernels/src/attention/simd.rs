@@ -47,6 +47,23 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     unsafe fn load_bf16(p: *const u16) -> Self::V;
     /// Store of the masked lanes only.
     unsafe fn store_m(p: *mut f32, v: Self::V, m: Self::M);
+    /// `out[i] = bf16(lo[i]) | bf16(hi[i]) << 16` for the `LANES` lanes: pair words of two
+    /// vectors rounded as [`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits) rounds (the
+    /// `B` operand of the bf16 products, two key rows interleaved).
+    #[inline(always)]
+    unsafe fn store_bf16_pairs(out: *mut u32, lo: Self::V, hi: Self::V) {
+        use crate::convert::f32_to_bf16_bits as bf;
+        let (mut a, mut b) = ([0f32; 16], [0f32; 16]);
+        // SAFETY: `a` and `b` hold 16 >= LANES floats; the caller guarantees `LANES` writable
+        // words at `out`.
+        unsafe {
+            Self::store(a.as_mut_ptr(), lo);
+            Self::store(b.as_mut_ptr(), hi);
+            for i in 0..Self::LANES {
+                *out.add(i) = u32::from(bf(a[i])) | (u32::from(bf(b[i])) << 16);
+            }
+        }
+    }
     /// `a + b`.
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
     /// `a - b`.
@@ -570,6 +587,16 @@ unsafe impl Simd for Avx512 {
         unsafe {
             let w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w))
+        }
+    }
+    #[inline(always)]
+    unsafe fn store_bf16_pairs(out: *mut u32, lo: __m512, hi: __m512) {
+        // SAFETY: AVX-512F is available and 16 words are writable (trait contract); `round16`
+        // leaves the high half of each lane zero, so the shifted high rounding fills it.
+        unsafe {
+            let (lo, hi) = (crate::convert::round16(lo), crate::convert::round16(hi));
+            let w = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
+            _mm512_storeu_si512(out as *mut __m512i, w);
         }
     }
     #[inline(always)]

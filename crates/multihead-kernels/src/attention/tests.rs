@@ -997,6 +997,83 @@ fn vector_exp_is_accurate_and_handles_specials() {
     }
 }
 
+/// Pair words of two vectors, through one instruction set.
+type PairWords = dyn Fn(&[f32], &[f32]) -> Vec<u32>;
+
+/// `store_bf16_pairs` of `lo` and `hi` (each `S::LANES` floats), through `S`.
+///
+/// # Safety
+/// `S` is available on this CPU.
+#[inline(always)]
+unsafe fn pairs_of<S: super::simd::Simd>(lo: &[f32], hi: &[f32]) -> Vec<u32> {
+    let mut out = vec![0u32; S::LANES];
+    // SAFETY: `S::LANES` floats each and `S::LANES` words; the caller's instruction set.
+    unsafe { S::store_bf16_pairs(out.as_mut_ptr(), S::load(lo.as_ptr()), S::load(hi.as_ptr())) };
+    out
+}
+
+#[test]
+fn bf16_pair_words_round_as_the_scalar_conversion() {
+    use crate::convert::f32_to_bf16_bits as bf;
+    // Ties both ways, the largest values that round to infinity and stay finite, subnormals,
+    // signed zeros, infinities, NaNs with payloads (quieted), and random values.
+    let mut x = vec![
+        1.0f32,
+        f32::from_bits(0x3F80_8000),
+        f32::from_bits(0x3F81_8000),
+        f32::from_bits(0x3F80_7FFF),
+        f32::MAX,
+        f32::from_bits(0x7F7F_7FFF),
+        f32::from_bits(0x0000_8001),
+        f32::from_bits(0x807F_FFFF),
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::from_bits(0xFF80_0001),
+        f32::from_bits(0x7FC1_2345),
+        -3.5e-39,
+    ];
+    let mut state = 7u32;
+    x.extend((0..48).map(|_| {
+        state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        f32::from_bits(state)
+    }));
+    let (lo, hi) = (&x[..32], &x[32..]);
+    let want: Vec<u32> =
+        lo.iter().zip(hi).map(|(&a, &b)| u32::from(bf(a)) | u32::from(bf(b)) << 16).collect();
+    let check = |level: SimdLevel, lanes: usize, run: &PairWords| {
+        for c in (0..32).step_by(lanes) {
+            let got = run(&lo[c..c + lanes], &hi[c..c + lanes]);
+            assert_eq!(got, want[c..c + lanes], "{level:?} lanes {c}..");
+        }
+    };
+    // SAFETY: scalar code runs anywhere.
+    check(SimdLevel::Scalar, 1, &|a, b| unsafe { pairs_of::<super::simd::Scalar>(a, b) });
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512dq")]
+        unsafe fn wide(a: &[f32], b: &[f32]) -> Vec<u32> {
+            // SAFETY: AVX-512 enabled (the caller checked the CPU).
+            unsafe { pairs_of::<super::simd::Avx512>(a, b) }
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn narrow(a: &[f32], b: &[f32]) -> Vec<u32> {
+            // SAFETY: AVX2 enabled (the caller checked the CPU).
+            unsafe { pairs_of::<super::simd::Avx2>(a, b) }
+        }
+        if detected_simd_level() >= SimdLevel::Avx512 {
+            // SAFETY: checked above.
+            check(SimdLevel::Avx512, 16, &|a, b| unsafe { wide(a, b) });
+        }
+        if detected_simd_level() >= SimdLevel::Avx2 {
+            // SAFETY: checked above.
+            check(SimdLevel::Avx2, 8, &|a, b| unsafe { narrow(a, b) });
+        }
+    }
+}
+
 /// NaN at `(pos, col)` of K or V in a `[1, 1, s, d]` tensor; a key padding mask hides keys
 /// `200..`; the kernels' output and weights have the reference's NaN positions and values at
 /// every SIMD level, also when the NaN sits in a fully masked key tile (PyTorch adds masks, so
@@ -1338,13 +1415,22 @@ fn bf16_products_multiply_rounded_operands_and_round_the_probabilities() {
 
 #[test]
 fn bf16_keys_and_values_packed_once_per_head_give_the_per_block_bits() {
-    // Without a causal mask the query blocks are independent: the rows of a long call (keys and
-    // values packed once per head) equal, bit for bit, the same rows computed by short calls of
-    // one query block each (which pack their own key blocks). Keys past one block and not a
-    // multiple of it, odd head dimensions, GQA, with and without a key padding mask (the blocks
-    // it trims pack their own), and keys and values strided in one packed projection (packed
-    // from their rows as they are, without the contiguous copy), on every kernel this CPU runs.
+    // The query blocks are independent: the rows of a long call (keys and values packed once
+    // per head) equal, bit for bit, the same rows computed by short calls of one query block
+    // each (which pack their own key blocks; a causal one with its diagonal moved to the
+    // block's first row). Keys past one block and not a multiple of it, odd head dimensions,
+    // GQA, with and without a key padding mask (the blocks it trims pack their own), keys and
+    // values strided in one packed projection (packed from their rows as they are, without the
+    // contiguous copy), and causal calls, whose query blocks read the first keys of a packed
+    // block (in whole tile steps) or pack their own (an odd count, bottom-right with a
+    // cache), on every kernel this CPU runs.
     let mut cases = Vec::new();
+    let mut causal = Case::new(1, 4, 300, 300, 64);
+    (causal.hkv, causal.causal) = (2, true);
+    cases.push(causal);
+    let mut cached = Case::new(1, 2, 130, 401, 40);
+    (cached.causal, cached.offset) = (true, 271);
+    cases.push(cached);
     for masks in [vec![], vec![MaskKind::KeyPad]] {
         let mut c = Case::new(2, 4, 150, 300, 33);
         (c.hkv, c.dv, c.masks) = (2, 17, masks);
@@ -1367,7 +1453,8 @@ fn bf16_keys_and_values_packed_once_per_head_give_the_per_block_bits() {
                     for i0 in (0..c.l).step_by(FWD_BR) {
                         let n = FWD_BR.min(c.l - i0);
                         let dims = AttnDims { l: n, ..p.dims };
-                        let short = AttnParams { dims, ..p };
+                        let offset = p.offset + i0 as isize;
+                        let short = AttnParams { dims, offset, ..p };
                         let ol = Layout4::contiguous(c.hq, n, c.dv);
                         let mut o = vec![f32::NAN; c.b * c.hq * n * c.dv];
                         let mut ls = vec![f32::NAN; 2 * c.b * c.hq * n];

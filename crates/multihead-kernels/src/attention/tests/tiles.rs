@@ -141,6 +141,8 @@ fn forward_products_on_tiles_equal_the_sequential_emulation() {
                 accumulate,
                 vw,
                 pw,
+                v_keys: bc,
+                p_packed: false,
             };
             // SAFETY: as above; `ot` holds `dv` rounded to `MR` rows of `NR` floats.
             unsafe { bf::values(kern, &x) };
