@@ -625,6 +625,11 @@ fn all_finite(
     if read > needed.saturating_mul(2) {
         return false;
     }
+    spans.iter().all(|(x, a, b)| flat_finite(&x[*a..*b]))
+}
+
+/// Whether every element of `span` is finite: one parallel streaming pass.
+fn flat_finite(span: &[f32]) -> bool {
     use rayon::prelude::*;
     const EXP: u32 = 0x7f80_0000;
     // An OR of comparisons: vectorises at any x86-64 level (no early exit); on 16 lanes where
@@ -647,15 +652,42 @@ fn all_finite(
         let _ = wide;
         scan(c)
     };
-    spans.iter().all(|(x, a, b)| {
-        let span = &x[*a..*b];
-        // One chunk's worth is scanned here: sending it to the pool costs more.
-        if span.len() <= 1 << 14 {
-            finite(span)
-        } else {
-            span.par_chunks(1 << 14).all(finite)
-        }
-    })
+    // One chunk's worth is scanned here: sending it to the pool costs more.
+    if span.len() <= 1 << 14 {
+        finite(span)
+    } else {
+        span.par_chunks(1 << 14).all(finite)
+    }
+}
+
+/// [`finite_heads`] where the keys' and values' finiteness per `(batch, kv head)` is known
+/// (`kv`, from the prepacking pass that read them anyway): only the queries are scanned, in
+/// one pass over their span where it is dense, else head by head.
+fn finite_heads_given_kv(p: &AttnParams<'_>, (q, ql): (&[f32], Layout4), kv: &[bool]) -> Vec<bool> {
+    use rayon::prelude::*;
+    let dm = p.dims;
+    let group = (dm.heads_q / dm.heads_kv.max(1)).max(1);
+    let (rows, width) = (dm.heads_q.saturating_mul(dm.l), dm.d);
+    let needed = dm.batch.saturating_mul(rows).saturating_mul(width);
+    let last = (dm.batch - 1) * ql.batch + (dm.heads_q - 1) * ql.head + (dm.l - 1) * ql.seq;
+    let dense = last + width <= q.len() && last + width <= needed.saturating_mul(2);
+    if width == 0 || (dense && flat_finite(&q[..last + width])) {
+        return (0..dm.batch * dm.heads_q)
+            .map(|bh| kv[(bh / dm.heads_q) * dm.heads_kv + (bh % dm.heads_q) / group])
+            .collect();
+    }
+    const EXP: u32 = 0x7f80_0000;
+    (0..dm.batch * dm.heads_q)
+        .into_par_iter()
+        .map(|bh| {
+            let (b, h) = (bh / dm.heads_q, bh % dm.heads_q);
+            kv[b * dm.heads_kv + h / group]
+                && (0..dm.l).all(|i| {
+                    let o = ql.offset(b, h, i);
+                    q[o..o + width].iter().fold(0u32, |m, f| m.max(f.to_bits() & EXP)) < EXP
+                })
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -740,7 +772,6 @@ pub fn flash_forward_uninit(
     if d.batch == 0 || d.heads_q == 0 || d.l == 0 {
         return Ok(());
     }
-    let finite = finite_heads(p, (q, ql), (k, kl), Some((v, vl)));
     // bf16 products on the tiles over several query blocks per head: the key and value blocks
     // are packed once (below), from the strided rows as they are.
     let kern = crate::bf16gemm::micro::kernel();
@@ -760,11 +791,17 @@ pub fn flash_forward_uninit(
     let out = exec::SyncPtr(out.as_mut_ptr().cast::<f32>());
     let lse = lse.map(|x| exec::SyncPtr(x.as_mut_ptr()));
     let mut task = forward::FwdTask::new(p, q, ql, k, kl, v, vl, out, ol, lse, FWD_BR, FWD_BC);
-    task.finite = &finite;
-    // bf16 products over several query blocks per head: the key and value blocks packed once.
+    // bf16 products over several query blocks per head: the key and value blocks packed once,
+    // and, where tiles may be skipped, scanned for non-finite values as they are packed.
+    let skips = p.banded() || p.has_mask();
     let packed = (p.bf16_products && d.l > FWD_BR)
-        .then(|| prepack::Prepacked::new(task.kern, &d, (k, kl), (v, vl), FWD_BC))
+        .then(|| prepack::Prepacked::new(task.kern, &d, (k, kl), (v, vl), FWD_BC, skips))
         .flatten();
+    let finite = match packed.as_ref().and_then(|pk| pk.kv_finite()) {
+        Some(kv) => finite_heads_given_kv(p, (q, ql), kv),
+        None => finite_heads(p, (q, ql), (k, kl), Some((v, vl))),
+    };
+    task.finite = &finite;
     task.packed = packed.as_ref();
     exec::try_par_run(simd_level(), &task, "flash_forward")
 }

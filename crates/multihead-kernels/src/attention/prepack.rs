@@ -36,18 +36,24 @@ pub(crate) struct Prepacked {
     s: usize,
     /// Keys per tile step of the value pairs (twice the kernel's pair alignment).
     step_keys: usize,
+    /// Per `(batch, kv head)`, whether its keys and values are all finite (empty where not
+    /// asked for).
+    finite: Vec<bool>,
 }
 
 impl Prepacked {
     /// Packs `k` and `v` (validated by `flash_forward`, `[batch, heads_kv, s, d|dv]` through
     /// their layouts) in blocks of `bc` keys for `kern`; `None` where the buffers cannot be
-    /// allocated (the tasks then pack their own blocks).
+    /// allocated (the tasks then pack their own blocks). With `check`, each block's keys and
+    /// values are also scanned for non-finite values while they are in cache
+    /// ([`Prepacked::kv_finite`]).
     pub(crate) fn new(
         kern: Kernel,
         dims: &AttnDims,
         (k, kl): (&[f32], Layout4),
         (v, vl): (&[f32], Layout4),
         bc: usize,
+        check: bool,
     ) -> Option<Prepacked> {
         let sh = Shape::of(kern);
         let dp = 2 * sh.kp(dims.d.div_ceil(2));
@@ -59,8 +65,15 @@ impl Prepacked {
         // From line boundaries: the tiles load these rows (see `aligned`).
         let kbuf = aligned_mut(&mut k_own, count.checked_mul(k_len)?)?;
         let vbuf = aligned_mut(&mut v_own, count.checked_mul(v_len)?)?;
-        kbuf.par_chunks_mut(k_len).zip(vbuf.par_chunks_mut(v_len)).enumerate().for_each(
-            |(t, (kb, vw))| {
+        let mut block_finite: Vec<bool> = Vec::new();
+        block_finite.try_reserve_exact(count).ok()?;
+        block_finite.resize(count, true);
+        let checks = block_finite.par_iter_mut();
+        kbuf.par_chunks_mut(k_len)
+            .zip(vbuf.par_chunks_mut(v_len))
+            .zip(checks)
+            .enumerate()
+            .for_each(|(t, ((kb, vw), fin))| {
                 let (bh, jb) = (t / blocks, t % blocks);
                 let (b, h) = (bh / dims.heads_kv, bh % dims.heads_kv);
                 let j0 = jb * bc;
@@ -72,9 +85,16 @@ impl Prepacked {
                     let kr = k.as_ptr().add(kl.offset(b, h, j0));
                     let vr = v.as_ptr().add(vl.offset(b, h, j0));
                     pack_block(kern, (kr, kl.seq), (vr, vl.seq), step, dims, kb, vw);
+                    if check {
+                        *fin = rows_finite((kr, kl.seq), step, dims.d)
+                            && rows_finite((vr, vl.seq), step, dims.dv);
+                    }
                 }
-            },
-        );
+            });
+        let finite = match check {
+            true => block_finite.chunks(blocks.max(1)).map(|c| c.iter().all(|&f| f)).collect(),
+            false => Vec::new(),
+        };
         let (k_off, v_off) = (line_offset(&k_own), line_offset(&v_own));
         Some(Prepacked {
             k: k_own,
@@ -88,7 +108,14 @@ impl Prepacked {
             bc,
             s: dims.s,
             step_keys: 2 * sh.kpa,
+            finite,
         })
+    }
+
+    /// Per `(batch, kv head)`, whether its keys and values are all finite, where `new` was
+    /// asked to check.
+    pub(crate) fn kv_finite(&self) -> Option<&[bool]> {
+        (!self.finite.is_empty()).then_some(self.finite.as_slice())
     }
 
     /// The packed key rows and value pairs of the `bc` keys from `j0` of `(b, kv head h)`, and
@@ -117,6 +144,40 @@ impl Prepacked {
         let v = self.v.get(self.v_off + t * self.v_len..self.v_off + (t + 1) * self.v_len)?;
         Some((k.as_ptr(), v.as_ptr(), keys))
     }
+}
+
+/// Whether `rows` rows of `width` floats (`ld` apart) are all finite (no exponent field all
+/// ones; an OR of comparisons, which vectorises).
+///
+/// # Safety
+/// `src + r·ld + c` is readable for `r < rows`, `c < width`.
+unsafe fn rows_finite((src, ld): (*const f32, usize), rows: usize, width: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd_level() == super::SimdLevel::Avx512 {
+        // SAFETY: the SIMD level is AVX-512, so the CPU has AVX-512F; forwarded.
+        return unsafe { rows_finite_avx512((src, ld), rows, width) };
+    }
+    // SAFETY: forwarded.
+    unsafe { rows_finite_impl((src, ld), rows, width) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn rows_finite_avx512(src: (*const f32, usize), rows: usize, width: usize) -> bool {
+    // SAFETY: forwarded (compiled for AVX-512 so that the fold runs on 16 lanes).
+    unsafe { rows_finite_impl(src, rows, width) }
+}
+
+#[inline(always)]
+unsafe fn rows_finite_impl((src, ld): (*const f32, usize), rows: usize, width: usize) -> bool {
+    const EXP: u32 = 0x7f80_0000;
+    let mut bad = 0u32;
+    for r in 0..rows {
+        // SAFETY: row `r < rows` has `width` readable floats (caller).
+        let row = unsafe { std::slice::from_raw_parts(src.add(r * ld), width) };
+        bad |= row.iter().fold(0u32, |acc, f| acc | u32::from(f.to_bits() & EXP == EXP));
+    }
+    bad == 0
 }
 
 /// One block packed as the forward's tasks pack it.
