@@ -52,7 +52,15 @@ pub(crate) struct BwdTask<'a> {
     /// Where the scores' gradient goes (`flash_backward_dscores`): contiguous `[batch,
     /// heads_q, l, s]`, validated by the caller; `None` when not wanted.
     pub(crate) dscores: Option<SyncPtr<f32>>,
+    /// Whether the bf16 products' keys and values are packed once per chunk (the default;
+    /// off, each key block packs its own: the same words, for the tests to compare).
+    pub(crate) pack_chunks: bool,
 }
+
+/// Tests turn the once-per-chunk packing off (same bits, more packing) to compare the two.
+#[cfg(test)]
+pub(crate) static PACK_PER_BLOCK: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
 
 impl<'a> BwdTask<'a> {
     /// The arguments were validated by `flash_backward` (or `flash_backward_packed`): the
@@ -91,6 +99,10 @@ impl<'a> BwdTask<'a> {
             finite: &[],
             kern: crate::bf16gemm::micro::kernel(),
             dscores: None,
+            #[cfg(not(test))]
+            pack_chunks: true,
+            #[cfg(test)]
+            pack_chunks: !PACK_PER_BLOCK.load(std::sync::atomic::Ordering::Relaxed),
         }
     }
 
@@ -147,6 +159,8 @@ struct BwdScratch<'a> {
     kc: &'a mut [f32],
     vc: &'a mut [f32],
     bb: BwdBf16,
+    /// The chunk whose keys and values `bb` holds packed (bf16 products only).
+    packed: Option<PackedChunk>,
 }
 
 /// The keys `c0..c1` of one chunk and whether it is the only one.
@@ -177,7 +191,8 @@ impl Task for BwdTask<'_> {
         let d = &self.p.dims;
         let brp = self.br.div_ceil(lanes) * lanes;
         let bf16: usize = if self.p.bf16_products {
-            BwdBf16::sizes(self.kern, self.br, self.bc, d.d, d.dv).iter().map(|&n| round16(n)).sum()
+            let blocks = (self.br, self.bc, self.chunk());
+            BwdBf16::sizes(self.kern, blocks, d.d, d.dv).iter().map(|&n| round16(n)).sum()
         } else {
             0
         };
@@ -230,11 +245,12 @@ impl Task for BwdTask<'_> {
             // The bf16 products' buffers (null without them); a query block fits one panel.
             bb: match p.bf16_products && brp_max <= bf::MAX_LANES {
                 true => {
-                    let sizes = BwdBf16::sizes(self.kern, self.br, self.bc, d, dv);
+                    let sizes = BwdBf16::sizes(self.kern, (self.br, self.bc, chunk), d, dv);
                     BwdBf16::carve(sizes.map(|n| cv.take(n).as_mut_ptr()))
                 }
-                false => BwdBf16::carve([std::ptr::null_mut(); 9]),
+                false => BwdBf16::carve([std::ptr::null_mut(); 12]),
             },
+            packed: None,
         };
 
         // The tiles configured on this thread for the AMX kernel (released at the end).
@@ -266,6 +282,20 @@ impl Task for BwdTask<'_> {
                 if !sc.vc.is_empty() {
                     let v = self.v.0.add(self.vl.offset(b, hk, c0));
                     copy_rows(sc.vc.as_mut_ptr(), v, self.vl.seq, c1 - c0, dv);
+                }
+                if !sc.bb.qp.is_null() && self.pack_chunks {
+                    // The chunk's keys and values packed once for all its query blocks, from
+                    // where the blocks read them (the copies, or in place).
+                    let (k, kld) = match sc.kc.is_empty() {
+                        true => (self.k.0.add(self.kl.offset(b, hk, c0)), self.kl.seq),
+                        false => (sc.kc.as_ptr(), d),
+                    };
+                    let (v, vld) = match sc.vc.is_empty() {
+                        true => (self.v.0.add(self.vl.offset(b, hk, c0)), self.vl.seq),
+                        false => (sc.vc.as_ptr(), dv),
+                    };
+                    sc.bb.pack_chunk(self.kern, (k, kld), (v, vld), c1 - c0, (d, dv));
+                    sc.packed = Some(PackedChunk { c0, keys: c1 - c0 });
                 }
                 for h in hk * group..(hk + 1) * group {
                     for qb in 0..self.nq {
@@ -384,7 +414,8 @@ impl BwdTask<'_> {
                 let (stp, dpp) = (sc.st.as_mut_ptr(), sc.dpt.as_mut_ptr());
                 if bf {
                     let scores = (stp, dpp);
-                    sc.bb.scores(kern, (kj, kld), (vj, vld), bc, (d, dv), p.scale, scores, brp);
+                    let blocks = (j0, bc, sc.packed);
+                    sc.bb.scores(kern, (kj, kld), (vj, vld), blocks, (d, dv), p.scale, scores, brp);
                 } else {
                     score_tile::<S>(kj, kld, d, sc.qt.as_ptr(), brp, stp, bc, diag);
                     score_tile::<S>(vj, vld, dv, sc.dot.as_ptr(), brp, dpp, bc, diag);
@@ -421,7 +452,8 @@ impl BwdTask<'_> {
                     let dst = dsc.0.add(((bh * dm.l) + i0) * dm.s + j0);
                     S::transpose(dst, dm.s, src, brp, bc, br, 1.0, false);
                 }
-                let grads = BlockGrads { dvj: (dvj, dv), dkj: (dkj, d), kj: (kj, kld), first };
+                let (dvj, dkj, kj, chunk) = ((dvj, dv), (dkj, d), (kj, kld), sc.packed);
+                let grads = BlockGrads { dvj, dkj, kj, first, j0, chunk };
                 if bf {
                     sc.bb.grads(kern, (stp, dpp), brp, (br, bc), (d, dv), grads);
                 } else {
@@ -687,6 +719,9 @@ pub(super) struct BlockGrads {
     /// `K_j` rows and their stride.
     pub(super) kj: (*const f32, usize),
     pub(super) first: bool,
+    /// The block's first key, and the chunk whose keys are packed already (bf16 products).
+    pub(super) j0: usize,
+    pub(super) chunk: Option<PackedChunk>,
 }
 
 /// The backward's bf16 products (`AttnParams::bf16_products`): the scratch of one task and the
@@ -707,15 +742,36 @@ pub(super) struct BwdBf16 {
     dsw: *mut u32,
     /// `dQᵀ` of the query block, channels × lanes.
     pub(super) dqt: *mut f32,
+    /// The chunk's key rows and value rows rounded (the score tiles' `A`), and its keys'
+    /// transposed pairs (the `A` of `dQᵀ`), packed once per chunk for all its query blocks.
+    ckr: *mut u16,
+    cvr: *mut u16,
+    ckt: *mut u32,
+}
+
+/// Where a chunk's packed keys and values are ([`BwdBf16::pack_chunk`]): its first key and
+/// its key count.
+#[derive(Clone, Copy)]
+pub(super) struct PackedChunk {
+    pub(super) c0: usize,
+    pub(super) keys: usize,
 }
 
 impl BwdBf16 {
     /// Scratch sizes in f32 units on `kern` (its operand layout: [`bf::Shape`]): panels,
     /// rounded rows, words and `dQᵀ`.
-    pub(super) fn sizes(kern: Kernel, br: usize, bc: usize, d: usize, dv: usize) -> [usize; 9] {
+    pub(super) fn sizes(
+        kern: Kernel,
+        (br, bc, chunk): (usize, usize, usize),
+        d: usize,
+        dv: usize,
+    ) -> [usize; 12] {
         use crate::bf16gemm::{MR, NR};
         let sh = bf::Shape::of(kern);
         let (bcr, kpr, kpc) = (sh.rows(bc), sh.kp(br.div_ceil(2)), sh.kp(bc.div_ceil(2)));
+        // A block's product reads rows up to a whole row block past its last key.
+        let chunk_rows = sh.rows(chunk) + sh.mr;
+        let (dpk, dpv) = (sh.kp(d.div_ceil(2)), sh.kp(dv.div_ceil(2)));
         [
             (sh.kp(d.div_ceil(2)) + sh.kp(dv.div_ceil(2))) * NR,
             bcr * sh.kp(d.max(dv).div_ceil(2)) + 1,
@@ -726,11 +782,14 @@ impl BwdBf16 {
             sh.transposed_words(bc, d),
             kpc * NR,
             d.div_ceil(MR) * MR * NR,
+            chunk_rows * dpk,
+            chunk_rows * dpv,
+            sh.transposed_words(chunk, d),
         ]
     }
 
     /// The buffers from carved scratch pointers (in the order of `sizes`).
-    pub(super) fn carve(p: [*mut f32; 9]) -> Self {
+    pub(super) fn carve(p: [*mut f32; 12]) -> Self {
         BwdBf16 {
             qp: p[0] as *mut u32,
             kb: p[1] as *mut u16,
@@ -741,6 +800,36 @@ impl BwdBf16 {
             kw: p[6] as *mut u32,
             dsw: p[7] as *mut u32,
             dqt: p[8],
+            ckr: p[9] as *mut u16,
+            cvr: p[10] as *mut u16,
+            ckt: p[11] as *mut u32,
+        }
+    }
+
+    /// Packs the `keys` key and value rows of a chunk (`k`, `v` with their row strides) once
+    /// for all its query blocks: rounded rows for the score tiles and the keys' transposed
+    /// pairs for `dQᵀ`, the words [`Self::scores`] and [`Self::grads`] would pack block by
+    /// block.
+    ///
+    /// # Safety
+    /// `keys` rows of `k` (`d` floats) and `v` (`dv` floats) readable; at most the chunk the
+    /// buffers were sized for.
+    #[inline(always)]
+    pub(super) unsafe fn pack_chunk(
+        &self,
+        kern: Kernel,
+        (k, kl): (*const f32, usize),
+        (v, vl): (*const f32, usize),
+        keys: usize,
+        (d, dv): (usize, usize),
+    ) {
+        let sh = bf::Shape::of(kern);
+        let (dpk, dpv) = (2 * sh.kp(d.div_ceil(2)), 2 * sh.kp(dv.div_ceil(2)));
+        // SAFETY: within the rows the caller guarantees and the buffers `sizes` made.
+        unsafe {
+            bf::round_rows(k, kl, (keys, sh.mr), d, self.ckr, dpk);
+            bf::round_rows(v, vl, (keys, sh.mr), dv, self.cvr, dpv);
+            bf::transposed_a(sh, (k, kl), keys, d, self.ckt);
         }
     }
 
@@ -785,21 +874,39 @@ impl BwdBf16 {
         kern: crate::bf16gemm::micro::Kernel,
         (k, kl): (*const f32, usize),
         (v, vl): (*const f32, usize),
-        bc: usize,
+        (j0, bc, chunk): (usize, usize, Option<PackedChunk>),
         (d, dv): (usize, usize),
         scale: f32,
         (st, dpt): (*mut f32, *mut f32),
         brp: usize,
     ) {
         use crate::bf16gemm::NR;
-        let kpd = bf::Shape::of(kern).kp(d.div_ceil(2));
-        // SAFETY: forwarded; the panels were packed by `start_block` for the same kernel.
+        let sh = bf::Shape::of(kern);
+        let (kpd, kpv) = (sh.kp(d.div_ceil(2)), sh.kp(dv.div_ceil(2)));
+        // SAFETY: forwarded; the panels were packed by `start_block` for the same kernel, the
+        // chunk's rows by `pack_chunk` (row `r` of a block is row `j0 - c0 + r` there; the
+        // rows a product reads past the block only reach rows of the tile it does not write).
         unsafe {
             let dop = self.qp.add(kpd * NR) as *const u32;
-            let kb = self.kb;
-            bf::scores(kern, &Scores { k, ld: kl, bc, d, qp: self.qp, scale, st, brp, kb });
-            let (ld, qp, scale, st) = (vl, dop, 1.0, dpt);
-            bf::scores(kern, &Scores { k: v, ld, bc, d: dv, qp, scale, st, brp, kb });
+            let qp = self.qp;
+            match chunk {
+                Some(c) => {
+                    let r = j0 - c.c0;
+                    let kb = self.ckr.add(r * 2 * kpd);
+                    bf::scores_packed(kern, &Scores { k, ld: kl, bc, d, qp, scale, st, brp, kb });
+                    let (kb, ld, qp, scale, st) = (self.cvr.add(r * 2 * kpv), vl, dop, 1.0, dpt);
+                    bf::scores_packed(
+                        kern,
+                        &Scores { k: v, ld, bc, d: dv, qp, scale, st, brp, kb },
+                    );
+                }
+                None => {
+                    let kb = self.kb;
+                    bf::scores(kern, &Scores { k, ld: kl, bc, d, qp, scale, st, brp, kb });
+                    let (ld, qp, scale, st) = (vl, dop, 1.0, dpt);
+                    bf::scores(kern, &Scores { k: v, ld, bc, d: dv, qp, scale, st, brp, kb });
+                }
+            }
         }
     }
 
@@ -830,7 +937,19 @@ impl BwdBf16 {
             bf::product(kern, (self.pa, (width, 2)), kpr, bc, self.dow, dv, g.dvj, true);
             bf::product(kern, (self.dsa, (width, 2)), kpr, bc, self.qw, d, g.dkj, true);
             bf::pair_rows((dpt, brp), bc, brp, (self.dsw, kpc), NR, true);
-            let a = bf::transposed_a(sh, g.kj, bc, d, self.kw);
+            // The chunk's pairs where the block starts on a pair and the product reads no
+            // pair past it (whole tile steps), or only the chunk's zero pairs after its last
+            // keys (as a block of its own has them).
+            let from_chunk = g.chunk.filter(|c| {
+                let r = g.j0 - c.c0;
+                let whole = bc.is_multiple_of(2 * sh.kpa);
+                let last = r + bc == c.keys && r / 2 + kpc <= sh.kp(c.keys.div_ceil(2));
+                r.is_multiple_of(2) && (whole || last)
+            });
+            let a = match from_chunk {
+                Some(c) => bf::transposed_at(sh, self.ckt, (c.keys, d), (g.j0 - c.c0) / 2),
+                None => bf::transposed_a(sh, g.kj, bc, d, self.kw),
+            };
             bf::product(kern, a, kpc, d, self.dsw, NR, (self.dqt, NR), !g.first);
         }
     }

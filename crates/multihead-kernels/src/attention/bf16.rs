@@ -330,6 +330,27 @@ pub(crate) unsafe fn transposed_a(
     (out as *const u16, transposed_strides(sh, rows, cols))
 }
 
+/// The `A` of a transposed product over the keys from pair `pair0` of words that
+/// [`transposed_a`] packed for `rows` keys and `cols` channels (`out`): the pointer and strides
+/// of that block of keys inside them.
+///
+/// # Safety
+/// `out` holds [`transposed_a`]'s words for `(rows, cols)`; `pair0 < rows.div_ceil(2)`.
+#[inline(always)]
+pub(crate) unsafe fn transposed_at(
+    sh: Shape,
+    out: *const u32,
+    (rows, cols): (usize, usize),
+    pair0: usize,
+) -> (*const u16, (usize, usize)) {
+    let words = match sh.tiles {
+        true => pair0,
+        false => pair0 * cols.div_ceil(MR) * MR,
+    };
+    // SAFETY: inside the words the caller guarantees.
+    (unsafe { out.add(words) } as *const u16, transposed_strides(sh, rows, cols))
+}
+
 /// The transposed pairs of `rows` rows of `cols` floats (`ld` apart), row-major by column:
 /// word `(c, p)` at `out + c·kp + p` holds rows `2p` (low half) and `2p + 1` (high half) of
 /// column `c` (zero past `rows`); columns `cols..nrows` are zero rows. The tile kernels' `A`.

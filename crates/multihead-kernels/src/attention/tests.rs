@@ -1491,6 +1491,48 @@ fn bf16_keys_and_values_packed_once_per_head_give_the_per_block_bits() {
 }
 
 #[test]
+fn bf16_backward_packing_keys_once_per_chunk_gives_the_per_block_bits() {
+    // The backward packs a chunk's keys and values once for all its query blocks (rounded
+    // rows for the score tiles, transposed key pairs for dQ) where each key block packed its
+    // own: dq, dk and dv are the same bits. Several chunks (1500 keys), causal blocks cut at
+    // whole tile steps and bottom-right ones cut anywhere, odd head dimensions, GQA, masks,
+    // dropout and strided packed projections, on every kernel this CPU runs.
+    let mut long = Case::new(1, 2, 200, 1500, 64);
+    (long.hkv, long.masks) = (1, vec![MaskKind::AddLS, MaskKind::KeyPad]);
+    let mut causal = Case::new(2, 2, 300, 300, 40);
+    (causal.causal, causal.dv) = (true, 24);
+    let mut cached = Case::new(1, 2, 90, 1111, 20);
+    (cached.causal, cached.offset) = (true, 1021);
+    let mut drop = Case::new(1, 2, 130, 130, 64);
+    (drop.dropout, drop.causal) = (Some(0.2), true);
+    let mut packed = Case::new(2, 2, 100, 100, 16);
+    packed.packed = true;
+    for c in [long, causal, cached, drop, packed] {
+        let (masks, x, _) = rounded_case(&c);
+        let p = AttnParams { bf16_products: true, ..params(&c, &masks) };
+        for (level, kern) in product_runs() {
+            with_simd_level(level, || {
+                with_bf16_kernel(kern, || {
+                    use std::sync::atomic::Ordering::Relaxed;
+                    let once = run_kernels(&c, &p, &x);
+                    backward::PACK_PER_BLOCK.store(true, Relaxed);
+                    let per_block = run_kernels(&c, &p, &x);
+                    backward::PACK_PER_BLOCK.store(false, Relaxed);
+                    for (what, a, b) in [
+                        ("dq", &once.dq, &per_block.dq),
+                        ("dk", &once.dk, &per_block.dk),
+                        ("dv", &once.dv, &per_block.dv),
+                    ] {
+                        let same = a.iter().zip(b.iter()).all(|(x, y)| x.to_bits() == y.to_bits());
+                        assert!(same, "{kern:?} {level:?} {what} differs in {c:?}");
+                    }
+                })
+            });
+        }
+    }
+}
+
+#[test]
 fn bf16_products_backward_matches_the_gradients_of_the_rounded_operands() {
     let mut odd = Case::new(2, 2, 70, 200, 33);
     odd.dv = 80; // two 64-column panels of dV

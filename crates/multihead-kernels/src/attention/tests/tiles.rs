@@ -174,7 +174,7 @@ fn backward_products_on_tiles_equal_the_sequential_emulation() {
         let kj = rand_vec(bc * ldk, 6);
         // P and dS tiles (keys as rows, queries as lanes; lanes past `br` unused).
         let (st, dpt) = (rand_vec(bc * brp, 7), rand_vec(bc * brp, 8));
-        let sizes = BwdBf16::sizes(kern, br, bc, d, dv);
+        let sizes = BwdBf16::sizes(kern, (br, bc, bc), d, dv);
         let mut buf = buffers(&sizes);
         let bb = BwdBf16::carve(std::array::from_fn(|i| buf[i].as_mut_ptr()));
         let (dv0, dk0) = (rand_vec(bc * dv, 9), rand_vec(bc * d, 10));
@@ -186,12 +186,15 @@ fn backward_products_on_tiles_equal_the_sequential_emulation() {
                 dkj: (dkj.as_mut_ptr(), d),
                 kj: (kj.as_ptr(), ldk),
                 first,
+                j0: 0,
+                chunk: None,
             };
             // SAFETY: the buffers are carved from `sizes` for these shapes and the kernel;
             // every row the products read or write exists.
             unsafe {
                 bb.start_block(kern, q.as_ptr(), ldq, dout.as_ptr(), ldo, br, d, dv);
-                bb.grads(kern, (st.as_ptr(), dpt.as_ptr()), brp, (br, bc), (d, dv), g);
+                let blocks = (st.as_ptr(), dpt.as_ptr());
+                bb.grads(kern, blocks, brp, (br, bc), (d, dv), g);
             }
             for c in 0..d {
                 for i in 0..NR {
