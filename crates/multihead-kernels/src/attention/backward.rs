@@ -507,16 +507,24 @@ impl BwdTask<'_> {
                 };
             }
             let orow = self.o.0.add(self.ol.offset(b, h, i0));
+            pack_transposed::<S>(sc.ot, brp, orow, self.ol.seq, br, dv, 1.0);
             if bf {
-                for i in 0..brp {
-                    sc.dvec[i] = match i < br {
-                        true => bf::dot_rounded(orow.add(i * self.ol.seq), dorow.add(i * dold), dv),
-                        false => 0.0,
-                    };
+                // `bf::dot_rounded` of each row, the rows as lanes: the same products added
+                // in the same order from the same start (that of an f32 `sum`).
+                pack_transposed::<S>(sc.dot, brp, dorow, dold, br, dv, 1.0);
+                let start: f32 = std::iter::empty::<f32>().sum();
+                for vi in 0..brp / l {
+                    let mut acc = S::splat(start);
+                    for c in 0..dv {
+                        let o = S::round_bf16(S::load(sc.ot.as_ptr().add(c * brp + vi * l)));
+                        let g = S::round_bf16(S::load(sc.dot.as_ptr().add(c * brp + vi * l)));
+                        acc = S::add(acc, S::mul(o, g));
+                    }
+                    S::store(sc.dvec.as_mut_ptr().add(vi * l), acc);
                 }
+                sc.dvec[br..brp].fill(0.0);
                 return;
             }
-            pack_transposed::<S>(sc.ot, brp, orow, self.ol.seq, br, dv, 1.0);
             for vi in 0..brp / l {
                 let mut acc = S::splat(0.0);
                 for c in 0..dv {

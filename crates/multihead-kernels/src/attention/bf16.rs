@@ -543,11 +543,13 @@ pub(crate) unsafe fn product(
     }
 }
 
-/// `Σ_c bf16(a[c]) · bf16(b[c])`, summed in f32 (the backward's `D = rowsum(O ∘ dO)` from
-/// the rounded operands, consistent with `dP`).
+/// `Σ_c bf16(a[c]) · bf16(b[c])`, summed in f32 in order: the backward's `D = rowsum(O ∘ dO)`
+/// from the rounded operands, consistent with `dP` (which the backward computes with the rows
+/// as lanes, `Simd::round_bf16`; this is its twin for the tests).
 ///
 /// # Safety
 /// `a` and `b` are readable for `n` floats.
+#[cfg(test)]
 #[inline(always)]
 pub(crate) unsafe fn dot_rounded(a: *const f32, b: *const f32, n: usize) -> f32 {
     use crate::convert::bf16_bits_to_f32 as wide;

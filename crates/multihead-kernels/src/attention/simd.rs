@@ -47,6 +47,22 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     unsafe fn load_bf16(p: *const u16) -> Self::V;
     /// Store of the masked lanes only.
     unsafe fn store_m(p: *mut f32, v: Self::V, m: Self::M);
+    /// Each lane rounded to the nearest bf16 value, as
+    /// [`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits) rounds (ties to even, NaN
+    /// quieted), and widened back exactly.
+    #[inline(always)]
+    unsafe fn round_bf16(x: Self::V) -> Self::V {
+        use crate::convert::{bf16_bits_to_f32 as wide, f32_to_bf16_bits as bf};
+        let mut a = [0f32; 16];
+        // SAFETY: `a` holds 16 >= LANES floats.
+        unsafe {
+            Self::store(a.as_mut_ptr(), x);
+            for v in a.iter_mut().take(Self::LANES) {
+                *v = wide(bf(*v));
+            }
+            Self::load(a.as_ptr())
+        }
+    }
     /// `out[i] = bf16(lo[i]) | bf16(hi[i]) << 16` for the `LANES` lanes: pair words of two
     /// vectors rounded as [`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits) rounds (the
     /// `B` operand of the bf16 products, two key rows interleaved).
@@ -588,6 +604,12 @@ unsafe impl Simd for Avx512 {
             let w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w))
         }
+    }
+    #[inline(always)]
+    unsafe fn round_bf16(x: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract); the rounded bits back in the high
+        // half are the bf16 value exactly.
+        unsafe { _mm512_castsi512_ps(_mm512_slli_epi32::<16>(crate::convert::round16(x))) }
     }
     #[inline(always)]
     unsafe fn store_bf16_pairs(out: *mut u32, lo: __m512, hi: __m512) {

@@ -1074,6 +1074,83 @@ fn bf16_pair_words_round_as_the_scalar_conversion() {
     }
 }
 
+/// `D = Σ_c round(o[c]) · round(g[c])` of `S::LANES` rows (`n` floats each, row `i` at
+/// `i * n`) with the rows as lanes, as the backward sums it: `round_bf16`, a product and an
+/// addition per channel, from the start of an f32 `sum`.
+///
+/// # Safety
+/// `S` is available on this CPU.
+#[inline(always)]
+unsafe fn lane_dots<S: super::simd::Simd>(o: &[f32], g: &[f32], n: usize) -> Vec<f32> {
+    let start: f32 = std::iter::empty::<f32>().sum();
+    let mut out = vec![0f32; S::LANES];
+    // SAFETY: vector arithmetic on `LANES`-float buffers; the caller's instruction set.
+    unsafe {
+        let mut acc = S::splat(start);
+        for c in 0..n {
+            let col = |x: &[f32]| (0..S::LANES).map(|i| x[i * n + c]).collect::<Vec<f32>>();
+            let (oc, gc) = (col(o), col(g));
+            let (a, b) = (S::round_bf16(S::load(oc.as_ptr())), S::round_bf16(S::load(gc.as_ptr())));
+            acc = S::add(acc, S::mul(a, b));
+        }
+        S::store(out.as_mut_ptr(), acc);
+    }
+    out
+}
+
+#[test]
+fn lane_dots_of_rounded_rows_are_the_row_dots_bit_for_bit() {
+    // The backward's `D` with the rows as lanes against `bf16::dot_rounded` row by row:
+    // random rows, rows of ties and values that round to infinity, NaN, and rows whose
+    // products are all negative zeros (the sum's start decides the sign there).
+    let n = 37;
+    let mut o = rand_vec(16 * n, 11);
+    let mut g = rand_vec(16 * n, 12);
+    for c in 0..n {
+        (o[n + c], g[n + c]) = (f32::from_bits(0x3F80_8000 + c as u32 * 0x1_0000), 1.5);
+        (o[2 * n + c], g[2 * n + c]) = (f32::MAX, if c == 3 { -1.0 } else { 0.0 });
+        (o[3 * n + c], g[3 * n + c]) = (-0.0, 2.0);
+    }
+    o[4 * n + 5] = f32::NAN;
+    let dot = |i: usize| {
+        let (a, b) = (o[i * n..].as_ptr(), g[i * n..].as_ptr());
+        // SAFETY: rows of `n` floats inside both vectors.
+        unsafe { super::bf16::dot_rounded(a, b, n) }
+    };
+    let want: Vec<u32> = (0..16).map(|i| dot(i).to_bits()).collect();
+    let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    for i in 0..16 {
+        let row = |x: &[f32]| x[i * n..(i + 1) * n].to_vec();
+        // SAFETY: scalar code runs anywhere.
+        let got = unsafe { lane_dots::<super::simd::Scalar>(&row(&o), &row(&g), n) };
+        assert_eq!(bits(got), want[i..i + 1], "scalar row {i}");
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512dq")]
+        unsafe fn wide(o: &[f32], g: &[f32], n: usize) -> Vec<f32> {
+            // SAFETY: AVX-512 enabled (the caller checked the CPU).
+            unsafe { lane_dots::<super::simd::Avx512>(o, g, n) }
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn narrow(o: &[f32], g: &[f32], n: usize) -> Vec<f32> {
+            // SAFETY: AVX2 enabled (the caller checked the CPU).
+            unsafe { lane_dots::<super::simd::Avx2>(o, g, n) }
+        }
+        if detected_simd_level() >= SimdLevel::Avx512 {
+            // SAFETY: checked above.
+            assert_eq!(bits(unsafe { wide(&o, &g, n) }), want, "avx512");
+        }
+        if detected_simd_level() >= SimdLevel::Avx2 {
+            for h in 0..2 {
+                let (a, b) = (&o[h * 8 * n..(h + 1) * 8 * n], &g[h * 8 * n..(h + 1) * 8 * n]);
+                // SAFETY: checked above.
+                assert_eq!(bits(unsafe { narrow(a, b, n) }), want[h * 8..h * 8 + 8], "avx2 {h}");
+            }
+        }
+    }
+}
+
 /// NaN at `(pos, col)` of K or V in a `[1, 1, s, d]` tensor (or in query row `pos % l`); a key
 /// padding mask hides keys `200..`; the kernels' output and weights have the reference's NaN
 /// positions and values at every SIMD level, also when the NaN sits in a fully masked key tile
