@@ -142,6 +142,13 @@ pub(crate) fn check_dropout(p: f64, op: &'static str) -> Result<()> {
     }
 }
 
+/// `t` broadcast to `dims`, or `t` itself where it has that shape: candle records a broadcast
+/// to the same shape as an op too, and its backward then sums the gradient over no dimension
+/// (a copy on one thread, the size of the input).
+pub(crate) fn expand_to(t: &Tensor, dims: &[usize]) -> Result<Tensor> {
+    Ok(if t.dims() == dims { t.clone() } else { t.broadcast_as(dims)? })
+}
+
 /// `repeat_interleave(x, r, dim)`.
 pub(crate) fn repeat_interleave(x: &Tensor, r: usize, dim: usize) -> Result<Tensor> {
     if r == 1 {
@@ -184,5 +191,25 @@ pub(crate) fn cat_nonempty(parts: &[&Tensor], dim: usize) -> Result<Tensor> {
             Ok((*one).clone())
         }
         _ => Ok(Tensor::cat(&kept, dim)?),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    #[test]
+    fn expand_to_its_own_shape_records_no_op_and_a_wider_one_broadcasts() {
+        let v = Var::from_tensor(&Tensor::arange(0f32, 6.0, &Device::Cpu).expect("arange"))
+            .expect("var");
+        let t = v.as_tensor().reshape((1, 2, 3)).expect("reshape");
+        // The same tensor (no broadcast node whose backward would copy the gradient).
+        assert_eq!(expand_to(&t, &[1, 2, 3]).expect("same").id(), t.id());
+        let wide = expand_to(&t, &[4, 2, 3]).expect("wide");
+        assert_eq!(wide.dims(), &[4, 2, 3]);
+        let back = wide.sum_all().expect("sum").backward().expect("backward");
+        let g = back.get(v.as_tensor()).expect("gradient").to_vec1::<f32>().expect("vec");
+        assert_eq!(g, vec![4.0; 6]);
     }
 }

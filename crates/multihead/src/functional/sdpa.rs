@@ -2,7 +2,7 @@
 
 use candle_core::Tensor;
 
-use super::core::{attention_core, broadcast_shapes, check_dropout, repeat_interleave};
+use super::core::{attention_core, broadcast_shapes, check_dropout, expand_to, repeat_interleave};
 use crate::error::{fmt_shape, Error, Result};
 use crate::fused::dispatch::{decide, dtype_device_blocker, mask_records_grad, Path, Plan, Reason};
 use crate::mask::Mask;
@@ -534,9 +534,9 @@ fn run_composed(
         key = repeat_interleave(&key, hq / key.dim(kr - 3)?, kr - 3)?;
         value = repeat_interleave(&value, hq / value.dim(vr - 3)?, vr - 3)?;
     }
-    let q = query.broadcast_as(with(batch, l, e))?.contiguous()?.reshape((bsz, l, e))?;
-    let k = key.broadcast_as(with(batch, s, e))?.contiguous()?.reshape((bsz, s, e))?;
-    let v = value.broadcast_as(with(batch, s, ev))?.contiguous()?.reshape((bsz, s, ev))?;
+    let q = expand_to(query, &with(batch, l, e))?.contiguous()?.reshape((bsz, l, e))?;
+    let k = expand_to(&key, &with(batch, s, e))?.contiguous()?.reshape((bsz, s, e))?;
+    let v = expand_to(&value, &with(batch, s, ev))?.contiguous()?.reshape((bsz, s, ev))?;
     let lead = batch.len().saturating_sub(1);
     let band = opts.variants.band_mask(
         SDPA,
@@ -554,7 +554,7 @@ fn run_composed(
         });
     }
     let mask = match mask {
-        Some(m) => Some(m.broadcast_as(with(batch, l, s))?.contiguous()?.reshape((bsz, l, s))?),
+        Some(m) => Some(expand_to(&m, &with(batch, l, s))?.contiguous()?.reshape((bsz, l, s))?),
         None => None,
     };
     // One sink per flattened batch entry (its head's).
@@ -583,7 +583,8 @@ fn kv_heads(key: &Tensor, value: &Tensor, call: &SdpaCall) -> Option<usize> {
 }
 
 /// The 4-D inputs as the views the fused op reads: batch (and heads) broadcast to the call's
-/// (stride 0, nothing copied), keys and values to `kv_heads`.
+/// (stride 0, nothing copied), keys and values to `kv_heads`; an input of that shape as it is
+/// (`expand_to`: a no-op broadcast took a third of a bf16 SDPA training step at B8 L512 E512).
 fn fused_views(
     query: &Tensor,
     key: &Tensor,
@@ -593,9 +594,9 @@ fn fused_views(
     let (b, hq) = (call.batch[0], call.batch[1]);
     let hk = kv_heads(key, value, call).unwrap_or(hq);
     Ok((
-        query.broadcast_as((b, hq, call.l, call.e))?,
-        key.broadcast_as((b, hk, call.s, call.e))?,
-        value.broadcast_as((b, hk, call.s, call.ev))?,
+        expand_to(query, &[b, hq, call.l, call.e])?,
+        expand_to(key, &[b, hk, call.s, call.e])?,
+        expand_to(value, &[b, hk, call.s, call.ev])?,
     ))
 }
 

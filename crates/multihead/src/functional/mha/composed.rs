@@ -204,6 +204,6 @@ fn variant_mask(
             None => part,
         });
     }
-    mask.map(|m| Ok(m.broadcast_as((n, h, l, s))?.contiguous()?.reshape((n * h, l, s))?))
-        .transpose()
+    let expand = |m: Tensor| super::super::core::expand_to(&m, &[n, h, l, s]);
+    mask.map(|m| Ok(expand(m)?.contiguous()?.reshape((n * h, l, s))?)).transpose()
 }
