@@ -145,6 +145,7 @@ impl Task for FwdTask<'_> {
             false => [std::ptr::null_mut(); 5],
         };
         let (qp, kb, vw, pw) = (qp as *mut u32, kb as *mut u16, vw as *mut u32, pw as *mut u32);
+        let bfb = BfBlock { kern, qp, kb, vw, pw, ot };
 
         // SAFETY: all row pointers below address rows validated by `flash_forward` (b < batch,
         // h < heads_q, hk < heads_kv, rows < l or s, `d`/`dv` contiguous floats each); scratch
@@ -204,17 +205,8 @@ impl Task for FwdTask<'_> {
                     if bf { self.packed.and_then(|pk| pk.block(b, hk, j0, bc)) } else { None };
                 if bf {
                     let scale = if fold_scale { 1.0 } else { p.scale };
-                    let (ld, qp, st) = (self.kl.seq, qp, st.as_mut_ptr());
-                    match ready {
-                        Some((kb, _, _)) => {
-                            let kb = kb.cast_mut();
-                            let s = Scores { k: kj, ld, bc, d, qp, scale, st, brp, kb };
-                            bf::scores_packed(kern, &s);
-                        }
-                        None => {
-                            bf::scores(kern, &Scores { k: kj, ld, bc, d, qp, scale, st, brp, kb })
-                        }
-                    }
+                    let keys = (kj, self.kl.seq, bc, d);
+                    bfb.scores(ready.map(|r| r.0), keys, scale, (st.as_mut_ptr(), brp));
                 } else {
                     let (stp, qtp) = (st.as_mut_ptr(), qt.as_ptr());
                     score_tile::<S>(kj, self.kl.seq, d, qtp, brp, stp, bc, diag);
@@ -235,11 +227,7 @@ impl Task for FwdTask<'_> {
                 let scale = if fold_scale { p.scale } else { 1.0 };
                 let mods = ScoreMods { scale, cap: fused_cap, mask, alibi: alibi.as_ref() };
                 // The bf16 products' probabilities go straight into their pair words.
-                let pack = bf.then(|| {
-                    let kpc = bf::Shape::of(kern).kp(bc.div_ceil(2));
-                    bf::zero_pair_padding(pw, bc, brp, kpc);
-                    pw
-                });
+                let pack = bf.then(|| bfb.probabilities(bc, brp));
                 softmax_tile::<S>(&tile, &mods, &mut running, drop, pack);
                 // Rescale O where the max grew, then O += P V.
                 let (vj, ld) = (vbase.add(j0 * self.vl.seq), self.vl.seq);
@@ -247,45 +235,8 @@ impl Task for FwdTask<'_> {
                     if !first {
                         rescale_lanes::<S>(ot, dv, running.alpha.as_ptr(), nvec);
                     }
-                    let (st, accumulate) = (st.as_ptr(), !first);
-                    match ready {
-                        Some((_, vp, v_keys)) => {
-                            let (vw, p_packed) = (vp.cast_mut(), true);
-                            let x = Values {
-                                st,
-                                brp,
-                                bc,
-                                v: vj,
-                                ld,
-                                dv,
-                                ot,
-                                accumulate,
-                                vw,
-                                pw,
-                                v_keys,
-                                p_packed,
-                            };
-                            bf::values_packed(kern, &x);
-                        }
-                        None => {
-                            let (v_keys, p_packed) = (bc, true);
-                            let x = Values {
-                                st,
-                                brp,
-                                bc,
-                                v: vj,
-                                ld,
-                                dv,
-                                ot,
-                                accumulate,
-                                vw,
-                                pw,
-                                v_keys,
-                                p_packed,
-                            };
-                            bf::values(kern, &x)
-                        }
-                    }
+                    let ready = ready.map(|r| (r.1, r.2));
+                    bfb.values(ready, (vj, ld, bc, dv), (st.as_ptr(), brp), !first);
                 } else {
                     let values = (vj, ld, dv);
                     accumulate_values::<S>(o, &running.alpha[..br], &tile, values, first, diag);
@@ -304,6 +255,98 @@ impl Task for FwdTask<'_> {
             }
             let rows = RowsOut { b, h, i0, br, dv, finite, empty: first };
             self.write_rows::<S>(&rows, o, running.max, running.sum);
+        }
+    }
+}
+
+/// The bf16 products of one query block's key blocks: the micro-kernel and the task's
+/// scratch for them (the query panel, rounded key rows, value and probability pair words, the
+/// transposed output).
+struct BfBlock {
+    kern: crate::bf16gemm::micro::Kernel,
+    qp: *mut u32,
+    kb: *mut u16,
+    vw: *mut u32,
+    pw: *mut u32,
+    ot: *mut f32,
+}
+
+impl BfBlock {
+    /// `Sᵀ` of `bc` key rows (`k`, `ld` apart, `d` wide) against the query panel, times `scale`
+    /// (1: the softmax pass scales), into `st` (`brp` lanes); from the prepacked rows `ready`
+    /// where given.
+    ///
+    /// # Safety
+    /// The rows, the scratch and the tile are valid as `FwdTask::run` carved and validated
+    /// them; `ready` holds the rounded rows of these keys.
+    #[inline(always)]
+    unsafe fn scores(
+        &self,
+        ready: Option<*const u16>,
+        (k, ld, bc, d): (*const f32, usize, usize, usize),
+        scale: f32,
+        (st, brp): (*mut f32, usize),
+    ) {
+        let qp = self.qp;
+        // SAFETY: forwarded (the caller's guarantees).
+        unsafe {
+            match ready {
+                Some(kb) => {
+                    let kb = kb.cast_mut();
+                    bf::scores_packed(self.kern, &Scores { k, ld, bc, d, qp, scale, st, brp, kb });
+                }
+                None => {
+                    let kb = self.kb;
+                    bf::scores(self.kern, &Scores { k, ld, bc, d, qp, scale, st, brp, kb });
+                }
+            }
+        }
+    }
+
+    /// The pair words `P` goes into for `bc` keys and `brp` lanes, their padding zeroed.
+    ///
+    /// # Safety
+    /// `pw` was carved for the task's key blocks (`bc` at most the block, `brp` at most
+    /// [`bf::MAX_LANES`]).
+    #[inline(always)]
+    unsafe fn probabilities(&self, bc: usize, brp: usize) -> *mut u32 {
+        let kpc = bf::Shape::of(self.kern).kp(bc.div_ceil(2));
+        // SAFETY: forwarded.
+        unsafe { bf::zero_pair_padding(self.pw, bc, brp, kpc) };
+        self.pw
+    }
+
+    /// `Oᵀ (+)= V_jᵀ·Pᵀ` for `bc` value rows (`v`, `ld` apart, `dv` wide), `P` in the pair words
+    /// already; the value pairs prepacked (`ready`: the words and the keys they were packed
+    /// for) or packed here.
+    ///
+    /// # Safety
+    /// As for [`Self::scores`]; `ready` holds the value pairs of these keys.
+    #[inline(always)]
+    unsafe fn values(
+        &self,
+        ready: Option<(*const u32, usize)>,
+        (v, ld, bc, dv): (*const f32, usize, usize, usize),
+        (st, brp): (*const f32, usize),
+        accumulate: bool,
+    ) {
+        let (ot, pw, p_packed) = (self.ot, self.pw, true);
+        // SAFETY: forwarded (the caller's guarantees).
+        unsafe {
+            match ready {
+                Some((vp, v_keys)) => {
+                    let vw = vp.cast_mut();
+                    let x =
+                        Values { st, brp, bc, v, ld, dv, ot, accumulate, vw, pw, v_keys, p_packed };
+                    bf::values_packed(self.kern, &x)
+                }
+                None => {
+                    let (vw, v_keys) = (self.vw, bc);
+                    let x =
+                        Values { st, brp, bc, v, ld, dv, ot, accumulate, vw, pw, v_keys, p_packed };
+                    bf::values(self.kern, &x)
+                }
+            }
         }
     }
 }
