@@ -102,7 +102,7 @@ impl Scratch {
             };
             self.buf.resize(new_len, 0.0);
         }
-        let off = self.buf.as_ptr().align_offset(64).min(ALIGN);
+        let off = crate::aligned::line_offset(&self.buf);
         &mut self.buf[off..off + len]
     }
 }

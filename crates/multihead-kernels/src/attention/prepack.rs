@@ -14,7 +14,7 @@
 use rayon::prelude::*;
 
 use super::bf16::{self as bf, Shape};
-use super::{AttnDims, Layout4};
+use super::{head_rows_finite, AttnDims, Layout4};
 use crate::aligned::{aligned_mut, line_offset};
 use crate::bf16gemm::micro::Kernel;
 
@@ -85,10 +85,11 @@ impl Prepacked {
                     let kr = k.as_ptr().add(kl.offset(b, h, j0));
                     let vr = v.as_ptr().add(vl.offset(b, h, j0));
                     pack_block(kern, (kr, kl.seq), (vr, vl.seq), step, dims, kb, vw);
-                    if check {
-                        *fin = rows_finite((kr, kl.seq), step, dims.d)
-                            && rows_finite((vr, vl.seq), step, dims.dv);
-                    }
+                }
+                if check {
+                    let rows = j0..j0 + step;
+                    *fin = head_rows_finite(k, kl, (b, h), rows.clone(), dims.d)
+                        && head_rows_finite(v, vl, (b, h), rows, dims.dv);
                 }
             });
         let finite = match check {
@@ -144,40 +145,6 @@ impl Prepacked {
         let v = self.v.get(self.v_off + t * self.v_len..self.v_off + (t + 1) * self.v_len)?;
         Some((k.as_ptr(), v.as_ptr(), keys))
     }
-}
-
-/// Whether `rows` rows of `width` floats (`ld` apart) are all finite (no exponent field all
-/// ones; an OR of comparisons, which vectorises).
-///
-/// # Safety
-/// `src + r·ld + c` is readable for `r < rows`, `c < width`.
-unsafe fn rows_finite((src, ld): (*const f32, usize), rows: usize, width: usize) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if super::simd_level() == super::SimdLevel::Avx512 {
-        // SAFETY: the SIMD level is AVX-512, so the CPU has AVX-512F; forwarded.
-        return unsafe { rows_finite_avx512((src, ld), rows, width) };
-    }
-    // SAFETY: forwarded.
-    unsafe { rows_finite_impl((src, ld), rows, width) }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn rows_finite_avx512(src: (*const f32, usize), rows: usize, width: usize) -> bool {
-    // SAFETY: forwarded (compiled for AVX-512 so that the fold runs on 16 lanes).
-    unsafe { rows_finite_impl(src, rows, width) }
-}
-
-#[inline(always)]
-unsafe fn rows_finite_impl((src, ld): (*const f32, usize), rows: usize, width: usize) -> bool {
-    const EXP: u32 = 0x7f80_0000;
-    let mut bad = 0u32;
-    for r in 0..rows {
-        // SAFETY: row `r < rows` has `width` readable floats (caller).
-        let row = unsafe { std::slice::from_raw_parts(src.add(r * ld), width) };
-        bad |= row.iter().fold(0u32, |acc, f| acc | u32::from(f.to_bits() & EXP == EXP));
-    }
-    bad == 0
 }
 
 /// One block packed as the forward's tasks pack it.
