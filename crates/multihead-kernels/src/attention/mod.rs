@@ -666,14 +666,10 @@ pub(super) fn head_rows_finite(
     rows: std::ops::Range<usize>,
     width: usize,
 ) -> bool {
+    /// The rows of one head: the data, its layout, `(b, h)`, the rows and their width.
+    type HeadRows<'a> = (&'a [f32], Layout4, (usize, usize), std::ops::Range<usize>, usize);
     #[inline(always)]
-    fn each(
-        x: &[f32],
-        l: Layout4,
-        (b, h): (usize, usize),
-        rows: std::ops::Range<usize>,
-        w: usize,
-    ) -> bool {
+    fn each((x, l, (b, h), rows, w): HeadRows<'_>) -> bool {
         rows.into_iter().all(|j| {
             let o = l.offset(b, h, j);
             scan(&x[o..o + w])
@@ -681,21 +677,15 @@ pub(super) fn head_rows_finite(
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    fn each_avx512(
-        x: &[f32],
-        l: Layout4,
-        bh: (usize, usize),
-        rows: std::ops::Range<usize>,
-        w: usize,
-    ) -> bool {
-        each(x, l, bh, rows, w)
+    fn each_avx512(args: HeadRows<'_>) -> bool {
+        each(args)
     }
     #[cfg(target_arch = "x86_64")]
     if simd_level() == SimdLevel::Avx512 {
         // SAFETY: the SIMD level is AVX-512, so the CPU has AVX-512F.
-        return unsafe { each_avx512(x, l, (b, h), rows, width) };
+        return unsafe { each_avx512((x, l, (b, h), rows, width)) };
     }
-    each(x, l, (b, h), rows, width)
+    each((x, l, (b, h), rows, width))
 }
 
 /// [`finite_heads`] where the keys' and values' finiteness per `(batch, kv head)` is known
