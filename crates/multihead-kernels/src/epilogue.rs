@@ -470,12 +470,15 @@ fn column_sums<T: Copy + Sync>(
     let per_block = (BLOCK * 4 / n).max(rows.div_ceil(MAX_ROW_BLOCKS)).max(1);
     let blocks = rows.div_ceil(per_block);
     let mut partial = zeroed(blocks.saturating_mul(n))?;
+    let avx512 = simd_level() == crate::attention::SimdLevel::Avx512;
     partial.par_chunks_mut(n).zip(dy.par_chunks(per_block * n)).for_each(|(acc, rows)| {
-        for row in rows.chunks_exact(n) {
-            for (a, v) in acc.iter_mut().zip(row) {
-                *a += value(*v);
-            }
+        #[cfg(target_arch = "x86_64")]
+        if avx512 {
+            // SAFETY: the SIMD level is AVX-512 only where the CPU has AVX-512F and BW.
+            return unsafe { add_rows_avx512(acc, rows, &value) };
         }
+        let _ = avx512;
+        add_rows(acc, rows, &value)
     });
     let (first, rest) = partial.split_at_mut(n);
     for block in rest.chunks_exact(n) {
@@ -485,6 +488,28 @@ fn column_sums<T: Copy + Sync>(
     }
     partial.truncate(n);
     Ok(partial)
+}
+
+/// `acc[j] += value(row[j])` for each row of `acc.len()` elements of `rows`, in row order.
+#[inline(always)]
+fn add_rows<T: Copy>(acc: &mut [f32], rows: &[T], value: &impl Fn(T) -> f32) {
+    for row in rows.chunks_exact(acc.len()) {
+        for (a, v) in acc.iter_mut().zip(row) {
+            *a += value(*v);
+        }
+    }
+}
+
+/// [`add_rows`] compiled for AVX-512 (16 columns a vector; each column's sum in the same
+/// order, so the same bits). At the x86-64 baseline the loop ran on 4 lanes: the bias
+/// gradients of a bf16 encoder layer's training step took 2% of it.
+///
+/// # Safety
+/// The CPU has AVX-512F and BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn add_rows_avx512<T: Copy>(acc: &mut [f32], rows: &[T], value: &impl Fn(T) -> f32) {
+    add_rows(acc, rows, value)
 }
 
 /// `len` zeros, or an error when they cannot be allocated.
