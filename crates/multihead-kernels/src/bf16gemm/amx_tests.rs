@@ -65,6 +65,8 @@ fn tile_kernels_match_the_sequential_emulation_bit_for_bit() {
     let shapes = [
         (40, 70, 2 * KC + 17),
         (5, 1030, 33),
+        // Several row blocks over two n blocks: `A` rounded once for both.
+        (130, 1030, 33),
         (200, 5, 40),
         (3, 300, 70),
         (0, 5, 4),

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use super::amx::AMX_MR;
 use super::micro::{Kernel, Tile};
-use super::pack::{pack_a, pack_b, ABlock, BBlock};
+use super::pack::{by_rows, pack_a, pack_b, pack_b_rows, ABlock, BBlock};
 use super::select::resolve;
 use super::{BfMat, KC, NC, NR};
 use crate::aligned::{aligned_mut, AlignedTile};
@@ -21,6 +21,8 @@ use crate::epilogue::{Act, TileEpilogue, TileOut};
 const MC: usize = 96;
 /// `B` panels one packing task handles.
 const PACK_PANELS: usize = 2;
+/// Pairs of rows one packing task of a row-major `B` handles (of every panel).
+const ROW_PAIRS: usize = 32;
 /// Words of a packed `B` block on the bf16-output path, whose one block spans the whole depth
 /// (4 MiB: 1024 columns at a depth of 2048, 512 at 4096). A quarter of that kept the block in
 /// L2 (a microbenchmark of the AMX loop: 1130-1150 GFLOP/s a core at 1024 columns of depth
@@ -52,6 +54,8 @@ pub(super) struct Epilogue {
 thread_local! {
     /// The packed `B` block, reused across calls on the calling thread.
     static PACKED_B: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    /// Every row block of `A`, rounded once for all column blocks (on the calling thread).
+    static PACKED_A: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
     /// A worker's rounded block of `A`, reused across tasks.
     static A_BLOCK: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
 }
@@ -113,10 +117,53 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
     };
     let nc_max = nc_max.min(n.div_ceil(NR) * NR);
     let len = pairs(kern, kc_max.min(k)) * nc_max;
+    let threads = rayon::current_num_threads().max(1);
+    let (mc, blocks) = row_blocks(m, threads, kern.mr());
+    // One depth block over several column blocks: `A` is rounded once for all of them.
+    if k <= kc_max && n > nc_max {
+        let lda = a_stride(kern, pairs(kern, k));
+        let words = blocks.checked_mul(mc).and_then(|r| r.checked_mul(lda)).unwrap_or(usize::MAX);
+        return with_buffer(&PACKED_A, words, "a", |abuf| {
+            let dst = SyncPtr(abuf.as_mut_ptr());
+            let strides = (0..blocks)
+                .into_par_iter()
+                .map(|rb| {
+                    let (i0, rows) = (rb * mc, mc.min(m - rb * mc));
+                    let padded = rows.div_ceil(kern.mr()) * kern.mr();
+                    let blk = ABlock { i0, rows, padded, p0: 0, kc: k, lda };
+                    // SAFETY: the block lies inside `a` (checked by `matmul_bf16`); row block
+                    // `rb` owns `mc · lda >= padded · lda` elements of the buffer from
+                    // `rb · mc · lda` (`mc` is a multiple of the kernel's rows).
+                    unsafe { pack_a(kern, a, blk, raw(dst).add(rb * mc * lda)) }
+                })
+                .reduce(|| (0, 0), |x, y| x.max(y));
+            let packed_a = Some((ConstPtr(dst.0 as *const u16), strides));
+            // SAFETY: forwarded; the rounded rows hold the whole depth of every row block.
+            unsafe { run_blocks(a, b, out, (kern, kc_max, nc_max, len), (mc, blocks), packed_a) }
+        });
+    }
+    // SAFETY: forwarded.
+    unsafe { run_blocks(a, b, out, (kern, kc_max, nc_max, len), (mc, blocks), None) }
+}
+
+/// [`run`]'s blocks of `B` and the passes over them; `packed_a`: every row block of `A` rounded
+/// already (at `rb · mc · lda`, read with the strides given), else each task rounds its own.
+///
+/// # Safety
+/// As for [`run`]; `packed_a` holds the whole depth of every row block in the layout the
+/// kernel reads.
+unsafe fn run_blocks(
+    a: &BfMat,
+    b: &BfMat,
+    out: Out,
+    (kern, kc_max, nc_max, len): (Kernel, usize, usize, usize),
+    (mc, blocks): (usize, usize),
+    packed_a: PackedA,
+) -> Result<(), KernelError> {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    let threads = rayon::current_num_threads().max(1);
     with_buffer(&PACKED_B, len, "b", |buf| {
         let packed = SyncPtr(buf.as_mut_ptr());
-        let threads = rayon::current_num_threads().max(1);
-        let (mc, blocks) = row_blocks(m, threads, kern.mr());
         for j0 in (0..n).step_by(nc_max) {
             let cols = (n - j0).min(nc_max);
             let panels = cols.div_ceil(NR);
@@ -126,20 +173,32 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
             for p0 in (0..k).step_by(kc_max) {
                 let kc = (k - p0).min(kc_max);
                 let kp = pairs(kern, kc);
-                (0..panels.div_ceil(PACK_PANELS)).into_par_iter().for_each(|t| {
-                    let range = t * PACK_PANELS..((t + 1) * PACK_PANELS).min(panels);
-                    // SAFETY: the block lies inside `b` (checked by `matmul_bf16`); the buffer
-                    // holds `panels` panels of `kp · NR` words (sized above: `kp` grows with
-                    // `kc`) and this task alone writes its panels.
-                    unsafe {
-                        let blk = BBlock { p0, kc, kp, j0, cols, panels: range };
-                        pack_b(kern, b, blk, raw(packed))
-                    }
-                });
+                if by_rows(b) {
+                    // A row-major `B` is packed in memory order: each task a range of pairs
+                    // of every panel.
+                    let blk = BBlock { p0, kc, kp, j0, cols, panels: 0..panels };
+                    (0..kp.div_ceil(ROW_PAIRS)).into_par_iter().for_each(|t| {
+                        let pairs = t * ROW_PAIRS..((t + 1) * ROW_PAIRS).min(kp);
+                        // SAFETY: as below; this task alone writes pairs `pairs` of every
+                        // panel.
+                        unsafe { pack_b_rows(kern, b, &blk, pairs, raw(packed)) }
+                    });
+                } else {
+                    (0..panels.div_ceil(PACK_PANELS)).into_par_iter().for_each(|t| {
+                        let range = t * PACK_PANELS..((t + 1) * PACK_PANELS).min(panels);
+                        // SAFETY: the block lies inside `b` (checked by `matmul_bf16`); the
+                        // buffer holds `panels` panels of `kp · NR` words (sized above: `kp`
+                        // grows with `kc`) and this task alone writes its panels.
+                        unsafe {
+                            let blk = BBlock { p0, kc, kp, j0, cols, panels: range };
+                            pack_b(kern, b, blk, raw(packed))
+                        }
+                    });
+                }
                 let block = Block { p0, kc, kp, j0, cols, panels, packed: ConstPtr(packed.0) };
                 let load_c = p0 > 0 || matches!(out, Out::F32 { accumulate: true, .. });
                 let last = p0 + kc == k;
-                let pass = Pass { a, block, m, mc, col_parts, out, load_c, last };
+                let pass = Pass { a, block, m, mc, col_parts, out, load_c, last, packed_a };
                 (0..blocks * col_parts).into_par_iter().try_for_each(|t| pass.task(t, kern))?;
             }
         }
@@ -191,7 +250,12 @@ struct Pass<'a> {
     load_c: bool,
     /// Whether this is the last `k` block (the epilogue's turn).
     last: bool,
+    packed_a: PackedA,
 }
+
+/// Every row block of `A` rounded once for all column blocks, and the strides the kernel
+/// reads it with (see `run_blocks`).
+type PackedA = Option<(ConstPtr<u16>, (usize, usize))>;
 
 impl Pass<'_> {
     /// Task `t`: one row block of `A` against one part of the `B` panels.
@@ -208,21 +272,29 @@ impl Pass<'_> {
         // A bf16 output's tiles leave the kernel through this buffer.
         let mut local = AlignedTile::<{ AMX_MR * NR }>::zeros();
         let local = &mut local.0;
-        with_buffer(&A_BLOCK, padded * lda, "a", |abuf| {
-            // SAFETY: `abuf` holds `padded · lda` elements; the block lies inside `a`
-            // (checked by `matmul_bf16`); tiles are inside the output (checked too) and this
-            // task alone writes rows `i0..i0+rows` of panels `q0..q1`; the packed `B` was
-            // written before this pass began; `local` holds a whole tile of either kernel.
+        let words = if self.packed_a.is_some() { 0 } else { padded * lda };
+        with_buffer(&A_BLOCK, words, "a", |abuf| {
+            // SAFETY: `abuf` holds `padded · lda` elements, or the block was rounded already
+            // at `i0 · lda` of `packed_a`; the block lies inside `a` (checked by
+            // `matmul_bf16`); tiles are inside the output (checked too) and this task alone
+            // writes rows `i0..i0+rows` of panels `q0..q1`; the packed `B` was written before
+            // this pass began; `local` holds a whole tile of either kernel.
             unsafe {
-                let blk = ABlock { i0, rows, padded, p0: x.p0, kc: x.kc, lda };
-                let strides = pack_a(kern, self.a, blk, abuf.as_mut_ptr());
+                let (abase, strides) = match self.packed_a {
+                    Some((p, strides)) => (p.0.add(i0 * lda), strides),
+                    None => {
+                        let blk = ABlock { i0, rows, padded, p0: x.p0, kc: x.kc, lda };
+                        let strides = pack_a(kern, self.a, blk, abuf.as_mut_ptr());
+                        (abuf.as_ptr(), strides)
+                    }
+                };
                 let _tiles = kern.begin();
                 for q in q0..q1 {
                     let bpanel = x.packed.0.add(q * kp * NR);
                     let j = x.j0 + q * NR;
                     let cols = NR.min(x.cols - q * NR);
                     for ir in (0..rows).step_by(mr) {
-                        let ap = abuf.as_ptr().add(ir * lda);
+                        let ap = abase.add(ir * lda);
                         let live = mr.min(rows - ir);
                         let tile = Tile { kp, a: ap, strides, b: bpanel, load_c: self.load_c };
                         match self.out {

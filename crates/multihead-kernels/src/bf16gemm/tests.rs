@@ -43,12 +43,14 @@ fn abs_products(a: BfMat, b: BfMat, ldc: usize) -> Vec<f32> {
 #[test]
 fn matches_the_reference_for_every_layout_level_and_thread_count() {
     // Awkward sizes: edge tiles both ways, odd k, several k blocks (the last one odd and
-    // short), one row, more columns than one n block (NC = 1024).
+    // short), one row, more columns than one n block (NC = 1024), with one row block and
+    // with several (`A` then rounded once for all n blocks).
     let shapes = [
         (1, 1, 1),
         (13, 65, 7),
         (25, 47, 385),
         (7, 1030, 64),
+        (130, 1030, 40),
         (200, 35, 193),
         (3, 200, 2),
         (9, 40, 2 * super::KC + 3),
@@ -282,6 +284,7 @@ fn fused_epilogues_are_the_f32_product_then_the_epilogue_bit_for_bit() {
         (9, 45, 20),
         (17, 66, 2 * KC + 17),
         (5, 1030, 33),
+        (130, 1030, 33),
         (0, 5, 4),
         (3, 4, 0),
     ];
