@@ -23,6 +23,10 @@ const MC: usize = 96;
 const PACK_PANELS: usize = 2;
 /// Pairs of rows one packing task of a row-major `B` handles (of every panel).
 const ROW_PAIRS: usize = 32;
+/// Most elements of an `A` rounded once for all column blocks (16 MiB; a layer's `A` over
+/// 4096 tokens is 4 MiB): larger ones are rounded per block, as the calling thread keeps
+/// the buffer for its next product.
+const PACKED_A_WORDS: usize = 8 << 20;
 /// Words of a packed `B` block on the bf16-output path, whose one block spans the whole depth
 /// (4 MiB: 1024 columns at a depth of 2048, 512 at 4096). A quarter of that kept the block in
 /// L2 (a microbenchmark of the AMX loop: 1130-1150 GFLOP/s a core at 1024 columns of depth
@@ -132,10 +136,11 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
     let len = pairs(kern, kc_max.min(k)) * nc_max;
     let threads = rayon::current_num_threads().max(1);
     let (mc, blocks) = row_blocks(m, threads, kern.mr());
-    // One depth block over several column blocks: `A` is rounded once for all of them.
-    if k <= kc_max && n > nc_max {
-        let lda = a_stride(kern, pairs(kern, k));
-        let words = blocks.checked_mul(mc).and_then(|r| r.checked_mul(lda)).unwrap_or(usize::MAX);
+    // One depth block over several column blocks: `A` is rounded once for all of them (up to
+    // `PACKED_A_WORDS`, a buffer the calling thread keeps).
+    let lda = a_stride(kern, pairs(kern, k));
+    let words = blocks.checked_mul(mc).and_then(|r| r.checked_mul(lda));
+    if let Some(words) = words.filter(|&w| k <= kc_max && n > nc_max && w <= PACKED_A_WORDS) {
         return with_buffer(&PACKED_A, words, "a", |abuf| {
             let dst = SyncPtr(abuf.as_mut_ptr());
             let strides = (0..blocks)
@@ -149,6 +154,7 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
                     // `rb · mc · lda` (`mc` is a multiple of the kernel's rows).
                     unsafe { pack_a(kern, a, blk, raw(dst).add(rb * mc * lda)) }
                 })
+                // Every block's strides are the same: they depend on the layout only.
                 .reduce(|| (0, 0), |x, y| x.max(y));
             let packed_a = Some((ConstPtr(dst.0 as *const u16), strides));
             // SAFETY: forwarded; the rounded rows hold the whole depth of every row block.
