@@ -28,12 +28,13 @@ const ROW_PAIRS: usize = 32;
 /// the buffer for its next product.
 const PACKED_A_WORDS: usize = 8 << 20;
 /// Words of a packed `B` block on the bf16-output path, whose one block spans the whole depth
-/// (4 MiB: 1024 columns at a depth of 2048, 512 at 4096). A quarter of that kept the block in
-/// L2 (a microbenchmark of the AMX loop: 1130-1150 GFLOP/s a core at 1024 columns of depth
-/// 2048, 1390-1400 at 256) and the 2048 -> 512 bf16 `Linear` forward went 4.12-4.45 ->
-/// 4.11-4.18 ms, but its backward's `dx = dy·W` then packed `dy` twice: fwd+bwd 25.7-27.0 ->
-/// 29.4-30.3 ms (family 6 model 167).
+/// (4 MiB: 1024 columns at a depth of 2048, 512 at 4096), or a quarter of it where many row
+/// blocks read it ([`deep_b_words`]). A quarter everywhere (an earlier session) kept the block
+/// in L2 but made the backward's weight gradient re-pack its transposed `A` per column block.
 const DEEP_B_WORDS: usize = 1 << 20;
+/// Row blocks from which a bf16 output's `B` block is kept to a quarter of `DEEP_B_WORDS`
+/// ([`deep_b_words`]).
+const L2_B_MIN_BLOCKS: usize = 16;
 
 /// Where the product goes.
 #[derive(Clone, Copy)]
@@ -128,14 +129,19 @@ fn row_blocks(m: usize, threads: usize, mr: usize) -> (usize, usize) {
 pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelError> {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let kern = resolve();
+    let threads = rayon::current_num_threads().max(1);
+    let (mc, blocks) = row_blocks(m, threads, kern.mr());
     let (kc_max, nc_max) = match out {
         Out::F32 { .. } => (KC, NC),
-        Out::Bf16 { .. } => (k, (DEEP_B_WORDS / pairs(kern, k) / NR * NR).clamp(NR, NC)),
+        Out::Bf16 { .. } => {
+            let words = deep_b_words(blocks, a.col_stride == 1);
+            let widest = (words / pairs(kern, k) / NR * NR).clamp(NR, NC);
+            // Column blocks of even width (384 columns as 192 + 192, not 320 + 64).
+            (k, n.div_ceil(n.div_ceil(widest)).div_ceil(NR) * NR)
+        }
     };
     let nc_max = nc_max.min(n.div_ceil(NR) * NR);
     let len = pairs(kern, kc_max.min(k)) * nc_max;
-    let threads = rayon::current_num_threads().max(1);
-    let (mc, blocks) = row_blocks(m, threads, kern.mr());
     // One depth block over several column blocks: `A` is rounded once for all of them (up to
     // `PACKED_A_WORDS`, a buffer the calling thread keeps).
     let lda = a_stride(kern, pairs(kern, k));
@@ -223,6 +229,21 @@ unsafe fn run_blocks(
         }
         Ok(())
     })
+}
+
+/// Words of the packed `B` block of a bf16 output (the whole depth in one block) over `blocks`
+/// row blocks of `A` (`a_rows`: row-major): [`DEEP_B_WORDS`], or a quarter of it (1 MiB,
+/// which stays in L2) where many row blocks stream the block again each and `A`'s rows cost
+/// little to round again per column block. A bf16 `Linear(2048, 512)` forward (4096 rows, 64
+/// blocks) went 4.72-4.89 -> 3.96-4.38 ms (family 6 model 167, AMX). A weight gradient's
+/// transposed `A` (`dyᵀ`) is left in the wide blocks: re-packed for each narrower one, it
+/// made `Linear(512, 2048)`'s forward+backward 18.4-19.6 -> 21.6-22.6 ms.
+fn deep_b_words(blocks: usize, a_rows: bool) -> usize {
+    if blocks >= L2_B_MIN_BLOCKS && a_rows {
+        DEEP_B_WORDS / 4
+    } else {
+        DEEP_B_WORDS
+    }
 }
 
 /// The row stride of a packed block of `A` with `kp` pairs (in bf16 elements): `2·kp`, and for
@@ -381,6 +402,11 @@ mod tests {
         assert_eq!(row_blocks(2048, 2, 32), (64, 32));
         assert_eq!(row_blocks(4096, 1, 32), (96, 43)); // one thread: nothing to even out
         assert_eq!(row_blocks(40, 2, 32), (32, 2)); // few rows: two blocks per thread at most
+                                                    // A bf16 output's `B` block: a quarter where many row blocks of a row-major `A`
+                                                    // stream it again each.
+        assert_eq!(super::deep_b_words(16, true), super::DEEP_B_WORDS / 4);
+        assert_eq!(super::deep_b_words(15, true), super::DEEP_B_WORDS);
+        assert_eq!(super::deep_b_words(64, false), super::DEEP_B_WORDS);
         for m in 1..700 {
             for threads in 1..4 {
                 for mr in [6, 32] {
