@@ -286,15 +286,8 @@ impl Task for BwdTask<'_> {
                 if !sc.bb.qp.is_null() && self.pack_chunks {
                     // The chunk's keys and values packed once for all its query blocks, from
                     // where the blocks read them (the copies, or in place).
-                    let (k, kld) = match sc.kc.is_empty() {
-                        true => (self.k.0.add(self.kl.offset(b, hk, c0)), self.kl.seq),
-                        false => (sc.kc.as_ptr(), d),
-                    };
-                    let (v, vld) = match sc.vc.is_empty() {
-                        true => (self.v.0.add(self.vl.offset(b, hk, c0)), self.vl.seq),
-                        false => (sc.vc.as_ptr(), dv),
-                    };
-                    sc.bb.pack_chunk(self.kern, (k, kld), (v, vld), c1 - c0, (d, dv));
+                    let (k, v) = self.chunk_rows(&sc, b, hk, c0);
+                    sc.bb.pack_chunk(self.kern, k, v, c1 - c0, (d, dv));
                     sc.packed = Some(PackedChunk { c0, keys: c1 - c0 });
                 }
                 for h in hk * group..(hk + 1) * group {
@@ -323,6 +316,34 @@ impl Task for BwdTask<'_> {
 }
 
 impl BwdTask<'_> {
+    /// The key and value rows of the chunk from key `c0` of kv head `(b, hk)`, with their row
+    /// strides: the task's contiguous copies where it made them, else the rows in place.
+    ///
+    /// # Safety
+    /// `(b, hk)` and `c0` are in range (as in `run`); the copies, where made, hold the chunk.
+    #[inline(always)]
+    unsafe fn chunk_rows(
+        &self,
+        sc: &BwdScratch<'_>,
+        b: usize,
+        hk: usize,
+        c0: usize,
+    ) -> ((*const f32, usize), (*const f32, usize)) {
+        let dm = &self.p.dims;
+        // SAFETY: rows from `c0` of head `(b, hk)` lie inside `k` and `v` (validated).
+        unsafe {
+            let k = match sc.kc.is_empty() {
+                true => (self.k.0.add(self.kl.offset(b, hk, c0)), self.kl.seq),
+                false => (sc.kc.as_ptr(), dm.d),
+            };
+            let v = match sc.vc.is_empty() {
+                true => (self.v.0.add(self.vl.offset(b, hk, c0)), self.vl.seq),
+                false => (sc.vc.as_ptr(), dm.dv),
+            };
+            (k, v)
+        }
+    }
+
     /// Query block `qb` of query head `h` against the keys of chunk `ck`: `dK`/`dV` of the
     /// chunk accumulate in `sc`, and the block's `dQ` share is written (chunk 0) or added.
     ///
@@ -382,14 +403,7 @@ impl BwdTask<'_> {
                 p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
 
             // Key row j of the chunk: in the copy, or in place.
-            let (kbase, kld) = match sc.kc.is_empty() {
-                true => (self.k.0.add(self.kl.offset(b, hk, ck.c0)), self.kl.seq),
-                false => (sc.kc.as_ptr(), d),
-            };
-            let (vbase, vld) = match sc.vc.is_empty() {
-                true => (self.v.0.add(self.vl.offset(b, hk, ck.c0)), self.vl.seq),
-                false => (sc.vc.as_ptr(), dv),
-            };
+            let ((kbase, kld), (vbase, vld)) = self.chunk_rows(sc, b, hk, ck.c0);
             let mut first = true;
             let mut j0 = jstart;
             while j0 < jend {

@@ -54,10 +54,7 @@ pub(crate) fn four_d(
     let n: usize = lead.iter().product();
     let merge = |t: &Tensor| -> Result<Tensor> {
         let d = t.dims();
-        let t = match &d[..r - 3] == lead {
-            true => t.clone(),
-            false => t.broadcast_as([lead, &d[r - 3..]].concat())?,
-        };
+        let t = super::core::expand_to(t, &[lead, &d[r - 3..]].concat())?;
         Ok(t.reshape((n, d[r - 3], d[r - 2], d[r - 1]))?)
     };
     let mut o = opts.clone();
