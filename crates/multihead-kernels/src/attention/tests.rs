@@ -1568,6 +1568,58 @@ fn bf16_keys_and_values_packed_once_per_head_give_the_per_block_bits() {
 }
 
 #[test]
+fn bf16_packed_keys_give_the_same_bits_in_buffers_a_previous_call_left() {
+    // A thread keeps the packed key and value buffers of its last forward for the next one
+    // (`prepack::KEPT`): the words a task reads are all written again (zero padding past the
+    // head dimension and the last keys included), so a thread whose buffers hold the words of
+    // non-finite keys and values from a larger call gives the bits of a fresh thread. Odd
+    // head dimensions, keys past a whole block, GQA and causal blocks.
+    let mut odd = Case::new(2, 4, 150, 300, 33);
+    (odd.hkv, odd.dv) = (2, 17);
+    let mut causal = Case::new(1, 2, 200, 200, 24);
+    causal.causal = true;
+    let mut big = Case::new(2, 4, 300, 700, 64);
+    big.hkv = 4;
+    let (bmasks, mut bx, _) = rounded_case(&big);
+    bx.k.iter_mut().for_each(|x| *x = f32::NAN);
+    bx.v.iter_mut().for_each(|x| *x = f32::INFINITY);
+    let bp = AttnParams { bf16_products: true, ..params(&big, &bmasks) };
+    for c in [odd, causal] {
+        let (masks, x, _) = rounded_case(&c);
+        let p = AttnParams { bf16_products: true, ..params(&c, &masks) };
+        let run = |p: &AttnParams, x: &Inputs, rows: usize| {
+            let mut out = vec![f32::NAN; x.out_len];
+            let mut lse = vec![f32::NAN; 2 * rows];
+            let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
+            flash_forward(p, q, x.ql, k, x.kl, v, x.vl, &mut out, x.ol, &mut lse).unwrap();
+            out
+        };
+        for (level, kern) in product_runs() {
+            let on = |stale: bool| {
+                std::thread::scope(|s| {
+                    s.spawn(|| {
+                        with_simd_level(level, || {
+                            with_bf16_kernel(kern, || {
+                                if stale {
+                                    run(&bp, &bx, big.b * big.hq * big.l);
+                                }
+                                run(&p, &x, c.b * c.hq * c.l)
+                            })
+                        })
+                    })
+                    .join()
+                    .unwrap()
+                })
+            };
+            let (fresh, reused) = (on(false), on(true));
+            assert!(fresh.iter().all(|v| v.is_finite()), "{kern:?} {level:?} {c:?}");
+            let same = fresh.iter().zip(&reused).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{kern:?} {level:?} {c:?}: reused buffers changed the output");
+        }
+    }
+}
+
+#[test]
 fn bf16_backward_packing_keys_once_per_chunk_gives_the_per_block_bits() {
     // The backward packs a chunk's keys and values once for all its query blocks (rounded
     // rows for the score tiles, transposed key pairs for dQ) where each key block packed its
