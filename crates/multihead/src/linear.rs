@@ -4,6 +4,7 @@ use candle_core::Tensor;
 use candle_nn::{Init, VarBuilder};
 
 use crate::error::{fmt_shape, Error, Result};
+use crate::fused::bf16_linear::{Bf16Linear, OutDtype};
 use crate::fused::dispatch::{dtype_device_blocker, Path, Plan};
 use crate::fused::linear::{rows, Act, FusedLinear, RowsLinear};
 use crate::mode::Backend;
@@ -178,6 +179,37 @@ pub(crate) fn linear(
     linear_then(x, weight, bias, Act::Identity, op, arg, backend)
 }
 
+/// [`linear`] rounded to `dtype` (bf16 or f16), for the last product of a reduced-precision
+/// module's f32 twin: inside [`rounded_products`](crate::mode::rounded_products), without a
+/// gradient, on the fused path, the product's epilogue rounds each tile as it leaves the
+/// kernel (no f32 output and no conversion pass); the bits of `narrow(linear(..))` either way.
+pub(crate) fn linear_narrowed(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    op: &'static str,
+    arg: &'static str,
+    backend: Backend,
+    dtype: candle_core::DType,
+) -> Result<Tensor> {
+    let direct = dtype == candle_core::DType::BF16
+        && x.dtype() == candle_core::DType::F32
+        && crate::mode::in_rounded_products()
+        && !records_grad(x, weight, bias);
+    if direct {
+        let (_, in_f, out_dims) = validate_linear(x, weight, bias, op, arg)?;
+        let m = out_dims[..out_dims.len() - 1].iter().product::<usize>();
+        if m > 0 && in_f > 0 && plan_linear(x, op, backend)?.path == Path::Fused {
+            crate::alloc::ensure(op, "output", &out_dims, dtype, 1, "use a smaller input")?;
+            let x = if x.rank() == 1 { x.unsqueeze(0)? } else { x.detach() };
+            let b = bias.map(Tensor::detach);
+            let (w, b) = (weight.detach(), b.as_ref());
+            return bf16_product_to(&x, &w, b, Act::Identity, OutDtype::Bf16, &out_dims);
+        }
+    }
+    crate::precision::narrow(&linear(x, weight, bias, op, arg, backend)?, dtype)
+}
+
 /// [`linear`], followed by `act` (fused into the product's op on the fused path).
 fn linear_then(
     x: &Tensor,
@@ -336,15 +368,103 @@ fn bf16_product(
     act: Act,
     out_dims: &[usize],
 ) -> Result<Tensor> {
-    use crate::fused::bf16_linear::Bf16Linear;
+    bf16_product_to(x, weight, bias, act, OutDtype::AsInput, out_dims)
+}
+
+/// [`bf16_product`] with its output in the dtype `out` names.
+fn bf16_product_to(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    act: Act,
+    out: OutDtype,
+    out_dims: &[usize],
+) -> Result<Tensor> {
     let x = if rows(x.layout()).is_some() { x.clone() } else { x.contiguous()? };
     let weight =
         if rows(weight.layout()).is_some() { weight.clone() } else { weight.contiguous()? };
+    let op = Bf16Linear { act, out };
     let y = match bias {
-        Some(b) => x.apply_op3_no_bwd(&weight, &b.contiguous()?, &Bf16Linear { act })?,
-        None => x.apply_op2_no_bwd(&weight, &Bf16Linear { act })?,
+        Some(b) => x.apply_op3_no_bwd(&weight, &b.contiguous()?, &op)?,
+        None => x.apply_op2_no_bwd(&weight, &op)?,
     };
     Ok(y.reshape(out_dims)?)
+}
+
+/// `linear2(act(linear1(x)))` inside a bf16 layer's f32 twin (see
+/// [`rounded_products`](crate::mode::rounded_products)) without a gradient: the hidden
+/// activations are written as bf16 by the first product's epilogue and read as they are by the
+/// second, whose packing would round their f32 values to exactly these bits. The numbers are
+/// the f32 twin's; half the bytes of the widest activation are written and read, and the
+/// second product packs its rows without rounding them (docs/performance.md, "A bf16 layer's
+/// hidden units in bf16"). `None` where this does not apply (a gradient recorded, f32 layers,
+/// widened bf16 products, an activation other than ReLU or GELU, an empty product, or a
+/// backend that is not the fused one): the caller composes the two `Linear`s as usual.
+pub(crate) fn rounded_feed_forward(
+    linear1: &Linear,
+    linear2: &Linear,
+    activation: crate::Activation,
+    x: &Tensor,
+) -> Result<Option<Tensor>> {
+    let act = match activation {
+        crate::Activation::Relu => Act::Relu,
+        crate::Activation::Gelu => Act::Gelu,
+        _ => return Ok(None),
+    };
+    let (w1, b1, w2, b2) =
+        (&linear1.weight, linear1.bias.as_ref(), &linear2.weight, linear2.bias.as_ref());
+    if !crate::mode::in_rounded_products()
+        || x.dtype() != candle_core::DType::F32
+        || records_grad(x, w1, b1)
+        || records_grad(x, w2, b2)
+    {
+        return Ok(None);
+    }
+    let (_, in_f, hidden_dims) = validate_linear(x, w1, b1, "linear", "input")?;
+    let m = hidden_dims[..hidden_dims.len() - 1].iter().product::<usize>();
+    let hidden_f = hidden_dims[hidden_dims.len() - 1];
+    if m == 0
+        || in_f == 0
+        || hidden_f == 0
+        || plan_linear(x, "linear", Backend::Auto)?.path != Path::Fused
+    {
+        return Ok(None);
+    }
+    let out_dims = match (w2.dims(), b2.map(Tensor::dims)) {
+        (&[o, i], None) if i == hidden_f => [&hidden_dims[..hidden_dims.len() - 1], &[o]].concat(),
+        (&[o, i], Some(&[ob])) if i == hidden_f && ob == o => {
+            [&hidden_dims[..hidden_dims.len() - 1], &[o]].concat()
+        }
+        // A mismatched second layer: the usual path says what is wrong.
+        _ => return Ok(None),
+    };
+    crate::alloc::ensure(
+        "linear",
+        "output",
+        &hidden_dims,
+        candle_core::DType::BF16,
+        1,
+        "use a smaller input",
+    )?;
+    crate::alloc::ensure("linear", "output", &out_dims, x.dtype(), 1, "use a smaller input")?;
+    let x = if x.rank() == 1 { x.unsqueeze(0)? } else { x.detach() };
+    let h = bf16_product_to(
+        &x,
+        &w1.detach(),
+        b1.map(Tensor::detach).as_ref(),
+        act,
+        OutDtype::Bf16,
+        &hidden_dims,
+    )?;
+    let y = bf16_product_to(
+        &h,
+        &w2.detach(),
+        b2.map(Tensor::detach).as_ref(),
+        Act::Identity,
+        OutDtype::F32,
+        &out_dims,
+    )?;
+    Ok(Some(y))
 }
 
 /// Whether a gradient would be recorded through `F.linear(x, weight, bias)`.

@@ -11,9 +11,23 @@ const OP: &str = "linear (bf16 products)";
 /// `y = act(bf16(x) · bf16(W)ᵀ + b)`, summed in f32: x `(m, k)` (rows evenly strided), W
 /// `(n, k)`, b `(n,)`, each f32 or bf16. f32 operands are rounded to bf16 as they are packed
 /// (a bf16 layer's widened weights are bf16 values already, so they stay exact). The bias
-/// and activation are applied in f32 and the output is x's dtype: rounded once when bf16.
+/// and activation are applied in f32 and the output is in the dtype `out` names: rounded
+/// once when bf16.
 pub(crate) struct Bf16Linear {
     pub(crate) act: Act,
+    pub(crate) out: OutDtype,
+}
+
+/// The dtype of [`Bf16Linear`]'s output.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum OutDtype {
+    /// x's dtype (a bf16 `Linear`, or the f32 product of a bf16 layer's f32 twin).
+    AsInput,
+    /// bf16 whatever x's dtype: a bf16 layer's f32 twin writing activations that only a
+    /// product reads next (which rounds them to exactly these bits).
+    Bf16,
+    /// f32 whatever x's dtype: the product that reads such activations.
+    F32,
 }
 
 /// `(offset, row stride)` of a matrix layout whose rows are evenly strided, or an error.
@@ -85,12 +99,17 @@ impl Bf16Linear {
         };
         let mut out_dims = lead.to_vec();
         out_dims.push(n);
-        let out = match xs {
+        let bf16_out = match self.out {
+            OutDtype::AsInput => matches!(xs, CpuStorage::BF16(_)),
+            OutDtype::Bf16 => true,
+            OutDtype::F32 => false,
+        };
+        let out = match bf16_out {
             // The bias, activation and rounding on each tile as it leaves the kernel.
-            CpuStorage::BF16(_) => CpuStorage::BF16(super::convert::from_bits(
+            true => CpuStorage::BF16(super::convert::from_bits(
                 matmul_bf16_to_bf16(x, w.t(), b, self.act).map_err(err)?,
             )),
-            _ => CpuStorage::F32(matmul_bf16_new_with(x, w.t(), b, self.act).map_err(err)?),
+            false => CpuStorage::F32(matmul_bf16_new_with(x, w.t(), b, self.act).map_err(err)?),
         };
         Ok((out, Shape::from(out_dims)))
     }

@@ -255,6 +255,11 @@ impl LayerDropout {
         })
     }
 
+    /// Whether [`apply`](Self::apply) returns its input as it is (eval, or `p = 0`).
+    pub(crate) fn is_identity(&self) -> bool {
+        !self.training || self.p == 0.0
+    }
+
     // Mirrors torch.nn.Dropout as a layer applies it.
     pub(crate) fn apply(
         &self,
@@ -296,6 +301,11 @@ pub(crate) fn feed_forward(
     drop: &LayerDropout,
     x: &candle_core::Tensor,
 ) -> crate::Result<candle_core::Tensor> {
+    if drop.is_identity() {
+        if let Some(y) = crate::linear::rounded_feed_forward(linear1, linear2, activation, x)? {
+            return drop.apply(&y, DropoutSlot::FeedForwardOutput);
+        }
+    }
     // The activation rides in the product's op (one pass and one graph node fewer).
     let h = linear1.forward_act(x, activation)?;
     let h = drop.apply(&h, DropoutSlot::FeedForwardInner)?;

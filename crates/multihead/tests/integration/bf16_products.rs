@@ -23,6 +23,11 @@ fn bits(t: &Tensor) -> Vec<u32> {
     t.to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
 }
 
+/// How many elements of `a` and `b` differ in their bits.
+fn differing(a: &Tensor, b: &Tensor) -> usize {
+    bits(a).iter().zip(bits(b)).filter(|(x, y)| **x != *y).count()
+}
+
 fn direct<R>(f: impl FnOnce() -> R) -> R {
     with_bf16_products(Bf16Products::Direct, f)
 }
@@ -453,4 +458,61 @@ fn a_learned_mask_keeps_f32_attention_products_as_pytorch_does() {
         MhaOptions::default().need_weights(false).attn_mask(Mask::Float(bias.as_tensor().clone()));
     let run = || m.forward(&x, &x, &x, &o).unwrap().output;
     assert_eq!(bits(&direct(run)), bits(&widened(run)), "multihead attention");
+}
+
+#[test]
+fn bf16_inference_writes_bf16_activations_with_the_bits_of_the_f32_twin() {
+    // Without a gradient, a bf16 layer's f32 twin writes the feed-forward hidden units as
+    // bf16 (the bits the second product rounds them to) and a bf16 MHA's output projection
+    // rounds its tiles as they leave the kernel. With a gradient recorded (an input that is a
+    // Var) both stay f32 and are rounded later: the outputs must be the same bits. 70 tokens
+    // per sequence (query blocks over prepacked keys), 72 hidden units (a partial panel), 140
+    // rows; ReLU and GELU, post- and pre-norm.
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let x = det(&[2, 70, 32], DType::BF16, 4.0);
+    let xv = var(&x);
+    let graded = xv.as_tensor();
+    for (act, norm_first) in [(Activation::Gelu, false), (Activation::Relu, true)] {
+        let cfg = LayerConfig::new(32, 4)
+            .with_dim_feedforward(72)
+            .with_dropout(0.0)
+            .with_activation(act)
+            .with_norm_first(norm_first)
+            .with_batch_first(true);
+        let layer = TransformerEncoderLayer::new(cfg.clone(), vb.pp("layer")).unwrap();
+        let l16 =
+            deterministic(&layer, DType::BF16, |vb| TransformerEncoderLayer::new(cfg.clone(), vb));
+        let run = |x: &Tensor| l16.forward(x, None, None, false).unwrap();
+        let inference = direct(|| no_grad(|| run(&x)));
+        let recorded = direct(|| run(graded));
+        assert_eq!(inference.dtype(), DType::BF16);
+        let differ = differing(&inference, &recorded);
+        assert_eq!(differ, 0, "{act:?} norm_first {norm_first}: outputs differ");
+        // The same values as the f64 layer within bf16 products' accuracy (the output is a
+        // LayerNorm's: O(1)).
+        let l64 = twin(&l16, DType::F64, |vb| TransformerEncoderLayer::new(cfg.clone(), vb));
+        let y64 =
+            values(&l64.forward(&x.to_dtype(DType::F64).unwrap(), None, None, false).unwrap());
+        let e = max_diff(&values(&inference), &y64);
+        assert!(e < 0.05, "{act:?} norm_first {norm_first}: error {e:e}");
+    }
+    let mcfg = MhaConfig::new(32, 4).with_batch_first(true).with_dropout(0.0);
+    let mha = MultiheadAttention::new(mcfg.clone(), vb.pp("mha")).unwrap();
+    let m16 = deterministic(&mha, DType::BF16, |vb| MultiheadAttention::new(mcfg.clone(), vb));
+    for causal in [false, true] {
+        let opts = MhaOptions::default().need_weights(false).is_causal(causal);
+        let opts = match causal {
+            true => {
+                let m = multihead::generate_square_subsequent_mask(70, DType::BF16, &dev());
+                opts.attn_mask(Mask::Float(m.unwrap()))
+            }
+            false => opts,
+        };
+        let attend = |x: &Tensor| m16.forward(x, x, x, &opts).unwrap().output;
+        let inference = direct(|| no_grad(|| attend(&x)));
+        let recorded = direct(|| attend(graded));
+        assert_eq!(inference.dtype(), DType::BF16);
+        assert_eq!(differing(&inference, &recorded), 0, "causal {causal}: outputs differ");
+    }
 }

@@ -456,7 +456,9 @@ pub(crate) fn mha_forward_impl(
         let w = Widened::new(query, key, value, alias, params, opts)?;
         let p32 = w.params(params);
         let o = crate::mode::rounded_products(call.dtype, || {
-            mha_forward_impl(&w.q, &w.k, &w.v, alias, &p32, &w.opts, training, batch_first)
+            let (q, k, v) = (&w.q, &w.k, &w.v);
+            let c32 = validate::validate(q, k, v, alias, &p32, &w.opts, training, batch_first)?;
+            forward_f32(&c32, &w.opts, Some(call.dtype))
         })?;
         return Ok(MhaOutput {
             output: crate::precision::narrow(&o.output, call.dtype)?,
@@ -466,20 +468,33 @@ pub(crate) fn mha_forward_impl(
                 .transpose()?,
         });
     }
-    let plan = plan(&call, opts)?;
+    forward_f32(&call, opts, None)
+}
+
+/// The f32 computation of a validated call. `narrow_to` is the dtype of the bf16/f16 module
+/// whose f32 twin this is: its output is rounded to that dtype next, so the output projection
+/// may write it so directly ([`crate::linear::linear_narrowed`]).
+fn forward_f32(call: &MhaCall, opts: &MhaOptions, narrow_to: Option<DType>) -> Result<MhaOutput> {
+    let plan = plan(call, opts)?;
     if call.n == 0 || call.l == 0 {
-        return empty_output(&call);
+        return empty_output(call);
     }
     let dropout = (call.dropout_p > 0.0)
         .then(|| (call.dropout_p, opts.dropout_key.unwrap_or_else(next_dropout_key)));
-    let proj = project::project(&call)?;
+    let proj = project::project(call)?;
     let (attn, weights) = match plan.path {
-        Path::Fused => fused::attend(&call, &proj, dropout)?,
-        Path::Composed => composed::attend(&call, proj, dropout)?,
+        Path::Fused => fused::attend(call, &proj, dropout)?,
+        Path::Composed => composed::attend(call, proj, dropout)?,
     }; // attn: (L, N, E), or (N, L, E) with batch_first
     let p = call.params;
-    let out = linear(&attn, p.out_proj_weight, p.out_proj_bias, MHA, "attn_output", call.backend)?;
-    finish(&call, out, weights)
+    let (w, b) = (p.out_proj_weight, p.out_proj_bias);
+    let out = match narrow_to {
+        Some(dtype) => {
+            crate::linear::linear_narrowed(&attn, w, b, MHA, "attn_output", call.backend, dtype)?
+        }
+        None => linear(&attn, w, b, MHA, "attn_output", call.backend)?,
+    };
+    finish(call, out, weights)
 }
 
 /// Drops the batch of one of unbatched input (step 14).
