@@ -20,8 +20,8 @@
 //! [`AttnParams::bf16_products`]: super::AttnParams::bf16_products
 
 use crate::bf16gemm::micro::{Kernel, Tile};
+use crate::bf16gemm::pack::Operand;
 use crate::bf16gemm::{MR, NR};
-use crate::convert::f32_to_bf16_bits as bf;
 
 /// The widest query block the bf16 products take (one panel of pair words).
 pub(crate) const MAX_LANES: usize = NR;
@@ -83,8 +83,8 @@ fn pair(lo: u16, hi: u16) -> u32 {
 /// # Safety
 /// `q + i·ld + c` is readable for `i < br`, `c < d`; `qp` holds `kp · NR` words, `kp` at
 /// least `d.div_ceil(2)`; `br <= NR`.
-pub(crate) unsafe fn pack_q(
-    q: *const f32,
+pub(crate) unsafe fn pack_q<T: Operand>(
+    q: *const T,
     ld: usize,
     br: usize,
     d: usize,
@@ -94,7 +94,7 @@ pub(crate) unsafe fn pack_q(
     if crate::bf16gemm::pack::vector_packing() {
         // SAFETY: the same words, by the AVX-512 column packer (row `i` is column `i` of the
         // panel, contiguous along the head dimension).
-        return unsafe { crate::bf16gemm::pack::column_panel_f32(q, ld, br, d, (qp, kp)) };
+        return unsafe { T::column_panel(q, ld, br, d, (qp, kp)) };
     }
     // SAFETY: within the ranges the caller guarantees.
     unsafe {
@@ -105,8 +105,8 @@ pub(crate) unsafe fn pack_q(
             for i in 0..NR {
                 *out.add(i) = if i < br {
                     let row = q.add(i * ld);
-                    let hi = if 2 * p + 1 < d { bf(*row.add(2 * p + 1)) } else { 0 };
-                    pair(bf(*row.add(2 * p)), hi)
+                    let hi = if 2 * p + 1 < d { (*row.add(2 * p + 1)).bits() } else { 0 };
+                    pair((*row.add(2 * p)).bits(), hi)
                 } else {
                     0
                 };
@@ -116,9 +116,9 @@ pub(crate) unsafe fn pack_q(
 }
 
 /// The operands of one score tile.
-pub(crate) struct Scores {
-    /// `bc` key rows of `d` floats, `ld` apart.
-    pub k: *const f32,
+pub(crate) struct Scores<T = f32> {
+    /// `bc` key rows of `d` elements, `ld` apart.
+    pub k: *const T,
     pub ld: usize,
     pub bc: usize,
     pub d: usize,
@@ -137,7 +137,7 @@ pub(crate) struct Scores {
 ///
 /// # Safety
 /// The pointers in `s` are valid as its fields say; `kern` is available on this CPU.
-pub(crate) unsafe fn scores(kern: Kernel, s: &Scores) {
+pub(crate) unsafe fn scores<T: Operand>(kern: Kernel, s: &Scores<T>) {
     // SAFETY: forwarded.
     unsafe { scores_with(kern, s, true) }
 }
@@ -147,12 +147,12 @@ pub(crate) unsafe fn scores(kern: Kernel, s: &Scores) {
 ///
 /// # Safety
 /// As for [`scores`], and `s.kb` holds the rounded rows.
-pub(crate) unsafe fn scores_packed(kern: Kernel, s: &Scores) {
+pub(crate) unsafe fn scores_packed<T: Operand>(kern: Kernel, s: &Scores<T>) {
     // SAFETY: forwarded.
     unsafe { scores_with(kern, s, false) }
 }
 
-unsafe fn scores_with(kern: Kernel, s: &Scores, pack: bool) {
+unsafe fn scores_with<T: Operand>(kern: Kernel, s: &Scores<T>, pack: bool) {
     // SAFETY: forwarded; the AVX-512 entry is taken only where the packers may use AVX-512
     // (the AVX512-BF16 and AMX kernels, on a CPU with AVX-512F, BW and VL).
     unsafe {
@@ -166,13 +166,13 @@ unsafe fn scores_with(kern: Kernel, s: &Scores, pack: bool) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn scores_avx512(kern: Kernel, s: &Scores, pack: bool) {
+unsafe fn scores_avx512<T: Operand>(kern: Kernel, s: &Scores<T>, pack: bool) {
     // SAFETY: forwarded (compiled for AVX-512 so that the conversions vectorise).
     unsafe { scores_impl(kern, s, pack) }
 }
 
 #[inline(always)]
-unsafe fn scores_impl(kern: Kernel, s: &Scores, pack: bool) {
+unsafe fn scores_impl<T: Operand>(kern: Kernel, s: &Scores<T>, pack: bool) {
     let sh = Shape::of(kern);
     let kpd = sh.kp(s.d.div_ceil(2));
     let dp = 2 * kpd;
@@ -194,13 +194,13 @@ unsafe fn scores_impl(kern: Kernel, s: &Scores, pack: bool) {
 }
 
 /// The operands of one `P·V` step.
-pub(crate) struct Values {
+pub(crate) struct Values<T = f32> {
     /// The probabilities `[bc][brp]` (keys as rows, queries as lanes).
     pub st: *const f32,
     pub brp: usize,
     pub bc: usize,
-    /// `bc` value rows of `dv` floats, `ld` apart.
-    pub v: *const f32,
+    /// `bc` value rows of `dv` elements, `ld` apart.
+    pub v: *const T,
     pub ld: usize,
     pub dv: usize,
     /// The transposed output `[dv rounded up to MR][NR]`, added to when `accumulate`.
@@ -243,7 +243,7 @@ pub(crate) unsafe fn zero_pair_padding(pw: *mut u32, bc: usize, brp: usize, kp: 
 ///
 /// # Safety
 /// The pointers in `x` are valid as its fields say; `kern` is available on this CPU.
-pub(crate) unsafe fn values(kern: Kernel, x: &Values) {
+pub(crate) unsafe fn values<T: Operand>(kern: Kernel, x: &Values<T>) {
     // SAFETY: forwarded.
     unsafe { values_with(kern, x, true) }
 }
@@ -253,12 +253,12 @@ pub(crate) unsafe fn values(kern: Kernel, x: &Values) {
 ///
 /// # Safety
 /// As for [`values`], and `x.vw` holds the packed pairs.
-pub(crate) unsafe fn values_packed(kern: Kernel, x: &Values) {
+pub(crate) unsafe fn values_packed<T: Operand>(kern: Kernel, x: &Values<T>) {
     // SAFETY: forwarded.
     unsafe { values_with(kern, x, false) }
 }
 
-unsafe fn values_with(kern: Kernel, x: &Values, pack: bool) {
+unsafe fn values_with<T: Operand>(kern: Kernel, x: &Values<T>, pack: bool) {
     // SAFETY: as for `scores`.
     unsafe {
         match kern {
@@ -271,13 +271,13 @@ unsafe fn values_with(kern: Kernel, x: &Values, pack: bool) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn values_avx512(kern: Kernel, x: &Values, pack: bool) {
+unsafe fn values_avx512<T: Operand>(kern: Kernel, x: &Values<T>, pack: bool) {
     // SAFETY: forwarded (compiled for AVX-512 so that the interleaving vectorises).
     unsafe { values_impl(kern, x, pack) }
 }
 
 #[inline(always)]
-unsafe fn values_impl(kern: Kernel, x: &Values, pack: bool) {
+unsafe fn values_impl<T: Operand>(kern: Kernel, x: &Values<T>, pack: bool) {
     let sh = Shape::of(kern);
     let kpc = sh.kp(x.bc.div_ceil(2));
     // SAFETY: rows `< bc` of `st` and `v` are readable; `pw` holds `kpc · NR` words, `vw`
@@ -311,9 +311,9 @@ fn transposed_strides(sh: Shape, rows: usize, cols: usize) -> (usize, usize) {
 /// `src + r·ld + c` is readable for `r < rows`, `c < cols`; `out` holds
 /// `sh.transposed_words(rows, cols)` words.
 #[inline(always)]
-pub(crate) unsafe fn transposed_a(
+pub(crate) unsafe fn transposed_a<T: Operand>(
     sh: Shape,
-    src: (*const f32, usize),
+    src: (*const T, usize),
     rows: usize,
     cols: usize,
     out: *mut u32,
@@ -359,8 +359,8 @@ pub(crate) unsafe fn transposed_at(
 /// `src + r·ld + c` is readable for `r < rows`, `c < cols`; `out` holds `nrows · kp` words,
 /// `kp >= rows.div_ceil(2)`, `nrows >= cols`.
 #[inline(always)]
-pub(crate) unsafe fn pair_cols(
-    (src, ld): (*const f32, usize),
+pub(crate) unsafe fn pair_cols<T: Operand>(
+    (src, ld): (*const T, usize),
     rows: usize,
     cols: usize,
     out: *mut u32,
@@ -370,21 +370,12 @@ pub(crate) unsafe fn pair_cols(
     if crate::bf16gemm::pack::vector_packing() {
         // SAFETY: the same words, by the AVX-512 transposing packer: column `c` is row `c` of
         // the output (bf16 rows of `2·kp`), its elements `ld` apart along the rows.
-        return unsafe {
-            crate::bf16gemm::pack::transpose_rows_f32(
-                src,
-                ld,
-                (cols, nrows),
-                rows,
-                out as *mut u16,
-                2 * kp,
-            )
-        };
+        return unsafe { T::transpose_rows(src, ld, (cols, nrows), rows, out as *mut u16, 2 * kp) };
     }
     let at = |r: usize, c: usize| {
         if r < rows {
             // SAFETY: `r < rows`, and `c < cols` at every call below.
-            bf(unsafe { *src.add(r * ld + c) })
+            unsafe { *src.add(r * ld + c) }.bits()
         } else {
             0
         }
@@ -414,8 +405,8 @@ pub(crate) unsafe fn pair_cols(
 /// `src + r·ld + c` is readable for `r < rows`, `c < cols`; `out` holds `kp · width` words,
 /// `kp >= rows.div_ceil(2)`; `cols <= width`.
 #[inline(always)]
-pub(crate) unsafe fn pair_rows(
-    (src, ld): (*const f32, usize),
+pub(crate) unsafe fn pair_rows<T: Operand>(
+    (src, ld): (*const T, usize),
     rows: usize,
     cols: usize,
     (out, kp): (*mut u32, usize),
@@ -452,18 +443,18 @@ pub(crate) unsafe fn pair_rows(
 /// # Safety
 /// `lo`, `hi` readable and `out` writable for `n` elements.
 #[inline(always)]
-unsafe fn interleave(lo: *const f32, hi: Option<*const f32>, n: usize, out: *mut u32) {
+unsafe fn interleave<T: Operand>(lo: *const T, hi: Option<*const T>, n: usize, out: *mut u32) {
     // SAFETY: within the `n` elements the caller guarantees.
     unsafe {
         match hi {
             Some(h) => {
                 for c in 0..n {
-                    *out.add(c) = pair(bf(*lo.add(c)), bf(*h.add(c)));
+                    *out.add(c) = pair((*lo.add(c)).bits(), (*h.add(c)).bits());
                 }
             }
             None => {
                 for c in 0..n {
-                    *out.add(c) = u32::from(bf(*lo.add(c)));
+                    *out.add(c) = u32::from((*lo.add(c)).bits());
                 }
             }
         }
@@ -477,8 +468,8 @@ unsafe fn interleave(lo: *const f32, hi: Option<*const f32>, n: usize, out: *mut
 /// `src + r·ld + c` is readable for `r < rows`, `c < cols`; `out` holds
 /// `rows.div_ceil(mr) · mr · width` elements.
 #[inline(always)]
-pub(crate) unsafe fn round_rows(
-    src: *const f32,
+pub(crate) unsafe fn round_rows<T: Operand>(
+    src: *const T,
     ld: usize,
     (rows, mr): (usize, usize),
     cols: usize,
@@ -492,7 +483,7 @@ pub(crate) unsafe fn round_rows(
             if r < rows {
                 let row = src.add(r * ld);
                 for c in 0..cols {
-                    *o.add(c) = bf(*row.add(c));
+                    *o.add(c) = (*row.add(c)).bits();
                 }
                 for c in cols..width {
                     *o.add(c) = 0;
@@ -552,7 +543,7 @@ pub(crate) unsafe fn product(
 #[cfg(test)]
 #[inline(always)]
 pub(crate) unsafe fn dot_rounded(a: *const f32, b: *const f32, n: usize) -> f32 {
-    use crate::convert::bf16_bits_to_f32 as wide;
+    use crate::convert::{bf16_bits_to_f32 as wide, f32_to_bf16_bits as bf};
     // SAFETY: within the `n` floats the caller guarantees.
     unsafe { (0..n).map(|c| wide(bf(*a.add(c))) * wide(bf(*b.add(c)))).sum() }
 }

@@ -15,14 +15,18 @@ use super::simd::Simd;
 use super::sinks::row_end;
 use super::tile::{pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR};
 use super::{AttnParams, Layout4};
+use crate::bf16gemm::pack::Operand;
 
-pub(crate) struct FwdTask<'a> {
+///
+/// `T` is the element of q, k and v: f32, or bf16 bits (a bf16 projection as it was written),
+/// which only the bf16 products read ([`FwdTask::new`] refuses them otherwise).
+pub(crate) struct FwdTask<'a, T: Operand = f32> {
     p: &'a AttnParams<'a>,
-    q: ConstPtr<f32>,
+    q: ConstPtr<T>,
     ql: Layout4,
-    k: ConstPtr<f32>,
+    k: ConstPtr<T>,
     kl: Layout4,
-    v: ConstPtr<f32>,
+    v: ConstPtr<T>,
     vl: Layout4,
     out: SyncPtr<f32>,
     ol: Layout4,
@@ -41,18 +45,19 @@ pub(crate) struct FwdTask<'a> {
     pub(crate) packed: Option<&'a super::prepack::Prepacked>,
 }
 
-impl<'a> FwdTask<'a> {
+impl<'a, T: Operand> FwdTask<'a, T> {
     /// The arguments were validated by `flash_forward`: `out` addresses the output through
     /// `ol`, `lse` (when given) holds `2·batch·heads_q·l` floats, both writable and alive for
-    /// the task's lifetime.
+    /// the task's lifetime. bf16 bits (`T = u16`) need `p.bf16_products` and `br` at most
+    /// [`bf::MAX_LANES`], which their entry point checks: the f32 products cannot read them.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         p: &'a AttnParams<'a>,
-        q: &'a [f32],
+        q: &'a [T],
         ql: Layout4,
-        k: &'a [f32],
+        k: &'a [T],
         kl: Layout4,
-        v: &'a [f32],
+        v: &'a [T],
         vl: Layout4,
         out: SyncPtr<f32>,
         ol: Layout4,
@@ -61,6 +66,8 @@ impl<'a> FwdTask<'a> {
         bc: usize,
     ) -> Self {
         assert!(br <= MAX_BR && br > 0 && bc > 0);
+        let f32_rows = T::as_f32(std::ptr::null()).is_some();
+        debug_assert!(f32_rows || (p.bf16_products && br <= bf::MAX_LANES));
         FwdTask {
             p,
             q: ConstPtr(q.as_ptr()),
@@ -82,7 +89,7 @@ impl<'a> FwdTask<'a> {
     }
 }
 
-impl Task for FwdTask<'_> {
+impl<T: Operand> Task for FwdTask<'_, T> {
     const FLUSH_TO_ZERO: bool = true;
 
     fn count(&self) -> usize {
@@ -158,7 +165,8 @@ impl Task for FwdTask<'_> {
             if bf {
                 let kp = bf::Shape::of(kern).kp(d.div_ceil(2));
                 bf::pack_q(qrow, self.ql.seq, br, d, (qp, kp));
-            } else {
+            } else if let Some(qrow) = T::as_f32(qrow) {
+                // (Never bf16 bits: `new` takes those only with the bf16 products.)
                 pack_transposed::<S>(qt, brp, qrow, self.ql.seq, br, d, p.scale);
             }
             mrun.fill(f32::MIN);
@@ -207,7 +215,7 @@ impl Task for FwdTask<'_> {
                     let scale = if fold_scale { 1.0 } else { p.scale };
                     let keys = (kj, self.kl.seq, bc, d);
                     bfb.scores(ready.map(|r| r.0), keys, scale, (st.as_mut_ptr(), brp));
-                } else {
+                } else if let Some(kj) = T::as_f32(kj) {
                     let (stp, qtp) = (st.as_mut_ptr(), qt.as_ptr());
                     score_tile::<S>(kj, self.kl.seq, d, qtp, brp, stp, bc, diag);
                 }
@@ -237,7 +245,7 @@ impl Task for FwdTask<'_> {
                     }
                     let ready = ready.map(|r| (r.1, r.2));
                     bfb.values(ready, (vj, ld, bc, dv), (st.as_ptr(), brp), !first);
-                } else {
+                } else if let Some(vj) = T::as_f32(vj) {
                     let values = (vj, ld, dv);
                     accumulate_values::<S>(o, &running.alpha[..br], &tile, values, first, diag);
                 }
@@ -280,10 +288,10 @@ impl BfBlock {
     /// The rows, the scratch and the tile are valid as `FwdTask::run` carved and validated
     /// them; `ready` holds the rounded rows of these keys.
     #[inline(always)]
-    unsafe fn scores(
+    unsafe fn scores<T: Operand>(
         &self,
         ready: Option<*const u16>,
-        (k, ld, bc, d): (*const f32, usize, usize, usize),
+        (k, ld, bc, d): (*const T, usize, usize, usize),
         scale: f32,
         (st, brp): (*mut f32, usize),
     ) {
@@ -323,10 +331,10 @@ impl BfBlock {
     /// # Safety
     /// As for [`Self::scores`]; `ready` holds the value pairs of these keys.
     #[inline(always)]
-    unsafe fn values(
+    unsafe fn values<T: Operand>(
         &self,
         ready: Option<(*const u32, usize)>,
-        (v, ld, bc, dv): (*const f32, usize, usize, usize),
+        (v, ld, bc, dv): (*const T, usize, usize, usize),
         (st, brp): (*const f32, usize),
         accumulate: bool,
     ) {
@@ -363,7 +371,7 @@ struct RowsOut {
     empty: bool,
 }
 
-impl FwdTask<'_> {
+impl<T: Operand> FwdTask<'_, T> {
     /// Writes the block's output rows `O / l` and row statistics (a sink joins the sum): the
     /// max and the log of the sum, kept apart so that a row whose max is huge (a -1e9 or finfo.min mask over the
     /// whole row) keeps its precision. A fully masked row is 0 (statistics `(0, inf)`), or, in

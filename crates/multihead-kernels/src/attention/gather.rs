@@ -21,11 +21,11 @@ use super::Layout4;
 /// layout; `None` when the rows are already contiguous (`seq == width`), when there is
 /// nothing to copy, or when the copy cannot be allocated (the caller then reads `x` in place,
 /// which gives the same result more slowly).
-pub(crate) fn contiguous_heads(
-    x: &[f32],
+pub(crate) fn contiguous_heads<T: Copy + Send + Sync>(
+    x: &[T],
     l: Layout4,
     [batch, heads, rows, width]: [usize; 4],
-) -> Option<(Vec<f32>, Layout4)> {
+) -> Option<(Vec<T>, Layout4)> {
     if l.seq == width || width == 0 {
         return None;
     }
@@ -34,15 +34,15 @@ pub(crate) fn contiguous_heads(
     if n == 0 {
         return None;
     }
-    let mut buf: Vec<f32> = Vec::new();
+    let mut buf: Vec<T> = Vec::new();
     buf.try_reserve_exact(n).ok()?;
     // Written once, not zeroed first: every element of the first `n` is copied below.
-    let copy = |(bh, dst): (usize, &mut [std::mem::MaybeUninit<f32>])| {
+    let copy = |(bh, dst): (usize, &mut [std::mem::MaybeUninit<T>])| {
         let (b, h) = (bh / heads, bh % heads);
         for (i, row) in dst.chunks_exact_mut(width).enumerate() {
             let src = &x[l.offset(b, h, i)..][..width];
-            // SAFETY: `row` is `width` uninitialised floats of `buf`'s reserved capacity and
-            // `src` is `width` floats of `x`; the two cannot overlap.
+            // SAFETY: `row` is `width` uninitialised elements of `buf`'s reserved capacity and
+            // `src` is `width` elements of `x`; the two cannot overlap.
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), row.as_mut_ptr().cast(), width) };
         }
     };

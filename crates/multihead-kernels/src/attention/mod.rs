@@ -103,6 +103,7 @@ mod tests;
 
 use std::fmt;
 
+use crate::bf16gemm::pack::Operand;
 use crate::dropout::DropoutKey;
 
 pub use exec::{detected_simd_level, simd_level, with_simd_level, SimdLevel};
@@ -516,11 +517,11 @@ const _: () = assert!(FWD_BR <= bf16::MAX_LANES && BWD_BR <= bf16::MAX_LANES);
 /// exact only when the hidden scores and values are finite (PyTorch adds masks, so NaN + −inf
 /// and 0·NaN are NaN). Heads with a non-finite query, key or value therefore read every key.
 /// The scan reads Q, K and V once, next to the many times more work of attention itself.
-fn finite_heads(
+fn finite_heads<T: Operand>(
     p: &AttnParams<'_>,
-    (q, ql): (&[f32], Layout4),
-    (k, kl): (&[f32], Layout4),
-    v: Option<(&[f32], Layout4)>,
+    (q, ql): (&[T], Layout4),
+    (k, kl): (&[T], Layout4),
+    v: Option<(&[T], Layout4)>,
 ) -> Vec<bool> {
     let dm = p.dims;
     if !p.banded() && !p.has_mask() {
@@ -549,9 +550,9 @@ fn finite_heads(
 }
 
 /// Where `inner` starts in `outer` (in elements) when `outer`'s memory holds all of `inner`'s.
-fn within(outer: &[f32], inner: &[f32]) -> Option<usize> {
+fn within<T>(outer: &[T], inner: &[T]) -> Option<usize> {
     let (o, i) = (outer.as_ptr() as usize, inner.as_ptr() as usize);
-    let size = std::mem::size_of::<f32>();
+    let size = std::mem::size_of::<T>();
     let shift = i.checked_sub(o)?;
     let fits = shift % size == 0 && shift / size + inner.len() <= outer.len();
     fits.then_some(shift / size)
@@ -565,11 +566,11 @@ fn within(outer: &[f32], inner: &[f32]) -> Option<usize> {
 /// The per-head scan walks rows of `d` floats; for short heads its per-row overhead dominates
 /// (measured: 3.8% of all-MiniLM-L6-v2 embedding, 32 floats per row), while in the common case
 /// everything is finite and one streaming pass decides for all heads at once.
-fn all_finite(
+fn all_finite<T: Operand>(
     p: &AttnParams<'_>,
-    (q, ql): (&[f32], Layout4),
-    (k, kl): (&[f32], Layout4),
-    v: Option<(&[f32], Layout4)>,
+    (q, ql): (&[T], Layout4),
+    (k, kl): (&[T], Layout4),
+    v: Option<(&[T], Layout4)>,
 ) -> bool {
     let dm = p.dims;
     // `[start, end)` of the elements a view's rows reach, and how many elements it has.
@@ -591,7 +592,7 @@ fn all_finite(
     }
     // Views into one buffer (slices of which one contains the other, as the query, key and
     // value views of packed projections are) merge into one span of the larger slice.
-    let mut spans: Vec<(&[f32], usize, usize)> = Vec::new();
+    let mut spans: Vec<(&[T], usize, usize)> = Vec::new();
     let (mut read, mut needed) = (0usize, 0usize);
     for (x, (a, b, n)) in views {
         needed = needed.saturating_add(n);
@@ -623,20 +624,19 @@ fn all_finite(
 /// which vectorises at any x86-64 level (no early exit); on 16 lanes where the caller is
 /// compiled for AVX-512 (4 lanes took a tenth of a bf16 causal attention call).
 #[inline(always)]
-fn scan(c: &[f32]) -> bool {
-    const EXP: u32 = 0x7f80_0000;
-    c.iter().fold(0u32, |acc, f| acc | u32::from(f.to_bits() & EXP == EXP)) == 0
+fn scan<T: Operand>(c: &[T]) -> bool {
+    c.iter().fold(0u32, |acc, &f| acc | u32::from(f.nonfinite())) == 0
 }
 
 /// [`scan`] compiled for AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn scan_avx512(c: &[f32]) -> bool {
+fn scan_avx512<T: Operand>(c: &[T]) -> bool {
     scan(c)
 }
 
 /// [`scan`] on 16 lanes where this thread's SIMD level is AVX-512.
-fn scan_wide(c: &[f32]) -> bool {
+fn scan_wide<T: Operand>(c: &[T]) -> bool {
     #[cfg(target_arch = "x86_64")]
     if simd_level() == SimdLevel::Avx512 {
         // SAFETY: the SIMD level is AVX-512, so the CPU has AVX-512F.
@@ -646,7 +646,7 @@ fn scan_wide(c: &[f32]) -> bool {
 }
 
 /// Whether every element of `span` is finite: one parallel streaming pass.
-fn flat_finite(span: &[f32]) -> bool {
+fn flat_finite<T: Operand>(span: &[T]) -> bool {
     use rayon::prelude::*;
     // One chunk's worth is scanned here: sending it to the pool costs more.
     if span.len() <= 1 << 14 {
@@ -659,17 +659,17 @@ fn flat_finite(span: &[f32]) -> bool {
 /// Whether rows `rows` of head `(b, h)` of `x` (through `l`, `width` floats each, validated
 /// by the entry points) are all finite: [`scan`] row by row, on 16 lanes where this thread's
 /// SIMD level is AVX-512.
-pub(super) fn head_rows_finite(
-    x: &[f32],
+pub(super) fn head_rows_finite<T: Operand>(
+    x: &[T],
     l: Layout4,
     (b, h): (usize, usize),
     rows: std::ops::Range<usize>,
     width: usize,
 ) -> bool {
     /// The rows of one head: the data, its layout, `(b, h)`, the rows and their width.
-    type HeadRows<'a> = (&'a [f32], Layout4, (usize, usize), std::ops::Range<usize>, usize);
+    type HeadRows<'a, T> = (&'a [T], Layout4, (usize, usize), std::ops::Range<usize>, usize);
     #[inline(always)]
-    fn each((x, l, (b, h), rows, w): HeadRows<'_>) -> bool {
+    fn each<T: Operand>((x, l, (b, h), rows, w): HeadRows<'_, T>) -> bool {
         rows.into_iter().all(|j| {
             let o = l.offset(b, h, j);
             scan(&x[o..o + w])
@@ -677,7 +677,7 @@ pub(super) fn head_rows_finite(
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    fn each_avx512(args: HeadRows<'_>) -> bool {
+    fn each_avx512<T: Operand>(args: HeadRows<'_, T>) -> bool {
         each(args)
     }
     #[cfg(target_arch = "x86_64")]
@@ -691,7 +691,11 @@ pub(super) fn head_rows_finite(
 /// [`finite_heads`] where the keys' and values' finiteness per `(batch, kv head)` is known
 /// (`kv`, from the prepacking pass that read them anyway): only the queries are scanned, in
 /// one pass over their span where it is dense, else head by head.
-fn finite_heads_given_kv(p: &AttnParams<'_>, (q, ql): (&[f32], Layout4), kv: &[bool]) -> Vec<bool> {
+fn finite_heads_given_kv<T: Operand>(
+    p: &AttnParams<'_>,
+    (q, ql): (&[T], Layout4),
+    kv: &[bool],
+) -> Vec<bool> {
     use rayon::prelude::*;
     let dm = p.dims;
     let group = (dm.heads_q / dm.heads_kv.max(1)).max(1);
@@ -781,6 +785,71 @@ pub fn flash_forward_uninit(
     vl: Layout4,
     out: &mut [std::mem::MaybeUninit<f32>],
     ol: Layout4,
+    lse: Option<&mut [f32]>,
+) -> Result<(), KernelError> {
+    forward_any(p, (q, ql), (k, kl), (v, vl), (out, ol), lse)
+}
+
+/// [`flash_forward_uninit`] on q, k and v given as bf16 bits (a bf16 projection as it was
+/// written, read in place through the layouts): the numbers of `flash_forward_uninit` on
+/// their f32 values with `p.bf16_products`, which rounds q, k and v to these very bits, so
+/// the f32 twin of a bf16 module can keep its projections in bf16 (half the bytes, no
+/// rounding pass). The output and row statistics are f32, as there.
+///
+/// # Shapes
+/// As [`flash_forward`].
+///
+/// ```
+/// use multihead_kernels::attention::{flash_forward_bf16_uninit, AttnDims, AttnParams, Layout4};
+/// let dims = AttnDims { batch: 1, heads_q: 2, heads_kv: 2, l: 3, s: 4, d: 8, dv: 8 };
+/// // 0.5 and 0.25 as bf16 bits.
+/// let (q, kv) = (vec![0x3f00u16; 2 * 3 * 8], vec![0x3e80u16; 2 * 4 * 8]);
+/// let (ql, kl) = (Layout4::contiguous(2, 3, 8), Layout4::contiguous(2, 4, 8));
+/// let mut p = AttnParams::new(dims);
+/// p.bf16_products = true;
+/// let mut out = Vec::with_capacity(48);
+/// flash_forward_bf16_uninit(&p, &q, ql, &kv, kl, &kv, kl, &mut out.spare_capacity_mut()[..48], ql, None)?;
+/// // SAFETY: the kernel wrote all 48 elements of the contiguous output.
+/// unsafe { out.set_len(48) };
+/// assert!(out.iter().all(|&x| x == 0.25));
+/// # Ok::<(), multihead_kernels::attention::KernelError>(())
+/// ```
+///
+/// Errors: as [`flash_forward`], and `p.bf16_products` false (the f32 products would widen
+/// them first: convert them instead).
+#[allow(clippy::too_many_arguments)]
+// Mirrors torch.nn.functional.scaled_dot_product_attention's CPU flash kernel (forward, bf16).
+pub fn flash_forward_bf16_uninit(
+    p: &AttnParams<'_>,
+    q: &[u16],
+    ql: Layout4,
+    k: &[u16],
+    kl: Layout4,
+    v: &[u16],
+    vl: Layout4,
+    out: &mut [std::mem::MaybeUninit<f32>],
+    ol: Layout4,
+    lse: Option<&mut [f32]>,
+) -> Result<(), KernelError> {
+    if !p.bf16_products {
+        return Err(KernelError::InvalidArgument {
+            name: "bf16_products",
+            msg: "bf16 q, k and v are read by the bf16 products only; set \
+                  AttnParams::bf16_products, or convert them to f32"
+                .into(),
+        });
+    }
+    forward_any(p, (q, ql), (k, kl), (v, vl), (out, ol), lse)
+}
+
+/// The forward of [`flash_forward_uninit`] and [`flash_forward_bf16_uninit`], over q, k and v
+/// of either element (bf16 bits only with the bf16 products, checked by the caller).
+fn forward_any<T: Operand>(
+    p: &AttnParams<'_>,
+    (q, ql): (&[T], Layout4),
+    (k, kl): (&[T], Layout4),
+    (v, vl): (&[T], Layout4),
+    (out, ol): (&mut [std::mem::MaybeUninit<f32>], Layout4),
     lse: Option<&mut [f32]>,
 ) -> Result<(), KernelError> {
     check_params(p)?;

@@ -19,6 +19,7 @@ use super::bf16::{self as bf, Shape};
 use super::{head_rows_finite, AttnDims, Layout4};
 use crate::aligned::{aligned_mut, line_offset};
 use crate::bf16gemm::micro::Kernel;
+use crate::bf16gemm::pack::Operand;
 
 /// Most bytes of each buffer a dropped [`Prepacked`] leaves to the thread's next one (a head
 /// of 512 keys of 64 channels packs 64 KiB of keys and as many of values; B = 8, H = 8 is
@@ -63,11 +64,11 @@ impl Prepacked {
     /// allocated (the tasks then pack their own blocks). With `check`, each block's keys and
     /// values are also scanned for non-finite values while they are in cache
     /// ([`Prepacked::kv_finite`]).
-    pub(crate) fn new(
+    pub(crate) fn new<T: Operand>(
         kern: Kernel,
         dims: &AttnDims,
-        (k, kl): (&[f32], Layout4),
-        (v, vl): (&[f32], Layout4),
+        (k, kl): (&[T], Layout4),
+        (v, vl): (&[T], Layout4),
         bc: usize,
         check: bool,
     ) -> Option<Prepacked> {
@@ -185,10 +186,10 @@ impl Drop for Prepacked {
 /// # Safety
 /// `k + r·kld + c` (`c < d`) and `v + r·vld + c` (`c < dv`) are readable for `r < step`; `kb`
 /// and `vw` hold one block's words for `step` keys.
-unsafe fn pack_block(
+unsafe fn pack_block<T: Operand>(
     kern: Kernel,
-    k: (*const f32, usize),
-    v: (*const f32, usize),
+    k: (*const T, usize),
+    v: (*const T, usize),
     step: usize,
     dims: &AttnDims,
     kb: &mut [u16],
@@ -206,10 +207,10 @@ unsafe fn pack_block(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pack_block_avx512(
+unsafe fn pack_block_avx512<T: Operand>(
     kern: Kernel,
-    k: (*const f32, usize),
-    v: (*const f32, usize),
+    k: (*const T, usize),
+    v: (*const T, usize),
     step: usize,
     dims: &AttnDims,
     kb: &mut [u16],
@@ -220,10 +221,10 @@ unsafe fn pack_block_avx512(
 }
 
 #[inline(always)]
-unsafe fn pack_block_impl(
+unsafe fn pack_block_impl<T: Operand>(
     kern: Kernel,
-    (k, kld): (*const f32, usize),
-    (v, vld): (*const f32, usize),
+    (k, kld): (*const T, usize),
+    (v, vld): (*const T, usize),
     step: usize,
     dims: &AttnDims,
     kb: &mut [u16],

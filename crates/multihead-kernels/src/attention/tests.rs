@@ -1568,6 +1568,92 @@ fn bf16_keys_and_values_packed_once_per_head_give_the_per_block_bits() {
 }
 
 #[test]
+fn bf16_bits_in_give_the_bits_of_their_f32_values() {
+    // `flash_forward_bf16_uninit` reads q, k and v as bf16 bits where `flash_forward_uninit`
+    // rounds f32 values to them: the outputs and statistics are the same bits. Query blocks
+    // over prepacked keys and single blocks, odd head and value widths, GQA, masks, causal
+    // bands with a cache offset, a window, dropout, packed (strided) projections, a NaN query
+    // and an infinite key, on every kernel this CPU runs; and without the bf16 products the
+    // bits are refused with an error.
+    use crate::convert::f32_to_bf16_bits;
+    let mut cases = Vec::new();
+    let mut odd = Case::new(2, 4, 150, 300, 33);
+    (odd.hkv, odd.dv, odd.masks) = (2, 17, vec![MaskKind::AddLS, MaskKind::KeyPad]);
+    cases.push(odd);
+    let mut causal = Case::new(1, 2, 200, 260, 64);
+    (causal.causal, causal.offset) = (true, 60);
+    cases.push(causal);
+    let mut window = Case::new(1, 2, 130, 130, 24);
+    (window.causal, window.window) = (true, Window { left: Some(40), right: None });
+    cases.push(window);
+    let mut small = Case::new(3, 2, 9, 20, 8);
+    small.dropout = Some(0.25);
+    cases.push(small);
+    let mut packed = Case::new(2, 2, 100, 100, 16);
+    packed.packed = true;
+    cases.push(packed);
+    for (n, c) in cases.iter().enumerate() {
+        let (masks, mut x, _) = rounded_case(c);
+        if n == 1 {
+            // A NaN query and an infinite key in the causal case.
+            x.q[x.qo + 5] = f32::NAN;
+            x.k[x.ko + 3 * x.kl.seq] = f32::INFINITY;
+        }
+        let bits = |v: &[f32]| -> Vec<u16> { v.iter().map(|&f| f32_to_bf16_bits(f)).collect() };
+        let (qb, kb, vb) = (bits(&x.q), bits(&x.k), bits(&x.v));
+        let p = AttnParams { bf16_products: true, ..params(c, &masks) };
+        let rows = c.b * c.hq * c.l;
+        for (level, kern) in product_runs() {
+            with_simd_level(level, || {
+                with_bf16_kernel(kern, || {
+                    let mut o32 = vec![f32::NAN; x.out_len];
+                    let mut l32 = vec![f32::NAN; 2 * rows];
+                    let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
+                    flash_forward(&p, q, x.ql, k, x.kl, v, x.vl, &mut o32, x.ol, &mut l32).unwrap();
+                    let mut o16 = Vec::with_capacity(x.out_len);
+                    let mut l16 = vec![f32::NAN; 2 * rows];
+                    let (q, k, v) = (&qb[x.qo..], &kb[x.ko..], &vb[x.vo..]);
+                    let dst = &mut o16.spare_capacity_mut()[..x.out_len];
+                    // Elements a strided output view skips keep their NaN, as in `o32`.
+                    dst.iter_mut().for_each(|slot| {
+                        slot.write(f32::NAN);
+                    });
+                    flash_forward_bf16_uninit(
+                        &p,
+                        q,
+                        x.ql,
+                        k,
+                        x.kl,
+                        v,
+                        x.vl,
+                        dst,
+                        x.ol,
+                        Some(&mut l16),
+                    )
+                    .unwrap();
+                    // SAFETY: every element was written above (NaN), then by the kernel.
+                    unsafe { o16.set_len(x.out_len) };
+                    let same = |a: &[f32], b: &[f32]| {
+                        a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count()
+                    };
+                    assert_eq!(same(&o32, &o16), 0, "{kern:?} {level:?} out, {c:?}");
+                    assert_eq!(same(&l32, &l16), 0, "{kern:?} {level:?} lse, {c:?}");
+                    if n == 1 {
+                        assert!(o16.iter().any(|v| v.is_nan()), "the NaN query reached the output");
+                    }
+                })
+            });
+        }
+        let off = AttnParams { bf16_products: false, ..p };
+        let mut o = Vec::with_capacity(x.out_len);
+        let dst = &mut o.spare_capacity_mut()[..x.out_len];
+        let (q, k, v) = (&qb[x.qo..], &kb[x.ko..], &vb[x.vo..]);
+        let e = flash_forward_bf16_uninit(&off, q, x.ql, k, x.kl, v, x.vl, dst, x.ol, None);
+        assert!(matches!(e, Err(KernelError::InvalidArgument { name: "bf16_products", .. })));
+    }
+}
+
+#[test]
 fn bf16_packed_keys_give_the_same_bits_in_buffers_a_previous_call_left() {
     // A thread keeps the packed key and value buffers of its last forward for the next one
     // (`prepack::KEPT`): the words a task reads are all written again (zero padding past the

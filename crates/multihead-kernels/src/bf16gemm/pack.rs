@@ -6,7 +6,7 @@ use super::{BfMat, Elems, MR, NR};
 use crate::convert::f32_to_bf16_bits;
 
 /// Elements that can be read as bf16 bits (f32 rounded to nearest even, or bf16 as it is).
-trait Bits: Copy {
+pub(crate) trait Bits: Copy {
     /// Element `i` as bf16 bits.
     ///
     /// # Safety
@@ -527,46 +527,115 @@ pub(crate) fn vector_packing() -> bool {
     false
 }
 
-/// Rows `0..rows` of a transposed f32 matrix (element `(r, p)` at `src + r + p·cs`, `p < kc`)
-/// rounded into bf16 rows `lda` apart (zeros past `kc` and in rows `rows..padded`): the
-/// attention's transposed value and key pairs, by the AVX-512 transposing packer.
-///
-/// # Safety
-/// [`vector_packing`] is true; the elements are readable; `dst` holds `padded · lda`
-/// elements, `lda` even and at least `kc`.
-#[cfg(target_arch = "x86_64")]
-pub(crate) unsafe fn transpose_rows_f32(
-    src: *const f32,
-    cs: usize,
-    (rows, padded): (usize, usize),
-    kc: usize,
-    dst: *mut u16,
-    lda: usize,
-) {
-    let blk = ABlock { i0: 0, rows, padded, p0: 0, kc, lda };
-    // SAFETY: forwarded.
-    unsafe { panels_avx512::pack_rows(src, cs, blk, dst) }
+/// An element the attention's bf16 packers read: f32, rounded to bf16 on the way (the f32
+/// twin of a bf16 module), or bf16 bits, taken as they are (a bf16 projection written as
+/// such). The same words either way where the f32 values are the bf16 ones.
+pub(crate) trait Operand: Bits + Send + Sync + 'static {
+    /// The element as bf16 bits (f32 rounded to nearest even, NaN quieted).
+    fn bits(self) -> u16;
+    /// Whether the element is NaN or infinite (its exponent field all ones).
+    fn nonfinite(self) -> bool;
+    /// The element as an f32 pointer, for the f32 products: `None` for bf16 bits, which only
+    /// the bf16 products read.
+    fn as_f32(p: *const Self) -> Option<*const f32>;
+
+    /// Rows `0..rows` of a transposed matrix (element `(r, p)` at `src + r + p·cs`, `p < kc`)
+    /// as bf16 rows `lda` apart (zeros past `kc` and in rows `rows..padded`): the attention's
+    /// transposed value and key pairs, by the AVX-512 transposing packer.
+    ///
+    /// # Safety
+    /// [`vector_packing`] is true; the elements are readable; `dst` holds `padded · lda`
+    /// elements, `lda` even and at least `kc`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn transpose_rows(
+        src: *const Self,
+        cs: usize,
+        rows: (usize, usize),
+        kc: usize,
+        dst: *mut u16,
+        lda: usize,
+    );
+
+    /// One `NR`-wide panel of pair words from `cols` columns contiguous along `k` (column `j`
+    /// at `src + j·cs`, `kc` elements): word `(p, j)` at `dst + p·NR + j`, zeros past the
+    /// columns and from pair `kc.div_ceil(2)` to `kp`. The attention's query panels, by the
+    /// AVX-512 column packer.
+    ///
+    /// # Safety
+    /// [`vector_packing`] is true; the elements are readable; `dst` holds `kp · NR` words,
+    /// `kp` at least `kc.div_ceil(2)`, `cols <= NR`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn column_panel(
+        src: *const Self,
+        cs: usize,
+        cols: usize,
+        kc: usize,
+        dst: (*mut u32, usize),
+    );
 }
 
-/// One `NR`-wide panel of pair words from `cols` columns of f32 contiguous along `k` (column
-/// `j` at `src + j·cs`, `kc` elements): word `(p, j)` at `dst + p·NR + j`, zeros past the
-/// columns and from pair `kc.div_ceil(2)` to `kp`. The attention's query panels, by the
-/// AVX-512 column packer.
-///
-/// # Safety
-/// [`vector_packing`] is true; the elements are readable; `dst` holds `kp · NR` words, `kp`
-/// at least `kc.div_ceil(2)`, `cols <= NR`.
-#[cfg(target_arch = "x86_64")]
-pub(crate) unsafe fn column_panel_f32(
-    src: *const f32,
-    cs: usize,
-    cols: usize,
-    kc: usize,
-    (dst, kp): (*mut u32, usize),
-) {
-    let blk = BBlock { p0: 0, kc, kp, j0: 0, cols, panels: 0..1 };
-    // SAFETY: forwarded.
-    unsafe { panels_avx512::pack_cols(src, cs, blk, dst) }
+/// Implements [`Operand`]'s packers for a type the AVX-512 packers take.
+macro_rules! operand_packers {
+    () => {
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn transpose_rows(
+            src: *const Self,
+            cs: usize,
+            (rows, padded): (usize, usize),
+            kc: usize,
+            dst: *mut u16,
+            lda: usize,
+        ) {
+            let blk = ABlock { i0: 0, rows, padded, p0: 0, kc, lda };
+            // SAFETY: forwarded.
+            unsafe { panels_avx512::pack_rows(src, cs, blk, dst) }
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn column_panel(
+            src: *const Self,
+            cs: usize,
+            cols: usize,
+            kc: usize,
+            (dst, kp): (*mut u32, usize),
+        ) {
+            let blk = BBlock { p0: 0, kc, kp, j0: 0, cols, panels: 0..1 };
+            // SAFETY: forwarded.
+            unsafe { panels_avx512::pack_cols(src, cs, blk, dst) }
+        }
+    };
+}
+
+impl Operand for f32 {
+    #[inline(always)]
+    fn bits(self) -> u16 {
+        f32_to_bf16_bits(self)
+    }
+    #[inline(always)]
+    fn nonfinite(self) -> bool {
+        self.to_bits() & 0x7f80_0000 == 0x7f80_0000
+    }
+    #[inline(always)]
+    fn as_f32(p: *const f32) -> Option<*const f32> {
+        Some(p)
+    }
+    operand_packers!();
+}
+
+impl Operand for u16 {
+    #[inline(always)]
+    fn bits(self) -> u16 {
+        self
+    }
+    #[inline(always)]
+    fn nonfinite(self) -> bool {
+        self & 0x7f80 == 0x7f80
+    }
+    #[inline(always)]
+    fn as_f32(_: *const u16) -> Option<*const f32> {
+        None
+    }
+    operand_packers!();
 }
 
 /// Where a block of `B` is packed from and to: rows `p0..p0+kc` and column panels `panels`

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use multihead_kernels::attention::{
-    attention_weights, flash_backward, flash_backward_dscores, flash_forward_uninit, AttnDims,
-    AttnParams, KernelError, Layout4, MaskView,
+    attention_weights, flash_backward, flash_backward_dscores, flash_forward_bf16_uninit,
+    flash_forward_uninit, AttnDims, AttnParams, KernelError, Layout4, MaskView,
 };
 use multihead_kernels::dropout::DropoutKey;
 
@@ -205,6 +205,37 @@ impl FlashAttention {
         (k, k4): (&[f32], Layout4),
         (v, v4): (&[f32], Layout4),
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.forward_with(q_dims, |p, dst, o4, stats| {
+            flash_forward_uninit(p, q, q4, k, k4, v, v4, dst, o4, stats)
+        })
+    }
+
+    /// [`Self::forward_into_new`] on q, k and v given as bf16 bits (a bf16 module's f32 twin
+    /// keeping its projection in bf16): the kernel's bf16 entry, the same numbers.
+    pub(super) fn forward_bf16_into_new(
+        &self,
+        q_dims: &[usize],
+        (q, q4): (&[u16], Layout4),
+        (k, k4): (&[u16], Layout4),
+        (v, v4): (&[u16], Layout4),
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.forward_with(q_dims, |p, dst, o4, stats| {
+            flash_forward_bf16_uninit(p, q, q4, k, k4, v, v4, dst, o4, stats)
+        })
+    }
+
+    /// The forward's output (and the row statistics where kept) from `kernel`, given the
+    /// parameters, the uninitialised output, its layout and the statistics.
+    fn forward_with(
+        &self,
+        q_dims: &[usize],
+        kernel: impl FnOnce(
+            &AttnParams<'_>,
+            &mut [std::mem::MaybeUninit<f32>],
+            Layout4,
+            Option<&mut [f32]>,
+        ) -> std::result::Result<(), KernelError>,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let out_dims = self.conv.out_shape(q_dims, self.dims.dv);
         let o4 = contiguous_layout4(self.conv, &out_dims)?;
         let d = self.dims;
@@ -212,8 +243,9 @@ impl FlashAttention {
         let rows = if self.keep_stats { 2 * d.batch * d.heads_q * d.l } else { 0 };
         let mut lse = crate::alloc::try_zeros::<f32>(rows, "flash attention row statistics")?;
         let stats = self.keep_stats.then_some(&mut lse[..]);
+        let p = self.params();
         let write = |dst: &mut [std::mem::MaybeUninit<f32>]| {
-            flash_forward_uninit(&self.params(), q, q4, k, k4, v, v4, dst, o4, stats)
+            kernel(&p, dst, o4, stats)
                 .map_err(|e| candle_core::Error::Msg(format!("flash attention forward: {e}")))
         };
         // SAFETY: on `Ok` the kernel wrote every element of the contiguous output

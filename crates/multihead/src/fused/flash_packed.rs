@@ -47,9 +47,16 @@ impl CustomOp1 for PackedQkv {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let [(qo, q4), (ko, k4), (vo, v4)] = parts::<3>(self.0.conv, l)?;
-        let x = cpu_f32(s)?;
         let dims = l.dims();
         let q_dims = [dims[0], dims[1], dims[2] / 3];
+        if let CpuStorage::BF16(x) = s {
+            // A bf16 module's f32 twin keeping its projection in bf16 (no gradient: the
+            // backward reads f32 inputs).
+            let x = super::convert::bits(x);
+            let (q, k, v) = ((&x[qo..], q4), (&x[ko..], k4), (&x[vo..], v4));
+            return self.0.forward_bf16_into_new(&q_dims, q, k, v);
+        }
+        let x = cpu_f32(s)?;
         self.0.forward_into_new(&q_dims, (&x[qo..], q4), (&x[ko..], k4), (&x[vo..], v4))
     }
 

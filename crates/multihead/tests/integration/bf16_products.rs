@@ -462,10 +462,11 @@ fn a_learned_mask_keeps_f32_attention_products_as_pytorch_does() {
 
 #[test]
 fn bf16_inference_writes_bf16_activations_with_the_bits_of_the_f32_twin() {
-    // Without a gradient, a bf16 layer's f32 twin writes the feed-forward hidden units as
-    // bf16 (the bits the second product rounds them to) and a bf16 MHA's output projection
+    // Without a gradient, a bf16 layer's f32 twin writes the feed-forward hidden units and
+    // self-attention's q/k/v projection as bf16 (the bits the next products round them to;
+    // the attention kernel reads the projection as it is), and a bf16 MHA's output projection
     // rounds its tiles as they leave the kernel. With a gradient recorded (an input that is a
-    // Var) both stay f32 and are rounded later: the outputs must be the same bits. 70 tokens
+    // Var) all stay f32 and are rounded later: the outputs must be the same bits. 70 tokens
     // per sequence (query blocks over prepacked keys), 72 hidden units (a partial panel), 140
     // rows; ReLU and GELU, post- and pre-norm.
     let vm = candle_nn::VarMap::new();

@@ -481,7 +481,8 @@ fn forward_f32(call: &MhaCall, opts: &MhaOptions, narrow_to: Option<DType>) -> R
     }
     let dropout = (call.dropout_p > 0.0)
         .then(|| (call.dropout_p, opts.dropout_key.unwrap_or_else(next_dropout_key)));
-    let proj = project::project(call)?;
+    let bf16_qkv = bf16_projection(call, &plan, dropout.is_some());
+    let proj = project::project(call, bf16_qkv)?;
     let (attn, weights) = match plan.path {
         Path::Fused => fused::attend(call, &proj, dropout)?,
         Path::Composed => composed::attend(call, proj, dropout)?,
@@ -495,6 +496,32 @@ fn forward_f32(call: &MhaCall, opts: &MhaOptions, narrow_to: Option<DType>) -> R
         None => linear(&attn, w, b, MHA, "attn_output", call.backend)?,
     };
     finish(call, out, weights)
+}
+
+/// Whether the f32 twin of a bf16 module (an MHA or a layer, inside
+/// [`rounded_products`](crate::mode::rounded_products)) writes self-attention's packed q/k/v
+/// projection as bf16 for the fused kernel to read as it is
+/// (`multihead_kernels::attention::flash_forward_bf16_uninit`): the same numbers as the f32
+/// projection, which the kernel's bf16 products round to those bits, with half the bytes
+/// written and read and no rounding in the packing. Only where that kernel takes the call as
+/// a whole: without a gradient, weights, dropout, extra or static keys, a mask that requires
+/// grad, or grouped heads (which keep f32 products, as PyTorch's math path has them).
+fn bf16_projection(call: &MhaCall, plan: &Plan, dropout: bool) -> bool {
+    let p = call.params;
+    crate::mode::in_rounded_products()
+        && call.dtype == DType::F32
+        && plan.path == Path::Fused
+        && !records_grad(call)
+        && !dropout
+        && !call.need_weights
+        && call.static_kv.is_none()
+        && p.bias_k.is_none()
+        && !p.add_zero_attn
+        && call.learned_masks == [false, false]
+        && call.hk == call.h
+        && call.alias.key_is_query
+        && call.alias.value_is_key
+        && matches!(p.in_proj, InProj::Packed(_))
 }
 
 /// Drops the batch of one of unbatched input (step 14).

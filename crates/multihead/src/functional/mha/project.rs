@@ -29,7 +29,11 @@ pub(crate) enum Packed {
 
 /// Projects `call`'s inputs. With `static_k`/`static_v` only the query is projected, and `k`
 /// and `v` are the static tensors, `(N·hk, S, hd)`.
-pub(crate) fn project(call: &MhaCall) -> Result<Projected> {
+///
+/// With `bf16_qkv` (a bf16 module's f32 twin without a gradient, whose attention reads the
+/// projection as bf16: [`super::bf16_projection`]), self-attention's packed projection is
+/// written as bf16, the bits the attention's products round it to.
+pub(crate) fn project(call: &MhaCall, bf16_qkv: bool) -> Result<Projected> {
     let (e, kv) = (call.e, call.kv_e);
     let p = call.params;
     // Validation checked the bias shape `(E + 2·kv,)`: q, then k, then v.
@@ -51,7 +55,21 @@ pub(crate) fn project(call: &MhaCall) -> Result<Projected> {
     }
     let proj = match p.in_proj {
         InProj::Packed(w) if alias.key_is_query && alias.value_is_key => {
-            let qkv = linear(query, w, p.in_proj_bias, MHA, "query", be)?;
+            let qkv = match bf16_qkv {
+                true => {
+                    let bf16 = candle_core::DType::BF16;
+                    crate::linear::linear_narrowed(
+                        query,
+                        w,
+                        p.in_proj_bias,
+                        MHA,
+                        "query",
+                        be,
+                        bf16,
+                    )?
+                }
+                false => linear(query, w, p.in_proj_bias, MHA, "query", be)?,
+            };
             let (q, k, v) = (qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?);
             Projected { q, k, v, packed: Packed::Qkv(qkv) }
         }
