@@ -179,35 +179,52 @@ pub(crate) fn linear(
     linear_then(x, weight, bias, Act::Identity, op, arg, backend)
 }
 
-/// [`linear`] rounded to `dtype` (bf16 or f16), for the last product of a reduced-precision
-/// module's f32 twin: inside [`rounded_products`](crate::mode::rounded_products), without a
-/// gradient, on the fused path, the product's epilogue rounds each tile as it leaves the
-/// kernel (no f32 output and no conversion pass); the bits of `narrow(linear(..))` either way.
-pub(crate) fn linear_narrowed(
+/// [`linear`] with its output in `dtype`, inside a reduced-precision module's f32 twin: the
+/// last product of a bf16/f16 module (`dtype` its own, the output rounded next anyway), or a
+/// product reading bf16 activations that the twin kept in bf16 (`x` bf16, `dtype` f32).
+/// Inside [`rounded_products`](crate::mode::rounded_products), without a gradient, on the
+/// fused path, the product reads `x` as it is and its epilogue writes `dtype` (no f32
+/// output and no conversion pass); elsewhere `x` is widened, multiplied and the output
+/// converted. The bits of `convert(linear(widen(x)), dtype)` either way.
+pub(crate) fn linear_to(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
-    op: &'static str,
-    arg: &'static str,
+    (op, arg): (&'static str, &'static str),
     backend: Backend,
     dtype: candle_core::DType,
 ) -> Result<Tensor> {
-    let direct = dtype == candle_core::DType::BF16
-        && x.dtype() == candle_core::DType::F32
+    use candle_core::DType::{BF16, F32};
+    let out = match dtype {
+        BF16 => Some(OutDtype::Bf16),
+        F32 => Some(OutDtype::F32),
+        _ => None,
+    };
+    let direct = matches!(x.dtype(), F32 | BF16)
+        && weight.dtype() == F32
         && crate::mode::in_rounded_products()
         && !records_grad(x, weight, bias);
-    if direct {
-        let (_, in_f, out_dims) = validate_linear(x, weight, bias, op, arg)?;
+    if let (Some(out), true) = (out, direct) {
+        let (_, in_f, out_dims) = validate_linear_of(x, weight, bias, op, arg, F32)?;
         let m = out_dims[..out_dims.len() - 1].iter().product::<usize>();
-        if m > 0 && in_f > 0 && plan_linear(x, op, backend)?.path == Path::Fused {
+        // The f32 product's plan (the weight is f32; a bf16 `x` stands for its f32 values).
+        if m > 0 && in_f > 0 && plan_linear(weight, op, backend)?.path == Path::Fused {
             crate::alloc::ensure(op, "output", &out_dims, dtype, 1, "use a smaller input")?;
             let x = if x.rank() == 1 { x.unsqueeze(0)? } else { x.detach() };
             let b = bias.map(Tensor::detach);
             let (w, b) = (weight.detach(), b.as_ref());
-            return bf16_product_to(&x, &w, b, Act::Identity, OutDtype::Bf16, &out_dims);
+            return bf16_product_to(&x, &w, b, Act::Identity, out, &out_dims);
         }
     }
-    crate::precision::narrow(&linear(x, weight, bias, op, arg, backend)?, dtype)
+    let x = match x.dtype() == weight.dtype() {
+        true => x.clone(),
+        false => crate::precision::widen(x)?,
+    };
+    let y = linear(&x, weight, bias, op, arg, backend)?;
+    match y.dtype() == dtype {
+        true => Ok(y),
+        false => crate::precision::narrow(&y, dtype),
+    }
 }
 
 /// [`linear`], followed by `act` (fused into the product's op on the fused path).
@@ -496,6 +513,19 @@ fn validate_linear(
     op: &'static str,
     arg: &'static str,
 ) -> Result<(usize, usize, Vec<usize>)> {
+    validate_linear_of(x, weight, bias, op, arg, x.dtype())
+}
+
+/// [`validate_linear`] for an `x` taken as `x_dtype` (a bf16 activation that a
+/// reduced-precision module's f32 twin kept in bf16 stands for its f32 values).
+fn validate_linear_of(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    op: &'static str,
+    arg: &'static str,
+    x_dtype: candle_core::DType,
+) -> Result<(usize, usize, Vec<usize>)> {
     let (out_f, in_f) = match weight.dims() {
         &[o, i] => (o, i),
         other => {
@@ -528,13 +558,13 @@ fn validate_linear(
             ),
         });
     }
-    if x.dtype() != weight.dtype() || !x.dtype().is_float() {
+    if x_dtype != weight.dtype() || !x_dtype.is_float() {
         return Err(Error::DType {
             op,
             arg,
             msg: format!(
                 "input dtype {:?} and weight dtype {:?} must be the same float dtype",
-                x.dtype(),
+                x_dtype,
                 weight.dtype()
             ),
         });
@@ -552,14 +582,14 @@ fn validate_linear(
                 ),
             });
         }
-        if b.dtype() != x.dtype() {
+        if b.dtype() != x_dtype {
             return Err(Error::DType {
                 op,
                 arg: "bias",
                 msg: format!(
                     "bias dtype {:?} does not match the input dtype {:?}",
                     b.dtype(),
-                    x.dtype()
+                    x_dtype
                 ),
             });
         }

@@ -16,6 +16,7 @@ use super::sinks::row_end;
 use super::tile::{pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR};
 use super::{AttnParams, Layout4};
 use crate::bf16gemm::pack::Operand;
+use crate::convert::f32_to_bf16_bits;
 
 ///
 /// `T` is the element of q, k and v: f32, or bf16 bits (a bf16 projection as it was written),
@@ -28,7 +29,7 @@ pub(crate) struct FwdTask<'a, T: Operand = f32> {
     kl: Layout4,
     v: ConstPtr<T>,
     vl: Layout4,
-    out: SyncPtr<f32>,
+    out: OutRows,
     ol: Layout4,
     /// The row statistics, or `None` where the caller keeps none (no backward will run).
     lse: Option<SyncPtr<f32>>,
@@ -59,7 +60,7 @@ impl<'a, T: Operand> FwdTask<'a, T> {
         kl: Layout4,
         v: &'a [T],
         vl: Layout4,
-        out: SyncPtr<f32>,
+        out: OutRows,
         ol: Layout4,
         lse: Option<SyncPtr<f32>>,
         br: usize,
@@ -359,6 +360,14 @@ impl BfBlock {
     }
 }
 
+/// Where the output rows go: f32, or bf16 rounded once from the f32 values (a bf16 module's
+/// f32 twin whose next product rounds them to these bits anyway).
+#[derive(Clone, Copy)]
+pub(crate) enum OutRows {
+    F32(SyncPtr<f32>),
+    Bf16(SyncPtr<u16>),
+}
+
 /// Where a finished query block goes: its rows `i0..i0 + br` of head `(b, h)`, whether the
 /// head is finite, and whether no key block was read (every key masked or none).
 struct RowsOut {
@@ -389,13 +398,21 @@ impl<T: Operand> FwdTask<'_, T> {
         // SAFETY: `run` validated these rows; this task alone writes them.
         unsafe {
             for i in 0..r.br {
-                let dst = self.out.0.add(self.ol.offset(r.b, r.h, r.i0 + i));
+                let at = self.ol.offset(r.b, r.h, r.i0 + i);
                 let (src, l) = (o.as_ptr().add(i * r.dv), sum[i]);
                 let dead = r.empty || (l == 0.0 && r.finite);
                 let (scale, (m, denominator)) = row_end(dead, (max[i], l), sink);
-                match scale {
-                    None => zero_row(dst, r.dv),
-                    Some(f) => scale_row::<S>(dst, src, r.dv, f),
+                match (self.out, scale) {
+                    (OutRows::F32(out), None) => zero_row(out.0.add(at), r.dv),
+                    (OutRows::F32(out), Some(f)) => scale_row::<S>(out.0.add(at), src, r.dv, f),
+                    (OutRows::Bf16(out), None) => std::ptr::write_bytes(out.0.add(at), 0, r.dv),
+                    (OutRows::Bf16(out), Some(f)) => {
+                        // The f32 row's values (the same product), rounded once.
+                        let dst = out.0.add(at);
+                        for c in 0..r.dv {
+                            *dst.add(c) = f32_to_bf16_bits(*src.add(c) * f);
+                        }
+                    }
                 }
                 if let Some(lse) = self.lse {
                     *lse.0.add(r0 + i) = m;

@@ -787,14 +787,16 @@ pub fn flash_forward_uninit(
     ol: Layout4,
     lse: Option<&mut [f32]>,
 ) -> Result<(), KernelError> {
-    forward_any(p, (q, ql), (k, kl), (v, vl), (out, ol), lse)
+    let rows = forward::OutRows::F32(exec::SyncPtr(out.as_mut_ptr().cast::<f32>()));
+    forward_any(p, (q, ql), (k, kl), (v, vl), (rows, out.len(), ol), lse)
 }
 
 /// [`flash_forward_uninit`] on q, k and v given as bf16 bits (a bf16 projection as it was
-/// written, read in place through the layouts): the numbers of `flash_forward_uninit` on
-/// their f32 values with `p.bf16_products`, which rounds q, k and v to these very bits, so
-/// the f32 twin of a bf16 module can keep its projections in bf16 (half the bytes, no
-/// rounding pass). The output and row statistics are f32, as there.
+/// written, read in place through the layouts), its output rounded once to bf16: the numbers
+/// of `flash_forward_uninit` on their f32 values with `p.bf16_products` (which rounds q, k
+/// and v to these very bits), then rounded to nearest even. So the f32 twin of a bf16 module
+/// can keep its projection and the attention's output in bf16 where only products read them
+/// next (half the bytes, no rounding passes). The row statistics stay f32.
 ///
 /// # Shapes
 /// As [`flash_forward`].
@@ -807,11 +809,11 @@ pub fn flash_forward_uninit(
 /// let (ql, kl) = (Layout4::contiguous(2, 3, 8), Layout4::contiguous(2, 4, 8));
 /// let mut p = AttnParams::new(dims);
 /// p.bf16_products = true;
-/// let mut out = Vec::with_capacity(48);
+/// let mut out: Vec<u16> = Vec::with_capacity(48);
 /// flash_forward_bf16_uninit(&p, &q, ql, &kv, kl, &kv, kl, &mut out.spare_capacity_mut()[..48], ql, None)?;
 /// // SAFETY: the kernel wrote all 48 elements of the contiguous output.
 /// unsafe { out.set_len(48) };
-/// assert!(out.iter().all(|&x| x == 0.25));
+/// assert!(out.iter().all(|&x| x == 0x3e80)); // every value row is 0.25
 /// # Ok::<(), multihead_kernels::attention::KernelError>(())
 /// ```
 ///
@@ -827,7 +829,7 @@ pub fn flash_forward_bf16_uninit(
     kl: Layout4,
     v: &[u16],
     vl: Layout4,
-    out: &mut [std::mem::MaybeUninit<f32>],
+    out: &mut [std::mem::MaybeUninit<u16>],
     ol: Layout4,
     lse: Option<&mut [f32]>,
 ) -> Result<(), KernelError> {
@@ -839,7 +841,8 @@ pub fn flash_forward_bf16_uninit(
                 .into(),
         });
     }
-    forward_any(p, (q, ql), (k, kl), (v, vl), (out, ol), lse)
+    let rows = forward::OutRows::Bf16(exec::SyncPtr(out.as_mut_ptr().cast::<u16>()));
+    forward_any(p, (q, ql), (k, kl), (v, vl), (rows, out.len(), ol), lse)
 }
 
 /// The forward of [`flash_forward_uninit`] and [`flash_forward_bf16_uninit`], over q, k and v
@@ -849,7 +852,7 @@ fn forward_any<T: Operand>(
     (q, ql): (&[T], Layout4),
     (k, kl): (&[T], Layout4),
     (v, vl): (&[T], Layout4),
-    (out, ol): (&mut [std::mem::MaybeUninit<f32>], Layout4),
+    (out, out_len, ol): (forward::OutRows, usize, Layout4),
     lse: Option<&mut [f32]>,
 ) -> Result<(), KernelError> {
     check_params(p)?;
@@ -857,7 +860,7 @@ fn forward_any<T: Operand>(
     check_tensor("q", q.len(), [d.batch, d.heads_q, d.l, d.d], ql, false)?;
     check_tensor("k", k.len(), [d.batch, d.heads_kv, d.s, d.d], kl, false)?;
     check_tensor("v", v.len(), [d.batch, d.heads_kv, d.s, d.dv], vl, false)?;
-    check_tensor("out", out.len(), [d.batch, d.heads_q, d.l, d.dv], ol, true)?;
+    check_tensor("out", out_len, [d.batch, d.heads_q, d.l, d.dv], ol, true)?;
     if let Some(lse) = &lse {
         check_len("lse", product("lse", &[2, d.batch, d.heads_q, d.l])?, lse.len())?;
     }
@@ -880,7 +883,6 @@ fn forward_any<T: Operand>(
     };
     let (k, kl) = kc.as_ref().map_or((k, kl), |(c, l)| (c.as_slice(), *l));
     let (v, vl) = vc.as_ref().map_or((v, vl), |(c, l)| (c.as_slice(), *l));
-    let out = exec::SyncPtr(out.as_mut_ptr().cast::<f32>());
     let lse = lse.map(|x| exec::SyncPtr(x.as_mut_ptr()));
     let mut task = forward::FwdTask::new(p, q, ql, k, kl, v, vl, out, ol, lse, FWD_BR, FWD_BC);
     // bf16 products over several query blocks per head: the key and value blocks packed once,

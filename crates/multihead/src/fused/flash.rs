@@ -205,13 +205,15 @@ impl FlashAttention {
         (k, k4): (&[f32], Layout4),
         (v, v4): (&[f32], Layout4),
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.forward_with(q_dims, |p, dst, o4, stats| {
+        let (out, shape) = self.forward_with(q_dims, |p, dst, o4, stats| {
             flash_forward_uninit(p, q, q4, k, k4, v, v4, dst, o4, stats)
-        })
+        })?;
+        Ok((CpuStorage::F32(out), shape))
     }
 
     /// [`Self::forward_into_new`] on q, k and v given as bf16 bits (a bf16 module's f32 twin
-    /// keeping its projection in bf16): the kernel's bf16 entry, the same numbers.
+    /// keeping its projection in bf16), the output rounded once to bf16: the kernel's bf16
+    /// entry, the numbers of the f32 one.
     pub(super) fn forward_bf16_into_new(
         &self,
         q_dims: &[usize],
@@ -219,23 +221,24 @@ impl FlashAttention {
         (k, k4): (&[u16], Layout4),
         (v, v4): (&[u16], Layout4),
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.forward_with(q_dims, |p, dst, o4, stats| {
+        let (out, shape) = self.forward_with(q_dims, |p, dst, o4, stats| {
             flash_forward_bf16_uninit(p, q, q4, k, k4, v, v4, dst, o4, stats)
-        })
+        })?;
+        Ok((CpuStorage::BF16(super::convert::from_bits(out)), shape))
     }
 
     /// The forward's output (and the row statistics where kept) from `kernel`, given the
     /// parameters, the uninitialised output, its layout and the statistics.
-    fn forward_with(
+    fn forward_with<E>(
         &self,
         q_dims: &[usize],
         kernel: impl FnOnce(
             &AttnParams<'_>,
-            &mut [std::mem::MaybeUninit<f32>],
+            &mut [std::mem::MaybeUninit<E>],
             Layout4,
             Option<&mut [f32]>,
         ) -> std::result::Result<(), KernelError>,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
+    ) -> candle_core::Result<(Vec<E>, Shape)> {
         let out_dims = self.conv.out_shape(q_dims, self.dims.dv);
         let o4 = contiguous_layout4(self.conv, &out_dims)?;
         let d = self.dims;
@@ -244,15 +247,15 @@ impl FlashAttention {
         let mut lse = crate::alloc::try_zeros::<f32>(rows, "flash attention row statistics")?;
         let stats = self.keep_stats.then_some(&mut lse[..]);
         let p = self.params();
-        let write = |dst: &mut [std::mem::MaybeUninit<f32>]| {
+        let write = |dst: &mut [std::mem::MaybeUninit<E>]| {
             kernel(&p, dst, o4, stats)
                 .map_err(|e| candle_core::Error::Msg(format!("flash attention forward: {e}")))
         };
         // SAFETY: on `Ok` the kernel wrote every element of the contiguous output
-        // (`flash_forward_uninit`).
+        // (`flash_forward_uninit`, `flash_forward_bf16_uninit`).
         let out = unsafe { crate::alloc::try_written(n, "flash attention output", write) }?;
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
-        Ok((CpuStorage::F32(out), Shape::from(out_dims)))
+        Ok((out, Shape::from(out_dims)))
     }
 
     /// The same op, whose forward keeps the statistics for [`Self::weights`] when

@@ -489,11 +489,13 @@ fn forward_f32(call: &MhaCall, opts: &MhaOptions, narrow_to: Option<DType>) -> R
     }; // attn: (L, N, E), or (N, L, E) with batch_first
     let p = call.params;
     let (w, b) = (p.out_proj_weight, p.out_proj_bias);
-    let out = match narrow_to {
-        Some(dtype) => {
-            crate::linear::linear_narrowed(&attn, w, b, MHA, "attn_output", call.backend, dtype)?
+    // The attention's output is bf16 where the projection was ([`bf16_projection`]).
+    let out = match (narrow_to, attn.dtype() == call.dtype) {
+        (None, true) => linear(&attn, w, b, MHA, "attn_output", call.backend)?,
+        (to, _) => {
+            let dtype = to.unwrap_or(call.dtype);
+            crate::linear::linear_to(&attn, w, b, (MHA, "attn_output"), call.backend, dtype)?
         }
-        None => linear(&attn, w, b, MHA, "attn_output", call.backend)?,
     };
     finish(call, out, weights)
 }
@@ -505,7 +507,9 @@ fn forward_f32(call: &MhaCall, opts: &MhaOptions, narrow_to: Option<DType>) -> R
 /// projection, which the kernel's bf16 products round to those bits, with half the bytes
 /// written and read and no rounding in the packing. Only where that kernel takes the call as
 /// a whole: without a gradient, weights, dropout, extra or static keys, a mask that requires
-/// grad, or grouped heads (which keep f32 products, as PyTorch's math path has them).
+/// grad, sinks, or grouped heads (which keep f32 products, as PyTorch's math path has them).
+/// The attention's output is then bf16 too (rounded once, as the output projection's packing
+/// would round it), and the output projection reads it as it is.
 fn bf16_projection(call: &MhaCall, plan: &Plan, dropout: bool) -> bool {
     let p = call.params;
     crate::mode::in_rounded_products()
@@ -518,6 +522,7 @@ fn bf16_projection(call: &MhaCall, plan: &Plan, dropout: bool) -> bool {
         && p.bias_k.is_none()
         && !p.add_zero_attn
         && call.learned_masks == [false, false]
+        && call.sinks.is_none()
         && call.hk == call.h
         && call.alias.key_is_query
         && call.alias.value_is_key

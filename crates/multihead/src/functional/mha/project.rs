@@ -57,16 +57,8 @@ pub(crate) fn project(call: &MhaCall, bf16_qkv: bool) -> Result<Projected> {
         InProj::Packed(w) if alias.key_is_query && alias.value_is_key => {
             let qkv = match bf16_qkv {
                 true => {
-                    let bf16 = candle_core::DType::BF16;
-                    crate::linear::linear_narrowed(
-                        query,
-                        w,
-                        p.in_proj_bias,
-                        MHA,
-                        "query",
-                        be,
-                        bf16,
-                    )?
+                    let (op, bf16) = ((MHA, "query"), candle_core::DType::BF16);
+                    crate::linear::linear_to(query, w, p.in_proj_bias, op, be, bf16)?
                 }
                 false => linear(query, w, p.in_proj_bias, MHA, "query", be)?,
             };
