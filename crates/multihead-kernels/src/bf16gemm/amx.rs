@@ -224,6 +224,79 @@ pub(crate) unsafe fn micro_amx(
     }
 }
 
+/// [`micro_amx`] into a `C` it does not read (`load_c` false), calling `between(i, n)` after
+/// each of its `n` tile steps (`i` from 0): the caller's vector work (the previous tile's
+/// epilogue) runs while the tile products of the step before it are still in flight, instead
+/// of after all of them. The same tile products in the same order as [`micro_amx`], so the
+/// same bits.
+///
+/// # Safety
+/// As for [`micro_amx`]; `between` touches neither `a`, `b` nor this tile of `c`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn micro_amx_between(
+    kp: usize,
+    a: *const u16,
+    lda: usize,
+    b: *const u32,
+    c: *mut f32,
+    ldc: usize,
+    between: &mut dyn FnMut(usize, usize),
+) {
+    let steps = kp / AMX_KP;
+    let n = 2 * steps;
+    for half in 0..2 {
+        // SAFETY: the offsets stay inside the rows, panel and tile the caller describes (as in
+        // `micro_amx`): rows 0..16 and 16..32 of `a`, 64 bytes a step; 16 pair rows of `b` a
+        // step, columns `32·half .. 32·half + 32`; the 32 × 32 block of `c` at column
+        // `32·half`. The tile registers are this thread's and no code between the blocks
+        // uses them (Rust never emits tile instructions).
+        unsafe {
+            std::arch::asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
+            let (mut a0, mut a1, mut bh) = (a, a.add(16 * lda), b.add(32 * half));
+            for s in 0..steps {
+                std::arch::asm!(
+                    "tileloadd tmm4, [{a0} + {lda}*1]",
+                    "tileloadd tmm5, [{a1} + {lda}*1]",
+                    "tileloaddt1 tmm6, [{b} + {ldb}*1]",
+                    "tileloaddt1 tmm7, [{b} + {ldb}*1 + 64]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a0 = in(reg) a0,
+                    a1 = in(reg) a1,
+                    lda = in(reg) 2 * lda,
+                    b = in(reg) bh,
+                    ldb = in(reg) 4 * NR,
+                    options(nostack, readonly),
+                );
+                a0 = a0.add(2 * AMX_KP);
+                a1 = a1.add(2 * AMX_KP);
+                bh = bh.add(NR * AMX_KP);
+                between(half * steps + s, n);
+            }
+            let ct = c.add(32 * half);
+            let cb = ct.add(16 * ldc);
+            std::arch::asm!(
+                "tilestored [{ct} + {ldc}*1], tmm0",
+                "tilestored [{ct} + {ldc}*1 + 64], tmm1",
+                "tilestored [{cb} + {ldc}*1], tmm2",
+                "tilestored [{cb} + {ldc}*1 + 64], tmm3",
+                ct = in(reg) ct,
+                cb = in(reg) cb,
+                ldc = in(reg) 4 * ldc,
+                options(nostack),
+            );
+        }
+    }
+}
+
 /// A bf16 value as f32, with subnormals read as zero (the tile instruction's inputs).
 #[inline(always)]
 fn daz(bits: u16) -> f32 {

@@ -309,9 +309,10 @@ impl Pass<'_> {
         let kp = x.kp;
         let lda = a_stride(kern, kp);
         let (q0, q1) = (part * x.panels / self.col_parts, (part + 1) * x.panels / self.col_parts);
-        // A bf16 output's tiles leave the kernel through this buffer.
-        let mut local = AlignedTile::<{ AMX_MR * NR }>::zeros();
-        let local = &mut local.0;
+        // A bf16 output's tiles leave the kernel through these buffers, in turn: a tile's
+        // epilogue runs during the next tile's products (`Pending`).
+        let mut locals = [AlignedTile::<{ AMX_MR * NR }>::zeros(), AlignedTile::zeros()];
+        let mut pending: Option<Pending> = None;
         let words = if self.packed_a.is_some() { 0 } else { padded * lda };
         with_buffer(&A_BLOCK, words, "a", |abuf| {
             // SAFETY: `abuf` holds `padded · lda` elements, or the block was rounded already
@@ -350,17 +351,61 @@ impl Pass<'_> {
                                 }
                             }
                             Out::Bf16 { out, ldo, epilogue } => {
-                                tile.run(kern, local.as_mut_ptr(), NR);
-                                let out =
-                                    TileOut::Bf16 { out: out.0.add((i0 + ir) * ldo + j), ldo };
-                                epilogue.apply((local.as_mut_ptr(), NR), live, cols, j, out);
+                                let buf = locals[usize::from(pending.is_some_and(|p| p.first))]
+                                    .0
+                                    .as_mut_ptr();
+                                let prev = pending.take();
+                                tile.run_between(kern, buf, NR, &mut |i, n| {
+                                    if let Some(p) = &prev {
+                                        p.rows(&epilogue, i, n);
+                                    }
+                                });
+                                let dest = out.0.add((i0 + ir) * ldo + j);
+                                let first = !prev.is_some_and(|p| p.first);
+                                pending = Some(Pending { tile: buf, live, cols, j, dest, ldo, first });
                             }
                         }
                     }
                 }
+                if let (Some(p), Out::Bf16 { epilogue, .. }) = (pending, self.out) {
+                    p.rows(&epilogue, 0, 1);
+                }
             }
             Ok(())
         })
+    }
+}
+
+/// A bf16 output's tile whose epilogue has not run yet: computed into `tile` (one of the
+/// task's two local buffers, `first` telling which), bound for `dest`.
+#[derive(Clone, Copy)]
+struct Pending {
+    tile: *mut f32,
+    live: usize,
+    cols: usize,
+    j: usize,
+    dest: *mut u16,
+    ldo: usize,
+    first: bool,
+}
+
+impl Pending {
+    /// Part `i` of `n` of the epilogue: its rows `live·i/n .. live·(i+1)/n`.
+    ///
+    /// # Safety
+    /// The tile holds `live × cols` values (rows `NR` apart) that nothing writes meanwhile;
+    /// `dest` is the output's tile (rows `ldo` apart); the bias (if any) holds the product's
+    /// columns.
+    unsafe fn rows(&self, epilogue: &Epilogue, i: usize, n: usize) {
+        let (r0, r1) = (self.live * i / n, self.live * (i + 1) / n);
+        if r1 > r0 {
+            // SAFETY: rows `r0..r1 <= live` of the tile and of the output tile (the caller's
+            // contract).
+            unsafe {
+                let out = TileOut::Bf16 { out: self.dest.add(r0 * self.ldo), ldo: self.ldo };
+                epilogue.apply((self.tile.add(r0 * NR), NR), r1 - r0, self.cols, self.j, out);
+            }
+        }
     }
 }
 

@@ -213,6 +213,39 @@ impl Tile {
         }
     }
 
+    /// [`run`](Self::run), calling `between(i, n)` after each of the tile's `n` steps where
+    /// the AMX kernel overlaps it with the tile products (a full tile into a `C` it does not
+    /// read), else once after the tile (`(0, 1)`).
+    ///
+    /// # Safety
+    /// As for `run`; `between` touches neither the operands nor this tile of `c`.
+    #[inline(always)]
+    pub(crate) unsafe fn run_between(
+        &self,
+        kern: Kernel,
+        c: *mut f32,
+        ldc: usize,
+        between: &mut dyn FnMut(usize, usize),
+    ) {
+        // SAFETY: forwarded (as in `run`).
+        unsafe {
+            #[cfg(target_arch = "x86_64")]
+            if kern == Kernel::Amx && !self.load_c {
+                return super::amx::micro_amx_between(
+                    self.kp,
+                    self.a,
+                    self.strides.0,
+                    self.b,
+                    c,
+                    ldc,
+                    between,
+                );
+            }
+            self.run(kern, c, ldc);
+        }
+        between(0, 1);
+    }
+
     /// A partial tile (`live` rows, `cols` columns): computed whole in a local buffer, then
     /// the live part copied out.
     ///
