@@ -362,7 +362,8 @@ impl Pass<'_> {
                                 });
                                 let dest = out.0.add((i0 + ir) * ldo + j);
                                 let first = !prev.is_some_and(|p| p.first);
-                                pending = Some(Pending { tile: buf, live, cols, j, dest, ldo, first });
+                                pending =
+                                    Some(Pending { tile: buf, live, cols, j, dest, ldo, first });
                             }
                         }
                     }

@@ -345,21 +345,67 @@ fn plan(
     call: &SdpaCall,
     opts: &SdpaOptions,
 ) -> Result<Plan> {
-    let blocker = dtype_device_blocker(query).or_else(|| {
-        if query.rank() != 4 || key.rank() != 4 || value.rank() != 4 {
-            return Some(Reason::NotFourD);
-        }
-        // Batch and head dimensions that broadcast are read in place (`fused_views`); key and
-        // value head counts that differ, neither being 1, are not.
-        if kv_heads(key, value, call).is_none() {
-            return Some(Reason::KvHeads);
-        }
-        if call.mask.as_ref().is_some_and(|m| m.rank() > 4) {
-            return Some(Reason::MaskRank);
-        }
-        None
-    });
+    let blocker = dtype_device_blocker(query).or_else(|| shape_blocker(query, key, value, call));
     decide(SDPA, opts.backend, blocker)
+}
+
+/// What in the shapes keeps a call off the fused kernels, if anything.
+fn shape_blocker(query: &Tensor, key: &Tensor, value: &Tensor, call: &SdpaCall) -> Option<Reason> {
+    if query.rank() != 4 || key.rank() != 4 || value.rank() != 4 {
+        return Some(Reason::NotFourD);
+    }
+    // Batch and head dimensions that broadcast are read in place (`fused_views`); key and
+    // value head counts that differ, neither being 1, are not.
+    if kv_heads(key, value, call).is_none() {
+        return Some(Reason::KvHeads);
+    }
+    if call.mask.as_ref().is_some_and(|m| m.rank() > 4) {
+        return Some(Reason::MaskRank);
+    }
+    None
+}
+
+/// A bf16 call that nothing can differentiate, which the f32 twin would run fused with bf16
+/// products (4-D, one key head per query head, no dropout, no sinks, rounding on): the kernel
+/// reads q, k and v as they are and writes the output in bf16. These are the twin's numbers:
+/// its inputs widen exactly, its products round them back, and its output is rounded once.
+/// What is skipped is widening q, k and v (and narrowing the output), 15% of a bf16 call at
+/// B8 H8 L=S=512 D64 (docs/performance.md). `None` where another route applies: the caller
+/// widens.
+fn bf16_direct(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    opts: &SdpaOptions,
+    call: &SdpaCall,
+) -> Result<Option<Tensor>> {
+    use crate::precision::widen;
+    let mut inputs = vec![query, key, value];
+    if let Some(Mask::Float(m)) = &opts.attn_mask {
+        inputs.push(m);
+    }
+    let direct = query.dtype() == candle_core::DType::BF16
+        && key.dtype() == query.dtype()
+        && value.dtype() == query.dtype()
+        && crate::mode::in_rounded_products()
+        && opts.dropout_p == 0.0
+        && opts.sinks.is_none()
+        && matches!(query.device(), candle_core::Device::Cpu)
+        && shape_blocker(query, key, value, call).is_none()
+        && kv_heads(key, value, call) == call.batch.get(1).copied()
+        && call.l > 0
+        && call.s > 0
+        && call.ev > 0
+        && !call.batch.contains(&0)
+        && !crate::fused::flash::gradient_possible(&inputs)
+        && decide(SDPA, opts.backend, None)?.path == Path::Fused;
+    if !direct {
+        return Ok(None);
+    }
+    // The additive mask in f32, as the kernels read it (the twin widens it the same way).
+    let mask = call.mask.as_ref().map(widen).transpose()?;
+    let call = SdpaCall { batch: call.batch.clone(), mask, ..*call };
+    run_fused(query, key, value, &call, opts, None).map(Some)
 }
 
 /// The path [`scaled_dot_product_attention`] takes for these arguments, and why, without
@@ -472,6 +518,12 @@ pub fn scaled_dot_product_attention(
     let call = validate(query, key, value, opts)?;
     if crate::precision::is_reduced(query.dtype()) {
         let like_flash = pytorch_bf16_flash(query, key, value, opts);
+        let direct = crate::mode::rounded_products_if(query.dtype(), like_flash, || {
+            bf16_direct(query, key, value, opts, &call)
+        })?;
+        if let Some(y) = direct {
+            return Ok(y);
+        }
         let (q, k, v, o) = widened(query, key, value, opts)?;
         let y = crate::mode::rounded_products_if(query.dtype(), like_flash, || {
             scaled_dot_product_attention(&q, &k, &v, &o)

@@ -118,7 +118,7 @@ pub(crate) struct FlashAttention {
 
 /// Whether a backward may reach an op applied to `xs`: gradients enabled, or an input that
 /// carries a graph (inside `no_grad`, inputs without one build none).
-pub(super) fn gradient_possible(xs: &[&Tensor]) -> bool {
+pub(crate) fn gradient_possible(xs: &[&Tensor]) -> bool {
     crate::mode::grad_enabled() || xs.iter().any(|x| x.track_op())
 }
 
@@ -394,6 +394,17 @@ impl CustomOp3 for FlashAttention {
         let (q_off, q4) = self.conv.layout4(l1)?;
         let (k_off, k4) = self.conv.layout4(l2)?;
         let (v_off, v4) = self.conv.layout4(l3)?;
+        if let (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) = (s1, s2, s3) {
+            // A bf16 call that nothing differentiates (`functional::sdpa`'s `bf16_direct`):
+            // the kernel's bf16 entry, which errors unless the products are bf16.
+            use super::convert::bits;
+            return self.forward_bf16_into_new(
+                l1.dims(),
+                (&bits(q)[q_off..], q4),
+                (&bits(k)[k_off..], k4),
+                (&bits(v)[v_off..], v4),
+            );
+        }
         self.forward_into_new(
             l1.dims(),
             (&cpu_f32(s1)?[q_off..], q4),

@@ -517,3 +517,41 @@ fn bf16_inference_writes_bf16_activations_with_the_bits_of_the_f32_twin() {
         assert_eq!(differing(&inference, &recorded), 0, "causal {causal}: outputs differ");
     }
 }
+
+#[test]
+fn bf16_sdpa_without_a_gradient_reads_and_writes_bf16_with_the_bits_of_the_f32_twin() {
+    // Without a gradient, a bf16 SDPA call reads q, k and v as bf16 and writes its output as
+    // bf16; with one (a query that is a Var) the inputs are widened to f32 and the output
+    // rounded: the same bits. Keys as a transposed view (rows strided), a causal call, a bool
+    // and a float mask broadcast over heads; 70 queries over 90 keys (partial tiles).
+    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    let q = det(&[2, 3, 70, 16], DType::BF16, 1.0);
+    let k = det(&[2, 90, 3, 16], DType::BF16, 2.0).transpose(1, 2).unwrap();
+    let v = det(&[2, 3, 90, 16], DType::BF16, 3.0).affine(2.0, 0.5).unwrap();
+    let qv = var(&q);
+    let keep = det(&[70, 90], DType::F32, 5.0).ge(-0.8).unwrap();
+    let bias = det(&[2, 1, 70, 90], DType::BF16, 6.0).affine(3.0, 0.0).unwrap();
+    let cases = [
+        ("plain", SdpaOptions::default()),
+        ("causal", SdpaOptions::default().is_causal(true)),
+        ("bool mask", SdpaOptions::default().attn_mask(Mask::Bool(keep))),
+        ("float mask", SdpaOptions::default().attn_mask(Mask::Float(bias)).scale(0.3)),
+    ];
+    for (what, opts) in cases {
+        let attend = |q: &Tensor| scaled_dot_product_attention(q, &k, &v, &opts).unwrap();
+        let inference = direct(|| no_grad(|| attend(&q)));
+        let recorded = direct(|| attend(qv.as_tensor()));
+        assert_eq!(inference.dtype(), DType::BF16, "{what}");
+        assert_eq!(inference.dims(), &[2, 3, 70, 16], "{what}");
+        assert_eq!(differing(&inference, &recorded), 0, "{what}: outputs differ");
+        // And the f64 attention within bf16 products' accuracy (values O(1)).
+        let w = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+        let o64 = match &opts.attn_mask {
+            Some(Mask::Float(m)) => opts.clone().attn_mask(Mask::Float(w(m))),
+            _ => opts.clone(),
+        };
+        let y64 = scaled_dot_product_attention(&w(&q), &w(&k), &w(&v), &o64).unwrap();
+        let e = max_diff(&values(&inference), &values(&y64));
+        assert!(e < 0.05, "{what}: error {e:e}");
+    }
+}
