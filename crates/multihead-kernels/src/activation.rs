@@ -42,7 +42,7 @@ pub(crate) unsafe fn cdf_pdf<S: Simd>(x: S::V) -> (S::V, S::V) {
     // SAFETY: arithmetic only (the trait contract covers the instruction set).
     unsafe {
         let z = S::mul(x, S::splat(FRAC_1_SQRT_2));
-        let az = S::max(z, S::sub(S::splat(0.0), z));
+        let az = S::abs(z);
         // A refined reciprocal estimate, not a division: the division was the slowest
         // instruction of the pass on Intel cores. Its argument must be a finite normal number:
         // `|z|` is capped at 1e4 (beyond it `exp(−z²)` is 0 and `t` no longer matters; a NaN
@@ -56,10 +56,8 @@ pub(crate) unsafe fn cdf_pdf<S: Simd>(x: S::V) -> (S::V, S::V) {
         let e = S::exp(S::sub(S::splat(0.0), S::mul(z, z))); // exp(−x²/2)
         let erf_abs = S::sub(S::splat(1.0), S::mul(S::mul(poly, t), e));
         // sign(z) = clamp(z·10³⁰, −1, 1): ±1 but for tiny z (whose erf is ≈ 0 anyway), also at
-        // ±inf; min(a, b) is −max(−a, −b).
-        let neg = |v: S::V| S::sub(S::splat(0.0), v);
-        let lo = S::max(S::mul(z, S::splat(1e30)), S::splat(-1.0));
-        let sign = neg(S::max(neg(lo), S::splat(-1.0)));
+        // ±inf (a NaN z gives 1: `min` returns its second operand when unordered).
+        let sign = S::min(S::max(S::mul(z, S::splat(1e30)), S::splat(-1.0)), S::splat(1.0));
         let cdf = S::mul(S::splat(0.5), S::fma(sign, erf_abs, S::splat(1.0)));
         (cdf, S::mul(e, S::splat(INV_SQRT_2PI)))
     }
