@@ -13,7 +13,9 @@ dropout 0, batch_first):
   requiring grad);
 * ``TransformerEncoderLayer`` train forward+backward and eval forward (``torch.no_grad()``);
 * ``TransformerDecoderLayer`` train forward+backward over a memory of S = L tokens (the target
-  and the memory require grad, as the Rust bench's ``Var`` inputs).
+  and the memory require grad, as the Rust bench's ``Var`` inputs);
+* ``F.scaled_dot_product_attention`` forward on ``(B, H, L, E/H)``, plain and causal, under
+  ``torch.inference_mode()`` (multihead ``bench --module sdpa``, without a gradient).
 
 PyTorch runs in this process with ``torch.set_num_threads(T)``; multihead runs
 ``target/release/multihead bench ... --dtype bf16 --json`` (and ``--dtype f32`` for its own
@@ -43,10 +45,14 @@ CASES = [  # (label, module, flags)
     ("encoder layer train fwd+bwd, gelu", "encoder-layer", ["--backward"]),
     ("encoder layer eval forward, gelu", "encoder-layer", ["--eval"]),
     ("decoder layer train fwd+bwd, gelu", "decoder-layer", ["--backward"]),
+    ("SDPA forward", "sdpa", []),
+    ("SDPA causal forward", "sdpa", ["--causal"]),
 ]
 
 
 def flops(module, flags):
+    if module == "sdpa":  # F.scaled_dot_product_attention on (B, H, L, E/H): two products
+        return 4 * B * L * L * E * (0.5 if "--causal" in flags else 1)
     attn = 2 * E * E * (4 * B * L) + 4 * B * L * L * E * (0.5 if "--causal" in flags else 1)
     if module == "decoder-layer":  # self-attention plus cross-attention over S = L
         attn = 2 * attn
@@ -58,6 +64,11 @@ def torch_case(torch, dtype, module, flags, warmup, iters):
     torch.manual_seed(0)
     x = torch.randn(B, L, E, dtype=dtype)
     backward, causal = "--backward" in flags, "--causal" in flags
+    if module == "sdpa":
+        q, k, v = (torch.randn(B, H, L, E // H, dtype=dtype) for _ in range(3))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        with torch.inference_mode():
+            return bench_proc.timed(lambda: sdpa(q, k, v, is_causal=causal), warmup, iters)[0]
     if module == "mha":
         m = torch.nn.MultiheadAttention(E, H, batch_first=True).to(dtype)
         mask = torch.nn.Transformer.generate_square_subsequent_mask(L, dtype=dtype) if causal else None
