@@ -106,6 +106,40 @@ const CONFIG: TileConfig = {
     TileConfig(c)
 };
 
+/// One tile step of the 2 × 2 kernel, as `asm!` template lines: rows 0..16 and 16..32 of `A`
+/// (`{a0}`, `{a1}`, rows `{lda}` bytes apart) into `tmm4`, `tmm5`; two 16-column tiles of the
+/// `B` panel (`{b}`, pair rows `{ldb}` bytes apart; loaded without keeping them in L1) into
+/// `tmm6`, `tmm7`; four products into `tmm0..tmm3`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! amx_step {
+    () => {
+        concat!(
+            "tileloadd tmm4, [{a0} + {lda}*1]\n",
+            "tileloadd tmm5, [{a1} + {lda}*1]\n",
+            "tileloaddt1 tmm6, [{b} + {ldb}*1]\n",
+            "tileloaddt1 tmm7, [{b} + {ldb}*1 + 64]\n",
+            "tdpbf16ps tmm0, tmm4, tmm6\n",
+            "tdpbf16ps tmm1, tmm4, tmm7\n",
+            "tdpbf16ps tmm2, tmm5, tmm6\n",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+        )
+    };
+}
+
+/// The accumulators `tmm0..tmm3` stored as a 32 × 32 block of `C` (`{ct}`: its first row,
+/// `{cb}`: its 17th, rows `{ldc}` bytes apart), as `asm!` template lines.
+#[cfg(target_arch = "x86_64")]
+macro_rules! amx_store {
+    () => {
+        concat!(
+            "tilestored [{ct} + {ldc}*1], tmm0\n",
+            "tilestored [{ct} + {ldc}*1 + 64], tmm1\n",
+            "tilestored [{cb} + {ldc}*1], tmm2\n",
+            "tilestored [{cb} + {ldc}*1 + 64], tmm3",
+        )
+    };
+}
+
 /// Tile registers configured on this thread for the AMX kernel; released when dropped.
 pub(crate) struct Tiles(());
 
@@ -190,23 +224,13 @@ pub(crate) unsafe fn micro_amx(
                 "tilezero tmm2",
                 "tilezero tmm3",
                 "3:",
-                "tileloadd tmm4, [{a0} + {lda}*1]",
-                "tileloadd tmm5, [{a1} + {lda}*1]",
-                "tileloaddt1 tmm6, [{b} + {ldb}*1]",
-                "tileloaddt1 tmm7, [{b} + {ldb}*1 + 64]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
+                amx_step!(),
                 "add {a0}, 64",
                 "add {a1}, 64",
                 "add {b}, {bstep}",
                 "dec {n}",
                 "jnz 3b",
-                "tilestored [{ct} + {ldc}*1], tmm0",
-                "tilestored [{ct} + {ldc}*1 + 64], tmm1",
-                "tilestored [{cb} + {ldc}*1], tmm2",
-                "tilestored [{cb} + {ldc}*1 + 64], tmm3",
+                amx_store!(),
                 load = in(reg) u32::from(load_c),
                 ct = in(reg) ct,
                 cb = in(reg) cb,
@@ -235,11 +259,9 @@ pub(crate) unsafe fn micro_amx(
 #[cfg(target_arch = "x86_64")]
 pub(crate) unsafe fn micro_amx_between(
     kp: usize,
-    a: *const u16,
-    lda: usize,
+    (a, lda): (*const u16, usize),
     b: *const u32,
-    c: *mut f32,
-    ldc: usize,
+    (c, ldc): (*mut f32, usize),
     between: &mut dyn FnMut(usize, usize),
 ) {
     let steps = kp / AMX_KP;
@@ -261,14 +283,7 @@ pub(crate) unsafe fn micro_amx_between(
             let (mut a0, mut a1, mut bh) = (a, a.add(16 * lda), b.add(32 * half));
             for s in 0..steps {
                 std::arch::asm!(
-                    "tileloadd tmm4, [{a0} + {lda}*1]",
-                    "tileloadd tmm5, [{a1} + {lda}*1]",
-                    "tileloaddt1 tmm6, [{b} + {ldb}*1]",
-                    "tileloaddt1 tmm7, [{b} + {ldb}*1 + 64]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    amx_step!(),
                     a0 = in(reg) a0,
                     a1 = in(reg) a1,
                     lda = in(reg) 2 * lda,
@@ -284,10 +299,7 @@ pub(crate) unsafe fn micro_amx_between(
             let ct = c.add(32 * half);
             let cb = ct.add(16 * ldc);
             std::arch::asm!(
-                "tilestored [{ct} + {ldc}*1], tmm0",
-                "tilestored [{ct} + {ldc}*1 + 64], tmm1",
-                "tilestored [{cb} + {ldc}*1], tmm2",
-                "tilestored [{cb} + {ldc}*1 + 64], tmm3",
+                amx_store!(),
                 ct = in(reg) ct,
                 cb = in(reg) cb,
                 ldc = in(reg) 4 * ldc,

@@ -231,15 +231,8 @@ impl Tile {
         unsafe {
             #[cfg(target_arch = "x86_64")]
             if kern == Kernel::Amx && !self.load_c {
-                return super::amx::micro_amx_between(
-                    self.kp,
-                    self.a,
-                    self.strides.0,
-                    self.b,
-                    c,
-                    ldc,
-                    between,
-                );
+                let a = (self.a, self.strides.0);
+                return super::amx::micro_amx_between(self.kp, a, self.b, (c, ldc), between);
             }
             self.run(kern, c, ldc);
         }
