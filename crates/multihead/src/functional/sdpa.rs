@@ -369,9 +369,9 @@ fn shape_blocker(query: &Tensor, key: &Tensor, value: &Tensor, call: &SdpaCall) 
 /// products (4-D, one key head per query head, no dropout, no sinks, rounding on): the kernel
 /// reads q, k and v as they are and writes the output in bf16. These are the twin's numbers:
 /// its inputs widen exactly, its products round them back, and its output is rounded once.
-/// What is skipped is widening q, k and v (and narrowing the output), 15% of a bf16 call at
-/// B8 H8 L=S=512 D64 (docs/performance.md). `None` where another route applies: the caller
-/// widens.
+/// What is skipped is widening q, k and v, narrowing the output and rounding the widened
+/// operands again as they are packed: a quarter of a bf16 call at B8 H8 L=S=512 D64
+/// (docs/performance.md). `None` where another route applies: the caller widens.
 fn bf16_direct(
     query: &Tensor,
     key: &Tensor,
