@@ -554,4 +554,23 @@ fn bf16_sdpa_without_a_gradient_reads_and_writes_bf16_with_the_bits_of_the_f32_t
         let e = max_diff(&values(&inference), &values(&y64));
         assert!(e < 0.05, "{what}: error {e:e}");
     }
+    // A NaN query and an infinite key (their heads read every key): NaN where PyTorch's rules
+    // put it, on both routes alike.
+    let mut qn = values(&q);
+    qn[5] = f64::NAN;
+    let mut kn = values(&det(&[2, 90, 3, 16], DType::BF16, 2.0));
+    kn[16 * 3 * 7 + 2] = f64::INFINITY;
+    let qn = Tensor::from_vec(qn, q.dims(), &dev()).unwrap().to_dtype(DType::BF16).unwrap();
+    let kn = Tensor::from_vec(kn, (2, 90, 3, 16), &dev()).unwrap();
+    let kn = kn.to_dtype(DType::BF16).unwrap().transpose(1, 2).unwrap();
+    let qnv = var(&qn);
+    let opts = SdpaOptions::default().is_causal(true);
+    let attend = |q: &Tensor| scaled_dot_product_attention(q, &kn, &v, &opts).unwrap();
+    let inference = values(&direct(|| no_grad(|| attend(&qn))));
+    let recorded = values(&direct(|| attend(qnv.as_tensor())));
+    let nans = inference.iter().filter(|x| x.is_nan()).count();
+    assert!(nans > 0 && nans < inference.len(), "{nans} NaN outputs");
+    for (i, (a, b)) in inference.iter().zip(&recorded).enumerate() {
+        assert!(a == b || (a.is_nan() && b.is_nan()), "element {i}: {a} vs {b}");
+    }
 }
