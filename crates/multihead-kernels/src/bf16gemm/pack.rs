@@ -238,7 +238,7 @@ mod panels_avx512 {
     pub(super) const MAX_ROWS: usize = 16 * MR;
 
     /// Sources whose sixteen consecutive elements load as bf16 bits in 32-bit lanes.
-    pub(super) trait Lanes: Copy {
+    pub(crate) trait Lanes: Copy {
         /// Elements `0..16` at `p` under `mask` (zero elsewhere), as bf16 bits in the low half
         /// of each 32-bit lane.
         ///
@@ -527,10 +527,22 @@ pub(crate) fn vector_packing() -> bool {
     false
 }
 
+/// The AVX-512 packers' elements (`panels_avx512::Lanes`), which [`Operand`]'s default
+/// packers take.
+#[cfg(target_arch = "x86_64")]
+pub(crate) use panels_avx512::Lanes as PackerLanes;
+/// The AVX-512 packers' elements: nothing to ask where those packers do not exist.
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) trait PackerLanes {}
+#[cfg(not(target_arch = "x86_64"))]
+impl PackerLanes for f32 {}
+#[cfg(not(target_arch = "x86_64"))]
+impl PackerLanes for u16 {}
+
 /// An element the attention's bf16 packers read: f32, rounded to bf16 on the way (the f32
 /// twin of a bf16 module), or bf16 bits, taken as they are (a bf16 projection written as
 /// such). The same words either way where the f32 values are the bf16 ones.
-pub(crate) trait Operand: Bits + Send + Sync + 'static {
+pub(crate) trait Operand: Bits + PackerLanes + Send + Sync + 'static {
     /// The element as bf16 bits (f32 rounded to nearest even, NaN quieted).
     fn bits(self) -> u16;
     /// Whether the element is NaN or infinite (its exponent field all ones).
@@ -550,11 +562,15 @@ pub(crate) trait Operand: Bits + Send + Sync + 'static {
     unsafe fn transpose_rows(
         src: *const Self,
         cs: usize,
-        rows: (usize, usize),
+        (rows, padded): (usize, usize),
         kc: usize,
         dst: *mut u16,
         lda: usize,
-    );
+    ) {
+        let blk = ABlock { i0: 0, rows, padded, p0: 0, kc, lda };
+        // SAFETY: forwarded.
+        unsafe { panels_avx512::pack_rows(src, cs, blk, dst) }
+    }
 
     /// One `NR`-wide panel of pair words from `cols` columns contiguous along `k` (column `j`
     /// at `src + j·cs`, `kc` elements): word `(p, j)` at `dst + p·NR + j`, zeros past the
@@ -570,40 +586,12 @@ pub(crate) trait Operand: Bits + Send + Sync + 'static {
         cs: usize,
         cols: usize,
         kc: usize,
-        dst: (*mut u32, usize),
-    );
-}
-
-/// Implements [`Operand`]'s packers for a type the AVX-512 packers take.
-macro_rules! operand_packers {
-    () => {
-        #[cfg(target_arch = "x86_64")]
-        unsafe fn transpose_rows(
-            src: *const Self,
-            cs: usize,
-            (rows, padded): (usize, usize),
-            kc: usize,
-            dst: *mut u16,
-            lda: usize,
-        ) {
-            let blk = ABlock { i0: 0, rows, padded, p0: 0, kc, lda };
-            // SAFETY: forwarded.
-            unsafe { panels_avx512::pack_rows(src, cs, blk, dst) }
-        }
-
-        #[cfg(target_arch = "x86_64")]
-        unsafe fn column_panel(
-            src: *const Self,
-            cs: usize,
-            cols: usize,
-            kc: usize,
-            (dst, kp): (*mut u32, usize),
-        ) {
-            let blk = BBlock { p0: 0, kc, kp, j0: 0, cols, panels: 0..1 };
-            // SAFETY: forwarded.
-            unsafe { panels_avx512::pack_cols(src, cs, blk, dst) }
-        }
-    };
+        (dst, kp): (*mut u32, usize),
+    ) {
+        let blk = BBlock { p0: 0, kc, kp, j0: 0, cols, panels: 0..1 };
+        // SAFETY: forwarded.
+        unsafe { panels_avx512::pack_cols(src, cs, blk, dst) }
+    }
 }
 
 impl Operand for f32 {
@@ -619,7 +607,6 @@ impl Operand for f32 {
     fn as_f32(p: *const f32) -> Option<*const f32> {
         Some(p)
     }
-    operand_packers!();
 }
 
 impl Operand for u16 {
@@ -635,7 +622,6 @@ impl Operand for u16 {
     fn as_f32(_: *const u16) -> Option<*const f32> {
         None
     }
-    operand_packers!();
 }
 
 /// Where a block of `B` is packed from and to: rows `p0..p0+kc` and column panels `panels`
