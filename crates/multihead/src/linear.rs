@@ -205,15 +205,9 @@ pub(crate) fn linear_to(
         && crate::mode::in_rounded_products()
         && !records_grad(x, weight, bias);
     if let (Some(out), true) = (out, direct) {
-        let (_, in_f, out_dims) = validate_linear_of(x, weight, bias, op, arg, F32)?;
-        let m = out_dims[..out_dims.len() - 1].iter().product::<usize>();
-        // The f32 product's plan (the weight is f32; a bf16 `x` stands for its f32 values).
-        if m > 0 && in_f > 0 && plan_linear(weight, op, backend)?.path == Path::Fused {
-            crate::alloc::ensure(op, "output", &out_dims, dtype, 1, "use a smaller input")?;
-            let x = if x.rank() == 1 { x.unsqueeze(0)? } else { x.detach() };
-            let b = bias.map(Tensor::detach);
-            let (w, b) = (weight.detach(), b.as_ref());
-            return bf16_product_to(&x, &w, b, Act::Identity, out, &out_dims);
+        let call = (x, weight, bias, Act::Identity);
+        if let Some(y) = rounded_product(call, out, (op, arg), backend)? {
+            return Ok(y);
         }
     }
     let x = match x.dtype() == weight.dtype() {
@@ -225,6 +219,28 @@ pub(crate) fn linear_to(
         true => Ok(y),
         false => crate::precision::narrow(&y, dtype),
     }
+}
+
+/// `act(x·Wᵀ + b)` by the bf16 products inside a reduced-precision module's f32 twin, its
+/// output in the dtype `out` names: validated as the f32 product (a bf16 `x` stands for its
+/// f32 values), and `None` where the product is empty or the plan is not the fused one (the
+/// caller takes the usual path). The caller checked that no gradient is recorded.
+fn rounded_product(
+    (x, weight, bias, act): (&Tensor, &Tensor, Option<&Tensor>, Act),
+    out: OutDtype,
+    (op, arg): (&'static str, &'static str),
+    backend: Backend,
+) -> Result<Option<Tensor>> {
+    use candle_core::DType::{BF16, F32};
+    let (_, in_f, out_dims) = validate_linear_of(x, weight, bias, op, arg, F32)?;
+    if in_f == 0 || out_dims.contains(&0) || plan_linear(weight, op, backend)?.path != Path::Fused {
+        return Ok(None);
+    }
+    let dtype = if out == OutDtype::Bf16 { BF16 } else { F32 };
+    crate::alloc::ensure(op, "output", &out_dims, dtype, 1, "use a smaller input")?;
+    let x = if x.rank() == 1 { x.unsqueeze(0)? } else { x.detach() };
+    let b = bias.map(Tensor::detach);
+    bf16_product_to(&x, &weight.detach(), b.as_ref(), act, out, &out_dims).map(Some)
 }
 
 /// [`linear`], followed by `act` (fused into the product's op on the fused path).
@@ -413,8 +429,8 @@ fn bf16_product_to(
 /// activations are written as bf16 by the first product's epilogue and read as they are by the
 /// second, whose packing would round their f32 values to exactly these bits. The numbers are
 /// the f32 twin's; half the bytes of the widest activation are written and read, and the
-/// second product packs its rows without rounding them (docs/performance.md, "A bf16 layer's
-/// hidden units in bf16"). `None` where this does not apply (a gradient recorded, f32 layers,
+/// second product packs its rows without rounding them (docs/performance.md, "bf16 inference:
+/// activations in bf16 where only a product reads them"). `None` where this does not apply (a gradient recorded, f32 layers,
 /// widened bf16 products, an activation other than ReLU or GELU, an empty product, or a
 /// backend that is not the fused one): the caller composes the two `Linear`s as usual.
 pub(crate) fn rounded_feed_forward(
@@ -437,51 +453,13 @@ pub(crate) fn rounded_feed_forward(
     {
         return Ok(None);
     }
-    let (_, in_f, hidden_dims) = validate_linear(x, w1, b1, "linear", "input")?;
-    let m = hidden_dims[..hidden_dims.len() - 1].iter().product::<usize>();
-    let hidden_f = hidden_dims[hidden_dims.len() - 1];
-    if m == 0
-        || in_f == 0
-        || hidden_f == 0
-        || plan_linear(x, "linear", Backend::Auto)?.path != Path::Fused
-    {
+    let (op, auto) = (("linear", "input"), Backend::Auto);
+    let Some(h) = rounded_product((x, w1, b1, act), OutDtype::Bf16, op, auto)? else {
         return Ok(None);
-    }
-    let out_dims = match (w2.dims(), b2.map(Tensor::dims)) {
-        (&[o, i], None) if i == hidden_f => [&hidden_dims[..hidden_dims.len() - 1], &[o]].concat(),
-        (&[o, i], Some(&[ob])) if i == hidden_f && ob == o => {
-            [&hidden_dims[..hidden_dims.len() - 1], &[o]].concat()
-        }
-        // A mismatched second layer: the usual path says what is wrong.
-        _ => return Ok(None),
     };
-    crate::alloc::ensure(
-        "linear",
-        "output",
-        &hidden_dims,
-        candle_core::DType::BF16,
-        1,
-        "use a smaller input",
-    )?;
-    crate::alloc::ensure("linear", "output", &out_dims, x.dtype(), 1, "use a smaller input")?;
-    let x = if x.rank() == 1 { x.unsqueeze(0)? } else { x.detach() };
-    let h = bf16_product_to(
-        &x,
-        &w1.detach(),
-        b1.map(Tensor::detach).as_ref(),
-        act,
-        OutDtype::Bf16,
-        &hidden_dims,
-    )?;
-    let y = bf16_product_to(
-        &h,
-        &w2.detach(),
-        b2.map(Tensor::detach).as_ref(),
-        Act::Identity,
-        OutDtype::F32,
-        &out_dims,
-    )?;
-    Ok(Some(y))
+    // The second product reads the bf16 hidden units as they are (or, off the fused path,
+    // widened: the same values); a mismatched `linear2` is the usual path's error.
+    linear_to(&h, w2, b2, op, auto, candle_core::DType::F32).map(Some)
 }
 
 /// Whether a gradient would be recorded through `F.linear(x, weight, bias)`.

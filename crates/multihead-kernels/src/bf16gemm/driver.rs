@@ -351,9 +351,9 @@ impl Pass<'_> {
                                 }
                             }
                             Out::Bf16 { out, ldo, epilogue } => {
-                                let buf = locals[usize::from(pending.is_some_and(|p| p.first))]
-                                    .0
-                                    .as_mut_ptr();
+                                // The buffer the previous tile is not in.
+                                let slot = pending.map_or(0, |p| 1 - p.slot);
+                                let buf = locals[slot].0.as_mut_ptr();
                                 let prev = pending.take();
                                 tile.run_between(kern, buf, NR, &mut |i, n| {
                                     if let Some(p) = &prev {
@@ -361,9 +361,8 @@ impl Pass<'_> {
                                     }
                                 });
                                 let dest = out.0.add((i0 + ir) * ldo + j);
-                                let first = !prev.is_some_and(|p| p.first);
                                 pending =
-                                    Some(Pending { tile: buf, live, cols, j, dest, ldo, first });
+                                    Some(Pending { tile: buf, live, cols, j, dest, ldo, slot });
                             }
                         }
                     }
@@ -377,8 +376,8 @@ impl Pass<'_> {
     }
 }
 
-/// A bf16 output's tile whose epilogue has not run yet: computed into `tile` (one of the
-/// task's two local buffers, `first` telling which), bound for `dest`.
+/// A bf16 output's tile whose epilogue has not run yet: computed into `tile` (the task's
+/// local buffer `slot` of two), bound for `dest`.
 #[derive(Clone, Copy)]
 struct Pending {
     tile: *mut f32,
@@ -387,7 +386,7 @@ struct Pending {
     j: usize,
     dest: *mut u16,
     ldo: usize,
-    first: bool,
+    slot: usize,
 }
 
 impl Pending {

@@ -473,7 +473,7 @@ pub(crate) fn mha_forward_impl(
 
 /// The f32 computation of a validated call. `narrow_to` is the dtype of the bf16/f16 module
 /// whose f32 twin this is: its output is rounded to that dtype next, so the output projection
-/// may write it so directly ([`crate::linear::linear_narrowed`]).
+/// may write it so directly (`crate::linear::linear_to`).
 fn forward_f32(call: &MhaCall, opts: &MhaOptions, narrow_to: Option<DType>) -> Result<MhaOutput> {
     let plan = plan(call, opts)?;
     if call.n == 0 || call.l == 0 {
