@@ -402,6 +402,8 @@ fn bf16_direct(
     if !direct {
         return Ok(None);
     }
+    let out_dims = with(&call.batch, call.l, call.ev);
+    crate::alloc::ensure(SDPA, "output", &out_dims, query.dtype(), 1, "use smaller inputs")?;
     // The additive mask in f32, as the kernels read it (the twin widens it the same way).
     let mask = call.mask.as_ref().map(widen).transpose()?;
     let call = SdpaCall { batch: call.batch.clone(), mask, ..*call };

@@ -573,4 +573,21 @@ fn bf16_sdpa_without_a_gradient_reads_and_writes_bf16_with_the_bits_of_the_f32_t
     for (i, (a, b)) in inference.iter().zip(&recorded).enumerate() {
         assert!(a == b || (a.is_nan() && b.is_nan()), "element {i}: {a} vs {b}");
     }
+    // Bad input gets the same error on both routes: a key of the wrong width, a mask of the
+    // wrong shape, a value in another dtype.
+    let narrow_k = det(&[2, 3, 90, 8], DType::BF16, 2.0);
+    let bad_mask = SdpaOptions::default().attn_mask(Mask::Float(det(&[70, 91], DType::BF16, 1.0)));
+    let v16 = v.to_dtype(DType::F16).unwrap();
+    let bad: [(&str, &Tensor, &Tensor, SdpaOptions); 3] = [
+        ("key width", &narrow_k, &v, SdpaOptions::default()),
+        ("mask shape", &k, &v, bad_mask),
+        ("value dtype", &k, &v16, SdpaOptions::default()),
+    ];
+    for (what, k, v, opts) in bad {
+        let run = |q: &Tensor| scaled_dot_product_attention(q, k, v, &opts).map(|_| ());
+        let a = direct(|| no_grad(|| run(&q))).expect_err(what).to_string();
+        let b = direct(|| run(qv.as_tensor())).expect_err(what).to_string();
+        assert_eq!(a, b, "{what}");
+        assert!(a.contains("scaled_dot_product_attention"), "{what}: {a}");
+    }
 }
