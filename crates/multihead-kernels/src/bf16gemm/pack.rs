@@ -94,7 +94,7 @@ unsafe fn pack_a_rows_avx512(a: &BfMat, blk: ABlock, dst: *mut u16) -> (usize, u
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn pack_a_avx512(a: &BfMat, blk: ABlock, dst: *mut u16) -> (usize, usize) {
     let cs = a.col_stride;
     // SAFETY: forwarded; the transposed layout is the one `pack_a_panels` takes.
@@ -243,7 +243,7 @@ mod panels_avx512 {
         /// of each 32-bit lane.
         ///
         /// # Safety
-        /// AVX-512F and BW are available; the masked elements are readable.
+        /// AVX-512F, BW and VL are available; the masked elements are readable.
         unsafe fn bits16(p: *const Self, mask: __mmask16) -> __m512i;
     }
 
@@ -267,8 +267,8 @@ mod panels_avx512 {
     /// 16 columns at a time, in memory order, rounded and interleaved into pair words.
     ///
     /// # Safety
-    /// As for `pack_b_rows`; the CPU has AVX-512F and BW.
-    #[target_feature(enable = "avx512f,avx512bw")]
+    /// As for `pack_b_rows`; the CPU has AVX-512F, BW and VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn pack_rows_b<T: Lanes>(
         src: *const T,
         rs: usize,
@@ -310,8 +310,8 @@ mod panels_avx512 {
     /// The micro-panels of `pack_a_panels`, bit for bit.
     ///
     /// # Safety
-    /// As for `pack_a_panels`; the CPU has AVX-512F and BW.
-    #[target_feature(enable = "avx512f,avx512bw")]
+    /// As for `pack_a_panels`; the CPU has AVX-512F, BW and VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn pack<T: Lanes>(src: *const T, cs: usize, blk: ABlock, dst: *mut u16) {
         let ABlock { i0, rows, padded, p0, kc, lda } = blk;
         let kp = lda / 2;
@@ -496,11 +496,17 @@ mod panels_avx512 {
                     let mut w = [_mm512_setzero_si512(); 16];
                     for (j, x) in w.iter_mut().enumerate().take(nq) {
                         let p = 2 * (q0 + j);
-                        let half = |p: usize| match p < kc {
+                        // No closure here: a closure does not take this function's target
+                        // features, and the masked load would become a call per run.
+                        let lo = match p < kc {
                             true => T::bits16(run(p).add(i), mask),
                             false => _mm512_setzero_si512(),
                         };
-                        *x = _mm512_or_si512(half(p), _mm512_slli_epi32::<16>(half(p + 1)));
+                        let hi = match p + 1 < kc {
+                            true => T::bits16(run(p + 1).add(i), mask),
+                            false => _mm512_setzero_si512(),
+                        };
+                        *x = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
                     }
                     super::super::transpose::transpose16(&mut w);
                     for (r, x) in w.iter().enumerate().take(live) {
@@ -646,7 +652,7 @@ pub(super) struct BBlock {
 /// The block lies inside `b` (checked by `matmul_bf16`); `dst` holds the panels addressed;
 /// `kern` is available on this CPU.
 pub(super) unsafe fn pack_b(kern: Kernel, b: &BfMat, blk: BBlock, dst: *mut u32) {
-    // SAFETY: forwarded; the AVX-512 kernel is chosen only where the CPU has AVX-512F and BW.
+    // SAFETY: forwarded; the AVX-512 kernel is chosen only where the CPU has AVX-512F, BW and VL.
     unsafe {
         if by_rows(b) {
             let kp = blk.kp;
@@ -748,7 +754,7 @@ pub(super) unsafe fn pack_b_rows(
     dst: *mut u32,
 ) {
     let rs = b.row_stride;
-    // SAFETY: forwarded; the AVX-512 packer is chosen only where the CPU has AVX-512F and BW.
+    // SAFETY: forwarded; the AVX-512 packer is chosen only where the CPU has AVX-512F, BW and VL.
     unsafe {
         #[cfg(target_arch = "x86_64")]
         if kern.avx512_packing() {
