@@ -45,12 +45,36 @@ fn chunk_sum<T: Copy>(c: &[T], f: impl Fn(T) -> f32) -> f32 {
     acc[0]
 }
 
+/// [`chunk_sum`] compiled for AVX-512: the 16 running sums are one vector, added to in the
+/// same order, so the same bits. At the x86-64 baseline the loop ran on 4 lanes: the loss
+/// `sum` of a bf16 `Linear(512, 2048)`'s output (8M elements) took 6% of its training step.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn chunk_sum_avx512<T: Copy>(c: &[T], f: impl Fn(T) -> f32) -> f32 {
+    chunk_sum(c, f)
+}
+
+/// [`chunk_sum`] at the SIMD level the kernels run at.
+fn chunk_sum_at<T: Copy>(c: &[T], f: impl Fn(T) -> f32, avx512: bool) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if avx512 {
+        // SAFETY: the SIMD level is AVX-512 only where the CPU has AVX-512F.
+        return unsafe { chunk_sum_avx512(c, f) };
+    }
+    let _ = avx512;
+    chunk_sum(c, f)
+}
+
 /// The chunk sums added in order.
 fn sum_chunks<T: Copy + Sync>(x: &[T], f: impl Fn(T) -> f32 + Sync + Copy) -> f32 {
+    let avx512 = crate::attention::simd_level() == crate::attention::SimdLevel::Avx512;
     if x.len() <= CHUNK {
-        return chunk_sum(x, f);
+        return chunk_sum_at(x, f, avx512);
     }
-    let sums: Vec<f32> = x.par_chunks(CHUNK).map(|c| chunk_sum(c, f)).collect();
+    let sums: Vec<f32> = x.par_chunks(CHUNK).map(|c| chunk_sum_at(c, f, avx512)).collect();
     sums.iter().fold(0.0, |s, &c| s + c)
 }
 
