@@ -23,14 +23,14 @@ const MC: usize = 96;
 const PACK_PANELS: usize = 2;
 /// Pairs of rows one packing task of a row-major `B` handles (of every panel).
 const ROW_PAIRS: usize = 32;
-/// Most elements of an `A` rounded once for all column blocks (16 MiB; a layer's `A` over
-/// 4096 tokens is 4 MiB): larger ones are rounded per block, as the calling thread keeps
-/// the buffer for its next product.
-const PACKED_A_WORDS: usize = 8 << 20;
+/// Most elements of an `A` rounded once for all column blocks (32 MiB; a layer's `A` over
+/// 4096 tokens is 4 MiB, the transposed output gradient of a `Linear(512, 2048)`'s weight
+/// gradient over 4096 tokens 16.1 MiB): larger ones are rounded per block, as the calling
+/// thread keeps the buffer for its next product.
+const PACKED_A_WORDS: usize = 16 << 20;
 /// Words of a packed `B` block on the bf16-output path, whose one block spans the whole depth
 /// (4 MiB: 1024 columns at a depth of 2048, 512 at 4096), or a quarter of it where many row
-/// blocks read it ([`deep_b_words`]). A quarter everywhere (an earlier session) kept the block
-/// in L2 but made the backward's weight gradient re-pack its transposed `A` per column block.
+/// blocks read it ([`deep_b_words`]).
 const DEEP_B_WORDS: usize = 1 << 20;
 /// Row blocks from which a bf16 output's `B` block is kept to a quarter of `DEEP_B_WORDS`
 /// ([`deep_b_words`]).
@@ -131,10 +131,14 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
     let kern = resolve();
     let threads = rayon::current_num_threads().max(1);
     let (mc, blocks) = row_blocks(m, threads, kern.mr());
+    // Whether every row block of `A` fits the buffer that rounds it once for all column blocks.
+    let lda = a_stride(kern, pairs(kern, k));
+    let words = blocks.checked_mul(mc).and_then(|r| r.checked_mul(lda));
+    let a_once = words.filter(|&w| w <= PACKED_A_WORDS);
     let (kc_max, nc_max) = match out {
         Out::F32 { .. } => (KC, NC),
         Out::Bf16 { .. } => {
-            let words = deep_b_words(blocks, a.col_stride == 1);
+            let words = deep_b_words(blocks, a.col_stride == 1 || a_once.is_some());
             let widest = (words / pairs(kern, k) / NR * NR).clamp(NR, NC);
             // Column blocks of even width (384 columns as 192 + 192, not 320 + 64).
             (k, n.div_ceil(n.div_ceil(widest)).div_ceil(NR) * NR)
@@ -144,9 +148,7 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
     let len = pairs(kern, kc_max.min(k)) * nc_max;
     // One depth block over several column blocks: `A` is rounded once for all of them (up to
     // `PACKED_A_WORDS`, a buffer the calling thread keeps).
-    let lda = a_stride(kern, pairs(kern, k));
-    let words = blocks.checked_mul(mc).and_then(|r| r.checked_mul(lda));
-    if let Some(words) = words.filter(|&w| k <= kc_max && n > nc_max && w <= PACKED_A_WORDS) {
+    if let Some(words) = a_once.filter(|_| k <= kc_max && n > nc_max) {
         return with_buffer(&PACKED_A, words, "a", |abuf| {
             let dst = SyncPtr(abuf.as_mut_ptr());
             let strides = (0..blocks)
@@ -232,14 +234,16 @@ unsafe fn run_blocks(
 }
 
 /// Words of the packed `B` block of a bf16 output (the whole depth in one block) over `blocks`
-/// row blocks of `A` (`a_rows`: row-major): [`DEEP_B_WORDS`], or a quarter of it (1 MiB,
-/// which stays in L2) where many row blocks stream the block again each and `A`'s rows cost
-/// little to round again per column block. A bf16 `Linear(2048, 512)` forward (4096 rows, 64
-/// blocks) went 4.72-4.89 -> 3.96-4.38 ms (family 6 model 167, AMX). A weight gradient's
-/// transposed `A` (`dyᵀ`) is left in the wide blocks: re-packed for each narrower one, it
-/// made `Linear(512, 2048)`'s forward+backward 18.4-19.6 -> 21.6-22.6 ms.
-fn deep_b_words(blocks: usize, a_rows: bool) -> usize {
-    if blocks >= L2_B_MIN_BLOCKS && a_rows {
+/// row blocks of `A` (`a_cheap`: `A` row-major, or rounded once for all column blocks):
+/// [`DEEP_B_WORDS`], or a quarter of it (1 MiB, which stays in L2) where many row blocks
+/// stream the block again each and `A` costs little to read again per column block. A bf16
+/// `Linear(2048, 512)` forward (4096 rows, 64 blocks) went 4.72-4.89 -> 3.96-4.38 ms (family
+/// 6 model 167, AMX). A transposed `A` (a weight gradient's `dyᵀ`) rounded again per narrower
+/// block made `Linear(512, 2048)`'s forward+backward 18.4-19.6 -> 21.6-22.6 ms; rounded once
+/// ([`PACKED_A_WORDS`]), its weight gradient (2048 × 512 at a depth of 4096) went 7.43-7.49
+/// -> 6.13-6.35 ms (`cargo run --release -p multihead-kernels --example bf16gemm`).
+fn deep_b_words(blocks: usize, a_cheap: bool) -> usize {
+    if blocks >= L2_B_MIN_BLOCKS && a_cheap {
         DEEP_B_WORDS / 4
     } else {
         DEEP_B_WORDS

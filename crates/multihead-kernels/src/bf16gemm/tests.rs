@@ -354,20 +354,23 @@ fn a_tall_deep_bf16_output_in_l2_sized_column_blocks_is_the_f32_product_rounded(
     // 1600 rows are at least 16 row blocks for every kernel, so the bf16 output's `B` block
     // is cut to 1 MiB: at a depth of 2048, 300 columns become two blocks of 192 and 108 (even
     // widths, whole panels). The sums do not depend on the column blocks: bit for bit what the
-    // f32 product (blocks of 1024 deep) gives, rounded after the bias.
+    // f32 product (blocks of 1024 deep) gives, rounded after the bias. A transposed `A` (a
+    // weight gradient's `dyᵀ`) takes the same blocks, rounded once for both.
     let (m, n, k) = (1600, 300, 2048);
     let a = rand_vec(m * k, 51);
     let w = rand_vec(n * k, 52);
     let bias = rand_vec(n, 53);
-    let (av, wv) = (BfMat::f32(&a, m, k), BfMat::f32(&w, n, k).t());
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-    let (got, want) = pool.install(|| {
-        let got = matmul_bf16_to_bf16(av, wv, Some(&bias), Act::Identity).unwrap();
-        let mut y = matmul_bf16_new(av, wv).unwrap();
-        crate::epilogue::bias_act_in_place(&mut y, n, Some(&bias), Act::Identity).unwrap();
-        (got, y.iter().map(|&x| f32_to_bf16_bits(x)).collect::<Vec<_>>())
-    });
-    assert_eq!(got, want);
+    let wv = BfMat::f32(&w, n, k).t();
+    for av in [BfMat::f32(&a, m, k), BfMat::f32(&a, k, m).t()] {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let (got, want) = pool.install(|| {
+            let got = matmul_bf16_to_bf16(av, wv, Some(&bias), Act::Identity).unwrap();
+            let mut y = matmul_bf16_new(av, wv).unwrap();
+            crate::epilogue::bias_act_in_place(&mut y, n, Some(&bias), Act::Identity).unwrap();
+            (got, y.iter().map(|&x| f32_to_bf16_bits(x)).collect::<Vec<_>>())
+        });
+        assert_eq!(got, want, "a's column stride {}", av.col_stride);
+    }
 }
 
 #[test]
