@@ -1,14 +1,53 @@
-//! Prints GFLOP/s of the bf16 GEMM (`x·Wᵀ` with bf16 operands) and the measured `vdpbf16ps`
-//! rate against f32 FMA.
+//! Prints GFLOP/s of the bf16 GEMM and the measured `vdpbf16ps` rate against f32 FMA: for each
+//! shape, the three products of a `Linear`'s training step, bf16 out, as the layers call them:
+//! `y = x·Wᵀ` (forward), `dx = dy·W` and `dW = dyᵀ·x` (backward).
 //!
-//! `cargo run -p multihead-kernels --release --example bf16gemm [-- M N K [reps]]`
+//! `cargo run -p multihead-kernels --release --example bf16gemm [-- M N K [reps]]`, where the
+//! layer maps `K` features to `N` over `M` rows; `ONLY=fwd`, `dx` or `dw` runs one product (for
+//! `perf record`).
 
 use std::time::Instant;
 
-use multihead_kernels::bf16gemm::{bf16_dot_available, bf16_dot_speedup, matmul_bf16, BfMat};
+use multihead_kernels::bf16gemm::{
+    active_bf16_kernel, bf16_dot_available, bf16_dot_speedup, matmul_bf16_to_bf16, BfMat,
+};
 use multihead_kernels::convert::f32_to_bf16_bits;
+use multihead_kernels::epilogue::Act;
+
+/// `len` bf16 values spread over [-0.5, 0.5).
+fn values(len: usize, mul: usize, modulus: usize) -> Vec<u16> {
+    (0..len).map(|i| f32_to_bf16_bits(((i * mul) % modulus) as f32 * 1e-3 - 0.5)).collect()
+}
+
+/// The fastest of `reps + 1` runs of `f`, in seconds.
+fn best(
+    reps: usize,
+    mut f: impl FnMut() -> Result<(), multihead_kernels::attention::KernelError>,
+) -> Result<f64, multihead_kernels::attention::KernelError> {
+    let mut best = f64::INFINITY;
+    for _ in 0..reps + 1 {
+        let t = Instant::now();
+        f()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// Keeps freed large blocks in the heap, as `multihead`'s allocator (`memory::ReuseLarge`) does:
+/// otherwise each product's new output is fresh pages from the kernel, faulted in by the
+/// epilogue's stores, which the library does not pay.
+#[cfg(target_os = "linux")]
+fn reuse_large_blocks() {
+    // SAFETY: `mallopt` only changes glibc's thresholds; called before any other thread runs.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}
 
 fn main() -> Result<(), multihead_kernels::attention::KernelError> {
+    #[cfg(target_os = "linux")]
+    reuse_large_blocks();
     let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
     let shapes: Vec<[usize; 3]> = if args.len() >= 3 {
         vec![[args[0], args[1], args[2]]]
@@ -19,25 +58,31 @@ fn main() -> Result<(), multihead_kernels::attention::KernelError> {
     };
     let reps = args.get(3).copied().unwrap_or(10);
     println!(
-        "avx512bf16: {}, vdpbf16ps rate / f32 FMA rate: {:?}",
+        "avx512bf16: {}, vdpbf16ps rate / f32 FMA rate: {:?}, kernel {:?}",
         bf16_dot_available(),
-        bf16_dot_speedup()
+        bf16_dot_speedup(),
+        active_bf16_kernel()
     );
     for [m, n, k] in shapes {
-        let x: Vec<u16> =
-            (0..m * k).map(|i| f32_to_bf16_bits(((i * 7919) % 1000) as f32 * 1e-3 - 0.5)).collect();
-        let w: Vec<u16> = (0..n * k)
-            .map(|i| f32_to_bf16_bits(((i * 104_729) % 997) as f32 * 1e-3 - 0.5))
-            .collect();
-        let mut y = vec![0f32; m * n];
-        let mut best = f64::INFINITY;
-        for _ in 0..reps + 1 {
-            let t = Instant::now();
-            matmul_bf16(BfMat::bf16(&x, m, k), BfMat::bf16(&w, n, k).t(), &mut y, n, false)?;
-            best = best.min(t.elapsed().as_secs_f64());
+        let x = values(m * k, 7919, 1000);
+        let w = values(n * k, 104_729, 997);
+        let dy = values(m * n, 15_485_863, 991);
+        let (x, w, dy) = (BfMat::bf16(&x, m, k), BfMat::bf16(&w, n, k), BfMat::bf16(&dy, m, n));
+        let only = std::env::var("ONLY").unwrap_or_default();
+        let flop = 2.0 * (m * n * k) as f64 / 1e9;
+        let products: [(&str, &str, BfMat, BfMat); 3] = [
+            ("fwd", "y = x·Wᵀ", x, w.t()),
+            ("dx", "dx = dy·W", dy, w),
+            ("dw", "dW = dyᵀ·x", dy.t(), x),
+        ];
+        for (name, what, a, b) in products.into_iter().filter(|p| only.is_empty() || only == p.0) {
+            let t = best(reps, || matmul_bf16_to_bf16(a, b, None, Act::Identity).map(drop))?;
+            println!(
+                "m={m} n={n} k={k} {what} ({name}): {:.3} ms, {:.1} GFLOP/s",
+                t * 1e3,
+                flop / t
+            );
         }
-        let gf = 2.0 * (m * n * k) as f64 / best / 1e9;
-        println!("m={m} n={n} k={k}: {:.3} ms, {gf:.1} GFLOP/s", best * 1e3);
     }
     Ok(())
 }
