@@ -591,3 +591,57 @@ fn bf16_sdpa_without_a_gradient_reads_and_writes_bf16_with_the_bits_of_the_f32_t
         assert!(a.contains("scaled_dot_product_attention"), "{what}: {a}");
     }
 }
+
+#[test]
+fn a_bf16_mha_without_a_gradient_skips_its_f32_twin_with_the_twins_bits() {
+    // Without a gradient, a bf16 self-attention call that its f32 twin would compute from bf16
+    // values anyway runs as it is: the input and the weights are multiplied unwidened, the
+    // masks widened only. With a gradient recorded (an input that is a Var) the call runs as
+    // the twin: the same bits. Sequence-first and batch-first, a bool key padding mask, a
+    // float attention mask, a NaN in the input, an unbatched call, and a call of few rows
+    // (which keeps the twin, as the few-rows kernel sums in another order).
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let mut pad = vec![0u8; 2 * 70];
+    pad[70 + 60..].iter_mut().for_each(|p| *p = 1);
+    let pad = Tensor::from_vec(pad, (2, 70), &dev()).unwrap();
+    let bias = det(&[70, 70], DType::BF16, 8.0).affine(2.0, 0.0).unwrap();
+    let cases = [
+        ("plain", MhaOptions::default()),
+        ("key padding", MhaOptions::default().key_padding_mask(Mask::Bool(pad))),
+        ("float mask", MhaOptions::default().attn_mask(Mask::Float(bias))),
+    ];
+    for batch_first in [false, true] {
+        let cfg = MhaConfig::new(32, 4).with_batch_first(batch_first).with_dropout(0.0);
+        let mha = MultiheadAttention::new(cfg.clone(), vb.pp(format!("m{batch_first}"))).unwrap();
+        let m16 = deterministic(&mha, DType::BF16, |vb| MultiheadAttention::new(cfg.clone(), vb));
+        let shape = if batch_first { [2, 70, 32] } else { [70, 2, 32] };
+        let mut xs = values(&det(&shape, DType::F32, 7.0));
+        // A NaN in batch 0 (every query of which then reads NaN); batch 1 is padded.
+        xs[if batch_first { 40 } else { 8 }] = f64::NAN;
+        let x = Tensor::from_vec(xs, &shape[..], &dev()).unwrap().to_dtype(DType::BF16).unwrap();
+        let xv = var(&x);
+        for (what, opts) in &cases {
+            let opts = opts.clone().need_weights(false);
+            let attend = |x: &Tensor| m16.forward(x, x, x, &opts).unwrap().output;
+            let inference = direct(|| no_grad(|| attend(&x)));
+            let recorded = direct(|| attend(xv.as_tensor()));
+            assert_eq!(inference.dtype(), DType::BF16, "{what}");
+            assert_eq!(inference.dims(), &shape, "{what}");
+            let what = format!("{what}, batch_first {batch_first}");
+            assert_eq!(differing(&inference, &recorded), 0, "{what}: outputs differ");
+            let nans = values(&inference).iter().filter(|v| v.is_nan()).count();
+            assert!(nans > 0 && nans < 2 * 70 * 32, "{what}: {nans} NaN outputs");
+        }
+        // Unbatched (70 rows) and few rows (2 × 3): the same bits either way.
+        for dims in [vec![70, 32], vec![3, 2, 32]] {
+            let x = det(&dims, DType::BF16, 9.0);
+            let xv = var(&x);
+            let opts = MhaOptions::default().need_weights(false);
+            let attend = |x: &Tensor| m16.forward(x, x, x, &opts).unwrap().output;
+            let inference = direct(|| no_grad(|| attend(&x)));
+            let recorded = direct(|| attend(xv.as_tensor()));
+            assert_eq!(differing(&inference, &recorded), 0, "{dims:?}: outputs differ");
+        }
+    }
+}

@@ -451,14 +451,26 @@ pub(crate) fn mha_forward_impl(
     training: bool,
     batch_first: bool,
 ) -> Result<MhaOutput> {
-    let call = validate::validate(query, key, value, alias, params, opts, training, batch_first)?;
+    let mut call =
+        validate::validate(query, key, value, alias, params, opts, training, batch_first)?;
     if crate::precision::is_reduced(call.dtype) {
+        if let Some(plan) = direct_bf16_plan(&call, opts)? {
+            // The additive masks in f32, as the kernels read them: the values the widened
+            // call's masks have.
+            call.attn_mask = crate::precision::widen_opt(call.attn_mask.as_ref())?;
+            call.kpm = crate::precision::widen_opt(call.kpm.as_ref())?;
+            let dtype = call.dtype;
+            return crate::mode::rounded_products(dtype, || {
+                forward_planned(&call, opts, plan, Some(dtype))
+            });
+        }
         let w = Widened::new(query, key, value, alias, params, opts)?;
         let p32 = w.params(params);
         let o = crate::mode::rounded_products(call.dtype, || {
             let (q, k, v) = (&w.q, &w.k, &w.v);
             let c32 = validate::validate(q, k, v, alias, &p32, &w.opts, training, batch_first)?;
-            forward_f32(&c32, &w.opts, Some(call.dtype))
+            let plan = plan(&c32, &w.opts)?;
+            forward_planned(&c32, &w.opts, plan, Some(call.dtype))
         })?;
         return Ok(MhaOutput {
             output: crate::precision::narrow(&o.output, call.dtype)?,
@@ -468,14 +480,55 @@ pub(crate) fn mha_forward_impl(
                 .transpose()?,
         });
     }
-    forward_f32(&call, opts, None)
+    let plan = plan(&call, opts)?;
+    forward_planned(&call, opts, plan, None)
 }
 
-/// The f32 computation of a validated call. `narrow_to` is the dtype of the bf16/f16 module
-/// whose f32 twin this is: its output is rounded to that dtype next, so the output projection
+/// The plan of a bf16 call that runs as it is, bf16 in and out, without widening its inputs
+/// and parameters into an f32 twin: where the twin would read nothing but bf16 values anyway.
+/// That is the twin's bf16 route ([`bf16_projection`]: self-attention without a gradient,
+/// weights, dropout or grouped heads, on the fused path, with bf16 products), with more rows
+/// than the few-rows kernel takes (whose f32 sums run in another order than the bf16 GEMM's).
+/// Its projections then multiply the bf16 input and weights as they are, the attention reads
+/// the bf16 projection as the twin's does, and the output projection writes bf16: the twin's
+/// bits, without the conversions (a tenth of a causal bf16 call on an AMX CPU). `None`
+/// elsewhere: the call runs as its f32 twin.
+fn direct_bf16_plan(call: &MhaCall, opts: &MhaOptions) -> Result<Option<Plan>> {
+    let p = call.params;
+    let rows = call.n.saturating_mul(call.l);
+    let direct = call.dtype == DType::BF16
+        && crate::mode::bf16_products()
+        && rows > multihead_kernels::gemv::MAX_ROWS
+        && !records_grad(call)
+        && call.dropout_p == 0.0
+        && !call.need_weights
+        && call.static_kv.is_none()
+        && p.bias_k.is_none()
+        && !p.add_zero_attn
+        && call.learned_masks == [false, false]
+        && call.sinks.is_none()
+        && call.hk == call.h
+        && call.alias.key_is_query
+        && call.alias.value_is_key
+        && matches!(p.in_proj, InProj::Packed(_));
+    if !direct {
+        return Ok(None);
+    }
+    let blocker = crate::fused::dispatch::f32_or_bf16_blocker(&call.query);
+    let plan = decide(MHA, opts.backend, blocker)?;
+    Ok((plan.path == Path::Fused).then_some(plan))
+}
+
+/// The computation of a validated call on `plan`'s path: in f32 (an f32 call, or a bf16/f16
+/// call's f32 twin), or a bf16 call as it is ([`direct_bf16_plan`]). `narrow_to` is the dtype
+/// of the bf16/f16 module: its output is rounded to that dtype next, so the output projection
 /// may write it so directly (`crate::linear::linear_to`).
-fn forward_f32(call: &MhaCall, opts: &MhaOptions, narrow_to: Option<DType>) -> Result<MhaOutput> {
-    let plan = plan(call, opts)?;
+fn forward_planned(
+    call: &MhaCall,
+    opts: &MhaOptions,
+    plan: Plan,
+    narrow_to: Option<DType>,
+) -> Result<MhaOutput> {
     if call.n == 0 || call.l == 0 {
         return empty_output(call);
     }
