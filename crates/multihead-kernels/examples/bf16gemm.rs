@@ -3,13 +3,14 @@
 //! `y = x·Wᵀ` (forward), `dx = dy·W` and `dW = dyᵀ·x` (backward).
 //!
 //! `cargo run -p multihead-kernels --release --example bf16gemm [-- M N K [reps]]`, where the
-//! layer maps `K` features to `N` over `M` rows; `ONLY=fwd`, `dx` or `dw` runs one product (for
-//! `perf record`).
+//! layer maps `K` features to `N` over `M` rows (and the forward into f32); `ONLY=fwd`, `dx`,
+//! `dw` or `fwd32` runs one product (for `perf record`).
 
 use std::time::Instant;
 
 use multihead_kernels::bf16gemm::{
-    active_bf16_kernel, bf16_dot_available, bf16_dot_speedup, matmul_bf16_to_bf16, BfMat,
+    active_bf16_kernel, bf16_dot_available, bf16_dot_speedup, matmul_bf16_new_with,
+    matmul_bf16_to_bf16, BfMat,
 };
 use multihead_kernels::convert::f32_to_bf16_bits;
 use multihead_kernels::epilogue::Act;
@@ -82,6 +83,12 @@ fn main() -> Result<(), multihead_kernels::attention::KernelError> {
                 t * 1e3,
                 flop / t
             );
+        }
+        // The forward into f32 (a product whose output a residual sum reads).
+        if only.is_empty() || only == "fwd32" {
+            let t = best(reps, || matmul_bf16_new_with(x, w.t(), None, Act::Identity).map(drop))?;
+            let what = "y = x·Wᵀ, f32 out (fwd32)";
+            println!("m={m} n={n} k={k} {what}: {:.3} ms, {:.1} GFLOP/s", t * 1e3, flop / t);
         }
     }
     Ok(())
