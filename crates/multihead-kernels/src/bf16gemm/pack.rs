@@ -245,6 +245,33 @@ mod panels_avx512 {
         /// # Safety
         /// AVX-512F, BW and VL are available; the masked elements are readable.
         unsafe fn bits16(p: *const Self, mask: __mmask16) -> __m512i;
+
+        /// Elements `0..16` at `p` under `mask` (zero elsewhere) as 16 bf16 bits.
+        ///
+        /// # Safety
+        /// As for [`Lanes::bits16`].
+        #[inline(always)]
+        unsafe fn halves16(p: *const Self, mask: __mmask16) -> __m256i {
+            // SAFETY: forwarded.
+            unsafe { _mm512_cvtepi32_epi16(Self::bits16(p, mask)) }
+        }
+
+        /// Up to 32 consecutive elements at `p` (the first `n`; zeros after) as 16 pair
+        /// words: word `q` holds elements `2q` (low half) and `2q + 1`.
+        ///
+        /// # Safety
+        /// As for [`Lanes::bits16`], for elements `0..n`.
+        #[inline(always)]
+        unsafe fn words16(p: *const Self, n: usize) -> __m512i {
+            let mask = |m: usize| if m >= 16 { 0xFFFF } else { (1u16 << m) - 1 };
+            // SAFETY: masked lanes are not read (the second pointer may lie past the data,
+            // then with an empty mask).
+            unsafe {
+                let lo = Self::halves16(p, mask(n.min(16)));
+                let hi = Self::halves16(p.wrapping_add(16), mask(n.saturating_sub(16)));
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+            }
+        }
     }
 
     impl Lanes for f32 {
@@ -255,11 +282,27 @@ mod panels_avx512 {
         }
     }
 
+    /// bf16 bits are loaded as they lie: a run of 32 is already 16 pair words, and 16 are
+    /// already a row's bits (one masked load where widening and narrowing again took five
+    /// instructions).
     impl Lanes for u16 {
         #[inline(always)]
         unsafe fn bits16(p: *const u16, mask: __mmask16) -> __m512i {
             // SAFETY: forwarded; masked lanes are not read.
-            unsafe { _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p as *const i16)) }
+            unsafe { _mm512_cvtepu16_epi32(Self::halves16(p, mask)) }
+        }
+
+        #[inline(always)]
+        unsafe fn halves16(p: *const u16, mask: __mmask16) -> __m256i {
+            // SAFETY: forwarded; masked lanes are not read.
+            unsafe { _mm256_maskz_loadu_epi16(mask, p as *const i16) }
+        }
+
+        #[inline(always)]
+        unsafe fn words16(p: *const u16, n: usize) -> __m512i {
+            let mask: __mmask32 = if n >= 32 { u32::MAX } else { (1u32 << n) - 1 };
+            // SAFETY: forwarded; masked lanes are not read.
+            unsafe { _mm512_maskz_loadu_epi16(mask, p as *const i16) }
         }
     }
 
@@ -354,24 +397,6 @@ mod panels_avx512 {
         }
     }
 
-    /// Up to 32 consecutive elements at `p` (the first `n`; zeros after) as 16 pair words:
-    /// word `q` holds elements `2q` (low half) and `2q + 1`.
-    ///
-    /// # Safety
-    /// AVX-512F, BW and VL are available; elements `0..n` at `p` are readable.
-    #[inline(always)]
-    unsafe fn words16<T: Lanes>(p: *const T, n: usize) -> __m512i {
-        let mask = |m: usize| if m >= 16 { 0xFFFF } else { (1u16 << m) - 1 };
-        // SAFETY: masked lanes are not read (the second pointer may lie past the data, then
-        // with an empty mask).
-        unsafe {
-            let lo = T::bits16(p, mask(n.min(16)));
-            let hi = T::bits16(p.wrapping_add(16), mask(n.saturating_sub(16)));
-            let (a, b) = (_mm512_cvtepi32_epi16(lo), _mm512_cvtepi32_epi16(hi));
-            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b)
-        }
-    }
-
     /// The panels of a `B` whose columns are contiguous along `k` (column `j` at
     /// `src + (j0 + j)·cs`, element `p0 + p` at `+ p0 + p`): bit for bit `pack_b_typed`'s.
     /// For each group of 16 pairs and 16 columns, each column's 32-element run is read as 16
@@ -401,7 +426,7 @@ mod panels_avx512 {
                         let mut w = [_mm512_setzero_si512(); 16];
                         for (jj, x) in w.iter_mut().enumerate().take(live - jg) {
                             let col = src.add(p0 + 2 * p + (j0 + q * NR + jg + jj) * cs);
-                            *x = words16(col, elems);
+                            *x = T::words16(col, elems);
                         }
                         super::super::transpose::transpose16(&mut w);
                         for (r, x) in w.iter().enumerate().take(np) {
@@ -447,7 +472,7 @@ mod panels_avx512 {
                 for c in (0..kc).step_by(16) {
                     let n = (kc - c).min(16);
                     let mask: __mmask16 = if n == 16 { 0xFFFF } else { (1 << n) - 1 };
-                    let h = _mm512_cvtepi32_epi16(T::bits16(row.add(c), mask));
+                    let h = T::halves16(row.add(c), mask);
                     _mm256_mask_storeu_epi16(out.add(c) as *mut i16, mask, h);
                 }
                 std::ptr::write_bytes(out.add(kc), 0, lda - kc);
