@@ -494,23 +494,11 @@ pub(crate) fn mha_forward_impl(
 /// bits, without the conversions (a tenth of a causal bf16 call on an AMX CPU). `None`
 /// elsewhere: the call runs as its f32 twin.
 fn direct_bf16_plan(call: &MhaCall, opts: &MhaOptions) -> Result<Option<Plan>> {
-    let p = call.params;
     let rows = call.n.saturating_mul(call.l);
     let direct = call.dtype == DType::BF16
         && crate::mode::bf16_products()
         && rows > multihead_kernels::gemv::MAX_ROWS
-        && !records_grad(call)
-        && call.dropout_p == 0.0
-        && !call.need_weights
-        && call.static_kv.is_none()
-        && p.bias_k.is_none()
-        && !p.add_zero_attn
-        && call.learned_masks == [false, false]
-        && call.sinks.is_none()
-        && call.hk == call.h
-        && call.alias.key_is_query
-        && call.alias.value_is_key
-        && matches!(p.in_proj, InProj::Packed(_));
+        && bf16_route(call);
     if !direct {
         return Ok(None);
     }
@@ -534,7 +522,7 @@ fn forward_planned(
     }
     let dropout = (call.dropout_p > 0.0)
         .then(|| (call.dropout_p, opts.dropout_key.unwrap_or_else(next_dropout_key)));
-    let bf16_qkv = bf16_projection(call, &plan, dropout.is_some());
+    let bf16_qkv = bf16_projection(call, &plan);
     let proj = project::project(call, bf16_qkv)?;
     let (attn, weights) = match plan.path {
         Path::Fused => fused::attend(call, &proj, dropout)?,
@@ -563,13 +551,20 @@ fn forward_planned(
 /// grad, sinks, or grouped heads (which keep f32 products, as PyTorch's math path has them).
 /// The attention's output is then bf16 too (rounded once, as the output projection's packing
 /// would round it), and the output projection reads it as it is.
-fn bf16_projection(call: &MhaCall, plan: &Plan, dropout: bool) -> bool {
-    let p = call.params;
+fn bf16_projection(call: &MhaCall, plan: &Plan) -> bool {
     crate::mode::in_rounded_products()
         && call.dtype == DType::F32
         && plan.path == Path::Fused
-        && !records_grad(call)
-        && !dropout
+        && bf16_route(call)
+}
+
+/// Whether the call's inputs and options admit the bf16 route of [`bf16_projection`]:
+/// self-attention through one packed in-projection, without a gradient, weights, dropout,
+/// extra or static keys, learned masks, sinks or grouped heads.
+fn bf16_route(call: &MhaCall) -> bool {
+    let p = call.params;
+    !records_grad(call)
+        && call.dropout_p == 0.0
         && !call.need_weights
         && call.static_kv.is_none()
         && p.bias_k.is_none()
