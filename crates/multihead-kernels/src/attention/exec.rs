@@ -17,7 +17,7 @@ pub enum SimdLevel {
     Scalar,
     /// AVX2 with FMA, 8 lanes.
     Avx2,
-    /// AVX-512F and AVX-512DQ, 16 lanes.
+    /// AVX-512 F, DQ, BW and VL (every AVX-512 CPU since Skylake-SP has the four), 16 lanes.
     Avx512,
 }
 
@@ -43,7 +43,13 @@ pub fn detected_simd_level() -> SimdLevel {
     *DETECTED.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq") {
+            // BW and VL too: code at this level may use their 16-bit and 256-bit forms
+            // (the column sums of bf16 gradients, the bf16 packers).
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512dq")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+            {
                 return SimdLevel::Avx512;
             }
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {

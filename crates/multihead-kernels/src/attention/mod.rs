@@ -628,18 +628,18 @@ fn scan<T: Operand>(c: &[T]) -> bool {
     c.iter().fold(0u32, |acc, &f| acc | u32::from(f.nonfinite())) == 0
 }
 
-/// [`scan`] compiled for AVX-512F.
+/// [`scan`] compiled for AVX-512F and BW (bf16 elements 32 to a vector).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn scan_avx512<T: Operand>(c: &[T]) -> bool {
     scan(c)
 }
 
-/// [`scan`] on 16 lanes where this thread's SIMD level is AVX-512.
+/// [`scan`] on 16 lanes (32 for bf16) where this thread's SIMD level is AVX-512.
 fn scan_wide<T: Operand>(c: &[T]) -> bool {
     #[cfg(target_arch = "x86_64")]
     if simd_level() == SimdLevel::Avx512 {
-        // SAFETY: the SIMD level is AVX-512, so the CPU has AVX-512F.
+        // SAFETY: the SIMD level is AVX-512, so the CPU has AVX-512F and BW.
         return unsafe { scan_avx512(c) };
     }
     scan(c)
@@ -676,13 +676,13 @@ pub(super) fn head_rows_finite<T: Operand>(
         })
     }
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512bw")]
     fn each_avx512<T: Operand>(args: HeadRows<'_, T>) -> bool {
         each(args)
     }
     #[cfg(target_arch = "x86_64")]
     if simd_level() == SimdLevel::Avx512 {
-        // SAFETY: the SIMD level is AVX-512, so the CPU has AVX-512F.
+        // SAFETY: the SIMD level is AVX-512, so the CPU has AVX-512F and BW.
         return unsafe { each_avx512((x, l, (b, h), rows, width)) };
     }
     each((x, l, (b, h), rows, width))
