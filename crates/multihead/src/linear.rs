@@ -430,9 +430,10 @@ fn bf16_product_to(
 /// second, whose packing would round their f32 values to exactly these bits. The numbers are
 /// the f32 twin's; half the bytes of the widest activation are written and read, and the
 /// second product packs its rows without rounding them (docs/performance.md, "bf16 inference:
-/// activations in bf16 where only a product reads them"). `None` where this does not apply (a gradient recorded, f32 layers,
-/// widened bf16 products, an activation other than ReLU or GELU, an empty product, or a
-/// backend that is not the fused one): the caller composes the two `Linear`s as usual.
+/// activations in bf16 where only a product reads them"). `None` where this does not apply (a
+/// gradient recorded, f32 layers, widened bf16 products, an activation other than ReLU or
+/// GELU, an empty product, or a backend that is not the fused one): the caller composes the
+/// two `Linear`s as usual.
 pub(crate) fn rounded_feed_forward(
     linear1: &Linear,
     linear2: &Linear,

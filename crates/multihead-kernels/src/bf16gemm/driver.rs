@@ -451,8 +451,8 @@ mod tests {
         assert_eq!(row_blocks(2048, 2, 32), (64, 32));
         assert_eq!(row_blocks(4096, 1, 32), (96, 43)); // one thread: nothing to even out
         assert_eq!(row_blocks(40, 2, 32), (32, 2)); // few rows: two blocks per thread at most
-                                                    // A bf16 output's `B` block: a quarter where many row blocks of a row-major `A`
-                                                    // stream it again each.
+                                                    // A bf16 output's `B` block: a quarter where many row blocks stream it again each and
+                                                    // `A` is cheap to read again (row-major, or rounded once for all column blocks).
         assert_eq!(super::deep_b_words(16, true), super::DEEP_B_WORDS / 4);
         assert_eq!(super::deep_b_words(15, true), super::DEEP_B_WORDS);
         assert_eq!(super::deep_b_words(64, false), super::DEEP_B_WORDS);
