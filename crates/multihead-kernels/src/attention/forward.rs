@@ -13,10 +13,10 @@ use super::mask::{build_mask_keys, build_mask_tile, TilePos};
 use super::scoremod::{bias_before_cap, cap_tile, Alibi, AlibiColumn};
 use super::simd::Simd;
 use super::sinks::row_end;
-use super::tile::{pack_transposed, scale_row, score_tile, zero_row, BlockDropout, MAX_BR};
+use super::tile::{pack_transposed, scale_row, scale_row_bf16, score_tile, zero_row};
+use super::tile::{BlockDropout, MAX_BR};
 use super::{AttnParams, Layout4};
 use crate::bf16gemm::pack::Operand;
-use crate::convert::f32_to_bf16_bits;
 
 ///
 /// `T` is the element of q, k and v: f32, or bf16 bits (a bf16 projection as it was written),
@@ -256,11 +256,7 @@ impl<T: Operand> Task for FwdTask<'_, T> {
 
             if bf && !first {
                 // The output block back from channels × lanes to rows × channels.
-                for i in 0..br {
-                    for c in 0..dv {
-                        o[i * dv + c] = *ot.add(c * bf::MAX_LANES + i);
-                    }
-                }
+                S::transpose(o.as_mut_ptr(), dv, ot, bf::MAX_LANES, dv, br, 1.0, false);
             }
             let rows = RowsOut { b, h, i0, br, dv, finite, empty: first };
             self.write_rows::<S>(&rows, o, running.max, running.sum);
@@ -408,10 +404,7 @@ impl<T: Operand> FwdTask<'_, T> {
                     (OutRows::Bf16(out), None) => std::ptr::write_bytes(out.0.add(at), 0, r.dv),
                     (OutRows::Bf16(out), Some(f)) => {
                         // The f32 row's values (the same product), rounded once.
-                        let dst = out.0.add(at);
-                        for c in 0..r.dv {
-                            *dst.add(c) = f32_to_bf16_bits(*src.add(c) * f);
-                        }
+                        scale_row_bf16::<S>(out.0.add(at), src, r.dv, f)
                     }
                 }
                 if let Some(lse) = self.lse {
@@ -470,22 +463,42 @@ unsafe fn softmax_tile<S: Simd>(
     pack: Option<*mut u32>,
 ) {
     // Groups of four vectors of queries (a row of a 64-lane tile on AVX-512) walk the tile's
-    // rows in order; each lane still sees the keys in order, so the bits are those of one
-    // vector at a time.
+    // rows in order for the max; each lane still sees the keys in order, so the bits are
+    // those of one vector at a time.
     // SAFETY: forwarded (the groups cover vectors `0..nvec`).
     unsafe {
         let mut v0 = 0;
         while v0 + 4 <= t.nvec {
             max_pass::<S, 4>(t, mods, run, v0);
-            exp_pass::<S, 4>(t, run, dropout, pack, v0);
             v0 += 4;
         }
         while v0 < t.nvec {
             max_pass::<S, 1>(t, mods, run, v0);
-            exp_pass::<S, 1>(t, run, dropout, pack, v0);
             v0 += 1;
         }
+        #[cfg(target_arch = "x86_64")]
+        if let Some(pw) = pack.filter(|_| S::LANES == 16 && super::simd::native_bf16_pairs()) {
+            return exp_pass_native::<S>(t, run, dropout, pw);
+        }
+        exp_pass::<S, false>(t, run, dropout, pack);
     }
+}
+
+/// [`exp_pass`] compiled for AVX512-BF16, its pair words rounded by the instruction.
+///
+/// # Safety
+/// As for [`softmax_tile`]; `S` is [`Avx512`](super::simd::Avx512) on a CPU with AVX512-BF16
+/// ([`native_bf16_pairs`](super::simd::native_bf16_pairs)).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512bf16")]
+unsafe fn exp_pass_native<S: Simd>(
+    t: &ScoreTile,
+    run: &mut Running<'_>,
+    dropout: Option<(&BlockDropout, usize)>,
+    pw: *mut u32,
+) {
+    // SAFETY: forwarded; the features `store_bf16_pairs_native` needs are enabled here.
+    unsafe { exp_pass::<S, true>(t, run, dropout, Some(pw)) }
 }
 
 /// Pass 1 of [`softmax_tile`] for the `G` vectors of queries from `v0`: the scores modified
@@ -554,59 +567,63 @@ unsafe fn max_pass<S: Simd, const G: usize>(
     }
 }
 
-/// Pass 2 of [`softmax_tile`] for the `G` vectors of queries from `v0`: `P`, into the tile or
-/// the pair words of `pack`, and the running sums.
+/// Pass 2 of [`softmax_tile`] for every vector of queries: `P`, into the tile or the pair
+/// words of `pack` (rounded by AVX512-BF16's instruction where `NATIVE`), and the running sums.
 ///
 /// # Safety
-/// As for [`softmax_tile`], with `v0 + G <= t.nvec`.
+/// As for [`softmax_tile`]; with `NATIVE`, as for [`exp_pass_native`].
 #[inline(always)]
-unsafe fn exp_pass<S: Simd, const G: usize>(
+unsafe fn exp_pass<S: Simd, const NATIVE: bool>(
     t: &ScoreTile,
     run: &mut Running<'_>,
     dropout: Option<(&BlockDropout, usize)>,
     pack: Option<*mut u32>,
-    v0: usize,
 ) {
     let (l, stp, brp) = (S::LANES, t.st, t.brp);
+    // Each vector of queries walks all the keys with its max and running sum in registers
+    // (a loop over the group inside the key loop kept the sums on the stack, a store and a
+    // reload in every exp's dependency chain). Each lane still adds its keys in order.
     // SAFETY: within the tile, the pair words and the running slices (caller).
     unsafe {
-        let mut r = [S::splat(0.0); G];
-        for (u, r) in r.iter_mut().enumerate() {
-            *r = S::load(run.max.as_ptr().add((v0 + u) * l));
-        }
-        let mut sum = [S::splat(0.0); G];
-        match pack {
-            None => {
-                for j in 0..t.bc {
-                    for u in 0..G {
-                        let (lane, sum) = ((v0 + u) * l, &mut sum[u]);
+        for vi in 0..t.nvec {
+            let lane = vi * l;
+            let r = S::load(run.max.as_ptr().add(lane));
+            let mut sum = S::splat(0.0);
+            match pack {
+                None => {
+                    for j in 0..t.bc {
                         let ptr = stp.add(j * brp + lane);
-                        let e = probability::<S>(ptr, r[u], sum, dropout, (lane, j));
+                        let e = probability::<S>(ptr, r, &mut sum, dropout, (lane, j));
                         S::store(ptr, e);
                     }
                 }
-            }
-            Some(pw) => {
-                for j in (0..t.bc).step_by(2) {
-                    for u in 0..G {
-                        let (lane, sum) = ((v0 + u) * l, &mut sum[u]);
+                Some(pw) => {
+                    let mut j = 0;
+                    while j + 1 < t.bc {
                         let ptr = stp.add(j * brp + lane);
-                        let lo = probability::<S>(ptr, r[u], sum, dropout, (lane, j));
-                        let hi = match j + 1 < t.bc {
-                            true => {
-                                probability::<S>(ptr.add(brp), r[u], sum, dropout, (lane, j + 1))
-                            }
-                            false => S::splat(0.0),
-                        };
-                        S::store_bf16_pairs(pw.add(j / 2 * bf::MAX_LANES + lane), lo, hi);
+                        let lo = probability::<S>(ptr, r, &mut sum, dropout, (lane, j));
+                        let hi =
+                            probability::<S>(ptr.add(brp), r, &mut sum, dropout, (lane, j + 1));
+                        let words = pw.add(j / 2 * bf::MAX_LANES + lane);
+                        match NATIVE {
+                            true => S::store_bf16_pairs_native(words, lo, hi),
+                            false => S::store_bf16_pairs(words, lo, hi),
+                        }
+                        j += 2;
+                    }
+                    if j < t.bc {
+                        let ptr = stp.add(j * brp + lane);
+                        let lo = probability::<S>(ptr, r, &mut sum, dropout, (lane, j));
+                        let words = pw.add(j / 2 * bf::MAX_LANES + lane);
+                        match NATIVE {
+                            true => S::store_bf16_pairs_native(words, lo, S::splat(0.0)),
+                            false => S::store_bf16_pairs(words, lo, S::splat(0.0)),
+                        }
                     }
                 }
             }
-        }
-        for (u, &sum) in sum.iter().enumerate() {
-            let vi = v0 + u;
-            let lp = run.sum.as_mut_ptr().add(vi * l);
-            let a = S::load(run.alpha.as_ptr().add(vi * l));
+            let lp = run.sum.as_mut_ptr().add(lane);
+            let a = S::load(run.alpha.as_ptr().add(lane));
             S::store(lp, S::fma(a, S::load(lp), sum));
         }
     }

@@ -80,6 +80,32 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
             }
         }
     }
+    /// `out[i] = bf16(x[i])` for the `LANES` lanes, rounded as
+    /// [`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits) rounds.
+    #[inline(always)]
+    unsafe fn store_bf16(out: *mut u16, x: Self::V) {
+        use crate::convert::f32_to_bf16_bits as bf;
+        let mut a = [0f32; 16];
+        // SAFETY: `a` holds 16 >= LANES floats; the caller guarantees `LANES` writable words.
+        unsafe {
+            Self::store(a.as_mut_ptr(), x);
+            for (i, &v) in a.iter().enumerate().take(Self::LANES) {
+                *out.add(i) = bf(v);
+            }
+        }
+    }
+    /// [`store_bf16_pairs`](Self::store_bf16_pairs) in AVX512-BF16's instructions where the
+    /// instruction set has them: the same words for every input but subnormals (which the
+    /// instruction reads as zero; the softmax's probabilities never are).
+    ///
+    /// # Safety
+    /// As for `store_bf16_pairs`; on AVX-512 the CPU has AVX512-BF16 and the caller is
+    /// compiled for it ([`native_bf16_pairs`]).
+    #[inline(always)]
+    unsafe fn store_bf16_pairs_native(out: *mut u32, lo: Self::V, hi: Self::V) {
+        // SAFETY: forwarded.
+        unsafe { Self::store_bf16_pairs(out, lo, hi) }
+    }
     /// `a + b`.
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
     /// `a - b`.
@@ -622,6 +648,20 @@ unsafe impl Simd for Avx512 {
         }
     }
     #[inline(always)]
+    unsafe fn store_bf16(out: *mut u16, x: __m512) {
+        // SAFETY: AVX-512F is available and 16 words are writable (trait contract).
+        unsafe {
+            let w = _mm512_cvtepi32_epi16(crate::convert::round16(x));
+            _mm256_storeu_si256(out as *mut __m256i, w);
+        }
+    }
+    #[inline(always)]
+    unsafe fn store_bf16_pairs_native(out: *mut u32, lo: __m512, hi: __m512) {
+        // SAFETY: the caller is compiled for AVX512-BF16 and BW on a CPU that has them (trait
+        // contract); 16 words are writable.
+        unsafe { store_pairs_avx512bf16(out, lo, hi) }
+    }
+    #[inline(always)]
     unsafe fn load_m(p: *const f32, m: __mmask16) -> __m512 {
         // SAFETY: masked-off lanes are not accessed (no fault); the caller guarantees the
         // selected lanes are readable.
@@ -845,6 +885,56 @@ unsafe impl Simd for Avx512 {
                 rb += 16;
             }
         }
+    }
+}
+
+/// Tests turn the native pair words off to compare them with the portable ones (the same
+/// bits, so other tests running meanwhile see no difference).
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(crate) static PORTABLE_PAIRS: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Whether this CPU runs the AVX-512 kernels and has AVX512-BF16, so the softmax's bf16 pair
+/// words can be rounded by `vcvtne2ps2bf16` (detected once).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn native_bf16_pairs() -> bool {
+    #[cfg(test)]
+    if PORTABLE_PAIRS.load(std::sync::atomic::Ordering::Relaxed) {
+        return false;
+    }
+    static NATIVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *NATIVE.get_or_init(|| {
+        super::exec::detected_simd_level() == super::exec::SimdLevel::Avx512
+            && is_x86_feature_detected!("avx512bf16")
+    })
+}
+
+/// `out[i] = bf16(lo[i]) | bf16(hi[i]) << 16` for 16 lanes: `vcvtne2ps2bf16` rounds both
+/// vectors (ties to even, NaN quieted, subnormal inputs read as zero) into 32 words, low
+/// vector first, and `vpermw` interleaves them.
+///
+/// # Safety
+/// The CPU has AVX512-BF16 and AVX512-BW; 16 words are writable at `out`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn store_pairs_avx512bf16(out: *mut u32, lo: __m512, hi: __m512) {
+    // Word 2i takes word i (lo's lane i), word 2i + 1 word 16 + i (hi's).
+    const IDX: [i16; 32] = {
+        let mut idx = [0i16; 32];
+        let mut i = 0;
+        while i < 16 {
+            idx[2 * i] = i as i16;
+            idx[2 * i + 1] = 16 + i as i16;
+            i += 1;
+        }
+        idx
+    };
+    // SAFETY: the caller's CPU features; `IDX` is 64 readable bytes; 16 words at `out`.
+    unsafe {
+        let words = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+        let idx = _mm512_loadu_si512(IDX.as_ptr() as *const __m512i);
+        _mm512_storeu_si512(out as *mut __m512i, _mm512_permutexvar_epi16(idx, words));
     }
 }
 

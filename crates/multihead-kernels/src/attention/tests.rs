@@ -1074,6 +1074,71 @@ fn bf16_pair_words_round_as_the_scalar_conversion() {
     }
 }
 
+#[test]
+fn native_bf16_pair_words_are_the_scalar_conversions_but_for_subnormals() {
+    use crate::convert::f32_to_bf16_bits as bf;
+    // As above, with every subnormal read as a zero of its sign (the instruction's rule).
+    let mut x = vec![
+        1.0f32,
+        f32::from_bits(0x3F80_8000),
+        f32::from_bits(0x3F81_8000),
+        f32::from_bits(0x3F80_7FFF),
+        f32::MAX,
+        f32::from_bits(0x7F7F_7FFF),
+        f32::from_bits(0x0000_8001),
+        f32::from_bits(0x807F_FFFF),
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::from_bits(0xFF80_0001),
+        f32::from_bits(0x7FC1_2345),
+        f32::MIN_POSITIVE,
+    ];
+    let mut state = 11u32;
+    x.extend((0..48).map(|_| {
+        state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        f32::from_bits(state)
+    }));
+    let flushed = |v: f32| if v.is_subnormal() { 0.0f32.copysign(v) } else { v };
+    let (lo, hi) = (&x[..32], &x[32..]);
+    let want: Vec<u32> = lo
+        .iter()
+        .zip(hi)
+        .map(|(&a, &b)| u32::from(bf(flushed(a))) | u32::from(bf(flushed(b))) << 16)
+        .collect();
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512bf16")]
+        unsafe fn native(a: &[f32], b: &[f32]) -> Vec<u32> {
+            use super::simd::{Avx512, Simd};
+            let mut out = vec![0u32; 16];
+            // SAFETY: 16 floats each and 16 words; the caller checked the CPU.
+            unsafe {
+                let (a, b) = (Avx512::load(a.as_ptr()), Avx512::load(b.as_ptr()));
+                Avx512::store_bf16_pairs_native(out.as_mut_ptr(), a, b);
+            }
+            out
+        }
+        if super::simd::native_bf16_pairs() {
+            for c in (0..32).step_by(16) {
+                // SAFETY: checked above.
+                let got = unsafe { native(&lo[c..c + 16], &hi[c..c + 16]) };
+                assert_eq!(got, want[c..c + 16], "lanes {c}..");
+            }
+            return;
+        }
+    }
+    // Without the instruction the softmax takes the portable words: the scalar conversion,
+    // which agrees with the flushed words wherever nothing is subnormal.
+    let normal: Vec<usize> =
+        (0..32).filter(|&i| !lo[i].is_subnormal() && !hi[i].is_subnormal()).collect();
+    for i in normal {
+        assert_eq!(u32::from(bf(lo[i])) | u32::from(bf(hi[i])) << 16, want[i], "lane {i}");
+    }
+}
+
 /// `D = Σ_c round(o[c]) · round(g[c])` of `S::LANES` rows (`n` floats each, row `i` at
 /// `i * n`) with the rows as lanes, as the backward sums it: `round_bf16`, a product and an
 /// addition per channel, from the start of an f32 `sum`.
@@ -1494,6 +1559,42 @@ fn bf16_products_multiply_rounded_operands_and_round_the_probabilities() {
                 })
             });
         }
+    }
+}
+
+#[test]
+fn native_bf16_probabilities_give_the_portable_bits() {
+    // The softmax's pair words from `vcvtne2ps2bf16` and from the portable rounding: the same
+    // outputs and statistics, bit for bit, with masks, a causal band, dropout, odd widths and
+    // a NaN query. Where the CPU lacks the instruction both runs take the portable words.
+    use std::sync::atomic::Ordering;
+    let mut odd = Case::new(2, 2, 70, 300, 33);
+    (odd.dv, odd.masks) = (17, vec![MaskKind::AddLS, MaskKind::KeyPad]);
+    let mut causal = Case::new(1, 4, 130, 130, 64);
+    (causal.hkv, causal.causal, causal.dropout) = (2, true, Some(0.2));
+    for c in [odd, causal] {
+        let (masks, mut x, _) = rounded_case(&c);
+        x.q[x.qo + 5] = f32::NAN;
+        let pb = AttnParams { bf16_products: true, ..params(&c, &masks) };
+        let (q, k, v) = (&x.q[x.qo..], &x.k[x.ko..], &x.v[x.vo..]);
+        let rows = c.b * c.hq * c.l;
+        let run = || {
+            let mut out = vec![f32::NAN; x.out_len];
+            let mut lse = vec![f32::NAN; 2 * rows];
+            flash_forward(&pb, q, x.ql, k, x.kl, v, x.vl, &mut out, x.ol, &mut lse).unwrap();
+            (
+                out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                lse.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            )
+        };
+        #[cfg(target_arch = "x86_64")]
+        super::simd::PORTABLE_PAIRS.store(true, Ordering::Relaxed);
+        let portable = run();
+        #[cfg(target_arch = "x86_64")]
+        super::simd::PORTABLE_PAIRS.store(false, Ordering::Relaxed);
+        let native = run();
+        assert!(portable.0.iter().any(|&b| f32::from_bits(b).is_finite() && b != 0), "{c:?}");
+        assert_eq!(portable, native, "{c:?}");
     }
 }
 

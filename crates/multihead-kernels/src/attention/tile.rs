@@ -93,6 +93,28 @@ pub(crate) unsafe fn scale_row<S: Simd>(dst: *mut f32, src: *const f32, n: usize
     }
 }
 
+/// `dst[0..n] = bf16(f * src[0..n])`, each product rounded once as
+/// [`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits) rounds.
+///
+/// # Safety
+/// `S` is available; `src` is valid for `n` floats and `dst` for `n` words.
+#[inline(always)]
+pub(crate) unsafe fn scale_row_bf16<S: Simd>(dst: *mut u16, src: *const f32, n: usize, f: f32) {
+    let l = S::LANES;
+    // SAFETY: every access stays below `n`.
+    unsafe {
+        let fv = S::splat(f);
+        let mut c = 0;
+        while c + l <= n {
+            S::store_bf16(dst.add(c), S::mul(S::load(src.add(c)), fv));
+            c += l;
+        }
+        for c in c..n {
+            *dst.add(c) = crate::convert::f32_to_bf16_bits(*src.add(c) * f);
+        }
+    }
+}
+
 /// `dst[0..n] = 0`.
 ///
 /// # Safety
