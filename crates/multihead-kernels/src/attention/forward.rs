@@ -463,10 +463,24 @@ unsafe fn softmax_tile<S: Simd>(
     pack: Option<*mut u32>,
 ) {
     // Groups of four vectors of queries (a row of a 64-lane tile on AVX-512) walk the tile's
-    // rows in order for the max; each lane still sees the keys in order, so the bits are
-    // those of one vector at a time.
+    // rows in order; each lane still sees the keys in order, so the bits are those of one
+    // vector at a time.
     // SAFETY: forwarded (the groups cover vectors `0..nvec`).
     unsafe {
+        let Some(pw) = pack else {
+            let mut v0 = 0;
+            while v0 + 4 <= t.nvec {
+                max_pass::<S, 4>(t, mods, run, v0);
+                exp_group::<S, 4>(t, run, dropout, v0);
+                v0 += 4;
+            }
+            while v0 < t.nvec {
+                max_pass::<S, 1>(t, mods, run, v0);
+                exp_group::<S, 1>(t, run, dropout, v0);
+                v0 += 1;
+            }
+            return;
+        };
         let mut v0 = 0;
         while v0 + 4 <= t.nvec {
             max_pass::<S, 4>(t, mods, run, v0);
@@ -477,28 +491,28 @@ unsafe fn softmax_tile<S: Simd>(
             v0 += 1;
         }
         #[cfg(target_arch = "x86_64")]
-        if let Some(pw) = pack.filter(|_| S::LANES == 16 && super::simd::native_bf16_pairs()) {
-            return exp_pass_native::<S>(t, run, dropout, pw);
+        if S::LANES == 16 && super::simd::native_bf16_pairs() {
+            return exp_pairs_native::<S>(t, run, dropout, pw);
         }
-        exp_pass::<S, false>(t, run, dropout, pack);
+        exp_pairs::<S, false>(t, run, dropout, pw);
     }
 }
 
-/// [`exp_pass`] compiled for AVX512-BF16, its pair words rounded by the instruction.
+/// [`exp_pairs`] compiled for AVX512-BF16, its pair words rounded by the instruction.
 ///
 /// # Safety
 /// As for [`softmax_tile`]; `S` is [`Avx512`](super::simd::Avx512) on a CPU with AVX512-BF16
 /// ([`native_bf16_pairs`](super::simd::native_bf16_pairs)).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512bf16")]
-unsafe fn exp_pass_native<S: Simd>(
+unsafe fn exp_pairs_native<S: Simd>(
     t: &ScoreTile,
     run: &mut Running<'_>,
     dropout: Option<(&BlockDropout, usize)>,
     pw: *mut u32,
 ) {
     // SAFETY: forwarded; the features `store_bf16_pairs_native` needs are enabled here.
-    unsafe { exp_pass::<S, true>(t, run, dropout, Some(pw)) }
+    unsafe { exp_pairs::<S, true>(t, run, dropout, pw) }
 }
 
 /// Pass 1 of [`softmax_tile`] for the `G` vectors of queries from `v0`: the scores modified
@@ -567,65 +581,102 @@ unsafe fn max_pass<S: Simd, const G: usize>(
     }
 }
 
-/// Pass 2 of [`softmax_tile`] for every vector of queries: `P`, into the tile or the pair
-/// words of `pack` (rounded by AVX512-BF16's instruction where `NATIVE`), and the running sums.
+/// Pass 2 of [`softmax_tile`] for the `G` vectors of queries from `v0`, `P` into the tile,
+/// and the running sums.
 ///
 /// # Safety
-/// As for [`softmax_tile`]; with `NATIVE`, as for [`exp_pass_native`].
+/// As for [`softmax_tile`], with `v0 + G <= t.nvec`.
 #[inline(always)]
-unsafe fn exp_pass<S: Simd, const NATIVE: bool>(
+unsafe fn exp_group<S: Simd, const G: usize>(
     t: &ScoreTile,
     run: &mut Running<'_>,
     dropout: Option<(&BlockDropout, usize)>,
-    pack: Option<*mut u32>,
+    v0: usize,
 ) {
     let (l, stp, brp) = (S::LANES, t.st, t.brp);
-    // Each vector of queries walks all the keys with its max and running sum in registers
-    // (a loop over the group inside the key loop kept the sums on the stack, a store and a
-    // reload in every exp's dependency chain). Each lane still adds its keys in order.
+    // SAFETY: within the tile and the running slices (caller).
+    unsafe {
+        let mut r = [S::splat(0.0); G];
+        for (u, r) in r.iter_mut().enumerate() {
+            *r = S::load(run.max.as_ptr().add((v0 + u) * l));
+        }
+        let mut sum = [S::splat(0.0); G];
+        for j in 0..t.bc {
+            for u in 0..G {
+                let (lane, sum) = ((v0 + u) * l, &mut sum[u]);
+                let ptr = stp.add(j * brp + lane);
+                let e = probability::<S>(ptr, r[u], sum, dropout, (lane, j));
+                S::store(ptr, e);
+            }
+        }
+        for (u, &sum) in sum.iter().enumerate() {
+            add_sum::<S>(run, (v0 + u) * l, sum);
+        }
+    }
+}
+
+/// Pass 2 of [`softmax_tile`] for the bf16 products: `P` for every vector of queries into the
+/// pair words at `pw` (rounded by AVX512-BF16's instruction where `NATIVE`), and the running
+/// sums.
+///
+/// # Safety
+/// As for [`softmax_tile`]; with `NATIVE`, as for [`exp_pairs_native`].
+#[inline(always)]
+unsafe fn exp_pairs<S: Simd, const NATIVE: bool>(
+    t: &ScoreTile,
+    run: &mut Running<'_>,
+    dropout: Option<(&BlockDropout, usize)>,
+    pw: *mut u32,
+) {
+    let (l, stp, brp) = (S::LANES, t.st, t.brp);
+    #[inline(always)]
+    unsafe fn store<S: Simd, const NATIVE: bool>(words: *mut u32, lo: S::V, hi: S::V) {
+        // SAFETY: forwarded (`exp_pairs`' caller).
+        unsafe {
+            match NATIVE {
+                true => S::store_bf16_pairs_native(words, lo, hi),
+                false => S::store_bf16_pairs(words, lo, hi),
+            }
+        }
+    }
+    // Each vector of queries walks all the keys with its running sum in a register (a loop
+    // over a group inside the key loop kept the sums on the stack here, a store and a reload
+    // in every exp's dependency chain). Each lane still adds its keys in order.
     // SAFETY: within the tile, the pair words and the running slices (caller).
     unsafe {
         for vi in 0..t.nvec {
             let lane = vi * l;
             let r = S::load(run.max.as_ptr().add(lane));
             let mut sum = S::splat(0.0);
-            match pack {
-                None => {
-                    for j in 0..t.bc {
-                        let ptr = stp.add(j * brp + lane);
-                        let e = probability::<S>(ptr, r, &mut sum, dropout, (lane, j));
-                        S::store(ptr, e);
-                    }
-                }
-                Some(pw) => {
-                    let mut j = 0;
-                    while j + 1 < t.bc {
-                        let ptr = stp.add(j * brp + lane);
-                        let lo = probability::<S>(ptr, r, &mut sum, dropout, (lane, j));
-                        let hi =
-                            probability::<S>(ptr.add(brp), r, &mut sum, dropout, (lane, j + 1));
-                        let words = pw.add(j / 2 * bf::MAX_LANES + lane);
-                        match NATIVE {
-                            true => S::store_bf16_pairs_native(words, lo, hi),
-                            false => S::store_bf16_pairs(words, lo, hi),
-                        }
-                        j += 2;
-                    }
-                    if j < t.bc {
-                        let ptr = stp.add(j * brp + lane);
-                        let lo = probability::<S>(ptr, r, &mut sum, dropout, (lane, j));
-                        let words = pw.add(j / 2 * bf::MAX_LANES + lane);
-                        match NATIVE {
-                            true => S::store_bf16_pairs_native(words, lo, S::splat(0.0)),
-                            false => S::store_bf16_pairs(words, lo, S::splat(0.0)),
-                        }
-                    }
-                }
+            let mut j = 0;
+            while j + 1 < t.bc {
+                let ptr = stp.add(j * brp + lane);
+                let lo = probability::<S>(ptr, r, &mut sum, dropout, (lane, j));
+                let hi = probability::<S>(ptr.add(brp), r, &mut sum, dropout, (lane, j + 1));
+                store::<S, NATIVE>(pw.add(j / 2 * bf::MAX_LANES + lane), lo, hi);
+                j += 2;
             }
-            let lp = run.sum.as_mut_ptr().add(lane);
-            let a = S::load(run.alpha.as_ptr().add(lane));
-            S::store(lp, S::fma(a, S::load(lp), sum));
+            if j < t.bc {
+                let ptr = stp.add(j * brp + lane);
+                let lo = probability::<S>(ptr, r, &mut sum, dropout, (lane, j));
+                store::<S, NATIVE>(pw.add(j / 2 * bf::MAX_LANES + lane), lo, S::splat(0.0));
+            }
+            add_sum::<S>(run, lane, sum);
         }
+    }
+}
+
+/// `l = alpha · l + sum` for the running sums of the vector of queries from `lane`.
+///
+/// # Safety
+/// `S` is available; the running slices hold `lane + S::LANES` floats.
+#[inline(always)]
+unsafe fn add_sum<S: Simd>(run: &mut Running<'_>, lane: usize, sum: S::V) {
+    // SAFETY: in range (caller).
+    unsafe {
+        let lp = run.sum.as_mut_ptr().add(lane);
+        let a = S::load(run.alpha.as_ptr().add(lane));
+        S::store(lp, S::fma(a, S::load(lp), sum));
     }
 }
 
