@@ -16,7 +16,7 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::bf16::{self as bf, Shape};
-use super::{head_rows_finite, AttnDims, Layout4};
+use super::{head_rows_finite, scan_wide, AttnDims, Layout4};
 use crate::aligned::{aligned_mut, line_offset};
 use crate::bf16gemm::micro::Kernel;
 use crate::bf16gemm::pack::Operand;
@@ -88,6 +88,8 @@ impl Prepacked {
         block_finite.try_reserve_exact(count).ok()?;
         block_finite.resize(count, true);
         let checks = block_finite.par_iter_mut();
+        // bf16 sources (bits in, no rounding): the packed words are the source's.
+        let bits_in = T::as_f32(k.as_ptr()).is_none();
         kbuf.par_chunks_mut(k_len)
             .zip(vbuf.par_chunks_mut(v_len))
             .zip(checks)
@@ -105,7 +107,15 @@ impl Prepacked {
                     let vr = v.as_ptr().add(vl.offset(b, h, j0));
                     pack_block(kern, (kr, kl.seq), (vr, vl.seq), step, dims, kb, vw);
                 }
-                if check {
+                if check && bits_in {
+                    // bf16 sources are packed as they are, with zero padding: one scan over
+                    // the words the packers just wrote, in cache, instead of one per row.
+                    let (kw, vn) = (sh.rows(step) * dp, sh.transposed_words(step, dims.dv));
+                    // SAFETY: `vn <= v_len` words, two initialised bf16 halves each.
+                    let vh =
+                        unsafe { std::slice::from_raw_parts(vw.as_ptr() as *const u16, 2 * vn) };
+                    *fin = scan_wide(&kb[..kw]) && scan_wide(vh);
+                } else if check {
                     let rows = j0..j0 + step;
                     *fin = head_rows_finite(k, kl, (b, h), rows.clone(), dims.d)
                         && head_rows_finite(v, vl, (b, h), rows, dims.dv);

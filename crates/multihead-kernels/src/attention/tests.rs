@@ -1697,9 +1697,12 @@ fn bf16_bits_in_give_the_bits_of_their_f32_values() {
     for (n, c) in cases.iter().enumerate() {
         let (masks, mut x, _) = rounded_case(c);
         if n == 1 {
-            // A NaN query and an infinite key in the causal case.
+            // A NaN query and an infinite key in the causal case, and in the second head an
+            // infinite value at the last key, which every row of that head then reads (a
+            // non-finite head skips no key block: the packed blocks' scan must see it).
             x.q[x.qo + 5] = f32::NAN;
             x.k[x.ko + 3 * x.kl.seq] = f32::INFINITY;
+            x.v[x.vo + x.vl.head + (c.s - 1) * x.vl.seq] = f32::INFINITY;
         }
         let bits = |v: &[f32]| -> Vec<u16> { v.iter().map(|&f| f32_to_bf16_bits(f)).collect() };
         let (qb, kb, vb) = (bits(&x.q), bits(&x.k), bits(&x.v));
