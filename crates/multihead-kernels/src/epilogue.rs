@@ -290,22 +290,30 @@ impl TileEpilogue {
         // SAFETY: rows `r < rows` of `cols` elements lie in `tile`, the bias holds `cols`
         // values; the tails are masked.
         unsafe {
+            let whole = self.cols / l * l;
             for r in 0..self.rows {
                 let row = self.tile.add(r * self.ld);
-                let mut j = 0;
-                while j < self.cols {
-                    let mask = if j + l <= self.cols {
-                        S::full_mask()
-                    } else {
-                        S::tail_mask(self.cols - j)
-                    };
-                    let mut v = S::load_m(row.add(j), mask);
-                    if let Some(b) = self.bias {
-                        v = S::add(v, S::load_m(b.add(j), mask));
+                // Whole vectors unmasked, the bias's presence decided once per row.
+                match self.bias {
+                    Some(b) => {
+                        for j in (0..whole).step_by(l) {
+                            let v = S::add(S::load(row.add(j)), S::load(b.add(j)));
+                            S::store(row.add(j), act_vec::<S>(self.act, v));
+                        }
                     }
-                    v = act_vec::<S>(self.act, v);
-                    S::store_m(row.add(j), v, mask);
-                    j += l;
+                    None => {
+                        for j in (0..whole).step_by(l) {
+                            S::store(row.add(j), act_vec::<S>(self.act, S::load(row.add(j))));
+                        }
+                    }
+                }
+                if whole < self.cols {
+                    let mask = S::tail_mask(self.cols - whole);
+                    let mut v = S::load_m(row.add(whole), mask);
+                    if let Some(b) = self.bias {
+                        v = S::add(v, S::load_m(b.add(whole), mask));
+                    }
+                    S::store_m(row.add(whole), act_vec::<S>(self.act, v), mask);
                 }
             }
         }

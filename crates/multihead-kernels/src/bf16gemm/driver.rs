@@ -317,6 +317,9 @@ impl Pass<'_> {
         // epilogue runs during the next tile's products (`Pending`).
         let mut locals = [AlignedTile::<{ AMX_MR * NR }>::zeros(), AlignedTile::zeros()];
         let mut pending: Option<Pending> = None;
+        // An f32 output's last tile whose epilogue has not run yet: (tile, rows, columns,
+        // first column).
+        let mut stored: Option<(*mut f32, usize, usize, usize)> = None;
         let words = if self.packed_a.is_some() { 0 } else { padded * lda };
         with_buffer(&A_BLOCK, words, "a", |abuf| {
             // SAFETY: `abuf` holds `padded · lda` elements, or the block was rounded already
@@ -350,8 +353,14 @@ impl Pass<'_> {
                                 } else {
                                     tile.edge(kern, c, ldc, live, cols);
                                 }
+                                // The previous tile's epilogue: reading a tile back right
+                                // after the tile stores that wrote it waits for them.
                                 if let Some(e) = epilogue.filter(|_| self.last) {
-                                    e.apply((c, ldc), live, cols, j, TileOut::InPlace);
+                                    if let Some((pc, plive, pcols, pj)) =
+                                        stored.replace((c, live, cols, j))
+                                    {
+                                        e.apply((pc, ldc), plive, pcols, pj, TileOut::InPlace);
+                                    }
                                 }
                             }
                             Out::Bf16 { out, ldo, epilogue } => {
@@ -373,6 +382,11 @@ impl Pass<'_> {
                 }
                 if let (Some(p), Out::Bf16 { epilogue, .. }) = (pending, self.out) {
                     p.rows(&epilogue, 0, 1);
+                }
+                if let (Some((c, live, cols, j)), Out::F32 { ldc, epilogue: Some(e), .. }) =
+                    (stored, self.out)
+                {
+                    e.apply((c, ldc), live, cols, j, TileOut::InPlace);
                 }
             }
             Ok(())
