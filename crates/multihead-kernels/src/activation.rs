@@ -53,7 +53,7 @@ pub(crate) unsafe fn cdf_pdf<S: Simd>(x: S::V) -> (S::V, S::V) {
         for a in [A4, A3, A2, A1] {
             poly = S::fma(poly, t, S::splat(a));
         }
-        let e = S::exp(S::sub(S::splat(0.0), S::mul(z, z))); // exp(−x²/2)
+        let e = S::exp_low(S::sub(S::splat(0.0), S::mul(z, z))); // exp(−x²/2)
         let erf_abs = S::sub(S::splat(1.0), S::mul(S::mul(poly, t), e));
         // sign(z) = clamp(z·10³⁰, −1, 1): ±1 but for tiny z (whose erf is ≈ 0 anyway), also at
         // ±inf (a NaN z gives 1: `min` returns its second operand when unordered).

@@ -696,7 +696,8 @@ unsafe fn probability<S: Simd>(
 ) -> S::V {
     // SAFETY: vector arithmetic on the lanes the caller guarantees.
     unsafe {
-        let e = S::exp(S::sub(S::load(ptr), r));
+        // `x - max <= 0` (NaN where the row has one).
+        let e = S::exp_low(S::sub(S::load(ptr), r));
         *sum = S::add(*sum, e);
         match dropout {
             Some((dr, j0)) => S::mul(e, dr.vector::<S>(lane, j0 + j)),

@@ -124,6 +124,13 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
     /// `e^x`, relative error below 2e-7; `exp(-inf) = 0`, NaN propagates.
     unsafe fn exp(x: Self::V) -> Self::V;
+    /// [`exp`](Self::exp)'s bits for every `x <= 110` (a softmax's `s - max`, a Gaussian's
+    /// `-z²`) and NaN, without the clamps `exp` needs beyond that.
+    #[inline(always)]
+    unsafe fn exp_low(x: Self::V) -> Self::V {
+        // SAFETY: forwarded.
+        unsafe { Self::exp(x) }
+    }
     /// `1/x` for positive normal `x`, within 2 ulp (a reciprocal estimate refined by a Newton
     /// step where the instruction set has one; a division otherwise); NaN propagates.
     #[inline(always)]
@@ -743,6 +750,29 @@ unsafe impl Simd for Avx512 {
             let e = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
             // Flush results below the normal range to 0 (no denormal P values downstream);
             // NaN compares "not less than" and is kept.
+            let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(-87.33));
+            _mm512_maskz_scalef_ps(keep, e, n)
+        }
+    }
+    #[inline(always)]
+    unsafe fn exp_low(x: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract); no memory is touched.
+        unsafe {
+            // `exp` without its clamp: from -110 to 110 the clamp leaves `x` as it is, below
+            // -87.33 the zero mask decides alone, and NaN propagates either way.
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
+            );
+            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+            let mut p = _mm512_set1_ps(P0);
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P1));
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P2));
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P3));
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P4));
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P5));
+            let r2 = _mm512_mul_ps(r, r);
+            let e = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
             let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(-87.33));
             _mm512_maskz_scalef_ps(keep, e, n)
         }

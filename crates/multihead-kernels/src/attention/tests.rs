@@ -882,6 +882,56 @@ fn empty_shapes_are_fine() {
 // ---------------------------------------------------------------------------------------------
 // The vector exp
 
+#[test]
+fn exp_low_is_exp_bit_for_bit_up_to_110() {
+    // Every float from -200 to 110 in steps, the ends of the zero mask and of the clamp,
+    // -inf, signed zeros and NaN.
+    let mut xs: Vec<f32> = (0..310_001).map(|i| -200.0 + 310.0 * i as f32 / 310_000.0).collect();
+    xs.extend([f32::NEG_INFINITY, -87.33, -87.329_99, -110.0, 110.0, -0.0, 0.0, f32::NAN]);
+    xs.extend([f32::MIN, -1e30, f32::from_bits(0xFFC1_2345), -1e-30]);
+    xs.resize(xs.len().div_ceil(16) * 16, 0.0);
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512dq")]
+        unsafe fn both(x: &[f32]) -> (Vec<u32>, Vec<u32>) {
+            use super::simd::{Avx512, Simd};
+            let (mut a, mut b) = (vec![0u32; x.len()], vec![0u32; x.len()]);
+            for (i, c) in x.chunks(16).enumerate() {
+                // SAFETY: 16 floats per chunk; AVX-512 enabled (the caller checked the CPU).
+                unsafe {
+                    let v = Avx512::load(c.as_ptr());
+                    let (e, l) = (Avx512::exp(v), Avx512::exp_low(v));
+                    Avx512::store(a.as_mut_ptr().add(16 * i) as *mut f32, e);
+                    Avx512::store(b.as_mut_ptr().add(16 * i) as *mut f32, l);
+                }
+            }
+            (a, b)
+        }
+        if detected_simd_level() >= SimdLevel::Avx512 {
+            // SAFETY: checked above.
+            let (e, l) = unsafe { both(&xs) };
+            for i in 0..xs.len() {
+                assert_eq!(
+                    e[i],
+                    l[i],
+                    "exp({}) = {:e} but exp_low gives {:e}",
+                    xs[i],
+                    f32::from_bits(e[i]),
+                    f32::from_bits(l[i])
+                );
+            }
+            return;
+        }
+    }
+    // Elsewhere `exp_low` is `exp` itself (the trait's default): nothing differs to compare,
+    // so check the scalar exp is finite and ordered on the range instead.
+    use super::simd::{Scalar, Simd};
+    // SAFETY: scalar code runs anywhere.
+    let ys: Vec<f32> = xs.iter().map(|&x| unsafe { Scalar::exp_low(x) }).collect();
+    let ok = xs.iter().zip(&ys).all(|(&x, &y)| x.is_nan() == y.is_nan());
+    assert!(ok, "exp_low keeps NaN exactly where its argument has one");
+}
+
 fn exp_max_rel_error(level: SimdLevel) -> f64 {
     use super::simd::Simd;
     let xs: Vec<f32> = (0..200_001)
