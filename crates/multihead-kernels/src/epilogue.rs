@@ -551,6 +551,64 @@ mod tests {
     use std::mem::MaybeUninit;
 
     #[test]
+    fn a_bf16_tile_output_is_the_in_place_pass_rounded_subnormals_included() {
+        // Tiles of 70 columns (two 32-column lines and a tail) whose values include
+        // subnormals, ties both ways, NaN, infinities and values that round to infinity, at
+        // every level this CPU runs: the one-pass bf16 output gives the two passes' bits.
+        use crate::convert::f32_to_bf16_bits;
+        let (rows, cols, ld) = (5, 70, 72);
+        let mut tile0: Vec<f32> = rand_vec(rows * ld, 17).iter().map(|v| v * 4.0).collect();
+        let specials = [
+            f32::from_bits(0x0000_8001),
+            f32::from_bits(0x807F_FFFF),
+            f32::from_bits(0x3F80_8000),
+            f32::from_bits(0x3F81_8000),
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::from_bits(0x7F7F_FFFF),
+            -0.0,
+            1e-39,
+        ];
+        for (i, v) in specials.iter().enumerate() {
+            tile0[i * 37 % (rows * ld)] = *v;
+        }
+        let bias: Vec<f32> = (0..cols).map(|j| if j % 5 == 0 { 0.0 } else { 0.25 }).collect();
+        for act in [Act::Identity, Act::Relu, Act::Gelu] {
+            for b in [None, Some(&bias[..])] {
+                for &level in &levels() {
+                    let mut want = tile0.clone();
+                    let mut tile = tile0.clone();
+                    let mut out = vec![0u16; rows * cols];
+                    let bias = b.map(|b| b.as_ptr());
+                    let epi = |tile: &mut [f32], dest| TileEpilogue {
+                        tile: tile.as_mut_ptr(),
+                        ld,
+                        rows,
+                        cols,
+                        bias,
+                        act,
+                        dest,
+                    };
+                    // SAFETY: `rows` rows of `cols` floats `ld` apart, `cols` bias values and
+                    // `rows · cols` output words; `level` is one this CPU runs.
+                    unsafe {
+                        epi(&mut want, TileOut::InPlace).run(level);
+                        let dest = TileOut::Bf16 { out: out.as_mut_ptr(), ldo: cols };
+                        epi(&mut tile, dest).run(level);
+                    }
+                    for r in 0..rows {
+                        for j in 0..cols {
+                            let w = f32_to_bf16_bits(want[r * ld + j]);
+                            assert_eq!(out[r * cols + j], w, "{level:?} {act:?} ({r}, {j})");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn matches_the_reference_and_the_standalone_activations_at_every_simd_level() {
         for (rows, n) in [(1, 1), (3, 17), (5, 33), (2, 1000), (BLOCK / 7 + 3, 7)] {
             let mut y0: Vec<f32> = rand_vec(rows * n, 3).iter().map(|v| v * 6.0).collect();
