@@ -735,47 +735,15 @@ unsafe impl Simd for Avx512 {
             // Clamp (NaN kept: max/min return their second operand when unordered). At -110
             // the scaled result rounds to exactly 0, at +110 to +inf.
             let xc = _mm512_min_ps(_mm512_set1_ps(110.0), _mm512_max_ps(_mm512_set1_ps(-110.0), x));
-            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-                _mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)),
-            );
-            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc);
-            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-            let mut p = _mm512_set1_ps(P0);
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P1));
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P2));
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P3));
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P4));
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P5));
-            let r2 = _mm512_mul_ps(r, r);
-            let e = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
-            // Flush results below the normal range to 0 (no denormal P values downstream);
-            // NaN compares "not less than" and is kept.
-            let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(-87.33));
-            _mm512_maskz_scalef_ps(keep, e, n)
+            exp_reduced(xc, x)
         }
     }
     #[inline(always)]
     unsafe fn exp_low(x: __m512) -> __m512 {
+        // `exp` without its clamp: from -110 to 110 the clamp leaves `x` as it is, below
+        // -87.33 the zero mask decides alone, and NaN propagates either way.
         // SAFETY: AVX-512F is available (trait contract); no memory is touched.
-        unsafe {
-            // `exp` without its clamp: from -110 to 110 the clamp leaves `x` as it is, below
-            // -87.33 the zero mask decides alone, and NaN propagates either way.
-            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-                _mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
-            );
-            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
-            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-            let mut p = _mm512_set1_ps(P0);
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P1));
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P2));
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P3));
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P4));
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P5));
-            let r2 = _mm512_mul_ps(r, r);
-            let e = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
-            let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(-87.33));
-            _mm512_maskz_scalef_ps(keep, e, n)
-        }
+        unsafe { exp_reduced(x, x) }
     }
     #[inline(always)]
     unsafe fn reduce_add(v: __m512) -> f32 {
@@ -915,6 +883,37 @@ unsafe impl Simd for Avx512 {
                 rb += 16;
             }
         }
+    }
+}
+
+/// `e^xc` by range reduction and a degree-5 polynomial, scaled by `2^n` with `vscalefps`;
+/// zero where `x` (the argument before any clamp) is below the normal range (no subnormal
+/// results), NaN where it is NaN.
+///
+/// # Safety
+/// AVX-512F is available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn exp_reduced(xc: __m512, x: __m512) -> __m512 {
+    // SAFETY: register arithmetic only (the caller's AVX-512F).
+    unsafe {
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+        let mut p = _mm512_set1_ps(P0);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P1));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P2));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P3));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P4));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P5));
+        let r2 = _mm512_mul_ps(r, r);
+        let e = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
+        // Flush results below the normal range to 0 (no denormal P values downstream);
+        // NaN compares "not less than" and is kept.
+        let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(-87.33));
+        _mm512_maskz_scalef_ps(keep, e, n)
     }
 }
 

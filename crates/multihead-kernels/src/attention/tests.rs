@@ -1062,11 +1062,10 @@ unsafe fn pairs_of<S: super::simd::Simd>(lo: &[f32], hi: &[f32]) -> Vec<u32> {
     out
 }
 
-#[test]
-fn bf16_pair_words_round_as_the_scalar_conversion() {
-    use crate::convert::f32_to_bf16_bits as bf;
-    // Ties both ways, the largest values that round to infinity and stay finite, subnormals,
-    // signed zeros, infinities, NaNs with payloads (quieted), and random values.
+/// 64 inputs for the pair-word tests: ties both ways, the largest values that round to
+/// infinity and stay finite, subnormals, the smallest normal, signed zeros, infinities, NaNs
+/// with payloads (quieted), and random bit patterns from `seed`.
+fn pair_word_inputs(seed: u32) -> Vec<f32> {
     let mut x = vec![
         1.0f32,
         f32::from_bits(0x3F80_8000),
@@ -1084,12 +1083,20 @@ fn bf16_pair_words_round_as_the_scalar_conversion() {
         f32::from_bits(0xFF80_0001),
         f32::from_bits(0x7FC1_2345),
         -3.5e-39,
+        f32::MIN_POSITIVE,
     ];
-    let mut state = 7u32;
-    x.extend((0..48).map(|_| {
+    let mut state = seed;
+    while x.len() < 64 {
         state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-        f32::from_bits(state)
-    }));
+        x.push(f32::from_bits(state));
+    }
+    x
+}
+
+#[test]
+fn bf16_pair_words_round_as_the_scalar_conversion() {
+    use crate::convert::f32_to_bf16_bits as bf;
+    let x = pair_word_inputs(7);
     let (lo, hi) = (&x[..32], &x[32..]);
     let want: Vec<u32> =
         lo.iter().zip(hi).map(|(&a, &b)| u32::from(bf(a)) | u32::from(bf(b)) << 16).collect();
@@ -1128,29 +1135,7 @@ fn bf16_pair_words_round_as_the_scalar_conversion() {
 fn native_bf16_pair_words_are_the_scalar_conversions_but_for_subnormals() {
     use crate::convert::f32_to_bf16_bits as bf;
     // As above, with every subnormal read as a zero of its sign (the instruction's rule).
-    let mut x = vec![
-        1.0f32,
-        f32::from_bits(0x3F80_8000),
-        f32::from_bits(0x3F81_8000),
-        f32::from_bits(0x3F80_7FFF),
-        f32::MAX,
-        f32::from_bits(0x7F7F_7FFF),
-        f32::from_bits(0x0000_8001),
-        f32::from_bits(0x807F_FFFF),
-        0.0,
-        -0.0,
-        f32::INFINITY,
-        f32::NEG_INFINITY,
-        f32::NAN,
-        f32::from_bits(0xFF80_0001),
-        f32::from_bits(0x7FC1_2345),
-        f32::MIN_POSITIVE,
-    ];
-    let mut state = 11u32;
-    x.extend((0..48).map(|_| {
-        state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-        f32::from_bits(state)
-    }));
+    let x = pair_word_inputs(11);
     let flushed = |v: f32| if v.is_subnormal() { 0.0f32.copysign(v) } else { v };
     let (lo, hi) = (&x[..32], &x[32..]);
     let want: Vec<u32> = lo
