@@ -4,7 +4,8 @@
 //!
 //! `cargo run -p multihead-kernels --release --example bf16gemm [-- M N K [reps]]`, where the
 //! layer maps `K` features to `N` over `M` rows (and the forward into f32); `ONLY=fwd`, `dx`,
-//! `dw` or `fwd32` runs one product (for `perf record`).
+//! `dw`, `dwt` (the weight gradient transposed, `xᵀ·dy`) or `fwd32` runs one product (for
+//! `perf record`).
 
 use std::time::Instant;
 
@@ -71,10 +72,11 @@ fn main() -> Result<(), multihead_kernels::attention::KernelError> {
         let (x, w, dy) = (BfMat::bf16(&x, m, k), BfMat::bf16(&w, n, k), BfMat::bf16(&dy, m, n));
         let only = std::env::var("ONLY").unwrap_or_default();
         let flop = 2.0 * (m * n * k) as f64 / 1e9;
-        let products: [(&str, &str, BfMat, BfMat); 3] = [
+        let products: [(&str, &str, BfMat, BfMat); 4] = [
             ("fwd", "y = x·Wᵀ", x, w.t()),
             ("dx", "dx = dy·W", dy, w),
             ("dw", "dW = dyᵀ·x", dy.t(), x),
+            ("dwt", "dWᵀ = xᵀ·dy", x.t(), dy),
         ];
         for (name, what, a, b) in products.into_iter().filter(|p| only.is_empty() || only == p.0) {
             let t = best(reps, || matmul_bf16_to_bf16(a, b, None, Act::Identity).map(drop))?;

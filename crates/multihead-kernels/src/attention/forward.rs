@@ -696,7 +696,8 @@ unsafe fn probability<S: Simd>(
 ) -> S::V {
     // SAFETY: vector arithmetic on the lanes the caller guarantees.
     unsafe {
-        // `x - max <= 0` (NaN where the row has one).
+        // `x - max <= 0`, so `exp_low` gives `exp`'s bits. (A NaN score can hide part of a
+        // row's max from `maxps`; that row's sum, and so its output, is NaN either way.)
         let e = S::exp_low(S::sub(S::load(ptr), r));
         *sum = S::add(*sum, e);
         match dropout {
