@@ -283,3 +283,81 @@ fn the_kernel_choice_resolves_against_the_cpu() {
     let e = "tiles".parse::<Bf16Kernel>().unwrap_err();
     assert!(e.contains("unknown bf16 kernel \"tiles\"") && e.contains("amx-emulated"), "{e}");
 }
+
+/// A bf16 row-major `A` on cache lines is read in place by the tile kernels: the same bits as
+/// the sequential emulation and as the same values packed (`A` one element off a line), for
+/// f32 outputs over several `k` blocks (accumulated too) and bf16 outputs with an epilogue;
+/// with row blocks that end in a partial tile (packed), rows wider than the view (NaN
+/// there: a read past the depth would show), and strides that keep the packed copy.
+#[test]
+fn a_bf16_a_read_in_place_gives_the_packed_bits() {
+    use crate::aligned::aligned_mut;
+    use crate::convert::f32_to_bf16_bits;
+    use crate::epilogue::Act;
+    // (m, n, k, row stride of A)
+    let shapes = [
+        (64, 70, 544, 544),
+        (100, 130, 576, 608),
+        (96, 64, 2 * KC + 64, 2 * KC + 64),
+        (200, 300, 32, 32),
+        (33, 64, 1024, 1024),
+        (64, 64, 512, 512), // rows 1 KiB apart at a depth of 512: packed
+    ];
+    for kern in tile_kernels() {
+        for (m, n, k, rs) in shapes {
+            let vals = rand_vec(m * rs, (m * k) as u64);
+            let bits: Vec<u16> = vals
+                .iter()
+                .enumerate()
+                .map(|(i, &x)| if i % rs >= k { 0x7fc0 } else { f32_to_bf16_bits(x) })
+                .collect();
+            let (mut on, mut off) = (Vec::new(), Vec::new());
+            let on = aligned_mut(&mut on, bits.len()).unwrap();
+            on.copy_from_slice(&bits);
+            let off = &mut aligned_mut(&mut off, bits.len() + 1).unwrap()[1..];
+            off.copy_from_slice(&bits);
+            let (a_on, a_off) = (row_major_bf16(on, m, k, rs), row_major_bf16(off, m, k, rs));
+            let expect_in_place = k > 512 || rs % 512 != 0;
+            let resolved = with_bf16_kernel(kern, super::select::resolve);
+            assert_eq!(
+                super::driver::reads_a_in_place(resolved, &a_on),
+                expect_in_place,
+                "{kern:?} {m}x{n}x{k}"
+            );
+            assert!(!super::driver::reads_a_in_place(resolved, &a_off));
+            let b = rand_vec(k * n, (k * n + 1) as u64);
+            let bv = BfMat::f32(&b, k, n);
+            let bias = rand_vec(n, 5);
+            let c0 = rand_vec(m * n, 3);
+            for threads in [1, 2, 3] {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let what = format!("{kern:?} {m}x{n}x{k} stride {rs} t={threads}");
+                for accumulate in [false, true] {
+                    let mut want = c0.clone();
+                    amx_reference(a_off, bv, &mut want, n, accumulate);
+                    for a in [a_on, a_off] {
+                        let mut got = c0.clone();
+                        pool.install(|| {
+                            with_bf16_kernel(kern, || matmul_bf16(a, bv, &mut got, n, accumulate))
+                        })
+                        .unwrap();
+                        same_bits(&got, &want, &format!("{what} acc={accumulate}"));
+                    }
+                }
+                let run = |a| {
+                    pool.install(|| {
+                        with_bf16_kernel(kern, || {
+                            matmul_bf16_to_bf16(a, bv, Some(&bias), Act::Gelu).unwrap()
+                        })
+                    })
+                };
+                assert_eq!(run(a_on), run(a_off), "{what}: bf16 output");
+            }
+        }
+    }
+}
+
+/// A row-major bf16 `rows × cols` view with row stride `rs`.
+fn row_major_bf16(data: &[u16], rows: usize, cols: usize, rs: usize) -> BfMat<'_> {
+    BfMat { data: Elems::Bf16(data), rows, cols, row_stride: rs, col_stride: 1 }
+}

@@ -10,8 +10,8 @@ use super::amx::AMX_MR;
 use super::micro::{Kernel, Tile};
 use super::pack::{by_rows, pack_a, pack_b, pack_b_rows, ABlock, BBlock};
 use super::select::resolve;
-use super::{BfMat, KC, NC, NR};
-use crate::aligned::{aligned_mut, AlignedTile};
+use super::{BfMat, Elems, KC, NC, NR};
+use crate::aligned::{aligned_mut, AlignedTile, LINE};
 use crate::attention::exec::{ConstPtr, SyncPtr};
 use crate::attention::{KernelError, SimdLevel};
 use crate::epilogue::{Act, TileEpilogue, TileOut};
@@ -35,6 +35,9 @@ const DEEP_B_WORDS: usize = 1 << 20;
 /// Row blocks from which a bf16 output's `B` block is kept to a quarter of `DEEP_B_WORDS`
 /// ([`deep_b_words`]).
 const L2_B_MIN_BLOCKS: usize = 16;
+/// Depth (elements) above which the tiles read a bf16 `A` in place even where its rows are a
+/// multiple of 1 KiB apart ([`reads_a_in_place`]).
+const IN_PLACE_DEPTH: usize = 512;
 
 /// Where the product goes.
 #[derive(Clone, Copy)]
@@ -134,7 +137,8 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
     // Whether every row block of `A` fits the buffer that rounds it once for all column blocks.
     let lda = a_stride(kern, pairs(kern, k));
     let words = blocks.checked_mul(mc).and_then(|r| r.checked_mul(lda));
-    let a_once = words.filter(|&w| w <= PACKED_A_WORDS);
+    let in_place = reads_a_in_place(kern, a);
+    let a_once = words.filter(|&w| w <= PACKED_A_WORDS && !in_place);
     let (kc_max, nc_max) = match out {
         Out::F32 { .. } => (KC, NC),
         Out::Bf16 { .. } => {
@@ -164,28 +168,52 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
                 })
                 // Every block's strides are the same: they depend on the layout only.
                 .reduce(|| (0, 0), |x, y| x.max(y));
-            let packed_a = Some((ConstPtr(dst.0 as *const u16), strides));
+            let source = ASource::Rounded(ConstPtr(dst.0 as *const u16), strides);
             // SAFETY: forwarded; the rounded rows hold the whole depth of every row block.
-            unsafe { run_blocks(a, b, out, (kern, kc_max, nc_max, len), (mc, blocks), packed_a) }
+            unsafe { run_blocks(a, b, out, (kern, kc_max, nc_max, len), (mc, blocks), source) }
         });
     }
+    let source = if in_place { ASource::InPlace } else { ASource::Pack };
     // SAFETY: forwarded.
-    unsafe { run_blocks(a, b, out, (kern, kc_max, nc_max, len), (mc, blocks), None) }
+    unsafe { run_blocks(a, b, out, (kern, kc_max, nc_max, len), (mc, blocks), source) }
 }
 
-/// [`run`]'s blocks of `B` and the passes over them; `packed_a`: every row block of `A` rounded
-/// already (at `rb · mc · lda`, read with the strides given), else each task rounds its own.
+/// Whether the tile kernels read `A`'s bf16 rows where they lie instead of a packed copy: `A`
+/// row-major bf16, every row on a cache line (the tiles load 64-byte rows at a third of their
+/// rate across lines), its depth whole tile steps (no zero columns to add), and either its
+/// rows not a multiple of 1 KiB apart (such rows share L1 sets, and a packed copy's extra line
+/// keeps the 32-row strip that the tile's second half reads again in L1) or a depth past
+/// [`IN_PLACE_DEPTH`], whose strip outgrows L1 anyway. The packed copy of a bf16 `A` was only
+/// that: a bf16 `Linear(2048, 512)` forward on AMX (4096 rows, rows 4 KiB apart) went
+/// 3.97-4.50 -> 3.55-3.72 ms, with 16% of its samples in the copy before; `Linear(512, 2048)`
+/// (rows 1 KiB apart, depth 512) was the same either way (family 6 model 167, 2 threads, five
+/// alternating runs). A task whose rows end in a partial tile packs its block as before.
+pub(super) fn reads_a_in_place(kern: Kernel, a: &BfMat) -> bool {
+    const STEP: usize = 2 * super::amx::AMX_KP;
+    let on_lines = match a.data {
+        Elems::Bf16(x) => (x.as_ptr() as usize).is_multiple_of(LINE),
+        Elems::F32(_) => false,
+    };
+    kern.tiles()
+        && on_lines
+        && a.col_stride == 1
+        && a.row_stride.is_multiple_of(STEP)
+        && a.cols.is_multiple_of(STEP)
+        && (a.cols > IN_PLACE_DEPTH || !a.row_stride.is_multiple_of(512))
+}
+
+/// [`run`]'s blocks of `B` and the passes over them, reading `A` from `source`.
 ///
 /// # Safety
-/// As for [`run`]; `packed_a` holds the whole depth of every row block in the layout the
-/// kernel reads.
+/// As for [`run`]; a rounded `source` holds the whole depth of every row block in the layout
+/// the kernel reads; an in-place one is chosen by [`reads_a_in_place`].
 unsafe fn run_blocks(
     a: &BfMat,
     b: &BfMat,
     out: Out,
     (kern, kc_max, nc_max, len): (Kernel, usize, usize, usize),
     (mc, blocks): (usize, usize),
-    packed_a: PackedA,
+    source: ASource,
 ) -> Result<(), KernelError> {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let threads = rayon::current_num_threads().max(1);
@@ -225,7 +253,7 @@ unsafe fn run_blocks(
                 let block = Block { p0, kc, kp, j0, cols, panels, packed: ConstPtr(packed.0) };
                 let load_c = p0 > 0 || matches!(out, Out::F32 { accumulate: true, .. });
                 let last = p0 + kc == k;
-                let pass = Pass { a, block, m, mc, col_parts, out, load_c, last, packed_a };
+                let pass = Pass { a, block, m, mc, col_parts, out, load_c, last, source };
                 (0..blocks * col_parts).into_par_iter().try_for_each(|t| pass.task(t, kern))?;
             }
         }
@@ -294,12 +322,20 @@ struct Pass<'a> {
     load_c: bool,
     /// Whether this is the last `k` block (the epilogue's turn).
     last: bool,
-    packed_a: PackedA,
+    source: ASource,
 }
 
-/// Every row block of `A` rounded once for all column blocks, and the strides the kernel
-/// reads it with (see `run_blocks`).
-type PackedA = Option<(ConstPtr<u16>, (usize, usize))>;
+/// Where the tiles read `A` from.
+#[derive(Clone, Copy)]
+enum ASource {
+    /// Each task rounds its row block into its own buffer.
+    Pack,
+    /// Every row block rounded once for all column blocks (row block `rb` at `rb · mc · lda`),
+    /// and the strides the kernel reads it with (see [`run`]).
+    Rounded(ConstPtr<u16>, (usize, usize)),
+    /// `A`'s own bf16 rows ([`reads_a_in_place`]), where a task's rows are whole tiles.
+    InPlace,
+}
 
 impl Pass<'_> {
     /// Task `t`: one row block of `A` against one part of the `B` panels.
@@ -320,20 +356,37 @@ impl Pass<'_> {
         // An f32 output's last tile whose epilogue has not run yet: (tile, rows, columns,
         // first column).
         let mut stored: Option<(*mut f32, usize, usize, usize)> = None;
-        let words = if self.packed_a.is_some() { 0 } else { padded * lda };
+        // `A`'s own rows where they are whole tiles (`reads_a_in_place`): (first element of
+        // the block, strides), with the row tiles `strides.0 · mr` apart.
+        let own = match (self.source, self.a.data) {
+            (ASource::InPlace, Elems::Bf16(src)) if rows.is_multiple_of(mr) => {
+                let rs = self.a.row_stride;
+                Some((ConstPtr(src.as_ptr()), i0 * rs + x.p0, (rs, 2)))
+            }
+            _ => None,
+        };
+        let words = match (own, self.source) {
+            (None, ASource::Pack | ASource::InPlace) => padded * lda,
+            _ => 0,
+        };
         with_buffer(&A_BLOCK, words, "a", |abuf| {
-            // SAFETY: `abuf` holds `padded · lda` elements, or the block was rounded already
-            // at `i0 · lda` of `packed_a`; the block lies inside `a` (checked by
-            // `matmul_bf16`); tiles are inside the output (checked too) and this task alone
-            // writes rows `i0..i0+rows` of panels `q0..q1`; the packed `B` was written before
-            // this pass began; `local` holds a whole tile of either kernel.
+            // SAFETY: `abuf` holds `padded · lda` elements; or the block was rounded already
+            // at `i0 · lda` of the rounded source; or `A`'s own rows are read, whole tiles of
+            // them, at most the depth `p0 + kc <= k` of each (a multiple of the tile step, so
+            // no step reads past a row: `reads_a_in_place`); the block lies inside `a`
+            // (checked by `matmul_bf16`); tiles are inside the output (checked too) and this
+            // task alone writes rows `i0..i0+rows` of panels `q0..q1`; the packed `B` was
+            // written before this pass began; `local` holds a whole tile of either kernel.
             unsafe {
-                let (abase, strides) = match self.packed_a {
-                    Some((p, strides)) => (p.0.add(i0 * lda), strides),
-                    None => {
+                // The block's first element, its strides, and the elements between its row
+                // tiles (micro-panels are `lda` apart too).
+                let (abase, strides, tile_step) = match (own, self.source) {
+                    (Some((p, at, strides)), _) => (p.0.add(at), strides, strides.0),
+                    (None, ASource::Rounded(p, strides)) => (p.0.add(i0 * lda), strides, lda),
+                    (None, _) => {
                         let blk = ABlock { i0, rows, padded, p0: x.p0, kc: x.kc, lda };
                         let strides = pack_a(kern, self.a, blk, abuf.as_mut_ptr());
-                        (abuf.as_ptr(), strides)
+                        (abuf.as_ptr(), strides, lda)
                     }
                 };
                 let _tiles = kern.begin();
@@ -342,7 +395,7 @@ impl Pass<'_> {
                     let j = x.j0 + q * NR;
                     let cols = NR.min(x.cols - q * NR);
                     for ir in (0..rows).step_by(mr) {
-                        let ap = abase.add(ir * lda);
+                        let ap = abase.add(ir * tile_step);
                         let live = mr.min(rows - ir);
                         let tile = Tile { kp, a: ap, strides, b: bpanel, load_c: self.load_c };
                         match self.out {
