@@ -2063,7 +2063,7 @@ def tf_random_config(rng: random.Random, index: int, module: str) -> dict:
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 
 SDPA_DEFAULTS = dict(dtype="float32", grad_mode=True, N=2, H=2, Hkv=None, L=4, S=5, E=8, Ev=None,
-                     mask=None, is_causal=False, scale=None, enable_gqa=False)
+                     mask=None, is_causal=False, scale=None, enable_gqa=False, key_scale=None)
 
 
 def sdpa_full_config(cfg: dict) -> dict:
@@ -2090,6 +2090,10 @@ def sdpa_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> 
     hq, hk = ((c["H"],), (c["Hkv"],)) if c["H"] else ((), ())
     q = torch.randn(lead + hq + (c["L"], c["E"]), dtype=dtype)
     k = torch.randn(lead + hk + (c["S"], c["E"]), dtype=dtype)
+    if c["key_scale"] is not None:
+        # Keys far out: each row's softmax one-hot (saturated), where the exact query and key
+        # gradients are 0.
+        k = (k * c["key_scale"]).to(dtype)
     v = torch.randn(lead + hk + (c["S"], c["Ev"]), dtype=dtype)
     mask = None
     if c["mask"] is not None:
@@ -2209,6 +2213,11 @@ def sdpa_fixture_configs() -> list[dict]:
         dtype="bfloat16", N=None, H=0, L=5, S=40, E=16, mask={"type": "bool", "full_row": True})
     add("sdpa_long_f32", "longer keys than one kernel tile (S = 300)", N=1, L=16, S=300, E=8,
         mask={"type": "bool"})
+    # One-hot rows: dP_j - D must cancel exactly, or the huge keys amplify the rounding left
+    # (`D = rowsum(O∘dO)` summed in the bf16 products' own order).
+    add("sdpa_saturated_keys_bf16",
+        "bfloat16, keys scaled by 1e20 (one-hot softmax rows), head dim 80, with gradients",
+        dtype="bfloat16", N=1, H=2, L=3, S=2, E=80, key_scale=1e20)
     add("sdpa_eval_long_bf16",
         "bfloat16, forward only (bf16 products), S = 300, odd E and Ev, bool mask",
         dtype="bfloat16", grad_mode=False, N=2, L=20, S=300, E=9, Ev=7, mask={"type": "bool"})

@@ -202,6 +202,16 @@ pub fn f32_to_bf16_reference(x: f32) -> u16 {
     }
 }
 
+/// `x`, or a zero of its sign where it is subnormal.
+#[inline(always)]
+pub(crate) fn flush_subnormal(x: f32) -> f32 {
+    if x.is_subnormal() {
+        f32::from_bits(x.to_bits() & 0x8000_0000)
+    } else {
+        x
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

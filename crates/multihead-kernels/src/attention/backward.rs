@@ -485,9 +485,10 @@ impl BwdTask<'_> {
     /// and `D = rowsum(dO ∘ O)`; padding lanes get `P = exp(x - inf) = 0` and `D = 0`, so they
     /// contribute nothing.
     ///
-    /// `D` is summed as `dP` is: with the bf16 products from the rounded `dO` and `O`; with
-    /// the f32 products as the same chain of FMAs over the channels in increasing order that
-    /// the score product runs, on `O` packed as `dO` is. A row whose softmax is one-hot (a
+    /// `D` is summed as `dP` is: with the bf16 products from the rounded `dO` and `O` in the
+    /// bf16 kernel's order ([`bf::lane_dots`]); with the f32 products as the same chain of FMAs
+    /// over the channels in increasing order that the score product runs, on `O` packed as
+    /// `dO` is. A row whose softmax is one-hot (a
     /// saturated score: `O = V_j` exactly) then has `dP_j - D = 0` exactly and no gradient
     /// reaches its queries and keys, as in PyTorch's kernel, where a `D` summed in another
     /// order leaves rounding noise that the scale and the projections amplify.
@@ -523,18 +524,12 @@ impl BwdTask<'_> {
             let orow = self.o.0.add(self.ol.offset(b, h, i0));
             pack_transposed::<S>(sc.ot, brp, orow, self.ol.seq, br, dv, 1.0);
             if bf {
-                // `bf::dot_rounded` of each row, the rows as lanes: the same products added
-                // in the same order from the same start (that of an f32 `sum`).
+                // Each row's `D` summed as the bf16 kernel sums its `dP` (`bf::lane_dots`).
                 pack_transposed::<S>(sc.dot, brp, dorow, dold, br, dv, 1.0);
-                let start: f32 = std::iter::empty::<f32>().sum();
                 for vi in 0..brp / l {
-                    let mut acc = S::splat(start);
-                    for c in 0..dv {
-                        let o = S::round_bf16(S::load(sc.ot.as_ptr().add(c * brp + vi * l)));
-                        let g = S::round_bf16(S::load(sc.dot.as_ptr().add(c * brp + vi * l)));
-                        acc = S::add(acc, S::mul(o, g));
-                    }
-                    S::store(sc.dvec.as_mut_ptr().add(vi * l), acc);
+                    let rows = (sc.ot.as_ptr().add(vi * l), sc.dot.as_ptr().add(vi * l));
+                    let d = bf::lane_dots::<S>(self.kern, rows, brp, dv);
+                    S::store(sc.dvec.as_mut_ptr().add(vi * l), d);
                 }
                 sc.dvec[br..brp].fill(0.0);
                 return;

@@ -22,6 +22,7 @@
 use crate::bf16gemm::micro::{Kernel, Tile};
 use crate::bf16gemm::pack::Operand;
 use crate::bf16gemm::{MR, NR};
+use super::simd::Simd;
 
 /// The widest query block the bf16 products take (one panel of pair words).
 pub(crate) const MAX_LANES: usize = NR;
@@ -534,16 +535,83 @@ pub(crate) unsafe fn product(
     }
 }
 
-/// `Σ_c bf16(a[c]) · bf16(b[c])`, summed in f32 in order: the backward's `D = rowsum(O ∘ dO)`
-/// from the rounded operands, consistent with `dP` (which the backward computes with the rows
-/// as lanes, `Simd::round_bf16`; this is its twin for the tests).
+/// `Σ_c bf16(o_c) · bf16(g_c)` over `n` channels for `LANES` rows at once (channel `c` of the
+/// rows at `o + c·ld` and `g + c·ld`), summed as the kernel `kern` sums one element of a
+/// product of depth `n` (the backward's `dPᵀ = V_j · dO_iᵀ`): the same products in the same
+/// order from the same start, with the kernel's treatment of subnormals. The backward's
+/// `D = rowsum(O∘dO)` is this, so that a row whose softmax is one-hot (`O = V_j`) has
+/// `dP_j - D = 0` exactly, as the f32 path has (see `block_stats`).
+///
+/// * The tiles (`tdpbf16ps`, and its emulation): per step of 16 pairs, the even channels'
+///   products in one fused chain from `+0` and the odd ones' in another, each step flushed;
+///   then `acc + (even + odd)`, each flushed; subnormal inputs read as zero
+///   ([`crate::bf16gemm::amx`]'s model of the instruction).
+/// * `vdpbf16ps`: per pair, `acc + odd` then `+ even`, each fused and flushed, subnormal
+///   inputs read as zero.
+/// * The portable kernel: per pair, `(acc + odd·odd) + even·even`, each product rounded, no
+///   flushing.
+///
+/// Zero pairs pad the depth to the kernel's step, as its packed operands do.
 ///
 /// # Safety
-/// `a` and `b` are readable for `n` floats.
-#[cfg(test)]
+/// `S` is available; `o` and `g` are readable for `LANES` floats at each `c·ld`, `c < n`.
 #[inline(always)]
-pub(crate) unsafe fn dot_rounded(a: *const f32, b: *const f32, n: usize) -> f32 {
-    use crate::convert::{bf16_bits_to_f32 as wide, f32_to_bf16_bits as bf};
-    // SAFETY: within the `n` floats the caller guarantees.
-    unsafe { (0..n).map(|c| wide(bf(*a.add(c))) * wide(bf(*b.add(c)))).sum() }
+pub(crate) unsafe fn lane_dots<S: Simd>(
+    kern: Kernel,
+    (o, g): (*const f32, *const f32),
+    ld: usize,
+    n: usize,
+) -> S::V {
+    let kp = Shape::of(kern).kp(n.div_ceil(2));
+    // Channel `c` rounded to bf16 (zeros past `n`), and that with subnormals read as zero. Not
+    // closures: those would not inherit the caller's target features.
+    #[inline(always)]
+    unsafe fn at<S: Simd>(x: *const f32, c: usize, (ld, n): (usize, usize)) -> S::V {
+        // SAFETY: channels `c < n` are readable (the caller's contract); the others are zeros.
+        unsafe {
+            match c < n {
+                true => S::round_bf16(S::load(x.add(c * ld))),
+                false => S::splat(0.0),
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn flushed<S: Simd>(x: *const f32, c: usize, shape: (usize, usize)) -> S::V {
+        // SAFETY: forwarded.
+        unsafe { S::flush(at::<S>(x, c, shape)) }
+    }
+    let sh = (ld, n);
+    // SAFETY: vector arithmetic on the caller's instruction set; reads as above.
+    unsafe {
+        let mut acc = S::splat(0.0);
+        if kern.tiles() {
+            use crate::bf16gemm::amx::AMX_KP;
+            for s in 0..kp / AMX_KP {
+                let (mut even, mut odd) = (S::splat(0.0), S::splat(0.0));
+                for q in 0..AMX_KP {
+                    let c = 2 * (s * AMX_KP + q);
+                    let (oe, ge) = (flushed::<S>(o, c, sh), flushed::<S>(g, c, sh));
+                    let (od, gd) = (flushed::<S>(o, c + 1, sh), flushed::<S>(g, c + 1, sh));
+                    even = S::flush(S::fma_fused(oe, ge, even));
+                    odd = S::flush(S::fma_fused(od, gd, odd));
+                }
+                acc = S::flush(S::add(S::flush(acc), S::flush(S::add(even, odd))));
+            }
+        } else if kern.flushes() {
+            for p in 0..kp {
+                let (e, d) = (2 * p, 2 * p + 1);
+                let (od, gd) = (flushed::<S>(o, d, sh), flushed::<S>(g, d, sh));
+                acc = S::flush(S::fma_fused(od, gd, S::flush(acc)));
+                let (oe, ge) = (flushed::<S>(o, e, sh), flushed::<S>(g, e, sh));
+                acc = S::flush(S::fma_fused(oe, ge, acc));
+            }
+        } else {
+            for p in 0..kp {
+                let (e, d) = (2 * p, 2 * p + 1);
+                let odd = S::mul(at::<S>(o, d, sh), at::<S>(g, d, sh));
+                acc = S::add(S::add(acc, odd), S::mul(at::<S>(o, e, sh), at::<S>(g, e, sh)));
+            }
+        }
+        acc
+    }
 }

@@ -120,6 +120,27 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     unsafe fn min(a: Self::V, b: Self::V) -> Self::V;
     /// `|a|` (the sign bit cleared; NaN stays NaN).
     unsafe fn abs(a: Self::V) -> Self::V;
+    /// `a * b + c` rounded once, at every level (the scalar level through `f32::mul_add`, a
+    /// libm call where the CPU lacks FMA: for the few sums that must match a fused kernel).
+    #[inline(always)]
+    unsafe fn fma_fused(a: Self::V, b: Self::V, c: Self::V) -> Self::V {
+        // SAFETY: forwarded; the vector levels' `fma` is fused.
+        unsafe { Self::fma(a, b, c) }
+    }
+    /// `x` with subnormal lanes replaced by a zero of their sign (what the bf16 product
+    /// instructions do to their inputs and results); other values, NaN included, unchanged.
+    #[inline(always)]
+    unsafe fn flush(x: Self::V) -> Self::V {
+        let mut a = [0f32; 16];
+        // SAFETY: `a` holds 16 >= LANES floats.
+        unsafe {
+            Self::store(a.as_mut_ptr(), x);
+            for v in a.iter_mut().take(Self::LANES) {
+                *v = crate::convert::flush_subnormal(*v);
+            }
+            Self::load(a.as_ptr())
+        }
+    }
     /// `a / b`.
     unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
     /// `e^x`, relative error below 2e-7; `exp(-inf) = 0`, NaN propagates.
@@ -349,6 +370,14 @@ unsafe impl Simd for Scalar {
         a.abs()
     }
     #[inline(always)]
+    unsafe fn fma_fused(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+    #[inline(always)]
+    unsafe fn flush(x: f32) -> f32 {
+        crate::convert::flush_subnormal(x)
+    }
+    #[inline(always)]
     unsafe fn exp(x: f32) -> f32 {
         x.exp()
     }
@@ -502,6 +531,15 @@ unsafe impl Simd for Avx2 {
     unsafe fn abs(a: __m256) -> __m256 {
         // SAFETY: AVX is available (trait contract).
         unsafe { _mm256_andnot_ps(_mm256_set1_ps(-0.0), a) }
+    }
+    #[inline(always)]
+    unsafe fn flush(x: __m256) -> __m256 {
+        // SAFETY: AVX is available (trait contract). Lanes below the smallest normal in
+        // magnitude (zeros too, unchanged by it; NaN compares false) keep their sign only.
+        unsafe {
+            let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(Self::abs(x), _mm256_set1_ps(f32::MIN_POSITIVE));
+            _mm256_blendv_ps(x, _mm256_and_ps(x, _mm256_set1_ps(-0.0)), tiny)
+        }
     }
     #[inline(always)]
     unsafe fn exp(x: __m256) -> __m256 {
@@ -727,6 +765,17 @@ unsafe impl Simd for Avx512 {
     unsafe fn abs(a: __m512) -> __m512 {
         // SAFETY: AVX-512F is available (trait contract).
         unsafe { _mm512_abs_ps(a) }
+    }
+    #[inline(always)]
+    unsafe fn flush(x: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract). As the AVX2 form: lanes below the
+        // smallest normal in magnitude keep their sign bit only.
+        unsafe {
+            let min = _mm512_set1_ps(f32::MIN_POSITIVE);
+            let tiny = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(Self::abs(x), min);
+            let sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(i32::MIN));
+            _mm512_mask_mov_ps(x, tiny, _mm512_castsi512_ps(sign))
+        }
     }
     #[inline(always)]
     unsafe fn exp(x: __m512) -> __m512 {

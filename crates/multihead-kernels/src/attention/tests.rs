@@ -1174,79 +1174,94 @@ fn native_bf16_pair_words_are_the_scalar_conversions_but_for_subnormals() {
     }
 }
 
-/// `D = Σ_c round(o[c]) · round(g[c])` of `S::LANES` rows (`n` floats each, row `i` at
-/// `i * n`) with the rows as lanes, as the backward sums it: `round_bf16`, a product and an
-/// addition per channel, from the start of an f32 `sum`.
+/// `bf16::lane_dots` of 16 rows (`n` floats each, row `i` at `i * n`) for the kernel the
+/// current choice resolves to, with the rows as lanes of `S` (16 / `LANES` calls).
 ///
 /// # Safety
 /// `S` is available on this CPU.
 #[inline(always)]
 unsafe fn lane_dots<S: super::simd::Simd>(o: &[f32], g: &[f32], n: usize) -> Vec<f32> {
-    let start: f32 = std::iter::empty::<f32>().sum();
-    let mut out = vec![0f32; S::LANES];
-    // SAFETY: vector arithmetic on `LANES`-float buffers; the caller's instruction set.
-    unsafe {
-        let mut acc = S::splat(start);
-        for c in 0..n {
-            let col = |x: &[f32]| (0..S::LANES).map(|i| x[i * n + c]).collect::<Vec<f32>>();
-            let (oc, gc) = (col(o), col(g));
-            let (a, b) = (S::round_bf16(S::load(oc.as_ptr())), S::round_bf16(S::load(gc.as_ptr())));
-            acc = S::add(acc, S::mul(a, b));
+    // Channel-major, the rows as lanes (as the backward packs `O` and `dO`).
+    let t = |x: &[f32]| (0..n * 16).map(|e| x[(e % 16) * n + e / 16]).collect::<Vec<f32>>();
+    let (ot, gt) = (t(o), t(g));
+    let kern = crate::bf16gemm::micro::kernel();
+    let mut out = vec![0f32; 16];
+    for r in (0..16).step_by(S::LANES) {
+        // SAFETY: `LANES` rows from `r` of every channel, 16 floats apart; the caller's level.
+        unsafe {
+            let rows = (ot.as_ptr().add(r), gt.as_ptr().add(r));
+            S::store(out.as_mut_ptr().add(r), super::bf16::lane_dots::<S>(kern, rows, 16, n));
         }
-        S::store(out.as_mut_ptr(), acc);
     }
     out
 }
 
 #[test]
-fn lane_dots_of_rounded_rows_are_the_row_dots_bit_for_bit() {
-    // The backward's `D` with the rows as lanes against `bf16::dot_rounded` row by row:
-    // random rows, rows of ties and values that round to infinity, NaN, and rows whose
-    // products are all negative zeros (the sum's start decides the sign there).
-    let n = 37;
-    let mut o = rand_vec(16 * n, 11);
-    let mut g = rand_vec(16 * n, 12);
-    for c in 0..n {
-        (o[n + c], g[n + c]) = (f32::from_bits(0x3F80_8000 + c as u32 * 0x1_0000), 1.5);
-        (o[2 * n + c], g[2 * n + c]) = (f32::MAX, if c == 3 { -1.0 } else { 0.0 });
-        (o[3 * n + c], g[3 * n + c]) = (-0.0, 2.0);
+fn lane_dots_are_the_kernels_products_bit_for_bit() {
+    // The backward's `D` with the rows as lanes against the diagonal of `O · dOᵀ` computed by
+    // each bf16 kernel (real AMX tiles and `vdpbf16ps` where this CPU has them): random rows,
+    // rows of ties and values that round to infinity, NaN, negative zeros, and tiny values
+    // (subnormal bf16 inputs, products and sums near the subnormal range), at widths that
+    // end inside a tile step.
+    use crate::bf16gemm::{amx_available, bf16_dot_available, matmul_bf16, BfMat};
+    let mut kernels = vec![Bf16Kernel::Portable, Bf16Kernel::AmxEmulated];
+    if bf16_dot_available() {
+        kernels.push(Bf16Kernel::Avx512Bf16);
     }
-    o[4 * n + 5] = f32::NAN;
-    let dot = |i: usize| {
-        let (a, b) = (o[i * n..].as_ptr(), g[i * n..].as_ptr());
-        // SAFETY: rows of `n` floats inside both vectors.
-        unsafe { super::bf16::dot_rounded(a, b, n) }
-    };
-    let want: Vec<u32> = (0..16).map(|i| dot(i).to_bits()).collect();
-    let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-    for i in 0..16 {
-        let row = |x: &[f32]| x[i * n..(i + 1) * n].to_vec();
-        // SAFETY: scalar code runs anywhere.
-        let got = unsafe { lane_dots::<super::simd::Scalar>(&row(&o), &row(&g), n) };
-        assert_eq!(bits(got), want[i..i + 1], "scalar row {i}");
+    if amx_available() {
+        kernels.push(Bf16Kernel::Amx);
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512dq")]
-        unsafe fn wide(o: &[f32], g: &[f32], n: usize) -> Vec<f32> {
-            // SAFETY: AVX-512 enabled (the caller checked the CPU).
-            unsafe { lane_dots::<super::simd::Avx512>(o, g, n) }
+    for n in [5, 37, 64, 80] {
+        let mut o = rand_vec(16 * n, 11 + n as u64);
+        let mut g = rand_vec(16 * n, 12 + n as u64);
+        for c in 0..n {
+            (o[n + c], g[n + c]) = (f32::from_bits(0x3F80_8000 + c as u32 * 0x1_0000), 1.5);
+            (o[2 * n + c], g[2 * n + c]) = (f32::MAX, if c == 3 { -1.0 } else { 0.0 });
+            (o[3 * n + c], g[3 * n + c]) = (-0.0, 2.0);
+            // Products around 2^-126: fused chains keep what separate roundings lose.
+            (o[5 * n + c], g[5 * n + c]) = (o[5 * n + c] * 2f32.powi(-60), 2f32.powi(-66));
+            // Subnormal bf16 inputs against large ones.
+            (o[6 * n + c], g[6 * n + c]) = (o[6 * n + c] * 1e-39, 2f32.powi(100));
+            // Normal products whose sums cancel into the subnormal range.
+            let sign = if c % 2 == 0 { 1.0 } else { -1.0 };
+            (o[7 * n + c], g[7 * n + c]) = (sign * 2f32.powi(-63), 2f32.powi(-63) * (1.0 + c as f32 / 64.0));
         }
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn narrow(o: &[f32], g: &[f32], n: usize) -> Vec<f32> {
-            // SAFETY: AVX2 enabled (the caller checked the CPU).
-            unsafe { lane_dots::<super::simd::Avx2>(o, g, n) }
-        }
-        if detected_simd_level() >= SimdLevel::Avx512 {
-            // SAFETY: checked above.
-            assert_eq!(bits(unsafe { wide(&o, &g, n) }), want, "avx512");
-        }
-        if detected_simd_level() >= SimdLevel::Avx2 {
-            for h in 0..2 {
-                let (a, b) = (&o[h * 8 * n..(h + 1) * 8 * n], &g[h * 8 * n..(h + 1) * 8 * n]);
-                // SAFETY: checked above.
-                assert_eq!(bits(unsafe { narrow(a, b, n) }), want[h * 8..h * 8 + 8], "avx2 {h}");
-            }
+        o[4 * n + n / 2] = f32::NAN;
+        let gt: Vec<f32> = (0..n * 16).map(|e| g[(e % 16) * n + e / 16]).collect();
+        for choice in kernels.iter().copied() {
+            let want: Vec<u32> = with_bf16_kernel(choice, || {
+                let mut c = vec![0f32; 256];
+                let (a, b) = (BfMat::f32(&o, 16, n), BfMat::f32(&gt, n, 16));
+                matmul_bf16(a, b, &mut c, 16, false).unwrap();
+                (0..16).map(|i| c[i * 17].to_bits()).collect()
+            });
+            let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            with_bf16_kernel(choice, || {
+                // SAFETY: scalar code runs anywhere.
+                let got = unsafe { lane_dots::<super::simd::Scalar>(&o, &g, n) };
+                assert_eq!(bits(got), want, "{choice:?} scalar n {n}");
+                #[cfg(target_arch = "x86_64")]
+                {
+                    #[target_feature(enable = "avx512f,avx512dq")]
+                    unsafe fn wide(o: &[f32], g: &[f32], n: usize) -> Vec<f32> {
+                        // SAFETY: AVX-512 enabled (the caller checked the CPU).
+                        unsafe { lane_dots::<super::simd::Avx512>(o, g, n) }
+                    }
+                    #[target_feature(enable = "avx2,fma")]
+                    unsafe fn narrow(o: &[f32], g: &[f32], n: usize) -> Vec<f32> {
+                        // SAFETY: AVX2 enabled (the caller checked the CPU).
+                        unsafe { lane_dots::<super::simd::Avx2>(o, g, n) }
+                    }
+                    if detected_simd_level() >= SimdLevel::Avx512 {
+                        // SAFETY: checked above.
+                        assert_eq!(bits(unsafe { wide(&o, &g, n) }), want, "{choice:?} avx512");
+                    }
+                    if detected_simd_level() >= SimdLevel::Avx2 {
+                        // SAFETY: checked above.
+                        assert_eq!(bits(unsafe { narrow(&o, &g, n) }), want, "{choice:?} avx2");
+                    }
+                }
+            });
         }
     }
 }
@@ -1474,11 +1489,19 @@ fn subnormal_results_are_flushed_inside_the_kernels_only() {
 /// and key gradients of 0 (the f64 reference: below 1e-100), because `dP_j - D` cancels
 /// exactly when `O = V_j`. The kernel's `D` must be summed as `dP` is for that: summed in
 /// another order it left rounding noise of ~1e-4 here, which the scale and the projections
-/// of a MultiheadAttention amplify (PyTorch's kernel gives 0).
+/// of a MultiheadAttention amplify (PyTorch's kernel gives 0). With bf16 products `dP` is the
+/// bf16 kernel's sum, in its order (the tiles' even and odd chains, `vdpbf16ps`' pairs), and
+/// `D` follows it (a sequential `D` left up to 3e-6 here with keys of 10, 1.4e13 with keys
+/// of 1e20).
 #[test]
 fn saturated_softmax_gives_zero_query_and_key_gradients() {
+    let runs: Vec<(SimdLevel, Bf16Kernel, bool)> = levels()
+        .into_iter()
+        .map(|l| (l, Bf16Kernel::Auto, false))
+        .chain(product_runs().into_iter().map(|(l, k)| (l, k, true)))
+        .collect();
     for &(l, d, causal) in
-        &[(4usize, 4usize, false), (40, 16, false), (70, 70, false), (33, 33, true)]
+        &[(4usize, 4usize, false), (40, 16, false), (70, 70, false), (33, 33, true), (9, 80, false)]
     {
         let s = d;
         let dims = AttnDims { batch: 2, heads_q: 1, heads_kv: 1, l, s, d, dv: d };
@@ -1491,30 +1514,40 @@ fn saturated_softmax_gives_zero_query_and_key_gradients() {
         let (v, dout) = (rand_vec(2 * s * d, 12), rand_vec(2 * l * d, 13));
         let mut p = AttnParams::new(dims);
         (p.scale, p.causal) = (100.0, causal);
-        let (edq, edk, edv) = reference::backward(&p, &q, ql, &k, kl, &v, kl, &dout, ql);
-        assert!(edq.iter().chain(&edk).all(|x| x.abs() < 1e-100), "not saturated");
-        for level in levels() {
+        for &(level, kern, bf) in &runs {
+            // With bf16 products `dV` sums the rounded `dO` rows (the probabilities are 0 and
+            // 1, exact in bf16).
+            let (q, dout) = match bf {
+                true => (round_bf16(&q), round_bf16(&dout)),
+                false => (q.clone(), dout.clone()),
+            };
+            let v = if bf { round_bf16(&v) } else { v.clone() };
+            let (edq, edk, edv) = reference::backward(&p, &q, ql, &k, kl, &v, kl, &dout, ql);
+            assert!(edq.iter().chain(&edk).all(|x| x.abs() < 1e-100), "not saturated");
+            let p = AttnParams { bf16_products: bf, ..p };
             with_simd_level(level, || {
-                let mut out = vec![0f32; 2 * l * d];
-                let mut lse = vec![0f32; 4 * l];
-                flash_forward(&p, &q, ql, &k, kl, &v, kl, &mut out, ql, &mut lse).unwrap();
-                let (mut dq, mut dk, mut dv) =
-                    (vec![1f32; 2 * l * d], vec![1f32; 2 * s * d], vec![0f32; 2 * s * d]);
-                flash_backward(
-                    &p, &q, ql, &k, kl, &v, kl, &out, ql, &dout, ql, &lse, &mut dq, ql, &mut dk,
-                    kl, &mut dv, kl,
-                )
-                .unwrap();
-                let what = format!("{level:?} l {l} d {d} causal {causal}");
-                let worst = |g: &[f32]| g.iter().fold(0f32, |m, x| m.max(x.abs()));
-                assert!(worst(&dq) <= 1e-7, "{what}: |dq| up to {}", worst(&dq));
-                assert!(worst(&dk) <= 1e-7, "{what}: |dk| up to {}", worst(&dk));
-                for (i, (&g, &e)) in dv.iter().zip(&edv).enumerate() {
-                    assert!(
-                        (g as f64 - e).abs() <= 1e-5 * (1.0 + e.abs()),
-                        "{what}: dv[{i}] {g} vs {e}"
-                    );
-                }
+                with_bf16_kernel(kern, || {
+                    let mut out = vec![0f32; 2 * l * d];
+                    let mut lse = vec![0f32; 4 * l];
+                    flash_forward(&p, &q, ql, &k, kl, &v, kl, &mut out, ql, &mut lse).unwrap();
+                    let (mut dq, mut dk, mut dv) =
+                        (vec![1f32; 2 * l * d], vec![1f32; 2 * s * d], vec![0f32; 2 * s * d]);
+                    flash_backward(
+                        &p, &q, ql, &k, kl, &v, kl, &out, ql, &dout, ql, &lse, &mut dq, ql,
+                        &mut dk, kl, &mut dv, kl,
+                    )
+                    .unwrap();
+                    let what = format!("{level:?} {kern:?} bf16 {bf} l {l} d {d} causal {causal}");
+                    let worst = |g: &[f32]| g.iter().fold(0f32, |m, x| m.max(x.abs()));
+                    assert!(worst(&dq) <= 1e-7, "{what}: |dq| up to {}", worst(&dq));
+                    assert!(worst(&dk) <= 1e-7, "{what}: |dk| up to {}", worst(&dk));
+                    for (i, (&g, &e)) in dv.iter().zip(&edv).enumerate() {
+                        assert!(
+                            (g as f64 - e).abs() <= 1e-5 * (1.0 + e.abs()),
+                            "{what}: dv[{i}] {g} vs {e}"
+                        );
+                    }
+                })
             });
         }
     }

@@ -31,7 +31,7 @@
 //! granted.
 
 use super::NR;
-use crate::convert::bf16_bits_to_f32;
+use crate::convert::{bf16_bits_to_f32, flush_subnormal as ftz};
 
 /// Rows of the AMX micro-tile (two 16-row tiles).
 pub(crate) const AMX_MR: usize = 32;
@@ -319,15 +319,6 @@ fn daz(bits: u16) -> f32 {
     }
 }
 
-/// An f32 result with subnormals flushed to zero of the same sign.
-#[inline(always)]
-fn ftz(x: f32) -> f32 {
-    if x.is_subnormal() {
-        f32::from_bits(x.to_bits() & 0x8000_0000)
-    } else {
-        x
-    }
-}
 
 /// One `tdpbf16ps` for one output element: `acc` plus the [`AMX_KP`] pairs `pair(k)` (the
 /// `A` word and the `B` word of pair `k`, bf16 even half low), as the tiles compute it (see

@@ -148,6 +148,12 @@ impl Kernel {
         }
     }
 
+    /// Whether the kernel reads subnormal inputs as zero and flushes subnormal results (the
+    /// bf16 product instructions do; the portable kernel keeps them).
+    pub(crate) fn flushes(self) -> bool {
+        !matches!(self, Kernel::Portable)
+    }
+
     /// Whether the packers may use AVX-512 (the CPU has AVX-512F, BW and VL: every CPU with
     /// AVX512-BF16 or AMX has them; checked all the same).
     pub(crate) fn avx512_packing(self) -> bool {
