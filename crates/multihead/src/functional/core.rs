@@ -34,8 +34,11 @@ pub fn safe_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     let e = x.broadcast_sub(&m)?.exp()?;
     let s = e.sum_keepdim(D::Minus1)?;
     // Every row with a finite entry has s >= 1 (its maximum contributes exp(0)); s = 0 only for
-    // fully masked rows, whose e is all zeros, so dividing by 1 there gives the zero row.
-    let s = s.eq(0f64)?.where_cond(&s.ones_like()?, &s)?;
+    // fully masked rows, whose e is all zeros, so dividing by 1 there gives the zero row. The 1
+    // is added rather than selected, so the sum's gradient still flows there: PyTorch's softmax
+    // backward, (g - Σ g·y)·y, is NaN on such a row when g holds an infinity (an infinite
+    // value, where 0·inf makes the output NaN too), and so is the fused kernels' (D = Σ dO·O).
+    let s = (&s + s.eq(0f64)?.to_dtype(s.dtype())?)?;
     Ok(e.broadcast_div(&s)?)
 }
 

@@ -399,6 +399,60 @@ fn sdpa_fused_equals_composed_with_gqa_masks_and_gradients() {
     }
 }
 
+/// Rows whose keys are all masked, with an infinite or NaN value among those keys: the fused
+/// and composed paths give the same outputs (0·inf is NaN there, as in PyTorch) and the same
+/// gradients. PyTorch's softmax backward, `(g - Σ g·y)·y`, meets `0·inf` in its sum on such a
+/// row and gives NaN for every key of it, as the fused kernels' `D = Σ dO·O` does; the
+/// composed softmax gave 0 for the finite keys (its zero-row guard cut the sum's gradient).
+#[test]
+fn fully_masked_rows_with_a_non_finite_value_give_the_same_gradients_on_both_paths() {
+    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    for dtype in [DType::F32, DType::BF16] {
+        for bad in [f64::NEG_INFINITY, f64::NAN] {
+            let q0 = det(&[2, 1, 3, 8], dtype, 1.0);
+            let k0 = det(&[2, 1, 2, 8], dtype, 2.0);
+            let mut vals = det(&[2, 1, 2, 8], DType::F64, 3.0).flatten_all().unwrap();
+            vals = vals.slice_assign(&[31..32], &Tensor::new(&[bad], &dev()).unwrap()).unwrap();
+            let v0 = vals.reshape((2, 1, 2, 8)).unwrap().to_dtype(dtype).unwrap();
+            // The first batch's row 1 sees no key; the second batch's rows see none (a row that
+            // sees any key meets the bad value as 0·inf in its output, NaN on both paths).
+            let take = Tensor::new(&[1u8, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0], &dev()).unwrap();
+            let take = take.reshape((2, 1, 3, 2)).unwrap();
+            let mut opts = SdpaOptions::default();
+            opts.attn_mask = Some(Mask::Bool(take));
+            let go = |fused: bool| {
+                with_backend(backend(fused), || {
+                    let (q, k, v) = (var(&q0), var(&k0), var(&v0));
+                    let (q, k, v) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
+                    let plan = explain_sdpa(q, k, v, &opts).unwrap();
+                    assert_eq!(plan.path == Path::Fused, fused, "path taken");
+                    let out = scaled_dot_product_attention(q, k, v, &opts).unwrap();
+                    let up = det(out.dims(), dtype, 6.0);
+                    let g = out.mul(&up).unwrap().sum_all().unwrap().backward().unwrap();
+                    let grads: Vec<Tensor> =
+                        [q, k, v].iter().map(|t| g.get(t).unwrap().clone()).collect();
+                    (out, grads)
+                })
+            };
+            let ((a, ga), (b, gb)) = (go(true), go(false));
+            let what = format!("{dtype:?} value {bad}");
+            let tol = match dtype {
+                DType::BF16 => Tolerance::BF16_GRAD,
+                _ => Tolerance::F32_GRAD,
+            };
+            assert_close(&a, &b, tol, &what);
+            for (name, (x, y)) in ["q", "k", "v"].iter().zip(ga.iter().zip(&gb)) {
+                assert_close(x, y, tol, &format!("{what}: grad {name}"));
+            }
+            // The second batch's key gradient is NaN for both keys: PyTorch's sum meets 0·inf
+            // on each of its rows.
+            let dk = ga[1].to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            let dk = dk.to_vec1::<f32>().unwrap();
+            assert!(dk[16..].iter().all(|x| x.is_nan()), "{what}: {dk:?}");
+        }
+    }
+}
+
 /// SDPA's output and the gradients of q, k and v for the loss `Σ out ∘ up` (a fixed `up`).
 fn sdpa_and_grads(
     q: &Tensor,
