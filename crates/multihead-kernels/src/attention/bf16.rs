@@ -19,10 +19,10 @@
 //!
 //! [`AttnParams::bf16_products`]: super::AttnParams::bf16_products
 
+use super::simd::Simd;
 use crate::bf16gemm::micro::{Kernel, Tile};
 use crate::bf16gemm::pack::Operand;
 use crate::bf16gemm::{MR, NR};
-use super::simd::Simd;
 
 /// The widest query block the bf16 products take (one panel of pair words).
 pub(crate) const MAX_LANES: usize = NR;

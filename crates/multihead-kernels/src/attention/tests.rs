@@ -1224,7 +1224,8 @@ fn lane_dots_are_the_kernels_products_bit_for_bit() {
             (o[6 * n + c], g[6 * n + c]) = (o[6 * n + c] * 1e-39, 2f32.powi(100));
             // Normal products whose sums cancel into the subnormal range.
             let sign = if c % 2 == 0 { 1.0 } else { -1.0 };
-            (o[7 * n + c], g[7 * n + c]) = (sign * 2f32.powi(-63), 2f32.powi(-63) * (1.0 + c as f32 / 64.0));
+            (o[7 * n + c], g[7 * n + c]) =
+                (sign * 2f32.powi(-63), 2f32.powi(-63) * (1.0 + c as f32 / 64.0));
         }
         o[4 * n + n / 2] = f32::NAN;
         let gt: Vec<f32> = (0..n * 16).map(|e| g[(e % 16) * n + e / 16]).collect();

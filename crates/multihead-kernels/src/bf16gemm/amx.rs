@@ -319,7 +319,6 @@ fn daz(bits: u16) -> f32 {
     }
 }
 
-
 /// One `tdpbf16ps` for one output element: `acc` plus the [`AMX_KP`] pairs `pair(k)` (the
 /// `A` word and the `B` word of pair `k`, bf16 even half low), as the tiles compute it (see
 /// the module's documentation): the even and the odd products in two fused chains, their sum,

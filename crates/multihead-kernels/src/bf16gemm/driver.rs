@@ -325,6 +325,9 @@ struct Pass<'a> {
     source: ASource,
 }
 
+/// A block of `A` read in place: `A`'s elements, the block's first one, the strides.
+type OwnRows = (ConstPtr<u16>, usize, (usize, usize));
+
 /// Where the tiles read `A` from.
 #[derive(Clone, Copy)]
 enum ASource {
@@ -338,6 +341,19 @@ enum ASource {
 }
 
 impl Pass<'_> {
+    /// `A`'s own rows `i0..i0 + rows` where the tiles read them in place (`reads_a_in_place`,
+    /// and whole tiles of `mr` rows): `A`'s elements, the offset of the block's first one (at
+    /// the block's depth `p0`), and the strides; `None` where the block is packed.
+    fn own_rows(&self, i0: usize, rows: usize, mr: usize) -> Option<OwnRows> {
+        match (self.source, self.a.data) {
+            (ASource::InPlace, Elems::Bf16(src)) if rows.is_multiple_of(mr) => {
+                let rs = self.a.row_stride;
+                Some((ConstPtr(src.as_ptr()), i0 * rs + self.block.p0, (rs, 2)))
+            }
+            _ => None,
+        }
+    }
+
     /// Task `t`: one row block of `A` against one part of the `B` panels.
     fn task(&self, t: usize, kern: Kernel) -> Result<(), KernelError> {
         let x = &self.block;
@@ -356,15 +372,7 @@ impl Pass<'_> {
         // An f32 output's last tile whose epilogue has not run yet: (tile, rows, columns,
         // first column).
         let mut stored: Option<(*mut f32, usize, usize, usize)> = None;
-        // `A`'s own rows where they are whole tiles (`reads_a_in_place`): (first element of
-        // the block, strides), with the row tiles `strides.0 · mr` apart.
-        let own = match (self.source, self.a.data) {
-            (ASource::InPlace, Elems::Bf16(src)) if rows.is_multiple_of(mr) => {
-                let rs = self.a.row_stride;
-                Some((ConstPtr(src.as_ptr()), i0 * rs + x.p0, (rs, 2)))
-            }
-            _ => None,
-        };
+        let own = self.own_rows(i0, rows, mr);
         let words = match (own, self.source) {
             (None, ASource::Pack | ASource::InPlace) => padded * lda,
             _ => 0,

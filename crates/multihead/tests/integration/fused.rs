@@ -411,15 +411,17 @@ fn fully_masked_rows_with_a_non_finite_value_give_the_same_gradients_on_both_pat
         for bad in [f64::NEG_INFINITY, f64::NAN] {
             let q0 = det(&[2, 1, 3, 8], dtype, 1.0);
             let k0 = det(&[2, 1, 2, 8], dtype, 2.0);
-            let mut vals = det(&[2, 1, 2, 8], DType::F64, 3.0).flatten_all().unwrap();
-            vals = vals.slice_assign(&[31..32], &Tensor::new(&[bad], &dev()).unwrap()).unwrap();
-            let v0 = vals.reshape((2, 1, 2, 8)).unwrap().to_dtype(dtype).unwrap();
+            // The second batch's key 1 holds the bad value in its last channel.
+            let flat = det(&[2, 1, 2, 8], DType::F64, 3.0).flatten_all().unwrap();
+            let mut vals = flat.to_vec1::<f64>().unwrap();
+            vals[31] = bad;
+            let v0 = Tensor::from_vec(vals, (2, 1, 2, 8), &dev()).unwrap();
+            let v0 = v0.to_dtype(dtype).unwrap();
             // The first batch's row 1 sees no key; the second batch's rows see none (a row that
             // sees any key meets the bad value as 0·inf in its output, NaN on both paths).
             let take = Tensor::new(&[1u8, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0], &dev()).unwrap();
             let take = take.reshape((2, 1, 3, 2)).unwrap();
-            let mut opts = SdpaOptions::default();
-            opts.attn_mask = Some(Mask::Bool(take));
+            let opts = SdpaOptions { attn_mask: Some(Mask::Bool(take)), ..Default::default() };
             let go = |fused: bool| {
                 with_backend(backend(fused), || {
                     let (q, k, v) = (var(&q0), var(&k0), var(&v0));
