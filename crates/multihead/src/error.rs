@@ -188,6 +188,21 @@ fn state_dict_problems(
     parts.join("; ")
 }
 
+impl Error {
+    /// This error with its argument renamed where `renames` maps it (`(from, to)` pairs): a
+    /// Transformer layer names the masks it hands to its attention by its own arguments (a
+    /// decoder's `tgt_mask` and `memory_mask` both reach `MultiheadAttention` as `attn_mask`).
+    pub(crate) fn renamed(self, renames: &[(&str, &'static str)]) -> Self {
+        let swap = |arg: &'static str| renames.iter().find(|(f, _)| *f == arg).map_or(arg, |r| r.1);
+        match self {
+            Error::Shape { op, arg, msg } => Error::Shape { op, arg: swap(arg), msg },
+            Error::DType { op, arg, msg } => Error::DType { op, arg: swap(arg), msg },
+            Error::Config { op, arg, msg } => Error::Config { op, arg: swap(arg), msg },
+            e => e,
+        }
+    }
+}
+
 impl std::fmt::Debug for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // The one variant with a source (`Candle`) already shows it in its message.

@@ -115,7 +115,12 @@ impl TransformerDecoderLayer {
         opts: &MhaOptions,
         (drop, slot): (&LayerDropout, DropoutSlot),
     ) -> Result<Tensor> {
-        attention_block(attn, (x, mem), opts, drop, slot)
+        // The self-attention's masks are PyTorch's `tgt_*`, the cross-attention's `memory_*`.
+        let names = match slot {
+            DropoutSlot::CrossBlock => super::MEMORY_MASKS,
+            _ => super::TGT_MASKS,
+        };
+        attention_block(attn, (x, mem), opts, (drop, slot), names)
     }
 
     fn feed_forward(&self, x: &Tensor, drop: &LayerDropout) -> Result<Tensor> {

@@ -92,7 +92,8 @@ impl TransformerEncoderLayer {
     }
 
     fn attend(&self, x: &Tensor, opts: &MhaOptions, drop: &LayerDropout) -> Result<Tensor> {
-        attention_block(&self.self_attn, (x, x), opts, drop, DropoutSlot::SelfBlock)
+        let block = (drop, DropoutSlot::SelfBlock);
+        attention_block(&self.self_attn, (x, x), opts, block, super::SRC_MASKS)
     }
 
     fn feed_forward(&self, x: &Tensor, drop: &LayerDropout) -> Result<Tensor> {

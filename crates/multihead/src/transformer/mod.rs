@@ -275,21 +275,46 @@ impl LayerDropout {
     }
 }
 
+/// PyTorch's names for the mask arguments an attention block receives, by which its errors
+/// name them: `attn_mask`, `key_padding_mask` and `is_causal` of the `MultiheadAttention` call.
+#[derive(Clone, Copy)]
+pub(crate) struct MaskNames(pub [(&'static str, &'static str); 3]);
+
+/// An encoder layer's self-attention: `src_mask`, `src_key_padding_mask`, `is_causal`.
+pub(crate) const SRC_MASKS: MaskNames = MaskNames([
+    ("attn_mask", "src_mask"),
+    ("key_padding_mask", "src_key_padding_mask"),
+    ("is_causal", "is_causal"),
+]);
+/// A decoder layer's self-attention.
+pub(crate) const TGT_MASKS: MaskNames = MaskNames([
+    ("attn_mask", "tgt_mask"),
+    ("key_padding_mask", "tgt_key_padding_mask"),
+    ("is_causal", "tgt_is_causal"),
+]);
+/// A decoder layer's cross-attention.
+pub(crate) const MEMORY_MASKS: MaskNames = MaskNames([
+    ("attn_mask", "memory_mask"),
+    ("key_padding_mask", "memory_key_padding_mask"),
+    ("is_causal", "memory_is_causal"),
+]);
+
 /// `dropout(attn(x, mem, mem, need_weights=False)[0])`: a layer's attention block (`opts` as
-/// given, but without weights: a layer returns none).
+/// given, but without weights: a layer returns none); its errors name the masks by `names`.
 pub(crate) fn attention_block(
     attn: &crate::MultiheadAttention,
     (x, mem): (&candle_core::Tensor, &candle_core::Tensor),
     opts: &crate::MhaOptions,
-    drop: &LayerDropout,
-    slot: DropoutSlot,
+    (drop, slot): (&LayerDropout, DropoutSlot),
+    names: MaskNames,
 ) -> crate::Result<candle_core::Tensor> {
     let out = if opts.need_weights {
         let opts = crate::MhaOptions { need_weights: false, ..opts.clone() };
-        attn.forward(x, mem, mem, &opts)?
+        attn.forward(x, mem, mem, &opts)
     } else {
-        attn.forward(x, mem, mem, opts)?
+        attn.forward(x, mem, mem, opts)
     };
+    let out = out.map_err(|e| e.renamed(&names.0))?;
     drop.apply(&out.output, slot)
 }
 

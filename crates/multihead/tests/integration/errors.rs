@@ -288,3 +288,43 @@ fn candle_errors_lose_their_backtrace_in_the_message() {
     assert_eq!(e.to_string(), "candle: shape mismatch in mul");
     assert_eq!(format!("{e:?}"), "candle: shape mismatch in mul");
 }
+
+/// A Transformer layer's mask errors name the layer's own argument (PyTorch's name for it), not
+/// `attn_mask` or `key_padding_mask` of the attention that checks it: a decoder hands both its
+/// `tgt_mask` and its `memory_mask` to a `MultiheadAttention` as `attn_mask`.
+#[test]
+fn layer_mask_errors_name_the_layer_arguments() {
+    use candle_nn::{VarBuilder, VarMap};
+    use multihead::transformer::{
+        DecoderMasks, LayerConfig, TransformerDecoderLayer, TransformerEncoderLayer,
+    };
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let cfg = LayerConfig::new(8, 2).with_dim_feedforward(16);
+    let enc = TransformerEncoderLayer::new(cfg.clone(), vb.pp("e")).unwrap();
+    let dec = TransformerDecoderLayer::new(cfg, vb.pp("d")).unwrap();
+    // Sequence-first: tgt (L=3, N=2, E=8), memory (S=5, N=2, E=8).
+    let (tgt, memory) = (t(&[3, 2, 8]), t(&[5, 2, 8]));
+    let bad = || Some(Mask::Bool(u8s(&[4, 4])));
+    let bad_kpm = || Some(Mask::Bool(u8s(&[2, 9])));
+    let cases: Vec<(&str, DecoderMasks)> = vec![
+        ("tgt_mask", DecoderMasks { tgt_mask: bad(), ..Default::default() }),
+        ("memory_mask", DecoderMasks { memory_mask: bad(), ..Default::default() }),
+        (
+            "tgt_key_padding_mask",
+            DecoderMasks { tgt_key_padding_mask: bad_kpm(), ..Default::default() },
+        ),
+        (
+            "memory_key_padding_mask",
+            DecoderMasks { memory_key_padding_mask: bad_kpm(), ..Default::default() },
+        ),
+    ];
+    for (name, masks) in cases {
+        let e = dec.forward(&tgt, &memory, &masks).expect_err("must be rejected").to_string();
+        assert!(e.contains(&format!(": {name}: ")), "{name}: {e}");
+    }
+    let e = enc.forward(&tgt, bad().as_ref(), None, false).expect_err("rejected").to_string();
+    assert!(e.contains(": src_mask: ") && e.contains("got (4, 4)"), "{e}");
+    let e = enc.forward(&tgt, None, bad_kpm().as_ref(), false).expect_err("rejected").to_string();
+    assert!(e.contains(": src_key_padding_mask: "), "{e}");
+}
