@@ -156,7 +156,7 @@ impl MhaConfig {
         if e == 0 || h == 0 {
             return Err(Error::Config {
                 op: OP,
-                arg: "embed_dim",
+                arg: if e == 0 { "embed_dim" } else { "num_heads" },
                 msg: format!("embed_dim and num_heads must be greater than 0, got embed_dim={e} and num_heads={h} instead"),
             });
         }

@@ -226,8 +226,8 @@ fn constructor_checks() {
             .expect_err("invalid config")
             .to_string()
     };
-    contains_all(&build(MhaConfig::new(0, 1)), &["embed_dim=0", "greater than 0"]);
-    contains_all(&build(MhaConfig::new(8, 0)), &["num_heads=0"]);
+    contains_all(&build(MhaConfig::new(0, 1)), &[": embed_dim: ", "embed_dim=0", "greater than 0"]);
+    contains_all(&build(MhaConfig::new(8, 0)), &[": num_heads: ", "num_heads=0"]);
     contains_all(&build(MhaConfig::new(8, 3)), &["divisible", "embed_dim=8", "num_heads=3"]);
     for p in [1.5, -0.1, 1.0, f64::NAN] {
         contains_all(&build(MhaConfig::new(8, 2).with_dropout(p)), &["dropout", "[0, 1)"]);

@@ -164,7 +164,7 @@ fn check_config(params: &MhaParams, inputs: [(&'static str, &Tensor); 3]) -> Res
     if h == 0 || e == 0 {
         return Err(Error::Config {
             op: MHA,
-            arg: "num_heads",
+            arg: if e == 0 { "embed_dim_to_check" } else { "num_heads" },
             msg: format!("embed_dim and num_heads must be greater than 0, got embed_dim={e} and num_heads={h}"),
         });
     }
