@@ -264,9 +264,11 @@ pub fn backward_with_dscores(
                         if !p.softcap_after_masks {
                             dsc[r * d.s + j] = ds;
                         }
-                        if x.is_finite() {
-                            ds *= 1.0 - (x / c as f64).tanh().powi(2);
-                        }
+                        // Also at an infinite score (an infinite key), where the slope is 0 and
+                        // the key's `0·inf` makes the query's gradient NaN, as autograd's
+                        // through `tanh` does (a hidden `-inf` entry has `P = 0` and `dS = 0`
+                        // either way).
+                        ds *= 1.0 - (x / c as f64).tanh().powi(2);
                     }
                     if p.softcap.is_none() || p.softcap_after_masks {
                         dsc[r * d.s + j] = ds;

@@ -161,8 +161,9 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     }
     /// The soft cap `c·tanh(v/c)` (`inv` is `1/c`): Eigen's rational approximation of tanh (a
     /// degree-13 odd numerator over a degree-6 even denominator) on `v` clamped to
-    /// `±7.905·c`, where tanh rounds to ±1, with the cap folded into the clamp and the
-    /// numerator; within a few ulp of `c·tanh(v/c)` (tested against f64); NaN propagates.
+    /// `±7.905·c`, where tanh is within 2 ulp of ±1, with the cap folded into the clamp and
+    /// the numerator, and exactly `±c` past the clamp; within a few ulp of `c·tanh(v/c)`
+    /// (tested against f64); NaN propagates.
     #[inline(always)]
     unsafe fn softcap(v: Self::V, c: f32, inv: f32) -> Self::V {
         /// 2^-32 and 2^32: exact scalings.
@@ -213,7 +214,14 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
                 q = Self::fma(q, x2, Self::splat(b));
             }
             // c·(x·p/q) = vc·p/q.
-            Self::mul(Self::mul(vc, p), Self::recip(q))
+            let y = Self::mul(Self::mul(vc, p), Self::recip(q));
+            // Past the bound, exactly ±c (as tanh in f32 from 8.7 on): the approximation
+            // stops at c·(1 - 2 ulp) there, whose slope `1 - (y/c)²` would stay at 2.4e-7
+            // however large the score, where the exact slope vanishes. `v - vc` is 0 inside
+            // the bound and at least one step of the bound (4.8e-7·c) past it, which takes the
+            // sum past ±c before the clamp; NaN stays NaN through both.
+            let past = Self::add(y, Self::sub(v, vc));
+            Self::max(Self::splat(-c), Self::min(Self::splat(c), past))
         }
     }
     /// The sum of the lanes (in a fixed order).

@@ -118,6 +118,59 @@ fn softcap_after_the_masks() {
     check_case(&c);
 }
 
+/// Scores far past the soft cap (the scale up to 1e10): every capped score is exactly `±c`, its
+/// slope 0, so no gradient reaches the queries and keys (the f64 reference's are 0 too); the
+/// approximation's last value below `c` had left a slope of 2.4e-7 that the scale multiplied
+/// (dq of -2384 at a scale of 1e10). An infinite key under the cap gives `0·inf`, NaN, in the
+/// query gradients as in the reference.
+#[test]
+fn a_saturated_soft_cap_passes_no_gradient() {
+    let (l, s, d) = (3usize, 5usize, 4usize);
+    let dims = AttnDims { batch: 1, heads_q: 1, heads_kv: 1, l, s, d, dv: d };
+    let (ql, kl) = (Layout4::contiguous(1, l, d), Layout4::contiguous(1, s, d));
+    let q: Vec<f32> = rand_vec(l * d, 1).iter().map(|x| x.abs() + 0.5).collect();
+    let k0: Vec<f32> = rand_vec(s * d, 2).iter().map(|x| x.abs() + 0.5).collect();
+    let (v, dout) = (rand_vec(s * d, 3), rand_vec(l * d, 4));
+    for (scale, after, inf_key) in
+        [(1e3f32, false, false), (1e10, false, false), (1e10, true, false), (1.0, false, true)]
+    {
+        let mut k = k0.clone();
+        if inf_key {
+            k[2 * d + 1] = f32::INFINITY;
+        }
+        let mut p = AttnParams::new(dims);
+        (p.scale, p.softcap, p.softcap_after_masks) = (scale, Some(30.0), after);
+        let (edq, edk, edv) = reference::backward(&p, &q, ql, &k, kl, &v, kl, &dout, ql);
+        for level in levels() {
+            with_simd_level(level, || {
+                let mut out = vec![0f32; l * d];
+                let mut lse = vec![0f32; 2 * l];
+                flash_forward(&p, &q, ql, &k, kl, &v, kl, &mut out, ql, &mut lse).unwrap();
+                let (mut dq, mut dk, mut dv) =
+                    (vec![1f32; l * d], vec![1f32; s * d], vec![0f32; s * d]);
+                flash_backward(
+                    &p, &q, ql, &k, kl, &v, kl, &out, ql, &dout, ql, &lse, &mut dq, ql, &mut dk,
+                    kl, &mut dv, kl,
+                )
+                .unwrap();
+                let what = format!("{level:?} scale {scale} after {after} inf key {inf_key}");
+                for (name, got, want) in [("dq", &dq, &edq), ("dk", &dk, &edk), ("dv", &dv, &edv)] {
+                    for (i, (&g, &e)) in got.iter().zip(want.iter()).enumerate() {
+                        let ok = match e.is_nan() {
+                            true => g.is_nan(),
+                            false => (g as f64 - e).abs() <= 1e-5 * (1.0 + e.abs()),
+                        };
+                        assert!(ok, "{what}: {name}[{i}] {g} vs {e}");
+                    }
+                }
+                if !inf_key {
+                    assert!(dq.iter().chain(&dk).all(|&x| x == 0.0), "{what}: {dq:?} {dk:?}");
+                }
+            });
+        }
+    }
+}
+
 /// Slopes as ALiBi's geometric sequence for `h` heads (and a negative one, which the kernels
 /// accept: a bias growing with the distance).
 fn slopes(h: usize) -> Vec<f32> {
