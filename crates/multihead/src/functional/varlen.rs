@@ -1,7 +1,7 @@
 //! Attention over a packed batch of variable-length sequences: FlashAttention's
 //! `flash_attn_varlen_func` on the CPU, forward and backward, with SDPA's options.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use super::core::cat_nonempty;
 use super::sdpa::{scaled_dot_product_attention, SdpaOptions};
@@ -192,7 +192,7 @@ pub fn explain_varlen(
 ) -> Result<Plan> {
     validate(query, key, value, (cu_seqlens_q, cu_seqlens_k), opts)?;
     let blocker = match crate::precision::is_reduced(query.dtype()) {
-        true => None, // widened to f32, then fused
+        true => None, // widened to f32, then on the planned path
         false => dtype_device_blocker(query),
     };
     decide(VARLEN, opts.backend, blocker)
@@ -271,15 +271,24 @@ fn run(
     path: Path,
 ) -> Result<Tensor> {
     let rows = query.rank() == 2;
-    if crate::precision::is_reduced(query.dtype()) {
+    // What the call allocates before its kernels or ops check their own: the output, and a
+    // reduced dtype's f32 copies of the inputs (views may hold more rows than memory).
+    let hint = "pack fewer or shorter sequences";
+    let rows_q = cu_seqlens_q.0.last().copied().unwrap_or(0);
+    let reduced = crate::precision::is_reduced(query.dtype());
+    let wide = if reduced { DType::F32 } else { query.dtype() };
+    crate::alloc::ensure(VARLEN, "output", &[rows_q, hq, ev], wide, 1, hint)?;
+    if reduced {
+        for (what, t) in [("query", query), ("key", key), ("value", value)] {
+            crate::alloc::ensure(VARLEN, what, t.dims(), DType::F32, 1, hint)?;
+        }
         use crate::precision::widen;
         let (q, k, v) = (widen(query)?, widen(key)?, widen(value)?);
         let (heads, cu) = ((hq, hk, e, ev), (cu_seqlens_q, cu_seqlens_k));
         let mut o = opts.clone();
         o.sinks = crate::precision::widen_opt(opts.sinks.as_ref())?;
-        let y = crate::mode::rounded_products(query.dtype(), || {
-            run(&q, &k, &v, heads, cu, &o, Path::Fused)
-        })?;
+        let y =
+            crate::mode::rounded_products(query.dtype(), || run(&q, &k, &v, heads, cu, &o, path))?;
         return crate::precision::narrow(&y, query.dtype());
     }
     let dropout = (opts.dropout_p > 0.0)
@@ -312,6 +321,9 @@ fn run(
                 let (l, s) = (wq[1] - wq[0], wk[1] - wk[0]);
                 // (T, H, E) rows -> (H, T, E): SDPA with the heads as its batch.
                 let part = |t: &Tensor, from, n, (h, w): (usize, usize)| -> Result<Tensor> {
+                    // The sequence's rows are copied head-major (a view may hold more rows
+                    // than memory).
+                    crate::alloc::ensure(VARLEN, "sequence rows", &[h, n, w], t.dtype(), 1, hint)?;
                     let x = t.narrow(0, from, n)?;
                     let x = if rows { x.reshape((n, h, w))? } else { x };
                     Ok(x.transpose(0, 1)?.contiguous()?)

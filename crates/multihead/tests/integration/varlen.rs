@@ -120,6 +120,45 @@ fn bad_packed_batches_are_errors() {
     }
 }
 
+/// A packed batch too large to allocate (a zero-strided view of 2^34 rows, f32 and bf16) is
+/// `Error::Alloc` naming `varlen_attention` on both paths; the composed path copied each
+/// sequence's rows first, and the process aborted.
+#[test]
+fn an_unallocatable_packed_batch_is_an_error_on_both_paths() {
+    let cu = CuSeqlens::from_offsets(vec![0, 1 << 34]);
+    for dtype in [DType::F32, DType::BF16] {
+        let z = Tensor::zeros((1, 1, 1), dtype, &candle_core::Device::Cpu).unwrap();
+        let x = z.broadcast_as((1usize << 34, 1, 1)).unwrap();
+        for backend in [Backend::Fused, Backend::Composed] {
+            let o = SdpaOptions::default().is_causal(true).backend(backend);
+            let e = varlen_attention(&x, &x, &x, &cu, &cu, &o).unwrap_err();
+            let what = format!("{dtype:?} {backend:?}: {e}");
+            assert!(matches!(e, Error::Alloc { op: "varlen_attention", .. }), "{what}");
+            assert!(e.to_string().contains("cannot be allocated"), "{what}");
+        }
+    }
+}
+
+/// A bf16 packed batch takes the path it is given: the composed twin (SDPA per sequence on
+/// the widened rows) when asked, within bf16's tolerance of the fused kernels, and `explain`
+/// says which.
+#[test]
+fn a_bf16_packed_batch_takes_the_composed_path_when_asked() {
+    let cu = CuSeqlens::from_lengths(&[3, 17, 40]);
+    let x = det(&[60, 2, 16], DType::BF16, 1.0);
+    let go = |backend: Backend| {
+        let o = SdpaOptions::default().is_causal(true).backend(backend);
+        let plan = explain_varlen(&x, &x, &x, &cu, &cu, &o).unwrap();
+        (plan.path, varlen_attention(&x, &x, &x, &cu, &cu, &o).unwrap())
+    };
+    let ((pf, f), (pc, c)) = (go(Backend::Fused), go(Backend::Composed));
+    assert_eq!((pf, pc), (Path::Fused, Path::Composed));
+    assert_close(&f, &c, Tolerance::BF16_FORWARD, "bf16 fused vs composed");
+    let diff = (f.to_dtype(DType::F32).unwrap() - c.to_dtype(DType::F32).unwrap()).unwrap();
+    let diff = diff.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    assert!(diff > 0.0, "the composed path did not run (the same bits as the fused one)");
+}
+
 /// `MultiheadAttention::forward_packed` gives what `forward` gives on each sequence alone,
 /// on both paths; the gradients of the input and every parameter agree between the paths,
 /// with dropout in training and grouped-query heads.
