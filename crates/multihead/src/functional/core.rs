@@ -3,7 +3,7 @@
 //! operations (so candle's autograd differentiates it; candle's own `softmax_last_dim` drops
 //! gradients on contiguous input).
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 
 use crate::error::{Error, Result};
 use crate::random::DropoutKey;
@@ -131,6 +131,23 @@ pub(crate) fn attention_probs(
         }
     }
     Ok(w)
+}
+
+/// An explicit `scale` must be finite, and in f32 too unless the inputs are f64: the kernels and
+/// the f32 ops multiply in f32 (and bf16 inputs in f32), where a scale past 3.4e38 is infinite
+/// and every score NaN or infinite (PyTorch returns those rows; refusing says why).
+pub(crate) fn check_scale(op: &'static str, scale: Option<f64>, dtype: DType) -> Result<()> {
+    let Some(s) = scale else { return Ok(()) };
+    let wide = dtype == DType::F64;
+    if !s.is_finite() || (!wide && !(s as f32).is_finite()) {
+        let within = if wide { "" } else { " (within f32's range for non-f64 inputs)" };
+        return Err(Error::Config {
+            op,
+            arg: "scale",
+            msg: format!("scale must be finite{within}, got {s:e}; pass a smaller scale"),
+        });
+    }
+    Ok(())
 }
 
 pub(crate) fn check_dropout(p: f64, op: &'static str) -> Result<()> {

@@ -176,13 +176,7 @@ fn check_basics(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaOptions
         }
     }
     check_dropout(opts.dropout_p, SDPA)?;
-    if opts.scale.is_some_and(|s| !s.is_finite()) {
-        return Err(Error::Config {
-            op: SDPA,
-            arg: "scale",
-            msg: format!("scale must be finite, got {:?}", opts.scale),
-        });
-    }
+    super::core::check_scale(SDPA, opts.scale, query.dtype())?;
     if opts.is_causal && opts.attn_mask.is_some() {
         return Err(Error::Config {
             op: SDPA,

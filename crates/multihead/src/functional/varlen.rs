@@ -143,9 +143,7 @@ fn validate(
         return Err(Error::Config { op: VARLEN, arg: "cu_seqlens_k", msg });
     }
     super::core::check_dropout(opts.dropout_p, VARLEN)?;
-    if opts.scale.is_some_and(|s| !s.is_finite()) {
-        return Err(config("scale", "the scale must be finite"));
-    }
+    super::core::check_scale(VARLEN, opts.scale, q.dtype())?;
     if opts.attn_mask.is_some() {
         return Err(config(
             "attn_mask",

@@ -328,3 +328,35 @@ fn layer_mask_errors_name_the_layer_arguments() {
     let e = enc.forward(&tgt, None, bad_kpm().as_ref(), false).expect_err("rejected").to_string();
     assert!(e.contains(": src_key_padding_mask: "), "{e}");
 }
+
+/// An explicit scale must be finite, and within f32's range unless the inputs are f64 (the
+/// scores are f32 products there: 1e300 made every row NaN, silently); SDPA and the packed
+/// attention alike, on every backend.
+#[test]
+fn a_scale_past_the_inputs_range_is_refused() {
+    use multihead::functional::{varlen_attention, CuSeqlens};
+    let cu = CuSeqlens::from_lengths(&[3]);
+    for dtype in [DType::F32, DType::BF16, DType::F64] {
+        let x = det(&[1, 2, 3, 4], dtype, 0.3);
+        let rows = det(&[3, 2, 4], dtype, 0.4);
+        for backend in [Backend::Auto, Backend::Composed, Backend::Fused] {
+            for scale in [1e300, f64::NAN, f64::INFINITY] {
+                let o = SdpaOptions::default().scale(scale).backend(backend);
+                let r = scaled_dot_product_attention(&x, &x, &x, &o);
+                let what = format!("{dtype:?} {backend:?} scale {scale:e}");
+                if dtype == DType::F64 && scale == 1e300 {
+                    // f64 inputs hold it (the fused kernels take f32 only: their refusal is
+                    // about the dtype).
+                    if backend != Backend::Fused {
+                        r.expect(&what);
+                    }
+                    continue;
+                }
+                let e = r.expect_err(&what).to_string();
+                assert!(e.contains("scaled_dot_product_attention: scale: "), "{what}: {e}");
+                let e = varlen_attention(&rows, &rows, &rows, &cu, &cu, &o).expect_err(&what);
+                assert!(e.to_string().contains("varlen_attention: scale: "), "{what}: {e}");
+            }
+        }
+    }
+}
