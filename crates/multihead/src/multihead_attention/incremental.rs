@@ -454,7 +454,12 @@ impl MultiheadAttention {
                     plan,
                 )?);
             }
-            Tensor::cat(&outs, seq_dim)?
+            match outs.is_empty() {
+                // No new tokens: the empty output a full cache gives (candle cannot cat
+                // nothing).
+                true => q.narrow(seq_dim, 0, 0)?.zeros_like()?,
+                false => Tensor::cat(&outs, seq_dim)?,
+            }
         };
         let p = self.params()?;
         let out = linear(
@@ -545,8 +550,11 @@ impl MultiheadAttention {
         let scale = 1.0 / (hd as f64).sqrt();
         let mut outs = Vec::with_capacity(n);
         for b in 0..n {
-            let kv_len = rows.kv_len[b];
-            let qb = q.get(b)?.reshape((t, h, hd))?.transpose(0, 1)?.contiguous()?; // (H, T, D)
+            // Only the entry's new tokens attend; its padding rows stay zero (not attended: a
+            // NaN there must not reach them, as in the fused kernel, which skips them).
+            let (kv_len, tl) = (rows.kv_len[b], rows.q_len[b].min(t));
+            let qb = q.get(b)?.narrow(0, 0, tl)?;
+            let qb = qb.reshape((tl, h, hd))?.transpose(0, 1)?.contiguous()?; // (H, Tb, D)
             let expand = |c: &Tensor| -> Result<Tensor> {
                 let c = c.get(b)?.narrow(1, 0, kv_len)?; // (Hk, S, D)
                 let c = c.reshape((hk, 1, kv_len, hd))?.broadcast_as((hk, h / hk, kv_len, hd))?;
@@ -559,10 +567,10 @@ impl MultiheadAttention {
             let mh = slopes.len();
             // A mask per head with ALiBi: checked before it is built (and its f32 copy).
             let hint = "decode in shorter chunks, or use the fused f32 path";
-            crate::alloc::ensure(CACHED, "attention mask", &[mh, t, kv_len], DType::F64, 2, hint)?;
+            crate::alloc::ensure(CACHED, "attention mask", &[mh, tl, kv_len], DType::F64, 2, hint)?;
             let mask: Vec<f64> = slopes
                 .iter()
-                .flat_map(|&m| (0..t).map(move |i| (m, i)))
+                .flat_map(|&m| (0..tl).map(move |i| (m, i)))
                 .flat_map(|(m, i)| {
                     let (seen, pos) = (rows.first(b, i)..rows.visible(b, i), rows.q_pos[b] + i);
                     (0..kv_len).map(move |j| match seen.contains(&j) {
@@ -574,14 +582,18 @@ impl MultiheadAttention {
             // bf16/f16 attend in f32 and round once, as every operation here does.
             let cd = if crate::precision::is_reduced(q.dtype()) { DType::F32 } else { q.dtype() };
             let (qb, kb, vb) = (qb.to_dtype(cd)?, kb.to_dtype(cd)?, vb.to_dtype(cd)?);
-            let mask = Tensor::from_vec(mask, (mh, t, kv_len), q.device())?.to_dtype(cd)?;
+            let mask = Tensor::from_vec(mask, (mh, tl, kv_len), q.device())?.to_dtype(cd)?;
             let sinks = match &step.sinks {
                 Some(s) => Some(Tensor::from_vec(s.clone(), (h, 1, 1), q.device())?.to_dtype(cd)?),
                 None => None,
             };
             let score = (scale, cap, sinks.as_ref());
             let (o, _) = attention_core(&qb, &kb, &vb, Some(&mask), score, None, false)?;
-            outs.push(o.to_dtype(q.dtype())?.transpose(0, 1)?.reshape((t, e))?);
+            let o = o.to_dtype(q.dtype())?.transpose(0, 1)?.reshape((tl, e))?;
+            outs.push(match tl < t {
+                true => Tensor::cat(&[o, Tensor::zeros((t - tl, e), q.dtype(), q.device())?], 0)?,
+                false => o,
+            });
         }
         // No rows: an empty batch of the right shape (candle cannot stack nothing).
         let out = match outs.is_empty() {

@@ -255,6 +255,36 @@ fn empty_caches_take_calls_that_append_nothing() {
     assert!(e.contains("sinks") && e.contains("expected a float tensor"), "{e}");
 }
 
+/// A step of no new tokens is an empty output on a sliding cache too (it failed with an untyped
+/// "cat expects at least one tensor"); and a NaN in a padding token (beyond `lengths`) leaves
+/// that row at the output projection's bias on every dtype and path (the composed path, which
+/// f64 and f16 take, attended it and gave NaN).
+#[test]
+fn empty_steps_and_nan_padding_rows_on_every_cache_and_dtype() {
+    for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+        let m = module(16, 2, None, dtype);
+        let bias = m.named_parameters().into_iter().find(|(n, _)| n == "out_proj.bias").unwrap().1;
+        let bias = bias.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+        let x0 = det(&[2, 0, 16], dtype, 1.0);
+        let mut ring = m.new_sliding_cache(2, 4).unwrap();
+        assert_eq!(m.forward_cached(&x0, &mut ring, None).unwrap().dims(), &[2, 0, 16]);
+        assert_eq!(ring.lens(), &[0, 0]);
+        let flat = det(&[2, 2, 16], DType::F32, 2.0).flatten_all().unwrap();
+        let mut vals = flat.to_vec1::<f32>().unwrap();
+        vals[(2 + 1) * 16] = f32::NAN; // entry 1, token 1: padding under lengths [2, 1]
+        let x = Tensor::from_vec(vals, (2, 2, 16), &dev()).unwrap().to_dtype(dtype).unwrap();
+        for backend in [Backend::Auto, Backend::Composed] {
+            let mut cache = m.new_cache(2, 4).unwrap();
+            let y = with_backend(backend, || m.forward_cached(&x, &mut cache, Some(&[2, 1])));
+            let y = y.unwrap().to_dtype(DType::F32).unwrap();
+            let pad = y.get(1).unwrap().get(1).unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(pad, bias, "{dtype:?} {backend:?}: the padding row");
+            let real = y.narrow(1, 0, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(real.iter().all(|v| v.is_finite()), "{dtype:?} {backend:?}: {real:?}");
+        }
+    }
+}
+
 #[test]
 fn bad_cached_calls_are_typed_errors() {
     let mut m = module(16, 2, None, DType::F32);
