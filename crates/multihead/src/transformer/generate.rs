@@ -231,7 +231,21 @@ impl Transformer {
         let seq_dim = if bf { 1 } else { 0 };
         let mut state = match opts.use_cache {
             true => {
-                Some(self.start_decoding(memory, memory_key_padding_mask, opts.max_new_tokens)?)
+                let state =
+                    self.start_decoding(memory, memory_key_padding_mask, opts.max_new_tokens);
+                // The caches hold max_new_tokens positions: too many is this argument's doing.
+                Some(state.map_err(|e| match e {
+                    Error::Alloc { msg, .. } => Error::Alloc {
+                        op: OP,
+                        what: "max_new_tokens",
+                        msg: format!(
+                            "the decoder's caches for {} new tokens cannot be allocated ({msg}); \
+                             ask for fewer tokens",
+                            opts.max_new_tokens
+                        ),
+                    },
+                    e => e,
+                })?)
             }
             false => None,
         };

@@ -569,6 +569,11 @@ fn generation_with_the_cache_gives_the_tokens_of_recomputing() {
     };
     let err = model.generate(&memory, None, &[0, 1, 2], &bad, embed, logits).unwrap_err();
     assert!(err.to_string().contains("temperature must be positive"), "{err}");
+    // Caches for too many tokens: an allocation error that names max_new_tokens.
+    let huge = GenerateOptions { max_new_tokens: 1 << 40, ..Default::default() };
+    let err = model.generate(&memory, None, &[0, 1, 2], &huge, embed, logits).unwrap_err();
+    assert!(matches!(err, Error::Alloc { what: "max_new_tokens", .. }), "{err}");
+    assert!(err.to_string().starts_with("Transformer::generate: max_new_tokens: "), "{err}");
 }
 
 #[test]
