@@ -108,9 +108,21 @@ fn is_bert_punctuation(c: char) -> bool {
 }
 
 /// Where BERT's normaliser and pre-tokenizer may end a word: whitespace (any, as its
-/// normaliser maps it to a space), punctuation, and a CJK ideograph when `cjk` (isolated).
+/// normaliser maps it to a space), punctuation, and a CJK ideograph when `cjk` (isolated),
+/// also as a part of a character's canonical decomposition.
 fn ends_word(c: char, cjk: bool) -> bool {
-    c.is_whitespace() || is_bert_punctuation(c) || (cjk && is_cjk_ideograph(c))
+    let plain =
+        |c: char| c.is_whitespace() || is_bert_punctuation(c) || (cjk && is_cjk_ideograph(c));
+    if plain(c) || c.is_ascii() {
+        return plain(c);
+    }
+    // Where the normaliser strips accents it decomposes first (NFD), and the pre-tokenizer
+    // sees the parts: `≠` is `=` and a combining mark, so it splits a word there. Counting
+    // such a character as a boundary also where it is not decomposed only keeps more of a
+    // text (a boundary that is not there makes no word shorter than it is).
+    let mut parts = false;
+    unicode_normalization_alignments::char::decompose_canonical(c, |d| parts |= plain(d));
+    parts
 }
 
 /// A character that stays a character of its word through BERT's normaliser (a letter or a
@@ -410,6 +422,14 @@ mod tests {
         assert_eq!(sh("abcdefg中abcdefg"), "abcde中abcde");
         assert_eq!(sh("abcdefg[MASK]x"), "abcde[MASK]x");
         assert_eq!(sh("😀😀😀😀😀😀😀"), "😀😀😀😀😀😀😀");
+        // A character whose decomposition (BERT's NFD) holds punctuation ends a word too:
+        // `≠` is `=` and a combining mark; the four such characters of Unicode.
+        for c in ['\u{2260}', '\u{226e}', '\u{226f}', '\u{1fef}'] {
+            assert_eq!(sh(&format!("abc{c}abcd")), format!("abc{c}abcd"), "{c:?}");
+            assert_eq!(sh(&format!("abcdefg{c}abcdefg")), format!("abcde{c}abcde"), "{c:?}");
+        }
+        // A decomposable letter does not: `é` (e and a mark) counts as one letter of its word.
+        assert_eq!(sh("\u{e9}\u{e9}\u{e9}\u{e9}\u{e9}\u{e9}x"), "\u{e9}\u{e9}\u{e9}\u{e9}\u{e9}");
         assert!(matches!(shorten_long_words("abc def", &cuts), std::borrow::Cow::Borrowed(_)));
         // Another model's words are never shortened.
         let plain = Cuts::default();
