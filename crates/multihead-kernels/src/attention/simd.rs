@@ -53,12 +53,19 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     #[inline(always)]
     unsafe fn round_bf16(x: Self::V) -> Self::V {
         use crate::convert::{bf16_bits_to_f32 as wide, f32_to_bf16_bits as bf};
+        // SAFETY: forwarded (the trait's contract).
+        unsafe { Self::map_lanes(x, |v| wide(bf(v))) }
+    }
+    /// `f` on each lane, through memory: the portable form of the lane-wise operations that
+    /// the vector levels override.
+    #[inline(always)]
+    unsafe fn map_lanes(x: Self::V, f: impl Fn(f32) -> f32) -> Self::V {
         let mut a = [0f32; 16];
         // SAFETY: `a` holds 16 >= LANES floats.
         unsafe {
             Self::store(a.as_mut_ptr(), x);
             for v in a.iter_mut().take(Self::LANES) {
-                *v = wide(bf(*v));
+                *v = f(*v);
             }
             Self::load(a.as_ptr())
         }
@@ -131,15 +138,8 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     /// instructions do to their inputs and results); other values, NaN included, unchanged.
     #[inline(always)]
     unsafe fn flush(x: Self::V) -> Self::V {
-        let mut a = [0f32; 16];
-        // SAFETY: `a` holds 16 >= LANES floats.
-        unsafe {
-            Self::store(a.as_mut_ptr(), x);
-            for v in a.iter_mut().take(Self::LANES) {
-                *v = crate::convert::flush_subnormal(*v);
-            }
-            Self::load(a.as_ptr())
-        }
+        // SAFETY: forwarded (the trait's contract).
+        unsafe { Self::map_lanes(x, crate::convert::flush_subnormal) }
     }
     /// `a / b`.
     unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
