@@ -361,3 +361,44 @@ fn a_bf16_a_read_in_place_gives_the_packed_bits() {
 fn row_major_bf16(data: &[u16], rows: usize, cols: usize, rs: usize) -> BfMat<'_> {
     BfMat { data: Elems::Bf16(data), rows, cols, row_stride: rs, col_stride: 1 }
 }
+
+/// A broadcast `A` (every row the same memory: row stride 0, as a broadcast view gives) read
+/// in place, and a NaN inside the rows the tiles read in place: the bits of the sequential
+/// emulation, as for a packed copy.
+#[test]
+fn a_broadcast_or_nan_bf16_a_read_in_place_gives_the_emulated_bits() {
+    use crate::aligned::aligned_mut;
+    use crate::convert::f32_to_bf16_bits;
+    let (m, n, k) = (96, 70, 576);
+    for kern in tile_kernels() {
+        let row: Vec<u16> = rand_vec(k, 7).iter().map(|&x| f32_to_bf16_bits(x)).collect();
+        let mut buf = Vec::new();
+        let one = aligned_mut(&mut buf, k).unwrap();
+        one.copy_from_slice(&row);
+        let mut full_buf = Vec::new();
+        let full = aligned_mut(&mut full_buf, m * k).unwrap();
+        for (i, x) in full.iter_mut().enumerate() {
+            *x = row[i % k];
+        }
+        full[5 * k + 300] = 0x7fc0; // NaN in row 5, read in place
+        let resolved = with_bf16_kernel(kern, super::select::resolve);
+        let b = rand_vec(k * n, 8);
+        let bv = BfMat::f32(&b, k, n);
+        for a in [row_major_bf16(one, m, k, 0), row_major_bf16(full, m, k, k)] {
+            assert!(super::driver::reads_a_in_place(resolved, &a), "{kern:?}");
+            let mut want = vec![0f32; m * n];
+            amx_reference(a, bv, &mut want, n, false);
+            for threads in [1, 2] {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let mut got = vec![0f32; m * n];
+                pool.install(|| with_bf16_kernel(kern, || matmul_bf16(a, bv, &mut got, n, false)))
+                    .unwrap();
+                same_bits(&got, &want, &format!("{kern:?} stride {} t={threads}", a.row_stride));
+            }
+            if a.row_stride == k {
+                assert!(want[5 * n..6 * n].iter().all(|x| x.is_nan()), "the NaN row");
+                assert!(want[..5 * n].iter().all(|x| x.is_finite()), "the rows before it");
+            }
+        }
+    }
+}
