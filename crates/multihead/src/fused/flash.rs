@@ -324,6 +324,18 @@ impl FlashAttention {
     pub(crate) fn weights(&self, q: &Tensor, k: &Tensor, average: bool) -> Result<Tensor> {
         let (qs, ql) = q.storage_and_layout();
         let (ks, kl) = k.storage_and_layout();
+        let (w, shape) = self.weights_of((f32s(&qs)?, ql), (f32s(&ks)?, kl), average)?;
+        Ok(Tensor::from_vec(w, shape, q.device())?)
+    }
+
+    /// [`weights`](Self::weights) over the projections' f32 elements and layouts: the weights
+    /// and their shape.
+    pub(crate) fn weights_of(
+        &self,
+        (qs, ql): (&[f32], &Layout),
+        (ks, kl): (&[f32], &Layout),
+        average: bool,
+    ) -> Result<(Vec<f32>, Shape)> {
         let (q_off, q4) = self.conv.layout4(ql)?;
         let (k_off, k4) = self.conv.layout4(kl)?;
         let d = self.dims;
@@ -332,18 +344,10 @@ impl FlashAttention {
             crate::alloc::elements("attention_weights", "attn_weights", &[d.batch, hw, d.l, d.s])?;
         let mut w = crate::alloc::try_zeros::<f32>(n, "flash attention weights")?;
         let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
-        attention_weights(
-            &self.params(),
-            &f32s(&qs)?[q_off..],
-            q4,
-            &f32s(&ks)?[k_off..],
-            k4,
-            &lse,
-            average,
-            &mut w,
-        )
-        .map_err(|e| candle_core::Error::Msg(format!("flash attention weights: {e}")))?;
-        Ok(Tensor::from_vec(w, (d.batch, hw, d.l, d.s), q.device())?)
+        let (q, k) = (qs.get(q_off..).unwrap_or(&[]), ks.get(k_off..).unwrap_or(&[]));
+        attention_weights(&self.params(), q, q4, k, k4, &lse, average, &mut w)
+            .map_err(|e| candle_core::Error::Msg(format!("flash attention weights: {e}")))?;
+        Ok((w, Shape::from((d.batch, hw, d.l, d.s))))
     }
 }
 

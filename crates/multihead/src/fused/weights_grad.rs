@@ -1,9 +1,10 @@
 //! The gradient of the attention weights that `MultiheadAttention` returns on the fused path
 //! when gradients are recorded (PyTorch's default `need_weights=True` in training).
 //!
-//! The weights come from the weights kernel (`FlashAttention::weights`, from the forward's row
-//! statistics) and join candle's graph through [`WeightsGrad`], an identity on them whose
-//! backward recomputes the per-head probabilities `P` the same way and gives the projected
+//! The weights come from the weights kernel (`FlashAttention::weights_of`, from the forward's
+//! row statistics) run as the forward of [`WeightsGrad`], an op on the projected query and key
+//! (so the weights are written once, into the tensor returned: no copy joins them to the
+//! graph, and a call holds one `(N, ·, L, S)` buffer, not two), whose backward recomputes the per-head probabilities `P` the same way and gives the projected
 //! query and key the softmax's gradient: with `G` the weights' gradient per head (divided by
 //! H when the weights are averaged), `dS = P ∘ (G − rowsum(G ∘ P))`, `dq = scale · dS · k` and
 //! `dk = scale · dSᵀ · q` (summed over a group's query heads). The backward only runs when a
@@ -11,12 +12,13 @@
 //! cap or sinks (the caller's condition): the returned weights are then the probabilities
 //! themselves, and `dS` is the softmax's own.
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
 use super::flash::FlashAttention;
 use crate::error::Result;
 
-/// Identity on `(weights, q, k) -> weights`; its backward gives q and k the weights' gradient.
+/// `(q, k) -> weights` (the kernel's, from the forward's statistics); its backward gives q and k
+/// the weights' gradient.
 struct WeightsGrad {
     op: FlashAttention,
     average: bool,
@@ -25,31 +27,34 @@ struct WeightsGrad {
     layout: (usize, usize, bool),
 }
 
-impl CustomOp3 for WeightsGrad {
+impl CustomOp2 for WeightsGrad {
     fn name(&self) -> &'static str {
         "attention-weights-grad"
     }
 
     fn cpu_fwd(
         &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        _s2: &CpuStorage,
-        _l2: &Layout,
-        _s3: &CpuStorage,
-        _l3: &Layout,
+        qs: &CpuStorage,
+        ql: &Layout,
+        ks: &CpuStorage,
+        kl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        super::flash::identity_copy(s1, l1, "attention weights")
+        let (q, k) = (super::flash::cpu_f32(qs)?, super::flash::cpu_f32(ks)?);
+        let (w, shape) =
+            self.op.weights_of((q, ql), (k, kl), self.average).map_err(candle_core::Error::wrap)?;
+        // Averaged weights are `(N, L, S)` (their head axis of one dropped).
+        let d = self.op.dims;
+        let shape = if self.average { Shape::from((d.batch, d.l, d.s)) } else { shape };
+        Ok((CpuStorage::F32(w), shape))
     }
 
     fn bwd(
         &self,
-        _w: &Tensor,
         q: &Tensor,
         k: &Tensor,
         _res: &Tensor,
         grad_res: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let d = self.op.dims;
         let (n, h, hk, l, s) = (d.batch, d.heads_q, d.heads_kv, d.l, d.s);
         let (_, hd, batch_first) = self.layout;
@@ -84,7 +89,7 @@ impl CustomOp3 for WeightsGrad {
         let dk = dk.reshape((n, hk, h / hk, s, hd))?.sum(2)?;
         let dq = from_bhtd(&dq, batch_first).map_err(wrap)?;
         let dk = from_bhtd(&dk, batch_first).map_err(wrap)?;
-        Ok((None, Some(dq), Some(dk)))
+        Ok((Some(dq), Some(dk)))
     }
 }
 
@@ -111,8 +116,6 @@ pub(crate) fn weights(
     average: bool,
     layout: (usize, usize, bool),
 ) -> Result<Tensor> {
-    let w = op.weights(q, k, average)?;
-    let w = if average { w.squeeze(1)? } else { w };
     let grad = WeightsGrad { op: op.clone(), average, layout };
-    Ok(w.apply_op3(q, k, grad)?)
+    Ok(q.apply_op2(k, grad)?)
 }
