@@ -233,6 +233,9 @@ MHA_DEFAULTS = dict(
     attn_mask=None,
     kpm=None,
     mask_grad=False,  # float masks require grad (a learned bias): expect.grad.<mask> stored
+    # One NaN in grad.output at this flat index (its NaN reaches every key's gradient): None
+    # for none; -1 is the last batch element's last row (seq-first and batch-first alike).
+    nan_grad_output=None,
 )
 
 
@@ -553,6 +556,9 @@ def mha_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> d
     # Upstream gradients, drawn before the call: g has the output shape, g_w the weights shape.
     out_shape = shape(L, E)
     g = torch.randn(out_shape, dtype=dtype) if c["grad_mode"] else None
+    if g is not None and c["nan_grad_output"] is not None:
+        g.view(-1)[c["nan_grad_output"]] = float("nan")
+        allow_nan = True
     weights_in_loss = c["grad_mode"] and c["need_weights"] and c["weights_in_loss"]
     g_w = None
     if weights_in_loss:
@@ -1050,6 +1056,16 @@ def mha_fixture_configs() -> list[dict]:
         add_bias_kv=True, kpm=_bk(), **EVAL)
     add("eval_causal_sdpa_f64", "eval+no_grad, is_causal with need_weights=False (slow SDPA)",
         attn_mask=_bm(), is_causal=True, need_weights=False, L=5, S=5, **EVAL, **F64)
+    add("nan_grad_output_full_row_kpm_f32",
+        "eval mode with gradients, need_weights=False (fused backward), a bool kpm with a fully "
+        "padded batch element, one NaN in grad.output: NaN reaches every key's gradient",
+        training=False, need_weights=False, L=3, S=5, kpm=_bk(full_row=True),
+        nan_grad_output=-1)
+    add("nan_grad_output_causal_f32",
+        "eval mode with gradients, is_causal with a causal bool mask, need_weights=False, L=130 "
+        "(key blocks past the causal band), one NaN in the first query row of grad.output",
+        training=False, need_weights=False, alias="self", L=130, attn_mask=_bm(pattern="causal"),
+        is_causal=True, nan_grad_output=1)
     add("eval_grad_dropout03_f64",
         "eval mode with gradients recorded (training=false, grad_mode=true), dropout=0.3 inactive",
         training=False, grad_mode=True, dropout=0.3, attn_mask=_bm(), kpm=_bk(), **F64)

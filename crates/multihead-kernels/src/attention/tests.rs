@@ -1342,6 +1342,61 @@ fn nan_in_masked_keys_and_values_follows_the_reference_at_tile_boundaries() {
     }
 }
 
+/// A NaN in the upstream gradient `dO` reaches every key's gradient of its head through
+/// `dS = P ∘ (dP − D)` (0·NaN is NaN, masked keys included, as in PyTorch's backward): the
+/// backward must not skip the masked or causal tiles of such a head, nor write its unreached
+/// query blocks' `dQ` as 0. The other head stays finite and keeps its skipping.
+#[test]
+fn nan_in_the_upstream_gradient_follows_the_reference_past_masked_tiles() {
+    let (l, s, d) = (70usize, 300usize, 4usize);
+    let dims = AttnDims { batch: 1, heads_q: 2, heads_kv: 2, l, s, d, dv: d };
+    let (ql, kl) = (Layout4::contiguous(2, l, d), Layout4::contiguous(2, s, d));
+    // Keys 0..256 hidden (two whole key tiles of the backward), the rest visible.
+    let pad: Vec<u8> = (0..s).map(|j| (j < 256) as u8).collect();
+    let (q, k, v) = (rand_vec(2 * l * d, 21), rand_vec(2 * s * d, 22), rand_vec(2 * s * d, 23));
+    for (causal, bf16) in [(false, false), (true, false), (false, true), (true, true)] {
+        for row in [0usize, 69] {
+            let mut dout = rand_vec(2 * l * d, 24);
+            dout[row * d + 2] = f32::NAN; // head 0 only
+            let mut p = AttnParams::new(dims);
+            (p.causal, p.bf16_products) = (causal, bf16);
+            if !causal {
+                p.masks[0] = Some(MaskView::Bool {
+                    data: &pad,
+                    strides: [s, 0, 0, 1],
+                    true_means_masked: true,
+                });
+            }
+            let (edq, edk, edv) = reference::backward(&p, &q, ql, &k, kl, &v, kl, &dout, ql);
+            for level in levels() {
+                with_simd_level(level, || {
+                    let mut out = vec![0f32; 2 * l * d];
+                    let mut lse = vec![0f32; 4 * l];
+                    flash_forward(&p, &q, ql, &k, kl, &v, kl, &mut out, ql, &mut lse).unwrap();
+                    let (mut dq, mut dk, mut dv) =
+                        (vec![0f32; 2 * l * d], vec![0f32; 2 * s * d], vec![0f32; 2 * s * d]);
+                    flash_backward(
+                        &p, &q, ql, &k, kl, &v, kl, &out, ql, &dout, ql, &lse, &mut dq, ql,
+                        &mut dk, kl, &mut dv, kl,
+                    )
+                    .unwrap();
+                    let what = format!("{level:?} causal {causal} bf16 {bf16} row {row}");
+                    for (name, got, want) in
+                        [("dq", &dq, &edq), ("dk", &dk, &edk), ("dv", &dv, &edv)]
+                    {
+                        for (i, (&g, &e)) in got.iter().zip(want.iter()).enumerate() {
+                            assert_eq!(g.is_nan(), e.is_nan(), "{what}: {name}[{i}] {g} vs {e}");
+                        }
+                    }
+                    // Every key gradient of head 0 is NaN (0·NaN), none of head 1's.
+                    assert!(dk[..s * d].iter().all(|x| x.is_nan()), "{what}: dk of head 0");
+                    assert!(dk[s * d..].iter().all(|x| x.is_finite()), "{what}: dk of head 1");
+                });
+            }
+        }
+    }
+}
+
 /// Query, key and value as views into one packed buffer (rows `[q | k | v | gap]`), as packed
 /// projections give them: a NaN in a masked key still reaches every row (the one-pass scan of
 /// the buffer sees it and the heads fall back to reading every key), and a NaN in the gap,

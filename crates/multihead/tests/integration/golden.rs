@@ -23,7 +23,7 @@ fn case_dirs(kind: &str) -> Vec<PathBuf> {
 
 #[test]
 fn every_mha_golden_case_matches_pytorch() {
-    replay_all("mha", 116, 500);
+    replay_all("mha", 118, 500);
 }
 
 #[test]
@@ -39,7 +39,7 @@ fn every_sdpa_golden_case_matches_pytorch() {
 #[test]
 fn every_golden_case_matches_pytorch_on_the_composed_path_too() {
     multihead::with_backend(multihead::Backend::Composed, || {
-        replay_all("mha", 116, 500);
+        replay_all("mha", 118, 500);
         replay_all("transformer", 40, 400);
         replay_all("sdpa", 25, 70);
     });
