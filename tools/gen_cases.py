@@ -31,6 +31,7 @@ generators; and register them in ``MODULE_KINDS`` (and ``KIND_NAMES``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import shutil
@@ -146,6 +147,7 @@ def add_f64_reference(case_dir: Path, replay) -> None:
     through the kind's PyTorch replay."""
     meta, tensors = load_case(case_dir)
     meta64 = json.loads(json.dumps(meta))
+    meta64.pop("autocast", None)
     meta64["constructor"]["dtype"] = "float64"
     if isinstance(meta64["constructor"].get("layer"), dict):
         meta64["constructor"]["layer"]["dtype"] = "float64"
@@ -1250,6 +1252,10 @@ TF_DEFAULTS = dict(
     allow_nested=False,
     # NaN in src wherever src_key_padding_mask pads (with the nested path: a finite output)
     nan_in_padded_src=False,
+    # "bfloat16": the forward runs inside torch.autocast("cpu", dtype=torch.bfloat16) with f32
+    # parameters and inputs (the case's optional "autocast" key; graded against float64
+    # references as the bfloat16 cases are)
+    autocast=None,
 )
 
 LAYER_CTOR_KEYS = ["d_model", "nhead", "dim_feedforward", "dropout", "activation",
@@ -1363,8 +1369,10 @@ class _TfSpy:
         return False
 
 
-def tf_call(model, module: str, inputs: dict, masks: dict, flags: dict, grad_mode: bool, g):
-    """Run the forward (and the backward of sum(out * g) when grad_mode). Returns (out, spy)."""
+def tf_call(model, module: str, inputs: dict, masks: dict, flags: dict, grad_mode: bool, g,
+            autocast: str | None = None):
+    """Run the forward (and the backward of sum(out * g) when grad_mode), the forward inside
+    torch.autocast("cpu", dtype) when ``autocast`` names a dtype. Returns (out, spy)."""
     kwargs = {}
     for name in tf_mask_names(module):
         if masks.get(name) is not None:
@@ -1376,7 +1384,9 @@ def tf_call(model, module: str, inputs: dict, masks: dict, flags: dict, grad_mod
     with warnings.catch_warnings():
         # mixed bool/float masks and nested-tensor notices warn; keep the output quiet
         warnings.simplefilter("ignore", UserWarning)
-        with _TfSpy() as spy:
+        cast = (torch.autocast("cpu", dtype=DTYPES[autocast]) if autocast
+                else contextlib.nullcontext())
+        with _TfSpy() as spy, cast:
             if grad_mode:
                 out = model(*args, **kwargs)
             else:
@@ -1578,7 +1588,7 @@ def tf_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> di
     g = torch.randn(shape(out_seq), dtype=dtype) if c["grad_mode"] else None
 
     try:
-        out, spy = tf_call(model, m, inputs, masks, c["flags"], c["grad_mode"], g)
+        out, spy = tf_call(model, m, inputs, masks, c["flags"], c["grad_mode"], g, c["autocast"])
     except (AssertionError, RuntimeError, ValueError) as e:
         raise SkipCase(f"PyTorch raised: {type(e).__name__}: {e}") from e
     if spy.hits["nested"] and not c["allow_nested"]:
@@ -1645,6 +1655,8 @@ def tf_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> di
         "nan": False,
         "pytorch_path": path,
     }
+    if c["autocast"]:
+        meta["autocast"] = c["autocast"]
     if spy.detected:
         # TransformerEncoder / TransformerDecoder / Transformer: what
         # _detect_is_causal_mask returned (encoder first for Transformer)
@@ -1669,7 +1681,8 @@ def tf_replay(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.T
     for name in tf_mask_names(m):
         if f"input.{name}" in tensors:
             masks[name] = logical(tensors, meta, f"input.{name}").clone()
-    out, _ = tf_call(model, m, inputs, masks, meta["call"], grad_mode, tensors.get("grad.output"))
+    out, _ = tf_call(model, m, inputs, masks, meta["call"], grad_mode, tensors.get("grad.output"),
+                     meta.get("autocast"))
     res = {"output": out.detach()}
     if grad_mode:
         for n in sig["inputs"]:
@@ -2013,6 +2026,17 @@ def tf_fixture_configs() -> list[dict]:
         "bfloat16 encoder layer, dropout=0.1 configured, eval mode with gradients, bool kpm",
         S=10, dropout=0.1, training=False, grad_mode=True,
         masks={"src_key_padding_mask": _kp()}, **BF16T)
+    # --- torch.autocast to bfloat16 over f32 layers (graded against float64 references) ---
+    AC = {"autocast": "bfloat16", "d_model": 16, "nhead": 4, "dim_feedforward": 32}
+    add(EL, "autocast_enc_layer_relu_kpm", "encoder layer under torch.autocast(bfloat16), bool kpm",
+        S=9, masks={"src_key_padding_mask": _kp()}, **AC)
+    add(EL, "autocast_enc_layer_norm_first_gelu_causal",
+        "encoder layer under torch.autocast(bfloat16), pre-norm, gelu, float causal src_mask",
+        S=8, norm_first=True, masks={"src_mask": _am("float", "causal")}, **GELU, **AC)
+    add(DL, "autocast_dec_layer_gelu_memory_kpm",
+        "decoder layer under torch.autocast(bfloat16), gelu, causal tgt_mask, bool memory kpm",
+        T=6, S=8, masks={"tgt_mask": _am("bool", "causal"), "memory_key_padding_mask": _kp()},
+        **GELU, **AC)
     add(DL, "bf16_dec_layer_eval",
         "bfloat16 decoder layer, float causal tgt_mask, eval forward under no_grad",
         T=7, S=9, masks={"tgt_mask": _am("float", "causal")}, **BF16T, **BF16E)
@@ -2416,7 +2440,7 @@ def cmd_fixtures(args) -> int:
                 kind["make_case"](cfg, out / cfg["name"])
             except SkipCase as e:
                 raise SystemExit(f"fixture {cfg['name']} is invalid: {e}")
-            if cfg.get("dtype") == "bfloat16":
+            if cfg.get("dtype") == "bfloat16" or cfg.get("autocast"):
                 add_f64_reference(out / cfg["name"], kind["replay"])
             n += 1
     stale = [p.parent.name for p in out.glob("*/case.json") if p.parent.name not in names]

@@ -231,12 +231,13 @@ impl Case {
 
     /// Every float tensor of the case (parameters, inputs, gradients, expected results) must
     /// have the case's dtype; a mask is u8 or the case's float dtype; the float64 references
-    /// of a bfloat16 case (`ref64.*`) are float64.
+    /// of a bfloat16 or autocast case (`ref64.*`) are float64.
     fn check_tensor_dtypes(&self, source: &str) -> Result<()> {
+        let reduced = self.dtype == DType::BF16 || self.autocast()?.is_some();
         for (name, t) in &self.tensors {
             let mask = name.strip_prefix("input.").is_some_and(is_mask_name);
             let ok = if name.starts_with(REF64) {
-                self.dtype == DType::BF16 && t.dtype() == DType::F64
+                reduced && t.dtype() == DType::F64
             } else if mask {
                 t.dtype() == DType::U8 || t.dtype() == self.dtype
             } else {
@@ -254,6 +255,22 @@ impl Case {
             }
         }
         Ok(())
+    }
+
+    /// The dtype of the `torch.autocast` the case's forward ran in (the optional `autocast`
+    /// key, docs/case-format.md), `None` without one; an unknown name is an error.
+    pub fn autocast(&self) -> Result<Option<DType>> {
+        match self.meta.autocast.as_deref() {
+            None => Ok(None),
+            Some("bfloat16") => Ok(Some(DType::BF16)),
+            Some("float16") => Ok(Some(DType::F16)),
+            Some(other) => Err(case_err(
+                &self.dir,
+                format!(
+                    "case.json: autocast is \"{other}\"; use \"bfloat16\", \"float16\" or leave it out"
+                ),
+            )),
+        }
     }
 
     /// The module's PyTorch class path.

@@ -28,9 +28,11 @@ pub struct TensorCheck {
 pub const BF16_FACTOR: f64 = 2.0;
 
 /// Replays a case and compares every `expect.*` tensor with the tolerance of its kind; a
-/// bfloat16 case with `ref64.*` tensors by the reference rule ([`BF16_FACTOR`]).
+/// bfloat16 or autocast case with `ref64.*` tensors by the reference rule ([`BF16_FACTOR`]).
 pub fn check(case: &Case) -> Result<Vec<TensorCheck>> {
     let result = replay(case)?;
+    // An autocast case is graded by the reference rule too (its products are bf16).
+    let reduced_products = case.autocast()?.is_some();
     let mut checks = Vec::new();
     let mut names: Vec<&String> =
         case.tensors.keys().filter(|k| k.starts_with("expect.")).collect();
@@ -44,7 +46,7 @@ pub fn check(case: &Case) -> Result<Vec<TensorCheck>> {
         match result.get(key) {
             Some(actual) => {
                 let c = match reference {
-                    Some(r) if case.dtype() == candle_core::DType::BF16 => {
+                    Some(r) if case.dtype() == candle_core::DType::BF16 || reduced_products => {
                         crate::tolerance::compare_to_reference(actual, expected, r, BF16_FACTOR)?
                     }
                     _ => tol.compare(actual, expected)?,

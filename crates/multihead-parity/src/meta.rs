@@ -56,6 +56,10 @@ pub struct CaseMeta {
     /// rtol/atol per dtype.
     #[serde(default)]
     pub suggested_tolerance: Option<Value>,
+    /// This project's optional key (docs/case-format.md): the forward ran inside
+    /// `torch.autocast("cpu", dtype=...)`, `"bfloat16"` or `"float16"`; absent for none.
+    #[serde(default)]
+    pub autocast: Option<String>,
 }
 
 /// `aliasing`: which MHA inputs were the same tensor object.

@@ -48,10 +48,14 @@ pub fn layer_config(c: &LayerCtor) -> Result<LayerConfig> {
 /// [`multihead::no_grad`] when `grad_mode` is false, as PyTorch's case ran under
 /// `torch.no_grad()`) and, when `grad_mode`, back-propagates the case's loss.
 pub fn replay(case: &Case) -> Result<ReplayResult> {
+    let run = || match case.autocast()? {
+        Some(dtype) => multihead::autocast(dtype, || replay_graded(case)),
+        None => replay_graded(case),
+    };
     if case.meta.grad_mode {
-        replay_graded(case)
+        run()
     } else {
-        multihead::no_grad(|| replay_graded(case))
+        multihead::no_grad(run)
     }
 }
 

@@ -238,14 +238,20 @@ pub fn grad_enabled() -> bool {
 /// mixed precision, with f32 parameters (the master weights an optimizer updates) and
 /// computation in `dtype` (`DType::BF16` or `DType::F16`; any other dtype leaves `f` as it is).
 ///
-/// Inside it, [`Linear`](crate::Linear), [`MultiheadAttention`](crate::MultiheadAttention) and
-/// the Transformer layers, given an f32 input, compute what their `dtype` path computes: their
-/// parameters and tensor inputs are rounded to `dtype` (differentiably, so gradients reach the
-/// f32 parameters, rounded the same way), each operation runs in f32 on the rounded values,
-/// and the output is rounded once. Unlike PyTorch, which returns `dtype` tensors from these
-/// operations, the output keeps the input's dtype (f32, holding `dtype` values), so that it
-/// composes with the f32 code around it; LayerNorm outside a layer and the rest of candle run
-/// in f32, as under PyTorch's autocast. Masks are used as given.
+/// Inside it, [`Linear`](crate::Linear) and [`MultiheadAttention`](crate::MultiheadAttention),
+/// given an f32 input, compute what their `dtype` path computes: their parameters and tensor
+/// inputs are rounded to `dtype` (differentiably, so gradients reach the f32 parameters,
+/// rounded the same way), each operation runs in f32 on the rounded values, and the output is
+/// rounded once. Unlike PyTorch, which returns `dtype` tensors from these operations, the
+/// output keeps the input's dtype (f32, holding `dtype` values), so that it composes with the
+/// f32 code around it. The Transformer layers run as `torch.autocast` runs PyTorch's: their
+/// products (projections, attention, feed-forward) read `dtype` operands (weights and biases
+/// rounded, activations rounded as the products read them), while their LayerNorms, with f32
+/// parameters, and their residual sums compute in f32 on the f32 input, and their output is
+/// f32, not rounded (PyTorch's ends in a LayerNorm or a residual sum, both f32 under autocast);
+/// the LayerNorms' gradients are then f32 ones, as PyTorch's. LayerNorm outside a layer and the
+/// rest of candle run in f32, as under PyTorch's autocast. Float masks are rounded to `dtype`,
+/// as PyTorch's attention casts them.
 ///
 /// # Example
 /// ```

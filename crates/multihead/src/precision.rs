@@ -161,6 +161,13 @@ pub(crate) trait CastParams: Sized {
     fn rounded(&self, dtype: DType) -> Result<Self> {
         self.map_params(&|p| round(p, dtype))
     }
+
+    /// The same module with `f` applied to the parameters its products read (weights and
+    /// biases of its projections); a layer keeps its LayerNorms' as they are, which
+    /// `torch.autocast` runs in f32.
+    fn map_product_params(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        self.map_params(f)
+    }
 }
 
 /// `t` rounded to `dtype` and back to its own dtype, differentiably (the gradient is rounded
@@ -176,6 +183,29 @@ pub(crate) fn round(t: &Tensor, dtype: DType) -> Result<Tensor> {
 /// [`autocast`](crate::autocast) to bf16 or f16 when the input is f32, `None` otherwise.
 pub(crate) fn autocast_for(dtype: DType) -> Option<DType> {
     crate::mode::autocast_dtype().filter(|dt| is_reduced(*dt) && dtype == DType::F32)
+}
+
+/// Runs a Transformer layer's forward under [`autocast`](crate::autocast) as
+/// `torch.autocast("cpu", dtype)` runs PyTorch's: the products (the projections, the attention,
+/// the feed-forward block) read `dtype` operands (their weights and biases rounded,
+/// differentiably, so the f32 master gradients are the rounded ones PyTorch gives; their
+/// activations rounded as the products read them), while the LayerNorms, with their f32
+/// parameters, and the residual sums compute in f32 on the f32 input, and the output stays
+/// f32 (PyTorch's layer ends in a LayerNorm or a residual sum, both f32 under autocast).
+/// `run` gets the module and a function that rounds float masks (which PyTorch's attention
+/// casts to `dtype`). Returns `None` when autocast does not apply to an input of `dtype`.
+pub(crate) fn autocast_layer<M: CastParams>(
+    module: &M,
+    dtype: DType,
+    run: impl FnOnce(&M, &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
+) -> Option<Result<Tensor>> {
+    let dt = autocast_for(dtype)?;
+    Some((|| {
+        let m = module.map_product_params(&|p| round(p, dt))?;
+        crate::mode::autocast_off(|| {
+            crate::mode::rounded_products(dt, || run(&m, &|t| round(t, dt)))
+        })
+    })())
 }
 
 /// Runs an autocast-aware module's forward under [`autocast`](crate::autocast): `run` gets

@@ -194,9 +194,9 @@ impl TransformerDecoderLayer {
         let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {
             use crate::functional::round_masks;
             let (so, co) = (round_masks(self_opts, r)?, round_masks(cross_opts, r)?);
-            m.forward_with(&r(tgt)?, &r(memory)?, &so, &co)
+            m.forward_with(tgt, memory, &so, &co)
         };
-        if let Some(y) = crate::precision::autocast_run(self, tgt.dtype(), autocast) {
+        if let Some(y) = crate::precision::autocast_layer(self, tgt.dtype(), autocast) {
             return y;
         }
         let dtype = tgt.dtype();
@@ -271,14 +271,23 @@ impl NamedParameters for TransformerDecoderLayer {
 impl crate::precision::CastParams for TransformerDecoderLayer {
     fn map_params(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
         Ok(Self {
+            norm1: self.norm1.map_params(f)?,
+            norm2: self.norm2.map_params(f)?,
+            norm3: self.norm3.map_params(f)?,
+            ..self.map_product_params(f)?
+        })
+    }
+
+    fn map_product_params(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        Ok(Self {
             cfg: self.cfg.clone(),
             self_attn: self.self_attn.map_params(f)?,
             multihead_attn: self.multihead_attn.map_params(f)?,
             linear1: self.linear1.map_params(f)?,
             linear2: self.linear2.map_params(f)?,
-            norm1: self.norm1.map_params(f)?,
-            norm2: self.norm2.map_params(f)?,
-            norm3: self.norm3.map_params(f)?,
+            norm1: self.norm1.clone(),
+            norm2: self.norm2.clone(),
+            norm3: self.norm3.clone(),
             training: self.training,
         })
     }

@@ -163,9 +163,9 @@ impl TransformerEncoderLayer {
     /// [`forward_with`](Self::forward_with) on this thread.
     fn forward_here(&self, src: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
         let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {
-            m.forward_with(&r(src)?, &crate::functional::round_masks(opts, r)?)
+            m.forward_with(src, &crate::functional::round_masks(opts, r)?)
         };
-        if let Some(y) = crate::precision::autocast_run(self, src.dtype(), autocast) {
+        if let Some(y) = crate::precision::autocast_layer(self, src.dtype(), autocast) {
             return y;
         }
         let dtype = src.dtype();
@@ -280,12 +280,20 @@ impl NamedParameters for TransformerEncoderLayer {
 impl crate::precision::CastParams for TransformerEncoderLayer {
     fn map_params(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
         Ok(Self {
+            norm1: self.norm1.map_params(f)?,
+            norm2: self.norm2.map_params(f)?,
+            ..self.map_product_params(f)?
+        })
+    }
+
+    fn map_product_params(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        Ok(Self {
             cfg: self.cfg.clone(),
             self_attn: self.self_attn.map_params(f)?,
             linear1: self.linear1.map_params(f)?,
             linear2: self.linear2.map_params(f)?,
-            norm1: self.norm1.map_params(f)?,
-            norm2: self.norm2.map_params(f)?,
+            norm1: self.norm1.clone(),
+            norm2: self.norm2.clone(),
             training: self.training,
         })
     }

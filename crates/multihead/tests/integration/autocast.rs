@@ -1,5 +1,6 @@
-//! `autocast`: f32 modules compute what their bf16 path computes, and their gradients reach
-//! the f32 parameters.
+//! `autocast`: f32 `Linear` and `MultiheadAttention` compute what their bf16 path computes, and
+//! their gradients reach the f32 parameters. (The Transformer layers follow `torch.autocast` op
+//! by op instead: golden cases `tests/fixtures/transformer/autocast_*`, and the test below.)
 
 use std::collections::HashMap;
 
@@ -79,17 +80,45 @@ fn autocast_modules_compute_their_bf16_path_and_train_f32_parameters() {
         let flat = |t: &Tensor| t.flatten_all().unwrap();
         Tensor::cat(&[flat(&out.output), flat(&w)], 0).unwrap()
     });
-    // Encoder layer, GELU, with a key padding mask.
+}
+
+/// What distinguishes a layer under `torch.autocast` from a bf16 layer (its numbers against
+/// PyTorch's are the golden cases'): the output is not rounded to bf16, the LayerNorms'
+/// gradients are f32 ones, and the product parameters' gradients are rounded to bf16, as
+/// PyTorch's autocast gives them (it casts those parameters to bf16 for the products).
+#[test]
+fn an_autocast_layer_keeps_layer_norms_in_f32_and_rounds_product_gradients() {
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
     let lcfg = LayerConfig::new(16, 2)
         .with_dim_feedforward(24)
         .with_dropout(0.0)
         .with_activation(multihead::Activation::Gelu)
         .with_batch_first(true);
-    let layer = TransformerEncoderLayer::new(lcfg.clone(), vb.pp("layer")).unwrap();
-    let layer16 = bf16_twin(&layer, |vb| TransformerEncoderLayer::new(lcfg.clone(), vb));
+    let layer = TransformerEncoderLayer::new(lcfg, vb.pp("layer")).unwrap();
+    let x = var(&det(&[2, 5, 16], DType::F32, 1.0));
     let kpm =
         multihead::Mask::Bool(Tensor::new(&[[0u8, 0, 0, 0, 1], [0, 0, 0, 0, 0]], &dev()).unwrap());
-    check("encoder layer", &layer, &layer16, |m, x| m.forward(x, None, Some(&kpm), false).unwrap());
+    let y =
+        autocast(DType::BF16, || layer.forward(x.as_tensor(), None, Some(&kpm), false)).unwrap();
+    let is_bf16 = |t: &Tensor| bits(t).iter().all(|b| b & 0xffff == 0);
+    assert_eq!(y.dtype(), DType::F32);
+    assert!(!is_bf16(&y), "the output was rounded to bf16");
+    // The plain f32 layer differs (the products read bf16 operands).
+    let plain = layer.forward(x.as_tensor(), None, Some(&kpm), false).unwrap();
+    assert_ne!(bits(&y), bits(&plain));
+    let g = det(y.dims(), DType::F32, 2.0);
+    let grads = y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+    for (key, p) in layer.named_parameters() {
+        let gp = grads.get(&p).unwrap_or_else(|| panic!("no gradient for {key}"));
+        assert_eq!(gp.dtype(), DType::F32, "{key}");
+        if key.starts_with("norm") {
+            assert!(!is_bf16(gp), "{key}: a LayerNorm's gradient was rounded to bf16");
+        } else {
+            assert!(is_bf16(gp), "{key}: a product parameter's gradient is not bf16-rounded");
+        }
+    }
+    assert!(!is_bf16(grads.get(x.as_tensor()).unwrap()), "the input gradient was rounded");
 }
 
 #[test]
