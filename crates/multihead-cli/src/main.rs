@@ -238,7 +238,14 @@ fn check(dirs: &[PathBuf], verbose: bool) -> ExitCode {
                 failed += 1;
             }
             Err(e) => {
-                say!("FAIL {}: {e}", dir.display());
+                // An error about the case directory itself names it once.
+                let reason = match &e {
+                    multihead::Error::File { path, msg } if path.as_path() == dir.as_path() => {
+                        msg.clone()
+                    }
+                    _ => e.to_string(),
+                };
+                say!("FAIL {}: {reason}", dir.display());
                 failed += 1;
             }
         }

@@ -377,9 +377,13 @@ fn bounded_product(what: &str, dims: &[usize]) -> Result<()> {
     let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
     match n {
         Some(n) if n <= MAX_PARAM_ELEMENTS => Ok(()),
-        _ => Err(format!(
-            "{what} would have {dims:?} = more than {MAX_PARAM_ELEMENTS} elements, this tool's limit"
-        )),
+        _ => {
+            let product: Vec<String> = dims.iter().map(usize::to_string).collect();
+            Err(format!(
+                "{what} would have {} elements, more than {MAX_PARAM_ELEMENTS}, this tool's limit",
+                product.join(" × ")
+            ))
+        }
     }
 }
 
