@@ -33,6 +33,8 @@ pub(crate) struct BwdTask<'a> {
     ol: Layout4,
     dout: ConstPtr<f32>,
     dol: Layout4,
+    /// The output and its gradient as slices, for [`BwdTask::block_rows_finite`].
+    rows: (&'a [f32], &'a [f32]),
     lse: ConstPtr<f32>,
     dq: SyncPtr<f32>,
     dql: Layout4,
@@ -86,6 +88,7 @@ impl<'a> BwdTask<'a> {
             ol,
             dout: ConstPtr(dout.as_ptr()),
             dol,
+            rows: (o, dout),
             lse: ConstPtr(lse.as_ptr()),
             dq,
             dql,
@@ -344,6 +347,15 @@ impl BwdTask<'_> {
         }
     }
 
+    /// Whether rows `i0..i0 + br` of head `(b, h)` of the output and of its gradient are all
+    /// finite (rows the block reads anyway, so they are in cache for its statistics).
+    fn block_rows_finite(&self, b: usize, h: usize, i0: usize, br: usize) -> bool {
+        let dv = self.p.dims.dv;
+        let (o, dout) = self.rows;
+        super::head_rows_finite(o, self.ol, (b, h), i0..i0 + br, dv)
+            && super::head_rows_finite(dout, self.dol, (b, h), i0..i0 + br, dv)
+    }
+
     /// Query block `qb` of query head `h` against the keys of chunk `ck`: `dK`/`dV` of the
     /// chunk accumulate in `sc`, and the block's `dQ` share is written (chunk 0) or added.
     ///
@@ -371,7 +383,11 @@ impl BwdTask<'_> {
         let (has_mask, per_key) = (p.has_mask(), p.masks_per_key());
         let bf = !sc.bb.qp.is_null();
         let kern = self.kern;
-        let finite = self.finite.get(bh).copied().unwrap_or(true);
+        // A non-finite output or upstream-gradient row reaches every key's gradient through
+        // `dS = P ∘ (dP − D)` (0·NaN is NaN, as PyTorch computes): its block reads every key.
+        let finite = !self.finite.is_empty()
+            && self.finite.get(bh).copied().unwrap_or(true)
+            && self.block_rows_finite(b, h, i0, br);
         let (banded, band) = (p.banded(), Band::of(p, b));
         let clip = banded && finite;
         let (jstart, jend) = if clip { band.keys(i0, br) } else { (0, dm.s) };

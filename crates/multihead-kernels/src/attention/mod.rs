@@ -33,8 +33,8 @@
 //!   key of a `(batch, kv head)` makes all its rows NaN, a NaN query its row, and a NaN value
 //!   its column, masked or not. The kernels skip key tiles the masks or the band (causal,
 //!   window, lengths) hide only for heads whose queries, keys and values are all finite (one scan of Q, K and V
-//!   per call), and in the backward only where the head's output and upstream gradient are
-//!   finite too (a NaN in `dO` reaches every key's gradient through `0·NaN`).
+//!   per call), and in the backward only for query blocks whose output and upstream gradient
+//!   rows are finite too (a NaN in `dO` reaches every key's gradient through `0·NaN`).
 //! * Backward (FlashAttention-2): `D_i = rowsum(dO_i ∘ O_i)`,
 //!   `dS = P ∘ (m ∘ (dO vᵀ) − D)` (times `1 − (cap/c)²` through a soft cap), `dq = scale · dS k`, `dk = scale · dSᵀ q`,
 //!   `dv = (P∘m)ᵀ dO`; `dk`/`dv` of a kv head sum over its query heads.
@@ -548,36 +548,6 @@ fn finite_heads<T: Operand>(
             kv[b * dm.heads_kv + h / group.max(1)] && head_rows_finite(q, ql, (b, h), 0..dm.l, dm.d)
         })
         .collect()
-}
-
-/// `finite` (per `(batch, query head)`, from [`finite_heads`]) and-ed with whether the head's
-/// rows of `x` (the output or its gradient: `[batch, heads_q, l, width]` through `xl`) are all
-/// finite: one pass over their span where it is dense, else head by head. Empty stays empty
-/// (nothing is skipped then).
-fn and_query_rows_finite<T: Operand>(
-    finite: &mut [bool],
-    p: &AttnParams<'_>,
-    (x, xl): (&[T], Layout4),
-    width: usize,
-) {
-    use rayon::prelude::*;
-    let dm = p.dims;
-    if finite.is_empty() || width == 0 || dm.l == 0 || finite.iter().all(|f| !f) {
-        return;
-    }
-    let needed = dm.batch.saturating_mul(dm.heads_q).saturating_mul(dm.l).saturating_mul(width);
-    let last = (dm.batch - 1) * xl.batch + (dm.heads_q - 1) * xl.head + (dm.l - 1) * xl.seq;
-    let dense = last + width <= x.len() && last + width <= needed.saturating_mul(2);
-    if dense && flat_finite(&x[..last + width]) {
-        return;
-    }
-    let rows: Vec<bool> = (0..finite.len())
-        .into_par_iter()
-        .map(|bh| head_rows_finite(x, xl, (bh / dm.heads_q, bh % dm.heads_q), 0..dm.l, width))
-        .collect();
-    for (f, r) in finite.iter_mut().zip(rows) {
-        *f &= r;
-    }
 }
 
 /// Where `inner` starts in `outer` (in elements) when `outer`'s memory holds all of `inner`'s.
@@ -1159,12 +1129,10 @@ fn run_backward(
     if d.batch == 0 || d.heads_q == 0 {
         return Ok(());
     }
-    let [(q, ql), (k, kl), (v, vl), (o, ol), (dout, dol)] = ins;
-    let mut finite = finite_heads(p, (q, ql), (k, kl), Some((v, vl)));
-    // A non-finite upstream gradient (or output) row reaches every key of its head through
-    // `dS = P ∘ (dP − D)` (0·NaN is NaN): such heads read every key too, as PyTorch computes.
-    and_query_rows_finite(&mut finite, p, (o, ol), d.dv);
-    and_query_rows_finite(&mut finite, p, (dout, dol), d.dv);
+    let [(q, ql), (k, kl), (v, vl), ..] = ins;
+    // (A query block whose output or upstream gradient is not finite reads every key as well:
+    // `BwdTask::block_rows_finite`.)
+    let finite = finite_heads(p, (q, ql), (k, kl), Some((v, vl)));
     // Each task owns a kv head: it copies strided rows into its scratch itself (see `gather`)
     // and accumulates dK and dV there.
     let mut task = backward::BwdTask::new(p, ins, lse, outs, BWD_BR, BWD_BC);
