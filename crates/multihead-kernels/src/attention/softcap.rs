@@ -26,8 +26,10 @@ pub(crate) unsafe fn softcap_tile<S: Simd>(
             let v = S::load(p);
             let mut y = S::softcap(v, c, inv);
             if keep_neg_inf {
-                // `v − max(v, MIN)` is 0 for finite `v` and `-inf` for `v = -inf`.
-                y = S::add(y, S::sub(v, S::max(v, lowest)));
+                // `min(v, MIN) − MIN` is `-inf` for `v = -inf` and 0 for every other `v`, `+inf`
+                // (capped to `c`) and NaN included (`v − max(v, MIN)` was `inf − inf`, NaN, at
+                // `+inf`).
+                y = S::add(y, S::sub(S::min(v, lowest), lowest));
             }
             S::store(p, y);
         }

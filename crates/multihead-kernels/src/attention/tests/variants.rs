@@ -171,6 +171,59 @@ fn a_saturated_soft_cap_passes_no_gradient() {
     }
 }
 
+/// An infinite score (here an infinite key; a huge finite one overflows the same way) under the
+/// soft cap applied after an additive mask: the cap makes it `c`, a finite row, as in the
+/// reference and PyTorch; the tile's `-inf` bookkeeping once computed `inf − inf` there and
+/// made the whole row NaN.
+#[test]
+fn an_infinite_score_capped_after_the_masks_is_the_cap() {
+    let (l, s, d) = (3usize, 5usize, 4usize);
+    let dims = AttnDims { batch: 1, heads_q: 1, heads_kv: 1, l, s, d, dv: d };
+    let (ql, kl) = (Layout4::contiguous(1, l, d), Layout4::contiguous(1, s, d));
+    let q: Vec<f32> = rand_vec(l * d, 1).iter().map(|x| x.abs() + 0.5).collect();
+    let mut k: Vec<f32> = rand_vec(s * d, 2).iter().map(|x| x.abs() + 0.5).collect();
+    k[2 * d + 1] = f32::INFINITY;
+    let (v, dout) = (rand_vec(s * d, 3), rand_vec(l * d, 4));
+    // Zeros, and one key hidden by -inf.
+    let mask: Vec<f32> =
+        (0..l * s).map(|i| if i % s == 4 { f32::NEG_INFINITY } else { 0.0 }).collect();
+    let mut p = AttnParams::new(dims);
+    (p.softcap, p.softcap_after_masks) = (Some(30.0), true);
+    p.masks[0] = Some(MaskView::Additive { data: &mask, strides: [0, 0, s, 1] });
+    let (eout, _) = reference::forward(&p, &q, ql, &k, kl, &v, kl);
+    assert!(eout.iter().all(|x| x.is_finite()), "the reference row is finite");
+    let (edq, edk, edv) = reference::backward(&p, &q, ql, &k, kl, &v, kl, &dout, ql);
+    for level in levels() {
+        with_simd_level(level, || {
+            let mut out = vec![0f32; l * d];
+            let mut lse = vec![0f32; 2 * l];
+            flash_forward(&p, &q, ql, &k, kl, &v, kl, &mut out, ql, &mut lse).unwrap();
+            for (i, (&g, &e)) in out.iter().zip(&eout).enumerate() {
+                assert!(
+                    (g as f64 - e).abs() <= 1e-5 * (1.0 + e.abs()),
+                    "{level:?} out[{i}] {g} vs {e}"
+                );
+            }
+            let (mut dq, mut dk, mut dv) =
+                (vec![0f32; l * d], vec![0f32; s * d], vec![0f32; s * d]);
+            flash_backward(
+                &p, &q, ql, &k, kl, &v, kl, &out, ql, &dout, ql, &lse, &mut dq, ql, &mut dk, kl,
+                &mut dv, kl,
+            )
+            .unwrap();
+            for (name, got, want) in [("dq", &dq, &edq), ("dk", &dk, &edk), ("dv", &dv, &edv)] {
+                for (i, (&g, &e)) in got.iter().zip(want.iter()).enumerate() {
+                    let ok = match e.is_nan() {
+                        true => g.is_nan(),
+                        false => (g as f64 - e).abs() <= 1e-5 * (1.0 + e.abs()),
+                    };
+                    assert!(ok, "{level:?}: {name}[{i}] {g} vs {e}");
+                }
+            }
+        });
+    }
+}
+
 /// Slopes as ALiBi's geometric sequence for `h` heads (and a negative one, which the kernels
 /// accept: a bias growing with the distance).
 fn slopes(h: usize) -> Vec<f32> {
