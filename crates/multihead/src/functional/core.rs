@@ -59,13 +59,16 @@ pub(crate) fn apply_dropout(w: &Tensor, p: f64, key: DropoutKey) -> Result<Tenso
 /// `softmax(cap(scale · q kᵀ + mask)) v` with `-inf` kept for `(c, true)`; `sinks`
 /// (broadcastable to `(B, L, 1)`) join each softmax row as a column with no value.
 ///
-/// `q` `(B, L, D)`, `k` `(B, S, D)`, `v` `(B, S, Dv)`, `mask` broadcastable to `(B, L, S)`.
+/// `q` `(B, L, D)`, `k` `(B, S, D)`, `v` `(B, S, Dv)`, `mask` broadcastable to `(B, L, S)`;
+/// `hide` (broadcastable too, `0` or `-inf`) hides keys by index after the cap, as the fused
+/// kernels do for a cap after the masks (a capped `+inf` score stays hidden, not NaN).
 /// Returns the output `(B, L, Dv)` and, when asked, the (post-dropout) weights `(B, L, S)`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_core(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    mask: Option<&Tensor>,
+    (mask, hide): (Option<&Tensor>, Option<&Tensor>),
     (scale, softcap, sinks): (f64, Option<(f64, bool)>, Option<&Tensor>),
     dropout: Option<(f64, DropoutKey)>,
     want_weights: bool,
@@ -81,7 +84,7 @@ pub(crate) fn attention_core(
         let w = Tensor::zeros((b, l, s), q.dtype(), q.device())?;
         return Ok((out, want_weights.then_some(w)));
     }
-    let w = attention_probs(q, k, mask, (scale, softcap, sinks), dropout)?;
+    let w = attention_probs(q, k, (mask, hide), (scale, softcap, sinks), dropout)?;
     let out = w.matmul(v)?;
     Ok((out, want_weights.then_some(w)))
 }
@@ -91,13 +94,19 @@ pub(crate) fn attention_core(
 pub(crate) fn attention_probs(
     q: &Tensor,
     k: &Tensor,
-    mask: Option<&Tensor>,
+    (mask, hide): (Option<&Tensor>, Option<&Tensor>),
     (scale, softcap, sinks): (f64, Option<(f64, bool)>, Option<&Tensor>),
     dropout: Option<(f64, DropoutKey)>,
 ) -> Result<Tensor> {
     let (b, l, _) = q.dims3()?;
     let s = k.dim(1)?;
-    let scores = q.affine(scale, 0.0)?.matmul(&k.t()?)?;
+    // candle drops an `affine` by 0 from the graph (no gradient at all); PyTorch's query
+    // gradient is then `0 · dS k` (zeros, NaN where `dS k` is).
+    let scaled = match scale == 0.0 {
+        true => q.broadcast_mul(&Tensor::zeros((), q.dtype(), q.device())?)?,
+        false => q.affine(scale, 0.0)?,
+    };
+    let scores = scaled.matmul(&k.t()?)?;
     let cap = |x: &Tensor, c: f64| -> Result<Tensor> {
         Ok(x.affine(1.0 / c, 0.0)?.tanh()?.affine(c, 0.0)?)
     };
@@ -116,6 +125,10 @@ pub(crate) fn attention_probs(
         }
         (Some((c, true)), None) => cap(&scores, c)?,
         _ => scores,
+    };
+    let scores = match hide {
+        Some(h) => scores.broadcast_add(h)?,
+        None => scores,
     };
     let mut w = match sinks {
         // gpt-oss: the sink is a column of the softmax, cut off afterwards.

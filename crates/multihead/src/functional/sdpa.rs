@@ -594,6 +594,16 @@ fn run_composed(
         query.device(),
     )?;
     let alibi = opts.variants.alibi_bias(SDPA, (l, s), query.dtype(), query.device())?;
+    // A cap after the masks hides keys by index after the cap (as the kernels do), so the band
+    // is kept apart there; elsewhere it is one more additive mask.
+    let (band, hide) = match opts.variants.cap() {
+        Some((_, true)) => (None, band),
+        _ => (band, None),
+    };
+    let flat = |m: Tensor| -> Result<Tensor> {
+        Ok(expand_to(&m, &with(batch, l, s))?.contiguous()?.reshape((bsz, l, s))?)
+    };
+    let hide = hide.map(flat).transpose()?;
     let mut mask = call.mask.clone();
     for extra in [band, alibi].into_iter().flatten() {
         mask = Some(match mask {
@@ -601,10 +611,7 @@ fn run_composed(
             None => extra,
         });
     }
-    let mask = match mask {
-        Some(m) => Some(expand_to(&m, &with(batch, l, s))?.contiguous()?.reshape((bsz, l, s))?),
-        None => None,
-    };
+    let mask = mask.map(flat).transpose()?;
     // One sink per flattened batch entry (its head's).
     let sinks = match &opts.sinks {
         Some(t) => {
@@ -615,7 +622,8 @@ fn run_composed(
         None => None,
     };
     let score = (call.scale, opts.variants.cap(), sinks.as_ref());
-    let (out, _) = attention_core(&q, &k, &v, mask.as_ref(), score, dropout, false)?;
+    let masks = (mask.as_ref(), hide.as_ref());
+    let (out, _) = attention_core(&q, &k, &v, masks, score, dropout, false)?;
     Ok(out.reshape(with(batch, l, ev))?)
 }
 

@@ -588,7 +588,7 @@ impl MultiheadAttention {
                 None => None,
             };
             let score = (scale, cap, sinks.as_ref());
-            let (o, _) = attention_core(&qb, &kb, &vb, Some(&mask), score, None, false)?;
+            let (o, _) = attention_core(&qb, &kb, &vb, (Some(&mask), None), score, None, false)?;
             let o = o.to_dtype(q.dtype())?.transpose(0, 1)?.reshape((tl, e))?;
             outs.push(match tl < t {
                 true => Tensor::cat(&[o, Tensor::zeros((t - tl, e), q.dtype(), q.device())?], 0)?,

@@ -68,6 +68,86 @@ fn fused_variants_match_the_composed_path() {
     compare([qg, kg, kg], o().enable_gqa(true).variants(v), "gqa");
 }
 
+/// An infinite score at a key hidden by index (causal, here) under a soft cap after the masks:
+/// the cap makes it `c` and the band then hides it, on both paths (the composed path once added
+/// the band before the cap: `inf − inf`, NaN rows).
+#[test]
+fn an_infinite_score_at_a_hidden_key_under_a_cap_after_the_masks_stays_hidden() {
+    let dev = candle_core::Device::Cpu;
+    let q = Tensor::from_vec(vec![1f32, 0.5, 1.0, 0.25], (1, 1, 2, 2), &dev).unwrap();
+    let k = Tensor::from_vec(vec![0.5f32, 1.0, f32::INFINITY, 1.0], (1, 1, 2, 2), &dev).unwrap();
+    let v = det(&[1, 1, 2, 2], DType::F32, 3.0);
+    let after = Variants::default().softcap(2.0).softcap_after_masks(true);
+    let zeros = Mask::Float(Tensor::zeros((2, 2), DType::F32, &dev).unwrap());
+    // Causal, and (with a float mask, which is_causal refuses) a window ending at the diagonal.
+    for mask in [None, Some(zeros)] {
+        let mut outs = Vec::new();
+        for backend in [Backend::Fused, Backend::Composed] {
+            let mut o = match &mask {
+                None => SdpaOptions::default().is_causal(true).variants(after.clone()),
+                Some(_) => SdpaOptions::default().variants(after.clone().window(Some(4), Some(0))),
+            }
+            .backend(backend);
+            o.attn_mask = mask.clone();
+            let out = scaled_dot_product_attention(&q, &k, &v, &o).unwrap();
+            let vals = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(
+                vals.iter().all(|x| x.is_finite()),
+                "{backend:?} {:?}: {vals:?}",
+                mask.is_some()
+            );
+            outs.push(out);
+        }
+        assert_close(&outs[0], &outs[1], Tolerance::F32_FORWARD, "fused against composed");
+    }
+}
+
+/// `scale = 0`: every score is 0 and the query's gradient is `0 · (dS k)`, zeros (NaN where a
+/// key is NaN), on both paths; candle drops an `affine` by 0 from the graph, which once left the
+/// composed path (every f64 call) with no query gradient at all.
+#[test]
+fn a_zero_scale_still_gives_the_query_a_gradient() {
+    for (dtype, backend) in
+        [(DType::F32, Backend::Fused), (DType::F32, Backend::Composed), (DType::F64, Backend::Auto)]
+    {
+        let q = var(&det(&[1, 2, 3, 4], dtype, 1.0));
+        let k0 = det(&[1, 2, 5, 4], dtype, 2.0);
+        for nan_key in [false, true] {
+            let k = match nan_key {
+                true => {
+                    let mut x = k0
+                        .flatten_all()
+                        .unwrap()
+                        .to_dtype(DType::F64)
+                        .unwrap()
+                        .to_vec1::<f64>()
+                        .unwrap();
+                    x[3] = f64::NAN;
+                    Tensor::from_vec(x, k0.dims(), k0.device()).unwrap().to_dtype(dtype).unwrap()
+                }
+                false => k0.clone(),
+            };
+            let v = det(&[1, 2, 5, 4], dtype, 3.0);
+            let o = SdpaOptions::default().scale(0.0).backend(backend);
+            let out = scaled_dot_product_attention(q.as_tensor(), &k, &v, &o).unwrap();
+            let grads = out.sum_all().unwrap().backward().unwrap();
+            let gq =
+                grads.get(q.as_tensor()).unwrap_or_else(|| panic!("{backend:?} {dtype:?}: no dq"));
+            let gq =
+                gq.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+            let what = format!("{backend:?} {dtype:?} nan key {nan_key}");
+            // Head 0 reads the NaN key: its rows are NaN; head 1 gets zeros.
+            for (i, x) in gq.iter().enumerate() {
+                let head0 = i < 12;
+                match nan_key && head0 {
+                    true => assert!(x.is_nan(), "{what}: dq[{i}] = {x}"),
+                    false => assert_eq!(*x, 0.0, "{what}: dq[{i}]"),
+                }
+            }
+        }
+    }
+}
+
 /// The composed path's gradient of `sum(out ∘ g)` in f64 against central differences of the
 /// same function, for every input element (small sizes).
 #[test]

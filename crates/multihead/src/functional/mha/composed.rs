@@ -35,6 +35,8 @@ struct Heads {
     k: Tensor,
     v: Tensor,
     mask: Option<Tensor>,
+    /// Keys hidden by index after a soft cap that follows the masks (`core::attention_core`).
+    hide: Option<Tensor>,
     sinks: Option<Tensor>,
 }
 
@@ -49,8 +51,9 @@ pub(crate) fn attend(
     let hs = heads(call, proj)?;
     let scale = 1.0 / (call.hd as f64).sqrt();
     let score = (scale, call.variants.cap(), hs.sinks.as_ref());
+    let masks = (hs.mask.as_ref(), hs.hide.as_ref());
     let (attn, weights) =
-        attention_core(&hs.q, &hs.k, &hs.v, hs.mask.as_ref(), score, dropout, call.need_weights)?;
+        attention_core(&hs.q, &hs.k, &hs.v, masks, score, dropout, call.need_weights)?;
     let attn = attn.transpose(0, 1)?.contiguous()?.reshape((l, n, e))?;
     let attn = if call.batch_first { attn.transpose(0, 1)? } else { attn };
     let weights = weights.map(|w| head_weights(call, w)).transpose()?;
@@ -75,7 +78,7 @@ pub(crate) fn weights(
     let hs = heads(call, proj)?;
     let scale = 1.0 / (call.hd as f64).sqrt();
     let score = (scale, call.variants.cap(), hs.sinks.as_ref());
-    let w = attention_probs(&hs.q, &hs.k, hs.mask.as_ref(), score, dropout)?;
+    let w = attention_probs(&hs.q, &hs.k, (hs.mask.as_ref(), hs.hide.as_ref()), score, dropout)?;
     head_weights(call, w)
 }
 
@@ -150,10 +153,10 @@ fn heads(call: &MhaCall, proj: Projected) -> Result<Heads> {
     }
     // Merge the masks by addition (step 11).
     let variants = &call.variants;
-    let mask = if *variants != crate::Variants::default() {
+    let (mask, hide) = if *variants != crate::Variants::default() {
         variant_mask(call, attn_mask, kpm, k.device())?
     } else if call.causal {
-        Some(causal_upper_left(l, s2, call.dtype, k.device())?.unsqueeze(0)?)
+        (Some(causal_upper_left(l, s2, call.dtype, k.device())?.unsqueeze(0)?), None)
     } else {
         let kpm = match kpm {
             Some(m) => Some(m.reshape((n, 1, 1, s2))?.broadcast_as((n, h, 1, s2))?.reshape((
@@ -163,29 +166,36 @@ fn heads(call: &MhaCall, proj: Projected) -> Result<Heads> {
             ))?),
             None => None,
         };
-        match (attn_mask, kpm) {
+        let mask = match (attn_mask, kpm) {
             (Some(a), Some(p)) => Some(crate::fused::zeros::broadcast_sum(&a, &p)?),
             (a, p) => a.or(p),
-        }
+        };
+        (mask, None)
     };
     let sinks = match &call.sinks {
         Some(t) => Some(t.reshape((1, h, 1))?.broadcast_as((n, h, 1))?.reshape((n * h, 1, 1))?),
         None => None,
     };
-    Ok(Heads { q, k, v, mask, sinks })
+    Ok(Heads { q, k, v, mask, hide, sinks })
 }
 
 /// The merged additive mask with the variants (no `bias_k` or zero-attention columns: checked),
 /// `(N·H, L, S)`: the attention mask, the key padding mask, the keys the causal hint, window and
-/// key lengths hide, and the ALiBi bias.
+/// key lengths hide, and the ALiBi bias; and, with a soft cap after the masks, the keys hidden
+/// by index apart (hidden after the cap, as the kernels hide them).
 fn variant_mask(
     call: &MhaCall,
     attn_mask: Option<Tensor>,
     kpm: Option<Tensor>,
     dev: &candle_core::Device,
-) -> Result<Option<Tensor>> {
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
     let (n, h, l, s) = (call.n, call.h, call.l, call.s);
     let v = &call.variants;
+    let band = v.band_mask(MHA, (call.causal, 1), (l, s), call.dtype, dev)?;
+    let (band, hide) = match v.cap() {
+        Some((_, true)) => (None, band),
+        _ => (band, None),
+    };
     let parts = [
         attn_mask
             .map(|a| match a.dim(0)? {
@@ -194,7 +204,7 @@ fn variant_mask(
             })
             .transpose()?,
         kpm.map(|p| p.reshape((n, 1, 1, s))).transpose()?,
-        v.band_mask(MHA, (call.causal, 1), (l, s), call.dtype, dev)?,
+        band,
         v.alibi_bias(MHA, (l, s), call.dtype, dev)?,
     ];
     let mut mask: Option<Tensor> = None;
@@ -204,6 +214,9 @@ fn variant_mask(
             None => part,
         });
     }
-    let expand = |m: Tensor| super::super::core::expand_to(&m, &[n, h, l, s]);
-    mask.map(|m| Ok(expand(m)?.contiguous()?.reshape((n * h, l, s))?)).transpose()
+    let flat = |m: Tensor| -> Result<Tensor> {
+        let m = super::super::core::expand_to(&m, &[n, h, l, s])?;
+        Ok(m.contiguous()?.reshape((n * h, l, s))?)
+    };
+    Ok((mask.map(flat).transpose()?, hide.map(flat).transpose()?))
 }
