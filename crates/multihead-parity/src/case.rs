@@ -243,6 +243,20 @@ impl Case {
             } else {
                 t.dtype() == self.dtype
             };
+            if !ok && name.starts_with(REF64) {
+                let msg = match reduced {
+                    true => format!(
+                        "{name} is stored as {:?}; float64 references must be F64",
+                        t.dtype()
+                    ),
+                    false => format!(
+                        "{name}: float64 references belong to bfloat16 or autocast cases, and this \
+                         case is {:?} without autocast; remove the ref64.* tensors",
+                        self.dtype
+                    ),
+                };
+                return Err(case_err(&self.dir, msg));
+            }
             if !ok {
                 return Err(case_err(
                     &self.dir,
@@ -286,11 +300,13 @@ impl Case {
     /// The tolerance for an `expect.*` tensor: `suggested_tolerance` when the case gives one
     /// for this dtype, otherwise [`Tolerance::for_dtype`].
     pub fn tolerance(&self, grad: bool) -> Tolerance {
-        let fallback = Tolerance::for_dtype(self.dtype, grad);
+        // An autocast case's results have bf16 products: its tolerances are bfloat16's.
+        let dtype = if self.meta.autocast.is_some() { DType::BF16 } else { self.dtype };
+        let fallback = Tolerance::for_dtype(dtype, grad);
         let Some(st) = &self.meta.suggested_tolerance else {
             return fallback;
         };
-        let dname = match self.dtype {
+        let dname = match dtype {
             DType::F64 => "float64",
             DType::BF16 => "bfloat16",
             _ => "float32",

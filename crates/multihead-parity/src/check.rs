@@ -56,8 +56,13 @@ pub fn check(case: &Case) -> Result<Vec<TensorCheck>> {
                     passed: c.passed(),
                     max_abs: c.max_abs,
                     worst_ratio: c.worst_ratio,
-                    note: c.shape_mismatch.then(|| {
-                        format!("shape {:?} vs expected {:?}", actual.dims(), expected.dims())
+                    note: c.shape_mismatch.then(|| match reference {
+                        Some(r) if r.dims() != expected.dims() => format!(
+                            "ref64.{key} has shape {:?} but expect.{key} {:?}",
+                            r.dims(),
+                            expected.dims()
+                        ),
+                        _ => format!("shape {:?} vs expected {:?}", actual.dims(), expected.dims()),
                     }),
                 });
             }

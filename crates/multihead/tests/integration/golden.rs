@@ -153,3 +153,25 @@ fn golden_cases_cover_both_dtypes() {
     assert!(dtypes.iter().filter(|d| **d == DType::F64).count() >= 20);
     assert!(dtypes.iter().filter(|d| **d == DType::F32).count() >= 20);
 }
+
+/// An autocast case is graded as a bfloat16 one: by its float64 references, and without them
+/// by bfloat16's tolerances (f32's would fail it: its products are bf16); an unknown autocast
+/// dtype is an error naming the key.
+#[test]
+fn autocast_cases_are_graded_as_bfloat16_with_or_without_references() {
+    let dir = fixture_root("transformer").join("autocast_enc_layer_relu_kpm");
+    let mut case = Case::load(&dir).unwrap();
+    assert_eq!(case.autocast().unwrap(), Some(DType::BF16));
+    let with_refs = parity::check(&case).unwrap();
+    assert!(with_refs.iter().all(|c| c.passed), "{with_refs:?}");
+    case.tensors.retain(|name, _| !name.starts_with("ref64."));
+    let without = parity::check(&case).unwrap();
+    assert!(!without.is_empty() && without.iter().all(|c| c.passed), "{without:?}");
+    // The same results against f32's tolerances fail somewhere.
+    case.meta.autocast = None;
+    let tol = case.tolerance(true);
+    assert!(tol.rel < 1e-3, "f32 tolerance {tol:?}");
+    case.meta.autocast = Some("bf16".into());
+    let err = case.autocast().unwrap_err().to_string();
+    assert!(err.contains("autocast") && err.contains("bfloat16"), "{err}");
+}
