@@ -200,12 +200,19 @@ pub(crate) fn autocast_layer<M: CastParams>(
     run: impl FnOnce(&M, &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
 ) -> Option<Result<Tensor>> {
     let dt = autocast_for(dtype)?;
-    Some((|| {
-        let m = module.map_product_params(&|p| round(p, dt))?;
-        crate::mode::autocast_off(|| {
-            crate::mode::rounded_products(dt, || run(&m, &|t| round(t, dt)))
-        })
-    })())
+    Some(module.map_product_params(&|p| round(p, dt)).and_then(|m| autocast_call(&m, dt, run)))
+}
+
+/// `run` on `module` with autocast off and the products' operands rounded to `dt`, given a
+/// function that rounds a tensor to `dt`.
+fn autocast_call<M>(
+    module: &M,
+    dt: DType,
+    run: impl FnOnce(&M, &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
+) -> Result<Tensor> {
+    crate::mode::autocast_off(|| {
+        crate::mode::rounded_products(dt, || run(module, &|t| round(t, dt)))
+    })
 }
 
 /// Runs an autocast-aware module's forward under [`autocast`](crate::autocast): `run` gets
@@ -219,11 +226,6 @@ pub(crate) fn autocast_run<M: CastParams>(
     run: impl FnOnce(&M, &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
 ) -> Option<Result<Tensor>> {
     let dt = autocast_for(dtype)?;
-    Some((|| {
-        let m = module.rounded(dt)?;
-        let y = crate::mode::autocast_off(|| {
-            crate::mode::rounded_products(dt, || run(&m, &|t| round(t, dt)))
-        })?;
-        round(&y, dt)
-    })())
+    let y = module.rounded(dt).and_then(|m| autocast_call(&m, dt, run));
+    Some(y.and_then(|y| round(&y, dt)))
 }
