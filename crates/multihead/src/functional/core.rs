@@ -54,6 +54,20 @@ pub(crate) fn apply_dropout(w: &Tensor, p: f64, key: DropoutKey) -> Result<Tenso
     Ok(w.mul(&mask)?)
 }
 
+/// A call's additive masks as the composed path applies them.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct ScoreMasks<'a> {
+    /// Added to the scores: the caller's masks, the ALiBi bias, and the keys hidden by index
+    /// unless they are in `hide`.
+    pub add: Option<&'a Tensor>,
+    /// Whether the caller's masks (attention or padding masks) are among `add`: with a cap after
+    /// the masks, a `-inf` sum is then kept `-inf`, as the kernels keep it (the ALiBi bias alone
+    /// is not a mask there).
+    pub masked: bool,
+    /// Keys hidden by index, added after a cap that follows the masks (`0` or `-inf`).
+    pub hide: Option<&'a Tensor>,
+}
+
 /// The attention core on flattened batches: `softmax(cap(scale · q kᵀ) + mask) v`, with
 /// `cap(x) = c·tanh(x/c)` for a soft cap `(c, false)` (the identity without one), or
 /// `softmax(cap(scale · q kᵀ + mask)) v` with `-inf` kept for `(c, true)`; `sinks`
@@ -68,7 +82,7 @@ pub(crate) fn attention_core(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    (mask, hide): (Option<&Tensor>, Option<&Tensor>),
+    masks: ScoreMasks<'_>,
     (scale, softcap, sinks): (f64, Option<(f64, bool)>, Option<&Tensor>),
     dropout: Option<(f64, DropoutKey)>,
     want_weights: bool,
@@ -79,12 +93,12 @@ pub(crate) fn attention_core(
     if b == 0 || l == 0 || s == 0 {
         // Nothing to attend: PyTorch's softmax over an empty row is empty and bmm gives zeros.
         let mut inputs = vec![q, k, v];
-        inputs.extend(mask.into_iter().chain(sinks));
+        inputs.extend(masks.add.into_iter().chain(sinks));
         let out = crate::fused::zeros::zeros_of(&[b, l, dv], q.dtype(), &inputs)?;
         let w = Tensor::zeros((b, l, s), q.dtype(), q.device())?;
         return Ok((out, want_weights.then_some(w)));
     }
-    let w = attention_probs(q, k, (mask, hide), (scale, softcap, sinks), dropout)?;
+    let w = attention_probs(q, k, masks, (scale, softcap, sinks), dropout)?;
     let out = w.matmul(v)?;
     Ok((out, want_weights.then_some(w)))
 }
@@ -94,7 +108,7 @@ pub(crate) fn attention_core(
 pub(crate) fn attention_probs(
     q: &Tensor,
     k: &Tensor,
-    (mask, hide): (Option<&Tensor>, Option<&Tensor>),
+    ScoreMasks { add: mask, masked, hide }: ScoreMasks<'_>,
     (scale, softcap, sinks): (f64, Option<(f64, bool)>, Option<&Tensor>),
     dropout: Option<(f64, DropoutKey)>,
 ) -> Result<Tensor> {
@@ -118,12 +132,12 @@ pub(crate) fn attention_probs(
         Some(m) => scores.broadcast_add(m)?,
         None => scores,
     };
-    let scores = match (softcap, mask) {
-        // ONNX's placement: the masks inside the cap, a -inf entry kept.
-        (Some((c, true)), Some(_)) => {
+    let scores = match softcap {
+        // ONNX's placement: the masks inside the cap, a -inf entry kept where masks are.
+        Some((c, true)) if masked => {
             scores.eq(f64::NEG_INFINITY)?.where_cond(&scores, &cap(&scores, c)?)?
         }
-        (Some((c, true)), None) => cap(&scores, c)?,
+        Some((c, true)) => cap(&scores, c)?,
         _ => scores,
     };
     let scores = match hide {

@@ -2,7 +2,9 @@
 
 use candle_core::Tensor;
 
-use super::core::{attention_core, broadcast_shapes, check_dropout, expand_to, repeat_interleave};
+use super::core::{
+    attention_core, broadcast_shapes, check_dropout, expand_to, repeat_interleave, ScoreMasks,
+};
 use crate::error::{fmt_shape, Error, Result};
 use crate::fused::dispatch::{decide, dtype_device_blocker, mask_records_grad, Path, Plan, Reason};
 use crate::mask::Mask;
@@ -622,7 +624,8 @@ fn run_composed(
         None => None,
     };
     let score = (call.scale, opts.variants.cap(), sinks.as_ref());
-    let masks = (mask.as_ref(), hide.as_ref());
+    let masked = call.mask.is_some();
+    let masks = ScoreMasks { add: mask.as_ref(), masked, hide: hide.as_ref() };
     let (out, _) = attention_core(&q, &k, &v, masks, score, dropout, false)?;
     Ok(out.reshape(with(batch, l, ev))?)
 }

@@ -8,7 +8,7 @@ use candle_core::{DType, Tensor};
 
 use super::MultiheadAttention;
 use crate::error::{fmt_shape, Error, Result};
-use crate::functional::core::attention_core;
+use crate::functional::core::{attention_core, ScoreMasks};
 use crate::functional::MhaOptions;
 use crate::fused::decode::DecodeOp;
 use crate::fused::dispatch::{decide, f32_or_bf16_blocker, Path, Plan};
@@ -588,7 +588,8 @@ impl MultiheadAttention {
                 None => None,
             };
             let score = (scale, cap, sinks.as_ref());
-            let (o, _) = attention_core(&qb, &kb, &vb, (Some(&mask), None), score, None, false)?;
+            let masks = ScoreMasks { add: Some(&mask), masked: true, hide: None };
+            let (o, _) = attention_core(&qb, &kb, &vb, masks, score, None, false)?;
             let o = o.to_dtype(q.dtype())?.transpose(0, 1)?.reshape((tl, e))?;
             outs.push(match tl < t {
                 true => Tensor::cat(&[o, Tensor::zeros((t - tl, e), q.dtype(), q.device())?], 0)?,

@@ -102,6 +102,25 @@ fn an_infinite_score_at_a_hidden_key_under_a_cap_after_the_masks_stays_hidden() 
     }
 }
 
+/// A `-inf` score (a `-inf` key) under a cap after the masks with an ALiBi bias and no mask: the
+/// cap makes it `-c` on both paths (a `-inf` sum is kept only where masks are, as the kernels
+/// keep it; the composed path once counted the ALiBi bias as a mask).
+#[test]
+fn an_alibi_bias_alone_is_not_a_mask_for_the_cap_after_the_masks() {
+    let dev = candle_core::Device::Cpu;
+    let q = Tensor::from_vec(vec![1f32, 0.5, 0.5, 0.25], (1, 1, 2, 2), &dev).unwrap();
+    let k =
+        Tensor::from_vec(vec![0.5f32, 1.0, f32::NEG_INFINITY, 1.0], (1, 1, 2, 2), &dev).unwrap();
+    let v = det(&[1, 1, 2, 2], DType::F32, 3.0);
+    let after = Variants::default().softcap(2.0).softcap_after_masks(true).alibi(vec![0.5]);
+    let run = |backend| {
+        let o = SdpaOptions::default().variants(after.clone()).backend(backend);
+        scaled_dot_product_attention(&q, &k, &v, &o).unwrap()
+    };
+    let (fused, composed) = (run(Backend::Fused), run(Backend::Composed));
+    assert_close(&fused, &composed, Tolerance::F32_FORWARD, "alibi, cap after the masks");
+}
+
 /// `scale = 0`: every score is 0 and the query's gradient is `0 · (dS k)`, zeros (NaN where a
 /// key is NaN), on both paths; candle drops an `affine` by 0 from the graph, which once left the
 /// composed path (every f64 call) with no query gradient at all.

@@ -7,7 +7,7 @@ use super::project::Projected;
 use super::validate::MhaCall;
 use super::MHA;
 use crate::error::Result;
-use crate::functional::core::{attention_core, attention_probs, cat_nonempty};
+use crate::functional::core::{attention_core, attention_probs, cat_nonempty, ScoreMasks};
 use crate::mask::causal_upper_left;
 use crate::random::DropoutKey;
 
@@ -37,6 +37,8 @@ struct Heads {
     mask: Option<Tensor>,
     /// Keys hidden by index after a soft cap that follows the masks (`core::attention_core`).
     hide: Option<Tensor>,
+    /// Whether an attention or padding mask is in `mask` (`core::ScoreMasks::masked`).
+    masked: bool,
     sinks: Option<Tensor>,
 }
 
@@ -51,7 +53,7 @@ pub(crate) fn attend(
     let hs = heads(call, proj)?;
     let scale = 1.0 / (call.hd as f64).sqrt();
     let score = (scale, call.variants.cap(), hs.sinks.as_ref());
-    let masks = (hs.mask.as_ref(), hs.hide.as_ref());
+    let masks = hs.score_masks();
     let (attn, weights) =
         attention_core(&hs.q, &hs.k, &hs.v, masks, score, dropout, call.need_weights)?;
     let attn = attn.transpose(0, 1)?.contiguous()?.reshape((l, n, e))?;
@@ -78,7 +80,7 @@ pub(crate) fn weights(
     let hs = heads(call, proj)?;
     let scale = 1.0 / (call.hd as f64).sqrt();
     let score = (scale, call.variants.cap(), hs.sinks.as_ref());
-    let w = attention_probs(&hs.q, &hs.k, (hs.mask.as_ref(), hs.hide.as_ref()), score, dropout)?;
+    let w = attention_probs(&hs.q, &hs.k, hs.score_masks(), score, dropout)?;
     head_weights(call, w)
 }
 
@@ -152,6 +154,7 @@ fn heads(call: &MhaCall, proj: Projected) -> Result<Heads> {
         v = expand(&v)?;
     }
     // Merge the masks by addition (step 11).
+    let masked = attn_mask.is_some() || kpm.is_some();
     let variants = &call.variants;
     let (mask, hide) = if *variants != crate::Variants::default() {
         variant_mask(call, attn_mask, kpm, k.device())?
@@ -176,7 +179,14 @@ fn heads(call: &MhaCall, proj: Projected) -> Result<Heads> {
         Some(t) => Some(t.reshape((1, h, 1))?.broadcast_as((n, h, 1))?.reshape((n * h, 1, 1))?),
         None => None,
     };
-    Ok(Heads { q, k, v, mask, hide, sinks })
+    Ok(Heads { q, k, v, mask, hide, masked, sinks })
+}
+
+impl Heads {
+    /// The masks as the attention core applies them.
+    fn score_masks(&self) -> ScoreMasks<'_> {
+        ScoreMasks { add: self.mask.as_ref(), masked: self.masked, hide: self.hide.as_ref() }
+    }
 }
 
 /// The merged additive mask with the variants (no `bias_k` or zero-attention columns: checked),
