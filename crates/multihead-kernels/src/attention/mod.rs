@@ -528,6 +528,9 @@ fn finite_heads<T: Operand>(
     if !p.banded() && !p.has_mask() {
         return Vec::new();
     }
+    if masks_hold_nan_or_inf(p) {
+        return vec![false; dm.batch * dm.heads_q];
+    }
     if all_finite(p, (q, ql), (k, kl), v) {
         return vec![true; dm.batch * dm.heads_q];
     }
@@ -548,6 +551,18 @@ fn finite_heads<T: Operand>(
             kv[b * dm.heads_kv + h / group.max(1)] && head_rows_finite(q, ql, (b, h), 0..dm.l, dm.d)
         })
         .collect()
+}
+
+/// Whether an additive mask holds NaN or `+inf` (anywhere in its storage): added to a `-inf`
+/// that hides a key by index (the band), or to a key the tiles would skip, it makes NaN as the
+/// composed path and a float64 reference compute, so no head may skip or overwrite those keys.
+fn masks_hold_nan_or_inf(p: &AttnParams<'_>) -> bool {
+    use rayon::prelude::*;
+    let bad = |c: &[f32]| c.iter().fold(false, |acc, &x| acc | (x.is_nan() | (x == f32::INFINITY)));
+    p.masks.iter().flatten().any(|m| match m {
+        MaskView::Additive { data, .. } => data.par_chunks(1 << 14).any(bad),
+        MaskView::Bool { .. } => false,
+    })
 }
 
 /// Where `inner` starts in `outer` (in elements) when `outer`'s memory holds all of `inner`'s.
@@ -699,6 +714,9 @@ fn finite_heads_given_kv<T: Operand>(
 ) -> Vec<bool> {
     use rayon::prelude::*;
     let dm = p.dims;
+    if masks_hold_nan_or_inf(p) {
+        return vec![false; dm.batch * dm.heads_q];
+    }
     let group = (dm.heads_q / dm.heads_kv.max(1)).max(1);
     let (rows, width) = (dm.heads_q.saturating_mul(dm.l), dm.d);
     let needed = dm.batch.saturating_mul(rows).saturating_mul(width);

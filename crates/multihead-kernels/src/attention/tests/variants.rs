@@ -224,6 +224,49 @@ fn an_infinite_score_capped_after_the_masks_is_the_cap() {
     }
 }
 
+/// A NaN in a float mask at a key hidden by index (a window, key lengths, with the cap before,
+/// after or without it): NaN + `-inf` is NaN, so the row is NaN as in the reference (the tiles
+/// once skipped such keys, or overwrote them with `-inf`).
+#[test]
+fn a_nan_mask_value_at_a_key_hidden_by_index_follows_the_reference() {
+    let (l, s, d) = (70usize, 300usize, 4usize);
+    let dims = AttnDims { batch: 2, heads_q: 1, heads_kv: 1, l, s, d, dv: d };
+    let (ql, kl) = (Layout4::contiguous(1, l, d), Layout4::contiguous(1, s, d));
+    let (q, k, v) = (rand_vec(2 * l * d, 1), rand_vec(2 * s * d, 2), rand_vec(2 * s * d, 3));
+    let mut mask = vec![0f32; l * s];
+    mask[3 * s + 200] = f32::NAN; // row 3, key 200: outside the window and past length 150
+    let lens: &[usize] = &[150, 300];
+    for case in 0..4 {
+        let mut p = AttnParams::new(dims);
+        p.masks[0] = Some(MaskView::Additive { data: &mask, strides: [0, 0, s, 1] });
+        match case {
+            0 => p.window = window(Some(4), Some(0)),
+            1 => p.kv_lengths = Some(lens),
+            2 => {
+                (p.window, p.softcap, p.softcap_after_masks) =
+                    (window(Some(4), Some(0)), Some(5.0), true)
+            }
+            _ => (p.kv_lengths, p.softcap) = (Some(lens), Some(5.0)),
+        }
+        let (eout, _) = reference::forward(&p, &q, ql, &k, kl, &v, kl);
+        for level in levels() {
+            with_simd_level(level, || {
+                let mut out = vec![0f32; 2 * l * d];
+                let mut lse = vec![0f32; 4 * l];
+                flash_forward(&p, &q, ql, &k, kl, &v, kl, &mut out, ql, &mut lse).unwrap();
+                for (i, (&g, &e)) in out.iter().zip(&eout).enumerate() {
+                    assert_eq!(
+                        g.is_nan(),
+                        e.is_nan(),
+                        "{level:?} case {case}: out[{i}] {g} vs {e}"
+                    );
+                }
+                assert!(out.iter().any(|x| x.is_nan()), "{level:?} case {case}: no NaN row");
+            });
+        }
+    }
+}
+
 /// Slopes as ALiBi's geometric sequence for `h` heads (and a negative one, which the kernels
 /// accept: a bias growing with the distance).
 fn slopes(h: usize) -> Vec<f32> {
