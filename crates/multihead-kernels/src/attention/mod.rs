@@ -33,7 +33,8 @@
 //!   key of a `(batch, kv head)` makes all its rows NaN, a NaN query its row, and a NaN value
 //!   its column, masked or not. The kernels skip key tiles the masks or the band (causal,
 //!   window, lengths) hide only for heads whose queries, keys and values are all finite (one scan of Q, K and V
-//!   per call), and in the backward only for query blocks whose output and upstream gradient
+//!   per call) and whose float masks hold no NaN or `+inf` (added to a hidden key's `-inf` they
+//!   make NaN), and in the backward only for query blocks whose output and upstream gradient
 //!   rows are finite too (a NaN in `dO` reaches every key's gradient through `0·NaN`).
 //! * Backward (FlashAttention-2): `D_i = rowsum(dO_i ∘ O_i)`,
 //!   `dS = P ∘ (m ∘ (dO vᵀ) − D)` (times `1 − (cap/c)²` through a soft cap), `dq = scale · dS k`, `dk = scale · dSᵀ q`,
