@@ -561,6 +561,8 @@ fn masks_hold_nan_or_inf(p: &AttnParams<'_>) -> bool {
     use rayon::prelude::*;
     let bad = |c: &[f32]| c.iter().fold(false, |acc, &x| acc | (x.is_nan() | (x == f32::INFINITY)));
     p.masks.iter().flatten().any(|m| match m {
+        // One chunk's worth is scanned here, as `flat_finite` does: the pool costs more.
+        MaskView::Additive { data, .. } if data.len() <= 1 << 14 => bad(data),
         MaskView::Additive { data, .. } => data.par_chunks(1 << 14).any(bad),
         MaskView::Bool { .. } => false,
     })

@@ -73,11 +73,11 @@ pub(crate) struct ScoreMasks<'a> {
 /// `softmax(cap(scale · q kᵀ + mask)) v` with `-inf` kept for `(c, true)`; `sinks`
 /// (broadcastable to `(B, L, 1)`) join each softmax row as a column with no value.
 ///
-/// `q` `(B, L, D)`, `k` `(B, S, D)`, `v` `(B, S, Dv)`, `mask` broadcastable to `(B, L, S)`;
-/// `hide` (broadcastable too, `0` or `-inf`) hides keys by index after the cap, as the fused
-/// kernels do for a cap after the masks (a capped `+inf` score stays hidden, not NaN).
+/// `q` `(B, L, D)`, `k` `(B, S, D)`, `v` `(B, S, Dv)`; `masks.add` broadcastable to
+/// `(B, L, S)`, and `masks.hide` (broadcastable too, `0` or `-inf`) hiding keys by index after
+/// the cap, as the fused kernels do for a cap after the masks (a capped `+inf` score stays
+/// hidden, not NaN).
 /// Returns the output `(B, L, Dv)` and, when asked, the (post-dropout) weights `(B, L, S)`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_core(
     q: &Tensor,
     k: &Tensor,

@@ -4,8 +4,9 @@
 //! The weights come from the weights kernel (`FlashAttention::weights_of`, from the forward's
 //! row statistics) run as the forward of [`WeightsGrad`], an op on the projected query and key
 //! (so the weights are written once, into the tensor returned: no copy joins them to the
-//! graph, and a call holds one `(N, ·, L, S)` buffer, not two), whose backward recomputes the per-head probabilities `P` the same way and gives the projected
-//! query and key the softmax's gradient: with `G` the weights' gradient per head (divided by
+//! graph, and a call holds one `(N, ·, L, S)` buffer, not two), whose backward recomputes the
+//! per-head probabilities `P` the same way and gives the projected query and key the
+//! softmax's gradient: with `G` the weights' gradient per head (divided by
 //! H when the weights are averaged), `dS = P ∘ (G − rowsum(G ∘ P))`, `dq = scale · dS · k` and
 //! `dk = scale · dSᵀ · q` (summed over a group's query heads). The backward only runs when a
 //! loss uses the weights; otherwise they cost the kernel's pass alone. Without dropout, a soft
