@@ -200,8 +200,12 @@ pub(crate) fn linear_to(
         F32 => Some(OutDtype::F32),
         _ => None,
     };
+    // A bf16 weight with an f32 output stands for the f32 twin's widened weight: a bf16 layer
+    // whose self-attention ran as it is (`TransformerEncoderLayer`'s bf16 route) writes its
+    // output projection into the f32 residual sum.
+    let bf16_twin = weight.dtype() == BF16 && dtype == F32;
     let direct = matches!(x.dtype(), F32 | BF16)
-        && weight.dtype() == F32
+        && (weight.dtype() == F32 || bf16_twin)
         && crate::mode::in_rounded_products()
         && !records_grad(x, weight, bias);
     if let (Some(out), true) = (out, direct) {
@@ -209,6 +213,12 @@ pub(crate) fn linear_to(
         if let Some(y) = rounded_product(call, out, (op, arg), backend)? {
             return Ok(y);
         }
+    }
+    if bf16_twin && crate::mode::in_rounded_products() {
+        // Off the fused path: the twin's f32 product on the widened values.
+        use crate::precision::{widen, widen_opt};
+        let (x, w, b) = (widen(x)?, widen(weight)?, widen_opt(bias)?);
+        return linear(&x, &w, b.as_ref(), op, arg, backend);
     }
     let x = match x.dtype() == weight.dtype() {
         true => x.clone(),
@@ -232,8 +242,13 @@ fn rounded_product(
     backend: Backend,
 ) -> Result<Option<Tensor>> {
     use candle_core::DType::{BF16, F32};
-    let (_, in_f, out_dims) = validate_linear_of(x, weight, bias, op, arg, F32)?;
-    if in_f == 0 || out_dims.contains(&0) || plan_linear(weight, op, backend)?.path != Path::Fused {
+    // A bf16 weight (and bias) stands for the twin's widened one: the same values.
+    let as_dtype = if weight.dtype() == BF16 { BF16 } else { F32 };
+    let (_, in_f, out_dims) = validate_linear_of(x, weight, bias, op, arg, as_dtype)?;
+    // Planned as the twin's f32 weight would be (the same device, a dtype the kernel reads).
+    let blocker = crate::fused::dispatch::f32_or_bf16_blocker(weight);
+    let plan = crate::fused::dispatch::decide(op, backend, blocker)?;
+    if in_f == 0 || out_dims.contains(&0) || plan.path != Path::Fused {
         return Ok(None);
     }
     let dtype = if out == OutDtype::Bf16 { BF16 } else { F32 };

@@ -465,6 +465,22 @@ impl MultiheadAttention {
         )
     }
 
+    /// Self-attention of a bf16 module on `x`, run as it is with its output projection
+    /// written as `out` (f32 for a Transformer layer's f32 residual sum): the bits of its f32
+    /// twin's output; `None` where the call would run as that twin
+    /// (`functional::mha::mha_direct_to`).
+    pub(crate) fn forward_direct_to(
+        &self,
+        x: &Tensor,
+        opts: &MhaOptions,
+        out: candle_core::DType,
+    ) -> Result<Option<MhaOutput>> {
+        let params = self.params()?;
+        let alias = Aliasing::of(x, x, x);
+        let modes = (self.training, self.cfg.batch_first);
+        crate::functional::mha_direct_to(x, x, x, alias, &params, opts, modes, out)
+    }
+
     /// The path [`forward`](Self::forward) takes for these arguments (the fused kernels or the
     /// composed candle path) and why, without running it. Bad arguments give the error
     /// `forward` would.

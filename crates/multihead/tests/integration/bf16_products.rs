@@ -645,3 +645,63 @@ fn a_bf16_mha_without_a_gradient_skips_its_f32_twin_with_the_twins_bits() {
         }
     }
 }
+
+#[test]
+fn a_bf16_encoder_layer_without_a_gradient_keeps_its_weights_bf16_with_the_twins_bits() {
+    // Without a gradient, a bf16 post-norm encoder layer whose self-attention runs as it is
+    // multiplies its bf16 weights unwidened (the attention's output projection written in f32
+    // for the residual sum, the feed-forward products reading the bf16 weights); with a
+    // gradient recorded (an input that is a Var) it runs as its widened f32 twin: the same
+    // bits. Sequence-first and batch-first, ReLU and GELU, with and without biases, a bool key
+    // padding mask, a float mask, a NaN in the input, an unbatched call and few rows (which
+    // keep the twin).
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let mut pad = vec![0u8; 2 * 70];
+    pad[70 + 50..].iter_mut().for_each(|p| *p = 1);
+    let pad = Tensor::from_vec(pad, (2, 70), &dev()).unwrap();
+    let bias = det(&[70, 70], DType::BF16, 8.0).affine(2.0, 0.0).unwrap();
+    let cases = [
+        ("plain", None, None),
+        ("key padding", None, Some(Mask::Bool(pad))),
+        ("float mask", Some(Mask::Float(bias)), None),
+    ];
+    let layers = [(Activation::Gelu, true, false), (Activation::Relu, false, true)];
+    for (i, (act, with_bias, batch_first)) in layers.into_iter().enumerate() {
+        let cfg = LayerConfig::new(32, 4)
+            .with_dim_feedforward(72)
+            .with_dropout(0.0)
+            .with_activation(act)
+            .with_bias(with_bias)
+            .with_batch_first(batch_first);
+        let layer = TransformerEncoderLayer::new(cfg.clone(), vb.pp(format!("l{i}"))).unwrap();
+        let mut l16 =
+            deterministic(&layer, DType::BF16, |vb| TransformerEncoderLayer::new(cfg.clone(), vb));
+        l16.eval();
+        let shape = if batch_first { [2, 70, 32] } else { [70, 2, 32] };
+        let mut xs = values(&det(&shape, DType::F32, 7.0));
+        // A NaN in batch 0 (every row of which then reads NaN).
+        xs[if batch_first { 40 } else { 8 }] = f64::NAN;
+        let x = Tensor::from_vec(xs, &shape[..], &dev()).unwrap().to_dtype(DType::BF16).unwrap();
+        let xv = var(&x);
+        for (what, mask, kpm) in &cases {
+            let run = |x: &Tensor| l16.forward(x, mask.as_ref(), kpm.as_ref(), false).unwrap();
+            let inference = direct(|| no_grad(|| run(&x)));
+            let recorded = direct(|| run(xv.as_tensor()));
+            let what = format!("{what}, {act:?}, bias {with_bias}, batch_first {batch_first}");
+            assert_eq!(inference.dtype(), DType::BF16, "{what}");
+            assert_eq!(inference.dims(), &shape, "{what}");
+            assert_eq!(differing(&inference, &recorded), 0, "{what}: outputs differ");
+            let nans = values(&inference).iter().filter(|v| v.is_nan()).count();
+            assert!(nans > 0 && nans < 2 * 70 * 32, "{what}: {nans} NaN outputs");
+        }
+        for dims in [vec![70, 32], vec![3, 2, 32]] {
+            let x = det(&dims, DType::BF16, 9.0);
+            let xv = var(&x);
+            let run = |x: &Tensor| l16.forward(x, None, None, false).unwrap();
+            let inference = direct(|| no_grad(|| run(&x)));
+            let recorded = direct(|| run(xv.as_tensor()));
+            assert_eq!(differing(&inference, &recorded), 0, "{dims:?}: outputs differ");
+        }
+    }
+}

@@ -454,15 +454,9 @@ pub(crate) fn mha_forward_impl(
     let mut call =
         validate::validate(query, key, value, alias, params, opts, training, batch_first)?;
     if crate::precision::is_reduced(call.dtype) {
-        if let Some(plan) = direct_bf16_plan(&call, opts)? {
-            // The additive masks in f32, as the kernels read them: the values the widened
-            // call's masks have.
-            call.attn_mask = crate::precision::widen_opt(call.attn_mask.as_ref())?;
-            call.kpm = crate::precision::widen_opt(call.kpm.as_ref())?;
-            let dtype = call.dtype;
-            return crate::mode::rounded_products(dtype, || {
-                forward_planned(&call, opts, plan, Some(dtype))
-            });
+        let dtype = call.dtype;
+        if let Some(out) = run_direct_bf16(&mut call, opts, dtype)? {
+            return Ok(out);
         }
         let w = Widened::new(query, key, value, alias, params, opts)?;
         let p32 = w.params(params);
@@ -482,6 +476,44 @@ pub(crate) fn mha_forward_impl(
     }
     let plan = plan(&call, opts)?;
     forward_planned(&call, opts, plan, None)
+}
+
+/// A bf16 self-attention call run as it is, its output projection written in `out` (the
+/// call's dtype, or f32 where a Transformer layer's f32 residual sum reads it, as its f32
+/// twin's output projection writes f32), or `None` where the call runs as its f32 twin
+/// ([`direct_bf16_plan`]). The caller validated nothing; this validates the call as
+/// [`mha_forward_impl`] does.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mha_direct_to(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    alias: Aliasing,
+    params: &MhaParams,
+    opts: &MhaOptions,
+    (training, batch_first): (bool, bool),
+    out: DType,
+) -> Result<Option<MhaOutput>> {
+    let mut call =
+        validate::validate(query, key, value, alias, params, opts, training, batch_first)?;
+    if !crate::precision::is_reduced(call.dtype) {
+        return Ok(None);
+    }
+    run_direct_bf16(&mut call, opts, out)
+}
+
+/// [`forward_planned`] on a validated bf16 call where [`direct_bf16_plan`] takes it, the
+/// output projection writing `out`; `None` (and `call` as it was) elsewhere.
+fn run_direct_bf16(call: &mut MhaCall, opts: &MhaOptions, out: DType) -> Result<Option<MhaOutput>> {
+    let Some(plan) = direct_bf16_plan(call, opts)? else {
+        return Ok(None);
+    };
+    // The additive masks in f32, as the kernels read them: the values the widened call's
+    // masks have.
+    call.attn_mask = crate::precision::widen_opt(call.attn_mask.as_ref())?;
+    call.kpm = crate::precision::widen_opt(call.kpm.as_ref())?;
+    let dtype = call.dtype;
+    crate::mode::rounded_products(dtype, || forward_planned(call, opts, plan, Some(out))).map(Some)
 }
 
 /// The plan of a bf16 call that runs as it is, bf16 in and out, without widening its inputs
