@@ -1,0 +1,126 @@
+// What the AMX micro-kernel's tile step costs on this CPU, one core, operands in L1: the
+// 2 × 2 step of `multihead_kernels::bf16gemm::amx::micro_amx` (four tile loads, four
+// `tdpbf16ps`) with and without the stores that end each 32 × 32 block of `C`.
+//
+//     cc -O2 -mamx-tile -mamx-bf16 tools/amx_tile_costs.c -o target/amx_tile_costs
+//     target/amx_tile_costs
+//
+// Prints GFLOP/s (one core) for blocks of 4, 8 and 16 tile steps (a depth of 128, 256, 512):
+//   no loads        the four products alone, as peak.c's loop;
+//   loads           the four loads and four products, no block ends (C kept in the tiles);
+//   zero            each block starts from tilezero, nothing stored;
+//   one store       each block ends in one tile store;
+//   four stores     each block ends in four tile stores (the kernel's pattern, without zeroing);
+//   kernel          tilezero, the steps, four stores: what micro_amx does per half;
+//   pipelined       the next block's first loads and products between this block's stores.
+// Linux only (asks for the tile state with arch_prctl); exits with a message without AMX.
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) tilecfg;
+
+#define MAX_STEPS 16
+#define LDA (32 * MAX_STEPS + 32) // bf16 elements per row of A, one line of padding
+static uint16_t A[32 * LDA] __attribute__((aligned(64)));
+static uint32_t B[MAX_STEPS * 16 * 64] __attribute__((aligned(64))); // 64 columns of pairs
+static float C[8][32 * 64] __attribute__((aligned(64)));
+
+#define LOAD_STEP(s)                                                   \
+    _tile_loadd(4, A + 32 * (s), 2 * LDA);                             \
+    _tile_loadd(5, A + 16 * LDA + 32 * (s), 2 * LDA);                  \
+    _tile_loadd(6, B + (s) * 16 * 64, 256);                            \
+    _tile_loadd(7, B + (s) * 16 * 64 + 16, 256);
+#define PRODUCTS                                                        \
+    _tile_dpbf16ps(0, 4, 6);                                           \
+    _tile_dpbf16ps(1, 4, 7);                                           \
+    _tile_dpbf16ps(2, 5, 6);                                           \
+    _tile_dpbf16ps(3, 5, 7);
+#define STORE(t, c) _tile_stored(t, (c) + ((t) / 2) * 16 * 64 + ((t) % 2) * 16, 256)
+
+enum { NO_LOADS, LOADS, ZERO, ONE_STORE, FOUR_STORES, KERNEL, PIPELINED, VARIANTS };
+static const char *NAMES[] = {"no loads", "loads", "zero", "one store", "four stores", "kernel",
+                              "pipelined"};
+
+__attribute__((noinline)) static void run(int v, long blocks, int steps) {
+    if (v == PIPELINED) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        LOAD_STEP(0) PRODUCTS
+    }
+    for (long b = 0; b < blocks; b++) {
+        float *c = C[b & 7];
+        if (v == ZERO || v == KERNEL) {
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        }
+        for (int s = (v == PIPELINED); s < steps; s++) {
+            if (v != NO_LOADS) { LOAD_STEP(s) }
+            PRODUCTS
+        }
+        if (v == ONE_STORE) STORE(3, c);
+        if (v == FOUR_STORES || v == KERNEL) { STORE(0, c); STORE(1, c); STORE(2, c); STORE(3, c); }
+        if (v == PIPELINED) {
+            _tile_loadd(4, A, 2 * LDA);
+            _tile_loadd(6, B, 256);
+            STORE(0, c); _tile_zero(0); _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, B + 16, 256);
+            STORE(1, c); _tile_zero(1); _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, A + 16 * LDA, 2 * LDA);
+            STORE(2, c); _tile_zero(2); _tile_dpbf16ps(2, 5, 6);
+            STORE(3, c); _tile_zero(3); _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+int main(void) {
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) {
+        puts("{\"amx\": null}");
+        return 0;
+    }
+    tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+    _tile_loadconfig(&cfg);
+    for (size_t i = 0; i < sizeof A / sizeof A[0]; i++) A[i] = 0x3f80;         // 1.0
+    for (size_t i = 0; i < sizeof B / sizeof B[0]; i++) B[i] = 0x00003f80u;     // (1.0, 0.0)
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    LOAD_STEP(0)
+    const int depths[] = {4, 8, 16};
+    printf("%-12s", "steps");
+    for (int d = 0; d < 3; d++) printf("%8d", depths[d]);
+    printf("   (GFLOP/s, one core, best of 5)\n");
+    for (int v = 0; v < VARIANTS; v++) {
+        printf("%-12s", NAMES[v]);
+        for (int d = 0; d < 3; d++) {
+            int steps = depths[d];
+            long blocks = 1000000 / steps;
+            double best = 1e30;
+            for (int r = 0; r < 5; r++) {
+                double t = now();
+                run(v, blocks, steps);
+                t = now() - t;
+                if (t < best) best = t;
+            }
+            printf("%8.0f", (double)blocks * steps * 4 * 16 * 16 * 32 * 2 / best / 1e9);
+        }
+        printf("\n");
+    }
+    _tile_release();
+    return 0;
+}
