@@ -112,6 +112,7 @@ def rust_json(dtype, module, flags, threads, warmup, iters, products=None):
     env = dict(os.environ)
     if products:
         env["MULTIHEAD_BF16_PRODUCTS"] = products
+    bench_proc.settle()
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True, env=env)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -198,6 +199,11 @@ def main():
     ap.add_argument("--amx-peak", type=float, default=None,
                     help="peak.c's amx_bf16: the bf16 shares are of it where AMX tiles ran")
     ap.add_argument("--json-out", type=Path, default=REPO / "target/bench_bf16.json")
+    ap.add_argument("--iters", type=int, default=None,
+                    help="timed calls per case and side (default 6; 2 with --quick): the VM's "
+                         "run-to-run spread shrinks with more")
+    ap.add_argument("--only", default=None,
+                    help="run only the cases whose label contains this text (e.g. 'encoder')")
     opts = ap.parse_args()
     import torch
 
@@ -205,8 +211,11 @@ def main():
     if not BIN.exists():
         sys.exit(f"build the binary first: cargo build --release -p multihead-cli ({BIN})")
     warmup, iters = (1, 2) if opts.quick else (2, 6)
+    iters = opts.iters or iters
     rows, choice = [], {}
     for label, module, flags in CASES:
+        if opts.only and opts.only not in label:
+            continue
         row = {"label": label, "flops": flops(module, flags)}
         row["torch_bf16"] = torch_case(torch, torch.bfloat16, module, flags, warmup, iters)
         row["torch_f32"] = torch_case(torch, torch.float32, module, flags, warmup, iters)

@@ -99,6 +99,7 @@ def rust_row(b, s, e, h, k, dtype, threads, warmup, iters):
            "--embed-dim", str(e), "--num-heads", str(h), "--num-kv-heads", str(k),
            "--dtype", {"float32": "f32", "bfloat16": "bf16"}[dtype],
            "--threads", str(threads), "--warmup", str(warmup), "--iters", str(iters), "--json"]
+    bench_proc.settle()
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 

@@ -74,6 +74,7 @@ def rust_json(dtype, e, f, backward, threads, warmup, iters, env_extra=None):
         cmd.append("--backward")
     env = dict(os.environ)
     env.update(env_extra or {})
+    bench_proc.settle()
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True, env=env)
     return json.loads(res.stdout.strip().splitlines()[-1])
 

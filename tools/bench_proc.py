@@ -62,6 +62,19 @@ def run_process(cmd, timeout_s, env=None, stdin_path=None):
     return p.returncode, out, err, ru.ru_maxrss / 1024.0, wall, timed_out
 
 
+# Seconds to wait before starting multihead's process after PyTorch ran in this one.
+SETTLE_S = 1.0
+
+
+def settle():
+    """Waits until PyTorch's OpenMP workers in this process stop spinning. After a parallel
+    region they busy-wait for more work before they sleep; a child started at once shares the
+    two cores with them (a bf16 encoder layer's eval measured 22.4-23.9 ms started at once,
+    21.2-21.6 ms a second later; docs/performance.md, twelfth session). The sleep is outside
+    every timed region and changes nothing for PyTorch's own timings."""
+    time.sleep(SETTLE_S)
+
+
 def timed(fn, warmup, iters):
     """Calls ``fn`` ``warmup`` times, then times ``iters`` calls; returns (min, median) ms."""
     for _ in range(warmup):

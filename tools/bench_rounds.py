@@ -56,6 +56,7 @@ def mha_train_torch(torch):
 def ours(args, threads):
     cmd = [str(BIN), "bench", "--threads", str(threads), "--warmup", str(WARMUP),
            "--iters", str(ITERS), "--json"] + args
+    bench_proc.settle()
     res = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO)
     return json.loads(res.stdout.strip().splitlines()[-1])["min_ms"]
 

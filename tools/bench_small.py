@@ -92,6 +92,7 @@ def rust_case(module, b, l, e, h, f, backward, threads, warmup, iters):
     if module == "encoder-layer":
         cmd.append("--norm-first")
         cmd.append("--backward" if backward else "--eval")
+    bench_proc.settle()
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])["min_ms"]
 

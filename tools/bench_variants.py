@@ -57,6 +57,7 @@ def ours(b, h, l, d, threads, warmup, iters, backward, causal=False, window=None
     cmd += ["--varlen"] if varlen else []
     cmd += ["--padded"] if padded else []
     cmd += ["--backward"] if backward else []
+    bench_proc.settle()
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
     rec = json.loads(res.stdout.strip().splitlines()[-1])
     assert varlen or rec["path"] == "Fused", rec
@@ -69,6 +70,7 @@ def ours_mha(b, l, e, h, threads, warmup, iters, learned, backend=None):
             "--tgt-len", str(l), "--src-len", str(l), "--embed-dim", str(e), "--backward",
             "--threads", str(threads), "--warmup", str(warmup), "--iters", str(iters), "--json"]
     cmd += ["--learned-mask"] if learned else []
+    bench_proc.settle()
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
     rec = json.loads(res.stdout.strip().splitlines()[-1])
     assert rec["path"] == ("Composed" if backend == "composed" else "Fused"), rec
