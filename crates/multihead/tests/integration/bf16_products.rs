@@ -705,3 +705,42 @@ fn a_bf16_encoder_layer_without_a_gradient_keeps_its_weights_bf16_with_the_twins
         }
     }
 }
+
+#[test]
+fn bad_input_to_a_bf16_encoder_layer_gets_the_same_error_with_or_without_a_gradient() {
+    // The layer's bf16 route without a gradient and its f32 twin (a gradient recorded) check
+    // the same arguments and name them the same way: wrong features, masks of the wrong shape,
+    // a float mask of another dtype, and a size that cannot be allocated.
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let cfg = LayerConfig::new(32, 4).with_dim_feedforward(72).with_dropout(0.0);
+    let layer = TransformerEncoderLayer::new(cfg.clone(), vb.pp("l")).unwrap();
+    let mut l16 =
+        deterministic(&layer, DType::BF16, |vb| TransformerEncoderLayer::new(cfg.clone(), vb));
+    l16.eval();
+    let x = det(&[70, 2, 32], DType::BF16, 1.0);
+    let mask = |dims: &[usize], dt| Some(Mask::Float(det(dims, dt, 2.0)));
+    let pad = |dims: &[usize]| Some(Mask::Bool(Tensor::zeros(dims, DType::U8, &dev()).unwrap()));
+    let huge = det(&[1, 1, 32], DType::BF16, 3.0).broadcast_as((1usize << 20, 1 << 16, 32));
+    let cases: [(&str, Tensor, Option<Mask>, Option<Mask>); 6] = [
+        ("features", det(&[70, 2, 31], DType::BF16, 1.0), None, None),
+        ("mask shape", x.clone(), mask(&[70, 69], DType::BF16), None),
+        ("mask heads", x.clone(), mask(&[3, 70, 70], DType::BF16), None),
+        ("mask dtype", x.clone(), mask(&[70, 70], DType::F32), None),
+        ("padding shape", x.clone(), None, pad(&[2, 69])),
+        ("huge", huge.unwrap(), None, None),
+    ];
+    for (what, x, m, kpm) in cases {
+        let run = |x: &Tensor| l16.forward(x, m.as_ref(), kpm.as_ref(), false);
+        let plain = direct(|| no_grad(|| run(&x))).err().map(|e| e.to_string());
+        // A Var of the huge view cannot be made (it would copy 4 TiB).
+        let graded = (what != "huge").then(|| {
+            let xv = var(&x);
+            direct(|| run(xv.as_tensor())).err().map(|e| e.to_string())
+        });
+        let plain = plain.unwrap_or_else(|| panic!("{what}: no error"));
+        if let Some(graded) = graded {
+            assert_eq!(Some(plain.clone()), graded, "{what}");
+        }
+    }
+}
