@@ -12,7 +12,10 @@
 //   one store       each block ends in one tile store;
 //   four stores     each block ends in four tile stores (the kernel's pattern, without zeroing);
 //   kernel          tilezero, the steps, four stores: what micro_amx does per half;
-//   pipelined       the next block's first loads and products between this block's stores.
+//   pipelined       the next block's first loads and products between this block's stores;
+//   oneDNN order    oneDNN's AMX brgemm order (jit_brgemm_amx_uker, interleaved tile stores):
+//                   C0 and C1 stored and zeroed right after their last products, C2 and C3
+//                   between the next block's first products.
 // Linux only (asks for the tile state with arch_prctl); exits with a message without AMX.
 
 #include <immintrin.h>
@@ -48,14 +51,41 @@ static float C[8][32 * 64] __attribute__((aligned(64)));
     _tile_dpbf16ps(3, 5, 7);
 #define STORE(t, c) _tile_stored(t, (c) + ((t) / 2) * 16 * 64 + ((t) % 2) * 16, 256)
 
-enum { NO_LOADS, LOADS, ZERO, ONE_STORE, FOUR_STORES, KERNEL, PIPELINED, VARIANTS };
+// oneDNN's step order (A0, B0, B1, C0, A1, C1, C2, C3), each C tile stored and zeroed right
+// after its last product (C0, C1) or between the next block's first products (C2, C3).
+#define ONEDNN_STEP(s, last, first)                                     \
+    _tile_loadd(4, A + 32 * (s), 2 * LDA);                             \
+    _tile_loadd(6, B + (s) * 16 * 64, 256);                            \
+    _tile_loadd(7, B + (s) * 16 * 64 + 16, 256);                       \
+    _tile_dpbf16ps(0, 4, 6);                                           \
+    if (last) { STORE(0, c); _tile_zero(0); }                          \
+    _tile_loadd(5, A + 16 * LDA + 32 * (s), 2 * LDA);                  \
+    if (first) { STORE(2, cp); _tile_zero(2); }                        \
+    _tile_dpbf16ps(1, 4, 7);                                           \
+    if (last) { STORE(1, c); _tile_zero(1); }                          \
+    if (first) { STORE(3, cp); _tile_zero(3); }                        \
+    _tile_dpbf16ps(2, 5, 6);                                           \
+    _tile_dpbf16ps(3, 5, 7);
+
+enum { NO_LOADS, LOADS, ZERO, ONE_STORE, FOUR_STORES, KERNEL, PIPELINED, ONEDNN, VARIANTS };
 static const char *NAMES[] = {"no loads", "loads", "zero", "one store", "four stores", "kernel",
-                              "pipelined"};
+                              "pipelined", "oneDNN order"};
 
 __attribute__((noinline)) static void run(int v, long blocks, int steps) {
     if (v == PIPELINED) {
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         LOAD_STEP(0) PRODUCTS
+    }
+    if (v == ONEDNN) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (long b = 0; b < blocks; b++) {
+            float *c = C[b & 7], *cp = C[(b + 7) & 7];
+            for (int s = 0; s < steps; s++) {
+                int first = s == 0 && b > 0, last = s == steps - 1;
+                ONEDNN_STEP(s, last, first)
+            }
+        }
+        return;
     }
     for (long b = 0; b < blocks; b++) {
         float *c = C[b & 7];
