@@ -1,7 +1,7 @@
 //! Self-attention over a packed batch of variable-length sequences (FlashAttention's
 //! `cu_seqlens` convention): `(T, E)` rows, sequence `b` at rows `cu[b]..cu[b + 1]`.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use super::{MultiheadAttention, OP};
 use crate::error::{fmt_shape, Error, Result};
@@ -97,13 +97,42 @@ impl MultiheadAttention {
         cu: &CuSeqlens,
         opts: &PackedOptions,
     ) -> Result<Tensor> {
+        self.packed_rows(x, cu, opts, false)
+    }
+
+    /// [`forward_packed`](Self::forward_packed) of a bf16 module's f32 twin without the twin:
+    /// `x` f32 (the twin's input), the bf16 projection weights read as they are, each product
+    /// written in f32 as the twin's f32 product is (`crate::linear::linear_to`, inside
+    /// [`rounded_products`](crate::mode::rounded_products)): the twin's values.
+    pub(crate) fn forward_packed_f32_of_bf16(
+        &self,
+        x: &Tensor,
+        cu: &CuSeqlens,
+        opts: &PackedOptions,
+    ) -> Result<Tensor> {
+        self.packed_rows(x, cu, opts, true)
+    }
+
+    /// The packed call; `twin`: `x` is the f32 input of this bf16 module's twin.
+    fn packed_rows(
+        &self,
+        x: &Tensor,
+        cu: &CuSeqlens,
+        opts: &PackedOptions,
+        twin: bool,
+    ) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (e, h, hk, hd) = (cfg.embed_dim, cfg.num_heads, cfg.kv_heads(), cfg.head_dim());
         if x.rank() != 2 || x.dim(1)? != e {
             let msg = format!("expected packed rows (T, E = {e}), got {}", fmt_shape(x.dims()));
             return Err(Error::Shape { op: OP, arg: "x", msg });
         }
-        if x.dtype() != self.dtype() {
+        // The twin's rows are f32 for bf16 parameters; a call's rows, the parameters' dtype.
+        let wrong_dtype = match twin {
+            true => x.dtype() != DType::F32 || self.dtype() != DType::BF16,
+            false => x.dtype() != self.dtype(),
+        };
+        if wrong_dtype {
             let msg = format!("x is {:?} but the parameters are {:?}", x.dtype(), self.dtype());
             return Err(Error::DType { op: OP, arg: "x", msg });
         }
@@ -118,6 +147,10 @@ impl MultiheadAttention {
         let p = self.params()?;
         let kv = hk * hd;
         let be = opts.backend;
+        let linear = |x: &Tensor, w: &Tensor, b: Option<&Tensor>, arg: &'static str| match twin {
+            true => crate::linear::linear_to(x, w, b, (OP, arg), be, DType::F32),
+            false => linear(x, w, b, OP, arg, be),
+        };
         let bias = |start: usize, len: usize| -> Result<Option<Tensor>> {
             Ok(match p.in_proj_bias {
                 Some(b) => Some(b.narrow(0, start, len)?),
@@ -126,13 +159,13 @@ impl MultiheadAttention {
         };
         let (q, k, v) = match p.in_proj {
             InProj::Packed(w) => {
-                let qkv = linear(x, w, p.in_proj_bias, OP, "x", be)?;
+                let qkv = linear(x, w, p.in_proj_bias, "x")?;
                 (qkv.narrow(1, 0, e)?, qkv.narrow(1, e, kv)?, qkv.narrow(1, e + kv, kv)?)
             }
             InProj::Separate { q, k, v } => (
-                linear(x, q, bias(0, e)?.as_ref(), OP, "x", be)?,
-                linear(x, k, bias(e, kv)?.as_ref(), OP, "x", be)?,
-                linear(x, v, bias(e + kv, kv)?.as_ref(), OP, "x", be)?,
+                linear(x, q, bias(0, e)?.as_ref(), "x")?,
+                linear(x, k, bias(e, kv)?.as_ref(), "x")?,
+                linear(x, v, bias(e + kv, kv)?.as_ref(), "x")?,
             ),
         };
         let mut sdpa = SdpaOptions::default()
@@ -146,6 +179,6 @@ impl MultiheadAttention {
             sdpa.dropout_key = opts.dropout_key;
         }
         let attn = crate::functional::varlen::varlen_rows((&q, &k, &v), (h, hk), cu, &sdpa)?;
-        linear(&attn, p.out_proj_weight, p.out_proj_bias, OP, "attn_output", be)
+        linear(&attn, p.out_proj_weight, p.out_proj_bias, "attn_output")
     }
 }

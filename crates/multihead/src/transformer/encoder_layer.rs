@@ -246,6 +246,57 @@ impl TransformerEncoderLayer {
         narrow(&y, dtype).map(Some)
     }
 
+    /// [`forward_packed`](Self::forward_packed) of a bf16 layer in inference without its f32
+    /// twin's widened weights, as [`forward_bf16_direct`](Self::forward_bf16_direct) for a
+    /// padded batch: the twin's operations on the twin's values (the attention's products and
+    /// the feed-forward block's read the bf16 weights, the norms' parameters are widened), for
+    /// post-norm and pre-norm layers; `None` where any part would not take that route (a
+    /// gradient, dropout, autocast, another activation): the caller runs the twin. `opts`
+    /// holds the widened sinks.
+    fn forward_packed_bf16_direct(
+        &self,
+        src: &Tensor,
+        cu: &crate::functional::CuSeqlens,
+        opts: &crate::multihead_attention::PackedOptions,
+    ) -> Result<Option<Tensor>> {
+        use crate::precision::{narrow, widen, CastParams};
+        let dtype = src.dtype();
+        let plain = dtype == candle_core::DType::BF16
+            && crate::mode::bf16_products()
+            && self.dropouts(opts.dropout_key).is_identity()
+            && crate::precision::autocast_for(candle_core::DType::F32).is_none()
+            && matches!(self.cfg.activation, crate::Activation::Relu | crate::Activation::Gelu)
+            && !self.records_grad(src)?;
+        if !plain {
+            return Ok(None);
+        }
+        let (norm1, norm2) = (self.norm1.map_params(&widen)?, self.norm2.map_params(&widen)?);
+        let x = widen(src)?;
+        let attend = |x: &Tensor| self.self_attn.forward_packed_f32_of_bf16(x, cu, opts);
+        let feed_forward = |x: &Tensor| -> Result<Tensor> {
+            let act = self.cfg.activation;
+            match crate::linear::rounded_feed_forward(&self.linear1, &self.linear2, act, x)? {
+                Some(ff) => Ok(ff),
+                // Off the fused path: the twin's feed-forward block on widened weights.
+                None => {
+                    let l1 = self.linear1.map_params(&widen)?;
+                    let l2 = self.linear2.map_params(&widen)?;
+                    feed_forward(&l1, &l2, act, &self.dropouts(opts.dropout_key), x)
+                }
+            }
+        };
+        let y = crate::mode::rounded_products(dtype, || {
+            if self.cfg.norm_first {
+                let x = residual(&x, &attend(&norm1.forward(&x)?)?)?;
+                residual(&x, &feed_forward(&norm2.forward(&x)?)?)
+            } else {
+                let x = norm1.forward_residual(&x, &attend(&x)?)?;
+                norm2.forward_residual(&x, &feed_forward(&x)?)
+            }
+        })?;
+        narrow(&y, dtype).map(Some)
+    }
+
     /// Whether a gradient would be recorded through the layer on `src`.
     fn records_grad(&self, src: &Tensor) -> Result<bool> {
         use crate::precision::CastParams;
@@ -310,6 +361,9 @@ impl TransformerEncoderLayer {
             use crate::precision::{narrow, widen, CastParams};
             let mut o = opts.clone();
             o.sinks = crate::precision::widen_opt(opts.sinks.as_ref())?;
+            if let Some(y) = self.forward_packed_bf16_direct(src, cu, &o)? {
+                return Ok(y);
+            }
             let (widened, x) = (self.widened()?, widen(src)?);
             let y =
                 crate::mode::rounded_products(dtype, || widened.forward_packed_here(&x, cu, &o))?;

@@ -835,3 +835,64 @@ fn a_bf16_encoder_layer_route_matches_its_twin_over_a_sweep_of_configurations() 
         }
     }
 }
+
+#[test]
+fn a_packed_bf16_encoder_layer_without_a_gradient_keeps_its_weights_bf16_with_the_twins_bits() {
+    // `forward_packed` of a bf16 layer without a gradient multiplies its bf16 weights as they
+    // are (the attention's f32 products and the feed-forward block's) instead of widening them
+    // into an f32 twin; with a gradient recorded (an input that is a Var) it runs the twin:
+    // the same bits. Post-norm and pre-norm, ReLU and GELU, with and without biases, causal,
+    // sinks, a window, NaN in one sequence, and sequences of 1 to 37 tokens; with bf16
+    // products widened (no route) too.
+    use multihead::functional::CuSeqlens;
+    use multihead::multihead_attention::PackedOptions;
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let lens = [5usize, 37, 1, 20];
+    let cu = CuSeqlens::from_lengths(&lens);
+    let t: usize = lens.iter().sum();
+    let mut xs = values(&det(&[t, 32], DType::F32, 5.0));
+    xs[6 * 32 + 3] = f64::NAN; // the second sequence's second token
+    let x = Tensor::from_vec(xs, (t, 32), &dev()).unwrap().to_dtype(DType::BF16).unwrap();
+    let xv = var(&x);
+    let sinks = det(&[4], DType::BF16, 6.0);
+    let opts = [
+        ("plain", PackedOptions::default()),
+        ("causal", PackedOptions::default().is_causal(true)),
+        ("sinks", PackedOptions::default().sinks(sinks)),
+        (
+            "window",
+            PackedOptions::default()
+                .variants(multihead::Variants::default().window(Some(3), Some(1))),
+        ),
+    ];
+    let layers = [(Activation::Gelu, false, true), (Activation::Relu, true, false)];
+    for (i, (act, norm_first, bias)) in layers.into_iter().enumerate() {
+        let cfg = LayerConfig::new(32, 4)
+            .with_dim_feedforward(72)
+            .with_dropout(0.0)
+            .with_activation(act)
+            .with_norm_first(norm_first)
+            .with_bias(bias);
+        let layer = TransformerEncoderLayer::new(cfg.clone(), vb.pp(format!("p{i}"))).unwrap();
+        let mut l16 =
+            deterministic(&layer, DType::BF16, |vb| TransformerEncoderLayer::new(cfg.clone(), vb));
+        l16.eval();
+        for (what, o) in &opts {
+            let run = |x: &Tensor| l16.forward_packed(x, &cu, o).unwrap();
+            let what = format!("{what}, {act:?}, norm_first {norm_first}, bias {bias}");
+            for products in [Bf16Products::Direct, Bf16Products::Widened] {
+                let inference = with_bf16_products(products, || no_grad(|| run(&x)));
+                let recorded = with_bf16_products(products, || run(xv.as_tensor()));
+                assert_eq!(inference.dtype(), DType::BF16, "{what}");
+                let differ = differing(&inference, &recorded);
+                assert_eq!(differ, 0, "{what}, {products:?}: outputs differ");
+            }
+            let y = values(&direct(|| no_grad(|| run(&x))));
+            let nan_rows: Vec<bool> = y.chunks(32).map(|r| r.iter().any(|v| v.is_nan())).collect();
+            // NaN stays in its own sequence (tokens 5..42).
+            assert!(nan_rows.iter().enumerate().all(|(r, n)| !n || (5..42).contains(&r)), "{what}");
+            assert!(nan_rows[6], "{what}: the NaN token's row");
+        }
+    }
+}
