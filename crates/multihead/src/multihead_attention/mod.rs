@@ -476,9 +476,8 @@ impl MultiheadAttention {
         out: candle_core::DType,
     ) -> Result<Option<MhaOutput>> {
         let params = self.params()?;
-        let alias = Aliasing::of(x, x, x);
         let modes = (self.training, self.cfg.batch_first);
-        crate::functional::mha_direct_to(x, x, x, alias, &params, opts, modes, out)
+        crate::functional::mha_direct_to(x, &params, opts, modes, out)
     }
 
     /// The path [`forward`](Self::forward) takes for these arguments (the fused kernels or the

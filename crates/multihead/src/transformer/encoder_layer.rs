@@ -211,13 +211,7 @@ impl TransformerEncoderLayer {
     fn forward_bf16_direct(&self, src: &Tensor, opts: &MhaOptions) -> Result<Option<Tensor>> {
         use crate::precision::{narrow, widen, CastParams};
         let dtype = src.dtype();
-        let plain = dtype == candle_core::DType::BF16
-            && !self.cfg.norm_first
-            && self.dropouts(opts.dropout_key).is_identity()
-            && crate::precision::autocast_for(candle_core::DType::F32).is_none()
-            && matches!(self.cfg.activation, crate::Activation::Relu | crate::Activation::Gelu)
-            && !self.records_grad(src)?;
-        if !plain {
+        if self.cfg.norm_first || !self.bf16_route_applies(src, opts.dropout_key)? {
             return Ok(None);
         }
         // As `attention_block`: the layer returns no weights.
@@ -230,18 +224,7 @@ impl TransformerEncoderLayer {
         let x = widen(src)?;
         let y = crate::mode::rounded_products(dtype, || {
             let x = norm1.forward_residual(&x, &sa.output)?;
-            let act = self.cfg.activation;
-            let ff =
-                match crate::linear::rounded_feed_forward(&self.linear1, &self.linear2, act, &x)? {
-                    Some(ff) => ff,
-                    // Off the fused path: the twin's feed-forward block on widened weights.
-                    None => {
-                        let (l1, l2) =
-                            (self.linear1.map_params(&widen)?, self.linear2.map_params(&widen)?);
-                        feed_forward(&l1, &l2, act, &self.dropouts(opts.dropout_key), &x)?
-                    }
-                };
-            norm2.forward_residual(&x, &ff)
+            norm2.forward_residual(&x, &self.twin_feed_forward(&x, opts.dropout_key)?)
         })?;
         narrow(&y, dtype).map(Some)
     }
@@ -261,30 +244,13 @@ impl TransformerEncoderLayer {
     ) -> Result<Option<Tensor>> {
         use crate::precision::{narrow, widen, CastParams};
         let dtype = src.dtype();
-        let plain = dtype == candle_core::DType::BF16
-            && crate::mode::bf16_products()
-            && self.dropouts(opts.dropout_key).is_identity()
-            && crate::precision::autocast_for(candle_core::DType::F32).is_none()
-            && matches!(self.cfg.activation, crate::Activation::Relu | crate::Activation::Gelu)
-            && !self.records_grad(src)?;
-        if !plain {
+        if !self.bf16_route_applies(src, opts.dropout_key)? {
             return Ok(None);
         }
         let (norm1, norm2) = (self.norm1.map_params(&widen)?, self.norm2.map_params(&widen)?);
         let x = widen(src)?;
         let attend = |x: &Tensor| self.self_attn.forward_packed_f32_of_bf16(x, cu, opts);
-        let feed_forward = |x: &Tensor| -> Result<Tensor> {
-            let act = self.cfg.activation;
-            match crate::linear::rounded_feed_forward(&self.linear1, &self.linear2, act, x)? {
-                Some(ff) => Ok(ff),
-                // Off the fused path: the twin's feed-forward block on widened weights.
-                None => {
-                    let l1 = self.linear1.map_params(&widen)?;
-                    let l2 = self.linear2.map_params(&widen)?;
-                    feed_forward(&l1, &l2, act, &self.dropouts(opts.dropout_key), x)
-                }
-            }
-        };
+        let feed_forward = |x: &Tensor| self.twin_feed_forward(x, opts.dropout_key);
         let y = crate::mode::rounded_products(dtype, || {
             if self.cfg.norm_first {
                 let x = residual(&x, &attend(&norm1.forward(&x)?)?)?;
@@ -295,6 +261,39 @@ impl TransformerEncoderLayer {
             }
         })?;
         narrow(&y, dtype).map(Some)
+    }
+
+    /// The conditions both bf16 routes share: a bf16 layer with bf16 products on, no dropout
+    /// in effect, no autocast, ReLU or GELU, and no gradient recorded.
+    fn bf16_route_applies(
+        &self,
+        src: &Tensor,
+        key: Option<crate::random::DropoutKey>,
+    ) -> Result<bool> {
+        Ok(src.dtype() == candle_core::DType::BF16
+            && crate::mode::bf16_products()
+            && self.dropouts(key).is_identity()
+            && crate::precision::autocast_for(candle_core::DType::F32).is_none()
+            && matches!(self.cfg.activation, crate::Activation::Relu | crate::Activation::Gelu)
+            && !self.records_grad(src)?)
+    }
+
+    /// The twin's feed-forward block on the twin's f32 rows `x` (inside `rounded_products`):
+    /// the bf16 weights read as they are, or, off the fused path, widened as the twin's.
+    fn twin_feed_forward(
+        &self,
+        x: &Tensor,
+        key: Option<crate::random::DropoutKey>,
+    ) -> Result<Tensor> {
+        use crate::precision::{widen, CastParams};
+        let act = self.cfg.activation;
+        match crate::linear::rounded_feed_forward(&self.linear1, &self.linear2, act, x)? {
+            Some(ff) => Ok(ff),
+            None => {
+                let (l1, l2) = (self.linear1.map_params(&widen)?, self.linear2.map_params(&widen)?);
+                feed_forward(&l1, &l2, act, &self.dropouts(key), x)
+            }
+        }
     }
 
     /// Whether a gradient would be recorded through the layer on `src`.

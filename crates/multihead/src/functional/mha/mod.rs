@@ -478,24 +478,19 @@ pub(crate) fn mha_forward_impl(
     forward_planned(&call, opts, plan, None)
 }
 
-/// A bf16 self-attention call run as it is, its output projection written in `out` (the
-/// call's dtype, or f32 where a Transformer layer's f32 residual sum reads it, as its f32
-/// twin's output projection writes f32), or `None` where the call runs as its f32 twin
-/// ([`direct_bf16_plan`]). The caller validated nothing; this validates the call as
-/// [`mha_forward_impl`] does.
-#[allow(clippy::too_many_arguments)]
+/// Self-attention of a bf16 module on `x` run as it is, its output projection written in
+/// `out` (the call's dtype, or f32 where a Transformer layer's f32 residual sum reads it, as
+/// its f32 twin's output projection writes f32), or `None` where the call runs as its f32
+/// twin ([`direct_bf16_plan`]). Validated as [`mha_forward_impl`] validates `(x, x, x)`.
 pub(crate) fn mha_direct_to(
-    query: &Tensor,
-    key: &Tensor,
-    value: &Tensor,
-    alias: Aliasing,
+    x: &Tensor,
     params: &MhaParams,
     opts: &MhaOptions,
     (training, batch_first): (bool, bool),
     out: DType,
 ) -> Result<Option<MhaOutput>> {
-    let mut call =
-        validate::validate(query, key, value, alias, params, opts, training, batch_first)?;
+    let alias = Aliasing::of(x, x, x);
+    let mut call = validate::validate(x, x, x, alias, params, opts, training, batch_first)?;
     if !crate::precision::is_reduced(call.dtype) {
         return Ok(None);
     }
