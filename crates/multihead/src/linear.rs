@@ -200,9 +200,9 @@ pub(crate) fn linear_to(
         F32 => Some(OutDtype::F32),
         _ => None,
     };
-    // A bf16 weight with an f32 output stands for the f32 twin's widened weight: a bf16 layer
-    // whose self-attention ran as it is (`TransformerEncoderLayer`'s bf16 route) writes its
-    // output projection into the f32 residual sum.
+    // A bf16 weight with an f32 output stands for the f32 twin's widened weight: the bf16
+    // routes of `TransformerEncoderLayer` (the output projection of a self-attention that ran
+    // as it is, into the f32 residual sum; a packed batch's projections of f32 rows).
     let bf16_twin = weight.dtype() == BF16 && dtype == F32;
     let direct = matches!(x.dtype(), F32 | BF16)
         && (weight.dtype() == F32 || bf16_twin)
