@@ -842,8 +842,8 @@ fn a_packed_bf16_encoder_layer_without_a_gradient_keeps_its_weights_bf16_with_th
     // are (the attention's f32 products and the feed-forward block's) instead of widening them
     // into an f32 twin; with a gradient recorded (an input that is a Var) it runs the twin:
     // the same bits. Post-norm and pre-norm, ReLU and GELU, with and without biases, causal,
-    // sinks, a window, NaN in one sequence, and sequences of 1 to 37 tokens; with bf16
-    // products widened (no route) too.
+    // sinks, a window, the composed path, NaN in one sequence, and sequences of 1 to 37
+    // tokens; with bf16 products widened (no route) too.
     use multihead::functional::CuSeqlens;
     use multihead::multihead_attention::PackedOptions;
     let vm = candle_nn::VarMap::new();
@@ -865,6 +865,8 @@ fn a_packed_bf16_encoder_layer_without_a_gradient_keeps_its_weights_bf16_with_th
             PackedOptions::default()
                 .variants(multihead::Variants::default().window(Some(3), Some(1))),
         ),
+        // The composed path: the products' bf16 weights widened as the twin's.
+        ("composed", PackedOptions::default().backend(multihead::Backend::Composed)),
     ];
     let layers = [(Activation::Gelu, false, true), (Activation::Relu, true, false)];
     for (i, (act, norm_first, bias)) in layers.into_iter().enumerate() {
