@@ -592,6 +592,22 @@ fn bf16_sdpa_without_a_gradient_reads_and_writes_bf16_with_the_bits_of_the_f32_t
     }
 }
 
+/// A `(2, 70)` key padding mask hiding the second sequence's keys from `from` on.
+fn second_sequence_padded_from(from: usize) -> Tensor {
+    let mut pad = vec![0u8; 2 * 70];
+    pad[70 + from..].iter_mut().for_each(|p| *p = 1);
+    Tensor::from_vec(pad, (2, 70), &dev()).unwrap()
+}
+
+/// Two sequences of 70 tokens of width 32 in bf16, `(N, L, E)` with `batch_first`, else
+/// `(L, N, E)`, with one NaN in the first sequence (whose rows then all read NaN).
+fn two_sequences_with_a_nan(batch_first: bool) -> (Tensor, [usize; 3]) {
+    let shape = if batch_first { [2, 70, 32] } else { [70, 2, 32] };
+    let mut xs = values(&det(&shape, DType::F32, 7.0));
+    xs[if batch_first { 40 } else { 8 }] = f64::NAN;
+    (Tensor::from_vec(xs, &shape[..], &dev()).unwrap().to_dtype(DType::BF16).unwrap(), shape)
+}
+
 #[test]
 fn a_bf16_mha_without_a_gradient_skips_its_f32_twin_with_the_twins_bits() {
     // Without a gradient, a bf16 self-attention call that its f32 twin would compute from bf16
@@ -602,9 +618,7 @@ fn a_bf16_mha_without_a_gradient_skips_its_f32_twin_with_the_twins_bits() {
     // (which keeps the twin, as the few-rows kernel sums in another order).
     let vm = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
-    let mut pad = vec![0u8; 2 * 70];
-    pad[70 + 60..].iter_mut().for_each(|p| *p = 1);
-    let pad = Tensor::from_vec(pad, (2, 70), &dev()).unwrap();
+    let pad = second_sequence_padded_from(60);
     let bias = det(&[70, 70], DType::BF16, 8.0).affine(2.0, 0.0).unwrap();
     let cases = [
         ("plain", MhaOptions::default()),
@@ -615,11 +629,7 @@ fn a_bf16_mha_without_a_gradient_skips_its_f32_twin_with_the_twins_bits() {
         let cfg = MhaConfig::new(32, 4).with_batch_first(batch_first).with_dropout(0.0);
         let mha = MultiheadAttention::new(cfg.clone(), vb.pp(format!("m{batch_first}"))).unwrap();
         let m16 = deterministic(&mha, DType::BF16, |vb| MultiheadAttention::new(cfg.clone(), vb));
-        let shape = if batch_first { [2, 70, 32] } else { [70, 2, 32] };
-        let mut xs = values(&det(&shape, DType::F32, 7.0));
-        // A NaN in batch 0 (every query of which then reads NaN); batch 1 is padded.
-        xs[if batch_first { 40 } else { 8 }] = f64::NAN;
-        let x = Tensor::from_vec(xs, &shape[..], &dev()).unwrap().to_dtype(DType::BF16).unwrap();
+        let (x, shape) = two_sequences_with_a_nan(batch_first);
         let xv = var(&x);
         for (what, opts) in &cases {
             let opts = opts.clone().need_weights(false);
@@ -657,9 +667,7 @@ fn a_bf16_encoder_layer_without_a_gradient_keeps_its_weights_bf16_with_the_twins
     // keep the twin).
     let vm = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
-    let mut pad = vec![0u8; 2 * 70];
-    pad[70 + 50..].iter_mut().for_each(|p| *p = 1);
-    let pad = Tensor::from_vec(pad, (2, 70), &dev()).unwrap();
+    let pad = second_sequence_padded_from(50);
     let bias = det(&[70, 70], DType::BF16, 8.0).affine(2.0, 0.0).unwrap();
     let cases = [
         ("plain", None, None),
@@ -678,11 +686,7 @@ fn a_bf16_encoder_layer_without_a_gradient_keeps_its_weights_bf16_with_the_twins
         let mut l16 =
             deterministic(&layer, DType::BF16, |vb| TransformerEncoderLayer::new(cfg.clone(), vb));
         l16.eval();
-        let shape = if batch_first { [2, 70, 32] } else { [70, 2, 32] };
-        let mut xs = values(&det(&shape, DType::F32, 7.0));
-        // A NaN in batch 0 (every row of which then reads NaN).
-        xs[if batch_first { 40 } else { 8 }] = f64::NAN;
-        let x = Tensor::from_vec(xs, &shape[..], &dev()).unwrap().to_dtype(DType::BF16).unwrap();
+        let (x, shape) = two_sequences_with_a_nan(batch_first);
         let xv = var(&x);
         for (what, mask, kpm) in &cases {
             let run = |x: &Tensor| l16.forward(x, mask.as_ref(), kpm.as_ref(), false).unwrap();
