@@ -900,5 +900,20 @@ fn a_packed_bf16_encoder_layer_without_a_gradient_keeps_its_weights_bf16_with_th
             assert!(nan_rows.iter().enumerate().all(|(r, n)| !n || (5..42).contains(&r)), "{what}");
             assert!(nan_rows[6], "{what}: the NaN token's row");
         }
+        // A strided view (the rows of a transposed tensor) gives its contiguous copy's bits;
+        // a wrong dtype and a size that cannot be allocated are errors, on this route as on
+        // the twin's.
+        let strided = x.t().unwrap().contiguous().unwrap().t().unwrap();
+        assert!(!strided.is_contiguous());
+        let o = PackedOptions::default();
+        let run = |x: &Tensor| direct(|| no_grad(|| l16.forward_packed(x, &cu, &o)));
+        assert_eq!(differing(&run(&strided).unwrap(), &run(&x).unwrap()), 0, "strided {i}");
+        let e = run(&x.to_dtype(DType::F32).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("F32") && e.contains("BF16"), "{e}");
+        let rows = 1usize << 36;
+        let huge = det(&[1, 32], DType::BF16, 1.0).broadcast_as((rows, 32)).unwrap();
+        let whole = CuSeqlens::from_lengths(&[rows]);
+        let r = direct(|| no_grad(|| l16.forward_packed(&huge, &whole, &o)));
+        assert!(matches!(r, Err(multihead::Error::Alloc { .. })), "huge: {r:?}");
     }
 }
