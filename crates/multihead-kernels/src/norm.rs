@@ -59,7 +59,7 @@ fn check(name: &'static str, needed: usize, len: usize) -> Result<(), KernelErro
 }
 
 /// Checks the shared arguments; returns the row count.
-fn rows_of(x: &[f32], d: usize, w: &[f32], b: Option<&[f32]>) -> Result<usize, KernelError> {
+fn rows_of(len: usize, d: usize, w: &[f32], b: Option<&[f32]>) -> Result<usize, KernelError> {
     check("weight", d, w.len())?;
     if let Some(b) = b {
         check("bias", d, b.len())?;
@@ -67,14 +67,10 @@ fn rows_of(x: &[f32], d: usize, w: &[f32], b: Option<&[f32]>) -> Result<usize, K
     if d == 0 {
         return Ok(0);
     }
-    if !x.len().is_multiple_of(d) {
-        return Err(KernelError::SliceTooShort {
-            name: "x",
-            needed: x.len().div_ceil(d) * d,
-            len: x.len(),
-        });
+    if !len.is_multiple_of(d) {
+        return Err(KernelError::SliceTooShort { name: "x", needed: len.div_ceil(d) * d, len });
     }
-    Ok(x.len() / d)
+    Ok(len / d)
 }
 
 /// `Σ x` over `n` floats, and `Σ (x − m)²` when `m` is given, with vector accumulators.
@@ -116,7 +112,7 @@ unsafe fn row_sum<S: Simd>(p: *const f32, n: usize, m: Option<f32>) -> f32 {
 }
 
 struct FwdTask<'a> {
-    x: &'a [f32],
+    x: NormInput<'a>,
     /// A residual added to `x` first (`z = x + residual`, then the norm of `z`).
     residual: Option<&'a [f32]>,
     /// Where `z` is kept (for the backward); a per-task row buffer when `None`.
@@ -126,26 +122,35 @@ struct FwdTask<'a> {
     w: &'a [f32],
     b: Option<&'a [f32]>,
     eps: f32,
-    y: SyncPtr<f32>,
+    y: Dst,
     mean: SyncPtr<f32>,
     rstd: SyncPtr<f32>,
 }
 
+/// Where the forward writes `y`.
+#[derive(Clone, Copy)]
+enum Dst {
+    F32(SyncPtr<f32>),
+    /// Rounded to bf16 as [`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits) rounds.
+    Bf16(SyncPtr<u16>),
+}
+
 impl FwdTask<'_> {
-    /// Row `r` of the input the norm reads: `x`'s, or `x + residual` written to `z` (or to
-    /// `buf`).
+    /// Row `r` of the input the norm reads: `x`'s f32 row, or `x` (widened) plus the residual
+    /// written to `z` (or to `buf`).
     ///
     /// # Safety
-    /// As for `run`; `buf` holds `d` floats when there is a residual and no `z`.
+    /// As for `run`; `buf` holds `d` floats when `x` is bf16 or there is a residual, and no
+    /// `z`.
     #[inline(always)]
     unsafe fn input_row<S: Simd>(&self, r: usize, buf: &mut [f32]) -> *const f32 {
         let d = self.d;
-        // SAFETY: row `r` of `d` floats lies inside `x`, `residual` and `z` (checked by the
+        // SAFETY: row `r` of `d` values lies inside `x`, `residual` and `z` (checked by the
         // entry point), and this task alone writes it; `buf` holds `d` floats.
         unsafe {
-            let xr = self.x.as_ptr().add(r * d);
-            let Some(res) = self.residual else { return xr };
-            let rr = res.as_ptr().add(r * d);
+            if let (NormInput::F32(x), None) = (self.x, self.residual) {
+                return x.as_ptr().add(r * d);
+            }
             let zr = match self.z {
                 Some(z) => z.0.add(r * d),
                 None => buf.as_mut_ptr(),
@@ -153,11 +158,58 @@ impl FwdTask<'_> {
             let mut j = 0;
             while j < d {
                 let mask = if j + S::LANES <= d { S::full_mask() } else { S::tail_mask(d - j) };
-                let v = S::add(S::load_m(xr.add(j), mask), S::load_m(rr.add(j), mask));
+                let mut v = self.load_x::<S>(r * d + j, (d - j).min(S::LANES), mask);
+                if let Some(res) = self.residual {
+                    v = S::add(v, S::load_m(res.as_ptr().add(r * d + j), mask));
+                }
                 S::store_m(zr.add(j), v, mask);
                 j += S::LANES;
             }
             zr
+        }
+    }
+
+    /// `live` values of `x` from element `at` (exactly widened where bf16), zero past them.
+    ///
+    /// # Safety
+    /// `S` is available; elements `at..at + live` lie inside `x`, `mask` selects `live` lanes.
+    #[inline(always)]
+    unsafe fn load_x<S: Simd>(&self, at: usize, live: usize, mask: S::M) -> S::V {
+        // SAFETY: only elements `at..at + live` are read (a bf16 tail through a zeroed
+        // buffer of 16 >= LANES values).
+        unsafe {
+            match self.x {
+                NormInput::F32(x) => S::load_m(x.as_ptr().add(at), mask),
+                NormInput::Bf16(x) if live == S::LANES => S::load_bf16(x.as_ptr().add(at)),
+                NormInput::Bf16(x) => {
+                    let mut tail = [0u16; 16];
+                    tail[..live].copy_from_slice(&x[at..at + live]);
+                    S::load_bf16(tail.as_ptr())
+                }
+            }
+        }
+    }
+
+    /// Stores `live` values of `y` from element `at` (rounded where the output is bf16).
+    ///
+    /// # Safety
+    /// `S` is available; elements `at..at + live` lie inside `y` and belong to this task;
+    /// `mask` selects `live` lanes.
+    #[inline(always)]
+    unsafe fn store_y<S: Simd>(&self, at: usize, live: usize, mask: S::M, y: S::V) {
+        // SAFETY: only elements `at..at + live` are written (a bf16 tail through a buffer).
+        unsafe {
+            match self.y {
+                Dst::F32(p) => S::store_m(p.0.add(at), y, mask),
+                Dst::Bf16(p) if live == S::LANES => S::store_bf16(p.0.add(at), y),
+                Dst::Bf16(p) => {
+                    let mut tail = [0f32; 16];
+                    S::store_m(tail.as_mut_ptr(), y, mask);
+                    for (i, &v) in tail.iter().enumerate().take(live) {
+                        *p.0.add(at + i) = crate::convert::f32_to_bf16_bits(v);
+                    }
+                }
+            }
         }
     }
 }
@@ -167,7 +219,8 @@ impl Task for FwdTask<'_> {
         self.rows.div_ceil(BLOCK_ROWS)
     }
     fn scratch_len(&self, _lanes: usize) -> usize {
-        if self.residual.is_some() && self.z.is_none() {
+        let widened = self.residual.is_some() || matches!(self.x, NormInput::Bf16(_));
+        if widened && self.z.is_none() {
             crate::attention::exec::round16(self.d)
         } else {
             0
@@ -182,7 +235,6 @@ impl Task for FwdTask<'_> {
             // entry point); this task alone writes rows of its block and their statistics.
             unsafe {
                 let xr = self.input_row::<S>(r, buf);
-                let yr = self.y.0.add(r * d);
                 let mean = row_sum::<S>(xr, d, None) * inv_d;
                 let var = row_sum::<S>(xr, d, Some(mean)) * inv_d;
                 let rstd = 1.0 / (var + self.eps).sqrt();
@@ -199,7 +251,7 @@ impl Task for FwdTask<'_> {
                     if let Some(b) = self.b {
                         y = S::add(y, S::load_m(b.as_ptr().add(j), mask));
                     }
-                    S::store_m(yr.add(j), y, mask);
+                    self.store_y::<S>(r * d + j, (d - j).min(l), mask, y);
                     j += l;
                 }
             }
@@ -220,7 +272,7 @@ pub fn layer_norm_forward(
     y: &mut [f32],
     stats: &mut NormStats,
 ) -> Result<(), KernelError> {
-    forward(x, None, None, d, (weight, bias), eps, Out::of(y), stats)
+    forward(NormInput::F32(x), None, None, d, (weight, bias), eps, Out::of(y).f32(), stats)
 }
 
 /// The LayerNorm forward of `z = x + residual` (a Transformer layer's residual connection and
@@ -254,7 +306,8 @@ pub fn add_layer_norm_forward(
     y: &mut [f32],
     stats: &mut NormStats,
 ) -> Result<(), KernelError> {
-    forward(x, Some(residual), z.map(Out::of), d, (weight, bias), eps, Out::of(y), stats)
+    let (x, z, y) = (NormInput::F32(x), z.map(Out::of), Out::of(y).f32());
+    forward(x, Some(residual), z, d, (weight, bias), eps, y, stats)
 }
 
 /// [`layer_norm_forward`] into memory that need not be initialised: on `Ok`, every element
@@ -269,9 +322,9 @@ pub fn layer_norm_forward_uninit(
     y: &mut [MaybeUninit<f32>],
     stats: &mut NormStats,
 ) -> Result<(), KernelError> {
-    covers_every_row(x, d)?;
-    let y = Out::of(y);
-    forward(x, None, None, d, (weight, bias), eps, y, stats)
+    covers_every_row(x.len(), d)?;
+    let y = Out::of(y).f32();
+    forward(NormInput::F32(x), None, None, d, (weight, bias), eps, y, stats)
 }
 
 /// [`add_layer_norm_forward`] into memory that need not be initialised: on `Ok`, every
@@ -289,9 +342,78 @@ pub fn add_layer_norm_forward_uninit(
     y: &mut [MaybeUninit<f32>],
     stats: &mut NormStats,
 ) -> Result<(), KernelError> {
-    covers_every_row(x, d)?;
-    let (z, y) = (z.map(Out::of), Out::of(y));
-    forward(x, Some(residual), z, d, (weight, bias), eps, y, stats)
+    covers_every_row(x.len(), d)?;
+    let (z, y) = (z.map(Out::of), Out::of(y).f32());
+    forward(NormInput::F32(x), Some(residual), z, d, (weight, bias), eps, y, stats)
+}
+
+/// The rows a LayerNorm forward reads: f32, or bf16 bit patterns (widened exactly as they are
+/// read, the values `bf16_to_f32` gives).
+#[derive(Clone, Copy, Debug)]
+pub enum NormInput<'a> {
+    /// f32 rows.
+    F32(&'a [f32]),
+    /// bf16 rows, as bit patterns.
+    Bf16(&'a [u16]),
+}
+
+impl NormInput<'_> {
+    fn len(&self) -> usize {
+        match self {
+            NormInput::F32(x) => x.len(),
+            NormInput::Bf16(x) => x.len(),
+        }
+    }
+}
+
+/// Where a LayerNorm forward writes `y`, which need not be initialised: f32, or bf16 bit
+/// patterns rounded to nearest even as `f32_to_bf16` rounds the f32 result.
+#[derive(Debug)]
+pub enum NormOutput<'a> {
+    /// f32 rows.
+    F32(&'a mut [MaybeUninit<f32>]),
+    /// bf16 rows, as bit patterns.
+    Bf16(&'a mut [MaybeUninit<u16>]),
+}
+
+/// The LayerNorm forward of `x` (or of `x + residual`, summed in f32) with `x` and `y` in f32
+/// or bf16: a bf16 `x` read as its exact f32 values, a bf16 `y` the f32 result rounded to
+/// nearest even. The same bits as widening `x` (`convert::bf16_to_f32`), running
+/// [`add_layer_norm_forward`] (or [`layer_norm_forward`]), and rounding `y`
+/// (`convert::f32_to_bf16`), in one pass over the rows: a bf16 Transformer layer's residual
+/// blocks without the widened input or the f32 output in memory. On `Ok`, every element of
+/// `y[..x.len()]` has been written.
+///
+/// ```
+/// use multihead_kernels::norm::{layer_norm_forward_mixed, NormInput, NormOutput, NormStats};
+/// use std::mem::MaybeUninit;
+///
+/// let x = [0x3F80u16, 0x4000, 0x4040, 0x4080]; // 1, 2, 3, 4 in bf16
+/// let r = [0.5f32, -1.0, 0.0, 2.0];
+/// let mut y = [MaybeUninit::<u16>::uninit(); 4];
+/// let mut st = NormStats::new(1);
+/// let out = NormOutput::Bf16(&mut y);
+/// layer_norm_forward_mixed(NormInput::Bf16(&x), Some(&r), 4, (&[1.0; 4], None), 1e-5, out, &mut st)?;
+/// assert_eq!(st.mean[0], 2.875); // the mean of 1.5, 1, 3, 6
+/// # Ok::<(), multihead_kernels::attention::KernelError>(())
+/// ```
+// Mirrors torch.nn.functional.layer_norm(x + residual) on bf16 tensors whose sum and norm
+// are computed in f32 (PyTorch's CPU kernel for a bf16 input with f32 parameters).
+pub fn layer_norm_forward_mixed(
+    x: NormInput<'_>,
+    residual: Option<&[f32]>,
+    d: usize,
+    params: (&[f32], Option<&[f32]>),
+    eps: f32,
+    y: NormOutput<'_>,
+    stats: &mut NormStats,
+) -> Result<(), KernelError> {
+    covers_every_row(x.len(), d)?;
+    let y = match y {
+        NormOutput::F32(y) => Out::of(y).f32(),
+        NormOutput::Bf16(y) => (Dst::Bf16(SyncPtr(y.as_mut_ptr().cast::<u16>())), y.len()),
+    };
+    forward(x, residual, None, d, params, eps, y, stats)
 }
 
 /// An output slice as the tasks write it: a pointer and the elements it holds.
@@ -305,6 +427,11 @@ impl Out {
     fn of<T: OutElem>(s: &mut [T]) -> Self {
         Out { ptr: SyncPtr(s.as_mut_ptr().cast::<f32>()), len: s.len() }
     }
+
+    /// As the forward's `y`.
+    fn f32(self) -> (Dst, usize) {
+        (Dst::F32(self.ptr), self.len)
+    }
 }
 
 /// `f32` or `MaybeUninit<f32>`: the element types the entry points write (same layout).
@@ -314,11 +441,11 @@ impl OutElem for MaybeUninit<f32> {}
 
 /// The `_uninit` entry points promise every element of their outputs written; the tasks
 /// write whole rows, so `x` must be whole rows of `d > 0` floats (or empty).
-fn covers_every_row(x: &[f32], d: usize) -> Result<(), KernelError> {
-    if d == 0 && !x.is_empty() {
+fn covers_every_row(len: usize, d: usize) -> Result<(), KernelError> {
+    if d == 0 && len != 0 {
         return Err(KernelError::InvalidArgument {
             name: "d",
-            msg: format!("rows of 0 features cannot cover {} input elements", x.len()),
+            msg: format!("rows of 0 features cannot cover {len} input elements"),
         });
     }
     Ok(())
@@ -326,17 +453,17 @@ fn covers_every_row(x: &[f32], d: usize) -> Result<(), KernelError> {
 
 #[allow(clippy::too_many_arguments)]
 fn forward(
-    x: &[f32],
+    x: NormInput<'_>,
     residual: Option<&[f32]>,
     z: Option<Out>,
     d: usize,
     (weight, bias): (&[f32], Option<&[f32]>),
     eps: f32,
-    y: Out,
+    (y, y_len): (Dst, usize),
     stats: &mut NormStats,
 ) -> Result<(), KernelError> {
-    let rows = rows_of(x, d, weight, bias)?;
-    check("y", x.len(), y.len)?;
+    let rows = rows_of(x.len(), d, weight, bias)?;
+    check("y", x.len(), y_len)?;
     if let Some(r) = residual {
         check("residual", x.len(), r.len())?;
     }
@@ -357,7 +484,7 @@ fn forward(
         w: weight,
         b: bias,
         eps,
-        y: y.ptr,
+        y,
         mean: SyncPtr(stats.mean.as_mut_ptr()),
         rstd: SyncPtr(stats.rstd.as_mut_ptr()),
     };
@@ -499,7 +626,7 @@ pub fn layer_norm_backward_uninit(
     dw: &mut [f32],
     db: &mut [f32],
 ) -> Result<(), KernelError> {
-    covers_every_row(x, d)?;
+    covers_every_row(x.len(), d)?;
     backward(x, dy, d, weight, stats, Out::of(dx), dw, db)
 }
 
@@ -514,7 +641,7 @@ fn backward(
     dw: &mut [f32],
     db: &mut [f32],
 ) -> Result<(), KernelError> {
-    let rows = rows_of(x, d, weight, None)?;
+    let rows = rows_of(x.len(), d, weight, None)?;
     check("dy", x.len(), dy.len())?;
     check("dx", x.len(), dx.len)?;
     check("dw", d, dw.len())?;
@@ -762,6 +889,110 @@ mod tests {
             &mut db
         )
         .is_err());
+    }
+
+    /// The mixed forms give the bits of widening `x`, the f32 forward and rounding `y`, at every
+    /// SIMD level and awkward widths, with NaN, infinities, subnormals and values that round
+    /// up to infinity in bf16; and they match the f64 reference.
+    #[test]
+    fn mixed_precision_forms_are_the_f32_forward_between_conversions() {
+        use crate::convert::{bf16_to_f32, f32_to_bf16};
+        let uninit = |n: usize| vec![MaybeUninit::<u16>::new(0x7FC1); n];
+        let init = |v: &[MaybeUninit<u16>]| -> Vec<u16> {
+            // SAFETY: every element was initialised (to a NaN's bits, then by the kernel).
+            v.iter().map(|x| unsafe { x.assume_init() }).collect()
+        };
+        let f32_bits = |v: &[MaybeUninit<f32>]| -> Vec<u32> {
+            // SAFETY: every element was initialised (to NaN, then by the kernel).
+            v.iter().map(|x| unsafe { x.assume_init() }.to_bits()).collect()
+        };
+        let stat_bits = |st: &NormStats| -> Vec<u32> {
+            st.mean.iter().chain(&st.rstd).map(|v| v.to_bits()).collect()
+        };
+        for &(rows, d) in &[(1, 1), (3, 5), (33, 16), (65, 17), (7, 384), (2, 1000), (4, 31)] {
+            let n = rows * d;
+            let mut wide = rand_vec(n, 31);
+            let mut res = rand_vec(n, 32);
+            if rows > 2 {
+                (wide[d], wide[2 * d + 1]) = (f32::INFINITY, 1e-40);
+                res[2 * d] = f32::NAN;
+                res[2 * d + 1] = 3.0e38; // 3e38 + x, normed: a row of extremes
+            }
+            let mut xb = vec![0u16; n];
+            f32_to_bf16(&wide, &mut xb).unwrap();
+            bf16_to_f32(&xb, &mut wide).unwrap();
+            let (w, b) = (rand_vec(d, 33), rand_vec(d, 34));
+            for &level in &crate::testutil::levels() {
+                with_simd_level(level, || {
+                    for (residual, bias) in [(None, None), (Some(&res[..]), Some(&b[..]))] {
+                        let what = format!("{rows}x{d} {level:?} residual {}", residual.is_some());
+                        let (mut want, mut st0) = (vec![0f32; n], NormStats::new(rows));
+                        match residual {
+                            Some(r) => add_layer_norm_forward(
+                                &wide, r, d, &w, bias, 1e-5, None, &mut want, &mut st0,
+                            ),
+                            None => {
+                                layer_norm_forward(&wide, d, &w, bias, 1e-5, &mut want, &mut st0)
+                            }
+                        }
+                        .unwrap();
+                        let mut want_b = vec![0u16; n];
+                        f32_to_bf16(&want, &mut want_b).unwrap();
+                        let params = (&w[..], bias);
+                        for x in [NormInput::Bf16(&xb), NormInput::F32(&wide)] {
+                            let (mut y, mut st) = (uninit(n), NormStats::new(rows));
+                            let out = NormOutput::Bf16(&mut y);
+                            layer_norm_forward_mixed(x, residual, d, params, 1e-5, out, &mut st)
+                                .unwrap();
+                            assert_eq!(init(&y), want_b, "{what} bf16 out");
+                            assert_eq!(stat_bits(&st), stat_bits(&st0), "{what} stats");
+                            let mut y = vec![MaybeUninit::new(f32::NAN); n];
+                            let out = NormOutput::F32(&mut y);
+                            layer_norm_forward_mixed(x, residual, d, params, 1e-5, out, &mut st)
+                                .unwrap();
+                            let plain: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+                            assert_eq!(f32_bits(&y), plain, "{what} f32 out");
+                        }
+                        // Rows of finite values match the f64 reference.
+                        let r0 = res.iter().map(|_| 0.0f32).collect::<Vec<_>>();
+                        let (ey, _, _) = reference::add_forward(
+                            &wide,
+                            residual.unwrap_or(&r0),
+                            d,
+                            &w,
+                            bias,
+                            1e-5,
+                        );
+                        let skip = if rows > 2 { 3 * d } else { 0 };
+                        close("y", &want[skip..], &ey[skip..], 1e-5);
+                    }
+                });
+            }
+        }
+        // Bad lengths are errors, with nothing written out of bounds.
+        let (x, r) = ([0u16; 8], [0f32; 8]);
+        let mut st = NormStats::new(2);
+        let mut run = |x: NormInput<'_>, r: Option<&[f32]>, n: usize| {
+            let mut y = uninit(n);
+            let out = NormOutput::Bf16(&mut y);
+            layer_norm_forward_mixed(x, r, 4, (&[1.0; 4], None), 1e-5, out, &mut st)
+        };
+        assert!(run(NormInput::Bf16(&x), Some(&r), 8).is_ok());
+        assert!(run(NormInput::Bf16(&x), Some(&r[..7]), 8).is_err());
+        assert!(run(NormInput::Bf16(&x), None, 7).is_err());
+        assert!(run(NormInput::Bf16(&x[..6]), None, 8).is_err());
+        let mut y = uninit(2);
+        let out = NormOutput::Bf16(&mut y);
+        let zero_width = layer_norm_forward_mixed(
+            NormInput::Bf16(&x[..2]),
+            None,
+            0,
+            (&[], None),
+            1e-5,
+            out,
+            &mut st,
+        );
+        assert!(zero_width.is_err());
     }
 
     #[test]
