@@ -2,7 +2,7 @@
 //! gradients reach the input, the weight and the bias (candle 0.11's `LayerNorm` module drops
 //! them on contiguous input).
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
 use crate::error::{Error, Result};
@@ -154,6 +154,65 @@ impl LayerNorm {
         let weight = crate::mode::graph_input(&self.weight);
         let bias = self.bias.as_ref().map(crate::mode::graph_input);
         crate::fused::norm::add_layer_norm(&x, &r, &weight, bias.as_ref(), self.eps)
+    }
+
+    /// A bf16 layer's residual block in its f32 twin's arithmetic: `forward_residual` of `x`
+    /// widened to f32 and `residual`, the result converted to `out`; in one pass where
+    /// [`forward_residual_mixed`](Self::forward_residual_mixed) applies, with the same bits.
+    // Mirrors torch.nn.LayerNorm.forward applied to `x + residual`.
+    pub(crate) fn residual_block(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        out: DType,
+    ) -> Result<Tensor> {
+        if let Some(y) = self.forward_residual_mixed(x, residual, out)? {
+            return Ok(y);
+        }
+        let y = self.forward_residual(&crate::precision::widen(x)?, residual)?;
+        crate::precision::narrow(&y, out)
+    }
+
+    /// [`forward_residual`](Self::forward_residual) of a bf16 (or f32) `x` and an f32
+    /// `residual` with f32 parameters, the result in `out` (f32 or bf16): the bits of widening
+    /// `x`, `forward_residual` and rounding the result, in one pass without the widened input
+    /// or the f32 output in memory (a bf16 layer's residual blocks in inference). `None` where
+    /// that pass does not apply (a gradient recorded, another dtype or device, shapes that
+    /// `forward_residual` would reject, an empty input): the caller takes the widened way,
+    /// whose checks report what is wrong.
+    // Mirrors torch.nn.LayerNorm.forward applied to `x + residual`.
+    fn forward_residual_mixed(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        out: DType,
+    ) -> Result<Option<Tensor>> {
+        let applies = x.device().is_cpu()
+            && residual.device().is_cpu()
+            && matches!(x.dtype(), DType::F32 | DType::BF16)
+            && matches!(out, DType::F32 | DType::BF16)
+            && residual.dtype() == DType::F32
+            && self.weight.dtype() == DType::F32
+            && self.bias.as_ref().is_none_or(|b| b.dtype() == DType::F32)
+            && x.dims() == residual.dims()
+            && x.elem_count() > 0
+            && self.check_last_dim(x).is_ok()
+            && !self.records_grad(&[x, residual])
+            && crate::alloc::ensure("layer_norm", "input", x.dims(), DType::F32, 5, "").is_ok();
+        if !applies {
+            return Ok(None);
+        }
+        let params = (&self.weight, self.bias.as_ref());
+        crate::fused::norm::add_layer_norm_mixed(x, residual, params, self.eps, out).map(Some)
+    }
+
+    /// Whether a call on `inputs` would record a gradient: gradients enabled (outside
+    /// [`no_grad`](crate::no_grad)) and an input or a parameter tracked by candle.
+    fn records_grad(&self, inputs: &[&Tensor]) -> bool {
+        crate::mode::grad_enabled()
+            && (inputs.iter().any(|t| t.track_op())
+                || self.weight.track_op()
+                || self.bias.as_ref().is_some_and(Tensor::track_op))
     }
 
     /// `x`'s last dimension must be the normalised size.

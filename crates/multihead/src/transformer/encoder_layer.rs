@@ -209,7 +209,7 @@ impl TransformerEncoderLayer {
     /// that route (pre-norm, a gradient, dropout, autocast, few rows, widened products): the
     /// caller runs the twin.
     fn forward_bf16_direct(&self, src: &Tensor, opts: &MhaOptions) -> Result<Option<Tensor>> {
-        use crate::precision::{narrow, widen, CastParams};
+        use crate::precision::{widen, CastParams};
         let dtype = src.dtype();
         if self.cfg.norm_first || !self.bf16_route_applies(src, opts.dropout_key)? {
             return Ok(None);
@@ -221,12 +221,12 @@ impl TransformerEncoderLayer {
             return Ok(None);
         };
         let (norm1, norm2) = (self.norm1.map_params(&widen)?, self.norm2.map_params(&widen)?);
-        let x = widen(src)?;
-        let y = crate::mode::rounded_products(dtype, || {
-            let x = norm1.forward_residual(&x, &sa.output)?;
-            norm2.forward_residual(&x, &self.twin_feed_forward(&x, opts.dropout_key)?)
-        })?;
-        narrow(&y, dtype).map(Some)
+        crate::mode::rounded_products(dtype, || {
+            let x = norm1.residual_block(src, &sa.output, candle_core::DType::F32)?;
+            let ff = self.twin_feed_forward(&x, opts.dropout_key)?;
+            norm2.residual_block(&x, &ff, dtype)
+        })
+        .map(Some)
     }
 
     /// [`forward_packed`](Self::forward_packed) of a bf16 layer in inference without its f32
@@ -251,16 +251,16 @@ impl TransformerEncoderLayer {
         let x = widen(src)?;
         let attend = |x: &Tensor| self.self_attn.forward_packed_f32_of_bf16(x, cu, opts);
         let feed_forward = |x: &Tensor| self.twin_feed_forward(x, opts.dropout_key);
-        let y = crate::mode::rounded_products(dtype, || {
+        crate::mode::rounded_products(dtype, || {
             if self.cfg.norm_first {
                 let x = residual(&x, &attend(&norm1.forward(&x)?)?)?;
-                residual(&x, &feed_forward(&norm2.forward(&x)?)?)
+                narrow(&residual(&x, &feed_forward(&norm2.forward(&x)?)?)?, dtype)
             } else {
                 let x = norm1.forward_residual(&x, &attend(&x)?)?;
-                norm2.forward_residual(&x, &feed_forward(&x)?)
+                norm2.residual_block(&x, &feed_forward(&x)?, dtype)
             }
-        })?;
-        narrow(&y, dtype).map(Some)
+        })
+        .map(Some)
     }
 
     /// The conditions both bf16 routes share: a bf16 layer with bf16 products on, no dropout
