@@ -156,61 +156,66 @@ impl LayerNorm {
         crate::fused::norm::add_layer_norm(&x, &r, &weight, bias.as_ref(), self.eps)
     }
 
-    /// A bf16 layer's residual block in its f32 twin's arithmetic: `forward_residual` of `x`
-    /// widened to f32 and `residual`, the result converted to `out`; in one pass where
-    /// [`forward_residual_mixed`](Self::forward_residual_mixed) applies, with the same bits.
-    // Mirrors torch.nn.LayerNorm.forward applied to `x + residual`.
-    pub(crate) fn residual_block(
+    /// A bf16 layer's norm in its f32 twin's arithmetic: [`forward`](Self::forward) (or
+    /// [`forward_residual`](Self::forward_residual) with `residual`) of `x` widened to f32,
+    /// the result converted to `out`; in one pass where
+    /// [`forward_mixed`](Self::forward_mixed) applies, with the same bits.
+    // Mirrors torch.nn.LayerNorm.forward (applied to `x + residual`).
+    pub(crate) fn forward_as(
         &self,
         x: &Tensor,
-        residual: &Tensor,
+        residual: Option<&Tensor>,
         out: DType,
     ) -> Result<Tensor> {
-        if let Some(y) = self.forward_residual_mixed(x, residual, out)? {
+        if let Some(y) = self.forward_mixed(x, residual, out)? {
             return Ok(y);
         }
-        let y = self.forward_residual(&crate::precision::widen(x)?, residual)?;
+        let x = crate::precision::widen(x)?;
+        let y = match residual {
+            Some(r) => self.forward_residual(&x, r)?,
+            None => self.forward(&x)?,
+        };
         crate::precision::narrow(&y, out)
     }
 
-    /// [`forward_residual`](Self::forward_residual) of a bf16 (or f32) `x` and an f32
-    /// `residual` with f32 parameters, the result in `out` (f32 or bf16): the bits of widening
-    /// `x`, `forward_residual` and rounding the result, in one pass without the widened input
-    /// or the f32 output in memory (a bf16 layer's residual blocks in inference). `None` where
-    /// that pass does not apply (a gradient recorded, another dtype or device, shapes that
-    /// `forward_residual` would reject, an empty input): the caller takes the widened way,
-    /// whose checks report what is wrong.
-    // Mirrors torch.nn.LayerNorm.forward applied to `x + residual`.
-    fn forward_residual_mixed(
+    /// [`forward`](Self::forward) (or [`forward_residual`](Self::forward_residual) with an f32
+    /// `residual`) of a bf16 (or f32) `x` with f32 parameters, the result in `out` (f32 or
+    /// bf16): the bits of widening `x`, the f32 norm and rounding the result, in one pass
+    /// without the widened input or the f32 output in memory (a bf16 layer's norms in
+    /// inference). `None` where that pass does not apply (a gradient recorded, another dtype
+    /// or device, shapes that the f32 norm would reject, an empty input): the caller takes the
+    /// widened way, whose checks report what is wrong.
+    // Mirrors torch.nn.LayerNorm.forward (applied to `x + residual`).
+    fn forward_mixed(
         &self,
         x: &Tensor,
-        residual: &Tensor,
+        residual: Option<&Tensor>,
         out: DType,
     ) -> Result<Option<Tensor>> {
+        let residual_fits =
+            |r: &Tensor| r.device().is_cpu() && r.dtype() == DType::F32 && r.dims() == x.dims();
         let applies = x.device().is_cpu()
-            && residual.device().is_cpu()
             && matches!(x.dtype(), DType::F32 | DType::BF16)
             && matches!(out, DType::F32 | DType::BF16)
-            && residual.dtype() == DType::F32
+            && residual.is_none_or(residual_fits)
             && self.weight.dtype() == DType::F32
             && self.bias.as_ref().is_none_or(|b| b.dtype() == DType::F32)
-            && x.dims() == residual.dims()
             && x.elem_count() > 0
             && self.check_last_dim(x).is_ok()
-            && !self.records_grad(&[x, residual])
+            && !self.records_grad(&[Some(x), residual])
             && crate::alloc::ensure("layer_norm", "input", x.dims(), DType::F32, 5, "").is_ok();
         if !applies {
             return Ok(None);
         }
         let params = (&self.weight, self.bias.as_ref());
-        crate::fused::norm::add_layer_norm_mixed(x, residual, params, self.eps, out).map(Some)
+        crate::fused::norm::layer_norm_mixed(x, residual, params, self.eps, out).map(Some)
     }
 
     /// Whether a call on `inputs` would record a gradient: gradients enabled (outside
     /// [`no_grad`](crate::no_grad)) and an input or a parameter tracked by candle.
-    fn records_grad(&self, inputs: &[&Tensor]) -> bool {
+    fn records_grad(&self, inputs: &[Option<&Tensor>]) -> bool {
         crate::mode::grad_enabled()
-            && (inputs.iter().any(|t| t.track_op())
+            && (inputs.iter().flatten().any(|t| t.track_op())
                 || self.weight.track_op()
                 || self.bias.as_ref().is_some_and(Tensor::track_op))
     }

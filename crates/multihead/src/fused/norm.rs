@@ -300,32 +300,33 @@ pub(crate) fn add_layer_norm(
     Ok(x.apply_op3_arc(&r, &wb, Arc::new(Box::new(op)))?)
 }
 
-/// `F.layer_norm(x + residual, (d,), w, b, eps)` in inference with `x` in f32 or bf16 and the
-/// result in `out` (f32 or bf16): the bits of widening `x`, [`add_layer_norm`], and rounding
-/// the result, in one pass over the rows (`multihead_kernels::norm::layer_norm_forward_mixed`),
-/// so that a bf16 layer's residual blocks keep neither the widened input nor the f32 output
-/// in memory. Records no gradient: the caller runs it only where none is recorded. `x` and
-/// `residual` (f32) have one shape and are made contiguous first; `w` and `b` are f32 of the
-/// last dimension.
-pub(crate) fn add_layer_norm_mixed(
+/// `F.layer_norm(x, (d,), w, b, eps)`, or of `x + residual`, in inference with `x` in f32 or
+/// bf16 and the result in `out` (f32 or bf16): the bits of widening `x`, [`layer_norm`] (or
+/// [`add_layer_norm`]), and rounding the result, in one pass over the rows
+/// (`multihead_kernels::norm::layer_norm_forward_mixed`), so that a bf16 layer's norms keep
+/// neither the widened input nor the f32 output in memory. Records no gradient: the caller
+/// runs it only where none is recorded. `x` and `residual` (f32) have one shape and are made
+/// contiguous first; `w` and `b` are f32 of the last dimension.
+pub(crate) fn layer_norm_mixed(
     x: &Tensor,
-    residual: &Tensor,
+    residual: Option<&Tensor>,
     (w, b): (&Tensor, Option<&Tensor>),
     eps: f64,
     out: candle_core::DType,
 ) -> Result<Tensor> {
     use candle_core::{DType, Storage};
     use multihead_kernels::norm::{layer_norm_forward_mixed, NormInput, NormOutput};
-    const OP: &str = "fused add+layer_norm";
-    if x.dims() != residual.dims() {
-        let (xd, rd) = (x.dims(), residual.dims());
+    const OP: &str = "fused layer_norm";
+    if let Some(r) = residual.filter(|r| r.dims() != x.dims()) {
+        let (xd, rd) = (x.dims(), r.dims());
         let msg = format!("the residual must have the input's shape {xd:?}, got {rd:?}");
         return Err(crate::Error::Shape { op: "layer_norm", arg: "residual", msg });
     }
-    let (x, r, w) = (x.contiguous()?, residual.contiguous()?, w.contiguous()?);
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    let r = residual.map(Tensor::contiguous).transpose()?;
     let b = b.map(Tensor::contiguous).transpose()?;
     let (xs, xl) = x.storage_and_layout();
-    let (rs, rl) = r.storage_and_layout();
+    let res = r.as_ref().map(|r| r.storage_and_layout());
     let (ws, wl) = w.storage_and_layout();
     let input = match &*xs {
         Storage::Cpu(CpuStorage::BF16(v)) => {
@@ -336,13 +337,18 @@ pub(crate) fn add_layer_norm_mixed(
         }
         s => NormInput::F32(storage_f32(s, xl, "x")?),
     };
-    let (rv, wv) = (storage_f32(&rs, rl, "residual")?, storage_f32(&ws, wl, "weight")?);
+    let rv = match &res {
+        Some((rs, rl)) => Some(storage_f32(rs, rl, "residual")?),
+        None => None,
+    };
+    let wv = storage_f32(&ws, wl, "weight")?;
     let bias = b.as_ref().map(|b| b.storage_and_layout());
     let bv = match &bias {
         Some((bs, bl)) => Some(storage_f32(bs, bl, "bias")?),
         None => None,
     };
-    let rows = rv.len().checked_div(wv.len()).unwrap_or(0);
+    let n = x.elem_count();
+    let rows = n.checked_div(wv.len()).unwrap_or(0);
     let mut stats = NormStats::new(rows);
     let err = |e| candle_core::Error::Msg(format!("{OP}: {e}"));
     let eps = eps as f32;
@@ -351,25 +357,21 @@ pub(crate) fn add_layer_norm_mixed(
         DType::BF16 => {
             let write = |y: &mut [std::mem::MaybeUninit<u16>]| {
                 let y = NormOutput::Bf16(y);
-                layer_norm_forward_mixed(input, Some(rv), wv.len(), (wv, bv), eps, y, &mut stats)
+                layer_norm_forward_mixed(input, rv, wv.len(), (wv, bv), eps, y, &mut stats)
                     .map_err(err)
             };
             // SAFETY: on `Ok` the kernel has written every element of `y`.
-            let y = unsafe {
-                crate::alloc::try_written(rv.len(), "fused add+layer_norm output", write)
-            }?;
+            let y = unsafe { crate::alloc::try_written(n, "fused layer_norm output", write) }?;
             Tensor::from_vec(super::convert::from_bits(y), x.shape(), dev)?
         }
         _ => {
             let write = |y: &mut [std::mem::MaybeUninit<f32>]| {
                 let y = NormOutput::F32(y);
-                layer_norm_forward_mixed(input, Some(rv), wv.len(), (wv, bv), eps, y, &mut stats)
+                layer_norm_forward_mixed(input, rv, wv.len(), (wv, bv), eps, y, &mut stats)
                     .map_err(err)
             };
             // SAFETY: on `Ok` the kernel has written every element of `y`.
-            let y = unsafe {
-                crate::alloc::try_written(rv.len(), "fused add+layer_norm output", write)
-            }?;
+            let y = unsafe { crate::alloc::try_written(n, "fused layer_norm output", write) }?;
             Tensor::from_vec(y, x.shape(), dev)?
         }
     })

@@ -199,32 +199,46 @@ impl TransformerEncoderLayer {
 }
 
 impl TransformerEncoderLayer {
-    /// A bf16 post-norm layer in inference without its f32 twin's widened weights: where its
-    /// self-attention runs as it is (a bf16 `MultiheadAttention`'s direct route, its output
-    /// projection written in f32 for the residual sum), the feed-forward products read the
-    /// bf16 weights as they are and only the norms' parameters, the biases and the input are
-    /// widened. The twin's operations on the twin's values in the twin's order, so its bits;
-    /// the twin widened all 4·E² + 2·E·F weights each call (about 3% of a bf16 encoder layer's
-    /// inference on an AMX CPU; docs/performance.md). `None` where any part would not take
-    /// that route (pre-norm, a gradient, dropout, autocast, few rows, widened products): the
-    /// caller runs the twin.
+    /// A bf16 layer in inference without its f32 twin's widened weights: where its
+    /// self-attention runs as it is (a bf16 `MultiheadAttention`'s direct route on the bf16
+    /// input, or on a pre-norm layer's first norm rounded to bf16, its output projection
+    /// written in f32 for the residual sum), the feed-forward products read the bf16 weights as
+    /// they are and only the norms' parameters, the biases and the input are widened; the norms
+    /// read the bf16 input and write the bf16 output in their own pass
+    /// ([`LayerNorm::forward_as`]). The twin's operations on the twin's values in the twin's
+    /// order, so its bits; the twin widened all 4·E² + 2·E·F weights each call (about 3% of a
+    /// bf16 encoder layer's inference on an AMX CPU; docs/performance.md). `None` where any
+    /// part would not take that route (a gradient, dropout, autocast, few rows, widened
+    /// products): the caller runs the twin.
     fn forward_bf16_direct(&self, src: &Tensor, opts: &MhaOptions) -> Result<Option<Tensor>> {
-        use crate::precision::{widen, CastParams};
+        use crate::precision::{narrow, widen, CastParams};
+        use candle_core::DType::F32;
         let dtype = src.dtype();
-        if self.cfg.norm_first || !self.bf16_route_applies(src, opts.dropout_key)? {
+        if !self.bf16_route_applies(src, opts.dropout_key)? {
             return Ok(None);
         }
+        let (norm1, norm2) = (self.norm1.map_params(&widen)?, self.norm2.map_params(&widen)?);
+        // Pre-norm: the twin's in-projection reads the norm's f32 output rounded to bf16 (its
+        // products' operands), which is the norm rounded once here.
+        let attn_in = match self.cfg.norm_first {
+            true => norm1.forward_as(src, None, dtype)?,
+            false => src.clone(),
+        };
         // As `attention_block`: the layer returns no weights.
         let attn_opts = MhaOptions { need_weights: false, ..opts.clone() };
-        let sa = self.self_attn.forward_direct_to(src, &attn_opts, candle_core::DType::F32);
+        let sa = self.self_attn.forward_direct_to(&attn_in, &attn_opts, F32);
         let Some(sa) = sa.map_err(|e| e.renamed(&super::SRC_MASKS.0))? else {
             return Ok(None);
         };
-        let (norm1, norm2) = (self.norm1.map_params(&widen)?, self.norm2.map_params(&widen)?);
         crate::mode::rounded_products(dtype, || {
-            let x = norm1.residual_block(src, &sa.output, candle_core::DType::F32)?;
+            if self.cfg.norm_first {
+                let x = residual(&widen(src)?, &sa.output)?;
+                let ff = self.twin_feed_forward(&norm2.forward(&x)?, opts.dropout_key)?;
+                return narrow(&residual(&x, &ff)?, dtype);
+            }
+            let x = norm1.forward_as(src, Some(&sa.output), F32)?;
             let ff = self.twin_feed_forward(&x, opts.dropout_key)?;
-            norm2.residual_block(&x, &ff, dtype)
+            norm2.forward_as(&x, Some(&ff), dtype)
         })
         .map(Some)
     }
@@ -257,7 +271,7 @@ impl TransformerEncoderLayer {
                 narrow(&residual(&x, &feed_forward(&norm2.forward(&x)?)?)?, dtype)
             } else {
                 let x = norm1.forward_residual(&x, &attend(&x)?)?;
-                norm2.residual_block(&x, &feed_forward(&x)?, dtype)
+                norm2.forward_as(&x, Some(&feed_forward(&x)?), dtype)
             }
         })
         .map(Some)

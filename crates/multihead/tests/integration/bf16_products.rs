@@ -658,11 +658,12 @@ fn a_bf16_mha_without_a_gradient_skips_its_f32_twin_with_the_twins_bits() {
 
 #[test]
 fn a_bf16_encoder_layer_without_a_gradient_keeps_its_weights_bf16_with_the_twins_bits() {
-    // Without a gradient, a bf16 post-norm encoder layer whose self-attention runs as it is
-    // multiplies its bf16 weights unwidened (the attention's output projection written in f32
-    // for the residual sum, the feed-forward products reading the bf16 weights); with a
-    // gradient recorded (an input that is a Var) it runs as its widened f32 twin: the same
-    // bits. Sequence-first and batch-first, ReLU and GELU, with and without biases, a bool key
+    // Without a gradient, a bf16 encoder layer whose self-attention runs as it is multiplies
+    // its bf16 weights unwidened (the attention's output projection written in f32 for the
+    // residual sum, the feed-forward products reading the bf16 weights, a pre-norm layer's
+    // attention reading its first norm rounded to bf16); with a gradient recorded (an input
+    // that is a Var) it runs as its widened f32 twin: the same bits. Post-norm and pre-norm,
+    // sequence-first and batch-first, ReLU and GELU, with and without biases, a bool key
     // padding mask, a float mask, a NaN in the input, an unbatched call and few rows (which
     // keep the twin).
     let vm = candle_nn::VarMap::new();
@@ -674,14 +675,20 @@ fn a_bf16_encoder_layer_without_a_gradient_keeps_its_weights_bf16_with_the_twins
         ("key padding", None, Some(Mask::Bool(pad))),
         ("float mask", Some(Mask::Float(bias)), None),
     ];
-    let layers = [(Activation::Gelu, true, false), (Activation::Relu, false, true)];
-    for (i, (act, with_bias, batch_first)) in layers.into_iter().enumerate() {
+    let layers = [
+        (Activation::Gelu, true, false, false),
+        (Activation::Relu, false, true, false),
+        (Activation::Gelu, true, true, true),
+        (Activation::Relu, false, false, true),
+    ];
+    for (i, (act, with_bias, batch_first, norm_first)) in layers.into_iter().enumerate() {
         let cfg = LayerConfig::new(32, 4)
             .with_dim_feedforward(72)
             .with_dropout(0.0)
             .with_activation(act)
             .with_bias(with_bias)
-            .with_batch_first(batch_first);
+            .with_batch_first(batch_first)
+            .with_norm_first(norm_first);
         let layer = TransformerEncoderLayer::new(cfg.clone(), vb.pp(format!("l{i}"))).unwrap();
         let mut l16 =
             deterministic(&layer, DType::BF16, |vb| TransformerEncoderLayer::new(cfg.clone(), vb));
@@ -693,6 +700,7 @@ fn a_bf16_encoder_layer_without_a_gradient_keeps_its_weights_bf16_with_the_twins
             let inference = direct(|| no_grad(|| run(&x)));
             let recorded = direct(|| run(xv.as_tensor()));
             let what = format!("{what}, {act:?}, bias {with_bias}, batch_first {batch_first}");
+            let what = format!("{what}, norm_first {norm_first}");
             assert_eq!(inference.dtype(), DType::BF16, "{what}");
             assert_eq!(inference.dims(), &shape, "{what}");
             assert_eq!(differing(&inference, &recorded), 0, "{what}: outputs differ");
@@ -717,11 +725,23 @@ fn bad_input_to_a_bf16_encoder_layer_gets_the_same_error_with_or_without_a_gradi
     // a float mask of another dtype, and a size that cannot be allocated.
     let vm = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
-    let cfg = LayerConfig::new(32, 4).with_dim_feedforward(72).with_dropout(0.0);
-    let layer = TransformerEncoderLayer::new(cfg.clone(), vb.pp("l")).unwrap();
-    let mut l16 =
-        deterministic(&layer, DType::BF16, |vb| TransformerEncoderLayer::new(cfg.clone(), vb));
-    l16.eval();
+    for norm_first in [false, true] {
+        let cfg = LayerConfig::new(32, 4)
+            .with_dim_feedforward(72)
+            .with_dropout(0.0)
+            .with_norm_first(norm_first);
+        let layer = TransformerEncoderLayer::new(cfg.clone(), vb.pp(format!("l{norm_first}")));
+        let mut l16 = deterministic(&layer.unwrap(), DType::BF16, |vb| {
+            TransformerEncoderLayer::new(cfg.clone(), vb)
+        });
+        l16.eval();
+        same_errors(&l16, norm_first);
+    }
+}
+
+/// The errors of [`bad_input_to_a_bf16_encoder_layer_gets_the_same_error_with_or_without_a_gradient`]
+/// for one layer.
+fn same_errors(l16: &TransformerEncoderLayer, norm_first: bool) {
     let x = det(&[70, 2, 32], DType::BF16, 1.0);
     let mask = |dims: &[usize], dt| Some(Mask::Float(det(dims, dt, 2.0)));
     let pad = |dims: &[usize]| Some(Mask::Bool(Tensor::zeros(dims, DType::U8, &dev()).unwrap()));
@@ -742,9 +762,9 @@ fn bad_input_to_a_bf16_encoder_layer_gets_the_same_error_with_or_without_a_gradi
             let xv = var(&x);
             direct(|| run(xv.as_tensor())).err().map(|e| e.to_string())
         });
-        let plain = plain.unwrap_or_else(|| panic!("{what}: no error"));
+        let plain = plain.unwrap_or_else(|| panic!("{what}, norm_first {norm_first}: no error"));
         if let Some(graded) = graded {
-            assert_eq!(Some(plain.clone()), graded, "{what}");
+            assert_eq!(Some(plain.clone()), graded, "{what}, norm_first {norm_first}");
         }
     }
 }
@@ -763,7 +783,7 @@ impl Sweep {
 
 #[test]
 fn a_bf16_encoder_layer_route_matches_its_twin_over_a_sweep_of_configurations() {
-    // 200 seeded configurations of a bf16 post-norm layer in inference, each run without a
+    // 200 seeded configurations of a bf16 layer in inference (a third pre-norm), each run without a
     // gradient (the bf16 route, or the twin where the route does not apply: few rows, grouped
     // or unsupported options) and with one (the twin): the same bits, or the same error.
     // Widths with 1-8 heads, 8-130 hidden units, 1-90 tokens, 1-3 sequences, both layouts,
@@ -778,12 +798,14 @@ fn a_bf16_encoder_layer_route_matches_its_twin_over_a_sweep_of_configurations() 
         let (f, l, n) = ([8, 40, 72, 130][rng.pick(4)], 1 + rng.pick(90), 1 + rng.pick(3));
         let (batch_first, unbatched) = (rng.pick(2) == 1, rng.pick(6) == 0);
         let act = [Activation::Gelu, Activation::Relu][rng.pick(2)];
+        let norm_first = rng.pick(3) == 0;
         let cfg = LayerConfig::new(e, h)
             .with_dim_feedforward(f)
             .with_dropout(0.0)
             .with_activation(act)
             .with_bias(rng.pick(3) != 0)
-            .with_batch_first(batch_first);
+            .with_batch_first(batch_first)
+            .with_norm_first(norm_first);
         let layer = TransformerEncoderLayer::new(cfg.clone(), vb.pp(format!("c{case}"))).unwrap();
         let mut l16 =
             deterministic(&layer, DType::BF16, |vb| TransformerEncoderLayer::new(cfg.clone(), vb));
@@ -832,6 +854,7 @@ fn a_bf16_encoder_layer_route_matches_its_twin_over_a_sweep_of_configurations() 
         let run = |t: &Tensor| direct(|| l16.forward_with(t, &opts));
         let xv = var(&x);
         let what = format!("case {case}: e {e} h {h} f {f} dims {dims:?} {act:?} {opts:?}");
+        let what = format!("{what}, norm_first {norm_first}");
         match (no_grad(|| run(&x)), run(xv.as_tensor())) {
             (Ok(a), Ok(b)) => assert_eq!(differing(&a, &b), 0, "{what}"),
             (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string(), "{what}"),
