@@ -39,6 +39,23 @@ const L2_B_MIN_BLOCKS: usize = 16;
 /// multiple of 1 KiB apart ([`reads_a_in_place`]).
 const IN_PLACE_DEPTH: usize = 512;
 
+/// Depth (elements) up to which a task on AMX walks its row tiles outermost
+/// ([`a_stationary`]).
+const A_STATIONARY_DEPTH: usize = 512;
+
+/// Whether a task walks its row tiles outermost, each 32-row strip of `A` kept in L1 while
+/// every `B` panel of the block streams past it from L2 (`tileloaddt1`), rather than its
+/// column panels outermost: on AMX, where the strip of a block of depth `kc` (`64·kc` bytes,
+/// 32 KiB at 512) leaves L1 room for the streaming tiles. The other order reads a new strip
+/// every second 32-column half, and the strip and the panel it meets no longer both fit in
+/// L1. The same tile products, so the same bits. On an AMX CPU (family 6 model 167, 2
+/// threads), `multihead bench --module linear --dtype bf16` `Linear(512, 2048)` forward on
+/// `(8, 512, 512)`: minimum 3.27-3.58 -> 2.82-3.24 ms (four alternating runs); at a depth of
+/// 2048 (`Linear(2048, 512)`), where a strip is 128 KiB either way, no change.
+fn a_stationary(kern: Kernel, kc: usize) -> bool {
+    kern.tiles() && kc <= A_STATIONARY_DEPTH
+}
+
 /// Where the product goes.
 #[derive(Clone, Copy)]
 pub(super) enum Out {
@@ -398,46 +415,51 @@ impl Pass<'_> {
                     }
                 };
                 let _tiles = kern.begin();
-                for q in q0..q1 {
+                // Column panels outermost, or row tiles outermost (`a_stationary`).
+                let (panels, tiles) = (q1 - q0, rows.div_ceil(mr));
+                let by_row = a_stationary(kern, x.kc);
+                for t in 0..panels * tiles {
+                    let (qi, ri) = match by_row {
+                        true => (t % panels, t / panels),
+                        false => (t / tiles, t % tiles),
+                    };
+                    let (q, ir) = (q0 + qi, ri * mr);
                     let bpanel = x.packed.0.add(q * kp * NR);
                     let j = x.j0 + q * NR;
                     let cols = NR.min(x.cols - q * NR);
-                    for ir in (0..rows).step_by(mr) {
-                        let ap = abase.add(ir * tile_step);
-                        let live = mr.min(rows - ir);
-                        let tile = Tile { kp, a: ap, strides, b: bpanel, load_c: self.load_c };
-                        match self.out {
-                            Out::F32 { c, ldc, epilogue, .. } => {
-                                let c = c.0.add((i0 + ir) * ldc + j);
-                                if live == mr && cols == NR {
-                                    tile.run(kern, c, ldc);
-                                } else {
-                                    tile.edge(kern, c, ldc, live, cols);
-                                }
-                                // The previous tile's epilogue: reading a tile back right
-                                // after the tile stores that wrote it waits for them.
-                                if let Some(e) = epilogue.filter(|_| self.last) {
-                                    if let Some((pc, plive, pcols, pj)) =
-                                        stored.replace((c, live, cols, j))
-                                    {
-                                        e.apply((pc, ldc), plive, pcols, pj, TileOut::InPlace);
-                                    }
+                    let ap = abase.add(ir * tile_step);
+                    let live = mr.min(rows - ir);
+                    let tile = Tile { kp, a: ap, strides, b: bpanel, load_c: self.load_c };
+                    match self.out {
+                        Out::F32 { c, ldc, epilogue, .. } => {
+                            let c = c.0.add((i0 + ir) * ldc + j);
+                            if live == mr && cols == NR {
+                                tile.run(kern, c, ldc);
+                            } else {
+                                tile.edge(kern, c, ldc, live, cols);
+                            }
+                            // The previous tile's epilogue: reading a tile back right
+                            // after the tile stores that wrote it waits for them.
+                            if let Some(e) = epilogue.filter(|_| self.last) {
+                                if let Some((pc, plive, pcols, pj)) =
+                                    stored.replace((c, live, cols, j))
+                                {
+                                    e.apply((pc, ldc), plive, pcols, pj, TileOut::InPlace);
                                 }
                             }
-                            Out::Bf16 { out, ldo, epilogue } => {
-                                // The buffer the previous tile is not in.
-                                let slot = pending.map_or(0, |p| 1 - p.slot);
-                                let buf = locals[slot].0.as_mut_ptr();
-                                let prev = pending.take();
-                                tile.run_between(kern, buf, NR, &mut |i, n| {
-                                    if let Some(p) = &prev {
-                                        p.rows(&epilogue, i, n);
-                                    }
-                                });
-                                let dest = out.0.add((i0 + ir) * ldo + j);
-                                pending =
-                                    Some(Pending { tile: buf, live, cols, j, dest, ldo, slot });
-                            }
+                        }
+                        Out::Bf16 { out, ldo, epilogue } => {
+                            // The buffer the previous tile is not in.
+                            let slot = pending.map_or(0, |p| 1 - p.slot);
+                            let buf = locals[slot].0.as_mut_ptr();
+                            let prev = pending.take();
+                            tile.run_between(kern, buf, NR, &mut |i, n| {
+                                if let Some(p) = &prev {
+                                    p.rows(&epilogue, i, n);
+                                }
+                            });
+                            let dest = out.0.add((i0 + ir) * ldo + j);
+                            pending = Some(Pending { tile: buf, live, cols, j, dest, ldo, slot });
                         }
                     }
                 }
