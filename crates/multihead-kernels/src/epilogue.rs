@@ -119,6 +119,8 @@ pub(crate) enum TileOut {
     /// A bf16 output (rows `ldo` apart), rounded to nearest even
     /// ([`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits)).
     Bf16 { out: *mut u16, ldo: usize },
+    /// An f32 output (rows `ldo` apart).
+    F32 { out: *mut f32, ldo: usize },
 }
 
 /// One tile of a product's epilogue (the bf16 GEMM's fused epilogue):
@@ -170,6 +172,13 @@ impl TileEpilogue {
                 TileOut::Bf16 { out, ldo } => {
                     self.bias_act::<S>();
                     self.narrow_scalar(out, ldo);
+                }
+                TileOut::F32 { out, ldo } => {
+                    self.bias_act::<S>();
+                    for r in 0..self.rows {
+                        let (src, dst) = (self.tile.add(r * self.ld), out.add(r * ldo));
+                        std::ptr::copy_nonoverlapping(src, dst, self.cols);
+                    }
                 }
             }
         }

@@ -64,6 +64,8 @@ fn tile_kernels_match_the_sequential_emulation_bit_for_bit() {
     // the reused packing buffers hold stale values (the padding must be written, not assumed).
     let shapes = [
         (40, 70, 2 * KC + 17),
+        // One deep block past `KC` (an f32 output not added to), over 3 row tiles a task.
+        (200, 130, KC + 40),
         (5, 1030, 33),
         // Several row blocks over two n blocks: `A` rounded once for both.
         (130, 1030, 33),

@@ -56,6 +56,9 @@ fn a_stationary(kern: Kernel, kc: usize) -> bool {
     kern.tiles() && kc <= A_STATIONARY_DEPTH
 }
 
+/// Depth (elements) up to which an f32 output on AMX runs as one deep block ([`Out::deep`]).
+const DEEP_F32_DEPTH: usize = 2048;
+
 /// Where the product goes.
 #[derive(Clone, Copy)]
 pub(super) enum Out {
@@ -66,6 +69,69 @@ pub(super) enum Out {
     /// computed into a local buffer and its epilogue applied as it leaves the kernel (no f32
     /// `C` in memory).
     Bf16 { out: SyncPtr<u16>, ldo: usize, epilogue: Epilogue },
+}
+
+impl Out {
+    /// Whether the product runs the whole depth in one block, each tile computed into a local
+    /// buffer and leaving it through its epilogue (no partial sums in memory, no second pass
+    /// over the output): a bf16 output, and on AMX an f32 output that is not added to, up to a
+    /// depth of [`DEEP_F32_DEPTH`]. The f32 output of a bf16 encoder layer's second
+    /// feed-forward product (depth 2048), which wrote and read back its partial sums between
+    /// two blocks of 1024 deep, and its output projection (depth 512), whose epilogue read
+    /// each tile back from the output, made `multihead bench --module encoder-layer --dtype
+    /// bf16 --eval` (E 512, F 2048, 4096 tokens) 19.6-22.7 (median 21.1) -> 19.7-21.8 (20.8)
+    /// ms, six alternating runs on AMX (family 6 model 167, 2 threads). At the training step's
+    /// depth of 4096 (weight gradients over the tokens) it was 1-2% slower, so those keep
+    /// their blocks.
+    fn deep(&self, kern: Kernel, k: usize) -> bool {
+        match self {
+            Out::Bf16 { .. } => true,
+            Out::F32 { accumulate, .. } => kern.tiles() && !accumulate && k <= DEEP_F32_DEPTH,
+        }
+    }
+
+    /// Where a deep product's tiles go and the epilogue on their way (`act(C + bias)`, or
+    /// nothing to apply for an f32 output without one).
+    fn deep_parts(&self) -> (Dest, usize, Epilogue) {
+        let none = || Epilogue { bias: None, act: Act::Identity, level: SimdLevel::Scalar };
+        match *self {
+            Out::Bf16 { out, ldo, epilogue } => (Dest::Bf16(out.0), ldo, epilogue),
+            Out::F32 { c, ldc, epilogue, .. } => {
+                (Dest::F32(c.0), ldc, epilogue.unwrap_or_else(none))
+            }
+        }
+    }
+}
+
+/// A deep product's output (see [`Out::deep`]).
+#[derive(Clone, Copy)]
+enum Dest {
+    Bf16(*mut u16),
+    F32(*mut f32),
+}
+
+impl Dest {
+    /// The output `off` elements further on.
+    ///
+    /// # Safety
+    /// That element lies inside the output.
+    unsafe fn add(self, off: usize) -> Dest {
+        // SAFETY: forwarded.
+        unsafe {
+            match self {
+                Dest::Bf16(p) => Dest::Bf16(p.add(off)),
+                Dest::F32(p) => Dest::F32(p.add(off)),
+            }
+        }
+    }
+
+    /// The output from here, rows `ld` apart, as an epilogue writes it.
+    fn tile_out(self, ld: usize) -> TileOut {
+        match self {
+            Dest::Bf16(out) => TileOut::Bf16 { out, ldo: ld },
+            Dest::F32(out) => TileOut::F32 { out, ldo: ld },
+        }
+    }
 }
 
 /// A product's epilogue: `act(C + bias)` (bias of `n` values), at `level`.
@@ -156,9 +222,10 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
     let words = blocks.checked_mul(mc).and_then(|r| r.checked_mul(lda));
     let in_place = reads_a_in_place(kern, a);
     let a_once = words.filter(|&w| w <= PACKED_A_WORDS && !in_place);
-    let (kc_max, nc_max) = match out {
-        Out::F32 { .. } => (KC, NC),
-        Out::Bf16 { .. } => {
+    let deep = out.deep(kern, k);
+    let (kc_max, nc_max) = match deep {
+        false => (KC, NC),
+        true => {
             let words = deep_b_words(blocks, a.col_stride == 1 || a_once.is_some());
             let widest = (words / pairs(kern, k) / NR * NR).clamp(NR, NC);
             // Column blocks of even width (384 columns as 192 + 192, not 320 + 64).
@@ -270,7 +337,8 @@ unsafe fn run_blocks(
                 let block = Block { p0, kc, kp, j0, cols, panels, packed: ConstPtr(packed.0) };
                 let load_c = p0 > 0 || matches!(out, Out::F32 { accumulate: true, .. });
                 let last = p0 + kc == k;
-                let pass = Pass { a, block, m, mc, col_parts, out, load_c, last, source };
+                let deep = out.deep(kern, k);
+                let pass = Pass { a, block, m, mc, col_parts, out, load_c, last, source, deep };
                 (0..blocks * col_parts).into_par_iter().try_for_each(|t| pass.task(t, kern))?;
             }
         }
@@ -340,6 +408,8 @@ struct Pass<'a> {
     /// Whether this is the last `k` block (the epilogue's turn).
     last: bool,
     source: ASource,
+    /// The whole depth in one block, each tile through a local buffer ([`Out::deep`]).
+    deep: bool,
 }
 
 /// A block of `A` read in place: `A`'s elements, the block's first one, the strides.
@@ -382,13 +452,7 @@ impl Pass<'_> {
         let kp = x.kp;
         let lda = a_stride(kern, kp);
         let (q0, q1) = (part * x.panels / self.col_parts, (part + 1) * x.panels / self.col_parts);
-        // A bf16 output's tiles leave the kernel through these buffers, in turn: a tile's
-        // epilogue runs during the next tile's products (`Pending`).
-        let mut locals = [AlignedTile::<{ AMX_MR * NR }>::zeros(), AlignedTile::zeros()];
-        let mut pending: Option<Pending> = None;
-        // An f32 output's last tile whose epilogue has not run yet: (tile, rows, columns,
-        // first column).
-        let mut stored: Option<(*mut f32, usize, usize, usize)> = None;
+        let mut out = TileFlow::new();
         let own = self.own_rows(i0, rows, mr);
         let words = match (own, self.source) {
             (None, ASource::Pack | ASource::InPlace) => padded * lda,
@@ -430,62 +494,115 @@ impl Pass<'_> {
                     let ap = abase.add(ir * tile_step);
                     let live = mr.min(rows - ir);
                     let tile = Tile { kp, a: ap, strides, b: bpanel, load_c: self.load_c };
-                    match self.out {
-                        Out::F32 { c, ldc, epilogue, .. } => {
-                            let c = c.0.add((i0 + ir) * ldc + j);
-                            if live == mr && cols == NR {
-                                tile.run(kern, c, ldc);
-                            } else {
-                                tile.edge(kern, c, ldc, live, cols);
-                            }
-                            // The previous tile's epilogue: reading a tile back right
-                            // after the tile stores that wrote it waits for them.
-                            if let Some(e) = epilogue.filter(|_| self.last) {
-                                if let Some((pc, plive, pcols, pj)) =
-                                    stored.replace((c, live, cols, j))
-                                {
-                                    e.apply((pc, ldc), plive, pcols, pj, TileOut::InPlace);
-                                }
-                            }
-                        }
-                        Out::Bf16 { out, ldo, epilogue } => {
-                            // The buffer the previous tile is not in.
-                            let slot = pending.map_or(0, |p| 1 - p.slot);
-                            let buf = locals[slot].0.as_mut_ptr();
-                            let prev = pending.take();
-                            tile.run_between(kern, buf, NR, &mut |i, n| {
-                                if let Some(p) = &prev {
-                                    p.rows(&epilogue, i, n);
-                                }
-                            });
-                            let dest = out.0.add((i0 + ir) * ldo + j);
-                            pending = Some(Pending { tile: buf, live, cols, j, dest, ldo, slot });
-                        }
-                    }
+                    out.tile(self, kern, tile, (i0 + ir, j), (live, cols));
                 }
-                if let (Some(p), Out::Bf16 { epilogue, .. }) = (pending, self.out) {
-                    p.rows(&epilogue, 0, 1);
-                }
-                if let (Some((c, live, cols, j)), Out::F32 { ldc, epilogue: Some(e), .. }) =
-                    (stored, self.out)
-                {
-                    e.apply((c, ldc), live, cols, j, TileOut::InPlace);
-                }
+                out.finish(self);
             }
             Ok(())
         })
     }
 }
 
-/// A bf16 output's tile whose epilogue has not run yet: computed into `tile` (the task's
-/// local buffer `slot` of two), bound for `dest`.
+/// How a task's tiles leave the kernel and meet their epilogues, one tile behind: a deep
+/// product's through two local buffers in turn (a tile's epilogue runs during the next tile's
+/// products: [`Pending`]), an f32 output's through the output itself (the previous tile's
+/// epilogue runs after this tile's stores, as reading a tile right after the stores that wrote
+/// it waits for them).
+struct TileFlow {
+    locals: [AlignedTile<{ AMX_MR * NR }>; 2],
+    pending: Option<Pending>,
+    /// An f32 output's last tile whose epilogue has not run yet: (tile, rows, columns, first
+    /// column).
+    stored: Option<(*mut f32, usize, usize, usize)>,
+}
+
+impl TileFlow {
+    fn new() -> Self {
+        TileFlow {
+            locals: [AlignedTile::zeros(), AlignedTile::zeros()],
+            pending: None,
+            stored: None,
+        }
+    }
+
+    /// Runs `tile`, whose `live × cols` results go to row `i`, column `j` of the output.
+    ///
+    /// # Safety
+    /// As for [`Pass::task`]'s tiles: the tile's operands lie inside the packed blocks, and its
+    /// place inside the output, which this task alone writes there; the kernel's tiles are
+    /// configured on this thread.
+    unsafe fn tile(
+        &mut self,
+        pass: &Pass<'_>,
+        kern: Kernel,
+        tile: Tile,
+        (i, j): (usize, usize),
+        (live, cols): (usize, usize),
+    ) {
+        // SAFETY: forwarded (the caller's contract); the local buffers hold a whole tile.
+        unsafe {
+            match (pass.deep, pass.out) {
+                (true, _) | (_, Out::Bf16 { .. }) => {
+                    let (dest, ldo, epilogue) = pass.out.deep_parts();
+                    // The buffer the previous tile is not in.
+                    let slot = self.pending.map_or(0, |p| 1 - p.slot);
+                    let buf = self.locals[slot].0.as_mut_ptr();
+                    let prev = self.pending.take();
+                    tile.run_between(kern, buf, NR, &mut |s, n| {
+                        if let Some(p) = &prev {
+                            p.rows(&epilogue, s, n);
+                        }
+                    });
+                    let dest = dest.add(i * ldo + j);
+                    self.pending = Some(Pending { tile: buf, live, cols, j, dest, ldo, slot });
+                }
+                (false, Out::F32 { c, ldc, epilogue, .. }) => {
+                    let c = c.0.add(i * ldc + j);
+                    if live == kern.mr() && cols == NR {
+                        tile.run(kern, c, ldc);
+                    } else {
+                        tile.edge(kern, c, ldc, live, cols);
+                    }
+                    if let Some(e) = epilogue.filter(|_| pass.last) {
+                        if let Some((pc, plive, pcols, pj)) =
+                            self.stored.replace((c, live, cols, j))
+                        {
+                            e.apply((pc, ldc), plive, pcols, pj, TileOut::InPlace);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The last tile's epilogue.
+    ///
+    /// # Safety
+    /// As for [`tile`](Self::tile), after the task's last tile.
+    unsafe fn finish(&mut self, pass: &Pass<'_>) {
+        // SAFETY: forwarded.
+        unsafe {
+            if let Some(p) = self.pending.take() {
+                p.rows(&pass.out.deep_parts().2, 0, 1);
+            }
+            if let (Some((c, live, cols, j)), Out::F32 { ldc, epilogue: Some(e), .. }) =
+                (self.stored.take(), pass.out)
+            {
+                e.apply((c, ldc), live, cols, j, TileOut::InPlace);
+            }
+        }
+    }
+}
+
+/// A deep product's tile whose epilogue has not run yet: computed into `tile` (the task's
+/// local buffer `slot` of two), bound for `dest` (rows `ldo` apart).
 #[derive(Clone, Copy)]
 struct Pending {
     tile: *mut f32,
     live: usize,
     cols: usize,
     j: usize,
-    dest: *mut u16,
+    dest: Dest,
     ldo: usize,
     slot: usize,
 }
@@ -503,7 +620,7 @@ impl Pending {
             // SAFETY: rows `r0..r1 <= live` of the tile and of the output tile (the caller's
             // contract).
             unsafe {
-                let out = TileOut::Bf16 { out: self.dest.add(r0 * self.ldo), ldo: self.ldo };
+                let out = self.dest.add(r0 * self.ldo).tile_out(self.ldo);
                 epilogue.apply((self.tile.add(r0 * NR), NR), r1 - r0, self.cols, self.j, out);
             }
         }
