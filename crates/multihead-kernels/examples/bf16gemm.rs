@@ -86,6 +86,12 @@ fn main() -> Result<(), multihead_kernels::attention::KernelError> {
                 flop / t
             );
         }
+        // The weight gradient into f32 (blocks of `KC` deep, partial sums in the output).
+        if only.is_empty() || only == "dw32" {
+            let t = best(reps, || matmul_bf16_new_with(dy.t(), x, None, Act::Identity).map(drop))?;
+            let what = "dW = dyᵀ·x, f32 out (dw32)";
+            println!("m={m} n={n} k={k} {what}: {:.3} ms, {:.1} GFLOP/s", t * 1e3, flop / t);
+        }
         // The forward with GELU fused into its bf16 output (a feed-forward block's first).
         if only.is_empty() || only == "fwdgelu" {
             let t = best(reps, || matmul_bf16_to_bf16(x, w.t(), None, Act::Gelu).map(drop))?;
