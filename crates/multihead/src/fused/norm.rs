@@ -364,7 +364,7 @@ pub(crate) fn layer_norm_mixed(
             let y = unsafe { crate::alloc::try_written(n, "fused layer_norm output", write) }?;
             Tensor::from_vec(super::convert::from_bits(y), x.shape(), dev)?
         }
-        _ => {
+        DType::F32 => {
             let write = |y: &mut [std::mem::MaybeUninit<f32>]| {
                 let y = NormOutput::F32(y);
                 layer_norm_forward_mixed(input, rv, wv.len(), (wv, bv), eps, y, &mut stats)
@@ -373,6 +373,10 @@ pub(crate) fn layer_norm_mixed(
             // SAFETY: on `Ok` the kernel has written every element of `y`.
             let y = unsafe { crate::alloc::try_written(n, "fused layer_norm output", write) }?;
             Tensor::from_vec(y, x.shape(), dev)?
+        }
+        other => {
+            let msg = format!("the output dtype must be f32 or bf16, got {other:?}");
+            return Err(crate::Error::DType { op: "layer_norm", arg: "out", msg });
         }
     })
 }
