@@ -16,6 +16,10 @@
 //   oneDNN order    oneDNN's AMX brgemm order (jit_brgemm_amx_uker, interleaved tile stores):
 //                   C0 and C1 stored and zeroed right after their last products, C2 and C3
 //                   between the next block's first products.
+//   B from L2       the kernel's pattern with A in L1 and each block's B half-panel the next
+//                   one of a 1 MiB buffer (L2), loaded with tileloaddt1: the driver's order at
+//                   a depth of 512 with the A strip kept in L1;
+//   A and B in L2   the same with each block's A strip the next one of a 512 KiB buffer too.
 // Linux only (asks for the tile state with arch_prctl); exits with a message without AMX.
 
 #include <immintrin.h>
@@ -38,6 +42,10 @@ typedef struct {
 static uint16_t A[32 * LDA] __attribute__((aligned(64)));
 static uint32_t B[MAX_STEPS * 16 * 64] __attribute__((aligned(64))); // 64 columns of pairs
 static float C[8][32 * 64] __attribute__((aligned(64)));
+// 16 panels of 64 columns at the deepest depth (1 MiB), and 16 strips of A (544 KiB).
+#define PANELS 16
+static uint32_t BIG_B[PANELS][MAX_STEPS * 16 * 64] __attribute__((aligned(64)));
+static uint16_t BIG_A[PANELS][32 * LDA] __attribute__((aligned(64)));
 
 #define LOAD_STEP(s)                                                   \
     _tile_loadd(4, A + 32 * (s), 2 * LDA);                             \
@@ -67,9 +75,24 @@ static float C[8][32 * 64] __attribute__((aligned(64)));
     _tile_dpbf16ps(2, 5, 6);                                           \
     _tile_dpbf16ps(3, 5, 7);
 
-enum { NO_LOADS, LOADS, ZERO, ONE_STORE, FOUR_STORES, KERNEL, PIPELINED, ONEDNN, VARIANTS };
+enum { NO_LOADS, LOADS, ZERO, ONE_STORE, FOUR_STORES, KERNEL, PIPELINED, ONEDNN, B_L2, AB_L2,
+       VARIANTS };
 static const char *NAMES[] = {"no loads", "loads", "zero", "one store", "four stores", "kernel",
-                              "pipelined", "oneDNN order"};
+                              "pipelined", "oneDNN order", "B from L2", "A and B in L2"};
+
+// The kernel's half (tilezero, the steps, four stores) on A strip `a` and the B half-panel at
+// `b` (pair rows 256 bytes apart), B loaded with tileloaddt1 as micro_amx loads it.
+static inline void streamed_half(const uint16_t *a, const uint32_t *b, float *c, int steps) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int s = 0; s < steps; s++) {
+        _tile_loadd(4, a + 32 * s, 2 * LDA);
+        _tile_loadd(5, a + 16 * LDA + 32 * s, 2 * LDA);
+        _tile_stream_loadd(6, b + s * 16 * 64, 256);
+        _tile_stream_loadd(7, b + s * 16 * 64 + 16, 256);
+        PRODUCTS
+    }
+    STORE(0, c); STORE(1, c); STORE(2, c); STORE(3, c);
+}
 
 __attribute__((noinline)) static void run(int v, long blocks, int steps) {
     if (v == PIPELINED) {
@@ -84,6 +107,14 @@ __attribute__((noinline)) static void run(int v, long blocks, int steps) {
                 int first = s == 0 && b > 0, last = s == steps - 1;
                 ONEDNN_STEP(s, last, first)
             }
+        }
+        return;
+    }
+    if (v == B_L2 || v == AB_L2) {
+        for (long b = 0; b < blocks; b++) {
+            long half = b & 1, panel = (b >> 1) % PANELS;
+            const uint16_t *a = v == AB_L2 ? BIG_A[(b >> 1) % PANELS] : A;
+            streamed_half(a, BIG_B[panel] + 32 * half, C[b & 7], steps);
         }
         return;
     }
@@ -129,6 +160,10 @@ int main(void) {
     _tile_loadconfig(&cfg);
     for (size_t i = 0; i < sizeof A / sizeof A[0]; i++) A[i] = 0x3f80;         // 1.0
     for (size_t i = 0; i < sizeof B / sizeof B[0]; i++) B[i] = 0x00003f80u;     // (1.0, 0.0)
+    for (int p = 0; p < PANELS; p++) {
+        for (size_t i = 0; i < sizeof BIG_B[0] / sizeof BIG_B[0][0]; i++) BIG_B[p][i] = 0x00003f80u;
+        for (size_t i = 0; i < sizeof BIG_A[0] / sizeof BIG_A[0][0]; i++) BIG_A[p][i] = 0x3f80;
+    }
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     LOAD_STEP(0)
     const int depths[] = {4, 8, 16};
