@@ -20,6 +20,14 @@
 //                   one of a 1 MiB buffer (L2), loaded with tileloaddt1: the driver's order at
 //                   a depth of 512 with the A strip kept in L1;
 //   A and B in L2   the same with each block's A strip the next one of a 512 KiB buffer too.
+//   vector work     AVX-512 work alone, as much per step as `with vectors` adds (8 independent
+//                   chains of 8 FMAs on 16 lanes, about 64 FMA slots), timed as if it were the
+//                   kernel's blocks (so its figure is comparable: higher is cheaper);
+//   with vectors    the kernel's blocks (operands in L1) with that work between the steps, as
+//                   the driver runs the previous tile's epilogue: the tiles and the vector
+//                   units overlap if this stays near `kernel`;
+//   p0 work, with p0 work   the same with the exp's and the reciprocal's instructions
+//                   (vscalefps, vrcp14ps, vrndscaleps: 8 chains of 8) instead of FMAs.
 // Linux only (asks for the tile state with arch_prctl); exits with a message without AMX.
 
 #include <immintrin.h>
@@ -76,9 +84,26 @@ static uint16_t BIG_A[PANELS][32 * LDA] __attribute__((aligned(64)));
     _tile_dpbf16ps(3, 5, 7);
 
 enum { NO_LOADS, LOADS, ZERO, ONE_STORE, FOUR_STORES, KERNEL, PIPELINED, ONEDNN, B_L2, AB_L2,
-       VARIANTS };
+       VECTORS, WITH_VECTORS, P0, WITH_P0, VARIANTS };
 static const char *NAMES[] = {"no loads", "loads", "zero", "one store", "four stores", "kernel",
-                              "pipelined", "oneDNN order", "B from L2", "A and B in L2"};
+                              "pipelined", "oneDNN order", "B from L2", "A and B in L2",
+                              "vector work", "with vectors", "p0 work", "with p0 work"};
+static volatile float SINK;
+
+// About 64 FMA slots of AVX-512 work: 8 independent chains of 8 dependent FMAs, in registers.
+#define FMA8(m, a) \
+    a0 = _mm512_fmadd_ps(a0, m, a); a1 = _mm512_fmadd_ps(a1, m, a); \
+    a2 = _mm512_fmadd_ps(a2, m, a); a3 = _mm512_fmadd_ps(a3, m, a); \
+    a4 = _mm512_fmadd_ps(a4, m, a); a5 = _mm512_fmadd_ps(a5, m, a); \
+    a6 = _mm512_fmadd_ps(a6, m, a); a7 = _mm512_fmadd_ps(a7, m, a);
+#define VECTOR_WORK(m, a) FMA8(m, a) FMA8(m, a) FMA8(m, a) FMA8(m, a) \
+    FMA8(m, a) FMA8(m, a) FMA8(m, a) FMA8(m, a)
+#define SC8(a) \
+    a0 = _mm512_scalef_ps(a0, a); a1 = _mm512_scalef_ps(a1, a); \
+    a2 = _mm512_scalef_ps(a2, a); a3 = _mm512_scalef_ps(a3, a); \
+    a4 = _mm512_rcp14_ps(a4); a5 = _mm512_rcp14_ps(a5); \
+    a6 = _mm512_roundscale_ps(a6, 0); a7 = _mm512_roundscale_ps(a7, 0);
+#define P0_WORK(a) SC8(a) SC8(a) SC8(a) SC8(a) SC8(a) SC8(a) SC8(a) SC8(a)
 
 // The kernel's half (tilezero, the steps, four stores) on A strip `a` and the B half-panel at
 // `b` (pair rows 256 bytes apart), B loaded with tileloaddt1 as micro_amx loads it.
@@ -108,6 +133,24 @@ __attribute__((noinline)) static void run(int v, long blocks, int steps) {
                 ONEDNN_STEP(s, last, first)
             }
         }
+        return;
+    }
+    if (v >= VECTORS) {
+        const __m512 m = _mm512_set1_ps(0.999f), a = _mm512_set1_ps(1e-3f);
+        __m512 a0 = m, a1 = a, a2 = m, a3 = a, a4 = m, a5 = a, a6 = m, a7 = a;
+        for (long b = 0; b < blocks; b++) {
+            float *c = C[b & 7];
+            int tiles = v == WITH_VECTORS || v == WITH_P0;
+            if (tiles) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+            for (int s = 0; s < steps; s++) {
+                if (tiles) { LOAD_STEP(s) PRODUCTS }
+                if (v == VECTORS || v == WITH_VECTORS) { VECTOR_WORK(m, a) } else { P0_WORK(a) }
+            }
+            if (tiles) { STORE(0, c); STORE(1, c); STORE(2, c); STORE(3, c); }
+        }
+        __m512 t = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                                 _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
+        SINK = _mm512_reduce_add_ps(t);
         return;
     }
     if (v == B_L2 || v == AB_L2) {
