@@ -2,7 +2,7 @@
 // 2 × 2 step of `multihead_kernels::bf16gemm::amx::micro_amx` (four tile loads, four
 // `tdpbf16ps`) with and without the stores that end each 32 × 32 block of `C`.
 //
-//     cc -O2 -mamx-tile -mamx-bf16 tools/amx_tile_costs.c -o target/amx_tile_costs
+//     cc -O2 -mamx-tile -mamx-bf16 -mavx512f tools/amx_tile_costs.c -o target/amx_tile_costs
 //     target/amx_tile_costs
 //
 // Prints GFLOP/s (one core) for blocks of 4, 8 and 16 tile steps (a depth of 128, 256, 512):
