@@ -183,8 +183,8 @@ impl LayerNorm {
     /// bf16): the bits of widening `x`, the f32 norm and rounding the result, in one pass
     /// without the widened input or the f32 output in memory (a bf16 layer's norms in
     /// inference). `None` where that pass does not apply (a gradient recorded, another dtype
-    /// or device, shapes that the f32 norm would reject, an empty input): the caller takes the
-    /// widened way, whose checks report what is wrong.
+    /// or device, shapes that the f32 norm would reject, an empty input, a composed backend):
+    /// the caller takes the widened way, whose checks report what is wrong.
     // Mirrors torch.nn.LayerNorm.forward (applied to `x + residual`).
     fn forward_mixed(
         &self,
@@ -203,12 +203,22 @@ impl LayerNorm {
             && x.elem_count() > 0
             && self.check_last_dim(x).is_ok()
             && !self.records_grad(&[Some(x), residual])
+            && self.takes_fused_path()
             && crate::alloc::ensure("layer_norm", "input", x.dims(), DType::F32, 5, "").is_ok();
         if !applies {
             return Ok(None);
         }
         let params = (&self.weight, self.bias.as_ref());
         crate::fused::norm::layer_norm_mixed(x, residual, params, self.eps, out).map(Some)
+    }
+
+    /// Whether the f32 norm would run fused here (not under a composed backend, which
+    /// [`forward`](Self::forward) and [`forward_residual`](Self::forward_residual) honour with
+    /// candle's operations and their own bits): the one-pass forms give the fused path's bits.
+    fn takes_fused_path(&self) -> bool {
+        use crate::fused::dispatch::{decide, Path};
+        let plan = decide("layer_norm", crate::mode::Backend::Auto, None);
+        plan.is_ok_and(|p| p.path == Path::Fused)
     }
 
     /// Whether a call on `inputs` would record a gradient: gradients enabled (outside

@@ -769,6 +769,37 @@ fn same_errors(l16: &TransformerEncoderLayer, norm_first: bool) {
     }
 }
 
+#[test]
+fn a_bf16_encoder_layer_route_under_a_composed_backend_keeps_the_twins_bits() {
+    // Under a composed default backend the twin's norms run as candle's operations, whose bits
+    // differ from the fused norm's in the last place; the route's one-pass norms must then
+    // step aside (the attention may still run fused, as its options ask). 1024 tokens: at a
+    // few dozen the bf16 rounding hides a last-place difference in the norms.
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let x = det(&[1024, 4, 64], DType::BF16, 1.0);
+    let xv = var(&x);
+    let opts = MhaOptions::default().backend(multihead::Backend::Fused);
+    for norm_first in [false, true] {
+        let cfg = LayerConfig::new(64, 4)
+            .with_dim_feedforward(128)
+            .with_dropout(0.0)
+            .with_norm_first(norm_first);
+        let layer = TransformerEncoderLayer::new(cfg.clone(), vb.pp(format!("c{norm_first}")));
+        let mut l16 = deterministic(&layer.unwrap(), DType::BF16, |vb| {
+            TransformerEncoderLayer::new(cfg.clone(), vb)
+        });
+        l16.eval();
+        let run = |t: &Tensor| direct(|| l16.forward_with(t, &opts).unwrap());
+        multihead::with_backend(multihead::Backend::Composed, || {
+            let inference = no_grad(|| run(&x));
+            let recorded = run(xv.as_tensor());
+            let what = format!("norm_first {norm_first}");
+            assert_eq!(differing(&inference, &recorded), 0, "{what}: outputs differ");
+        });
+    }
+}
+
 /// A xorshift generator for the configuration sweep below (fixed seed: the same cases each run).
 struct Sweep(u64);
 
