@@ -726,17 +726,28 @@ fn bad_input_to_a_bf16_encoder_layer_gets_the_same_error_with_or_without_a_gradi
     let vm = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
     for norm_first in [false, true] {
-        let cfg = LayerConfig::new(32, 4)
-            .with_dim_feedforward(72)
-            .with_dropout(0.0)
-            .with_norm_first(norm_first);
-        let layer = TransformerEncoderLayer::new(cfg.clone(), vb.pp(format!("l{norm_first}")));
-        let mut l16 = deterministic(&layer.unwrap(), DType::BF16, |vb| {
-            TransformerEncoderLayer::new(cfg.clone(), vb)
-        });
-        l16.eval();
+        let l16 = bf16_eval_layer(&vb, (32, 4, 72), norm_first, &format!("l{norm_first}"));
         same_errors(&l16, norm_first);
     }
+}
+
+/// A bf16 encoder layer in eval mode, `(E, H, F)` wide, without dropout, with the
+/// deterministic weights of `deterministic`.
+fn bf16_eval_layer(
+    vb: &candle_nn::VarBuilder,
+    (e, h, f): (usize, usize, usize),
+    norm_first: bool,
+    tag: &str,
+) -> TransformerEncoderLayer {
+    let cfg = LayerConfig::new(e, h)
+        .with_dim_feedforward(f)
+        .with_dropout(0.0)
+        .with_norm_first(norm_first);
+    let layer = TransformerEncoderLayer::new(cfg.clone(), vb.pp(tag)).unwrap();
+    let mut l16 =
+        deterministic(&layer, DType::BF16, |vb| TransformerEncoderLayer::new(cfg.clone(), vb));
+    l16.eval();
+    l16
 }
 
 /// The errors of [`bad_input_to_a_bf16_encoder_layer_gets_the_same_error_with_or_without_a_gradient`]
@@ -781,15 +792,7 @@ fn a_bf16_encoder_layer_route_under_a_composed_backend_keeps_the_twins_bits() {
     let xv = var(&x);
     let opts = MhaOptions::default().backend(multihead::Backend::Fused);
     for norm_first in [false, true] {
-        let cfg = LayerConfig::new(64, 4)
-            .with_dim_feedforward(128)
-            .with_dropout(0.0)
-            .with_norm_first(norm_first);
-        let layer = TransformerEncoderLayer::new(cfg.clone(), vb.pp(format!("c{norm_first}")));
-        let mut l16 = deterministic(&layer.unwrap(), DType::BF16, |vb| {
-            TransformerEncoderLayer::new(cfg.clone(), vb)
-        });
-        l16.eval();
+        let l16 = bf16_eval_layer(&vb, (64, 4, 128), norm_first, &format!("c{norm_first}"));
         let run = |t: &Tensor| direct(|| l16.forward_with(t, &opts).unwrap());
         multihead::with_backend(multihead::Backend::Composed, || {
             let inference = no_grad(|| run(&x));
