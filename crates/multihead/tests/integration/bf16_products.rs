@@ -608,6 +608,36 @@ fn two_sequences_with_a_nan(batch_first: bool) -> (Tensor, [usize; 3]) {
     (Tensor::from_vec(xs, &shape[..], &dev()).unwrap().to_dtype(DType::BF16).unwrap(), shape)
 }
 
+/// `run` without a gradient (the bf16 route) and on `xv` (a Var: the twin) for the input `x`
+/// of `two_sequences_with_a_nan`: a bf16 output of `shape` with the twin's bits, NaN in some
+/// outputs but not all.
+fn route_matches_twin_on(
+    run: &dyn Fn(&Tensor) -> Tensor,
+    (x, xv): (&Tensor, &candle_core::Var),
+    shape: &[usize],
+    what: &str,
+) {
+    let inference = direct(|| no_grad(|| run(x)));
+    let recorded = direct(|| run(xv.as_tensor()));
+    assert_eq!(inference.dtype(), DType::BF16, "{what}");
+    assert_eq!(inference.dims(), shape, "{what}");
+    assert_eq!(differing(&inference, &recorded), 0, "{what}: outputs differ");
+    let nans = values(&inference).iter().filter(|v| v.is_nan()).count();
+    assert!(nans > 0 && nans < 2 * 70 * 32, "{what}: {nans} NaN outputs");
+}
+
+/// `run` on an unbatched call (70 rows) and one of few rows (2 × 3), which keeps the twin:
+/// the same bits with or without a gradient.
+fn route_matches_twin_unbatched_and_on_few_rows(run: &dyn Fn(&Tensor) -> Tensor) {
+    for dims in [vec![70, 32], vec![3, 2, 32]] {
+        let x = det(&dims, DType::BF16, 9.0);
+        let xv = var(&x);
+        let inference = direct(|| no_grad(|| run(&x)));
+        let recorded = direct(|| run(xv.as_tensor()));
+        assert_eq!(differing(&inference, &recorded), 0, "{dims:?}: outputs differ");
+    }
+}
+
 #[test]
 fn a_bf16_mha_without_a_gradient_skips_its_f32_twin_with_the_twins_bits() {
     // Without a gradient, a bf16 self-attention call that its f32 twin would compute from bf16
@@ -634,25 +664,13 @@ fn a_bf16_mha_without_a_gradient_skips_its_f32_twin_with_the_twins_bits() {
         for (what, opts) in &cases {
             let opts = opts.clone().need_weights(false);
             let attend = |x: &Tensor| m16.forward(x, x, x, &opts).unwrap().output;
-            let inference = direct(|| no_grad(|| attend(&x)));
-            let recorded = direct(|| attend(xv.as_tensor()));
-            assert_eq!(inference.dtype(), DType::BF16, "{what}");
-            assert_eq!(inference.dims(), &shape, "{what}");
             let what = format!("{what}, batch_first {batch_first}");
-            assert_eq!(differing(&inference, &recorded), 0, "{what}: outputs differ");
-            let nans = values(&inference).iter().filter(|v| v.is_nan()).count();
-            assert!(nans > 0 && nans < 2 * 70 * 32, "{what}: {nans} NaN outputs");
+            route_matches_twin_on(&attend, (&x, &xv), &shape, &what);
         }
-        // Unbatched (70 rows) and few rows (2 × 3): the same bits either way.
-        for dims in [vec![70, 32], vec![3, 2, 32]] {
-            let x = det(&dims, DType::BF16, 9.0);
-            let xv = var(&x);
-            let opts = MhaOptions::default().need_weights(false);
-            let attend = |x: &Tensor| m16.forward(x, x, x, &opts).unwrap().output;
-            let inference = direct(|| no_grad(|| attend(&x)));
-            let recorded = direct(|| attend(xv.as_tensor()));
-            assert_eq!(differing(&inference, &recorded), 0, "{dims:?}: outputs differ");
-        }
+        let opts = MhaOptions::default().need_weights(false);
+        route_matches_twin_unbatched_and_on_few_rows(&|x| {
+            m16.forward(x, x, x, &opts).unwrap().output
+        });
     }
 }
 
@@ -697,24 +715,13 @@ fn a_bf16_encoder_layer_without_a_gradient_keeps_its_weights_bf16_with_the_twins
         let xv = var(&x);
         for (what, mask, kpm) in &cases {
             let run = |x: &Tensor| l16.forward(x, mask.as_ref(), kpm.as_ref(), false).unwrap();
-            let inference = direct(|| no_grad(|| run(&x)));
-            let recorded = direct(|| run(xv.as_tensor()));
             let what = format!("{what}, {act:?}, bias {with_bias}, batch_first {batch_first}");
             let what = format!("{what}, norm_first {norm_first}");
-            assert_eq!(inference.dtype(), DType::BF16, "{what}");
-            assert_eq!(inference.dims(), &shape, "{what}");
-            assert_eq!(differing(&inference, &recorded), 0, "{what}: outputs differ");
-            let nans = values(&inference).iter().filter(|v| v.is_nan()).count();
-            assert!(nans > 0 && nans < 2 * 70 * 32, "{what}: {nans} NaN outputs");
+            route_matches_twin_on(&run, (&x, &xv), &shape, &what);
         }
-        for dims in [vec![70, 32], vec![3, 2, 32]] {
-            let x = det(&dims, DType::BF16, 9.0);
-            let xv = var(&x);
-            let run = |x: &Tensor| l16.forward(x, None, None, false).unwrap();
-            let inference = direct(|| no_grad(|| run(&x)));
-            let recorded = direct(|| run(xv.as_tensor()));
-            assert_eq!(differing(&inference, &recorded), 0, "{dims:?}: outputs differ");
-        }
+        route_matches_twin_unbatched_and_on_few_rows(&|x| {
+            l16.forward(x, None, None, false).unwrap()
+        });
     }
 }
 
