@@ -729,12 +729,15 @@ fn a_bf16_encoder_layer_without_a_gradient_keeps_its_weights_bf16_with_the_twins
 fn bad_input_to_a_bf16_encoder_layer_gets_the_same_error_with_or_without_a_gradient() {
     // The layer's bf16 route without a gradient and its f32 twin (a gradient recorded) check
     // the same arguments and name them the same way: wrong features, masks of the wrong shape,
-    // a float mask of another dtype, and a size that cannot be allocated.
+    // a float mask of another dtype, and a size that cannot be allocated; post-norm and
+    // pre-norm, under the default and a composed backend.
     let vm = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
     for norm_first in [false, true] {
         let l16 = bf16_eval_layer(&vb, (32, 4, 72), norm_first, &format!("l{norm_first}"));
         same_errors(&l16, norm_first);
+        // The composed path alike (the one-pass norms step aside there).
+        multihead::with_backend(multihead::Backend::Composed, || same_errors(&l16, norm_first));
     }
 }
 
