@@ -304,6 +304,9 @@ fn a_bf16_a_read_in_place_gives_the_packed_bits() {
         (200, 300, 32, 32),
         (33, 64, 1024, 1024),
         (64, 64, 512, 512), // rows 1 KiB apart at a depth of 512: packed
+        // Deeper than 2048: the bf16 output in chunks over row blocks of up to 256 rows, the
+        // last one ending in a partial tile (packed a chunk at a time).
+        (290, 70, 2 * KC + 64, 2 * KC + 96),
     ];
     for kern in tile_kernels() {
         for (m, n, k, rs) in shapes {

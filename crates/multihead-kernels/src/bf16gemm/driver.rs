@@ -16,6 +16,9 @@ use crate::attention::exec::{ConstPtr, SyncPtr};
 use crate::attention::{KernelError, SimdLevel};
 use crate::epilogue::{Act, TileEpilogue, TileOut};
 
+mod chunks;
+use chunks::{chunked, TALL_MC};
+
 /// Row blocks of `A`: 96 rows of `KC` bf16, 192 KiB: an L2's share (sixteen tiles of the
 /// `vdpbf16ps` kernel, three of the AMX kernel).
 const MC: usize = 96;
@@ -187,8 +190,8 @@ fn raw<T>(p: SyncPtr<T>) -> *mut T {
 /// the last of 32 rows, and one thread of two then runs 288 rows while the other waits at the
 /// pass's end after 224 (a bf16 `Linear(512, 512)`'s weight gradient at a depth of 4096 took
 /// 2.3 ms in blocks of 96 rows and 1.8 ms in blocks of 64, family 6 model 167 on AMX).
-fn row_blocks(m: usize, threads: usize, mr: usize) -> (usize, usize) {
-    let (tiles, per) = (m.div_ceil(mr), (MC / mr).max(1));
+fn row_blocks(m: usize, threads: usize, mr: usize, target: usize) -> (usize, usize) {
+    let (tiles, per) = (m.div_ceil(mr), (target / mr).max(1));
     // Tiles of the busiest thread with blocks of `c` tiles dealt out evenly.
     let load = |c: usize| tiles.div_ceil(c).div_ceil(threads.max(1)) * c;
     let mut c = per;
@@ -216,13 +219,14 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let kern = resolve();
     let threads = rayon::current_num_threads().max(1);
-    let (mc, blocks) = row_blocks(m, threads, kern.mr());
+    let deep = out.deep(kern, k);
+    let tall = chunked(deep, kern, k) && k > DEEP_F32_DEPTH;
+    let (mc, blocks) = row_blocks(m, threads, kern.mr(), if tall { TALL_MC } else { MC });
     // Whether every row block of `A` fits the buffer that rounds it once for all column blocks.
     let lda = a_stride(kern, pairs(kern, k));
     let words = blocks.checked_mul(mc).and_then(|r| r.checked_mul(lda));
     let in_place = reads_a_in_place(kern, a);
     let a_once = words.filter(|&w| w <= PACKED_A_WORDS && !in_place);
-    let deep = out.deep(kern, k);
     let (kc_max, nc_max) = match deep {
         false => (KC, NC),
         true => {
@@ -452,6 +456,9 @@ impl Pass<'_> {
         let kp = x.kp;
         let lda = a_stride(kern, kp);
         let (q0, q1) = (part * x.panels / self.col_parts, (part + 1) * x.panels / self.col_parts);
+        if self.chunked(kern) {
+            return self.task_chunked(kern, (i0, rows), (q0, q1));
+        }
         let mut out = TileFlow::new();
         let own = self.own_rows(i0, rows, mr);
         let words = match (own, self.source) {
@@ -660,20 +667,20 @@ mod tests {
     #[test]
     fn row_blocks_cover_the_rows_and_even_out_the_threads() {
         // (m, threads, mr) -> (mc, blocks)
-        assert_eq!(row_blocks(512, 2, 32), (64, 8)); // 96 would leave a 32-row sixth block
-        assert_eq!(row_blocks(1536, 2, 32), (96, 16)); // 96 divides evenly already
-        assert_eq!(row_blocks(2048, 2, 32), (64, 32));
-        assert_eq!(row_blocks(4096, 1, 32), (96, 43)); // one thread: nothing to even out
-        assert_eq!(row_blocks(40, 2, 32), (32, 2)); // few rows: two blocks per thread at most
-                                                    // A bf16 output's `B` block: a quarter where many row blocks stream it again each and
-                                                    // `A` is cheap to read again (row-major, or rounded once for all column blocks).
+        assert_eq!(row_blocks(512, 2, 32, super::MC), (64, 8)); // 96 would leave a 32-row sixth block
+        assert_eq!(row_blocks(1536, 2, 32, super::MC), (96, 16)); // 96 divides evenly already
+        assert_eq!(row_blocks(2048, 2, 32, super::MC), (64, 32));
+        assert_eq!(row_blocks(4096, 1, 32, super::MC), (96, 43)); // one thread: nothing to even out
+        assert_eq!(row_blocks(40, 2, 32, super::MC), (32, 2)); // few rows: two blocks per thread at most
+                                                               // A bf16 output's `B` block: a quarter where many row blocks stream it again each and
+                                                               // `A` is cheap to read again (row-major, or rounded once for all column blocks).
         assert_eq!(super::deep_b_words(16, true), super::DEEP_B_WORDS / 4);
         assert_eq!(super::deep_b_words(15, true), super::DEEP_B_WORDS);
         assert_eq!(super::deep_b_words(64, false), super::DEEP_B_WORDS);
         for m in 1..700 {
             for threads in 1..4 {
                 for mr in [6, 32] {
-                    let (mc, blocks) = row_blocks(m, threads, mr);
+                    let (mc, blocks) = row_blocks(m, threads, mr, super::MC);
                     assert!(mc % mr == 0 && mc <= super::MC.max(mr), "{m} {threads} {mr}: {mc}");
                     assert_eq!(blocks, m.div_ceil(mc), "{m} {threads} {mr}");
                 }

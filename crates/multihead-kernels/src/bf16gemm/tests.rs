@@ -374,6 +374,47 @@ fn a_tall_deep_bf16_output_in_l2_sized_column_blocks_is_the_f32_product_rounded(
 }
 
 #[test]
+fn a_chunked_weight_gradient_is_the_blocked_f32_product_rounded() {
+    use crate::epilogue::Act;
+    // Deeper than 2048 with a bf16 output: on the tile kernels the depth runs in chunks whose
+    // partial sums wait in f32, over row blocks of up to 256 rows (two here, the last one's
+    // tile partial), `A` read in place, rounded once or packed a chunk at a time (the three
+    // layouts), the depth's last chunk short and odd. The f32 output at that depth runs in
+    // blocks of 1024 with the partial sums in the output: the same sums in the same order,
+    // so bit for bit the same after the bias, GELU and the rounding; 1 and 3 threads, each
+    // after another product (stale buffers).
+    let (m, n, k) = (290, 70, 2 * KC + 301);
+    let a = rand_vec(m * k, 61);
+    let b = rand_vec(k * n, 62);
+    let bias = rand_vec(n, 63);
+    let dirt = rand_vec(64 * 600, 64);
+    let mut kernels = vec![Bf16Kernel::AmxEmulated];
+    if amx_available() {
+        kernels.push(Bf16Kernel::Amx);
+    }
+    for (l, (sa, sb)) in layouts(m, n, k).into_iter().enumerate() {
+        let (av, bv) = (view(Elems::F32(&a), m, k, sa), view(Elems::F32(&b), k, n, sb));
+        for &kern in &kernels {
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let (got, want) = pool.install(|| {
+                    with_bf16_kernel(kern, || {
+                        matmul_bf16_new(BfMat::f32(&dirt, 64, 600), BfMat::f32(&dirt, 600, 64))
+                            .unwrap();
+                        let got = matmul_bf16_to_bf16(av, bv, Some(&bias), Act::Gelu).unwrap();
+                        let mut y = matmul_bf16_new(av, bv).unwrap();
+                        crate::epilogue::bias_act_in_place(&mut y, n, Some(&bias), Act::Gelu)
+                            .unwrap();
+                        (got, y.iter().map(|&x| f32_to_bf16_bits(x)).collect::<Vec<_>>())
+                    })
+                });
+                assert_eq!(got, want, "{kern:?} layout {l} t={threads}");
+            }
+        }
+    }
+}
+
+#[test]
 fn fused_epilogues_take_broadcast_views_and_refuse_what_cannot_be() {
     use crate::epilogue::Act;
     // A broadcast A (every row the same, row stride 0) and a B read through a column stride:
