@@ -185,7 +185,7 @@ fn raw<T>(p: SyncPtr<T>) -> *mut T {
 }
 
 /// How the rows of `A` are cut: `(mc, row blocks)`, at least two blocks per thread when the
-/// rows allow it. Blocks are `MC` rows high unless a lower height (in whole micro-kernel
+/// rows allow it. Blocks are `target` rows high (`MC`, or a chunked product's `TALL_MC`) unless a lower height (in whole micro-kernel
 /// rows) leaves the busiest thread at least 2% fewer tiles: 512 rows at 96 are six blocks,
 /// the last of 32 rows, and one thread of two then runs 288 rows while the other waits at the
 /// pass's end after 224 (a bf16 `Linear(512, 512)`'s weight gradient at a depth of 4096 took
@@ -220,8 +220,8 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
     let kern = resolve();
     let threads = rayon::current_num_threads().max(1);
     let deep = out.deep(kern, k);
-    let tall = chunked(deep, kern, k) && k > DEEP_F32_DEPTH;
-    let (mc, blocks) = row_blocks(m, threads, kern.mr(), if tall { TALL_MC } else { MC });
+    let target = if chunked(deep, kern, k) { TALL_MC } else { MC };
+    let (mc, blocks) = row_blocks(m, threads, kern.mr(), target);
     // Whether every row block of `A` fits the buffer that rounds it once for all column blocks.
     let lda = a_stride(kern, pairs(kern, k));
     let words = blocks.checked_mul(mc).and_then(|r| r.checked_mul(lda));

@@ -12,26 +12,33 @@ use crate::bf16gemm::NR;
 
 /// Depth (elements) of the chunks in which a deep product runs its tiles ([`chunked`]).
 const CHUNK_DEPTH: usize = 256;
-/// Depth (elements) above which a deep product on AMX runs its tiles in chunks.
-const CHUNKED_FROM: usize = 1024;
-/// Row blocks of a chunked product deeper than [`super::DEEP_F32_DEPTH`] (a weight gradient over the
-/// tokens): each chunk of the `B` block, brought from L3 once per task, serves eight row tiles
-/// instead of three.
+/// Depth (elements) above which a deep product on AMX runs its tiles in chunks: past the
+/// depth of an f32 deep output ([`super::DEEP_F32_DEPTH`]), so bf16 outputs only.
+const CHUNKED_FROM: usize = 2048;
+/// Row blocks of a chunked product (a weight gradient over the tokens): each chunk of the `B`
+/// block, brought from L3 once per task, serves eight row tiles instead of three. Weight
+/// gradients over 4096 tokens (`ONLY=dw` below), `Linear(512, 2048)`'s: 5.7-5.9 ms in blocks
+/// of 128 rows, 4.8-4.9 in 256, 4.6-5.1 in 384, 4.8-5.1 in 512.
 pub(super) const TALL_MC: usize = 256;
 
-/// Whether a product runs its tiles in chunks of [`CHUNK_DEPTH`]: a deep one ([`super::Out::deep`])
-/// on AMX deeper than [`CHUNKED_FROM`]. Over the whole depth, a 32-row strip of `A` (128 KiB
-/// at a depth of 2048, 256 KiB at 4096) and the `B` panel it meets both stream from L2 or
-/// beyond for every tile; in chunks, the strip's chunk (16 KiB) stays in L1 while the task's
-/// panels pass it, at the price of storing and loading the tiles' partial sums (f32, exact:
-/// the same sums in the same order, so the same bits). A transposed `A` (a weight gradient's
-/// `dyᵀ`) is then packed a chunk at a time into a buffer that stays in L2, instead of its
-/// whole depth at once. On an AMX CPU (family 6 model 167, 2 threads), `cargo run --release
-/// -p multihead-kernels --example bf16gemm` with `ONLY=dw` (the weight gradient over 4096
-/// tokens, bf16 out): `Linear(512, 2048)`'s 6.2-6.3 -> 4.6-4.9 ms, `Linear(2048, 512)`'s
-/// 7.0-7.1 -> 5.9-6.1; at a depth of 2048 (`ONLY=dx` of `Linear(512, 2048)`, `ONLY=fwd` of
-/// `Linear(2048, 512)`) 3-5% faster, within the noise; chunks of 512 were no better, of 1024
-/// worse (5.7-6.1 ms for the first weight gradient).
+/// Whether a product runs its tiles in chunks of [`CHUNK_DEPTH`]: a deep one
+/// ([`super::Out::deep`]) on AMX deeper than [`CHUNKED_FROM`], as a bf16 `Linear`'s weight
+/// gradient over more than 2048 tokens. Over the whole depth, a 32-row strip of `A` (256 KiB
+/// at 4096) and the `B` panel it meets both stream from L2 or beyond for every tile; in
+/// chunks, the strip's chunk (16 KiB) stays in L1 while the task's panels pass it, at the
+/// price of storing and loading the tiles' partial sums (f32, exact: the same sums in the
+/// same order, so the same bits). A transposed `A` (the gradient's `dyᵀ`) is then packed a
+/// chunk at a time into a buffer that stays in L2, instead of its whole depth at once.
+///
+/// On an AMX CPU (family 6 model 167, 2 threads), `cargo run --release -p multihead-kernels
+/// --example bf16gemm` with `ONLY=dw` (the weight gradient over 4096 tokens, bf16 out):
+/// `Linear(512, 2048)`'s 6.1-6.3 -> 4.6-4.9 ms, `Linear(512, 1536)`'s 4.7 -> 3.8,
+/// `Linear(512, 512)`'s 1.7-1.8 -> 1.5, `Linear(2048, 512)`'s 6.9-7.1 -> 5.9-6.6; chunks of
+/// 512 were no better, of 1024 worse (5.7-6.1 ms for the first). At a depth of 2048 (the
+/// input gradient of `Linear(512, 2048)`, the forward of `Linear(2048, 512)`) chunks were
+/// 3-5% faster alone, within the noise, but a bf16 encoder layer's inference (whose second
+/// feed-forward product is 2048 deep) went from a median of 22.5 to 23.1 ms: hence only
+/// deeper products.
 pub(super) fn chunked(deep: bool, kern: Kernel, k: usize) -> bool {
     deep && kern.tiles() && k > CHUNKED_FROM
 }
