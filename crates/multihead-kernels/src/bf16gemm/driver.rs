@@ -78,18 +78,24 @@ impl Out {
     /// Whether the product runs the whole depth in one block, each tile computed into a local
     /// buffer and leaving it through its epilogue (no partial sums in memory, no second pass
     /// over the output): a bf16 output, and on AMX an f32 output that is not added to, up to a
-    /// depth of [`DEEP_F32_DEPTH`]. The f32 output of a bf16 encoder layer's second
+    /// depth of [`DEEP_F32_DEPTH`] or in chunks past it. The f32 output of a bf16 encoder layer's second
     /// feed-forward product (depth 2048), which wrote and read back its partial sums between
     /// two blocks of 1024 deep, and its output projection (depth 512), whose epilogue read
     /// each tile back from the output, made `multihead bench --module encoder-layer --dtype
     /// bf16 --eval` (E 512, F 2048, 4096 tokens) 19.6-22.7 (median 21.1) -> 19.7-21.8 (20.8)
     /// ms, six alternating runs on AMX (family 6 model 167, 2 threads). At the training step's
-    /// depth of 4096 (weight gradients over the tokens) it was 1-2% slower, so those keep
-    /// their blocks.
+    /// depth of 4096 (weight gradients over the tokens) it was 1-2% slower over the whole
+    /// depth at once; in chunks (past `DEEP_F32_DEPTH`, [`chunked`]) those weight gradients
+    /// (`ONLY=dw32` of the `bf16gemm` example) went 5.6-5.8 -> 5.2 ms (`Linear(512, 2048)`),
+    /// 4.3-4.5 -> 3.7-3.8 (`Linear(512, 1536)`), 7.2 -> 6.4-6.5 (`Linear(2048, 512)`), and
+    /// `bench --module decoder-layer --dtype bf16 --backward` 161.5-175.2 -> 157.8-161.0 ms
+    /// (three alternating runs; the encoder layer's 100.5-103.7 -> 99.5-103.6, five).
     fn deep(&self, kern: Kernel, k: usize) -> bool {
         match self {
             Out::Bf16 { .. } => true,
-            Out::F32 { accumulate, .. } => kern.tiles() && !accumulate && k <= DEEP_F32_DEPTH,
+            Out::F32 { accumulate, .. } => {
+                kern.tiles() && !accumulate && (k <= DEEP_F32_DEPTH || chunked(true, kern, k))
+            }
         }
     }
 

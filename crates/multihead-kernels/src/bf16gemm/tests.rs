@@ -374,15 +374,16 @@ fn a_tall_deep_bf16_output_in_l2_sized_column_blocks_is_the_f32_product_rounded(
 }
 
 #[test]
-fn a_chunked_weight_gradient_is_the_blocked_f32_product_rounded() {
+fn a_chunked_weight_gradient_is_the_blocked_product_bit_for_bit() {
     use crate::epilogue::Act;
     // Deeper than 2048 with a bf16 output: on the tile kernels the depth runs in chunks whose
     // partial sums wait in f32, over row blocks of up to 256 rows (two here, the last one's
     // tile partial), `A` read in place, rounded once or packed a chunk at a time (the three
-    // layouts), the depth's last chunk short and odd. The f32 output at that depth runs in
-    // blocks of 1024 with the partial sums in the output: the same sums in the same order,
-    // so bit for bit the same after the bias, GELU and the rounding; 1 and 3 threads, each
-    // after another product (stale buffers).
+    // layouts), the depth's last chunk short and odd. An f32 output added to runs in blocks
+    // of 1024 with the partial sums in the output: added to zeros, the same sums in the same
+    // order, so bit for bit the same after the bias, GELU and the rounding; and so is the f32
+    // output not added to (in chunks too). 1 and 3 threads, each after another product
+    // (stale buffers).
     let (m, n, k) = (290, 70, 2 * KC + 301);
     let a = rand_vec(m * k, 61);
     let b = rand_vec(k * n, 62);
@@ -402,7 +403,11 @@ fn a_chunked_weight_gradient_is_the_blocked_f32_product_rounded() {
                         matmul_bf16_new(BfMat::f32(&dirt, 64, 600), BfMat::f32(&dirt, 600, 64))
                             .unwrap();
                         let got = matmul_bf16_to_bf16(av, bv, Some(&bias), Act::Gelu).unwrap();
-                        let mut y = matmul_bf16_new(av, bv).unwrap();
+                        let mut y = vec![0.0; m * n];
+                        matmul_bf16(av, bv, &mut y, n, true).unwrap();
+                        let fresh = matmul_bf16_new(av, bv).unwrap();
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&fresh), bits(&y), "{kern:?} layout {l} t={threads}");
                         crate::epilogue::bias_act_in_place(&mut y, n, Some(&bias), Act::Gelu)
                             .unwrap();
                         (got, y.iter().map(|&x| f32_to_bf16_bits(x)).collect::<Vec<_>>())
