@@ -13,7 +13,8 @@ use crate::bf16gemm::NR;
 /// Depth (elements) of the chunks in which a deep product runs its tiles ([`chunked`]).
 const CHUNK_DEPTH: usize = 256;
 /// Depth (elements) above which a deep product on AMX runs its tiles in chunks: past the
-/// depth of an f32 deep output ([`super::DEEP_F32_DEPTH`]), so bf16 outputs only.
+/// depth up to which an f32 output runs deep in one block ([`super::DEEP_F32_DEPTH`]); deeper
+/// f32 outputs not added to run deep in chunks too.
 const CHUNKED_FROM: usize = 2048;
 /// Row blocks of a chunked product (a weight gradient over the tokens): each chunk of the `B`
 /// block, brought from L3 once per task, serves eight row tiles instead of three. Weight
@@ -22,8 +23,8 @@ const CHUNKED_FROM: usize = 2048;
 pub(super) const TALL_MC: usize = 256;
 
 /// Whether a product runs its tiles in chunks of [`CHUNK_DEPTH`]: a deep one
-/// ([`super::Out::deep`]) on AMX deeper than [`CHUNKED_FROM`], as a bf16 `Linear`'s weight
-/// gradient over more than 2048 tokens. Over the whole depth, a 32-row strip of `A` (256 KiB
+/// ([`super::Out::deep`]) on AMX deeper than [`CHUNKED_FROM`], as a `Linear`'s weight
+/// gradient (bf16 or f32) over more than 2048 tokens of bf16 operands. Over the whole depth, a 32-row strip of `A` (256 KiB
 /// at 4096) and the `B` panel it meets both stream from L2 or beyond for every tile; in
 /// chunks, the strip's chunk (16 KiB) stays in L1 while the task's panels pass it, at the
 /// price of storing and loading the tiles' partial sums (f32, exact: the same sums in the
