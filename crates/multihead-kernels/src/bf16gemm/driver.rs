@@ -78,8 +78,9 @@ impl Out {
     /// Whether the product runs the whole depth in one block, each tile computed into a local
     /// buffer and leaving it through its epilogue (no partial sums in memory, no second pass
     /// over the output): a bf16 output, and on AMX an f32 output that is not added to, up to a
-    /// depth of [`DEEP_F32_DEPTH`] or in chunks past it. The f32 output of a bf16 encoder layer's second
-    /// feed-forward product (depth 2048), which wrote and read back its partial sums between
+    /// depth of [`DEEP_F32_DEPTH`] or in chunks past it. The f32 output of a bf16 encoder
+    /// layer's second feed-forward product (depth 2048), which wrote and read back its partial
+    /// sums between
     /// two blocks of 1024 deep, and its output projection (depth 512), whose epilogue read
     /// each tile back from the output, made `multihead bench --module encoder-layer --dtype
     /// bf16 --eval` (E 512, F 2048, 4096 tokens) 19.6-22.7 (median 21.1) -> 19.7-21.8 (20.8)
@@ -191,8 +192,9 @@ fn raw<T>(p: SyncPtr<T>) -> *mut T {
 }
 
 /// How the rows of `A` are cut: `(mc, row blocks)`, at least two blocks per thread when the
-/// rows allow it. Blocks are `target` rows high (`MC`, or a chunked product's `TALL_MC`) unless a lower height (in whole micro-kernel
-/// rows) leaves the busiest thread at least 2% fewer tiles: 512 rows at 96 are six blocks,
+/// rows allow it. Blocks are `target` rows high (`MC`, or a chunked product's `TALL_MC`)
+/// unless a lower height (in whole micro-kernel rows) leaves the busiest thread at least 2%
+/// fewer tiles: 512 rows at 96 are six blocks,
 /// the last of 32 rows, and one thread of two then runs 288 rows while the other waits at the
 /// pass's end after 224 (a bf16 `Linear(512, 512)`'s weight gradient at a depth of 4096 took
 /// 2.3 ms in blocks of 96 rows and 1.8 ms in blocks of 64, family 6 model 167 on AMX).
@@ -672,23 +674,33 @@ mod tests {
     /// that evens out the threads' tiles.
     #[test]
     fn row_blocks_cover_the_rows_and_even_out_the_threads() {
-        // (m, threads, mr) -> (mc, blocks)
-        assert_eq!(row_blocks(512, 2, 32, super::MC), (64, 8)); // 96 would leave a 32-row sixth block
-        assert_eq!(row_blocks(1536, 2, 32, super::MC), (96, 16)); // 96 divides evenly already
-        assert_eq!(row_blocks(2048, 2, 32, super::MC), (64, 32));
-        assert_eq!(row_blocks(4096, 1, 32, super::MC), (96, 43)); // one thread: nothing to even out
-        assert_eq!(row_blocks(40, 2, 32, super::MC), (32, 2)); // few rows: two blocks per thread at most
-                                                               // A bf16 output's `B` block: a quarter where many row blocks stream it again each and
-                                                               // `A` is cheap to read again (row-major, or rounded once for all column blocks).
+        // (m, threads, mr, target) -> (mc, blocks)
+        let mc = super::MC;
+        // 96 would leave a 32-row sixth block.
+        assert_eq!(row_blocks(512, 2, 32, mc), (64, 8));
+        // 96 divides evenly already.
+        assert_eq!(row_blocks(1536, 2, 32, mc), (96, 16));
+        assert_eq!(row_blocks(2048, 2, 32, mc), (64, 32));
+        // One thread: nothing to even out.
+        assert_eq!(row_blocks(4096, 1, 32, mc), (96, 43));
+        // Few rows: two blocks per thread at most.
+        assert_eq!(row_blocks(40, 2, 32, mc), (32, 2));
+        // A chunked product's taller blocks: a 2048-row weight gradient in eight of 256 rows;
+        // 512 rows in four of 128 (two blocks per thread).
+        let tall = super::TALL_MC;
+        assert_eq!(row_blocks(2048, 2, 32, tall), (256, 8));
+        assert_eq!(row_blocks(512, 2, 32, tall), (128, 4));
+        // A bf16 output's `B` block: a quarter where many row blocks stream it again each and
+        // `A` is cheap to read again (row-major, or rounded once for all column blocks).
         assert_eq!(super::deep_b_words(16, true), super::DEEP_B_WORDS / 4);
         assert_eq!(super::deep_b_words(15, true), super::DEEP_B_WORDS);
         assert_eq!(super::deep_b_words(64, false), super::DEEP_B_WORDS);
         for m in 1..700 {
             for threads in 1..4 {
-                for mr in [6, 32] {
-                    let (mc, blocks) = row_blocks(m, threads, mr, super::MC);
-                    assert!(mc % mr == 0 && mc <= super::MC.max(mr), "{m} {threads} {mr}: {mc}");
-                    assert_eq!(blocks, m.div_ceil(mc), "{m} {threads} {mr}");
+                for (mr, target) in [(6, mc), (32, mc), (32, tall)] {
+                    let (h, blocks) = row_blocks(m, threads, mr, target);
+                    assert!(h % mr == 0 && h <= target.max(mr), "{m} {threads} {mr}: {h}");
+                    assert_eq!(blocks, m.div_ceil(h), "{m} {threads} {mr} {target}");
                 }
             }
         }

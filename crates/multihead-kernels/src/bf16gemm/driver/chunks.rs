@@ -24,12 +24,13 @@ pub(super) const TALL_MC: usize = 256;
 
 /// Whether a product runs its tiles in chunks of [`CHUNK_DEPTH`]: a deep one
 /// ([`super::Out::deep`]) on AMX deeper than [`CHUNKED_FROM`], as a `Linear`'s weight
-/// gradient (bf16 or f32) over more than 2048 tokens of bf16 operands. Over the whole depth, a 32-row strip of `A` (256 KiB
-/// at 4096) and the `B` panel it meets both stream from L2 or beyond for every tile; in
-/// chunks, the strip's chunk (16 KiB) stays in L1 while the task's panels pass it, at the
-/// price of storing and loading the tiles' partial sums (f32, exact: the same sums in the
-/// same order, so the same bits). A transposed `A` (the gradient's `dyᵀ`) is then packed a
-/// chunk at a time into a buffer that stays in L2, instead of its whole depth at once.
+/// gradient (bf16 or f32) over more than 2048 tokens of bf16 operands. Over the whole depth,
+/// a 32-row strip of `A` (256 KiB at 4096) and the `B` panel it meets both stream from L2 or
+/// beyond for every tile; in chunks, the strip's chunk (16 KiB) stays in L1 while the task's
+/// panels pass it, at the price of storing and loading the tiles' partial sums (f32, exact:
+/// the same sums in the same order, so the same bits). A transposed `A` (the gradient's
+/// `dyᵀ`) is then packed a chunk at a time into a buffer that stays in L2, instead of its
+/// whole depth at once.
 ///
 /// On an AMX CPU (family 6 model 167, 2 threads), `cargo run --release -p multihead-kernels
 /// --example bf16gemm` with `ONLY=dw` (the weight gradient over 4096 tokens, bf16 out):
