@@ -443,6 +443,21 @@ struct ScoreMods<'a> {
     alibi: Option<&'a Alibi>,
 }
 
+impl ScoreMods<'_> {
+    /// The scale where it is all that modifies a score and a power of two below 1: then the
+    /// max pass reads the scores as they are (no product, nothing stored back) and scales their
+    /// max, and the exp pass takes `x·scale - m` in one FMA. `x·scale` is exact for such a
+    /// scale (an exponent step, no overflow; an underflow only where `|x·scale - m|` is below
+    /// 2⁻¹²⁰, whose exp is 1 either way) and rounding is monotonic, so the max, the
+    /// differences and so `P` have the bits of the scaled scores.
+    fn folded_scale(&self) -> Option<f32> {
+        let s = self.scale;
+        let pow2 = s.is_normal() && s.to_bits() & 0x007f_ffff == 0;
+        let alone = self.cap.is_none() && self.mask.is_none() && self.alibi.is_none();
+        (alone && pow2 && s > 0.0 && s < 1.0).then_some(s)
+    }
+}
+
 /// The online-softmax update of one score tile: the scores capped, the masks and the ALiBi
 /// bias added (`mods`), the running max and its rescaling factors updated (pass 1, vertical
 /// over keys), then `P = exp(S - m)` (times the dropout multipliers of `dropout`'s block at
@@ -467,34 +482,35 @@ unsafe fn softmax_tile<S: Simd>(
     // vector at a time.
     // SAFETY: forwarded (the groups cover vectors `0..nvec`).
     unsafe {
+        let folded = mods.folded_scale();
         let Some(pw) = pack else {
             let mut v0 = 0;
             while v0 + 4 <= t.nvec {
-                max_pass::<S, 4>(t, mods, run, v0);
-                exp_group::<S, 4>(t, run, dropout, v0);
+                max_pass::<S, 4>(t, mods, folded, run, v0);
+                exp_group::<S, 4>(t, run, (dropout, folded), v0);
                 v0 += 4;
             }
             while v0 < t.nvec {
-                max_pass::<S, 1>(t, mods, run, v0);
-                exp_group::<S, 1>(t, run, dropout, v0);
+                max_pass::<S, 1>(t, mods, folded, run, v0);
+                exp_group::<S, 1>(t, run, (dropout, folded), v0);
                 v0 += 1;
             }
             return;
         };
         let mut v0 = 0;
         while v0 + 4 <= t.nvec {
-            max_pass::<S, 4>(t, mods, run, v0);
+            max_pass::<S, 4>(t, mods, folded, run, v0);
             v0 += 4;
         }
         while v0 < t.nvec {
-            max_pass::<S, 1>(t, mods, run, v0);
+            max_pass::<S, 1>(t, mods, folded, run, v0);
             v0 += 1;
         }
         #[cfg(target_arch = "x86_64")]
         if S::LANES == 16 && super::simd::native_bf16_pairs() {
-            return exp_pairs_native::<S>(t, run, dropout, pw);
+            return exp_pairs_native::<S>(t, run, (dropout, folded), pw);
         }
-        exp_pairs::<S, false>(t, run, dropout, pw);
+        exp_pairs::<S, false>(t, run, (dropout, folded), pw);
     }
 }
 
@@ -508,11 +524,11 @@ unsafe fn softmax_tile<S: Simd>(
 unsafe fn exp_pairs_native<S: Simd>(
     t: &ScoreTile,
     run: &mut Running<'_>,
-    dropout: Option<(&BlockDropout, usize)>,
+    how: (Option<(&BlockDropout, usize)>, Option<f32>),
     pw: *mut u32,
 ) {
     // SAFETY: forwarded; the features `store_bf16_pairs_native` needs are enabled here.
-    unsafe { exp_pairs::<S, true>(t, run, dropout, pw) }
+    unsafe { exp_pairs::<S, true>(t, run, how, pw) }
 }
 
 /// Pass 1 of [`softmax_tile`] for the `G` vectors of queries from `v0`: the scores modified
@@ -524,13 +540,14 @@ unsafe fn exp_pairs_native<S: Simd>(
 unsafe fn max_pass<S: Simd, const G: usize>(
     t: &ScoreTile,
     mods: &ScoreMods<'_>,
+    folded: Option<f32>,
     run: &mut Running<'_>,
     v0: usize,
 ) {
     let (l, stp, brp) = (S::LANES, t.st, t.brp);
     let (mask, alibi) = (mods.mask, mods.alibi);
     let (cap, inv) = (mods.cap.unwrap_or(1.0), mods.cap.map_or(1.0, |c| 1.0 / c));
-    let scaled = mods.scale != 1.0;
+    let scaled = mods.scale != 1.0 && folded.is_none();
     let modified = scaled || mods.cap.is_some() || mask.is_some() || alibi.is_some();
     // SAFETY: within the tile and the running slices (caller).
     unsafe {
@@ -571,6 +588,7 @@ unsafe fn max_pass<S: Simd, const G: usize>(
         }
         for (u, &mx) in mx.iter().enumerate() {
             let vi = v0 + u;
+            let mx = folded.map_or(mx, |f| S::mul(mx, S::splat(f)));
             let mo = S::load(run.max.as_ptr().add(vi * l));
             // f32::MIN, not -inf, as the reference of an all -inf row: exp(-inf - MIN)
             // is 0 where exp(-inf - -inf) would be NaN.
@@ -590,15 +608,16 @@ unsafe fn max_pass<S: Simd, const G: usize>(
 unsafe fn exp_group<S: Simd, const G: usize>(
     t: &ScoreTile,
     run: &mut Running<'_>,
-    dropout: Option<(&BlockDropout, usize)>,
+    (dropout, folded): (Option<(&BlockDropout, usize)>, Option<f32>),
     v0: usize,
 ) {
     let (l, stp, brp) = (S::LANES, t.st, t.brp);
     // SAFETY: within the tile and the running slices (caller).
     unsafe {
-        let mut r = [S::splat(0.0); G];
+        let shift = Shift::<S>::new(folded);
+        let mut r = [shift.of(S::splat(0.0)); G];
         for (u, r) in r.iter_mut().enumerate() {
-            *r = S::load(run.max.as_ptr().add((v0 + u) * l));
+            *r = shift.of(S::load(run.max.as_ptr().add((v0 + u) * l)));
         }
         let mut sum = [S::splat(0.0); G];
         for j in 0..t.bc {
@@ -625,7 +644,7 @@ unsafe fn exp_group<S: Simd, const G: usize>(
 unsafe fn exp_pairs<S: Simd, const NATIVE: bool>(
     t: &ScoreTile,
     run: &mut Running<'_>,
-    dropout: Option<(&BlockDropout, usize)>,
+    (dropout, folded): (Option<(&BlockDropout, usize)>, Option<f32>),
     pw: *mut u32,
 ) {
     let (l, stp, brp) = (S::LANES, t.st, t.brp);
@@ -644,9 +663,10 @@ unsafe fn exp_pairs<S: Simd, const NATIVE: bool>(
     // in every exp's dependency chain). Each lane still adds its keys in order.
     // SAFETY: within the tile, the pair words and the running slices (caller).
     unsafe {
+        let shift = Shift::<S>::new(folded);
         for vi in 0..t.nvec {
             let lane = vi * l;
-            let r = S::load(run.max.as_ptr().add(lane));
+            let r = shift.of(S::load(run.max.as_ptr().add(lane)));
             let mut sum = S::splat(0.0);
             let mut j = 0;
             while j + 1 < t.bc {
@@ -680,6 +700,41 @@ unsafe fn add_sum<S: Simd>(run: &mut Running<'_>, lane: usize, sum: S::V) {
     }
 }
 
+/// How the exp pass takes a score's distance from its row's max: `x - m`, or `x·scale - m`
+/// where the max pass left the scores unscaled ([`ScoreMods::folded_scale`]: `x·scale` is
+/// exact, so one rounding either way).
+#[derive(Clone, Copy)]
+enum Shifted<S: Simd> {
+    Sub(S::V),
+    Fma(S::V, S::V),
+}
+
+/// The folded scale (if any), splatted once per pass.
+struct Shift<S: Simd>(Option<S::V>);
+
+impl<S: Simd> Shift<S> {
+    /// # Safety
+    /// `S` is available.
+    #[inline(always)]
+    unsafe fn new(folded: Option<f32>) -> Self {
+        // SAFETY: a splat (the caller's instruction set).
+        Shift(folded.map(|f| unsafe { S::splat(f) }))
+    }
+
+    /// The distance form for the running max `m`.
+    ///
+    /// # Safety
+    /// `S` is available.
+    #[inline(always)]
+    unsafe fn of(&self, m: S::V) -> Shifted<S> {
+        match self.0 {
+            // SAFETY: arithmetic (the caller's instruction set); `-m` is exact.
+            Some(scale) => Shifted::Fma(scale, unsafe { S::sub(S::splat(0.0), m) }),
+            None => Shifted::Sub(m),
+        }
+    }
+}
+
 /// `exp(x - r)` for the scores at `ptr`, added to `sum`, then times the dropout multipliers
 /// of key row `j` (tile-local) for the lanes from `lane` (the running sum takes `P` before
 /// dropout).
@@ -689,7 +744,7 @@ unsafe fn add_sum<S: Simd>(run: &mut Running<'_>, lane: usize, sum: S::V) {
 #[inline(always)]
 unsafe fn probability<S: Simd>(
     ptr: *const f32,
-    r: S::V,
+    r: Shifted<S>,
     sum: &mut S::V,
     dropout: Option<(&BlockDropout, usize)>,
     (lane, j): (usize, usize),
@@ -698,7 +753,11 @@ unsafe fn probability<S: Simd>(
     unsafe {
         // `x - max <= 0`, so `exp_low` gives `exp`'s bits. (A NaN score can hide part of a
         // row's max from `maxps`; that row's sum, and so its output, is NaN either way.)
-        let e = S::exp_low(S::sub(S::load(ptr), r));
+        let x = S::load(ptr);
+        let e = S::exp_low(match r {
+            Shifted::Sub(m) => S::sub(x, m),
+            Shifted::Fma(scale, neg) => S::fma(x, scale, neg),
+        });
         *sum = S::add(*sum, e);
         match dropout {
             Some((dr, j0)) => S::mul(e, dr.vector::<S>(lane, j0 + j)),
@@ -771,3 +830,7 @@ unsafe fn rescale_lanes<S: Simd>(ot: *mut f32, dv: usize, alpha: *const f32, nve
         }
     }
 }
+
+#[cfg(test)]
+#[path = "tests/fold.rs"]
+mod fold_tests;
