@@ -592,6 +592,48 @@ fn bf16_sdpa_without_a_gradient_reads_and_writes_bf16_with_the_bits_of_the_f32_t
     }
 }
 
+#[test]
+fn a_bf16_sdpa_scale_folded_into_its_softmax_keeps_the_bits_of_the_scaled_scores() {
+    // A power-of-two scale with nothing else on the scores is folded into the softmax pass
+    // (the max of the raw scores, then `x·scale - max` in one FMA); a float mask of zeros keeps
+    // the scores scaled and stored first (and a causal call's mask of 0 and -inf, its rule).
+    // Both give the same bits: head widths 64 (scale 1/8) and 16 (1/4), an explicit 0.5,
+    // causal calls (folded off the diagonal only), a scale that is no power of two (folded
+    // neither way), 130 keys (partial blocks).
+    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    for (d, scale, causal) in
+        [(64, None, false), (16, None, true), (64, Some(0.5), true), (32, None, false)]
+    {
+        let q = det(&[2, 2, 70, d], DType::BF16, 1.0).affine(4.0, 0.0).unwrap();
+        let k = det(&[2, 2, 130, d], DType::BF16, 2.0).affine(4.0, 0.0).unwrap();
+        let v = det(&[2, 2, 130, d], DType::BF16, 3.0);
+        // Zeros, or PyTorch's causal rule (top left) as a float mask of 0 and -inf.
+        let rule: Vec<f32> = (0..70 * 130)
+            .map(|i| if causal && i % 130 > i / 130 { f32::NEG_INFINITY } else { 0.0 })
+            .collect();
+        let rule = Tensor::from_vec(rule, (70, 130), &dev()).unwrap();
+        let mut opts = SdpaOptions::default().is_causal(causal);
+        let mut masked =
+            SdpaOptions::default().attn_mask(Mask::Float(rule.to_dtype(DType::BF16).unwrap()));
+        if let Some(s) = scale {
+            (opts, masked) = (opts.scale(s), masked.scale(s));
+        }
+        let run = |o: &SdpaOptions| {
+            direct(|| no_grad(|| scaled_dot_product_attention(&q, &k, &v, o))).unwrap()
+        };
+        let (folded, scaled) = (run(&opts), run(&masked));
+        let what = format!("d {d}, scale {scale:?}, causal {causal}");
+        assert_eq!(differing(&folded, &scaled), 0, "{what}: outputs differ");
+        // Not a trivial output: the f64 attention within bf16 products' accuracy.
+        let w = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+        let y64 = scaled_dot_product_attention(&w(&q), &w(&k), &w(&v), &opts).unwrap();
+        let e = max_diff(&values(&folded), &values(&y64));
+        assert!(e < 0.05, "{what}: error {e:e}");
+        let spread = values(&folded).iter().fold(0f64, |m, x| m.max(x.abs()));
+        assert!(spread > 0.05, "{what}: outputs near zero ({spread:e})");
+    }
+}
+
 /// A `(2, 70)` key padding mask hiding the second sequence's keys from `from` on.
 fn second_sequence_padded_from(from: usize) -> Tensor {
     let mut pad = vec![0u8; 2 * 70];
