@@ -448,8 +448,10 @@ impl ScoreMods<'_> {
     /// max pass reads the scores as they are (no product, nothing stored back) and scales their
     /// max, and the exp pass takes `x·scale - m` in one FMA. `x·scale` is exact for such a
     /// scale (an exponent step, no overflow; an underflow only where `|x·scale - m|` is below
-    /// 2⁻¹²⁰, whose exp is 1 either way) and rounding is monotonic, so the max, the
-    /// differences and so `P` have the bits of the scaled scores.
+    /// 2⁻¹²⁰, whose exp is 1 either way) and rounding is monotonic, so the differences, `P`,
+    /// the sums and the rescaling factors have the bits of the scaled scores, and so has the
+    /// max but for the sign of a zero max: where a row's scaled scores all underflow to ±0,
+    /// `maxps` may keep −0 where the scaled raw max is +0 (`x·scale - (±0)` is the same).
     fn folded_scale(&self) -> Option<f32> {
         let s = self.scale;
         let pow2 = s.is_normal() && s.to_bits() & 0x007f_ffff == 0;
