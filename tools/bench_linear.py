@@ -14,7 +14,8 @@ and 2048 -> 512 (a feed-forward block's two products), in f32 and bf16:
   the output's sum accumulated in f32, as PyTorch's ``sum`` of a bf16 tensor accumulates.
 
 PyTorch runs in this process with ``torch.set_num_threads(T)``; multihead runs
-``target/release/multihead bench --module linear ... --json``. Fastest time after warm-up.
+``target/release/multihead bench --module linear ... --json``. Fastest of 10 calls after 3
+warm-ups (40 after 12 for the cheaper bf16 rows; both libraries alike).
 GFLOP/s are ``2·B·L·E·F`` (three times that with the backward) over the time, given as a share
 of the machine's peak: f32 rows of the f32 FMA peak, bf16 rows of its best bf16 peak (AMX tiles
 where ``peak.c`` measured them, else ``vdpbf16ps``).
@@ -152,10 +153,13 @@ def main():
     torch.set_num_threads(opts.threads)
     if not BIN.exists():
         sys.exit(f"build the binary first: cargo build --release -p multihead-cli ({BIN})")
-    warmup, iters = (1, 2) if opts.quick else (3, 10)
     rows = []
     for dtype in ("f32", "bf16"):
         tdt = torch.float32 if dtype == "f32" else torch.bfloat16
+        # bf16 calls take a tenth of f32's: four times the calls (still under a second each),
+        # whose minimum moves less with this VM's swings than ten calls' did.
+        scale = 4 if dtype == "bf16" and not opts.quick else 1
+        warmup, iters = (1, 2) if opts.quick else (3 * scale, 10 * scale)
         for e, f in SHAPES:
             for backward in (False, True):
                 mode = "forward+backward" if backward else "forward"
