@@ -9,6 +9,7 @@ use crate::dropout::DropoutKey;
 
 use crate::testutil::{levels, rand_vec};
 
+mod exp2;
 mod tiles;
 mod variants;
 
