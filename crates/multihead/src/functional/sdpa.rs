@@ -376,6 +376,24 @@ fn bf16_direct(
     call: &SdpaCall,
 ) -> Result<Option<Tensor>> {
     use crate::precision::widen;
+    if !bf16_direct_applies(query, key, value, opts, call)? {
+        return Ok(None);
+    }
+    ensure_output(query, call)?;
+    // The additive mask in f32, as the kernels read it (the twin widens it the same way).
+    let mask = call.mask.as_ref().map(widen).transpose()?;
+    let call = SdpaCall { batch: call.batch.clone(), mask, ..*call };
+    run_fused(query, key, value, &call, opts, None).map(Some)
+}
+
+/// Whether [`bf16_direct`]'s route applies (inside the caller's rounded-products mode).
+fn bf16_direct_applies(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    opts: &SdpaOptions,
+    call: &SdpaCall,
+) -> Result<bool> {
     let mut inputs = vec![query, key, value];
     if let Some(Mask::Float(m)) = &opts.attn_mask {
         inputs.push(m);
@@ -395,19 +413,12 @@ fn bf16_direct(
         && !call.batch.contains(&0)
         && !crate::fused::flash::gradient_possible(&inputs)
         && decide(SDPA, opts.backend, None)?.path == Path::Fused;
-    if !direct {
-        return Ok(None);
-    }
-    let out_dims = with(&call.batch, call.l, call.ev);
-    crate::alloc::ensure(SDPA, "output", &out_dims, query.dtype(), 1, "use smaller inputs")?;
-    // The additive mask in f32, as the kernels read it (the twin widens it the same way).
-    let mask = call.mask.as_ref().map(widen).transpose()?;
-    let call = SdpaCall { batch: call.batch.clone(), mask, ..*call };
-    run_fused(query, key, value, &call, opts, None).map(Some)
+    Ok(direct)
 }
 
 /// The path [`scaled_dot_product_attention`] takes for these arguments, and why, without
-/// running it. Bad arguments give the same error the call would.
+/// running it. Bad arguments give the same error the call would, an output (or, on the
+/// composed path, score matrices) that cannot be allocated included.
 ///
 /// # Shapes
 /// * As for [`scaled_dot_product_attention`]: query `(N, H, L, E)`, key `(N, Hkv, S, E)`,
@@ -431,13 +442,30 @@ pub fn explain_sdpa(
 ) -> Result<Plan> {
     let call = validate(query, key, value, opts)?;
     if crate::precision::is_reduced(query.dtype()) {
+        // As the call: the bf16 route reads the inputs as they are (its output checked first);
+        // any other is explained as its f32 twin.
+        let like_flash = pytorch_bf16_flash(query, key, value, opts);
+        let direct = crate::mode::rounded_products_if(query.dtype(), like_flash, || {
+            bf16_direct_applies(query, key, value, opts, &call)
+        })?;
+        if direct {
+            ensure_output(query, &call)?;
+            return decide(SDPA, opts.backend, None);
+        }
         let (q, k, v, o) = widened(query, key, value, opts)?;
         return explain_sdpa(&q, &k, &v, &o);
     }
     if let Some(f) = fused_four_d(query, key, value, opts, &call)? {
         return explain_sdpa(&f.query, &f.key, &f.value, &f.opts);
     }
-    plan(query, key, value, &call, opts)
+    let plan = plan(query, key, value, &call, opts)?;
+    // The sizes the call checks before it runs: an output (or, composed, score matrices) that
+    // cannot be allocated is the call's error here too.
+    let out_dims = ensure_output(query, &call)?;
+    if plan.path == Path::Composed && !out_dims.contains(&0) && call.s > 0 {
+        ensure_composed(query, &call)?;
+    }
+    Ok(plan)
 }
 
 /// Whether PyTorch 2.15's CPU attention takes its flash kernel for this reduced-precision call
@@ -533,8 +561,7 @@ pub fn scaled_dot_product_attention(
         return Ok(y.reshape(with(&f.batch, call.l, call.ev))?);
     }
     let plan = plan(query, key, value, &call, opts)?;
-    let out_dims = with(&call.batch, call.l, call.ev);
-    crate::alloc::ensure(SDPA, "output", &out_dims, query.dtype(), 1, "use smaller inputs")?;
+    let out_dims = ensure_output(query, &call)?;
     if out_dims.contains(&0) || call.s == 0 {
         // Nothing to attend: an empty softmax row gives a zero output row on both paths
         // (kept in the graph: the inputs, a float mask and the sinks get zero gradients).
@@ -553,6 +580,35 @@ pub fn scaled_dot_product_attention(
     }
 }
 
+/// The output's dimensions, once the allocator has said it can take them (an
+/// [`Error::Alloc`](crate::Error::Alloc) otherwise): checked by the call and by
+/// [`explain_sdpa`] alike.
+fn ensure_output(query: &Tensor, call: &SdpaCall) -> Result<Vec<usize>> {
+    let out_dims = with(&call.batch, call.l, call.ev);
+    crate::alloc::ensure(SDPA, "output", &out_dims, query.dtype(), 1, "use smaller inputs")?;
+    Ok(out_dims)
+}
+
+/// The composed path's score matrices and broadcast copies, checked before it builds them
+/// (by the call and by [`explain_sdpa`]); the merged batch size.
+fn ensure_composed(query: &Tensor, call: &SdpaCall) -> Result<usize> {
+    let SdpaCall { batch, l, s, e, ev, .. } = call;
+    let bsz: usize = batch.iter().product();
+    crate::alloc::ensure(
+        SDPA,
+        "attention scores",
+        &[bsz, *l, *s],
+        query.dtype(),
+        3,
+        "the composed path builds (..., L, S) score matrices; use f32 on the CPU (the fused kernels never build them) or smaller inputs",
+    )?;
+    // The broadcast copies of q, k and v.
+    let hint = "broadcast inputs are copied to full size on the composed path; use smaller inputs";
+    crate::alloc::ensure(SDPA, "query", &[bsz, *l, *e], query.dtype(), 1, hint)?;
+    crate::alloc::ensure(SDPA, "key", &[bsz, *s, e + ev], query.dtype(), 1, hint)?;
+    Ok(bsz)
+}
+
 /// Step 3, composed: broadcast to `(B, L, ·)`, then the attention core.
 fn run_composed(
     query: &Tensor,
@@ -564,19 +620,7 @@ fn run_composed(
 ) -> Result<Tensor> {
     let SdpaCall { batch, l, s, e, ev, .. } = call;
     let (l, s, e, ev) = (*l, *s, *e, *ev);
-    let bsz: usize = batch.iter().product();
-    crate::alloc::ensure(
-        SDPA,
-        "attention scores",
-        &[bsz, l, s],
-        query.dtype(),
-        3,
-        "the composed path builds (..., L, S) score matrices; use f32 on the CPU (the fused kernels never build them) or smaller inputs",
-    )?;
-    // The broadcast copies of q, k and v.
-    let hint = "broadcast inputs are copied to full size on the composed path; use smaller inputs";
-    crate::alloc::ensure(SDPA, "query", &[bsz, l, e], query.dtype(), 1, hint)?;
-    crate::alloc::ensure(SDPA, "key", &[bsz, s, e + ev], query.dtype(), 1, hint)?;
+    let bsz = ensure_composed(query, call)?;
     let (qr, kr, vr) = (query.rank(), key.rank(), value.rank());
     let (mut key, mut value) = (key.clone(), value.clone());
     if opts.enable_gqa && qr >= 3 && kr >= 3 && vr >= 3 {

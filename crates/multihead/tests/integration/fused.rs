@@ -1204,3 +1204,36 @@ fn sdpa_on_2d_inputs_runs_fused() {
     assert_eq!(a.dims(), &[11]);
     assert_close(&a, &b, Tolerance::F32_GRAD, "2-D learned bias gradient");
 }
+
+#[test]
+fn explain_sdpa_gives_the_calls_error_for_sizes_that_cannot_be_allocated() {
+    // Broadcast views: a 2 TiB output (f32, fused; bf16, widened for the plan), and f64 calls
+    // (composed) whose output is small but whose score matrices are not. The plan gives the
+    // call's own error, and the same call at a sane size plans and runs.
+    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    let o = SdpaOptions::default();
+    let view = |dt: DType, dims: (usize, usize, usize, usize)| {
+        det(&[1, 1, 1, dims.3], dt, 1.0).broadcast_as(dims).unwrap()
+    };
+    let cases = [
+        ("f32 output", DType::F32, (1 << 20, 1 << 10, 1 << 8, 8), (1 << 20, 1 << 10, 4, 8)),
+        ("bf16 output", DType::BF16, (1 << 20, 1 << 10, 1 << 8, 8), (1 << 20, 1 << 10, 4, 8)),
+        ("f64 scores", DType::F64, (1, 1, 1 << 20, 1), (1, 1, 1 << 20, 1)),
+    ];
+    for (what, dt, qd, kd) in cases {
+        let (q, k) = (view(dt, qd), view(dt, kd));
+        // Without and with gradients recorded (a bf16 call then takes the widened route).
+        for recorded in [false, true] {
+            let run = |f: &dyn Fn() -> multihead::Error| if recorded { f() } else { no_grad(f) };
+            let call = run(&|| scaled_dot_product_attention(&q, &k, &k, &o).unwrap_err());
+            let plan = run(&|| explain_sdpa(&q, &k, &k, &o).unwrap_err());
+            assert!(matches!(call, multihead::Error::Alloc { .. }), "{what}: {call}");
+            assert_eq!(plan.to_string(), call.to_string(), "{what}, recorded {recorded}");
+            assert!(call.to_string().contains("cannot be allocated"), "{what}: {call}");
+        }
+        let (q, k) = (view(dt, (2, 2, 5, qd.3)), view(dt, (2, 2, 7, kd.3)));
+        let plan = explain_sdpa(&q, &k, &k, &o).unwrap();
+        let y = no_grad(|| scaled_dot_product_attention(&q, &k, &k, &o)).unwrap();
+        assert_eq!(y.dims(), &[2, 2, 5, qd.3], "{what}: {plan:?}");
+    }
+}
