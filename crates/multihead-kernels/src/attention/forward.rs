@@ -764,7 +764,8 @@ unsafe fn probability<S: Simd, const BF16_P: bool>(
             Shifted::Fma(scale, neg) => S::fma(x, scale, neg),
         };
         // The bf16 products' probabilities in base 2 (`d·log₂e` rounded once: a relative error
-        // below 1e-7·|d| in P, whose terms near the max, which the sums hang on, stay exact).
+        // of at most 6e-8·|d·log₂e| in P on top of the polynomial's, least for the terms near
+        // the max that the sums hang on).
         let e = match BF16_P {
             true => S::exp2_low(S::mul(d, S::splat(std::f32::consts::LOG2_E))),
             false => S::exp_low(d),
