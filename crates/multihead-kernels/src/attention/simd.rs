@@ -428,14 +428,35 @@ const P2: f32 = 8.333_452e-3;
 const P3: f32 = 4.166_579_6e-2;
 const P4: f32 = 1.666_666_5e-1;
 const P5: f32 = 0.5;
-/// `2^f ≈ 1 + f·(E2_1 + f·(E2_2 + f·(E2_3 + f·(E2_4 + f·E2_5))))` on `[-1/2, 1/2]`, fitted for
-/// relative error (iteratively reweighted least squares on Chebyshev nodes).
+/// `2^f ≈ 1 + f·(E2_1 + f·(E2_2 + f·(E2_3 + f·(E2_4 + f·E2_5))))` on `[-1/2, 1/2]`, fitted
+/// for relative error (iteratively reweighted least squares on Chebyshev nodes).
 // 0.693147 (three ulp below ln 2: the fit's, not the constant's).
 const E2_1: f32 = f32::from_bits(0x3f31_7215);
 const E2_2: f32 = 0.240_222_42;
 const E2_3: f32 = 0.055_507_336;
 const E2_4: f32 = 0.009_671_513;
 const E2_5: f32 = 0.001_326_472_7;
+
+/// `(n, 2^f)` for `x = n + f`, the vector levels' `exp2_low` before its scaling by `2^n`:
+/// `n = round(x)` by the 1.5·2²³ shifter (ties to even, exact for `|x| < 2²²`), `f = x - n` in
+/// `[-1/2, 1/2]` (exact), and the degree-5 polynomial for `2^f` (1.9e-7 at most in f32).
+///
+/// # Safety
+/// `S` is available.
+#[inline(always)]
+unsafe fn exp2_split<S: Simd>(x: S::V) -> (S::V, S::V) {
+    // SAFETY: register arithmetic only (the caller's instruction set).
+    unsafe {
+        let magic = S::splat(12_582_912.0);
+        let n = S::sub(S::add(x, magic), magic);
+        let f = S::sub(x, n);
+        let mut p = S::splat(E2_5);
+        for c in [E2_4, E2_3, E2_2, E2_1, 1.0] {
+            p = S::fma(p, f, S::splat(c));
+        }
+        (n, p)
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // AVX2 + FMA
@@ -576,19 +597,9 @@ unsafe impl Simd for Avx2 {
     unsafe fn exp2_low(x: __m256) -> __m256 {
         // SAFETY: AVX2 and FMA are available (trait contract); no memory is touched.
         unsafe {
-            // As `exp2_reduced` (the AVX-512 level): n = round(x) by the shifter, f = x - n,
-            // the same polynomial; 2^n built in the exponent field (n + 127 in [1, 127] for
-            // x in [-126, 0]; a NaN n converts to i32::MIN, whose field reads 1.0, and the NaN
-            // polynomial carries on).
-            let magic = _mm256_set1_ps(12_582_912.0);
-            let n = _mm256_sub_ps(_mm256_add_ps(x, magic), magic);
-            let f = _mm256_sub_ps(x, n);
-            let mut p = _mm256_set1_ps(E2_5);
-            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(E2_4));
-            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(E2_3));
-            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(E2_2));
-            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(E2_1));
-            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0));
+            // 2^n built in the exponent field (n + 127 in [1, 127] for x in [-126, 0]; a NaN n
+            // converts to i32::MIN, whose field reads 1.0, and the NaN polynomial carries on).
+            let (n, p) = exp2_split::<Self>(x);
             let ni = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
             let y = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(ni)));
             // Below -126 (and -inf): 0; NaN compares false and is kept.
@@ -842,10 +853,19 @@ unsafe impl Simd for Avx512 {
             exp_reduced(xc, x)
         }
     }
+    /// [`exp2_split`]'s polynomial (1.9e-7 at most in f32, against 1.2e-7 for `exp`'s degree
+    /// 7) scaled by `2^n` with `vscalefps`; 0 where `x` is below -126 (no subnormal results,
+    /// `-inf` included), NaN where it is NaN. Four instructions fewer than `exp` (its `ln 2`
+    /// split and `vrndscaleps`).
     #[inline(always)]
     unsafe fn exp2_low(x: __m512) -> __m512 {
         // SAFETY: AVX-512F is available (trait contract); no memory is touched.
-        unsafe { exp2_reduced(x) }
+        unsafe {
+            let (n, p) = exp2_split::<Self>(x);
+            // NaN compares "not less than" and is kept.
+            let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(-126.0));
+            _mm512_maskz_scalef_ps(keep, p, n)
+        }
     }
     #[inline(always)]
     unsafe fn exp_low(x: __m512) -> __m512 {
@@ -1023,35 +1043,6 @@ unsafe fn exp_reduced(xc: __m512, x: __m512) -> __m512 {
         // NaN compares "not less than" and is kept.
         let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(-87.33));
         _mm512_maskz_scalef_ps(keep, e, n)
-    }
-}
-
-/// `2^x` for `x <= 0` by `n = round(x)` (the 1.5·2²³ shifter: ties to even, exact for
-/// `|x| < 2²²`), `f = x - n` in `[-1/2, 1/2]` (exact), a degree-5 polynomial for `2^f` fitted for
-/// relative error (1.9e-7 at most in f32, against 1.2e-7 for [`exp`](Simd::exp)'s degree 7),
-/// scaled by `2^n` with `vscalefps`; 0 where `x` is below -126 (no subnormal results, `-inf`
-/// included), NaN where it is NaN. Four instructions fewer than `exp` (its `ln 2` split and
-/// `vrndscaleps`).
-///
-/// # Safety
-/// AVX-512F is available.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn exp2_reduced(x: __m512) -> __m512 {
-    // SAFETY: register arithmetic only (the caller's AVX-512F).
-    unsafe {
-        let magic = _mm512_set1_ps(12_582_912.0);
-        let n = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);
-        let f = _mm512_sub_ps(x, n);
-        let mut p = _mm512_set1_ps(E2_5);
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(E2_4));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(E2_3));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(E2_2));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(E2_1));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0));
-        // NaN compares "not less than" and is kept.
-        let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(-126.0));
-        _mm512_maskz_scalef_ps(keep, p, n)
     }
 }
 

@@ -81,8 +81,8 @@ impl Out {
     /// depth of [`DEEP_F32_DEPTH`] or in chunks past it. The f32 output of a bf16 encoder
     /// layer's second feed-forward product (depth 2048), which wrote and read back its partial
     /// sums between two blocks of 1024 deep, and its output projection (depth 512), whose
-    /// epilogue read each tile back from the output, made `multihead bench --module encoder-layer --dtype
-    /// bf16 --eval` (E 512, F 2048, 4096 tokens) 19.6-22.7 (median 21.1) -> 19.7-21.8 (20.8)
+    /// epilogue read each tile back from the output, made `multihead bench --module
+    /// encoder-layer --dtype bf16 --eval` (E 512, F 2048, 4096 tokens) 19.6-22.7 (median 21.1) -> 19.7-21.8 (20.8)
     /// ms, six alternating runs on AMX (family 6 model 167, 2 threads). At the training step's
     /// depth of 4096 (weight gradients over the tokens) it was 1-2% slower over the whole
     /// depth at once; in chunks (past `DEEP_F32_DEPTH`, [`chunked`]) those weight gradients
