@@ -111,6 +111,85 @@ unsafe fn act_vec<S: Simd>(act: Act, v: S::V) -> S::V {
     }
 }
 
+/// [`Act`] as a const generic parameter of the tile epilogue's line loops.
+const ACT_IDENTITY: u8 = 0;
+const ACT_RELU: u8 = 1;
+const ACT_GELU: u8 = 2;
+
+/// The [`Act`] of a code above.
+#[inline(always)]
+const fn act_of(code: u8) -> Act {
+    match code {
+        ACT_RELU => Act::Relu,
+        ACT_GELU => Act::Gelu,
+        _ => Act::Identity,
+    }
+}
+
+/// How 32 f32 values (two vectors, columns in order) become 32 bf16 words for the tile
+/// epilogue's bf16 output, with [`f32_to_bf16_bits`](crate::convert::f32_to_bf16_bits)'s bits.
+#[cfg(target_arch = "x86_64")]
+trait LineRounding {
+    /// The 32 words, `lo`'s 16 first.
+    ///
+    /// # Safety
+    /// AVX-512F and the implementation's own features are available.
+    unsafe fn words(
+        lo: std::arch::x86_64::__m512,
+        hi: std::arch::x86_64::__m512,
+    ) -> std::arch::x86_64::__m512i;
+}
+
+/// The integer arithmetic of `f32_to_bf16_bits` (AVX-512F).
+#[cfg(target_arch = "x86_64")]
+struct IntegerRounding;
+
+#[cfg(target_arch = "x86_64")]
+impl LineRounding for IntegerRounding {
+    #[inline(always)]
+    unsafe fn words(
+        lo: std::arch::x86_64::__m512,
+        hi: std::arch::x86_64::__m512,
+    ) -> std::arch::x86_64::__m512i {
+        use std::arch::x86_64::*;
+        // SAFETY: register arithmetic only (AVX-512F, the caller's guarantee).
+        unsafe {
+            let lo = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(crate::convert::round16(lo)));
+            _mm512_inserti64x4::<1>(lo, _mm512_cvtepi32_epi16(crate::convert::round16(hi)))
+        }
+    }
+}
+
+/// `vcvtne2ps2bf16` (AVX512-BF16): one instruction for both vectors, ties to even and NaN
+/// quieted as `f32_to_bf16_bits` does, but a subnormal input read as zero; a pair of vectors
+/// holding a subnormal (found by `vfpclassps`, AVX512-DQ) takes the integer arithmetic
+/// instead, so the bits are `f32_to_bf16_bits`'s for every input.
+#[cfg(target_arch = "x86_64")]
+struct NativeRounding;
+
+#[cfg(target_arch = "x86_64")]
+impl LineRounding for NativeRounding {
+    #[inline(always)]
+    unsafe fn words(
+        lo: std::arch::x86_64::__m512,
+        hi: std::arch::x86_64::__m512,
+    ) -> std::arch::x86_64::__m512i {
+        use std::arch::x86_64::*;
+        /// `vfpclassps`' category of subnormal inputs.
+        const SUBNORMAL: i32 = 0x20;
+        // SAFETY: register arithmetic only; AVX-512F, DQ and BF16 are available (the caller's
+        // guarantee: only `narrow_lines_avx512bf16`, compiled with them, instantiates this).
+        unsafe {
+            let odd =
+                _mm512_fpclass_ps_mask::<SUBNORMAL>(lo) | _mm512_fpclass_ps_mask::<SUBNORMAL>(hi);
+            if odd != 0 {
+                return IntegerRounding::words(lo, hi);
+            }
+            std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
+        }
+    }
+}
+
 /// Where a tile's epilogue puts its result.
 #[derive(Clone, Copy)]
 pub(crate) enum TileOut {
@@ -195,7 +274,11 @@ impl TileEpilogue {
                 return self.portable::<crate::attention::simd::Avx512>();
             };
             if self.cols >= 32 {
-                return self.narrow_lines_avx512(out, ldo);
+                return if crate::attention::simd::native_bf16_pairs() {
+                    self.narrow_lines_avx512bf16(out, ldo)
+                } else {
+                    self.narrow_lines_avx512(out, ldo)
+                };
             }
             self.bias_act::<crate::attention::simd::Avx512>();
             for r in 0..self.rows {
@@ -229,32 +312,48 @@ impl TileEpilogue {
     /// `(8, 512, 512)` went from 4.93-5.00 to 3.74-3.77 ms (minimum of 200, three runs each);
     /// the two passes, with a 32-byte store per 16 columns into rows 4 KiB apart, held the
     /// tiles back.
+    ///
+    /// The bias's presence and the activation are decided once per call, each pair a loop of
+    /// its own: the driver calls this between its tile steps for a row or two at a time, and
+    /// a loop that tested both per line, after broadcasting GELU's constants whatever the
+    /// activation, spent more in its entry than in its lines.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512dq")]
     unsafe fn narrow_lines_avx512(&self, out: *mut u16, ldo: usize) {
-        use crate::attention::simd::{Avx512, Simd};
-        use std::arch::x86_64::*;
-        let whole = self.cols / 32 * 32;
-        // SAFETY: AVX-512F and DQ are available (the caller's guarantee); columns `j + 32 <=
-        // whole <= cols` of rows `r < rows` lie in `tile` and `out`, the bias holds `cols`
-        // values; the rest is forwarded to the two-pass path with the same rows.
+        // SAFETY: forwarded (the caller's contract); AVX-512F and DQ are available.
+        unsafe { self.narrow_lines::<IntegerRounding>(out, ldo) }
+    }
+
+    /// [`narrow_lines_avx512`](Self::narrow_lines_avx512) with each line rounded by
+    /// `vcvtne2ps2bf16` (see [`NativeRounding`]): the same bits.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512bf16")]
+    unsafe fn narrow_lines_avx512bf16(&self, out: *mut u16, ldo: usize) {
+        // SAFETY: forwarded (the caller's contract); the features `NativeRounding` needs are
+        // available.
+        unsafe { self.narrow_lines::<NativeRounding>(out, ldo) }
+    }
+
+    /// The lines of [`narrow_lines_avx512`](Self::narrow_lines_avx512), one loop per bias
+    /// and activation, rounded by `R`.
+    ///
+    /// # Safety
+    /// As for `run`, with a bf16 output at `out` (rows `ldo` apart), at least 32 columns, and
+    /// AVX-512F, DQ and `R`'s features available.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn narrow_lines<R: LineRounding>(&self, out: *mut u16, ldo: usize) {
+        // SAFETY: forwarded.
         unsafe {
-            let value = |row: *const f32, j: usize| {
-                let mut v = _mm512_loadu_ps(row.add(j));
-                if let Some(b) = self.bias {
-                    v = Avx512::add(v, _mm512_loadu_ps(b.add(j)));
-                }
-                let v = act_vec::<Avx512>(self.act, v);
-                _mm512_cvtepi32_epi16(crate::convert::round16(v))
-            };
-            for r in 0..self.rows {
-                let (src, dst) = (self.tile.add(r * self.ld), out.add(r * ldo));
-                for j in (0..whole).step_by(32) {
-                    let lo = _mm512_castsi256_si512(value(src, j));
-                    let both = _mm512_inserti64x4::<1>(lo, value(src, j + 16));
-                    _mm512_storeu_si512(dst.add(j) as *mut __m512i, both);
-                }
+            match (self.bias, self.act) {
+                (None, Act::Identity) => self.lines::<R, false, ACT_IDENTITY>(out, ldo),
+                (None, Act::Relu) => self.lines::<R, false, ACT_RELU>(out, ldo),
+                (None, Act::Gelu) => self.lines::<R, false, ACT_GELU>(out, ldo),
+                (Some(_), Act::Identity) => self.lines::<R, true, ACT_IDENTITY>(out, ldo),
+                (Some(_), Act::Relu) => self.lines::<R, true, ACT_RELU>(out, ldo),
+                (Some(_), Act::Gelu) => self.lines::<R, true, ACT_GELU>(out, ldo),
             }
+            let whole = self.cols / 32 * 32;
             if whole < self.cols {
                 let rest = TileEpilogue {
                     tile: self.tile.add(whole),
@@ -264,6 +363,45 @@ impl TileEpilogue {
                     ..*self
                 };
                 rest.avx512();
+            }
+        }
+    }
+
+    /// The whole lines of every row: bias added where `BIAS`, activation `ACT`.
+    ///
+    /// # Safety
+    /// As for [`narrow_lines`](Self::narrow_lines); `BIAS` is whether `self.bias` is set and
+    /// `ACT` is `self.act`'s code.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn lines<R: LineRounding, const BIAS: bool, const ACT: u8>(
+        &self,
+        out: *mut u16,
+        ldo: usize,
+    ) {
+        use crate::attention::simd::{Avx512, Simd};
+        use std::arch::x86_64::*;
+        let whole = self.cols / 32 * 32;
+        let bias = self.bias.unwrap_or(std::ptr::null());
+        let act = act_of(ACT);
+        // SAFETY: AVX-512F and DQ are available (the caller's guarantee); columns `j + 32 <=
+        // whole <= cols` of rows `r < rows` lie in `tile` and `out`, and the bias (read only
+        // where `BIAS`, so set) holds `cols` values.
+        unsafe {
+            // No closure here: a closure would not take the features of the function this
+            // one is inlined into, and each intrinsic would become a call.
+            for r in 0..self.rows {
+                let (src, dst) = (self.tile.add(r * self.ld), out.add(r * ldo));
+                for j in (0..whole).step_by(32) {
+                    let (mut lo, mut hi) =
+                        (_mm512_loadu_ps(src.add(j)), _mm512_loadu_ps(src.add(j + 16)));
+                    if BIAS {
+                        lo = Avx512::add(lo, _mm512_loadu_ps(bias.add(j)));
+                        hi = Avx512::add(hi, _mm512_loadu_ps(bias.add(j + 16)));
+                    }
+                    let (lo, hi) = (act_vec::<Avx512>(act, lo), act_vec::<Avx512>(act, hi));
+                    _mm512_storeu_si512(dst.add(j) as *mut __m512i, R::words(lo, hi));
+                }
             }
         }
     }
@@ -606,10 +744,39 @@ mod tests {
                         let dest = TileOut::Bf16 { out: out.as_mut_ptr(), ldo: cols };
                         epi(&mut tile, dest).run(level);
                     }
-                    for r in 0..rows {
-                        for j in 0..cols {
-                            let w = f32_to_bf16_bits(want[r * ld + j]);
-                            assert_eq!(out[r * cols + j], w, "{level:?} {act:?} ({r}, {j})");
+                    let check = |out: &[u16], how: &str| {
+                        for r in 0..rows {
+                            for j in 0..cols {
+                                let w = f32_to_bf16_bits(want[r * ld + j]);
+                                let got = out[r * cols + j];
+                                assert_eq!(got, w, "{level:?} {how} {act:?} ({r}, {j})");
+                            }
+                        }
+                    };
+                    check(&out, "dispatched");
+                    // Both roundings of the 32-column lines, whichever the dispatch takes:
+                    // the integer arithmetic, and `vcvtne2ps2bf16` where this CPU has it.
+                    #[cfg(target_arch = "x86_64")]
+                    if level == crate::attention::SimdLevel::Avx512 {
+                        let native = is_x86_feature_detected!("avx512bf16");
+                        for (how, run) in [("integer", true), ("native", native)] {
+                            if !run {
+                                continue;
+                            }
+                            let mut tile = tile0.clone();
+                            let mut out = vec![0u16; rows * cols];
+                            let dest = TileOut::Bf16 { out: out.as_mut_ptr(), ldo: cols };
+                            // SAFETY: as above; the AVX-512 level runs here, and AVX512-BF16
+                            // where `native` is set.
+                            unsafe {
+                                let e = epi(&mut tile, dest);
+                                if how == "native" {
+                                    e.narrow_lines_avx512bf16(out.as_mut_ptr(), cols);
+                                } else {
+                                    e.narrow_lines_avx512(out.as_mut_ptr(), cols);
+                                }
+                            }
+                            check(&out, how);
                         }
                     }
                 }
