@@ -270,8 +270,11 @@ impl TileEpilogue {
         // SAFETY: AVX-512F is available (the caller's guarantee); rows `r < rows` of `cols`
         // elements lie in `tile` and `out`; the tails are masked.
         unsafe {
-            let TileOut::Bf16 { out, ldo } = self.dest else {
-                return self.portable::<crate::attention::simd::Avx512>();
+            let (out, ldo) = match self.dest {
+                TileOut::Bf16 { out, ldo } => (out, ldo),
+                TileOut::F32 { out, ldo } => return self.f32_lines_avx512(out, ldo),
+                TileOut::InPlace if self.bias.is_none() && self.act == Act::Identity => return,
+                TileOut::InPlace => return self.f32_lines_avx512(self.tile, self.ld),
             };
             if self.cols >= 32 {
                 return if crate::attention::simd::native_bf16_pairs() {
@@ -297,6 +300,64 @@ impl TileEpilogue {
                         _mm256_storeu_si256(tail.as_mut_ptr() as *mut __m256i, halves);
                         std::ptr::copy_nonoverlapping(tail.as_ptr(), dst.add(j), live);
                     }
+                }
+            }
+        }
+    }
+
+    /// An f32 output (or the tile itself: `out == tile`, `ldo == ld`) in one pass over the
+    /// tile, 16 columns at a time, the tail masked: `act(tile + bias)` stored where it goes,
+    /// the bits of `bias_act` (the same operations) without its store into the tile and the
+    /// row copies after it. The bias's presence and the activation are decided once per call,
+    /// as for the bf16 lines.
+    ///
+    /// # Safety
+    /// As for `run`, with `out` rows `ldo` apart holding `cols` floats each (the tile's own
+    /// rows, or rows no other argument aliases); AVX-512F and DQ are available.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512dq")]
+    unsafe fn f32_lines_avx512(&self, out: *mut f32, ldo: usize) {
+        // SAFETY: forwarded.
+        unsafe {
+            match (self.bias, self.act) {
+                (None, Act::Identity) => self.f32_lines::<false, ACT_IDENTITY>(out, ldo),
+                (None, Act::Relu) => self.f32_lines::<false, ACT_RELU>(out, ldo),
+                (None, Act::Gelu) => self.f32_lines::<false, ACT_GELU>(out, ldo),
+                (Some(_), Act::Identity) => self.f32_lines::<true, ACT_IDENTITY>(out, ldo),
+                (Some(_), Act::Relu) => self.f32_lines::<true, ACT_RELU>(out, ldo),
+                (Some(_), Act::Gelu) => self.f32_lines::<true, ACT_GELU>(out, ldo),
+            }
+        }
+    }
+
+    /// The rows of [`f32_lines_avx512`](Self::f32_lines_avx512): bias added where `BIAS`,
+    /// activation `ACT`.
+    ///
+    /// # Safety
+    /// As for [`f32_lines_avx512`](Self::f32_lines_avx512); `BIAS` is whether `self.bias` is
+    /// set and `ACT` is `self.act`'s code.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn f32_lines<const BIAS: bool, const ACT: u8>(&self, out: *mut f32, ldo: usize) {
+        use crate::attention::simd::{Avx512, Simd};
+        use std::arch::x86_64::*;
+        let bias = self.bias.unwrap_or(std::ptr::null());
+        let act = act_of(ACT);
+        // SAFETY: AVX-512F and DQ are available (the caller's guarantee); the masks keep every
+        // access inside columns `0..cols` of rows `r < rows` of the tile and of `out`, and of
+        // the bias (read only where `BIAS`, so set). With `out` the tile, each vector is read
+        // before the same vector is written.
+        unsafe {
+            for r in 0..self.rows {
+                let (src, dst) = (self.tile.add(r * self.ld), out.add(r * ldo));
+                for j in (0..self.cols).step_by(16) {
+                    let live = (self.cols - j).min(16);
+                    let mask: __mmask16 = if live == 16 { 0xFFFF } else { (1 << live) - 1 };
+                    let mut v = _mm512_maskz_loadu_ps(mask, src.add(j));
+                    if BIAS {
+                        v = Avx512::add(v, _mm512_maskz_loadu_ps(mask, bias.add(j)));
+                    }
+                    _mm512_mask_storeu_ps(dst.add(j), mask, act_vec::<Avx512>(act, v));
                 }
             }
         }
@@ -754,6 +815,25 @@ mod tests {
                         }
                     };
                     check(&out, "dispatched");
+                    // The f32 forms (in place, and into an output) against the standalone
+                    // pass over the same rows.
+                    let mut compact: Vec<f32> =
+                        (0..rows).flat_map(|r| tile0[r * ld..r * ld + cols].to_vec()).collect();
+                    with_simd_level(level, || bias_act_in_place(&mut compact, cols, b, act))
+                        .unwrap();
+                    let mut into = vec![7.0f32; rows * cols];
+                    let mut tile = tile0.clone();
+                    let dest = TileOut::F32 { out: into.as_mut_ptr(), ldo: cols };
+                    // SAFETY: as above, with `rows · cols` output floats.
+                    unsafe { epi(&mut tile, dest).run(level) };
+                    for r in 0..rows {
+                        for j in 0..cols {
+                            let w = compact[r * cols + j].to_bits();
+                            let (a, o) = (want[r * ld + j].to_bits(), into[r * cols + j].to_bits());
+                            assert_eq!(a, w, "{level:?} in place {act:?} ({r}, {j})");
+                            assert_eq!(o, w, "{level:?} f32 out {act:?} ({r}, {j})");
+                        }
+                    }
                     // Both roundings of the 32-column lines, whichever the dispatch takes:
                     // the integer arithmetic, and `vcvtne2ps2bf16` where this CPU has it.
                     #[cfg(target_arch = "x86_64")]
