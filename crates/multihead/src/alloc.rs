@@ -47,9 +47,10 @@ pub(crate) fn ensure(
         op,
         what,
         msg: format!(
-            "{} of shape {} ({dtype:?}) need {}, which cannot be allocated; {hint}",
+            "{} of shape {} ({dtype:?}) {} {}, which cannot be allocated; {hint}",
             if count == 1 { "a tensor".to_string() } else { format!("{count} tensors") },
             fmt_shape(dims),
+            if count == 1 { "needs" } else { "need" },
             human(bytes)
         ),
     };

@@ -380,8 +380,11 @@ fn bf16_direct(
         return Ok(None);
     }
     ensure_output(query, call)?;
-    // The additive mask in f32, as the kernels read it (the twin widens it the same way).
-    let mask = call.mask.as_ref().map(widen).transpose()?;
+    ensure_fused(query, key, value, call)?;
+    // The additive mask in f32, as the kernels read it (the twin widens it the same way),
+    // without its broadcast dimensions.
+    let compact = |m: &Tensor| widen(&super::sdpa_copies::compact(m)?);
+    let mask = call.mask.as_ref().map(compact).transpose()?;
     let call = SdpaCall { batch: call.batch.clone(), mask, ..*call };
     run_fused(query, key, value, &call, opts, None).map(Some)
 }
@@ -450,6 +453,7 @@ pub fn explain_sdpa(
         })?;
         if direct {
             ensure_output(query, &call)?;
+            ensure_fused(query, key, value, &call)?;
             return decide(SDPA, opts.backend, None);
         }
         let (q, k, v, o) = widened(query, key, value, opts)?;
@@ -462,8 +466,11 @@ pub fn explain_sdpa(
     // The sizes the call checks before it runs: an output (or, composed, score matrices) that
     // cannot be allocated is the call's error here too.
     let out_dims = ensure_output(query, &call)?;
-    if plan.path == Path::Composed && !out_dims.contains(&0) && call.s > 0 {
-        ensure_composed(query, &call)?;
+    if !out_dims.contains(&0) && call.s > 0 {
+        match plan.path {
+            Path::Composed => _ = ensure_composed(query, &call)?,
+            Path::Fused => ensure_fused(query, key, value, &call)?,
+        }
     }
     Ok(plan)
 }
@@ -587,6 +594,13 @@ fn ensure_output(query: &Tensor, call: &SdpaCall) -> Result<Vec<usize>> {
     let out_dims = with(&call.batch, call.l, call.ev);
     crate::alloc::ensure(SDPA, "output", &out_dims, query.dtype(), 1, "use smaller inputs")?;
     Ok(out_dims)
+}
+
+/// The fused path's copies of its inputs (see [`sdpa_copies`](super::sdpa_copies)), checked
+/// before they are made (by the call and by [`explain_sdpa`]).
+fn ensure_fused(query: &Tensor, key: &Tensor, value: &Tensor, call: &SdpaCall) -> Result<()> {
+    let (q, k, v) = fused_views(query, key, value, call)?;
+    super::sdpa_copies::ensure_fused([&q, &k, &v], call.mask.as_ref())
 }
 
 /// The composed path's score matrices and broadcast copies, checked before it builds them
@@ -717,17 +731,12 @@ fn run_fused(
     let (query, key, value) = (&query, &key, &value);
     let (b, hq, l, e) = query.dims4()?;
     let hk = key.dim(1)?;
+    super::sdpa_copies::ensure_fused([query, key, value], call.mask.as_ref())?;
     let mut masks = Vec::new();
     if let Some(add) = &call.mask {
-        let mut dims = vec![1usize; 4 - add.rank()];
-        dims.extend_from_slice(add.dims());
-        let mut strides = [0usize; 4];
-        let mut acc = 1;
-        for i in (0..4).rev() {
-            strides[i] = if dims[i] == 1 { 0 } else { acc };
-            acc *= dims[i];
-        }
-        masks.push(OwnedMask::new(&add.contiguous()?, strides)?);
+        // Copied without its broadcast dimensions, which the kernels read with stride 0.
+        let add = super::sdpa_copies::compact(add)?;
+        masks.push(OwnedMask::new(&add, super::sdpa_copies::mask_strides(add.dims()))?);
     }
     let dims = multihead_kernels::attention::AttnDims {
         batch: b,
@@ -755,8 +764,7 @@ fn run_fused(
     // The kernels read rows; a view whose last dimension is strided (a transpose, a broadcast)
     // is copied first (differentiably).
     let rows = |t: &Tensor| -> Result<Tensor> {
-        let (d, st) = (t.dims(), t.stride());
-        Ok(if d[3] > 1 && st[3] != 1 { t.contiguous()? } else { t.clone() })
+        Ok(if super::sdpa_copies::needs_row_copy(t) { t.contiguous()? } else { t.clone() })
     };
     let (q, k, v) = (rows(query)?, rows(key)?, rows(value)?);
     let mut out = op.apply(&q, &k, &v)?;

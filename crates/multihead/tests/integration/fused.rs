@@ -1237,3 +1237,58 @@ fn explain_sdpa_gives_the_calls_error_for_sizes_that_cannot_be_allocated() {
         assert_eq!(y.dims(), &[2, 2, 5, qd.3], "{what}: {plan:?}");
     }
 }
+
+#[test]
+fn sdpa_reads_broadcast_masks_and_strided_views_as_the_dense_tensors_and_checks_their_copies() {
+    // A float mask expanded (stride 0) from (1, H, L, S) or (L, S) to (N, H, L, S), as PyTorch
+    // code writes it, is copied for the kernels without its repeated dimensions: the same bits
+    // as the mask made dense, on the f32 fused route (with gradients too) and the bf16 route,
+    // and the same plan.
+    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    let (n, h, l, s, e) = (3, 2, 5, 7, 8);
+    for dt in [DType::F32, DType::BF16] {
+        let q = det(&[n, h, l, e], dt, 1.0);
+        let k = det(&[n, h, s, e], dt, 2.0);
+        let v = det(&[n, h, s, e], dt, 3.0);
+        for base in [vec![1, h, l, s], vec![l, s]] {
+            let small = det(&base, dt, 4.0);
+            let wide = small.broadcast_as((n, h, l, s)).unwrap();
+            let dense = wide.contiguous().unwrap();
+            let opts = |m: &Tensor| SdpaOptions::default().attn_mask(Mask::Float(m.clone()));
+            for recorded in [false, true] {
+                let go = |m: &Tensor| {
+                    let f = || scaled_dot_product_attention(&q, &k, &v, &opts(m)).unwrap();
+                    let y = if recorded { f() } else { no_grad(f) };
+                    y.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>()
+                };
+                let (a, b) = (go(&wide).unwrap(), go(&dense).unwrap());
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "{dt:?} {base:?} recorded {recorded}");
+            }
+            let (pw, pd) =
+                (explain_sdpa(&q, &k, &v, &opts(&wide)), explain_sdpa(&q, &k, &v, &opts(&dense)));
+            assert_eq!(format!("{:?}", pw.unwrap()), format!("{:?}", pd.unwrap()), "{dt:?}");
+        }
+        // A query broadcast along its feature dimension is copied to full size: 4 TiB here, which
+        // the call refused by aborting the process before. Now the plan and the call give the
+        // same error, and a sane size runs.
+        let one = Tensor::ones((1, 1, 1, 1), dt, &dev()).unwrap();
+        let (big, kk) = (
+            one.broadcast_as((1, 1, 1 << 20, 1 << 20)).unwrap(),
+            one.broadcast_as((1, 1, 2, 1 << 20)).unwrap(),
+        );
+        let (o, vv) = (SdpaOptions::default(), one.broadcast_as((1, 1, 2, 1)).unwrap());
+        let call = no_grad(|| scaled_dot_product_attention(&big, &kk, &vv, &o)).unwrap_err();
+        let plan = no_grad(|| explain_sdpa(&big, &kk, &vv, &o)).unwrap_err();
+        assert!(matches!(call, multihead::Error::Alloc { .. }), "{dt:?}: {call}");
+        assert_eq!(plan.to_string(), call.to_string(), "{dt:?}");
+        // (bf16 names the input its widening copies; f32 the fused path's copy of the query.)
+        let named = if dt == DType::F32 { "query" } else { "input" };
+        assert!(call.to_string().contains(named) && call.to_string().contains("TiB"), "{call}");
+        let (q, k) =
+            (one.broadcast_as((1, 1, 3, 16)).unwrap(), one.broadcast_as((1, 1, 2, 16)).unwrap());
+        let y = no_grad(|| scaled_dot_product_attention(&q, &k, &vv, &o)).unwrap();
+        let y = y.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(y, vec![1.0; 3], "{dt:?}");
+    }
+}
