@@ -401,11 +401,20 @@ impl KvCache {
             None => vec![t; self.batch_size()],
         };
         self.check_room(APPEND, &counts)?;
-        // Views are read in place, except where the last dimension is strided.
-        let rows = |x: &Tensor| -> Result<Tensor> {
-            Ok(if x.dim(3)? > 1 && x.stride()[3] != 1 { x.contiguous()? } else { x.clone() })
+        // Only the tokens written are read. Views are read in place, except where the last
+        // dimension is strided: those tokens are copied, once the allocator has said it can
+        // take them (a broadcast view of 2^38 tokens aborted the process before 2026-12-07).
+        let used = counts.iter().copied().max().unwrap_or(0);
+        let rows = |arg: &'static str, x: &Tensor| -> Result<Tensor> {
+            let x = if used < t { x.narrow(2, 0, used)? } else { x.clone() };
+            if x.dim(3)? > 1 && x.stride()[3] != 1 {
+                let hint = "a view whose last dimension is strided is copied; pass it contiguous";
+                crate::alloc::ensure(APPEND, arg, x.dims(), x.dtype(), 1, hint)?;
+                return Ok(x.contiguous()?);
+            }
+            Ok(x)
         };
-        self.append(&rows(k)?, &rows(v)?, &counts)
+        self.append(&rows("k", k)?, &rows("v", v)?, &counts)
     }
 
     /// Writes `counts[b]` new tokens of `k`/`v` `(N, Hkv, T, D)` or `(N, T, Hkv·D)` (any

@@ -188,12 +188,54 @@ pub fn explain_varlen(
     cu_seqlens_k: &CuSeqlens,
     opts: &SdpaOptions,
 ) -> Result<Plan> {
-    validate(query, key, value, (cu_seqlens_q, cu_seqlens_k), opts)?;
+    let heads = validate(query, key, value, (cu_seqlens_q, cu_seqlens_k), opts)?;
+    let plan = plan(query, opts)?;
+    // The sizes the call checks before it runs, so that `Ok` here is a call that can run.
+    ensure_run((query, key, value), heads, cu_seqlens_q, plan.path)?;
+    Ok(plan)
+}
+
+/// The path of a validated call.
+fn plan(query: &Tensor, opts: &SdpaOptions) -> Result<Plan> {
     let blocker = match crate::precision::is_reduced(query.dtype()) {
         true => None, // widened to f32, then on the planned path
         false => dtype_device_blocker(query),
     };
     decide(VARLEN, opts.backend, blocker)
+}
+
+/// What a validated call allocates before its kernels or ops check their own, checked by the
+/// call and by [`explain_varlen`] alike: the output, a reduced dtype's f32 copies of the inputs
+/// (views may hold more rows than memory), and on the fused path the copies of views whose
+/// last dimension is strided (the kernels read rows).
+fn ensure_run(
+    (query, key, value): (&Tensor, &Tensor, &Tensor),
+    (hq, _, _, ev): (usize, usize, usize, usize),
+    cu_seqlens_q: &CuSeqlens,
+    path: Path,
+) -> Result<()> {
+    let hint = "pack fewer or shorter sequences";
+    let rows_q = cu_seqlens_q.0.last().copied().unwrap_or(0);
+    let reduced = crate::precision::is_reduced(query.dtype());
+    let wide = if reduced { DType::F32 } else { query.dtype() };
+    crate::alloc::ensure(VARLEN, "output", &[rows_q, hq, ev], wide, 1, hint)?;
+    for (what, t) in [("query", query), ("key", key), ("value", value)] {
+        if reduced {
+            crate::alloc::ensure(VARLEN, what, t.dims(), DType::F32, 1, hint)?;
+        } else if path == Path::Fused && strided_rows(t) {
+            let hint = "a view whose last dimension is strided is copied for the fused kernels; \
+                        pass it contiguous in its last dimension";
+            crate::alloc::ensure(VARLEN, what, t.dims(), t.dtype(), 1, hint)?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether `t`'s last dimension is strided (the fused kernels read rows: such a view is
+/// copied first).
+fn strided_rows(t: &Tensor) -> bool {
+    let r = t.rank();
+    r > 0 && t.dims()[r - 1] > 1 && t.stride()[r - 1] != 1
 }
 
 /// Scaled dot-product attention over a packed batch of variable-length sequences:
@@ -253,7 +295,8 @@ pub(crate) fn varlen_rows(
         Ok(Tensor::zeros((), x.dtype(), x.device())?.broadcast_as((x.dim(0)?, h, w))?)
     };
     let (qs, ks, vs) = (shaped(query, hq, e)?, shaped(key, hk, e)?, shaped(value, hk, ev)?);
-    let plan = explain_varlen(&qs, &ks, &vs, cu, cu, opts)?;
+    validate(&qs, &ks, &vs, (cu, cu), opts)?;
+    let plan = plan(&qs, opts)?;
     run(query, key, value, (hq, hk, e, ev), (cu, cu), opts, plan.path)
 }
 
@@ -269,17 +312,9 @@ fn run(
     path: Path,
 ) -> Result<Tensor> {
     let rows = query.rank() == 2;
-    // What the call allocates before its kernels or ops check their own: the output, and a
-    // reduced dtype's f32 copies of the inputs (views may hold more rows than memory).
     let hint = "pack fewer or shorter sequences";
-    let rows_q = cu_seqlens_q.0.last().copied().unwrap_or(0);
-    let reduced = crate::precision::is_reduced(query.dtype());
-    let wide = if reduced { DType::F32 } else { query.dtype() };
-    crate::alloc::ensure(VARLEN, "output", &[rows_q, hq, ev], wide, 1, hint)?;
-    if reduced {
-        for (what, t) in [("query", query), ("key", key), ("value", value)] {
-            crate::alloc::ensure(VARLEN, what, t.dims(), DType::F32, 1, hint)?;
-        }
+    ensure_run((query, key, value), (hq, hk, e, ev), cu_seqlens_q, path)?;
+    if crate::precision::is_reduced(query.dtype()) {
         use crate::precision::widen;
         let (q, k, v) = (widen(query)?, widen(key)?, widen(value)?);
         let (heads, cu) = ((hq, hk, e, ev), (cu_seqlens_q, cu_seqlens_k));
@@ -304,6 +339,12 @@ fn run(
                 &opts.variants,
             )
             .with_rounded_products();
+            // The kernels read rows: a view whose last dimension is strided is copied
+            // (differentiably; its size checked by `ensure_run`).
+            let rows_of = |t: &Tensor| -> Result<Tensor> {
+                Ok(if strided_rows(t) { t.contiguous()? } else { t.clone() })
+            };
+            let (query, key, value) = (&rows_of(query)?, &rows_of(key)?, &rows_of(value)?);
             match &opts.sinks {
                 None => op.apply(query, key, value),
                 Some(t) => {

@@ -210,6 +210,14 @@ impl TransformerEncoder {
         if !eligible {
             return Ok(None);
         }
+        // The path's copies, checked before they are made (a broadcast view's full size: a
+        // 256 GiB mask aborted the process before 2026-12-07): the padding as bytes (and its
+        // left-aligned form), and the zeroed input and output beside the input.
+        let op = "TransformerEncoder.forward";
+        let hint =
+            "the nested-tensor path copies the padding mask and the input; pass smaller ones";
+        crate::alloc::ensure(op, "src_key_padding_mask", kpm.dims(), DType::U8, 3, hint)?;
+        crate::alloc::ensure(op, "src", src.dims(), src.dtype(), 3, hint)?;
         let p = kpm.tensor().ne(0f64)?;
         if self.mask_check {
             Ok(left_aligned(&p)?.then_some(p))

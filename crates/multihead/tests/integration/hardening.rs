@@ -571,3 +571,84 @@ fn empty_batches_give_every_stack_parameter_a_gradient() {
         }
     }
 }
+
+#[test]
+fn copies_of_huge_views_are_alloc_errors_on_every_path_not_aborts() {
+    // Broadcast views whose copies (the products read rows) would be terabytes: each of these
+    // aborted the process ("memory allocation of N bytes failed") before 2026-12-07; an
+    // adversarial run found them. Now each is `Error::Alloc`, with and without gradients, on
+    // every backend and dtype, and a sane size runs.
+    let b20 = 1usize << 20;
+    let one = |dt: DType, rank: usize| Tensor::ones(vec![1; rank], dt, &dev()).unwrap();
+    let alloc = |r: multihead::Result<Tensor>, what: &str| match r {
+        Err(e @ Error::Alloc { .. }) => assert!(e.to_string().contains("cannot be allocated")),
+        other => panic!("{what}: expected an Alloc error, got {other:?}"),
+    };
+    for dt in [DType::F32, DType::F64, DType::BF16] {
+        for recorded in [false, true] {
+            let run = |f: &dyn Fn() -> multihead::Result<Tensor>| {
+                if recorded {
+                    f()
+                } else {
+                    no_grad(f)
+                }
+            };
+            let what = format!("{dt:?} recorded {recorded}");
+            // Linear: the input broadcast along its 2^20 features (a (2^20, 1) output), and
+            // the weight broadcast (one row in).
+            let w = det(&[1, b20], dt, 0.5);
+            let x = one(dt, 2).broadcast_as((b20, b20)).unwrap();
+            for be in BACKENDS {
+                let lin = Linear::from_weights(w.clone(), None);
+                alloc(run(&|| with_backend(be, || lin.forward(&x))), &format!("{what} x {be:?}"));
+            }
+            if dt != DType::F64 {
+                // (f64 reads such a weight through its strides and would compute 2^40 terms.)
+                let lin = Linear::from_weights(one(dt, 2).broadcast_as((b20, b20)).unwrap(), None);
+                alloc(run(&|| lin.forward(&det(&[1, b20], dt, 0.5))), &format!("{what} weight"));
+            }
+            // MultiheadAttention with kdim = vdim = 2^20 features, keys broadcast over them.
+            let cfg = MhaConfig::new(8, 2).with_kdim(b20).with_vdim(b20);
+            let (m, _vm) = mha(cfg, dt);
+            let (q, kv) =
+                (det(&[4, 1, 8], dt, 1.0), one(dt, 3).broadcast_as((b20, 1, b20)).unwrap());
+            let opts = MhaOptions::default().need_weights(false);
+            let mha_run = || m.forward(&q, &kv, &kv, &opts).map(|o| o.output);
+            alloc(run(&mha_run), &format!("{what} mha kdim"));
+        }
+    }
+    // A sane size of the same views runs (the product of ones).
+    let lin = Linear::from_weights(Tensor::ones((2, 16), DType::F32, &dev()).unwrap(), None);
+    let y = lin.forward(&one(DType::F32, 2).broadcast_as((3, 16)).unwrap()).unwrap();
+    assert_eq!(y.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![16.0; 6]);
+    // The encoder's nested-tensor path (inference, a padding mask): a 2^38-element broadcast
+    // mask and input.
+    let cfg = multihead::transformer::LayerConfig::new(8, 2)
+        .with_dim_feedforward(8)
+        .with_batch_first(true);
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let mut enc = multihead::transformer::TransformerEncoder::new(cfg, 1, None, vb).unwrap();
+    enc.eval();
+    let n = 1usize << 19;
+    let src = one(DType::F32, 3).broadcast_as((n, n, 8)).unwrap();
+    let kpm = Tensor::zeros((1, 1), DType::U8, &dev()).unwrap().broadcast_as((n, n)).unwrap();
+    let r = no_grad(|| enc.forward(&src, None, Some(&Mask::Bool(kpm.clone())), None));
+    alloc(r, "nested path");
+}
+
+#[test]
+fn a_kv_cache_copies_only_the_tokens_it_appends() {
+    // Keys broadcast to 2^38 tokens whose last dimension is strided: the cache appends the one
+    // token asked for (copying 2^38 tokens aborted the process before 2026-12-07).
+    let mut cache = multihead::KvCache::new(1, 1, 8, 16, DType::F32, &dev()).unwrap();
+    let row = det(&[1, 1, 1, 1], DType::F32, 2.0);
+    let k = row.broadcast_as((1, 1, 1usize << 38, 8)).unwrap();
+    cache.append_kv(&k, &k, Some(&[1])).unwrap();
+    let want = row.flatten_all().unwrap().to_vec1::<f32>().unwrap()[0];
+    for c in [cache.keys(), cache.values()] {
+        let got = c.i((0, 0, 0)).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(got, vec![want; 8]);
+    }
+    assert_eq!(cache.lens(), &[1]);
+}

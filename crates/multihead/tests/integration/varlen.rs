@@ -479,3 +479,51 @@ fn no_grad_keeps_no_statistics_and_says_so_if_asked_for_a_gradient() {
         assert_eq!(inside, outside, "{what}: dq inside no_grad");
     }
 }
+
+#[test]
+fn strided_feature_views_run_as_their_dense_copies_and_explain_checks_the_calls_sizes() {
+    // A view whose feature dimension is strided (a broadcast, a transpose) was refused by the
+    // fused path ("the feature dimension must be contiguous") while explain said Fused and SDPA
+    // took the same input: it is now copied first, with the dense tensor's bits, gradients too.
+    let cu = CuSeqlens::from_lengths(&[3, 2]);
+    let opts = SdpaOptions::default().is_causal(true);
+    let base = det(&[5, 2, 1], DType::F32, 1.0);
+    let wide = base.broadcast_as((5, 2, 8)).unwrap();
+    let flipped = det(&[5, 8, 2], DType::F32, 2.0).transpose(1, 2).unwrap();
+    for (what, x) in [("broadcast", wide), ("transposed", flipped)] {
+        let dense = x.contiguous().unwrap();
+        let plan = explain_varlen(&x, &x, &x, &cu, &cu, &opts).unwrap();
+        assert_eq!(plan.path, Path::Fused, "{what}");
+        let a = varlen_attention(&x, &x, &x, &cu, &cu, &opts).unwrap();
+        let b = varlen_attention(&dense, &dense, &dense, &cu, &cu, &opts).unwrap();
+        let bits = |t: &Tensor| {
+            t.flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(bits(&a), bits(&b), "{what}");
+        // Gradients reach the view's source.
+        let src = var(&det(&[5, 8, 2], DType::F32, 3.0));
+        let view = src.as_tensor().transpose(1, 2).unwrap();
+        let y = varlen_attention(&view, &view, &view, &cu, &cu, &opts).unwrap();
+        let g = y.sum_all().unwrap().backward().unwrap();
+        assert!(g.get(src.as_tensor()).is_some(), "{what}");
+    }
+    // An output that cannot be allocated: the plan gives the call's error (it said Ok before).
+    let rows = 1usize << 38;
+    let q = Tensor::zeros((1, 1, 8), DType::F32, &crate::common::dev())
+        .unwrap()
+        .broadcast_as((rows, 1, 8))
+        .unwrap();
+    let kv = Tensor::zeros((1, 1, 8), DType::F32, &crate::common::dev()).unwrap();
+    let (cq, ck) = (CuSeqlens::from_offsets(vec![0, rows]), CuSeqlens::from_lengths(&[1]));
+    let o = SdpaOptions::default();
+    let plan = explain_varlen(&q, &kv, &kv, &cq, &ck, &o).unwrap_err();
+    let call = varlen_attention(&q, &kv, &kv, &cq, &ck, &o).unwrap_err();
+    assert!(matches!(call, Error::Alloc { .. }), "{call}");
+    assert_eq!(plan.to_string(), call.to_string());
+}
