@@ -23,7 +23,7 @@ const SDPA: &str = "scaled_dot_product_attention";
 /// `t` without the copies of its broadcast dimensions: each dimension that a view repeats
 /// (stride 0, size above 1) narrowed to size 1, which broadcasts back to the same shape with
 /// the same values. A view: nothing is copied.
-pub(super) fn compact(t: &Tensor) -> Result<Tensor> {
+pub(crate) fn compact(t: &Tensor) -> Result<Tensor> {
     let mut t = t.clone();
     for d in 0..t.rank() {
         if t.dim(d)? > 1 && t.stride()[d] == 0 {

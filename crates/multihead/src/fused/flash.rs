@@ -73,16 +73,15 @@ pub(crate) struct OwnedMask {
 impl OwnedMask {
     /// Copies an additive f32 mask tensor and views it through `strides`.
     pub(crate) fn new(t: &Tensor, strides: [usize; 4]) -> Result<Self> {
-        // A broadcast (stride-0) view costs its full size here.
-        crate::alloc::ensure(
-            "flash attention",
-            "mask",
-            t.dims(),
-            t.dtype(),
-            2,
-            "pass a smaller mask",
-        )?;
+        Self::ensure(t.dims())?;
         Ok(Self { data: t.flatten_all()?.to_vec1::<f32>()?, strides })
+    }
+
+    /// Whether the copies [`new`](Self::new) makes of an f32 mask of `dims` can be allocated
+    /// (a broadcast view costs its full size: the callers compact them first).
+    pub(crate) fn ensure(dims: &[usize]) -> Result<()> {
+        let hint = "pass a smaller mask";
+        crate::alloc::ensure("flash attention", "mask", dims, candle_core::DType::F32, 2, hint)
     }
 }
 

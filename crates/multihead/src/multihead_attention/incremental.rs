@@ -339,7 +339,10 @@ impl MultiheadAttention {
         lengths: Option<&[usize]>,
     ) -> Result<Plan> {
         let step = self.validate_step(x, cache, lengths, &CachedOptions::default())?;
-        self.plan_step(&step)
+        let plan = self.plan_step(&step)?;
+        // The sizes the call checks before it allocates: its projections' copies and outputs.
+        self.ensure_projection(&step.x)?;
+        Ok(plan)
     }
 
     /// Incremental causal self-attention: attends the new tokens `x` over the cached tokens and
@@ -501,6 +504,34 @@ impl MultiheadAttention {
             linear(x, wk, bias(e, kv)?.as_ref(), CACHED, "x", Backend::Auto)?,
             linear(x, wv, bias(e + kv, kv)?.as_ref(), CACHED, "x", Backend::Auto)?,
         ))
+    }
+
+    /// What [`project_step`](Self::project_step) checks before it allocates, in its order
+    /// (for [`explain_cached`](Self::explain_cached)).
+    fn ensure_projection(&self, x: &Tensor) -> Result<()> {
+        use crate::linear::ensure_linear;
+        let (e, kv) = (self.cfg.embed_dim, self.cfg.kv_dim());
+        let b = self.in_proj_bias.as_ref();
+        let bias = |s: usize, l: usize| -> Result<Option<Tensor>> {
+            Ok(match b {
+                Some(b) => Some(b.narrow(0, s, l)?),
+                None => None,
+            })
+        };
+        if let Some(w) = &self.in_proj_weight {
+            return ensure_linear(x, w, b, (CACHED, "x"), x.dtype());
+        }
+        let (Some(wq), Some(wk), Some(wv)) =
+            (&self.q_proj_weight, &self.k_proj_weight, &self.v_proj_weight)
+        else {
+            return Err(config_err(
+                "in_proj_weight",
+                "the module has no projection weights".into(),
+            ));
+        };
+        ensure_linear(x, wq, bias(0, e)?.as_ref(), (CACHED, "x"), x.dtype())?;
+        ensure_linear(x, wk, bias(e, kv)?.as_ref(), (CACHED, "x"), x.dtype())?;
+        ensure_linear(x, wv, bias(e + kv, kv)?.as_ref(), (CACHED, "x"), x.dtype())
     }
 
     /// Attention of `q` (module layout) over the cache, by the planned path.

@@ -1250,7 +1250,8 @@ fn sdpa_reads_broadcast_masks_and_strided_views_as_the_dense_tensors_and_checks_
         let q = det(&[n, h, l, e], dt, 1.0);
         let k = det(&[n, h, s, e], dt, 2.0);
         let v = det(&[n, h, s, e], dt, 3.0);
-        for base in [vec![1, h, l, s], vec![l, s]] {
+        // (The last two broadcast along the keys, then along everything: read with stride 0.)
+        for base in [vec![1, h, l, s], vec![l, s], vec![l, 1], vec![1, 1]] {
             let small = det(&base, dt, 4.0);
             let wide = small.broadcast_as((n, h, l, s)).unwrap();
             let dense = wide.contiguous().unwrap();
@@ -1290,5 +1291,31 @@ fn sdpa_reads_broadcast_masks_and_strided_views_as_the_dense_tensors_and_checks_
         let y = no_grad(|| scaled_dot_product_attention(&q, &k, &vv, &o)).unwrap();
         let y = y.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(y, vec![1.0; 3], "{dt:?}");
+    }
+}
+
+#[test]
+fn mha_reads_a_broadcast_float_mask_as_the_dense_mask() {
+    // An attention mask expanded (stride 0) to (N·H, L, S) from (L, S), from a per-query
+    // column (L, 1), or from one value, is copied for the kernels without its repeated
+    // dimensions: the bits of the same mask made dense, with and without gradients.
+    let (l, s, n, e, h) = (5, 6, 3, 8, 2);
+    let (m, _vm) = mha(MhaConfig::new(e, h), DType::F32);
+    let q = det(&[l, n, e], DType::F32, 1.0);
+    let kv = det(&[s, n, e], DType::F32, 2.0);
+    for base in [vec![l, s], vec![l, 1], vec![1, 1]] {
+        let small = det(&base, DType::F32, 3.0);
+        let wide = small.broadcast_as((n * h, l, s)).unwrap();
+        let dense = wide.contiguous().unwrap();
+        for recorded in [false, true] {
+            let go = |mask: &Tensor| {
+                let opts = MhaOptions::default().attn_mask(Mask::Float(mask.clone()));
+                let f = || m.forward(&q, &kv, &kv, &opts).unwrap().output;
+                let y = if recorded { f() } else { no_grad(f) };
+                let v = y.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            };
+            assert_eq!(go(&wide), go(&dense), "{base:?} recorded {recorded}");
+        }
     }
 }

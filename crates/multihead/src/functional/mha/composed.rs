@@ -17,6 +17,7 @@ pub(super) fn pad_col(m: Option<Tensor>) -> Result<Option<Tensor>> {
     match m {
         Some(m) => {
             let mut dims = m.dims().to_vec();
+            ensure_pad(&dims, m.dtype())?;
             if let Some(last) = dims.last_mut() {
                 *last = 1;
             }
@@ -25,6 +26,36 @@ pub(super) fn pad_col(m: Option<Tensor>) -> Result<Option<Tensor>> {
         }
         None => Ok(None),
     }
+}
+
+/// The copy [`pad_col`] makes of a mask of `dims`, checked before it is made (a broadcast
+/// mask costs its full size there).
+pub(super) fn ensure_pad(dims: &[usize], dtype: candle_core::DType) -> Result<()> {
+    let mut padded = dims.to_vec();
+    if let Some(last) = padded.last_mut() {
+        *last += 1;
+    }
+    let hint = "bias_k and add_zero_attn pad the masks with a column (a copy at full size); \
+                pass smaller masks";
+    crate::alloc::ensure(MHA, "attn_mask", &padded, dtype, 1, hint)
+}
+
+/// The sizes [`attend`] checks before it allocates them (for `explain`): the score matrices.
+pub(super) fn ensure(call: &MhaCall) -> Result<()> {
+    ensure_scores(call)
+}
+
+/// The score matrices [`heads`] builds, checked first.
+fn ensure_scores(call: &MhaCall) -> Result<()> {
+    crate::alloc::ensure(
+        MHA,
+        "attention scores",
+        &[call.n, call.h, call.l, call.s_total()],
+        call.dtype,
+        3,
+        "the composed path builds (N·H, L, S) score matrices: use f32 on the CPU with \
+         need_weights=false (the fused kernels never build them), or a smaller batch",
+    )
 }
 
 /// The heads of one call as the attention core takes them: `q` `(N·H, L, hd)`, `k` and `v`
@@ -94,15 +125,7 @@ fn head_weights(call: &MhaCall, w: Tensor) -> Result<Tensor> {
 fn heads(call: &MhaCall, proj: Projected) -> Result<Heads> {
     let (l, n, h, hd, hk, kv_e) = (call.l, call.n, call.h, call.hd, call.hk, call.kv_e);
     let s2 = call.s_total();
-    crate::alloc::ensure(
-        MHA,
-        "attention scores",
-        &[n, h, l, s2],
-        call.dtype,
-        3,
-        "the composed path builds (N·H, L, S) score matrices: use f32 on the CPU with \
-         need_weights=false (the fused kernels never build them), or a smaller batch",
-    )?;
+    ensure_scores(call)?;
     let Projected { q, k, v, .. } = proj;
     let statics = call.static_kv.is_some();
     let (q, mut k, mut v) = match (call.batch_first, statics) {

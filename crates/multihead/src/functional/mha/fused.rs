@@ -9,10 +9,60 @@ use super::validate::MhaCall;
 use super::MHA;
 use crate::error::Result;
 use crate::functional::core::cat_nonempty;
+use crate::functional::sdpa_copies::compact;
 use crate::fused::flash::{Convention, FlashAttention, OwnedMask};
 use crate::fused::mask_grad::Inputs;
 use crate::fused::weights_grad::{self, from_bhtd, to_bhtd};
 use crate::random::DropoutKey;
+
+/// The weights [`attend`] returns when asked for, checked before they are made.
+fn ensure_weights(call: &MhaCall) -> Result<()> {
+    if !call.need_weights {
+        return Ok(());
+    }
+    let hw = if call.average_attn_weights { 1 } else { call.h };
+    // Averaging over heads only helps when the weights are per head.
+    let hint = if call.average_attn_weights {
+        "set need_weights=false (attention itself never builds an L×S matrix), or use a \
+         smaller batch or shorter sequences"
+    } else {
+        "set need_weights=false (attention itself never builds an L×S matrix), or \
+         average_attn_weights=true, or a smaller batch"
+    };
+    let dims = [call.n, hw, call.l, call.s_total()];
+    crate::alloc::ensure(MHA, "attn_weights", &dims, call.dtype, 1, hint)
+}
+
+/// The sizes [`attend`] checks before it allocates them, in its order (for `explain`): the
+/// masks padded for the extra keys, the weights, and the kernels' copies of the masks.
+pub(super) fn ensure(call: &MhaCall) -> Result<()> {
+    let (s, extra) = (call.s_total(), call.s_total() - call.s);
+    for m in [&call.attn_mask, &call.kpm].into_iter().flatten() {
+        let mut dims = m.dims().to_vec();
+        for _ in 0..extra {
+            super::composed::ensure_pad(&dims, m.dtype())?;
+            if let Some(last) = dims.last_mut() {
+                *last += 1;
+            }
+        }
+    }
+    ensure_weights(call)?;
+    if s == 0 {
+        return Ok(());
+    }
+    if let Some(a) = &call.attn_mask {
+        // A padded mask is a dense copy; otherwise the broadcast dimensions are not copied.
+        let dims = match extra {
+            0 => compact(a)?.dims().to_vec(),
+            _ => vec![a.dim(0)?, call.l, s],
+        };
+        OwnedMask::ensure(&dims)?;
+    }
+    if call.kpm.is_some() {
+        OwnedMask::ensure(&[call.n, s])?;
+    }
+    Ok(())
+}
 
 /// The attention output `(L, N, E)` (`(N, L, E)` with `batch_first`) and, when asked, the
 /// weights: from the weights kernel, carrying the softmax's gradient while a graph is recorded
@@ -37,18 +87,7 @@ pub(crate) fn attend(
         }
         None => (proj, call.attn_mask.clone(), call.kpm.clone()),
     };
-    if call.need_weights {
-        let hw = if call.average_attn_weights { 1 } else { h };
-        // Averaging over heads only helps when the weights are per head.
-        let hint = if call.average_attn_weights {
-            "set need_weights=false (attention itself never builds an L×S matrix), or use a \
-             smaller batch or shorter sequences"
-        } else {
-            "set need_weights=false (attention itself never builds an L×S matrix), or \
-             average_attn_weights=true, or a smaller batch"
-        };
-        crate::alloc::ensure(MHA, "attn_weights", &[n, hw, l, s], call.dtype, 1, hint)?;
-    }
+    ensure_weights(call)?;
     if s == 0 {
         // No keys: every row is fully masked, so the attention is zero (as on the composed path).
         let attn = if call.batch_first { [n, l, e] } else { [l, n, e] };
@@ -73,8 +112,13 @@ pub(crate) fn attend(
     };
     let mut masks = Vec::new();
     if let Some(a) = &attn_mask {
-        let strides = if a.dim(0)? == 1 { [0, 0, s, 1] } else { [h * l * s, l * s, s, 1] };
-        masks.push(OwnedMask::new(a, strides)?);
+        // `(1 or N·H, L, S')`, copied without the dimensions a broadcast view repeats (read
+        // with stride 0), as SDPA copies its mask.
+        let a = compact(a)?;
+        let (d0, rows, cols) = a.dims3()?;
+        let (rs, cs) = (if rows == 1 { 0 } else { cols }, if cols == 1 { 0 } else { 1 });
+        let strides = if d0 == 1 { [0, 0, rs, cs] } else { [h * rows * cols, rows * cols, rs, cs] };
+        masks.push(OwnedMask::new(&a, strides)?);
     }
     if let Some(p) = &kpm {
         masks.push(OwnedMask::new(p, [s, 0, 0, 1])?);

@@ -323,11 +323,33 @@ pub(crate) fn mha_plan_impl(
 ) -> Result<Plan> {
     let call = validate::validate(query, key, value, alias, params, opts, training, batch_first)?;
     if crate::precision::is_reduced(call.dtype) {
+        if let Some(plan) = direct_bf16_plan(&call, opts)? {
+            // Run as it is (the call's own route), its sizes checked as the call checks them.
+            ensure_planned(&call, &plan)?;
+            return Ok(plan);
+        }
         let w = Widened::new(query, key, value, alias, params, opts)?;
         let p32 = w.params(params);
         return mha_plan_impl(&w.q, &w.k, &w.v, alias, &p32, &w.opts, training, batch_first);
     }
-    plan(&call, opts)
+    let plan = plan(&call, opts)?;
+    ensure_planned(&call, &plan)?;
+    Ok(plan)
+}
+
+/// What [`forward_planned`] checks before it allocates, in its order, so that a plan that
+/// says `Ok` is a call whose sizes can be allocated: the projections (their copies and
+/// outputs), then the attention's weights, masks and (composed) score matrices. The output
+/// projection's output has the query projection's size, checked first.
+fn ensure_planned(call: &MhaCall, plan: &Plan) -> Result<()> {
+    if call.n == 0 || call.l == 0 {
+        return Ok(());
+    }
+    project::ensure(call, bf16_projection(call, plan))?;
+    match plan.path {
+        Path::Fused => fused::ensure(call),
+        Path::Composed => composed::ensure(call),
+    }
 }
 
 /// `opts` with its float masks, static keys and values and sinks widened to f32 (the f32 twin

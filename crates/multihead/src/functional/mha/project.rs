@@ -87,3 +87,50 @@ pub(crate) fn project(call: &MhaCall, bf16_qkv: bool) -> Result<Projected> {
     };
     Ok(proj)
 }
+
+/// What [`project`] checks before it allocates, in its order (for `explain`): each
+/// projection's arguments, copies and output, through the same checks as its product.
+pub(crate) fn ensure(call: &MhaCall, bf16_qkv: bool) -> Result<()> {
+    use crate::linear::ensure_linear;
+    let (e, kv) = (call.e, call.kv_e);
+    let p = call.params;
+    let bias = |start: usize, len: usize| -> Result<Option<Tensor>> {
+        Ok(match p.in_proj_bias {
+            Some(b) => Some(b.narrow(0, start, len)?),
+            None => None,
+        })
+    };
+    let (query, key, value) = (&call.query, &call.key, &call.value);
+    let dt = call.query.dtype();
+    let one = |x: &Tensor, w: &Tensor, b: Option<Tensor>, arg: &'static str| {
+        ensure_linear(x, w, b.as_ref(), (MHA, arg), dt)
+    };
+    if call.static_kv.is_some() {
+        let wq = match p.in_proj {
+            InProj::Packed(w) => w.narrow(0, 0, e)?,
+            InProj::Separate { q, .. } => q.clone(),
+        };
+        return one(query, &wq, bias(0, e)?, "query");
+    }
+    let alias = call.alias;
+    match p.in_proj {
+        InProj::Packed(w) if alias.key_is_query && alias.value_is_key => {
+            let out = if bf16_qkv { candle_core::DType::BF16 } else { dt };
+            ensure_linear(query, w, p.in_proj_bias, (MHA, "query"), out)
+        }
+        InProj::Packed(w) if alias.value_is_key => {
+            one(query, &w.narrow(0, 0, e)?, bias(0, e)?, "query")?;
+            one(key, &w.narrow(0, e, 2 * e)?, bias(e, 2 * e)?, "key")
+        }
+        InProj::Packed(w) => {
+            one(query, &w.narrow(0, 0, e)?, bias(0, e)?, "query")?;
+            one(key, &w.narrow(0, e, e)?, bias(e, e)?, "key")?;
+            one(value, &w.narrow(0, 2 * e, e)?, bias(2 * e, e)?, "value")
+        }
+        InProj::Separate { q: wq, k: wk, v: wv } => {
+            one(query, wq, bias(0, e)?, "query")?;
+            one(key, wk, bias(e, kv)?, "key")?;
+            one(value, wv, bias(e + kv, kv)?, "value")
+        }
+    }
+}
