@@ -622,7 +622,8 @@ fn validate_linear_of(
     // Every path reads rows: a view that is not (a transpose, a broadcast `expand`) is copied
     // to full size first. Checked here, before any path is chosen, so that a copy that cannot
     // be allocated is an error on every path (it aborted the process before 2026-12-07).
-    let hint = "a strided or broadcast view is copied to full size before the product; pass                 a smaller or contiguous tensor";
+    let hint = "a strided or broadcast view is copied to full size before the product; pass \
+                a smaller or contiguous tensor";
     for (name, t) in [(arg, x), ("weight", weight)] {
         if !t.is_contiguous() {
             crate::alloc::ensure(op, name, t.dims(), t.dtype(), 1, hint)?;

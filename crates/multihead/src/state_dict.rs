@@ -122,6 +122,13 @@ pub fn save_safetensors<'a>(
     let path = path.as_ref();
     let mut map: HashMap<String, Tensor> = HashMap::new();
     for (k, t) in tensors {
+        // A view (a transpose, a broadcast `expand`) is written at its full size: that copy,
+        // checked before it is made (a 4 TiB broadcast view aborted the process before
+        // 2026-12-07).
+        if !t.is_contiguous() {
+            let hint = "a view is written at its full size; save the tensor it views";
+            crate::alloc::ensure("save_safetensors", "tensor", t.dims(), t.dtype(), 1, hint)?;
+        }
         // A file holds one tensor per name: a second one would silently replace the first.
         if map.insert(k.to_string(), t.contiguous()?).is_some() {
             return Err(file_err(path, format!("cannot write: the name {k:?} is given twice")));
@@ -652,6 +659,10 @@ fn load_with<M: NamedParameters>(
         let mut data = vm.data().lock().unwrap_or_else(|e| e.into_inner());
         for (k, t) in state {
             let t = crate::precision::cast(t, dtype)?.to_device(device)?;
+            // Each parameter is a copy (a view's at its full size), checked before it is made.
+            let hint = "each tensor of a state_dict becomes a parameter of its full size; pass \
+                        the tensors a view stands for";
+            crate::alloc::ensure("load_state_dict", "tensor", t.dims(), t.dtype(), 1, hint)?;
             data.insert(k.clone(), Var::from_tensor(&t)?);
         }
     }

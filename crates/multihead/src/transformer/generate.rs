@@ -234,8 +234,10 @@ impl Transformer {
                 let state =
                     self.start_decoding(memory, memory_key_padding_mask, opts.max_new_tokens);
                 // The caches hold max_new_tokens positions: too many is this argument's doing.
+                // (Only the caches' own allocation: another, the memory's projection say, keeps
+                // its error.)
                 Some(state.map_err(|e| match e {
-                    Error::Alloc { msg, .. } => Error::Alloc {
+                    Error::Alloc { what: "keys and values", msg, .. } => Error::Alloc {
                         op: OP,
                         what: "max_new_tokens",
                         msg: format!(

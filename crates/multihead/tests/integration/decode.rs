@@ -574,6 +574,13 @@ fn generation_with_the_cache_gives_the_tokens_of_recomputing() {
     let err = model.generate(&memory, None, &[0, 1, 2], &huge, embed, logits).unwrap_err();
     assert!(matches!(err, Error::Alloc { what: "max_new_tokens", .. }), "{err}");
     assert!(err.to_string().starts_with("Transformer::generate: max_new_tokens: "), "{err}");
+    // A memory too large to project keeps its own error (it was renamed max_new_tokens).
+    let wide = Tensor::ones((1, 1, 32), DType::F32, &dev()).unwrap();
+    let wide = wide.broadcast_as((3, 1 << 36, 32)).unwrap();
+    let opts = GenerateOptions { max_new_tokens: 1, ..Default::default() };
+    let err = model.generate(&wide, None, &[0, 1, 2], &opts, embed, logits).unwrap_err();
+    assert!(matches!(err, Error::Alloc { .. }), "{err}");
+    assert!(!err.to_string().contains("max_new_tokens"), "{err}");
 }
 
 #[test]

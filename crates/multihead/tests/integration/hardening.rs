@@ -698,3 +698,44 @@ fn mha_explain_gives_the_calls_error_for_sizes_that_cannot_be_allocated() {
     let plan = m.explain_cached(&x, &cache, Some(&[1]));
     agree("cached", m.forward_cached(&x, &mut cache, Some(&[1])), plan);
 }
+
+#[test]
+fn static_keys_and_state_dicts_of_huge_views_are_alloc_errors() {
+    // Each aborted the process before 2026-12-07 (a second adversarial run): static keys and
+    // values that are 2^36-key broadcast views on the fused path, and a state_dict holding a
+    // broadcast view, loaded or saved. Now `Error::Alloc`, explain agreeing.
+    use multihead::state_dict::{load_strict, save_safetensors};
+    use multihead::StaticKv;
+    let one = |dims: &[usize]| {
+        Tensor::ones(vec![1; dims.len()], DType::F32, &dev()).unwrap().broadcast_as(dims).unwrap()
+    };
+    let (m, _vm) = mha(MhaConfig::new(8, 2), DType::F32);
+    let big = one(&[2, 1 << 36, 4]);
+    let skv = StaticKv { k: big.clone(), v: big, memory: det(&[3, 1, 8], DType::F32, 1.0) };
+    let x = det(&[2, 1, 8], DType::F32, 2.0);
+    let call = no_grad(|| m.forward_static(&x, &skv, None)).expect_err("2 TiB keys");
+    assert!(matches!(call, Error::Alloc { .. }), "{call}");
+    let o = MhaOptions::default().need_weights(false);
+    let plan = no_grad(|| m.explain_static(&x, &skv, &o)).expect_err("the same");
+    assert_eq!(plan.to_string(), call.to_string());
+    // A sane size of such a view runs, with the dense tensors' bits.
+    let small = one(&[2, 3, 4]);
+    let dense = small.contiguous().unwrap();
+    let run = |k: &Tensor| {
+        let s = StaticKv { k: k.clone(), v: k.clone(), memory: det(&[3, 1, 8], DType::F32, 1.0) };
+        let y = no_grad(|| m.forward_static(&x, &s, None)).unwrap();
+        y.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
+    assert_eq!(run(&small), run(&dense));
+    // A state_dict holding a 4 TiB broadcast view: loading it and saving it.
+    let mut state = std::collections::HashMap::new();
+    state.insert("weight".to_string(), one(&[1 << 20, 1 << 20]));
+    let r = load_strict(&state, DType::F32, &dev(), |vb| {
+        multihead::Linear::new(1 << 20, 1 << 20, false, vb)
+    });
+    assert!(matches!(r, Err(Error::Alloc { .. })), "{:?}", r.err());
+    let dir = std::env::temp_dir().join(format!("mh-huge-view-{}", std::process::id()));
+    let r = save_safetensors([("w", &state["weight"])], &dir);
+    assert!(matches!(r, Err(Error::Alloc { .. })), "{r:?}");
+    assert!(!dir.exists());
+}

@@ -33,9 +33,31 @@ fn ensure_weights(call: &MhaCall) -> Result<()> {
     crate::alloc::ensure(MHA, "attn_weights", &dims, call.dtype, 1, hint)
 }
 
+/// The copies of `static_k` and `static_v` `(N·hk, S, hd)` the kernels need: with the
+/// zero-attention key appended, or where they are views (split into `(N, hk, S', hd)`),
+/// checked before they are made (a broadcast view of 2^36 keys aborted the process before
+/// 2026-12-07).
+fn ensure_static(call: &MhaCall) -> Result<()> {
+    let Some((k, v)) = &call.static_kv else {
+        return Ok(());
+    };
+    let extra = call.s_total() > call.s;
+    let hint = "static keys and values that are views are copied for the fused kernels; pass \
+                contiguous or smaller ones";
+    for (what, t) in [("static_k", k), ("static_v", v)] {
+        if extra || !t.is_contiguous() {
+            let dims = [t.dim(0)?, call.s_total(), t.dim(2)?];
+            crate::alloc::ensure(MHA, what, &dims, t.dtype(), 1, hint)?;
+        }
+    }
+    Ok(())
+}
+
 /// The sizes [`attend`] checks before it allocates them, in its order (for `explain`): the
-/// masks padded for the extra keys, the weights, and the kernels' copies of the masks.
+/// static keys' copies, the masks padded for the extra keys, the weights, and the kernels'
+/// copies of the masks.
 pub(super) fn ensure(call: &MhaCall) -> Result<()> {
+    ensure_static(call)?;
     let (s, extra) = (call.s_total(), call.s_total() - call.s);
     for m in [&call.attn_mask, &call.kpm].into_iter().flatten() {
         let mut dims = m.dims().to_vec();
@@ -74,6 +96,7 @@ pub(crate) fn attend(
     dropout: Option<(f64, DropoutKey)>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let (l, n, e, h, hd) = (call.l, call.n, call.e, call.h, call.hd);
+    ensure_static(call)?;
     // `S'`: with the `bias_k` and zero-attention keys, appended to copies of the projections.
     let s = call.s_total();
     // The caller's projections, for weights computed by candle operations (which append the
