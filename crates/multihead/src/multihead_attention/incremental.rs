@@ -36,6 +36,14 @@ pub struct StaticKv {
     pub memory: Tensor,
 }
 
+/// The weight and bias of each product that projects a cached step's tokens.
+enum StepProducts<'a> {
+    /// One packed `(3E, E)` product.
+    Packed((&'a Tensor, Option<Tensor>)),
+    /// The q, k and v products.
+    Three([(&'a Tensor, Option<Tensor>); 3]),
+}
+
 /// Options of [`MultiheadAttention::forward_cached_with`]: the variants the decode kernel
 /// runs. The default is plain causal attention (what [`forward_cached`](MultiheadAttention::forward_cached) does).
 ///
@@ -476,9 +484,9 @@ impl MultiheadAttention {
         Ok(if step.unbatched { out.squeeze(1)? } else { out })
     }
 
-    /// The q, k and v projections of the new tokens, in the module's layout (as `forward`
-    /// projects self-attention: one packed product when the weight is packed).
-    fn project_step(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    /// The weights and biases of the step's projections: one packed product, or the q, k and
+    /// v products.
+    fn step_products(&self) -> Result<StepProducts<'_>> {
         let (e, kv) = (self.cfg.embed_dim, self.cfg.kv_dim());
         let b = self.in_proj_bias.as_ref();
         let bias = |s: usize, l: usize| -> Result<Option<Tensor>> {
@@ -488,8 +496,7 @@ impl MultiheadAttention {
             })
         };
         if let Some(w) = &self.in_proj_weight {
-            let qkv = linear(x, w, b, CACHED, "x", Backend::Auto)?;
-            return Ok((qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?));
+            return Ok(StepProducts::Packed((w, b.cloned())));
         }
         let (Some(wq), Some(wk), Some(wv)) =
             (&self.q_proj_weight, &self.k_proj_weight, &self.v_proj_weight)
@@ -499,39 +506,35 @@ impl MultiheadAttention {
                 "the module has no projection weights".into(),
             ));
         };
-        Ok((
-            linear(x, wq, bias(0, e)?.as_ref(), CACHED, "x", Backend::Auto)?,
-            linear(x, wk, bias(e, kv)?.as_ref(), CACHED, "x", Backend::Auto)?,
-            linear(x, wv, bias(e + kv, kv)?.as_ref(), CACHED, "x", Backend::Auto)?,
-        ))
+        Ok(StepProducts::Three([(wq, bias(0, e)?), (wk, bias(e, kv)?), (wv, bias(e + kv, kv)?)]))
+    }
+
+    /// The q, k and v projections of the new tokens, in the module's layout (as `forward`
+    /// projects self-attention: one packed product when the weight is packed).
+    fn project_step(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let e = self.cfg.embed_dim;
+        let run = |(w, b): &(&Tensor, Option<Tensor>)| {
+            linear(x, w, b.as_ref(), CACHED, "x", Backend::Auto)
+        };
+        match self.step_products()? {
+            StepProducts::Packed(packed) => {
+                let qkv = run(&packed)?;
+                Ok((qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?))
+            }
+            StepProducts::Three([q, k, v]) => Ok((run(&q)?, run(&k)?, run(&v)?)),
+        }
     }
 
     /// What [`project_step`](Self::project_step) checks before it allocates, in its order
     /// (for [`explain_cached`](Self::explain_cached)).
     fn ensure_projection(&self, x: &Tensor) -> Result<()> {
-        use crate::linear::ensure_linear;
-        let (e, kv) = (self.cfg.embed_dim, self.cfg.kv_dim());
-        let b = self.in_proj_bias.as_ref();
-        let bias = |s: usize, l: usize| -> Result<Option<Tensor>> {
-            Ok(match b {
-                Some(b) => Some(b.narrow(0, s, l)?),
-                None => None,
-            })
+        let check = |(w, b): &(&Tensor, Option<Tensor>)| {
+            crate::linear::ensure_linear(x, w, b.as_ref(), (CACHED, "x"), x.dtype())
         };
-        if let Some(w) = &self.in_proj_weight {
-            return ensure_linear(x, w, b, (CACHED, "x"), x.dtype());
+        match self.step_products()? {
+            StepProducts::Packed(p) => check(&p),
+            StepProducts::Three(ps) => ps.iter().try_for_each(check),
         }
-        let (Some(wq), Some(wk), Some(wv)) =
-            (&self.q_proj_weight, &self.k_proj_weight, &self.v_proj_weight)
-        else {
-            return Err(config_err(
-                "in_proj_weight",
-                "the module has no projection weights".into(),
-            ));
-        };
-        ensure_linear(x, wq, bias(0, e)?.as_ref(), (CACHED, "x"), x.dtype())?;
-        ensure_linear(x, wk, bias(e, kv)?.as_ref(), (CACHED, "x"), x.dtype())?;
-        ensure_linear(x, wv, bias(e + kv, kv)?.as_ref(), (CACHED, "x"), x.dtype())
     }
 
     /// Attention of `q` (module layout) over the cache, by the planned path.

@@ -27,13 +27,30 @@ pub(crate) enum Packed {
     Kv(Tensor),
 }
 
-/// Projects `call`'s inputs. With `static_k`/`static_v` only the query is projected, and `k`
-/// and `v` are the static tensors, `(N·hk, S, hd)`.
-///
-/// With `bf16_qkv` (a bf16 module's f32 twin without a gradient, whose attention reads the
-/// projection as bf16: [`super::bf16_projection`]), self-attention's packed projection is
-/// written as bf16, the bits the attention's products round it to.
-pub(crate) fn project(call: &MhaCall, bf16_qkv: bool) -> Result<Projected> {
+/// One product of the projections: `x·wᵀ + b`, checked and named as `arg`.
+struct Product<'a> {
+    x: &'a Tensor,
+    w: Tensor,
+    b: Option<Tensor>,
+    arg: &'static str,
+}
+
+/// Which products project `call`'s inputs, grouped by which inputs are the same tensor (as
+/// PyTorch groups them), in the order they run.
+enum Products<'a> {
+    /// With `static_k`/`static_v` (which stand for the key and value projections): the query
+    /// alone.
+    Static(Product<'a>, &'a (Tensor, Tensor)),
+    /// Self-attention through the packed weight: one `(·, ·, 3E)` product.
+    Qkv(Product<'a>),
+    /// Key and value of one memory: the query, then one `(·, ·, 2E)` product.
+    QKv(Product<'a>, Product<'a>),
+    /// Three products.
+    Three([Product<'a>; 3]),
+}
+
+/// The products that project `call`'s inputs.
+fn products<'a>(call: &'a MhaCall<'_>) -> Result<Products<'a>> {
     let (e, kv) = (call.e, call.kv_e);
     let p = call.params;
     // Validation checked the bias shape `(E + 2·kv,)`: q, then k, then v.
@@ -44,93 +61,83 @@ pub(crate) fn project(call: &MhaCall, bf16_qkv: bool) -> Result<Projected> {
         })
     };
     let (query, key, value) = (&call.query, &call.key, &call.value);
-    let (alias, be) = (call.alias, call.backend);
-    if let Some((k, v)) = &call.static_kv {
+    let alias = call.alias;
+    let product = |x, w, b, arg| Product { x, w, b, arg };
+    if let Some(kv) = &call.static_kv {
         let wq = match p.in_proj {
             InProj::Packed(w) => w.narrow(0, 0, e)?,
             InProj::Separate { q, .. } => q.clone(),
         };
-        let q = linear(query, &wq, bias(0, e)?.as_ref(), MHA, "query", be)?;
-        return Ok(Projected { q, k: k.clone(), v: v.clone(), packed: Packed::None });
+        return Ok(Products::Static(product(query, wq, bias(0, e)?, "query"), kv));
     }
-    let proj = match p.in_proj {
+    Ok(match p.in_proj {
         InProj::Packed(w) if alias.key_is_query && alias.value_is_key => {
+            Products::Qkv(product(query, w.clone(), p.in_proj_bias.cloned(), "query"))
+        }
+        InProj::Packed(w) if alias.value_is_key => Products::QKv(
+            product(query, w.narrow(0, 0, e)?, bias(0, e)?, "query"),
+            product(key, w.narrow(0, e, 2 * e)?, bias(e, 2 * e)?, "key"),
+        ),
+        InProj::Packed(w) => Products::Three([
+            product(query, w.narrow(0, 0, e)?, bias(0, e)?, "query"),
+            product(key, w.narrow(0, e, e)?, bias(e, e)?, "key"),
+            product(value, w.narrow(0, 2 * e, e)?, bias(2 * e, e)?, "value"),
+        ]),
+        InProj::Separate { q, k, v } => Products::Three([
+            product(query, q.clone(), bias(0, e)?, "query"),
+            product(key, k.clone(), bias(e, kv)?, "key"),
+            product(value, v.clone(), bias(e + kv, kv)?, "value"),
+        ]),
+    })
+}
+
+/// Projects `call`'s inputs. With `static_k`/`static_v` only the query is projected, and `k`
+/// and `v` are the static tensors, `(N·hk, S, hd)`.
+///
+/// With `bf16_qkv` (a bf16 module's f32 twin without a gradient, whose attention reads the
+/// projection as bf16: [`super::bf16_projection`]), self-attention's packed projection is
+/// written as bf16, the bits the attention's products round it to.
+pub(crate) fn project(call: &MhaCall, bf16_qkv: bool) -> Result<Projected> {
+    let e = call.e;
+    let be = call.backend;
+    let run = |p: &Product| linear(p.x, &p.w, p.b.as_ref(), MHA, p.arg, be);
+    Ok(match products(call)? {
+        Products::Static(q, (k, v)) => {
+            Projected { q: run(&q)?, k: k.clone(), v: v.clone(), packed: Packed::None }
+        }
+        Products::Qkv(p) => {
             let qkv = match bf16_qkv {
                 true => {
-                    let (op, bf16) = ((MHA, "query"), candle_core::DType::BF16);
-                    crate::linear::linear_to(query, w, p.in_proj_bias, op, be, bf16)?
+                    let (op, bf16) = ((MHA, p.arg), candle_core::DType::BF16);
+                    crate::linear::linear_to(p.x, &p.w, p.b.as_ref(), op, be, bf16)?
                 }
-                false => linear(query, w, p.in_proj_bias, MHA, "query", be)?,
+                false => run(&p)?,
             };
             let (q, k, v) = (qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?);
             Projected { q, k, v, packed: Packed::Qkv(qkv) }
         }
-        InProj::Packed(w) if alias.value_is_key => {
-            let q = linear(query, &w.narrow(0, 0, e)?, bias(0, e)?.as_ref(), MHA, "query", be)?;
-            let wkv = w.narrow(0, e, 2 * e)?;
-            let kv = linear(key, &wkv, bias(e, 2 * e)?.as_ref(), MHA, "key", be)?;
+        Products::QKv(pq, pkv) => {
+            let q = run(&pq)?;
+            let kv = run(&pkv)?;
             let (k, v) = (kv.narrow(2, 0, e)?, kv.narrow(2, e, e)?);
             Projected { q, k, v, packed: Packed::Kv(kv) }
         }
-        InProj::Packed(w) => Projected {
-            q: linear(query, &w.narrow(0, 0, e)?, bias(0, e)?.as_ref(), MHA, "query", be)?,
-            k: linear(key, &w.narrow(0, e, e)?, bias(e, e)?.as_ref(), MHA, "key", be)?,
-            v: linear(value, &w.narrow(0, 2 * e, e)?, bias(2 * e, e)?.as_ref(), MHA, "value", be)?,
-            packed: Packed::None,
-        },
-        InProj::Separate { q: wq, k: wk, v: wv } => Projected {
-            q: linear(query, wq, bias(0, e)?.as_ref(), MHA, "query", be)?,
-            k: linear(key, wk, bias(e, kv)?.as_ref(), MHA, "key", be)?,
-            v: linear(value, wv, bias(e + kv, kv)?.as_ref(), MHA, "value", be)?,
-            packed: Packed::None,
-        },
-    };
-    Ok(proj)
+        Products::Three([pq, pk, pv]) => {
+            Projected { q: run(&pq)?, k: run(&pk)?, v: run(&pv)?, packed: Packed::None }
+        }
+    })
 }
 
 /// What [`project`] checks before it allocates, in its order (for `explain`): each
-/// projection's arguments, copies and output, through the same checks as its product.
+/// product's arguments, copies and output, through the same checks as the product.
 pub(crate) fn ensure(call: &MhaCall, bf16_qkv: bool) -> Result<()> {
-    use crate::linear::ensure_linear;
-    let (e, kv) = (call.e, call.kv_e);
-    let p = call.params;
-    let bias = |start: usize, len: usize| -> Result<Option<Tensor>> {
-        Ok(match p.in_proj_bias {
-            Some(b) => Some(b.narrow(0, start, len)?),
-            None => None,
-        })
-    };
-    let (query, key, value) = (&call.query, &call.key, &call.value);
     let dt = call.query.dtype();
-    let one = |x: &Tensor, w: &Tensor, b: Option<Tensor>, arg: &'static str| {
-        ensure_linear(x, w, b.as_ref(), (MHA, arg), dt)
-    };
-    if call.static_kv.is_some() {
-        let wq = match p.in_proj {
-            InProj::Packed(w) => w.narrow(0, 0, e)?,
-            InProj::Separate { q, .. } => q.clone(),
-        };
-        return one(query, &wq, bias(0, e)?, "query");
-    }
-    let alias = call.alias;
-    match p.in_proj {
-        InProj::Packed(w) if alias.key_is_query && alias.value_is_key => {
-            let out = if bf16_qkv { candle_core::DType::BF16 } else { dt };
-            ensure_linear(query, w, p.in_proj_bias, (MHA, "query"), out)
-        }
-        InProj::Packed(w) if alias.value_is_key => {
-            one(query, &w.narrow(0, 0, e)?, bias(0, e)?, "query")?;
-            one(key, &w.narrow(0, e, 2 * e)?, bias(e, 2 * e)?, "key")
-        }
-        InProj::Packed(w) => {
-            one(query, &w.narrow(0, 0, e)?, bias(0, e)?, "query")?;
-            one(key, &w.narrow(0, e, e)?, bias(e, e)?, "key")?;
-            one(value, &w.narrow(0, 2 * e, e)?, bias(2 * e, e)?, "value")
-        }
-        InProj::Separate { q: wq, k: wk, v: wv } => {
-            one(query, wq, bias(0, e)?, "query")?;
-            one(key, wk, bias(e, kv)?, "key")?;
-            one(value, wv, bias(e + kv, kv)?, "value")
-        }
+    let check =
+        |p: &Product, out| crate::linear::ensure_linear(p.x, &p.w, p.b.as_ref(), (MHA, p.arg), out);
+    match products(call)? {
+        Products::Static(q, _) => check(&q, dt),
+        Products::Qkv(p) => check(&p, if bf16_qkv { candle_core::DType::BF16 } else { dt }),
+        Products::QKv(q, kv) => check(&q, dt).and_then(|_| check(&kv, dt)),
+        Products::Three(ps) => ps.iter().try_for_each(|p| check(p, dt)),
     }
 }
