@@ -3,7 +3,7 @@
 //! calls ran before the fused path took them), alternated; forward under `no_grad`, fastest of
 //! three rounds of five calls. Then the fused path with a float mask given three ways: `(L, S)`,
 //! that mask expanded to `(N, H, L, S)` (a stride-0 view, as PyTorch code writes `expand`), and
-//! a dense `(N, H, L, S)` mask.
+//! a dense `(N, H, L, S)` mask; and a bool mask `(L, S)` and expanded.
 //!
 //! `cargo run --release -p multihead --example sdpa_shapes`
 
@@ -63,6 +63,16 @@ fn main() -> Result<()> {
         let opts = SdpaOptions::default().attn_mask(multihead::Mask::Float(m));
         let t = time_with(&q, &k, &v, &opts)?;
         println!("float mask {what}, (8, 8, 512, 64): fused {:.2} ms", t * 1e3);
+    }
+    let causal = small.ge(0.0)?; // a bool mask: about half the keys of each row
+    let masks = [
+        ("(L, S)", causal.clone()),
+        ("(L, S) expanded to (N, H, L, S)", causal.broadcast_as((n, h, l, l))?),
+    ];
+    for (what, m) in masks {
+        let opts = SdpaOptions::default().attn_mask(multihead::Mask::Bool(m));
+        let t = time_with(&q, &k, &v, &opts)?;
+        println!("bool mask {what}, (8, 8, 512, 64): fused {:.2} ms", t * 1e3);
     }
     Ok(())
 }

@@ -137,14 +137,22 @@ fn check_float_dtype(t: &Tensor, dtype: DType, op: &'static str, arg: &'static s
 }
 
 /// `True` (non-zero) becomes `-inf` when `true_masks`, otherwise `False` does; the rest is 0.
+///
+/// A broadcast view (`expand`, stride 0) is converted at the size of the data behind it and
+/// broadcast back to its shape: the same values, without a copy of the dimensions it repeats
+/// (an `(L, S)` mask expanded to `(N·H, L, S)` costs `L·S` floats, not `N·H·L·S`).
 fn bool_to_additive(t: &Tensor, dtype: DType, true_masks: bool) -> Result<Tensor> {
-    // Three mask-sized float tensors (a broadcast view costs its full size here).
-    crate::alloc::ensure("mask", "bool mask", t.dims(), dtype, 3, "pass a smaller mask")?;
-    let neg_inf = Tensor::full(f64::NEG_INFINITY, t.shape(), t.device())?.to_dtype(dtype)?;
-    let zeros = Tensor::zeros(t.shape(), dtype, t.device())?;
+    let c = crate::functional::sdpa_copies::compact(t)?;
+    // Three mask-sized float tensors.
+    crate::alloc::ensure("mask", "bool mask", c.dims(), dtype, 3, "pass a smaller mask")?;
+    let neg_inf = Tensor::full(f64::NEG_INFINITY, c.shape(), c.device())?.to_dtype(dtype)?;
+    let zeros = Tensor::zeros(c.shape(), dtype, c.device())?;
     let out =
-        if true_masks { t.where_cond(&neg_inf, &zeros)? } else { t.where_cond(&zeros, &neg_inf)? };
-    Ok(out)
+        if true_masks { c.where_cond(&neg_inf, &zeros)? } else { c.where_cond(&zeros, &neg_inf)? };
+    Ok(match c.dims() == t.dims() {
+        true => out,
+        false => out.broadcast_as(t.dims())?,
+    })
 }
 
 /// A causal mask aligned to the upper left: row `i` may attend columns `0..=i`, the rest is

@@ -1319,3 +1319,47 @@ fn mha_reads_a_broadcast_float_mask_as_the_dense_mask() {
         }
     }
 }
+
+#[test]
+fn a_broadcast_bool_mask_gives_the_dense_masks_bits() {
+    // A bool mask expanded (stride 0) is converted to an additive mask at the size of the data
+    // behind it and broadcast back: the bits of the same mask made dense, for SDPA (f32 fused,
+    // f64 composed) and MultiheadAttention, with and without gradients.
+    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    let (n, h, l, s, e) = (3, 2, 5, 7, 8);
+    let bits = |t: Tensor| {
+        let v = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    };
+    // Row i hides key j where (i + 2j) % 3 == 0 (as an (L, 1) base: rows 0 and 3 hidden whole,
+    // a pattern broadcast along the keys).
+    let pattern = |rows: usize, cols: usize| {
+        let v: Vec<u8> =
+            (0..rows * cols).map(|i| u8::from((i / cols + 2 * (i % cols)) % 3 == 0)).collect();
+        Tensor::from_vec(v, (rows, cols), &dev()).unwrap()
+    };
+    for base in [pattern(l, s), pattern(l, 1)] {
+        let wide = base.broadcast_as((n, h, l, s)).unwrap();
+        let dense = wide.contiguous().unwrap();
+        for dt in [DType::F32, DType::F64] {
+            let (q, k) = (det(&[n, h, l, e], dt, 1.0), det(&[n, h, s, e], dt, 2.0));
+            for recorded in [false, true] {
+                let go = |m: &Tensor| {
+                    let o = SdpaOptions::default().attn_mask(Mask::Bool(m.clone()));
+                    let f = || scaled_dot_product_attention(&q, &k, &k, &o).unwrap();
+                    bits(if recorded { f() } else { no_grad(f) })
+                };
+                assert_eq!(go(&wide), go(&dense), "sdpa {dt:?} recorded {recorded}");
+            }
+        }
+        let (m, _vm) = mha(MhaConfig::new(e, h), DType::F32);
+        let (q, kv) = (det(&[l, n, e], DType::F32, 1.0), det(&[s, n, e], DType::F32, 2.0));
+        let wide = base.broadcast_as((n * h, l, s)).unwrap();
+        let dense = wide.contiguous().unwrap();
+        let go = |mask: &Tensor| {
+            let o = MhaOptions::default().attn_mask(Mask::Bool(mask.clone()));
+            bits(no_grad(|| m.forward(&q, &kv, &kv, &o).unwrap().output))
+        };
+        assert_eq!(go(&wide), go(&dense), "mha");
+    }
+}

@@ -360,10 +360,11 @@ fn broadcast_views_that_would_expand_beyond_memory_are_alloc_errors() {
         Mask::Bool(Tensor::zeros((1, 1), DType::U8, &dev()).unwrap().broadcast_as((l, l)).unwrap()),
     ] {
         for b in BACKENDS {
-            // A float mask is copied for the fused kernels without its broadcast dimensions
-            // (one value here): they would run the 2^34 scores (`fused.rs` checks the bits of
-            // such masks at a small size); the composed path's scores cannot be allocated.
-            if matches!(mask, Mask::Float(_)) && b != Backend::Composed {
+            // A mask is copied (a bool one converted) for the fused kernels without its
+            // broadcast dimensions (one value here): they would run the 2^34 scores
+            // (`fused.rs` checks the bits of such masks at a small size); the composed path's
+            // scores cannot be allocated.
+            if b != Backend::Composed {
                 continue;
             }
             let opts = MhaOptions::default().attn_mask(mask.clone()).need_weights(false).backend(b);
