@@ -1334,8 +1334,9 @@ fn a_broadcast_bool_mask_gives_the_dense_masks_bits() {
     // Row i hides key j where (i + 2j) % 3 == 0 (as an (L, 1) base: rows 0 and 3 hidden whole,
     // a pattern broadcast along the keys).
     let pattern = |rows: usize, cols: usize| {
-        let v: Vec<u8> =
-            (0..rows * cols).map(|i| u8::from((i / cols + 2 * (i % cols)) % 3 == 0)).collect();
+        let v: Vec<u8> = (0..rows * cols)
+            .map(|i| u8::from((i / cols + 2 * (i % cols)).is_multiple_of(3)))
+            .collect();
         Tensor::from_vec(v, (rows, cols), &dev()).unwrap()
     };
     for base in [pattern(l, s), pattern(l, 1)] {
