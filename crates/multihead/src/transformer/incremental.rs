@@ -244,14 +244,18 @@ impl TransformerDecoderLayer {
         let plain = opts.cross_attn.sinks.is_none()
             && opts.cross_attn.variants.softcap.is_none()
             && opts.cross_attn.variants.kv_lengths.is_none();
+        // (Errors name the masks as the layer's arguments: memory_key_padding_mask.)
+        let named = |e: Error| e.renamed(&super::MEMORY_MASKS.0);
         if check && !plain {
-            self.multihead_attn.explain_static(x, memory, &cross)?;
+            self.multihead_attn.explain_static(x, memory, &cross).map_err(named)?;
         }
         crate::mode::no_grad(|| {
             let sa = |x: &Tensor, c: &mut KvCache| {
                 self.self_attn.forward_cached_with(x, c, lengths, &opts.self_attn)
             };
-            let ca = |x: &Tensor| self.multihead_attn.forward_static_with(x, memory, &cross);
+            let ca = |x: &Tensor| {
+                self.multihead_attn.forward_static_with(x, memory, &cross).map_err(named)
+            };
             let ff = |x: &Tensor| {
                 let (l1, l2) = (&self.linear1, &self.linear2);
                 feed_forward(l1, l2, self.cfg.activation, &LayerDropout::off(), x)
@@ -300,6 +304,17 @@ impl TransformerDecoder {
                 _ => vec![],
             };
             let got = m.tensor().dims();
+            if !m.is_bool() && m.tensor().dtype() != memory.dtype() {
+                return Err(Error::DType {
+                    op: "TransformerDecoder::start",
+                    arg: "memory_key_padding_mask",
+                    msg: format!(
+                        "a float mask must have the memory's dtype {:?}, got {:?}",
+                        memory.dtype(),
+                        m.tensor().dtype()
+                    ),
+                });
+            }
             if s.is_some() && got != want.as_slice() {
                 return Err(Error::Shape {
                     op: "TransformerDecoder::start",

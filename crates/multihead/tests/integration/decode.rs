@@ -437,6 +437,12 @@ fn static_keys_give_the_numbers_of_projecting_the_memory() {
         let bad = MhaOptions::default().static_kv(st.k.narrow(1, 0, 8).unwrap(), st.v.clone());
         let err = m.forward(&x, &mem, &mem, &bad).unwrap_err().to_string();
         assert!(err.contains("static_v") || err.contains("static_k"), "{err}");
+        // A key of another rank: the message names S, not a made-up length.
+        let flat = st.k.flatten(1, 2).unwrap();
+        let bad = MhaOptions::default().static_kv(flat.clone(), flat);
+        let err = m.forward(&x, &mem, &mem, &bad).unwrap_err().to_string();
+        let nh = 3 * kv.unwrap_or(4);
+        assert!(err.contains(&format!("expected shape ({nh}, S, 8)")), "{err}");
     }
 }
 
@@ -865,6 +871,13 @@ fn start_decoding_checks_the_memory_padding_mask() {
     }
     let kpm = Mask::Bool(Tensor::zeros((2, 7), DType::U8, &dev()).unwrap());
     assert!(model.start_decoding(&memory, Some(&kpm), 4).is_ok());
+    // A float mask of another dtype (it failed only at the first step, named
+    // key_padding_mask).
+    for dt in [DType::U32, DType::F64] {
+        let kpm = Mask::Float(Tensor::zeros((2, 7), dt, &dev()).unwrap());
+        let err = model.start_decoding(&memory, Some(&kpm), 4).unwrap_err();
+        assert!(matches!(err, Error::DType { arg: "memory_key_padding_mask", .. }), "{err}");
+    }
 }
 
 /// `append_kv` and the cached forward read strided keys and values in place (a transposed

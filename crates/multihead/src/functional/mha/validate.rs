@@ -401,16 +401,17 @@ fn check_static(
                 .into(),
         });
     }
-    let s = if k.rank() == 3 { k.dim(1)? } else { 0 };
+    // S is the key's (the value must match it); a key of another rank has none to name.
+    let s = (k.rank() == 3).then(|| k.dims()[1]);
     let device = params.out_proj_weight.device();
     for (arg, t) in [("static_k", k), ("static_v", v)] {
-        let want = [n.saturating_mul(hk), s, hd];
-        if t.dims() != want {
+        let nh = n.saturating_mul(hk);
+        if t.rank() != 3 || t.dims()[0] != nh || t.dims()[2] != hd || Some(t.dims()[1]) != s {
+            let s = s.map_or("S".to_string(), |s| s.to_string());
             return Err(shape_err(
                 arg,
                 format!(
-                    "expected shape {} (N·num_kv_heads, S, head_dim), got {}",
-                    fmt_shape(&want),
+                    "expected shape ({nh}, {s}, {hd}) (N·num_kv_heads, S, head_dim), got {}",
                     fmt_shape(t.dims())
                 ),
             ));
