@@ -55,6 +55,7 @@ pub(crate) fn four_d(
     let merge = |t: &Tensor| -> Result<Tensor> {
         let d = t.dims();
         let t = super::core::expand_to(t, &[lead, &d[r - 3..]].concat())?;
+        ensure_merge(&t, "input")?;
         Ok(t.reshape((n, d[r - 3], d[r - 2], d[r - 1]))?)
     };
     let mut o = opts.clone();
@@ -93,6 +94,7 @@ fn merged_mask(t: &Tensor, lead: &[usize]) -> Result<Option<Tensor>> {
     let d = t.dims();
     let (own, tail) = (&d[..m - 3], &d[m - 3..]);
     if own.iter().all(|&x| x == 1) {
+        ensure_merge(t, "attn_mask")?;
         return Ok(Some(t.reshape(tail)?));
     }
     let n: usize = lead.iter().product();
@@ -101,5 +103,17 @@ fn merged_mask(t: &Tensor, lead: &[usize]) -> Result<Option<Tensor>> {
         true => t.clone(),
         false => t.broadcast_as([lead, tail].concat())?,
     };
+    ensure_merge(&t, "attn_mask")?;
     Ok(Some(t.reshape((n, tail[0], tail[1], tail[2]))?))
+}
+
+/// The copy a reshape makes of a view that is not contiguous (a broadcast batch, say),
+/// checked before it is made (by the call and by `explain_sdpa`, which merge alike).
+fn ensure_merge(t: &Tensor, what: &'static str) -> Result<()> {
+    if t.is_contiguous() {
+        return Ok(());
+    }
+    let hint = "the dimensions before the heads are merged into one batch, a broadcast one by a \
+                copy at full size; pass smaller inputs";
+    crate::alloc::ensure("scaled_dot_product_attention", what, t.dims(), t.dtype(), 1, hint)
 }

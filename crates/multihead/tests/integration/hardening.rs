@@ -740,3 +740,24 @@ fn static_keys_and_state_dicts_of_huge_views_are_alloc_errors() {
     assert!(matches!(r, Err(Error::Alloc { .. })), "{r:?}");
     assert!(!dir.exists());
 }
+
+#[test]
+fn sdpa_merging_huge_broadcast_batches_is_an_alloc_error() {
+    // A 5-D call merges its leading dimensions into one batch, a broadcast one by a copy: for
+    // a 32 TiB copy that was unchecked. Now `Error::Alloc`, the plan agreeing, for the inputs
+    // and for a mask.
+    let one = |dims: &[usize]| {
+        Tensor::ones(vec![1; dims.len()], DType::F32, &dev()).unwrap().broadcast_as(dims).unwrap()
+    };
+    let o = SdpaOptions::default();
+    let q = one(&[1 << 16, 1 << 16, 1, 256, 8]);
+    let call = no_grad(|| scaled_dot_product_attention(&q, &q, &q, &o)).unwrap_err();
+    let plan = no_grad(|| multihead::functional::explain_sdpa(&q, &q, &q, &o)).unwrap_err();
+    assert!(matches!(call, Error::Alloc { .. }), "{call}");
+    assert_eq!(plan.to_string(), call.to_string());
+    // A small call with a mask broadcast over both leading dimensions runs.
+    let (q, m) = (det(&[2, 3, 1, 4, 8], DType::F32, 1.0), one(&[2, 3, 1, 4, 4]));
+    let o = SdpaOptions::default().attn_mask(Mask::Float(m));
+    let y = scaled_dot_product_attention(&q, &q, &q, &o).unwrap();
+    assert_eq!(y.dims(), &[2, 3, 1, 4, 8]);
+}
