@@ -12,7 +12,7 @@ use crate::mode::Backend;
 use crate::random::{next_dropout_key, DropoutKey};
 use crate::variants::{CausalAlign, Variants, Window};
 
-const SDPA: &str = "scaled_dot_product_attention";
+pub(super) const SDPA: &str = "scaled_dot_product_attention";
 
 /// Options of [`scaled_dot_product_attention`], with PyTorch's defaults.
 #[derive(Clone, Debug, Default)]

@@ -15,10 +15,8 @@
 
 use candle_core::{DType, Tensor};
 
+use super::sdpa::SDPA;
 use crate::error::Result;
-
-/// The operation's name in errors.
-const SDPA: &str = "scaled_dot_product_attention";
 
 /// `t` without the copies of its broadcast dimensions: each dimension that a view repeats
 /// (stride 0, size above 1) narrowed to size 1, which broadcasts back to the same shape with

@@ -115,5 +115,5 @@ fn ensure_merge(t: &Tensor, what: &'static str) -> Result<()> {
     }
     let hint = "the dimensions before the heads are merged into one batch, a broadcast one by a \
                 copy at full size; pass smaller inputs";
-    crate::alloc::ensure("scaled_dot_product_attention", what, t.dims(), t.dtype(), 1, hint)
+    crate::alloc::ensure(super::sdpa::SDPA, what, t.dims(), t.dtype(), 1, hint)
 }

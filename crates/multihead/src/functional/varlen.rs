@@ -276,8 +276,9 @@ pub fn varlen_attention(
     cu_seqlens_k: &CuSeqlens,
     opts: &SdpaOptions,
 ) -> Result<Tensor> {
-    let plan = explain_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, opts)?;
+    // As `explain_varlen`: validated, planned, and `run` checks the sizes first.
     let heads = validate(query, key, value, (cu_seqlens_q, cu_seqlens_k), opts)?;
+    let plan = plan(query, opts)?;
     run(query, key, value, heads, (cu_seqlens_q, cu_seqlens_k), opts, plan.path)
 }
 

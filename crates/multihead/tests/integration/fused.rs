@@ -1252,7 +1252,12 @@ fn sdpa_reads_broadcast_masks_and_strided_views_as_the_dense_tensors_and_checks_
         let v = det(&[n, h, s, e], dt, 3.0);
         // (The last two broadcast along the keys, then along everything: read with stride 0.)
         for base in [vec![1, h, l, s], vec![l, s], vec![l, 1], vec![1, 1]] {
-            let small = det(&base, dt, 4.0);
+            // One NaN (its row's output is NaN either way) among finite values.
+            let mut vals =
+                det(&base, DType::F32, 4.0).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            vals[0] = f32::NAN;
+            let small =
+                Tensor::from_vec(vals, base.as_slice(), &dev()).unwrap().to_dtype(dt).unwrap();
             let wide = small.broadcast_as((n, h, l, s)).unwrap();
             let dense = wide.contiguous().unwrap();
             let opts = |m: &Tensor| SdpaOptions::default().attn_mask(Mask::Float(m.clone()));
