@@ -726,7 +726,7 @@ fn run_fused(
     opts: &SdpaOptions,
     dropout: Option<(f64, DropoutKey)>,
 ) -> Result<Tensor> {
-    use crate::fused::flash::{Convention, FlashAttention, OwnedMask};
+    use crate::fused::flash::{Convention, FlashAttention, FlashMask};
     let (query, key, value) = fused_views(query, key, value, call)?;
     let (query, key, value) = (&query, &key, &value);
     let (b, hq, l, e) = query.dims4()?;
@@ -734,9 +734,10 @@ fn run_fused(
     super::sdpa_copies::ensure_fused([query, key, value], call.mask.as_ref())?;
     let mut masks = Vec::new();
     if let Some(add) = &call.mask {
-        // Copied without its broadcast dimensions, which the kernels read with stride 0.
+        // Without its broadcast dimensions (read with stride 0): read where it lies when f32
+        // and dense behind them, copied otherwise.
         let add = super::sdpa_copies::compact(add)?;
-        masks.push(OwnedMask::new(&add, super::sdpa_copies::mask_strides(add.dims()))?);
+        masks.push(FlashMask::new(&add, super::sdpa_copies::mask_strides(add.dims()))?);
     }
     let dims = multihead_kernels::attention::AttnDims {
         batch: b,

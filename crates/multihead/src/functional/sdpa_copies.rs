@@ -8,15 +8,18 @@
 //! * a query, key or value view whose last dimension is strided (a transpose, a broadcast of
 //!   the feature dimension) is copied to full size, since the kernels read rows;
 //! * the additive mask, in f32, as the kernels read it, **without its broadcast dimensions**:
-//!   a mask built with `expand`/`broadcast_as` (stride 0) is copied at the size of the data
+//!   a mask built with `expand`/`broadcast_as` (stride 0) is read at the size of the data
 //!   behind it, and the kernels read the repeated dimensions with stride 0. A `(L, S)` mask
 //!   expanded to `(N, H, L, S)`, as PyTorch code often writes it, costs `L·S` floats, not
-//!   `N·H·L·S`.
+//!   `N·H·L·S`. Where that data is a contiguous f32 tensor (a dense mask as given, or the
+//!   call's conversion of a bf16 or bool one) it is read where it lies and nothing is copied
+//!   ([`FlashMask`]); only a strided view is.
 
 use candle_core::{DType, Tensor};
 
 use super::sdpa::SDPA;
 use crate::error::Result;
+use crate::fused::flash::FlashMask;
 
 /// `t` without the copies of its broadcast dimensions: each dimension that a view repeats
 /// (stride 0, size above 1) narrowed to size 1, which broadcasts back to the same shape with
@@ -63,10 +66,13 @@ pub(super) fn ensure_fused(views: [&Tensor; 3], mask: Option<&Tensor>) -> Result
         }
     }
     if let Some(m) = mask {
+        // Read where it lies when f32 and dense behind its broadcast dimensions.
         let m = compact(m)?;
-        let hint = "the fused kernels copy the mask in f32 (without its broadcast dimensions); \
-                    pass a smaller mask";
-        crate::alloc::ensure(SDPA, "attn_mask", m.dims(), DType::F32, 2, hint)?;
+        if !FlashMask::reads_in_place(&m) {
+            let hint = "the fused kernels copy the mask in f32 (without its broadcast \
+                        dimensions); pass a smaller mask";
+            crate::alloc::ensure(SDPA, "attn_mask", m.dims(), DType::F32, 2, hint)?;
+        }
     }
     Ok(())
 }

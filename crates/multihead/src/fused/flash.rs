@@ -63,25 +63,93 @@ impl Convention {
     }
 }
 
-/// An owned mask in the kernel's `[batch, head, l, s]` view.
+/// An additive f32 mask in the kernel's `[batch, head, l, s]` view.
+///
+/// Read in place where the tensor is f32 on the CPU and dense behind its broadcast dimensions
+/// (the caller's mask as it is, or the conversion the call already made: a dense `(N, H, L, S)`
+/// mask is not copied again for each call); copied otherwise (a strided view).
 #[derive(Clone, Debug)]
-pub(crate) struct OwnedMask {
-    pub data: Vec<f32>,
+pub(crate) struct FlashMask {
+    data: MaskData,
     pub strides: [usize; 4],
 }
 
-impl OwnedMask {
-    /// Copies an additive f32 mask tensor and views it through `strides`.
+/// Where a [`FlashMask`]'s values lie.
+#[derive(Clone, Debug)]
+enum MaskData {
+    /// A copy, in the dense order of the mask's dims.
+    Owned(Vec<f32>),
+    /// A contiguous f32 CPU tensor, read from its storage at its start offset.
+    Shared(Tensor),
+}
+
+/// A [`FlashMask`]'s values while the kernels read them: a copy's, or the shared tensor's
+/// storage held for reading.
+enum MaskRead<'a> {
+    Owned(&'a [f32]),
+    Shared(candle_core::StorageRef<'a>, std::ops::Range<usize>),
+}
+
+impl MaskRead<'_> {
+    fn values(&self) -> candle_core::Result<&[f32]> {
+        match self {
+            MaskRead::Owned(v) => Ok(v),
+            MaskRead::Shared(s, range) => f32s(s)?.get(range.clone()).ok_or_else(|| {
+                candle_core::Error::Msg("flash attention: the mask's storage is too short".into())
+            }),
+        }
+    }
+}
+
+impl FlashMask {
+    /// An additive mask tensor (any dtype; read as f32) viewed through `strides`, which
+    /// address its elements in the dense order of its dims: read in place where it is a
+    /// contiguous f32 CPU tensor, copied (in f32) otherwise.
     pub(crate) fn new(t: &Tensor, strides: [usize; 4]) -> Result<Self> {
+        if Self::reads_in_place(t) {
+            return Ok(Self { data: MaskData::Shared(t.clone()), strides });
+        }
         Self::ensure(t.dims())?;
-        Ok(Self { data: t.flatten_all()?.to_vec1::<f32>()?, strides })
+        let values = t.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(Self { data: MaskData::Owned(values), strides })
     }
 
-    /// Whether the copies [`new`](Self::new) makes of an f32 mask of `dims` can be allocated
-    /// (a broadcast view costs its full size: the callers compact them first).
+    /// Whether [`new`](Self::new) reads `t` where it lies: a contiguous f32 CPU tensor.
+    pub(crate) fn reads_in_place(t: &Tensor) -> bool {
+        t.dtype() == candle_core::DType::F32 && t.device().is_cpu() && t.layout().is_contiguous()
+    }
+
+    /// Whether the copies [`new`](Self::new) makes of `t` (none where it reads `t` in place)
+    /// can be allocated.
+    pub(crate) fn ensure_for(t: &Tensor) -> Result<()> {
+        match Self::reads_in_place(t) {
+            true => Ok(()),
+            false => Self::ensure(t.dims()),
+        }
+    }
+
+    /// Whether the copies [`new`](Self::new) may make of an f32 mask of `dims` can be
+    /// allocated (a broadcast view costs its full size: the callers compact them first).
     pub(crate) fn ensure(dims: &[usize]) -> Result<()> {
         let hint = "pass a smaller mask";
         crate::alloc::ensure("flash attention", "mask", dims, candle_core::DType::F32, 2, hint)
+    }
+
+    /// Whether the mask is read where its tensor lies (not copied).
+    #[cfg(test)]
+    pub(crate) fn in_place(&self) -> bool {
+        matches!(self.data, MaskData::Shared(_))
+    }
+
+    fn read(&self) -> MaskRead<'_> {
+        match &self.data {
+            MaskData::Owned(v) => MaskRead::Owned(v),
+            MaskData::Shared(t) => {
+                let (storage, layout) = t.storage_and_layout();
+                let start = layout.start_offset();
+                MaskRead::Shared(storage, start..start + layout.shape().elem_count())
+            }
+        }
     }
 }
 
@@ -91,7 +159,7 @@ pub(crate) struct FlashAttention {
     pub dims: AttnDims,
     pub scale: f32,
     pub causal: bool,
-    pub masks: Arc<Vec<OwnedMask>>,
+    pub masks: Arc<Vec<FlashMask>>,
     pub dropout: Option<(f64, DropoutKey)>,
     pub conv: Convention,
     /// The products (forward and backward) take bf16 operands (`AttnParams::bf16_products`);
@@ -131,7 +199,7 @@ impl FlashAttention {
         dims: AttnDims,
         scale: f32,
         causal: bool,
-        masks: Vec<OwnedMask>,
+        masks: Vec<FlashMask>,
         dropout: Option<(f64, DropoutKey)>,
         conv: Convention,
     ) -> Self {
@@ -245,14 +313,15 @@ impl FlashAttention {
         let rows = if self.keep_stats { 2 * d.batch * d.heads_q * d.l } else { 0 };
         let mut lse = crate::alloc::try_zeros::<f32>(rows, "flash attention row statistics")?;
         let stats = self.keep_stats.then_some(&mut lse[..]);
-        let p = self.params();
-        let write = |dst: &mut [std::mem::MaybeUninit<E>]| {
-            kernel(&p, dst, o4, stats)
-                .map_err(|e| candle_core::Error::Msg(format!("flash attention forward: {e}")))
-        };
-        // SAFETY: on `Ok` the kernel wrote every element of the contiguous output
-        // (`flash_forward_uninit`, `flash_forward_bf16_uninit`).
-        let out = unsafe { crate::alloc::try_written(n, "flash attention output", write) }?;
+        let out = self.with_params(|p| {
+            let write = |dst: &mut [std::mem::MaybeUninit<E>]| {
+                kernel(p, dst, o4, stats)
+                    .map_err(|e| candle_core::Error::Msg(format!("flash attention forward: {e}")))
+            };
+            // SAFETY: on `Ok` the kernel wrote every element of the contiguous output
+            // (`flash_forward_uninit`, `flash_forward_bf16_uninit`).
+            unsafe { crate::alloc::try_written(n, "flash attention output", write) }
+        })??;
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
         Ok((out, Shape::from(out_dims)))
     }
@@ -294,11 +363,26 @@ impl FlashAttention {
             return Err(candle_core::Error::Msg(NO_STATS.into()));
         }
         let (out, g) = ((&f32s(&os)?[o_off..], o4), (&f32s(&gs)?[g_off..], g4));
-        f(&self.params(), out, g, &lse)
+        self.with_params(|p| f(p, out, g, &lse))?
             .map_err(|e| candle_core::Error::Msg(format!("flash attention backward: {e}")))
     }
 
-    pub(crate) fn params(&self) -> AttnParams<'_> {
+    /// Runs `f` with the kernel parameters of this op, its masks read where they lie (their
+    /// tensors' storage held for reading while `f` runs).
+    pub(crate) fn with_params<R>(
+        &self,
+        f: impl FnOnce(&AttnParams<'_>) -> R,
+    ) -> candle_core::Result<R> {
+        let reads: Vec<MaskRead<'_>> = self.masks.iter().map(FlashMask::read).collect();
+        let mut p = self.params_without_masks();
+        for ((slot, m), read) in p.masks.iter_mut().zip(self.masks.iter()).zip(&reads) {
+            *slot = Some(MaskView::Additive { data: read.values()?, strides: m.strides });
+        }
+        Ok(f(&p))
+    }
+
+    /// The kernel parameters of this op but its masks ([`Self::with_params`] adds them).
+    fn params_without_masks(&self) -> AttnParams<'_> {
         let mut p = AttnParams::new(self.dims);
         p.scale = self.scale;
         p.causal = self.causal;
@@ -312,9 +396,6 @@ impl FlashAttention {
         p.softcap_after_masks = v.softcap_after_masks;
         p.alibi = self.alibi.as_deref().map(Vec::as_slice);
         p.sinks = self.sinks.as_deref().map(Vec::as_slice);
-        for (slot, m) in p.masks.iter_mut().zip(self.masks.iter()) {
-            *slot = Some(MaskView::Additive { data: &m.data, strides: m.strides });
-        }
         p
     }
 
@@ -344,7 +425,7 @@ impl FlashAttention {
         let mut w = crate::alloc::try_zeros::<f32>(n, "flash attention weights")?;
         let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
         let (q, k) = (qs.get(q_off..).unwrap_or(&[]), ks.get(k_off..).unwrap_or(&[]));
-        attention_weights(&self.params(), q, q4, k, k4, &lse, average, &mut w)
+        self.with_params(|p| attention_weights(p, q, q4, k, k4, &lse, average, &mut w))?
             .map_err(|e| candle_core::Error::Msg(format!("flash attention weights: {e}")))?;
         Ok((w, Shape::from((d.batch, hw, d.l, d.s))))
     }
@@ -479,5 +560,34 @@ impl FlashAttention {
     /// Applies the op to `(q, k, v)`; the result is differentiable through [`CustomOp3::bwd`].
     pub(crate) fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         Ok(q.apply_op3_arc(k, v, Arc::new(Box::new(self.for_inputs(&[q, k, v]))))?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn contiguous_f32_masks_are_read_in_place_and_others_copied() {
+        let dev = Device::Cpu;
+        let t = Tensor::arange(0f32, 24.0, &dev).unwrap().reshape((2, 3, 4)).unwrap();
+        let read = |m: &FlashMask| m.read().values().unwrap().to_vec();
+        // In place: dense, and at an offset into a larger tensor (its own elements only).
+        let dense = FlashMask::new(&t, [12, 0, 4, 1]).unwrap();
+        assert!(dense.in_place());
+        assert_eq!(read(&dense), (0..24).map(|i| i as f32).collect::<Vec<_>>());
+        let part = t.narrow(0, 1, 1).unwrap();
+        let at = FlashMask::new(&part, [0, 0, 4, 1]).unwrap();
+        assert!(at.in_place());
+        assert_eq!(read(&at), (12..24).map(|i| i as f32).collect::<Vec<_>>());
+        // Copied: a transposed view (in its dense order) and another dtype.
+        let tr = FlashMask::new(&t.transpose(1, 2).unwrap(), [12, 0, 3, 1]).unwrap();
+        assert!(!tr.in_place());
+        assert_eq!(read(&tr)[..4], [0.0, 4.0, 8.0, 1.0]);
+        let wide = FlashMask::new(&t.to_dtype(DType::F64).unwrap(), [12, 0, 4, 1]).unwrap();
+        assert!(!wide.in_place());
+        assert_eq!(read(&wide), read(&dense));
     }
 }

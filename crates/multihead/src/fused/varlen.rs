@@ -268,7 +268,7 @@ impl CustomOp3 for VarlenAttention {
                 let op = self.sequence_op(b, l, s);
                 let ((qs, q4), (ks, k4), (vs, v4)) = (q.part(q0, l), k.part(k0, s), v.part(k0, s));
                 let stats = keep.then_some(&mut lse[..]);
-                flash_forward_uninit(&op.params(), qs, q4, ks, k4, vs, v4, o, o4, stats)
+                op.with_params(|p| flash_forward_uninit(p, qs, q4, ks, k4, vs, v4, o, o4, stats))?
                     .map_err(|e| kernel_err("forward", e))?;
                 Ok(lse)
             })
@@ -334,26 +334,12 @@ impl CustomOp3 for VarlenAttention {
                     (qr.part(q0, l), kr.part(k0, s), vr.part(k0, s));
                 let ((ov, o4), (gv, g4)) = (or.part(q0, l), gr.part(q0, l));
                 let lse_b = lse.get(b).map(Vec::as_slice).unwrap_or(&[]);
-                flash_backward(
-                    &op.params(),
-                    qv,
-                    q4,
-                    kv,
-                    k4,
-                    vv,
-                    v4,
-                    ov,
-                    o4,
-                    gv,
-                    g4,
-                    lse_b,
-                    dqb,
-                    dq4,
-                    dkb,
-                    dk4,
-                    dvb,
-                    dv4,
-                )
+                op.with_params(|p| {
+                    flash_backward(
+                        p, qv, q4, kv, k4, vv, v4, ov, o4, gv, g4, lse_b, dqb, dq4, dkb, dk4, dvb,
+                        dv4,
+                    )
+                })?
                 .map_err(|e| kernel_err("backward", e))
             })?;
         let dev = q.device();

@@ -64,7 +64,7 @@ impl CustomOp2 for VarlenSinkGrad {
                 let op = self.op.sequence_op(b, l, s);
                 let ((ov, o4), (gv, g4)) = (or.part(q0, l), gr.part(q0, l));
                 let lse_b = lse.get(b).map(Vec::as_slice).unwrap_or(&[]);
-                sink_grad(&op.params(), ov, o4, gv, g4, lse_b, &mut ds).map_err(|e| {
+                op.with_params(|p| sink_grad(p, ov, o4, gv, g4, lse_b, &mut ds))?.map_err(|e| {
                     candle_core::Error::Msg(format!("varlen attention sinks backward: {e}"))
                 })?;
                 Ok(ds)

@@ -1300,6 +1300,97 @@ fn sdpa_reads_broadcast_masks_and_strided_views_as_the_dense_tensors_and_checks_
 }
 
 #[test]
+fn a_dense_float_mask_read_in_place_gives_the_bits_of_its_copy() {
+    // A contiguous f32 mask (the caller's, at an offset into a larger tensor, or the call's own
+    // conversion of a bf16 mask) is read where it lies; a transposed view of the same values
+    // is copied. The same bits either way: outputs, head weights through MultiheadAttention,
+    // and the gradients of q, k, v and of a learned mask, on the fused path.
+    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    let (n, h, l, s, e) = (3, 2, 5, 7, 8);
+    let bits = |t: &Tensor| {
+        let v = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    };
+    let mut vals = det(&[n, h, l, s], DType::F32, 4.0).flatten_all().unwrap().to_vec1::<f32>();
+    if let Ok(v) = vals.as_mut() {
+        v[3] = f32::NEG_INFINITY;
+        v[40] = f32::NAN;
+    }
+    let dense = Tensor::from_vec(vals.unwrap(), (n, h, l, s), &dev()).unwrap();
+    // The same values three ways: dense, at an offset into a larger tensor, transposed.
+    let pad = det(&[1, h, l, s], DType::F32, 9.0);
+    let offset = Tensor::cat(&[&pad, &dense], 0).unwrap().narrow(0, 1, n).unwrap();
+    let strided = dense.transpose(2, 3).unwrap().contiguous().unwrap().transpose(2, 3).unwrap();
+    assert!(offset.is_contiguous() && offset.layout().start_offset() > 0);
+    assert!(!strided.is_contiguous());
+    for dt in [DType::F32, DType::BF16] {
+        let (q, k, v) =
+            (det(&[n, h, l, e], dt, 1.0), det(&[n, h, s, e], dt, 2.0), det(&[n, h, s, e], dt, 3.0));
+        let run = |mask: &Tensor, learned: bool| {
+            let (qv, kv, vv) = (var(&q), var(&k), var(&v));
+            let mv = var(&mask.to_dtype(dt).unwrap());
+            // (A learned mask is a Var: dense; the others keep their layout.)
+            let m = if learned { mv.as_tensor().clone() } else { mask.to_dtype(dt).unwrap() };
+            let opts = SdpaOptions::default().attn_mask(Mask::Float(m));
+            let plan = explain_sdpa(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), &opts);
+            assert_eq!(plan.unwrap().path, Path::Fused, "{dt:?}");
+            let y =
+                scaled_dot_product_attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), &opts)
+                    .unwrap();
+            let w = det(y.dims(), dt, 5.0);
+            let g = y.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+            let mut out = vec![bits(&y)];
+            for t in [qv.as_tensor(), kv.as_tensor(), vv.as_tensor()] {
+                out.push(bits(g.get(t).expect("gradient")));
+            }
+            if learned {
+                out.push(bits(g.get(mv.as_tensor()).expect("mask gradient")));
+            }
+            out
+        };
+        for learned in [false, true] {
+            let want = run(&strided, learned);
+            assert_eq!(run(&dense, learned), want, "{dt:?} dense, learned {learned}");
+            assert_eq!(run(&offset, learned), want, "{dt:?} offset, learned {learned}");
+        }
+    }
+    // MultiheadAttention with an (N·H, L, S) mask and a float key padding mask, each dense, at
+    // an offset, or transposed: the same output and head weights, with and without gradients.
+    let (m, _vm) = mha(MhaConfig::new(e, h), DType::F32);
+    let x = det(&[l, n, e], DType::F32, 1.0);
+    let kv = det(&[s, n, e], DType::F32, 2.0);
+    let am = dense.reshape((n * h, l, s)).unwrap();
+    let kpm = det(&[n, s], DType::F32, 6.0);
+    let am_off = offset.reshape((n * h, l, s)).unwrap();
+    let kpm_off = Tensor::cat(
+        &[&pad.flatten_all().unwrap().narrow(0, 0, s).unwrap().reshape((1, s)).unwrap(), &kpm],
+        0,
+    )
+    .unwrap()
+    .narrow(0, 1, n)
+    .unwrap();
+    let am_t = am.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
+    let kpm_t = kpm.t().unwrap().contiguous().unwrap().t().unwrap();
+    assert!(kpm_off.is_contiguous() && kpm_off.layout().start_offset() > 0);
+    for recorded in [false, true] {
+        let go = |a: &Tensor, p: &Tensor| {
+            let opts = MhaOptions::default()
+                .attn_mask(Mask::Float(a.clone()))
+                .key_padding_mask(Mask::Float(p.clone()))
+                .average_attn_weights(false);
+            let plan = m.explain(&x, &kv, &kv, &opts).unwrap();
+            assert_eq!(plan.path, Path::Fused, "{plan:?}");
+            let f = || m.forward(&x, &kv, &kv, &opts).unwrap();
+            let out = if recorded { f() } else { no_grad(f) };
+            (bits(&out.output), bits(&out.attn_weights.expect("weights")))
+        };
+        let want = go(&am_t, &kpm_t);
+        assert_eq!(go(&am, &kpm), want, "mha dense, recorded {recorded}");
+        assert_eq!(go(&am_off, &kpm_off), want, "mha offset, recorded {recorded}");
+    }
+}
+
+#[test]
 fn mha_reads_a_broadcast_float_mask_as_the_dense_mask() {
     // An attention mask expanded (stride 0) to (N·H, L, S) from (L, S), from a per-query
     // column (L, 1), or from one value, is copied for the kernels without its repeated

@@ -10,7 +10,7 @@ use super::MHA;
 use crate::error::Result;
 use crate::functional::core::cat_nonempty;
 use crate::functional::sdpa_copies::compact;
-use crate::fused::flash::{Convention, FlashAttention, OwnedMask};
+use crate::fused::flash::{Convention, FlashAttention, FlashMask};
 use crate::fused::mask_grad::Inputs;
 use crate::fused::weights_grad::{self, from_bhtd, to_bhtd};
 use crate::random::DropoutKey;
@@ -72,16 +72,22 @@ pub(super) fn ensure(call: &MhaCall) -> Result<()> {
     if s == 0 {
         return Ok(());
     }
+    // A mask is read where it lies or copied without its broadcast dimensions; a padded one
+    // is a new dense tensor (checked by `ensure_pad`), read where it lies when f32.
+    let padded_copy = |m: &Tensor| extra > 0 && m.dtype() != candle_core::DType::F32;
     if let Some(a) = &call.attn_mask {
-        // A padded mask is a dense copy; otherwise the broadcast dimensions are not copied.
-        let dims = match extra {
-            0 => compact(a)?.dims().to_vec(),
-            _ => vec![a.dim(0)?, call.l, s],
-        };
-        OwnedMask::ensure(&dims)?;
+        match extra {
+            0 => FlashMask::ensure_for(&compact(a)?)?,
+            _ if padded_copy(a) => FlashMask::ensure(&[a.dim(0)?, call.l, s])?,
+            _ => {}
+        }
     }
-    if call.kpm.is_some() {
-        OwnedMask::ensure(&[call.n, s])?;
+    if let Some(p) = &call.kpm {
+        match extra {
+            0 => FlashMask::ensure_for(p)?,
+            _ if padded_copy(p) => FlashMask::ensure(&[call.n, s])?,
+            _ => {}
+        }
     }
     Ok(())
 }
@@ -135,16 +141,16 @@ pub(crate) fn attend(
     };
     let mut masks = Vec::new();
     if let Some(a) = &attn_mask {
-        // `(1 or N·H, L, S')`, copied without the dimensions a broadcast view repeats (read
-        // with stride 0), as SDPA copies its mask.
+        // `(1 or N·H, L, S')`, without the dimensions a broadcast view repeats (read with
+        // stride 0), read where it lies or copied as SDPA's mask ([`FlashMask`]).
         let a = compact(a)?;
         let (d0, rows, cols) = a.dims3()?;
         let (rs, cs) = (if rows == 1 { 0 } else { cols }, if cols == 1 { 0 } else { 1 });
         let strides = if d0 == 1 { [0, 0, rs, cs] } else { [h * rows * cols, rows * cols, rs, cs] };
-        masks.push(OwnedMask::new(&a, strides)?);
+        masks.push(FlashMask::new(&a, strides)?);
     }
     if let Some(p) = &kpm {
-        masks.push(OwnedMask::new(p, [s, 0, 0, 1])?);
+        masks.push(FlashMask::new(p, [s, 0, 0, 1])?);
     }
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let conv = Convention::SeqFirst { heads: h, head_dim: hd, batch_first: call.batch_first };
