@@ -380,7 +380,7 @@ fn bf16_direct(
         return Ok(None);
     }
     ensure_output(query, call)?;
-    ensure_fused(query, key, value, call)?;
+    ensure_fused(query, key, value, call, opts)?;
     // The additive mask in f32, as the kernels read it (the twin widens it the same way),
     // without its broadcast dimensions.
     let compact = |m: &Tensor| widen(&super::sdpa_copies::compact(m)?);
@@ -453,7 +453,7 @@ pub fn explain_sdpa(
         })?;
         if direct {
             ensure_output(query, &call)?;
-            ensure_fused(query, key, value, &call)?;
+            ensure_fused(query, key, value, &call, opts)?;
             return decide(SDPA, opts.backend, None);
         }
         let (q, k, v, o) = widened(query, key, value, opts)?;
@@ -469,7 +469,7 @@ pub fn explain_sdpa(
     if !out_dims.contains(&0) && call.s > 0 {
         match plan.path {
             Path::Composed => _ = ensure_composed(query, &call)?,
-            Path::Fused => ensure_fused(query, key, value, &call)?,
+            Path::Fused => ensure_fused(query, key, value, &call, opts)?,
         }
     }
     Ok(plan)
@@ -598,9 +598,15 @@ fn ensure_output(query: &Tensor, call: &SdpaCall) -> Result<Vec<usize>> {
 
 /// The fused path's copies of its inputs (see [`sdpa_copies`](super::sdpa_copies)), checked
 /// before they are made (by the call and by [`explain_sdpa`]).
-fn ensure_fused(query: &Tensor, key: &Tensor, value: &Tensor, call: &SdpaCall) -> Result<()> {
+fn ensure_fused(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    call: &SdpaCall,
+    opts: &SdpaOptions,
+) -> Result<()> {
     let (q, k, v) = fused_views(query, key, value, call)?;
-    super::sdpa_copies::ensure_fused([&q, &k, &v], call.mask.as_ref())
+    super::sdpa_copies::ensure_fused([&q, &k, &v], call.mask.as_ref(), opts.sinks.as_ref())
 }
 
 /// The composed path's score matrices and broadcast copies, checked before it builds them
@@ -731,13 +737,16 @@ fn run_fused(
     let (query, key, value) = (&query, &key, &value);
     let (b, hq, l, e) = query.dims4()?;
     let hk = key.dim(1)?;
-    super::sdpa_copies::ensure_fused([query, key, value], call.mask.as_ref())?;
+    let sinks = opts.sinks.as_ref();
+    super::sdpa_copies::ensure_fused([query, key, value], call.mask.as_ref(), sinks)?;
+    let backward =
+        super::sdpa_copies::mask_for_backward([query, key, value], call.mask.as_ref(), sinks);
     let mut masks = Vec::new();
     if let Some(add) = &call.mask {
         // Without its broadcast dimensions (read with stride 0): read where it lies when f32
         // and dense behind them, copied otherwise.
         let add = super::sdpa_copies::compact(add)?;
-        masks.push(FlashMask::new(&add, super::sdpa_copies::mask_strides(add.dims()))?);
+        masks.push(FlashMask::new(&add, super::sdpa_copies::mask_strides(add.dims()), backward)?);
     }
     let dims = multihead_kernels::attention::AttnDims {
         batch: b,

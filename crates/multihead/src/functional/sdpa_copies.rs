@@ -54,10 +54,27 @@ pub(super) fn mask_strides(dims: &[usize]) -> [usize; 4] {
     strides
 }
 
+/// Whether a backward may read the fused op's mask (see [`FlashMask`]): the condition under
+/// which the op keeps its row statistics, over the op's inputs, the mask and the sinks. The
+/// call and [`ensure_fused`] decide alike.
+pub(super) fn mask_for_backward(
+    [q, k, v]: [&Tensor; 3],
+    mask: Option<&Tensor>,
+    sinks: Option<&Tensor>,
+) -> bool {
+    let mut xs = vec![q, k, v];
+    xs.extend(mask.into_iter().chain(sinks));
+    crate::fused::flash::gradient_possible(&xs)
+}
+
 /// Checks the copies the fused path makes of these rank-4 views (as the kernels read them:
 /// batch and head dimensions expanded) and of the additive `mask` (compacted, in f32, counted
 /// twice: widened and copied for the kernels).
-pub(super) fn ensure_fused(views: [&Tensor; 3], mask: Option<&Tensor>) -> Result<()> {
+pub(super) fn ensure_fused(
+    views: [&Tensor; 3],
+    mask: Option<&Tensor>,
+    sinks: Option<&Tensor>,
+) -> Result<()> {
     let hint = "a view whose last dimension is strided (a transpose or a broadcast) is copied \
                 to full size for the fused kernels; pass it contiguous in its last dimension";
     for (what, t) in ["query", "key", "value"].into_iter().zip(views) {
@@ -68,7 +85,7 @@ pub(super) fn ensure_fused(views: [&Tensor; 3], mask: Option<&Tensor>) -> Result
     if let Some(m) = mask {
         // Read where it lies when f32 and dense behind its broadcast dimensions.
         let m = compact(m)?;
-        if !FlashMask::reads_in_place(&m) {
+        if !FlashMask::reads_in_place(&m, mask_for_backward(views, mask, sinks)) {
             let hint = "the fused kernels copy the mask in f32 (without its broadcast \
                         dimensions); pass a smaller mask";
             crate::alloc::ensure(SDPA, "attn_mask", m.dims(), DType::F32, 2, hint)?;
@@ -106,11 +123,11 @@ mod tests {
         let one = Tensor::ones((1, 1, 1, 1), DType::F32, &dev).unwrap();
         // A feature dimension broadcast to 2^40 elements.
         let q = one.broadcast_as((1, 1, 1 << 20, 1 << 20)).unwrap();
-        let err = ensure_fused([&q, &one, &one], None).unwrap_err();
+        let err = ensure_fused([&q, &one, &one], None, None).unwrap_err();
         assert!(err.to_string().contains("cannot be allocated"), "{err}");
         assert!(err.to_string().contains("query"), "{err}");
         // A mask broadcast to 2^40 elements is a single value behind the view.
         let m = one.broadcast_as((1, 1, 1 << 20, 1 << 20)).unwrap();
-        ensure_fused([&one, &one, &one], Some(&m)).unwrap();
+        ensure_fused([&one, &one, &one], Some(&m), None).unwrap();
     }
 }

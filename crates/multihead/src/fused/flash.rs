@@ -65,9 +65,13 @@ impl Convention {
 
 /// An additive f32 mask in the kernel's `[batch, head, l, s]` view.
 ///
-/// Read in place where the tensor is f32 on the CPU and dense behind its broadcast dimensions
-/// (the caller's mask as it is, or the conversion the call already made: a dense `(N, H, L, S)`
-/// mask is not copied again for each call); copied otherwise (a strided view).
+/// Read in place where no backward can read it (inference: inside `no_grad`, on inputs that
+/// carry no graph) and the tensor is f32 on the CPU and dense behind its broadcast dimensions
+/// (the caller's mask as it is, or the conversion the call already made: a dense
+/// `(N, H, L, S)` mask is not copied again for each call); copied otherwise. A backward
+/// recomputes the scores with the mask, so it keeps a copy: a mask buffer refilled in place
+/// before the backward (micro-batches whose losses are summed) must not change the gradient,
+/// as it does not on the composed path, which keeps the probabilities.
 #[derive(Clone, Debug)]
 pub(crate) struct FlashMask {
     data: MaskData,
@@ -103,10 +107,11 @@ impl MaskRead<'_> {
 
 impl FlashMask {
     /// An additive mask tensor (any dtype; read as f32) viewed through `strides`, which
-    /// address its elements in the dense order of its dims: read in place where it is a
-    /// contiguous f32 CPU tensor, copied (in f32) otherwise.
-    pub(crate) fn new(t: &Tensor, strides: [usize; 4]) -> Result<Self> {
-        if Self::reads_in_place(t) {
+    /// address its elements in the dense order of its dims: read in place where no backward
+    /// can read it (`backward` false) and it is a contiguous f32 CPU tensor, copied (in f32)
+    /// otherwise.
+    pub(crate) fn new(t: &Tensor, strides: [usize; 4], backward: bool) -> Result<Self> {
+        if Self::reads_in_place(t, backward) {
             return Ok(Self { data: MaskData::Shared(t.clone()), strides });
         }
         Self::ensure(t.dims())?;
@@ -114,15 +119,19 @@ impl FlashMask {
         Ok(Self { data: MaskData::Owned(values), strides })
     }
 
-    /// Whether [`new`](Self::new) reads `t` where it lies: a contiguous f32 CPU tensor.
-    pub(crate) fn reads_in_place(t: &Tensor) -> bool {
-        t.dtype() == candle_core::DType::F32 && t.device().is_cpu() && t.layout().is_contiguous()
+    /// Whether [`new`](Self::new) reads `t` where it lies: no backward can read it, and it is
+    /// a contiguous f32 CPU tensor.
+    pub(crate) fn reads_in_place(t: &Tensor, backward: bool) -> bool {
+        !backward
+            && t.dtype() == candle_core::DType::F32
+            && t.device().is_cpu()
+            && t.layout().is_contiguous()
     }
 
     /// Whether the copies [`new`](Self::new) makes of `t` (none where it reads `t` in place)
     /// can be allocated.
-    pub(crate) fn ensure_for(t: &Tensor) -> Result<()> {
-        match Self::reads_in_place(t) {
+    pub(crate) fn ensure_for(t: &Tensor, backward: bool) -> Result<()> {
+        match Self::reads_in_place(t, backward) {
             true => Ok(()),
             false => Self::ensure(t.dims()),
         }
@@ -570,24 +579,28 @@ mod tests {
     use candle_core::{DType, Device};
 
     #[test]
-    fn contiguous_f32_masks_are_read_in_place_and_others_copied() {
+    fn contiguous_f32_masks_are_read_in_place_without_a_backward_and_others_copied() {
         let dev = Device::Cpu;
         let t = Tensor::arange(0f32, 24.0, &dev).unwrap().reshape((2, 3, 4)).unwrap();
         let read = |m: &FlashMask| m.read().values().unwrap().to_vec();
         // In place: dense, and at an offset into a larger tensor (its own elements only).
-        let dense = FlashMask::new(&t, [12, 0, 4, 1]).unwrap();
+        let dense = FlashMask::new(&t, [12, 0, 4, 1], false).unwrap();
         assert!(dense.in_place());
         assert_eq!(read(&dense), (0..24).map(|i| i as f32).collect::<Vec<_>>());
         let part = t.narrow(0, 1, 1).unwrap();
-        let at = FlashMask::new(&part, [0, 0, 4, 1]).unwrap();
+        let at = FlashMask::new(&part, [0, 0, 4, 1], false).unwrap();
         assert!(at.in_place());
         assert_eq!(read(&at), (12..24).map(|i| i as f32).collect::<Vec<_>>());
         // Copied: a transposed view (in its dense order) and another dtype.
-        let tr = FlashMask::new(&t.transpose(1, 2).unwrap(), [12, 0, 3, 1]).unwrap();
+        let tr = FlashMask::new(&t.transpose(1, 2).unwrap(), [12, 0, 3, 1], false).unwrap();
         assert!(!tr.in_place());
         assert_eq!(read(&tr)[..4], [0.0, 4.0, 8.0, 1.0]);
-        let wide = FlashMask::new(&t.to_dtype(DType::F64).unwrap(), [12, 0, 4, 1]).unwrap();
+        let wide = FlashMask::new(&t.to_dtype(DType::F64).unwrap(), [12, 0, 4, 1], false).unwrap();
         assert!(!wide.in_place());
         assert_eq!(read(&wide), read(&dense));
+        // Copied where a backward may read it.
+        let kept = FlashMask::new(&t, [12, 0, 4, 1], true).unwrap();
+        assert!(!kept.in_place());
+        assert_eq!(read(&kept), read(&dense));
     }
 }

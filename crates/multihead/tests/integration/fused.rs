@@ -1301,9 +1301,10 @@ fn sdpa_reads_broadcast_masks_and_strided_views_as_the_dense_tensors_and_checks_
 
 #[test]
 fn a_dense_float_mask_read_in_place_gives_the_bits_of_its_copy() {
-    // A contiguous f32 mask (the caller's, at an offset into a larger tensor, or the call's own
-    // conversion of a bf16 mask) is read where it lies; a transposed view of the same values
-    // is copied. The same bits either way: outputs, head weights through MultiheadAttention,
+    // Without a backward (inside no_grad), a contiguous f32 mask (the caller's, at an offset
+    // into a larger tensor, or the call's own conversion of a bf16 mask) is read where it
+    // lies; a transposed view of the same values is copied, and so is every mask a backward
+    // may read. The same bits either way: outputs, head weights through MultiheadAttention,
     // and the gradients of q, k, v and of a learned mask, on the fused path.
     use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
     let (n, h, l, s, e) = (3, 2, 5, 7, 8);
@@ -1352,6 +1353,20 @@ fn a_dense_float_mask_read_in_place_gives_the_bits_of_its_copy() {
             let want = run(&strided, learned);
             assert_eq!(run(&dense, learned), want, "{dt:?} dense, learned {learned}");
             assert_eq!(run(&offset, learned), want, "{dt:?} offset, learned {learned}");
+            // Without a backward, read in place: the copied mask's bits (in f32 the recorded
+            // forward's too; bf16 products take another route without a backward).
+            let inference = |mask: &Tensor| {
+                let mask = Mask::Float(mask.to_dtype(dt).unwrap());
+                let opts = SdpaOptions::default().attn_mask(mask);
+                bits(&no_grad(|| scaled_dot_product_attention(&q, &k, &v, &opts)).unwrap())
+            };
+            let copied = inference(&strided);
+            if dt == DType::F32 {
+                assert_eq!(copied, want[0], "{dt:?} without a backward");
+            }
+            for (what, mask) in [("dense", &dense), ("offset", &offset)] {
+                assert_eq!(inference(mask), copied, "{dt:?} {what} without a backward");
+            }
         }
     }
     // MultiheadAttention with an (N·H, L, S) mask and a float key padding mask, each dense, at
@@ -1387,6 +1402,77 @@ fn a_dense_float_mask_read_in_place_gives_the_bits_of_its_copy() {
         let want = go(&am_t, &kpm_t);
         assert_eq!(go(&am, &kpm), want, "mha dense, recorded {recorded}");
         assert_eq!(go(&am_off, &kpm_off), want, "mha offset, recorded {recorded}");
+    }
+}
+
+#[test]
+fn a_mask_refilled_before_the_backward_does_not_change_the_gradients() {
+    // Micro-batches whose losses are summed before one backward, each with the same mask
+    // buffer refilled in place (`Var::set`): the fused backward recomputes the scores with the
+    // forward's mask, as the composed path keeps the forward's probabilities. (Reading the
+    // mask where it lies in the backward too gave gradients off by 40% here, NaN for larger
+    // changes.) SDPA with an (N, H, L, S) mask, and MultiheadAttention with a float key padding
+    // mask.
+    use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    let (n, h, l, s, e) = (2, 2, 3, 4, 8);
+    let blocked = |dims: &[usize], col: usize, fill: f32| {
+        let len: usize = dims.iter().product();
+        let last = dims[dims.len() - 1];
+        let v: Vec<f32> = (0..len).map(|i| if i % last == col { fill } else { 0.0 }).collect();
+        Tensor::from_vec(v, dims, &dev()).unwrap()
+    };
+    let sdpa_grads = |backend: Backend, fill: f32| {
+        with_backend(backend, || {
+            let (q, k, v) = (
+                var(&det(&[n, h, l, e], DType::F32, 1.0)),
+                var(&det(&[n, h, s, e], DType::F32, 2.0)),
+                var(&det(&[n, h, s, e], DType::F32, 3.0)),
+            );
+            let buf = var(&blocked(&[n, h, l, s], 3, -1e9));
+            let opts = SdpaOptions::default().attn_mask(Mask::Float(buf.as_tensor().detach()));
+            let run = || {
+                scaled_dot_product_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &opts)
+                    .unwrap()
+            };
+            let y1 = run();
+            buf.set(&blocked(&[n, h, l, s], 0, fill)).unwrap();
+            let y2 = run();
+            let w = det(y2.dims(), DType::F32, 5.0);
+            let loss = y1.sum_all().unwrap().add(&y2.mul(&w).unwrap().sum_all().unwrap()).unwrap();
+            let g = loss.backward().unwrap();
+            [&q, &k, &v].map(|t| g.get(t.as_tensor()).expect("gradient").clone())
+        })
+    };
+    for fill in [-1e9, 100.0] {
+        let (a, b) = (sdpa_grads(Backend::Fused, fill), sdpa_grads(Backend::Composed, fill));
+        for (what, (x, y)) in ["dq", "dk", "dv"].iter().zip(a.iter().zip(&b)) {
+            assert_close(x, y, Tolerance::F32_GRAD, &format!("sdpa {what}, refilled with {fill}"));
+        }
+    }
+    let (m, vm) = mha(MhaConfig::new(e, h), DType::F32);
+    let (x, mem) = (det(&[l, n, e], DType::F32, 1.0), det(&[s, n, e], DType::F32, 2.0));
+    let mha_grads = |backend: Backend| {
+        with_backend(backend, || {
+            let buf = var(&blocked(&[n, s], 1, f32::NEG_INFINITY));
+            let opts =
+                MhaOptions::default().key_padding_mask(Mask::Float(buf.as_tensor().detach()));
+            let y1 = m.forward(&x, &mem, &mem, &opts).unwrap().output;
+            buf.set(&blocked(&[n, s], 2, f32::NEG_INFINITY)).unwrap();
+            let y2 = m.forward(&x, &mem, &mem, &opts).unwrap().output;
+            let w = det(y2.dims(), DType::F32, 5.0);
+            let loss = y1.sum_all().unwrap().add(&y2.mul(&w).unwrap().sum_all().unwrap()).unwrap();
+            let g = loss.backward().unwrap();
+            let data = vm.data().lock().unwrap();
+            let mut names: Vec<_> = data.keys().cloned().collect();
+            names.sort();
+            names
+                .into_iter()
+                .map(|k| (k.clone(), g.get(data[&k].as_tensor()).unwrap().clone()))
+                .collect::<Vec<_>>()
+        })
+    };
+    for ((name, a), (_, b)) in mha_grads(Backend::Fused).iter().zip(&mha_grads(Backend::Composed)) {
+        assert_close(a, b, Tolerance::F32_GRAD, &format!("mha {name}"));
     }
 }
 

@@ -72,19 +72,21 @@ pub(super) fn ensure(call: &MhaCall) -> Result<()> {
     if s == 0 {
         return Ok(());
     }
-    // A mask is read where it lies or copied without its broadcast dimensions; a padded one
-    // is a new dense tensor (checked by `ensure_pad`), read where it lies when f32.
-    let padded_copy = |m: &Tensor| extra > 0 && m.dtype() != candle_core::DType::F32;
+    // A mask is read where it lies (no backward can read it) or copied without its broadcast
+    // dimensions; a padded one is a new dense tensor (checked by `ensure_pad`), read where it
+    // lies when f32 and no backward can read it, copied otherwise.
+    let backward = super::masks_for_backward(call);
+    let padded_copy = |m: &Tensor| extra > 0 && (backward || m.dtype() != candle_core::DType::F32);
     if let Some(a) = &call.attn_mask {
         match extra {
-            0 => FlashMask::ensure_for(&compact(a)?)?,
+            0 => FlashMask::ensure_for(&compact(a)?, backward)?,
             _ if padded_copy(a) => FlashMask::ensure(&[a.dim(0)?, call.l, s])?,
             _ => {}
         }
     }
     if let Some(p) = &call.kpm {
         match extra {
-            0 => FlashMask::ensure_for(p)?,
+            0 => FlashMask::ensure_for(p, backward)?,
             _ if padded_copy(p) => FlashMask::ensure(&[call.n, s])?,
             _ => {}
         }
@@ -139,6 +141,7 @@ pub(crate) fn attend(
         d: hd,
         dv: hd,
     };
+    let backward = super::masks_for_backward(call);
     let mut masks = Vec::new();
     if let Some(a) = &attn_mask {
         // `(1 or N·H, L, S')`, without the dimensions a broadcast view repeats (read with
@@ -147,10 +150,10 @@ pub(crate) fn attend(
         let (d0, rows, cols) = a.dims3()?;
         let (rs, cs) = (if rows == 1 { 0 } else { cols }, if cols == 1 { 0 } else { 1 });
         let strides = if d0 == 1 { [0, 0, rs, cs] } else { [h * rows * cols, rows * cols, rs, cs] };
-        masks.push(FlashMask::new(&a, strides)?);
+        masks.push(FlashMask::new(&a, strides, backward)?);
     }
     if let Some(p) = &kpm {
-        masks.push(FlashMask::new(p, [s, 0, 0, 1])?);
+        masks.push(FlashMask::new(p, [s, 0, 0, 1], backward)?);
     }
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let conv = Convention::SeqFirst { heads: h, head_dim: hd, batch_first: call.batch_first };

@@ -293,6 +293,11 @@ pub fn explain_mha(
 /// Whether a gradient will be recorded through the attention: grad mode is on and an input or
 /// an in-projection parameter is tracked by candle.
 pub(super) fn records_grad(call: &MhaCall) -> bool {
+    grad_enabled() && inputs_tracked(call)
+}
+
+/// Whether the inputs, the in-projection's parameters or the static keys carry a graph.
+fn inputs_tracked(call: &MhaCall) -> bool {
     let p = call.params;
     let mut tracked = [&call.query, &call.key, &call.value].iter().any(|t| t.track_op());
     tracked |= match p.in_proj {
@@ -301,7 +306,19 @@ pub(super) fn records_grad(call: &MhaCall) -> bool {
     };
     tracked |= p.in_proj_bias.is_some_and(|b| b.track_op());
     tracked |= call.static_kv.as_ref().is_some_and(|(k, v)| k.track_op() || v.track_op());
-    grad_enabled() && tracked
+    tracked
+}
+
+/// Whether a backward may read the fused op's masks, which it then copies
+/// ([`FlashMask`](crate::fused::flash::FlashMask)): gradients enabled, or anything the
+/// attention is computed from carries a graph (inputs, parameters, `bias_k`/`bias_v`, static
+/// keys, the masks, the sinks). Decided from the call, so the call and its plan agree.
+pub(super) fn masks_for_backward(call: &MhaCall) -> bool {
+    let p = call.params;
+    let extra = [p.bias_k, p.bias_v].into_iter().flatten();
+    let tracked =
+        extra.chain(&call.attn_mask).chain(&call.kpm).chain(&call.sinks).any(|t| t.track_op());
+    grad_enabled() || tracked || inputs_tracked(call)
 }
 
 /// Step 2: the one decision between the fused kernels and the composed path.
