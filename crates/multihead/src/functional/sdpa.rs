@@ -743,8 +743,8 @@ fn run_fused(
         super::sdpa_copies::mask_for_backward([query, key, value], call.mask.as_ref(), sinks);
     let mut masks = Vec::new();
     if let Some(add) = &call.mask {
-        // Without its broadcast dimensions (read with stride 0): read where it lies when f32
-        // and dense behind them, copied otherwise.
+        // Without its broadcast dimensions (read with stride 0): read where it lies when no
+        // backward can read it and it is f32 and dense behind them, copied otherwise.
         let add = super::sdpa_copies::compact(add)?;
         masks.push(FlashMask::new(&add, super::sdpa_copies::mask_strides(add.dims()), backward)?);
     }

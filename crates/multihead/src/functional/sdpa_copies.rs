@@ -11,9 +11,9 @@
 //!   a mask built with `expand`/`broadcast_as` (stride 0) is read at the size of the data
 //!   behind it, and the kernels read the repeated dimensions with stride 0. A `(L, S)` mask
 //!   expanded to `(N, H, L, S)`, as PyTorch code often writes it, costs `L·S` floats, not
-//!   `N·H·L·S`. Where that data is a contiguous f32 tensor (a dense mask as given, or the
-//!   call's conversion of a bf16 or bool one) it is read where it lies and nothing is copied
-//!   ([`FlashMask`]); only a strided view is.
+//!   `N·H·L·S`. Where no backward can read it and that data is a contiguous f32 tensor (a
+//!   dense mask as given, or the call's conversion of a bf16 or bool one), it is read where
+//!   it lies and nothing is copied ([`FlashMask`]).
 
 use candle_core::{DType, Tensor};
 
@@ -83,7 +83,8 @@ pub(super) fn ensure_fused(
         }
     }
     if let Some(m) = mask {
-        // Read where it lies when f32 and dense behind its broadcast dimensions.
+        // Read where it lies without a backward when f32 and dense behind its broadcast
+        // dimensions.
         let m = compact(m)?;
         if !FlashMask::reads_in_place(&m, mask_for_backward(views, mask, sinks)) {
             let hint = "the fused kernels copy the mask in f32 (without its broadcast \
