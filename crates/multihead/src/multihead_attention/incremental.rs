@@ -330,8 +330,33 @@ impl MultiheadAttention {
 
     /// The one decision of a cached call: the fused decode kernel (f32 or bf16 on the CPU; a
     /// bf16 cache is read as bf16 and widened in registers) or the composed candle path.
-    fn plan_step(&self, step: &Step) -> Result<Plan> {
-        decide(CACHED, Backend::Auto, f32_or_bf16_blocker(&step.x))
+    fn plan_step(&self, step: &Step, cache: &KvCache) -> Result<Plan> {
+        let plan = decide(CACHED, Backend::Auto, f32_or_bf16_blocker(&step.x))?;
+        if plan.path == Path::Composed {
+            self.ensure_composed_step(step, cache)?;
+        }
+        Ok(plan)
+    }
+
+    /// The composed path's largest per-row tensors (the additive mask, one per head with
+    /// ALiBi, built in f64 and converted; the scores and probabilities), checked before the
+    /// cache changes: by the call and by [`explain_cached`](Self::explain_cached) alike. (They
+    /// were checked after the append, which left the tokens in the cache of a call that
+    /// failed; and the scores not at all.)
+    fn ensure_composed_step(&self, step: &Step, cache: &KvCache) -> Result<()> {
+        let (h, dtype) = (self.cfg.num_heads, step.x.dtype());
+        let cd = if crate::precision::is_reduced(dtype) { DType::F32 } else { dtype };
+        let mh = step.alibi.as_ref().map_or(1, Vec::len);
+        // The largest row: the most new tokens, over the most keys after the append (a sliding
+        // cache attends one token at a time over at most its window).
+        let rows = step.counts.iter().zip(cache.lens());
+        let (tl, kv_len) = match cache.window() {
+            None => rows.fold((0, 0), |(t, s), (&c, &l)| (t.max(c), s.max(l.saturating_add(c)))),
+            Some(_) => (usize::from(step.counts.iter().any(|&c| c > 0)), cache.capacity()),
+        };
+        let hint = "decode in shorter chunks, or use the fused f32 path";
+        crate::alloc::ensure(CACHED, "attention mask", &[mh, tl, kv_len], DType::F64, 2, hint)?;
+        crate::alloc::ensure(CACHED, "attention scores", &[h, tl, kv_len], cd, 2, hint)
     }
 
     /// The path [`forward_cached`](Self::forward_cached) takes, and why, without running it or
@@ -347,7 +372,7 @@ impl MultiheadAttention {
         lengths: Option<&[usize]>,
     ) -> Result<Plan> {
         let step = self.validate_step(x, cache, lengths, &CachedOptions::default())?;
-        let plan = self.plan_step(&step)?;
+        let plan = self.plan_step(&step, cache)?;
         // The sizes the call checks before it allocates: its projections' copies and outputs.
         self.ensure_projection(&step.x)?;
         Ok(plan)
@@ -421,7 +446,7 @@ impl MultiheadAttention {
         opts: &CachedOptions,
     ) -> Result<Tensor> {
         let step = self.validate_step(x, cache, lengths, opts)?;
-        let plan = self.plan_step(&step)?;
+        let plan = self.plan_step(&step, cache)?;
         crate::mode::no_grad(|| self.run_step(&step, &plan, cache))
     }
 
@@ -599,9 +624,8 @@ impl MultiheadAttention {
             // the full forward's composed path forms it; rounded to the attention's dtype).
             let slopes = step.alibi.clone().unwrap_or_else(|| vec![0.0]);
             let mh = slopes.len();
-            // A mask per head with ALiBi: checked before it is built (and its f32 copy).
-            let hint = "decode in shorter chunks, or use the fused f32 path";
-            crate::alloc::ensure(CACHED, "attention mask", &[mh, tl, kv_len], DType::F64, 2, hint)?;
+            // (A mask per head with ALiBi: checked with the scores before the cache changed,
+            // `ensure_composed_step`.)
             let mask: Vec<f64> = slopes
                 .iter()
                 .flat_map(|&m| (0..tl).map(move |i| (m, i)))
@@ -782,5 +806,21 @@ impl MultiheadAttention {
     pub fn explain_static(&self, x: &Tensor, memory: &StaticKv, opts: &MhaOptions) -> Result<Plan> {
         let opts = opts.clone().static_kv(memory.k.clone(), memory.v.clone());
         self.explain(x, &memory.memory, &memory.memory, &opts)
+    }
+
+    /// The argument checks of [`forward_static_with`](Self::forward_static_with) alone (no
+    /// plan, no widening of a bf16 module's weights): a decoder step runs them before its
+    /// self-attention appends to a cache.
+    pub(crate) fn validate_static(
+        &self,
+        x: &Tensor,
+        memory: &StaticKv,
+        opts: &MhaOptions,
+    ) -> Result<()> {
+        let opts = opts.clone().static_kv(memory.k.clone(), memory.v.clone());
+        let (m, p) = (&memory.memory, self.params()?);
+        let alias = crate::functional::Aliasing::of(x, m, m);
+        let bf = self.cfg.batch_first;
+        crate::functional::mha_validate(x, m, m, alias, &p, &opts, self.training, bf)
     }
 }

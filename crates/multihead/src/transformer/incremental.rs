@@ -237,16 +237,19 @@ impl TransformerDecoderLayer {
             o.key_padding_mask = memory_key_padding_mask.cloned();
             o
         };
-        // Options on the cross-attention are checked against the step's shapes before the
-        // cache changes (the self-attention checks its own first); without any, there is
-        // nothing the memory's `start` did not check (and no widening of a bf16 layer's
-        // weights to plan a call that cannot fail).
+        // The cross-attention's arguments (the step's shape against the memory's, its mask,
+        // its options) are checked before the self-attention appends to the cache (which checks
+        // its own first): an error there left this layer's cache a token ahead of the others'.
+        // With options, its plan too (its sizes); without, only the checks (no widening of a
+        // bf16 layer's weights to plan a call whose sizes `start` checked).
         let plain = opts.cross_attn.sinks.is_none()
             && opts.cross_attn.variants.softcap.is_none()
             && opts.cross_attn.variants.kv_lengths.is_none();
         // (Errors name the masks as the layer's arguments: memory_key_padding_mask.)
         let named = |e: Error| e.renamed(&super::MEMORY_MASKS.0);
-        if check && !plain {
+        if check && plain {
+            self.multihead_attn.validate_static(x, memory, &cross).map_err(named)?;
+        } else if check {
             self.multihead_attn.explain_static(x, memory, &cross).map_err(named)?;
         }
         crate::mode::no_grad(|| {

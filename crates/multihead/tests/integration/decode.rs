@@ -216,6 +216,63 @@ fn a_full_cache_is_an_error_and_is_left_unchanged() {
     assert_eq!(big.lens(), &[5, 3]);
 }
 
+/// The composed path's sizes (its mask and scores) are checked before the cache changes, by
+/// the call and by `explain_cached` alike: a call whose mask cannot be allocated left its tokens
+/// in the cache (an adversarial run), and the next call found it full.
+#[test]
+fn a_composed_step_too_large_to_allocate_leaves_the_cache_unchanged() {
+    let m = module(4, 2, None, DType::F64);
+    let t = 200_000;
+    let x = Tensor::zeros((1, t, 4), DType::F64, &dev()).unwrap(); // (N, T, E): batch_first
+    let mut cache = m.new_cache(1, t).unwrap();
+    let plan = m.explain_cached(&x, &cache, None).unwrap_err();
+    let err = m.forward_cached(&x, &mut cache, None).unwrap_err();
+    assert!(matches!(err, Error::Alloc { .. }), "{err}");
+    assert_eq!(plan.to_string(), err.to_string());
+    assert_eq!(cache.lens(), &[0]);
+    // The cache takes the next call as if nothing had happened.
+    let y = m.forward_cached(&det(&[1, 3, 4], DType::F64, 1.0), &mut cache, None).unwrap();
+    assert_eq!((y.dims(), cache.lens()), (&[1, 3, 4][..], &[3][..]));
+}
+
+/// A decoder step whose cross-attention refuses its arguments (a batched token over an
+/// unbatched memory, a memory mask of the wrong shape) is an error before any layer's cache
+/// changes: the first layer's self-attention appended first, and the steps that followed the
+/// error were silently wrong (an adversarial run).
+#[test]
+fn a_refused_decoder_step_leaves_every_cache_unchanged() {
+    use multihead::transformer::{DecoderMasks, LayerConfig, TransformerDecoder};
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let cfg = LayerConfig::new(8, 2).with_dim_feedforward(16);
+    let mut dec = TransformerDecoder::new(cfg, 2, None, vb).unwrap();
+    seed_vars(&vm, DType::F32);
+    dec.eval();
+    let (mem, tgt) = (det(&[5, 8], DType::F32, 2.0), det(&[3, 8], DType::F32, 4.0));
+    let mut state = dec.start(&mem, None, 8).unwrap();
+    let batched = tgt.narrow(0, 0, 1).unwrap().unsqueeze(1).unwrap();
+    assert!(dec.forward_step(&batched, &mut state, None).is_err());
+    let lens: Vec<Vec<usize>> = state.caches().iter().map(|c| c.lens().to_vec()).collect();
+    assert_eq!(lens, vec![vec![0], vec![0]]);
+    // One layer with a memory mask of the wrong shape, called directly.
+    let layer = &dec.layers()[0];
+    let memory = layer.static_memory(&mem).unwrap();
+    let mut cache = layer.new_cache(1, 8).unwrap();
+    let bad = Mask::Bool(Tensor::zeros(4, DType::U8, &dev()).unwrap());
+    let x = tgt.narrow(0, 0, 1).unwrap();
+    assert!(layer.forward_step(&x, &memory, &mut cache, Some(&bad), None).is_err());
+    assert_eq!(cache.lens(), &[0]);
+    // Steps after the errors give the full decoder's numbers.
+    let ys: Vec<Tensor> = (0..3)
+        .map(|t| dec.forward_step(&tgt.narrow(0, t, 1).unwrap(), &mut state, None).unwrap())
+        .collect();
+    let causal = generate_square_subsequent_mask(3, DType::F32, &dev()).unwrap();
+    let masks = DecoderMasks { tgt_mask: Some(Mask::Float(causal)), ..Default::default() };
+    let full = no_grad(|| dec.forward(&tgt, &mem, &masks)).unwrap();
+    let d = rel_diff(&Tensor::cat(&ys, 0).unwrap(), &full);
+    assert!(d <= 1e-6, "max diff {d:e}");
+}
+
 /// Empty caches (no capacity, no rows) take calls that append nothing, on both paths; a token
 /// that does not fit is `CacheFull`. (An adversarial sweep found candle's "dst has repeated
 /// elements" instead: an in-place write into an empty tensor.)
