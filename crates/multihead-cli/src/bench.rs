@@ -276,6 +276,14 @@ fn check_sizes(a: &BenchArgs) -> Result<()> {
             "--softcap, --alibi, --sinks and --varlen apply to --module sdpa only, --window to sdpa and decode"
         );
     }
+    // A decoding step is inference over a cache: it has no backward, weights, masks or causal
+    // flag to take (they were accepted and ignored, and the report said "forward+backward").
+    if a.module == Module::Decode && (a.backward || a.need_weights || a.causal || a.key_padding) {
+        anyhow::bail!(
+            "--backward, --need-weights, --causal and --key-padding do not apply to --module \
+             decode (one inference step over a cache, causal by construction)"
+        );
+    }
     if a.learned_mask && (a.module != Module::Mha || a.causal) {
         anyhow::bail!(
             "--learned-mask is an (L, S) bias for --module mha, without --causal (fold a causal \

@@ -165,6 +165,7 @@ fn finish(command: &str, result: anyhow::Result<()>) -> ExitCode {
 fn replay(case_dir: &Path, out: &Path) -> ExitCode {
     let run = || -> multihead::Result<()> {
         let case = Case::load(case_dir)?;
+        refuse_own_files(case_dir, out)?;
         let result = parity::replay(&case)?;
         multihead::state_dict::save_safetensors(result.iter().map(|(k, t)| (k.as_str(), t)), out)
     };
@@ -179,6 +180,22 @@ fn replay(case_dir: &Path, out: &Path) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `--out` must not be one of the case's own files: the results would replace its tensors
+/// (or its case.json), and the case could not be checked again.
+fn refuse_own_files(case_dir: &Path, out: &Path) -> multihead::Result<()> {
+    // An output that does not exist yet cannot be one of the case's files.
+    let Ok(target) = std::fs::canonicalize(out) else { return Ok(()) };
+    for own in ["case.safetensors", "case.json"] {
+        if std::fs::canonicalize(case_dir.join(own)).is_ok_and(|p| p == target) {
+            return Err(multihead::Error::File {
+                path: out.to_path_buf(),
+                msg: format!("--out is the case's own {own}; write the results to another file"),
+            });
+        }
+    }
+    Ok(())
 }
 
 fn check(dirs: &[PathBuf], verbose: bool) -> ExitCode {

@@ -340,6 +340,10 @@ fn bench_and_demo_size_flags_are_checked_first() {
         (&["bench", "--module", "decode", "--new-tokens", "0"], "--new-tokens"),
         (&["bench", "--module", "decode", "--new-tokens", huge], "--new-tokens"),
         (&["bench", "--module", "mha", "--new-tokens", "4"], "--new-tokens"),
+        // (A decode step has no backward: it was reported as "forward+backward" and run
+        // forward only.)
+        (&["bench", "--module", "decode", "--backward"], "--backward"),
+        (&["bench", "--module", "decode", "--need-weights"], "--need-weights"),
         (&["demo", "--batch", huge], "--batch"),
         (&["demo", "--seq-len", "100000"], "--seq-len"),
         (&["demo", "--seq2seq", "--seq-len", huge], "--seq-len"),
@@ -447,7 +451,9 @@ fn cases_that_contradict_themselves_are_errors_that_say_how() {
     assert!(t.contains("case.json must be a JSON object") && t.contains("got an array"), "{t}");
     assert_eq!(t.matches(&*dir.display().to_string()).count(), 1, "the directory named once: {t}");
     // An upstream gradient of the wrong shape: candle's "shape mismatch in mul" named neither.
-    let dir = edited_case("mha/batch1_n1_f32", "grad", |_| {});
+    let dir = edited_case("mha/batch1_n1_f32", "grad", |v| {
+        v["tensors"]["grad.output"]["shape"] = serde_json::json!([2, 2]);
+    });
     let st = dir.join("case.safetensors");
     let mut w = multihead::state_dict::load_safetensors(&st, &candle_core::Device::Cpu).unwrap();
     let g = candle_core::Tensor::zeros((2, 2), w["grad.output"].dtype(), &candle_core::Device::Cpu);
@@ -488,4 +494,34 @@ fn replay_refuses_a_fifo_as_case_json() {
     assert!(!o.status.success());
     let t = text(&o);
     assert!(t.contains("case.json is not a regular file"), "{t}");
+}
+
+// An adversarial run (2026-12-07): case.json's tensor table was never compared with the file,
+// a module case in training mode with dropout replayed (and failed its check without a
+// reason), and `replay --out` could overwrite the case's own tensors.
+#[test]
+fn declared_shapes_training_dropout_and_the_cases_own_files_are_refused() {
+    let dir = edited_case("mha/batch1_n1_f32", "declared_shape", |v| {
+        v["tensors"]["input.query"]["shape"] = serde_json::json!([99, 99, 99]);
+    });
+    let t = text(&check(&dir));
+    assert!(t.contains("declares input.query with shape [99, 99, 99]"), "{t}");
+    let dir = edited_case("mha/batch1_n1_f32", "declared_dtype", |v| {
+        v["tensors"]["input.query"]["dtype"] = "float64".into();
+    });
+    let t = text(&check(&dir));
+    assert!(t.contains("declares input.query as F64"), "{t}");
+    let dir = edited_case("mha/batch1_n1_f32", "training_dropout", |v| {
+        v["training"] = true.into();
+        v["constructor"]["dropout"] = 0.5.into();
+    });
+    let t = text(&check(&dir));
+    assert!(t.contains("dropout = 0.5 with training = true"), "{t}");
+    let dir = edited_case("mha/batch1_n1_f32", "own_files", |_| {});
+    let before = std::fs::read(dir.join("case.safetensors")).unwrap();
+    let o = bin().arg("replay").arg(&*dir).arg("--out").arg(dir.join("case.safetensors")).output();
+    let o = o.unwrap();
+    assert!(!o.status.success() && text(&o).contains("own case.safetensors"), "{}", text(&o));
+    assert_eq!(before, std::fs::read(dir.join("case.safetensors")).unwrap());
+    assert!(check(&dir).status.success());
 }

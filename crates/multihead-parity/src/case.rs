@@ -201,8 +201,41 @@ impl Case {
         let (meta, module, dtype, source) = Self::parse_meta(dir, case_json)?;
         let case = Self { dir: dir.to_path_buf(), meta, module, dtype, tensors };
         case.check_tensor_dtypes(source)?;
+        case.check_declared_tensors()?;
         case.check_input_names()?;
         Ok(case)
+    }
+
+    /// The `tensors` table of case.json must agree with the file: each tensor it describes
+    /// that the file holds has the declared shape and (for a dtype name this tool knows) the
+    /// declared dtype. A table that disagrees with the tensors means a case assembled by hand
+    /// or damaged, whose numbers cannot be trusted. (A declared tensor the file lacks is left
+    /// to the checks that need it, which name every missing parameter or input.)
+    fn check_declared_tensors(&self) -> Result<()> {
+        let mut names: Vec<&String> = self.meta.tensors.keys().collect();
+        names.sort();
+        for name in names {
+            let declared = &self.meta.tensors[name];
+            let Some(t) = self.tensors.get(name) else { continue };
+            if let Some(shape) = declared.shape.as_ref().filter(|s| s.as_slice() != t.dims()) {
+                let msg = format!(
+                    "case.json declares {name} with shape {shape:?} but case.safetensors holds \
+                     {:?}; make them agree",
+                    t.dims()
+                );
+                return Err(case_err(&self.dir, msg));
+            }
+            let known = declared.dtype.as_deref().and_then(dtype_of_name);
+            if let Some(dt) = known.filter(|&dt| dt != t.dtype()) {
+                let msg = format!(
+                    "case.json declares {name} as {dt:?} but case.safetensors holds {:?}; make \
+                     them agree",
+                    t.dtype()
+                );
+                return Err(case_err(&self.dir, msg));
+            }
+        }
+        Ok(())
     }
 
     /// Every `input.<name>` must be one of the module's inputs (case-format.md §3): a
@@ -415,5 +448,18 @@ impl Case {
             }
         }
         Ok(Some(Mask::Bool(t.to_dtype(DType::U8)?)))
+    }
+}
+
+/// The dtype a case.json `dtype` entry names (PyTorch's names, or safetensors' own), `None`
+/// for one this tool does not know (informative only).
+fn dtype_of_name(name: &str) -> Option<DType> {
+    match name {
+        "float32" | "F32" => Some(DType::F32),
+        "float64" | "F64" => Some(DType::F64),
+        "bfloat16" | "BF16" => Some(DType::BF16),
+        "float16" | "F16" => Some(DType::F16),
+        "uint8" | "U8" => Some(DType::U8),
+        _ => None,
     }
 }

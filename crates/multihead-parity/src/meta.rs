@@ -79,7 +79,7 @@ pub struct Aliasing {
 pub struct TensorMeta {
     /// The shape.
     #[serde(default)]
-    pub shape: Vec<usize>,
+    pub shape: Option<Vec<usize>>,
     /// The stored dtype.
     #[serde(default)]
     pub dtype: Option<String>,
@@ -464,7 +464,24 @@ impl Module {
         };
         m.check_call_keys(k)?;
         m.check_device()?;
-        Ok(m)
+        match m.dropout() {
+            Some(p) if meta.training && p != 0.0 => Err(format!(
+                "constructor dropout = {p} with training = true: PyTorch's dropout draws cannot \
+                 be replayed; cases in training mode use dropout 0"
+            )),
+            _ => Ok(m),
+        }
+    }
+
+    /// The module's dropout probability (its layers'), where it has one.
+    fn dropout(&self) -> Option<f64> {
+        match self {
+            Module::Sdpa(..) => None,
+            Module::Mha(c, _) => Some(c.dropout),
+            Module::EncoderLayer(c, _) | Module::DecoderLayer(c, _) => Some(c.dropout),
+            Module::Encoder(c, _) | Module::Decoder(c, _) => Some(c.layer.dropout),
+            Module::Transformer(c, _) => Some(c.dropout),
+        }
     }
 
     /// The call keys this module's forward takes (PyTorch's argument names).

@@ -129,6 +129,12 @@ pub fn save_safetensors<'a>(
             let hint = "a view is written at its full size; save the tensor it views";
             crate::alloc::ensure("save_safetensors", "tensor", t.dims(), t.dtype(), 1, hint)?;
         }
+        // The header's reserved key: a tensor of that name makes a file no reader can open.
+        if k == "__metadata__" {
+            let msg = "cannot write a tensor named \"__metadata__\": the name is reserved for \
+                       the file's metadata; rename the tensor";
+            return Err(file_err(path, msg.to_string()));
+        }
         // A file holds one tensor per name: a second one would silently replace the first.
         if map.insert(k.to_string(), t.contiguous()?).is_some() {
             return Err(file_err(path, format!("cannot write: the name {k:?} is given twice")));

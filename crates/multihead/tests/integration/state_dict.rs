@@ -678,3 +678,19 @@ fn tensors_after_a_skipped_one_are_read_from_their_own_offsets() {
     assert_eq!(b.to_vec1::<f32>().unwrap(), bias);
     assert!(format!("{report:?}").contains("int32"), "{report:?}");
 }
+
+/// A tensor named `__metadata__` (the header's reserved key) made a file that no reader, ours
+/// or Python's, could open (an adversarial run): saving it is an error, and nothing is written.
+#[test]
+fn the_reserved_metadata_name_is_refused_at_save() {
+    let scratch = tempfile::tempdir().unwrap();
+    let path = scratch.path().join("meta.safetensors");
+    let t = Tensor::zeros(3, DType::F32, &dev()).unwrap();
+    let err = multihead::state_dict::save_safetensors([("__metadata__", &t)], &path).unwrap_err();
+    assert!(matches!(err, Error::File { .. }), "{err}");
+    assert!(err.to_string().contains("reserved"), "{err}");
+    assert!(!path.exists());
+    // Any other name round-trips.
+    multihead::state_dict::save_safetensors([("metadata", &t)], &path).unwrap();
+    assert_eq!(load_safetensors(&path, &dev()).unwrap()["metadata"].dims(), &[3]);
+}
