@@ -89,6 +89,27 @@ pub(crate) fn memory_limit() -> usize {
     })
 }
 
+/// Bytes this machine can give now: `MemAvailable` plus free swap from `/proc/meminfo`, read
+/// at each call ([`memory_limit`] where it cannot be read). For allocations that are all kept
+/// (a file's tensors): a size the allocator grants one block at a time may still exceed what
+/// the blocks together can get, and the kernel then kills the process instead of an error.
+pub(crate) fn memory_available() -> usize {
+    let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {
+        return memory_limit();
+    };
+    let kib = |key: &str| -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with(key))?;
+        line.split_whitespace().nth(1)?.parse().ok()
+    };
+    match kib("MemAvailable:") {
+        Some(mem) => {
+            let bytes = (mem + kib("SwapFree:").unwrap_or(0)).saturating_mul(1024);
+            usize::try_from(bytes).unwrap_or(usize::MAX).min(memory_limit())
+        }
+        None => memory_limit(),
+    }
+}
+
 /// An empty `Vec` with room for exactly `n` elements, or a candle error naming `what` when
 /// that cannot be allocated.
 pub(crate) fn try_empty<T>(n: usize, what: &str) -> candle_core::Result<Vec<T>> {

@@ -73,6 +73,7 @@ pub(crate) fn read(
         let took = total.map_or("more than 2^64".to_string(), |t| t.to_string());
         return Err(bad(format!("header and data take {took} bytes but the file has {len}")));
     }
+    ensure_room(path, &meta)?;
     let (mut out, mut unsupported) = (HashMap::new(), BTreeMap::new());
     // In offset order: each tensor's bytes follow the previous one's.
     for name in meta.offset_keys() {
@@ -96,6 +97,35 @@ pub(crate) fn read(
         out.insert(name, t);
     }
     Ok((out, unsupported))
+}
+
+/// The tensors this file would load, together, must fit the memory available now: each is
+/// allocated on its own (and an overcommitting kernel grants each), so a file whose tensors
+/// fit one at a time but not all together would be killed for memory halfway instead.
+fn ensure_room(path: &Path, meta: &Metadata) -> Result<()> {
+    let total: u128 = meta
+        .offset_keys()
+        .iter()
+        .filter_map(|name| meta.info(name))
+        .filter(|info| candle_dtype(info.dtype).is_some())
+        .map(|info| (info.data_offsets.1 - info.data_offsets.0) as u128)
+        .sum();
+    let room = crate::alloc::memory_available();
+    if total > room as u128 {
+        let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
+        return Err(Error::Alloc {
+            op: "load_safetensors",
+            what: "tensors",
+            msg: format!(
+                "{}: its tensors need {:.1} GiB together, more than the {:.1} GiB of memory \
+                 available now; free memory or load a smaller file",
+                path.display(),
+                gib(total),
+                gib(room as u128)
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// A file without a known length (a pipe, a device), read whole and then parsed.

@@ -694,3 +694,41 @@ fn the_reserved_metadata_name_is_refused_at_save() {
     multihead::state_dict::save_safetensors([("metadata", &t)], &path).unwrap();
     assert_eq!(load_safetensors(&path, &dev()).unwrap()["metadata"].dims(), &[3]);
 }
+
+/// A file whose tensors each fit the memory but not all together was read tensor by tensor
+/// until the kernel killed the process (an adversarial run, from the code): their total is
+/// checked against the memory available first. The file here is sparse (nothing is written),
+/// with 1 GiB tensors enough to exceed `MemAvailable` plus free swap.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_file_whose_tensors_do_not_fit_together_is_an_alloc_error_before_reading() {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let kib = |key: &str| -> u64 {
+        let line = meminfo.lines().find(|l| l.starts_with(key)).unwrap_or("x 0");
+        line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0)
+    };
+    let gib = 1u64 << 30;
+    let count = (kib("MemAvailable:") + kib("SwapFree:")) * 1024 / gib + 2;
+    let header: serde_json::Map<String, serde_json::Value> = (0..count)
+        .map(|i| {
+            let info = serde_json::json!({
+                "dtype": "F32", "shape": [gib / 4], "data_offsets": [i * gib, (i + 1) * gib]
+            });
+            (format!("t{i}"), info)
+        })
+        .collect();
+    let mut h = serde_json::to_vec(&header).unwrap();
+    h.resize(h.len().div_ceil(8) * 8, b' ');
+    let scratch = tempfile::tempdir().unwrap();
+    let path = scratch.path().join("sparse.safetensors");
+    let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&h);
+    std::fs::write(&path, &bytes).unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.set_len(bytes.len() as u64 + count * gib).unwrap();
+    let start = std::time::Instant::now();
+    let err = load_safetensors(&path, &dev()).unwrap_err();
+    assert!(matches!(err, Error::Alloc { .. }), "{err}");
+    assert!(err.to_string().contains("together"), "{err}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(5), "{:?}", start.elapsed());
+}
