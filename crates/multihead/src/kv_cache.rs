@@ -371,11 +371,21 @@ impl KvCache {
                 return Err(Error::Shape {
                     op: APPEND,
                     arg,
-                    msg: format!(
-                        "expected (N, Hkv, T, D) = {}, got {}",
-                        fmt_shape(&want),
-                        fmt_shape(x.dims())
-                    ),
+                    msg: match k.rank() {
+                        4 => format!(
+                            "expected (N, Hkv, T, D) = {}, got {}",
+                            fmt_shape(&want),
+                            fmt_shape(x.dims())
+                        ),
+                        // (T is read from `k`: it has none to read.)
+                        _ => format!(
+                            "expected (N, Hkv, T, D) = ({}, {}, T, {}), got {}",
+                            want[0],
+                            want[1],
+                            want[3],
+                            fmt_shape(x.dims())
+                        ),
+                    },
                 });
             }
             if x.dtype() != self.dtype() {

@@ -692,9 +692,18 @@ fn load_with<M: NamedParameters>(
         // A strict load with missing keys or wrong entries: report them, not what the
         // placeholders caused.
         Err(_) if (strict && !recorded.is_empty()) || !wrong.is_empty() => {
+            // A build stopped at the cap: the lists hold the first keys only, not the count.
+            let capped = (strict && recorded.len() >= MAX_MISSING) || wrong.len() >= MAX_MISSING;
+            let hint = match capped {
+                true => format!(
+                    "the load stopped after {MAX_MISSING} keys: the module asks for more, so \
+                     its configuration is larger than the state_dict's"
+                ),
+                false => String::new(),
+            };
             let missing: BTreeSet<String> =
                 if strict { recorded.into_iter().collect() } else { BTreeSet::new() };
-            return Err(problems(missing.into_iter().collect(), Vec::new(), wrong, String::new()));
+            return Err(problems(missing.into_iter().collect(), Vec::new(), wrong, hint));
         }
         Err(e) => return Err(e),
     };

@@ -280,7 +280,9 @@ impl MultiheadAttention {
         if let Some(c) = opts.softcap {
             if !(c.is_finite() && c > 0.0 && (c as f32).is_finite() && c as f32 > 0.0) {
                 let msg = format!(
-                    "the soft cap must be finite and positive, got {c}; pass None to turn it off"
+                    "the soft cap must be positive and finite, also in f32 (the kernels' \
+                     precision, where it must not round to 0 or overflow), got {c:?}; pass None \
+                     to turn it off"
                 );
                 return Err(config_err("softcap", msg));
             }

@@ -986,3 +986,15 @@ fn appended_views_write_what_their_contiguous_copies_write() {
         }
     }
 }
+
+/// `append_kv` with keys of another rank names `T` as a letter: it read "(1, 2, 0, 4)", as if
+/// the tokens had to be 0 (an adversarial run).
+#[test]
+fn append_kv_of_another_rank_names_the_expected_shape() {
+    let m = module(8, 2, None, DType::F32);
+    let mut cache = m.new_cache(1, 4).unwrap();
+    let k = det(&[1, 3, 8], DType::F32, 1.0);
+    let err = cache.append_kv(&k, &k, None).unwrap_err().to_string();
+    assert!(err.contains("expected (N, Hkv, T, D) = (1, 2, T, 4), got (1, 3, 8)"), "{err}");
+    assert_eq!(cache.lens(), &[0]);
+}

@@ -360,3 +360,13 @@ fn a_scale_past_the_inputs_range_is_refused() {
         }
     }
 }
+
+/// Messages name the shapes as given: an unbatched `(L, E)` query of the wrong width was
+/// reported as "(3, 1, 1)", the shape after the batch dimension this library adds.
+#[test]
+fn shape_errors_name_the_shapes_as_given() {
+    let (m, _vm) = mha(MhaConfig::new(8, 2), DType::F32);
+    let (q, kv) = (det(&[3, 1], DType::F32, 1.0), det(&[4, 8], DType::F32, 2.0));
+    let err = m.forward(&q, &kv, &kv, &MhaOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("(query shape (3, 1))"), "{err}");
+}

@@ -732,3 +732,21 @@ fn a_file_whose_tensors_do_not_fit_together_is_an_alloc_error_before_reading() {
     assert!(err.to_string().contains("together"), "{err}");
     assert!(start.elapsed() < std::time::Duration::from_secs(5), "{:?}", start.elapsed());
 }
+
+/// A module far larger than its state_dict is reported, not built: the load stops after 4096
+/// missing keys and says so (the message read "missing keys 4096 keys", as if that were the
+/// count; an adversarial run).
+#[test]
+fn a_load_that_stops_counting_missing_keys_says_so() {
+    use multihead::transformer::{LayerConfig, TransformerEncoder};
+    let state: HashMap<String, Tensor> = HashMap::new();
+    let cfg = LayerConfig::new(8, 2).with_dim_feedforward(16);
+    let err = load_strict(&state, DType::F32, &dev(), |vb| {
+        TransformerEncoder::new(cfg.clone(), 100_000, None, vb)
+    })
+    .map(|(m, _)| m)
+    .expect_err("no parameters");
+    let msg = err.to_string();
+    assert!(msg.contains("missing keys 4096 keys"), "{}", &msg[..200.min(msg.len())]);
+    assert!(msg.contains("the load stopped after 4096 keys"), "{}", &msg[msg.len() - 300..]);
+}

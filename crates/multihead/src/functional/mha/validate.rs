@@ -500,6 +500,8 @@ pub(crate) fn validate<'a>(
 ) -> Result<MhaCall<'a>> {
     let unbatched = check_ranks(query, key, value, opts)?;
     let dtype = check_config(params, [("query", query), ("key", key), ("value", value)])?;
+    // The shapes as given, for messages (an unbatched input gains a batch dimension below).
+    let (query_dims, key_dims) = (fmt_shape(query.dims()), fmt_shape(key.dims()));
     let (query, key, value) = if unbatched {
         (query.unsqueeze(1)?, key.unsqueeze(1)?, value.unsqueeze(1)?)
     } else {
@@ -519,8 +521,8 @@ pub(crate) fn validate<'a>(
         return Err(shape_err(
             "query",
             format!(
-                "was expecting embedding dimension of {e_check}, but got {e} (query shape {})",
-                fmt_shape(query.dims())
+                "was expecting embedding dimension of {e_check}, but got {e} (query shape \
+                 {query_dims})"
             ),
         ));
     }
@@ -533,9 +535,8 @@ pub(crate) fn validate<'a>(
         return Err(shape_err(
             "key",
             format!(
-                "key batch size {nk} does not match query batch size {n} (query {}, key {})",
-                fmt_shape(query.dims()),
-                fmt_shape(key.dims())
+                "key batch size {nk} does not match query batch size {n} (query {query_dims}, \
+                 key {key_dims})"
             ),
         ));
     }
