@@ -494,6 +494,12 @@ fn replay_refuses_a_fifo_as_case_json() {
     assert!(!o.status.success());
     let t = text(&o);
     assert!(t.contains("case.json is not a regular file"), "{t}");
+    // `check` names it too (it said only "no case found").
+    let t = text(&check(&dir));
+    assert!(
+        t.contains("case.json is not a regular file") && t.contains("0 passed, 1 failed"),
+        "{t}"
+    );
 }
 
 // An adversarial run (2026-12-07): case.json's tensor table was never compared with the file,

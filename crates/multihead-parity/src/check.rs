@@ -145,7 +145,9 @@ fn walk(dir: &Path, root: bool, seen: &mut BTreeSet<DirId>, found: &mut Found) {
         ));
         return;
     }
-    if dir.join("case.json").is_file() {
+    // A case.json that is not a regular file (a FIFO, a directory) is a case too: its load
+    // says what is wrong with it, where skipping it said only "no case found".
+    if dir.join("case.json").exists() {
         found.cases.push(dir.to_path_buf());
         return;
     }
