@@ -71,22 +71,7 @@ pub(crate) fn ensure(
 /// overcommit policy would promise.
 pub(crate) fn memory_limit() -> usize {
     static LIMIT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *LIMIT.get_or_init(|| {
-        let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {
-            return usize::MAX;
-        };
-        let kib = |key: &str| -> Option<u64> {
-            let line = text.lines().find(|l| l.starts_with(key))?;
-            line.split_whitespace().nth(1)?.parse().ok()
-        };
-        match kib("MemTotal:") {
-            Some(mem) => {
-                let total = (mem + kib("SwapTotal:").unwrap_or(0)).saturating_mul(1024);
-                usize::try_from(total).unwrap_or(usize::MAX)
-            }
-            None => usize::MAX,
-        }
-    })
+    *LIMIT.get_or_init(|| meminfo_bytes("MemTotal:", "SwapTotal:").unwrap_or(usize::MAX))
 }
 
 /// Bytes this machine can give now: `MemAvailable` plus free swap from `/proc/meminfo`, read
@@ -94,20 +79,20 @@ pub(crate) fn memory_limit() -> usize {
 /// (a file's tensors): a size the allocator grants one block at a time may still exceed what
 /// the blocks together can get, and the kernel then kills the process instead of an error.
 pub(crate) fn memory_available() -> usize {
-    let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {
-        return memory_limit();
-    };
+    let limit = memory_limit();
+    meminfo_bytes("MemAvailable:", "SwapFree:").map_or(limit, |b| b.min(limit))
+}
+
+/// `/proc/meminfo`'s `memory` entry plus its `swap` entry (0 when absent), in bytes; `None`
+/// where the file or the memory entry cannot be read.
+fn meminfo_bytes(memory: &str, swap: &str) -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kib = |key: &str| -> Option<u64> {
         let line = text.lines().find(|l| l.starts_with(key))?;
         line.split_whitespace().nth(1)?.parse().ok()
     };
-    match kib("MemAvailable:") {
-        Some(mem) => {
-            let bytes = (mem + kib("SwapFree:").unwrap_or(0)).saturating_mul(1024);
-            usize::try_from(bytes).unwrap_or(usize::MAX).min(memory_limit())
-        }
-        None => memory_limit(),
-    }
+    let bytes = (kib(memory)? + kib(swap).unwrap_or(0)).saturating_mul(1024);
+    Some(usize::try_from(bytes).unwrap_or(usize::MAX))
 }
 
 /// An empty `Vec` with room for exactly `n` elements, or a candle error naming `what` when

@@ -823,6 +823,6 @@ impl MultiheadAttention {
         let (m, p) = (&memory.memory, self.params()?);
         let alias = crate::functional::Aliasing::of(x, m, m);
         let bf = self.cfg.batch_first;
-        crate::functional::mha_validate(x, m, m, alias, &p, &opts, self.training, bf)
+        crate::functional::mha_validate(x, m, m, alias, &p, &opts, self.training, bf).map(|_| ())
     }
 }

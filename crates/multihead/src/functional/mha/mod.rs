@@ -7,6 +7,10 @@ mod fused;
 mod project;
 mod validate;
 
+/// Validates a call of multi-head attention as [`mha_forward_impl`] would, and nothing more (no
+/// plan, no widening): for callers that must refuse a bad call before they change state.
+pub(crate) use validate::validate as mha_validate;
+
 use candle_core::{DType, Tensor};
 
 use crate::error::Result;
@@ -288,22 +292,6 @@ pub fn explain_mha(
 ) -> Result<Plan> {
     let alias = Aliasing::of(query, key, value);
     mha_plan_impl(query, key, value, alias, params, opts, training, false)
-}
-
-/// Validates a call of multi-head attention as [`mha_forward_impl`] would, and nothing more (no
-/// plan, no widening): for callers that must refuse a bad call before they change state.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn mha_validate(
-    query: &Tensor,
-    key: &Tensor,
-    value: &Tensor,
-    alias: Aliasing,
-    params: &MhaParams,
-    opts: &MhaOptions,
-    training: bool,
-    batch_first: bool,
-) -> Result<()> {
-    validate::validate(query, key, value, alias, params, opts, training, batch_first).map(|_| ())
 }
 
 /// Whether a gradient will be recorded through the attention: grad mode is on and an input or
