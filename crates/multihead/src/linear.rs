@@ -493,8 +493,6 @@ fn then_act(y: Tensor, act: Act) -> Result<Tensor> {
     }
 }
 
-/// The path `F.linear` takes for `x` (f32 CPU: the fused op, unless the backend says
-/// otherwise).
 /// What [`linear`] checks before it allocates (for a caller's `explain`): its arguments, the
 /// copies of strided views, and its output in `out_dtype`.
 pub(crate) fn ensure_linear(
@@ -508,6 +506,8 @@ pub(crate) fn ensure_linear(
     crate::alloc::ensure(op, "output", &out_dims, out_dtype, 1, "use a smaller input")
 }
 
+/// The path `F.linear` takes for `x` (f32 CPU: the fused op, unless the backend says
+/// otherwise).
 pub(crate) fn plan_linear(x: &Tensor, op: &'static str, backend: Backend) -> Result<Plan> {
     crate::fused::dispatch::decide(op, backend, dtype_device_blocker(x))
 }

@@ -136,13 +136,26 @@ fn check_float_dtype(t: &Tensor, dtype: DType, op: &'static str, arg: &'static s
     }
 }
 
+/// `t` without the copies of its broadcast dimensions: each dimension that a view repeats
+/// (stride 0, size above 1) narrowed to size 1, which broadcasts back to the same shape with
+/// the same values. A view: nothing is copied.
+pub(crate) fn compact(t: &Tensor) -> Result<Tensor> {
+    let mut t = t.clone();
+    for d in 0..t.rank() {
+        if t.dim(d)? > 1 && t.stride()[d] == 0 {
+            t = t.narrow(d, 0, 1)?;
+        }
+    }
+    Ok(t)
+}
+
 /// `True` (non-zero) becomes `-inf` when `true_masks`, otherwise `False` does; the rest is 0.
 ///
 /// A broadcast view (`expand`, stride 0) is converted at the size of the data behind it and
 /// broadcast back to its shape: the same values, without a copy of the dimensions it repeats
 /// (an `(L, S)` mask expanded to `(N·H, L, S)` costs `L·S` floats, not `N·H·L·S`).
 fn bool_to_additive(t: &Tensor, dtype: DType, true_masks: bool) -> Result<Tensor> {
-    let c = crate::functional::sdpa_copies::compact(t)?;
+    let c = compact(t)?;
     // Three mask-sized float tensors.
     crate::alloc::ensure("mask", "bool mask", c.dims(), dtype, 3, "pass a smaller mask")?;
     let neg_inf = Tensor::full(f64::NEG_INFINITY, c.shape(), c.device())?.to_dtype(dtype)?;

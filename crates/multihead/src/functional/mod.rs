@@ -15,7 +15,7 @@ mod add;
 pub(crate) mod core;
 mod mha;
 pub(crate) mod sdpa;
-pub(crate) mod sdpa_copies;
+mod sdpa_copies;
 mod sdpa_rank;
 pub(crate) mod varlen;
 

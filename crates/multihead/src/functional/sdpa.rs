@@ -383,7 +383,7 @@ fn bf16_direct(
     ensure_fused(query, key, value, call, opts)?;
     // The additive mask in f32, as the kernels read it (the twin widens it the same way),
     // without its broadcast dimensions.
-    let compact = |m: &Tensor| widen(&super::sdpa_copies::compact(m)?);
+    let compact = |m: &Tensor| widen(&crate::mask::compact(m)?);
     let mask = call.mask.as_ref().map(compact).transpose()?;
     let call = SdpaCall { batch: call.batch.clone(), mask, ..*call };
     run_fused(query, key, value, &call, opts, None).map(Some)
@@ -606,7 +606,9 @@ fn ensure_fused(
     opts: &SdpaOptions,
 ) -> Result<()> {
     let (q, k, v) = fused_views(query, key, value, call)?;
-    super::sdpa_copies::ensure_fused([&q, &k, &v], call.mask.as_ref(), opts.sinks.as_ref())
+    let (mask, sinks) = (call.mask.as_ref(), opts.sinks.as_ref());
+    let backward = super::sdpa_copies::mask_for_backward([&q, &k, &v], mask, sinks);
+    super::sdpa_copies::ensure_fused([&q, &k, &v], mask, backward)
 }
 
 /// The composed path's score matrices and broadcast copies, checked before it builds them
@@ -737,15 +739,14 @@ fn run_fused(
     let (query, key, value) = (&query, &key, &value);
     let (b, hq, l, e) = query.dims4()?;
     let hk = key.dim(1)?;
-    let sinks = opts.sinks.as_ref();
-    super::sdpa_copies::ensure_fused([query, key, value], call.mask.as_ref(), sinks)?;
-    let backward =
-        super::sdpa_copies::mask_for_backward([query, key, value], call.mask.as_ref(), sinks);
+    let (mask, sinks) = (call.mask.as_ref(), opts.sinks.as_ref());
+    let backward = super::sdpa_copies::mask_for_backward([query, key, value], mask, sinks);
+    super::sdpa_copies::ensure_fused([query, key, value], mask, backward)?;
     let mut masks = Vec::new();
     if let Some(add) = &call.mask {
         // Without its broadcast dimensions (read with stride 0): read where it lies when no
         // backward can read it and it is f32 and dense behind them, copied otherwise.
-        let add = super::sdpa_copies::compact(add)?;
+        let add = crate::mask::compact(add)?;
         masks.push(FlashMask::new(&add, super::sdpa_copies::mask_strides(add.dims()), backward)?);
     }
     let dims = multihead_kernels::attention::AttnDims {

@@ -20,19 +20,7 @@ use candle_core::{DType, Tensor};
 use super::sdpa::SDPA;
 use crate::error::Result;
 use crate::fused::flash::FlashMask;
-
-/// `t` without the copies of its broadcast dimensions: each dimension that a view repeats
-/// (stride 0, size above 1) narrowed to size 1, which broadcasts back to the same shape with
-/// the same values. A view: nothing is copied.
-pub(crate) fn compact(t: &Tensor) -> Result<Tensor> {
-    let mut t = t.clone();
-    for d in 0..t.rank() {
-        if t.dim(d)? > 1 && t.stride()[d] == 0 {
-            t = t.narrow(d, 0, 1)?;
-        }
-    }
-    Ok(t)
-}
+use crate::mask::compact;
 
 /// Whether the kernels need a row-major copy of `t` (rank 4): its last dimension is strided.
 pub(super) fn needs_row_copy(t: &Tensor) -> bool {
@@ -69,11 +57,12 @@ pub(super) fn mask_for_backward(
 
 /// Checks the copies the fused path makes of these rank-4 views (as the kernels read them:
 /// batch and head dimensions expanded) and of the additive `mask` (compacted, in f32, counted
-/// twice: widened and copied for the kernels).
+/// twice: widened and copied for the kernels), which is read in place instead where no
+/// `backward` can read it ([`mask_for_backward`]) and it is f32 and dense.
 pub(super) fn ensure_fused(
     views: [&Tensor; 3],
     mask: Option<&Tensor>,
-    sinks: Option<&Tensor>,
+    backward: bool,
 ) -> Result<()> {
     let hint = "a view whose last dimension is strided (a transpose or a broadcast) is copied \
                 to full size for the fused kernels; pass it contiguous in its last dimension";
@@ -86,7 +75,7 @@ pub(super) fn ensure_fused(
         // Read where it lies without a backward when f32 and dense behind its broadcast
         // dimensions.
         let m = compact(m)?;
-        if !FlashMask::reads_in_place(&m, mask_for_backward(views, mask, sinks)) {
+        if !FlashMask::reads_in_place(&m, backward) {
             let hint = "the fused kernels copy the mask in f32 (without its broadcast \
                         dimensions); pass a smaller mask";
             crate::alloc::ensure(SDPA, "attn_mask", m.dims(), DType::F32, 2, hint)?;
@@ -124,11 +113,11 @@ mod tests {
         let one = Tensor::ones((1, 1, 1, 1), DType::F32, &dev).unwrap();
         // A feature dimension broadcast to 2^40 elements.
         let q = one.broadcast_as((1, 1, 1 << 20, 1 << 20)).unwrap();
-        let err = ensure_fused([&q, &one, &one], None, None).unwrap_err();
+        let err = ensure_fused([&q, &one, &one], None, false).unwrap_err();
         assert!(err.to_string().contains("cannot be allocated"), "{err}");
         assert!(err.to_string().contains("query"), "{err}");
         // A mask broadcast to 2^40 elements is a single value behind the view.
         let m = one.broadcast_as((1, 1, 1 << 20, 1 << 20)).unwrap();
-        ensure_fused([&one, &one, &one], Some(&m), None).unwrap();
+        ensure_fused([&one, &one, &one], Some(&m), false).unwrap();
     }
 }

@@ -9,10 +9,10 @@ use super::validate::MhaCall;
 use super::MHA;
 use crate::error::Result;
 use crate::functional::core::cat_nonempty;
-use crate::functional::sdpa_copies::compact;
 use crate::fused::flash::{Convention, FlashAttention, FlashMask};
 use crate::fused::mask_grad::Inputs;
 use crate::fused::weights_grad::{self, from_bhtd, to_bhtd};
+use crate::mask::compact;
 use crate::random::DropoutKey;
 
 /// The weights [`attend`] returns when asked for, checked before they are made.
