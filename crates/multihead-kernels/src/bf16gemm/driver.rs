@@ -38,8 +38,8 @@ const DEEP_B_WORDS: usize = 1 << 20;
 /// Row blocks from which a bf16 output's `B` block is kept to a quarter of `DEEP_B_WORDS`
 /// ([`deep_b_words`]).
 const L2_B_MIN_BLOCKS: usize = 16;
-/// Depth (elements) above which the tiles read a bf16 `A` in place even where its rows are a
-/// multiple of 1 KiB apart ([`reads_a_in_place`]).
+/// Depth (elements) above which the micro-kernels read a bf16 `A` in place even where its rows
+/// are a multiple of 1 KiB apart ([`reads_a_in_place`]).
 const IN_PLACE_DEPTH: usize = 512;
 
 /// Depth (elements) up to which a task on AMX walks its row tiles outermost
@@ -280,28 +280,44 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
     unsafe { run_blocks(a, b, out, (kern, kc_max, nc_max, len), (mc, blocks), source) }
 }
 
-/// Whether the tile kernels read `A`'s bf16 rows where they lie instead of a packed copy: `A`
-/// row-major bf16, every row on a cache line (the tiles load 64-byte rows at a third of their
-/// rate across lines), its depth whole tile steps (no zero columns to add), and either its
-/// rows not a multiple of 1 KiB apart (such rows share L1 sets, and a packed copy's extra line
-/// keeps the 32-row strip that the tile's second half reads again in L1) or a depth past
-/// [`IN_PLACE_DEPTH`], whose strip outgrows L1 anyway. The packed copy of a bf16 `A` was only
-/// that: a bf16 `Linear(2048, 512)` forward on AMX (4096 rows, rows 4 KiB apart) went
-/// 3.97-4.50 -> 3.55-3.72 ms, with 16% of its samples in the copy before; `Linear(512, 2048)`
-/// (rows 1 KiB apart, depth 512) was the same either way (family 6 model 167, 2 threads, five
-/// alternating runs). A task whose rows end in a partial tile packs its block as before.
+/// Whether the micro-kernels read `A`'s bf16 rows where they lie instead of a packed copy: `A`
+/// row-major bf16 whose rows are either not a multiple of 1 KiB apart or deeper than
+/// [`IN_PLACE_DEPTH`], and
+///
+/// - for the tile kernels, every row on a cache line (the tiles load 64-byte rows at a third
+///   of their rate across lines) and its depth whole tile steps (no zero columns to add);
+/// - for the `vdpbf16ps` layout, whose kernels read one pair of a row per step wherever it
+///   lies (`(row stride, 2)` are strides they take as they take a packed block's), its depth
+///   whole pairs (no zero to add after an odd last element).
+///
+/// Rows 1 KiB apart (or a multiple) at a depth of 512 share L1 sets; a packed copy's extra line
+/// keeps the 32-row strip that a tile's second half reads again in L1, and the copy cost what it
+/// saved with the vector kernel too, so such rows are packed. Otherwise the packed copy of a
+/// bf16 `A` was only that: a bf16 `Linear(2048, 512)` forward on AMX (4096 rows, rows 4 KiB
+/// apart) went 3.97-4.50 -> 3.55-3.72 ms, with 16% of its samples in the copy before;
+/// `Linear(512, 2048)` (rows 1 KiB apart, depth 512) was the same either way (family 6 model
+/// 167, 2 threads, five alternating runs). On AVX512-BF16 (AMD family 26 model 2, Zen 5, 2
+/// threads, `ONLY=fwd|dx` of the `bf16gemm` example, three alternating runs), the products 2048
+/// deep went 10.15-10.41 -> 9.55-9.70 ms (`y = x·Wᵀ` of `Linear(2048, 512)`) and 10.22-10.60 ->
+/// 9.54-9.71 ms (`dx = dy·W` of `Linear(512, 2048)`); those 512 deep moved within the noise
+/// either way. A task whose rows end in a partial tile packs its block as before.
 pub(super) fn reads_a_in_place(kern: Kernel, a: &BfMat) -> bool {
     const STEP: usize = 2 * super::amx::AMX_KP;
-    let on_lines = match a.data {
-        Elems::Bf16(x) => (x.as_ptr() as usize).is_multiple_of(LINE),
-        Elems::F32(_) => false,
+    let Elems::Bf16(x) = a.data else {
+        return false;
     };
-    kern.tiles()
-        && on_lines
-        && a.col_stride == 1
-        && a.row_stride.is_multiple_of(STEP)
-        && a.cols.is_multiple_of(STEP)
-        && (a.cols > IN_PLACE_DEPTH || !a.row_stride.is_multiple_of(512))
+    let apart = a.cols > IN_PLACE_DEPTH || !a.row_stride.is_multiple_of(512);
+    if a.col_stride != 1 || !apart {
+        return false;
+    }
+    match kern.tiles() {
+        true => {
+            (x.as_ptr() as usize).is_multiple_of(LINE)
+                && a.row_stride.is_multiple_of(STEP)
+                && a.cols.is_multiple_of(STEP)
+        }
+        false => a.cols.is_multiple_of(2),
+    }
 }
 
 /// [`run`]'s blocks of `B` and the passes over them, reading `A` from `source`.
@@ -482,8 +498,9 @@ impl Pass<'_> {
         with_buffer(&A_BLOCK, words, "a", |abuf| {
             // SAFETY: `abuf` holds `padded · lda` elements; or the block was rounded already
             // at `i0 · lda` of the rounded source; or `A`'s own rows are read, whole tiles of
-            // them, at most the depth `p0 + kc <= k` of each (a multiple of the tile step, so
-            // no step reads past a row: `reads_a_in_place`); the block lies inside `a`
+            // them, at most the depth `p0 + kc <= k` of each (`k` and the block depths whole
+            // tile steps for the tiles, whole pairs for the vector kernels, so no step reads
+            // past a row: `reads_a_in_place`, `KC`); the block lies inside `a`
             // (checked by `matmul_bf16`); tiles are inside the output (checked too) and this
             // task alone writes rows `i0..i0+rows` of panels `q0..q1`; the packed `B` was
             // written before this pass began; `local` holds a whole tile of either kernel.

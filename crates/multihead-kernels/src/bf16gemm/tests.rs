@@ -458,3 +458,75 @@ fn fused_epilogues_take_broadcast_views_and_refuse_what_cannot_be() {
     let e = matmul_bf16_new_with(av, bv, Some(&bias[..3]), Act::Identity);
     assert!(matches!(e, Err(KernelError::InvalidArgument { name: "bias", .. })), "{e:?}");
 }
+
+/// A bf16 row-major `A` read in place by the `vdpbf16ps`-layout kernels (AVX512-BF16 where the
+/// CPU has it, and the portable kernel): the same bits as its f32 values rounded into a packed
+/// copy, for f32 outputs over several `k` blocks (accumulated too) and bf16 outputs with an
+/// epilogue, at 1-3 threads; with row blocks that end in a partial tile (packed), odd row
+/// strides (pairs read off their 4-byte alignment), rows wider than the view holding NaN (a
+/// read past the depth would show), and the layouts that keep the packed copy (rows 1 KiB
+/// apart at a depth of 512, an odd depth).
+#[test]
+fn a_bf16_a_read_in_place_by_the_vector_kernels_gives_the_packed_bits() {
+    use super::driver::reads_a_in_place;
+    use crate::epilogue::Act;
+    let mut kernels = vec![Bf16Kernel::Portable];
+    if bf16_dot_available() {
+        kernels.push(Bf16Kernel::Avx512Bf16);
+    } else {
+        eprintln!("no AVX512-BF16 on this CPU: the portable kernel only");
+    }
+    // (m, n, k, row stride of A, read in place)
+    let shapes = [
+        (96, 70, 2 * KC + 64, 2 * KC + 64, true),
+        (100, 130, 578, 600, true),
+        (37, 65, 530, 531, true),
+        (12, 200, 64, 66, true),
+        (64, 64, 512, 512, false),
+        (65, 70, 601, 601, false),
+    ];
+    for kern in kernels {
+        for (m, n, k, rs, in_place) in shapes {
+            let vals = rand_vec(m * rs, (m * k) as u64);
+            let bits: Vec<u16> = vals
+                .iter()
+                .enumerate()
+                .map(|(i, &x)| if i % rs >= k { 0x7fc0 } else { f32_to_bf16_bits(x) })
+                .collect();
+            let wide: Vec<f32> =
+                bits.iter().map(|&b| crate::convert::bf16_bits_to_f32(b)).collect();
+            let a_bits = view(Elems::Bf16(&bits), m, k, [rs, 1]);
+            let a_f32 = view(Elems::F32(&wide), m, k, [rs, 1]);
+            let resolved = with_bf16_kernel(kern, super::select::resolve);
+            let what = format!("{kern:?} {m}x{n}x{k} stride {rs}");
+            assert_eq!(reads_a_in_place(resolved, &a_bits), in_place, "{what}");
+            assert!(!reads_a_in_place(resolved, &a_f32), "{what}: f32 is rounded");
+            let b = rand_vec(k * n, (k * n + 1) as u64);
+            let bv = BfMat::f32(&b, k, n);
+            let bias = rand_vec(n, 5);
+            let c0 = rand_vec(m * n, 3);
+            for threads in [1, 2, 3] {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let run = |a, acc| {
+                    let mut c = c0.clone();
+                    pool.install(|| with_bf16_kernel(kern, || matmul_bf16(a, bv, &mut c, n, acc)))
+                        .unwrap();
+                    c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                };
+                for accumulate in [false, true] {
+                    let got = run(a_bits, accumulate);
+                    assert_eq!(got, run(a_f32, accumulate), "{what} t={threads} acc={accumulate}");
+                    assert!(got.iter().all(|&x| f32::from_bits(x).is_finite()), "{what}: NaN read");
+                }
+                let out = |a| {
+                    pool.install(|| {
+                        with_bf16_kernel(kern, || {
+                            matmul_bf16_to_bf16(a, bv, Some(&bias), Act::Gelu).unwrap()
+                        })
+                    })
+                };
+                assert_eq!(out(a_bits), out(a_f32), "{what} t={threads}: bf16 output");
+            }
+        }
+    }
+}
