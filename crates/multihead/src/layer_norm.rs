@@ -14,6 +14,9 @@ use crate::state_dict::{get_param, NamedParameters};
 /// Keys: `weight` `(d,)` (initialised to 1) and `bias` `(d,)` (initialised to 0, absent when
 /// `bias = false`).
 ///
+/// The input's dtype is the parameters', or bf16/f16 with f32 parameters (PyTorch's CPU
+/// "mixed type": computed in f32, the output in the input's dtype).
+///
 /// # Shapes
 /// * input `(*, d)`, output `(*, d)`.
 ///
@@ -55,12 +58,17 @@ impl LayerNorm {
     // Mirrors torch.nn.LayerNorm.forward (torch.nn.functional.layer_norm).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         crate::alloc::expect_float("layer_norm", "input", x.dtype())?;
-        if x.dtype() != self.weight.dtype() {
+        // PyTorch's CPU layer_norm takes a bf16/f16 input with f32 parameters (its "mixed
+        // type"): statistics and affine in f32, the output in the input's dtype.
+        let mixed = crate::precision::is_reduced(x.dtype()) && self.weight.dtype() == DType::F32;
+        if x.dtype() != self.weight.dtype() && !mixed {
             return Err(Error::DType {
                 op: "layer_norm",
                 arg: "input",
                 msg: format!(
-                    "input dtype {:?} does not match the weight dtype {:?}",
+                    "input dtype {:?} does not match the weight dtype {:?}; convert the input to \
+                     the weight's dtype (a bf16 or f16 input with f32 parameters is taken, as \
+                     PyTorch takes it)",
                     x.dtype(),
                     self.weight.dtype()
                 ),
@@ -69,6 +77,11 @@ impl LayerNorm {
         self.check_last_dim(x)?;
         // The composed form holds about four input-sized tensors.
         crate::alloc::ensure("layer_norm", "input", x.dims(), x.dtype(), 4, "use a smaller input")?;
+        if mixed {
+            // The f32 norm of the widened input, rounded once: PyTorch's numbers (its weight
+            // and bias gradients are rounded to bf16 on that path; these stay f32 sums).
+            return self.forward_as(x, None, x.dtype());
+        }
         let (w, b) = (&self.weight, self.bias.as_ref());
         if crate::precision::is_reduced(x.dtype()) {
             // bf16/f16: statistics and normalisation in f32, rounded once.

@@ -209,3 +209,112 @@ fn autocast_rounds_float_masks_as_pytorch_casts_them() {
         assert_ne!(bits(&a), bits(&none), "{what}: the mask had no effect");
     }
 }
+
+/// A bf16 (or f16) input through an f32 `LayerNorm`, as PyTorch's CPU `layer_norm` takes it
+/// (its "mixed type"), with or without autocast: the output in the input's dtype, PyTorch's
+/// numbers, and gradients that reach the bf16 input and the f32 parameters. The golden values
+/// are PyTorch 2.15's for these inputs:
+///
+/// ```python
+/// x = torch.tensor([[1.0, 2.0, 3.0, 4.5], [-0.75, 0.25, 8.0, -3.0]]).bfloat16().requires_grad_()
+/// ln = torch.nn.LayerNorm(4)   # weight [0.5, 1, 1.5, 2], bias [0.1, -0.2, 0.3, 0]
+/// y = ln(x); y.backward(torch.tensor([[1.0, -2.0, 0.5, 0.25], [0.5, 0.5, -1.0, 2.0]]).bfloat16())
+/// ```
+///
+/// The output and the input gradient match bit for bit. PyTorch rounds the weight gradient's
+/// sums to bf16 on that path; ours are the f32 sums (those of the widened input), within
+/// bf16's rounding of PyTorch's. An f32 input with bf16 parameters stays refused, as PyTorch
+/// refuses it.
+#[test]
+fn a_bf16_input_through_an_f32_layer_norm_gives_pytorchs_mixed_type_numbers() {
+    use candle_nn::{VarBuilder, VarMap};
+    let vm = VarMap::new();
+    let ln =
+        multihead::LayerNorm::new(4, 1e-5, true, VarBuilder::from_varmap(&vm, DType::F32, &dev()))
+            .unwrap();
+    let set = |name: &str, v: &[f32]| {
+        let data = vm.data().lock().unwrap();
+        data[name].set(&Tensor::new(v, &dev()).unwrap()).unwrap();
+    };
+    set("weight", &[0.5, 1.0, 1.5, 2.0]);
+    set("bias", &[0.1, -0.2, 0.3, 0.0]);
+    let xv = [[1.0f32, 2.0, 3.0, 4.5], [-0.75, 0.25, 8.0, -3.0]];
+    let gv = [[1.0f32, -2.0, 0.5, 0.25], [0.5, 0.5, -1.0, 2.0]];
+    let want_y = [
+        -0.52734375f32,
+        -0.68359375,
+        0.734375,
+        2.90625,
+        -0.1259765625,
+        -0.412109375,
+        2.796875,
+        -1.9921875,
+    ];
+    let want_dx = [
+        0.74609375f32,
+        -1.375,
+        0.5546875,
+        0.07568359375,
+        -0.318359375,
+        -0.1611328125,
+        0.11279296875,
+        0.3671875,
+    ];
+    let want_dw = [-1.484375f32, 0.859375, -1.51953125, -1.62890625];
+    let want_db = [1.5f32, -1.5, -0.5, 2.25];
+    let flat = |t: &Tensor| {
+        t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
+    for under_autocast in [false, true] {
+        for graded in [false, true] {
+            let x = Tensor::new(&xv, &dev()).unwrap().to_dtype(DType::BF16).unwrap();
+            let x = if graded { var(&x).as_tensor().clone() } else { x };
+            let y = if under_autocast {
+                autocast(DType::BF16, || ln.forward(&x)).unwrap()
+            } else {
+                ln.forward(&x).unwrap()
+            };
+            let what = format!("autocast={under_autocast} graded={graded}");
+            assert_eq!(y.dtype(), DType::BF16, "{what}");
+            assert_eq!(flat(&y), want_y, "{what}: output");
+            if !graded {
+                continue;
+            }
+            let g = Tensor::new(&gv, &dev()).unwrap().to_dtype(DType::BF16).unwrap();
+            let grads = (y * g).unwrap().sum_all().unwrap().backward().unwrap();
+            let dx = grads.get(&x).expect("the input's gradient");
+            assert_eq!(dx.dtype(), DType::BF16, "{what}");
+            assert_eq!(flat(dx), want_dx, "{what}: input gradient");
+            let data = vm.data().lock().unwrap();
+            for (name, want) in [("weight", &want_dw[..]), ("bias", &want_db[..])] {
+                let got = grads.get(data[name].as_tensor()).expect("a parameter's gradient");
+                assert_eq!(got.dtype(), DType::F32, "{what}: {name}");
+                for (i, (a, b)) in flat(got).iter().zip(want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 2f32.powi(-7) * b.abs().max(1.0),
+                        "{what}: {name}[{i}]: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+    // f16 alike (PyTorch's mixed type takes Half too); f64 and an f32 input with bf16
+    // parameters are refused.
+    let x16 = Tensor::new(&xv, &dev()).unwrap().to_dtype(DType::F16).unwrap();
+    let y16 = ln.forward(&x16).unwrap();
+    assert_eq!(y16.dtype(), DType::F16);
+    let wide =
+        ln.forward(&x16.to_dtype(DType::F32).unwrap()).unwrap().to_dtype(DType::F16).unwrap();
+    assert_eq!(flat(&y16), flat(&wide), "f16: the f32 norm rounded once");
+    let vm16 = VarMap::new();
+    let ln16 = multihead::LayerNorm::new(
+        4,
+        1e-5,
+        true,
+        VarBuilder::from_varmap(&vm16, DType::BF16, &dev()),
+    )
+    .unwrap();
+    let e = ln16.forward(&Tensor::new(&xv, &dev()).unwrap()).unwrap_err();
+    assert!(matches!(e, multihead::Error::DType { .. }), "{e:?}");
+    assert!(e.to_string().contains("convert the input"), "{e}");
+}
