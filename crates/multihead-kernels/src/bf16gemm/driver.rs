@@ -8,9 +8,11 @@ use rayon::prelude::*;
 
 use super::amx::AMX_MR;
 use super::micro::{Kernel, Tile};
-use super::pack::{by_rows, pack_a, pack_b, pack_b_rows, ABlock, BBlock};
+use super::pack::{
+    by_rows, pack_a, pack_a_by_pairs, pack_b, pack_b_rows, packs_by_pairs, ABlock, BBlock,
+};
 use super::select::resolve;
-use super::{BfMat, Elems, KC, NC, NR};
+use super::{BfMat, Elems, KC, MR, NC, NR};
 use crate::aligned::{aligned_mut, AlignedTile, LINE};
 use crate::attention::exec::{ConstPtr, SyncPtr};
 use crate::attention::{KernelError, SimdLevel};
@@ -26,6 +28,9 @@ const MC: usize = 96;
 const PACK_PANELS: usize = 2;
 /// Pairs of rows one packing task of a row-major `B` handles (of every panel).
 const ROW_PAIRS: usize = 32;
+/// Pairs of every row one task of the pair-by-pair packing of a transposed `A` handles
+/// ([`pack_a_by_pairs`]).
+const PAIR_TASK: usize = 32;
 /// Most elements of an `A` rounded once for all column blocks (32 MiB; a layer's `A` over
 /// 4096 tokens is 4 MiB, the transposed output gradient of a `Linear(512, 2048)`'s weight
 /// gradient over 4096 tokens 16.1 MiB): larger ones are rounded per block, as the calling
@@ -257,6 +262,24 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
     if let Some(words) = a_once.filter(|_| k <= kc_max && n > nc_max) {
         return with_buffer(&PACKED_A, words, "a", |abuf| {
             let dst = SyncPtr(abuf.as_mut_ptr());
+            if packs_by_pairs(kern, a) {
+                // Every row block at once, pair by pair along whole source rows (`mc` is a
+                // multiple of the kernel's rows, so each block's tiles lie where the pair
+                // packer puts them).
+                let kp = lda / 2;
+                (0..kp.div_ceil(PAIR_TASK)).into_par_iter().for_each(|t| {
+                    let range = t * PAIR_TASK..((t + 1) * PAIR_TASK).min(kp);
+                    // SAFETY: the buffer holds `blocks · mc · lda >= m.div_ceil(MR) · MR ·
+                    // lda` elements; `lda = 2·kp >= k` (the vector layout's stride); this task
+                    // alone writes pairs `range` of every tile.
+                    unsafe { pack_a_by_pairs(a, lda, range, raw(dst)) }
+                });
+                let source = ASource::Rounded(ConstPtr(dst.0 as *const u16), (2, 2 * MR));
+                // SAFETY: forwarded; the rounded rows hold the whole depth of every row block.
+                return unsafe {
+                    run_blocks(a, b, out, (kern, kc_max, nc_max, len), (mc, blocks), source)
+                };
+            }
             let strides = (0..blocks)
                 .into_par_iter()
                 .map(|rb| {
