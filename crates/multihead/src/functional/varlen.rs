@@ -315,6 +315,16 @@ fn run(
     let rows = query.rank() == 2;
     let hint = "pack fewer or shorter sequences";
     ensure_run((query, key, value), (hq, hk, e, ev), cu_seqlens_q, path)?;
+    let tq = query.dim(0)?;
+    let out_dims = if rows { vec![tq, hq * ev] } else { vec![tq, hq, ev] };
+    if out_dims.contains(&0) {
+        // No output element (no query rows, no heads, or value heads of size 0): zeros kept in
+        // the graph on both paths, so that the inputs and the sinks get zero gradients, as in
+        // PyTorch (the composed path's concatenation of empty pieces dropped them).
+        let mut inputs = vec![query, key, value];
+        inputs.extend(opts.sinks.as_ref());
+        return crate::fused::zeros::zeros_of(&out_dims, query.dtype(), &inputs);
+    }
     if crate::precision::is_reduced(query.dtype()) {
         use crate::precision::widen;
         let (q, k, v) = (widen(query)?, widen(key)?, widen(value)?);

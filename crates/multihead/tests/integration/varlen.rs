@@ -297,9 +297,9 @@ fn empty_batches_and_empty_heads_agree_between_the_paths() {
             let out = varlen_attention(q.as_tensor(), &q, &q, &cu, &cu, &o().backend(backend));
             let out = out.expect("empty batch");
             assert_eq!(out.dims(), [0, 2, 4]);
-            // The backward runs; a gradient, where candle keeps one, is empty too.
+            // The backward runs and gives the (empty) input its (empty) gradient.
             let grads = out.sum_all().unwrap().backward().expect("empty backward");
-            assert!(grads.get(&q).is_none_or(|g| g.dims() == [0, 2, 4]));
+            assert_eq!(grads.get(&q).expect("a gradient").dims(), [0, 2, 4]);
             // An empty view that starts past a larger tensor's first row.
             let x = det(&[5, 2, 4], DType::F32, 1.0).narrow(0, 5, 0).unwrap();
             let y = varlen_attention(&x, &x, &x, &cu, &cu, &o().backend(backend)).unwrap();
@@ -315,6 +315,29 @@ fn empty_batches_and_empty_heads_agree_between_the_paths() {
             let po = multihead::multihead_attention::PackedOptions::default().backend(backend);
             let y = m.forward_packed(&x, &cu, &po.is_causal(true)).expect("empty packed batch");
             assert_eq!(y.dims(), [0, 16]);
+        }
+    }
+    // No query rows but keys, and value heads of size 0: no output element, and zero
+    // gradients for every input (and the sinks) on both paths, as PyTorch gives.
+    for backend in [Backend::Fused, Backend::Composed] {
+        let cases: [(&[usize], &[usize], [&[usize]; 3]); 2] = [
+            (&[0, 0], &[0, 3], [&[0, 2, 4], &[3, 2, 4], &[3, 2, 4]]),
+            (&[3, 5], &[3, 5], [&[8, 2, 4], &[8, 2, 4], &[8, 2, 0]]),
+        ];
+        for (lq, lk, shapes) in cases {
+            let (cq, ck) = (CuSeqlens::from_lengths(lq), CuSeqlens::from_lengths(lk));
+            let [q, k, v] = [0, 1, 2].map(|i| var(&det(shapes[i], DType::F32, 1.0 + i as f64)));
+            let sinks = var(&det(&[2], DType::F32, 5.0));
+            let opts = o().sinks(sinks.as_tensor().clone()).backend(backend);
+            let out = varlen_attention(&q, &k, &v, &cq, &ck, &opts).expect("an empty output");
+            assert_eq!(out.elem_count(), 0);
+            let grads = out.sum_all().unwrap().backward().unwrap();
+            for (t, name) in [(&q, "q"), (&k, "k"), (&v, "v"), (&sinks, "sinks")] {
+                let g = grads.get(t).unwrap_or_else(|| panic!("{backend:?} {lq:?}: no d{name}"));
+                assert_eq!(g.dims(), t.dims(), "{backend:?} {lq:?}: d{name}");
+                let g = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert!(g.iter().all(|&x| x == 0.0), "{backend:?} {lq:?}: d{name} {g:?}");
+            }
         }
     }
     let lens = [3usize, 0, 5];
