@@ -26,7 +26,8 @@
 //! repository's `docs/pytorch-behaviour.md`.
 //!
 //! Everything is differentiable through candle's autograd: inputs and every parameter get their
-//! gradients.
+//! gradients. Cached decoding (`forward_cached`, the decoders' steps) is inference and records
+//! no graph, as PyTorch's incremental decoding loops run under `no_grad`.
 //!
 //! ## A tour
 //! ```
