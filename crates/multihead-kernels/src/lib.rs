@@ -62,4 +62,14 @@ pub(crate) mod testutil {
             })
             .collect()
     }
+
+    /// `m` rows of `k` random bf16 values, `rs >= k` elements apart, each row's elements past
+    /// `k` a NaN (a kernel reading past the view's depth shows in its output).
+    pub(crate) fn bf16_rows_nan_past(m: usize, k: usize, rs: usize) -> Vec<u16> {
+        rand_vec(m * rs, (m * k) as u64)
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| if i % rs >= k { 0x7fc0 } else { crate::convert::f32_to_bf16_bits(x) })
+            .collect()
+    }
 }

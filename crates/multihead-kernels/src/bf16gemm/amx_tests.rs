@@ -294,7 +294,6 @@ fn the_kernel_choice_resolves_against_the_cpu() {
 #[test]
 fn a_bf16_a_read_in_place_gives_the_packed_bits() {
     use crate::aligned::aligned_mut;
-    use crate::convert::f32_to_bf16_bits;
     use crate::epilogue::Act;
     // (m, n, k, row stride of A)
     let shapes = [
@@ -310,12 +309,7 @@ fn a_bf16_a_read_in_place_gives_the_packed_bits() {
     ];
     for kern in tile_kernels() {
         for (m, n, k, rs) in shapes {
-            let vals = rand_vec(m * rs, (m * k) as u64);
-            let bits: Vec<u16> = vals
-                .iter()
-                .enumerate()
-                .map(|(i, &x)| if i % rs >= k { 0x7fc0 } else { f32_to_bf16_bits(x) })
-                .collect();
+            let bits = crate::testutil::bf16_rows_nan_past(m, k, rs);
             let (mut on, mut off) = (Vec::new(), Vec::new());
             let on = aligned_mut(&mut on, bits.len()).unwrap();
             on.copy_from_slice(&bits);

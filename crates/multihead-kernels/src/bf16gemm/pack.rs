@@ -399,6 +399,32 @@ mod panels_avx512 {
         }
     }
 
+    /// The pair words of elements `r..r + 16` of two source rows (`lo` in the low halves, `hi`
+    /// in the high ones, zero where `hi` is `None`): the first `live` of them (at most 16), zero
+    /// words after.
+    ///
+    /// # Safety
+    /// AVX-512F, BW and VL are available; elements `r..r + min(live, 16)` of `lo` (and `hi`)
+    /// are readable (no pointer past them is dereferenced: an empty mask reads nothing).
+    #[inline(always)]
+    unsafe fn pair_words16<T: Lanes>(
+        lo: *const T,
+        hi: Option<*const T>,
+        r: usize,
+        live: usize,
+    ) -> __m512i {
+        let mask = if live >= 16 { 0xFFFF } else { (1u16 << live) - 1 };
+        // SAFETY: forwarded; masked lanes are not read.
+        unsafe {
+            let l = T::bits16(lo.wrapping_add(r), mask);
+            let h = match hi {
+                Some(hp) => T::bits16(hp.wrapping_add(r), mask),
+                None => _mm512_setzero_si512(),
+            };
+            _mm512_or_si512(l, _mm512_slli_epi32::<16>(h))
+        }
+    }
+
     /// [`super::pack_a_by_pairs`]: for each group of 48 rows (eight tiles), each pair's two
     /// source rows read there, rounded and joined into pair words, and each tile's six words
     /// copied into place; the next group reads on along the same source rows.
@@ -429,14 +455,7 @@ mod panels_avx512 {
                     let hi = (2 * q + 1 < k).then(|| src.add((2 * q + 1) * cs));
                     for v in 0..GROUP / 16 {
                         let r = i + 16 * v;
-                        let live = m.saturating_sub(r).min(16);
-                        let mask = if live == 16 { 0xFFFF } else { (1u16 << live) - 1 };
-                        let l = T::bits16(lo.wrapping_add(r), mask);
-                        let h = match hi {
-                            Some(hp) => T::bits16(hp.wrapping_add(r), mask),
-                            None => _mm512_setzero_si512(),
-                        };
-                        let w = _mm512_or_si512(l, _mm512_slli_epi32::<16>(h));
+                        let w = pair_words16(lo, hi, r, m.saturating_sub(r));
                         _mm512_storeu_si512(words.as_mut_ptr().add(16 * v) as *mut __m512i, w);
                     }
                     for t in 0..(GROUP / MR).min(tiles - i / MR) {
@@ -477,14 +496,7 @@ mod panels_avx512 {
                     }
                 }
                 for i in (0..padded).step_by(16) {
-                    let live = rows.saturating_sub(i).min(16);
-                    let mask = if live == 16 { 0xFFFF } else { (1u16 << live) - 1 };
-                    let l = T::bits16(lo.add(i), mask);
-                    let h = match hi {
-                        Some(hp) => T::bits16(hp.add(i), mask),
-                        None => _mm512_setzero_si512(),
-                    };
-                    let w = _mm512_or_si512(l, _mm512_slli_epi32::<16>(h));
+                    let w = pair_words16(lo, hi, i, rows.saturating_sub(i));
                     _mm512_storeu_si512(words.as_mut_ptr().add(i) as *mut __m512i, w);
                 }
                 for tile in 0..tiles {

@@ -487,12 +487,7 @@ fn a_bf16_a_read_in_place_by_the_vector_kernels_gives_the_packed_bits() {
     ];
     for kern in kernels {
         for (m, n, k, rs, in_place) in shapes {
-            let vals = rand_vec(m * rs, (m * k) as u64);
-            let bits: Vec<u16> = vals
-                .iter()
-                .enumerate()
-                .map(|(i, &x)| if i % rs >= k { 0x7fc0 } else { f32_to_bf16_bits(x) })
-                .collect();
+            let bits = crate::testutil::bf16_rows_nan_past(m, k, rs);
             let wide: Vec<f32> =
                 bits.iter().map(|&b| crate::convert::bf16_bits_to_f32(b)).collect();
             let a_bits = view(Elems::Bf16(&bits), m, k, [rs, 1]);
