@@ -57,23 +57,7 @@ impl LayerNorm {
     /// Normalises over the last dimension.
     // Mirrors torch.nn.LayerNorm.forward (torch.nn.functional.layer_norm).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        crate::alloc::expect_float("layer_norm", "input", x.dtype())?;
-        // PyTorch's CPU layer_norm takes a bf16/f16 input with f32 parameters (its "mixed
-        // type"): statistics and affine in f32, the output in the input's dtype.
-        let mixed = crate::precision::is_reduced(x.dtype()) && self.weight.dtype() == DType::F32;
-        if x.dtype() != self.weight.dtype() && !mixed {
-            return Err(Error::DType {
-                op: "layer_norm",
-                arg: "input",
-                msg: format!(
-                    "input dtype {:?} does not match the weight dtype {:?}; convert the input to \
-                     the weight's dtype (a bf16 or f16 input with f32 parameters is taken, as \
-                     PyTorch takes it)",
-                    x.dtype(),
-                    self.weight.dtype()
-                ),
-            });
-        }
+        let mixed = self.check_dtype(x)?;
         self.check_last_dim(x)?;
         // The composed form holds about four input-sized tensors.
         crate::alloc::ensure("layer_norm", "input", x.dims(), x.dtype(), 4, "use a smaller input")?;
@@ -90,6 +74,28 @@ impl LayerNorm {
             return crate::precision::narrow(&y, x.dtype());
         }
         self.run(x, w, b)
+    }
+
+    /// Checks the input's dtype against the parameters'; returns whether it is PyTorch's CPU
+    /// "mixed type" (a bf16/f16 input with f32 parameters: statistics and affine in f32, the
+    /// output in the input's dtype), which `layer_norm` takes.
+    fn check_dtype(&self, x: &Tensor) -> Result<bool> {
+        crate::alloc::expect_float("layer_norm", "input", x.dtype())?;
+        let mixed = crate::precision::is_reduced(x.dtype()) && self.weight.dtype() == DType::F32;
+        if x.dtype() != self.weight.dtype() && !mixed {
+            return Err(Error::DType {
+                op: "layer_norm",
+                arg: "input",
+                msg: format!(
+                    "input dtype {:?} does not match the weight dtype {:?}; convert the input to \
+                     the weight's dtype (a bf16 or f16 input with f32 parameters is taken, as \
+                     PyTorch takes it)",
+                    x.dtype(),
+                    self.weight.dtype()
+                ),
+            });
+        }
+        Ok(mixed)
     }
 
     /// `norm(x + residual)`: a Transformer layer's residual connection and post-norm. On the
@@ -142,7 +148,9 @@ impl LayerNorm {
             });
         }
         // `forward`'s checks on the sum, before a path is chosen (and before the composed path
-        // makes the sum): its shape, and that it and the norm's temporaries fit in memory.
+        // makes the sum): its dtype and shape, and that it and the norm's temporaries fit in
+        // memory.
+        self.check_dtype(x)?;
         self.check_last_dim(x)?;
         crate::alloc::ensure("layer_norm", "input", x.dims(), x.dtype(), 5, "use a smaller input")?;
         let plan = crate::fused::dispatch::decide(
@@ -151,9 +159,9 @@ impl LayerNorm {
             crate::fused::dispatch::dtype_device_blocker(x)
                 .or_else(|| crate::fused::dispatch::dtype_device_blocker(residual)),
         )?;
-        let same_dtype = x.dtype() == self.weight.dtype() && residual.dtype() == x.dtype();
-        if x.elem_count() == 0 && same_dtype {
-            // Kept in the graph: candle's ops on empty tensors drop gradients.
+        if x.elem_count() == 0 {
+            // Kept in the graph: candle's ops on empty tensors drop gradients (its sum of two
+            // empty tensors is the first one, which would leave the residual out).
             let mut inputs = vec![x, residual, &self.weight];
             inputs.extend(self.bias.as_ref());
             return crate::fused::zeros::zeros_of(x.dims(), x.dtype(), &inputs);

@@ -223,8 +223,9 @@ fn autocast_rounds_float_masks_as_pytorch_casts_them() {
 ///
 /// The output and the input gradient match bit for bit. PyTorch rounds the weight gradient's
 /// sums to bf16 on that path; ours are the f32 sums (those of the widened input), within
-/// bf16's rounding of PyTorch's. An f32 input with bf16 parameters stays refused, as PyTorch
-/// refuses it.
+/// bf16's rounding of PyTorch's. The residual form sums in bf16 first, as PyTorch's `x + r`;
+/// an empty mixed input keeps every gradient (zeros). An f32 input with bf16 parameters and an
+/// f64 input with f32 ones stay refused, as PyTorch refuses them.
 #[test]
 fn a_bf16_input_through_an_f32_layer_norm_gives_pytorchs_mixed_type_numbers() {
     use candle_nn::{VarBuilder, VarMap};
@@ -317,4 +318,28 @@ fn a_bf16_input_through_an_f32_layer_norm_gives_pytorchs_mixed_type_numbers() {
     let e = ln16.forward(&Tensor::new(&xv, &dev()).unwrap()).unwrap_err();
     assert!(matches!(e, multihead::Error::DType { .. }), "{e:?}");
     assert!(e.to_string().contains("convert the input"), "{e}");
+    let x64 = Tensor::new(&xv, &dev()).unwrap().to_dtype(DType::F64).unwrap();
+    for r in [ln.forward(&x64), ln.forward_residual(&x64, &x64)] {
+        assert!(matches!(r, Err(multihead::Error::DType { .. })), "f64 input: {r:?}");
+    }
+    // The residual form: the bf16 sum (rounded, as PyTorch's `x + r`) through the mixed norm.
+    let (x, r) = (x16.to_dtype(DType::BF16).unwrap(), Tensor::new(&gv, &dev()).unwrap());
+    let r = r.to_dtype(DType::BF16).unwrap();
+    let y = ln.forward_residual(&x, &r).unwrap();
+    assert_eq!(y.dtype(), DType::BF16);
+    assert_eq!(flat(&y), flat(&ln.forward(&(&x + &r).unwrap()).unwrap()), "residual form");
+    // An empty mixed input: an empty bf16 output, and zero gradients for the input, the
+    // residual and the parameters (candle's sum of empty tensors would drop the residual).
+    let (x0, r0) =
+        [1.0, 2.0].map(|s| var(&det(&[0, 4], DType::BF16, s)).as_tensor().clone()).into();
+    let y0 = ln.forward_residual(&x0, &r0).unwrap();
+    assert_eq!((y0.dims(), y0.dtype()), (&[0usize, 4][..], DType::BF16));
+    let grads = y0.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+    let data = vm.data().lock().unwrap();
+    let named = [("x", &x0), ("residual", &r0), ("weight", data["weight"].as_tensor())];
+    for (name, t) in named {
+        let g = grads.get(t).unwrap_or_else(|| panic!("empty input: no gradient for {name}"));
+        assert_eq!(g.dims(), t.dims(), "{name}");
+        assert!(flat(g).iter().all(|&v| v == 0.0), "{name}: {:?}", flat(g));
+    }
 }
