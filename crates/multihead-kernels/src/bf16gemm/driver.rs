@@ -269,8 +269,9 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
                 let kp = lda / 2;
                 (0..kp.div_ceil(PAIR_TASK)).into_par_iter().for_each(|t| {
                     let range = t * PAIR_TASK..((t + 1) * PAIR_TASK).min(kp);
-                    // SAFETY: the buffer holds `blocks · mc · lda >= m.div_ceil(MR) · MR ·
-                    // lda` elements; `lda = 2·kp >= k` (the vector layout's stride); this task
+                    // SAFETY: `packs_by_pairs` held; the buffer holds `blocks · mc · lda >=
+                    // m.div_ceil(MR) · MR · lda` elements; `lda = 2·k.div_ceil(2)` (the vector
+                    // layout's stride for the whole depth) and `range.end <= lda / 2`; this task
                     // alone writes pairs `range` of every tile.
                     unsafe { pack_a_by_pairs(a, lda, range, raw(dst)) }
                 });

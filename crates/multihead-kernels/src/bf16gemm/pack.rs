@@ -125,7 +125,7 @@ pub(super) fn packs_by_pairs(kern: Kernel, a: &BfMat) -> bool {
 /// [`pack_a_panels`], the whole depth: tile `g` (rows `g·MR..`) at `g · MR · lda`, which is
 /// where each row block of `mc` rows (a multiple of `MR`) puts its tiles at `rb · mc · lda`;
 /// rows past `A`'s padded to the last tile with zeros, a missing last element of an odd depth
-/// zero. The words of packing each row block on its own, bit for bit; but a call reads its
+/// and pairs past the depth (an `lda` wider than it) zero. The words of packing each row block on its own, bit for bit; but a call reads its
 /// source rows (rows of `dy`: every feature of one token) whole, each from its start to its
 /// end 48 features at a time, and writes each tile's pairs `pairs` as one run, where a row
 /// block reads a run of its `mc` features from every row of the depth, each run in its own
@@ -444,18 +444,23 @@ mod panels_avx512 {
         const _: () = assert!(GROUP.is_multiple_of(MR) && GROUP.is_multiple_of(16));
         let tiles = m.div_ceil(MR);
         let mut words = [0u32; GROUP];
-        // SAFETY: source rows `2q, 2q + 1 < k` hold `m` elements (the masks stop at `m`; a
-        // pointer past them is only formed with an empty mask, by `wrapping_add`); destination
+        // SAFETY: only source rows `2q, 2q + 1 < k` are read, each holding `m` elements (the
+        // masks stop at `m`; a pointer past them is only formed with an empty mask, by
+        // `wrapping_add`); destination
         // offsets `g·MR·lda + q·2·MR + j` with `g < tiles`, `q < lda / 2`, `j < 2·MR` are below
         // `tiles · MR · lda`.
         unsafe {
             for i in (0..tiles * MR).step_by(GROUP) {
                 for q in pairs.clone() {
-                    let lo = src.add(2 * q * cs);
+                    // Pairs past the depth (an `lda` wider than it) are zero words.
+                    let lo = (2 * q < k).then(|| src.add(2 * q * cs));
                     let hi = (2 * q + 1 < k).then(|| src.add((2 * q + 1) * cs));
                     for v in 0..GROUP / 16 {
                         let r = i + 16 * v;
-                        let w = pair_words16(lo, hi, r, m.saturating_sub(r));
+                        let w = match lo {
+                            Some(lo) => pair_words16(lo, hi, r, m.saturating_sub(r)),
+                            None => _mm512_setzero_si512(),
+                        };
                         _mm512_storeu_si512(words.as_mut_ptr().add(16 * v) as *mut __m512i, w);
                     }
                     for t in 0..(GROUP / MR).min(tiles - i / MR) {
@@ -1115,8 +1120,9 @@ mod tests {
     /// A transposed `A` packed pair by pair over every row block at once (`pack_a_by_pairs`,
     /// in ranges of pairs) against each row block packed on its own by the scalar micro-panel
     /// packer, bit for bit: NaN, infinity, a subnormal and rounding ties, f32 and bf16 sources,
-    /// odd depths (a missing last element), rows that end inside a tile and inside a 48-row
-    /// group, row blocks of several heights, stale words in both buffers.
+    /// odd depths (a missing last element), strides wider than the depth (zero pairs), rows that
+    /// end inside a tile and inside a 48-row group, row blocks of several heights, stale words in
+    /// both buffers.
     #[test]
     fn pair_by_pair_packing_of_a_transposed_a_gives_each_row_blocks_words() {
         let kern = Kernel::Avx512Bf16;
@@ -1135,9 +1141,12 @@ mod tests {
             a[(2 * cs + 1).min(last)] = 1e-39;
             a[(cs + 2).min(last)] = f32::from_bits(0x3f80_8000); // a tie
             let a16: Vec<u16> = a.iter().map(|&x| crate::convert::f32_to_bf16_bits(x)).collect();
-            let lda = 2 * k.div_ceil(2);
-            let len = m.div_ceil(MR) * MR * lda;
-            for data in [Elems::F32(&a), Elems::Bf16(&a16)] {
+            // The whole depth, and a stride wider than it (zero pairs after the depth).
+            for (lda, data) in [2 * k.div_ceil(2), 2 * k.div_ceil(2) + 4]
+                .into_iter()
+                .flat_map(|lda| [(lda, Elems::F32(&a)), (lda, Elems::Bf16(&a16))])
+            {
+                let len = m.div_ceil(MR) * MR * lda;
                 let view = BfMat { data, rows: m, cols: k, row_stride: 1, col_stride: cs };
                 assert!(packs_by_pairs(kern, &view));
                 let mut want = vec![0xDEADu16; len];
@@ -1157,7 +1166,7 @@ mod tests {
                     // SAFETY: `packs_by_pairs` held; the buffer holds every tile's `lda`.
                     unsafe { pack_a_by_pairs(&view, lda, q0..(q0 + 3).min(kp), got.as_mut_ptr()) };
                 }
-                assert_eq!(got, want, "{m}x{k}, row blocks of {mc}");
+                assert_eq!(got, want, "{m}x{k}, row blocks of {mc}, lda {lda}");
             }
         }
     }

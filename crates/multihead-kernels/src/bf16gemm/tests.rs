@@ -484,10 +484,15 @@ fn a_bf16_a_read_in_place_by_the_vector_kernels_gives_the_packed_bits() {
         (12, 200, 64, 66, true),
         (64, 64, 512, 512, false),
         (65, 70, 601, 601, false),
+        // Every row the same memory (a broadcast view, row stride 0), deeper than 512.
+        (30, 70, 600, 0, true),
     ];
     for kern in kernels {
         for (m, n, k, rs, in_place) in shapes {
-            let bits = crate::testutil::bf16_rows_nan_past(m, k, rs);
+            let bits = match rs {
+                0 => crate::testutil::bf16_rows_nan_past(1, k, k),
+                _ => crate::testutil::bf16_rows_nan_past(m, k, rs),
+            };
             let wide: Vec<f32> =
                 bits.iter().map(|&b| crate::convert::bf16_bits_to_f32(b)).collect();
             let a_bits = view(Elems::Bf16(&bits), m, k, [rs, 1]);

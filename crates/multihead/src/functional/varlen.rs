@@ -320,7 +320,11 @@ fn run(
     if out_dims.contains(&0) {
         // No output element (no query rows, no heads, or value heads of size 0): zeros kept in
         // the graph on both paths, so that the inputs and the sinks get zero gradients, as in
-        // PyTorch (the composed path's concatenation of empty pieces dropped them).
+        // PyTorch (the composed path's concatenation of empty pieces dropped them). A call
+        // with dropout draws its key as any other, so the calls after it see the same masks.
+        if opts.dropout_p > 0.0 && opts.dropout_key.is_none() {
+            let _ = next_dropout_key();
+        }
         let mut inputs = vec![query, key, value];
         inputs.extend(opts.sinks.as_ref());
         return crate::fused::zeros::zeros_of(&out_dims, query.dtype(), &inputs);

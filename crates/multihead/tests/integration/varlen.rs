@@ -306,15 +306,22 @@ fn empty_batches_and_empty_heads_agree_between_the_paths() {
             assert_eq!(y.dims(), [0, 2, 4]);
         }
     }
-    // A module on an empty packed batch (its projections' outputs are empty storages).
-    let (m, _vm) = crate::common::mha(multihead::MhaConfig::new(16, 4), DType::F32);
+    // A module on an empty packed batch (its projections' outputs are empty storages; the
+    // attention runs on `(T, H·E)` rows): the input and the parameters get zero gradients.
+    let (m, vm) = crate::common::mha(multihead::MhaConfig::new(16, 4), DType::F32);
     for cu in [vec![0], vec![0, 0, 0]] {
         let cu = CuSeqlens::from_offsets(cu);
         for backend in [Backend::Fused, Backend::Composed] {
-            let x = det(&[0, 16], DType::F32, 1.0);
+            let x = var(&det(&[0, 16], DType::F32, 1.0));
             let po = multihead::multihead_attention::PackedOptions::default().backend(backend);
             let y = m.forward_packed(&x, &cu, &po.is_causal(true)).expect("empty packed batch");
             assert_eq!(y.dims(), [0, 16]);
+            let grads = y.sum_all().unwrap().backward().unwrap();
+            assert_eq!(grads.get(&x).expect("dx").dims(), [0, 16], "{backend:?}");
+            let data = vm.data().lock().unwrap();
+            let w = grads.get(data["in_proj_weight"].as_tensor()).expect("d in_proj_weight");
+            let w = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(w.iter().all(|&v| v == 0.0), "{backend:?}: d in_proj_weight");
         }
     }
     // No query rows but keys, and value heads of size 0: no output element, and zero
@@ -324,18 +331,21 @@ fn empty_batches_and_empty_heads_agree_between_the_paths() {
             (&[0, 0], &[0, 3], [&[0, 2, 4], &[3, 2, 4], &[3, 2, 4]]),
             (&[3, 5], &[3, 5], [&[8, 2, 4], &[8, 2, 4], &[8, 2, 0]]),
         ];
-        for (lq, lk, shapes) in cases {
+        for ((lq, lk, shapes), dtype) in
+            cases.into_iter().flat_map(|c| [(c, DType::F32), (c, DType::BF16)])
+        {
             let (cq, ck) = (CuSeqlens::from_lengths(lq), CuSeqlens::from_lengths(lk));
-            let [q, k, v] = [0, 1, 2].map(|i| var(&det(shapes[i], DType::F32, 1.0 + i as f64)));
-            let sinks = var(&det(&[2], DType::F32, 5.0));
+            let [q, k, v] = [0, 1, 2].map(|i| var(&det(shapes[i], dtype, 1.0 + i as f64)));
+            let sinks = var(&det(&[2], dtype, 5.0));
             let opts = o().sinks(sinks.as_tensor().clone()).backend(backend);
             let out = varlen_attention(&q, &k, &v, &cq, &ck, &opts).expect("an empty output");
-            assert_eq!(out.elem_count(), 0);
+            assert_eq!((out.elem_count(), out.dtype()), (0, dtype));
             let grads = out.sum_all().unwrap().backward().unwrap();
             for (t, name) in [(&q, "q"), (&k, "k"), (&v, "v"), (&sinks, "sinks")] {
                 let g = grads.get(t).unwrap_or_else(|| panic!("{backend:?} {lq:?}: no d{name}"));
                 assert_eq!(g.dims(), t.dims(), "{backend:?} {lq:?}: d{name}");
-                let g = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let g = g.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+                let g = g.to_vec1::<f32>().unwrap();
                 assert!(g.iter().all(|&x| x == 0.0), "{backend:?} {lq:?}: d{name} {g:?}");
             }
         }
