@@ -326,8 +326,10 @@ fn empty_batches_and_empty_heads_agree_between_the_paths() {
     }
     // No query rows but keys, and value heads of size 0: no output element, and zero
     // gradients for every input (and the sinks) on both paths, as PyTorch gives.
+    // (query lengths, key lengths, shapes of q, k, v)
+    type Case<'a> = (&'a [usize], &'a [usize], [&'a [usize]; 3]);
     for backend in [Backend::Fused, Backend::Composed] {
-        let cases: [(&[usize], &[usize], [&[usize]; 3]); 2] = [
+        let cases: [Case; 2] = [
             (&[0, 0], &[0, 3], [&[0, 2, 4], &[3, 2, 4], &[3, 2, 4]]),
             (&[3, 5], &[3, 5], [&[8, 2, 4], &[8, 2, 4], &[8, 2, 0]]),
         ];
