@@ -190,6 +190,20 @@ impl<B: Block> Vit<B> {
     }
 
     fn forward_here(&self, images: &Tensor) -> multihead::Result<Tensor> {
+        // _process_input's checks: (N, 3, IMAGE, IMAGE) images, channels first. A channels-last
+        // batch has as many elements and would otherwise be cut into wrong patches.
+        let dims = images.dims();
+        if dims.len() != 4 || dims[1..] != [3, IMAGE, IMAGE] {
+            return Err(multihead::Error::Shape {
+                op: "vit",
+                arg: "images",
+                msg: format!(
+                    "expected (N, 3, {IMAGE}, {IMAGE}) images (channels first, as torchvision's \
+                     VisionTransformer), got {dims:?}; permute a channels-last batch with \
+                     `permute((0, 3, 1, 2))`"
+                ),
+            });
+        }
         let n = images.dim(0)?;
         let g = IMAGE / PATCH;
         // _process_input: (N, 3, 32, 32) -> (N, 16, 64); the conv as a product per patch, its
@@ -314,6 +328,12 @@ fn port<B: Block>(
         best = best.min(t.elapsed().as_secs_f64() * 1e3);
     }
     println!("{name}: eval forward, batch 64: {best:.2} ms (fastest of {iters}; PORT_VIT_ITERS)");
+    // A channels-last batch (as many elements) is refused, as torchvision refuses it.
+    let channels_last = batch.permute((0, 2, 3, 1))?.contiguous()?;
+    match multihead::no_grad(|| model.forward(&channels_last)) {
+        Err(multihead::Error::Shape { .. }) => {}
+        other => return Err(format!("{name}: a channels-last batch gave {other:?}").into()),
+    }
 
     // Save what was loaded under torchvision's keys; check them against the file's.
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
