@@ -238,8 +238,12 @@ pub(crate) fn load_tokenizer(
     }
     let mut tokenizer = match !json.exists() && dir.join("vocab.txt").is_file() {
         true => from_vocab(dir)?,
-        false => Tokenizer::from_file(json)
-            .map_err(|e| anyhow::anyhow!("loading tokenizer.json: {e}"))?,
+        false => {
+            let mut t = Tokenizer::from_file(json)
+                .map_err(|e| anyhow::anyhow!("loading tokenizer.json: {e}"))?;
+            follow_tokenizer_config(&mut t, &read_tokenizer_config(dir)?)?;
+            t
+        }
     };
     tokenizer
         .with_truncation(Some(TruncationParams { max_length: max_tokens, ..Default::default() }))
@@ -295,6 +299,50 @@ pub(crate) fn tokenize(
     }
 }
 
+/// `tokenizer_config.json` as JSON (`Null` where the folder has none).
+fn read_tokenizer_config(dir: &Path) -> Result<serde_json::Value> {
+    let path = dir.join("tokenizer_config.json");
+    if !path.exists() {
+        return Ok(serde_json::Value::Null);
+    }
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// transformers' `BertTokenizer` (the class `tokenizer_config.json` names, or none: `embed`
+/// serves BERT models) builds its normaliser from its own arguments, `do_lower_case` (default
+/// true), `strip_accents` (default none: strip when lowercasing) and `tokenize_chinese_chars`
+/// (default true), whatever `tokenizer.json` says: a `BertNormalizer` that disagrees with them is
+/// rebuilt from them, as sentence-transformers (through `AutoTokenizer`) tokenizes. A folder
+/// whose two files disagree (a `tokenizer.json` that does not lowercase beside a config that
+/// does, or says nothing) otherwise gave other tokens: embeddings 0.23 apart (transformers 5.25,
+/// an adversarial run). Another tokenizer class keeps `tokenizer.json`'s normaliser, as
+/// transformers does.
+fn follow_tokenizer_config(tokenizer: &mut Tokenizer, cfg: &serde_json::Value) -> Result<()> {
+    use tokenizers::normalizers::BertNormalizer;
+    let class = cfg.get("tokenizer_class").and_then(|v| v.as_str());
+    if !matches!(class, None | Some("BertTokenizer") | Some("BertTokenizerFast")) {
+        return Ok(());
+    }
+    let Some(NormalizerWrapper::BertNormalizer(b)) = tokenizer.get_normalizer() else {
+        return Ok(());
+    };
+    let flag = |k: &str, default: bool| cfg.get(k).and_then(|v| v.as_bool()).unwrap_or(default);
+    let lowercase = flag("do_lower_case", true);
+    let strip_accents = cfg.get("strip_accents").and_then(|v| v.as_bool());
+    let chinese = flag("tokenize_chinese_chars", true);
+    if (b.lowercase, b.strip_accents, b.handle_chinese_chars) == (lowercase, strip_accents, chinese)
+    {
+        return Ok(());
+    }
+    let normalizer = BertNormalizer::new(b.clean_text, chinese, strip_accents, lowercase);
+    tokenizer
+        .with_normalizer(Some(normalizer))
+        .map_err(|e| anyhow::anyhow!("tokenizer_config.json's normaliser: {e}"))?;
+    Ok(())
+}
+
 /// A special token of `tokenizer_config.json`: a string, or an object with its `content`
 /// (transformers writes both forms); `default` when absent.
 fn special(cfg: &serde_json::Value, key: &str, default: &str) -> String {
@@ -318,15 +366,7 @@ fn from_vocab(dir: &Path) -> Result<Tokenizer> {
     use tokenizers::processors::bert::BertProcessing;
     use tokenizers::AddedToken;
 
-    let cfg_path = dir.join("tokenizer_config.json");
-    let cfg: serde_json::Value = match cfg_path.exists() {
-        true => serde_json::from_str(
-            &std::fs::read_to_string(&cfg_path)
-                .with_context(|| format!("reading {}", cfg_path.display()))?,
-        )
-        .with_context(|| format!("parsing {}", cfg_path.display()))?,
-        false => serde_json::Value::Null,
-    };
+    let cfg = read_tokenizer_config(dir)?;
     let flag = |k: &str, default: bool| cfg.get(k).and_then(|v| v.as_bool()).unwrap_or(default);
     let strip_accents = cfg.get("strip_accents").and_then(|v| v.as_bool());
     let [unk, sep, cls, pad, mask] = [
@@ -370,7 +410,67 @@ fn from_vocab(dir: &Path) -> Result<Tokenizer> {
 
 #[cfg(test)]
 mod tests {
-    use super::{shorten_long_words, word_prefix, Cuts};
+    use super::{follow_tokenizer_config, shorten_long_words, word_prefix, Cuts};
+
+    /// `tokenizer.json` against `tokenizer_config.json`, as transformers 5.25's `AutoTokenizer`
+    /// tokenizes "Hello Café World" with a small cased vocabulary (the same files written by
+    /// the Python `tokenizers` package and loaded there): a `BertTokenizer` follows the
+    /// config's `do_lower_case` (default true) and `strip_accents` (default: strip when
+    /// lowercasing), another class keeps `tokenizer.json`'s normaliser.
+    #[test]
+    fn a_bert_tokenizer_follows_its_config_over_tokenizer_json() {
+        use serde_json::json;
+        use std::str::FromStr;
+        use tokenizers::Tokenizer;
+        let words = ["[UNK]", "hello", "Hello", "world", "World", "cafe", "café", "Café"];
+        let vocab: serde_json::Map<String, serde_json::Value> =
+            words.iter().enumerate().map(|(i, w)| (w.to_string(), json!(i))).collect();
+        // tokenizer.json as the Python package writes it.
+        let build = |lower: bool, strip: Option<bool>| {
+            let file = json!({
+                "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+                "normalizer": {"type": "BertNormalizer", "clean_text": true,
+                    "handle_chinese_chars": true, "strip_accents": strip, "lowercase": lower},
+                "pre_tokenizer": {"type": "BertPreTokenizer"},
+                "post_processor": null, "decoder": null,
+                "model": {"type": "WordPiece", "unk_token": "[UNK]",
+                    "continuing_subword_prefix": "##", "max_input_chars_per_word": 100,
+                    "vocab": vocab.clone()},
+            });
+            Tokenizer::from_str(&file.to_string()).unwrap()
+        };
+        let bert = |extra: serde_json::Value| {
+            let mut cfg = json!({"tokenizer_class": "BertTokenizer"});
+            cfg.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            cfg
+        };
+        let (lower, cased) = (["hello", "cafe", "world"], ["Hello", "Café", "World"]);
+        let cases = [
+            (false, Some(false), bert(json!({"do_lower_case": true})), lower),
+            (false, Some(false), bert(json!({})), lower),
+            (true, None, bert(json!({"do_lower_case": false})), cased),
+            (
+                false,
+                Some(false),
+                bert(json!({"do_lower_case": false, "strip_accents": false})),
+                cased,
+            ),
+            (true, Some(false), bert(json!({"do_lower_case": true})), lower),
+            (false, Some(false), serde_json::Value::Null, lower),
+            (
+                false,
+                Some(false),
+                json!({"tokenizer_class": "PreTrainedTokenizerFast", "do_lower_case": true}),
+                cased,
+            ),
+        ];
+        for (i, (lower, strip, cfg, want)) in cases.into_iter().enumerate() {
+            let mut t = build(lower, strip);
+            follow_tokenizer_config(&mut t, &cfg).unwrap();
+            let e = t.encode("Hello Café World", false).unwrap();
+            assert_eq!(e.get_tokens(), want, "case {i}: tokenizer.json lowercase {lower}, {cfg}");
+        }
+    }
 
     #[test]
     fn word_prefix_ends_at_a_boundary_the_tokenizer_keeps() {
