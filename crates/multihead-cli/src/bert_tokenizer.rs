@@ -410,6 +410,8 @@ fn from_vocab(dir: &Path) -> Result<Tokenizer> {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
+
     use super::{follow_tokenizer_config, shorten_long_words, word_prefix, Cuts};
 
     /// `tokenizer.json` against `tokenizer_config.json`, as transformers 5.25's `AutoTokenizer`
