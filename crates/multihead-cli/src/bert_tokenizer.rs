@@ -302,12 +302,10 @@ pub(crate) fn tokenize(
 /// `tokenizer_config.json` as JSON (`Null` where the folder has none).
 fn read_tokenizer_config(dir: &Path) -> Result<serde_json::Value> {
     let path = dir.join("tokenizer_config.json");
-    if !path.exists() {
-        return Ok(serde_json::Value::Null);
+    match path.exists() {
+        true => crate::sentence::read_json(&path),
+        false => Ok(serde_json::Value::Null),
     }
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
 }
 
 /// transformers' `BertTokenizer` (the class `tokenizer_config.json` names, or none: `embed`
