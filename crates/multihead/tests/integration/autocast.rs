@@ -345,3 +345,44 @@ fn a_bf16_input_through_an_f32_layer_norm_gives_pytorchs_mixed_type_numbers() {
         assert!(flat(g).iter().all(|&v| v == 0.0), "{name}: {:?}", flat(g));
     }
 }
+
+/// Bad and unusual input through an f32 `LayerNorm` given bf16, on the default and the composed
+/// backend alike: a wrong last dimension is a shape error, a size that cannot be allocated an
+/// allocation error (also through the residual form), a broadcast view gives its dense copy's
+/// bits, and a NaN stays in its row (the other rows are the rows computed alone).
+#[test]
+fn a_mixed_dtype_layer_norm_refuses_and_propagates_as_the_plain_one() {
+    use candle_nn::{VarBuilder, VarMap};
+    use multihead::{with_backend, Backend, Error};
+    let vm = VarMap::new();
+    let ln =
+        multihead::LayerNorm::new(4, 1e-5, true, VarBuilder::from_varmap(&vm, DType::F32, &dev()))
+            .unwrap();
+    let bits = |t: &Tensor| bits(&t.to_dtype(DType::F32).unwrap());
+    for backend in [Backend::Auto, Backend::Composed] {
+        with_backend(backend, || {
+            let x = det(&[3, 4], DType::BF16, 1.0);
+            let wrong = det(&[3, 5], DType::BF16, 1.0);
+            assert!(matches!(ln.forward(&wrong), Err(Error::Shape { .. })), "{backend:?}");
+            let huge = det(&[1, 4], DType::BF16, 1.0).broadcast_as((1usize << 38, 4)).unwrap();
+            assert!(matches!(ln.forward(&huge), Err(Error::Alloc { .. })), "{backend:?}");
+            let r = ln.forward_residual(&huge, &huge);
+            assert!(matches!(r, Err(Error::Alloc { .. })), "{backend:?}: {r:?}");
+            let row = det(&[1, 4], DType::BF16, 2.0);
+            let view = row.broadcast_as((3, 4)).unwrap();
+            let dense = view.contiguous().unwrap();
+            assert_eq!(bits(&ln.forward(&view).unwrap()), bits(&ln.forward(&dense).unwrap()));
+            let mut v = x.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+            v[1][2] = f32::NAN;
+            let with_nan = Tensor::new(v, &dev()).unwrap().to_dtype(DType::BF16).unwrap();
+            let y = ln.forward(&with_nan).unwrap().to_dtype(DType::F32).unwrap();
+            let y = y.to_vec2::<f32>().unwrap();
+            assert!(y[1].iter().all(|v| v.is_nan()), "{backend:?}: the NaN row");
+            for i in [0, 2] {
+                let alone = ln.forward(&x.narrow(0, i, 1).unwrap()).unwrap();
+                let alone = alone.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+                assert_eq!(y[i], alone[0], "{backend:?}: row {i}");
+            }
+        });
+    }
+}
