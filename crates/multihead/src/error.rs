@@ -47,12 +47,7 @@ pub enum Error {
     },
     /// Strict state_dict loading found keys missing from the file or keys the module does not
     /// have.
-    #[error(
-        "load_state_dict: missing keys {}, unexpected keys {}{}",
-        key_list(missing),
-        key_list(unexpected),
-        then(hint)
-    )]
+    #[error("load_state_dict: {}{}", state_dict_problems(missing, unexpected, &[]), then(hint))]
     StateDictKeys {
         /// Keys the module needs that the state_dict lacks.
         missing: Vec<String>,

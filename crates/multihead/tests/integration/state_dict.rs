@@ -200,6 +200,12 @@ fn entries_in_dtypes_candle_lacks_are_unexpected_keys_unless_the_module_asks_for
             if unexpected == &["step"] && missing.is_empty()),
         "{err}"
     );
+    // The message lists only what is wrong, as PyTorch's does (not "missing keys []").
+    assert!(
+        err.to_string().starts_with("load_state_dict: unexpected keys [\"step\"]")
+            && !err.to_string().contains("missing"),
+        "{err}"
+    );
     // A module that asks for that key gets an error naming the key and its dtype.
     let err = load_strict_file(&path, DType::F32, &dev(), |vb| {
         vb.get(1, "step")?;
@@ -459,6 +465,14 @@ fn a_key_map_loads_and_saves_under_the_files_names_and_checks_itself() {
     let overlapping = KeyMap::new().rename("ln_1", "ln_2");
     let err = overlapping.to_module(&file).expect_err("not invertible").to_string();
     assert!(err.contains("one-to-one"), "{err}");
+    // A rename with an empty side or segment would match nothing: refused both ways, by name.
+    for (f, m) in [("", "norm1"), ("ln_1", ""), ("mlp..0", "linear1"), (".ln_1", "norm1")] {
+        let map = torchvision_map().rename(f, m);
+        let err = map.to_module(&file).expect_err("empty segment").to_string();
+        assert!(err.contains("empty segment") && err.contains(&format!("{f:?}")), "{err}");
+        let err = map.to_file(Vec::new()).expect_err("empty segment").to_string();
+        assert!(err.starts_with("KeyMap::to_file"), "{err}");
+    }
 }
 
 #[test]
