@@ -49,7 +49,9 @@ impl KeyMap {
     }
 
     /// Adds a rename: the segments `file` in a file's keys are `module` in the module's.
-    /// Both are dotted runs of whole segments (`"ln_1"`, `"mlp.0"`), neither empty.
+    /// Both are dotted runs of whole segments (`"ln_1"`, `"mlp.0"`), neither empty: a rename
+    /// with an empty side or an empty segment (`""`, `"mlp..0"`, `".ln_1"`) matches no key,
+    /// and [`KeyMap::to_module`] and [`KeyMap::to_file`] refuse the map with an error naming it.
     pub fn rename(mut self, file: &str, module: &str) -> Self {
         let split = |s: &str| s.split('.').map(str::to_string).collect::<Vec<_>>();
         self.renames.push((split(file), split(module)));
@@ -100,6 +102,7 @@ impl KeyMap {
     ///
     /// Errors: two keys renamed to one, or a key the map does not turn back into itself.
     pub fn to_module(&self, state: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+        self.check_renames("KeyMap::to_module")?;
         let mut keys: Vec<&String> = state.keys().collect();
         keys.sort();
         let mut seen: HashMap<String, &String> = HashMap::with_capacity(state.len());
@@ -119,6 +122,7 @@ impl KeyMap {
     ///
     /// Errors as [`KeyMap::to_module`]'s.
     pub fn to_file(&self, named: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+        self.check_renames("KeyMap::to_file")?;
         let mut seen = HashMap::with_capacity(named.len());
         let mut out = Vec::with_capacity(named.len());
         for (k, t) in named {
@@ -129,6 +133,23 @@ impl KeyMap {
             out.push((renamed, t));
         }
         Ok(out)
+    }
+
+    /// Every rename has two sides of whole, non-empty segments.
+    fn check_renames(&self, op: &'static str) -> Result<()> {
+        let bad = |segs: &[String]| segs.iter().any(String::is_empty);
+        match self.renames.iter().find(|(f, m)| bad(f) || bad(m)) {
+            None => Ok(()),
+            Some((f, m)) => Err(Error::Config {
+                op,
+                arg: "renames",
+                msg: format!(
+                    "rename({:?}, {:?}) has an empty segment, so it would match no key: name whole dotted segments on both sides, as rename(\"mlp.0\", \"linear1\")",
+                    f.join("."),
+                    m.join(".")
+                ),
+            }),
+        }
     }
 
     /// `key` renamed `way`, checked to come back unchanged the other way.
