@@ -62,8 +62,9 @@ impl LayerNorm {
         // The composed form holds about four input-sized tensors.
         crate::alloc::ensure("layer_norm", "input", x.dims(), x.dtype(), 4, "use a smaller input")?;
         if mixed {
-            // The f32 norm of the widened input, rounded once: PyTorch's numbers (its weight
-            // and bias gradients are rounded to bf16 on that path; these stay f32 sums).
+            // The f32 norm of the widened input, rounded once: PyTorch's numbers to one bf16
+            // ulp (its weight and bias gradients are summed in bf16 on that path; these are
+            // f32 sums, closer to the exact ones: docs/pytorch-behaviour.md).
             return self.forward_as(x, None, x.dtype());
         }
         let (w, b) = (&self.weight, self.bias.as_ref());
@@ -153,12 +154,18 @@ impl LayerNorm {
         self.check_dtype(x)?;
         self.check_last_dim(x)?;
         crate::alloc::ensure("layer_norm", "input", x.dims(), x.dtype(), 5, "use a smaller input")?;
-        let plan = crate::fused::dispatch::decide(
-            "layer_norm",
-            crate::mode::Backend::Auto,
-            crate::fused::dispatch::dtype_device_blocker(x)
-                .or_else(|| crate::fused::dispatch::dtype_device_blocker(residual)),
-        )?;
+        // A bf16/f16 sum goes to `forward`, which widens it and makes its own choice of path
+        // (so a forced `Backend::Fused` takes it here as it takes `forward(&(x + residual))`).
+        let reduced = crate::precision::is_reduced(x.dtype());
+        let plan = match reduced {
+            true => None,
+            false => Some(crate::fused::dispatch::decide(
+                "layer_norm",
+                crate::mode::Backend::Auto,
+                crate::fused::dispatch::dtype_device_blocker(x)
+                    .or_else(|| crate::fused::dispatch::dtype_device_blocker(residual)),
+            )?),
+        };
         if x.elem_count() == 0 {
             // Kept in the graph: candle's ops on empty tensors drop gradients (its sum of two
             // empty tensors is the first one, which would leave the residual out).
@@ -166,8 +173,8 @@ impl LayerNorm {
             inputs.extend(self.bias.as_ref());
             return crate::fused::zeros::zeros_of(x.dims(), x.dtype(), &inputs);
         }
-        let fused =
-            plan.path == crate::fused::dispatch::Path::Fused && x.dtype() == self.weight.dtype();
+        let fused = plan.is_some_and(|p| p.path == crate::fused::dispatch::Path::Fused)
+            && x.dtype() == self.weight.dtype();
         if !fused {
             return self.forward(&(x + residual)?);
         }
