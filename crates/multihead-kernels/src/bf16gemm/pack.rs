@@ -484,13 +484,22 @@ mod panels_avx512 {
         let tiles = padded / MR;
         // One pair's words for every row of the block (16-lane chunks).
         let mut words = [0u32; MAX_ROWS + 16];
-        // SAFETY: source rows `p0 + p < p0 + kc` hold `rows` elements from `i0` (the masks
-        // stop at `rows`, the prefetched rows are below `p0 + kc`); `words` holds
-        // `padded <= MAX_ROWS` (the caller's condition) rounded up to 16 words; destination
-        // offsets `tile·MR·lda + q·2·MR + 2r + h` are below `padded · lda`.
+        // SAFETY: only source rows `p0 + p` with `p < kc` are read, each holding `rows`
+        // elements from `i0` (the masks stop at `rows`, the prefetched rows are below
+        // `p0 + kc`); `words` holds `padded <= MAX_ROWS` (the caller's condition) rounded up
+        // to 16 words; destination offsets `tile·MR·lda + q·2·MR + 2r + h` are below
+        // `padded · lda`.
         unsafe {
             for q in 0..kp {
-                let lo = src.add(i0 + (p0 + 2 * q) * cs);
+                // Pairs past the depth (an `lda` wider than it) are zero words, as the scalar
+                // packer writes them.
+                let Some(lo) = (2 * q < kc).then(|| src.add(i0 + (p0 + 2 * q) * cs)) else {
+                    for tile in 0..tiles {
+                        let to = dst.add(tile * MR * lda + q * 2 * MR);
+                        std::ptr::write_bytes(to, 0, 2 * MR);
+                    }
+                    continue;
+                };
                 let hi = (2 * q + 1 < kc).then(|| src.add(i0 + (p0 + 2 * q + 1) * cs));
                 // Prefetch the rows 16 ahead, as the scalar packer does.
                 if 2 * q + 17 < kc {
@@ -1041,9 +1050,12 @@ mod tests {
                 .collect();
             let bits: Vec<u16> = src.iter().map(|&x| crate::convert::f32_to_bf16_bits(x)).collect();
             let padded = rows.div_ceil(MR) * MR;
-            let lda = 2 * kc.div_ceil(2);
-            let blk = ABlock { i0, rows, padded, p0: 2, kc, lda };
-            for data in [Elems::F32(&src), Elems::Bf16(&bits)] {
+            // The depth's pairs, and an `lda` two pairs wider (zero words past the depth).
+            for (lda, data) in [2 * kc.div_ceil(2), 2 * kc.div_ceil(2) + 4]
+                .into_iter()
+                .flat_map(|lda| [(lda, Elems::F32(&src)), (lda, Elems::Bf16(&bits))])
+            {
+                let blk = ABlock { i0, rows, padded, p0: 2, kc, lda };
                 // A (m × k) read transposed: rows contiguous along i, `m` apart along k.
                 let a = BfMat { data, rows: m, cols: k, row_stride: 1, col_stride: m };
                 let (mut want, mut got) = (vec![7u16; padded * lda], vec![9u16; padded * lda]);
@@ -1055,7 +1067,7 @@ mod tests {
                     )
                 };
                 assert_eq!(ws, gs);
-                assert_eq!(want, got, "m {m} kc {kc} i0 {i0} rows {rows}");
+                assert_eq!(want, got, "m {m} kc {kc} i0 {i0} rows {rows} lda {lda}");
             }
         }
     }
