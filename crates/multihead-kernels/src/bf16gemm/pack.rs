@@ -355,6 +355,25 @@ mod panels_avx512 {
         }
     }
 
+    /// Asks for the cache lines of elements `from..to` of the run at `p` (into L1); nothing
+    /// where the range is empty. The lines' addresses are only named (wrapping arithmetic, and
+    /// a prefetch reads nothing the program sees), so they may lie outside the run.
+    #[inline(always)]
+    fn prefetch_run<T>(p: *const T, from: usize, to: usize) {
+        if from >= to {
+            return;
+        }
+        let start = p.wrapping_add(from) as *const i8;
+        let skew = start as usize % 64;
+        for off in (0..(to - from) * std::mem::size_of::<T>() + skew).step_by(64) {
+            // SAFETY: a prefetch has no effect the program can observe, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_sub(skew).wrapping_add(off)) };
+        }
+    }
+
+    /// How many pairs of rows ahead [`pack_rows_b`] prefetches.
+    const PREFETCH_PAIRS: usize = 4;
+
     /// `pack_rows_typed` (a row-major `B`, pairs `pairs`), bit for bit: each pair of rows read
     /// 16 columns at a time, in memory order, rounded and interleaved into pair words.
     ///
@@ -370,13 +389,27 @@ mod panels_avx512 {
     ) {
         let super::BBlock { p0, kc, kp, j0, cols, ref panels } = *blk;
         let live_pairs = kc.div_ceil(2);
+        // The panels' columns of a row (the prefetch below).
+        let first = panels.start * NR;
+        let span = cols.min(panels.end * NR).saturating_sub(first);
         // SAFETY: the masks stop at the block's `cols` columns, and rows `p0 + 2p (+ 1)` are
         // below `p0 + kc` (both inside `b`); a masked-out lane is not read, and its address is
-        // only formed (`wrapping_add`); word `(p, j)` of panel `q` is inside the panels.
+        // only formed (`wrapping_add`); word `(p, j)` of panel `q` is inside the panels. The
+        // prefetched rows are below `p0 + kc`, their runs start inside the block's columns
+        // (the cache lines around them are only named, with wrapping arithmetic: a prefetch
+        // reads nothing the program sees).
         unsafe {
+            let start = pairs.start;
             for p in pairs {
                 let row = (p < live_pairs).then(|| src.add((p0 + 2 * p) * rs + j0));
                 let hi_row = row.filter(|_| 2 * p + 1 < kc).map(|r| r.add(rs));
+                // The rows PREFETCH_PAIRS pairs ahead (at a task's first pair, those up to
+                // there too): the loads of a row's run wait on the cache otherwise (`perf`:
+                // most of this packer's samples sat on them).
+                let from = if p == start { 2 * p + 2 } else { 2 * (p + PREFETCH_PAIRS) };
+                for r in from..(2 * (p + PREFETCH_PAIRS) + 2).min(kc) {
+                    prefetch_run(src.add((p0 + r) * rs + j0), first, first + span);
+                }
                 for q in panels.clone() {
                     let out = dst.add(q * kp * NR + p * NR);
                     for c in (0..NR).step_by(16) {
@@ -455,6 +488,12 @@ mod panels_avx512 {
                     // Pairs past the depth (an `lda` wider than it) are zero words.
                     let lo = (2 * q < k).then(|| src.add(2 * q * cs));
                     let hi = (2 * q + 1 < k).then(|| src.add((2 * q + 1) * cs));
+                    // The next group's elements of both rows: this task reads 64 rows a group
+                    // at a time, more runs than the prefetchers follow (`perf`: this packer's
+                    // samples sat on its loads).
+                    for row in [lo, hi].into_iter().flatten() {
+                        prefetch_run(row, i + GROUP, (i + 2 * GROUP).min(m));
+                    }
                     for v in 0..GROUP / 16 {
                         let r = i + 16 * v;
                         let w = match lo {
