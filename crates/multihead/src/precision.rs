@@ -29,8 +29,9 @@ pub(crate) fn narrow(t: &Tensor, dtype: DType) -> Result<Tensor> {
 /// candle converts between bf16 and f32 one element at a time on one thread (about a fifth of a
 /// bf16 `Linear`'s training step when its output is summed in f32, as a loss usually is); here
 /// those two conversions run 16 lanes wide on every thread, rounding to nearest even as candle
-/// and PyTorch do. Every other pair of dtypes, and other devices, take candle's `to_dtype`. The
-/// gradient flows back through the conversion (the backward is the opposite conversion).
+/// and PyTorch do. f64 goes to bf16 through f32 (rounded twice), as PyTorch converts it; every
+/// other pair of dtypes, and other devices, take candle's `to_dtype`. The gradient flows back
+/// through the conversion (the backward is the opposite conversion).
 ///
 /// A size that cannot be allocated (the result, or the copy of a strided or broadcast view
 /// that is converted) is an [`Error`](crate::Error), not an abort.
@@ -116,6 +117,9 @@ fn convert_as(t: &Tensor, dtype: DType, op: &'static str) -> Result<Tensor> {
             matches!((t.dtype(), dtype), (DType::BF16, DType::F32) | (DType::F32, DType::BF16));
         if fast && !t.is_contiguous() {
             crate::alloc::ensure(op, "copy of the input", t.dims(), t.dtype(), 1, HINT)?;
+        }
+        if (t.dtype(), dtype) == (DType::F64, DType::BF16) {
+            crate::alloc::ensure(op, "f32 intermediate", t.dims(), DType::F32, 1, HINT)?;
         }
         crate::alloc::ensure(op, "converted tensor", t.dims(), dtype, 1, HINT)?;
     }

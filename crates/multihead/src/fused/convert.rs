@@ -108,8 +108,13 @@ impl CustomOp1 for NarrowBf16 {
 }
 
 /// `t` converted to `dtype`: the fast ops between bf16 and f32 on the CPU, candle's `to_dtype`
-/// otherwise.
+/// otherwise; f64 to bf16 through f32, rounded twice, as PyTorch converts it (its bf16 is
+/// built from a float: `-0.499023437498181` becomes -0.5 there, where one rounding of the
+/// double gives -0.498046875).
 pub(crate) fn to_dtype(t: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+    if (t.dtype(), dtype) == (DType::F64, DType::BF16) {
+        return to_dtype(&to_dtype(t, DType::F32)?, DType::BF16);
+    }
     if !t.device().is_cpu() || t.dtype() == dtype {
         return t.to_dtype(dtype);
     }

@@ -109,6 +109,48 @@ fn cast_takes_candles_conversion_for_other_dtypes() {
     }
 }
 
+/// f64 to bf16 rounds through f32, as PyTorch's `t.to(torch.bfloat16)` does (its bf16 is built
+/// from a float). Values just past a bf16 midpoint by less than an f32 step: PyTorch 2.15 gives
+/// the `want` column (checked with `torch.tensor(v, dtype=torch.float64).to(torch.bfloat16)`),
+/// one rounding of the double the other neighbour. f64 to f16 also rounds through f32 in both.
+#[test]
+fn cast_of_f64_to_bf16_rounds_through_f32_as_pytorch() {
+    let cases = [
+        (-0.499023437498181f64, -0.5f32),
+        (-0.998046874996362, -1.0),
+        (-1.996093749992724, -2.0),
+        (1.0039062500001, 1.0),
+        (1.01171875, 1.015625), // a tie in both: to even
+        (3.0, 3.0),
+    ];
+    let x = Tensor::new(&cases.map(|c| c.0)[..], &dev()).unwrap();
+    for via_state_dict in [false, true] {
+        let b = if via_state_dict {
+            let state = std::collections::HashMap::from([("weight".to_string(), x.clone())]);
+            let build =
+                |vb: candle_nn::VarBuilder| multihead::LayerNorm::new(cases.len(), 1e-5, false, vb);
+            let ln = multihead::state_dict::load_strict(&state, DType::BF16, &dev(), build);
+            use multihead::state_dict::NamedParameters;
+            ln.unwrap().0.named_parameters().remove(0).1
+        } else {
+            multihead::cast(&x, DType::BF16).unwrap()
+        };
+        let got = b.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(got, cases.map(|c| c.1), "state_dict {via_state_dict}");
+    }
+    // The direct rounding differs in the first four: the test can tell the two apart.
+    let direct = x.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+    assert_ne!(direct.to_vec1::<f32>().unwrap()[..4], cases.map(|c| c.1)[..4]);
+    // f64 to f16 through f32 too, as PyTorch (1 + 2^-11 + 2^-40 and 2^-25 + 2^-60 become ties
+    // in f32, which go to even: 1 and 0, where one rounding gives 1 + 2^-10 and 2^-24).
+    let h = Tensor::new(
+        &[1.0 + 2f64.powi(-11) + 2f64.powi(-40), 2f64.powi(-25) + 2f64.powi(-60)],
+        &dev(),
+    );
+    let h = multihead::cast(&h.unwrap(), DType::F16).unwrap().to_dtype(DType::F64).unwrap();
+    assert_eq!(h.to_vec1::<f64>().unwrap(), [1.0, 0.0]);
+}
+
 #[test]
 fn cast_of_a_view_too_large_to_allocate_is_an_error_naming_cast() {
     // A broadcast view of one value standing for 2^40 elements: 4 TiB once converted.
