@@ -290,6 +290,21 @@ fn check_sizes(a: &BenchArgs) -> Result<()> {
              band into the bias instead)"
         );
     }
+    // Flags a module would take and ignore (the report would describe a run it did not make).
+    if a.module != Module::Decode && a.num_kv_heads.is_some() {
+        anyhow::bail!("--num-kv-heads applies to --module decode only");
+    }
+    if a.module == Module::Linear && (a.causal || a.key_padding || a.need_weights) {
+        anyhow::bail!(
+            "--causal, --key-padding and --need-weights do not apply to --module linear (a \
+             product, with no attention)"
+        );
+    }
+    // The (L, S) masks an MHA run builds: a learned bias (with its copies and gradient), or a
+    // causal mask of L != S (its values and the tensor).
+    if a.module == Module::Mha && (a.learned_mask || a.causal) {
+        fits("--tgt-len, --src-len", &[a.tgt_len, a.src_len], if a.learned_mask { 4 } else { 3 })?;
+    }
     if a.padded && !a.varlen {
         anyhow::bail!("--padded pads the sequences of --varlen; give both");
     }
@@ -397,9 +412,8 @@ fn mha_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
     };
     let mut opts = MhaOptions::default().need_weights(a.need_weights).average_attn_weights(true);
     if a.causal {
-        let m = multihead::generate_square_subsequent_mask(a.tgt_len, dt, &dev)?;
         let m = if a.src_len == a.tgt_len {
-            m
+            multihead::generate_square_subsequent_mask(a.tgt_len, dt, &dev)?
         } else {
             let keep: Vec<f32> = (0..a.tgt_len)
                 .flat_map(|i| {

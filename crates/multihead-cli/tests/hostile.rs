@@ -344,6 +344,43 @@ fn bench_and_demo_size_flags_are_checked_first() {
         // forward only.)
         (&["bench", "--module", "decode", "--backward"], "--backward"),
         (&["bench", "--module", "decode", "--need-weights"], "--need-weights"),
+        // The (L, S) masks of an MHA run were built unchecked (an allocation abort), and flags
+        // that a module ignores were taken silently.
+        (
+            &[
+                "bench",
+                "--embed-dim",
+                "16",
+                "--num-heads",
+                "2",
+                "--tgt-len",
+                "200000",
+                "--src-len",
+                "200000",
+                "--learned-mask",
+            ],
+            "--tgt-len, --src-len",
+        ),
+        (
+            &[
+                "bench",
+                "--batch",
+                "1",
+                "--embed-dim",
+                "2",
+                "--num-heads",
+                "1",
+                "--tgt-len",
+                "100",
+                "--src-len",
+                "100000000",
+                "--causal",
+            ],
+            "--tgt-len, --src-len",
+        ),
+        (&["bench", "--module", "mha", "--num-kv-heads", "2"], "--num-kv-heads"),
+        (&["bench", "--module", "linear", "--causal"], "--causal"),
+        (&["bench", "--module", "linear", "--key-padding"], "--key-padding"),
         (&["demo", "--batch", huge], "--batch"),
         (&["demo", "--seq-len", "100000"], "--seq-len"),
         (&["demo", "--seq2seq", "--seq-len", huge], "--seq-len"),
