@@ -29,6 +29,7 @@ pub const BF16_FACTOR: f64 = 2.0;
 
 /// Replays a case and compares every `expect.*` tensor with the tolerance of its kind; a
 /// bfloat16 or autocast case with `ref64.*` tensors by the reference rule ([`BF16_FACTOR`]).
+/// A case without `expect.output` fails (a check of that name, noted missing).
 pub fn check(case: &Case) -> Result<Vec<TensorCheck>> {
     let result = replay(case)?;
     // An autocast case is graded by the reference rule too (its products are bf16).
@@ -37,6 +38,19 @@ pub fn check(case: &Case) -> Result<Vec<TensorCheck>> {
     let mut names: Vec<&String> =
         case.tensors.keys().filter(|k| k.starts_with("expect.")).collect();
     names.sort();
+    // Every case stores what PyTorch returned first; one without it would pass on its
+    // gradients alone.
+    if !case.tensors.contains_key("expect.output") {
+        checks.push(TensorCheck {
+            name: "expect.output".into(),
+            passed: false,
+            max_abs: f64::INFINITY,
+            worst_ratio: f64::INFINITY,
+            note: Some(
+                "missing: a case stores what PyTorch returned first as expect.output".into(),
+            ),
+        });
+    }
     for name in names {
         let expected = &case.tensors[name];
         let key = &name["expect.".len()..];

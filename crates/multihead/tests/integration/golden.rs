@@ -175,3 +175,19 @@ fn autocast_cases_are_graded_as_bfloat16_with_or_without_references() {
     let err = case.autocast().unwrap_err().to_string();
     assert!(err.contains("autocast") && err.contains("bfloat16"), "{err}");
 }
+
+/// A case without `expect.output` fails its check, by name, rather than passing on its
+/// gradients alone (it passed before: only the stored `expect.*` tensors were compared).
+#[test]
+fn a_case_without_its_output_fails_the_check() {
+    let dir = fixture_root("mha").join("packed_self_nomask_f32");
+    let mut case = Case::load(&dir).unwrap();
+    assert!(parity::check(&case).unwrap().iter().all(|c| c.passed));
+    assert!(case.tensors.remove("expect.output").is_some());
+    assert!(case.tensors.keys().any(|k| k.starts_with("expect.grad.")));
+    let checks = parity::check(&case).unwrap();
+    let missing: Vec<_> = checks.iter().filter(|c| !c.passed).collect();
+    assert_eq!(missing.len(), 1, "{checks:?}");
+    assert_eq!(missing[0].name, "expect.output");
+    assert!(missing[0].note.as_deref().is_some_and(|n| n.contains("missing")), "{checks:?}");
+}
