@@ -179,7 +179,7 @@ impl MultiheadAttention {
         }
         if cfg.add_bias_kv || cfg.add_zero_attn {
             return Err(config_err(
-                "add_bias_kv",
+                if cfg.add_bias_kv { "add_bias_kv" } else { "add_zero_attn" },
                 "cached decoding does not support add_bias_kv or add_zero_attn (they append keys \
                  after the sequence, which a growing cache cannot keep last); use forward"
                     .into(),
@@ -196,6 +196,19 @@ impl MultiheadAttention {
             ));
         }
         Ok(())
+    }
+
+    /// The checks of a cached call on `x` (its dtype, shape and batch against the module and
+    /// the cache, `lengths`, the options), without running it: a decoder layer makes them
+    /// before its cross-attention reads the step, so that an error names the step's input.
+    pub(crate) fn check_cached(
+        &self,
+        x: &Tensor,
+        cache: &KvCache,
+        lengths: Option<&[usize]>,
+        opts: &CachedOptions,
+    ) -> Result<()> {
+        self.validate_step(x, cache, lengths, opts).map(|_| ())
     }
 
     /// Checks a cached call once, before anything is written.

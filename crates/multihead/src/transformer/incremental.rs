@@ -232,6 +232,18 @@ impl TransformerDecoderLayer {
             });
         }
         check_step_cross(&opts.cross_attn)?;
+        if check {
+            // The step's own input first (its dtype, shape and batch against the cache), as
+            // this step's error: the cross-attention below would report it as its query's
+            // against the memory given to `start`.
+            let as_step = |e: Error| match e {
+                Error::Shape { arg, msg, .. } => Error::Shape { op: STEP, arg, msg },
+                Error::DType { arg, msg, .. } => Error::DType { op: STEP, arg, msg },
+                Error::Config { arg, msg, .. } => Error::Config { op: STEP, arg, msg },
+                e => e,
+            };
+            self.self_attn.check_cached(x, cache, lengths, &opts.self_attn).map_err(as_step)?;
+        }
         let cross = {
             let mut o = opts.cross_attn.clone().need_weights(false);
             o.key_padding_mask = memory_key_padding_mask.cloned();

@@ -273,6 +273,36 @@ fn a_refused_decoder_step_leaves_every_cache_unchanged() {
     assert!(d <= 1e-6, "max diff {d:e}");
 }
 
+/// A decoder step's own bad input is the step's error, naming `x` or the cache its batch does
+/// not fit (it was reported as the cross-attention's query against the memory given to
+/// `start`), and changes no cache.
+#[test]
+fn a_decoder_steps_bad_input_is_named_as_the_steps() {
+    use multihead::transformer::{LayerConfig, TransformerDecoder};
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let cfg = LayerConfig::new(16, 2).with_dim_feedforward(16);
+    let mut dec = TransformerDecoder::new(cfg, 2, None, vb).unwrap();
+    dec.eval();
+    let mut state = dec.start(&det(&[5, 2, 16], DType::F32, 2.0), None, 8).unwrap();
+    for (x, what) in [
+        (det(&[1, 2, 8], DType::F32, 1.0), "features"),
+        (det(&[1, 2, 16], DType::F64, 1.0), "dtype"),
+        (det(&[1, 16], DType::F32, 1.0), "batch"),
+        (det(&[1, 3, 16], DType::F32, 1.0), "batch"),
+        (det(&[1, 1, 2, 16], DType::F32, 1.0), "2-D"),
+    ] {
+        let e = dec.forward_step(&x, &mut state, None).unwrap_err().to_string();
+        let named = ["x", "cache"].map(|a| format!("TransformerDecoder::forward_step: {a}: "));
+        assert!(named.iter().any(|n| e.starts_with(n.as_str())), "{:?}: {e}", x.dims());
+        assert!(e.contains(what), "{:?}: {e}", x.dims());
+        let lens: Vec<Vec<usize>> = state.caches().iter().map(|c| c.lens().to_vec()).collect();
+        assert_eq!(lens, vec![vec![0, 0], vec![0, 0]]);
+    }
+    let y = dec.forward_step(&det(&[1, 2, 16], DType::F32, 1.0), &mut state, None).unwrap();
+    assert_eq!(y.dims(), &[1, 2, 16]);
+}
+
 /// Empty caches (no capacity, no rows) take calls that append nothing, on both paths; a token
 /// that does not fit is `CacheFull`. (An adversarial sweep found candle's "dst has repeated
 /// elements" instead: an in-place write into an empty tensor.)
