@@ -115,7 +115,18 @@ impl LayerConfig {
     ///
     /// [`MhaConfig::validate`]: crate::MhaConfig::validate
     pub fn validate(&self) -> crate::Result<()> {
-        self.mha_config().validate()?;
+        // The attention's rules, reported as the layer's (by its arguments' names).
+        self.mha_config().validate().map_err(|e| match e {
+            crate::Error::Config { arg, msg, .. } => {
+                let arg = match arg {
+                    "embed_dim" => "d_model",
+                    "num_heads" => "nhead",
+                    other => other,
+                };
+                crate::Error::Config { op: "TransformerLayer", arg, msg }
+            }
+            e => e,
+        })?;
         let err = |arg, msg| crate::Error::Config { op: "TransformerLayer", arg, msg };
         let ff = self.d_model.checked_mul(self.dim_feedforward).and_then(|n| n.checked_mul(8));
         if ff.is_none_or(|b| b > isize::MAX as usize) {

@@ -370,3 +370,32 @@ fn shape_errors_name_the_shapes_as_given() {
     let err = m.forward(&q, &kv, &kv, &MhaOptions::default()).unwrap_err().to_string();
     assert!(err.contains("(query shape (3, 1))"), "{err}");
 }
+
+/// A layer's attention rules are reported as the layer's, by its own arguments (they read
+/// `MultiheadAttention: dropout` for a `TransformerEncoderLayer`), and cached decoding names the
+/// flag that is set (it named `add_bias_kv` for `add_zero_attn`).
+#[test]
+fn layer_and_cached_config_errors_name_what_the_user_set() {
+    use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
+    let vm = candle_nn::VarMap::new();
+    let vb = || candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    for (cfg, arg) in [
+        (LayerConfig::new(16, 4).with_dropout(1.0), "dropout"),
+        (LayerConfig::new(16, 5), "nhead"),
+        (LayerConfig::new(16, 0), "nhead"),
+    ] {
+        let e = TransformerEncoderLayer::new(cfg, vb()).map(|_| ()).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("TransformerLayer: {arg}: ")), "{e}");
+    }
+    for (cfg, arg) in [
+        (MhaConfig::new(16, 4).with_add_zero_attn(true), "add_zero_attn"),
+        (MhaConfig::new(16, 4).with_add_bias_kv(true), "add_bias_kv"),
+    ] {
+        let (mut m, _vm) = mha(cfg, DType::F32);
+        m.eval();
+        let mut cache = m.new_cache(1, 4).unwrap();
+        let x = t(&[1, 1, 16]);
+        let e = m.forward_cached(&x, &mut cache, None).unwrap_err().to_string();
+        assert!(e.contains(&format!(": {arg}: cached decoding")), "{e}");
+    }
+}
