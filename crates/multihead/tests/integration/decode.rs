@@ -235,19 +235,27 @@ fn a_composed_step_too_large_to_allocate_leaves_the_cache_unchanged() {
     assert_eq!((y.dims(), cache.lens()), (&[1, 3, 4][..], &[3][..]));
 }
 
+/// A two-layer f32 decoder of width `e` (2 heads, feed-forward 16) with seeded weights, in
+/// eval mode.
+fn small_decoder(e: usize) -> (multihead::transformer::TransformerDecoder, VarMap) {
+    use multihead::transformer::{LayerConfig, TransformerDecoder};
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let cfg = LayerConfig::new(e, 2).with_dim_feedforward(16);
+    let mut dec = TransformerDecoder::new(cfg, 2, None, vb).unwrap();
+    seed_vars(&vm, DType::F32);
+    dec.eval();
+    (dec, vm)
+}
+
 /// A decoder step whose cross-attention refuses its arguments (a batched token over an
 /// unbatched memory, a memory mask of the wrong shape) is an error before any layer's cache
 /// changes: the first layer's self-attention appended first, and the steps that followed the
 /// error were silently wrong (an adversarial run).
 #[test]
 fn a_refused_decoder_step_leaves_every_cache_unchanged() {
-    use multihead::transformer::{DecoderMasks, LayerConfig, TransformerDecoder};
-    let vm = VarMap::new();
-    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
-    let cfg = LayerConfig::new(8, 2).with_dim_feedforward(16);
-    let mut dec = TransformerDecoder::new(cfg, 2, None, vb).unwrap();
-    seed_vars(&vm, DType::F32);
-    dec.eval();
+    use multihead::transformer::DecoderMasks;
+    let (dec, _vm) = small_decoder(8);
     let (mem, tgt) = (det(&[5, 8], DType::F32, 2.0), det(&[3, 8], DType::F32, 4.0));
     let mut state = dec.start(&mem, None, 8).unwrap();
     let batched = tgt.narrow(0, 0, 1).unwrap().unsqueeze(1).unwrap();
@@ -278,12 +286,7 @@ fn a_refused_decoder_step_leaves_every_cache_unchanged() {
 /// `start`), and changes no cache.
 #[test]
 fn a_decoder_steps_bad_input_is_named_as_the_steps() {
-    use multihead::transformer::{LayerConfig, TransformerDecoder};
-    let vm = VarMap::new();
-    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
-    let cfg = LayerConfig::new(16, 2).with_dim_feedforward(16);
-    let mut dec = TransformerDecoder::new(cfg, 2, None, vb).unwrap();
-    dec.eval();
+    let (dec, _vm) = small_decoder(16);
     let mut state = dec.start(&det(&[5, 2, 16], DType::F32, 2.0), None, 8).unwrap();
     for (x, what) in [
         (det(&[1, 2, 8], DType::F32, 1.0), "features"),
