@@ -168,6 +168,8 @@ thread_local! {
     static PACKED_B: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
     /// Every row block of `A`, rounded once for all column blocks (on the calling thread).
     static PACKED_A: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+    /// Every row block of one depth block of `A`, packed pair by pair (on the calling thread).
+    static PACKED_A_BLOCKS: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
     /// A worker's rounded block of `A`, reused across tasks.
     static A_BLOCK: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
 }
@@ -359,49 +361,106 @@ unsafe fn run_blocks(
 ) -> Result<(), KernelError> {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let threads = rayon::current_num_threads().max(1);
-    with_buffer(&PACKED_B, len, "b", |buf| {
-        let packed = SyncPtr(buf.as_mut_ptr());
-        for j0 in (0..n).step_by(nc_max) {
-            let cols = (n - j0).min(nc_max);
-            let panels = cols.div_ceil(NR);
-            // Few row blocks: also cut the columns, so that every thread has work.
-            let col_parts =
-                if blocks >= 2 * threads { 1 } else { (2 * threads).div_ceil(blocks).min(panels) };
-            for p0 in (0..k).step_by(kc_max) {
-                let kc = (k - p0).min(kc_max);
-                let kp = pairs(kern, kc);
-                if by_rows(b) {
-                    // A row-major `B` is packed in memory order: each task a range of pairs
-                    // of every panel.
-                    let blk = BBlock { p0, kc, kp, j0, cols, panels: 0..panels };
-                    (0..kp.div_ceil(ROW_PAIRS)).into_par_iter().for_each(|t| {
-                        let pairs = t * ROW_PAIRS..((t + 1) * ROW_PAIRS).min(kp);
-                        // SAFETY: as below; this task alone writes pairs `pairs` of every
-                        // panel.
-                        unsafe { pack_b_rows(kern, b, &blk, pairs, raw(packed)) }
-                    });
+    // A transposed `A` on the vector kernel: each depth block of every row block is packed
+    // before the block's tasks, pair by pair along whole source rows, as `run` packs the whole
+    // depth once where it can (`by_pairs_words`).
+    let pair_words = by_pairs_words(kern, a, source, (mc, blocks), kc_max.min(k));
+    with_buffer(&PACKED_A_BLOCKS, pair_words.unwrap_or(0), "a", |abuf| {
+        let ablocks = SyncPtr(abuf.as_mut_ptr());
+        with_buffer(&PACKED_B, len, "b", |buf| {
+            let packed = SyncPtr(buf.as_mut_ptr());
+            for j0 in (0..n).step_by(nc_max) {
+                let cols = (n - j0).min(nc_max);
+                let panels = cols.div_ceil(NR);
+                // Few row blocks: also cut the columns, so that every thread has work.
+                let col_parts = if blocks >= 2 * threads {
+                    1
                 } else {
-                    (0..panels.div_ceil(PACK_PANELS)).into_par_iter().for_each(|t| {
-                        let range = t * PACK_PANELS..((t + 1) * PACK_PANELS).min(panels);
-                        // SAFETY: the block lies inside `b` (checked by `matmul_bf16`); the
-                        // buffer holds `panels` panels of `kp · NR` words (sized above: `kp`
-                        // grows with `kc`) and this task alone writes its panels.
-                        unsafe {
-                            let blk = BBlock { p0, kc, kp, j0, cols, panels: range };
-                            pack_b(kern, b, blk, raw(packed))
+                    (2 * threads).div_ceil(blocks).min(panels)
+                };
+                for p0 in (0..k).step_by(kc_max) {
+                    let kc = (k - p0).min(kc_max);
+                    let kp = pairs(kern, kc);
+                    if by_rows(b) {
+                        // A row-major `B` is packed in memory order: each task a range of pairs
+                        // of every panel.
+                        let blk = BBlock { p0, kc, kp, j0, cols, panels: 0..panels };
+                        (0..kp.div_ceil(ROW_PAIRS)).into_par_iter().for_each(|t| {
+                            let pairs = t * ROW_PAIRS..((t + 1) * ROW_PAIRS).min(kp);
+                            // SAFETY: as below; this task alone writes pairs `pairs` of every
+                            // panel.
+                            unsafe { pack_b_rows(kern, b, &blk, pairs, raw(packed)) }
+                        });
+                    } else {
+                        (0..panels.div_ceil(PACK_PANELS)).into_par_iter().for_each(|t| {
+                            let range = t * PACK_PANELS..((t + 1) * PACK_PANELS).min(panels);
+                            // SAFETY: the block lies inside `b` (checked by `matmul_bf16`); the
+                            // buffer holds `panels` panels of `kp · NR` words (sized above: `kp`
+                            // grows with `kc`) and this task alone writes its panels.
+                            unsafe {
+                                let blk = BBlock { p0, kc, kp, j0, cols, panels: range };
+                                pack_b(kern, b, blk, raw(packed))
+                            }
+                        });
+                    }
+                    let source = match pair_words {
+                        Some(_) => {
+                            let lda = a_stride(kern, kp);
+                            let view = depth_view(a, p0, kc);
+                            (0..kp.div_ceil(PAIR_TASK)).into_par_iter().for_each(|t| {
+                                let range = t * PAIR_TASK..((t + 1) * PAIR_TASK).min(kp);
+                                // SAFETY: `packs_by_pairs` held (`by_pairs_words`); the buffer
+                                // holds `blocks · mc · a_stride(kern, pairs(kern, kc_max)) >=
+                                // m.div_ceil(MR) · MR · lda` elements (`kc <= kc_max`); `lda =
+                                // 2·kp >= kc` and `range.end <= kp`; this task alone writes
+                                // pairs `range` of every tile.
+                                unsafe { pack_a_by_pairs(&view, lda, range, raw(ablocks)) }
+                            });
+                            ASource::Rounded(ConstPtr(ablocks.0 as *const u16), (2, 2 * MR))
                         }
-                    });
+                        None => source,
+                    };
+                    let block = Block { p0, kc, kp, j0, cols, panels, packed: ConstPtr(packed.0) };
+                    let load_c = p0 > 0 || matches!(out, Out::F32 { accumulate: true, .. });
+                    let last = p0 + kc == k;
+                    let deep = out.deep(kern, k);
+                    let pass = Pass { a, block, m, mc, col_parts, out, load_c, last, source, deep };
+                    (0..blocks * col_parts).into_par_iter().try_for_each(|t| pass.task(t, kern))?;
                 }
-                let block = Block { p0, kc, kp, j0, cols, panels, packed: ConstPtr(packed.0) };
-                let load_c = p0 > 0 || matches!(out, Out::F32 { accumulate: true, .. });
-                let last = p0 + kc == k;
-                let deep = out.deep(kern, k);
-                let pass = Pass { a, block, m, mc, col_parts, out, load_c, last, source, deep };
-                (0..blocks * col_parts).into_par_iter().try_for_each(|t| pass.task(t, kern))?;
             }
-        }
-        Ok(())
+            Ok(())
+        })
     })
+}
+
+/// The words of [`run_blocks`]' buffer for every row block of a depth block of `A` packed pair
+/// by pair (`kc` deep at most), where it packs them so: a transposed `A` on the vector kernel
+/// ([`packs_by_pairs`]) that the tasks would pack themselves (`ASource::Pack`), and a buffer
+/// within [`PACKED_A_WORDS`]; `None` otherwise. Each task packed a run of its rows' features
+/// from every row of the depth (one run per page of `dy`): the blocked weight gradients of a
+/// bf16 layer's training (f32 outputs, depth blocks of `KC`).
+fn by_pairs_words(
+    kern: Kernel,
+    a: &BfMat,
+    source: ASource,
+    (mc, blocks): (usize, usize),
+    kc: usize,
+) -> Option<usize> {
+    if !matches!(source, ASource::Pack) || !packs_by_pairs(kern, a) {
+        return None;
+    }
+    let lda = a_stride(kern, pairs(kern, kc));
+    blocks.checked_mul(mc)?.checked_mul(lda).filter(|&w| w <= PACKED_A_WORDS)
+}
+
+/// Columns `p0..p0 + kc` (the depth) of a transposed `A` as a matrix of its own.
+fn depth_view<'a>(a: &BfMat<'a>, p0: usize, kc: usize) -> BfMat<'a> {
+    let from = p0 * a.col_stride;
+    let data = match a.data {
+        Elems::F32(x) => Elems::F32(&x[from.min(x.len())..]),
+        Elems::Bf16(x) => Elems::Bf16(&x[from.min(x.len())..]),
+    };
+    BfMat { data, cols: kc, ..*a }
 }
 
 /// Words of the packed `B` block of a bf16 output (the whole depth in one block) over `blocks`
