@@ -54,6 +54,9 @@ fn matches_the_reference_for_every_layout_level_and_thread_count() {
         (200, 35, 193),
         (3, 200, 2),
         (9, 40, 2 * super::KC + 3),
+        // Several row blocks over two depth blocks (a transposed `A` packed for every row
+        // block of a depth block at once).
+        (200, 70, super::KC + 37),
     ];
     for (m, n, k) in shapes {
         let a = rand_vec(m * k, (m * k) as u64);
