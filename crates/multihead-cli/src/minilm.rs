@@ -42,6 +42,9 @@ fn read_config(dir: &Path) -> Result<BertConfig> {
     crate::sentence::plain_file(&dir.join("config.json"))?;
     let text = std::fs::read_to_string(dir.join("config.json")).context("reading config.json")?;
     let v: serde_json::Value = serde_json::from_str(&text).context("parsing config.json")?;
+    if !v.is_object() {
+        bail!("config.json must be a JSON object of the model's settings (a BERT config), got {v}");
+    }
     let get = |k: &str| -> Result<usize> {
         match v.get(k) {
             None => bail!("config.json lacks {k}"),
@@ -52,6 +55,10 @@ fn read_config(dir: &Path) -> Result<BertConfig> {
     };
     if let Some(t) = v.get("model_type").filter(|t| t.as_str() != Some("bert")) {
         bail!("config.json: model_type {t} is not supported; multihead embed runs BERT models (model_type \"bert\")");
+    }
+    // A decoder BERT attends causally (and may cross-attend): not what this encoder runs.
+    if let Some(d) = v.get("is_decoder").filter(|d| d.as_bool() != Some(false)) {
+        bail!("config.json: is_decoder {d} is not supported; multihead embed runs BERT encoders (is_decoder false or absent)");
     }
     if v.get("hidden_act").and_then(|x| x.as_str()) != Some("gelu") {
         bail!("config.json: only hidden_act \"gelu\" is supported");
@@ -317,7 +324,8 @@ impl MiniLm {
         let position_rows = w.get(position_key).and_then(|t| t.dims().first().copied());
         let max_tokens = token_limit(&pipeline, &cfg, position_rows.unwrap_or(usize::MAX))?;
         let tokenizer = load_tokenizer(&tdir, max_tokens, pipeline.do_lower_case)?;
-        let vocab = tokenizer.get_vocab_size(true);
+        // Rows for every id the tokenizer can give (its largest id + 1: ids need not be dense).
+        let vocab = tokenizer.get_vocab(true).into_values().max().map_or(0, |id| id as usize + 1);
         let table = |w: &mut HashMap<String, Tensor>, name: &str, rows: usize, declared| {
             let t = take(w, &format!("embeddings.{name}.weight"))?;
             check_table(&t, name, (rows, declared), cfg.hidden)?;

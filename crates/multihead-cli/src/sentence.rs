@@ -169,6 +169,14 @@ impl Pipeline {
             let Some(path) = m.get("path").and_then(Value::as_str) else {
                 bail!("modules.json: module {i} ({t}) has no \"path\"");
             };
+            // A module lies inside the model folder (as sentence-transformers requires): "" or
+            // a relative path without "..".
+            let inside = std::path::Path::new(path).components().all(|c| {
+                matches!(c, std::path::Component::Normal(_) | std::path::Component::CurDir)
+            });
+            if !inside {
+                bail!("modules.json: module {i} ({t}) has path {path:?}, outside the model folder; give a path relative to it, without \"..\"");
+            }
             let ours = t.strip_prefix("sentence_transformers.").map(short_type).unwrap_or("");
             kinds.push((ours.to_string(), path.to_string(), t.to_string()));
         }

@@ -441,7 +441,26 @@ fn unsupported_pipelines_are_refused_at_load() {
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
     ]);
     let prompts = serde_json::json!({"prompts": {"q": "q: "}, "default_prompt_name": "doc"});
+    let mut decoder = roberta.clone();
+    decoder["model_type"] = "bert".into();
+    decoder["is_decoder"] = true.into();
+    let outside = serde_json::json!([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "/etc", "type": "sentence_transformers.models.Pooling"},
+    ]);
+    // A token id past the word table (ids need not be dense: the table needs the largest id).
+    let mut tokenizer: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
+            .unwrap();
+    tokenizer["model"]["vocab"]["hello"] = 40000.into();
     let cases = [
+        // (An encoder that attends causally ran as a plain one; a config that is a list was
+        // "only hidden_act gelu is supported"; a module outside the folder was read there;
+        // an id past the table failed at the first text, in candle's words.)
+        ("decoder", "config.json", decoder, "is_decoder true is not supported"),
+        ("list", "config.json", serde_json::json!([1, 2]), "config.json must be a JSON object"),
+        ("outside", "modules.json", outside, "has path \"/etc\", outside the model folder"),
+        ("id", "tokenizer.json", tokenizer, "word_embeddings.weight has 30522 rows"),
         ("layer_norm", "modules.json", modules, "(custom and other modules are not supported)"),
         ("custom", "modules.json", custom, "lists [\"mypkg.Transformer\""),
         (
