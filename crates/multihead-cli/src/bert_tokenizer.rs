@@ -309,35 +309,52 @@ fn read_tokenizer_config(dir: &Path) -> Result<serde_json::Value> {
 }
 
 /// transformers' `BertTokenizer` (the class `tokenizer_config.json` names, or none: `embed`
-/// serves BERT models) builds its normaliser from its own arguments, `do_lower_case` (default
-/// true), `strip_accents` (default none: strip when lowercasing) and `tokenize_chinese_chars`
-/// (default true), whatever `tokenizer.json` says: a `BertNormalizer` that disagrees with them is
-/// rebuilt from them, as sentence-transformers (through `AutoTokenizer`) tokenizes. A folder
-/// whose two files disagree (a `tokenizer.json` that does not lowercase beside a config that
-/// does, or says nothing) otherwise gave other tokens: embeddings 0.23 apart (transformers 5.25,
-/// an adversarial run). Another tokenizer class keeps `tokenizer.json`'s normaliser, as
-/// transformers does.
+/// serves BERT models) takes only the vocabulary (and the added tokens) from `tokenizer.json`
+/// and builds the rest from its own arguments, as sentence-transformers (through
+/// `AutoTokenizer`, transformers 5.25) tokenizes: BERT's normaliser from `do_lower_case`
+/// (default true), `strip_accents` (default none: strip when lowercasing) and
+/// `tokenize_chinese_chars` (default true), control characters cleaned; BERT's pre-tokenizer;
+/// WordPiece with `##` continuations, words of at most 100 characters and the config's unknown
+/// token; `[CLS] text [SEP]` with the config's tokens (where the vocabulary has them). Whatever `tokenizer.json` says of these is
+/// replaced: a folder whose two files disagree (a `tokenizer.json` that does not lowercase beside
+/// a config that does or says nothing, no normaliser, another pre-tokenizer or continuation
+/// prefix, no post-processor) otherwise gave other tokens, embeddings 0.1-0.8 apart (adversarial
+/// runs). Another tokenizer class keeps `tokenizer.json` as it is, as transformers does.
 fn follow_tokenizer_config(tokenizer: &mut Tokenizer, cfg: &serde_json::Value) -> Result<()> {
+    use tokenizers::models::wordpiece::WordPiece;
     use tokenizers::normalizers::BertNormalizer;
+    use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
+    use tokenizers::processors::bert::BertProcessing;
+    use tokenizers::ModelWrapper;
     let class = cfg.get("tokenizer_class").and_then(|v| v.as_str());
     if !matches!(class, None | Some("BertTokenizer") | Some("BertTokenizerFast")) {
         return Ok(());
     }
-    let Some(NormalizerWrapper::BertNormalizer(b)) = tokenizer.get_normalizer() else {
-        return Ok(());
-    };
     let flag = |k: &str, default: bool| cfg.get(k).and_then(|v| v.as_bool()).unwrap_or(default);
-    let lowercase = flag("do_lower_case", true);
-    let strip_accents = cfg.get("strip_accents").and_then(|v| v.as_bool());
-    let chinese = flag("tokenize_chinese_chars", true);
-    if (b.lowercase, b.strip_accents, b.handle_chinese_chars) == (lowercase, strip_accents, chinese)
-    {
-        return Ok(());
-    }
-    let normalizer = BertNormalizer::new(b.clean_text, chinese, strip_accents, lowercase);
+    let normalizer = BertNormalizer::new(
+        true,
+        flag("tokenize_chinese_chars", true),
+        cfg.get("strip_accents").and_then(|v| v.as_bool()),
+        flag("do_lower_case", true),
+    );
     tokenizer
         .with_normalizer(Some(normalizer))
         .map_err(|e| anyhow::anyhow!("tokenizer_config.json's normaliser: {e}"))?;
+    tokenizer.with_pre_tokenizer(Some(BertPreTokenizer));
+    let ModelWrapper::WordPiece(wordpiece) = tokenizer.get_model() else {
+        anyhow::bail!("tokenizer.json: a BertTokenizer's model must be WordPiece");
+    };
+    let mut model: WordPiece = wordpiece.clone();
+    model.unk_token = special(cfg, "unk_token", "[UNK]");
+    model.continuing_subword_prefix = "##".into();
+    model.max_input_chars_per_word = 100;
+    tokenizer.with_model(model);
+    // (A vocabulary without the two tokens keeps the file's post-processor: no BERT model's.)
+    let [sep, cls] =
+        [("sep_token", "[SEP]"), ("cls_token", "[CLS]")].map(|(k, d)| special(cfg, k, d));
+    if let (Some(s), Some(c)) = (tokenizer.token_to_id(&sep), tokenizer.token_to_id(&cls)) {
+        tokenizer.with_post_processor(Some(BertProcessing::new((sep, s), (cls, c))));
+    }
     Ok(())
 }
 

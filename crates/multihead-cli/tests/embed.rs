@@ -543,3 +543,44 @@ fn unsupported_pipelines_are_refused_at_load() {
         assert_refused(&folder, file, "not a regular file (a FIFO, a socket or a device)");
     }
 }
+
+/// transformers' `BertTokenizer` takes only the vocabulary from `tokenizer.json` and builds the
+/// rest itself, so sentence-transformers embeds as the unedited folder does whatever the file
+/// says of the normaliser, pre-tokenizer, continuation prefix, word limit or post-processor
+/// (an adversarial run against transformers 5.25: each edit below gave embeddings 0.1-0.8
+/// apart from it here). Every edited folder gives the unedited folder's embeddings.
+#[test]
+fn a_bert_tokenizer_takes_only_the_vocabulary_from_tokenizer_json() {
+    let Some(dir) = model_dir_or_skip() else { return };
+    let texts: Vec<String> = [
+        "Hello World",
+        "hello\u{1}world\u{7} x\u{1b} y",
+        "supercalifragilistic antidisestablishment",
+        "wow!!! ... ?!",
+        "Café 東京 naïve",
+    ]
+    .map(String::from)
+    .to_vec();
+    let want = embed(&dir, &texts, 8);
+    let original: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
+            .unwrap();
+    let edits: [(&str, &str, Value); 6] = [
+        ("nonorm", "/normalizer", Value::Null),
+        ("noclean", "/normalizer/clean_text", false.into()),
+        ("maxchars", "/model/max_input_chars_per_word", 5.into()),
+        ("prefix", "/model/continuing_subword_prefix", "@@".into()),
+        ("pretok", "/pre_tokenizer", serde_json::json!({"type": "Whitespace"})),
+        ("nopost", "/post_processor", Value::Null),
+    ];
+    for (name, pointer, value) in edits {
+        let mut tokenizer = original.clone();
+        *tokenizer.pointer_mut(pointer).unwrap() = value;
+        let v = serde_json::json!({"name": format!("tok-{name}"), "files": {"tokenizer.json": tokenizer}});
+        let got = embed(&pipeline_folder(&dir, &v), &texts, 8);
+        for ((text, g), (_, w)) in got.iter().zip(&want) {
+            let d = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+            assert!(d <= 1e-6, "{name}: {text:?}: max diff {d:e}");
+        }
+    }
+}
