@@ -70,14 +70,24 @@ pub fn check(case: &Case) -> Result<Vec<TensorCheck>> {
                     passed: c.passed(),
                     max_abs: c.max_abs,
                     worst_ratio: c.worst_ratio,
-                    note: c.shape_mismatch.then(|| match reference {
-                        Some(r) if r.dims() != expected.dims() => format!(
-                            "ref64.{key} has shape {:?} but expect.{key} {:?}",
-                            r.dims(),
-                            expected.dims()
-                        ),
-                        _ => format!("shape {:?} vs expected {:?}", actual.dims(), expected.dims()),
-                    }),
+                    note: match (c.shape_mismatch, c.special) {
+                        (true, _) => Some(match reference {
+                            Some(r) if r.dims() != expected.dims() => format!(
+                                "ref64.{key} has shape {:?} but expect.{key} {:?}",
+                                r.dims(),
+                                expected.dims()
+                            ),
+                            _ => format!(
+                                "shape {:?} vs expected {:?}",
+                                actual.dims(),
+                                expected.dims()
+                            ),
+                        }),
+                        (false, Some((i, ours, theirs))) => Some(format!(
+                            "element {i} (flat): ours {ours}, expected {theirs}: NaN or an infinity on one side only"
+                        )),
+                        (false, None) => None,
+                    },
                 });
             }
             None => checks.push(TensorCheck {

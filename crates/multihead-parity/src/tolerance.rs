@@ -58,17 +58,20 @@ impl Tolerance {
                 worst_ratio: f64::INFINITY,
                 max_abs: f64::INFINITY,
                 shape_mismatch: true,
+                special: None,
             });
         }
         let a = actual.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
         let e = expected.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
         let mut worst = 0f64;
         let mut max_abs = 0f64;
-        for (&x, &y) in a.iter().zip(&e) {
+        let mut special = None;
+        for (i, (&x, &y)) in a.iter().zip(&e).enumerate() {
             let both_finite = x.is_finite() && y.is_finite();
             if !both_finite && !self.close(x, y) {
                 worst = f64::INFINITY;
                 max_abs = f64::INFINITY;
+                special = special.or(Some((i, x, y)));
                 continue;
             }
             if x.is_finite() && y.is_finite() {
@@ -77,7 +80,7 @@ impl Tolerance {
                 worst = worst.max(d / (self.abs + self.rel * y.abs()));
             }
         }
-        Ok(Comparison { worst_ratio: worst, max_abs, shape_mismatch: false })
+        Ok(Comparison { worst_ratio: worst, max_abs, shape_mismatch: false, special })
     }
 }
 
@@ -90,6 +93,9 @@ pub struct Comparison {
     pub max_abs: f64,
     /// The shapes differ.
     pub shape_mismatch: bool,
+    /// The first element where NaN or an infinity stands on one side only (or where the
+    /// reference has it, for the bfloat16 rule): its flat index, ours, the other side's.
+    pub special: Option<(usize, f64, f64)>,
 }
 
 impl Comparison {
@@ -115,6 +121,7 @@ pub fn compare_to_reference(
             worst_ratio: f64::INFINITY,
             max_abs: f64::INFINITY,
             shape_mismatch: true,
+            special: None,
         });
     }
     let flat = |t: &Tensor| -> Result<Vec<f64>> {
@@ -123,23 +130,21 @@ pub fn compare_to_reference(
     let (a, p, r) = (flat(ours)?, flat(pytorch)?, flat(reference)?);
     let same_kind = |x: f64, y: f64| (x.is_nan() && y.is_nan()) || x == y;
     let (mut err_ours, mut err_torch, mut scale) = (0f64, 0f64, 0f64);
-    for ((&x, &y), &z) in a.iter().zip(&p).zip(&r) {
+    let special = |i: usize, x: f64, z: f64| Comparison {
+        worst_ratio: f64::INFINITY,
+        max_abs: f64::INFINITY,
+        shape_mismatch: false,
+        special: Some((i, x, z)),
+    };
+    for (i, ((&x, &y), &z)) in a.iter().zip(&p).zip(&r).enumerate() {
         if !z.is_finite() {
             if !same_kind(x, z) {
-                return Ok(Comparison {
-                    worst_ratio: f64::INFINITY,
-                    max_abs: f64::INFINITY,
-                    shape_mismatch: false,
-                });
+                return Ok(special(i, x, z));
             }
             continue;
         }
         if !x.is_finite() {
-            return Ok(Comparison {
-                worst_ratio: f64::INFINITY,
-                max_abs: f64::INFINITY,
-                shape_mismatch: false,
-            });
+            return Ok(special(i, x, z));
         }
         err_ours = err_ours.max((x - z).abs());
         if y.is_finite() {
@@ -155,7 +160,7 @@ pub fn compare_to_reference(
     } else {
         f64::INFINITY
     };
-    Ok(Comparison { worst_ratio, max_abs: err_ours, shape_mismatch: false })
+    Ok(Comparison { worst_ratio, max_abs: err_ours, shape_mismatch: false, special: None })
 }
 
 #[cfg(test)]
@@ -185,6 +190,9 @@ mod tests {
         let nan =
             compare_to_reference(&t(&[f64::NAN, -2.0, 0.5]), &pytorch, &reference, 2.0).unwrap();
         assert!(!nan.passed());
+        assert!(matches!(nan.special, Some((0, x, z)) if x.is_nan() && z == 1.0), "{nan:?}");
+        let inf = Tolerance::F64.compare(&t(&[1.0, f64::INFINITY]), &t(&[1.0, 2.0])).unwrap();
+        assert_eq!(inf.special, Some((1, f64::INFINITY, 2.0)));
         let r_nan = t(&[f64::NAN, -2.0, 0.5]);
         let both = compare_to_reference(&r_nan, &r_nan, &r_nan, 2.0).unwrap();
         assert!(both.passed());

@@ -191,3 +191,21 @@ fn a_case_without_its_output_fails_the_check() {
     assert_eq!(missing[0].name, "expect.output");
     assert!(missing[0].note.as_deref().is_some_and(|n| n.contains("missing")), "{checks:?}");
 }
+
+/// A NaN where PyTorch's value is finite fails the check with a note naming the element (the
+/// line read "max|diff| inf" and no more).
+#[test]
+fn a_nan_on_one_side_is_named_by_its_element() {
+    let dir = fixture_root("mha").join("packed_self_nomask_f32");
+    let mut case = Case::load(&dir).unwrap();
+    let out = &case.tensors["expect.output"];
+    let mut v = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    v[3] = f32::NAN;
+    let nan = candle_core::Tensor::from_vec(v, out.dims(), out.device()).unwrap();
+    case.tensors.insert("expect.output".into(), nan);
+    let checks = parity::check(&case).unwrap();
+    let c = checks.iter().find(|c| c.name == "expect.output").unwrap();
+    assert!(!c.passed);
+    let note = c.note.as_deref().unwrap_or_default();
+    assert!(note.contains("element 3") && note.contains("expected NaN"), "{note}");
+}
