@@ -30,17 +30,21 @@ pub enum Reason {
     /// The fused kernels run on the CPU only.
     Device,
     /// `bias_k`/`bias_v` add key columns. No longer given: the fused path appends them.
+    #[deprecated(note = "no longer given: the fused path appends bias_k/bias_v")]
     BiasKv,
     /// `add_zero_attn` adds a key column. No longer given: the fused path appends it.
+    #[deprecated(note = "no longer given: the fused path appends the zero key")]
     ZeroAttn,
     /// The weights were asked for while gradients are recorded. No longer given: the fused
     /// path gives its weights their gradient (or computes them with candle operations).
+    #[deprecated(note = "no longer given: the fused path gives the weights their gradient")]
     WeightsWithGrad,
     /// SDPA inputs that cannot run as one 4-D `(N, H, L, E)` call: ranks that differ between
     /// query, key and value.
     NotFourD,
     /// SDPA batch dimensions that broadcast (differ between query, key and value). No longer
     /// given: the fused path reads them in place.
+    #[deprecated(note = "no longer given: the fused path reads broadcast batches in place")]
     BroadcastBatch,
     /// SDPA key and value head counts differ, neither being 1.
     KvHeads,
@@ -50,9 +54,12 @@ pub enum Reason {
     Layout,
     /// A float mask is part of the graph (a learned bias). No longer given: the fused path
     /// gives learned masks their gradient (SDPA and MultiheadAttention).
+    #[deprecated(note = "no longer given: the fused path gives learned masks their gradient")]
     MaskGrad,
 }
 
+// (The deprecated variants keep their texts for code that still builds them.)
+#[allow(deprecated)]
 impl fmt::Display for Reason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
