@@ -157,7 +157,9 @@ def add_f64_reference(case_dir: Path, replay) -> None:
     for name in tensors:
         if name.startswith("expect."):
             key = name[len("expect."):]
-            extra[f"ref64.{key}"] = res[key].detach().to(torch.float64)
+            # A copy of its own: two results may share storage (both mask gradients of an
+            # unbatched call), which safetensors refuses to write.
+            extra[f"ref64.{key}"] = res[key].detach().to(torch.float64).clone()
     meta["suggested_tolerance"] = dict(meta["suggested_tolerance"], bfloat16=BF16_TOLERANCE)
     table = meta.pop("tensors")
     for name, t in extra.items():
