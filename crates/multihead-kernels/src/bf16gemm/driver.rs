@@ -268,15 +268,10 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
                 // Every row block at once, pair by pair along whole source rows (`mc` is a
                 // multiple of the kernel's rows, so each block's tiles lie where the pair
                 // packer puts them).
-                let kp = lda / 2;
-                (0..kp.div_ceil(PAIR_TASK)).into_par_iter().for_each(|t| {
-                    let range = t * PAIR_TASK..((t + 1) * PAIR_TASK).min(kp);
-                    // SAFETY: `packs_by_pairs` held; the buffer holds `blocks · mc · lda >=
-                    // m.div_ceil(MR) · MR · lda` elements; `lda = 2·k.div_ceil(2)` (the vector
-                    // layout's stride for the whole depth) and `range.end <= lda / 2`; this task
-                    // alone writes pairs `range` of every tile.
-                    unsafe { pack_a_by_pairs(a, lda, range, raw(dst)) }
-                });
+                // SAFETY: `packs_by_pairs` held; the buffer holds `blocks · mc · lda >=
+                // m.div_ceil(MR) · MR · lda` elements; `lda = 2·k.div_ceil(2)`, the vector
+                // layout's stride for the whole depth.
+                unsafe { pack_pairs_in_parallel(a, lda, dst) };
                 let source = ASource::Rounded(ConstPtr(dst.0 as *const u16), (2, 2 * MR));
                 // SAFETY: forwarded; the rounded rows hold the whole depth of every row block.
                 return unsafe {
@@ -405,17 +400,12 @@ unsafe fn run_blocks(
                     }
                     let source = match pair_words {
                         Some(_) => {
-                            let lda = a_stride(kern, kp);
                             let view = depth_view(a, p0, kc);
-                            (0..kp.div_ceil(PAIR_TASK)).into_par_iter().for_each(|t| {
-                                let range = t * PAIR_TASK..((t + 1) * PAIR_TASK).min(kp);
-                                // SAFETY: `packs_by_pairs` held (`by_pairs_words`); the buffer
-                                // holds `blocks · mc · a_stride(kern, pairs(kern, kc_max)) >=
-                                // m.div_ceil(MR) · MR · lda` elements (`kc <= kc_max`); `lda =
-                                // 2·kp >= kc` and `range.end <= kp`; this task alone writes
-                                // pairs `range` of every tile.
-                                unsafe { pack_a_by_pairs(&view, lda, range, raw(ablocks)) }
-                            });
+                            // SAFETY: `packs_by_pairs` held (`by_pairs_words`); the buffer
+                            // holds `blocks · mc · a_stride(kern, pairs(kern, kc_max)) >=
+                            // m.div_ceil(MR) · MR · lda` elements (`kc <= kc_max`); `lda =
+                            // 2·kp >= kc`, the vector layout's stride for the block's depth.
+                            unsafe { pack_pairs_in_parallel(&view, a_stride(kern, kp), ablocks) };
                             ASource::Rounded(ConstPtr(ablocks.0 as *const u16), (2, 2 * MR))
                         }
                         None => source,
@@ -431,6 +421,23 @@ unsafe fn run_blocks(
             Ok(())
         })
     })
+}
+
+/// Every row of a transposed `A` packed pair by pair ([`pack_a_by_pairs`]) into `dst`, the
+/// pairs in tasks of [`PAIR_TASK`] on every thread.
+///
+/// # Safety
+/// As for [`pack_a_by_pairs`] over all `lda / 2` pairs: `packs_by_pairs` holds for `a`, `lda` is
+/// even and at least `a.cols`, `dst` holds `a.rows.div_ceil(MR) · MR · lda` elements and no one
+/// else reads or writes them meanwhile.
+unsafe fn pack_pairs_in_parallel(a: &BfMat, lda: usize, dst: SyncPtr<u16>) {
+    let kp = lda / 2;
+    (0..kp.div_ceil(PAIR_TASK)).into_par_iter().for_each(|t| {
+        let range = t * PAIR_TASK..((t + 1) * PAIR_TASK).min(kp);
+        // SAFETY: forwarded; `range.end <= lda / 2`, and this task alone writes pairs `range`
+        // of every tile.
+        unsafe { pack_a_by_pairs(a, lda, range, raw(dst)) }
+    });
 }
 
 /// The words of [`run_blocks`]' buffer for every row block of a depth block of `A` packed pair
