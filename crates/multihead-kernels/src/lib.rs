@@ -63,6 +63,17 @@ pub(crate) mod testutil {
             .collect()
     }
 
+    /// The other operands of a GEMM test over an `m × k` `A`: a random `k × n` `B`, a bias of
+    /// `n` and a starting `m × n` `C`.
+    pub(crate) fn gemm_operands(m: usize, n: usize, k: usize) -> [Vec<f32>; 3] {
+        [rand_vec(k * n, (k * n + 1) as u64), rand_vec(n, 5), rand_vec(m * n, 3)]
+    }
+
+    /// A rayon pool of `threads` threads.
+    pub(crate) fn pool(threads: usize) -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool")
+    }
+
     /// `m` rows of `k` random bf16 values, `rs >= k` elements apart, each row's elements past
     /// `k` a NaN (a kernel reading past the view's depth shows in its output).
     pub(crate) fn bf16_rows_nan_past(m: usize, k: usize, rs: usize) -> Vec<u16> {

@@ -324,12 +324,10 @@ fn a_bf16_a_read_in_place_gives_the_packed_bits() {
                 "{kern:?} {m}x{n}x{k}"
             );
             assert!(!super::driver::reads_a_in_place(resolved, &a_off));
-            let b = rand_vec(k * n, (k * n + 1) as u64);
+            let [b, bias, c0] = crate::testutil::gemm_operands(m, n, k);
             let bv = BfMat::f32(&b, k, n);
-            let bias = rand_vec(n, 5);
-            let c0 = rand_vec(m * n, 3);
             for threads in [1, 2, 3] {
-                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let pool = crate::testutil::pool(threads);
                 let what = format!("{kern:?} {m}x{n}x{k} stride {rs} t={threads}");
                 for accumulate in [false, true] {
                     let mut want = c0.clone();

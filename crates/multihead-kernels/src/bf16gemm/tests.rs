@@ -504,12 +504,10 @@ fn a_bf16_a_read_in_place_by_the_vector_kernels_gives_the_packed_bits() {
             let what = format!("{kern:?} {m}x{n}x{k} stride {rs}");
             assert_eq!(reads_a_in_place(resolved, &a_bits), in_place, "{what}");
             assert!(!reads_a_in_place(resolved, &a_f32), "{what}: f32 is rounded");
-            let b = rand_vec(k * n, (k * n + 1) as u64);
+            let [b, bias, c0] = crate::testutil::gemm_operands(m, n, k);
             let bv = BfMat::f32(&b, k, n);
-            let bias = rand_vec(n, 5);
-            let c0 = rand_vec(m * n, 3);
             for threads in [1, 2, 3] {
-                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let pool = crate::testutil::pool(threads);
                 let run = |a, acc| {
                     let mut c = c0.clone();
                     pool.install(|| with_bf16_kernel(kern, || matmul_bf16(a, bv, &mut c, n, acc)))

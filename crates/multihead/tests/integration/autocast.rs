@@ -232,10 +232,7 @@ fn autocast_rounds_float_masks_as_pytorch_casts_them() {
 #[allow(clippy::excessive_precision)]
 fn a_bf16_input_through_an_f32_layer_norm_gives_pytorchs_mixed_type_numbers() {
     use candle_nn::{VarBuilder, VarMap};
-    let vm = VarMap::new();
-    let ln =
-        multihead::LayerNorm::new(4, 1e-5, true, VarBuilder::from_varmap(&vm, DType::F32, &dev()))
-            .unwrap();
+    let (ln, vm) = crate::common::layer_norm_f32(4);
     let set = |name: &str, v: &[f32]| {
         let data = vm.data().lock().unwrap();
         data[name].set(&Tensor::new(v, &dev()).unwrap()).unwrap();
@@ -353,12 +350,8 @@ fn a_bf16_input_through_an_f32_layer_norm_gives_pytorchs_mixed_type_numbers() {
 /// bits, and a NaN stays in its row (the other rows are the rows computed alone).
 #[test]
 fn a_mixed_dtype_layer_norm_refuses_and_propagates_as_the_plain_one() {
-    use candle_nn::{VarBuilder, VarMap};
     use multihead::{with_backend, Backend, Error};
-    let vm = VarMap::new();
-    let ln =
-        multihead::LayerNorm::new(4, 1e-5, true, VarBuilder::from_varmap(&vm, DType::F32, &dev()))
-            .unwrap();
+    let (ln, _vm) = crate::common::layer_norm_f32(4);
     let bits = |t: &Tensor| bits(&t.to_dtype(DType::F32).unwrap());
     for backend in [Backend::Auto, Backend::Composed, Backend::Fused] {
         with_backend(backend, || {
@@ -401,15 +394,11 @@ fn a_mixed_dtype_layer_norm_refuses_and_propagates_as_the_plain_one() {
 /// too, so that the documented difference is a measured one).
 #[test]
 fn a_mixed_dtype_layer_norm_at_a_real_width_is_pytorchs_to_one_bf16_ulp() {
-    use candle_nn::{VarBuilder, VarMap};
     let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/layer_norm_mixed/case.safetensors");
     let t = candle_core::safetensors::load(path, &dev()).unwrap();
     let (n, d) = t["x"].dims2().unwrap();
-    let vm = VarMap::new();
-    let ln =
-        multihead::LayerNorm::new(d, 1e-5, true, VarBuilder::from_varmap(&vm, DType::F32, &dev()))
-            .unwrap();
+    let (ln, vm) = crate::common::layer_norm_f32(d);
     {
         let data = vm.data().lock().unwrap();
         data["weight"].set(&t["weight"]).unwrap();

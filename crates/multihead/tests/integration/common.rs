@@ -34,6 +34,13 @@ pub fn mha(cfg: MhaConfig, dtype: DType) -> (MultiheadAttention, VarMap) {
     (m, vm)
 }
 
+/// An f32 `nn.LayerNorm(d)` (eps 1e-5, with a bias) at its initial values, and its variables.
+pub fn layer_norm_f32(d: usize) -> (multihead::LayerNorm, VarMap) {
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    (multihead::LayerNorm::new(d, 1e-5, true, vb).expect("builds"), vm)
+}
+
 pub fn var(t: &Tensor) -> Var {
     Var::from_tensor(t).expect("var")
 }

@@ -416,11 +416,8 @@ fn broadcast_views_that_would_expand_beyond_memory_are_alloc_errors() {
 
 #[test]
 fn integer_inputs_to_float_layers_are_typed_errors() {
-    use candle_nn::{VarBuilder, VarMap};
-    let vm = VarMap::new();
-    let ln =
-        multihead::LayerNorm::new(4, 1e-5, true, VarBuilder::from_varmap(&vm, DType::F32, &dev()))
-            .unwrap();
+    use candle_nn::VarBuilder;
+    let (ln, vm) = crate::common::layer_norm_f32(4);
     for x in [
         Tensor::ones((2, 4), DType::U32, &dev()).unwrap(),
         Tensor::zeros((2, 4), DType::F64, &dev()).unwrap(),
