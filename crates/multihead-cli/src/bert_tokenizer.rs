@@ -321,15 +321,23 @@ fn read_tokenizer_config(dir: &Path) -> Result<serde_json::Value> {
 /// prefix, no post-processor) otherwise gave other tokens, embeddings 0.1-0.8 apart (adversarial
 /// runs). Another tokenizer class keeps `tokenizer.json` as it is, as transformers does.
 fn follow_tokenizer_config(tokenizer: &mut Tokenizer, cfg: &serde_json::Value) -> Result<()> {
-    use tokenizers::models::wordpiece::WordPiece;
-    use tokenizers::normalizers::BertNormalizer;
-    use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
-    use tokenizers::processors::bert::BertProcessing;
-    use tokenizers::ModelWrapper;
     let class = cfg.get("tokenizer_class").and_then(|v| v.as_str());
     if !matches!(class, None | Some("BertTokenizer") | Some("BertTokenizerFast")) {
         return Ok(());
     }
+    bert_pipeline(tokenizer, cfg, "tokenizer.json")
+}
+
+/// Everything of BERT's tokenizer but its vocabulary, from `tokenizer_config.json` (`cfg`) as
+/// transformers' `BertTokenizer` builds it: the normaliser (`do_lower_case`, `strip_accents`,
+/// `tokenize_chinese_chars`, control characters cleaned), the pre-tokenizer, WordPiece's `##`
+/// continuations, 100-character words and unknown token, and `[CLS] text [SEP]` (where the
+/// vocabulary has the two; `from` names the file it came from in errors).
+fn bert_pipeline(tokenizer: &mut Tokenizer, cfg: &serde_json::Value, from: &str) -> Result<()> {
+    use tokenizers::normalizers::BertNormalizer;
+    use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
+    use tokenizers::processors::bert::BertProcessing;
+    use tokenizers::ModelWrapper;
     let flag = |k: &str, default: bool| cfg.get(k).and_then(|v| v.as_bool()).unwrap_or(default);
     let normalizer = BertNormalizer::new(
         true,
@@ -339,12 +347,12 @@ fn follow_tokenizer_config(tokenizer: &mut Tokenizer, cfg: &serde_json::Value) -
     );
     tokenizer
         .with_normalizer(Some(normalizer))
-        .map_err(|e| anyhow::anyhow!("tokenizer_config.json's normaliser: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("{from}: the normaliser: {e}"))?;
     tokenizer.with_pre_tokenizer(Some(BertPreTokenizer));
     let ModelWrapper::WordPiece(wordpiece) = tokenizer.get_model() else {
-        anyhow::bail!("tokenizer.json: a BertTokenizer's model must be WordPiece");
+        anyhow::bail!("{from}: a BertTokenizer's model must be WordPiece");
     };
-    let mut model: WordPiece = wordpiece.clone();
+    let mut model = wordpiece.clone();
     model.unk_token = special(cfg, "unk_token", "[UNK]");
     model.continuing_subword_prefix = "##".into();
     model.max_input_chars_per_word = 100;
@@ -376,14 +384,9 @@ fn special(cfg: &serde_json::Value, key: &str, default: &str) -> String {
 fn from_vocab(dir: &Path) -> Result<Tokenizer> {
     use tokenizers::decoders::wordpiece::WordPiece as WordPieceDecoder;
     use tokenizers::models::wordpiece::WordPiece;
-    use tokenizers::normalizers::BertNormalizer;
-    use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
-    use tokenizers::processors::bert::BertProcessing;
     use tokenizers::AddedToken;
 
     let cfg = read_tokenizer_config(dir)?;
-    let flag = |k: &str, default: bool| cfg.get(k).and_then(|v| v.as_bool()).unwrap_or(default);
-    let strip_accents = cfg.get("strip_accents").and_then(|v| v.as_bool());
     let [unk, sep, cls, pad, mask] = [
         ("unk_token", "[UNK]"),
         ("sep_token", "[SEP]"),
@@ -399,20 +402,12 @@ fn from_vocab(dir: &Path) -> Result<Tokenizer> {
         .build()
         .map_err(|e| anyhow::anyhow!("loading vocab.txt: {e}"))?;
     let mut tokenizer = Tokenizer::new(model);
-    tokenizer
-        .with_normalizer(Some(BertNormalizer::new(
-            true,
-            flag("tokenize_chinese_chars", true),
-            strip_accents,
-            flag("do_lower_case", true),
-        )))
-        .map_err(|e| anyhow::anyhow!("vocab.txt: {e}"))?;
-    tokenizer.with_pre_tokenizer(Some(BertPreTokenizer));
-    let id = |t: &str| {
-        tokenizer.token_to_id(t).with_context(|| format!("vocab.txt lacks the special token {t}"))
-    };
-    let processor = BertProcessing::new((sep.clone(), id(&sep)?), (cls.clone(), id(&cls)?));
-    tokenizer.with_post_processor(Some(processor));
+    for t in [&sep, &cls] {
+        if tokenizer.token_to_id(t).is_none() {
+            anyhow::bail!("vocab.txt lacks the special token {t}");
+        }
+    }
+    bert_pipeline(&mut tokenizer, &cfg, "vocab.txt")?;
     tokenizer.with_decoder(Some(WordPieceDecoder::default()));
     let specials: Vec<AddedToken> = [pad, unk, cls, sep, mask]
         .into_iter()
