@@ -92,6 +92,18 @@ fn cast_passes_gradients_back_as_to_dtype_does() {
     let ours = grad(&|t| multihead::cast(t, DType::BF16).unwrap());
     let theirs = grad(&|t| t.to_dtype(DType::BF16).unwrap());
     assert_eq!(ours, theirs);
+    // An f64 parameter through bf16 (rounded through f32): its gradient is the weights' f64s,
+    // as candle's direct conversion gives it.
+    let r = Var::from_tensor(&q.as_tensor().to_dtype(DType::F64).unwrap()).unwrap();
+    let grad = |cast: &dyn Fn(&Tensor) -> Tensor| {
+        let y = cast(r.as_tensor()).to_dtype(DType::F32).unwrap();
+        let loss = (y * &weights).unwrap().sum_all().unwrap();
+        let g = loss.backward().unwrap().get(r.as_tensor()).unwrap().clone();
+        g.to_vec1::<f64>().unwrap()
+    };
+    let ours = grad(&|t| multihead::cast(t, DType::BF16).unwrap());
+    assert_eq!(ours, grad(&|t| t.to_dtype(DType::BF16).unwrap()));
+    assert!(ours.iter().any(|&g| g != 0.0), "the gradient is not all zero");
 }
 
 #[test]
@@ -138,6 +150,11 @@ fn cast_of_f64_to_bf16_rounds_through_f32_as_pytorch() {
         let got = b.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(got, cases.map(|c| c.1), "state_dict {via_state_dict}");
     }
+    // NaN and the infinities stay what they are.
+    let special = Tensor::new(&[f64::NAN, f64::INFINITY, f64::NEG_INFINITY], &dev()).unwrap();
+    let got = multihead::cast(&special, DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+    let got = got.to_vec1::<f32>().unwrap();
+    assert!(got[0].is_nan() && got[1] == f32::INFINITY && got[2] == f32::NEG_INFINITY, "{got:?}");
     // The direct rounding differs in the first four: the test can tell the two apart.
     let direct = x.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
     assert_ne!(direct.to_vec1::<f32>().unwrap()[..4], cases.map(|c| c.1)[..4]);
@@ -161,4 +178,9 @@ fn cast_of_a_view_too_large_to_allocate_is_an_error_naming_cast() {
         assert!(matches!(e, multihead::Error::Alloc { op: "cast", .. }), "{dtype:?}: {e:?}");
         assert!(e.to_string().contains("cast"), "{e}");
     }
+    // f64 to bf16 through its f32 intermediate: refused before either is allocated.
+    let one = Tensor::zeros((1, 1), DType::F64, &dev()).unwrap();
+    let huge64 = one.broadcast_as((1usize << 20, 1usize << 20)).unwrap();
+    let e = multihead::cast(&huge64, DType::BF16).expect_err("f64 to bf16, 2 TiB");
+    assert!(matches!(e, multihead::Error::Alloc { op: "cast", .. }), "{e:?}");
 }
