@@ -2467,11 +2467,17 @@ def cmd_random(args) -> int:
         kind = MODULE_KINDS[module]
         cfg = kind["random"](rng, written)
         cfg["seed"] = rng.randrange(2**31)
+        if args.dtype:
+            # after the draw, so that the shapes, masks and flags are those of the same seed
+            # without --dtype
+            cfg["dtype"] = args.dtype
         try:
             # writes only once the case is known to be usable
             kind["make_case"](cfg, out / cfg["name"])
         except SkipCase:
             continue
+        if cfg["dtype"] == "bfloat16":
+            add_f64_reference(out / cfg["name"], kind["replay"])
         written += 1
     print(f"wrote {written} random cases to {out} ({tries - written} draws rejected)")
     return 0
@@ -2508,6 +2514,9 @@ def main(argv=None) -> int:
     r.add_argument("--out", required=True)
     r.add_argument("--kinds", default="mha",
                    help=f"module kinds to draw from, uniformly (default mha); {kinds_help}")
+    r.add_argument("--dtype", choices=["float32", "float64", "bfloat16"],
+                   help="every case in this dtype (default: float32 or float64, drawn); "
+                        "bfloat16 cases carry their float64 references (ref64.*)")
     v = sub.add_parser("verify", help="re-run cases in PyTorch and check the contract")
     v.add_argument("dirs", nargs="+")
     v.add_argument("-v", "--verbose", action="store_true")
