@@ -47,6 +47,8 @@ FORMAT_VERSION = 1
 MHA = "torch.nn.MultiheadAttention"
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+# The dtypes of a case's optional "autocast" key (docs/case-format.md §2).
+AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {
     torch.float32: "float32",
     torch.float64: "float64",
@@ -1386,7 +1388,7 @@ def tf_call(model, module: str, inputs: dict, masks: dict, flags: dict, grad_mod
     with warnings.catch_warnings():
         # mixed bool/float masks and nested-tensor notices warn; keep the output quiet
         warnings.simplefilter("ignore", UserWarning)
-        cast = (torch.autocast("cpu", dtype=DTYPES[autocast]) if autocast
+        cast = (torch.autocast("cpu", dtype=AUTOCAST_DTYPES[autocast]) if autocast
                 else contextlib.nullcontext())
         with _TfSpy() as spy, cast:
             if grad_mode:
@@ -2105,7 +2107,8 @@ def tf_random_config(rng: random.Random, index: int, module: str) -> dict:
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 
 SDPA_DEFAULTS = dict(dtype="float32", grad_mode=True, N=2, H=2, Hkv=None, L=4, S=5, E=8, Ev=None,
-                     mask=None, is_causal=False, scale=None, enable_gqa=False, key_scale=None)
+                     mask=None, is_causal=False, scale=None, enable_gqa=False, key_scale=None,
+                     autocast=None)
 
 
 def sdpa_full_config(cfg: dict) -> dict:
@@ -2117,10 +2120,16 @@ def sdpa_full_config(cfg: dict) -> dict:
     return c
 
 
-def sdpa_call(q, k, v, mask, call: dict):
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=call["is_causal"],
-        scale=call["scale"], enable_gqa=call["enable_gqa"])
+def sdpa_call(q, k, v, mask, call: dict, autocast: str | None = None):
+    """The call, inside torch.autocast("cpu", dtype) when ``autocast`` names a dtype; the
+    autocast output (in that dtype) is widened to the case's float32, exactly."""
+    cast = (torch.autocast("cpu", dtype=AUTOCAST_DTYPES[autocast]) if autocast
+            else contextlib.nullcontext())
+    with cast:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=call["is_causal"],
+            scale=call["scale"], enable_gqa=call["enable_gqa"])
+    return out.float() if autocast else out
 
 
 def sdpa_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> dict:
@@ -2158,7 +2167,7 @@ def sdpa_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> 
             t.requires_grad_(True)
     try:
         with torch.set_grad_enabled(c["grad_mode"]):
-            out = sdpa_call(q, k, v, mask, call)
+            out = sdpa_call(q, k, v, mask, call, c["autocast"])
     except (RuntimeError, ValueError) as e:
         raise SkipCase(f"PyTorch raised: {e}") from e
     tensors = {"input.query": q, "input.key": k, "input.value": v}
@@ -2189,6 +2198,8 @@ def sdpa_make_case(cfg: dict, out_dir: Path | None, allow_nan: bool = False) -> 
         "description": c.get("description", ""),
         "nan": nan,
     }
+    if c["autocast"]:
+        meta["autocast"] = c["autocast"]
     return finish_case(out_dir, meta, tensors)
 
 
@@ -2198,7 +2209,7 @@ def sdpa_replay(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch
     q, k, v = (tensors[f"input.{n}"].clone().requires_grad_(grad) for n in ("query", "key", "value"))
     mask = logical(tensors, meta, "input.attn_mask") if "input.attn_mask" in tensors else None
     with torch.set_grad_enabled(grad):
-        out = sdpa_call(q, k, v, mask, call)
+        out = sdpa_call(q, k, v, mask, call, meta.get("autocast"))
     res = {"output": out.detach()}
     if grad:
         (out * tensors["grad.output"]).sum().backward()
@@ -2263,6 +2274,15 @@ def sdpa_fixture_configs() -> list[dict]:
     add("sdpa_eval_long_bf16",
         "bfloat16, forward only (bf16 products), S = 300, odd E and Ev, bool mask",
         dtype="bfloat16", grad_mode=False, N=2, L=20, S=300, E=9, Ev=7, mask={"type": "bool"})
+    # torch.autocast over f32 inputs: PyTorch's autocast casts q, k, v and a float mask to
+    # the autocast dtype; the case stores its output widened to float32.
+    add("sdpa_autocast_bf16_float_mask", "torch.autocast(bfloat16), float (L, S) mask, gradients",
+        N=2, H=2, L=9, S=20, E=16, mask={"type": "float", "broadcast": True}, autocast="bfloat16")
+    add("sdpa_autocast_bf16_causal_gqa",
+        "torch.autocast(bfloat16), is_causal, enable_gqa (4 query heads over 2), gradients",
+        N=1, H=4, Hkv=2, enable_gqa=True, L=12, S=12, E=8, is_causal=True, autocast="bfloat16")
+    add("sdpa_autocast_f16_bool_mask", "torch.autocast(float16), bool mask, gradients",
+        N=2, H=2, L=6, S=33, E=16, mask={"type": "bool"}, autocast="float16")
     return out
 
 

@@ -184,9 +184,42 @@ pub(crate) fn round(t: &Tensor, dtype: DType) -> Result<Tensor> {
 }
 
 /// The dtype an autocast-aware module computes in for an input of `dtype`: `Some` inside
-/// [`autocast`](crate::autocast) to bf16 or f16 when the input is f32, `None` otherwise.
+/// [`autocast`](crate::autocast) to bf16 or f16 when the input is f32, bf16 or f16 (which
+/// PyTorch's autocast casts; f64 it leaves as it is), `None` otherwise.
 pub(crate) fn autocast_for(dtype: DType) -> Option<DType> {
-    crate::mode::autocast_dtype().filter(|dt| is_reduced(*dt) && dtype == DType::F32)
+    let eligible = matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
+    crate::mode::autocast_dtype().filter(|dt| is_reduced(*dt) && eligible)
+}
+
+/// A tensor argument of an autocast op as the op's f32 computation reads it: an f32, bf16 or
+/// f16 tensor rounded to `dt` and held in f32 (differentiably; PyTorch's autocast casts it to
+/// `dt`); any other (f64) as given, which the call's validation then names, as PyTorch refuses
+/// the mixed call.
+pub(crate) fn autocast_operand(t: &Tensor, dt: DType) -> Result<Tensor> {
+    match t.dtype() {
+        DType::F32 => round(t, dt),
+        DType::BF16 | DType::F16 => widen(&narrow(t, dt)?),
+        _ => Ok(t.clone()),
+    }
+}
+
+/// A bf16 or f16 input to a module's f32 computation under autocast, widened (exactly); any
+/// other as given.
+pub(crate) fn widen_reduced(t: &Tensor) -> Result<Tensor> {
+    match is_reduced(t.dtype()) {
+        true => widen(t),
+        false => Ok(t.clone()),
+    }
+}
+
+/// An autocast op's f32 result `y` for an input of dtype `input`: rounded to `dt` and kept an
+/// f32 tensor for an f32 input (so that the f32 code around composes without casts), `dt` for a
+/// bf16 or f16 input, as PyTorch returns it.
+pub(crate) fn autocast_output(y: &Tensor, input: DType, dt: DType) -> Result<Tensor> {
+    match input {
+        DType::F32 => round(y, dt),
+        _ => narrow(y, dt),
+    }
 }
 
 /// Runs a Transformer layer's forward under [`autocast`](crate::autocast) as
@@ -204,7 +237,11 @@ pub(crate) fn autocast_layer<M: CastParams>(
     run: impl FnOnce(&M, &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
 ) -> Option<Result<Tensor>> {
     let dt = autocast_for(dtype)?;
-    Some(module.map_product_params(&|p| round(p, dt)).and_then(|m| autocast_call(&m, dt, run)))
+    let y = module.map_product_params(&|p| round(p, dt)).and_then(|m| autocast_call(&m, dt, run));
+    // PyTorch's layer on an input of `dt` ends in a LayerNorm of a `dt` sum, or in a `dt`
+    // residual sum: `dt`. On f32 (or, under bf16 autocast, f16: its first residual sum promotes
+    // to f32) it is f32.
+    Some(y.and_then(|y| if dtype == dt { narrow(&y, dt) } else { Ok(y) }))
 }
 
 /// `run` on `module` with autocast off and the products' operands rounded to `dt`, given a
@@ -215,7 +252,7 @@ fn autocast_call<M>(
     run: impl FnOnce(&M, &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
 ) -> Result<Tensor> {
     crate::mode::autocast_off(|| {
-        crate::mode::rounded_products(dt, || run(module, &|t| round(t, dt)))
+        crate::mode::rounded_products(dt, || run(module, &|t| autocast_operand(t, dt)))
     })
 }
 
@@ -231,5 +268,5 @@ pub(crate) fn autocast_run<M: CastParams>(
 ) -> Option<Result<Tensor>> {
     let dt = autocast_for(dtype)?;
     let y = module.rounded(dt).and_then(|m| autocast_call(&m, dt, run));
-    Some(y.and_then(|y| round(&y, dt)))
+    Some(y.and_then(|y| autocast_output(&y, dtype, dt)))
 }

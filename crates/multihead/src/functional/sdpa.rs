@@ -443,6 +443,9 @@ pub fn explain_sdpa(
     value: &Tensor,
     opts: &SdpaOptions,
 ) -> Result<Plan> {
+    if let Some(c) = AutocastCall::of(query, key, value, opts)? {
+        return crate::mode::autocast_off(|| explain_sdpa(&c.q, &c.k, &c.v, &c.opts));
+    }
     let call = validate(query, key, value, opts)?;
     if crate::precision::is_reduced(query.dtype()) {
         // As the call: the bf16 route reads the inputs as they are (its output checked first);
@@ -514,6 +517,76 @@ fn widened(
     Ok((widen(query)?, widen(key)?, widen(value)?, o))
 }
 
+/// [`scaled_dot_product_attention`] inside [`autocast`](crate::autocast) to bf16 or f16, as
+/// `torch.autocast("cpu", dtype)` runs it: the query, key, value, a float mask and the sinks,
+/// where they are f32, bf16 or f16, converted to the autocast dtype (differentiably) and
+/// attended in it.
+struct AutocastCall {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    opts: SdpaOptions,
+    /// Whether the query, key and value were all f32: the output is then an f32 tensor holding
+    /// the autocast dtype's values (as `Linear` and `MultiheadAttention` return under autocast,
+    /// so that the f32 code around composes without casts); otherwise it has the autocast dtype.
+    f32_out: bool,
+}
+
+impl AutocastCall {
+    /// The converted call; `None` outside autocast, where every tensor has the autocast dtype
+    /// already, or where one is f64 (which PyTorch's autocast leaves as it is: the call then
+    /// runs as given, and validation names it).
+    fn of(
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        opts: &SdpaOptions,
+    ) -> Result<Option<Self>> {
+        use candle_core::DType::{BF16, F16, F32};
+        let Some(dt) = crate::mode::autocast_dtype().filter(|d| crate::precision::is_reduced(*d))
+        else {
+            return Ok(None);
+        };
+        let mask = match &opts.attn_mask {
+            Some(Mask::Float(m)) => Some(m),
+            _ => None,
+        };
+        let tensors: Vec<&Tensor> =
+            [query, key, value].into_iter().chain(mask).chain(opts.sinks.as_ref()).collect();
+        let eligible = |t: &&Tensor| matches!(t.dtype(), F32 | BF16 | F16);
+        if !tensors.iter().all(eligible) || tensors.iter().all(|t| t.dtype() == dt) {
+            return Ok(None);
+        }
+        let to = |t: &Tensor| crate::precision::narrow(t, dt);
+        let mut o = opts.clone();
+        if let Some(m) = mask {
+            o.attn_mask = Some(Mask::Float(to(m)?));
+        }
+        o.sinks = opts.sinks.as_ref().map(to).transpose()?;
+        // The same tensor stays the same tensor (converted once).
+        let q = to(query)?;
+        let k = if key.id() == query.id() { q.clone() } else { to(key)? };
+        let v = match value.id() {
+            id if id == key.id() => k.clone(),
+            id if id == query.id() => q.clone(),
+            _ => to(value)?,
+        };
+        let f32_out = [query, key, value].iter().all(|t| t.dtype() == F32);
+        Ok(Some(AutocastCall { q, k, v, opts: o, f32_out }))
+    }
+
+    /// The attention in the autocast dtype (autocast off inside), its output widened back
+    /// where the inputs were f32.
+    fn run(&self) -> Result<Tensor> {
+        let (q, k, v, o) = (&self.q, &self.k, &self.v, &self.opts);
+        let y = crate::mode::autocast_off(|| scaled_dot_product_attention(q, k, v, o))?;
+        match self.f32_out {
+            true => crate::precision::widen(&y),
+            false => Ok(y),
+        }
+    }
+}
+
 /// Scaled dot-product attention: `softmax(q kᵀ · scale + mask) v`, with optional dropout on the
 /// weights.
 ///
@@ -548,6 +621,9 @@ pub fn scaled_dot_product_attention(
     value: &Tensor,
     opts: &SdpaOptions,
 ) -> Result<Tensor> {
+    if let Some(c) = AutocastCall::of(query, key, value, opts)? {
+        return c.run();
+    }
     let call = validate(query, key, value, opts)?;
     if crate::precision::is_reduced(query.dtype()) {
         let like_flash = pytorch_bf16_flash(query, key, value, opts);

@@ -580,22 +580,24 @@ impl MultiheadAttention {
         opts: &MhaOptions,
         dt: candle_core::DType,
     ) -> Result<MhaOutput> {
-        use crate::precision::{round, CastParams};
+        use crate::precision::{autocast_operand, autocast_output, CastParams};
         let m = self.rounded(dt)?;
-        let q = round(query, dt)?;
-        let k = if key.id() == query.id() { q.clone() } else { round(key, dt)? };
+        let r = |t: &Tensor| autocast_operand(t, dt);
+        let q = r(query)?;
+        let k = if key.id() == query.id() { q.clone() } else { r(key)? };
         let v = match value.id() {
             id if id == key.id() => k.clone(),
             id if id == query.id() => q.clone(),
-            _ => round(value, dt)?,
+            _ => r(value)?,
         };
-        let opts = crate::functional::round_masks(opts, &|t| round(t, dt))?;
+        let opts = crate::functional::round_masks(opts, &r)?;
         let out = crate::mode::autocast_off(|| {
             crate::mode::rounded_products(dt, || m.forward(&q, &k, &v, &opts))
         })?;
+        let done = |t: &Tensor| autocast_output(t, query.dtype(), dt);
         Ok(MhaOutput {
-            output: round(&out.output, dt)?,
-            attn_weights: out.attn_weights.map(|w| round(&w, dt)).transpose()?,
+            output: done(&out.output)?,
+            attn_weights: out.attn_weights.map(|w| done(&w)).transpose()?,
         })
     }
 }

@@ -192,9 +192,10 @@ impl TransformerDecoderLayer {
         cross_opts: &MhaOptions,
     ) -> Result<Tensor> {
         let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {
-            use crate::functional::round_masks;
+            use crate::{functional::round_masks, precision::widen_reduced};
             let (so, co) = (round_masks(self_opts, r)?, round_masks(cross_opts, r)?);
-            m.forward_with(tgt, memory, &so, &co)
+            let (tgt, memory) = (widen_reduced(tgt)?, widen_reduced(memory)?);
+            m.forward_with(&tgt, &memory, &so, &co)
         };
         if let Some(y) = crate::precision::autocast_layer(self, tgt.dtype(), autocast) {
             return y;

@@ -163,7 +163,8 @@ impl TransformerEncoderLayer {
     /// [`forward_with`](Self::forward_with) on this thread.
     fn forward_here(&self, src: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
         let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {
-            m.forward_with(src, &crate::functional::round_masks(opts, r)?)
+            let src = crate::precision::widen_reduced(src)?;
+            m.forward_with(&src, &crate::functional::round_masks(opts, r)?)
         };
         if let Some(y) = crate::precision::autocast_layer(self, src.dtype(), autocast) {
             return y;

@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod autocast;
+mod autocast_inputs;
 mod backward_store;
 mod behaviour;
 mod bf16_products;

@@ -273,7 +273,42 @@ pub fn multi_head_attention_forward(
     training: bool,
 ) -> Result<MhaOutput> {
     let alias = Aliasing::of(query, key, value);
+    if let Some(dt) = crate::precision::autocast_for(query.dtype()) {
+        return autocast_forward(query, key, value, alias, params, opts, training, dt);
+    }
     mha_forward_impl(query, key, value, alias, params, opts, training, false)
+}
+
+/// [`multi_head_attention_forward`] inside [`autocast`](crate::autocast) to `dt` on an
+/// f32, bf16 or f16 query, as `MultiheadAttention` runs there: the parameters, the inputs and
+/// the float masks rounded to `dt` (differentiably), the call computed as its `dt` path
+/// computes it, and the output and weights rounded once (f32 tensors holding `dt` values for an
+/// f32 query, `dt` tensors otherwise, as PyTorch returns them).
+#[allow(clippy::too_many_arguments)]
+fn autocast_forward(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    alias: Aliasing,
+    params: &MhaParams,
+    opts: &MhaOptions,
+    training: bool,
+    dt: DType,
+) -> Result<MhaOutput> {
+    use crate::precision::{autocast_operand, autocast_output};
+    let r = |t: &Tensor| autocast_operand(t, dt);
+    let w = Widened::mapped(query, key, value, alias, params, round_masks(opts, &r)?, &r)?;
+    let p = w.params(params);
+    let out = crate::mode::autocast_off(|| {
+        crate::mode::rounded_products(dt, || {
+            mha_forward_impl(&w.q, &w.k, &w.v, alias, &p, &w.opts, training, false)
+        })
+    })?;
+    let done = |t: &Tensor| autocast_output(t, query.dtype(), dt);
+    Ok(MhaOutput {
+        output: done(&out.output)?,
+        attn_weights: out.attn_weights.map(|t| done(&t)).transpose()?,
+    })
 }
 
 /// The path [`multi_head_attention_forward`] takes for these arguments, and why, without
@@ -419,6 +454,7 @@ pub(crate) fn options_in(opts: &MhaOptions, dtype: DType) -> bool {
 /// keys widened, so that the f32 path (the fused kernels on the CPU) runs it and accumulates
 /// in f32, as PyTorch's CPU kernels do for reduced precision.
 struct Widened {
+    /// The query, key and value, mapped (the same tensor stays the same tensor).
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -440,26 +476,38 @@ impl Widened {
         p: &MhaParams,
         opts: &MhaOptions,
     ) -> Result<Self> {
-        use crate::precision::{widen, widen_opt};
-        let q = widen(query)?;
-        let k = if alias.key_is_query { q.clone() } else { widen(key)? };
-        let v = if alias.value_is_key { k.clone() } else { widen(value)? };
+        Self::mapped(query, key, value, alias, p, widen_options(opts)?, &crate::precision::widen)
+    }
+
+    /// The inputs and parameters passed through `f`, with the options `opts`.
+    fn mapped(
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        alias: Aliasing,
+        p: &MhaParams,
+        opts: MhaOptions,
+        f: &dyn Fn(&Tensor) -> Result<Tensor>,
+    ) -> Result<Self> {
+        let f_opt = |t: Option<&Tensor>| t.map(f).transpose();
+        let q = f(query)?;
+        let k = if alias.key_is_query { q.clone() } else { f(key)? };
+        let v = if alias.value_is_key { k.clone() } else { f(value)? };
         let in_proj = match p.in_proj {
-            InProj::Packed(w) => vec![widen(w)?],
-            InProj::Separate { q, k, v } => vec![widen(q)?, widen(k)?, widen(v)?],
+            InProj::Packed(w) => vec![f(w)?],
+            InProj::Separate { q, k, v } => vec![f(q)?, f(k)?, f(v)?],
         };
-        let o = widen_options(opts)?;
         Ok(Self {
             q,
             k,
             v,
             in_proj,
-            in_proj_bias: widen_opt(p.in_proj_bias)?,
-            bias_k: widen_opt(p.bias_k)?,
-            bias_v: widen_opt(p.bias_v)?,
-            out_proj_weight: widen(p.out_proj_weight)?,
-            out_proj_bias: widen_opt(p.out_proj_bias)?,
-            opts: o,
+            in_proj_bias: f_opt(p.in_proj_bias)?,
+            bias_k: f_opt(p.bias_k)?,
+            bias_v: f_opt(p.bias_v)?,
+            out_proj_weight: f(p.out_proj_weight)?,
+            out_proj_bias: f_opt(p.out_proj_bias)?,
+            opts,
         })
     }
 

@@ -1,0 +1,192 @@
+//! `autocast` at the edges PyTorch's `torch.autocast("cpu", dtype)` defines: functional
+//! `scaled_dot_product_attention` and `multi_head_attention_forward` run in the autocast dtype,
+//! and bf16 or f16 inputs (and float masks) reach f32 modules converted, as PyTorch's autocast
+//! casts every f32, bf16 or f16 argument of its ops (f64 it leaves alone). The dtypes of the
+//! results are PyTorch 2.15's, printed by:
+//!
+//! ```python
+//! with torch.autocast("cpu", dtype=torch.bfloat16):
+//!     lin(x).dtype, mha(x, x, x)[0].dtype, F.scaled_dot_product_attention(x, x, x).dtype
+//!     # bf16 for f32 and bf16 x; enc(x).dtype: f32 for f32 x, bf16 for bf16 x, f32 for f16 x
+//! ```
+//!
+//! except that an f32 input keeps an f32 result holding the autocast dtype's values (this
+//! crate's documented choice, so that f32 code around composes).
+
+use candle_core::{DType, Tensor};
+use multihead::functional::{
+    multi_head_attention_forward, scaled_dot_product_attention, InProj, MhaParams, SdpaOptions,
+};
+use multihead::transformer::{LayerConfig, TransformerDecoderLayer, TransformerEncoderLayer};
+use multihead::{autocast, Linear, Mask, MhaConfig, MhaOptions, MultiheadAttention};
+
+use crate::common::{det, dev, var};
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    let t = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    t.to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+fn to(t: &Tensor, dtype: DType) -> Tensor {
+    t.to_dtype(dtype).unwrap()
+}
+
+/// SDPA under autocast is the call on inputs converted to the autocast dtype: the same bits
+/// (output and the f32 inputs' gradients, which are the reduced gradients widened), an f32
+/// result for f32 inputs and the autocast dtype for any other mix; f64 stays f64 (uncast).
+#[test]
+fn sdpa_under_autocast_attends_in_the_autocast_dtype() {
+    let (q, k, v) = (
+        var(&det(&[2, 2, 5, 8], DType::F32, 1.0)),
+        var(&det(&[2, 2, 7, 8], DType::F32, 2.0)),
+        var(&det(&[2, 2, 7, 8], DType::F32, 3.0)),
+    );
+    let mask = (det(&[5, 7], DType::F32, 4.0) * 0.37).unwrap();
+    for dt in [DType::BF16, DType::F16] {
+        let opts = SdpaOptions::default().attn_mask(Mask::Float(mask.clone()));
+        let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
+        let y = autocast(dt, || scaled_dot_product_attention(qt, kt, vt, &opts)).unwrap();
+        assert_eq!(y.dtype(), DType::F32, "{dt:?}: f32 inputs keep an f32 result");
+        // The same call in `dt`, by hand.
+        let (qr, kr, vr) = (var(&to(qt, dt)), var(&to(kt, dt)), var(&to(vt, dt)));
+        let ropts = SdpaOptions::default().attn_mask(Mask::Float(to(&mask, dt)));
+        let yr =
+            scaled_dot_product_attention(qr.as_tensor(), kr.as_tensor(), vr.as_tensor(), &ropts)
+                .unwrap();
+        assert_eq!(bits(&y), bits(&yr), "{dt:?}: output");
+        let plain = scaled_dot_product_attention(qt, kt, vt, &opts).unwrap();
+        assert_ne!(bits(&y), bits(&plain), "{dt:?}: autocast changed nothing");
+        let g = det(y.dims(), dt, 5.0);
+        let grads = y.mul(&to(&g, DType::F32)).unwrap().sum_all().unwrap().backward().unwrap();
+        let rgrads = yr.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+        for (name, a, b) in [("query", &q, &qr), ("key", &k, &kr), ("value", &v, &vr)] {
+            let ga = grads.get(a.as_tensor()).unwrap();
+            assert_eq!(ga.dtype(), DType::F32, "{dt:?}: {name} gradient");
+            assert_eq!(bits(ga), bits(grads_of(&rgrads, b)), "{dt:?}: {name} gradient");
+        }
+        // A reduced query among f32 key and value: PyTorch casts all three, and returns `dt`.
+        let mixed =
+            autocast(dt, || scaled_dot_product_attention(qr.as_tensor(), kt, vt, &opts)).unwrap();
+        assert_eq!(mixed.dtype(), dt);
+        assert_eq!(bits(&mixed), bits(&yr), "{dt:?}: mixed inputs");
+    }
+    // f64 is not cast: the plain f64 call, bits and all.
+    let q64 = det(&[1, 2, 3, 4], DType::F64, 6.0);
+    let plain = scaled_dot_product_attention(&q64, &q64, &q64, &SdpaOptions::default()).unwrap();
+    let ac = autocast(DType::BF16, || {
+        scaled_dot_product_attention(&q64, &q64, &q64, &SdpaOptions::default())
+    })
+    .unwrap();
+    assert_eq!(ac.dtype(), DType::F64);
+    let (a, b) = (ac.flatten_all().unwrap(), plain.flatten_all().unwrap());
+    assert_eq!(a.to_vec1::<f64>().unwrap(), b.to_vec1::<f64>().unwrap());
+}
+
+fn grads_of<'a>(g: &'a candle_core::backprop::GradStore, v: &candle_core::Var) -> &'a Tensor {
+    g.get(v.as_tensor()).unwrap()
+}
+
+/// bf16 inputs to f32 modules under bf16 autocast (and an f16 one, cast to bf16): the result
+/// of the f32 input holding the same values, in PyTorch's dtype; bf16 float masks likewise.
+/// The functional `multi_head_attention_forward` under autocast is the module's call.
+#[test]
+fn reduced_inputs_reach_f32_modules_under_autocast_as_pytorch_casts_them() {
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let bf = DType::BF16;
+    let x = to(&to(&det(&[2, 5, 16], DType::F32, 1.0), bf), DType::F32);
+    let xb = to(&x, bf);
+    let ac = |f: &dyn Fn() -> Tensor| autocast(bf, f);
+    // Linear: bf16 in, bf16 out; the values of the f32 input's (rounded) result.
+    let lin = Linear::new(16, 12, true, vb.pp("lin")).unwrap();
+    let (y32, yb) = (ac(&|| lin.forward(&x).unwrap()), ac(&|| lin.forward(&xb).unwrap()));
+    assert_eq!((y32.dtype(), yb.dtype()), (DType::F32, bf));
+    assert_eq!(bits(&yb), bits(&y32), "linear");
+    // f16 input under bf16 autocast: cast to bf16 (its values here are bf16 ones).
+    let yh = ac(&|| lin.forward(&to(&x, DType::F16)).unwrap());
+    assert_eq!(yh.dtype(), bf);
+    let xh_as_bf16 = to(&to(&to(&x, DType::F16), bf), DType::F32);
+    assert_eq!(bits(&yh), bits(&ac(&|| lin.forward(&xh_as_bf16).unwrap())), "linear f16");
+    // MultiheadAttention with a bf16 float mask: bf16 output and weights.
+    let cfg = MhaConfig::new(16, 4).with_batch_first(true).with_dropout(0.0);
+    let mha = MultiheadAttention::new(cfg, vb.pp("mha")).unwrap();
+    let mask = to(&(det(&[5, 5], DType::F32, 2.0) * 0.37).unwrap(), bf);
+    let opts = |m: Tensor| MhaOptions::default().attn_mask(Mask::Float(m));
+    let ob = ac(&|| {
+        let o = mha.forward(&xb, &xb, &xb, &opts(mask.clone())).unwrap();
+        Tensor::cat(
+            &[o.output.flatten_all().unwrap(), o.attn_weights.unwrap().flatten_all().unwrap()],
+            0,
+        )
+        .unwrap()
+    });
+    let o32 = ac(&|| {
+        let o = mha.forward(&x, &x, &x, &opts(to(&mask, DType::F32))).unwrap();
+        Tensor::cat(
+            &[o.output.flatten_all().unwrap(), o.attn_weights.unwrap().flatten_all().unwrap()],
+            0,
+        )
+        .unwrap()
+    });
+    assert_eq!((ob.dtype(), o32.dtype()), (bf, DType::F32));
+    assert_eq!(bits(&ob), bits(&o32), "mha");
+    // The functional call with the module's parameters: the module's bits.
+    let named: std::collections::HashMap<String, Tensor> =
+        multihead::state_dict::NamedParameters::named_parameters(&mha).into_iter().collect();
+    let xs = x.transpose(0, 1).unwrap().contiguous().unwrap(); // (L, N, E)
+    let params = MhaParams {
+        embed_dim_to_check: 16,
+        num_heads: 4,
+        num_kv_heads: None,
+        in_proj: InProj::Packed(&named["in_proj_weight"]),
+        in_proj_bias: Some(&named["in_proj_bias"]),
+        bias_k: None,
+        bias_v: None,
+        add_zero_attn: false,
+        dropout_p: 0.0,
+        out_proj_weight: &named["out_proj.weight"],
+        out_proj_bias: Some(&named["out_proj.bias"]),
+    };
+    let f = ac(&|| {
+        let mo = MhaOptions::default().attn_mask(Mask::Float(to(&mask, DType::F32)));
+        multi_head_attention_forward(&xs, &xs, &xs, &params, &mo, false).unwrap().output
+    });
+    let m = ac(&|| {
+        mha.forward(&x, &x, &x, &opts(to(&mask, DType::F32)))
+            .unwrap()
+            .output
+            .transpose(0, 1)
+            .unwrap()
+    });
+    assert_eq!(bits(&f), bits(&m), "functional mha under autocast");
+    let plain = multi_head_attention_forward(
+        &xs,
+        &xs,
+        &xs,
+        &params,
+        &MhaOptions::default().attn_mask(Mask::Float(to(&mask, DType::F32))),
+        false,
+    )
+    .unwrap()
+    .output;
+    assert_ne!(bits(&f), bits(&plain), "the functional call ignored autocast");
+    // The layers: bf16 in, bf16 out; f16 in (under bf16 autocast), f32 out, as PyTorch's
+    // first residual sum promotes.
+    let lcfg =
+        LayerConfig::new(16, 2).with_dim_feedforward(24).with_dropout(0.0).with_batch_first(true);
+    let enc = TransformerEncoderLayer::new(lcfg.clone(), vb.pp("enc")).unwrap();
+    let dec = TransformerDecoderLayer::new(lcfg, vb.pp("dec")).unwrap();
+    let e32 = ac(&|| enc.forward(&x, None, None, false).unwrap());
+    let eb = ac(&|| enc.forward(&xb, None, None, false).unwrap());
+    assert_eq!(eb.dtype(), bf);
+    assert_eq!(bits(&eb), bits(&to(&e32, bf)), "encoder layer");
+    let eh = ac(&|| enc.forward(&to(&x, DType::F16), None, None, false).unwrap());
+    assert_eq!(eh.dtype(), DType::F32);
+    let none = MhaOptions::default();
+    let d32 = ac(&|| dec.forward_with(&x, &x, &none, &none).unwrap());
+    let db = ac(&|| dec.forward_with(&xb, &xb, &none, &none).unwrap());
+    assert_eq!(db.dtype(), bf);
+    assert_eq!(bits(&db), bits(&to(&d32, bf)), "decoder layer");
+    // Outside autocast a bf16 input to an f32 module stays an error, as in PyTorch.
+    assert!(lin.forward(&xb).is_err());
+}
