@@ -47,6 +47,46 @@ const L2_B_MIN_BLOCKS: usize = 16;
 /// are a multiple of 1 KiB apart ([`reads_a_in_place`]).
 const IN_PLACE_DEPTH: usize = 512;
 
+/// Multiply-adds below which a product runs on the calling thread, its tasks in order (the
+/// attention kernels' threshold): sending a small product's tasks to rayon's pool from a thread
+/// outside it and sleeping until they are done costs more than the product. Each task writes
+/// its own part of the output, so the bits are the same either way.
+const SERIAL_BELOW: usize = 1 << 19;
+
+#[cfg(test)]
+thread_local! {
+    /// Whether the tests send even a small product's tasks to the pool.
+    pub(super) static FORCE_PARALLEL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether a small product goes to the pool anyway (the tests compare both ways).
+fn parallel_forced() -> bool {
+    #[cfg(test)]
+    return FORCE_PARALLEL.with(|f| f.get());
+    #[cfg(not(test))]
+    false
+}
+
+/// Runs `f(t)` for every task `t < count`: on rayon's pool, or here, in order (`serial`).
+fn for_each_task(serial: bool, count: usize, f: impl Fn(usize) + Send + Sync) {
+    match serial {
+        true => (0..count).for_each(f),
+        false => (0..count).into_par_iter().for_each(f),
+    }
+}
+
+/// [`for_each_task`] for tasks that may fail: the first error (on the pool, any one).
+fn try_for_each_task<E: Send>(
+    serial: bool,
+    count: usize,
+    f: impl Fn(usize) -> Result<(), E> + Send + Sync,
+) -> Result<(), E> {
+    match serial {
+        true => (0..count).try_for_each(f),
+        false => (0..count).into_par_iter().try_for_each(f),
+    }
+}
+
 /// Depth (elements) up to which a task on AMX walks its row tiles outermost
 /// ([`a_stationary`]).
 const A_STATIONARY_DEPTH: usize = 512;
@@ -239,7 +279,8 @@ fn row_blocks(m: usize, threads: usize, mr: usize, target: usize) -> (usize, usi
 pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelError> {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let kern = resolve();
-    let threads = rayon::current_num_threads().max(1);
+    let serial = m.saturating_mul(n).saturating_mul(k) < SERIAL_BELOW && !parallel_forced();
+    let threads = if serial { 1 } else { rayon::current_num_threads().max(1) };
     let deep = out.deep(kern, k);
     let target = if chunked(deep, kern, k) { TALL_MC } else { MC };
     let (mc, blocks) = row_blocks(m, threads, kern.mr(), target);
@@ -271,34 +312,35 @@ pub(super) unsafe fn run(a: &BfMat, b: &BfMat, out: Out) -> Result<(), KernelErr
                 // SAFETY: `packs_by_pairs` held; the buffer holds `blocks · mc · lda >=
                 // m.div_ceil(MR) · MR · lda` elements; `lda = 2·k.div_ceil(2)`, the vector
                 // layout's stride for the whole depth.
-                unsafe { pack_pairs_in_parallel(a, lda, dst) };
+                unsafe { pack_pairs_in_parallel(a, lda, dst, serial) };
                 let source = ASource::Rounded(ConstPtr(dst.0 as *const u16), (2, 2 * MR));
+                let sizes = (kern, kc_max, nc_max, len);
                 // SAFETY: forwarded; the rounded rows hold the whole depth of every row block.
-                return unsafe {
-                    run_blocks(a, b, out, (kern, kc_max, nc_max, len), (mc, blocks), source)
-                };
+                return unsafe { run_blocks(a, b, out, sizes, (mc, blocks, threads), source) };
             }
-            let strides = (0..blocks)
-                .into_par_iter()
-                .map(|rb| {
-                    let (i0, rows) = (rb * mc, mc.min(m - rb * mc));
-                    let padded = rows.div_ceil(kern.mr()) * kern.mr();
-                    let blk = ABlock { i0, rows, padded, p0: 0, kc: k, lda };
-                    // SAFETY: the block lies inside `a` (checked by `matmul_bf16`); row block
-                    // `rb` owns `mc · lda >= padded · lda` elements of the buffer from
-                    // `rb · mc · lda` (`mc` is a multiple of the kernel's rows).
-                    unsafe { pack_a(kern, a, blk, raw(dst).add(rb * mc * lda)) }
-                })
-                // Every block's strides are the same: they depend on the layout only.
-                .reduce(|| (0, 0), |x, y| x.max(y));
+            let pack = |rb: usize| {
+                let (i0, rows) = (rb * mc, mc.min(m - rb * mc));
+                let padded = rows.div_ceil(kern.mr()) * kern.mr();
+                let blk = ABlock { i0, rows, padded, p0: 0, kc: k, lda };
+                // SAFETY: the block lies inside `a` (checked by `matmul_bf16`); row block
+                // `rb` owns `mc · lda >= padded · lda` elements of the buffer from
+                // `rb · mc · lda` (`mc` is a multiple of the kernel's rows).
+                unsafe { pack_a(kern, a, blk, raw(dst).add(rb * mc * lda)) }
+            };
+            // Every block's strides are the same: they depend on the layout only.
+            let strides = match serial {
+                true => (0..blocks).map(pack).fold((0, 0), |x, y| x.max(y)),
+                false => (0..blocks).into_par_iter().map(pack).reduce(|| (0, 0), |x, y| x.max(y)),
+            };
             let source = ASource::Rounded(ConstPtr(dst.0 as *const u16), strides);
+            let sizes = (kern, kc_max, nc_max, len);
             // SAFETY: forwarded; the rounded rows hold the whole depth of every row block.
-            unsafe { run_blocks(a, b, out, (kern, kc_max, nc_max, len), (mc, blocks), source) }
+            unsafe { run_blocks(a, b, out, sizes, (mc, blocks, threads), source) }
         });
     }
     let source = if in_place { ASource::InPlace } else { ASource::Pack };
     // SAFETY: forwarded.
-    unsafe { run_blocks(a, b, out, (kern, kc_max, nc_max, len), (mc, blocks), source) }
+    unsafe { run_blocks(a, b, out, (kern, kc_max, nc_max, len), (mc, blocks, threads), source) }
 }
 
 /// Whether the micro-kernels read `A`'s bf16 rows where they lie instead of a packed copy: `A`
@@ -341,7 +383,8 @@ pub(super) fn reads_a_in_place(kern: Kernel, a: &BfMat) -> bool {
     }
 }
 
-/// [`run`]'s blocks of `B` and the passes over them, reading `A` from `source`.
+/// [`run`]'s blocks of `B` and the passes over them, reading `A` from `source`, on `threads`
+/// threads (one: on the calling thread, the tasks in order).
 ///
 /// # Safety
 /// As for [`run`]; a rounded `source` holds the whole depth of every row block in the layout
@@ -351,11 +394,11 @@ unsafe fn run_blocks(
     b: &BfMat,
     out: Out,
     (kern, kc_max, nc_max, len): (Kernel, usize, usize, usize),
-    (mc, blocks): (usize, usize),
+    (mc, blocks, threads): (usize, usize, usize),
     source: ASource,
 ) -> Result<(), KernelError> {
     let (m, n, k) = (a.rows, b.cols, a.cols);
-    let threads = rayon::current_num_threads().max(1);
+    let serial = threads == 1;
     // A transposed `A` on the vector kernel: each depth block of every row block is packed
     // before the block's tasks, pair by pair along whole source rows, as `run` packs the whole
     // depth once where it can (`by_pairs_words`).
@@ -380,14 +423,14 @@ unsafe fn run_blocks(
                         // A row-major `B` is packed in memory order: each task a range of pairs
                         // of every panel.
                         let blk = BBlock { p0, kc, kp, j0, cols, panels: 0..panels };
-                        (0..kp.div_ceil(ROW_PAIRS)).into_par_iter().for_each(|t| {
+                        for_each_task(serial, kp.div_ceil(ROW_PAIRS), |t| {
                             let pairs = t * ROW_PAIRS..((t + 1) * ROW_PAIRS).min(kp);
                             // SAFETY: as below; this task alone writes pairs `pairs` of every
                             // panel.
                             unsafe { pack_b_rows(kern, b, &blk, pairs, raw(packed)) }
                         });
                     } else {
-                        (0..panels.div_ceil(PACK_PANELS)).into_par_iter().for_each(|t| {
+                        for_each_task(serial, panels.div_ceil(PACK_PANELS), |t| {
                             let range = t * PACK_PANELS..((t + 1) * PACK_PANELS).min(panels);
                             // SAFETY: the block lies inside `b` (checked by `matmul_bf16`); the
                             // buffer holds `panels` panels of `kp · NR` words (sized above: `kp`
@@ -405,7 +448,9 @@ unsafe fn run_blocks(
                             // holds `blocks · mc · a_stride(kern, pairs(kern, kc_max)) >=
                             // m.div_ceil(MR) · MR · lda` elements (`kc <= kc_max`); `lda =
                             // 2·kp >= kc`, the vector layout's stride for the block's depth.
-                            unsafe { pack_pairs_in_parallel(&view, a_stride(kern, kp), ablocks) };
+                            unsafe {
+                                pack_pairs_in_parallel(&view, a_stride(kern, kp), ablocks, serial)
+                            };
                             ASource::Rounded(ConstPtr(ablocks.0 as *const u16), (2, 2 * MR))
                         }
                         None => source,
@@ -415,7 +460,7 @@ unsafe fn run_blocks(
                     let last = p0 + kc == k;
                     let deep = out.deep(kern, k);
                     let pass = Pass { a, block, m, mc, col_parts, out, load_c, last, source, deep };
-                    (0..blocks * col_parts).into_par_iter().try_for_each(|t| pass.task(t, kern))?;
+                    try_for_each_task(serial, blocks * col_parts, |t| pass.task(t, kern))?;
                 }
             }
             Ok(())
@@ -424,15 +469,15 @@ unsafe fn run_blocks(
 }
 
 /// Every row of a transposed `A` packed pair by pair ([`pack_a_by_pairs`]) into `dst`, the
-/// pairs in tasks of [`PAIR_TASK`] on every thread.
+/// pairs in tasks of [`PAIR_TASK`] on every thread (in order on this one, `serial`).
 ///
 /// # Safety
 /// As for [`pack_a_by_pairs`] over all `lda / 2` pairs: `packs_by_pairs` holds for `a`, `lda` is
 /// even and at least `a.cols`, `dst` holds `a.rows.div_ceil(MR) · MR · lda` elements and no one
 /// else reads or writes them meanwhile.
-unsafe fn pack_pairs_in_parallel(a: &BfMat, lda: usize, dst: SyncPtr<u16>) {
+unsafe fn pack_pairs_in_parallel(a: &BfMat, lda: usize, dst: SyncPtr<u16>, serial: bool) {
     let kp = lda / 2;
-    (0..kp.div_ceil(PAIR_TASK)).into_par_iter().for_each(|t| {
+    for_each_task(serial, kp.div_ceil(PAIR_TASK), |t| {
         let range = t * PAIR_TASK..((t + 1) * PAIR_TASK).min(kp);
         // SAFETY: forwarded; `range.end <= lda / 2`, and this task alone writes pairs `range`
         // of every tile.

@@ -245,8 +245,8 @@ impl Tile {
         between(0, 1);
     }
 
-    /// A partial tile (`live` rows, `cols` columns): computed whole in a local buffer, then
-    /// the live part copied out.
+    /// A partial tile (`live` rows, `cols` columns): computed whole in a local buffer of the
+    /// kernel's tile size, then the live part copied out.
     ///
     /// # Safety
     /// As for `run`, except that only `live × cols` of the `C` tile need exist (`live` at most
@@ -259,9 +259,34 @@ impl Tile {
         live: usize,
         cols: usize,
     ) {
-        let mut tile = crate::aligned::AlignedTile::<{ AMX_MR * NR }>::zeros();
+        // The vector kernels' tile is a sixth of the size of the tiles' (1.5 KiB against
+        // 8 KiB to clear for every partial tile of a short attention block).
+        // SAFETY: forwarded; each buffer holds the kernel's `mr() × NR` tile.
+        unsafe {
+            match kern.mr() <= MR {
+                true => self.edge_in::<{ MR * NR }>(kern, c, ldc, live, cols),
+                false => self.edge_in::<{ AMX_MR * NR }>(kern, c, ldc, live, cols),
+            }
+        }
+    }
+
+    /// [`Self::edge`] through a local tile of `N >= kern.mr() · NR` elements.
+    ///
+    /// # Safety
+    /// As for [`Self::edge`].
+    unsafe fn edge_in<const N: usize>(
+        &self,
+        kern: Kernel,
+        c: *mut f32,
+        ldc: usize,
+        live: usize,
+        cols: usize,
+    ) {
+        debug_assert!(N >= kern.mr() * NR);
+        let mut tile = crate::aligned::AlignedTile::<N>::zeros();
         let tile = &mut tile.0;
-        // SAFETY: the local tile is full size; `c` is read and written in its live part only.
+        // SAFETY: the local tile holds the kernel's whole tile; `c` is read and written in its
+        // live part only.
         unsafe {
             if self.load_c {
                 for r in 0..live {

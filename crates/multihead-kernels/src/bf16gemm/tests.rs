@@ -104,6 +104,47 @@ fn matches_the_reference_for_every_layout_level_and_thread_count() {
 }
 
 #[test]
+fn a_small_product_gives_the_same_bits_on_the_calling_thread_as_on_the_pool() {
+    // Below the serial threshold the tasks run in order on the calling thread, with the row
+    // blocks of one thread; sent to a pool of three they must give the same bits, in every
+    // layout, f32 and bf16 outputs, with a bias and an activation (several row blocks and
+    // column parts, two depth blocks).
+    use crate::epilogue::Act;
+    let (m, n, k) = (40, 9, super::KC + 37);
+    assert!(m * n * k < 1 << 19);
+    let a = rand_vec(m * k, 41);
+    let b = rand_vec(k * n, 42);
+    let bias = rand_vec(n, 43);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    let run = |forced: bool, sa, sb| {
+        let (av, bv) = (view(Elems::F32(&a), m, k, sa), view(Elems::F32(&b), k, n, sb));
+        pool.install(|| {
+            driver::FORCE_PARALLEL.with(|f| f.set(forced));
+            let f32_out = matmul_bf16_new_with(av, bv, Some(&bias), Act::Relu).unwrap();
+            let bf16_out = matmul_bf16_to_bf16(av, bv, Some(&bias), Act::Gelu).unwrap();
+            driver::FORCE_PARALLEL.with(|f| f.set(false));
+            (f32_out, bf16_out)
+        })
+    };
+    for (sa, sb) in layouts(m, n, k) {
+        let (serial, parallel) = (run(false, sa, sb), run(true, sa, sb));
+        assert_eq!(serial.0, parallel.0, "f32 output, {sa:?}/{sb:?}");
+        assert_eq!(serial.1, parallel.1, "bf16 output, {sa:?}/{sb:?}");
+        let reference = {
+            let (av, bv) = (view(Elems::F32(&a), m, k, sa), view(Elems::F32(&b), k, n, sb));
+            let mut c = vec![0f32; m * n];
+            matmul_bf16_reference(av, bv, &mut c, n, false).unwrap();
+            c
+        };
+        // The ReLU output over the bias-free reference plus the bias, within f32 summation.
+        for (i, (&g, &r)) in serial.0.iter().zip(&reference).enumerate() {
+            let want = (r + bias[i % n]).max(0.0);
+            assert!((g - want).abs() <= 1e-3 * (1.0 + want.abs()), "element {i}: {g} vs {want}");
+        }
+    }
+}
+
+#[test]
 fn bf16_operands_give_what_their_f32_values_give() {
     // Every layout (the transposing packers read bf16 runs as they read f32 ones), with rows,
     // pairs and columns that cross the packers' 16-row, 16-pair and 16-column groups.

@@ -230,6 +230,16 @@ impl FlashAttention {
         }
     }
 
+    /// Runs `f`, a backward of this op, on one of rayon's threads where the kernels go
+    /// parallel: one hop for the backward's parallel steps (the scans, the packing, the tasks)
+    /// when candle's backward runs on a thread outside the pool ([`crate::pool`]).
+    pub(super) fn on_pool<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        let d = &self.dims;
+        let macs =
+            [d.heads_q, d.l, d.s, d.d.max(d.dv)].into_iter().fold(d.batch, usize::saturating_mul);
+        crate::pool::on_pool_for(macs, f)
+    }
+
     /// The same op with these variants (validated by the caller).
     pub(crate) fn with_variants(self, variants: &crate::Variants) -> Self {
         let alibi = variants.alibi_f32().map(Arc::new);
@@ -516,7 +526,7 @@ impl CustomOp3 for FlashAttention {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let [dq, dk, dv] = match self.take_stashed::<3>() {
             Some(g) => g,
-            None => backward_unpacked(self, [q, k, v], res, grad_res, None)?,
+            None => self.on_pool(|| backward_unpacked(self, [q, k, v], res, grad_res, None))?,
         };
         Ok((Some(dq), Some(dk), Some(dv)))
     }

@@ -68,7 +68,7 @@ impl CustomOp1 for PackedQkv {
     ) -> candle_core::Result<Option<Tensor>> {
         let [dqkv] = match self.0.take_stashed::<1>() {
             Some(g) => g,
-            None => backward_qkv(&self.0, qkv, res, grad_res, None)?,
+            None => self.0.on_pool(|| backward_qkv(&self.0, qkv, res, grad_res, None))?,
         };
         Ok(Some(dqkv))
     }
@@ -127,7 +127,7 @@ impl CustomOp2 for PackedKv {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let [dq, dkv] = match self.0.take_stashed::<2>() {
             Some(g) => g,
-            None => backward_kv(&self.0, q, kv, res, grad_res, None)?,
+            None => self.0.on_pool(|| backward_kv(&self.0, q, kv, res, grad_res, None))?,
         };
         Ok((Some(dq), Some(dkv)))
     }

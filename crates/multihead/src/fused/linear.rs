@@ -435,6 +435,22 @@ impl FusedLinear {
         Tensor::from_vec(dpre, grad.shape(), grad.device())
     }
 
+    /// [`Self::backward`] on one of rayon's threads where its products go parallel (one hop
+    /// for its two products and their packing, instead of one per parallel step, when candle's
+    /// backward runs on a thread outside the pool; see [`crate::pool`]).
+    fn backward_on_pool(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        y: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let (out_f, in_f) = w.dims2()?;
+        let rows = grad.elem_count() / out_f.max(1);
+        let macs = crate::pool::product_macs(rows, in_f, out_f);
+        crate::pool::on_pool_for(macs, || self.backward(x, w, y, grad))
+    }
+
     /// `(dx, dW, db)` from the output gradient (and, with `relu`, the output `y`).
     fn backward(
         &self,
@@ -584,7 +600,7 @@ impl candle_core::CustomOp2 for FusedLinear {
         res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = self.backward(x, w, res, grad)?;
+        let (dx, dw, _) = self.backward_on_pool(x, w, res, grad)?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -612,7 +628,7 @@ impl candle_core::CustomOp3 for FusedLinear {
         res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = self.backward(x, w, res, grad)?;
+        let (dx, dw, db) = self.backward_on_pool(x, w, res, grad)?;
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }
