@@ -36,6 +36,7 @@ pub struct Embedding {
 impl Embedding {
     /// `nn.Embedding(num_embeddings, embedding_dim)` under `vb`'s `weight` key.
     pub fn new(num_embeddings: usize, embedding_dim: usize, vb: VarBuilder) -> Result<Self> {
+        crate::alloc::expect_float(OP, "dtype", vb.dtype())?;
         let init = Init::Randn { mean: 0.0, stdev: 1.0 };
         let shape = [num_embeddings, embedding_dim];
         let weight = crate::state_dict::get_param(&vb, &shape, "weight", init)?;

@@ -79,7 +79,10 @@ pub enum Error {
         hint: String,
     },
     /// A state_dict entry has the wrong shape for the module.
-    #[error("load_state_dict: {key}: expected shape {expected:?}, got {got:?}")]
+    #[error(
+        "load_state_dict: {key}: expected shape {expected:?}, got {got:?}; build the module \
+         with the sizes the weights were saved with"
+    )]
     StateDictShape {
         /// The PyTorch key.
         key: String,

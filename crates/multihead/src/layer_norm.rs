@@ -44,6 +44,7 @@ impl LayerNorm {
     /// `nn.LayerNorm(d, eps, bias=bias)` under `vb`'s `weight` and `bias` keys.
     pub fn new(d: usize, eps: f64, bias: bool, vb: VarBuilder) -> Result<Self> {
         check_eps(eps, "LayerNorm", "eps")?;
+        crate::alloc::expect_float("LayerNorm", "dtype", vb.dtype())?;
         let weight = get_param(&vb, &[d], "weight", Init::Const(1.0))?;
         let bias = if bias { Some(get_param(&vb, &[d], "bias", Init::Const(0.0))?) } else { None };
         Ok(Self { weight, bias, eps })

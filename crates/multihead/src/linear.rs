@@ -45,6 +45,9 @@ impl Linear {
         bias: bool,
         vb: VarBuilder,
     ) -> Result<Self> {
+        // PyTorch's parameters are float ("only Tensors of floating point dtype can require
+        // gradients"); an integer builder would truncate loaded weights.
+        crate::alloc::expect_float("Linear", "dtype", vb.dtype())?;
         // PyTorch's bound is 0 without inputs (`Linear(0, d)`: a zero bias); an empty uniform
         // range is an error in candle, so that case is a constant.
         let init = match in_features {

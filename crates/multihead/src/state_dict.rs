@@ -58,13 +58,38 @@ pub(crate) fn get_param(
             Ok(t)
         }
         Err(e) => {
-            let msg = e.to_string();
-            if msg.contains("shape mismatch") {
-                let got = vb.get_unchecked(name).map(|t| t.dims().to_vec()).unwrap_or_default();
-                Err(Error::StateDictShape { key: full, expected: shape.to_vec(), got })
-            } else {
-                Err(Error::Candle(e))
+            let got = vb
+                .get_unchecked(name)
+                .map(|t| t.dims().to_vec())
+                .ok()
+                .or_else(|| mismatched_shape(&e));
+            match got {
+                Some(got) if e.to_string().contains("shape mismatch") => {
+                    Err(Error::StateDictShape { key: full, expected: shape.to_vec(), got })
+                }
+                _ => Err(Error::Candle(e)),
             }
+        }
+    }
+}
+
+/// The shape a builder found under a key when it refused the asked one: candle's
+/// `UnexpectedShape` (the safetensors and tensor-map backends), or the `[..] <> [..]` message of
+/// a `VarMap` already holding the key (`get_unchecked` is not implemented there).
+fn mismatched_shape(e: &candle_core::Error) -> Option<Vec<usize>> {
+    match e {
+        candle_core::Error::UnexpectedShape { got, .. } => Some(got.dims().to_vec()),
+        candle_core::Error::WithBacktrace { inner, .. } => mismatched_shape(inner),
+        other => {
+            let msg = other.to_string();
+            let (_, tail) = msg.rsplit_once(" <> ")?;
+            let inner = tail.trim().strip_prefix('[')?.strip_suffix(']')?;
+            inner
+                .split(',')
+                .map(str::trim)
+                .filter(|d| !d.is_empty())
+                .map(|d| d.parse::<usize>().ok())
+                .collect()
         }
     }
 }
@@ -230,6 +255,16 @@ pub fn save_loaded<M: NamedParameters>(
     save_loaded_with(module, vars, &KeyMap::new(), path)
 }
 
+/// The prefix `p` such that the VarMap's keys are exactly the module's keys under `p.`: a
+/// module built under `vb.pp(p)`.
+fn common_prefix(unlisted: &[String], unloaded: &[String]) -> Option<String> {
+    let first = unloaded.first()?;
+    let p = unlisted.iter().find_map(|k| k.strip_suffix(first.as_str())?.strip_suffix('.'))?;
+    let under: BTreeSet<String> = unloaded.iter().map(|k| format!("{p}.{k}")).collect();
+    let held: BTreeSet<String> = unlisted.iter().cloned().collect();
+    (!p.is_empty() && under == held).then(|| p.to_string())
+}
+
 /// [`save_loaded`] with the keys renamed for the file by `map` (the map a port loaded
 /// through, so that PyTorch gets its own keys back).
 pub fn save_loaded_with<M: NamedParameters>(
@@ -260,13 +295,21 @@ pub fn save_loaded_with<M: NamedParameters>(
                     crate::key_groups::key_list(&unloaded)
                 ));
             }
+            let advice = match common_prefix(&unlisted, &unloaded) {
+                Some(p) => format!(
+                    "the module was built under vb.pp(\"{p}\"), so the VarMap holds its \
+                     parameters under that prefix: save its own names with \
+                     save_state_dict(&module, path), or the file's with \
+                     save_safetensors over prefixed(\"{p}\", &module)"
+                ),
+                None => "make named_parameters list every parameter the module asks its \
+                         VarBuilder for (prefixed(..) for sub-modules)"
+                    .to_string(),
+            };
             return Err(Error::Config {
                 op: "save_loaded",
                 arg: "named_parameters",
-                msg: format!(
-                    "{}: make named_parameters list every parameter the module asks its VarBuilder for (prefixed(..) for sub-modules)",
-                    msg.join("; ")
-                ),
+                msg: format!("{}: {advice}", msg.join("; ")),
             });
         }
         named.iter().map(|(k, _)| (k.clone(), data[k].as_tensor().clone())).collect()
@@ -586,6 +629,32 @@ fn placeholder(s: candle_core::Shape, dtype: DType, dev: &Device) -> candle_core
     Tensor::zeros((), dtype, dev)?.broadcast_as(s)
 }
 
+impl Loader {
+    /// The loaded tensor `name` in the `dtype` the module asks for: as stored where it has it;
+    /// otherwise converted (PyTorch's `copy_` into a parameter or buffer of that dtype: an
+    /// int64 buffer stays exact, a float parameter from an integer file is converted), and the
+    /// converted tensor replaces the stored one, so that the `VarMap` holds what the module
+    /// reads (for an optimiser, and for `save_loaded`).
+    fn get_as(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        h: Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.vars.get(s, name, h, dtype, dev)?;
+        if t.dtype() == dtype {
+            return Ok(t);
+        }
+        let converted = crate::precision::cast(&t, dtype).map_err(candle_core::Error::wrap)?;
+        let var = Var::from_tensor(&converted)?;
+        let mut data = self.vars.data().lock().unwrap_or_else(|e| e.into_inner());
+        data.insert(name.to_string(), var.clone());
+        Ok(var.as_tensor().clone())
+    }
+}
+
 impl candle_nn::var_builder::SimpleBackend for Loader {
     fn get(
         &self,
@@ -600,7 +669,7 @@ impl candle_nn::var_builder::SimpleBackend for Loader {
         drop(requested);
         let wrong = match (self.present.get(name), self.unsupported.get(name)) {
             (Some(got), _) if got.as_slice() == s.dims() => {
-                return self.vars.get(s, name, h, dtype, dev);
+                return self.get_as(s, name, h, dtype, dev);
             }
             (Some(got), _) => Some(Wrong::Shape(s.dims().to_vec(), got.clone())),
             (None, Some(dt)) => Some(Wrong::Dtype(dt.clone())),
@@ -664,7 +733,14 @@ fn load_with<M: NamedParameters>(
     {
         let mut data = vm.data().lock().unwrap_or_else(|e| e.into_inner());
         for (k, t) in state {
-            let t = crate::precision::cast(t, dtype)?.to_device(device)?;
+            // Float tensors in the load's dtype; integer ones (buffers such as int64 position
+            // ids, u8 masks) as they are, converted when the module asks for them in another
+            // dtype (`Loader::get`), as PyTorch copies each into its own buffer's dtype.
+            let t = match t.dtype().is_float() {
+                true => crate::precision::cast(t, dtype)?,
+                false => t.clone(),
+            };
+            let t = t.to_device(device)?;
             // Each parameter is a copy (a view's at its full size), checked before it is made.
             let hint = "each tensor of a state_dict becomes a parameter of its full size; pass \
                         the tensors a view stands for";
@@ -735,6 +811,12 @@ fn load_with<M: NamedParameters>(
     Ok((module, vm, report))
 }
 
+/// What to do about missing or unexpected keys that no prefix explains.
+const KEYS_HINT: &str = "build the module with the options the weights were saved with (bias, \
+    add_bias_kv, kdim/vdim, the layer counts), rename keys with a state_dict::KeyMap, or load \
+    non-strictly (state_dict::load, load_file), which keeps absent parameters as initialised \
+    and reports both lists";
+
 /// The error for what a load found: keys only ([`Error::StateDictKeys`]), one wrong shape
 /// alone ([`Error::StateDictShape`]), or several kinds together ([`Error::StateDictMismatch`]).
 fn problems(
@@ -743,6 +825,11 @@ fn problems(
     mut mismatched: Vec<(String, Wrong)>,
     hint: String,
 ) -> Error {
+    // Without a prefix to name, what to do about keys that differ.
+    let hint = match (hint.is_empty(), missing.is_empty() && unexpected.is_empty()) {
+        (true, false) => KEYS_HINT.to_string(),
+        _ => hint,
+    };
     if mismatched.is_empty() {
         return Error::StateDictKeys { missing, unexpected, hint };
     }

@@ -20,6 +20,7 @@ mod mha_learned_mask;
 mod pool;
 mod properties;
 mod state_dict;
+mod state_dict_buffers;
 mod sum;
 mod transformer;
 mod variant_golden;
