@@ -34,7 +34,14 @@ pub(crate) fn get_param(
 ) -> Result<Tensor> {
     let full =
         if vb.prefix().is_empty() { name.to_string() } else { format!("{}.{name}", vb.prefix()) };
-    crate::alloc::elements("get_param", "parameter", shape)?;
+    // The key in the message: which of a module's sizes is wrong.
+    let named = |e: Error| match e {
+        Error::Alloc { op, what, msg } => {
+            Error::Alloc { op, what, msg: format!("{full}: {msg}; check the module's sizes") }
+        }
+        e => e,
+    };
+    crate::alloc::elements("get_param", "parameter", shape).map_err(named)?;
     if !vb.contains_tensor(name) {
         // The builder will create it: make sure it can be allocated first.
         crate::alloc::ensure(
@@ -43,8 +50,9 @@ pub(crate) fn get_param(
             shape,
             vb.dtype(),
             1,
-            "this parameter is too large for this machine; check the module's sizes",
-        )?;
+            "this parameter is too large for this machine",
+        )
+        .map_err(named)?;
     }
     match vb.get_with_hints(shape, name, init) {
         Ok(t) => {

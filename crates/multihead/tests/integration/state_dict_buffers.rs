@@ -131,3 +131,13 @@ fn saving_a_module_loaded_under_a_prefix_says_how() {
         .to_string();
     assert!(e.contains("missing keys [\"bias\"]") && e.contains("load non-strictly"), "{e}");
 }
+
+#[test]
+fn a_parameter_too_large_to_hold_is_named_by_its_key() {
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let e = Linear::new(usize::MAX / 2, 3, true, vb.pp("proj")).err().expect("too large");
+    let msg = e.to_string();
+    assert!(matches!(e, multihead::Error::Alloc { .. }), "{msg}");
+    assert!(msg.contains("proj.weight: ") && msg.contains("check the module's sizes"), "{msg}");
+}
