@@ -99,7 +99,8 @@ impl Linear {
     }
 
     fn forward_here(&self, x: &Tensor) -> Result<Tensor> {
-        if let Some(y) = crate::precision::autocast_run(self, x.dtype(), |m, r| m.forward(&r(x)?)) {
+        let dtypes = (x.dtype(), self.weight.dtype());
+        if let Some(y) = crate::precision::autocast_run(self, dtypes, |m, r| m.forward(&r(x)?)) {
             return y;
         }
         linear(x, &self.weight, self.bias.as_ref(), "linear", "input", Backend::Auto)
@@ -137,7 +138,8 @@ impl Linear {
     fn forward_act_here(&self, x: &Tensor, activation: crate::Activation) -> Result<Tensor> {
         let autocast =
             |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| m.forward_act(&r(x)?, activation);
-        if let Some(y) = crate::precision::autocast_run(self, x.dtype(), autocast) {
+        let dtypes = (x.dtype(), self.weight.dtype());
+        if let Some(y) = crate::precision::autocast_run(self, dtypes, autocast) {
             return y;
         }
         let act = match activation {

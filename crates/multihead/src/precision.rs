@@ -183,12 +183,14 @@ pub(crate) fn round(t: &Tensor, dtype: DType) -> Result<Tensor> {
     Ok(crate::fused::convert::to_dtype(&narrow(t, dtype)?, t.dtype())?)
 }
 
-/// The dtype an autocast-aware module computes in for an input of `dtype`: `Some` inside
-/// [`autocast`](crate::autocast) to bf16 or f16 when the input is f32, bf16 or f16 (which
-/// PyTorch's autocast casts; f64 it leaves as it is), `None` otherwise.
-pub(crate) fn autocast_for(dtype: DType) -> Option<DType> {
-    let eligible = matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
-    crate::mode::autocast_dtype().filter(|dt| is_reduced(*dt) && eligible)
+/// The dtype an autocast-aware module with parameters of dtype `params` computes in for an
+/// input of dtype `input`: `Some` inside [`autocast`](crate::autocast) to bf16 or f16 for an
+/// f32 module given an f32, bf16 or f16 input (which PyTorch's autocast casts; f64 it leaves as
+/// it is), `None` otherwise: a bf16 or f16 module runs its own path (its own-dtype input as
+/// outside autocast).
+pub(crate) fn autocast_for(input: DType, params: DType) -> Option<DType> {
+    let eligible = matches!(input, DType::F32 | DType::BF16 | DType::F16);
+    crate::mode::autocast_dtype().filter(|dt| is_reduced(*dt) && eligible && params == DType::F32)
 }
 
 /// A tensor argument of an autocast op as the op's f32 computation reads it: an f32, bf16 or
@@ -233,10 +235,10 @@ pub(crate) fn autocast_output(y: &Tensor, input: DType, dt: DType) -> Result<Ten
 /// casts to `dtype`). Returns `None` when autocast does not apply to an input of `dtype`.
 pub(crate) fn autocast_layer<M: CastParams>(
     module: &M,
-    dtype: DType,
+    (dtype, params): (DType, DType),
     run: impl FnOnce(&M, &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
 ) -> Option<Result<Tensor>> {
-    let dt = autocast_for(dtype)?;
+    let dt = autocast_for(dtype, params)?;
     let y = module.map_product_params(&|p| round(p, dt)).and_then(|m| autocast_call(&m, dt, run));
     // PyTorch's layer on an input of `dt` ends in a LayerNorm of a `dt` sum, or in a `dt`
     // residual sum: `dt`. On f32 (or, under bf16 autocast, f16: its first residual sum promotes
@@ -263,10 +265,10 @@ fn autocast_call<M>(
 /// not apply to an input of `dtype`.
 pub(crate) fn autocast_run<M: CastParams>(
     module: &M,
-    dtype: DType,
+    (dtype, params): (DType, DType),
     run: impl FnOnce(&M, &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
 ) -> Option<Result<Tensor>> {
-    let dt = autocast_for(dtype)?;
+    let dt = autocast_for(dtype, params)?;
     let y = module.rounded(dt).and_then(|m| autocast_call(&m, dt, run));
     Some(y.and_then(|y| autocast_output(&y, dtype, dt)))
 }

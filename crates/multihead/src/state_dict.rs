@@ -600,7 +600,11 @@ const MAX_MISSING: usize = 4096;
 /// nothing (a stride-0 view of one zero), so a module with huge missing parameters is
 /// reported, not allocated.
 struct Loader {
+    /// The parameters made so far: each entry of the file the module asked for, in the dtype
+    /// it asked for (and fresh ones for missing keys, when not strict).
     vars: VarMap,
+    /// The file's tensors, as given.
+    state: HashMap<String, Tensor>,
     /// The file's shape of each key it holds in a candle dtype.
     present: BTreeMap<String, Vec<usize>>,
     /// Keys the file holds in a dtype candle has not (with that dtype's name).
@@ -638,26 +642,29 @@ fn placeholder(s: candle_core::Shape, dtype: DType, dev: &Device) -> candle_core
 }
 
 impl Loader {
-    /// The loaded tensor `name` in the `dtype` the module asks for: as stored where it has it;
-    /// otherwise converted (PyTorch's `copy_` into a parameter or buffer of that dtype: an
-    /// int64 buffer stays exact, a float parameter from an integer file is converted), and the
-    /// converted tensor replaces the stored one, so that the `VarMap` holds what the module
-    /// reads (for an optimiser, and for `save_loaded`).
-    fn get_as(
-        &self,
-        s: candle_core::Shape,
-        name: &str,
-        h: Init,
-        dtype: DType,
-        dev: &Device,
-    ) -> candle_core::Result<Tensor> {
-        let t = self.vars.get(s, name, h, dtype, dev)?;
-        if t.dtype() == dtype {
-            return Ok(t);
-        }
-        let converted = crate::precision::cast(&t, dtype).map_err(candle_core::Error::wrap)?;
-        let var = Var::from_tensor(&converted)?;
+    /// The file's tensor `name` as the parameter the module asks for: converted to the `dtype`
+    /// it asks for (PyTorch's `copy_` into a parameter or buffer of that dtype: an int64
+    /// buffer stays exact, an f32 entry asked for as f32 in a bf16 load keeps its bits, a float
+    /// parameter from an integer file is converted) and made a variable the `VarMap` holds (for
+    /// an optimiser, and for `save_loaded`). A key asked for again gets the same variable; in
+    /// another dtype it is an error, as a parameter has one dtype.
+    fn get_as(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
         let mut data = self.vars.data().lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(v) = data.get(name) {
+            if v.dtype() == dtype {
+                return Ok(v.as_tensor().clone());
+            }
+            candle_core::bail!(
+                "load_state_dict: {name} is asked for as {:?} and as {dtype:?}; a parameter has \
+                 one dtype: ask for it once, or convert the tensor it gives",
+                v.dtype()
+            );
+        }
+        let Some(t) = self.state.get(name) else {
+            candle_core::bail!("cannot find tensor {name}");
+        };
+        let t = crate::precision::cast(t, dtype).map_err(candle_core::Error::wrap)?;
+        let var = Var::from_tensor(&t.to_device(dev)?)?;
         data.insert(name.to_string(), var.clone());
         Ok(var.as_tensor().clone())
     }
@@ -677,7 +684,7 @@ impl candle_nn::var_builder::SimpleBackend for Loader {
         drop(requested);
         let wrong = match (self.present.get(name), self.unsupported.get(name)) {
             (Some(got), _) if got.as_slice() == s.dims() => {
-                return self.get_as(s, name, h, dtype, dev);
+                return self.get_as(name, dtype, dev);
             }
             (Some(got), _) => Some(Wrong::Shape(s.dims().to_vec(), got.clone())),
             (None, Some(dt)) => Some(Wrong::Dtype(dt.clone())),
@@ -711,9 +718,10 @@ impl candle_nn::var_builder::SimpleBackend for Loader {
         _dev: &Device,
     ) -> candle_core::Result<Tensor> {
         let data = self.vars.data().lock().unwrap_or_else(|e| e.into_inner());
-        match data.get(name) {
-            Some(v) => Ok(v.as_tensor().clone()),
-            None => candle_core::bail!("cannot find tensor {name}"),
+        match (data.get(name), self.state.get(name)) {
+            (Some(v), _) => Ok(v.as_tensor().clone()),
+            (None, Some(t)) => Ok(t.clone()),
+            (None, None) => candle_core::bail!("cannot find tensor {name}"),
         }
     }
 
@@ -738,29 +746,20 @@ fn load_with<M: NamedParameters>(
     build: impl FnOnce(VarBuilder) -> Result<M>,
 ) -> Result<(M, VarMap, LoadReport)> {
     let vm = VarMap::new();
-    {
-        let mut data = vm.data().lock().unwrap_or_else(|e| e.into_inner());
-        for (k, t) in state {
-            // Float tensors in the load's dtype; integer ones (buffers such as int64 position
-            // ids, u8 masks) as they are, converted when the module asks for them in another
-            // dtype (`Loader::get`), as PyTorch copies each into its own buffer's dtype.
-            let t = match t.dtype().is_float() {
-                true => crate::precision::cast(t, dtype)?,
-                false => t.clone(),
-            };
-            let t = t.to_device(device)?;
-            // Each parameter is a copy (a view's at its full size), checked before it is made.
-            let hint = "each tensor of a state_dict becomes a parameter of its full size; pass \
-                        the tensors a view stands for";
-            crate::alloc::ensure("load_state_dict", "tensor", t.dims(), t.dtype(), 1, hint)?;
-            data.insert(k.clone(), Var::from_tensor(&t)?);
-        }
+    for t in state.values() {
+        // Each parameter will be a copy (a view's at its full size), in the load's dtype for a
+        // float entry: checked for every entry before any is made.
+        let hint = "each tensor of a state_dict becomes a parameter of its full size; pass the \
+                    tensors a view stands for";
+        let dt = if t.dtype().is_float() { dtype } else { t.dtype() };
+        crate::alloc::ensure("load_state_dict", "tensor", t.dims(), dt, 1, hint)?;
     }
     let (missing, mismatched) =
         (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
     let requested = Arc::new(Mutex::new(BTreeMap::new()));
     let loader = Loader {
         vars: vm.clone(),
+        state: state.clone(),
         present: state.iter().map(|(k, t)| (k.clone(), t.dims().to_vec())).collect(),
         unsupported: unsupported.clone(),
         strict,

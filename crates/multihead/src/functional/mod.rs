@@ -21,12 +21,12 @@ pub(crate) mod varlen;
 
 pub use self::core::safe_softmax_last_dim;
 pub use add::add;
+pub(crate) use mha::{
+    autocast_options, mha_direct_to, mha_forward_impl, mha_plan_impl, mha_validate, options_in,
+    widen_options, Aliasing,
+};
 pub use mha::{
     explain_mha, multi_head_attention_forward, InProj, MhaOptions, MhaOutput, MhaParams,
-};
-pub(crate) use mha::{
-    mha_direct_to, mha_forward_impl, mha_plan_impl, mha_validate, options_in, round_masks,
-    widen_options, Aliasing,
 };
 pub use sdpa::{explain_sdpa, scaled_dot_product_attention, SdpaOptions};
 pub use varlen::{explain_varlen, varlen_attention, CuSeqlens};

@@ -448,7 +448,7 @@ impl MultiheadAttention {
         value: &Tensor,
         opts: &MhaOptions,
     ) -> Result<MhaOutput> {
-        if let Some(dt) = crate::precision::autocast_for(query.dtype()) {
+        if let Some(dt) = crate::precision::autocast_for(query.dtype(), self.dtype()) {
             return self.forward_autocast(query, key, value, opts, dt);
         }
         let alias = Aliasing::of(query, key, value);
@@ -590,7 +590,7 @@ impl MultiheadAttention {
             id if id == query.id() => q.clone(),
             _ => r(value)?,
         };
-        let opts = crate::functional::round_masks(opts, &r)?;
+        let opts = crate::functional::autocast_options(opts, &r)?;
         let out = crate::mode::autocast_off(|| {
             crate::mode::rounded_products(dt, || m.forward(&q, &k, &v, &opts))
         })?;

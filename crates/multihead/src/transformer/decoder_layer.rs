@@ -192,12 +192,13 @@ impl TransformerDecoderLayer {
         cross_opts: &MhaOptions,
     ) -> Result<Tensor> {
         let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {
-            use crate::{functional::round_masks, precision::widen_reduced};
-            let (so, co) = (round_masks(self_opts, r)?, round_masks(cross_opts, r)?);
+            use crate::{functional::autocast_options, precision::widen_reduced};
+            let (so, co) = (autocast_options(self_opts, r)?, autocast_options(cross_opts, r)?);
             let (tgt, memory) = (widen_reduced(tgt)?, widen_reduced(memory)?);
             m.forward_with(&tgt, &memory, &so, &co)
         };
-        if let Some(y) = crate::precision::autocast_layer(self, tgt.dtype(), autocast) {
+        let dtypes = (tgt.dtype(), self.self_attn.dtype());
+        if let Some(y) = crate::precision::autocast_layer(self, dtypes, autocast) {
             return y;
         }
         let dtype = tgt.dtype();

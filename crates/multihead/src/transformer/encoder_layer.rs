@@ -164,9 +164,10 @@ impl TransformerEncoderLayer {
     fn forward_here(&self, src: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
         let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {
             let src = crate::precision::widen_reduced(src)?;
-            m.forward_with(&src, &crate::functional::round_masks(opts, r)?)
+            m.forward_with(&src, &crate::functional::autocast_options(opts, r)?)
         };
-        if let Some(y) = crate::precision::autocast_layer(self, src.dtype(), autocast) {
+        let dtypes = (src.dtype(), self.self_attn.dtype());
+        if let Some(y) = crate::precision::autocast_layer(self, dtypes, autocast) {
             return y;
         }
         let dtype = src.dtype();
@@ -288,7 +289,8 @@ impl TransformerEncoderLayer {
         Ok(src.dtype() == candle_core::DType::BF16
             && crate::mode::bf16_products()
             && self.dropouts(key).is_identity()
-            && crate::precision::autocast_for(candle_core::DType::F32).is_none()
+            && crate::precision::autocast_for(candle_core::DType::F32, candle_core::DType::F32)
+                .is_none()
             && matches!(self.cfg.activation, crate::Activation::Relu | crate::Activation::Gelu)
             && !self.records_grad(src)?)
     }

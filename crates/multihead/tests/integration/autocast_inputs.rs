@@ -190,3 +190,58 @@ fn reduced_inputs_reach_f32_modules_under_autocast_as_pytorch_casts_them() {
     // Outside autocast a bf16 input to an f32 module stays an error, as in PyTorch.
     assert!(lin.forward(&xb).is_err());
 }
+
+/// A bf16 module under bf16 autocast runs its own path on its own-dtype input (PyTorch runs a
+/// bf16 model under autocast unchanged): the bits of the call outside autocast.
+#[test]
+fn a_bf16_module_under_autocast_runs_as_outside_it() {
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::BF16, &dev());
+    let bf = DType::BF16;
+    let x = det(&[2, 5, 16], bf, 1.0);
+    let lin = Linear::new(16, 12, true, vb.pp("lin")).unwrap();
+    let cfg = MhaConfig::new(16, 4).with_batch_first(true).with_dropout(0.0);
+    let mha = MultiheadAttention::new(cfg, vb.pp("mha")).unwrap();
+    let lcfg =
+        LayerConfig::new(16, 2).with_dim_feedforward(24).with_dropout(0.0).with_batch_first(true);
+    let enc = TransformerEncoderLayer::new(lcfg, vb.pp("enc")).unwrap();
+    type Run<'a> = Box<dyn Fn() -> Tensor + 'a>;
+    let runs: Vec<(&str, Run)> = vec![
+        ("linear", Box::new(|| lin.forward(&x).unwrap())),
+        ("mha", Box::new(|| mha.forward(&x, &x, &x, &MhaOptions::default()).unwrap().output)),
+        ("encoder layer", Box::new(|| enc.forward(&x, None, None, false).unwrap())),
+    ];
+    for (what, run) in &runs {
+        let inside = autocast(bf, run);
+        assert_eq!(inside.dtype(), bf, "{what}");
+        assert_eq!(bits(&inside), bits(&run()), "{what}");
+    }
+}
+
+/// Under autocast the static keys and values (and sinks) are rounded as the masks are, as
+/// PyTorch's autocast casts what its products read; bf16 ones are taken with a bf16 query.
+#[test]
+fn static_keys_and_values_under_autocast_are_rounded_as_pytorch_casts_them() {
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let bf = DType::BF16;
+    let cfg = MhaConfig::new(8, 2).with_dropout(0.0);
+    let mha = MultiheadAttention::new(cfg, vb.pp("m")).unwrap();
+    let x = to(&to(&det(&[3, 2, 8], DType::F32, 1.0), bf), DType::F32); // (L, N, E)
+                                                                        // (N·H, S, D) with values bf16 cannot hold.
+    let k = (det(&[4, 5, 4], DType::F32, 2.0) * 0.37).unwrap();
+    let v = (det(&[4, 5, 4], DType::F32, 3.0) * 0.29).unwrap();
+    let rounded = |t: &Tensor| to(&to(t, bf), DType::F32);
+    let run = |k: &Tensor, v: &Tensor, q: &Tensor| {
+        let o = MhaOptions::default().static_kv(k.clone(), v.clone());
+        autocast(bf, || mha.forward(q, q, q, &o)).unwrap().output
+    };
+    let given = run(&k, &v, &x);
+    assert_eq!(bits(&given), bits(&run(&rounded(&k), &rounded(&v), &x)));
+    let plain = mha.forward(&x, &x, &x, &MhaOptions::default().static_kv(k.clone(), v.clone()));
+    assert_ne!(bits(&given), bits(&plain.unwrap().output), "autocast changed nothing");
+    // bf16 static keys and values with a bf16 query: taken, a bf16 result, the same values.
+    let reduced = run(&to(&k, bf), &to(&v, bf), &to(&x, bf));
+    assert_eq!(reduced.dtype(), bf);
+    assert_eq!(bits(&reduced), bits(&given));
+}

@@ -104,7 +104,7 @@ fn a_builder_holding_a_key_of_another_shape_names_both_shapes() {
     let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
     Linear::new(4, 3, true, vb.clone()).unwrap();
     // The same prefix, other sizes: candle's VarMap refuses; the error names what it holds.
-    let e = Linear::new(4, 7, true, vb).err().expect("shape mismatch").to_string();
+    let e = Linear::new(4, 7, true, vb).map(|_| ()).expect_err("shape mismatch").to_string();
     assert!(e.contains("weight: expected shape [7, 4], got [3, 4]"), "{e}");
     assert!(e.contains("build the module with the sizes"), "{e}");
 }
@@ -136,8 +136,50 @@ fn saving_a_module_loaded_under_a_prefix_says_how() {
 fn a_parameter_too_large_to_hold_is_named_by_its_key() {
     let vm = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
-    let e = Linear::new(usize::MAX / 2, 3, true, vb.pp("proj")).err().expect("too large");
+    let e = Linear::new(usize::MAX / 2, 3, true, vb.pp("proj")).map(|_| ()).expect_err("too large");
     let msg = e.to_string();
     assert!(matches!(e, multihead::Error::Alloc { .. }), "{msg}");
     assert!(msg.contains("proj.weight: ") && msg.contains("check the module's sizes"), "{msg}");
+}
+
+/// Each entry is converted once, from the file's values, into the dtype its module asks for:
+/// an f32 entry asked for as f32 in a bf16 load keeps its bits, an int64 buffer stored as
+/// float values gets them exactly (PyTorch's `copy_`), and a key asked for in two dtypes is an
+/// error rather than two parameters of which the VarMap would hold one.
+#[test]
+fn each_entry_is_converted_from_the_files_values_into_the_asked_dtype() {
+    let mut state: HashMap<String, Tensor> = HashMap::new();
+    state.insert("w32".into(), Tensor::new(&[1.000_976_6f32, 1.234_567], &dev()).unwrap());
+    state.insert("ids".into(), Tensor::new(&[301f32, 513.0], &dev()).unwrap());
+    struct Two {
+        w32: Tensor,
+        ids: Tensor,
+    }
+    impl NamedParameters for Two {
+        fn named_parameters(&self) -> Vec<(String, Tensor)> {
+            vec![("w32".into(), self.w32.clone()), ("ids".into(), self.ids.clone())]
+        }
+    }
+    let build = |vb: candle_nn::VarBuilder| -> multihead::Result<Two> {
+        Ok(Two {
+            w32: vb.get_with_hints_dtype(2, "w32", Init::Const(0.0), DType::F32)?,
+            ids: vb.get_with_hints_dtype(2, "ids", Init::Const(0.0), DType::I64)?,
+        })
+    };
+    let (m, vars) = load_strict(&state, DType::BF16, &dev(), build).unwrap();
+    assert_eq!(m.w32.to_vec1::<f32>().unwrap(), [1.000_976_6, 1.234_567]);
+    assert_eq!(m.ids.to_vec1::<i64>().unwrap(), [301, 513]);
+    // The module's tensors are the VarMap's variables (an optimiser trains what it reads).
+    let held = vars.data().lock().unwrap()["w32"].as_tensor().clone();
+    assert_eq!(held.id(), m.w32.id());
+    let twice = |vb: candle_nn::VarBuilder| -> multihead::Result<Two> {
+        let a = vb.get_with_hints_dtype(2, "w32", Init::Const(0.0), DType::F32)?;
+        let b = vb.get_with_hints_dtype(2, "w32", Init::Const(0.0), DType::BF16)?;
+        Ok(Two { w32: a, ids: b })
+    };
+    let mut one: HashMap<String, Tensor> = HashMap::new();
+    one.insert("w32".into(), state["w32"].clone());
+    let e = load_strict(&one, DType::F32, &dev(), twice).map(|_| ()).expect_err("two dtypes");
+    let e = e.to_string();
+    assert!(e.contains("w32 is asked for as F32 and as BF16"), "{e}");
 }

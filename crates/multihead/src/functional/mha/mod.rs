@@ -273,7 +273,8 @@ pub fn multi_head_attention_forward(
     training: bool,
 ) -> Result<MhaOutput> {
     let alias = Aliasing::of(query, key, value);
-    if let Some(dt) = crate::precision::autocast_for(query.dtype()) {
+    if let Some(dt) = crate::precision::autocast_for(query.dtype(), params.out_proj_weight.dtype())
+    {
         return autocast_forward(query, key, value, alias, params, opts, training, dt);
     }
     mha_forward_impl(query, key, value, alias, params, opts, training, false)
@@ -297,7 +298,7 @@ fn autocast_forward(
 ) -> Result<MhaOutput> {
     use crate::precision::{autocast_operand, autocast_output};
     let r = |t: &Tensor| autocast_operand(t, dt);
-    let w = Widened::mapped(query, key, value, alias, params, round_masks(opts, &r)?, &r)?;
+    let w = Widened::mapped(query, key, value, alias, params, autocast_options(opts, &r)?, &r)?;
     let p = w.params(params);
     let out = crate::mode::autocast_off(|| {
         crate::mode::rounded_products(dt, || {
@@ -421,10 +422,12 @@ pub(crate) fn widen_options(opts: &MhaOptions) -> Result<MhaOptions> {
     Ok(o)
 }
 
-/// `opts` with its float masks passed through `round` (under `autocast`: PyTorch's autocast
-/// casts SDPA's `attn_mask`, into which MHA merges both masks, to the autocast dtype). Bool
-/// masks, static keys and values and sinks stay as given.
-pub(crate) fn round_masks(
+/// `opts` as an autocast call reads them: its float masks, static keys and values and sinks
+/// passed through `round` (PyTorch's autocast casts SDPA's `attn_mask`, into which MHA merges
+/// both masks, and the keys and values its products read, to the autocast dtype; sinks, this
+/// crate's extension, are logits beside the scores and go the same way). Bool masks stay as
+/// given.
+pub(crate) fn autocast_options(
     opts: &MhaOptions,
     round: &dyn Fn(&Tensor) -> Result<Tensor>,
 ) -> Result<MhaOptions> {
@@ -437,6 +440,9 @@ pub(crate) fn round_masks(
     let mut o = opts.clone();
     o.attn_mask = r(&opts.attn_mask)?;
     o.key_padding_mask = r(&opts.key_padding_mask)?;
+    o.static_k = opts.static_k.as_ref().map(round).transpose()?;
+    o.static_v = opts.static_v.as_ref().map(round).transpose()?;
+    o.sinks = opts.sinks.as_ref().map(round).transpose()?;
     Ok(o)
 }
 
