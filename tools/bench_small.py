@@ -16,7 +16,10 @@ Cases (2 threads unless ``--threads``):
   (B, L) = (64, 17) and (1, 17), against ``multihead bench --module mha|encoder-layer
   --norm-first``;
 * a ViT-B/16 encoder layer, ``nn.TransformerEncoderLayer(768, 12, 3072, gelu, norm_first=True,
-  eps=1e-6)`` at B=8, L=197: eval forward and train forward+backward (``out.sum().backward()``).
+  eps=1e-6)`` at B=8, L=197: eval forward and train forward+backward (``out.sum().backward()``);
+* small bf16 training steps (bf16 modules and inputs, the loss the output's sum in f32):
+  ``nn.MultiheadAttention`` at (B, L, E) = (2, 32, 32) and (4, 128, 128), and the pre-norm
+  encoder layer at (2, 32, 32), against ``multihead bench --dtype bf16 --backward``.
 
 PyTorch runs in this process with ``torch.set_num_threads(T)`` (its fast path allowed in eval);
 multihead runs ``target/release/multihead bench ... --json`` and
@@ -38,18 +41,24 @@ import bench_proc
 REPO = Path(__file__).resolve().parent.parent
 BIN = REPO / "target/release/multihead"
 PORT = REPO / "target/release/examples/port_vit"
-# (label, module, B, L, E, H, F, backward, speed-up target)
+# (label, module, B, L, E, H, F, backward, dtype, speed-up target)
 CASES = [
-    ("MHA eval, B=64 L=17 E=64 H=4", "mha", 64, 17, 64, 4, 128, False, 1.2),
-    ("MHA eval, B=1 L=17 E=64 H=4", "mha", 1, 17, 64, 4, 128, False, 1.2),
+    ("MHA eval, B=64 L=17 E=64 H=4", "mha", 64, 17, 64, 4, 128, False, "f32", 1.2),
+    ("MHA eval, B=1 L=17 E=64 H=4", "mha", 1, 17, 64, 4, 128, False, "f32", 1.2),
     ("encoder layer eval (pre-norm, gelu), B=64 L=17 E=64 H=4 F=128",
-     "encoder-layer", 64, 17, 64, 4, 128, False, 1.2),
+     "encoder-layer", 64, 17, 64, 4, 128, False, "f32", 1.2),
     ("encoder layer eval (pre-norm, gelu), B=1 L=17 E=64 H=4 F=128",
-     "encoder-layer", 1, 17, 64, 4, 128, False, 1.2),
+     "encoder-layer", 1, 17, 64, 4, 128, False, "f32", 1.2),
     ("ViT-B/16 encoder layer eval, B=8 L=197 E=768 H=12 F=3072",
-     "encoder-layer", 8, 197, 768, 12, 3072, False, 1.2),
+     "encoder-layer", 8, 197, 768, 12, 3072, False, "f32", 1.2),
     ("ViT-B/16 encoder layer train fwd+bwd, B=8 L=197 E=768 H=12 F=3072",
-     "encoder-layer", 8, 197, 768, 12, 3072, True, 1.2),
+     "encoder-layer", 8, 197, 768, 12, 3072, True, "f32", 1.2),
+    # Small bf16 training steps (a bf16 module and input; the loss is the output's sum in f32).
+    ("MHA bf16 train fwd+bwd, B=2 L=32 E=32 H=4", "mha", 2, 32, 32, 4, 64, True, "bf16", 1.2),
+    ("MHA bf16 train fwd+bwd, B=4 L=128 E=128 H=8", "mha", 4, 128, 128, 8, 512, True, "bf16",
+     1.2),
+    ("encoder layer bf16 train fwd+bwd (pre-norm, gelu), B=2 L=32 E=32 H=4 F=64",
+     "encoder-layer", 2, 32, 32, 4, 64, True, "bf16", 1.2),
 ]
 
 
@@ -60,38 +69,51 @@ def iters_for(b, l, e, quick):
     return (20, 300) if small else (2, 8)
 
 
-def torch_case(torch, module, b, l, e, h, f, backward, warmup, iters):
+def torch_case(torch, module, b, l, e, h, f, backward, dtype, warmup, iters):
     torch.manual_seed(0)
-    x = torch.randn(b, l, e)
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    x = torch.randn(b, l, e, dtype=dt)
     if module == "mha":
-        m = torch.nn.MultiheadAttention(e, h, batch_first=True).eval()
+        m = torch.nn.MultiheadAttention(e, h, batch_first=True, dtype=dt, dropout=0.0)
+        if backward:
+            return train_step(torch, m, lambda xg: m(xg, xg, xg, need_weights=False)[0], x,
+                              warmup, iters)
+        m.eval()
         with torch.no_grad():
             return bench_proc.timed(lambda: m(x, x, x, need_weights=False), warmup, iters)[0]
     layer = torch.nn.TransformerEncoderLayer(e, h, f, dropout=0.0, activation="gelu",
                                              layer_norm_eps=1e-6, batch_first=True,
-                                             norm_first=True)
+                                             norm_first=True, dtype=dt)
     if backward:
-        xg = x.clone().requires_grad_(True)
-
-        def step():
-            layer.zero_grad(set_to_none=True)
-            xg.grad = None
-            layer(xg).sum().backward()
-
-        return bench_proc.timed(step, warmup, iters)[0]
+        return train_step(torch, layer, layer, x, warmup, iters)
     layer.eval()
     with torch.no_grad():
         return bench_proc.timed(lambda: layer(x), warmup, iters)[0]
 
 
-def rust_case(module, b, l, e, h, f, backward, threads, warmup, iters):
+def train_step(torch, module, forward, x, warmup, iters):
+    """Forward and backward from the output's sum accumulated in f32 (as `multihead bench
+    --backward` starts it), the input's and every parameter's gradient."""
+    xg = x.clone().requires_grad_(True)
+
+    def step():
+        module.zero_grad(set_to_none=True)
+        xg.grad = None
+        forward(xg).sum(dtype=torch.float32).backward()
+
+    return bench_proc.timed(step, warmup, iters)[0]
+
+
+def rust_case(module, b, l, e, h, f, backward, dtype, threads, warmup, iters):
     cmd = [str(BIN), "bench", "--module", module, "--batch", str(b), "--tgt-len", str(l),
            "--src-len", str(l), "--embed-dim", str(e), "--num-heads", str(h),
            "--dim-feedforward", str(f), "--activation", "gelu", "--threads", str(threads),
-           "--warmup", str(warmup), "--iters", str(iters), "--json"]
+           "--warmup", str(warmup), "--iters", str(iters), "--dtype", dtype, "--json"]
     if module == "encoder-layer":
         cmd.append("--norm-first")
         cmd.append("--backward" if backward else "--eval")
+    elif backward:
+        cmd.append("--backward")
     bench_proc.settle()
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])["min_ms"]
@@ -162,11 +184,12 @@ def main():
         if not exe.exists():
             sys.exit(f"build it first: {how} ({exe})")
     rows = vit_rows(torch, opts.threads, opts.quick)
-    for label, module, b, l, e, h, f, backward, target in CASES:
+    for label, module, b, l, e, h, f, backward, dtype, target in CASES:
         warmup, iters = iters_for(b, l, e, opts.quick)
         row = {"label": label, "target": target}
-        row["torch"] = torch_case(torch, module, b, l, e, h, f, backward, warmup, iters)
-        row["ours"] = rust_case(module, b, l, e, h, f, backward, opts.threads, warmup, iters)
+        row["torch"] = torch_case(torch, module, b, l, e, h, f, backward, dtype, warmup, iters)
+        row["ours"] = rust_case(module, b, l, e, h, f, backward, dtype, opts.threads, warmup,
+                                iters)
         rows.append(row)
         print(f"{label}: torch {row['torch']:.3f} ms, multihead {row['ours']:.3f} ms",
               file=sys.stderr, flush=True)
