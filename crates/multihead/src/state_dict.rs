@@ -850,9 +850,11 @@ fn problems(
     Error::StateDictMismatch { missing, unexpected, mismatched, hint }
 }
 
-/// Loads a state_dict strictly: puts every tensor into a fresh `VarMap` as a trainable
-/// variable of `dtype` (converted from the stored dtype, as PyTorch's `load_state_dict`
-/// copies into the parameter's dtype), builds the module from it with `build`, and fails with
+/// Loads a state_dict strictly: builds the module with `build` from a `VarBuilder` of `dtype`,
+/// and puts each tensor the module asks for into a fresh `VarMap` as a trainable variable of
+/// the dtype it asks for (`dtype` for parameters, a buffer's own, such as int64 position ids),
+/// converted from the stored dtype, as PyTorch's `load_state_dict` copies into each
+/// parameter's or buffer's dtype. It fails with
 /// [`Error::StateDictKeys`] if the module and the state_dict do not have the same keys,
 /// [`Error::StateDictShape`] for a lone wrong shape, and [`Error::StateDictMismatch`] listing
 /// everything when there is more than one problem (as PyTorch lists every missing key,
