@@ -514,7 +514,13 @@ impl MultiheadAttention {
     ) -> Result<Plan> {
         let alias = Aliasing::of(query, key, value);
         let params = self.params()?;
-        mha_plan_impl(query, key, value, alias, &params, opts, self.training, self.cfg.batch_first)
+        let layout = (self.training, self.cfg.batch_first);
+        if let Some(dt) = crate::precision::autocast_for(query.dtype(), self.dtype()) {
+            return crate::functional::autocast_plan(
+                query, key, value, alias, &params, opts, layout, dt,
+            );
+        }
+        mha_plan_impl(query, key, value, alias, &params, opts, layout.0, layout.1)
     }
 
     /// Self-attention of `x` over itself, without weights: `mha(x, x, x, need_weights=False)[0]`.

@@ -130,6 +130,10 @@ fn reduced_inputs_reach_f32_modules_under_autocast_as_pytorch_casts_them() {
     });
     assert_eq!((ob.dtype(), o32.dtype()), (bf, DType::F32));
     assert_eq!(bits(&ob), bits(&o32), "mha");
+    // Explaining accepts what the call accepts (the plan of the call it runs).
+    let plan = autocast(bf, || mha.explain(&xb, &xb, &xb, &opts(mask.clone())));
+    assert_eq!(plan.unwrap().path, multihead::Path::Fused);
+    assert!(mha.explain(&xb, &xb, &xb, &opts(mask.clone())).is_err(), "outside autocast");
     // The functional call with the module's parameters: the module's bits.
     let named: std::collections::HashMap<String, Tensor> =
         multihead::state_dict::NamedParameters::named_parameters(&mha).into_iter().collect();
@@ -159,6 +163,11 @@ fn reduced_inputs_reach_f32_modules_under_autocast_as_pytorch_casts_them() {
             .unwrap()
     });
     assert_eq!(bits(&f), bits(&m), "functional mha under autocast");
+    let xsb = to(&xs, bf);
+    let mo = MhaOptions::default().attn_mask(Mask::Float(mask.clone()));
+    let plan =
+        autocast(bf, || multihead::functional::explain_mha(&xsb, &xsb, &xsb, &params, &mo, false));
+    assert!(plan.is_ok(), "{plan:?}");
     let plain = multi_head_attention_forward(
         &xs,
         &xs,

@@ -327,7 +327,35 @@ pub fn explain_mha(
     training: bool,
 ) -> Result<Plan> {
     let alias = Aliasing::of(query, key, value);
+    if let Some(dt) = crate::precision::autocast_for(query.dtype(), params.out_proj_weight.dtype())
+    {
+        return autocast_plan(query, key, value, alias, params, opts, (training, false), dt);
+    }
     mha_plan_impl(query, key, value, alias, params, opts, training, false)
+}
+
+/// The plan of a call inside [`autocast`](crate::autocast) to `dt`: that of the call its
+/// autocast path runs (the inputs, parameters and options rounded to `dt` and held in f32,
+/// planned with the products rounded), so that explaining accepts what the call accepts.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn autocast_plan(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    alias: Aliasing,
+    params: &MhaParams,
+    opts: &MhaOptions,
+    (training, batch_first): (bool, bool),
+    dt: DType,
+) -> Result<Plan> {
+    let r = |t: &Tensor| crate::precision::autocast_operand(t, dt);
+    let w = Widened::mapped(query, key, value, alias, params, autocast_options(opts, &r)?, &r)?;
+    let p = w.params(params);
+    crate::mode::autocast_off(|| {
+        crate::mode::rounded_products(dt, || {
+            mha_plan_impl(&w.q, &w.k, &w.v, alias, &p, &w.opts, training, batch_first)
+        })
+    })
 }
 
 /// Whether a gradient will be recorded through the attention: grad mode is on and an input or
