@@ -89,7 +89,8 @@ impl Mask {
     }
 
     /// Converts to an additive float mask of `dtype` with MultiheadAttention's polarity
-    /// (`True` = masked = `-inf`). A float mask must already have `dtype`; it is never cast.
+    /// (`True` = masked = `-inf`). A float mask must already have `dtype` (or be f32 with a
+    /// bf16 or f16 `dtype`, kept f32); it is never cast.
     pub(crate) fn to_additive(
         &self,
         dtype: DType,
@@ -124,14 +125,21 @@ impl Mask {
     }
 }
 
+/// A float mask has the query's dtype, or is f32 with a bf16 or f16 query: PyTorch's SDPA takes
+/// "bool, float32 or the query's dtype" and its kernels add an f32 mask in f32, as this crate's
+/// reduced-precision calls do (they compute in f32 and read every mask widened).
 fn check_float_dtype(t: &Tensor, dtype: DType, op: &'static str, arg: &'static str) -> Result<()> {
-    if t.dtype() == dtype {
+    if t.dtype() == dtype || (t.dtype() == DType::F32 && crate::precision::is_reduced(dtype)) {
         Ok(())
     } else {
         Err(Error::DType {
             op,
             arg,
-            msg: format!("a float mask must have the query's dtype {dtype:?}, got {:?}", t.dtype()),
+            msg: format!(
+                "a float mask must have the query's dtype {dtype:?} (or f32 with a bf16 or f16 \
+                 query), got {:?}; convert it with .to_dtype(DType::{dtype:?})",
+                t.dtype()
+            ),
         })
     }
 }

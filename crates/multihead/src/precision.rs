@@ -144,7 +144,10 @@ pub(crate) fn widen_mask(m: Option<&Mask>) -> Result<Option<Mask>> {
 /// checks report the mismatch.
 pub(crate) fn masks_match(masks: &[Option<&Mask>], dtype: DType) -> bool {
     masks.iter().all(|m| match m {
-        Some(Mask::Float(t)) => t.dtype() == dtype,
+        // An f32 mask with a bf16 or f16 query is taken too (`mask::check_float_dtype`).
+        Some(Mask::Float(t)) => {
+            t.dtype() == dtype || (t.dtype() == DType::F32 && is_reduced(dtype))
+        }
         _ => true,
     })
 }

@@ -16,6 +16,7 @@ mod fused;
 mod fuzz;
 mod golden;
 mod hardening;
+mod mask_dtypes;
 mod mha_learned_mask;
 mod pool;
 mod properties;

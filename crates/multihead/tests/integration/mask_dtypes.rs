@@ -1,0 +1,73 @@
+//! An f32 float mask with a bf16 or f16 query, as PyTorch's SDPA takes it ("bool, float32 or
+//! the query's dtype", added in f32 by its kernels; a bf16 `TransformerEncoderLayer` takes the
+//! f32 `generate_square_subsequent_mask`). The f32 mask is read as it is, not rounded; a mask of
+//! another dtype (f64, or bf16 with an f16 query) stays an error naming both dtypes.
+
+use candle_core::{DType, Tensor};
+use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
+use multihead::{Mask, MhaConfig, MhaOptions, MultiheadAttention};
+
+use crate::common::{det, dev};
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    let t = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    t.to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn an_f32_mask_goes_with_a_reduced_query_unrounded() {
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::BF16, &dev());
+    let bf = DType::BF16;
+    let mha =
+        MultiheadAttention::new(MhaConfig::new(16, 4).with_batch_first(true), vb.pp("m")).unwrap();
+    let cfg =
+        LayerConfig::new(16, 4).with_dim_feedforward(32).with_dropout(0.0).with_batch_first(true);
+    let enc = TransformerEncoderLayer::new(cfg, vb.pp("e")).unwrap();
+    let x = det(&[2, 5, 16], bf, 1.0);
+    let q = det(&[2, 2, 5, 8], bf, 2.0);
+    // bf16 values in an f32 tensor: the same call as the bf16 mask, bit for bit.
+    let held = det(&[5, 5], bf, 3.0);
+    let as_f32 = held.to_dtype(DType::F32).unwrap();
+    // Values bf16 cannot hold: read as they are, so not the call with the mask rounded.
+    let fine = (det(&[5, 5], DType::F32, 4.0) * 0.37).unwrap();
+    let rounded = fine.to_dtype(bf).unwrap();
+    type Run<'a> = Box<dyn Fn(&Tensor) -> Tensor + 'a>;
+    let runs: Vec<(&str, Run)> = vec![
+        (
+            "mha",
+            Box::new(|m: &Tensor| {
+                let o = MhaOptions::default().attn_mask(Mask::Float(m.clone()));
+                mha.forward(&x, &x, &x, &o).unwrap().output
+            }),
+        ),
+        (
+            "sdpa",
+            Box::new(|m: &Tensor| {
+                let o = SdpaOptions::default().attn_mask(Mask::Float(m.clone()));
+                scaled_dot_product_attention(&q, &q, &q, &o).unwrap()
+            }),
+        ),
+        (
+            "encoder layer",
+            Box::new(|m: &Tensor| {
+                enc.forward(&x, Some(&Mask::Float(m.clone())), None, false).unwrap()
+            }),
+        ),
+    ];
+    for (what, run) in &runs {
+        let a = run(&as_f32);
+        assert_eq!(a.dtype(), bf, "{what}");
+        assert_eq!(bits(&a), bits(&run(&held)), "{what}: an f32 mask of bf16 values");
+        assert_ne!(bits(&run(&fine)), bits(&run(&rounded)), "{what}: the f32 mask was rounded");
+    }
+    // Other dtypes stay errors that name both.
+    let o = MhaOptions::default().attn_mask(Mask::Float(fine.to_dtype(DType::F64).unwrap()));
+    let e = mha.forward(&x, &x, &x, &o).map(|_| ()).expect_err("f64 mask").to_string();
+    assert!(e.contains("query's dtype BF16") && e.contains("got F64"), "{e}");
+    let o = SdpaOptions::default().attn_mask(Mask::Float(rounded.clone()));
+    let qh = q.to_dtype(DType::F16).unwrap();
+    let e = scaled_dot_product_attention(&qh, &qh, &qh, &o).map(|_| ()).expect_err("bf16 mask");
+    assert!(e.to_string().contains("got BF16"), "{e}");
+}
