@@ -14,8 +14,9 @@ use crate::error::{fmt_shape, Error, Result};
 ///   means the position may **not** be attended (it becomes `-inf`). In
 ///   [`scaled_dot_product_attention`](crate::functional::scaled_dot_product_attention) the
 ///   polarity is SDPA's: `True` means the position **may** be attended.
-/// * [`Mask::Float`] holds a float tensor of the query's dtype that is **added** to the scaled
-///   scores; `-inf` forbids a position.
+/// * [`Mask::Float`] holds a float tensor of the query's dtype (or f32 with a bf16 or f16 query,
+///   added unrounded, as PyTorch's SDPA takes it) that is **added** to the scaled scores; `-inf`
+///   forbids a position.
 ///
 /// Integer masks are rejected, as in PyTorch: a `Bool` mask must be `u8` and a `Float` mask must
 /// have a float dtype.
@@ -38,7 +39,7 @@ use crate::error::{fmt_shape, Error, Result};
 pub enum Mask {
     /// A boolean mask stored as `u8` (non-zero is `True`).
     Bool(Tensor),
-    /// An additive float mask of the query's dtype.
+    /// An additive float mask of the query's dtype (or f32 with a bf16 or f16 query).
     Float(Tensor),
 }
 
