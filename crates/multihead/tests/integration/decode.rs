@@ -857,7 +857,7 @@ fn a_bf16_cache_takes_the_fused_kernel_and_agrees_with_the_composed_path() {
 }
 
 #[test]
-fn a_bf16_layer_refuses_an_f32_float_mask_like_an_f32_layer_refuses_an_f64_one() {
+fn a_bf16_layer_refuses_an_f64_float_mask_and_takes_an_f32_one_as_pytorch_does() {
     use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
     let vm = VarMap::new();
     let cfg = LayerConfig::new(16, 2).with_dim_feedforward(32).with_batch_first(true);
@@ -865,12 +865,22 @@ fn a_bf16_layer_refuses_an_f32_float_mask_like_an_f32_layer_refuses_an_f64_one()
         TransformerEncoderLayer::new(cfg, VarBuilder::from_varmap(&vm, DType::BF16, &dev()))
             .unwrap();
     let x = rand_t(&[2, 5, 16], DType::BF16, 1, 1.0);
-    let bad = Mask::Float(Tensor::zeros((5, 5), DType::F32, &dev()).unwrap());
+    let bad = Mask::Float(Tensor::zeros((5, 5), DType::F64, &dev()).unwrap());
     let err = layer.forward(&x, Some(&bad), None, false).unwrap_err();
     assert!(matches!(err, Error::DType { .. }), "{err}");
     let good = Mask::Float(Tensor::zeros((5, 5), DType::BF16, &dev()).unwrap());
     let y = layer.forward(&x, Some(&good), None, false).unwrap();
     assert_eq!((y.dtype(), y.dims()), (DType::BF16, &[2, 5, 16][..]));
+    // The f32 mask of the same values: the same bits (in eval: the layer's dropout is 0.1).
+    let mut layer = layer;
+    multihead::Train::eval(&mut layer);
+    let y = layer.forward(&x, Some(&good), None, false).unwrap();
+    let f32_mask = Mask::Float(Tensor::zeros((5, 5), DType::F32, &dev()).unwrap());
+    let y32 = layer.forward(&x, Some(&f32_mask), None, false).unwrap();
+    let flat = |t: &Tensor| {
+        t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
+    assert_eq!(flat(&y32), flat(&y));
 }
 
 #[test]
