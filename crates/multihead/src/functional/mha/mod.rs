@@ -296,16 +296,10 @@ fn autocast_forward(
     training: bool,
     dt: DType,
 ) -> Result<MhaOutput> {
-    use crate::precision::{autocast_operand, autocast_output};
-    let r = |t: &Tensor| autocast_operand(t, dt);
-    let w = Widened::mapped(query, key, value, alias, params, autocast_options(opts, &r)?, &r)?;
-    let p = w.params(params);
-    let out = crate::mode::autocast_off(|| {
-        crate::mode::rounded_products(dt, || {
-            mha_forward_impl(&w.q, &w.k, &w.v, alias, &p, &w.opts, training, false)
-        })
+    let out = in_autocast((query, key, value), alias, params, opts, dt, |[q, k, v], p, o| {
+        mha_forward_impl(q, k, v, alias, p, o, training, false)
     })?;
-    let done = |t: &Tensor| autocast_output(t, query.dtype(), dt);
+    let done = |t: &Tensor| crate::precision::autocast_output(t, query.dtype(), dt);
     Ok(MhaOutput {
         output: done(&out.output)?,
         attn_weights: out.attn_weights.map(|t| done(&t)).transpose()?,
@@ -348,13 +342,27 @@ pub(crate) fn autocast_plan(
     (training, batch_first): (bool, bool),
     dt: DType,
 ) -> Result<Plan> {
+    in_autocast((query, key, value), alias, params, opts, dt, |[q, k, v], p, o| {
+        mha_plan_impl(q, k, v, alias, p, o, training, batch_first)
+    })
+}
+
+/// `f` on the call an autocast to `dt` runs: the inputs, parameters and options through
+/// [`autocast_operand`](crate::precision::autocast_operand) (rounded to `dt`, held in f32),
+/// with autocast off and the products rounded to `dt`.
+fn in_autocast<R>(
+    (query, key, value): (&Tensor, &Tensor, &Tensor),
+    alias: Aliasing,
+    params: &MhaParams,
+    opts: &MhaOptions,
+    dt: DType,
+    f: impl FnOnce([&Tensor; 3], &MhaParams, &MhaOptions) -> Result<R>,
+) -> Result<R> {
     let r = |t: &Tensor| crate::precision::autocast_operand(t, dt);
     let w = Widened::mapped(query, key, value, alias, params, autocast_options(opts, &r)?, &r)?;
     let p = w.params(params);
     crate::mode::autocast_off(|| {
-        crate::mode::rounded_products(dt, || {
-            mha_plan_impl(&w.q, &w.k, &w.v, alias, &p, &w.opts, training, batch_first)
-        })
+        crate::mode::rounded_products(dt, || f([&w.q, &w.k, &w.v], &p, &w.opts))
     })
 }
 
