@@ -130,7 +130,7 @@ impl Mask {
 /// "bool, float32 or the query's dtype" and its kernels add an f32 mask in f32, as this crate's
 /// reduced-precision calls do (they compute in f32 and read every mask widened).
 fn check_float_dtype(t: &Tensor, dtype: DType, op: &'static str, arg: &'static str) -> Result<()> {
-    if t.dtype() == dtype || (t.dtype() == DType::F32 && crate::precision::is_reduced(dtype)) {
+    if crate::precision::float_mask_takes(t.dtype(), dtype) {
         Ok(())
     } else {
         Err(Error::DType {

@@ -144,12 +144,16 @@ pub(crate) fn widen_mask(m: Option<&Mask>) -> Result<Option<Mask>> {
 /// checks report the mismatch.
 pub(crate) fn masks_match(masks: &[Option<&Mask>], dtype: DType) -> bool {
     masks.iter().all(|m| match m {
-        // An f32 mask with a bf16 or f16 query is taken too (`mask::check_float_dtype`).
-        Some(Mask::Float(t)) => {
-            t.dtype() == dtype || (t.dtype() == DType::F32 && is_reduced(dtype))
-        }
+        Some(Mask::Float(t)) => float_mask_takes(t.dtype(), dtype),
         _ => true,
     })
+}
+
+/// Whether a float mask of dtype `mask` goes with a query (or source, or memory) of dtype
+/// `query`: the same dtype, or an f32 mask with a bf16 or f16 query, as PyTorch's SDPA takes
+/// "bool, float32 or the query's dtype" (this crate reads such a mask unrounded).
+pub(crate) fn float_mask_takes(mask: DType, query: DType) -> bool {
+    mask == query || (mask == DType::F32 && is_reduced(query))
 }
 
 /// A module whose parameters can be mapped (differentiably): a bf16/f16 layer runs as its f32

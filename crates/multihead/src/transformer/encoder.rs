@@ -205,7 +205,10 @@ impl TransformerEncoder {
             && opts.attn_mask.is_none()
             && src.rank() == 3
             && kpm.dims() == [src.dim(0)?, src.dim(1)?]
-            && kpm.tensor().dtype() == if kpm.is_bool() { DType::U8 } else { src.dtype() }
+            && match kpm.is_bool() {
+                true => kpm.tensor().dtype() == DType::U8,
+                false => crate::precision::float_mask_takes(kpm.tensor().dtype(), src.dtype()),
+            }
             && self.nested_path_eligible();
         if !eligible {
             return Ok(None);

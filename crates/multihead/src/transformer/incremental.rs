@@ -319,14 +319,18 @@ impl TransformerDecoder {
                 _ => vec![],
             };
             let got = m.tensor().dims();
-            if !m.is_bool() && m.tensor().dtype() != memory.dtype() {
+            if !m.is_bool()
+                && !crate::precision::float_mask_takes(m.tensor().dtype(), memory.dtype())
+            {
                 return Err(Error::DType {
                     op: "TransformerDecoder::start",
                     arg: "memory_key_padding_mask",
                     msg: format!(
-                        "a float mask must have the memory's dtype {:?}, got {:?}",
+                        "a float mask must have the memory's dtype {:?} (or f32 with bf16 or f16 \
+                         memory), got {:?}; convert it with .to_dtype(DType::{:?})",
                         memory.dtype(),
-                        m.tensor().dtype()
+                        m.tensor().dtype(),
+                        memory.dtype()
                     ),
                 });
             }

@@ -71,3 +71,41 @@ fn an_f32_mask_goes_with_a_reduced_query_unrounded() {
     let e = scaled_dot_product_attention(&qh, &qh, &qh, &o).map(|_| ()).expect_err("bf16 mask");
     assert!(e.to_string().contains("got BF16"), "{e}");
 }
+
+/// The paths with checks of their own take the f32 mask too: a bf16 encoder stack's
+/// nested-tensor path (eval, no gradient, a float key padding mask: padded positions are zero,
+/// as PyTorch's), and cached decoding's memory mask; both give the bf16 mask's bits.
+#[test]
+fn an_f32_padding_mask_goes_with_a_bf16_stack_and_cached_decoding() {
+    use multihead::transformer::{TransformerDecoder, TransformerEncoder};
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::BF16, &dev());
+    let bf = DType::BF16;
+    let cfg =
+        LayerConfig::new(16, 4).with_dim_feedforward(32).with_dropout(0.0).with_batch_first(true);
+    let mut enc = TransformerEncoder::new(cfg.clone(), 2, None, vb.pp("enc")).unwrap();
+    let mut dec = TransformerDecoder::new(cfg, 2, None, vb.pp("dec")).unwrap();
+    multihead::Train::eval(&mut enc);
+    multihead::Train::eval(&mut dec);
+    let x = det(&[2, 5, 16], bf, 1.0);
+    let pad = Tensor::new(
+        &[[0f32, 0., 0., 0., 0.], [0., 0., 0., f32::NEG_INFINITY, f32::NEG_INFINITY]],
+        &dev(),
+    )
+    .unwrap();
+    let (p32, p16) = (Mask::Float(pad.clone()), Mask::Float(pad.to_dtype(bf).unwrap()));
+    let run = |m: &Mask| multihead::no_grad(|| enc.forward(&x, None, Some(m), None)).unwrap();
+    let (a, b) = (run(&p32), run(&p16));
+    assert_eq!(bits(&a), bits(&b), "encoder stack");
+    let padded = a.narrow(0, 1, 1).unwrap().narrow(1, 3, 2).unwrap();
+    assert!(bits(&padded).iter().all(|&v| v == 0), "padded positions are zero");
+    let tgt = det(&[2, 1, 16], bf, 3.0);
+    let step = |m: &Mask| {
+        let mut state = dec.start(&x, Some(m), 4).unwrap();
+        dec.forward_step(&tgt, &mut state, None).unwrap()
+    };
+    assert_eq!(bits(&step(&p32)), bits(&step(&p16)), "cached decoding");
+    let p64 = Mask::Float(pad.to_dtype(DType::F64).unwrap());
+    let e = dec.start(&x, Some(&p64), 4).map(|_| ()).expect_err("f64 mask").to_string();
+    assert!(e.contains("got F64"), "{e}");
+}
