@@ -191,11 +191,25 @@ impl Error {
     /// Transformer layer names the masks it hands to its attention by its own arguments (a
     /// decoder's `tgt_mask` and `memory_mask` both reach `MultiheadAttention` as `attn_mask`).
     pub(crate) fn renamed(self, renames: &[(&str, &'static str)]) -> Self {
-        let swap = |arg: &'static str| renames.iter().find(|(f, _)| *f == arg).map_or(arg, |r| r.1);
+        // The argument, and its name where the message says it ("types of attn_mask" of a
+        // layer's `src_mask`).
+        let swap = |arg: &'static str, msg: String| match renames.iter().find(|(f, _)| *f == arg) {
+            Some((from, to)) => (*to, msg.replace(from, to)),
+            None => (arg, msg),
+        };
         match self {
-            Error::Shape { op, arg, msg } => Error::Shape { op, arg: swap(arg), msg },
-            Error::DType { op, arg, msg } => Error::DType { op, arg: swap(arg), msg },
-            Error::Config { op, arg, msg } => Error::Config { op, arg: swap(arg), msg },
+            Error::Shape { op, arg, msg } => {
+                let (arg, msg) = swap(arg, msg);
+                Error::Shape { op, arg, msg }
+            }
+            Error::DType { op, arg, msg } => {
+                let (arg, msg) = swap(arg, msg);
+                Error::DType { op, arg, msg }
+            }
+            Error::Config { op, arg, msg } => {
+                let (arg, msg) = swap(arg, msg);
+                Error::Config { op, arg, msg }
+            }
             e => e,
         }
     }

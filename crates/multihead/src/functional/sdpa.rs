@@ -157,9 +157,16 @@ fn check_basics(query: &Tensor, key: &Tensor, value: &Tensor, opts: &SdpaOptions
         ));
     }
     if query.dtype() != key.dtype() || query.dtype() != value.dtype() || !query.dtype().is_float() {
+        // The argument named is the odd one out: a non-float query, else the key or value
+        // that differs from it.
+        let arg = match (query.dtype().is_float(), key.dtype() == query.dtype()) {
+            (false, _) => "query",
+            (true, false) => "key",
+            (true, true) => "value",
+        };
         return Err(Error::DType {
             op: SDPA,
-            arg: "query",
+            arg,
             msg: format!(
                 "expected query, key, and value to have the same dtype, and a float one, got {:?}, {:?} and {:?}",
                 query.dtype(),

@@ -109,3 +109,27 @@ fn an_f32_padding_mask_goes_with_a_bf16_stack_and_cached_decoding() {
     let e = dec.start(&x, Some(&p64), 4).map(|_| ()).expect_err("f64 mask").to_string();
     assert!(e.contains("got F64"), "{e}");
 }
+
+/// Errors name the argument the caller passed: a layer's `src_mask` in the message's text as in
+/// its argument, and SDPA's odd one out among query, key and value.
+#[test]
+fn dtype_errors_name_the_callers_argument() {
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let cfg =
+        LayerConfig::new(8, 2).with_dim_feedforward(16).with_dropout(0.0).with_batch_first(true);
+    let enc = TransformerEncoderLayer::new(cfg, vb).unwrap();
+    let x = det(&[2, 3, 8], DType::F32, 1.0);
+    let ints = Mask::Float(Tensor::zeros((3, 3), DType::I64, &dev()).unwrap());
+    let e = enc.forward(&x, Some(&ints), None, false).map(|_| ()).expect_err("int mask");
+    let msg = e.to_string();
+    assert!(msg.contains(": src_mask: ") && !msg.contains("attn_mask"), "{msg}");
+    let q = det(&[1, 2, 3, 4], DType::F32, 2.0);
+    let k = q.to_dtype(DType::F64).unwrap();
+    let e = scaled_dot_product_attention(&q, &k, &q, &SdpaOptions::default()).map(|_| ());
+    let msg = e.expect_err("f64 key").to_string();
+    assert!(msg.starts_with("scaled_dot_product_attention: key: "), "{msg}");
+    let e = scaled_dot_product_attention(&q, &q, &k, &SdpaOptions::default()).map(|_| ());
+    let msg = e.expect_err("f64 value").to_string();
+    assert!(msg.starts_with("scaled_dot_product_attention: value: "), "{msg}");
+}
