@@ -212,6 +212,22 @@ pub(crate) fn autocast_operand(t: &Tensor, dt: DType) -> Result<Tensor> {
     }
 }
 
+/// `f` applied to a call's query, key and value, a tensor given twice converted once: the
+/// aliasing that picks MultiheadAttention's projection grouping survives the conversion.
+pub(crate) fn map_aliased(
+    [query, key, value]: [&Tensor; 3],
+    f: &dyn Fn(&Tensor) -> Result<Tensor>,
+) -> Result<[Tensor; 3]> {
+    let q = f(query)?;
+    let k = if key.id() == query.id() { q.clone() } else { f(key)? };
+    let v = match value.id() {
+        id if id == key.id() => k.clone(),
+        id if id == query.id() => q.clone(),
+        _ => f(value)?,
+    };
+    Ok([q, k, v])
+}
+
 /// A bf16 or f16 input to a module's f32 computation under autocast, widened (exactly); any
 /// other as given.
 pub(crate) fn widen_reduced(t: &Tensor) -> Result<Tensor> {

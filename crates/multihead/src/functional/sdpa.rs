@@ -570,14 +570,7 @@ impl AutocastCall {
             o.attn_mask = Some(Mask::Float(to(m)?));
         }
         o.sinks = opts.sinks.as_ref().map(to).transpose()?;
-        // The same tensor stays the same tensor (converted once).
-        let q = to(query)?;
-        let k = if key.id() == query.id() { q.clone() } else { to(key)? };
-        let v = match value.id() {
-            id if id == key.id() => k.clone(),
-            id if id == query.id() => q.clone(),
-            _ => to(value)?,
-        };
+        let [q, k, v] = crate::precision::map_aliased([query, key, value], &to)?;
         let f32_out = [query, key, value].iter().all(|t| t.dtype() == F32);
         Ok(Some(AutocastCall { q, k, v, opts: o, f32_out }))
     }

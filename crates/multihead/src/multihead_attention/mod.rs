@@ -589,13 +589,7 @@ impl MultiheadAttention {
         use crate::precision::{autocast_operand, autocast_output, CastParams};
         let m = self.rounded(dt)?;
         let r = |t: &Tensor| autocast_operand(t, dt);
-        let q = r(query)?;
-        let k = if key.id() == query.id() { q.clone() } else { r(key)? };
-        let v = match value.id() {
-            id if id == key.id() => k.clone(),
-            id if id == query.id() => q.clone(),
-            _ => r(value)?,
-        };
+        let [q, k, v] = crate::precision::map_aliased([query, key, value], &r)?;
         let opts = crate::functional::autocast_options(opts, &r)?;
         let out = crate::mode::autocast_off(|| {
             crate::mode::rounded_products(dt, || m.forward(&q, &k, &v, &opts))

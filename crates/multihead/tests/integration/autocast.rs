@@ -9,12 +9,7 @@ use multihead::state_dict::{load_strict, NamedParameters};
 use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
 use multihead::{autocast, autocast_dtype, MhaConfig, MhaOptions, MultiheadAttention};
 
-use crate::common::{det, dev, var};
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    let t = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-    t.to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
-}
+use crate::common::{bits, det, dev, var};
 
 /// The module's parameters as a bf16 state_dict-style map, and the module rebuilt from it.
 fn bf16_twin<M: NamedParameters>(

@@ -20,12 +20,7 @@ use multihead::functional::{
 use multihead::transformer::{LayerConfig, TransformerDecoderLayer, TransformerEncoderLayer};
 use multihead::{autocast, Linear, Mask, MhaConfig, MhaOptions, MultiheadAttention};
 
-use crate::common::{det, dev, var};
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    let t = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-    t.to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
-}
+use crate::common::{bits, det, dev, var};
 
 fn to(t: &Tensor, dtype: DType) -> Tensor {
     t.to_dtype(dtype).unwrap()

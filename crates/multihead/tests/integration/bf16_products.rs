@@ -12,15 +12,10 @@ use multihead::{
     MultiheadAttention,
 };
 
-use crate::common::{det, dev, var};
+use crate::common::{bits, det, dev, var};
 
 fn values(t: &Tensor) -> Vec<f64> {
     t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    let t = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-    t.to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
 }
 
 /// How many elements of `a` and `b` differ in their bits.

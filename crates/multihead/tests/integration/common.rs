@@ -70,3 +70,10 @@ pub fn perturb(vm: &VarMap, dtype: DType) {
         v.set(&t.to_dtype(dtype).expect("dtype")).expect("set");
     }
 }
+
+/// The f32 bits of every element of `t` (widened exactly from bf16 or f16): for bit-for-bit
+/// comparisons.
+pub fn bits(t: &Tensor) -> Vec<u32> {
+    let t = t.to_dtype(DType::F32).expect("widen").flatten_all().expect("flatten");
+    t.to_vec1::<f32>().expect("values").iter().map(|v| v.to_bits()).collect()
+}

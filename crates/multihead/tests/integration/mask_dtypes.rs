@@ -8,12 +8,7 @@ use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
 use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
 use multihead::{Mask, MhaConfig, MhaOptions, MultiheadAttention};
 
-use crate::common::{det, dev};
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    let t = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-    t.to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
-}
+use crate::common::{bits, det, dev};
 
 #[test]
 fn an_f32_mask_goes_with_a_reduced_query_unrounded() {
