@@ -249,3 +249,45 @@ fn static_keys_and_values_under_autocast_are_rounded_as_pytorch_casts_them() {
     assert_eq!(reduced.dtype(), bf);
     assert_eq!(bits(&reduced), bits(&given));
 }
+
+/// Bad input to what autocast and the f32 masks added gets the errors of the plain call on
+/// both paths: a wrong shape, a view too large to convert (an allocation error, not an
+/// abort), an f64 mask; a NaN propagates as it does outside autocast, fused and composed alike.
+#[test]
+fn bad_input_under_autocast_is_an_error_on_both_paths() {
+    use multihead::{with_backend, Backend};
+    let bf = DType::BF16;
+    let q = det(&[1, 2, 4, 8], DType::F32, 1.0);
+    let k_bad = det(&[1, 2, 5, 7], DType::F32, 2.0);
+    let huge =
+        det(&[1, 1, 1, 8], DType::F32, 3.0).broadcast_as((1usize << 16, 1 << 12, 1 << 10, 8));
+    let huge = huge.unwrap();
+    let mask64 = Mask::Float(det(&[4, 4], DType::F64, 4.0));
+    let mut with_nan =
+        det(&[1, 2, 4, 8], DType::F32, 5.0).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    with_nan[3] = f32::NAN;
+    let qn = Tensor::from_vec(with_nan, (1, 2, 4, 8), &dev()).unwrap();
+    let plain = SdpaOptions::default();
+    for backend in [Backend::Auto, Backend::Composed] {
+        let run = |a: &Tensor, b: &Tensor, o: &SdpaOptions| {
+            with_backend(backend, || autocast(bf, || scaled_dot_product_attention(a, b, b, o)))
+        };
+        let e = run(&q, &k_bad, &plain).map(|_| ()).expect_err("shape").to_string();
+        assert!(e.starts_with("scaled_dot_product_attention: "), "{backend:?}: {e}");
+        let e = run(&huge, &q, &plain).map(|_| ()).expect_err("huge");
+        assert!(matches!(e, multihead::Error::Alloc { .. }), "{backend:?}: {e}");
+        let o = SdpaOptions::default().attn_mask(mask64.clone());
+        let e = run(&q, &q, &o).map(|_| ()).expect_err("f64 mask").to_string();
+        assert!(e.contains("attn_mask") && e.contains("F64"), "{backend:?}: {e}");
+        // NaN: the same rows NaN as the bf16 call on converted inputs.
+        let y = run(&qn, &q, &plain).unwrap();
+        let y16 = with_backend(backend, || {
+            let (a, b) = (to(&qn, bf), to(&q, bf));
+            scaled_dot_product_attention(&a, &b, &b, &plain)
+        })
+        .unwrap();
+        assert_eq!(bits(&y), bits(&y16), "{backend:?}: NaN");
+        let flat = y.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(flat.iter().any(|v| v.is_nan()) && flat.iter().any(|v| v.is_finite()));
+    }
+}

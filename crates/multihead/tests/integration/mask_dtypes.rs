@@ -128,3 +128,35 @@ fn dtype_errors_name_the_callers_argument() {
     let msg = e.expect_err("f64 value").to_string();
     assert!(msg.starts_with("scaled_dot_product_attention: value: "), "{msg}");
 }
+
+/// An f32 mask with a bf16 query, wrong: a bad shape is the shape error, a broadcast view is
+/// read as a view (no copy at its full size), a NaN in it gives the bf16 mask's NaN rows; on
+/// the fused and the composed path alike.
+#[test]
+fn a_bad_f32_mask_with_a_bf16_query_gets_the_plain_calls_answer_on_both_paths() {
+    use multihead::{with_backend, Backend};
+    let bf = DType::BF16;
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, bf, &dev());
+    let mha = MultiheadAttention::new(MhaConfig::new(16, 4).with_batch_first(true), vb).unwrap();
+    let x = det(&[2, 5, 16], bf, 1.0);
+    let mut vals = det(&[5, 5], DType::F32, 2.0).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    vals[7] = f32::NAN;
+    let nan = Tensor::from_vec(vals, (5, 5), &dev()).unwrap();
+    let wide = det(&[1, 5], DType::F32, 3.0).broadcast_as((5, 5)).unwrap();
+    for backend in [Backend::Auto, Backend::Composed] {
+        let run = |m: &Tensor| {
+            let o = MhaOptions::default().attn_mask(Mask::Float(m.clone()));
+            with_backend(backend, || mha.forward(&x, &x, &x, &o)).map(|o| o.output)
+        };
+        let e = run(&det(&[5, 4], DType::F32, 4.0)).map(|_| ()).expect_err("shape").to_string();
+        assert!(e.contains("attn_mask") && e.contains("(L, S)"), "{backend:?}: {e}");
+        let a = run(&wide).unwrap();
+        let b = run(&wide.contiguous().unwrap()).unwrap();
+        assert_eq!(bits(&a), bits(&b), "{backend:?}: broadcast view");
+        let y = run(&nan).unwrap();
+        let flat = y.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(flat.iter().any(|v| v.is_nan()), "{backend:?}: the NaN was lost");
+        assert!(flat.iter().any(|v| v.is_finite()), "{backend:?}: every row NaN");
+    }
+}
