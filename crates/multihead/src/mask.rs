@@ -14,9 +14,9 @@ use crate::error::{fmt_shape, Error, Result};
 ///   means the position may **not** be attended (it becomes `-inf`). In
 ///   [`scaled_dot_product_attention`](crate::functional::scaled_dot_product_attention) the
 ///   polarity is SDPA's: `True` means the position **may** be attended.
-/// * [`Mask::Float`] holds a float tensor of the query's dtype (or f32 with a bf16 or f16 query,
-///   added unrounded, as PyTorch's SDPA takes it) that is **added** to the scaled scores; `-inf`
-///   forbids a position.
+/// * [`Mask::Float`] holds a float tensor of the query's dtype (or f32 with a bf16, f16 or f64
+///   query, added unrounded, as PyTorch's SDPA takes it) that is **added** to the scaled scores;
+///   `-inf` forbids a position.
 ///
 /// Integer masks are rejected, as in PyTorch: a `Bool` mask must be `u8` and a `Float` mask must
 /// have a float dtype.
@@ -39,7 +39,7 @@ use crate::error::{fmt_shape, Error, Result};
 pub enum Mask {
     /// A boolean mask stored as `u8` (non-zero is `True`).
     Bool(Tensor),
-    /// An additive float mask of the query's dtype (or f32 with a bf16 or f16 query).
+    /// An additive float mask of the query's dtype (or f32 with a bf16, f16 or f64 query).
     Float(Tensor),
 }
 
@@ -90,8 +90,8 @@ impl Mask {
     }
 
     /// Converts to an additive float mask of `dtype` with MultiheadAttention's polarity
-    /// (`True` = masked = `-inf`). A float mask must already have `dtype` (or be f32 with a
-    /// bf16 or f16 `dtype`, kept f32); it is never cast.
+    /// (`True` = masked = `-inf`). A float mask must already have `dtype` (or be f32: kept f32
+    /// with a bf16 or f16 `dtype`, widened exactly with f64); it is never rounded.
     pub(crate) fn to_additive(
         &self,
         dtype: DType,
@@ -101,10 +101,7 @@ impl Mask {
         self.check_kind(op, arg)?;
         match self {
             Mask::Bool(t) => bool_to_additive(t, dtype, true),
-            Mask::Float(t) => {
-                check_float_dtype(t, dtype, op, arg)?;
-                Ok(t.clone())
-            }
+            Mask::Float(t) => float_in(t, dtype, op, arg),
         }
     }
 
@@ -118,17 +115,15 @@ impl Mask {
         self.check_kind(op, arg)?;
         match self {
             Mask::Bool(t) => bool_to_additive(t, dtype, false),
-            Mask::Float(t) => {
-                check_float_dtype(t, dtype, op, arg)?;
-                Ok(t.clone())
-            }
+            Mask::Float(t) => float_in(t, dtype, op, arg),
         }
     }
 }
 
-/// A float mask has the query's dtype, or is f32 with a bf16 or f16 query: PyTorch's SDPA takes
-/// "bool, float32 or the query's dtype" and its kernels add an f32 mask in f32, as this crate's
-/// reduced-precision calls do (they compute in f32 and read every mask widened).
+/// A float mask has the query's dtype, or is f32 with a bf16, f16 or f64 query: PyTorch's SDPA
+/// takes "bool, float32 or the query's dtype". Its kernels add an f32 mask in f32 to reduced
+/// scores, as this crate's reduced-precision calls do (they compute in f32 and read every mask
+/// widened), and promote it to f64 beside f64 scores.
 fn check_float_dtype(t: &Tensor, dtype: DType, op: &'static str, arg: &'static str) -> Result<()> {
     if crate::precision::float_mask_takes(t.dtype(), dtype) {
         Ok(())
@@ -137,12 +132,29 @@ fn check_float_dtype(t: &Tensor, dtype: DType, op: &'static str, arg: &'static s
             op,
             arg,
             msg: format!(
-                "a float mask must have the query's dtype {dtype:?} (or f32 with a bf16 or f16 \
-                 query), got {:?}; convert it with .to_dtype(DType::{dtype:?})",
+                "a float mask must have the query's dtype {dtype:?} (or f32), got {:?}; convert \
+                 it with .to_dtype(DType::{dtype:?})",
                 t.dtype()
             ),
         })
     }
+}
+
+/// The float mask `t` as a call in `dtype` reads it: as it is, or an f32 mask with an f64 query
+/// widened to f64 (exact and differentiable: its gradient comes back in f32, as PyTorch's
+/// promotion gives it). A broadcast view is widened at the size of the data behind it.
+fn float_in(t: &Tensor, dtype: DType, op: &'static str, arg: &'static str) -> Result<Tensor> {
+    check_float_dtype(t, dtype, op, arg)?;
+    if t.dtype() == dtype || dtype != DType::F64 {
+        return Ok(t.clone());
+    }
+    let c = compact(t)?;
+    crate::alloc::ensure(op, arg, c.dims(), dtype, 1, "pass a smaller mask")?;
+    let wide = c.to_dtype(dtype)?;
+    Ok(match c.dims() == t.dims() {
+        true => wide,
+        false => wide.broadcast_as(t.shape())?,
+    })
 }
 
 /// `t` without the copies of its broadcast dimensions: each dimension that a view repeats

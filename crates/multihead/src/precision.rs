@@ -150,10 +150,11 @@ pub(crate) fn masks_match(masks: &[Option<&Mask>], dtype: DType) -> bool {
 }
 
 /// Whether a float mask of dtype `mask` goes with a query (or source, or memory) of dtype
-/// `query`: the same dtype, or an f32 mask with a bf16 or f16 query, as PyTorch's SDPA takes
-/// "bool, float32 or the query's dtype" (this crate reads such a mask unrounded).
+/// `query`: the same dtype, or an f32 mask with a bf16, f16 or f64 query, as PyTorch's SDPA takes
+/// "bool, float32 or the query's dtype" (this crate reads such a mask unrounded; an f64 call
+/// widens it, exactly, as PyTorch's promotion does).
 pub(crate) fn float_mask_takes(mask: DType, query: DType) -> bool {
-    mask == query || (mask == DType::F32 && is_reduced(query))
+    mask == query || (mask == DType::F32 && (is_reduced(query) || query == DType::F64))
 }
 
 /// A module whose parameters can be mapped (differentiably): a bf16/f16 layer runs as its f32

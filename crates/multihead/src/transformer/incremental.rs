@@ -326,8 +326,8 @@ impl TransformerDecoder {
                     op: "TransformerDecoder::start",
                     arg: "memory_key_padding_mask",
                     msg: format!(
-                        "a float mask must have the memory's dtype {:?} (or f32 with bf16 or f16 \
-                         memory), got {:?}; convert it with .to_dtype(DType::{:?})",
+                        "a float mask must have the memory's dtype {:?} (or f32), got {:?}; convert \
+                         it with .to_dtype(DType::{:?})",
                         memory.dtype(),
                         m.tensor().dtype(),
                         memory.dtype()

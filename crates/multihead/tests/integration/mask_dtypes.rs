@@ -1,14 +1,16 @@
-//! An f32 float mask with a bf16 or f16 query, as PyTorch's SDPA takes it ("bool, float32 or
-//! the query's dtype", added in f32 by its kernels; a bf16 `TransformerEncoderLayer` takes the
-//! f32 `generate_square_subsequent_mask`). The f32 mask is read as it is, not rounded; a mask of
-//! another dtype (f64, or bf16 with an f16 query) stays an error naming both dtypes.
+//! An f32 float mask with a bf16, f16 or f64 query, as PyTorch's SDPA takes it ("bool, float32
+//! or the query's dtype", added in f32 by its kernels to reduced scores, promoted beside f64
+//! ones; a bf16 `TransformerEncoderLayer` takes the f32 `generate_square_subsequent_mask`). The
+//! f32 mask is read as it is with a reduced query (not rounded) and widened with an f64 one; a
+//! mask of another dtype (f64 with a bf16 query, or bf16 with an f16 query) stays an error
+//! naming both dtypes.
 
 use candle_core::{DType, Tensor};
 use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
 use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
 use multihead::{Mask, MhaConfig, MhaOptions, MultiheadAttention};
 
-use crate::common::{bits, det, dev};
+use crate::common::{bits, det, dev, var};
 
 #[test]
 fn an_f32_mask_goes_with_a_reduced_query_unrounded() {
@@ -159,4 +161,104 @@ fn a_bad_f32_mask_with_a_bf16_query_gets_the_plain_calls_answer_on_both_paths() 
         assert!(flat.iter().any(|v| v.is_nan()), "{backend:?}: the NaN was lost");
         assert!(flat.iter().any(|v| v.is_finite()), "{backend:?}: every row NaN");
     }
+}
+
+/// The f64 bits of every element of `t`.
+fn bits64(t: &Tensor) -> Vec<u64> {
+    let t = t.flatten_all().unwrap();
+    t.to_vec1::<f64>().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+/// An f32 float mask with an f64 query, as PyTorch promotes it: the call with the mask widened
+/// to f64, bit for bit, on the fused and the composed path (weights too); a broadcast view and
+/// a padding mask alike; and the mask's gradient is the f64 mask's, in f32.
+#[test]
+fn an_f32_mask_goes_with_an_f64_query_widened() {
+    use candle_core::backprop::GradStore;
+    use multihead::{with_backend, Backend};
+    let f64_ = DType::F64;
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, f64_, &dev());
+    let mha =
+        MultiheadAttention::new(MhaConfig::new(8, 2).with_batch_first(true), vb.pp("m")).unwrap();
+    let cfg =
+        LayerConfig::new(8, 2).with_dim_feedforward(16).with_dropout(0.0).with_batch_first(true);
+    let enc = TransformerEncoderLayer::new(cfg, vb.pp("e")).unwrap();
+    let x = det(&[2, 5, 8], f64_, 1.0);
+    let q = det(&[2, 2, 5, 4], f64_, 2.0);
+    let m32 = (det(&[5, 5], DType::F32, 4.0) * 0.37).unwrap();
+    let pad32 = det(&[2, 5], DType::F32, 5.0);
+    let view32 = det(&[1, 5], DType::F32, 6.0).broadcast_as((5, 5)).unwrap();
+    let wide = |t: &Tensor| t.to_dtype(f64_).unwrap();
+    for backend in [Backend::Auto, Backend::Composed] {
+        let b = |f: &dyn Fn() -> multihead::Result<Tensor>| with_backend(backend, f).unwrap();
+        for (what, m) in [("mask", &m32), ("broadcast view", &view32)] {
+            for need in [false, true] {
+                let run = |m: &Tensor| {
+                    let o = MhaOptions::default()
+                        .attn_mask(Mask::Float(m.clone()))
+                        .key_padding_mask(Mask::Float(pad32.clone()))
+                        .need_weights(need);
+                    with_backend(backend, || mha.forward(&x, &x, &x, &o)).unwrap()
+                };
+                let (a, e) = (run(m), run(&wide(m)));
+                assert_eq!(a.output.dtype(), f64_);
+                let w = |o: &multihead::MhaOutput| o.attn_weights.as_ref().map(bits64);
+                let ctx = format!("{backend:?} {what} need_weights {need}");
+                assert_eq!(bits64(&a.output), bits64(&e.output), "mha {ctx}");
+                assert_eq!(w(&a), w(&e), "mha weights {ctx}");
+            }
+            let sdpa = |m: &Tensor| {
+                let o = SdpaOptions::default().attn_mask(Mask::Float(m.clone()));
+                b(&|| scaled_dot_product_attention(&q, &q, &q, &o))
+            };
+            assert_eq!(bits64(&sdpa(m)), bits64(&sdpa(&wide(m))), "sdpa {backend:?} {what}");
+            let layer =
+                |m: &Tensor| b(&|| enc.forward(&x, Some(&Mask::Float(m.clone())), None, false));
+            assert_eq!(bits64(&layer(m)), bits64(&layer(&wide(m))), "layer {backend:?} {what}");
+        }
+        // The mask's gradient: the f64 mask's, rounded to f32.
+        let grad = |m: &Tensor| -> (Tensor, GradStore) {
+            let v = var(m);
+            let o = SdpaOptions::default().attn_mask(Mask::Float(v.as_tensor().clone()));
+            let y = b(&|| scaled_dot_product_attention(&q, &q, &q, &o));
+            let loss = (y.sqr().unwrap().sum_all().unwrap() * 0.5).unwrap();
+            (v.as_tensor().clone(), loss.backward().unwrap())
+        };
+        let (v32, g32) = grad(&m32);
+        let (v64, g64) = grad(&wide(&m32));
+        let (g32, g64) = (g32.get(&v32).unwrap(), g64.get(&v64).unwrap());
+        assert_eq!(g32.dtype(), DType::F32, "{backend:?}");
+        assert_eq!(bits(g32), bits(&g64.to_dtype(DType::F32).unwrap()), "{backend:?} gradient");
+    }
+}
+
+/// The paths with checks of their own take an f32 mask with f64 inputs too: an encoder stack's
+/// nested-tensor path and cached decoding's memory mask give the f64 mask's bits.
+#[test]
+fn an_f32_padding_mask_goes_with_an_f64_stack_and_cached_decoding() {
+    use multihead::transformer::{TransformerDecoder, TransformerEncoder};
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F64, &dev());
+    let cfg =
+        LayerConfig::new(8, 2).with_dim_feedforward(16).with_dropout(0.0).with_batch_first(true);
+    let mut enc = TransformerEncoder::new(cfg.clone(), 2, None, vb.pp("enc")).unwrap();
+    let mut dec = TransformerDecoder::new(cfg, 2, None, vb.pp("dec")).unwrap();
+    multihead::Train::eval(&mut enc);
+    multihead::Train::eval(&mut dec);
+    let x = det(&[2, 5, 8], DType::F64, 1.0);
+    let pad = Tensor::new(
+        &[[0f32, 0., 0., 0., 0.], [0., 0., 0., f32::NEG_INFINITY, f32::NEG_INFINITY]],
+        &dev(),
+    )
+    .unwrap();
+    let (p32, p64) = (Mask::Float(pad.clone()), Mask::Float(pad.to_dtype(DType::F64).unwrap()));
+    let run = |m: &Mask| multihead::no_grad(|| enc.forward(&x, None, Some(m), None)).unwrap();
+    assert_eq!(bits64(&run(&p32)), bits64(&run(&p64)), "encoder stack");
+    let tgt = det(&[2, 1, 8], DType::F64, 3.0);
+    let step = |m: &Mask| {
+        let mut state = dec.start(&x, Some(m), 4).unwrap();
+        dec.forward_step(&tgt, &mut state, None).unwrap()
+    };
+    assert_eq!(bits64(&step(&p32)), bits64(&step(&p64)), "cached decoding");
 }
