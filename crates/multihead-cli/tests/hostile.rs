@@ -568,3 +568,23 @@ fn declared_shapes_training_dropout_and_the_cases_own_files_are_refused() {
     assert_eq!(before, std::fs::read(dir.join("case.safetensors")).unwrap());
     assert!(check(&dir).status.success());
 }
+
+// An independent case writer (2026-12-07): `str(torch.bool)` as a logical dtype or a mask kind,
+// and `format_version` written as `1.0`, were refused while `"torch.float32"` as a stored dtype
+// was taken. The same case in those spellings passes; other versions stay refused.
+#[test]
+fn torch_spellings_of_bool_and_an_integral_version_are_taken() {
+    let dir = edited_case("mha/batch_first_separate_bool_kpm_f32", "torch_bool", |v| {
+        v["format_version"] = serde_json::json!(1.0);
+        v["call"]["key_padding_mask"] = "torch.bool".into();
+        v["tensors"]["input.key_padding_mask"]["logical_dtype"] = "torch.bool".into();
+        v["tensors"]["input.key_padding_mask"]["dtype"] = "torch.uint8".into();
+    });
+    let o = check(&dir);
+    assert!(o.status.success() && text(&o).contains("1 passed, 0 failed"), "{}", text(&o));
+    for bad in [serde_json::json!(1.5), serde_json::json!(2)] {
+        let dir = edited_case("mha/batch1_n1_f32", "version", |v| v["format_version"] = bad);
+        let t = text(&check(&dir));
+        assert!(t.contains("format_version"), "{t}");
+    }
+}

@@ -406,7 +406,8 @@ impl Case {
             .meta
             .tensors
             .get(&format!("input.{name}"))
-            .and_then(|m| m.logical_dtype.as_deref());
+            .and_then(|m| m.logical_dtype.as_deref())
+            .map(|l| l.trim_start_matches("torch."));
         let is_bool = match (kind, logical) {
             (Some(k), Some(l)) if (k == MaskKind::Bool) != (l == "bool") => {
                 return Err(case_err(

@@ -35,7 +35,8 @@ pub const SUPPORTED_MODULES: [&str; 8] = [
 /// The top level of `case.json`.
 #[derive(Clone, Debug, Deserialize)]
 pub struct CaseMeta {
-    /// `1`.
+    /// `1` (written `1.0` by some JSON writers: an integral number is taken).
+    #[serde(deserialize_with = "integral")]
     pub format_version: u32,
     /// PyTorch's class path.
     pub module: String,
@@ -92,10 +93,24 @@ pub struct TensorMeta {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MaskKind {
-    /// A bool mask (stored as uint8).
+    /// A bool mask (stored as uint8); `"torch.bool"`, as `str(torch.bool)` writes it, too.
+    #[serde(alias = "torch.bool")]
     Bool,
-    /// An additive float mask.
+    /// An additive float mask; a float dtype's name (`"float32"`, `"torch.float64"`, ...) too.
+    #[serde(alias = "float32", alias = "float64", alias = "bfloat16", alias = "float16")]
+    #[serde(alias = "torch.float32", alias = "torch.float64", alias = "torch.bfloat16")]
+    #[serde(alias = "torch.float16", alias = "torch.float")]
     Float,
+}
+
+/// A non-negative integer written as an integer or as an integral float (`1` or `1.0`).
+fn integral<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u32, D::Error> {
+    let v = f64::deserialize(d)?;
+    if v.fract() == 0.0 && (0.0..=f64::from(u32::MAX)).contains(&v) {
+        Ok(v as u32)
+    } else {
+        Err(serde::de::Error::custom(format!("expected a non-negative integer, got {v}")))
+    }
 }
 
 fn t() -> bool {
