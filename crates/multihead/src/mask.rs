@@ -71,21 +71,19 @@ impl Mask {
             Ok(())
         } else {
             let got = self.tensor().dtype();
-            let instead = match self {
+            // PyTorch's words ("only bool and floating types of masks are supported"), then
+            // which wrapper holds what.
+            let msg = match self {
                 Mask::Bool(_) => format!(
-                    "Mask::Bool holds a u8 tensor (non-zero = True), got {got:?}; convert it with \
+                    "a Mask::Bool must hold a bool (u8) tensor, got {got:?}; convert it with \
                      `t.ne(0.0)?` (which gives u8), or pass Mask::Float for a mask added to the scores"
                 ),
                 Mask::Float(_) => format!(
-                    "Mask::Float holds a float tensor added to the scores, got {got:?}; pass \
-                     Mask::Bool for a boolean (u8) mask, or convert with `t.to_dtype(DType::F32)?`"
+                    "a Mask::Float must hold a floating tensor added to the scores, got {got:?}; \
+                     pass Mask::Bool for a bool (u8) mask, or convert with `t.to_dtype(DType::F32)?`"
                 ),
             };
-            Err(Error::DType {
-                op,
-                arg,
-                msg: format!("only bool (u8) and floating types of {arg} are supported: {instead}"),
-            })
+            Err(Error::DType { op, arg, msg })
         }
     }
 

@@ -76,6 +76,7 @@ impl TransformerDecoder {
             masks.tgt_mask.as_ref(),
             masks.tgt_is_causal,
             seq_len(tgt, batch_first)?,
+            ("TransformerDecoder.forward", "tgt_mask"),
         )?;
         let (self_opts, cross_opts) = masks.options(causal);
         self.forward_with(tgt, memory, &self_opts, &cross_opts)

@@ -120,7 +120,8 @@ impl TransformerEncoder {
         is_causal: Option<bool>,
     ) -> Result<Tensor> {
         let batch_first = self.layers.first().map(|l| l.config().batch_first).unwrap_or(false);
-        let is_causal = detect_is_causal(mask, is_causal, seq_len(src, batch_first)?)?;
+        let who = ("TransformerEncoder.forward", "mask");
+        let is_causal = detect_is_causal(mask, is_causal, seq_len(src, batch_first)?, who)?;
         self.forward_with(src, &mask_options(mask, src_key_padding_mask, is_causal))
     }
 

@@ -447,22 +447,24 @@ pub(crate) fn seq_len(x: &candle_core::Tensor, batch_first: bool) -> crate::Resu
 
 /// PyTorch's `_detect_is_causal_mask`: an explicit hint wins; otherwise the mask is causal when
 /// it is `(sz, sz)` and equals the `-inf`-above-the-diagonal mask (a bool mask after conversion).
+/// Errors name `who`: the stack's forward and its argument (`mask`, `tgt_mask`).
 pub(crate) fn detect_is_causal(
     mask: Option<&crate::Mask>,
     hint: Option<bool>,
     sz: usize,
+    who: (&'static str, &'static str),
 ) -> crate::Result<bool> {
     if let Some(h) = hint {
         return Ok(h);
     }
     let Some(mask) = mask else { return Ok(false) };
-    mask.check_kind("_detect_is_causal_mask", "mask")?;
+    mask.check_kind(who.0, who.1)?;
     if mask.dims() != [sz, sz] {
         return Ok(false);
     }
     crate::alloc::ensure(
-        "_detect_is_causal_mask",
-        "mask",
+        who.0,
+        who.1,
         &[sz, sz],
         candle_core::DType::F64,
         2,

@@ -115,12 +115,24 @@ fn dtype_errors_name_the_callers_argument() {
     let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev());
     let cfg =
         LayerConfig::new(8, 2).with_dim_feedforward(16).with_dropout(0.0).with_batch_first(true);
-    let enc = TransformerEncoderLayer::new(cfg, vb).unwrap();
+    let enc = TransformerEncoderLayer::new(cfg, vb.pp("enc")).unwrap();
     let x = det(&[2, 3, 8], DType::F32, 1.0);
     let ints = Mask::Float(Tensor::zeros((3, 3), DType::I64, &dev()).unwrap());
     let e = enc.forward(&x, Some(&ints), None, false).map(|_| ()).expect_err("int mask");
     let msg = e.to_string();
     assert!(msg.contains(": src_mask: ") && !msg.contains("attn_mask"), "{msg}");
+    // A stack's causal-mask detection names the stack's forward and its argument.
+    let dec = multihead::transformer::TransformerDecoder::new(
+        LayerConfig::new(8, 2).with_dim_feedforward(16).with_batch_first(true),
+        1,
+        None,
+        vb.pp("dec"),
+    )
+    .unwrap();
+    let u8s = Mask::Float(Tensor::zeros((3, 3), DType::U8, &dev()).unwrap());
+    let masks = multihead::transformer::DecoderMasks { tgt_mask: Some(u8s), ..Default::default() };
+    let msg = dec.forward(&x, &x, &masks).map(|_| ()).expect_err("u8 float mask").to_string();
+    assert!(msg.starts_with("TransformerDecoder.forward: tgt_mask: a Mask::Float"), "{msg}");
     let q = det(&[1, 2, 3, 4], DType::F32, 2.0);
     let k = q.to_dtype(DType::F64).unwrap();
     let e = scaled_dot_product_attention(&q, &k, &q, &SdpaOptions::default()).map(|_| ());
