@@ -31,6 +31,8 @@ const OP: &str = "Embedding";
 #[derive(Clone, Debug)]
 pub struct Embedding {
     weight: Tensor,
+    /// PyTorch's `padding_idx`, normalised to `[0, num_embeddings)`: that row gets no gradient.
+    padding_idx: Option<usize>,
 }
 
 impl Embedding {
@@ -40,7 +42,62 @@ impl Embedding {
         let init = Init::Randn { mean: 0.0, stdev: 1.0 };
         let shape = [num_embeddings, embedding_dim];
         let weight = crate::state_dict::get_param(&vb, &shape, "weight", init)?;
-        Ok(Self { weight })
+        Ok(Self { weight, padding_idx: None })
+    }
+
+    /// `nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)`: as
+    /// [`new`](Self::new), with row `padding_idx` (negative counts from the end, as in PyTorch)
+    /// zeroed when the builder creates the weight (a weight loaded from a state_dict keeps its
+    /// values, as PyTorch's `load_state_dict` does), and given no gradient by
+    /// [`forward`](Self::forward).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an index outside `[-num_embeddings, num_embeddings)`.
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{VarBuilder, VarMap};
+    /// use multihead::Embedding;
+    ///
+    /// let vm = VarMap::new();
+    /// let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    /// let emb = Embedding::new_with_padding(10, 4, 0, vb)?;
+    /// let row = emb.forward(&Tensor::new(&[0u32], &Device::Cpu)?)?;
+    /// assert_eq!(row.sqr()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
+    pub fn new_with_padding(
+        num_embeddings: usize,
+        embedding_dim: usize,
+        padding_idx: i64,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let pad = padding_row(num_embeddings, padding_idx)?;
+        let fresh = !vb.contains_tensor("weight");
+        let emb = Self::new(num_embeddings, embedding_dim, vb)?;
+        if fresh {
+            // In place, so that the builder's variable holds the zero row too.
+            let zeros = Tensor::zeros((1, embedding_dim), emb.weight.dtype(), emb.weight.device())?;
+            emb.weight.slice_set(&zeros, 0, pad)?;
+        }
+        Ok(Self { padding_idx: Some(pad), ..emb })
+    }
+
+    /// This table with PyTorch's `padding_idx` (`nn.Embedding.from_pretrained(weight,
+    /// padding_idx=...)`): row `padding_idx` (negative counts from the end) keeps its values and
+    /// gets no gradient.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an index outside `[-num_embeddings, num_embeddings)`.
+    pub fn with_padding_idx(self, padding_idx: i64) -> Result<Self> {
+        let pad = padding_row(self.weight.dim(0)?, padding_idx)?;
+        Ok(Self { padding_idx: Some(pad), ..self })
+    }
+
+    /// The row that gets no gradient, if any (`padding_idx`, counted from the start).
+    pub fn padding_idx(&self) -> Option<usize> {
+        self.padding_idx
     }
 
     /// Wraps an existing `(num_embeddings, embedding_dim)` weight.
@@ -56,7 +113,7 @@ impl Embedding {
                 ),
             });
         }
-        Ok(Self { weight })
+        Ok(Self { weight, padding_idx: None })
     }
 
     /// The table, `(num_embeddings, embedding_dim)`.
@@ -93,8 +150,36 @@ impl Embedding {
         }
         // i64 indices: a table of more than 2³² rows is indexed without truncation.
         let weight = crate::mode::graph_input(&self.weight);
-        Ok(weight.index_select(&flat, 0)?.reshape(out_dims)?)
+        let rows = weight.index_select(&flat, 0)?;
+        let rows = match self.padding_idx {
+            Some(pad) if rows.track_op() && values.contains(&(pad as i64)) => {
+                // The padding row read from the detached table: no gradient reaches it.
+                let at_pad: Vec<u8> = values.iter().map(|&i| u8::from(i == pad as i64)).collect();
+                let at_pad = Tensor::from_vec(at_pad, (values.len(), 1), rows.device())?;
+                let frozen = self.weight.detach().index_select(&flat, 0)?;
+                at_pad.broadcast_as(rows.shape())?.where_cond(&frozen, &rows)?
+            }
+            _ => rows,
+        };
+        Ok(rows.reshape(out_dims)?)
     }
+}
+
+/// `padding_idx` of a table of `rows` rows as a row index (negative counts from the end, as
+/// PyTorch's `nn.Embedding` takes it).
+fn padding_row(rows: usize, padding_idx: i64) -> Result<usize> {
+    let row = if padding_idx < 0 { rows as i64 + padding_idx } else { padding_idx };
+    if row < 0 || row as u128 >= rows as u128 {
+        return Err(Error::Config {
+            op: OP,
+            arg: "padding_idx",
+            msg: format!(
+                "padding_idx {padding_idx} is outside [-{rows}, {rows}) for an embedding of \
+                 {rows} rows; pass an index of a row of the table"
+            ),
+        });
+    }
+    Ok(row as usize)
 }
 
 impl NamedParameters for Embedding {
