@@ -50,8 +50,8 @@ use crate::{MhaOptions, NamedParameters};
 /// ```
 #[derive(Clone, Debug)]
 pub struct TransformerEncoder {
-    layers: Vec<TransformerEncoderLayer>,
-    norm: Option<LayerNorm>,
+    pub(super) layers: Vec<TransformerEncoderLayer>,
+    pub(super) norm: Option<LayerNorm>,
     training: bool,
     enable_nested_tensor: bool,
     mask_check: bool,

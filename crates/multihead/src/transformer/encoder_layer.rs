@@ -39,13 +39,13 @@ use crate::{MhaOptions, MultiheadAttention, NamedParameters};
 /// ```
 #[derive(Clone, Debug)]
 pub struct TransformerEncoderLayer {
-    cfg: LayerConfig,
-    self_attn: MultiheadAttention,
-    linear1: Linear,
-    linear2: Linear,
-    norm1: LayerNorm,
-    norm2: LayerNorm,
-    training: bool,
+    pub(super) cfg: LayerConfig,
+    pub(super) self_attn: MultiheadAttention,
+    pub(super) linear1: Linear,
+    pub(super) linear2: Linear,
+    pub(super) norm1: LayerNorm,
+    pub(super) norm2: LayerNorm,
+    pub(super) training: bool,
 }
 
 impl TransformerEncoderLayer {

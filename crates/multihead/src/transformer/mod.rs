@@ -12,6 +12,7 @@
 mod decoder;
 mod decoder_layer;
 mod encoder;
+mod encoder_cached;
 mod encoder_layer;
 mod generate;
 mod incremental;

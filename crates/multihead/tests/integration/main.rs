@@ -11,6 +11,7 @@ mod cast;
 mod common;
 mod cos_init;
 mod decode;
+mod decode_encoder;
 mod embedding_padding;
 mod errors;
 mod fused;

@@ -1,0 +1,116 @@
+//! Incremental causal decoding through encoder layers (a decoder-only, GPT-style model built
+//! from `TransformerEncoderLayer`s): each step equals the stack over the whole prefix with a
+//! causal mask at the new positions, ragged rows included, and a refused step changes no cache.
+
+use candle_core::{DType, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use multihead::transformer::{LayerConfig, NormConfig, TransformerEncoder};
+use multihead::{generate_square_subsequent_mask, no_grad, Mask};
+
+use crate::common::{det, dev, perturb};
+
+/// A 2-layer GELU stack with a final norm, batch-first, in eval mode.
+fn stack(norm_first: bool, dtype: DType) -> (TransformerEncoder, VarMap) {
+    let cfg = LayerConfig::new(16, 4)
+        .with_dim_feedforward(32)
+        .with_batch_first(true)
+        .with_norm_first(norm_first)
+        .with_activation(multihead::Activation::Gelu);
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, dtype, &dev());
+    let mut enc = TransformerEncoder::new(cfg, 2, Some(NormConfig::default()), vb).unwrap();
+    perturb(&vm, dtype);
+    enc.eval();
+    (enc, vm)
+}
+
+/// The stack over `prefix` (N, P, E) with the causal mask, as PyTorch runs a decoder-only model.
+fn full(enc: &TransformerEncoder, prefix: &Tensor) -> Tensor {
+    let p = prefix.dim(1).unwrap();
+    let causal = Mask::Float(generate_square_subsequent_mask(p, prefix.dtype(), &dev()).unwrap());
+    no_grad(|| enc.forward(prefix, Some(&causal), None, Some(true))).unwrap()
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
+    let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
+    d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+}
+
+#[test]
+fn encoder_steps_equal_the_causal_stack_over_the_prefix() {
+    for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 2e-5)] {
+        for norm_first in [false, true] {
+            let (enc, _vm) = stack(norm_first, dtype);
+            let x = (det(&[2, 24, 16], dtype, 1.0) * 1.5).unwrap();
+            let mut caches = enc.new_caches(2, 24).unwrap();
+            // A prefill of 5 tokens, then one token per step.
+            let mut pos = 0;
+            while pos < 24 {
+                let t = if pos == 0 { 5 } else { 1 };
+                let out = enc.forward_cached(&x.narrow(1, pos, t).unwrap(), &mut caches, None);
+                pos += t;
+                let want = full(&enc, &x.narrow(1, 0, pos).unwrap()).narrow(1, pos - t, t).unwrap();
+                let d = max_abs(&out.unwrap(), &want);
+                assert!(d <= tol, "{dtype:?} norm_first={norm_first} at {pos}: {d:e}");
+            }
+            assert!(caches.iter().all(|c| c.positions() == [24, 24]));
+        }
+    }
+}
+
+/// Rows of different lengths: `lengths` says how many of a step's tokens are real; each row's
+/// outputs are those of the stack over its own prefix.
+#[test]
+fn ragged_rows_decode_as_their_own_prefixes() {
+    let (enc, _vm) = stack(true, DType::F64);
+    let x = det(&[2, 6, 16], DType::F64, 3.0);
+    let mut caches = enc.new_caches(2, 8).unwrap();
+    // Row 0 prefills 3 tokens, row 1 one (its other two are padding, not cached).
+    let first = enc.forward_cached(&x.narrow(1, 0, 3).unwrap(), &mut caches, Some(&[3, 1]));
+    let first = first.unwrap();
+    assert_eq!(caches[1].positions(), &[3, 1]);
+    let row = |t: &Tensor, b: usize| t.narrow(0, b, 1).unwrap();
+    let want0 = full(&enc, &row(&x, 0).narrow(1, 0, 3).unwrap());
+    assert!(max_abs(&row(&first, 0), &want0) <= 1e-12);
+    let want1 = full(&enc, &row(&x, 1).narrow(1, 0, 1).unwrap());
+    assert!(max_abs(&row(&first, 1).narrow(1, 0, 1).unwrap(), &want1) <= 1e-12);
+    // One more token each: row 0's fourth, row 1's second (its token at index 1).
+    let next = Tensor::cat(&[x.i_row(0, 3), x.i_row(1, 1)], 0).unwrap();
+    let out = enc.forward_cached(&next, &mut caches, None).unwrap();
+    let want0 = full(&enc, &row(&x, 0).narrow(1, 0, 4).unwrap()).narrow(1, 3, 1).unwrap();
+    let want1 = full(&enc, &row(&x, 1).narrow(1, 0, 2).unwrap()).narrow(1, 1, 1).unwrap();
+    assert!(max_abs(&row(&out, 0), &want0) <= 1e-12);
+    assert!(max_abs(&row(&out, 1), &want1) <= 1e-12);
+}
+
+/// Token `t` of row `b` of an `(N, L, E)` tensor, as `(1, 1, E)`.
+trait Row {
+    fn i_row(&self, b: usize, t: usize) -> Tensor;
+}
+impl Row for Tensor {
+    fn i_row(&self, b: usize, t: usize) -> Tensor {
+        self.narrow(0, b, 1).unwrap().narrow(1, t, 1).unwrap()
+    }
+}
+
+/// A step that any layer refuses (its cache too small, the wrong number of caches, training
+/// mode with dropout, a wrong width) is an error before any cache changes.
+#[test]
+fn a_refused_encoder_step_leaves_every_cache_unchanged() {
+    let (mut enc, _vm) = stack(false, DType::F32);
+    let x = det(&[1, 3, 16], DType::F32, 2.0);
+    // The second layer's cache holds 2 tokens: the first layer's must not take the 3.
+    let mut caches =
+        vec![enc.layers()[0].new_cache(1, 8).unwrap(), enc.layers()[1].new_cache(1, 2).unwrap()];
+    let e = enc.forward_cached(&x, &mut caches, None).map(|_| ()).expect_err("full");
+    assert!(matches!(e, multihead::Error::CacheFull { .. }), "{e}");
+    assert_eq!((caches[0].lens(), caches[1].lens()), (&[0][..], &[0][..]));
+    let e = enc.forward_cached(&x, &mut caches[..1], None).map(|_| ()).expect_err("one cache");
+    assert!(e.to_string().contains("new_caches"), "{e}");
+    let e = enc.forward_cached(&det(&[1, 3, 8], DType::F32, 2.0), &mut caches, None);
+    assert!(e.is_err() && caches[0].lens() == [0]);
+    enc.train(true);
+    let e = enc.forward_cached(&x.narrow(1, 0, 1).unwrap(), &mut caches, None);
+    assert!(e.map(|_| ()).expect_err("training").to_string().contains("eval()"));
+    assert_eq!(caches[0].lens(), &[0]);
+}
