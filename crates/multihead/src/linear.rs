@@ -100,7 +100,8 @@ impl Linear {
 
     fn forward_here(&self, x: &Tensor) -> Result<Tensor> {
         let dtypes = (x.dtype(), self.weight.dtype());
-        if let Some(y) = crate::precision::autocast_run(self, dtypes, |m, r| m.forward(&r(x)?)) {
+        let run = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| m.forward(&r(x)?);
+        if let Some(y) = crate::precision::autocast_run(self, dtypes, self.macs(x) as u64, run) {
             return y;
         }
         linear(x, &self.weight, self.bias.as_ref(), "linear", "input", Backend::Auto)
@@ -139,7 +140,8 @@ impl Linear {
         let autocast =
             |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| m.forward_act(&r(x)?, activation);
         let dtypes = (x.dtype(), self.weight.dtype());
-        if let Some(y) = crate::precision::autocast_run(self, dtypes, autocast) {
+        if let Some(y) = crate::precision::autocast_run(self, dtypes, self.macs(x) as u64, autocast)
+        {
             return y;
         }
         let act = match activation {
@@ -285,7 +287,9 @@ fn linear_then(
         // bf16/f16: the f32 product (f32 accumulation, as PyTorch's), rounded once.
         use crate::precision::{widen, widen_opt};
         let (xw, ww, b) = (widen(x)?, widen(weight)?, widen_opt(bias)?);
-        let y = crate::mode::rounded_products(x.dtype(), || {
+        let rows = out_dims[..out_dims.len() - 1].iter().product::<usize>();
+        let macs = crate::pool::product_macs(rows, in_f, out_f) as u64;
+        let y = crate::mode::rounded_products(x.dtype(), macs, || {
             linear_then(&xw, &ww, b.as_ref(), act, op, arg, backend)
         })?;
         return crate::precision::narrow(&y, x.dtype());
@@ -341,6 +345,12 @@ impl Call<'_> {
         let m = self.out_dims[..self.out_dims.len().saturating_sub(1)].iter().product::<usize>();
         Ok((m, self.weight.dim(1)?))
     }
+
+    /// The product's multiply-adds (`Bf16Products::Auto` widens small ones).
+    fn macs(&self) -> Result<u64> {
+        let (m, in_f) = self.rows()?;
+        Ok(crate::pool::product_macs(m, in_f, self.weight.dim(0)?) as u64)
+    }
 }
 
 /// bf16 without a gradient, multiplied without widening the weight first, where that pays:
@@ -361,7 +371,7 @@ fn bf16_unwidened(c: Call) -> Result<Option<Tensor>> {
         return Ok(None);
     }
     let few_rows = m <= multihead_kernels::gemv::MAX_ROWS && act != Act::Gelu;
-    if !few_rows && !crate::mode::bf16_products() {
+    if !few_rows && !crate::mode::bf16_products_at(c.macs()?) {
         return Ok(None);
     }
     let blocker = crate::fused::dispatch::f32_or_bf16_blocker(x);
@@ -390,8 +400,8 @@ fn bf16_unwidened(c: Call) -> Result<Option<Tensor>> {
 fn bf16_graded(c: Call) -> Result<Option<Tensor>> {
     let Call { x, weight, bias, act, op, backend, out_dims } = c;
     let (m, in_f) = c.rows()?;
-    if x.dtype() != candle_core::DType::BF16 || m == 0 || in_f == 0 || !crate::mode::bf16_products()
-    {
+    let direct = crate::mode::bf16_products_at(c.macs()?);
+    if x.dtype() != candle_core::DType::BF16 || m == 0 || in_f == 0 || !direct {
         return Ok(None);
     }
     let blocker = crate::fused::dispatch::f32_or_bf16_blocker(x);

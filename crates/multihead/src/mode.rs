@@ -82,7 +82,13 @@ impl std::str::FromStr for Backend {
 ///   elsewhere. The environment variable `MULTIHEAD_BF16_PRODUCTS=direct` or `=widened`
 ///   overrides the measurement; `=amx` means direct products on AMX tiles where the CPU and
 ///   the operating system grant them (which `Auto` takes too; `MULTIHEAD_BF16_KERNEL` names
-///   another micro-kernel: `multihead_kernels::bf16gemm::Bf16Kernel`).
+///   another micro-kernel: `multihead_kernels::bf16gemm::Bf16Kernel`). Unless the environment
+///   asks for one choice, `Auto` widens the products of a small call outside [`no_grad`] (a
+///   module's forward, a layer's, a functional call whose largest product is under 2^20
+///   multiply-adds, such as an MHA of `N·L·E² < 2^20`): in training the f32 kernels are as
+///   fast there, and widened products keep a small bf16 call's gradients within PyTorch's
+///   bf16 error, where direct products exceed it by chance (a ReLU gate within a bf16
+///   rounding of zero). Inside `no_grad` (inference) small calls stay direct, the faster.
 /// * `Direct`: products take bf16 operands, summed in f32, as PyTorch's bf16 CPU products do:
 ///   a bf16 [`Linear`](crate::Linear) multiplies its bf16 input and weight as they are, and
 ///   inside a bf16 [`MultiheadAttention`](crate::MultiheadAttention), Transformer layer or
@@ -142,11 +148,28 @@ fn bf16_products_auto() -> bool {
     crate::products::auto_decision().0
 }
 
-/// Runs `f`, a bf16 module's f32 computation, with its products' operands rounded to bf16
-/// when [`bf16_products`] says so (the linear layers and attention inside take the bf16
-/// kernels).
-pub(crate) fn rounded_products<R>(dtype: DType, f: impl FnOnce() -> R) -> R {
-    let on = dtype == DType::BF16 && bf16_products();
+/// Whether a call whose largest product is `macs` multiply-adds (its estimate:
+/// [`crate::products::call_macs`]) takes bf16 operands directly: [`bf16_products`], except that
+/// `Auto` widens a call below [`crate::products::WIDEN_BELOW_MACS`] that may record a gradient
+/// (outside [`no_grad`]: faster there, and its gradients closer to PyTorch's), unless the
+/// environment asked for one choice for every call.
+pub(crate) fn bf16_products_at(macs: u64) -> bool {
+    use crate::products::{auto_by_size, WIDEN_BELOW_MACS};
+    match BF16_PRODUCTS.with(|c| c.get()) {
+        Bf16Products::Direct => true,
+        Bf16Products::Widened => false,
+        Bf16Products::Auto => {
+            let small = macs < WIDEN_BELOW_MACS && grad_enabled() && auto_by_size();
+            bf16_products_auto() && !small
+        }
+    }
+}
+
+/// Runs `f`, a bf16 module's f32 computation whose largest product is `macs` multiply-adds,
+/// with its products' operands rounded to bf16 when [`bf16_products_at`] says so (the linear
+/// layers and attention inside take the bf16 kernels).
+pub(crate) fn rounded_products<R>(dtype: DType, macs: u64, f: impl FnOnce() -> R) -> R {
+    let on = dtype == DType::BF16 && bf16_products_at(macs);
     let _restore = Restore::set(&ROUNDED_PRODUCTS, on);
     f()
 }
@@ -154,8 +177,13 @@ pub(crate) fn rounded_products<R>(dtype: DType, f: impl FnOnce() -> R) -> R {
 /// [`rounded_products`] where `like_flash` (PyTorch's bf16 attention would round its products
 /// here); otherwise `f` runs with rounding off, products widened to f32 as PyTorch's math path
 /// computes them.
-pub(crate) fn rounded_products_if<R>(dtype: DType, like_flash: bool, f: impl FnOnce() -> R) -> R {
-    let on = like_flash && dtype == DType::BF16 && bf16_products();
+pub(crate) fn rounded_products_if<R>(
+    dtype: DType,
+    like_flash: bool,
+    macs: u64,
+    f: impl FnOnce() -> R,
+) -> R {
+    let on = like_flash && dtype == DType::BF16 && bf16_products_at(macs);
     let _restore = Restore::set(&ROUNDED_PRODUCTS, on);
     f()
 }

@@ -256,29 +256,33 @@ pub(crate) fn autocast_output(y: &Tensor, input: DType, dt: DType) -> Result<Ten
 /// parameters, and the residual sums compute in f32 on the f32 input, and the output stays
 /// f32 (PyTorch's layer ends in a LayerNorm or a residual sum, both f32 under autocast).
 /// `run` gets the module and a function that rounds float masks (which PyTorch's attention
-/// casts to `dtype`). Returns `None` when autocast does not apply to an input of `dtype`.
+/// casts to `dtype`). `macs` is the layer's largest product ([`crate::products::layer_macs`]).
+/// Returns `None` when autocast does not apply to an input of `dtype`.
 pub(crate) fn autocast_layer<M: CastParams>(
     module: &M,
     (dtype, params): (DType, DType),
+    macs: u64,
     run: impl FnOnce(&M, &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
 ) -> Option<Result<Tensor>> {
     let dt = autocast_for(dtype, params)?;
-    let y = module.map_product_params(&|p| round(p, dt)).and_then(|m| autocast_call(&m, dt, run));
+    let call = |m: M| autocast_call(&m, (dt, macs), run);
+    let y = module.map_product_params(&|p| round(p, dt)).and_then(call);
     // PyTorch's layer on an input of `dt` ends in a LayerNorm of a `dt` sum, or in a `dt`
     // residual sum: `dt`. On f32 (or, under bf16 autocast, f16: its first residual sum promotes
     // to f32) it is f32.
     Some(y.and_then(|y| if dtype == dt { narrow(&y, dt) } else { Ok(y) }))
 }
 
-/// `run` on `module` with autocast off and the products' operands rounded to `dt`, given a
-/// function that rounds a tensor to `dt`.
+/// `run` on `module` with autocast off and the products' operands rounded to `dt` (where
+/// the call's largest product, `macs`, takes them direct), given a function that rounds a
+/// tensor to `dt`.
 fn autocast_call<M>(
     module: &M,
-    dt: DType,
+    (dt, macs): (DType, u64),
     run: impl FnOnce(&M, &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
 ) -> Result<Tensor> {
     crate::mode::autocast_off(|| {
-        crate::mode::rounded_products(dt, || run(module, &|t| autocast_operand(t, dt)))
+        crate::mode::rounded_products(dt, macs, || run(module, &|t| autocast_operand(t, dt)))
     })
 }
 
@@ -286,13 +290,14 @@ fn autocast_call<M>(
 /// the module with rounded parameters and a function that rounds its tensor inputs, runs with
 /// autocast off (so that the modules inside compute in f32 on the rounded values, as the
 /// reduced-dtype path does), and its output is rounded once. Returns `None` when autocast does
-/// not apply to an input of `dtype`.
+/// not apply to an input of `dtype`. `macs` is the call's largest product.
 pub(crate) fn autocast_run<M: CastParams>(
     module: &M,
     (dtype, params): (DType, DType),
+    macs: u64,
     run: impl FnOnce(&M, &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor>,
 ) -> Option<Result<Tensor>> {
     let dt = autocast_for(dtype, params)?;
-    let y = module.rounded(dt).and_then(|m| autocast_call(&m, dt, run));
+    let y = module.rounded(dt).and_then(|m| autocast_call(&m, (dt, macs), run));
     Some(y.and_then(|y| autocast_output(&y, dtype, dt)))
 }

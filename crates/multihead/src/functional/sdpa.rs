@@ -133,6 +133,15 @@ struct SdpaCall {
     scale: f64,
 }
 
+impl SdpaCall {
+    /// The multiply-adds of the call's larger product (`Bf16Products::Auto` widens a small
+    /// call's).
+    fn macs(&self) -> u64 {
+        let rows = self.batch.iter().fold(self.l as u64, |a, &b| a.saturating_mul(b as u64));
+        rows.saturating_mul(self.s as u64).saturating_mul(self.e.max(self.ev) as u64)
+    }
+}
+
 fn shape_err(arg: &'static str, msg: String) -> Error {
     Error::Shape { op: SDPA, arg, msg }
 }
@@ -458,9 +467,10 @@ pub fn explain_sdpa(
         // As the call: the bf16 route reads the inputs as they are (its output checked first);
         // any other is explained as its f32 twin.
         let like_flash = pytorch_bf16_flash(query, key, value, opts);
-        let direct = crate::mode::rounded_products_if(query.dtype(), like_flash, || {
-            bf16_direct_applies(query, key, value, opts, &call)
-        })?;
+        let direct =
+            crate::mode::rounded_products_if(query.dtype(), like_flash, call.macs(), || {
+                bf16_direct_applies(query, key, value, opts, &call)
+            })?;
         if direct {
             ensure_output(query, &call)?;
             ensure_fused(query, key, value, &call, opts)?;
@@ -627,14 +637,15 @@ pub fn scaled_dot_product_attention(
     let call = validate(query, key, value, opts)?;
     if crate::precision::is_reduced(query.dtype()) {
         let like_flash = pytorch_bf16_flash(query, key, value, opts);
-        let direct = crate::mode::rounded_products_if(query.dtype(), like_flash, || {
+        let macs = call.macs();
+        let direct = crate::mode::rounded_products_if(query.dtype(), like_flash, macs, || {
             bf16_direct(query, key, value, opts, &call)
         })?;
         if let Some(y) = direct {
             return Ok(y);
         }
         let (q, k, v, o) = widened(query, key, value, opts)?;
-        let y = crate::mode::rounded_products_if(query.dtype(), like_flash, || {
+        let y = crate::mode::rounded_products_if(query.dtype(), like_flash, macs, || {
             scaled_dot_product_attention(&q, &k, &v, &o)
         })?;
         return crate::precision::narrow(&y, query.dtype());

@@ -335,8 +335,10 @@ fn run(
         let (heads, cu) = ((hq, hk, e, ev), (cu_seqlens_q, cu_seqlens_k));
         let mut o = opts.clone();
         o.sinks = crate::precision::widen_opt(opts.sinks.as_ref())?;
-        let y =
-            crate::mode::rounded_products(query.dtype(), || run(&q, &k, &v, heads, cu, &o, path))?;
+        let macs = crate::products::call_macs(query, key);
+        let y = crate::mode::rounded_products(query.dtype(), macs, || {
+            run(&q, &k, &v, heads, cu, &o, path)
+        })?;
         return crate::precision::narrow(&y, query.dtype());
     }
     let dropout = (opts.dropout_p > 0.0)

@@ -591,8 +591,9 @@ impl MultiheadAttention {
         let r = |t: &Tensor| autocast_operand(t, dt);
         let [q, k, v] = crate::precision::map_aliased([query, key, value], &r)?;
         let opts = crate::functional::autocast_options(opts, &r)?;
+        let macs = crate::products::call_macs(query, key);
         let out = crate::mode::autocast_off(|| {
-            crate::mode::rounded_products(dt, || m.forward(&q, &k, &v, &opts))
+            crate::mode::rounded_products(dt, macs, || m.forward(&q, &k, &v, &opts))
         })?;
         let done = |t: &Tensor| autocast_output(t, query.dtype(), dt);
         Ok(MhaOutput {

@@ -198,7 +198,8 @@ impl TransformerDecoderLayer {
             m.forward_with(&tgt, &memory, &so, &co)
         };
         let dtypes = (tgt.dtype(), self.self_attn.dtype());
-        if let Some(y) = crate::precision::autocast_layer(self, dtypes, autocast) {
+        let macs = crate::products::layer_macs(tgt, memory, self.cfg.dim_feedforward);
+        if let Some(y) = crate::precision::autocast_layer(self, dtypes, macs, autocast) {
             return y;
         }
         let dtype = tgt.dtype();
@@ -214,8 +215,9 @@ impl TransformerDecoderLayer {
             let (so, co) = (widen_options(self_opts)?, widen_options(cross_opts)?);
             let widened = self.widened()?;
             let (t, mem) = (widen(tgt)?, widen(memory)?);
-            let y =
-                crate::mode::rounded_products(dtype, || widened.forward_with(&t, &mem, &so, &co))?;
+            let y = crate::mode::rounded_products(dtype, macs, || {
+                widened.forward_with(&t, &mem, &so, &co)
+            })?;
             return narrow(&y, dtype);
         }
         let (sa, ca) = (&self.self_attn, &self.multihead_attn);

@@ -167,7 +167,8 @@ impl TransformerEncoderLayer {
             m.forward_with(&src, &crate::functional::autocast_options(opts, r)?)
         };
         let dtypes = (src.dtype(), self.self_attn.dtype());
-        if let Some(y) = crate::precision::autocast_layer(self, dtypes, autocast) {
+        let macs = self.product_macs(src);
+        if let Some(y) = crate::precision::autocast_layer(self, dtypes, macs, autocast) {
             return y;
         }
         let dtype = src.dtype();
@@ -182,7 +183,7 @@ impl TransformerEncoderLayer {
             use crate::precision::{narrow, widen, CastParams};
             let o = crate::functional::widen_options(opts)?;
             let (widened, x) = (self.widened()?, widen(src)?);
-            let y = crate::mode::rounded_products(dtype, || widened.forward_with(&x, &o))?;
+            let y = crate::mode::rounded_products(dtype, macs, || widened.forward_with(&x, &o))?;
             return narrow(&y, dtype);
         }
         let x = src;
@@ -232,7 +233,7 @@ impl TransformerEncoderLayer {
         let Some(sa) = sa.map_err(|e| e.renamed(&super::SRC_MASKS.0))? else {
             return Ok(None);
         };
-        crate::mode::rounded_products(dtype, || {
+        crate::mode::rounded_products(dtype, self.product_macs(src), || {
             if self.cfg.norm_first {
                 let x = residual(&widen(src)?, &sa.output)?;
                 let ff = self.twin_feed_forward(&norm2.forward(&x)?, opts.dropout_key)?;
@@ -267,7 +268,7 @@ impl TransformerEncoderLayer {
         let x = widen(src)?;
         let attend = |x: &Tensor| self.self_attn.forward_packed_f32_of_bf16(x, cu, opts);
         let feed_forward = |x: &Tensor| self.twin_feed_forward(x, opts.dropout_key);
-        crate::mode::rounded_products(dtype, || {
+        crate::mode::rounded_products(dtype, self.product_macs(src), || {
             if self.cfg.norm_first {
                 let x = residual(&x, &attend(&norm1.forward(&x)?)?)?;
                 narrow(&residual(&x, &feed_forward(&norm2.forward(&x)?)?)?, dtype)
@@ -279,6 +280,12 @@ impl TransformerEncoderLayer {
         .map(Some)
     }
 
+    /// The multiply-adds of the layer's largest product on `src` (`Bf16Products::Auto` widens
+    /// a small layer's products).
+    fn product_macs(&self, src: &Tensor) -> u64 {
+        crate::products::layer_macs(src, src, self.cfg.dim_feedforward)
+    }
+
     /// The conditions both bf16 routes share: a bf16 layer with bf16 products on, no dropout
     /// in effect, no autocast, ReLU or GELU, and no gradient recorded.
     fn bf16_route_applies(
@@ -287,7 +294,7 @@ impl TransformerEncoderLayer {
         key: Option<crate::random::DropoutKey>,
     ) -> Result<bool> {
         Ok(src.dtype() == candle_core::DType::BF16
-            && crate::mode::bf16_products()
+            && crate::mode::bf16_products_at(self.product_macs(src))
             && self.dropouts(key).is_identity()
             && crate::precision::autocast_for(candle_core::DType::F32, candle_core::DType::F32)
                 .is_none()
@@ -381,8 +388,10 @@ impl TransformerEncoderLayer {
                 return Ok(y);
             }
             let (widened, x) = (self.widened()?, widen(src)?);
-            let y =
-                crate::mode::rounded_products(dtype, || widened.forward_packed_here(&x, cu, &o))?;
+            let macs = self.product_macs(src);
+            let y = crate::mode::rounded_products(dtype, macs, || {
+                widened.forward_packed_here(&x, cu, &o)
+            })?;
             return narrow(&y, dtype);
         }
         let drop = self.dropouts(opts.dropout_key);

@@ -140,16 +140,19 @@ fn an_unallocatable_packed_batch_is_an_error_on_both_paths() {
 }
 
 /// A bf16 packed batch takes the path it is given: the composed twin (SDPA per sequence on
-/// the widened rows) when asked, within bf16's tolerance of the fused kernels, and `explain`
-/// says which.
+/// the widened rows) when asked, within bf16's tolerance of the fused kernels (with direct
+/// bf16 products, which the composed path does not take), and `explain` says which.
 #[test]
 fn a_bf16_packed_batch_takes_the_composed_path_when_asked() {
+    use multihead::{with_bf16_products, Bf16Products};
     let cu = CuSeqlens::from_lengths(&[3, 17, 40]);
     let x = det(&[60, 2, 16], DType::BF16, 1.0);
     let go = |backend: Backend| {
         let o = SdpaOptions::default().is_causal(true).backend(backend);
         let plan = explain_varlen(&x, &x, &x, &cu, &cu, &o).unwrap();
-        (plan.path, varlen_attention(&x, &x, &x, &cu, &cu, &o).unwrap())
+        let y =
+            with_bf16_products(Bf16Products::Direct, || varlen_attention(&x, &x, &x, &cu, &cu, &o));
+        (plan.path, y.unwrap())
     };
     let ((pf, f), (pc, c)) = (go(Backend::Fused), go(Backend::Composed));
     assert_eq!((pf, pc), (Path::Fused, Path::Composed));

@@ -361,8 +361,9 @@ fn in_autocast<R>(
     let r = |t: &Tensor| crate::precision::autocast_operand(t, dt);
     let w = Widened::mapped(query, key, value, alias, params, autocast_options(opts, &r)?, &r)?;
     let p = w.params(params);
+    let macs = crate::products::call_macs(query, key);
     crate::mode::autocast_off(|| {
-        crate::mode::rounded_products(dt, || f([&w.q, &w.k, &w.v], &p, &w.opts))
+        crate::mode::rounded_products(dt, macs, || f([&w.q, &w.k, &w.v], &p, &w.opts))
     })
 }
 
@@ -593,7 +594,7 @@ pub(crate) fn mha_forward_impl(
         }
         let w = Widened::new(query, key, value, alias, params, opts)?;
         let p32 = w.params(params);
-        let o = crate::mode::rounded_products(call.dtype, || {
+        let o = crate::mode::rounded_products(call.dtype, call.macs(), || {
             let (q, k, v) = (&w.q, &w.k, &w.v);
             let c32 = validate::validate(q, k, v, alias, &p32, &w.opts, training, batch_first)?;
             let plan = plan(&c32, &w.opts)?;
@@ -641,7 +642,9 @@ fn run_direct_bf16(call: &mut MhaCall, opts: &MhaOptions, out: DType) -> Result<
     call.attn_mask = crate::precision::widen_opt(call.attn_mask.as_ref())?;
     call.kpm = crate::precision::widen_opt(call.kpm.as_ref())?;
     let dtype = call.dtype;
-    crate::mode::rounded_products(dtype, || forward_planned(call, opts, plan, Some(out))).map(Some)
+    let macs = call.macs();
+    crate::mode::rounded_products(dtype, macs, || forward_planned(call, opts, plan, Some(out)))
+        .map(Some)
 }
 
 /// The plan of a bf16 call that runs as it is, bf16 in and out, without widening its inputs
@@ -656,7 +659,7 @@ fn run_direct_bf16(call: &mut MhaCall, opts: &MhaOptions, out: DType) -> Result<
 fn direct_bf16_plan(call: &MhaCall, opts: &MhaOptions) -> Result<Option<Plan>> {
     let rows = call.n.saturating_mul(call.l);
     let direct = call.dtype == DType::BF16
-        && crate::mode::bf16_products()
+        && crate::mode::bf16_products_at(call.macs())
         && rows > multihead_kernels::gemv::MAX_ROWS
         && bf16_route(call);
     if !direct {

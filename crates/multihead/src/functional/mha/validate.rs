@@ -57,6 +57,15 @@ pub(crate) struct MhaCall<'a> {
 }
 
 impl MhaCall<'_> {
+    /// The multiply-adds of the call's largest product (a projection or the attention's):
+    /// what `Bf16Products::Auto` weighs ([`crate::products::WIDEN_BELOW_MACS`]).
+    pub(crate) fn macs(&self) -> u64 {
+        let kdim = self.key.dims().last().copied().unwrap_or(0) as u64;
+        let (n, l, s, e) = (self.n as u64, self.l as u64, self.s as u64, self.e as u64);
+        let m = |a: u64, b: u64, c: u64| n.saturating_mul(a).saturating_mul(b).saturating_mul(c);
+        m(l, e, e).max(m(s, kdim, e)).max(m(l, s, e))
+    }
+
     /// `S'`: the keys the softmax runs over, with the `bias_k` and zero-attention columns.
     pub fn s_total(&self) -> usize {
         self.s + self.params.bias_k.is_some() as usize + self.params.add_zero_attn as usize
