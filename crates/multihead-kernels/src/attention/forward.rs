@@ -180,86 +180,46 @@ impl<T: Operand> Task for FwdTask<'_, T> {
             let (banded, band) = (p.banded(), Band::of(p, b));
             let clip = banded && finite;
             let (jstart, jend) = if clip { band.keys(i0, br) } else { (0, dm.s) };
-            let kbase = self.k.0.add(self.kl.offset(b, hk, 0));
-            let vbase = self.v.0.add(self.vl.offset(b, hk, 0));
+            let mut blk = QueryBlock {
+                b,
+                h,
+                hk,
+                i0,
+                br,
+                brp,
+                nvec,
+                finite,
+                clip,
+                banded,
+                band,
+                has_mask,
+                per_key,
+                dropout,
+                bf,
+                bfb,
+                kbase: self.k.0.add(self.kl.offset(b, hk, 0)),
+                vbase: self.v.0.add(self.vl.offset(b, hk, 0)),
+                qt,
+                st,
+                mt,
+                o,
+            };
             let mut first = true;
             let mut j0 = jstart;
             while j0 < jend {
                 let step = self.bc.min(jend - j0);
-                let pos = TilePos { b, h, i0, br, brp, j0, bc: step };
-                // The keys up to the block's last visible one (all of them for a non-finite
-                // head, which reads every key).
-                let live = match (has_mask, per_key) {
-                    (false, _) => step,
-                    (true, true) => build_mask_keys(&p.masks, pos, mt),
-                    (true, false) => build_mask_tile::<S>(&p.masks, pos, mt),
-                };
-                let bc = if finite { live } else { step };
-                if bc == 0 {
-                    j0 += step;
-                    continue;
+                if self.key_block::<S>(&mut blk, &mut running, (j0, step), first) {
+                    first = false;
                 }
-                let diag = if clip { band.diag(i0, j0) } else { None };
-                let kj = kbase.add(j0 * self.kl.seq);
-                let partial = banded && band.partial(i0, br, j0, bc);
-                // The cap goes into the softmax pass where nothing comes between the two (the
-                // masks and the bias after the cap, no band to hide); else a pass of its own.
-                let fused_cap = p.softcap.filter(|_| !partial && !bias_before_cap(p));
-                // The bf16 products' scale goes into the softmax pass too where no pass comes
-                // between (the same bits: the pass multiplies first); the f32 products' is in
-                // the query block already.
-                let fold_scale = bf && !partial && !bias_before_cap(p);
-                // This block's keys and values packed once per head, where they were.
-                let ready =
-                    if bf { self.packed.and_then(|pk| pk.block(b, hk, j0, bc)) } else { None };
-                if bf {
-                    let scale = if fold_scale { 1.0 } else { p.scale };
-                    let keys = (kj, self.kl.seq, bc, d);
-                    bfb.scores(ready.map(|r| r.0), keys, scale, (st.as_mut_ptr(), brp));
-                } else if let Some(kj) = T::as_f32(kj) {
-                    let (stp, qtp) = (st.as_mut_ptr(), qt.as_ptr());
-                    score_tile::<S>(kj, self.kl.seq, d, qtp, brp, stp, bc, diag);
-                }
-                let alibi = Alibi::of(p, h, i0, j0);
-                if fused_cap.is_none() {
-                    let tile = (st.as_mut_ptr(), brp, nvec, bc);
-                    cap_tile::<S>(p, tile, (mt.as_ptr(), per_key), alibi.as_ref());
-                }
-                if partial {
-                    let how = if clip { Hide::Fill(f32::NEG_INFINITY) } else { Hide::AddNegInf };
-                    band.hide(st, brp, (i0, j0, bc), how);
-                }
-                let mask = (has_mask && !p.cap_masks()).then_some((mt.as_ptr(), per_key));
-                let alibi = alibi.filter(|_| !bias_before_cap(p));
-                let drop = dropout.as_ref().map(|dr| (dr, j0));
-                let tile = ScoreTile { st: st.as_mut_ptr(), brp, nvec, bc };
-                let scale = if fold_scale { p.scale } else { 1.0 };
-                let mods = ScoreMods { scale, cap: fused_cap, mask, alibi: alibi.as_ref() };
-                // The bf16 products' probabilities go straight into their pair words.
-                let pack = bf.then(|| bfb.probabilities(bc, brp));
-                softmax_tile::<S>(&tile, &mods, &mut running, drop, pack);
-                // Rescale O where the max grew, then O += P V.
-                let (vj, ld) = (vbase.add(j0 * self.vl.seq), self.vl.seq);
-                if bf {
-                    if !first {
-                        rescale_lanes::<S>(ot, dv, running.alpha.as_ptr(), nvec);
-                    }
-                    let ready = ready.map(|r| (r.1, r.2));
-                    bfb.values(ready, (vj, ld, bc, dv), (st.as_ptr(), brp), !first);
-                } else if let Some(vj) = T::as_f32(vj) {
-                    let values = (vj, ld, dv);
-                    accumulate_values::<S>(o, &running.alpha[..br], &tile, values, first, diag);
-                }
-                first = false;
                 j0 += step;
             }
 
             if bf && !first {
                 // The output block back from channels × lanes to rows × channels.
-                S::transpose(o.as_mut_ptr(), dv, ot, bf::MAX_LANES, dv, br, 1.0, false);
+                S::transpose(blk.o.as_mut_ptr(), dv, ot, bf::MAX_LANES, dv, br, 1.0, false);
             }
             let rows = RowsOut { b, h, i0, br, dv, finite, empty: first };
-            self.write_rows::<S>(&rows, o, running.max, running.sum);
+            self.write_rows::<S>(&rows, blk.o, running.max, running.sum);
         }
     }
 }
@@ -364,6 +324,43 @@ pub(crate) enum OutRows {
     Bf16(SyncPtr<u16>),
 }
 
+/// A task's query block as each of its key blocks reads it ([`FwdTask::key_block`]): where it
+/// is, what hides its keys, its dropout, the bf16 products' buffers, the head's keys and values,
+/// and the task's scratch tiles.
+struct QueryBlock<'s, T> {
+    b: usize,
+    h: usize,
+    /// The key and value head that `h` reads.
+    hk: usize,
+    i0: usize,
+    br: usize,
+    /// `br` rounded up to whole vectors, and that many vectors.
+    brp: usize,
+    nvec: usize,
+    /// Whether the head's queries, keys and values are all finite (else every key is read).
+    finite: bool,
+    /// Whether the band bounds the keys read (a banded, finite head), and the band.
+    clip: bool,
+    banded: bool,
+    band: Band,
+    /// Whether a mask applies, and whether it holds one value per key.
+    has_mask: bool,
+    per_key: bool,
+    dropout: Option<BlockDropout>,
+    /// bf16 products (else f32), and their buffers.
+    bf: bool,
+    bfb: BfBlock,
+    /// The head's first key and value rows.
+    kbase: *const T,
+    vbase: *const T,
+    /// The scaled, transposed query block (f32 products), the score and mask tiles, and the
+    /// output rows.
+    qt: &'s [f32],
+    st: &'s mut [f32],
+    mt: &'s mut [f32],
+    o: &'s mut [f32],
+}
+
 /// Where a finished query block goes: its rows `i0..i0 + br` of head `(b, h)`, whether the
 /// head is finite, and whether no key block was read (every key masked or none).
 struct RowsOut {
@@ -377,6 +374,96 @@ struct RowsOut {
 }
 
 impl<T: Operand> FwdTask<'_, T> {
+    /// One key block `j0..j0 + step` of the query block `q`: its scores, masks and soft cap,
+    /// the online-softmax update (dropout on the probabilities), then `O += P·V`. Returns
+    /// whether any of its keys was read (a block whose keys the masks hide all is skipped in
+    /// a finite head).
+    ///
+    /// # Safety
+    /// `S` is available; `q` was carved and filled by [`Task::run`] for this task, whose
+    /// rows and heads `flash_forward` validated; `first` says that no block was read before.
+    #[inline(always)]
+    unsafe fn key_block<S: Simd>(
+        &self,
+        q: &mut QueryBlock<'_, T>,
+        running: &mut Running<'_>,
+        (j0, step): (usize, usize),
+        first: bool,
+    ) -> bool {
+        let p = self.p;
+        let (d, dv) = (p.dims.d, p.dims.dv);
+        let (b, h, i0, br, brp, nvec) = (q.b, q.h, q.i0, q.br, q.brp, q.nvec);
+        let (bf, bfb, band) = (q.bf, &q.bfb, q.band);
+        let pos = TilePos { b, h, i0, br, brp, j0, bc: step };
+        // SAFETY: the rows addressed lie in the validated key and value ranges; the tiles are
+        // this task's scratch (the caller's contract).
+        unsafe {
+            // The keys up to the block's last visible one (all of them for a non-finite head,
+            // which reads every key).
+            let live = match (q.has_mask, q.per_key) {
+                (false, _) => step,
+                (true, true) => build_mask_keys(&p.masks, pos, q.mt),
+                (true, false) => build_mask_tile::<S>(&p.masks, pos, q.mt),
+            };
+            let bc = if q.finite { live } else { step };
+            if bc == 0 {
+                return false;
+            }
+            let diag = if q.clip { band.diag(i0, j0) } else { None };
+            let kj = q.kbase.add(j0 * self.kl.seq);
+            let partial = q.banded && band.partial(i0, br, j0, bc);
+            // The cap goes into the softmax pass where nothing comes between the two (the
+            // masks and the bias after the cap, no band to hide); else a pass of its own.
+            let fused_cap = p.softcap.filter(|_| !partial && !bias_before_cap(p));
+            // The bf16 products' scale goes into the softmax pass too where no pass comes
+            // between (the same bits: the pass multiplies first); the f32 products' is in the
+            // query block already.
+            let fold_scale = bf && !partial && !bias_before_cap(p);
+            // This block's keys and values packed once per head, where they were.
+            let ready =
+                if bf { self.packed.and_then(|pk| pk.block(b, q.hk, j0, bc)) } else { None };
+            if bf {
+                let scale = if fold_scale { 1.0 } else { p.scale };
+                let keys = (kj, self.kl.seq, bc, d);
+                bfb.scores(ready.map(|r| r.0), keys, scale, (q.st.as_mut_ptr(), brp));
+            } else if let Some(kj) = T::as_f32(kj) {
+                let (stp, qtp) = (q.st.as_mut_ptr(), q.qt.as_ptr());
+                score_tile::<S>(kj, self.kl.seq, d, qtp, brp, stp, bc, diag);
+            }
+            let alibi = Alibi::of(p, h, i0, j0);
+            if fused_cap.is_none() {
+                let tile = (q.st.as_mut_ptr(), brp, nvec, bc);
+                cap_tile::<S>(p, tile, (q.mt.as_ptr(), q.per_key), alibi.as_ref());
+            }
+            if partial {
+                let how = if q.clip { Hide::Fill(f32::NEG_INFINITY) } else { Hide::AddNegInf };
+                band.hide(q.st, brp, (i0, j0, bc), how);
+            }
+            let mask = (q.has_mask && !p.cap_masks()).then_some((q.mt.as_ptr(), q.per_key));
+            let alibi = alibi.filter(|_| !bias_before_cap(p));
+            let drop = q.dropout.as_ref().map(|dr| (dr, j0));
+            let tile = ScoreTile { st: q.st.as_mut_ptr(), brp, nvec, bc };
+            let scale = if fold_scale { p.scale } else { 1.0 };
+            let mods = ScoreMods { scale, cap: fused_cap, mask, alibi: alibi.as_ref() };
+            // The bf16 products' probabilities go straight into their pair words.
+            let pack = bf.then(|| bfb.probabilities(bc, brp));
+            softmax_tile::<S>(&tile, &mods, running, drop, pack);
+            // Rescale O where the max grew, then O += P V.
+            let (vj, ld) = (q.vbase.add(j0 * self.vl.seq), self.vl.seq);
+            if bf {
+                if !first {
+                    rescale_lanes::<S>(bfb.ot, dv, running.alpha.as_ptr(), nvec);
+                }
+                let ready = ready.map(|r| (r.1, r.2));
+                bfb.values(ready, (vj, ld, bc, dv), (q.st.as_ptr(), brp), !first);
+            } else if let Some(vj) = T::as_f32(vj) {
+                let values = (vj, ld, dv);
+                accumulate_values::<S>(q.o, &running.alpha[..br], &tile, values, first, diag);
+            }
+        }
+        true
+    }
+
     /// Writes the block's output rows `O / l` and row statistics (a sink joins the sum): the
     /// max and the log of the sum, kept apart so that a row whose max is huge (a -1e9 or finfo.min mask over the
     /// whole row) keeps its precision. A fully masked row is 0 (statistics `(0, inf)`), or, in
