@@ -87,7 +87,8 @@ impl TransformerEncoderLayer {
     }
 
     /// Checks a step before anything is appended: the layer is in eval mode (or without
-    /// dropout) and the self-attention takes `x` over `cache`.
+    /// dropout), the self-attention takes `x` over `cache` (its errors named as the step's),
+    /// and the feed-forward block's rows can be allocated.
     fn check_step(
         &self,
         x: &Tensor,
@@ -106,7 +107,18 @@ impl TransformerEncoderLayer {
                 ),
             });
         }
-        self.self_attn.check_cached(x, cache, lengths, opts)
+        let as_step = |e: Error| match e {
+            Error::Shape { arg, msg, .. } => Error::Shape { op: STEP, arg, msg },
+            Error::DType { arg, msg, .. } => Error::DType { op: STEP, arg, msg },
+            Error::Config { arg, msg, .. } => Error::Config { op: STEP, arg, msg },
+            e => e,
+        };
+        self.self_attn.check_cached(x, cache, lengths, opts).map_err(as_step)?;
+        // The feed-forward block's hidden rows (and the residual sums beside them), which
+        // come after the cache's append.
+        let e = self.cfg.d_model.max(1);
+        let rows = [x.elem_count() / e, self.cfg.dim_feedforward.max(e)];
+        crate::alloc::ensure(STEP, "x", &rows, x.dtype(), 3, "decode fewer tokens at a time")
     }
 
     /// The step, checked.
