@@ -99,8 +99,8 @@ pub use layer_norm::LayerNorm;
 pub use linear::Linear;
 pub use mask::{generate_square_subsequent_mask, Mask};
 pub use mode::{
-    autocast, autocast_dtype, bf16_products, default_backend, grad_enabled, no_grad, with_backend,
-    with_bf16_products, Backend, Bf16Products,
+    autocast, autocast_dtype, bf16_products, default_backend, grad_enabled, no_grad,
+    with_auto_bf16_decision, with_backend, with_bf16_products, Backend, Bf16Products,
 };
 pub use multihead_attention::{MhaConfig, MultiheadAttention, StaticKv};
 pub use pool::on_pool;

@@ -71,8 +71,8 @@ impl Mask {
             Ok(())
         } else {
             let got = self.tensor().dtype();
-            // PyTorch's words ("only bool and floating types of masks are supported"), then
-            // which wrapper holds what.
+            // PyTorch says "only bool and floating types of masks are supported"; here the
+            // wrapper says which dtype it must hold.
             let msg = match self {
                 Mask::Bool(_) => format!(
                     "a Mask::Bool must hold a bool (u8) tensor, got {got:?}; convert it with \

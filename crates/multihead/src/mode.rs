@@ -132,7 +132,9 @@ pub fn with_bf16_products<R>(choice: Bf16Products, f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// Whether bf16 products take bf16 operands directly on this thread (see [`Bf16Products`]).
+/// Whether bf16 products take bf16 operands directly on this thread (see [`Bf16Products`]):
+/// in every call, or under `Auto` in calls large enough (`Auto` widens small calls outside
+/// [`no_grad`]).
 pub fn bf16_products() -> bool {
     match BF16_PRODUCTS.with(|c| c.get()) {
         Bf16Products::Direct => true,
@@ -145,16 +147,30 @@ pub fn bf16_products() -> bool {
 /// measured rate of the bf16 dot product (one decision, explained by
 /// [`explain_bf16_products`](crate::explain_bf16_products)).
 fn bf16_products_auto() -> bool {
-    crate::products::auto_decision().0
+    AUTO_DECISION.with(|c| c.get()).unwrap_or_else(|| crate::products::auto_decision().0)
+}
+
+/// Runs `f` with `Auto`'s decision for this process replaced by `direct` on this thread (and
+/// the pool threads its calls hop onto): for tests of `Auto`'s rules that must run the same
+/// on CPUs where it decides otherwise.
+#[doc(hidden)]
+pub fn with_auto_bf16_decision<R>(direct: bool, f: impl FnOnce() -> R) -> R {
+    let _restore = Restore::set(&AUTO_DECISION, Some(direct));
+    f()
 }
 
 /// Whether a call whose largest product is `macs` multiply-adds (its estimate:
 /// [`crate::products::call_macs`]) takes bf16 operands directly: [`bf16_products`], except that
 /// `Auto` widens a call below [`crate::products::WIDEN_BELOW_MACS`] that may record a gradient
 /// (outside [`no_grad`]: faster there, and its gradients closer to PyTorch's), unless the
-/// environment asked for one choice for every call.
+/// environment asked for one choice for every call. Inside a call's [`rounded_products`], the
+/// call's decision: its parts (a layer's attention and projections, an attention's
+/// projections) follow the call as a whole.
 pub(crate) fn bf16_products_at(macs: u64) -> bool {
     use crate::products::{auto_by_size, WIDEN_BELOW_MACS};
+    if let Some(direct) = CALL_DIRECT.with(|c| c.get()) {
+        return direct;
+    }
     match BF16_PRODUCTS.with(|c| c.get()) {
         Bf16Products::Direct => true,
         Bf16Products::Widened => false,
@@ -169,8 +185,9 @@ pub(crate) fn bf16_products_at(macs: u64) -> bool {
 /// with its products' operands rounded to bf16 when [`bf16_products_at`] says so (the linear
 /// layers and attention inside take the bf16 kernels).
 pub(crate) fn rounded_products<R>(dtype: DType, macs: u64, f: impl FnOnce() -> R) -> R {
-    let on = dtype == DType::BF16 && bf16_products_at(macs);
-    let _restore = Restore::set(&ROUNDED_PRODUCTS, on);
+    let direct = bf16_products_at(macs);
+    let _restore = Restore::set(&ROUNDED_PRODUCTS, dtype == DType::BF16 && direct);
+    let _call = Restore::set(&CALL_DIRECT, Some(direct));
     f()
 }
 
@@ -183,8 +200,9 @@ pub(crate) fn rounded_products_if<R>(
     macs: u64,
     f: impl FnOnce() -> R,
 ) -> R {
-    let on = like_flash && dtype == DType::BF16 && bf16_products_at(macs);
-    let _restore = Restore::set(&ROUNDED_PRODUCTS, on);
+    let direct = bf16_products_at(macs);
+    let _restore = Restore::set(&ROUNDED_PRODUCTS, like_flash && dtype == DType::BF16 && direct);
+    let _call = Restore::set(&CALL_DIRECT, Some(direct));
     f()
 }
 
@@ -196,6 +214,10 @@ pub(crate) fn in_rounded_products() -> bool {
 thread_local! {
     pub(crate) static BF16_PRODUCTS: Cell<Bf16Products> = const { Cell::new(Bf16Products::Auto) };
     static ROUNDED_PRODUCTS: Cell<bool> = const { Cell::new(false) };
+    /// The decision of the call whose `rounded_products` scope this thread is in.
+    static CALL_DIRECT: Cell<Option<bool>> = const { Cell::new(None) };
+    /// `with_auto_bf16_decision`'s replacement for `Auto`'s decision.
+    static AUTO_DECISION: Cell<Option<bool>> = const { Cell::new(None) };
     static BACKEND: Cell<Backend> = const { Cell::new(Backend::Auto) };
     static GRAD: Cell<bool> = const { Cell::new(true) };
     static AUTOCAST: Cell<Option<DType>> = const { Cell::new(None) };
@@ -334,6 +356,8 @@ pub fn default_backend() -> Backend {
 pub(crate) struct Modes {
     bf16_products: Bf16Products,
     rounded_products: bool,
+    call_direct: Option<bool>,
+    auto_decision: Option<bool>,
     backend: Backend,
     grad: bool,
     autocast: Option<DType>,
@@ -346,6 +370,8 @@ impl Modes {
         Modes {
             bf16_products: BF16_PRODUCTS.with(|c| c.get()),
             rounded_products: ROUNDED_PRODUCTS.with(|c| c.get()),
+            call_direct: CALL_DIRECT.with(|c| c.get()),
+            auto_decision: AUTO_DECISION.with(|c| c.get()),
             backend: BACKEND.with(|c| c.get()),
             grad: GRAD.with(|c| c.get()),
             autocast: AUTOCAST.with(|c| c.get()),
@@ -357,6 +383,8 @@ impl Modes {
     pub(crate) fn enter<R>(self, f: impl FnOnce() -> R) -> R {
         let _a = Restore::set(&BF16_PRODUCTS, self.bf16_products);
         let _b = Restore::set(&ROUNDED_PRODUCTS, self.rounded_products);
+        let _b2 = Restore::set(&CALL_DIRECT, self.call_direct);
+        let _b3 = Restore::set(&AUTO_DECISION, self.auto_decision);
         let _c = Restore::set(&BACKEND, self.backend);
         let _d = Restore::set(&GRAD, self.grad);
         let _e = Restore::set(&AUTOCAST, self.autocast);

@@ -59,7 +59,13 @@ pub fn explain_bf16_products() -> ProductsPlan {
         Bf16Products::Direct => (true, "Bf16Products::Direct was asked for".to_string()),
         Bf16Products::Widened => (false, "Bf16Products::Widened was asked for".to_string()),
         Bf16Products::Auto => {
-            let (direct, why) = auto_decision().clone();
+            let (process, why) = auto_decision().clone();
+            // `with_auto_bf16_decision` (tests) replaces the process's decision.
+            let direct = crate::mode::bf16_products();
+            let why = match direct == process {
+                true => why,
+                false => format!("with_auto_bf16_decision replaced Auto's decision ({why})"),
+            };
             match direct && auto_by_size() {
                 true => (direct, format!("{why}; outside no_grad, calls whose largest product is under 2^20 multiply-adds widen (faster there in training, and closer to PyTorch's gradients)")),
                 false => (direct, why),
@@ -199,28 +205,57 @@ fn decide(
 /// against 0.014 ms, 0.07 against 0.09 ms) and their outputs pass PyTorch's rule.
 pub(crate) const WIDEN_BELOW_MACS: u64 = 1 << 20;
 
-/// The multiply-adds of the largest product of an attention call (an MHA, a layer's attention
-/// or an SDPA) with query `q` (last dimension `E`: the projections' width) and key `k` (last
-/// dimension the key's width): the larger of the query's and the key's projections (rows
-/// times both widths) and the attention's products (query rows times the key's length times
-/// `E`, the key's length taken as its longest leading dimension). An estimate for
-/// [`WIDEN_BELOW_MACS`]: it does not need to know which dimension is the batch.
-pub(crate) fn call_macs(q: &candle_core::Tensor, k: &candle_core::Tensor) -> u64 {
+/// The multiply-adds of the largest product of an attention call (an MHA or a layer's
+/// attention) with query `q` (last dimension `E`: the projections' width) and key `k` (last
+/// dimension the key's width), `(L, N, E)` or `(N, L, E)` with `batch_first`, or unbatched
+/// `(L, E)`: the larger of the query's and the key's projections (rows times both widths) and
+/// the attention's products (query rows times the key's length `S` times `E`). An estimate
+/// for [`WIDEN_BELOW_MACS`].
+pub(crate) fn call_macs(
+    q: &candle_core::Tensor,
+    k: &candle_core::Tensor,
+    batch_first: bool,
+) -> u64 {
     let width = |t: &candle_core::Tensor| t.dims().last().copied().unwrap_or(1).max(1) as u64;
     let (e, kd) = (width(q), width(k));
     let rows = |t: &candle_core::Tensor, w: u64| t.elem_count() as u64 / w;
     let (lq, lk) = (rows(q, e), rows(k, kd));
-    let len = k.dims().iter().rev().skip(1).copied().max().unwrap_or(1) as u64;
+    let seq = match (k.rank(), batch_first) {
+        (3, true) => 1,
+        _ => 0,
+    };
+    let s = k.dims().get(seq).copied().unwrap_or(1) as u64;
     let m = |a: u64, b: u64, c: u64| a.saturating_mul(b).saturating_mul(c);
-    m(lq, e, e).max(m(lk, kd, e)).max(m(lq, len, e))
+    m(lq, e, e).max(m(lk, kd, e)).max(m(lq, s, e))
 }
 
-/// [`call_macs`] of a Transformer layer's attention with the feed-forward products (`rows`
-/// of `x` times `E` times `dim_feedforward`) beside it.
-pub(crate) fn layer_macs(x: &candle_core::Tensor, memory: &candle_core::Tensor, ff: usize) -> u64 {
+/// [`call_macs`] of a Transformer layer's attention (self-attention over `x`, and for a
+/// decoder layer the cross-attention over `memory`) with the feed-forward products (`x`'s
+/// rows times `E` times `dim_feedforward`) beside it.
+pub(crate) fn layer_macs(
+    x: &candle_core::Tensor,
+    memory: &candle_core::Tensor,
+    ff: usize,
+    batch_first: bool,
+) -> u64 {
     let e = x.dims().last().copied().unwrap_or(1).max(1) as u64;
     let rows = x.elem_count() as u64 / e;
-    call_macs(x, x).max(call_macs(x, memory)).max(rows.saturating_mul(e).saturating_mul(ff as u64))
+    let attention = call_macs(x, x, batch_first).max(call_macs(x, memory, batch_first));
+    attention.max(rows.saturating_mul(e).saturating_mul(ff as u64))
+}
+
+/// The multiply-adds of the attention over a packed batch of sequences (`cu_q`, `cu_k`), `e`
+/// wide: `Σ Lᵢ·Sᵢ·e` over the sequences and `heads` (each sequence attends only to itself).
+pub(crate) fn packed_attention_macs(
+    cu_q: &crate::functional::CuSeqlens,
+    cu_k: &crate::functional::CuSeqlens,
+    heads: usize,
+    e: usize,
+) -> u64 {
+    let pairs = cu_q.lengths().into_iter().zip(cu_k.lengths());
+    let per_head =
+        pairs.fold(0u64, |a, (l, s)| a.saturating_add((l as u64).saturating_mul(s as u64)));
+    per_head.saturating_mul(heads as u64).saturating_mul(e as u64)
 }
 
 #[cfg(test)]

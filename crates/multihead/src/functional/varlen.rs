@@ -335,7 +335,8 @@ fn run(
         let (heads, cu) = ((hq, hk, e, ev), (cu_seqlens_q, cu_seqlens_k));
         let mut o = opts.clone();
         o.sinks = crate::precision::widen_opt(opts.sinks.as_ref())?;
-        let macs = crate::products::call_macs(query, key);
+        let macs =
+            crate::products::packed_attention_macs(cu_seqlens_q, cu_seqlens_k, hq, e.max(ev));
         let y = crate::mode::rounded_products(query.dtype(), macs, || {
             run(&q, &k, &v, heads, cu, &o, path)
         })?;

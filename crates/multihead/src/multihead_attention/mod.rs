@@ -591,7 +591,7 @@ impl MultiheadAttention {
         let r = |t: &Tensor| autocast_operand(t, dt);
         let [q, k, v] = crate::precision::map_aliased([query, key, value], &r)?;
         let opts = crate::functional::autocast_options(opts, &r)?;
-        let macs = crate::products::call_macs(query, key);
+        let macs = crate::products::call_macs(query, key, self.cfg.batch_first);
         let out = crate::mode::autocast_off(|| {
             crate::mode::rounded_products(dt, macs, || m.forward(&q, &k, &v, &opts))
         })?;

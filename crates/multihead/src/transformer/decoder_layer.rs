@@ -198,7 +198,8 @@ impl TransformerDecoderLayer {
             m.forward_with(&tgt, &memory, &so, &co)
         };
         let dtypes = (tgt.dtype(), self.self_attn.dtype());
-        let macs = crate::products::layer_macs(tgt, memory, self.cfg.dim_feedforward);
+        let (ff, bf) = (self.cfg.dim_feedforward, self.cfg.batch_first);
+        let macs = crate::products::layer_macs(tgt, memory, ff, bf);
         if let Some(y) = crate::precision::autocast_layer(self, dtypes, macs, autocast) {
             return y;
         }

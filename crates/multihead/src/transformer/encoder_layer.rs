@@ -217,7 +217,8 @@ impl TransformerEncoderLayer {
         use crate::precision::{narrow, widen, CastParams};
         use candle_core::DType::F32;
         let dtype = src.dtype();
-        if !self.bf16_route_applies(src, opts.dropout_key)? {
+        let macs = self.product_macs(src);
+        if !self.bf16_route_applies(src, opts.dropout_key, macs)? {
             return Ok(None);
         }
         let (norm1, norm2) = (self.norm1.map_params(&widen)?, self.norm2.map_params(&widen)?);
@@ -233,7 +234,7 @@ impl TransformerEncoderLayer {
         let Some(sa) = sa.map_err(|e| e.renamed(&super::SRC_MASKS.0))? else {
             return Ok(None);
         };
-        crate::mode::rounded_products(dtype, self.product_macs(src), || {
+        crate::mode::rounded_products(dtype, macs, || {
             if self.cfg.norm_first {
                 let x = residual(&widen(src)?, &sa.output)?;
                 let ff = self.twin_feed_forward(&norm2.forward(&x)?, opts.dropout_key)?;
@@ -261,14 +262,15 @@ impl TransformerEncoderLayer {
     ) -> Result<Option<Tensor>> {
         use crate::precision::{narrow, widen, CastParams};
         let dtype = src.dtype();
-        if !self.bf16_route_applies(src, opts.dropout_key)? {
+        let macs = self.packed_macs(src, cu);
+        if !self.bf16_route_applies(src, opts.dropout_key, macs)? {
             return Ok(None);
         }
         let (norm1, norm2) = (self.norm1.map_params(&widen)?, self.norm2.map_params(&widen)?);
         let x = widen(src)?;
         let attend = |x: &Tensor| self.self_attn.forward_packed_f32_of_bf16(x, cu, opts);
         let feed_forward = |x: &Tensor| self.twin_feed_forward(x, opts.dropout_key);
-        crate::mode::rounded_products(dtype, self.product_macs(src), || {
+        crate::mode::rounded_products(dtype, macs, || {
             if self.cfg.norm_first {
                 let x = residual(&x, &attend(&norm1.forward(&x)?)?)?;
                 narrow(&residual(&x, &feed_forward(&norm2.forward(&x)?)?)?, dtype)
@@ -283,7 +285,17 @@ impl TransformerEncoderLayer {
     /// The multiply-adds of the layer's largest product on `src` (`Bf16Products::Auto` widens
     /// a small layer's products).
     fn product_macs(&self, src: &Tensor) -> u64 {
-        crate::products::layer_macs(src, src, self.cfg.dim_feedforward)
+        crate::products::layer_macs(src, src, self.cfg.dim_feedforward, self.cfg.batch_first)
+    }
+
+    /// [`product_macs`](Self::product_macs) of a packed batch `src` `(T, E)`: each sequence
+    /// attends to itself only.
+    fn packed_macs(&self, src: &Tensor, cu: &crate::functional::CuSeqlens) -> u64 {
+        let (e, f) = (self.cfg.d_model, self.cfg.dim_feedforward);
+        let rows = src.dims().first().copied().unwrap_or(0) as u64;
+        let widest = e.saturating_mul(3).max(f) as u64;
+        let products = rows.saturating_mul(e as u64).saturating_mul(widest);
+        products.max(crate::products::packed_attention_macs(cu, cu, 1, e))
     }
 
     /// The conditions both bf16 routes share: a bf16 layer with bf16 products on, no dropout
@@ -292,9 +304,10 @@ impl TransformerEncoderLayer {
         &self,
         src: &Tensor,
         key: Option<crate::random::DropoutKey>,
+        macs: u64,
     ) -> Result<bool> {
         Ok(src.dtype() == candle_core::DType::BF16
-            && crate::mode::bf16_products_at(self.product_macs(src))
+            && crate::mode::bf16_products_at(macs)
             && self.dropouts(key).is_identity()
             && crate::precision::autocast_for(candle_core::DType::F32, candle_core::DType::F32)
                 .is_none()
@@ -388,7 +401,7 @@ impl TransformerEncoderLayer {
                 return Ok(y);
             }
             let (widened, x) = (self.widened()?, widen(src)?);
-            let macs = self.product_macs(src);
+            let macs = self.packed_macs(src, cu);
             let y = crate::mode::rounded_products(dtype, macs, || {
                 widened.forward_packed_here(&x, cu, &o)
             })?;

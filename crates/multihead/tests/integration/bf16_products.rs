@@ -1024,20 +1024,24 @@ fn a_packed_bf16_encoder_layer_without_a_gradient_keeps_its_weights_bf16_with_th
 }
 
 /// `Auto` widens a small call's products (under 2^20 multiply-adds in its largest product)
-/// outside `no_grad` and takes its process decision for a large one and inside `no_grad`: a
-/// small bf16 MHA training step, SDPA call and linear give `Widened`'s bits (output and
-/// gradients), a large MHA and the small ones inside `no_grad` the bits of the explained
-/// choice. (The environment's `MULTIHEAD_BF16_PRODUCTS` holds for every call; this test runs
-/// without it.)
+/// outside `no_grad`, and multiplies bf16 operands directly in a large call and inside
+/// `no_grad`, where it decides so (`with_auto_bf16_decision(true)`: the rule runs the same on
+/// every CPU). A small bf16 MHA training step, SDPA call and linear give `Widened`'s bits
+/// (output and gradients); a large MHA, and the small ones inside `no_grad`, `Direct`'s. A
+/// call's parts follow the call: an MHA whose attention is large and whose projections are
+/// small, with untracked weights outside `no_grad`, is `Direct`'s bits throughout.
 #[test]
-fn auto_widens_small_calls_and_decides_large_ones_as_explained() {
+fn auto_widens_small_calls_and_decides_large_ones_as_a_whole() {
     use multihead::functional::{scaled_dot_product_attention, SdpaOptions};
+    use multihead::with_auto_bf16_decision;
     if std::env::var_os("MULTIHEAD_BF16_PRODUCTS").is_some() {
         // A choice for every call: the rule below does not apply (the CI runs without it).
         assert!(!multihead::explain_bf16_products().reason.contains("under 2^20"));
         return;
     }
-    let auto = |f: &dyn Fn() -> Vec<Tensor>| with_bf16_products(Bf16Products::Auto, f);
+    let auto = |f: &dyn Fn() -> Vec<Tensor>| {
+        with_bf16_products(Bf16Products::Auto, || with_auto_bf16_decision(true, f))
+    };
     let step = |m: &MultiheadAttention, x: &Tensor| -> Vec<Tensor> {
         let xv = candle_core::Var::from_tensor(x).unwrap();
         let y = m.forward(xv.as_tensor(), xv.as_tensor(), xv.as_tensor(), &MhaOptions::default());
@@ -1045,39 +1049,50 @@ fn auto_widens_small_calls_and_decides_large_ones_as_explained() {
         let loss = y.to_dtype(DType::F32).unwrap().sqr().unwrap().sum_all().unwrap();
         let g = loss.backward().unwrap();
         let mut out = vec![y, g.get(xv.as_tensor()).unwrap().clone()];
-        out.extend(m.named_parameters().iter().map(|(_, p)| g.get(p).unwrap().clone()));
+        out.extend(m.named_parameters().iter().filter_map(|(_, p)| g.get(p).cloned()));
         out
     };
-    let same = |a: &[Tensor], b: &[Tensor]| a.iter().zip(b).all(|(x, y)| differing(x, y) == 0);
+    let same = |a: &[Tensor], b: &[Tensor]| {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| differing(x, y) == 0)
+    };
+    let inference = |f: &dyn Fn() -> Vec<Tensor>| multihead::no_grad(f);
     // N·L·E² = 2·8·16² = 4096: small.
     let cfg = MhaConfig::new(16, 4).with_batch_first(true).with_dropout(0.0);
     let (small, _vm) = crate::common::mha(cfg, DType::BF16);
     let x = det(&[2, 8, 16], DType::BF16, 1.0);
-    let x16 = x.clone();
-    let a = auto(&|| step(&small, &x));
-    assert!(same(&a, &widened(|| step(&small, &x))), "a small MHA step widens");
+    assert!(same(&auto(&|| step(&small, &x)), &widened(|| step(&small, &x))), "small MHA step");
+    assert!(!same(&widened(|| step(&small, &x)), &direct(|| step(&small, &x))), "the two differ");
     let q = det(&[1, 2, 8, 8], DType::BF16, 2.0);
     let sdpa = || vec![scaled_dot_product_attention(&q, &q, &q, &SdpaOptions::default()).unwrap()];
     assert!(same(&auto(&sdpa), &widened(sdpa)), "a small SDPA widens");
     let lin = multihead::Linear::from_weights(det(&[8, 16], DType::BF16, 3.0), None);
     let lin_y = || vec![lin.forward(&x).unwrap()];
     assert!(same(&auto(&lin_y), &widened(lin_y)), "a small linear widens");
-    // N·L·E² = 2·64·128² = 2^21: large, as Auto decides for the process.
+    // Inference: small calls go direct.
+    let small_y = || vec![small.forward(&x, &x, &x, &MhaOptions::default()).unwrap().output];
+    assert!(same(&inference(&|| auto(&small_y)), &inference(&|| direct(small_y))), "no_grad");
+    assert!(same(&inference(&|| auto(&sdpa)), &inference(&|| direct(sdpa))), "no_grad sdpa");
+    // N·L·E² = 2·64·128² = 2^21: large.
     let cfg = MhaConfig::new(128, 4).with_batch_first(true).with_dropout(0.0);
     let (large, _vm) = crate::common::mha(cfg, DType::BF16);
     let x = det(&[2, 64, 128], DType::BF16, 4.0);
-    let plan = multihead::explain_bf16_products();
-    let choice = if plan.direct { Bf16Products::Direct } else { Bf16Products::Widened };
-    let decided = |f: &dyn Fn() -> Vec<Tensor>| with_bf16_products(choice, f);
-    // Inference (inside no_grad): small calls take the process decision too.
-    let small_y = || vec![small.forward(&x16, &x16, &x16, &MhaOptions::default()).unwrap().output];
-    let inference = |f: &dyn Fn() -> Vec<Tensor>| multihead::no_grad(f);
-    assert!(same(&inference(&|| auto(&small_y)), &inference(&|| decided(&small_y))), "no_grad");
-    assert!(same(&inference(&|| auto(&sdpa)), &inference(&|| decided(&sdpa))), "no_grad sdpa");
-    let want = with_bf16_products(choice, || step(&large, &x));
-    assert!(same(&auto(&|| step(&large, &x)), &want), "a large MHA step: {plan}");
-    if plan.direct {
-        assert!(plan.reason.contains("under 2^20"), "{plan}");
-        assert!(!same(&want, &widened(|| step(&large, &x))), "the large step did not go direct");
-    }
+    assert!(same(&auto(&|| step(&large, &x)), &direct(|| step(&large, &x))), "large MHA step");
+    // Attention 1024·1024·16 = 2^24, the in-projection 1024·16·48 < 2^20, weights untracked
+    // (as loaded for inference) and no `no_grad`: the call is large, its projections follow.
+    let cfg = MhaConfig::new(16, 4).with_batch_first(true).with_dropout(0.0);
+    let (tracked, _vm) = crate::common::mha(cfg.clone(), DType::BF16);
+    let state: HashMap<String, Tensor> = tracked.named_parameters().into_iter().collect();
+    let vb = candle_nn::VarBuilder::from_tensors(state, DType::BF16, &dev());
+    let mut plain = MultiheadAttention::new(cfg, vb).unwrap();
+    multihead::Train::eval(&mut plain);
+    let x = det(&[1, 1024, 16], DType::BF16, 5.0);
+    let y = || vec![plain.forward(&x, &x, &x, &MhaOptions::default()).unwrap().output];
+    assert!(same(&auto(&y), &direct(y)), "a large call's small projections");
+    // Where Auto decides widened, every call widens.
+    let widen_all = |f: &dyn Fn() -> Vec<Tensor>| with_auto_bf16_decision(false, f);
+    assert!(same(&widen_all(&|| step(&large, &x_large())), &widened(|| step(&large, &x_large()))));
+}
+
+fn x_large() -> Tensor {
+    det(&[2, 64, 128], DType::BF16, 4.0)
 }

@@ -296,9 +296,11 @@ fn autocast_forward(
     training: bool,
     dt: DType,
 ) -> Result<MhaOutput> {
-    let out = in_autocast((query, key, value), alias, params, opts, dt, |[q, k, v], p, o| {
-        mha_forward_impl(q, k, v, alias, p, o, training, false)
-    })?;
+    // The functional call is sequence-first.
+    let out =
+        in_autocast((query, key, value), alias, params, opts, (dt, false), |[q, k, v], p, o| {
+            mha_forward_impl(q, k, v, alias, p, o, training, false)
+        })?;
     let done = |t: &Tensor| crate::precision::autocast_output(t, query.dtype(), dt);
     Ok(MhaOutput {
         output: done(&out.output)?,
@@ -342,7 +344,7 @@ pub(crate) fn autocast_plan(
     (training, batch_first): (bool, bool),
     dt: DType,
 ) -> Result<Plan> {
-    in_autocast((query, key, value), alias, params, opts, dt, |[q, k, v], p, o| {
+    in_autocast((query, key, value), alias, params, opts, (dt, batch_first), |[q, k, v], p, o| {
         mha_plan_impl(q, k, v, alias, p, o, training, batch_first)
     })
 }
@@ -355,13 +357,13 @@ fn in_autocast<R>(
     alias: Aliasing,
     params: &MhaParams,
     opts: &MhaOptions,
-    dt: DType,
+    (dt, batch_first): (DType, bool),
     f: impl FnOnce([&Tensor; 3], &MhaParams, &MhaOptions) -> Result<R>,
 ) -> Result<R> {
     let r = |t: &Tensor| crate::precision::autocast_operand(t, dt);
     let w = Widened::mapped(query, key, value, alias, params, autocast_options(opts, &r)?, &r)?;
     let p = w.params(params);
-    let macs = crate::products::call_macs(query, key);
+    let macs = crate::products::call_macs(query, key, batch_first);
     crate::mode::autocast_off(|| {
         crate::mode::rounded_products(dt, macs, || f([&w.q, &w.k, &w.v], &p, &w.opts))
     })
