@@ -380,7 +380,6 @@ impl BwdTask<'_> {
         let br = self.br.min(dm.l - i0);
         let brp = br.div_ceil(l) * l;
         let nvec = brp / l;
-        let (has_mask, per_key) = (p.has_mask(), p.masks_per_key());
         let bf = !sc.bb.qp.is_null();
         let kern = self.kern;
         // A non-finite output or upstream-gradient row reaches every key's gradient through
@@ -419,82 +418,125 @@ impl BwdTask<'_> {
                 p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
 
             // Key row j of the chunk: in the copy, or in place.
-            let ((kbase, kld), (vbase, vld)) = self.chunk_rows(sc, b, hk, ck.c0);
+            let (k, v) = self.chunk_rows(sc, b, hk, ck.c0);
+            let blk = BwdBlock {
+                b,
+                h,
+                bh,
+                i0,
+                br,
+                brp,
+                nvec,
+                finite,
+                clip,
+                banded,
+                band,
+                bf,
+                dropout,
+                q: (qrow, qld),
+                dout: (dorow, dold),
+                k,
+                v,
+                c0: ck.c0,
+            };
             let mut first = true;
             let mut j0 = jstart;
             while j0 < jend {
                 let step = self.bc.min(jend - j0);
-                let pos = TilePos { b, h, i0, br, brp, j0, bc: step };
-                // The keys up to the block's last visible one (all for a non-finite head).
-                let live = match (has_mask, per_key) {
-                    (false, _) => step,
-                    (true, true) => build_mask_keys(&p.masks, pos, sc.mt),
-                    (true, false) => build_mask_tile::<S>(&p.masks, pos, sc.mt),
-                };
-                let bc = if finite { live } else { step };
-                if bc == 0 {
-                    j0 += step;
-                    continue;
+                if self.key_block::<S>(sc, &blk, (j0, step), first) {
+                    first = false;
                 }
-                let kj = kbase.add((j0 - ck.c0) * kld);
-                let vj = vbase.add((j0 - ck.c0) * vld);
-                let dkj = sc.dka.as_mut_ptr().add((j0 - ck.c0) * d);
-                let dvj = sc.dva.as_mut_ptr().add((j0 - ck.c0) * dv);
-                let diag = if clip { band.diag(i0, j0) } else { None };
-                let (stp, dpp) = (sc.st.as_mut_ptr(), sc.dpt.as_mut_ptr());
-                if bf {
-                    let scores = (stp, dpp);
-                    let blocks = (j0, bc, sc.packed);
-                    sc.bb.scores(kern, (kj, kld), (vj, vld), blocks, (d, dv), p.scale, scores, brp);
-                } else {
-                    score_tile::<S>(kj, kld, d, sc.qt.as_ptr(), brp, stp, bc, diag);
-                    score_tile::<S>(vj, vld, dv, sc.dot.as_ptr(), brp, dpp, bc, diag);
-                }
-                let alibi = Alibi::of(p, h, i0, j0);
-                cap_tile::<S>(p, (stp, brp, nvec, bc), (sc.mt.as_ptr(), per_key), alibi.as_ref());
-                if banded && band.partial(i0, br, j0, bc) {
-                    if clip {
-                        // Entries the banded products skipped: P = 0 there, and dP must be
-                        // finite so that dS = P (dP - D) is exactly 0.
-                        band.hide(sc.st, brp, (i0, j0, bc), Hide::Fill(f32::NEG_INFINITY));
-                        band.hide(sc.dpt, brp, (i0, j0, bc), Hide::Fill(0.0));
-                    } else {
-                        band.hide(sc.st, brp, (i0, j0, bc), Hide::AddNegInf);
-                    }
-                }
-                let tile = GradTile { st: stp, dpt: dpp, brp, nvec, bc };
-                let mask = (has_mask && !p.cap_masks()).then_some((sc.mt.as_ptr(), per_key));
-                let alibi = alibi.filter(|_| !bias_before_cap(p));
-                let stats = (sc.maxv.as_ptr(), sc.lsev.as_ptr(), sc.dvec.as_ptr());
-                let drop = dropout.as_ref().map(|dr| (dr, j0));
-                let pre =
-                    if sc.pre.is_empty() { std::ptr::null_mut() } else { sc.pre.as_mut_ptr() };
-                probs_and_dscores::<S>(
-                    &tile,
-                    (mask, alibi.as_ref()),
-                    stats,
-                    drop,
-                    (p.softcap, pre),
-                );
-                if let Some(dsc) = self.dscores {
-                    // The [key][query] tile into rows i0.. of [b, h]'s [query][key] block.
-                    let src = if pre.is_null() { dpp as *const f32 } else { pre };
-                    let dst = dsc.0.add(((bh * dm.l) + i0) * dm.s + j0);
-                    S::transpose(dst, dm.s, src, brp, bc, br, 1.0, false);
-                }
-                let (dvj, dkj, kj, chunk) = ((dvj, dv), (dkj, d), (kj, kld), sc.packed);
-                let grads = BlockGrads { dvj, dkj, kj, first, j0, chunk };
-                if bf {
-                    sc.bb.grads(kern, (stp, dpp), brp, (br, bc), (d, dv), grads);
-                } else {
-                    let rows = [(qrow, qld), (dorow, dold)];
-                    f32_grads::<S>(&tile, br, rows, sc.dqa.as_mut_ptr(), grads, diag);
-                }
-                first = false;
                 j0 += step;
             }
             self.write_dq::<S>(sc, (b, h, i0, br), ck, first, bf);
         }
+    }
+
+    /// One key block `j0..j0 + step` of the query block `q` (a chunk's keys): the scores and
+    /// `dP` recomputed, masks and soft cap, `P` and `dS` (its copy out where asked), then the
+    /// block's shares of `dV`, `dK` and `dQ`. Returns whether any of its keys was read (a block
+    /// whose keys the masks hide all is skipped in a finite head).
+    ///
+    /// # Safety
+    /// As in [`Self::query_block`], which built `q` and filled `sc` for this block; `first`
+    /// says that no key block of this chunk was read before.
+    #[inline(always)]
+    unsafe fn key_block<S: Simd>(
+        &self,
+        sc: &mut BwdScratch<'_>,
+        q: &BwdBlock,
+        (j0, step): (usize, usize),
+        first: bool,
+    ) -> bool {
+        let p = self.p;
+        let dm = &p.dims;
+        let (d, dv) = (dm.d, dm.dv);
+        let (b, h, i0, br, brp, nvec, band) = (q.b, q.h, q.i0, q.br, q.brp, q.nvec, q.band);
+        let (has_mask, per_key) = (p.has_mask(), p.masks_per_key());
+        let ((kbase, kld), (vbase, vld)) = (q.k, q.v);
+        let pos = TilePos { b, h, i0, br, brp, j0, bc: step };
+        // SAFETY: the caller's contract: the rows addressed are validated, the tiles carved.
+        unsafe {
+            // The keys up to the block's last visible one (all for a non-finite head).
+            let live = match (has_mask, per_key) {
+                (false, _) => step,
+                (true, true) => build_mask_keys(&p.masks, pos, sc.mt),
+                (true, false) => build_mask_tile::<S>(&p.masks, pos, sc.mt),
+            };
+            let bc = if q.finite { live } else { step };
+            if bc == 0 {
+                return false;
+            }
+            let kj = kbase.add((j0 - q.c0) * kld);
+            let vj = vbase.add((j0 - q.c0) * vld);
+            let dkj = sc.dka.as_mut_ptr().add((j0 - q.c0) * d);
+            let dvj = sc.dva.as_mut_ptr().add((j0 - q.c0) * dv);
+            let diag = if q.clip { band.diag(i0, j0) } else { None };
+            let (stp, dpp) = (sc.st.as_mut_ptr(), sc.dpt.as_mut_ptr());
+            if q.bf {
+                let scores = (stp, dpp);
+                let blocks = (j0, bc, sc.packed);
+                let kern = self.kern;
+                sc.bb.scores(kern, (kj, kld), (vj, vld), blocks, (d, dv), p.scale, scores, brp);
+            } else {
+                score_tile::<S>(kj, kld, d, sc.qt.as_ptr(), brp, stp, bc, diag);
+                score_tile::<S>(vj, vld, dv, sc.dot.as_ptr(), brp, dpp, bc, diag);
+            }
+            let alibi = Alibi::of(p, h, i0, j0);
+            cap_tile::<S>(p, (stp, brp, nvec, bc), (sc.mt.as_ptr(), per_key), alibi.as_ref());
+            if q.banded && band.partial(i0, br, j0, bc) {
+                if q.clip {
+                    // Entries the banded products skipped: P = 0 there, and dP must be
+                    // finite so that dS = P (dP - D) is exactly 0.
+                    band.hide(sc.st, brp, (i0, j0, bc), Hide::Fill(f32::NEG_INFINITY));
+                    band.hide(sc.dpt, brp, (i0, j0, bc), Hide::Fill(0.0));
+                } else {
+                    band.hide(sc.st, brp, (i0, j0, bc), Hide::AddNegInf);
+                }
+            }
+            let tile = GradTile { st: stp, dpt: dpp, brp, nvec, bc };
+            let mask = (has_mask && !p.cap_masks()).then_some((sc.mt.as_ptr(), per_key));
+            let alibi = alibi.filter(|_| !bias_before_cap(p));
+            let stats = (sc.maxv.as_ptr(), sc.lsev.as_ptr(), sc.dvec.as_ptr());
+            let drop = q.dropout.as_ref().map(|dr| (dr, j0));
+            let pre = if sc.pre.is_empty() { std::ptr::null_mut() } else { sc.pre.as_mut_ptr() };
+            probs_and_dscores::<S>(&tile, (mask, alibi.as_ref()), stats, drop, (p.softcap, pre));
+            if let Some(dsc) = self.dscores {
+                // The [key][query] tile into rows i0.. of [b, h]'s [query][key] block.
+                let src = if pre.is_null() { dpp as *const f32 } else { pre };
+                let dst = dsc.0.add(((q.bh * dm.l) + i0) * dm.s + j0);
+                S::transpose(dst, dm.s, src, brp, bc, br, 1.0, false);
+            }
+            let (dvj, dkj, kj, chunk) = ((dvj, dv), (dkj, d), (kj, kld), sc.packed);
+            let grads = BlockGrads { dvj, dkj, kj, first, j0, chunk };
+            if q.bf {
+                sc.bb.grads(self.kern, (stp, dpp), brp, (br, bc), (d, dv), grads);
+            } else {
+                let rows = [q.q, q.dout];
+                f32_grads::<S>(&tile, br, rows, sc.dqa.as_mut_ptr(), grads, diag);
+            }
+        }
+        true
     }
 
     /// Loads the block's row statistics into `sc`: the forward's max and log-sum of each row,
@@ -745,6 +787,36 @@ unsafe fn f32_grads<S: Simd>(
 }
 
 /// The output-gradient rows of one key block and whether it is the query block's first.
+/// A backward query block as each of its key blocks reads it ([`BwdTask::key_block`]): where
+/// it is, what hides its keys, its dropout, its query and upstream-gradient rows, and the
+/// chunk's key and value rows (from key `c0`).
+struct BwdBlock {
+    b: usize,
+    h: usize,
+    /// `b · heads_q + h`.
+    bh: usize,
+    i0: usize,
+    br: usize,
+    /// `br` rounded up to whole vectors, and that many vectors.
+    brp: usize,
+    nvec: usize,
+    /// Whether every row the block reads is finite (else every key is read).
+    finite: bool,
+    /// Whether the band bounds the keys read (a banded, finite block), and the band.
+    clip: bool,
+    banded: bool,
+    band: Band,
+    /// bf16 products (else f32).
+    bf: bool,
+    dropout: Option<BlockDropout>,
+    /// Rows and their strides: the queries, the upstream gradient, the chunk's keys and values.
+    q: (*const f32, usize),
+    dout: (*const f32, usize),
+    k: (*const f32, usize),
+    v: (*const f32, usize),
+    c0: usize,
+}
+
 pub(super) struct BlockGrads {
     /// `dV_j` and `dK_j` rows (accumulated into) and their row strides.
     pub(super) dvj: (*mut f32, usize),
