@@ -592,29 +592,7 @@ fn validate_linear_of(
         });
     }
     if let Some(b) = bias {
-        if b.dims() != [out_f] {
-            return Err(Error::Shape {
-                op,
-                arg: "bias",
-                msg: format!(
-                    "expected a 1-D bias of shape {} to match the weight {}, got {}",
-                    fmt_shape(&[out_f]),
-                    fmt_shape(weight.dims()),
-                    fmt_shape(b.dims())
-                ),
-            });
-        }
-        if b.dtype() != x_dtype {
-            return Err(Error::DType {
-                op,
-                arg: "bias",
-                msg: format!(
-                    "bias dtype {:?} does not match the input dtype {:?}",
-                    b.dtype(),
-                    x_dtype
-                ),
-            });
-        }
+        check_bias(b, weight, x_dtype, op)?;
     }
     for (name, t) in [("weight", Some(weight)), ("bias", bias)] {
         if let Some(t) = t {
@@ -645,6 +623,36 @@ fn validate_linear_of(
         }
     }
     Ok((out_f, in_f, out_dims))
+}
+
+/// A bias of `weight`'s output features, in the input's dtype `x_dtype`.
+fn check_bias(
+    b: &Tensor,
+    weight: &Tensor,
+    x_dtype: candle_core::DType,
+    op: &'static str,
+) -> Result<()> {
+    let out_f = weight.dims().first().copied().unwrap_or(0);
+    if b.dims() != [out_f] {
+        return Err(Error::Shape {
+            op,
+            arg: "bias",
+            msg: format!(
+                "expected a 1-D bias of shape {} to match the weight {}, got {}",
+                fmt_shape(&[out_f]),
+                fmt_shape(weight.dims()),
+                fmt_shape(b.dims())
+            ),
+        });
+    }
+    if b.dtype() != x_dtype {
+        return Err(Error::DType {
+            op,
+            arg: "bias",
+            msg: format!("bias dtype {:?} does not match the input dtype {x_dtype:?}", b.dtype()),
+        });
+    }
+    Ok(())
 }
 
 /// Runs the fused linear op. A 1-D input is treated as one row; the weight and bias are made

@@ -103,7 +103,7 @@ pub(crate) fn attend(
     proj: &Projected,
     dropout: Option<(f64, DropoutKey)>,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let (l, n, e, h, hd) = (call.l, call.n, call.e, call.h, call.hd);
+    let (l, n, h, hd) = (call.l, call.n, call.h, call.hd);
     ensure_static(call)?;
     // `S'`: with the `bias_k` and zero-attention keys, appended to copies of the projections.
     let s = call.s_total();
@@ -120,17 +120,7 @@ pub(crate) fn attend(
     };
     ensure_weights(call)?;
     if s == 0 {
-        // No keys: every row is fully masked, so the attention is zero (as on the composed path).
-        let attn = if call.batch_first { [n, l, e] } else { [l, n, e] };
-        let mut inputs = vec![&proj.q, &proj.k, &proj.v];
-        inputs.extend(kpm.iter().chain(&attn_mask));
-        let attn = crate::fused::zeros::zeros_of(&attn, call.dtype, &inputs)?;
-        let w = match (call.need_weights, call.average_attn_weights) {
-            (false, _) => None,
-            (true, true) => Some(Tensor::zeros((n, l, 0), call.dtype, attn.device())?),
-            (true, false) => Some(Tensor::zeros((n, h, l, 0), call.dtype, attn.device())?),
-        };
-        return Ok((attn, w));
+        return no_keys(call, proj, [attn_mask.as_ref(), kpm.as_ref()]);
     }
     let dims = multihead_kernels::attention::AttnDims {
         batch: n,
@@ -141,20 +131,7 @@ pub(crate) fn attend(
         d: hd,
         dv: hd,
     };
-    let backward = super::masks_for_backward(call);
-    let mut masks = Vec::new();
-    if let Some(a) = &attn_mask {
-        // `(1 or N·H, L, S')`, without the dimensions a broadcast view repeats (read with
-        // stride 0), read where it lies or copied as SDPA's mask ([`FlashMask`]).
-        let a = compact(a)?;
-        let (d0, rows, cols) = a.dims3()?;
-        let (rs, cs) = (if rows == 1 { 0 } else { cols }, if cols == 1 { 0 } else { 1 });
-        let strides = if d0 == 1 { [0, 0, rs, cs] } else { [h * rows * cols, rows * cols, rs, cs] };
-        masks.push(FlashMask::new(&a, strides, backward)?);
-    }
-    if let Some(p) = &kpm {
-        masks.push(FlashMask::new(p, [s, 0, 0, 1], backward)?);
-    }
+    let masks = flash_masks(call, attn_mask.as_ref(), kpm.as_ref(), s)?;
     let scale = (1.0 / (hd as f64).sqrt()) as f32;
     let conv = Convention::SeqFirst { heads: h, head_dim: hd, batch_first: call.batch_first };
     // Weights that carry a gradient: from the kernel with the softmax's gradient attached
@@ -200,19 +177,64 @@ pub(crate) fn attend(
         None => attn,
     };
     let attn = with_sinks(&op, attn, call)?;
-    let weights = if kernel_grad {
-        let layout = (h, hd, call.batch_first);
-        let w = weights_grad::weights(&op, &proj.q, &proj.k, call.average_attn_weights, layout)?;
-        Some(w)
-    } else if graded_weights {
-        Some(super::composed::weights(call, original, dropout)?)
-    } else if call.need_weights {
-        let w = op.weights(&proj.q, &proj.k, call.average_attn_weights)?;
-        Some(if call.average_attn_weights { w.squeeze(1)? } else { w })
-    } else {
-        None
+    let weights = match (kernel_grad, graded_weights, call.need_weights) {
+        (true, _, _) => {
+            let (layout, avg) = ((h, hd, call.batch_first), call.average_attn_weights);
+            Some(weights_grad::weights(&op, &proj.q, &proj.k, avg, layout)?)
+        }
+        (false, true, _) => Some(super::composed::weights(call, original, dropout)?),
+        (false, false, true) => {
+            let w = op.weights(&proj.q, &proj.k, call.average_attn_weights)?;
+            Some(if call.average_attn_weights { w.squeeze(1)? } else { w })
+        }
+        (false, false, false) => None,
     };
     Ok((attn, weights))
+}
+
+/// A call without keys (`S' = 0`): every row is fully masked, so the attention is zero (as on
+/// the composed path), kept in the graph of the projections and masks; empty weights.
+fn no_keys(
+    call: &MhaCall,
+    proj: &Projected,
+    masks: [Option<&Tensor>; 2],
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (l, n, e, h) = (call.l, call.n, call.e, call.h);
+    let attn = if call.batch_first { [n, l, e] } else { [l, n, e] };
+    let mut inputs = vec![&proj.q, &proj.k, &proj.v];
+    inputs.extend(masks.into_iter().flatten());
+    let attn = crate::fused::zeros::zeros_of(&attn, call.dtype, &inputs)?;
+    let w = match (call.need_weights, call.average_attn_weights) {
+        (false, _) => None,
+        (true, true) => Some(Tensor::zeros((n, l, 0), call.dtype, attn.device())?),
+        (true, false) => Some(Tensor::zeros((n, h, l, 0), call.dtype, attn.device())?),
+    };
+    Ok((attn, w))
+}
+
+/// The kernels' masks: the attention mask `(1 or N·H, L, S')`, without the dimensions a
+/// broadcast view repeats (read with stride 0), and the key padding mask `(N, S')`, each read
+/// where it lies or copied as SDPA's mask ([`FlashMask`]).
+fn flash_masks(
+    call: &MhaCall,
+    attn_mask: Option<&Tensor>,
+    kpm: Option<&Tensor>,
+    s: usize,
+) -> Result<Vec<FlashMask>> {
+    let backward = super::masks_for_backward(call);
+    let mut masks = Vec::new();
+    if let Some(a) = attn_mask {
+        let a = compact(a)?;
+        let (d0, rows, cols) = a.dims3()?;
+        let (rs, cs) = (if rows == 1 { 0 } else { cols }, if cols == 1 { 0 } else { 1 });
+        let h = call.h;
+        let strides = if d0 == 1 { [0, 0, rs, cs] } else { [h * rows * cols, rows * cols, rs, cs] };
+        masks.push(FlashMask::new(&a, strides, backward)?);
+    }
+    if let Some(p) = kpm {
+        masks.push(FlashMask::new(p, [s, 0, 0, 1], backward)?);
+    }
+    Ok(masks)
 }
 
 /// The learned masks (float masks in the graph while gradients are recorded) as one
