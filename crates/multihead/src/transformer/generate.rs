@@ -254,7 +254,7 @@ impl Transformer {
         let mut inputs: Vec<Tensor> = Vec::new(); // every position's input, without the cache
         let (mut cur, mut out, mut done) = (bos.to_vec(), vec![Vec::new(); n], vec![false; n]);
         for pos in 0..opts.max_new_tokens {
-            let x = embed(&cur, pos)?;
+            let x = embed(&cur, pos).map_err(|e| in_closure(e, "embed", pos))?;
             if x.rank() != 2 || x.dim(0)? != n {
                 return Err(Error::Shape {
                     op: OP,
@@ -274,7 +274,8 @@ impl Transformer {
                     self.recompute_last(&prefix, memory, memory_key_padding_mask, step)?
                 }
             };
-            let next = pick(&logits(&h.squeeze(seq_dim)?)?, n, opts.sampling, pos)?;
+            let scores = logits(&h.squeeze(seq_dim)?).map_err(|e| in_closure(e, "logits", pos))?;
+            let next = pick(&scores, n, opts.sampling, pos)?;
             for (b, &tok) in next.iter().enumerate() {
                 if !done[b] {
                     out[b].push(tok);
@@ -312,5 +313,19 @@ impl Transformer {
             self.decoder.forward_with(prefix, memory, &self_opts, &cross_opts)
         })?;
         Ok(h.narrow(seq_dim, len - 1, 1)?)
+    }
+}
+
+/// A candle error out of the caller's `embed` or `logits` closure, named with the closure and
+/// the position it failed at (it was candle's bare message, e.g. an invalid index); this
+/// crate's own errors already name their operation.
+fn in_closure(e: Error, closure: &'static str, pos: usize) -> Error {
+    match e {
+        Error::Candle(c) => Error::Config {
+            op: OP,
+            arg: closure,
+            msg: format!("the {closure} closure failed at position {pos}: {c}"),
+        },
+        e => e,
     }
 }

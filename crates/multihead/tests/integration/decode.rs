@@ -677,6 +677,18 @@ fn generation_with_the_cache_gives_the_tokens_of_recomputing() {
     let err = model.generate(&wide, None, &[0, 1, 2], &opts, embed, logits).unwrap_err();
     assert!(matches!(err, Error::Alloc { .. }), "{err}");
     assert!(!err.to_string().contains("max_new_tokens"), "{err}");
+    // A closure's own candle error names the closure and the position it failed at.
+    let short = rand_t(&[3, 32], DType::F32, 11, 1.0);
+    let bad_embed = |toks: &[u32], _p: usize| -> multihead::Result<Tensor> {
+        Ok(short.index_select(&Tensor::new(toks, &dev())?, 0)?)
+    };
+    let opts = GenerateOptions { max_new_tokens: 3, ..Default::default() };
+    let err = model.generate(&memory, None, &[0, 1, 7], &opts, bad_embed, logits).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("Transformer::generate: embed: the embed closure failed at position 0"),
+        "{msg}"
+    );
 }
 
 #[test]
