@@ -5,6 +5,7 @@
 
 use candle_core::Tensor;
 
+use super::incremental::{as_step, refuse_training_dropout};
 use super::{feed_forward, final_norm, LayerDropout, TransformerEncoder, TransformerEncoderLayer};
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
@@ -96,24 +97,9 @@ impl TransformerEncoderLayer {
         lengths: Option<&[usize]>,
         opts: &CachedOptions,
     ) -> Result<()> {
-        if self.training && self.cfg.dropout > 0.0 {
-            return Err(Error::Config {
-                op: STEP,
-                arg: "dropout",
-                msg: format!(
-                    "incremental decoding is inference: the layer is in training mode with \
-                     dropout={}; call eval() first",
-                    self.cfg.dropout
-                ),
-            });
-        }
-        let as_step = |e: Error| match e {
-            Error::Shape { arg, msg, .. } => Error::Shape { op: STEP, arg, msg },
-            Error::DType { arg, msg, .. } => Error::DType { op: STEP, arg, msg },
-            Error::Config { arg, msg, .. } => Error::Config { op: STEP, arg, msg },
-            e => e,
-        };
-        self.self_attn.check_cached(x, cache, lengths, opts).map_err(as_step)?;
+        refuse_training_dropout(STEP, self.training, self.cfg.dropout)?;
+        let check = self.self_attn.check_cached(x, cache, lengths, opts);
+        check.map_err(|e| as_step(STEP, e))?;
         // The feed-forward block's hidden rows (and the residual sums beside them), which
         // come after the cache's append.
         let e = self.cfg.d_model.max(1);

@@ -151,6 +151,35 @@ impl DecoderState {
     }
 }
 
+/// A layer's incremental step is inference: refused in training mode with dropout.
+pub(super) fn refuse_training_dropout(
+    op: &'static str,
+    training: bool,
+    dropout: f64,
+) -> Result<()> {
+    if training && dropout > 0.0 {
+        return Err(Error::Config {
+            op,
+            arg: "dropout",
+            msg: format!(
+                "incremental decoding is inference: the layer is in training mode with \
+                 dropout={dropout}; call eval() first"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// An error of a step's attention, named as the step's (`op`).
+pub(super) fn as_step(op: &'static str, e: Error) -> Error {
+    match e {
+        Error::Shape { arg, msg, .. } => Error::Shape { op, arg, msg },
+        Error::DType { arg, msg, .. } => Error::DType { op, arg, msg },
+        Error::Config { arg, msg, .. } => Error::Config { op, arg, msg },
+        e => e,
+    }
+}
+
 impl TransformerDecoderLayer {
     /// An empty self-attention cache for `batch` rows of up to `capacity` tokens.
     pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache> {
@@ -220,29 +249,14 @@ impl TransformerDecoderLayer {
         lengths: Option<&[usize]>,
         (opts, check): (&StepOptions, bool),
     ) -> Result<Tensor> {
-        if self.training && self.cfg.dropout > 0.0 {
-            return Err(Error::Config {
-                op: STEP,
-                arg: "dropout",
-                msg: format!(
-                    "incremental decoding is inference: the layer is in training mode with \
-                     dropout={}; call eval() first",
-                    self.cfg.dropout
-                ),
-            });
-        }
+        refuse_training_dropout(STEP, self.training, self.cfg.dropout)?;
         check_step_cross(&opts.cross_attn)?;
         if check {
             // The step's own input first (its dtype, shape and batch against the cache), as
             // this step's error: the cross-attention below would report it as its query's
             // against the memory given to `start`.
-            let as_step = |e: Error| match e {
-                Error::Shape { arg, msg, .. } => Error::Shape { op: STEP, arg, msg },
-                Error::DType { arg, msg, .. } => Error::DType { op: STEP, arg, msg },
-                Error::Config { arg, msg, .. } => Error::Config { op: STEP, arg, msg },
-                e => e,
-            };
-            self.self_attn.check_cached(x, cache, lengths, &opts.self_attn).map_err(as_step)?;
+            let check = self.self_attn.check_cached(x, cache, lengths, &opts.self_attn);
+            check.map_err(|e| as_step(STEP, e))?;
         }
         let cross = {
             let mut o = opts.cross_attn.clone().need_weights(false);

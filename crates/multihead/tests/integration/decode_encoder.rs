@@ -116,3 +116,49 @@ fn a_refused_encoder_step_leaves_every_cache_unchanged() {
     assert!(e.map(|_| ()).expect_err("training").to_string().contains("eval()"));
     assert_eq!(caches[0].lens(), &[0]);
 }
+
+/// Steps with attention variants (ALiBi, a soft cap, a left window) equal the stack's
+/// `forward_with` over the prefix with the same variants, causal, in both layouts.
+#[test]
+fn encoder_steps_with_variants_equal_the_stack_with_them() {
+    use multihead::multihead_attention::CachedOptions;
+    use multihead::{MhaOptions, Variants};
+    let slopes = Variants::alibi_slopes_for(4);
+    let cases: Vec<(&str, CachedOptions, Variants)> = vec![
+        (
+            "alibi",
+            CachedOptions::default().alibi(slopes.clone()),
+            Variants::default().alibi(slopes),
+        ),
+        ("softcap", CachedOptions::default().softcap(3.0), Variants::default().softcap(3.0)),
+        ("window", CachedOptions::default().window(3), Variants::default().window(Some(3), None)),
+    ];
+    for batch_first in [true, false] {
+        for (what, step_opts, variants) in &cases {
+            let cfg = LayerConfig::new(16, 4)
+                .with_dim_feedforward(32)
+                .with_batch_first(batch_first)
+                .with_norm_first(true)
+                .with_activation(multihead::Activation::Gelu);
+            let vm = VarMap::new();
+            let vb = VarBuilder::from_varmap(&vm, DType::F64, &dev());
+            let mut enc = TransformerEncoder::new(cfg, 2, Some(NormConfig::default()), vb).unwrap();
+            perturb(&vm, DType::F64);
+            enc.eval();
+            let seq = if batch_first { 1 } else { 0 };
+            let x = det(if batch_first { &[2, 9, 16] } else { &[9, 2, 16] }, DType::F64, 4.0);
+            let mut caches = enc.new_caches(2, 9).unwrap();
+            for t in 0..9 {
+                let xt = x.narrow(seq, t, 1).unwrap();
+                let y = enc.forward_cached_with(&xt, &mut caches, None, step_opts).unwrap();
+                let prefix = x.narrow(seq, 0, t + 1).unwrap();
+                let v = variants.clone().window(variants.window.left, Some(0));
+                let full =
+                    no_grad(|| enc.forward_with(&prefix, &MhaOptions::default().variants(v)));
+                let want = full.unwrap().narrow(seq, t, 1).unwrap();
+                let d = max_abs(&y, &want);
+                assert!(d <= 1e-12, "{what} batch_first={batch_first} step {t}: {d:e}");
+            }
+        }
+    }
+}
