@@ -176,6 +176,7 @@ pub(super) fn as_step(op: &'static str, e: Error) -> Error {
         Error::Shape { arg, msg, .. } => Error::Shape { op, arg, msg },
         Error::DType { arg, msg, .. } => Error::DType { op, arg, msg },
         Error::Config { arg, msg, .. } => Error::Config { op, arg, msg },
+        Error::CacheFull { msg, .. } => Error::CacheFull { op, msg },
         e => e,
     }
 }

@@ -103,7 +103,9 @@ fn a_refused_encoder_step_leaves_every_cache_unchanged() {
     let mut caches =
         vec![enc.layers()[0].new_cache(1, 8).unwrap(), enc.layers()[1].new_cache(1, 2).unwrap()];
     let e = enc.forward_cached(&x, &mut caches, None).map(|_| ()).expect_err("full");
-    assert!(matches!(e, multihead::Error::CacheFull { .. }), "{e}");
+    let named =
+        matches!(e, multihead::Error::CacheFull { op: "TransformerEncoder::forward_cached", .. });
+    assert!(named, "{e}");
     assert_eq!((caches[0].lens(), caches[1].lens()), (&[0][..], &[0][..]));
     let e = enc.forward_cached(&x, &mut caches[..1], None).map(|_| ()).expect_err("one cache");
     assert!(e.to_string().contains("new_caches"), "{e}");
