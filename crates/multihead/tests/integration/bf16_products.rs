@@ -1093,6 +1093,43 @@ fn auto_widens_small_calls_and_decides_large_ones_as_a_whole() {
     assert!(same(&widen_all(&|| step(&large, &x_large())), &widened(|| step(&large, &x_large()))));
 }
 
+/// A packed bf16 batch is weighed by its sequences (each attends to itself only): a small
+/// packed layer in training widens, and the same rows packed as longer sequences, whose
+/// attention is large, go direct (where `Auto` decides direct).
+#[test]
+fn auto_weighs_a_packed_batch_by_its_sequences() {
+    use multihead::functional::CuSeqlens;
+    use multihead::multihead_attention::PackedOptions;
+    use multihead::with_auto_bf16_decision;
+    if std::env::var_os("MULTIHEAD_BF16_PRODUCTS").is_some() {
+        return; // a choice for every call (the CI runs without it)
+    }
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::BF16, &dev());
+    let cfg = LayerConfig::new(16, 4).with_dim_feedforward(32).with_dropout(0.0);
+    let layer = TransformerEncoderLayer::new(cfg, vb).unwrap();
+    crate::common::perturb(&vm, DType::BF16);
+    let run = |x: &Tensor, cu: &CuSeqlens| -> Vec<Tensor> {
+        let xv = candle_core::Var::from_tensor(x).unwrap();
+        let y = layer.forward_packed(xv.as_tensor(), cu, &PackedOptions::default()).unwrap();
+        let loss = y.to_dtype(DType::F32).unwrap().sqr().unwrap().sum_all().unwrap();
+        let g = loss.backward().unwrap();
+        vec![y, g.get(xv.as_tensor()).unwrap().clone()]
+    };
+    let auto = |f: &dyn Fn() -> Vec<Tensor>| {
+        with_bf16_products(Bf16Products::Auto, || with_auto_bf16_decision(true, f))
+    };
+    let same = |a: &[Tensor], b: &[Tensor]| a.iter().zip(b).all(|(x, y)| differing(x, y) == 0);
+    // 1024 rows of 16 in sequences of 8: products 1024·16·48 < 2^20, attention 1024·8·16.
+    let x = det(&[1024, 16], DType::BF16, 1.0);
+    let short = CuSeqlens::from_lengths(&[8; 128]);
+    assert!(same(&auto(&|| run(&x, &short)), &widened(|| run(&x, &short))), "short sequences");
+    assert!(!same(&direct(|| run(&x, &short)), &widened(|| run(&x, &short))), "the two differ");
+    // The same rows as two sequences of 512: attention 2·512²·16 = 2^23, large.
+    let long = CuSeqlens::from_lengths(&[512, 512]);
+    assert!(same(&auto(&|| run(&x, &long)), &direct(|| run(&x, &long))), "long sequences");
+}
+
 fn x_large() -> Tensor {
     det(&[2, 64, 128], DType::BF16, 4.0)
 }
