@@ -421,17 +421,7 @@ impl<E: Elem> Base<'_, E> {
     ) {
         let (d, st) = (self.p.dims, self.stride());
         let start = c * KEY_CHUNK;
-        // Row `i` sees the chunk's keys `lo[i]..len[i]` (none when `lo[i] == len[i]`).
-        let (mut lo, mut len) = ([0usize; ROW_BLOCK], [0usize; ROW_BLOCK]);
-        for (i, part) in parts.chunks_exact_mut(st).enumerate() {
-            part[0] = f32::NEG_INFINITY;
-            part[1..].fill(0.0);
-            len[i] = rows[i].map_or(0, |r| r.vis.min(start + KEY_CHUNK).saturating_sub(start));
-            lo[i] = rows[i].map_or(0, |r| r.first.saturating_sub(start)).min(len[i]);
-            if lo[i] == len[i] {
-                (lo[i], len[i]) = (0, 0);
-            }
-        }
+        let (lo, len) = chunk_spans(rows, start, parts, st);
         let longest = len.iter().copied().max().unwrap_or(0);
         if longest == 0 {
             return;
@@ -475,10 +465,45 @@ impl<E: Elem> Base<'_, E> {
                     }
                 }
             }
-            // Rows whose scores in this chunk are all -inf.
-            let mut hidden = [false; ROW_BLOCK];
-            for (i, part) in parts.chunks_exact_mut(st).enumerate().filter(|(i, _)| len[*i] > 0) {
-                let row_scores = &mut scores[i * KEY_CHUNK + lo[i]..i * KEY_CHUNK + len[i]];
+            let hidden = self.chunk_softmax::<S>((b, start), rows, (&lo, &len), scores, parts);
+            let (visible, n_visible) = visible_runs(&runs[..n_runs], &hidden);
+            let acc0 = parts.as_mut_ptr();
+            for sb in (0..longest).step_by(SUB_BLOCK) {
+                for &(i0, count) in &visible[..n_visible] {
+                    let from = span(i0, sb).0;
+                    let n = |r: usize| span(i0 + r, sb).1.saturating_sub(from);
+                    if (0..count).any(|r| n(r) > 0) {
+                        let p = |r: usize| scores.as_ptr().add((i0 + r) * KEY_CHUNK + from);
+                        let acc = |r: usize| acc0.add((i0 + r) * st + 2);
+                        run_weighted::<S, E>(count, p, n, values(from), acc, d.dv);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The softmax statistics of each row's scores in a chunk (after the soft cap and ALiBi):
+    /// the max into `part[0]` and the sum of exponentials into `part[1]`, the scores left as
+    /// their exponentials. Returns the rows whose scores in this chunk are all -inf.
+    ///
+    /// # Safety
+    /// `S`'s instruction set is available; `scores` holds the rows' scores of the chunk
+    /// starting at key `start` (`ROW_BLOCK` rows of [`KEY_CHUNK`]), `parts` their states.
+    #[inline(always)]
+    unsafe fn chunk_softmax<S: Simd>(
+        &self,
+        (b, start): (usize, usize),
+        rows: &[Option<Row>; ROW_BLOCK],
+        (lo, len): (&[usize; ROW_BLOCK], &[usize; ROW_BLOCK]),
+        scores: &mut [f32],
+        parts: &mut [f32],
+    ) -> [bool; ROW_BLOCK] {
+        let mut hidden = [false; ROW_BLOCK];
+        let st = self.stride();
+        for (i, part) in parts.chunks_exact_mut(st).enumerate().filter(|(i, _)| len[*i] > 0) {
+            let row_scores = &mut scores[i * KEY_CHUNK + lo[i]..i * KEY_CHUNK + len[i]];
+            // SAFETY: the caller's contract (`S` is available).
+            unsafe {
                 if let Some(c) = self.p.softcap {
                     cap_scores::<S>(row_scores, c);
                 }
@@ -496,33 +521,8 @@ impl<E: Elem> Base<'_, E> {
                     part[1] = exp_sum::<S>(row_scores, part[0]);
                 }
             }
-            // A run with a hidden row goes row by row (the hidden row skipped).
-            let mut visible = [(0, 0); ROW_BLOCK];
-            let mut n_visible = 0;
-            for &(i0, count) in &runs[..n_runs] {
-                if hidden[i0..i0 + count].iter().any(|&h| h) {
-                    for i in (i0..i0 + count).filter(|&i| !hidden[i]) {
-                        visible[n_visible] = (i, 1);
-                        n_visible += 1;
-                    }
-                } else {
-                    visible[n_visible] = (i0, count);
-                    n_visible += 1;
-                }
-            }
-            let acc0 = parts.as_mut_ptr();
-            for sb in (0..longest).step_by(SUB_BLOCK) {
-                for &(i0, count) in &visible[..n_visible] {
-                    let from = span(i0, sb).0;
-                    let n = |r: usize| span(i0 + r, sb).1.saturating_sub(from);
-                    if (0..count).any(|r| n(r) > 0) {
-                        let p = |r: usize| scores.as_ptr().add((i0 + r) * KEY_CHUNK + from);
-                        let acc = |r: usize| acc0.add((i0 + r) * st + 2);
-                        run_weighted::<S, E>(count, p, n, values(from), acc, d.dv);
-                    }
-                }
-            }
         }
+        hidden
     }
 
     /// Writes row `row`'s output from its combined state.
@@ -882,6 +882,50 @@ pub fn decode_reference(
 }
 
 mod tiles;
+
+/// The keys of a chunk starting at key `start` that each row of a block sees: row `i` sees
+/// `lo[i]..len[i]` (both 0 when it sees none), with its partial state in `parts` reset to
+/// `(-inf, 0, 0…)` (`st` floats each).
+fn chunk_spans(
+    rows: &[Option<Row>; ROW_BLOCK],
+    start: usize,
+    parts: &mut [f32],
+    st: usize,
+) -> ([usize; ROW_BLOCK], [usize; ROW_BLOCK]) {
+    let (mut lo, mut len) = ([0usize; ROW_BLOCK], [0usize; ROW_BLOCK]);
+    for (i, part) in parts.chunks_exact_mut(st).enumerate() {
+        part[0] = f32::NEG_INFINITY;
+        part[1..].fill(0.0);
+        len[i] = rows[i].map_or(0, |r| r.vis.min(start + KEY_CHUNK).saturating_sub(start));
+        lo[i] = rows[i].map_or(0, |r| r.first.saturating_sub(start)).min(len[i]);
+        if lo[i] == len[i] {
+            (lo[i], len[i]) = (0, 0);
+        }
+    }
+    (lo, len)
+}
+
+/// The runs whose rows go through the weighted sums together: a run with a hidden row (all
+/// its scores -inf) goes row by row, the hidden row skipped.
+fn visible_runs(
+    runs: &[(usize, usize)],
+    hidden: &[bool; ROW_BLOCK],
+) -> ([(usize, usize); ROW_BLOCK], usize) {
+    let mut visible = [(0, 0); ROW_BLOCK];
+    let mut n_visible = 0;
+    for &(i0, count) in runs {
+        if hidden[i0..i0 + count].iter().any(|&h| h) {
+            for i in (i0..i0 + count).filter(|&i| !hidden[i]) {
+                visible[n_visible] = (i, 1);
+                n_visible += 1;
+            }
+        } else {
+            visible[n_visible] = (i0, count);
+            n_visible += 1;
+        }
+    }
+    (visible, n_visible)
+}
 
 #[cfg(test)]
 mod tests;
