@@ -109,87 +109,119 @@ impl Task for WeightsTask<'_> {
         // SAFETY: rows addressed below were validated by `attention_weights`; this task alone
         // writes rows `i0..i0+br` of `weights[b, hw]` (a contiguous `[batch, hw, l, s]` array).
         unsafe {
-            let wrow = |i: usize| self.w.0.add(((b * nh_out + hw) * dm.l + i0 + i) * s);
-            for (n, h) in heads.clone().enumerate() {
-                let hk = h / (dm.heads_q / dm.heads_kv);
-                let bh = b * dm.heads_q + h;
-                pack_transposed::<S>(
-                    qt,
-                    brp,
-                    self.q.0.add(self.ql.offset(b, h, i0)),
-                    self.ql.seq,
-                    br,
-                    d,
-                    p.scale,
-                );
-                // The forward's row statistics; padding lanes get P = exp(x - inf) = 0.
-                let rows = dm.batch * dm.heads_q * dm.l;
-                let (max_row, lse_row) = (bh * dm.l + i0, rows + bh * dm.l + i0);
-                for i in 0..brp {
-                    (maxv[i], lsev[i]) = match i < br {
-                        true => (*self.lse.0.add(max_row + i), *self.lse.0.add(lse_row + i)),
-                        false => (0.0, f32::INFINITY),
-                    };
-                }
-                let dropout =
-                    p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
-                let kbase = self.k.0.add(self.kl.offset(b, hk, 0));
-                let finite = self.finite.get(b * dm.heads_q + h).copied().unwrap_or(true);
-                let (banded, band) = (p.banded(), Band::of(p, b));
-                let clip = banded && finite;
-                let (jstart, jend) = if clip { band.keys(i0, br) } else { (0, s) };
-                let mut j0 = 0;
-                while j0 < s {
-                    let bc = self.bc.min(s - j0);
-                    let pos = TilePos { b, h, i0, br, brp, j0, bc };
-                    // A non-finite head builds its mask tile and never skips it.
-                    let all_masked = (clip && (j0 + bc <= jstart || j0 >= jend))
-                        || (has_mask && build_mask_tile::<S>(&p.masks, pos, mt) == 0 && finite);
-                    if all_masked {
-                        if n == 0 {
-                            for i in 0..br {
-                                std::ptr::write_bytes(wrow(i).add(j0), 0, bc);
-                            }
-                        }
-                        j0 += bc;
-                        continue;
-                    }
-                    let (kj, diag) = (kbase.add(j0 * self.kl.seq), clip.then(|| band.diag(i0, j0)));
-                    score_tile::<S>(
-                        kj,
-                        self.kl.seq,
-                        d,
-                        qt.as_ptr(),
-                        brp,
-                        st.as_mut_ptr(),
-                        bc,
-                        diag.flatten(),
-                    );
-                    let alibi = Alibi::of(p, h, i0, j0);
-                    let tile = (st.as_mut_ptr(), brp, nvec, bc);
-                    cap_tile::<S>(p, tile, (mt.as_ptr(), false), alibi.as_ref());
-                    if banded && band.partial(i0, br, j0, bc) {
-                        let how =
-                            if clip { Hide::Fill(f32::NEG_INFINITY) } else { Hide::AddNegInf };
-                        band.hide(st, brp, (i0, j0, bc), how);
-                    }
-                    let tile = (st.as_mut_ptr(), brp, nvec, bc);
-                    let mask = (has_mask && !p.cap_masks()).then_some(mt.as_ptr());
-                    let alibi = alibi.filter(|_| !bias_before_cap(p));
-                    let stats = (maxv.as_ptr(), lsev.as_ptr());
-                    let drop = dropout.as_ref().map(|dr| (dr, j0));
-                    probs_tile::<S>(tile, (mask, alibi.as_ref()), stats, drop);
-                    // Transpose the [key][query] tile into the [query][key] output rows.
-                    // w[i][j0 + j] (+)= st[j][i]: a transpose with `bc` source rows of `br`.
-                    S::transpose(wrow(0).add(j0), s, st.as_ptr(), brp, bc, br, 1.0, n > 0);
-                    j0 += bc;
-                }
+            let wbase = self.w.0.add(((b * nh_out + hw) * dm.l + i0) * s);
+            let mut sc = WeightsScratch { qt, st, mt, lsev, maxv };
+            for (n, h) in heads.enumerate() {
+                let blk = HeadBlock { b, h, i0, br, brp, nvec, first: n == 0, wbase };
+                self.head_weights::<S>(&blk, &mut sc);
             }
             if self.average && dm.heads_q > 1 {
                 let f = 1.0 / dm.heads_q as f32;
                 for i in 0..br {
-                    scale_row::<S>(wrow(i), wrow(i), s, f);
+                    let row = wbase.add(i * s);
+                    scale_row::<S>(row, row, s, f);
                 }
+            }
+        }
+    }
+}
+
+/// One head's share of a task's weight rows ([`WeightsTask::head_weights`]): its rows
+/// `i0..i0 + br` (`brp` lanes, `nvec` vectors), whether it is the first head written (the
+/// others add to it), and the task's first output row.
+struct HeadBlock {
+    b: usize,
+    h: usize,
+    i0: usize,
+    br: usize,
+    brp: usize,
+    nvec: usize,
+    first: bool,
+    wbase: *mut f32,
+}
+
+/// A task's scratch: the scaled, transposed queries, the score and mask tiles, and the
+/// forward's row statistics.
+struct WeightsScratch<'s> {
+    qt: &'s mut [f32],
+    st: &'s mut [f32],
+    mt: &'s mut [f32],
+    lsev: &'s mut [f32],
+    maxv: &'s mut [f32],
+}
+
+impl WeightsTask<'_> {
+    /// Head `blk.h`'s probabilities for the block's rows, written (the first head) or added
+    /// into the output rows key block by key block; a key block the masks hide all is zeros.
+    ///
+    /// # Safety
+    /// `S` is available; the rows were validated by `attention_weights` and the scratch was
+    /// carved by `run` for this task.
+    #[inline(always)]
+    unsafe fn head_weights<S: Simd>(&self, blk: &HeadBlock, sc: &mut WeightsScratch<'_>) {
+        let p = self.p;
+        let dm = &p.dims;
+        let (d, s) = (dm.d, dm.s);
+        let (b, h, i0, br, brp, nvec) = (blk.b, blk.h, blk.i0, blk.br, blk.brp, blk.nvec);
+        let has_mask = p.has_mask();
+        let hk = h / (dm.heads_q / dm.heads_kv);
+        let bh = b * dm.heads_q + h;
+        // SAFETY: the caller's contract.
+        unsafe {
+            let wrow = |i: usize| blk.wbase.add(i * s);
+            let qrow = self.q.0.add(self.ql.offset(b, h, i0));
+            pack_transposed::<S>(sc.qt, brp, qrow, self.ql.seq, br, d, p.scale);
+            // The forward's row statistics; padding lanes get P = exp(x - inf) = 0.
+            let rows = dm.batch * dm.heads_q * dm.l;
+            let (max_row, lse_row) = (bh * dm.l + i0, rows + bh * dm.l + i0);
+            for i in 0..brp {
+                (sc.maxv[i], sc.lsev[i]) = match i < br {
+                    true => (*self.lse.0.add(max_row + i), *self.lse.0.add(lse_row + i)),
+                    false => (0.0, f32::INFINITY),
+                };
+            }
+            let dropout =
+                p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
+            let kbase = self.k.0.add(self.kl.offset(b, hk, 0));
+            let finite = self.finite.get(b * dm.heads_q + h).copied().unwrap_or(true);
+            let (banded, band) = (p.banded(), Band::of(p, b));
+            let clip = banded && finite;
+            let (jstart, jend) = if clip { band.keys(i0, br) } else { (0, s) };
+            let mut j0 = 0;
+            while j0 < s {
+                let bc = self.bc.min(s - j0);
+                let pos = TilePos { b, h, i0, br, brp, j0, bc };
+                // A non-finite head builds its mask tile and never skips it.
+                let all_masked = (clip && (j0 + bc <= jstart || j0 >= jend))
+                    || (has_mask && build_mask_tile::<S>(&p.masks, pos, sc.mt) == 0 && finite);
+                if all_masked {
+                    if blk.first {
+                        for i in 0..br {
+                            std::ptr::write_bytes(wrow(i).add(j0), 0, bc);
+                        }
+                    }
+                    j0 += bc;
+                    continue;
+                }
+                let (kj, diag) = (kbase.add(j0 * self.kl.seq), clip.then(|| band.diag(i0, j0)));
+                let (qt, stp) = (sc.qt.as_ptr(), sc.st.as_mut_ptr());
+                score_tile::<S>(kj, self.kl.seq, d, qt, brp, stp, bc, diag.flatten());
+                let alibi = Alibi::of(p, h, i0, j0);
+                let tile = (stp, brp, nvec, bc);
+                cap_tile::<S>(p, tile, (sc.mt.as_ptr(), false), alibi.as_ref());
+                if banded && band.partial(i0, br, j0, bc) {
+                    let how = if clip { Hide::Fill(f32::NEG_INFINITY) } else { Hide::AddNegInf };
+                    band.hide(sc.st, brp, (i0, j0, bc), how);
+                }
+                let mask = (has_mask && !p.cap_masks()).then_some(sc.mt.as_ptr());
+                let alibi = alibi.filter(|_| !bias_before_cap(p));
+                let stats = (sc.maxv.as_ptr(), sc.lsev.as_ptr());
+                let drop = dropout.as_ref().map(|dr| (dr, j0));
+                probs_tile::<S>(tile, (mask, alibi.as_ref()), stats, drop);
+                // Transpose the [key][query] tile into the [query][key] output rows.
+                // w[i][j0 + j] (+)= st[j][i]: a transpose with `bc` source rows of `br`.
+                S::transpose(wrow(0).add(j0), s, sc.st.as_ptr(), brp, bc, br, 1.0, !blk.first);
+                j0 += bc;
             }
         }
     }
