@@ -101,7 +101,8 @@ impl fmt::Display for Reason {
 /// The path a call takes and why: what [`MultiheadAttention::explain`] and
 /// [`explain_sdpa`](crate::functional::explain_sdpa) return. Its `Display` is one line. How
 /// the products of bf16 inputs multiply (bf16 operands on AMX tiles or AVX512-BF16, or widened
-/// to f32) is the thread's choice, not the op's: [`explain_bf16_products`] says it.
+/// to f32) is the thread's choice and, under `Auto`, the call's size (small calls outside
+/// `no_grad` widen), not the path's: [`explain_bf16_products`] says it.
 ///
 /// [`MultiheadAttention::explain`]: crate::MultiheadAttention::explain
 /// [`explain_bf16_products`]: crate::explain_bf16_products
