@@ -514,6 +514,8 @@ impl BwdTask<'_> {
                     band.hide(sc.st, brp, (i0, j0, bc), Hide::AddNegInf);
                 }
             }
+            // The tiles' pointers taken again after `hide` wrote through the slices.
+            let (stp, dpp) = (sc.st.as_mut_ptr(), sc.dpt.as_mut_ptr());
             let tile = GradTile { st: stp, dpt: dpp, brp, nvec, bc };
             let mask = (has_mask && !p.cap_masks()).then_some((sc.mt.as_ptr(), per_key));
             let alibi = alibi.filter(|_| !bias_before_cap(p));
@@ -786,7 +788,6 @@ unsafe fn f32_grads<S: Simd>(
     }
 }
 
-/// The output-gradient rows of one key block and whether it is the query block's first.
 /// A backward query block as each of its key blocks reads it ([`BwdTask::key_block`]): where
 /// it is, what hides its keys, its dropout, its query and upstream-gradient rows, and the
 /// chunk's key and value rows (from key `c0`).
@@ -817,6 +818,7 @@ struct BwdBlock {
     c0: usize,
 }
 
+/// The output-gradient rows of one key block and whether it is the query block's first.
 pub(super) struct BlockGrads {
     /// `dV_j` and `dK_j` rows (accumulated into) and their row strides.
     pub(super) dvj: (*mut f32, usize),

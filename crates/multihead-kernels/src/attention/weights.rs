@@ -217,6 +217,8 @@ impl WeightsTask<'_> {
                 let alibi = alibi.filter(|_| !bias_before_cap(p));
                 let stats = (sc.maxv.as_ptr(), sc.lsev.as_ptr());
                 let drop = dropout.as_ref().map(|dr| (dr, j0));
+                // The tile's pointer taken again after `hide` wrote through the slice.
+                let tile = (sc.st.as_mut_ptr(), brp, nvec, bc);
                 probs_tile::<S>(tile, (mask, alibi.as_ref()), stats, drop);
                 // Transpose the [key][query] tile into the [query][key] output rows.
                 // w[i][j0 + j] (+)= st[j][i]: a transpose with `bc` source rows of `br`.
