@@ -208,7 +208,9 @@ impl MultiheadAttention {
         lengths: Option<&[usize]>,
         opts: &CachedOptions,
     ) -> Result<()> {
-        self.validate_step(x, cache, lengths, opts).map(|_| ())
+        let step = self.validate_step(x, cache, lengths, opts)?;
+        // The plan's size checks too (the composed path's copies), as the call makes them.
+        self.plan_step(&step, cache).map(|_| ())
     }
 
     /// Checks a cached call once, before anything is written.

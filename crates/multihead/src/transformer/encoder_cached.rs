@@ -12,6 +12,7 @@ use crate::kv_cache::KvCache;
 use crate::multihead_attention::CachedOptions;
 
 const STEP: &str = "TransformerEncoder::forward_cached";
+const LAYER_STEP: &str = "TransformerEncoderLayer::forward_cached";
 
 impl TransformerEncoderLayer {
     /// An empty self-attention cache for `batch` rows of up to `capacity` tokens, for
@@ -83,7 +84,7 @@ impl TransformerEncoderLayer {
         lengths: Option<&[usize]>,
         opts: &CachedOptions,
     ) -> Result<Tensor> {
-        self.check_step(x, cache, lengths, opts)?;
+        self.check_step(LAYER_STEP, x, cache, lengths, opts)?;
         self.step(x, cache, lengths, opts)
     }
 
@@ -92,19 +93,20 @@ impl TransformerEncoderLayer {
     /// and the feed-forward block's rows can be allocated.
     fn check_step(
         &self,
+        op: &'static str,
         x: &Tensor,
         cache: &KvCache,
         lengths: Option<&[usize]>,
         opts: &CachedOptions,
     ) -> Result<()> {
-        refuse_training_dropout(STEP, self.training, self.cfg.dropout)?;
+        refuse_training_dropout(op, self.training, self.cfg.dropout)?;
         let check = self.self_attn.check_cached(x, cache, lengths, opts);
-        check.map_err(|e| as_step(STEP, e))?;
+        check.map_err(|e| as_step(op, e))?;
         // The feed-forward block's hidden rows (and the residual sums beside them), which
         // come after the cache's append.
         let e = self.cfg.d_model.max(1);
         let rows = [x.elem_count() / e, self.cfg.dim_feedforward.max(e)];
-        crate::alloc::ensure(STEP, "x", &rows, x.dtype(), 3, "decode fewer tokens at a time")
+        crate::alloc::ensure(op, "x", &rows, x.dtype(), 3, "decode fewer tokens at a time")
     }
 
     /// The step, checked.
@@ -189,7 +191,7 @@ impl TransformerEncoder {
         // Every layer reads the same shapes: check each against its own cache first, so that
         // a refused step leaves every cache as it was.
         for (layer, cache) in self.layers.iter().zip(caches.iter()) {
-            layer.check_step(x, cache, lengths, opts)?;
+            layer.check_step(STEP, x, cache, lengths, opts)?;
         }
         let mut x = x.clone();
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {

@@ -293,7 +293,8 @@ impl TransformerEncoderLayer {
     fn packed_macs(&self, src: &Tensor, cu: &crate::functional::CuSeqlens) -> u64 {
         let (e, f) = (self.cfg.d_model, self.cfg.dim_feedforward);
         let rows = src.dims().first().copied().unwrap_or(0) as u64;
-        let widest = e.saturating_mul(3).max(f) as u64;
+        // As `layer_macs` counts a padded batch's: the projections' width E, the feed-forward F.
+        let widest = e.max(f) as u64;
         let products = rows.saturating_mul(e as u64).saturating_mul(widest);
         products.max(crate::products::packed_attention_macs(cu, cu, 1, e))
     }

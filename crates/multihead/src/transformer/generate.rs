@@ -316,16 +316,15 @@ impl Transformer {
     }
 }
 
-/// A candle error out of the caller's `embed` or `logits` closure, named with the closure and
-/// the position it failed at (it was candle's bare message, e.g. an invalid index); this
-/// crate's own errors already name their operation.
+/// A candle error out of the caller's `embed` or `logits` closure, with the closure and the
+/// position it failed at as its context (it was candle's bare message, e.g. an invalid index;
+/// still `Error::Candle`, its source kept); this crate's own errors already name their
+/// operation.
 fn in_closure(e: Error, closure: &'static str, pos: usize) -> Error {
     match e {
-        Error::Candle(c) => Error::Config {
-            op: OP,
-            arg: closure,
-            msg: format!("the {closure} closure failed at position {pos}: {c}"),
-        },
+        Error::Candle(c) => Error::Candle(
+            c.context(format!("{OP}: the {closure} closure failed at position {pos}")),
+        ),
         e => e,
     }
 }

@@ -113,6 +113,11 @@ fn a_refused_encoder_step_leaves_every_cache_unchanged() {
     let e = e.map(|_| ()).expect_err("width").to_string();
     assert!(e.starts_with("TransformerEncoder::forward_cached: "), "{e}");
     assert_eq!(caches[0].lens(), &[0]);
+    // A layer's own step names itself.
+    let mut one = enc.layers()[0].new_cache(1, 8).unwrap();
+    let e = enc.layers()[0].forward_cached(&det(&[1, 3, 8], DType::F32, 2.0), &mut one, None);
+    let e = e.map(|_| ()).expect_err("layer width").to_string();
+    assert!(e.starts_with("TransformerEncoderLayer::forward_cached: "), "{e}");
     enc.train(true);
     let e = enc.forward_cached(&x.narrow(1, 0, 1).unwrap(), &mut caches, None);
     assert!(e.map(|_| ()).expect_err("training").to_string().contains("eval()"));
