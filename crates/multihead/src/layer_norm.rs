@@ -55,6 +55,16 @@ impl LayerNorm {
         self.eps
     }
 
+    /// The scale, `(d,)` (PyTorch's `norm.weight`).
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The shift, `(d,)`, when built with one (PyTorch's `norm.bias`).
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
     /// Normalises over the last dimension.
     // Mirrors torch.nn.LayerNorm.forward (torch.nn.functional.layer_norm).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {

@@ -95,6 +95,42 @@ impl TransformerDecoderLayer {
         &self.cfg
     }
 
+    /// The self-attention and the cross-attention over the memory (PyTorch's
+    /// `layer.self_attn`, `layer.multihead_attn`).
+    pub fn self_attn(&self) -> &MultiheadAttention {
+        &self.self_attn
+    }
+
+    /// See [`self_attn`](Self::self_attn).
+    pub fn multihead_attn(&self) -> &MultiheadAttention {
+        &self.multihead_attn
+    }
+
+    /// The feed-forward block's products (PyTorch's `layer.linear1`, `layer.linear2`).
+    pub fn linear1(&self) -> &Linear {
+        &self.linear1
+    }
+
+    /// See [`linear1`](Self::linear1).
+    pub fn linear2(&self) -> &Linear {
+        &self.linear2
+    }
+
+    /// The norms of the three blocks (PyTorch's `layer.norm1`, `norm2`, `norm3`).
+    pub fn norm1(&self) -> &LayerNorm {
+        &self.norm1
+    }
+
+    /// See [`norm1`](Self::norm1).
+    pub fn norm2(&self) -> &LayerNorm {
+        &self.norm2
+    }
+
+    /// See [`norm1`](Self::norm1).
+    pub fn norm3(&self) -> &LayerNorm {
+        &self.norm3
+    }
+
     /// Sets training mode.
     pub fn train(&mut self, mode: bool) {
         self.training = mode;

@@ -65,9 +65,31 @@ impl TransformerEncoderLayer {
         &self.cfg
     }
 
-    /// The self-attention block.
+    /// The self-attention block (PyTorch's `layer.self_attn`).
     pub fn self_attn(&self) -> &MultiheadAttention {
         &self.self_attn
+    }
+
+    /// The feed-forward block's first and second products (PyTorch's `layer.linear1`,
+    /// `layer.linear2`).
+    pub fn linear1(&self) -> &Linear {
+        &self.linear1
+    }
+
+    /// See [`linear1`](Self::linear1).
+    pub fn linear2(&self) -> &Linear {
+        &self.linear2
+    }
+
+    /// The norms (PyTorch's `layer.norm1`, before or after the self-attention block as
+    /// `norm_first` says, and `layer.norm2`, around the feed-forward block).
+    pub fn norm1(&self) -> &LayerNorm {
+        &self.norm1
+    }
+
+    /// See [`norm1`](Self::norm1).
+    pub fn norm2(&self) -> &LayerNorm {
+        &self.norm2
     }
 
     /// Sets training mode.

@@ -271,3 +271,54 @@ fn a_zero_width_feed_forward_is_its_output_bias_alone() {
     assert_eq!(bias, vec![0.0; 8]);
     assert_eq!(params["linear1.weight"].dims(), &[0, 8]);
 }
+
+/// The layers' sub-modules under PyTorch's attribute names hold the parameters of PyTorch's
+/// state_dict keys (`layer.linear1.weight` is `linear1().weight()`).
+#[test]
+fn layer_submodules_are_reachable_by_pytorchs_names() {
+    use multihead::transformer::{LayerConfig, TransformerDecoderLayer, TransformerEncoderLayer};
+    use multihead::NamedParameters;
+    let vm = candle_nn::VarMap::new();
+    let vb =
+        candle_nn::VarBuilder::from_varmap(&vm, candle_core::DType::F32, &candle_core::Device::Cpu);
+    let cfg = LayerConfig::new(8, 2).with_dim_feedforward(16);
+    let enc = TransformerEncoderLayer::new(cfg.clone(), vb.pp("e")).unwrap();
+    let dec = TransformerDecoderLayer::new(cfg, vb.pp("d")).unwrap();
+    let same = |params: &[(String, candle_core::Tensor)], key: &str, t: &candle_core::Tensor| {
+        let p = &params.iter().find(|(k, _)| k == key).unwrap_or_else(|| panic!("{key}")).1;
+        assert_eq!(p.id(), t.id(), "{key}");
+    };
+    let e = enc.named_parameters();
+    same(&e, "linear1.weight", enc.linear1().weight());
+    same(&e, "linear2.weight", enc.linear2().weight());
+    same(&e, "norm1.weight", enc.norm1().weight());
+    same(&e, "norm2.weight", enc.norm2().weight());
+    same(
+        &e,
+        "self_attn.out_proj.weight",
+        enc.self_attn()
+            .named_parameters()
+            .iter()
+            .find(|(k, _)| k == "out_proj.weight")
+            .map(|(_, t)| t)
+            .unwrap(),
+    );
+    let d = dec.named_parameters();
+    same(&d, "linear1.weight", dec.linear1().weight());
+    same(&d, "linear2.weight", dec.linear2().weight());
+    same(&d, "norm1.weight", dec.norm1().weight());
+    same(&d, "norm2.weight", dec.norm2().weight());
+    same(&d, "norm3.weight", dec.norm3().weight());
+    let inner = dec.multihead_attn().named_parameters();
+    same(
+        &d,
+        "multihead_attn.in_proj_weight",
+        &inner.iter().find(|(k, _)| k == "in_proj_weight").unwrap().1,
+    );
+    let inner = dec.self_attn().named_parameters();
+    same(
+        &d,
+        "self_attn.in_proj_weight",
+        &inner.iter().find(|(k, _)| k == "in_proj_weight").unwrap().1,
+    );
+}
