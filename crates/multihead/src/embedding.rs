@@ -128,7 +128,10 @@ impl Embedding {
         let (rows, dim) = self.weight.dims2()?;
         let mut out_dims = ids.dims().to_vec();
         out_dims.push(dim);
-        crate::alloc::ensure(OP, "output", &out_dims, self.weight.dtype(), 1, "use fewer indices")?;
+        // With a padding row, a gradient's lookup reads the table twice (the second detached).
+        let copies = if self.padding_idx.is_some() { 2 } else { 1 };
+        let (dtype, hint) = (self.weight.dtype(), "use fewer indices");
+        crate::alloc::ensure(OP, "output", &out_dims, dtype, copies, hint)?;
         crate::alloc::ensure(OP, "input", ids.dims(), DType::I64, 2, "use fewer indices")?;
         let flat = match ids.dtype() {
             DType::U8 | DType::U32 | DType::I64 => ids.flatten_all()?.to_dtype(DType::I64)?,

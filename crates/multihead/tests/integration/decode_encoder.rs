@@ -169,3 +169,45 @@ fn encoder_steps_with_variants_equal_the_stack_with_them() {
         }
     }
 }
+
+/// Bad and unusual input to a cached encoder step, on the fused and the composed path alike:
+/// a broadcast view is read as its values, a NaN token stays in its own row, and a view too
+/// large to allocate is an error that changes no cache.
+#[test]
+fn views_nan_and_huge_steps_on_both_paths() {
+    use multihead::{with_backend, Backend};
+    for backend in [Backend::Auto, Backend::Composed] {
+        let (enc, _vm) = stack(true, DType::F32);
+        let run = |x: &Tensor, caches: &mut [multihead::KvCache]| {
+            with_backend(backend, || enc.forward_cached(x, caches, None))
+        };
+        // A token broadcast over the batch: the contiguous copy's bits.
+        let row = det(&[1, 1, 16], DType::F32, 2.0);
+        let view = row.broadcast_as((2, 1, 16)).unwrap();
+        let (mut a, mut b) = (enc.new_caches(2, 4).unwrap(), enc.new_caches(2, 4).unwrap());
+        let ya = run(&view, &mut a).unwrap();
+        let yb = run(&view.contiguous().unwrap(), &mut b).unwrap();
+        assert_eq!(crate::common::bits(&ya), crate::common::bits(&yb), "{backend:?}: view");
+        // NaN in row 1's token: row 0 stays finite, now and at the next step.
+        let mut vals =
+            det(&[2, 1, 16], DType::F32, 3.0).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        vals[20] = f32::NAN;
+        let nan = Tensor::from_vec(vals, (2, 1, 16), &dev()).unwrap();
+        let y = run(&nan, &mut a).unwrap();
+        let finite = |t: &Tensor, r: usize| {
+            let v = t.narrow(0, r, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v.iter().all(|x| x.is_finite())
+        };
+        assert!(finite(&y, 0) && !finite(&y, 1), "{backend:?}: NaN row");
+        // 2^31 tokens per row (a broadcast view): an error, every cache as it was.
+        let huge = row.broadcast_as((2, 1usize << 31, 16)).unwrap();
+        let before: Vec<Vec<usize>> = a.iter().map(|c| c.lens().to_vec()).collect();
+        let e = run(&huge, &mut a).map(|_| ()).expect_err("huge");
+        let after: Vec<Vec<usize>> = a.iter().map(|c| c.lens().to_vec()).collect();
+        assert_eq!(before, after, "{backend:?}: {e}");
+        assert!(
+            e.to_string().starts_with("TransformerEncoder::forward_cached"),
+            "{backend:?}: {e}"
+        );
+    }
+}
