@@ -99,6 +99,9 @@ impl Linear {
     }
 
     fn forward_here(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(x) = self.cast_under_autocast(x)? {
+            return crate::mode::autocast_off(|| self.forward_here(&x));
+        }
         let dtypes = (x.dtype(), self.weight.dtype());
         let run = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| m.forward(&r(x)?);
         if let Some(y) = crate::precision::autocast_run(self, dtypes, self.macs(x) as u64, run) {
@@ -137,6 +140,9 @@ impl Linear {
     }
 
     fn forward_act_here(&self, x: &Tensor, activation: crate::Activation) -> Result<Tensor> {
+        if let Some(x) = self.cast_under_autocast(x)? {
+            return crate::mode::autocast_off(|| self.forward_act_here(&x, activation));
+        }
         let autocast =
             |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| m.forward_act(&r(x)?, activation);
         let dtypes = (x.dtype(), self.weight.dtype());
@@ -150,6 +156,18 @@ impl Linear {
             other => return other.forward(&self.forward_here(x)?),
         };
         linear_then(x, &self.weight, self.bias.as_ref(), act, "linear", "input", Backend::Auto)
+    }
+}
+
+impl Linear {
+    /// Under [`autocast`](crate::autocast) to this layer's own dtype (bf16 or f16), its input
+    /// as PyTorch's autocast casts it (an f32 input rounded to the layer's dtype); `None` where
+    /// the call runs on `x` as given.
+    fn cast_under_autocast(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        match crate::precision::autocast_into(self.weight.dtype()) {
+            Some(dt) => crate::precision::autocast_cast(x, dt).map(Some),
+            None => Ok(None),
+        }
     }
 }
 

@@ -303,6 +303,12 @@ pub fn grad_enabled() -> bool {
 /// rest of candle run in f32, as under PyTorch's autocast. Float masks are rounded to `dtype`,
 /// as PyTorch's attention casts them.
 ///
+/// A module whose parameters already have `dtype` (a bf16 model under bf16 autocast) runs as
+/// outside autocast on its arguments converted to `dtype`, as PyTorch's autocast casts them:
+/// `Linear` and `MultiheadAttention` take an f32 input and return `dtype`; the Transformer
+/// layers convert their float masks and a decoder's memory (an f32 input to them is refused,
+/// as PyTorch's LayerNorm refuses it).
+///
 /// # Example
 /// ```
 /// use candle_core::{DType, Device, Tensor};

@@ -201,6 +201,27 @@ pub(crate) fn autocast_for(input: DType, params: DType) -> Option<DType> {
     crate::mode::autocast_dtype().filter(|dt| is_reduced(*dt) && eligible && params == DType::F32)
 }
 
+/// The dtype a module whose parameters have dtype `params` casts its inputs to under
+/// [`autocast`](crate::autocast): `Some(dt)` inside an autocast to bf16 or f16 when the
+/// parameters already have `dt` (a `model.to(torch.bfloat16)` run under
+/// `torch.autocast("cpu", torch.bfloat16)`). PyTorch's autocast then casts the f32 (or other
+/// reduced) inputs and float masks to `dt` and the call runs as on `dt` arguments, returning
+/// `dt`; [`autocast_cast`] does the casting.
+pub(crate) fn autocast_into(params: DType) -> Option<DType> {
+    crate::mode::autocast_dtype().filter(|dt| is_reduced(*dt) && params == *dt)
+}
+
+/// A tensor argument of a module in `dt` under an autocast to `dt`, as PyTorch's autocast
+/// casts it: an f32, bf16 or f16 tensor converted to `dt` (differentiably: its gradient comes
+/// back in its own dtype), an f64 one left as it is (the call then refuses the mixed dtypes,
+/// as PyTorch does).
+pub(crate) fn autocast_cast(t: &Tensor, dt: DType) -> Result<Tensor> {
+    match t.dtype() {
+        DType::F32 | DType::BF16 | DType::F16 => narrow(t, dt),
+        _ => Ok(t.clone()),
+    }
+}
+
 /// A tensor argument of an autocast op as the op's f32 computation reads it: an f32, bf16 or
 /// f16 tensor rounded to `dt` and held in f32 (differentiably; PyTorch's autocast casts it to
 /// `dt`); any other (f64) as given, which the call's validation then names, as PyTorch refuses

@@ -451,6 +451,10 @@ impl MultiheadAttention {
         if let Some(dt) = crate::precision::autocast_for(query.dtype(), self.dtype()) {
             return self.forward_autocast(query, key, value, opts, dt);
         }
+        if let Some(dt) = crate::precision::autocast_into(self.dtype()) {
+            let ([q, k, v], opts) = cast_under_autocast([query, key, value], opts, dt)?;
+            return crate::mode::autocast_off(|| self.forward_here(&q, &k, &v, &opts));
+        }
         let alias = Aliasing::of(query, key, value);
         let params = self.params()?;
         mha_forward_impl(
@@ -519,6 +523,10 @@ impl MultiheadAttention {
             return crate::functional::autocast_plan(
                 query, key, value, alias, &params, opts, layout, dt,
             );
+        }
+        if let Some(dt) = crate::precision::autocast_into(self.dtype()) {
+            let ([q, k, v], opts) = cast_under_autocast([query, key, value], opts, dt)?;
+            return crate::mode::autocast_off(|| self.explain(&q, &k, &v, &opts));
         }
         mha_plan_impl(query, key, value, alias, &params, opts, layout.0, layout.1)
     }
@@ -601,6 +609,20 @@ impl MultiheadAttention {
             attn_weights: out.attn_weights.map(|w| done(&w)).transpose()?,
         })
     }
+}
+
+/// The query, key, value (the same tensor stays the same tensor) and options of a module in
+/// `dt` called under an autocast to `dt`, as PyTorch's autocast casts them: f32 (or other
+/// reduced) tensors and float masks converted to `dt`, so that the call runs as on `dt`
+/// arguments.
+fn cast_under_autocast(
+    qkv: [&Tensor; 3],
+    opts: &MhaOptions,
+    dt: candle_core::DType,
+) -> Result<([Tensor; 3], MhaOptions)> {
+    let cast = |t: &Tensor| crate::precision::autocast_cast(t, dt);
+    let qkv = crate::precision::map_aliased(qkv, &cast)?;
+    Ok((qkv, crate::functional::autocast_options(opts, &cast)?))
 }
 
 impl crate::precision::CastParams for MultiheadAttention {

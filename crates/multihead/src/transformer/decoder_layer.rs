@@ -227,6 +227,12 @@ impl TransformerDecoderLayer {
         self_opts: &MhaOptions,
         cross_opts: &MhaOptions,
     ) -> Result<Tensor> {
+        if let Some(dt) = super::autocast_into(self.self_attn.dtype(), tgt.dtype()) {
+            let (so, co) =
+                (super::cast_options(self_opts, dt)?, super::cast_options(cross_opts, dt)?);
+            let memory = crate::precision::autocast_cast(memory, dt)?;
+            return crate::mode::autocast_off(|| self.forward_here(tgt, &memory, &so, &co));
+        }
         let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {
             use crate::{functional::autocast_options, precision::widen_reduced};
             let (so, co) = (autocast_options(self_opts, r)?, autocast_options(cross_opts, r)?);

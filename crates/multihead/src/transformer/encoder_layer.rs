@@ -184,6 +184,10 @@ impl TransformerEncoderLayer {
 
     /// [`forward_with`](Self::forward_with) on this thread.
     fn forward_here(&self, src: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
+        if let Some(dt) = super::autocast_into(self.self_attn.dtype(), src.dtype()) {
+            let o = super::cast_options(opts, dt)?;
+            return crate::mode::autocast_off(|| self.forward_here(src, &o));
+        }
         let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {
             let src = crate::precision::widen_reduced(src)?;
             m.forward_with(&src, &crate::functional::autocast_options(opts, r)?)

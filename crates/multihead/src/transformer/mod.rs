@@ -187,6 +187,27 @@ pub(crate) fn mask_options(
     opts
 }
 
+/// The dtype a layer with parameters of dtype `params` casts its float masks (and a decoder's
+/// memory) to under [`autocast`](crate::autocast): `Some(dt)` inside an autocast to the
+/// layer's own bf16 or f16 with an `input` of that dtype, where PyTorch's autocast casts what
+/// the layer's attention reads to `dt`. An input of another dtype is left to be refused, as
+/// PyTorch's LayerNorm refuses an f32 input to a bf16 layer.
+pub(crate) fn autocast_into(
+    params: candle_core::DType,
+    input: candle_core::DType,
+) -> Option<candle_core::DType> {
+    crate::precision::autocast_into(params).filter(|dt| *dt == input)
+}
+
+/// `opts` with their float masks, static keys and values and sinks converted to `dt` as
+/// PyTorch's autocast casts them ([`crate::precision::autocast_cast`]).
+pub(crate) fn cast_options(
+    opts: &crate::MhaOptions,
+    dt: candle_core::DType,
+) -> crate::Result<crate::MhaOptions> {
+    crate::functional::autocast_options(opts, &|t| crate::precision::autocast_cast(t, dt))
+}
+
 /// How far apart two layers' dropout keys are: layer `i` of a stack takes `offset + i·2^48`,
 /// so keys a caller advances by one per step never meet another layer's.
 pub(crate) const LAYER_KEY_STRIDE: u64 = 1 << 48;

@@ -291,3 +291,159 @@ fn bad_input_under_autocast_is_an_error_on_both_paths() {
         assert!(flat.iter().any(|v| v.is_nan()) && flat.iter().any(|v| v.is_finite()));
     }
 }
+
+/// A bf16 or f16 module under an autocast to its own dtype (`model.to(torch.bfloat16)` run
+/// under `torch.autocast("cpu", torch.bfloat16)`) takes f32 inputs and float masks as PyTorch's
+/// autocast casts them: the call is the module's on the arguments converted to its dtype
+/// outside autocast, bit for bit, in its dtype, and an f32 input's gradient is the converted
+/// input's gradient widened. PyTorch 2.15 gives the same identities (`torch.equal` of output
+/// and weights, batch-first and sequence-first, self- and cross-attention with a float mask,
+/// `need_weights` on and off; `nn.Linear`). An f64 input is left as it is and refused.
+#[test]
+fn a_reduced_module_under_its_own_autocast_casts_f32_inputs_as_pytorch_does() {
+    for dt in [DType::BF16, DType::F16] {
+        let vm = candle_nn::VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&vm, dt, &dev());
+        let x = det(&[2, 5, 16], DType::F32, 1.0);
+        let kv = det(&[2, 7, 16], DType::F32, 3.0);
+        let mask = (det(&[5, 7], DType::F32, 2.0) * 0.37).unwrap();
+        let lin = Linear::new(16, 12, true, vb.pp("lin")).unwrap();
+        let y = autocast(dt, || lin.forward(&x)).unwrap();
+        assert_eq!(y.dtype(), dt);
+        assert_eq!(bits(&y), bits(&lin.forward(&to(&x, dt)).unwrap()), "linear {dt:?}");
+        let act = multihead::Activation::Gelu;
+        let y = autocast(dt, || lin.forward_act(&x, act)).unwrap();
+        assert_eq!(bits(&y), bits(&lin.forward_act(&to(&x, dt), act).unwrap()), "gelu {dt:?}");
+        for batch_first in [true, false] {
+            let cfg = MhaConfig::new(16, 4).with_batch_first(batch_first).with_dropout(0.0);
+            let mha = MultiheadAttention::new(cfg, vb.pp(format!("mha{batch_first}"))).unwrap();
+            let lay = |t: &Tensor| if batch_first { t.clone() } else { t.transpose(0, 1).unwrap() };
+            let (xv, kvv) = (var(&lay(&x)), var(&lay(&kv)));
+            for need_weights in [true, false] {
+                let opts = |m: Tensor| {
+                    MhaOptions::default().attn_mask(Mask::Float(m)).need_weights(need_weights)
+                };
+                let what = format!("{dt:?} batch_first={batch_first} weights={need_weights}");
+                let inside = autocast(dt, || {
+                    mha.forward(
+                        xv.as_tensor(),
+                        kvv.as_tensor(),
+                        kvv.as_tensor(),
+                        &opts(mask.clone()),
+                    )
+                })
+                .unwrap();
+                let (xr, kvr) = (var(&to(xv.as_tensor(), dt)), var(&to(kvv.as_tensor(), dt)));
+                let outside = mha
+                    .forward(xr.as_tensor(), kvr.as_tensor(), kvr.as_tensor(), &opts(to(&mask, dt)))
+                    .unwrap();
+                assert_eq!(inside.output.dtype(), dt, "{what}");
+                assert_eq!(bits(&inside.output), bits(&outside.output), "{what}");
+                match (&inside.attn_weights, &outside.attn_weights) {
+                    (Some(a), Some(b)) => assert_eq!(bits(a), bits(b), "{what} weights"),
+                    (None, None) => {}
+                    _ => panic!("{what}: weights returned on one side only"),
+                }
+                // The gradients: the f32 inputs' are the converted inputs' widened.
+                let loss = |t: &Tensor| multihead::sum_f32(t).unwrap();
+                let g_in = loss(&inside.output).backward().unwrap();
+                let g_out = loss(&outside.output).backward().unwrap();
+                for ((v32, vr), name) in [((&xv, &xr), "query"), ((&kvv, &kvr), "key/value")] {
+                    let (a, b) = (grads_of(&g_in, v32), grads_of(&g_out, vr));
+                    assert_eq!(a.dtype(), DType::F32, "{what} {name} grad");
+                    assert_eq!(bits(a), bits(&to(b, DType::F32)), "{what} {name} grad");
+                }
+            }
+            // Explaining accepts what the call accepts.
+            let o = MhaOptions::default().attn_mask(Mask::Float(mask.clone()));
+            let (xl, kvl) = (lay(&x), lay(&kv));
+            let plan = autocast(dt, || mha.explain(&xl, &kvl, &kvl, &o)).unwrap();
+            let own = mha.explain(&to(&xl, dt), &to(&kvl, dt), &to(&kvl, dt), &o).unwrap();
+            assert_eq!(plan.path, own.path, "{dt:?} plan");
+            // f64 is not cast: the mixed call is refused, as PyTorch refuses it.
+            let x64 = to(&xl, DType::F64);
+            let e = autocast(dt, || mha.forward(&x64, &x64, &x64, &MhaOptions::default()));
+            assert!(e.unwrap_err().to_string().contains("dtype"), "{dt:?} f64");
+        }
+        // The functional form, with the module's parameters: the same call.
+        let cfg = MhaConfig::new(16, 4).with_dropout(0.0);
+        let mha = MultiheadAttention::new(cfg, vb.pp("functional")).unwrap();
+        let named: std::collections::HashMap<String, Tensor> =
+            multihead::NamedParameters::named_parameters(&mha).into_iter().collect();
+        let params = MhaParams {
+            embed_dim_to_check: 16,
+            num_heads: 4,
+            num_kv_heads: None,
+            in_proj: InProj::Packed(&named["in_proj_weight"]),
+            in_proj_bias: Some(&named["in_proj_bias"]),
+            bias_k: None,
+            bias_v: None,
+            add_zero_attn: false,
+            dropout_p: 0.0,
+            out_proj_weight: &named["out_proj.weight"],
+            out_proj_bias: Some(&named["out_proj.bias"]),
+        };
+        let xs = x.transpose(0, 1).unwrap();
+        let o = MhaOptions::default().attn_mask(Mask::Float(det(&[5, 5], DType::F32, 4.0)));
+        let f = autocast(dt, || multi_head_attention_forward(&xs, &xs, &xs, &params, &o, false));
+        let f = f.unwrap();
+        let m = autocast(dt, || mha.forward(&xs, &xs, &xs, &o)).unwrap();
+        assert_eq!(f.output.dtype(), dt);
+        assert_eq!(bits(&f.output), bits(&m.output), "{dt:?} functional");
+    }
+}
+
+/// A bf16 or f16 Transformer layer under an autocast to its own dtype, on its own-dtype input
+/// with f32 float masks and (the decoder) an f32 memory: PyTorch's autocast casts the masks and
+/// the memory its attention reads to the layer's dtype, so the call is the layer's on converted
+/// masks and memory outside autocast (PyTorch 2.15: `torch.equal`, post- and pre-norm; outside
+/// autocast the f32 mask is read unrounded there and here). An f32 input is refused, as
+/// PyTorch's LayerNorm refuses it.
+#[test]
+fn a_reduced_layer_under_its_own_autocast_casts_f32_masks_as_pytorch_does() {
+    use multihead::transformer::{DecoderMasks, TransformerDecoder, TransformerEncoder};
+    for dt in [DType::BF16, DType::F16] {
+        for norm_first in [false, true] {
+            let vm = candle_nn::VarMap::new();
+            let vb = candle_nn::VarBuilder::from_varmap(&vm, dt, &dev());
+            let cfg = LayerConfig::new(16, 4)
+                .with_dim_feedforward(32)
+                .with_dropout(0.0)
+                .with_batch_first(true)
+                .with_norm_first(norm_first);
+            let what = format!("{dt:?} norm_first={norm_first}");
+            let x = to(&det(&[2, 5, 16], DType::F32, 1.0), dt);
+            let mem = det(&[2, 7, 16], DType::F32, 3.0);
+            let m = (det(&[5, 5], DType::F32, 2.0) * 0.37).unwrap();
+            let mm = (det(&[5, 7], DType::F32, 5.0) * 0.41).unwrap();
+            let (m16, mm16) = (Some(Mask::Float(to(&m, dt))), Some(Mask::Float(to(&mm, dt))));
+            let enc = TransformerEncoderLayer::new(cfg.clone(), vb.pp("enc")).unwrap();
+            let f = Some(Mask::Float(m.clone()));
+            let inside = autocast(dt, || enc.forward(&x, f.as_ref(), None, false)).unwrap();
+            let outside = enc.forward(&x, m16.as_ref(), None, false).unwrap();
+            assert_eq!(inside.dtype(), dt, "{what}");
+            assert_eq!(bits(&inside), bits(&outside), "{what} encoder layer");
+            let stack = TransformerEncoder::new(cfg.clone(), 2, None, vb.pp("stack")).unwrap();
+            let inside = autocast(dt, || stack.forward(&x, f.as_ref(), None, None)).unwrap();
+            let outside = stack.forward(&x, m16.as_ref(), None, None).unwrap();
+            assert_eq!(bits(&inside), bits(&outside), "{what} encoder");
+            let dec = TransformerDecoderLayer::new(cfg.clone(), vb.pp("dec")).unwrap();
+            let masks = |tgt: Option<Mask>, mem: Option<Mask>| DecoderMasks {
+                tgt_mask: tgt,
+                memory_mask: mem,
+                ..Default::default()
+            };
+            let m32 = masks(f.clone(), Some(Mask::Float(mm.clone())));
+            let inside = autocast(dt, || dec.forward(&x, &mem, &m32)).unwrap();
+            let outside = dec.forward(&x, &to(&mem, dt), &masks(m16.clone(), mm16.clone()));
+            assert_eq!(bits(&inside), bits(&outside.unwrap()), "{what} decoder layer");
+            let dstack = TransformerDecoder::new(cfg.clone(), 2, None, vb.pp("dstack")).unwrap();
+            let inside = autocast(dt, || dstack.forward(&x, &mem, &m32)).unwrap();
+            let outside = dstack.forward(&x, &to(&mem, dt), &masks(m16.clone(), mm16.clone()));
+            assert_eq!(bits(&inside), bits(&outside.unwrap()), "{what} decoder");
+            // An f32 input to the layer: refused, as PyTorch's LayerNorm refuses it.
+            let x32 = to(&x, DType::F32);
+            assert!(autocast(dt, || enc.forward(&x32, None, None, false)).is_err(), "{what}");
+        }
+    }
+}

@@ -277,6 +277,16 @@ pub fn multi_head_attention_forward(
     {
         return autocast_forward(query, key, value, alias, params, opts, training, dt);
     }
+    if let Some(dt) = crate::precision::autocast_into(params.out_proj_weight.dtype()) {
+        return cast_under_autocast(
+            (query, key, value),
+            alias,
+            params,
+            opts,
+            dt,
+            |[q, k, v], p, o| multi_head_attention_forward(q, k, v, p, o, training),
+        );
+    }
     mha_forward_impl(query, key, value, alias, params, opts, training, false)
 }
 
@@ -327,6 +337,16 @@ pub fn explain_mha(
     {
         return autocast_plan(query, key, value, alias, params, opts, (training, false), dt);
     }
+    if let Some(dt) = crate::precision::autocast_into(params.out_proj_weight.dtype()) {
+        return cast_under_autocast(
+            (query, key, value),
+            alias,
+            params,
+            opts,
+            dt,
+            |[q, k, v], p, o| explain_mha(q, k, v, p, o, training),
+        );
+    }
     mha_plan_impl(query, key, value, alias, params, opts, training, false)
 }
 
@@ -367,6 +387,25 @@ fn in_autocast<R>(
     crate::mode::autocast_off(|| {
         crate::mode::rounded_products(dt, macs, || f([&w.q, &w.k, &w.v], &p, &w.opts))
     })
+}
+
+/// `f` on the call a module in `dt` makes under an autocast to `dt`: the inputs, parameters,
+/// float masks, static keys and values and sinks converted to `dt` where they are f32, bf16 or
+/// f16 (PyTorch's autocast casts every argument of the products it runs; f64 is left for the
+/// call to refuse), with autocast off, so that the call runs as on `dt` arguments.
+fn cast_under_autocast<R>(
+    (query, key, value): (&Tensor, &Tensor, &Tensor),
+    alias: Aliasing,
+    params: &MhaParams,
+    opts: &MhaOptions,
+    dt: DType,
+    f: impl FnOnce([&Tensor; 3], &MhaParams, &MhaOptions) -> Result<R>,
+) -> Result<R> {
+    let cast = |t: &Tensor| crate::precision::autocast_cast(t, dt);
+    let w =
+        Widened::mapped(query, key, value, alias, params, autocast_options(opts, &cast)?, &cast)?;
+    let p = w.params(params);
+    crate::mode::autocast_off(|| f([&w.q, &w.k, &w.v], &p, &w.opts))
 }
 
 /// Whether a gradient will be recorded through the attention: grad mode is on and an input or
