@@ -423,10 +423,20 @@ fn a_reduced_layer_under_its_own_autocast_casts_f32_masks_as_pytorch_does() {
             let outside = enc.forward(&x, m16.as_ref(), None, false).unwrap();
             assert_eq!(inside.dtype(), dt, "{what}");
             assert_eq!(bits(&inside), bits(&outside), "{what} encoder layer");
-            let stack = TransformerEncoder::new(cfg.clone(), 2, None, vb.pp("stack")).unwrap();
+            let mut stack = TransformerEncoder::new(cfg.clone(), 2, None, vb.pp("stack")).unwrap();
             let inside = autocast(dt, || stack.forward(&x, f.as_ref(), None, None)).unwrap();
             let outside = stack.forward(&x, m16.as_ref(), None, None).unwrap();
             assert_eq!(bits(&inside), bits(&outside), "{what} encoder");
+            // In eval under no_grad (this crate's inference path; PyTorch's fused one reads a
+            // float mask as bool, §7.5), with a key padding mask too.
+            stack.eval();
+            let kpm =
+                Mask::Bool(Tensor::new(&[[0u8, 0, 0, 0, 0], [0, 0, 0, 1, 1]], &dev()).unwrap());
+            let run = |m: &Option<Mask>| {
+                multihead::no_grad(|| stack.forward(&x, m.as_ref(), Some(&kpm), None)).unwrap()
+            };
+            let inside = autocast(dt, || run(&f));
+            assert_eq!(bits(&inside), bits(&run(&m16)), "{what} encoder in eval");
             let dec = TransformerDecoderLayer::new(cfg.clone(), vb.pp("dec")).unwrap();
             let masks = |tgt: Option<Mask>, mem: Option<Mask>| DecoderMasks {
                 tgt_mask: tgt,
