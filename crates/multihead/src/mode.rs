@@ -368,6 +368,7 @@ pub(crate) struct Modes {
     grad: bool,
     autocast: Option<DType>,
     bf16_kernel: multihead_kernels::bf16gemm::Bf16Kernel,
+    simd: multihead_kernels::attention::SimdLevel,
 }
 
 impl Modes {
@@ -382,6 +383,7 @@ impl Modes {
             grad: GRAD.with(|c| c.get()),
             autocast: AUTOCAST.with(|c| c.get()),
             bf16_kernel: multihead_kernels::bf16gemm::active_bf16_kernel(),
+            simd: multihead_kernels::attention::simd_level(),
         }
     }
 
@@ -394,6 +396,7 @@ impl Modes {
         let _c = Restore::set(&BACKEND, self.backend);
         let _d = Restore::set(&GRAD, self.grad);
         let _e = Restore::set(&AUTOCAST, self.autocast);
+        let f = || multihead_kernels::attention::with_simd_level(self.simd, f);
         multihead_kernels::bf16gemm::with_bf16_kernel(self.bf16_kernel, f)
     }
 }

@@ -1,14 +1,32 @@
-//! One hop onto rayon's pool per call.
+//! One hop onto a pool per call.
 //!
 //! The kernels split their work over rayon's pool. Called from a thread outside the pool (a
 //! program's main thread), each parallel operation sends its tasks to the pool and puts the
 //! caller to sleep until they are done: a wake-up and a sleep per operation, tens of
 //! microseconds on a small VM, which a layer at batch 64 × 17 tokens pays a dozen times per
-//! call. The modules therefore run a call that is large enough to go parallel on one of the
+//! call. The modules therefore run a call that is large enough to go parallel on one of a
 //! pool's threads ([`on_pool`]), where the operations inside it split their work without
 //! leaving the pool: one hop per call instead of one per operation. The thread's modes
 //! ([`no_grad`](crate::no_grad), [`autocast`](crate::autocast), the backend, the bf16
-//! products and kernel) go with the call; the numbers are the same bits on any thread.
+//! products and kernel, the kernels' SIMD level) go with the call; the numbers are the same
+//! bits on any thread.
+//!
+//! # Why a pool of its own, one call at a time
+//!
+//! A rayon thread that waits inside a call (for the call's parallel tasks) runs other queued
+//! jobs meanwhile. Were a second call queued on the same pool, it could run there on top of
+//! the first call's frames, which hold candle's read locks on the tensors the first call
+//! reads (a `CustomOp` runs under them); a write waiting for those locks (a `Var::set` of an
+//! optimiser step, or a weight reload, on any thread) then blocks the second call, and with it
+//! the first one beneath it, for good. The same holds for a call run on top of another
+//! caller's parallel tasks. So the hops go to a pool of this crate's own, with as many threads
+//! as rayon's global pool, which runs one call at a time and nothing else but that call's
+//! parallel tasks (which take no locks). A call made while it is busy runs on its caller's
+//! thread, its operations splitting their work over rayon's global pool, as candle's do; both
+//! give the same bits.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 
 use crate::mode::Modes;
 
@@ -16,12 +34,16 @@ use crate::mode::Modes;
 /// thresholds are about `2^19`); a call whose largest product is smaller stays on the caller.
 const PARALLEL_FROM: usize = 1 << 19;
 
-/// Runs `f` on a thread of rayon's current pool, with this thread's modes, and returns its
-/// result; this thread waits. On a thread of a rayon pool already, `f` just runs.
+/// Runs `f` on a thread of this crate's pool, with this thread's modes, and returns its
+/// result; this thread waits. On a thread of a rayon pool already, or while another call
+/// runs on this crate's pool (it takes one at a time: see the [module docs](self)), `f` just
+/// runs here. The result is the same either way.
 ///
 /// The modules hop by themselves for calls large enough to go parallel; wrap a whole step in
 /// it (a training step with its `backward`, a loop of small calls) so that what runs between
-/// the modules' calls, candle's backward included, does not leave the pool either.
+/// the modules' calls, candle's backward included, does not leave the pool either. Calls from
+/// several threads at once, and writes to parameters (`Var::set`) while other threads call the
+/// modules, are safe: the second caller runs its call on its own thread.
 ///
 /// # Example
 /// ```
@@ -36,8 +58,48 @@ pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if rayon::current_thread_index().is_some() {
         return f();
     }
+    let Some(pool) = hop_pool() else {
+        return f();
+    };
+    let Some(_claim) = Claim::take() else {
+        return f();
+    };
     let modes = Modes::current();
-    rayon::scope(move |_| modes.enter(f))
+    pool.install(move || modes.enter(f))
+}
+
+/// The pool calls hop onto: as many threads as rayon's global pool (so `RAYON_NUM_THREADS`
+/// and a `build_global` made before the first call hold for it too); `None` where the threads
+/// cannot be started, and the calls then run on their callers' threads.
+fn hop_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(rayon::current_num_threads())
+            .thread_name(|i| format!("multihead-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
+/// Whether a call runs on [`hop_pool`] now.
+static BUSY: AtomicBool = AtomicBool::new(false);
+
+/// The right to run one call on [`hop_pool`], given back when dropped (also when the call
+/// panics).
+struct Claim;
+
+impl Claim {
+    fn take() -> Option<Claim> {
+        BUSY.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).ok().map(|_| Claim)
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        BUSY.store(false, Ordering::Release);
+    }
 }
 
 /// [`on_pool`] when the call's largest product (`macs` multiply-adds) is large enough to go

@@ -1,6 +1,8 @@
 //! One hop onto rayon's pool per call (`multihead::on_pool`, and the modules' own hop for
 //! calls large enough to go parallel): the call runs on a worker with the caller's modes, the
-//! worker's own modes come back afterwards, and the numbers are the same bits.
+//! worker's own modes come back afterwards, and the numbers are the same bits. One call at a
+//! time runs there; a concurrent one runs on its caller, and writes to parameters while other
+//! threads call the modules do not deadlock.
 
 use candle_core::{DType, Tensor};
 use candle_nn::{VarBuilder, VarMap};
@@ -16,7 +18,12 @@ use crate::common::{det, dev, mha};
 #[test]
 fn on_pool_runs_on_a_worker_with_the_callers_modes() {
     assert!(rayon::current_thread_index().is_none(), "the test thread is not a worker");
-    assert!(on_pool(|| rayon::current_thread_index().is_some()));
+    // One call at a time runs on the pool (another test's may hold it): the first free turn.
+    let start = std::time::Instant::now();
+    while !on_pool(|| rayon::current_thread_index().is_some()) {
+        assert!(start.elapsed().as_secs() < 60, "no turn on the pool in a minute");
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    }
     assert!(!no_grad(|| on_pool(grad_enabled)));
     assert_eq!(with_backend(Backend::Composed, || on_pool(default_backend)), Backend::Composed);
     assert_eq!(autocast(DType::BF16, || on_pool(autocast_dtype)), Some(DType::BF16));
@@ -68,4 +75,101 @@ fn a_hopping_encoder_keeps_no_grad_and_its_bits() {
     let y = enc.forward(&x, None, Some(&kpm), None).unwrap();
     let padded = y.narrow(1, 40, 24).unwrap().abs().unwrap().max_all().unwrap();
     assert!(padded.to_scalar::<f32>().unwrap() > 0.0);
+}
+
+/// While one call runs on the pool, a call from another thread runs on its own thread (with
+/// its own modes), not queued behind or on top of the first.
+#[test]
+fn a_second_caller_runs_on_its_own_thread_while_the_pool_is_busy() {
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    let (inside, done) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+    let got_a_turn = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // Another test may hold the pool: wait for a turn on it (a minute at most).
+            let start = std::time::Instant::now();
+            while start.elapsed().as_secs() < 60 && !got_a_turn.load(Relaxed) {
+                on_pool(|| {
+                    if rayon::current_thread_index().is_some() {
+                        got_a_turn.store(true, Relaxed);
+                        inside.wait();
+                        done.wait();
+                    }
+                });
+            }
+            if !got_a_turn.load(Relaxed) {
+                (inside.wait(), done.wait());
+            }
+        });
+        inside.wait();
+        let seen = no_grad(|| on_pool(|| (rayon::current_thread_index(), grad_enabled())));
+        done.wait();
+        assert!(got_a_turn.load(Relaxed), "no turn on the pool in a minute");
+        assert_eq!(seen, (None, false), "the second call did not run on its caller");
+    });
+}
+
+/// Writing a parameter (`Var::set`, as an optimiser step or a weight reload does) while other
+/// threads call a module that reads it, from a plain thread and from inside `on_pool`, with
+/// and without a backward: every call and every write finishes. A call queued on the same
+/// pool as another could run on top of it, under its read locks, and wait for the write that
+/// waits for them (a deadlock within seconds before the pool took one call at a time).
+#[test]
+fn writes_to_parameters_beside_concurrent_calls_do_not_deadlock() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    let w = candle_core::Var::from_tensor(&det(&[512, 512], DType::F32, 1.0)).unwrap();
+    let lin = Arc::new(multihead::Linear::from_weights(w.as_tensor().clone(), None));
+    let x = Arc::new(det(&[256, 512], DType::F32, 2.0)); // 2^26 multiply-adds: the call hops
+    let (stop, done) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+    let mut threads = Vec::new();
+    for train in [false, true] {
+        let (lin, x, stop, done) = (lin.clone(), x.clone(), stop.clone(), done.clone());
+        threads.push(std::thread::spawn(move || {
+            while !stop.load(Relaxed) {
+                let y = lin.forward(&x).unwrap();
+                if train {
+                    y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+                }
+                done.fetch_add(1, Relaxed);
+            }
+        }));
+    }
+    for in_pool in [false, true] {
+        let (w, stop, done) = (w.clone(), stop.clone(), done.clone());
+        threads.push(std::thread::spawn(move || {
+            while !stop.load(Relaxed) {
+                let set = || w.set(&w.as_tensor().copy().unwrap()).unwrap();
+                if in_pool {
+                    on_pool(set)
+                } else {
+                    set()
+                }
+                done.fetch_add(1, Relaxed);
+            }
+        }));
+    }
+    // Four seconds of traffic; nothing finishing for three seconds is a deadlock (the stuck
+    // threads are left behind: the assertion fails the test instead of hanging it).
+    let (start, mut last, mut since) = (Instant::now(), 0, Instant::now());
+    while start.elapsed() < Duration::from_secs(4) {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = done.load(Relaxed);
+        if now != last {
+            (last, since) = (now, Instant::now());
+        }
+        assert!(since.elapsed() < Duration::from_secs(3), "deadlock after {now} calls and writes");
+    }
+    stop.store(true, Relaxed);
+    // Every thread ends within seconds (a stuck one would hang a join: poll instead).
+    let end = Instant::now();
+    while !threads.iter().all(|t| t.is_finished()) {
+        assert!(end.elapsed() < Duration::from_secs(10), "a thread is stuck after {last} calls");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert!(last > 8, "only {last} calls and writes in four seconds");
 }
