@@ -98,7 +98,8 @@ fn a_second_caller_runs_on_its_own_thread_while_the_pool_is_busy() {
                 });
             }
             if !got_a_turn.load(Relaxed) {
-                (inside.wait(), done.wait());
+                inside.wait();
+                done.wait();
             }
         });
         inside.wait();
