@@ -3,10 +3,13 @@
 //!
 //! All are thread-local, like PyTorch's grad mode. They are read once, on the calling thread,
 //! when a call is planned; the kernels that then run on rayon's worker threads do not read them.
-//! A closure that itself spawns work on other threads (for example `rayon::scope` around
-//! several forwards) must enter [`no_grad`], [`autocast`] or [`with_backend`] inside each task.
-//! The one hop onto rayon's pool that a large module call makes, and
-//! [`on_pool`](crate::on_pool), carry every mode of the calling thread with them.
+//! A closure that itself spawns work on other threads (for example `rayon::scope` or a
+//! `par_iter` around several forwards) must enter [`no_grad`], [`autocast`] or
+//! [`with_backend`] inside each task: otherwise each task runs with the modes of whichever
+//! thread runs it, so an `eval` encoder under `no_grad` outside the `par_iter` may give
+//! PyTorch's inference numbers for some items and its training-path numbers for others.
+//! The one hop onto a pool that a large module call makes, and [`on_pool`](crate::on_pool),
+//! carry every mode of the calling thread with them.
 //!
 //! The scopes restore the previous mode when they end, also when the closure panics and the
 //! panic is caught further up.

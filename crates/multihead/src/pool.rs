@@ -45,6 +45,10 @@ const PARALLEL_FROM: usize = 1 << 19;
 /// several threads at once, and writes to parameters (`Var::set`) while other threads call the
 /// modules, are safe: the second caller runs its call on its own thread.
 ///
+/// The modes reach `f`, not the tasks `f` hands to rayon itself: a `par_iter` inside `f`
+/// runs its items on other threads with those threads' modes (grad mode on, no autocast),
+/// so enter [`no_grad`](crate::no_grad) or [`autocast`](crate::autocast) inside each item.
+///
 /// # Example
 /// ```
 /// use candle_core::{Device, Tensor};

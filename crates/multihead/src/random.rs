@@ -14,7 +14,15 @@ static GLOBAL: Mutex<DropoutKey> = Mutex::new(DropoutKey { seed: DEFAULT_SEED, o
 /// Every dropout application takes the next [`DropoutKey`] `(seed, offset)` from this generator,
 /// and its mask is a pure function of that key and the element's coordinates, so a program that
 /// calls the same operations in the same order after `manual_seed(s)` drops the same elements,
-/// whatever the thread count.
+/// whatever the number of threads a call is computed on.
+///
+/// The generator is one for the process, as PyTorch's default generator is: calls made from
+/// several threads at once take its keys in whatever order they reach it (a Transformer
+/// layer takes one per dropout, so two layers training at once may interleave their keys and
+/// match no run made one call at a time, as in PyTorch). For results that do not depend on
+/// other threads, give each call its own key: `MhaOptions::dropout_key` (which a layer's
+/// `forward_with` also spreads over its own dropouts), `SdpaOptions::dropout_key`,
+/// `PackedOptions::dropout_key`.
 ///
 /// # Example
 /// ```
