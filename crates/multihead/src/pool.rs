@@ -36,8 +36,10 @@ const PARALLEL_FROM: usize = 1 << 19;
 
 /// Runs `f` on a thread of this crate's pool, with this thread's modes, and returns its
 /// result; this thread waits. On a thread of a rayon pool already, or while another call
-/// runs on this crate's pool (it takes one at a time: see the [module docs](self)), `f` just
-/// runs here. The result is the same either way.
+/// runs on this crate's pool, `f` just runs here. The result is the same either way. (The pool
+/// runs one call at a time: a rayon thread waiting inside a call runs other queued jobs, and a
+/// second call run there, on top of the first one's candle read locks, would deadlock with a
+/// write to a parameter that waits for those locks.)
 ///
 /// The modules hop by themselves for calls large enough to go parallel; wrap a whole step in
 /// it (a training step with its `backward`, a loop of small calls) so that what runs between
