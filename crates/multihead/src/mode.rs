@@ -310,7 +310,7 @@ pub fn grad_enabled() -> bool {
 /// outside autocast on its arguments converted to `dtype`, as PyTorch's autocast casts them:
 /// `Linear` and `MultiheadAttention` take an f32 input and return `dtype`; the Transformer
 /// layers convert their float masks and a decoder's memory (an f32 input to them is refused,
-/// as PyTorch's LayerNorm refuses it).
+/// as PyTorch's LayerNorm refuses it outside its fused eval path).
 ///
 /// # Example
 /// ```

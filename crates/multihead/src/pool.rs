@@ -45,7 +45,12 @@ const PARALLEL_FROM: usize = 1 << 19;
 /// it (a training step with its `backward`, a loop of small calls) so that what runs between
 /// the modules' calls, candle's backward included, does not leave the pool either. Calls from
 /// several threads at once, and writes to parameters (`Var::set`) while other threads call the
-/// modules, are safe: the second caller runs its call on its own thread.
+/// modules, are safe: the second caller runs its call on its own thread. Calls made from
+/// rayon's own threads (the items of a `par_iter`, also inside `on_pool`; a user pool's
+/// `install`) run where they are, as candle's operations do, and there a write to a parameter
+/// that they read, made while they run, can deadlock as it can with candle's operations: a
+/// thread waiting inside one item runs another item on top of it. Write parameters between
+/// such loops, not during them.
 ///
 /// The modes reach `f`, not the tasks `f` hands to rayon itself: a `par_iter` inside `f`
 /// runs its items on other threads with those threads' modes (grad mode on, no autocast),

@@ -191,7 +191,7 @@ pub(crate) fn mask_options(
 /// memory) to under [`autocast`](crate::autocast): `Some(dt)` inside an autocast to the
 /// layer's own bf16 or f16 with an `input` of that dtype, where PyTorch's autocast casts what
 /// the layer's attention reads to `dt`. An input of another dtype is left to be refused, as
-/// PyTorch's LayerNorm refuses an f32 input to a bf16 layer.
+/// PyTorch's LayerNorm refuses an f32 input to a bf16 layer (outside its fused eval path).
 pub(crate) fn autocast_into(
     params: candle_core::DType,
     input: candle_core::DType,

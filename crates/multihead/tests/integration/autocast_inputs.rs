@@ -398,7 +398,7 @@ fn a_reduced_module_under_its_own_autocast_casts_f32_inputs_as_pytorch_does() {
 /// the memory its attention reads to the layer's dtype, so the call is the layer's on converted
 /// masks and memory outside autocast (PyTorch 2.15: `torch.equal`, post- and pre-norm; outside
 /// autocast the f32 mask is read unrounded there and here). An f32 input is refused, as
-/// PyTorch's LayerNorm refuses it.
+/// PyTorch's LayerNorm refuses it (in training; its fused eval path takes it).
 #[test]
 fn a_reduced_layer_under_its_own_autocast_casts_f32_masks_as_pytorch_does() {
     use multihead::transformer::{DecoderMasks, TransformerDecoder, TransformerEncoder};

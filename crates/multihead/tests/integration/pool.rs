@@ -15,25 +15,34 @@ use multihead_kernels::bf16gemm::{active_bf16_kernel, with_bf16_kernel, Bf16Kern
 
 use crate::common::{det, dev, mha};
 
-#[test]
-fn on_pool_runs_on_a_worker_with_the_callers_modes() {
-    assert!(rayon::current_thread_index().is_none(), "the test thread is not a worker");
-    // One call at a time runs on the pool (another test's may hold it): the first free turn.
+/// `on_pool(f)` on a worker of the pool: one call at a time runs there, and another test's
+/// may hold it (then `f` runs on the caller), so this waits for a turn (a minute at most).
+fn on_a_worker<R: Send>(f: impl Fn() -> R + Sync) -> R {
     let start = std::time::Instant::now();
-    while !on_pool(|| rayon::current_thread_index().is_some()) {
+    loop {
+        if let Some(r) = on_pool(|| rayon::current_thread_index().map(|_| f())) {
+            return r;
+        }
         assert!(start.elapsed().as_secs() < 60, "no turn on the pool in a minute");
         std::thread::sleep(std::time::Duration::from_micros(50));
     }
-    assert!(!no_grad(|| on_pool(grad_enabled)));
-    assert_eq!(with_backend(Backend::Composed, || on_pool(default_backend)), Backend::Composed);
-    assert_eq!(autocast(DType::BF16, || on_pool(autocast_dtype)), Some(DType::BF16));
-    let k = with_bf16_kernel(Bf16Kernel::Portable, || on_pool(active_bf16_kernel));
+}
+
+#[test]
+fn on_pool_runs_on_a_worker_with_the_callers_modes() {
+    assert!(rayon::current_thread_index().is_none(), "the test thread is not a worker");
+    assert!(on_a_worker(|| rayon::current_thread_index().is_some()));
+    assert!(!no_grad(|| on_a_worker(grad_enabled)));
+    let backend = with_backend(Backend::Composed, || on_a_worker(default_backend));
+    assert_eq!(backend, Backend::Composed);
+    assert_eq!(autocast(DType::BF16, || on_a_worker(autocast_dtype)), Some(DType::BF16));
+    let k = with_bf16_kernel(Bf16Kernel::Portable, || on_a_worker(active_bf16_kernel));
     assert_eq!(k, Bf16Kernel::Portable);
     // Nested: already on a worker, the call runs there.
-    assert!(!no_grad(|| on_pool(|| on_pool(grad_enabled))));
-    // The workers keep their own modes once the calls are done (every worker is asked).
+    assert!(!no_grad(|| on_a_worker(|| on_pool(grad_enabled))));
+    // The workers keep their own modes once the calls are done (whichever worker takes them).
     for _ in 0..8 {
-        let modes = on_pool(|| (grad_enabled(), default_backend(), autocast_dtype()));
+        let modes = on_a_worker(|| (grad_enabled(), default_backend(), autocast_dtype()));
         assert_eq!(modes, (true, Backend::Auto, None));
     }
 }
@@ -48,6 +57,9 @@ fn a_hopping_module_call_keeps_the_backend() {
     let o = MhaOptions::default().need_weights(false);
     assert!(m.forward(&x, &x, &x, &o).is_ok());
     let forced = with_backend(Backend::Fused, || m.forward(&x, &x, &x, &o));
+    assert!(forced.is_err(), "the forced backend was lost on the hop");
+    // The same on a worker for certain (the module's hop may have run on this thread).
+    let forced = with_backend(Backend::Fused, || on_a_worker(|| m.forward(&x, &x, &x, &o)));
     assert!(forced.is_err(), "the forced backend was lost on the hop");
 }
 
@@ -68,7 +80,10 @@ fn a_hopping_encoder_keeps_no_grad_and_its_bits() {
     let y = no_grad(|| enc.forward(&x, None, Some(&kpm), None)).unwrap();
     let padded = y.narrow(1, 40, 24).unwrap().abs().unwrap().max_all().unwrap();
     assert_eq!(padded.to_scalar::<f32>().unwrap(), 0.0, "no_grad was lost on the hop");
-    let on_worker = on_pool(|| no_grad(|| enc.forward(&x, None, Some(&kpm), None))).unwrap();
+    let on_worker = on_a_worker(|| no_grad(|| enc.forward(&x, None, Some(&kpm), None))).unwrap();
+    let hopped = no_grad(|| on_a_worker(|| enc.forward(&x, None, Some(&kpm), None))).unwrap();
+    let padded = hopped.narrow(1, 40, 24).unwrap().abs().unwrap().max_all().unwrap();
+    assert_eq!(padded.to_scalar::<f32>().unwrap(), 0.0, "no_grad was lost on the hop");
     let d = (&y - &on_worker).unwrap().abs().unwrap().max_all().unwrap();
     assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
     // With gradients recorded, the padded rows are computed (PyTorch's training path).
