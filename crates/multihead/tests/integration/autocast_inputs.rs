@@ -22,6 +22,23 @@ use multihead::{autocast, Linear, Mask, MhaConfig, MhaOptions, MultiheadAttentio
 
 use crate::common::{bits, det, dev, var};
 
+/// The functional parameters of a `MultiheadAttention(16, 4)` from its named parameters.
+fn params_of(named: &std::collections::HashMap<String, Tensor>) -> MhaParams<'_> {
+    MhaParams {
+        embed_dim_to_check: 16,
+        num_heads: 4,
+        num_kv_heads: None,
+        in_proj: InProj::Packed(&named["in_proj_weight"]),
+        in_proj_bias: Some(&named["in_proj_bias"]),
+        bias_k: None,
+        bias_v: None,
+        add_zero_attn: false,
+        dropout_p: 0.0,
+        out_proj_weight: &named["out_proj.weight"],
+        out_proj_bias: Some(&named["out_proj.bias"]),
+    }
+}
+
 fn to(t: &Tensor, dtype: DType) -> Tensor {
     t.to_dtype(dtype).unwrap()
 }
@@ -133,19 +150,7 @@ fn reduced_inputs_reach_f32_modules_under_autocast_as_pytorch_casts_them() {
     let named: std::collections::HashMap<String, Tensor> =
         multihead::state_dict::NamedParameters::named_parameters(&mha).into_iter().collect();
     let xs = x.transpose(0, 1).unwrap().contiguous().unwrap(); // (L, N, E)
-    let params = MhaParams {
-        embed_dim_to_check: 16,
-        num_heads: 4,
-        num_kv_heads: None,
-        in_proj: InProj::Packed(&named["in_proj_weight"]),
-        in_proj_bias: Some(&named["in_proj_bias"]),
-        bias_k: None,
-        bias_v: None,
-        add_zero_attn: false,
-        dropout_p: 0.0,
-        out_proj_weight: &named["out_proj.weight"],
-        out_proj_bias: Some(&named["out_proj.bias"]),
-    };
+    let params = params_of(&named);
     let f = ac(&|| {
         let mo = MhaOptions::default().attn_mask(Mask::Float(to(&mask, DType::F32)));
         multi_head_attention_forward(&xs, &xs, &xs, &params, &mo, false).unwrap().output
@@ -370,19 +375,7 @@ fn a_reduced_module_under_its_own_autocast_casts_f32_inputs_as_pytorch_does() {
         let mha = MultiheadAttention::new(cfg, vb.pp("functional")).unwrap();
         let named: std::collections::HashMap<String, Tensor> =
             multihead::NamedParameters::named_parameters(&mha).into_iter().collect();
-        let params = MhaParams {
-            embed_dim_to_check: 16,
-            num_heads: 4,
-            num_kv_heads: None,
-            in_proj: InProj::Packed(&named["in_proj_weight"]),
-            in_proj_bias: Some(&named["in_proj_bias"]),
-            bias_k: None,
-            bias_v: None,
-            add_zero_attn: false,
-            dropout_p: 0.0,
-            out_proj_weight: &named["out_proj.weight"],
-            out_proj_bias: Some(&named["out_proj.bias"]),
-        };
+        let params = params_of(&named);
         let xs = x.transpose(0, 1).unwrap();
         let o = MhaOptions::default().attn_mask(Mask::Float(det(&[5, 5], DType::F32, 4.0)));
         let f = autocast(dt, || multi_head_attention_forward(&xs, &xs, &xs, &params, &o, false));
