@@ -227,6 +227,8 @@ impl TransformerDecoderLayer {
         self_opts: &MhaOptions,
         cross_opts: &MhaOptions,
     ) -> Result<Tensor> {
+        const AT: (&str, &str) = ("TransformerDecoderLayer.forward", "tgt");
+        super::refuse_uncast_input(AT, self.self_attn.dtype(), tgt.dtype())?;
         if let Some(dt) = super::autocast_into(self.self_attn.dtype(), tgt.dtype()) {
             let (so, co) =
                 (super::cast_options(self_opts, dt)?, super::cast_options(cross_opts, dt)?);

@@ -184,6 +184,8 @@ impl TransformerEncoderLayer {
 
     /// [`forward_with`](Self::forward_with) on this thread.
     fn forward_here(&self, src: &Tensor, opts: &MhaOptions) -> Result<Tensor> {
+        const AT: (&str, &str) = ("TransformerEncoderLayer.forward", "src");
+        super::refuse_uncast_input(AT, self.self_attn.dtype(), src.dtype())?;
         if let Some(dt) = super::autocast_into(self.self_attn.dtype(), src.dtype()) {
             let o = super::cast_options(opts, dt)?;
             return crate::mode::autocast_off(|| self.forward_here(src, &o));

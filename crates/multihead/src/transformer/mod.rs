@@ -199,6 +199,29 @@ pub(crate) fn autocast_into(
     crate::precision::autocast_into(params).filter(|dt| *dt == input)
 }
 
+/// Refuses, under an autocast to a layer's own reduced dtype, an input of another float dtype
+/// up front (PyTorch's LayerNorm refuses an f32 input to a bf16 layer), rather than after its
+/// attention has cast it, where only the residual sum's dtypes would be named.
+pub(crate) fn refuse_uncast_input(
+    (op, arg): (&'static str, &'static str),
+    params: candle_core::DType,
+    input: candle_core::DType,
+) -> crate::Result<()> {
+    match crate::precision::autocast_into(params) {
+        Some(dt) if input != dt && input.is_float() => Err(crate::Error::DType {
+            op,
+            arg,
+            msg: format!(
+                "the layer's parameters are {dt:?} and autocast is to {dt:?}, but the input is \
+                 {input:?}, which the layer's LayerNorm cannot read (PyTorch refuses it too); \
+                 convert it first (multihead::cast(&x, DType::{dt:?})), or keep the layer in \
+                 f32, whose products autocast then rounds"
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// `opts` with their float masks, static keys and values and sinks converted to `dt` as
 /// PyTorch's autocast casts them ([`crate::precision::autocast_cast`]).
 pub(crate) fn cast_options(

@@ -446,7 +446,12 @@ fn a_reduced_layer_under_its_own_autocast_casts_f32_masks_as_pytorch_does() {
             assert_eq!(bits(&inside), bits(&outside.unwrap()), "{what} decoder");
             // An f32 input to the layer: refused, as PyTorch's LayerNorm refuses it.
             let x32 = to(&x, DType::F32);
-            assert!(autocast(dt, || enc.forward(&x32, None, None, false)).is_err(), "{what}");
+            let e = autocast(dt, || enc.forward(&x32, None, None, false)).unwrap_err();
+            let e = e.to_string();
+            assert!(e.starts_with("TransformerEncoderLayer.forward: src:"), "{what}: {e}");
+            assert!(e.contains("but the input is F32") && e.contains("convert it"), "{e}");
+            let e = autocast(dt, || dec.forward(&x32, &mem, &masks(None, None))).unwrap_err();
+            assert!(e.to_string().starts_with("TransformerDecoderLayer.forward: tgt:"), "{e}");
         }
     }
 }
