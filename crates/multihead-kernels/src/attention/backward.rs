@@ -7,9 +7,9 @@
 //! (five GEMMs). `dk`/`dv` accumulate in the output rows, `dq` in scratch; `scale` is applied
 //! to `dk` and `dq` once at the end.
 
-use super::band::{Band, Hide};
+use super::band::{BlockKeys, Hide};
 use super::bf16::{self as bf, Scores};
-use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
+use super::exec::{round16, Carver, ConstPtr, QueryRows, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
 use super::mask::{build_mask_keys, build_mask_tile, TilePos};
 use super::scoremod::{bias_before_cap, cap_tile, Alibi};
@@ -376,10 +376,8 @@ impl BwdTask<'_> {
         let (d, dv) = (dm.d, dm.dv);
         let hk = h / (dm.heads_q / dm.heads_kv);
         let bh = b * dm.heads_q + h;
-        let i0 = qb * self.br;
-        let br = self.br.min(dm.l - i0);
-        let brp = br.div_ceil(l) * l;
-        let nvec = brp / l;
+        let rows = QueryRows::new(qb, self.br, dm.l, l);
+        let QueryRows { i0, br, brp, .. } = rows;
         let bf = !sc.bb.qp.is_null();
         let kern = self.kern;
         // A non-finite output or upstream-gradient row reaches every key's gradient through
@@ -387,10 +385,8 @@ impl BwdTask<'_> {
         let finite = !self.finite.is_empty()
             && self.finite.get(bh).copied().unwrap_or(true)
             && self.block_rows_finite(b, h, i0, br);
-        let (banded, band) = (p.banded(), Band::of(p, b));
-        let clip = banded && finite;
-        let (jstart, jend) = if clip { band.keys(i0, br) } else { (0, dm.s) };
-        let (jstart, jend) = (jstart.max(ck.c0), jend.min(ck.c1));
+        let keys = BlockKeys::of(p, b, (i0, br), finite);
+        let (jstart, jend) = (keys.start.max(ck.c0), keys.end.min(ck.c1));
         // SAFETY: see `run`; scratch slices are sized by `scratch_len`.
         unsafe {
             if jstart >= jend {
@@ -423,14 +419,8 @@ impl BwdTask<'_> {
                 b,
                 h,
                 bh,
-                i0,
-                br,
-                brp,
-                nvec,
-                finite,
-                clip,
-                banded,
-                band,
+                rows,
+                keys,
                 bf,
                 dropout,
                 q: (qrow, qld),
@@ -471,7 +461,8 @@ impl BwdTask<'_> {
         let p = self.p;
         let dm = &p.dims;
         let (d, dv) = (dm.d, dm.dv);
-        let (b, h, i0, br, brp, nvec, band) = (q.b, q.h, q.i0, q.br, q.brp, q.nvec, q.band);
+        let (b, h, QueryRows { i0, br, brp, nvec }) = (q.b, q.h, q.rows);
+        let BlockKeys { finite, clip, banded, band, .. } = q.keys;
         let (has_mask, per_key) = (p.has_mask(), p.masks_per_key());
         let ((kbase, kld), (vbase, vld)) = (q.k, q.v);
         let pos = TilePos { b, h, i0, br, brp, j0, bc: step };
@@ -483,7 +474,7 @@ impl BwdTask<'_> {
                 (true, true) => build_mask_keys(&p.masks, pos, sc.mt),
                 (true, false) => build_mask_tile::<S>(&p.masks, pos, sc.mt),
             };
-            let bc = if q.finite { live } else { step };
+            let bc = if finite { live } else { step };
             if bc == 0 {
                 return false;
             }
@@ -491,7 +482,7 @@ impl BwdTask<'_> {
             let vj = vbase.add((j0 - q.c0) * vld);
             let dkj = sc.dka.as_mut_ptr().add((j0 - q.c0) * d);
             let dvj = sc.dva.as_mut_ptr().add((j0 - q.c0) * dv);
-            let diag = if q.clip { band.diag(i0, j0) } else { None };
+            let diag = if clip { band.diag(i0, j0) } else { None };
             let (stp, dpp) = (sc.st.as_mut_ptr(), sc.dpt.as_mut_ptr());
             if q.bf {
                 let scores = (stp, dpp);
@@ -504,8 +495,8 @@ impl BwdTask<'_> {
             }
             let alibi = Alibi::of(p, h, i0, j0);
             cap_tile::<S>(p, (stp, brp, nvec, bc), (sc.mt.as_ptr(), per_key), alibi.as_ref());
-            if q.banded && band.partial(i0, br, j0, bc) {
-                if q.clip {
+            if banded && band.partial(i0, br, j0, bc) {
+                if clip {
                     // Entries the banded products skipped: P = 0 there, and dP must be
                     // finite so that dS = P (dP - D) is exactly 0.
                     band.hide(sc.st, brp, (i0, j0, bc), Hide::Fill(f32::NEG_INFINITY));
@@ -796,17 +787,9 @@ struct BwdBlock {
     h: usize,
     /// `b · heads_q + h`.
     bh: usize,
-    i0: usize,
-    br: usize,
-    /// `br` rounded up to whole vectors, and that many vectors.
-    brp: usize,
-    nvec: usize,
-    /// Whether every row the block reads is finite (else every key is read).
-    finite: bool,
-    /// Whether the band bounds the keys read (a banded, finite block), and the band.
-    clip: bool,
-    banded: bool,
-    band: Band,
+    rows: QueryRows,
+    /// The keys read (every key where a row the block reads is not finite).
+    keys: BlockKeys,
     /// bf16 products (else f32).
     bf: bool,
     dropout: Option<BlockDropout>,

@@ -27,6 +27,34 @@ fn signed(x: usize) -> isize {
     isize::try_from(x).unwrap_or(isize::MAX)
 }
 
+/// The keys a query block reads: with a band (a causal rule, a window, key lengths), only the
+/// band's keys where the block's rows are finite (`clip`); every key otherwise, the band then
+/// hidden tile by tile with `-inf` added, so that NaN reaches the output as on the composed
+/// path. Shared by the forward, the backward and the weights kernels.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockKeys {
+    /// Whether the block's rows are finite.
+    pub(crate) finite: bool,
+    /// Whether a band applies, and the band.
+    pub(crate) banded: bool,
+    pub(crate) band: Band,
+    /// Whether the keys read are bounded by the band (`banded && finite`).
+    pub(crate) clip: bool,
+    /// The keys read: `start..end`.
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+}
+
+impl BlockKeys {
+    /// The keys rows `i0..i0 + br` of batch entry `b` read (validated parameters).
+    pub(crate) fn of(p: &AttnParams<'_>, b: usize, (i0, br): (usize, usize), finite: bool) -> Self {
+        let (banded, band) = (p.banded(), Band::of(p, b));
+        let clip = banded && finite;
+        let (start, end) = if clip { band.keys(i0, br) } else { (0, p.dims.s) };
+        BlockKeys { finite, banded, band, clip, start, end }
+    }
+}
+
 impl Band {
     /// The band of batch entry `b` (validated parameters).
     pub(crate) fn of(p: &AttnParams<'_>, b: usize) -> Band {

@@ -146,6 +146,25 @@ impl<'a> Carver<'a> {
     }
 }
 
+/// A query block of a task: rows `i0..i0 + br`, padded to `brp` lanes, `nvec` vectors.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct QueryRows {
+    pub(crate) i0: usize,
+    pub(crate) br: usize,
+    pub(crate) brp: usize,
+    pub(crate) nvec: usize,
+}
+
+impl QueryRows {
+    /// Block `qb` of `l` rows cut into blocks of `block`, for vectors of `lanes`.
+    pub(crate) fn new(qb: usize, block: usize, l: usize, lanes: usize) -> Self {
+        let i0 = qb * block;
+        let br = block.min(l - i0);
+        let brp = br.div_ceil(lanes) * lanes;
+        QueryRows { i0, br, brp, nvec: brp / lanes }
+    }
+}
+
 /// `n` rounded up to a multiple of 16 (the carving granularity).
 pub(crate) fn round16(n: usize) -> usize {
     n.div_ceil(16) * 16

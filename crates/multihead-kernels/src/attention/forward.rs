@@ -5,9 +5,9 @@
 //! `O += P · V_j` with `O` rescaled only for rows whose running max grew. `O` is divided by the
 //! row sum once at the end.
 
-use super::band::{Band, Hide};
+use super::band::{BlockKeys, Hide};
 use super::bf16::{self as bf, Scores, Values};
-use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
+use super::exec::{round16, Carver, ConstPtr, QueryRows, SyncPtr, Task};
 use super::gemm::{GemmArgs, Tri};
 use super::mask::{build_mask_keys, build_mask_tile, TilePos};
 use super::scoremod::{bias_before_cap, cap_tile, Alibi, AlibiColumn};
@@ -128,10 +128,8 @@ impl<T: Operand> Task for FwdTask<'_, T> {
         let qb = if p.causal || p.window.right.is_some() { self.nq - 1 - qi } else { qi };
         let (b, h) = (bh / dm.heads_q, bh % dm.heads_q);
         let hk = h / (dm.heads_q / dm.heads_kv);
-        let i0 = qb * self.br;
-        let br = self.br.min(dm.l - i0);
-        let brp = br.div_ceil(l) * l;
-        let nvec = brp / l;
+        let rows = QueryRows::new(qb, self.br, dm.l, l);
+        let QueryRows { i0, br, brp, .. } = rows;
         let (d, dv) = (dm.d, dm.dv);
         let (has_mask, per_key) = (p.has_mask(), p.masks_per_key());
         let dropout = p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
@@ -177,21 +175,13 @@ impl<T: Operand> Task for FwdTask<'_, T> {
             // A head with a non-finite key or value reads every key (no tile is skipped, the
             // band's -inf is added), so NaN reaches the output exactly as on the composed path.
             let finite = self.finite.get(b * dm.heads_q + h).copied().unwrap_or(true);
-            let (banded, band) = (p.banded(), Band::of(p, b));
-            let clip = banded && finite;
-            let (jstart, jend) = if clip { band.keys(i0, br) } else { (0, dm.s) };
+            let keys = BlockKeys::of(p, b, (i0, br), finite);
             let mut blk = QueryBlock {
                 b,
                 h,
                 hk,
-                i0,
-                br,
-                brp,
-                nvec,
-                finite,
-                clip,
-                banded,
-                band,
+                rows,
+                keys,
                 has_mask,
                 per_key,
                 dropout,
@@ -205,9 +195,9 @@ impl<T: Operand> Task for FwdTask<'_, T> {
                 o,
             };
             let mut first = true;
-            let mut j0 = jstart;
-            while j0 < jend {
-                let step = self.bc.min(jend - j0);
+            let mut j0 = keys.start;
+            while j0 < keys.end {
+                let step = self.bc.min(keys.end - j0);
                 if self.key_block::<S>(&mut blk, &mut running, (j0, step), first) {
                     first = false;
                 }
@@ -332,17 +322,10 @@ struct QueryBlock<'s, T> {
     h: usize,
     /// The key and value head that `h` reads.
     hk: usize,
-    i0: usize,
-    br: usize,
-    /// `br` rounded up to whole vectors, and that many vectors.
-    brp: usize,
-    nvec: usize,
-    /// Whether the head's queries, keys and values are all finite (else every key is read).
-    finite: bool,
-    /// Whether the band bounds the keys read (a banded, finite head), and the band.
-    clip: bool,
-    banded: bool,
-    band: Band,
+    rows: QueryRows,
+    /// The keys read (every key where the head's queries, keys or values are not all
+    /// finite).
+    keys: BlockKeys,
     /// Whether a mask applies, and whether it holds one value per key.
     has_mask: bool,
     per_key: bool,
@@ -392,8 +375,8 @@ impl<T: Operand> FwdTask<'_, T> {
     ) -> bool {
         let p = self.p;
         let (d, dv) = (p.dims.d, p.dims.dv);
-        let (b, h, i0, br, brp, nvec) = (q.b, q.h, q.i0, q.br, q.brp, q.nvec);
-        let (bf, bfb, band) = (q.bf, &q.bfb, q.band);
+        let (b, h, QueryRows { i0, br, brp, nvec }) = (q.b, q.h, q.rows);
+        let (bf, bfb, BlockKeys { finite, clip, banded, band, .. }) = (q.bf, &q.bfb, q.keys);
         let pos = TilePos { b, h, i0, br, brp, j0, bc: step };
         // SAFETY: the rows addressed lie in the validated key and value ranges; the tiles are
         // this task's scratch (the caller's contract).
@@ -405,13 +388,13 @@ impl<T: Operand> FwdTask<'_, T> {
                 (true, true) => build_mask_keys(&p.masks, pos, q.mt),
                 (true, false) => build_mask_tile::<S>(&p.masks, pos, q.mt),
             };
-            let bc = if q.finite { live } else { step };
+            let bc = if finite { live } else { step };
             if bc == 0 {
                 return false;
             }
-            let diag = if q.clip { band.diag(i0, j0) } else { None };
+            let diag = if clip { band.diag(i0, j0) } else { None };
             let kj = q.kbase.add(j0 * self.kl.seq);
-            let partial = q.banded && band.partial(i0, br, j0, bc);
+            let partial = banded && band.partial(i0, br, j0, bc);
             // The cap goes into the softmax pass where nothing comes between the two (the
             // masks and the bias after the cap, no band to hide); else a pass of its own.
             let fused_cap = p.softcap.filter(|_| !partial && !bias_before_cap(p));
@@ -436,7 +419,7 @@ impl<T: Operand> FwdTask<'_, T> {
                 cap_tile::<S>(p, tile, (q.mt.as_ptr(), q.per_key), alibi.as_ref());
             }
             if partial {
-                let how = if q.clip { Hide::Fill(f32::NEG_INFINITY) } else { Hide::AddNegInf };
+                let how = if clip { Hide::Fill(f32::NEG_INFINITY) } else { Hide::AddNegInf };
                 band.hide(q.st, brp, (i0, j0, bc), how);
             }
             let mask = (q.has_mask && !p.cap_masks()).then_some((q.mt.as_ptr(), q.per_key));

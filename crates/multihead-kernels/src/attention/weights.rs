@@ -4,8 +4,8 @@
 //! One task per `(batch, head, query block)`, or per `(batch, query block)` when averaging, in
 //! which case the task sums the heads in order `0..heads_q` (deterministic) and divides once.
 
-use super::band::{Band, Hide};
-use super::exec::{round16, Carver, ConstPtr, SyncPtr, Task};
+use super::band::{BlockKeys, Hide};
+use super::exec::{round16, Carver, ConstPtr, QueryRows, SyncPtr, Task};
 use super::mask::{build_mask_tile, TilePos};
 use super::scoremod::{bias_before_cap, cap_tile, Alibi};
 use super::simd::Simd;
@@ -92,10 +92,8 @@ impl Task for WeightsTask<'_> {
             let h = bh_out % dm.heads_q;
             (bh_out / dm.heads_q, h..h + 1, h, dm.heads_q)
         };
-        let i0 = qb * self.br;
-        let br = self.br.min(dm.l - i0);
-        let brp = br.div_ceil(l) * l;
-        let nvec = brp / l;
+        let rows = QueryRows::new(qb, self.br, dm.l, l);
+        let QueryRows { i0, br, brp, .. } = rows;
         let (d, s) = (dm.d, dm.s);
         let has_mask = p.has_mask();
 
@@ -112,7 +110,7 @@ impl Task for WeightsTask<'_> {
             let wbase = self.w.0.add(((b * nh_out + hw) * dm.l + i0) * s);
             let mut sc = WeightsScratch { qt, st, mt, lsev, maxv };
             for (n, h) in heads.enumerate() {
-                let blk = HeadBlock { b, h, i0, br, brp, nvec, first: n == 0, wbase };
+                let blk = HeadBlock { b, h, rows, first: n == 0, wbase };
                 self.head_weights::<S>(&blk, &mut sc);
             }
             if self.average && dm.heads_q > 1 {
@@ -132,10 +130,7 @@ impl Task for WeightsTask<'_> {
 struct HeadBlock {
     b: usize,
     h: usize,
-    i0: usize,
-    br: usize,
-    brp: usize,
-    nvec: usize,
+    rows: QueryRows,
     first: bool,
     wbase: *mut f32,
 }
@@ -162,7 +157,7 @@ impl WeightsTask<'_> {
         let p = self.p;
         let dm = &p.dims;
         let (d, s) = (dm.d, dm.s);
-        let (b, h, i0, br, brp, nvec) = (blk.b, blk.h, blk.i0, blk.br, blk.brp, blk.nvec);
+        let (b, h, QueryRows { i0, br, brp, nvec }) = (blk.b, blk.h, blk.rows);
         let has_mask = p.has_mask();
         let hk = h / (dm.heads_q / dm.heads_kv);
         let bh = b * dm.heads_q + h;
@@ -184,9 +179,8 @@ impl WeightsTask<'_> {
                 p.active_dropout().map(|(pr, key)| BlockDropout::new(pr, key, bh, i0, br));
             let kbase = self.k.0.add(self.kl.offset(b, hk, 0));
             let finite = self.finite.get(b * dm.heads_q + h).copied().unwrap_or(true);
-            let (banded, band) = (p.banded(), Band::of(p, b));
-            let clip = banded && finite;
-            let (jstart, jend) = if clip { band.keys(i0, br) } else { (0, s) };
+            let keys = BlockKeys::of(p, b, (i0, br), finite);
+            let BlockKeys { clip, banded, band, start: jstart, end: jend, .. } = keys;
             let mut j0 = 0;
             while j0 < s {
                 let bc = self.bc.min(s - j0);
