@@ -22,8 +22,8 @@ pub(crate) mod varlen;
 pub use self::core::safe_softmax_last_dim;
 pub use add::add;
 pub(crate) use mha::{
-    autocast_options, autocast_plan, mha_direct_to, mha_forward_impl, mha_plan_impl, mha_validate,
-    options_in, widen_options, Aliasing,
+    autocast_options, autocast_plan, cast_options, mha_direct_to, mha_forward_impl, mha_plan_impl,
+    mha_validate, options_in, widen_options, Aliasing,
 };
 pub use mha::{
     explain_mha, multi_head_attention_forward, InProj, MhaOptions, MhaOutput, MhaParams,

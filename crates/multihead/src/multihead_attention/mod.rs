@@ -622,7 +622,7 @@ fn cast_under_autocast(
 ) -> Result<([Tensor; 3], MhaOptions)> {
     let cast = |t: &Tensor| crate::precision::autocast_cast(t, dt);
     let qkv = crate::precision::map_aliased(qkv, &cast)?;
-    Ok((qkv, crate::functional::autocast_options(opts, &cast)?))
+    Ok((qkv, crate::functional::cast_options(opts, dt)?))
 }
 
 impl crate::precision::CastParams for MultiheadAttention {

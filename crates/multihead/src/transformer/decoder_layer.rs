@@ -230,8 +230,10 @@ impl TransformerDecoderLayer {
         const AT: (&str, &str) = ("TransformerDecoderLayer.forward", "tgt");
         super::refuse_uncast_input(AT, self.self_attn.dtype(), tgt.dtype())?;
         if let Some(dt) = super::autocast_into(self.self_attn.dtype(), tgt.dtype()) {
-            let (so, co) =
-                (super::cast_options(self_opts, dt)?, super::cast_options(cross_opts, dt)?);
+            let (so, co) = (
+                crate::functional::cast_options(self_opts, dt)?,
+                crate::functional::cast_options(cross_opts, dt)?,
+            );
             let memory = crate::precision::autocast_cast(memory, dt)?;
             return crate::mode::autocast_off(|| self.forward_here(tgt, &memory, &so, &co));
         }

@@ -187,7 +187,7 @@ impl TransformerEncoderLayer {
         const AT: (&str, &str) = ("TransformerEncoderLayer.forward", "src");
         super::refuse_uncast_input(AT, self.self_attn.dtype(), src.dtype())?;
         if let Some(dt) = super::autocast_into(self.self_attn.dtype(), src.dtype()) {
-            let o = super::cast_options(opts, dt)?;
+            let o = crate::functional::cast_options(opts, dt)?;
             return crate::mode::autocast_off(|| self.forward_here(src, &o));
         }
         let autocast = |m: &Self, r: &dyn Fn(&Tensor) -> Result<Tensor>| {

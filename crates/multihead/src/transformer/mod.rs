@@ -222,15 +222,6 @@ pub(crate) fn refuse_uncast_input(
     }
 }
 
-/// `opts` with their float masks, static keys and values and sinks converted to `dt` as
-/// PyTorch's autocast casts them ([`crate::precision::autocast_cast`]).
-pub(crate) fn cast_options(
-    opts: &crate::MhaOptions,
-    dt: candle_core::DType,
-) -> crate::Result<crate::MhaOptions> {
-    crate::functional::autocast_options(opts, &|t| crate::precision::autocast_cast(t, dt))
-}
-
 /// How far apart two layers' dropout keys are: layer `i` of a stack takes `offset + i·2^48`,
 /// so keys a caller advances by one per step never meet another layer's.
 pub(crate) const LAYER_KEY_STRIDE: u64 = 1 << 48;

@@ -277,15 +277,11 @@ pub fn multi_head_attention_forward(
     {
         return autocast_forward(query, key, value, alias, params, opts, training, dt);
     }
-    if let Some(dt) = crate::precision::autocast_into(params.out_proj_weight.dtype()) {
-        return cast_under_autocast(
-            (query, key, value),
-            alias,
-            params,
-            opts,
-            dt,
-            |[q, k, v], p, o| multi_head_attention_forward(q, k, v, p, o, training),
-        );
+    let again = |[q, k, v]: [&Tensor; 3], p: &MhaParams, o: &MhaOptions| {
+        multi_head_attention_forward(q, k, v, p, o, training)
+    };
+    if let Some(r) = cast_under_autocast((query, key, value), alias, params, opts, again) {
+        return r;
     }
     mha_forward_impl(query, key, value, alias, params, opts, training, false)
 }
@@ -337,15 +333,11 @@ pub fn explain_mha(
     {
         return autocast_plan(query, key, value, alias, params, opts, (training, false), dt);
     }
-    if let Some(dt) = crate::precision::autocast_into(params.out_proj_weight.dtype()) {
-        return cast_under_autocast(
-            (query, key, value),
-            alias,
-            params,
-            opts,
-            dt,
-            |[q, k, v], p, o| explain_mha(q, k, v, p, o, training),
-        );
+    let again = |[q, k, v]: [&Tensor; 3], p: &MhaParams, o: &MhaOptions| {
+        explain_mha(q, k, v, p, o, training)
+    };
+    if let Some(r) = cast_under_autocast((query, key, value), alias, params, opts, again) {
+        return r;
     }
     mha_plan_impl(query, key, value, alias, params, opts, training, false)
 }
@@ -389,23 +381,27 @@ fn in_autocast<R>(
     })
 }
 
-/// `f` on the call a module in `dt` makes under an autocast to `dt`: the inputs, parameters,
-/// float masks, static keys and values and sinks converted to `dt` where they are f32, bf16 or
-/// f16 (PyTorch's autocast casts every argument of the products it runs; f64 is left for the
-/// call to refuse), with autocast off, so that the call runs as on `dt` arguments.
+/// Inside an autocast to the dtype `dt` of the parameters (`out_proj_weight`'s), `f` on the
+/// call such a module makes: the inputs, parameters, float masks, static keys and values and
+/// sinks converted to `dt` where they are f32, bf16 or f16 (PyTorch's autocast casts every
+/// argument of the products it runs; f64 is left for the call to refuse), with autocast off,
+/// so that the call runs as on `dt` arguments. `None` outside such an autocast.
 fn cast_under_autocast<R>(
     (query, key, value): (&Tensor, &Tensor, &Tensor),
     alias: Aliasing,
     params: &MhaParams,
     opts: &MhaOptions,
-    dt: DType,
     f: impl FnOnce([&Tensor; 3], &MhaParams, &MhaOptions) -> Result<R>,
-) -> Result<R> {
+) -> Option<Result<R>> {
+    let dt = crate::precision::autocast_into(params.out_proj_weight.dtype())?;
     let cast = |t: &Tensor| crate::precision::autocast_cast(t, dt);
-    let w =
-        Widened::mapped(query, key, value, alias, params, autocast_options(opts, &cast)?, &cast)?;
-    let p = w.params(params);
-    crate::mode::autocast_off(|| f([&w.q, &w.k, &w.v], &p, &w.opts))
+    let run = || {
+        let opts = cast_options(opts, dt)?;
+        let w = Widened::mapped(query, key, value, alias, params, opts, &cast)?;
+        let p = w.params(params);
+        crate::mode::autocast_off(|| f([&w.q, &w.k, &w.v], &p, &w.opts))
+    };
+    Some(run())
 }
 
 /// Whether a gradient will be recorded through the attention: grad mode is on and an input or
@@ -522,6 +518,13 @@ pub(crate) fn autocast_options(
     o.static_v = opts.static_v.as_ref().map(round).transpose()?;
     o.sinks = opts.sinks.as_ref().map(round).transpose()?;
     Ok(o)
+}
+
+/// `opts` with their float masks, static keys and values and sinks converted to `dt` as
+/// PyTorch's autocast casts them for a module in `dt`
+/// ([`autocast_cast`](crate::precision::autocast_cast)).
+pub(crate) fn cast_options(opts: &MhaOptions, dt: DType) -> Result<MhaOptions> {
+    autocast_options(opts, &|t| crate::precision::autocast_cast(t, dt))
 }
 
 /// Whether every float tensor of `opts` (float masks, static keys and values, sinks) is in
