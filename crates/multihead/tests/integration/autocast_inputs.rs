@@ -455,3 +455,47 @@ fn a_reduced_layer_under_its_own_autocast_casts_f32_masks_as_pytorch_does() {
         }
     }
 }
+
+/// Bad input to a bf16 module under its own autocast, on the fused and the composed path
+/// alike: a wrong shape and an f64 mask are errors that name the call, a broadcast view too
+/// large to convert is an allocation error, a strided view gives the contiguous input's bits,
+/// and a NaN gives the bits of the call on converted inputs (NaN rows and finite ones).
+#[test]
+fn bad_input_to_a_reduced_module_under_its_own_autocast_is_an_error_on_both_paths() {
+    use multihead::{with_backend, Backend};
+    let bf = DType::BF16;
+    let vm = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vm, bf, &dev());
+    let cfg = MhaConfig::new(8, 2).with_batch_first(true).with_dropout(0.0);
+    let mha = MultiheadAttention::new(cfg, vb.pp("mha")).unwrap();
+    let x = det(&[2, 4, 8], DType::F32, 1.0);
+    let bad = det(&[2, 4, 7], DType::F32, 2.0);
+    let huge = det(&[1, 1, 8], DType::F32, 3.0).broadcast_as((1usize << 20, 1 << 14, 8));
+    let huge = huge.unwrap();
+    let strided = det(&[4, 2, 8], DType::F32, 4.0).transpose(0, 1).unwrap();
+    let mut with_nan = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    with_nan[3] = f32::NAN;
+    let xn = Tensor::from_vec(with_nan, (2, 4, 8), &dev()).unwrap();
+    let o = MhaOptions::default();
+    for backend in [Backend::Auto, Backend::Composed] {
+        let run = |q: &Tensor, k: &Tensor, o: &MhaOptions| {
+            with_backend(backend, || autocast(bf, || mha.forward(q, k, k, o)))
+        };
+        let e = run(&x, &bad, &o).map(|_| ()).expect_err("shape").to_string();
+        assert!(e.starts_with("multi_head_attention_forward: "), "{backend:?}: {e}");
+        let e = run(&huge, &huge, &o).map(|_| ()).expect_err("huge");
+        assert!(matches!(e, multihead::Error::Alloc { .. }), "{backend:?}: {e}");
+        let o64 = MhaOptions::default().attn_mask(Mask::Float(det(&[4, 4], DType::F64, 5.0)));
+        let e = run(&x, &x, &o64).map(|_| ()).expect_err("f64 mask").to_string();
+        assert!(e.contains("attn_mask") && e.contains("F64"), "{backend:?}: {e}");
+        let contiguous = strided.contiguous().unwrap();
+        let (a, b) = (run(&strided, &strided, &o).unwrap(), run(&contiguous, &contiguous, &o));
+        assert_eq!(bits(&a.output), bits(&b.unwrap().output), "{backend:?}: strided");
+        let y = run(&xn, &xn, &o).unwrap().output;
+        let xb = to(&xn, bf);
+        let y16 = with_backend(backend, || mha.forward(&xb, &xb, &xb, &o)).unwrap().output;
+        assert_eq!(bits(&y), bits(&y16), "{backend:?}: NaN");
+        let flat = to(&y, DType::F32).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(flat.iter().any(|v| v.is_nan()) && flat.iter().any(|v| v.is_finite()));
+    }
+}
