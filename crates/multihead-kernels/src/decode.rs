@@ -382,6 +382,16 @@ impl<E: Elem> Base<'_, E> {
         self.p.dims.dv + 2
     }
 
+    /// About the multiply-adds of the scores and the weighted values of every row (for
+    /// [`Task::work`]: a short cache's step runs on the calling thread).
+    fn macs(&self) -> usize {
+        let d = self.p.dims;
+        let keys: usize = self.p.kv_len.iter().fold(0usize, |a, &k| a.saturating_add(k));
+        keys.saturating_mul(d.heads_q)
+            .saturating_mul(d.rows)
+            .saturating_mul(d.d.saturating_add(d.dv))
+    }
+
     /// Splits a unit index into `(b, kv head, block)` and lists the block's rows.
     fn rows(&self, unit: usize) -> (usize, usize, [Option<Row>; ROW_BLOCK]) {
         let d = self.p.dims;
@@ -731,6 +741,9 @@ impl<E: Elem> Task for PartialTask<'_, E> {
     fn scratch_len(&self, _lanes: usize) -> usize {
         chunk_scratch(self.base.p.dims.d)
     }
+    fn work(&self) -> usize {
+        self.base.macs()
+    }
     #[inline(always)]
     unsafe fn run<S: Simd>(&self, task: usize, buf: &mut [f32]) {
         let base = self.base;
@@ -760,6 +773,11 @@ impl<E: Elem> Task for CombineTask<'_, E> {
     }
     fn scratch_len(&self, _lanes: usize) -> usize {
         round16(self.base.stride())
+    }
+    fn work(&self) -> usize {
+        // One merge of a row's partial per chunk.
+        let units = self.count().saturating_mul(self.base.chunks);
+        units.saturating_mul(ROW_BLOCK * self.base.stride())
     }
     #[inline(always)]
     unsafe fn run<S: Simd>(&self, unit: usize, buf: &mut [f32]) {
@@ -799,6 +817,9 @@ impl<E: Elem> Task for SequentialTask<'_, E> {
     }
     fn scratch_len(&self, _lanes: usize) -> usize {
         2 * round16(ROW_BLOCK * self.base.stride()) + chunk_scratch(self.base.p.dims.d)
+    }
+    fn work(&self) -> usize {
+        self.base.macs()
     }
     #[inline(always)]
     unsafe fn run<S: Simd>(&self, unit: usize, buf: &mut [f32]) {

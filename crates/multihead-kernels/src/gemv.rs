@@ -120,6 +120,9 @@ impl<E: Elem> Task for RowsTask<E> {
     fn scratch_len(&self, _lanes: usize) -> usize {
         0
     }
+    fn work(&self) -> usize {
+        self.rows.saturating_mul(self.k).saturating_mul(self.n)
+    }
     #[inline(always)]
     unsafe fn run<S: Simd>(&self, t: usize, _buf: &mut [f32]) {
         let (l, k) = (S::LANES, self.k);

@@ -464,7 +464,26 @@ impl MultiheadAttention {
     ) -> Result<Tensor> {
         let step = self.validate_step(x, cache, lengths, opts)?;
         let plan = self.plan_step(&step, cache)?;
-        crate::mode::no_grad(|| self.run_step(&step, &plan, cache))
+        let macs = self.step_macs(step.n.saturating_mul(step.t), cache);
+        // One hop for the step's products and its cache read (the pool's parallel tasks
+        // then run without a wake-up and a sleep each); a short step stays on the caller.
+        crate::pool::on_pool_for(macs, || {
+            crate::mode::no_grad(|| self.run_step(&step, &plan, cache))
+        })
+    }
+
+    /// The multiply-adds of the largest operation of a cached step of `rows` new tokens over
+    /// `cache` (as many per sequence): the q/k/v projection, or the scores and weighted
+    /// values over the keys the cache holds after the step (for [`crate::pool`]'s hop).
+    pub(crate) fn step_macs(&self, rows: usize, cache: &KvCache) -> usize {
+        let t = rows / cache.batch_size().max(1);
+        let (e, kv) = (self.cfg.embed_dim, self.cfg.kv_dim());
+        let project = crate::pool::product_macs(rows, e, e.saturating_add(kv.saturating_mul(2)));
+        let held = cache.lens().iter().copied().max().unwrap_or(0).saturating_add(t);
+        let keys = cache.window().map_or(held, |w| held.min(w.saturating_add(t)));
+        let per_key = self.cfg.head_dim().saturating_mul(2);
+        let attend = rows.saturating_mul(self.cfg.num_heads).saturating_mul(keys);
+        project.max(attend.saturating_mul(per_key))
     }
 
     fn run_step(&self, step: &Step, plan: &Plan, cache: &mut KvCache) -> Result<Tensor> {

@@ -85,7 +85,16 @@ impl TransformerEncoderLayer {
         opts: &CachedOptions,
     ) -> Result<Tensor> {
         self.check_step(LAYER_STEP, x, cache, lengths, opts)?;
-        self.step(x, cache, lengths, opts)
+        let macs = self.step_macs(x, cache);
+        crate::pool::on_pool_for(macs, || self.step(x, cache, lengths, opts))
+    }
+
+    /// The multiply-adds of the largest operation of a step of `x` over `cache` (the
+    /// projections, the feed-forward block's products or the attention over the cache), for
+    /// [`crate::pool`]'s one hop per step.
+    fn step_macs(&self, x: &Tensor, cache: &KvCache) -> usize {
+        let rows = x.elem_count() / self.cfg.d_model.max(1);
+        self.cfg.layer_macs(x.elem_count()).max(self.self_attn.step_macs(rows, cache))
     }
 
     /// Checks a step before anything is appended: the layer is in eval mode (or without
@@ -193,10 +202,18 @@ impl TransformerEncoder {
         for (layer, cache) in self.layers.iter().zip(caches.iter()) {
             layer.check_step(STEP, x, cache, lengths, opts)?;
         }
-        let mut x = x.clone();
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            x = layer.step(&x, cache, lengths, opts)?;
-        }
-        crate::mode::no_grad(|| final_norm(self.norm.as_ref(), x))
+        let macs = match (self.layers.first(), caches.first()) {
+            (Some(layer), Some(cache)) => layer.step_macs(x, cache),
+            _ => 0,
+        };
+        // One hop for the whole step: its layers' operations then split their work without
+        // a wake-up and a sleep each.
+        crate::pool::on_pool_for(macs, || {
+            let mut x = x.clone();
+            for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+                x = layer.step(&x, cache, lengths, opts)?;
+            }
+            crate::mode::no_grad(|| final_norm(self.norm.as_ref(), x))
+        })
     }
 }

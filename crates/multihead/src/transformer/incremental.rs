@@ -236,7 +236,21 @@ impl TransformerDecoderLayer {
         opts: &StepOptions,
     ) -> Result<Tensor> {
         let kpm = memory_key_padding_mask;
-        self.step(x, (memory, kpm), cache, lengths, (opts, true))
+        let macs = self.step_macs(x, memory, cache);
+        crate::pool::on_pool_for(macs, || self.step(x, (memory, kpm), cache, lengths, (opts, true)))
+    }
+
+    /// The multiply-adds of the largest operation of a step of `x` (the projections, the
+    /// feed-forward block's products, the self-attention over `cache` or the cross-attention
+    /// over `memory`), for [`crate::pool`]'s one hop per step.
+    fn step_macs(&self, x: &Tensor, memory: &StaticKv, cache: &KvCache) -> usize {
+        let rows = x.elem_count() / self.cfg.d_model.max(1);
+        let t = rows / cache.batch_size().max(1);
+        let mha = self.multihead_attn.config();
+        let group = mha.num_heads / mha.kv_heads().max(1);
+        let cross = memory.k.elem_count().saturating_mul(group).saturating_mul(t);
+        let own = self.cfg.layer_macs(x.elem_count()).max(self.self_attn.step_macs(rows, cache));
+        own.max(cross.saturating_mul(2))
     }
 
     /// [`forward_step_with`](Self::forward_step_with), planning the cross-attention first when
@@ -451,14 +465,23 @@ impl TransformerDecoder {
                 ),
             });
         }
-        let mut x = x.clone();
-        let kpm = state.memory_key_padding_mask.clone();
-        let layers = self.layers.iter().zip(&mut state.caches).zip(&state.memory);
-        for (i, ((layer, cache), mem)) in layers.enumerate() {
-            // The first layer plans the cross-attention's options; the others take its word.
-            x = layer.step(&x, (mem, kpm.as_ref()), cache, lengths, (opts, i == 0))?;
-        }
-        crate::mode::no_grad(|| final_norm(self.norm.as_ref(), x))
+        let macs = match (self.layers.first(), state.caches.first(), state.memory.first()) {
+            (Some(layer), Some(cache), Some(mem)) => layer.step_macs(x, mem, cache),
+            _ => 0,
+        };
+        // One hop for the whole step: its layers' operations then split their work without
+        // a wake-up and a sleep each.
+        crate::pool::on_pool_for(macs, || {
+            let mut x = x.clone();
+            let kpm = state.memory_key_padding_mask.clone();
+            let layers = self.layers.iter().zip(&mut state.caches).zip(&state.memory);
+            for (i, ((layer, cache), mem)) in layers.enumerate() {
+                // The first layer plans the cross-attention's options; the others take its
+                // word.
+                x = layer.step(&x, (mem, kpm.as_ref()), cache, lengths, (opts, i == 0))?;
+            }
+            crate::mode::no_grad(|| final_norm(self.norm.as_ref(), x))
+        })
     }
 }
 

@@ -189,3 +189,142 @@ fn writes_to_parameters_beside_concurrent_calls_do_not_deadlock() {
     }
     assert!(last > 8, "only {last} calls and writes in four seconds");
 }
+
+/// Holds every thread of rayon's global pool until dropped (a test's call that sends work
+/// there waits for it meanwhile).
+struct HeldPool {
+    release: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl HeldPool {
+    fn hold() -> HeldPool {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+        use std::sync::Arc;
+        let (release, held) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+        let threads = rayon::current_num_threads();
+        for _ in 0..threads {
+            let (release, held) = (release.clone(), held.clone());
+            rayon::spawn(move || {
+                held.fetch_add(1, SeqCst);
+                while !release.load(SeqCst) {
+                    std::thread::sleep(std::time::Duration::from_micros(100));
+                }
+            });
+        }
+        let start = std::time::Instant::now();
+        while held.load(SeqCst) < threads {
+            assert!(start.elapsed().as_secs() < 60, "rayon's pool not free in a minute");
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+        HeldPool { release }
+    }
+}
+
+impl Drop for HeldPool {
+    fn drop(&mut self) {
+        self.release.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Runs `f` on a new thread while rayon's global pool is held, and says whether it finished
+/// before the pool was let go (within ten seconds).
+fn finishes_while_the_pool_is_held(f: impl FnOnce() + Send) -> bool {
+    let held = HeldPool::hold();
+    std::thread::scope(|s| {
+        let h = s.spawn(f);
+        let start = std::time::Instant::now();
+        while !h.is_finished() && start.elapsed().as_secs() < 10 {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+        let finished = h.is_finished();
+        drop(held);
+        h.join().expect("the steps ran");
+        finished
+    })
+}
+
+/// A small model's decoding step (MultiheadAttention's, a decoder-only stack's and an
+/// encoder-decoder's, E=64) runs on its caller without sending work to rayon's pool: a
+/// wake-up and a sleep per operation cost a step 5-10 times its own time. Its steps finish
+/// while every thread of the pool is busy elsewhere (before the change each step's products
+/// and cache read waited for the pool), with the bits they give when the pool is free.
+#[test]
+fn a_small_decoding_step_runs_on_its_caller_without_rayons_pool() {
+    use multihead::transformer::TransformerDecoder;
+    let (m, _vm) = mha(MhaConfig::new(64, 4).with_batch_first(true), DType::F32);
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let cfg = LayerConfig::new(64, 4).with_dim_feedforward(128).with_batch_first(true);
+    let mut gpt = TransformerEncoder::new(cfg.clone(), 2, None, vb.pp("gpt")).unwrap();
+    let mut dec = TransformerDecoder::new(cfg, 2, None, vb.pp("dec")).unwrap();
+    gpt.eval();
+    dec.eval();
+    let memory = det(&[1, 16, 64], DType::F32, 3.0);
+    let prompt = det(&[1, 16, 64], DType::F32, 1.0);
+    let tokens: Vec<Tensor> =
+        (0..4).map(|i| det(&[1, 1, 64], DType::F32, 2.0 + i as f64)).collect();
+    // Fresh caches from the prompt, then four steps of each model: their outputs as bits.
+    let steps = || -> Vec<Vec<u32>> {
+        let (mut cache, mut caches) = (m.new_cache(1, 32).unwrap(), gpt.new_caches(1, 32).unwrap());
+        let mut state = dec.start(&memory, None, 32).unwrap();
+        m.forward_cached(&prompt, &mut cache, None).unwrap();
+        gpt.forward_cached(&prompt, &mut caches, None).unwrap();
+        let bits = |t: Tensor| -> Vec<u32> {
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+        };
+        let mut outs = Vec::new();
+        for x in &tokens {
+            outs.push(bits(m.forward_cached(x, &mut cache, None).unwrap()));
+            outs.push(bits(gpt.forward_cached(x, &mut caches, None).unwrap()));
+            outs.push(bits(dec.forward_step(x, &mut state, None).unwrap()));
+        }
+        outs
+    };
+    let mut held = Vec::new();
+    let finished = finishes_while_the_pool_is_held(|| held = steps());
+    assert!(finished, "a small decoding step waited for rayon's pool");
+    let free = steps();
+    assert_eq!(held, free);
+    assert!(free.iter().all(|y| y.len() == 64 && y.iter().all(|&b| f32::from_bits(b).is_finite())));
+}
+
+/// A decoding step large enough to hop onto the pool (E=512: its projection and feed-forward
+/// products go parallel) gives the bits of the same step run in place on one thread, for
+/// MultiheadAttention and a decoder-only stack, cache contents included.
+#[test]
+fn a_hopping_decoding_step_gives_the_bits_of_one_thread() {
+    let (m, _vm) = mha(MhaConfig::new(512, 8).with_batch_first(true), DType::F32);
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let cfg = LayerConfig::new(512, 8).with_dim_feedforward(1024).with_batch_first(true);
+    let mut gpt = TransformerEncoder::new(cfg, 2, None, vb).unwrap();
+    gpt.eval();
+    let (mut cache, mut caches) = (m.new_cache(2, 80).unwrap(), gpt.new_caches(2, 80).unwrap());
+    let prompt = det(&[2, 64, 512], DType::F32, 1.0);
+    m.forward_cached(&prompt, &mut cache, None).unwrap();
+    gpt.forward_cached(&prompt, &mut caches, None).unwrap();
+    let token = det(&[2, 1, 512], DType::F32, 2.0);
+    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let bits = |t: &Tensor| -> Vec<u32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+    };
+    for _ in 0..3 {
+        let mut c1 = cache.try_clone().unwrap();
+        let mut cs1: Vec<_> = caches.iter().map(|c| c.try_clone().unwrap()).collect();
+        let (c1, cs1) = (&mut c1, &mut cs1);
+        let hopped = (
+            m.forward_cached(&token, &mut cache, None).unwrap(),
+            gpt.forward_cached(&token, &mut caches, None).unwrap(),
+        );
+        let here = one.install(|| {
+            (
+                m.forward_cached(&token, c1, None).unwrap(),
+                gpt.forward_cached(&token, cs1, None).unwrap(),
+            )
+        });
+        assert_eq!(bits(&hopped.0), bits(&here.0), "MultiheadAttention");
+        assert_eq!(bits(&hopped.1), bits(&here.1), "the stack");
+        assert_eq!(bits(cache.keys()), bits(c1.keys()));
+        assert_eq!(bits(caches[1].values()), bits(cs1[1].values()));
+    }
+}
