@@ -23,12 +23,16 @@
 use crate::attention::exec::{par_run, ConstPtr, SyncPtr, Task};
 use crate::attention::simd::Simd;
 use crate::attention::{simd_level, KernelError};
-use crate::elem::{dot as dot_e, Elem};
+use crate::elem::{dot as dot_e, dot_rows, Elem};
 
 /// The most rows one call takes (more rows are better served by a GEMM).
 pub const MAX_ROWS: usize = 8;
 /// Output features per task.
 const OUT_BLOCK: usize = 64;
+/// Weight rows read at once ([`dot_rows`]): one row at a time kept a single line in flight
+/// and read a weight larger than the caches at 10 GB/s on one Zen 5 core; four read it at
+/// 29-31 GB/s (docs/performance.md, "A few rows' product reads four weight rows at once").
+const RB: usize = 4;
 
 fn check(name: &'static str, needed: Option<usize>, len: usize) -> Result<(), KernelError> {
     match needed {
@@ -138,8 +142,15 @@ impl<E: Elem> Task for RowsTask<E> {
                     let xr = self.x.0.add(r * k);
                     if group == l {
                         let mut accs = [S::splat(0.0); 16];
-                        for (i, acc) in accs.iter_mut().take(l).enumerate() {
-                            *acc = dot_e::<S, E>(xr, self.w.0.add((o + i) * k), k);
+                        if l % RB == 0 {
+                            for (i, part) in accs[..l].chunks_exact_mut(RB).enumerate() {
+                                let w = self.w.0.add((o + RB * i) * k);
+                                part.copy_from_slice(&dot_rows::<S, E, RB>(xr, w, k, k));
+                            }
+                        } else {
+                            for (i, acc) in accs.iter_mut().take(l).enumerate() {
+                                *acc = dot_e::<S, E>(xr, self.w.0.add((o + i) * k), k);
+                            }
                         }
                         S::reduce_many(accs.as_ptr(), sums.as_mut_ptr());
                     } else {
