@@ -53,6 +53,12 @@ CONFIGS = [  # (B, S, E, H, K, dtype)
     (1, 32768, 512, 8, 8, "bfloat16"),
 ]
 BYTES = {"float32": 4, "bfloat16": 2}
+STACKS = [  # (B, S, E, H, F, layers): decoder-only stacks of post-norm relu encoder layers
+    (1, 16, 64, 4, 128, 2),
+    (1, 128, 512, 8, 2048, 6),
+    (1, 4096, 512, 8, 2048, 6),
+    (8, 512, 512, 8, 2048, 6),
+]
 
 
 def read_bandwidth(mib_sizes, threads):
@@ -91,6 +97,70 @@ def torch_rows(torch, b, s, e, h, k, dtype, warmup, iters):
             return F.linear(o.transpose(1, 2).reshape(b, 1, e), wo, bo)
 
         out["cache"] = bench_proc.timed(step, warmup, iters)
+    return out
+
+
+def torch_stack(torch, b, s, e, h, f, layers, warmup, iters):
+    """The best hand-written PyTorch step of a decoder-only stack: per layer the packed q/k/v
+    ``F.linear``, the new key and value written into a preallocated cache, SDPA over it, the
+    output projection, then ``nn.TransformerEncoderLayer``'s post-norm residual blocks
+    (``F.layer_norm``, relu feed-forward)."""
+    F = torch.nn.functional
+    d = e // h
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        x0 = torch.randn(b, 1, e)
+        ps = []
+        for _ in range(layers):
+            ps.append({
+                "w": torch.randn(3 * e, e) / e**0.5, "b": torch.zeros(3 * e),
+                "wo": torch.randn(e, e) / e**0.5, "bo": torch.zeros(e),
+                "w1": torch.randn(f, e) / e**0.5, "b1": torch.zeros(f),
+                "w2": torch.randn(e, f) / f**0.5, "b2": torch.zeros(e),
+                "g1": torch.ones(e), "n1": torch.zeros(e), "g2": torch.ones(e), "n2": torch.zeros(e),
+                "kc": torch.randn(b, h, s + 1, d), "vc": torch.randn(b, h, s + 1, d),
+            })
+
+        def step():
+            x = x0
+            for p in ps:
+                qkv = F.linear(x, p["w"], p["b"])
+                q = qkv[..., :e].view(b, 1, h, d).transpose(1, 2)
+                p["kc"][:, :, s:s + 1] = qkv[..., e:2 * e].view(b, 1, h, d).transpose(1, 2)
+                p["vc"][:, :, s:s + 1] = qkv[..., 2 * e:].view(b, 1, h, d).transpose(1, 2)
+                o = F.scaled_dot_product_attention(q, p["kc"], p["vc"])
+                a = F.linear(o.transpose(1, 2).reshape(b, 1, e), p["wo"], p["bo"])
+                x = F.layer_norm(x + a, (e,), p["g1"], p["n1"])
+                y = F.linear(F.relu(F.linear(x, p["w1"], p["b1"])), p["w2"], p["b2"])
+                x = F.layer_norm(x + y, (e,), p["g2"], p["n2"])
+            return x
+
+        return bench_proc.timed(step, warmup, iters)
+
+
+def rust_stack(b, s, e, h, f, layers, threads, warmup, iters):
+    cmd = [str(BIN), "bench", "--module", "decode", "--layers", str(layers), "--batch", str(b),
+           "--src-len", str(s), "--embed-dim", str(e), "--num-heads", str(h),
+           "--dim-feedforward", str(f), "--threads", str(threads), "--warmup", str(warmup),
+           "--iters", str(iters), "--json"]
+    bench_proc.settle()
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def stack_lines(doc):
+    """The Markdown table of the stacks' steps."""
+    out = ["| B | S | E, H, F | layers | weights | PyTorch hand-written cache, min (median) | "
+           "multihead forward_cached, min (median) | speed-up | multihead weight read rate |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for row in doc.get("stacks", []):
+        (t, t_med), r = row["torch"], row["multihead"]
+        ours, ours_med = r["min_ms"], r["median_ms"]
+        wb = r["weight_bytes"]
+        out.append(f"| {row['b']} | {row['s']} | {row['e']}, {row['h']}, {row['f']} | "
+                   f"{row['layers']} | {wb / 2**20:.1f} MiB | {t:.3f} ({t_med:.3f}) ms | "
+                   f"{ours:.3f} ({ours_med:.3f}) ms | {t / ours:.2f}x | "
+                   f"{wb / (ours * 1e-3) / 1e9:.1f} GB/s |")
     return out
 
 
@@ -189,6 +259,15 @@ def report_lines(doc):
         "loop, so the same-size rate is the one to compare with; the 1 GiB rate is DRAM's.\n",
         *table_lines(doc),
         "",
+        "A decoder-only (GPT-style) stack of `nn.TransformerEncoderLayer`s (post-norm, relu), "
+        "one new token per sequence over S cached tokens per layer: PyTorch's best hand-written "
+        "cache (per layer the packed `F.linear`, the cache write, SDPA over the whole cache, "
+        "the output projection, `F.layer_norm` residual blocks and the feed-forward "
+        "`F.linear`s) against `multihead bench --module decode --layers N` "
+        "(`TransformerEncoder::forward_cached`). Minimum step time; the read rate is the "
+        "weights' bytes over it (the caches' are the table above's).\n",
+        *stack_lines(doc),
+        "",
     ]
 
 
@@ -215,8 +294,17 @@ def main():
                      "multihead": r, "cache_mib": cache_mib[(b, s, e, h, k, dtype)]})
         print(f"B={b} S={s} H/K={h}/{k} {dtype}: torch {t['cache'][0]:.3f} ms, multihead "
               f"{r['min_ms']:.3f} ms", file=sys.stderr, flush=True)
+    stacks = []
+    for b, s, e, h, f, layers in STACKS:
+        t = torch_stack(torch, b, s, e, h, f, layers, warmup, iters)
+        r = rust_stack(b, s, e, h, f, layers, opts.threads, warmup, iters)
+        stacks.append({"b": b, "s": s, "e": e, "h": h, "f": f, "layers": layers, "torch": t,
+                       "multihead": r})
+        print(f"stack B={b} S={s} E={e} layers={layers}: torch {t[0]:.3f} ms, multihead "
+              f"{r['min_ms']:.3f} ms", file=sys.stderr, flush=True)
     doc = {"threads": opts.threads, "torch_version": torch.__version__, "quick": opts.quick,
-           "warmup": warmup, "iters": iters, "bandwidth_gbps": bw, "rows": rows}
+           "warmup": warmup, "iters": iters, "bandwidth_gbps": bw, "rows": rows,
+           "stacks": stacks}
     bench_proc.finish(doc, opts.json_out, report_lines, evaluate_targets)
 
 

@@ -81,6 +81,11 @@ pub struct BenchArgs {
     /// chunk (a prompt into the cache when `--src-len` is 0).
     #[arg(long, default_value_t = 1)]
     pub new_tokens: usize,
+    /// Decode only: time the step of a decoder-only (GPT-style) stack of this many encoder
+    /// layers (`TransformerEncoder::forward_cached`; `--dim-feedforward`, `--activation`,
+    /// `--norm-first`) instead of `MultiheadAttention` alone.
+    #[arg(long)]
+    pub layers: Option<usize>,
     /// Causal attention (a causal mask with the is_causal hint).
     #[arg(long)]
     pub causal: bool,
@@ -188,7 +193,12 @@ pub fn model_flops(a: &BenchArgs) -> f64 {
         Module::Decode => {
             // New token t sees the S cached keys and the t + 1 new ones up to itself.
             let (kv, t) = (decode_kv_dim(a) as f64, a.new_tokens as f64);
-            2.0 * b * t * e * (2.0 * e + 2.0 * kv) + 4.0 * b * (t * s + t * (t + 1.0) / 2.0) * e
+            let attn = 2.0 * b * t * e * (2.0 * e + 2.0 * kv)
+                + 4.0 * b * (t * s + t * (t + 1.0) / 2.0) * e;
+            match a.layers {
+                Some(n) => n as f64 * (attn + 4.0 * b * t * e * f),
+                None => attn,
+            }
         }
         Module::Linear => 2.0 * b * l * e * f,
         Module::Sdpa => 4.0 * b * crate::bench_sdpa::visible_pairs(a) * e,
@@ -293,6 +303,23 @@ fn check_sizes(a: &BenchArgs) -> Result<()> {
     // Flags a module would take and ignore (the report would describe a run it did not make).
     if a.module != Module::Decode && a.num_kv_heads.is_some() {
         anyhow::bail!("--num-kv-heads applies to --module decode only");
+    }
+    if let Some(n) = a.layers {
+        if a.module != Module::Decode {
+            anyhow::bail!("--layers applies to --module decode only (a decoder-only stack's step)");
+        }
+        if a.num_kv_heads.is_some() {
+            anyhow::bail!(
+                "--layers takes no --num-kv-heads (the layers' attention has as many key/value \
+                 heads as query heads, as PyTorch's)"
+            );
+        }
+        in_range("--layers", n, 1, 1024)?;
+        fits(
+            "--batch, --new-tokens, --dim-feedforward",
+            &[a.batch, a.new_tokens, a.dim_feedforward],
+            3,
+        )?;
     }
     if a.module == Module::Linear && (a.causal || a.key_padding || a.need_weights) {
         anyhow::bail!(
@@ -522,6 +549,7 @@ fn report(
         );
         let variant = |name: &str, x: Option<String>| x.map(|x| format!(" {name} {x}"));
         let variants = [
+            variant("layers", a.layers.map(|n| format!("{n} F={}", a.dim_feedforward))),
             variant("window", a.window.map(|w| w.to_string())),
             variant("softcap", a.softcap.map(|c| c.to_string())),
             a.alibi.then(|| " alibi".to_string()),

@@ -1,6 +1,8 @@
 //! `multihead bench --module decode`: one incremental decoding step of `MultiheadAttention`
 //! (`--new-tokens` new tokens per row) over a KV cache preloaded with `--src-len` tokens per
-//! row, and the decode kernel alone over the same cache (for its memory bandwidth).
+//! row, and the decode kernel alone over the same cache (for its memory bandwidth). With
+//! `--layers N`, the step of a decoder-only (GPT-style) stack of N encoder layers instead
+//! (`TransformerEncoder::forward_cached`, one cache per layer).
 
 use std::cell::RefCell;
 use std::time::Instant;
@@ -8,7 +10,8 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use multihead::{MhaConfig, MultiheadAttention};
+use multihead::transformer::{LayerConfig, TransformerEncoder};
+use multihead::{Activation, KvCache, MhaConfig, MultiheadAttention};
 use multihead_kernels::attention::Layout4;
 use multihead_kernels::decode::{
     decode_attention, decode_attention_bf16, DecodeDims, DecodeParams,
@@ -22,6 +25,9 @@ const PRELOAD_CHUNK: usize = 1024;
 /// The timed step, and what the report adds: the kernel's own time and bandwidth, and the
 /// bytes one step reads.
 pub fn decode_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
+    if let Some(layers) = a.layers {
+        return stack_workload(a, layers);
+    }
     let dev = Device::Cpu;
     let vm = VarMap::new();
     let mut cfg = MhaConfig::new(a.embed_dim, a.num_heads).with_batch_first(true);
@@ -35,14 +41,7 @@ pub fn decode_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
     let (b, s, e) = (a.batch, a.src_len, a.embed_dim);
     let t_new = a.new_tokens;
     let mut cache = mha.new_cache(b, s.saturating_add(t_new))?;
-    let mut done = 0;
-    while done < s {
-        let t = PRELOAD_CHUNK.min(s - done);
-        let k = randn(&[b, hk, t, hd], dt, &dev)?;
-        let v = randn(&[b, hk, t, hd], dt, &dev)?;
-        cache.append_kv(&k, &v, None)?;
-        done += t;
-    }
+    preload(&mut cache, s)?;
     // The decode kernel reads f32 and bf16 caches (other dtypes take the composed path).
     let kernel_ms = match dt {
         DType::F32 | DType::BF16 => time_kernel(a, &cache)?,
@@ -72,6 +71,68 @@ pub fn decode_workload(a: &BenchArgs) -> Result<(Step<'_>, serde_json::Value)> {
         let y = mha.forward_cached_with(&x, &mut c, None, &opts)?;
         std::hint::black_box(y);
         c.truncate(s)?; // the next step decodes the same positions again
+        Ok(())
+    };
+    Ok((Box::new(step), extra))
+}
+
+/// Appends `s` random keys and values to every row of `cache`.
+fn preload(cache: &mut KvCache, s: usize) -> Result<()> {
+    let (b, hk, hd, dt) = (cache.batch_size(), cache.kv_heads(), cache.head_dim(), cache.dtype());
+    let mut done = 0;
+    while done < s {
+        let t = PRELOAD_CHUNK.min(s - done);
+        let k = randn(&[b, hk, t, hd], dt, &Device::Cpu)?;
+        let v = randn(&[b, hk, t, hd], dt, &Device::Cpu)?;
+        cache.append_kv(&k, &v, None)?;
+        done += t;
+    }
+    Ok(())
+}
+
+/// The step of a decoder-only stack of `layers` encoder layers (post-norm unless
+/// `--norm-first`; `--dim-feedforward`, `--activation`), each over its own cache preloaded
+/// with `--src-len` random keys and values, and the decode kernel alone over one layer's cache.
+fn stack_workload(a: &BenchArgs, layers: usize) -> Result<(Step<'_>, serde_json::Value)> {
+    let dev = Device::Cpu;
+    let vm = VarMap::new();
+    let cfg = LayerConfig::new(a.embed_dim, a.num_heads)
+        .with_dim_feedforward(a.dim_feedforward)
+        .with_dropout(0.0)
+        .with_activation(Activation::from_name(&a.activation)?)
+        .with_batch_first(true);
+    let cfg = if a.norm_first { cfg.with_norm_first(true).with_layer_norm_eps(1e-6) } else { cfg };
+    let dt = a.candle_dtype();
+    let mut stack =
+        TransformerEncoder::new(cfg, layers, None, VarBuilder::from_varmap(&vm, dt, &dev))?;
+    stack.eval();
+    let (b, s, e, t_new) = (a.batch, a.src_len, a.embed_dim, a.new_tokens);
+    let mut caches = stack.new_caches(b, s.saturating_add(t_new))?;
+    for cache in &mut caches {
+        preload(cache, s)?;
+    }
+    let kernel_ms = match (dt, caches.first()) {
+        (DType::F32 | DType::BF16, Some(cache)) => time_kernel(a, cache)?,
+        _ => f64::NAN,
+    };
+    let hd = e / a.num_heads.max(1);
+    let extra = serde_json::json!({
+        "layers": layers,
+        "cache_bytes": (2 * layers * b * a.num_heads * s * hd * dt.size_in_bytes()) as f64,
+        "weight_bytes": (layers * (4 * e * e + 2 * e * a.dim_feedforward) * dt.size_in_bytes()) as f64,
+        "attn_kernel_ms": kernel_ms,
+    });
+    let x = randn(&[b, t_new, e], dt, &dev)?;
+    let mut opts = multihead::multihead_attention::CachedOptions::default();
+    opts.window = a.window;
+    let caches = RefCell::new(caches);
+    let step = move || -> Result<()> {
+        let _keep = &vm;
+        let mut c = caches.borrow_mut();
+        let y = stack.forward_cached_with(&x, &mut c, None, &opts)?;
+        std::hint::black_box(y);
+        // The next step decodes the same positions again.
+        c.iter_mut().try_for_each(|c| c.truncate(s))?;
         Ok(())
     };
     Ok((Box::new(step), extra))
