@@ -328,3 +328,86 @@ fn a_hopping_decoding_step_gives_the_bits_of_one_thread() {
         assert_eq!(bits(caches[1].values()), bits(cs1[1].values()));
     }
 }
+
+/// One named call of a test.
+type Call<'a> = Box<dyn Fn() + Sync + 'a>;
+
+/// A small model's calls, forward and backward, run on their caller without sending work to
+/// rayon's pool (each operation that did would cost a wake-up and a sleep, more than the
+/// operation): each finishes while every thread of the pool is busy elsewhere.
+#[test]
+fn small_calls_run_on_their_caller_without_rayons_pool() {
+    use multihead::functional::scaled_dot_product_attention;
+    use multihead::transformer::{DecoderMasks, TransformerDecoderLayer, TransformerEncoderLayer};
+    use multihead::{Linear, SdpaOptions};
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let cfg = LayerConfig::new(64, 4).with_dim_feedforward(128).with_batch_first(true);
+    let enc = TransformerEncoderLayer::new(cfg.clone(), vb.pp("enc")).unwrap();
+    let mut enc_eval = enc.clone();
+    enc_eval.eval();
+    let mut dec = TransformerDecoderLayer::new(cfg, vb.pp("dec")).unwrap();
+    dec.eval();
+    let (m, _m_vm) = mha(MhaConfig::new(64, 4).with_batch_first(true), DType::F32);
+    let (m16, _m16_vm) = mha(MhaConfig::new(32, 4).with_batch_first(true), DType::BF16);
+    let lin =
+        Linear::from_weights(det(&[128, 64], DType::F32, 4.0), Some(det(&[128], DType::F32, 5.0)));
+    let x = candle_core::Var::from_tensor(&det(&[1, 17, 64], DType::F32, 1.0)).unwrap();
+    let x16 = candle_core::Var::from_tensor(&det(&[2, 32, 32], DType::BF16, 2.0)).unwrap();
+    let q = det(&[1, 4, 17, 16], DType::F32, 3.0);
+    let fast = MhaOptions::default().need_weights(false);
+    let backward = |y: Tensor| {
+        y.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+    };
+    let cases: Vec<(&str, Call)> = vec![
+        (
+            "MHA eval",
+            Box::new(|| {
+                no_grad(|| m.forward(&x, &x, &x, &fast)).unwrap();
+            }),
+        ),
+        (
+            "MHA eval, need_weights",
+            Box::new(|| {
+                no_grad(|| m.forward(&x, &x, &x, &MhaOptions::default())).unwrap();
+            }),
+        ),
+        ("MHA training", Box::new(|| backward(m.forward(&x, &x, &x, &fast).unwrap().output))),
+        (
+            "bf16 MHA training",
+            Box::new(|| backward(m16.forward(&x16, &x16, &x16, &fast).unwrap().output)),
+        ),
+        (
+            "encoder layer training",
+            Box::new(|| backward(enc.forward(&x, None, None, false).unwrap())),
+        ),
+        (
+            "encoder layer eval",
+            Box::new(|| {
+                no_grad(|| enc_eval.forward(&x, None, None, false)).unwrap();
+            }),
+        ),
+        (
+            "decoder layer eval",
+            Box::new(|| {
+                no_grad(|| dec.forward(&x, &x, &DecoderMasks::default())).unwrap();
+            }),
+        ),
+        (
+            "causal SDPA",
+            Box::new(|| {
+                let o = SdpaOptions { is_causal: true, ..Default::default() };
+                no_grad(|| scaled_dot_product_attention(&q, &q, &q, &o)).unwrap();
+            }),
+        ),
+        ("Linear training", Box::new(|| backward(lin.forward(&x).unwrap()))),
+    ];
+    // Once each before holding the pool: what a first call sets up is not the point here.
+    cases.iter().for_each(|(_, f)| f());
+    let waited: Vec<&str> = cases
+        .iter()
+        .filter(|(_, f)| !finishes_while_the_pool_is_held(f))
+        .map(|(name, _)| *name)
+        .collect();
+    assert!(waited.is_empty(), "these small calls waited for rayon's pool: {waited:?}");
+}
