@@ -373,15 +373,21 @@ fn graded<T>(a: &BenchArgs, f: impl FnOnce() -> T) -> T {
     }
 }
 
-fn layer_workload(a: &BenchArgs) -> Result<Step<'_>> {
-    let dev = Device::Cpu;
-    let vm = VarMap::new();
+/// The layers' configuration the flags ask for: `batch_first`, dropout 0, `--dim-feedforward`,
+/// `--activation`, and pre-norm with eps 1e-6 under `--norm-first`.
+pub fn layer_config(a: &BenchArgs) -> Result<LayerConfig> {
     let cfg = LayerConfig::new(a.embed_dim, a.num_heads)
         .with_dim_feedforward(a.dim_feedforward)
         .with_dropout(0.0)
         .with_activation(Activation::from_name(&a.activation)?)
         .with_batch_first(true);
-    let cfg = if a.norm_first { cfg.with_norm_first(true).with_layer_norm_eps(1e-6) } else { cfg };
+    Ok(if a.norm_first { cfg.with_norm_first(true).with_layer_norm_eps(1e-6) } else { cfg })
+}
+
+fn layer_workload(a: &BenchArgs) -> Result<Step<'_>> {
+    let dev = Device::Cpu;
+    let vm = VarMap::new();
+    let cfg = layer_config(a)?;
     let dt = a.candle_dtype();
     let vb = VarBuilder::from_varmap(&vm, dt, &dev);
     let x = Var::from_tensor(&randn(&[a.batch, a.tgt_len, a.embed_dim], dt, &dev)?)?;

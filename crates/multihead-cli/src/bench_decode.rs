@@ -10,8 +10,8 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use multihead::transformer::{LayerConfig, TransformerEncoder};
-use multihead::{Activation, KvCache, MhaConfig, MultiheadAttention};
+use multihead::transformer::TransformerEncoder;
+use multihead::{KvCache, MhaConfig, MultiheadAttention};
 use multihead_kernels::attention::Layout4;
 use multihead_kernels::decode::{
     decode_attention, decode_attention_bf16, DecodeDims, DecodeParams,
@@ -96,12 +96,7 @@ fn preload(cache: &mut KvCache, s: usize) -> Result<()> {
 fn stack_workload(a: &BenchArgs, layers: usize) -> Result<(Step<'_>, serde_json::Value)> {
     let dev = Device::Cpu;
     let vm = VarMap::new();
-    let cfg = LayerConfig::new(a.embed_dim, a.num_heads)
-        .with_dim_feedforward(a.dim_feedforward)
-        .with_dropout(0.0)
-        .with_activation(Activation::from_name(&a.activation)?)
-        .with_batch_first(true);
-    let cfg = if a.norm_first { cfg.with_norm_first(true).with_layer_norm_eps(1e-6) } else { cfg };
+    let cfg = crate::bench::layer_config(a)?;
     let dt = a.candle_dtype();
     let mut stack =
         TransformerEncoder::new(cfg, layers, None, VarBuilder::from_varmap(&vm, dt, &dev))?;
