@@ -191,15 +191,21 @@ fn writes_to_parameters_beside_concurrent_calls_do_not_deadlock() {
 }
 
 /// Holds every thread of rayon's global pool until dropped (a test's call that sends work
-/// there waits for it meanwhile).
+/// there waits for it meanwhile). One test holds it at a time: two holding at once could each
+/// get some of the threads and wait for the rest.
 struct HeldPool {
     release: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    _turn: std::sync::MutexGuard<'static, ()>,
 }
+
+/// Whose turn it is to hold rayon's pool.
+static HOLDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 impl HeldPool {
     fn hold() -> HeldPool {
         use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
         use std::sync::Arc;
+        let turn = HOLDING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let (release, held) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
         let threads = rayon::current_num_threads();
         for _ in 0..threads {
@@ -213,10 +219,13 @@ impl HeldPool {
         }
         let start = std::time::Instant::now();
         while held.load(SeqCst) < threads {
-            assert!(start.elapsed().as_secs() < 60, "rayon's pool not free in a minute");
+            if start.elapsed().as_secs() >= 60 {
+                release.store(true, SeqCst); // let the threads it has go
+                panic!("rayon's pool not free in a minute");
+            }
             std::thread::sleep(std::time::Duration::from_micros(100));
         }
-        HeldPool { release }
+        HeldPool { release, _turn: turn }
     }
 }
 
