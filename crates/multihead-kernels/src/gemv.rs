@@ -31,7 +31,8 @@ pub const MAX_ROWS: usize = 8;
 const OUT_BLOCK: usize = 64;
 /// Weight rows read at once ([`dot_rows`]): one row at a time kept a single line in flight
 /// and read a weight larger than the caches at 10 GB/s on one Zen 5 core; four read it at
-/// 29-31 GB/s (docs/performance.md, "A few rows' product reads four weight rows at once").
+/// 29-31 GB/s (docs/performance.md, "Decoding steps: small ones on the caller, one hop for the
+/// rest, four weight rows at once").
 const RB: usize = 4;
 
 fn check(name: &'static str, needed: Option<usize>, len: usize) -> Result<(), KernelError> {
