@@ -28,7 +28,7 @@ mod sentence;
 use multihead::Backend;
 use multihead_parity::{self as parity, Case};
 
-/// mimalloc, with freed blocks of 1 MiB and more kept for reuse (up to 4 GiB): every training
+/// mimalloc, with freed blocks of 128 KiB and more kept for reuse (up to 4 GiB): every training
 /// or inference step allocates the same large tensors again, and reusing them avoids faulting
 /// fresh pages in each time (see `multihead::memory`).
 #[global_allocator]
