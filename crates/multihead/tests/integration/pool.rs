@@ -13,7 +13,7 @@ use multihead::{
 };
 use multihead_kernels::bf16gemm::{active_bf16_kernel, with_bf16_kernel, Bf16Kernel};
 
-use crate::common::{det, dev, mha};
+use crate::common::{bits, det, dev, mha};
 
 /// `on_pool(f)` on a worker of the pool: one call at a time runs there, and another test's
 /// may hold it (then `f` runs on the caller), so this waits for a turn (a minute at most).
@@ -252,6 +252,29 @@ fn finishes_while_the_pool_is_held(f: impl FnOnce() + Send) -> bool {
     })
 }
 
+/// The three decoding models of the tests below, in eval mode, E wide with H heads (the
+/// layers' feed-forward F wide): MultiheadAttention, a decoder-only stack of two encoder
+/// layers and a two-layer decoder.
+struct Decoders {
+    m: multihead::MultiheadAttention,
+    gpt: TransformerEncoder,
+    dec: multihead::transformer::TransformerDecoder,
+    _vms: (VarMap, VarMap),
+}
+
+fn decoders(e: usize, h: usize, f: usize) -> Decoders {
+    use multihead::transformer::TransformerDecoder;
+    let (m, m_vm) = mha(MhaConfig::new(e, h).with_batch_first(true), DType::F32);
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
+    let cfg = LayerConfig::new(e, h).with_dim_feedforward(f).with_batch_first(true);
+    let mut gpt = TransformerEncoder::new(cfg.clone(), 2, None, vb.pp("gpt")).unwrap();
+    let mut dec = TransformerDecoder::new(cfg, 2, None, vb.pp("dec")).unwrap();
+    gpt.eval();
+    dec.eval();
+    Decoders { m, gpt, dec, _vms: (m_vm, vm) }
+}
+
 /// A small model's decoding step (MultiheadAttention's, a decoder-only stack's and an
 /// encoder-decoder's, E=64) runs on its caller without sending work to rayon's pool: a
 /// wake-up and a sleep per operation cost a step 5-10 times its own time. Its steps finish
@@ -259,15 +282,7 @@ fn finishes_while_the_pool_is_held(f: impl FnOnce() + Send) -> bool {
 /// and cache read waited for the pool), with the bits they give when the pool is free.
 #[test]
 fn a_small_decoding_step_runs_on_its_caller_without_rayons_pool() {
-    use multihead::transformer::TransformerDecoder;
-    let (m, _vm) = mha(MhaConfig::new(64, 4).with_batch_first(true), DType::F32);
-    let vm = VarMap::new();
-    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
-    let cfg = LayerConfig::new(64, 4).with_dim_feedforward(128).with_batch_first(true);
-    let mut gpt = TransformerEncoder::new(cfg.clone(), 2, None, vb.pp("gpt")).unwrap();
-    let mut dec = TransformerDecoder::new(cfg, 2, None, vb.pp("dec")).unwrap();
-    gpt.eval();
-    dec.eval();
+    let Decoders { m, gpt, dec, .. } = decoders(64, 4, 128);
     let memory = det(&[1, 16, 64], DType::F32, 3.0);
     let prompt = det(&[1, 16, 64], DType::F32, 1.0);
     let tokens: Vec<Tensor> =
@@ -278,14 +293,11 @@ fn a_small_decoding_step_runs_on_its_caller_without_rayons_pool() {
         let mut state = dec.start(&memory, None, 32).unwrap();
         m.forward_cached(&prompt, &mut cache, None).unwrap();
         gpt.forward_cached(&prompt, &mut caches, None).unwrap();
-        let bits = |t: Tensor| -> Vec<u32> {
-            t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
-        };
         let mut outs = Vec::new();
         for x in &tokens {
-            outs.push(bits(m.forward_cached(x, &mut cache, None).unwrap()));
-            outs.push(bits(gpt.forward_cached(x, &mut caches, None).unwrap()));
-            outs.push(bits(dec.forward_step(x, &mut state, None).unwrap()));
+            outs.push(bits(&m.forward_cached(x, &mut cache, None).unwrap()));
+            outs.push(bits(&gpt.forward_cached(x, &mut caches, None).unwrap()));
+            outs.push(bits(&dec.forward_step(x, &mut state, None).unwrap()));
         }
         outs
     };
@@ -302,21 +314,13 @@ fn a_small_decoding_step_runs_on_its_caller_without_rayons_pool() {
 /// MultiheadAttention and a decoder-only stack, cache contents included.
 #[test]
 fn a_hopping_decoding_step_gives_the_bits_of_one_thread() {
-    let (m, _vm) = mha(MhaConfig::new(512, 8).with_batch_first(true), DType::F32);
-    let vm = VarMap::new();
-    let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev());
-    let cfg = LayerConfig::new(512, 8).with_dim_feedforward(1024).with_batch_first(true);
-    let mut gpt = TransformerEncoder::new(cfg, 2, None, vb).unwrap();
-    gpt.eval();
+    let Decoders { m, gpt, .. } = decoders(512, 8, 1024);
     let (mut cache, mut caches) = (m.new_cache(2, 80).unwrap(), gpt.new_caches(2, 80).unwrap());
     let prompt = det(&[2, 64, 512], DType::F32, 1.0);
     m.forward_cached(&prompt, &mut cache, None).unwrap();
     gpt.forward_cached(&prompt, &mut caches, None).unwrap();
     let token = det(&[2, 1, 512], DType::F32, 2.0);
     let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-    let bits = |t: &Tensor| -> Vec<u32> {
-        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
-    };
     for _ in 0..3 {
         let mut c1 = cache.try_clone().unwrap();
         let mut cs1: Vec<_> = caches.iter().map(|c| c.try_clone().unwrap()).collect();
