@@ -85,16 +85,8 @@ impl TransformerEncoderLayer {
         opts: &CachedOptions,
     ) -> Result<Tensor> {
         self.check_step(LAYER_STEP, x, cache, lengths, opts)?;
-        let macs = self.step_macs(x, cache);
+        let macs = self.cfg.step_macs(&self.self_attn, x, cache);
         crate::pool::on_pool_for(macs, || self.step(x, cache, lengths, opts))
-    }
-
-    /// The multiply-adds of the largest operation of a step of `x` over `cache` (the
-    /// projections, the feed-forward block's products or the attention over the cache), for
-    /// [`crate::pool`]'s one hop per step.
-    fn step_macs(&self, x: &Tensor, cache: &KvCache) -> usize {
-        let rows = x.elem_count() / self.cfg.d_model.max(1);
-        self.cfg.layer_macs(x.elem_count()).max(self.self_attn.step_macs(rows, cache))
     }
 
     /// Checks a step before anything is appended: the layer is in eval mode (or without
@@ -203,7 +195,7 @@ impl TransformerEncoder {
             layer.check_step(STEP, x, cache, lengths, opts)?;
         }
         let macs = match (self.layers.first(), caches.first()) {
-            (Some(layer), Some(cache)) => layer.step_macs(x, cache),
+            (Some(layer), Some(cache)) => layer.cfg.step_macs(&layer.self_attn, x, cache),
             _ => 0,
         };
         // One hop for the whole step: its layers' operations then split their work without

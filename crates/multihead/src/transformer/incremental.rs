@@ -244,12 +244,11 @@ impl TransformerDecoderLayer {
     /// feed-forward block's products, the self-attention over `cache` or the cross-attention
     /// over `memory`), for [`crate::pool`]'s one hop per step.
     fn step_macs(&self, x: &Tensor, memory: &StaticKv, cache: &KvCache) -> usize {
-        let rows = x.elem_count() / self.cfg.d_model.max(1);
-        let t = rows / cache.batch_size().max(1);
+        let t = x.elem_count() / self.cfg.d_model.max(1) / cache.batch_size().max(1);
         let mha = self.multihead_attn.config();
         let group = mha.num_heads / mha.kv_heads().max(1);
         let cross = memory.k.elem_count().saturating_mul(group).saturating_mul(t);
-        let own = self.cfg.layer_macs(x.elem_count()).max(self.self_attn.step_macs(rows, cache));
+        let own = self.cfg.step_macs(&self.self_attn, x, cache);
         own.max(cross.saturating_mul(2))
     }
 

@@ -152,6 +152,20 @@ impl LayerConfig {
         crate::pool::product_macs(rows, self.d_model, widest)
     }
 
+    /// The multiply-adds of the largest operation of a cached step of `x` through a layer of
+    /// this configuration whose self-attention is `attn` over `cache`: the projections, the
+    /// feed-forward block's products or the attention over the cache ([`crate::pool`]'s one
+    /// hop per step).
+    pub(crate) fn step_macs(
+        &self,
+        attn: &crate::MultiheadAttention,
+        x: &candle_core::Tensor,
+        cache: &crate::KvCache,
+    ) -> usize {
+        let rows = x.elem_count() / self.d_model.max(1);
+        self.layer_macs(x.elem_count()).max(attn.step_macs(rows, cache))
+    }
+
     pub(crate) fn mha_config(&self) -> crate::MhaConfig {
         crate::MhaConfig::new(self.d_model, self.nhead)
             .with_dropout(self.dropout)
