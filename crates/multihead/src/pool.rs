@@ -24,9 +24,22 @@
 //! parallel tasks (which take no locks). A call made while it is busy runs on its caller's
 //! thread, its operations splitting their work over rayon's global pool, as candle's do; both
 //! give the same bits.
+//!
+//! # The other threads wait awake during a call
+//!
+//! Between two parallel operations of a call (a decoding step's products, with a norm and a
+//! residual add between them) rayon's idle threads go to sleep after a few dozen yields, and
+//! each next operation then waits for a wake-up (30 microseconds on a 2-vCPU VM under KVM). So
+//! while a call runs on this pool its other threads take its tasks as they come and yield
+//! their cores between looks, napping once they have found no task for a millisecond; they go
+//! back to rayon's sleep when the call returns. A six-layer decoder-only step at E = 512 went
+//! from 2.2-2.5 to 1.7-1.8 ms on an Intel Xeon (family 6 model 167, 2 threads), and the demo's
+//! 600 training steps from 2.5-2.9 to 1.9-2.1 s (docs/performance.md, "The pool's threads wait
+//! for a call's tasks awake").
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use crate::mode::Modes;
 
@@ -76,7 +89,113 @@ pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         return f();
     };
     let modes = Modes::current();
-    pool.install(move || modes.enter(f))
+    pool.install(move || warm(move || modes.enter(f)))
+}
+
+/// Runs `f` on this pool thread while the pool's other threads wait for its tasks awake.
+///
+/// Between two parallel operations of a call (a decoding step's products, with a norm and a
+/// residual add between them) rayon's idle threads go to sleep after a few dozen yields, and
+/// the next operation then waits for a wake-up. Here each other thread runs a job of its own
+/// (a broadcast: no thread takes another's) that takes the call's tasks as they come
+/// (`rayon::yield_now`) and otherwise yields its core, until `f` returns. The tasks are the
+/// same, so the bits are the same.
+///
+/// A thread may only wait so at the bottom of its stack: run on top of one of the call's tasks
+/// (a thread that took a task before its broadcast job, and then looks for work while that
+/// task waits for its other half), it would keep that task from finishing until the call
+/// ends, and the call would wait for the task forever. So the threads join before `f` starts,
+/// when no task of the call exists yet; `f` waits up to [`JOIN_WITHIN`] for them, then closes
+/// the door, and a thread that comes later goes back to rayon at once.
+fn warm<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    warm_within(JOIN_WITHIN, f)
+}
+
+/// [`warm`], waiting up to `join_within` for the other threads to join.
+fn warm_within<R: Send>(join_within: Duration, f: impl FnOnce() -> R + Send) -> R {
+    let others = rayon::current_num_threads().saturating_sub(1);
+    if others == 0 {
+        return f();
+    }
+    let state = Arc::new(Warm { done: AtomicBool::new(false), joined: AtomicUsize::new(0) });
+    let caller = rayon::current_thread_index();
+    let shared = Arc::clone(&state);
+    rayon::spawn_broadcast(move |ctx| keep_warm(&shared, Some(ctx.index()) == caller));
+    let start = Instant::now();
+    while state.joined.load(Ordering::Acquire) < others && start.elapsed() < join_within {
+        std::thread::yield_now();
+    }
+    state.joined.fetch_or(CLOSED, Ordering::AcqRel);
+    let _stop = Stop(&state.done);
+    f()
+}
+
+/// What [`warm`] shares with the threads it keeps awake.
+struct Warm {
+    /// Set when the call returns (or panics).
+    done: AtomicBool,
+    /// Threads waiting for the call's tasks, with [`CLOSED`] once the call has started.
+    joined: AtomicUsize,
+}
+
+/// The bit of [`Warm::joined`] that says the call has started and no thread may join.
+const CLOSED: usize = 1 << (usize::BITS - 1);
+
+/// How long a call waits for the pool's other threads to join it before it starts without
+/// those that have not (a sleeping thread takes a wake-up to come).
+const JOIN_WITHIN: Duration = Duration::from_micros(200);
+
+/// How long a thread kept awake by [`warm`] looks for tasks without finding one before it naps
+/// between looks ([`NAP`]): a decoding step's gaps between its products are tens of
+/// microseconds, and a call that pauses for longer (reads a file, waits for another thread,
+/// runs serial work) should not keep the other cores busy meanwhile.
+const SPIN_FOR: Duration = Duration::from_millis(1);
+/// A napping thread's sleep between two looks for tasks (Linux rounds it up by its timer
+/// slack, 50 microseconds by default); a task that comes meanwhile starts on the calling
+/// thread, as it would while a sleeping rayon thread wakes up.
+const NAP: Duration = Duration::from_micros(50);
+
+/// Joins the call unless it has started (see [`warm`]), then takes the pool's jobs as they
+/// come until the call returns: yielding its core between looks, and napping once it has
+/// found none for [`SPIN_FOR`]. Returns at once on the calling thread.
+fn keep_warm(state: &Warm, on_caller: bool) {
+    if on_caller {
+        return;
+    }
+    let mut joined = state.joined.load(Ordering::Acquire);
+    loop {
+        if joined & CLOSED != 0 {
+            return;
+        }
+        match state.joined.compare_exchange_weak(
+            joined,
+            joined + 1,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => break,
+            Err(now) => joined = now,
+        }
+    }
+    let mut last_task = Instant::now();
+    while !state.done.load(Ordering::Acquire) {
+        if rayon::yield_now() == Some(rayon::Yield::Executed) {
+            last_task = Instant::now();
+        } else if last_task.elapsed() > SPIN_FOR {
+            std::thread::sleep(NAP);
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Sets the flag when dropped (also when the call panics).
+struct Stop<'a>(&'a AtomicBool);
+
+impl Drop for Stop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
 }
 
 /// The pool calls hop onto: as many threads as rayon's global pool (so `RAYON_NUM_THREADS`
@@ -125,4 +244,52 @@ pub(crate) fn on_pool_for<R: Send>(macs: usize, f: impl FnOnce() -> R + Send) ->
 /// The multiply-adds of a `rows × k` by `k × n` product, saturating.
 pub(crate) fn product_macs(rows: usize, k: usize, n: usize) -> usize {
     rows.saturating_mul(k).saturating_mul(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rayon::prelude::*;
+
+    /// Calls whose tasks split again (a join inside a task), with threads that come after the
+    /// call has started (no wait for them at all): each call finishes. A thread that came late
+    /// and took one of the call's tasks before its broadcast job would, were it let in, wait
+    /// for the call's end on top of that task, which the call waits for; the door keeps it
+    /// out. A watchdog fails the test instead of hanging it.
+    #[test]
+    fn threads_that_come_after_the_call_started_do_not_hold_its_tasks() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("a pool");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let total: u64 = pool.install(|| {
+                (0..2000u64)
+                    .map(|call| {
+                        warm_within(Duration::ZERO, || {
+                            (0..64u64)
+                                .into_par_iter()
+                                .map(|i| {
+                                    (0..256u64)
+                                        .into_par_iter()
+                                        .map(|j| (i ^ j ^ call) & 7)
+                                        .sum::<u64>()
+                                })
+                                .sum::<u64>()
+                        })
+                    })
+                    .sum()
+            });
+            tx.send(total).expect("the test waits for the total");
+        });
+        let total = rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("the calls did not finish in two minutes: a call waits for a task forever");
+        let expect: u64 = (0..2000u64)
+            .map(|call| {
+                (0..64u64)
+                    .map(|i| (0..256u64).map(|j| (i ^ j ^ call) & 7).sum::<u64>())
+                    .sum::<u64>()
+            })
+            .sum();
+        assert_eq!(total, expect);
+    }
 }
