@@ -445,9 +445,10 @@ fn pool_cpu_ticks() -> u64 {
     ticks
 }
 
-/// The pool's other threads wait for a call's tasks awake (spinning between its parallel
-/// operations), but only for a millisecond without one: a call that pauses for 400 ms after
-/// its tasks leaves them napping, not spinning (which would take about 400 ms of CPU each).
+/// The pool's other threads wait for a call's tasks awake (looking for them between its
+/// parallel operations), but only for a millisecond without one: a call that pauses for 400 ms
+/// after its tasks leaves them napping, not looking (which would take about 400 ms of CPU
+/// each).
 #[cfg(target_os = "linux")]
 #[test]
 fn a_pausing_call_does_not_keep_the_pools_threads_spinning() {
