@@ -10,11 +10,13 @@ Cases (2 threads unless ``--threads``):
   patch_size=8, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128)``), eval forward at
   batch 64 under ``torch.no_grad()``, against the Rust port ``examples/port_vit.rs`` (its
   ``TransformerEncoderLayer`` variant and its hand-written block; ``PORT_VIT_ITERS`` forwards,
-  fastest);
+  fastest); and its training step at batch 64 (forward, ``F.cross_entropy``, backward and a
+  ``torch.optim.AdamW`` step, default settings but lr 1e-3) against the port's (candle's
+  ``AdamW``, the step inside ``multihead::on_pool``);
 * ``nn.MultiheadAttention(64, 4, batch_first=True)`` eval forward and
   ``nn.TransformerEncoderLayer(64, 4, 128, gelu, norm_first=True, eps=1e-6)`` eval forward at
-  (B, L) = (64, 17) and (1, 17), against ``multihead bench --module mha|encoder-layer
-  --norm-first``;
+  (B, L) = (64, 17) and (1, 17), and that layer's training step (forward and backward) at
+  (64, 17), against ``multihead bench --module mha|encoder-layer --norm-first``;
 * a ViT-B/16 encoder layer, ``nn.TransformerEncoderLayer(768, 12, 3072, gelu, norm_first=True,
   eps=1e-6)`` at B=8, L=197: eval forward and train forward+backward (``out.sum().backward()``);
 * small bf16 training steps (bf16 modules and inputs, the loss the output's sum in f32):
@@ -41,6 +43,9 @@ import bench_proc
 REPO = Path(__file__).resolve().parent.parent
 BIN = REPO / "target/release/multihead"
 PORT = REPO / "target/release/examples/port_vit"
+# The port's two variants: (name in its output, label).
+PORTS = (("encoder_layer", "ViT port (TransformerEncoderLayer + KeyMap)"),
+         ("hand_written", "ViT port (hand-written EncoderBlock)"))
 # (label, module, B, L, E, H, F, backward, dtype, speed-up target)
 CASES = [
     ("MHA eval, B=64 L=17 E=64 H=4", "mha", 64, 17, 64, 4, 128, False, "f32", 1.2),
@@ -49,6 +54,8 @@ CASES = [
      "encoder-layer", 64, 17, 64, 4, 128, False, "f32", 1.2),
     ("encoder layer eval (pre-norm, gelu), B=1 L=17 E=64 H=4 F=128",
      "encoder-layer", 1, 17, 64, 4, 128, False, "f32", 1.2),
+    ("encoder layer train fwd+bwd (pre-norm, gelu), B=64 L=17 E=64 H=4 F=128",
+     "encoder-layer", 64, 17, 64, 4, 128, True, "f32", 1.2),
     ("ViT-B/16 encoder layer eval, B=8 L=197 E=768 H=12 F=3072",
      "encoder-layer", 8, 197, 768, 12, 3072, False, "f32", 1.2),
     ("ViT-B/16 encoder layer train fwd+bwd, B=8 L=197 E=768 H=12 F=3072",
@@ -128,15 +135,29 @@ def vit_rows(torch, threads, quick):
     x = torch.randn(64, 3, 32, 32)
     with torch.no_grad():
         ours_torch = bench_proc.timed(lambda: m(x), warmup, iters)[0]
+    m.train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    labels = torch.arange(64) % 10
+
+    def train_step():
+        loss = torch.nn.functional.cross_entropy(m(x), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    train_torch = bench_proc.timed(train_step, warmup, iters)[0]
     env = dict(os.environ, PORT_VIT_ITERS=str(iters), RAYON_NUM_THREADS=str(threads))
     res = subprocess.run([str(PORT)], capture_output=True, text=True, cwd=REPO, check=True,
                          env=env)
     found = dict(re.findall(r"^(\w+): eval forward, batch 64: ([0-9.]+) ms", res.stdout, re.M))
+    trained = dict(re.findall(r"^(\w+): train step \([^)]*\), batch 64: ([0-9.]+) ms",
+                              res.stdout, re.M))
     rows = []
-    for name, label in (("encoder_layer", "ViT port (TransformerEncoderLayer + KeyMap)"),
-                        ("hand_written", "ViT port (hand-written EncoderBlock)")):
-        rows.append({"label": f"{label}, eval, batch 64", "torch": ours_torch,
-                     "ours": float(found[name]), "target": 1.2})
+    for what, torch_ms, ours in (("eval", ours_torch, found),
+                                 ("train step with AdamW", train_torch, trained)):
+        for name, label in PORTS:
+            rows.append({"label": f"{label}, {what}, batch 64", "torch": torch_ms,
+                         "ours": float(ours[name]), "target": 1.2})
     return rows
 
 

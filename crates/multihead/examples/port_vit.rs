@@ -22,7 +22,10 @@
 //! - **train/eval for the whole model** with `multihead::Train`, and the **gradient of a
 //!   parameter looked up by its PyTorch key** in the `VarMap` the load returned;
 //! - **saving what was loaded** with `save_loaded` / `save_loaded_with`, which refuse a
-//!   `NamedParameters` that forgot a parameter.
+//!   `NamedParameters` that forgot a parameter;
+//! - **a training step** with candle's `AdamW` over the `VarMap` the load returned, the whole
+//!   step (forward, loss, backward, update) inside one `multihead::on_pool`, timed and checked
+//!   to lower the loss.
 //!
 //! Run with `cargo run --release -p multihead --example port_vit`.
 
@@ -32,7 +35,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var, D};
-use candle_nn::VarBuilder;
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder};
 use multihead::functional::add;
 use multihead::state_dict::{load_safetensors, load_strict, prefixed, KeyMap};
 use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
@@ -255,7 +258,8 @@ fn max_diff(a: &Tensor, b: &Tensor) -> Res<f32> {
     Ok((a - b)?.abs()?.flatten_all()?.max(D::Minus1)?.to_scalar::<f32>()?)
 }
 
-/// Loads, checks logits and gradients against PyTorch's, times the eval forward, and saves.
+/// Loads, checks logits and gradients against PyTorch's, times the eval forward and a training
+/// step, and saves.
 fn port<B: Block>(
     name: &str,
     map: &KeyMap,
@@ -328,6 +332,7 @@ fn port<B: Block>(
         best = best.min(t.elapsed().as_secs_f64() * 1e3);
     }
     println!("{name}: eval forward, batch 64: {best:.2} ms (fastest of {iters}; PORT_VIT_ITERS)");
+    time_training(name, map, state, &block, iters)?;
     // A channels-last batch (as many elements) is refused, as torchvision refuses it.
     let channels_last = batch.permute((0, 2, 3, 1))?.contiguous()?;
     match multihead::no_grad(|| model.forward(&channels_last)) {
@@ -359,6 +364,53 @@ fn port<B: Block>(
         "{name}: saved {} tensors under torchvision's keys to {}",
         saved.len(),
         path.display()
+    );
+    Ok(())
+}
+
+/// Times a whole training step at batch 64 on a fresh copy of the model: the forward, the
+/// cross-entropy loss, the backward and an AdamW update of every parameter, as a PyTorch
+/// training loop runs them (`tools/bench_small.py` times torchvision's model beside it).
+fn time_training<B: Block>(
+    name: &str,
+    map: &KeyMap,
+    state: &HashMap<String, Tensor>,
+    block: impl Fn(VarBuilder) -> multihead::Result<B>,
+    iters: usize,
+) -> Res<()> {
+    let dev = Device::Cpu;
+    let (model, vars) =
+        load_strict(&map.to_module(state)?, DType::F32, &dev, |vb| Vit::new(vb, &block))?;
+    let mut opt = AdamW::new(vars.all_vars(), ParamsAdamW { lr: 1e-3, ..Default::default() })?;
+    let images = Tensor::randn(0f32, 1.0, (64, 3, IMAGE, IMAGE), &dev)?;
+    let labels: Vec<u32> = (0..64).map(|i| (i % CLASSES) as u32).collect();
+    let labels = Tensor::from_vec(labels, 64, &dev)?;
+    // One training step, on the pool as a whole (docs/porting.md): forward, loss, backward and
+    // the update hop once, not once per module.
+    let step = |opt: &mut AdamW| -> Res<f32> {
+        let run = || -> candle_core::Result<f32> {
+            let logits = model.forward_here(&images).map_err(candle_core::Error::wrap)?;
+            let loss = candle_nn::loss::cross_entropy(&logits, &labels)?;
+            opt.backward_step(&loss)?;
+            loss.to_scalar::<f32>()
+        };
+        Ok(multihead::on_pool(run)?)
+    };
+    let first = step(&mut opt)?;
+    let mut best = f64::INFINITY;
+    let mut last = first;
+    for _ in 0..iters.max(1) {
+        let t = Instant::now();
+        last = step(&mut opt)?;
+        best = best.min(t.elapsed().as_secs_f64() * 1e3);
+    }
+    // The same batch over and over: a step that learns nothing is a broken step.
+    if last.is_nan() || last >= first {
+        return Err(format!("{name}: training did not lower the loss ({first} -> {last})").into());
+    }
+    println!(
+        "{name}: train step (forward, cross-entropy, backward, AdamW), batch 64: {best:.2} ms \
+         (fastest of {iters}; loss {first:.3} -> {last:.3})"
     );
     Ok(())
 }
