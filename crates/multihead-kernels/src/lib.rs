@@ -34,6 +34,7 @@ pub mod epilogue;
 pub(crate) mod fpenv;
 pub mod gemv;
 pub mod norm;
+pub mod optim;
 pub mod reduce;
 pub mod sum;
 

@@ -143,6 +143,8 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     }
     /// `a / b`.
     unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
+    /// `√a`, correctly rounded at every level (IEEE's square root).
+    unsafe fn sqrt(a: Self::V) -> Self::V;
     /// `e^x`, relative error below 2e-7; `exp(-inf) = 0`, NaN propagates.
     unsafe fn exp(x: Self::V) -> Self::V;
     /// [`exp`](Self::exp)'s bits for every `x <= 110` (a softmax's `s - max`, a Gaussian's
@@ -364,6 +366,10 @@ unsafe impl Simd for Scalar {
         a / b
     }
     #[inline(always)]
+    unsafe fn sqrt(a: f32) -> f32 {
+        a.sqrt()
+    }
+    #[inline(always)]
     unsafe fn max(a: f32, b: f32) -> f32 {
         if a > b {
             a
@@ -555,6 +561,11 @@ unsafe impl Simd for Avx2 {
     unsafe fn div(a: __m256, b: __m256) -> __m256 {
         // SAFETY: AVX is available (trait contract).
         unsafe { _mm256_div_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn sqrt(a: __m256) -> __m256 {
+        // SAFETY: AVX is available (trait contract).
+        unsafe { _mm256_sqrt_ps(a) }
     }
     #[inline(always)]
     unsafe fn recip(x: __m256) -> __m256 {
@@ -807,6 +818,11 @@ unsafe impl Simd for Avx512 {
     unsafe fn div(a: __m512, b: __m512) -> __m512 {
         // SAFETY: AVX-512F is available (trait contract).
         unsafe { _mm512_div_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn sqrt(a: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract).
+        unsafe { _mm512_sqrt_ps(a) }
     }
     #[inline(always)]
     unsafe fn recip(x: __m512) -> __m512 {

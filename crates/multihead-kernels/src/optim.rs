@@ -1,0 +1,356 @@
+//! AdamW's update of one parameter in one pass over its four arrays (parameter, gradient,
+//! first and second moment), with the operations and roundings of PyTorch's
+//! `torch.optim.AdamW` (its single-tensor path, the one it takes for CPU tensors), over f32
+//! slices with the run-time AVX-512 / AVX2 / scalar dispatch of
+//! [`attention`](crate::attention) and rayon over blocks; f64 slices in plain loops; and the
+//! five passes PyTorch makes as the reference twin ([`reference`](mod@reference)).
+//!
+//! Per element, for step `t` (PyTorch's order, each line one of its in-place operations):
+//!
+//! ```text
+//! p = p · (1 − lr·weight_decay)                    param.mul_
+//! m = m + (1 − β₁)·(g − m)                          exp_avg.lerp_ (fused multiply-add)
+//! v = v·β₂ + ((1 − β₂)·g)·g                         exp_avg_sq.mul_(β₂).addcmul_ (fused)
+//! d = √v / √(1 − β₂ᵗ) + eps                         denom
+//! p = p + ((−lr / (1 − β₁ᵗ))·m) / d                 param.addcdiv_
+//! ```
+//!
+//! The scalars are computed in f64 (Python's floats) and rounded to the parameter's dtype, as
+//! PyTorch rounds a Python scalar for a float tensor's kernel. Every operation is an IEEE one
+//! (the multiply-adds fused at every SIMD level), so the bits do not depend on the level or the
+//! thread count. PyTorch's CPU build takes its f32 square root from MKL, which is not always
+//! correctly rounded (one ulp off for about one element in six), so the two agree to an ulp or
+//! so per step, not bit for bit.
+//!
+//! ```
+//! use multihead_kernels::optim::{adamw, AdamWStep};
+//! let (mut p, g, mut m, mut v) = (vec![1.0f32; 3], vec![0.5f32; 3], vec![0.0f32; 3], vec![0.0f32; 3]);
+//! let step = AdamWStep::new(1e-3, (0.9, 0.999), 1e-8, 0.01, 1)?;
+//! adamw(&mut p, &g, &mut m, &mut v, &step)?;
+//! // The first step moves each weight by about lr against its gradient's sign.
+//! assert!((p[0] - (1.0 - 1e-5 - 1e-3)).abs() < 1e-6);
+//! # Ok::<(), multihead_kernels::attention::KernelError>(())
+//! ```
+
+use crate::attention::exec::{par_run, ConstPtr, SyncPtr, Task};
+use crate::attention::simd::Simd;
+use crate::attention::{simd_level, KernelError};
+
+/// Elements per task.
+const BLOCK: usize = 1 << 14;
+
+/// One step's scalars, as PyTorch's `_single_tensor_adam` computes them from Python floats.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    /// `1 − lr·weight_decay`, the decoupled weight decay's factor.
+    pub decay: f64,
+    /// `1 − β₁`, the first moment's interpolation weight.
+    pub one_minus_beta1: f64,
+    /// `β₂`.
+    pub beta2: f64,
+    /// `1 − β₂`.
+    pub one_minus_beta2: f64,
+    /// `√(1 − β₂ᵗ)`.
+    pub bias_correction2_sqrt: f64,
+    /// `eps`.
+    pub eps: f64,
+    /// `−lr / (1 − β₁ᵗ)`.
+    pub neg_step_size: f64,
+}
+
+impl AdamWStep {
+    /// The scalars of step `step` (counted from 1) for learning rate `lr`, `betas = (β₁, β₂)`,
+    /// `eps` and `weight_decay`, checked as PyTorch's `AdamW` checks them (`0 <= lr`,
+    /// `0 <= eps`, `0 <= β < 1`, `0 <= weight_decay`, all finite).
+    pub fn new(
+        lr: f64,
+        (beta1, beta2): (f64, f64),
+        eps: f64,
+        weight_decay: f64,
+        step: u64,
+    ) -> Result<Self, KernelError> {
+        let bad = |name: &'static str, msg: String| Err(KernelError::InvalidArgument { name, msg });
+        for (name, x) in [("lr", lr), ("eps", eps), ("weight_decay", weight_decay)] {
+            if !(x.is_finite() && x >= 0.0) {
+                return bad(name, format!("must be finite and at least 0, got {x}"));
+            }
+        }
+        for (name, b) in [("beta1", beta1), ("beta2", beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return bad(name, format!("must be in [0, 1), got {b}"));
+            }
+        }
+        if step == 0 {
+            return bad("step", "steps count from 1".to_string());
+        }
+        // Python's `beta ** step` with an integral float step.
+        let t = step as f64;
+        let bias_correction1 = 1.0 - beta1.powf(t);
+        let bias_correction2 = 1.0 - beta2.powf(t);
+        Ok(Self {
+            decay: 1.0 - lr * weight_decay,
+            one_minus_beta1: 1.0 - beta1,
+            beta2,
+            one_minus_beta2: 1.0 - beta2,
+            bias_correction2_sqrt: bias_correction2.sqrt(),
+            eps,
+            neg_step_size: -(lr / bias_correction1),
+        })
+    }
+}
+
+/// The scalars rounded to f32, as PyTorch hands them to an f32 tensor's kernels.
+#[derive(Clone, Copy)]
+struct Scalars32 {
+    decay: f32,
+    /// The lerp's coefficient: `w` when `|w| < 0.5`, else `w − 1` (computed in f32).
+    lerp_coeff: f32,
+    /// Whether the lerp starts from `m` (small weight) or from `g`.
+    lerp_small: bool,
+    beta2: f32,
+    one_minus_beta2: f32,
+    bias_correction2_sqrt: f32,
+    eps: f32,
+    neg_step_size: f32,
+}
+
+impl Scalars32 {
+    fn new(s: &AdamWStep) -> Self {
+        let w = s.one_minus_beta1 as f32;
+        let lerp_small = w.abs() < 0.5;
+        Self {
+            decay: s.decay as f32,
+            lerp_coeff: if lerp_small { w } else { w - 1.0 },
+            lerp_small,
+            beta2: s.beta2 as f32,
+            one_minus_beta2: s.one_minus_beta2 as f32,
+            bias_correction2_sqrt: s.bias_correction2_sqrt as f32,
+            eps: s.eps as f32,
+            neg_step_size: s.neg_step_size as f32,
+        }
+    }
+}
+
+/// Checks that the four arrays have one length.
+fn check_lengths(p: usize, g: usize, m: usize, v: usize) -> Result<(), KernelError> {
+    if g == p && m == p && v == p {
+        return Ok(());
+    }
+    Err(KernelError::InvalidArgument {
+        name: "grad",
+        msg: format!(
+            "the parameter has {p} elements but its gradient {g}, first moment {m} and second \
+             moment {v}; pass arrays of one length"
+        ),
+    })
+}
+
+struct AdamWTask {
+    p: SyncPtr<f32>,
+    g: ConstPtr<f32>,
+    m: SyncPtr<f32>,
+    v: SyncPtr<f32>,
+    len: usize,
+    s: Scalars32,
+}
+
+impl Task for AdamWTask {
+    fn count(&self) -> usize {
+        self.len.div_ceil(BLOCK)
+    }
+    fn scratch_len(&self, _lanes: usize) -> usize {
+        0
+    }
+    fn work(&self) -> usize {
+        // About ten operations an element, a divide and a square root among them.
+        self.len.saturating_mul(10)
+    }
+    unsafe fn run<S: Simd>(&self, t: usize, _buf: &mut [f32]) {
+        let start = t * BLOCK;
+        let end = self.len.min(start + BLOCK);
+        let s = &self.s;
+        // SAFETY: the four arrays hold `len` elements (checked by `adamw`); this task reads
+        // and writes `start..end` only, which no other task touches; `S` is available.
+        unsafe {
+            let c = |x: f32| S::splat(x);
+            let mut i = start;
+            while i < end {
+                let n = (end - i).min(S::LANES);
+                let mask = if n == S::LANES { S::full_mask() } else { S::tail_mask(n) };
+                let (pp, gp, mp, vp) =
+                    (self.p.0.add(i), self.g.0.add(i), self.m.0.add(i), self.v.0.add(i));
+                let g = S::load_m(gp, mask);
+                let m = S::load_m(mp, mask);
+                let v = S::load_m(vp, mask);
+                let p = S::mul(S::load_m(pp, mask), c(s.decay));
+                let diff = S::sub(g, m);
+                let base = if s.lerp_small { m } else { g };
+                let m = S::fma_fused(c(s.lerp_coeff), diff, base);
+                let v = S::fma_fused(S::mul(c(s.one_minus_beta2), g), g, S::mul(v, c(s.beta2)));
+                let d = S::add(S::div(S::sqrt(v), c(s.bias_correction2_sqrt)), c(s.eps));
+                let p = S::add(p, S::div(S::mul(c(s.neg_step_size), m), d));
+                S::store_m(pp, p, mask);
+                S::store_m(mp, m, mask);
+                S::store_m(vp, v, mask);
+                i += n;
+            }
+        }
+    }
+}
+
+/// One AdamW step of an f32 parameter `p` with gradient `g`, updating `p` and its moments `m`
+/// and `v` in place (see the module's formulas).
+pub fn adamw(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    step: &AdamWStep,
+) -> Result<(), KernelError> {
+    check_lengths(p.len(), g.len(), m.len(), v.len())?;
+    let task = AdamWTask {
+        p: SyncPtr(p.as_mut_ptr()),
+        g: ConstPtr(g.as_ptr()),
+        m: SyncPtr(m.as_mut_ptr()),
+        v: SyncPtr(v.as_mut_ptr()),
+        len: p.len(),
+        s: Scalars32::new(step),
+    };
+    par_run(simd_level(), &task);
+    Ok(())
+}
+
+/// [`adamw`] for an f64 parameter: the same operations in f64 (PyTorch's double kernels).
+pub fn adamw_f64(
+    p: &mut [f64],
+    g: &[f64],
+    m: &mut [f64],
+    v: &mut [f64],
+    s: &AdamWStep,
+) -> Result<(), KernelError> {
+    check_lengths(p.len(), g.len(), m.len(), v.len())?;
+    let w = s.one_minus_beta1;
+    let (coeff, small) = if w.abs() < 0.5 { (w, true) } else { (w - 1.0, false) };
+    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let base = if small { *m } else { g };
+        *p *= s.decay;
+        *m = coeff.mul_add(g - *m, base);
+        *v = (s.one_minus_beta2 * g).mul_add(g, *v * s.beta2);
+        let d = v.sqrt() / s.bias_correction2_sqrt + s.eps;
+        *p += (s.neg_step_size * *m) / d;
+    }
+    Ok(())
+}
+
+/// The reference twin: PyTorch's five in-place operations as five passes over f32 arrays,
+/// element by element in plain scalar code.
+pub mod reference {
+    use super::{check_lengths, AdamWStep, KernelError, Scalars32};
+
+    /// [`adamw`](super::adamw), pass by pass.
+    pub fn adamw(
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        step: &AdamWStep,
+    ) -> Result<(), KernelError> {
+        check_lengths(p.len(), g.len(), m.len(), v.len())?;
+        let s = Scalars32::new(step);
+        // param.mul_(1 - lr * weight_decay)
+        p.iter_mut().for_each(|p| *p *= s.decay);
+        // exp_avg.lerp_(grad, 1 - beta1): ATen's lerp, a fused multiply-add from `m` (small
+        // weight) or from `g`.
+        for (m, &g) in m.iter_mut().zip(g) {
+            let base = if s.lerp_small { *m } else { g };
+            *m = s.lerp_coeff.mul_add(g - *m, base);
+        }
+        // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        v.iter_mut().for_each(|v| *v *= s.beta2);
+        for (v, &g) in v.iter_mut().zip(g) {
+            *v = (s.one_minus_beta2 * g).mul_add(g, *v);
+        }
+        // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        let d: Vec<f32> = v.iter().map(|v| v.sqrt() / s.bias_correction2_sqrt + s.eps).collect();
+        // param.addcdiv_(exp_avg, denom, value=-step_size)
+        for ((p, &m), d) in p.iter_mut().zip(m.iter()).zip(d) {
+            *p += (s.neg_step_size * m) / d;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::with_simd_level;
+    use crate::testutil::levels;
+
+    fn arrays(n: usize, seed: u32) -> [Vec<f32>; 4] {
+        let mut x = seed.wrapping_mul(2_654_435_761).max(1);
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x as f32 / u32::MAX as f32) * 2.0 - 1.0
+        };
+        let p: Vec<f32> = (0..n).map(|_| next()).collect();
+        let g: Vec<f32> = (0..n).map(|_| next() * 3.0).collect();
+        let m: Vec<f32> = (0..n).map(|_| next() * 0.1).collect();
+        let v: Vec<f32> = (0..n).map(|_| next().abs() * 0.01).collect();
+        [p, g, m, v]
+    }
+
+    #[test]
+    fn every_level_gives_the_bits_of_the_five_passes() {
+        for n in [0, 1, 7, 16, 17, 33, BLOCK + 5, 3 * BLOCK] {
+            for (step, betas, wd) in [(1, (0.9, 0.999), 0.01), (7, (0.6, 0.95), 0.0)] {
+                let s = AdamWStep::new(3e-3, betas, 1e-8, wd, step).expect("valid");
+                let [p0, g, m0, v0] = arrays(n, n as u32 + step as u32);
+                let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+                reference::adamw(&mut p, &g, &mut m, &mut v, &s).expect("lengths");
+                for level in levels() {
+                    let (mut q, mut mq, mut vq) = (p0.clone(), m0.clone(), v0.clone());
+                    with_simd_level(level, || adamw(&mut q, &g, &mut mq, &mut vq, &s))
+                        .expect("lengths");
+                    let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&q), bits(&p), "p, n {n}, step {step}, {level:?}");
+                    assert_eq!(bits(&mq), bits(&m), "m, n {n}, step {step}, {level:?}");
+                    assert_eq!(bits(&vq), bits(&v), "v, n {n}, step {step}, {level:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn f32_and_f64_agree_with_the_formula_in_f64() {
+        let s = AdamWStep::new(1e-2, (0.9, 0.999), 1e-8, 0.1, 3).expect("valid");
+        let [p0, g, m0, v0] = arrays(100, 9);
+        let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+        adamw(&mut p, &g, &mut m, &mut v, &s).expect("lengths");
+        let wide = |x: &[f32]| x.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+        let (mut pd, gd, mut md, mut vd) = (wide(&p0), wide(&g), wide(&m0), wide(&v0));
+        adamw_f64(&mut pd, &gd, &mut md, &mut vd, &s).expect("lengths");
+        for i in 0..100 {
+            // The textbook update, in f64.
+            let mm = 0.9 * f64::from(m0[i]) + 0.1 * gd[i];
+            let vv = 0.999 * f64::from(v0[i]) + 0.001 * gd[i] * gd[i];
+            let (mh, vh) = (mm / (1.0 - 0.9f64.powi(3)), vv / (1.0 - 0.999f64.powi(3)));
+            let want = f64::from(p0[i]) * (1.0 - 1e-3) - 1e-2 * mh / (vh.sqrt() + 1e-8);
+            assert!((pd[i] - want).abs() < 1e-12, "f64 {i}: {} vs {want}", pd[i]);
+            assert!((f64::from(p[i]) - want).abs() < 1e-6, "f32 {i}: {} vs {want}", p[i]);
+        }
+    }
+
+    #[test]
+    fn bad_arguments_are_errors() {
+        assert!(AdamWStep::new(-1.0, (0.9, 0.999), 1e-8, 0.0, 1).is_err());
+        assert!(AdamWStep::new(1e-3, (1.0, 0.999), 1e-8, 0.0, 1).is_err());
+        assert!(AdamWStep::new(1e-3, (0.9, f64::NAN), 1e-8, 0.0, 1).is_err());
+        assert!(AdamWStep::new(1e-3, (0.9, 0.999), 1e-8, 0.0, 0).is_err());
+        let s = AdamWStep::new(1e-3, (0.9, 0.999), 1e-8, 0.0, 1).expect("valid");
+        let (mut p, mut m, mut v) = (vec![0.0f32; 3], vec![0.0f32; 3], vec![0.0f32; 2]);
+        let err = adamw(&mut p, &[0.0; 3], &mut m, &mut v, &s).expect_err("short v");
+        assert!(err.to_string().contains("second moment 2"), "{err}");
+    }
+}
