@@ -13,6 +13,7 @@
 //!   complete a model.
 //! * [`no_grad`] is PyTorch's `torch.no_grad()`; [`Backend`] and `explain` choose and report the
 //!   path a call takes (the fused CPU kernels or the composed candle reference), see [`mode`].
+//! * [`optim::AdamW`] is `torch.optim.AdamW` as a candle optimiser, one pass per parameter.
 //! * [`memory::ReuseLarge`] is a global-allocator wrapper that keeps large freed blocks for reuse.
 //! * [`cast`] is `Tensor::to_dtype` with a fast bf16 <-> f32 path on the CPU (PyTorch's `t.to(dtype)`).
 //! * Incremental decoding: [`KvCache`] with [`MultiheadAttention::forward_cached`], cross-attention
@@ -79,6 +80,7 @@ pub mod mask;
 pub mod memory;
 pub mod mode;
 pub mod multihead_attention;
+pub mod optim;
 mod pool;
 mod precision;
 mod products;

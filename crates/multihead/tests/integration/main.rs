@@ -20,6 +20,7 @@ mod golden;
 mod hardening;
 mod mask_dtypes;
 mod mha_learned_mask;
+mod optim;
 mod pool;
 mod properties;
 mod state_dict;
