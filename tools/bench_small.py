@@ -11,8 +11,8 @@ Cases (2 threads unless ``--threads``):
   batch 64 under ``torch.no_grad()``, against the Rust port ``examples/port_vit.rs`` (its
   ``TransformerEncoderLayer`` variant and its hand-written block; ``PORT_VIT_ITERS`` forwards,
   fastest); and its training step at batch 64 (forward, ``F.cross_entropy``, backward and a
-  ``torch.optim.AdamW`` step, default settings but lr 1e-3) against the port's (candle's
-  ``AdamW``, the step inside ``multihead::on_pool``);
+  ``torch.optim.AdamW`` step, default settings but lr 1e-3) against the port's
+  (``multihead::optim::AdamW``, the step inside ``multihead::on_pool``);
 * ``nn.MultiheadAttention(64, 4, batch_first=True)`` eval forward and
   ``nn.TransformerEncoderLayer(64, 4, 128, gelu, norm_first=True, eps=1e-6)`` eval forward at
   (B, L) = (64, 17) and (1, 17), and that layer's training step (forward and backward) at

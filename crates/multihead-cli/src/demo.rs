@@ -6,7 +6,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor, D};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use multihead::optim::AdamW;
 use multihead::transformer::{LayerConfig, TransformerEncoder};
 use multihead::MhaOptions;
 

@@ -24,7 +24,8 @@ use std::error::Error;
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor, D};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder};
+use candle_nn::{Optimizer, ParamsAdamW, VarBuilder};
+use multihead::optim::AdamW;
 use multihead::state_dict::{
     load_safetensors, load_strict_file, prefixed, save_safetensors, save_state_dict,
 };

@@ -23,7 +23,7 @@
 //!   parameter looked up by its PyTorch key** in the `VarMap` the load returned;
 //! - **saving what was loaded** with `save_loaded` / `save_loaded_with`, which refuse a
 //!   `NamedParameters` that forgot a parameter;
-//! - **a training step** with candle's `AdamW` over the `VarMap` the load returned, the whole
+//! - **a training step** with `multihead::optim::AdamW` (PyTorch's AdamW) over the `VarMap` the load returned, the whole
 //!   step (forward, loss, backward, update) inside one `multihead::on_pool`, timed and checked
 //!   to lower the loss.
 //!
@@ -35,8 +35,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var, D};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder};
+use candle_nn::{Optimizer, ParamsAdamW, VarBuilder};
 use multihead::functional::add;
+use multihead::optim::AdamW;
 use multihead::state_dict::{load_safetensors, load_strict, prefixed, KeyMap};
 use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
 use multihead::{
