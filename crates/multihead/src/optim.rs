@@ -36,7 +36,7 @@ const OP: &str = "AdamW";
 /// * Any parameter shape; its gradient has the same shape and dtype.
 ///
 /// # Errors
-/// [`Optimizer::new`] refuses a variable of another float dtype (bf16, f16: keep f32 master
+/// [`Optimizer::new`] refuses a variable passed twice, a variable of another float dtype (bf16, f16: keep f32 master
 /// weights, as mixed-precision training does), on another device, or not contiguous, and
 /// parameters out of PyTorch's ranges; [`Optimizer::step`] refuses a gradient whose shape or
 /// dtype is not its parameter's, and a learning rate set out of range. The errors are
@@ -171,6 +171,15 @@ impl Optimizer for AdamW {
     /// `candle_nn::AdamW` leaves them), with zeroed moments.
     fn new(vars: Vec<Var>, params: ParamsAdamW) -> candle_core::Result<Self> {
         step_of(&params, 1)?;
+        let mut seen = std::collections::HashSet::new();
+        if let Some(v) = vars.iter().find(|v| !seen.insert(v.as_tensor().id())) {
+            // Two states for one parameter would update it twice a step.
+            let msg = format!(
+                "a variable of shape {} appears twice; pass each parameter once (a VarMap's all_vars does)",
+                fmt_shape(v.dims())
+            );
+            return Err(config("vars", msg));
+        }
         let vars = vars
             .into_iter()
             .filter(|v| v.dtype().is_float())

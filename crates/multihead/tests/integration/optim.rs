@@ -112,6 +112,10 @@ fn adamw_refuses_what_it_cannot_update() {
     let err = AdamW::new(vec![bf16], ParamsAdamW::default()).unwrap_err().to_string();
     assert!(err.contains("AdamW: vars:") && err.contains("BF16") && err.contains("f32"), "{err}");
 
+    let w = Var::zeros(3, DType::F32, &dev).unwrap();
+    let err = AdamW::new(vec![w.clone(), w], ParamsAdamW::default()).unwrap_err().to_string();
+    assert!(err.contains("appears twice") && err.contains("(3,)"), "{err}");
+
     let bad = ParamsAdamW { beta1: 1.0, ..Default::default() };
     let err = AdamW::new(vec![], bad).unwrap_err().to_string();
     assert!(err.contains("beta1") && err.contains("[0, 1)"), "{err}");
