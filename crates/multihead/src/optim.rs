@@ -128,8 +128,8 @@ impl VarState {
         Ok(Self { var, moments, step: 0 })
     }
 
-    /// One step with gradient `g`.
-    fn update(&mut self, g: &Tensor, params: &ParamsAdamW) -> candle_core::Result<()> {
+    /// Checks gradient `g` against the parameter and returns the step's scalars.
+    fn check(&self, g: &Tensor, params: &ParamsAdamW) -> candle_core::Result<AdamWStep> {
         let t = self.var.as_tensor();
         if g.dims() != t.dims() || g.dtype() != t.dtype() {
             let msg = format!(
@@ -141,20 +141,25 @@ impl VarState {
             );
             return Err(config("grads", msg));
         }
-        let s = step_of(params, self.step + 1)?;
+        step_of(params, self.step + 1)
+    }
+
+    /// One step with the checked gradient `g` and scalars `s`.
+    fn update(&mut self, g: &Tensor, s: &AdamWStep) -> candle_core::Result<()> {
+        let t = self.var.as_tensor();
         let (shape, dev) = (t.shape().clone(), t.device().clone());
         let g = g.flatten_all()?;
         let next = match &mut self.moments {
             Moments::F32(m, v) => {
                 let mut p = t.flatten_all()?.to_vec1::<f32>()?;
                 let g = g.to_vec1::<f32>()?;
-                adamw(&mut p, &g, m, v, &s).map_err(|e| config("grads", e.to_string()))?;
+                adamw(&mut p, &g, m, v, s).map_err(|e| config("grads", e.to_string()))?;
                 Tensor::from_vec(p, shape, &dev)?
             }
             Moments::F64(m, v) => {
                 let mut p = t.flatten_all()?.to_vec1::<f64>()?;
                 let g = g.to_vec1::<f64>()?;
-                adamw_f64(&mut p, &g, m, v, &s).map_err(|e| config("grads", e.to_string()))?;
+                adamw_f64(&mut p, &g, m, v, s).map_err(|e| config("grads", e.to_string()))?;
                 Tensor::from_vec(p, shape, &dev)?
             }
         };
@@ -189,11 +194,17 @@ impl Optimizer for AdamW {
     }
 
     // Mirrors torch.optim.AdamW.step (foreach=False, the path PyTorch takes for CPU tensors).
+    // Every gradient is checked before any parameter is written, so a refused step changes
+    // nothing.
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
-        for state in &mut self.vars {
+        let mut planned = Vec::with_capacity(self.vars.len());
+        for (i, state) in self.vars.iter().enumerate() {
             if let Some(g) = grads.get(state.var.as_tensor()) {
-                state.update(g, &self.params)?;
+                planned.push((i, g, state.check(g, &self.params)?));
             }
+        }
+        for (i, g, s) in planned {
+            self.vars[i].update(g, &s)?;
         }
         Ok(())
     }

@@ -120,9 +120,12 @@ fn adamw_refuses_what_it_cannot_update() {
     let err = AdamW::new(vec![], bad).unwrap_err().to_string();
     assert!(err.contains("beta1") && err.contains("[0, 1)"), "{err}");
 
+    // A good gradient for `u` and a wrong one for `w`: the step is refused as a whole.
+    let u = Var::zeros(4, DType::F32, &dev).unwrap();
     let w = Var::zeros((2, 3), DType::F32, &dev).unwrap();
-    let mut opt = AdamW::new(vec![w.clone()], ParamsAdamW::default()).unwrap();
+    let mut opt = AdamW::new(vec![u.clone(), w.clone()], ParamsAdamW::default()).unwrap();
     let mut grads = empty_grads();
+    grads.insert(u.as_tensor(), Tensor::ones(4, DType::F32, &dev).unwrap());
     grads.insert(w.as_tensor(), Tensor::zeros(6, DType::F32, &dev).unwrap());
     let err = opt.step(&grads).unwrap_err().to_string();
     assert!(
@@ -136,5 +139,6 @@ fn adamw_refuses_what_it_cannot_update() {
     let err = opt.step(&grads).unwrap_err().to_string();
     assert!(err.contains("lr"), "{err}");
     // Nothing was written by the refused steps.
+    assert_eq!(u.as_tensor().to_vec1::<f32>().unwrap(), vec![0.0; 4]);
     assert_eq!(w.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![0.0; 6]);
 }
