@@ -165,6 +165,7 @@ impl Task for AdamWTask {
         // About ten operations an element, a divide and a square root among them.
         self.len.saturating_mul(10)
     }
+    #[inline(always)]
     unsafe fn run<S: Simd>(&self, t: usize, _buf: &mut [f32]) {
         let start = t * BLOCK;
         let end = self.len.min(start + BLOCK);
