@@ -150,7 +150,19 @@ impl VarState {
     fn update(&mut self, g: &Tensor, s: &AdamWStep) -> candle_core::Result<()> {
         let g = g.contiguous()?;
         let op = InPlace { moments: std::cell::RefCell::new(&mut self.moments), step: *s };
-        self.var.as_tensor().inplace_op2(&g, &op)?;
+        self.var.as_tensor().inplace_op2(&g, &op).map_err(|e| match e {
+            // Ours, from `cpu_fwd`.
+            e @ candle_core::Error::Wrapped(_) => e,
+            // candle's own refusal (a gradient sharing its parameter's storage), without the
+            // backtrace candle attaches.
+            e => match Error::from(e) {
+                Error::Candle(c) => config(
+                    "grads",
+                    format!("the in-place update was refused ({c}); pass a gradient that is not a view of its parameter"),
+                ),
+                other => other.into(),
+            },
+        })?;
         self.step += 1;
         Ok(())
     }

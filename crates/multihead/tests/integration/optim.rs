@@ -133,6 +133,12 @@ fn adamw_refuses_what_it_cannot_update() {
         "{err}"
     );
 
+    // A gradient that is its parameter: candle refuses the in-place update.
+    let mut grads = empty_grads();
+    grads.insert(w.as_tensor(), w.as_tensor().clone());
+    let err = opt.step(&grads).unwrap_err().to_string();
+    assert!(err.starts_with("AdamW: grads: the in-place update was refused"), "{err}");
+
     opt.set_learning_rate(f64::NAN);
     let mut grads = empty_grads();
     grads.insert(w.as_tensor(), Tensor::zeros((2, 3), DType::F32, &dev).unwrap());
