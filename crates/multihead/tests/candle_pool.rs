@@ -12,37 +12,18 @@ use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 
+#[path = "integration/common.rs"]
+mod common;
+
 /// The tests below read the CPU time of candle's pool: one at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// Elements of the tensors added: above candle's 64 Ki threshold for going parallel.
 const N: usize = 1 << 20;
 
-/// CPU time in nanoseconds that candle's barrier pool threads (`candle-bp-*`) have used so far,
-/// from `/proc/self/task/*/schedstat` (or from `stat`'s clock ticks where that file is absent).
+/// CPU time in nanoseconds that candle's barrier pool threads (`candle-bp-*`) have used so far.
 fn barrier_pool_cpu_ns() -> u64 {
-    let mut ns = 0;
-    let mut threads = 0;
-    for task in std::fs::read_dir("/proc/self/task").unwrap() {
-        let dir = task.unwrap().path();
-        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-        if !comm.starts_with("candle-bp-") {
-            continue;
-        }
-        threads += 1;
-        ns += match std::fs::read_to_string(dir.join("schedstat")) {
-            Ok(s) => s.split_whitespace().next().unwrap().parse::<u64>().unwrap(),
-            Err(_) => {
-                let stat = std::fs::read_to_string(dir.join("stat")).unwrap();
-                let rest = &stat[stat.rfind(')').unwrap() + 1..];
-                let f: Vec<&str> = rest.split_whitespace().collect();
-                let ticks = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
-                // SAFETY: sysconf reads a configuration value; it touches no memory of ours.
-                let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-                ticks * 1_000_000_000 / hz
-            }
-        };
-    }
+    let (ns, threads) = common::threads_cpu_ns("candle-bp-");
     assert!(threads > 0 || std::thread::available_parallelism().map_or(1, |n| n.get()) == 1);
     ns
 }

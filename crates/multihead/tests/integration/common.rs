@@ -77,3 +77,37 @@ pub fn bits(t: &Tensor) -> Vec<u32> {
     let t = t.to_dtype(DType::F32).expect("widen").flatten_all().expect("flatten");
     t.to_vec1::<f32>().expect("values").iter().map(|v| v.to_bits()).collect()
 }
+
+/// CPU time in nanoseconds that this process's threads whose name starts with `prefix` have
+/// used so far, from `/proc/self/task/*/schedstat` (or from `stat`'s clock ticks where that
+/// file is absent), and how many such threads there are.
+#[cfg(target_os = "linux")]
+pub fn threads_cpu_ns(prefix: &str) -> (u64, usize) {
+    let (mut ns, mut threads) = (0, 0);
+    for task in std::fs::read_dir("/proc/self/task").expect("/proc/self/task") {
+        let dir = task.expect("a task").path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if !comm.starts_with(prefix) {
+            continue;
+        }
+        threads += 1;
+        ns += match std::fs::read_to_string(dir.join("schedstat")) {
+            Ok(s) => {
+                s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).expect("schedstat")
+            }
+            Err(_) => {
+                let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
+                // After the name's closing parenthesis: state, then fields 4..; utime and stime
+                // are fields 14 and 15.
+                let rest = &stat[stat.rfind(')').map_or(0, |i| i + 1)..];
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                let ticks: u64 =
+                    f[11].parse::<u64>().expect("utime") + f[12].parse::<u64>().expect("stime");
+                // SAFETY: sysconf reads a configuration value; it touches no memory of ours.
+                let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+                ticks * 1_000_000_000 / hz
+            }
+        };
+    }
+    (ns, threads)
+}

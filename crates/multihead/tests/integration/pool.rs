@@ -425,26 +425,6 @@ fn small_calls_run_on_their_caller_without_rayons_pool() {
     assert!(waited.is_empty(), "these small calls waited for rayon's pool: {waited:?}");
 }
 
-/// CPU time (in clock ticks) the threads of this crate's pool (`multihead-*`) have used so far.
-#[cfg(target_os = "linux")]
-fn pool_cpu_ticks() -> u64 {
-    let mut ticks = 0;
-    for task in std::fs::read_dir("/proc/self/task").unwrap() {
-        let dir = task.unwrap().path();
-        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-        if !comm.starts_with("multihead-") {
-            continue;
-        }
-        let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
-        // After the name's closing parenthesis: state, then fields 4.. ; utime and stime are
-        // fields 14 and 15.
-        let rest = &stat[stat.rfind(')').map_or(0, |i| i + 1)..];
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        ticks += fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
-    }
-    ticks
-}
-
 /// The pool's other threads wait for a call's tasks awake (looking for them between its
 /// parallel operations), but only for a millisecond without one: a call that pauses for 400 ms
 /// after its tasks leaves them napping, not looking (which would take about 400 ms of CPU
@@ -457,13 +437,11 @@ fn a_pausing_call_does_not_keep_the_pools_threads_spinning() {
         // Tasks first: the other threads are awake and looking for more when the pause starts.
         let s: f64 = (0..1 << 18).into_par_iter().map(|i| (i as f64).sqrt()).sum();
         assert!(s > 0.0);
-        let before = pool_cpu_ticks();
+        let before = crate::common::threads_cpu_ns("multihead-").0;
         std::thread::sleep(std::time::Duration::from_millis(400));
-        pool_cpu_ticks() - before
+        crate::common::threads_cpu_ns("multihead-").0 - before
     });
-    // SAFETY: sysconf reads a configuration value; it touches no memory of ours.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    let ms = used * 1000 / hz;
+    let ms = used / 1_000_000;
     assert!(ms < 100, "the pool's threads used {ms} ms of CPU during a 400 ms pause");
 }
 
