@@ -148,3 +148,33 @@ fn adamw_refuses_what_it_cannot_update() {
     assert_eq!(u.as_tensor().to_vec1::<f32>().unwrap(), vec![0.0; 4]);
     assert_eq!(w.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![0.0; 6]);
 }
+
+/// A gradient given as a strided or broadcast view updates its parameter as its contiguous
+/// copy does; a NaN in a gradient reaches that element only (PyTorch's arithmetic: the update
+/// is element-wise).
+#[test]
+fn adamw_takes_views_and_keeps_nan_to_its_element() {
+    let dev = Device::Cpu;
+    let init = Tensor::new(&[[1.0f32, -2.0, 3.0], [0.5, 0.25, -4.0]], &dev).unwrap();
+    let run = |g: &Tensor| {
+        let w = Var::from_tensor(&init).unwrap();
+        let mut opt = AdamW::new(vec![w.clone()], ParamsAdamW::default()).unwrap();
+        let mut grads = empty_grads();
+        grads.insert(w.as_tensor(), g.clone());
+        opt.step(&grads).unwrap();
+        w.as_tensor().to_vec2::<f32>().unwrap()
+    };
+    // Strided: the transpose of a (3, 2) tensor.
+    let t = Tensor::new(&[[0.1f32, -0.4], [0.2, 0.5], [-0.3, 0.6]], &dev).unwrap().t().unwrap();
+    assert!(!t.is_contiguous());
+    assert_eq!(run(&t), run(&t.contiguous().unwrap()));
+    // Broadcast: one row seen twice (stride 0).
+    let b = Tensor::new(&[[0.7f32, -0.1, 0.2]], &dev).unwrap().broadcast_as((2, 3)).unwrap();
+    assert_eq!(run(&b), run(&b.contiguous().unwrap()));
+    assert_ne!(run(&b), init.to_vec2::<f32>().unwrap(), "the step moved nothing");
+
+    let nan = Tensor::new(&[[f32::NAN, 1.0, 1.0], [1.0, 1.0, 1.0]], &dev).unwrap();
+    let got = run(&nan);
+    assert!(got[0][0].is_nan());
+    assert!(got.iter().flatten().skip(1).all(|x| x.is_finite()), "{got:?}");
+}
