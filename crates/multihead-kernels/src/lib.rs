@@ -26,6 +26,7 @@ pub mod activation;
 pub(crate) mod aligned;
 pub mod attention;
 pub mod bf16gemm;
+pub mod clip;
 pub mod convert;
 pub mod decode;
 pub mod dropout;
@@ -37,6 +38,7 @@ pub mod norm;
 pub mod optim;
 pub mod reduce;
 pub mod sum;
+pub mod vector_norm;
 
 /// Helpers shared by the kernel tests.
 #[cfg(test)]
