@@ -1,16 +1,4 @@
-//! PyTorch's `torch.optim.AdamW` as a candle [`Optimizer`]: one pass over each parameter per
-//! step, in place of candle's dozen tensor operations.
-//!
-//! `candle_nn::AdamW` updates a parameter with about fifteen tensor operations, each a fresh
-//! allocation and a pass over memory; on a small model, whose parameters are many and small,
-//! that dispatch is a third of a training step (the small ViT of `examples/port_vit.rs` at batch
-//! 64: 1.6 of 4.9 ms), and on a large one its passes are (a 22M-parameter step: 70 ms, against
-//! 12 here). [`AdamW`] takes the same [`ParamsAdamW`], updates each parameter and its two
-//! moments in place in one pass (`multihead_kernels::optim::adamw`), and computes what
-//! `torch.optim.AdamW` computes: PyTorch's order of operations and roundings, its per-parameter
-//! step count, its parameter checks. (`candle_nn::AdamW` scales the moments before the square
-//! root and counts steps once for all parameters, so its numbers differ from PyTorch's in the
-//! last bits, and for a parameter that skipped a step by more.)
+//! [`AdamW`]: `torch.optim.AdamW` in one pass per parameter.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};

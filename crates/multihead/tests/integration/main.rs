@@ -8,6 +8,7 @@ mod backward_store;
 mod behaviour;
 mod bf16_products;
 mod cast;
+mod clip;
 mod common;
 mod cos_init;
 mod decode;

@@ -1,0 +1,242 @@
+//! `multihead::optim::{ClipGradNorm, clip_grad_value}` against PyTorch's `clip_grad_norm_` and
+//! `clip_grad_value_` (`tools/clip_golden.py`): every norm order, f32, f64, bf16, f16 and mixed
+//! dtypes, a NaN gradient, a parameter without a gradient; and the refusals.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use multihead::optim::{clip_grad_norm, clip_grad_value, ClipGradNorm};
+
+fn golden() -> (HashMap<String, Tensor>, serde_json::Value) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/optim/clip.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let cases = meta.metadata().as_ref().unwrap()["cases"].clone();
+    let tensors = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    (tensors, serde_json::from_str(&cases).unwrap())
+}
+
+/// A gradient store holding no variable's gradient (candle makes them only in a backward).
+fn empty_grads() -> GradStore {
+    Tensor::new(0f32, &Device::Cpu).unwrap().backward().unwrap()
+}
+
+fn dtype(name: &str) -> DType {
+    match name {
+        "f32" => DType::F32,
+        "f64" => DType::F64,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        other => panic!("dtype {other}"),
+    }
+}
+
+/// Relative tolerance per dtype: f32 and f64 sums in another order; bf16 and f16 one step of
+/// their rounding (a norm that rounds the other way near a tie moves every scaled gradient
+/// by one step).
+fn tolerance(d: DType) -> f64 {
+    match d {
+        DType::F64 => 1e-13,
+        DType::F32 => 2e-6,
+        DType::BF16 => 1.0 / 128.0,
+        _ => 1.0 / 1024.0,
+    }
+}
+
+/// Whether `a` and `b` agree within `rel` of `|b|` element by element (NaN with NaN).
+fn close(a: &Tensor, b: &Tensor, rel: f64) -> Result<(), String> {
+    let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    if a.len() != b.len() {
+        return Err(format!("{} elements against {}", a.len(), b.len()));
+    }
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        let same = (x.is_nan() && y.is_nan()) || (x - y).abs() <= rel * y.abs();
+        if !same {
+            return Err(format!("element {i}: {x} against PyTorch's {y} (rel {rel:e})"));
+        }
+    }
+    Ok(())
+}
+
+/// An argument: a JSON number, or a string such as "inf" (JSON has no infinities).
+fn number(v: &serde_json::Value) -> f64 {
+    v.as_f64().unwrap_or_else(|| v.as_str().unwrap().parse().unwrap())
+}
+
+#[test]
+fn clipping_follows_pytorch_for_every_order_and_dtype() {
+    let (t, cases) = golden();
+    let cases = cases.as_object().unwrap();
+    assert_eq!(cases.len(), 17, "the fixture's cases");
+    for (name, case) in cases {
+        let dtypes: Vec<DType> =
+            case["dtypes"].as_array().unwrap().iter().map(|d| dtype(d.as_str().unwrap())).collect();
+        let shapes = case["shapes"].as_array().unwrap();
+        let vars: Vec<Var> = shapes
+            .iter()
+            .zip(&dtypes)
+            .map(|(s, &d)| {
+                let dims: Vec<usize> =
+                    s.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
+                Var::zeros(dims, d, &Device::Cpu).unwrap()
+            })
+            .collect();
+        let mut grads = empty_grads();
+        for (i, v) in vars.iter().enumerate() {
+            if let Some(g) = t.get(&format!("{name}.g{i}")) {
+                grads.insert(v.as_tensor(), g.clone());
+            }
+        }
+        assert!(grads.get(vars[3].as_tensor()).is_none(), "{name}: the fourth has no gradient");
+        let widest = if dtypes.contains(&DType::F64) {
+            DType::F64
+        } else if dtypes.iter().all(|&d| d == dtypes[0]) {
+            dtypes[0]
+        } else {
+            DType::F32
+        };
+        if case["kind"] == "norm" {
+            let clip =
+                ClipGradNorm::new(number(&case["max_norm"])).norm_type(number(&case["norm_type"]));
+            let total = clip.clip(&vars, &mut grads).unwrap();
+            let want = t[&format!("{name}.total")].to_dtype(DType::F64).unwrap();
+            let want = want.to_scalar::<f64>().unwrap();
+            let ok = (total.is_nan() && want.is_nan())
+                || (total - want).abs() <= tolerance(widest) * want.abs();
+            assert!(ok, "{name}: total {total} against PyTorch's {want}");
+        } else {
+            clip_grad_value(&vars, &mut grads, number(&case["clip_value"])).unwrap();
+        }
+        for (i, v) in vars.iter().enumerate().take(3) {
+            let got = grads.get(v.as_tensor()).unwrap();
+            assert_eq!(got.dtype(), dtypes[i], "{name}: gradient {i}'s dtype");
+            // Clamping only selects: PyTorch's bits exactly.
+            let rel = if case["kind"] == "value" { 0.0 } else { tolerance(dtypes[i]) };
+            let want = &t[&format!("{name}.out{i}")];
+            close(got, want, rel).unwrap_or_else(|e| panic!("{name}: gradient {i}: {e}"));
+        }
+    }
+}
+
+#[test]
+fn clipping_by_a_nan_or_infinite_norm() {
+    let (t, _) = golden();
+    let vars: Vec<Var> = [(5usize, 1usize), (17, 3), (37, 11)]
+        .iter()
+        .map(|&(a, b)| {
+            let dims = if b == 1 { vec![a] } else { vec![a, b] };
+            Var::zeros(dims, DType::F32, &Device::Cpu).unwrap()
+        })
+        .collect();
+    let fill = || {
+        let mut grads = empty_grads();
+        for (i, v) in vars.iter().enumerate() {
+            grads.insert(v.as_tensor(), t[&format!("norm2_f32_nan.g{i}")].clone());
+        }
+        grads
+    };
+    // error_if_nonfinite: refused, and nothing changed.
+    let mut grads = fill();
+    let err = ClipGradNorm::new(1.0).error_if_nonfinite(true).clip(&vars, &mut grads).unwrap_err();
+    let err = err.to_string();
+    assert!(err.contains("clip_grad_norm_") && err.contains("non-finite"), "{err}");
+    for (i, v) in vars.iter().enumerate() {
+        let g = grads.get(v.as_tensor()).unwrap();
+        close(g, &t[&format!("norm2_f32_nan.g{i}")], 0.0).unwrap();
+    }
+    // Without it, PyTorch's NaN everywhere (checked against the fixture above); the total is
+    // NaN.
+    let mut grads = fill();
+    assert!(clip_grad_norm(&vars, &mut grads, 1.0).unwrap().is_nan());
+}
+
+#[test]
+fn clipping_refuses_bad_arguments_and_changes_nothing() {
+    let dev = Device::Cpu;
+    let w = Var::zeros(3, DType::F32, &dev).unwrap();
+    let u = Var::zeros((2, 2), DType::F32, &dev).unwrap();
+    let mut grads = empty_grads();
+    grads.insert(w.as_tensor(), Tensor::new(&[3f32, 4.0, 0.0], &dev).unwrap());
+    let vars = [w.clone(), u.clone()];
+
+    let msg = |e: multihead::Error| e.to_string();
+    let e = msg(clip_grad_norm(&vars, &mut grads, -1.0).unwrap_err());
+    assert!(e.contains("clip_grad_norm_: max_norm:") && e.contains("-1"), "{e}");
+    let e = msg(clip_grad_norm(&vars, &mut grads, f64::NAN).unwrap_err());
+    assert!(e.contains("max_norm"), "{e}");
+    let e = msg(ClipGradNorm::new(1.0).norm_type(f64::NAN).clip(&vars, &mut grads).unwrap_err());
+    assert!(e.contains("norm_type") && e.contains("NaN"), "{e}");
+    let e = msg(clip_grad_norm(&[w.clone(), w.clone()], &mut grads, 1.0).unwrap_err());
+    assert!(e.contains("appears twice") && e.contains("(3,)"), "{e}");
+    let e = msg(clip_grad_value(&vars, &mut grads, -0.5).unwrap_err());
+    assert!(e.contains("clip_grad_value_: clip_value:"), "{e}");
+
+    // A wrong gradient for the second variable: refused before the first is scaled.
+    grads.insert(u.as_tensor(), Tensor::zeros(4, DType::F32, &dev).unwrap());
+    let e = msg(clip_grad_norm(&vars, &mut grads, 1.0).unwrap_err());
+    assert!(e.contains("grads") && e.contains("(4,)") && e.contains("(2, 2)"), "{e}");
+    let g = grads.get(w.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(g, [3.0, 4.0, 0.0], "nothing scaled");
+
+    // The infinity norm of an empty gradient is undefined, as in PyTorch.
+    let empty = Var::zeros(0, DType::F32, &dev).unwrap();
+    let mut grads = empty_grads();
+    grads.insert(empty.as_tensor(), Tensor::zeros(0, DType::F32, &dev).unwrap());
+    let inf = ClipGradNorm::new(1.0).norm_type(f64::INFINITY);
+    let e = msg(inf.clip(std::slice::from_ref(&empty), &mut grads).unwrap_err());
+    assert!(e.contains("empty"), "{e}");
+    // Its 2-norm is 0, and no gradients at all make a total of 0.
+    assert_eq!(clip_grad_norm(&[empty], &mut grads, 1.0).unwrap(), 0.0);
+    assert_eq!(clip_grad_norm(&[u], &mut empty_grads(), 1.0).unwrap(), 0.0);
+}
+
+/// Two variables holding one gradient tensor (candle stores the gradient of both inputs of an
+/// add as one tensor): each is scaled once.
+#[test]
+fn a_gradient_shared_by_two_variables_is_scaled_once() {
+    let dev = Device::Cpu;
+    let a = Var::new(&[1f32, 2.0], &dev).unwrap();
+    let b = Var::new(&[0f32, 0.0], &dev).unwrap();
+    let y = Tensor::new(&[3f32, 4.0], &dev).unwrap();
+    let sum = (a.as_tensor() + b.as_tensor()).unwrap().mul(&y).unwrap().sum_all().unwrap();
+    let mut grads = sum.backward().unwrap();
+    // Total norm √(25 + 25); to 1: each gradient times 1/√50.
+    let total = clip_grad_norm(&[a.clone(), b.clone()], &mut grads, 1.0).unwrap();
+    assert!((total - 50f64.sqrt()).abs() < 1e-5, "{total}");
+    for v in [&a, &b] {
+        let g = grads.get(v.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
+        let want = [3.0 / 50f32.sqrt(), 4.0 / 50f32.sqrt()];
+        assert!((g[0] - want[0]).abs() < 1e-6 && (g[1] - want[1]).abs() < 1e-6, "{g:?}");
+    }
+}
+
+/// A contiguous gradient is clipped in place (a clone taken before sees it, as a reference to
+/// `.grad` does in PyTorch); a transposed view is replaced by a clipped copy with its values.
+#[test]
+fn gradients_are_clipped_in_place_or_as_copies_with_the_same_values() {
+    let dev = Device::Cpu;
+    let a = Var::zeros(4, DType::F32, &dev).unwrap();
+    let b = Var::zeros((3, 2), DType::F32, &dev).unwrap();
+    let ga = Tensor::new(&[3f32, 0.0, -4.0, 0.0], &dev).unwrap();
+    let base = Tensor::new(&[[1f32, 2.0, 3.0], [4.0, 5.0, 6.0]], &dev).unwrap();
+    let gb = base.t().unwrap();
+    assert!(!gb.is_contiguous());
+    let mut grads = empty_grads();
+    grads.insert(a.as_tensor(), ga.clone());
+    grads.insert(b.as_tensor(), gb.clone());
+    let vars = [a.clone(), b.clone()];
+    clip_grad_value(&vars, &mut grads, 3.5).unwrap();
+    assert_eq!(ga.to_vec1::<f32>().unwrap(), [3.0, 0.0, -3.5, 0.0], "in place");
+    let got = grads.get(b.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
+    assert_eq!(got, [[1.0, 3.5], [2.0, 3.5], [3.0, 3.5]], "the view's values, clamped");
+    assert_eq!(base.to_vec2::<f32>().unwrap()[1], [4.0, 5.0, 6.0], "the view's storage kept");
+    // 2-norm of (3, 0, -3.5, 0) and the clamped view: √(9 + 12.25 + 14 + 3·12.25) = √72.
+    let total = clip_grad_norm(&vars, &mut grads, 72f64.sqrt() / 2.0).unwrap();
+    assert!((total - 72f64.sqrt()).abs() < 1e-5, "{total}");
+    let ga_now = ga.to_vec1::<f32>().unwrap();
+    assert!((ga_now[0] - 1.5).abs() < 1e-5 && (ga_now[2] + 1.75).abs() < 1e-5, "{ga_now:?}");
+}
