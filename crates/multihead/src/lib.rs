@@ -14,6 +14,8 @@
 //! * [`no_grad`] is PyTorch's `torch.no_grad()`; [`Backend`] and `explain` choose and report the
 //!   path a call takes (the fused CPU kernels or the composed candle reference), see [`mode`].
 //! * [`optim::AdamW`] is `torch.optim.AdamW` as a candle optimiser, one pass per parameter.
+//! * [`optim::clip_grad_norm`] and [`optim::clip_grad_value`] are `torch.nn.utils`'s
+//!   `clip_grad_norm_` and `clip_grad_value_` over a candle `GradStore`.
 //! * [`memory::ReuseLarge`] is a global-allocator wrapper that keeps large freed blocks for reuse.
 //! * [`cast`] is `Tensor::to_dtype` with a fast bf16 <-> f32 path on the CPU (PyTorch's `t.to(dtype)`).
 //! * Incremental decoding: [`KvCache`] with [`MultiheadAttention::forward_cached`], cross-attention

@@ -34,12 +34,14 @@ fn dtype(name: &str) -> DType {
     }
 }
 
-/// Relative tolerance per dtype: f32 and f64 sums in another order; bf16 and f16 one step of
-/// their rounding (a norm that rounds the other way near a tie moves every scaled gradient
-/// by one step).
+/// Relative tolerance per dtype: f32 and f64 norms summed in another order than PyTorch's
+/// (measured on the fixture: up to 4.8e-7 in f32 and 3.2e-16 in f64, totals and clipped
+/// gradients alike); bf16 and f16 one step of their rounding (a norm that rounds the other way
+/// near a tie moves every scaled gradient by one step; measured: none, every bf16, f16 and
+/// mixed case has PyTorch's bits, as have the ±inf, order-0, NaN and value cases).
 fn tolerance(d: DType) -> f64 {
     match d {
-        DType::F64 => 1e-13,
+        DType::F64 => 1e-14,
         DType::F32 => 2e-6,
         DType::BF16 => 1.0 / 128.0,
         _ => 1.0 / 1024.0,
