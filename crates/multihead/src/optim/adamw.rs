@@ -28,8 +28,9 @@ const OP: &str = "AdamW";
 /// [`Optimizer::new`] refuses a variable passed twice, a variable of another float dtype (bf16, f16: keep f32 master
 /// weights, as mixed-precision training does), on another device, or not contiguous, and
 /// parameters out of PyTorch's ranges; [`Optimizer::step`] refuses a gradient whose shape or
-/// dtype is not its parameter's, and a learning rate set out of range. The errors are
-/// [`Error`]s inside candle's (`candle_core::Error::Wrapped`).
+/// dtype is not its parameter's, a gradient that shares its storage with a parameter (a view
+/// of one), and a learning rate set out of range, before it writes any parameter. The errors
+/// are [`Error`]s inside candle's (`candle_core::Error::Wrapped`).
 ///
 /// # Example
 /// ```
@@ -141,13 +142,12 @@ impl VarState {
         self.var.as_tensor().inplace_op2(&g, &op).map_err(|e| match e {
             // Ours, from `cpu_fwd`.
             e @ candle_core::Error::Wrapped(_) => e,
-            // candle's own refusal (a gradient sharing its parameter's storage), without the
-            // backtrace candle attaches.
+            // candle's own refusals (`step` refuses a gradient sharing a parameter's storage
+            // before this), without the backtrace candle attaches.
             e => match Error::from(e) {
-                Error::Candle(c) => config(
-                    "grads",
-                    format!("the in-place update was refused ({c}); pass a gradient that is not a view of its parameter"),
-                ),
+                Error::Candle(c) => {
+                    config("grads", format!("the in-place update was refused ({c})"))
+                }
                 other => other.into(),
             },
         })?;
@@ -218,13 +218,26 @@ impl Optimizer for AdamW {
     }
 
     // Mirrors torch.optim.AdamW.step (foreach=False, the path PyTorch takes for CPU tensors).
-    // Every gradient is checked before any parameter is written, so a refused step changes
-    // nothing.
+    // Every gradient is checked before any parameter is written (its shape and dtype, and that
+    // it is not a view of a parameter), so a refused step changes nothing.
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
         let mut planned = Vec::with_capacity(self.vars.len());
         for (i, state) in self.vars.iter().enumerate() {
             if let Some(g) = grads.get(state.var.as_tensor()) {
                 planned.push((i, g, state.check(g, &self.params)?));
+            }
+        }
+        // A gradient sharing its elements with a parameter would be read while it is written
+        // (its own) or after it was (another's, updated earlier in this loop).
+        let params: std::collections::HashSet<usize> =
+            self.vars.iter().filter_map(|s| super::storage_addr(s.var.as_tensor())).collect();
+        for (i, g, _) in &planned {
+            if super::storage_addr(g).is_some_and(|a| params.contains(&a)) {
+                let msg = format!(
+                    "the gradient of the parameter of shape {} shares its storage with a parameter (a view of one); pass a gradient that is not a view of a parameter",
+                    fmt_shape(self.vars[*i].var.dims())
+                );
+                return Err(config("grads", msg));
             }
         }
         for (i, g, s) in planned {

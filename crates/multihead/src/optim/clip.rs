@@ -15,6 +15,7 @@ use multihead_kernels::clip::{clamp_bf16, clamp_f32, clamp_f64, scale_bf16, scal
 use multihead_kernels::convert::f32_to_bf16_bits;
 use multihead_kernels::vector_norm::{vector_norm_bf16, vector_norm_f32, vector_norm_f64, NormOrd};
 
+use super::storage_addr;
 use crate::error::{fmt_shape, Error, Result};
 
 const NORM_OP: &str = "clip_grad_norm_";
@@ -227,19 +228,6 @@ fn bf16_bits(v: &mut [half::bf16]) -> &mut [u16] {
     // SAFETY: `half::bf16` is `repr(transparent)` over its `u16` bits, and every bit pattern
     // is a valid `u16` and a valid `bf16`.
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len()) }
-}
-
-/// Where a gradient's elements live: its storage's address, when it is on the CPU.
-fn storage_addr(g: &Tensor) -> Option<usize> {
-    let (s, _) = g.storage_and_layout();
-    let Storage::Cpu(s) = &*s else { return None };
-    Some(match s {
-        CpuStorage::F32(v) => v.as_ptr() as usize,
-        CpuStorage::F64(v) => v.as_ptr() as usize,
-        CpuStorage::BF16(v) => v.as_ptr() as usize,
-        CpuStorage::F16(v) => v.as_ptr() as usize,
-        _ => return None,
-    })
 }
 
 /// Writes `w` into each gradient: in place where the gradient is contiguous, f32, f64 or

@@ -133,11 +133,19 @@ fn adamw_refuses_what_it_cannot_update() {
         "{err}"
     );
 
-    // A gradient that is its parameter: candle refuses the in-place update.
-    let mut grads = empty_grads();
-    grads.insert(w.as_tensor(), w.as_tensor().clone());
-    let err = opt.step(&grads).unwrap_err().to_string();
-    assert!(err.starts_with("AdamW: grads: the in-place update was refused"), "{err}");
+    // A gradient that is its parameter, or a view of another parameter: refused before any
+    // parameter is written (u's good gradient comes first and stays unapplied).
+    let a = Var::zeros(6, DType::F32, &dev).unwrap();
+    let mut opt2 =
+        AdamW::new(vec![u.clone(), a.clone(), w.clone()], ParamsAdamW::default()).unwrap();
+    for alias in [w.as_tensor().clone(), a.as_tensor().reshape((2, 3)).unwrap()] {
+        let mut grads = empty_grads();
+        grads.insert(u.as_tensor(), Tensor::ones(4, DType::F32, &dev).unwrap());
+        grads.insert(w.as_tensor(), alias);
+        let err = opt2.step(&grads).unwrap_err().to_string();
+        let named = err.contains("shares its storage") && err.contains("(2, 3)");
+        assert!(err.starts_with("AdamW: grads:") && named, "{err}");
+    }
 
     opt.set_learning_rate(f64::NAN);
     let mut grads = empty_grads();
