@@ -5,9 +5,9 @@
 //! variables there, before the optimiser's `step(&grads)`, in place as PyTorch does (a clone
 //! of a gradient tensor taken before sees the change, as a reference to `.grad` does in
 //! PyTorch), with one exception: the store may hold one storage as the gradient of two
-//! variables (the two inputs of an add), or a gradient as a broadcast view; such a gradient is
-//! replaced by a clipped copy, as writing it in place would clip it twice or clip the wrong
-//! elements.
+//! variables (the two inputs of an add), a gradient as a broadcast view, or a gradient that is
+//! a view of a parameter; such a gradient is replaced by a clipped copy, as writing it in place
+//! would clip it twice, clip the wrong elements or change the parameter.
 
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor, Var};
@@ -231,8 +231,8 @@ fn bf16_bits(v: &mut [half::bf16]) -> &mut [u16] {
 }
 
 /// Writes `w` into each gradient: in place where the gradient is contiguous, f32, f64 or
-/// bf16, and shares its storage with no other gradient here; as a new tensor in the store
-/// otherwise.
+/// bf16, and shares its storage with no other gradient and no parameter here; as a new tensor
+/// in the store otherwise.
 fn write(
     op: &'static str,
     grads: &mut GradStore,
@@ -240,8 +240,13 @@ fn write(
     w: &Write,
 ) -> Result<()> {
     let addrs: Vec<Option<usize>> = found.iter().map(|(_, g)| storage_addr(g)).collect();
+    let params: Vec<Option<usize>> = found.iter().map(|(v, _)| storage_addr(v)).collect();
     for (i, (var, g)) in found.iter().enumerate() {
-        let shared = addrs[i].is_none() || addrs.iter().filter(|&&a| a == addrs[i]).count() > 1;
+        // Shared with another gradient here, or with a parameter (a gradient that is a view of
+        // one): written in place, it would be clipped twice or change the parameter.
+        let shared = addrs[i].is_none()
+            || addrs.iter().filter(|&&a| a == addrs[i]).count() > 1
+            || params.contains(&addrs[i]);
         let in_place = !shared
             && g.is_contiguous()
             && matches!(g.dtype(), DType::F32 | DType::F64 | DType::BF16);

@@ -242,3 +242,18 @@ fn gradients_are_clipped_in_place_or_as_copies_with_the_same_values() {
     let ga_now = ga.to_vec1::<f32>().unwrap();
     assert!((ga_now[0] - 1.5).abs() < 1e-5 && (ga_now[2] + 1.75).abs() < 1e-5, "{ga_now:?}");
 }
+
+/// A gradient that is a view of a parameter (its own here) is clipped as a copy: the parameter
+/// keeps its values.
+#[test]
+fn a_gradient_viewing_a_parameter_leaves_the_parameter_alone() {
+    let dev = Device::Cpu;
+    let w = Var::new(&[3f32, -4.0], &dev).unwrap();
+    let mut grads = empty_grads();
+    grads.insert(w.as_tensor(), w.as_tensor().clone());
+    let total = clip_grad_norm(std::slice::from_ref(&w), &mut grads, 1.0).unwrap();
+    assert!((total - 5.0).abs() < 1e-6, "{total}");
+    assert_eq!(w.as_tensor().to_vec1::<f32>().unwrap(), [3.0, -4.0]);
+    let g = grads.get(w.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
+    assert!((g[0] - 0.6).abs() < 1e-6 && (g[1] + 0.8).abs() < 1e-6, "{g:?}");
+}
