@@ -13,6 +13,10 @@
 //! −inf   min |x|             (NaN if any element is NaN)
 //! ```
 //!
+//! As in ATen, a vector of one element has its magnitude as its norm (for order 0: 0 or 1),
+//! without the power and the root that could overflow or underflow, and an empty vector has
+//! norm 0, but none for `inf` or a negative order.
+//!
 //! The sums are taken in a fixed order: the elements are cut into chunks of [`CHUNK`] that the
 //! threads take; each chunk keeps 16 running sums (element `i` into sum `i % 16`), added
 //! pairwise (8 + 8, 4 + 4, 2 + 2, 1 + 1); the chunk sums are added in order. So the bits do not
@@ -226,6 +230,30 @@ fn norm<T: Copy + Sync, A: Acc>(
     w: impl Fn(T) -> A + Sync + Copy,
     parallel: bool,
 ) -> Result<A, KernelError> {
+    let negative = matches!(ord, NormOrd::NegInf) || matches!(ord, NormOrd::P(p) if p < 0.0);
+    if x.is_empty() && (negative || ord == NormOrd::Inf) {
+        let msg = format!(
+            "the {} norm of an empty tensor is undefined (PyTorch refuses it too); leave out the empty tensors or pass a norm_type of 0 or more that is finite",
+            ord.value()
+        );
+        return Err(KernelError::InvalidArgument { name: "x", msg });
+    }
+    if let [v] = x {
+        // One element: its magnitude (0 or 1 for order 0), as ATen returns it without the
+        // power and root, which could overflow or underflow.
+        let m = w(*v).abs();
+        return Ok(if ord == NormOrd::Zero && !m.is_nan() {
+            if m == A::ZERO {
+                A::ZERO
+            } else {
+                A::ONE
+            }
+        } else if ord == NormOrd::Zero {
+            A::ONE
+        } else {
+            m
+        });
+    }
     Ok(match ord {
         NormOrd::Two => sum_chunks(x, move |v| w(v).sq(), parallel).sqrt(),
         NormOrd::One => sum_chunks(x, move |v| w(v).abs(), parallel),
@@ -237,10 +265,6 @@ fn norm<T: Copy + Sync, A: Acc>(
             sum_chunks(x, move |v| w(v).abs().powf(p), parallel).powf(p.recip())
         }
         NormOrd::Inf | NormOrd::NegInf => {
-            if x.is_empty() {
-                let msg = "the infinity norms of an empty tensor are undefined (PyTorch refuses them too); leave out the empty tensors or pass a finite norm_type".into();
-                return Err(KernelError::InvalidArgument { name: "x", msg });
-            }
             let max = ord == NormOrd::Inf;
             let one = |c: &[T]| chunk_extreme(c, w, max);
             let parts: Vec<A> = if parallel && x.len() > CHUNK {
@@ -248,7 +272,8 @@ fn norm<T: Copy + Sync, A: Acc>(
             } else {
                 x.chunks(CHUNK).map(one).collect()
             };
-            // Every chunk is non-empty, so `one` never returned its empty-chunk zero.
+            // `x` is not empty (refused above), so every chunk is non-empty and `one` never
+            // returned its empty-chunk zero.
             let mut best = parts[0];
             for &a in &parts[1..] {
                 if a.is_nan() || best.is_nan() {
@@ -262,8 +287,8 @@ fn norm<T: Copy + Sync, A: Acc>(
     })
 }
 
-/// The `ord`-norm of `x` in f32. An empty `x` has norm 0 (refused for ±inf, as PyTorch
-/// refuses it).
+/// The `ord`-norm of `x` in f32. An empty `x` has norm 0 (refused for inf and for negative
+/// orders, as PyTorch refuses it); one element's norm is its magnitude, as in PyTorch.
 pub fn vector_norm_f32(x: &[f32], ord: NormOrd) -> Result<f32, KernelError> {
     norm(x, ord, |v| v, true)
 }
@@ -369,6 +394,14 @@ mod tests {
         // Empty: 0 for the sums, refused for the extremes; NaN is not an order.
         assert_eq!(vector_norm_f32(&[], o(2.0)).expect("a norm"), 0.0);
         assert!(vector_norm_f32(&[], o(f64::INFINITY)).is_err());
+        assert!(vector_norm_f32(&[], o(-1.0)).is_err());
+        assert_eq!(vector_norm_f32(&[], o(0.5)).expect("a norm"), 0.0);
+        // One element: its magnitude, where the power would overflow or underflow.
+        assert_eq!(vector_norm_f32(&[-1e20], o(2.0)).expect("a norm"), 1e20);
+        assert_eq!(vector_norm_f32(&[1e-20], o(3.0)).expect("a norm"), 1e-20);
+        assert_eq!(vector_norm_f64(&[-1e300], o(-2.5)).expect("a norm"), 1e300);
+        assert_eq!(vector_norm_f32(&[-3.0], o(0.0)).expect("a norm"), 1.0);
+        assert!(vector_norm_f32(&[f32::NAN], o(2.0)).expect("a norm").is_nan());
         assert!(NormOrd::new(f64::NAN).is_err());
         assert_eq!(o(-3.5).value(), -3.5);
         // Squares are added unfused, as PyTorch's loop adds them: 16 lanes, then pairwise.

@@ -186,6 +186,23 @@ pub fn clip_grad_value(vars: &[Var], grads: &mut GradStore, clip_value: f64) -> 
         return Err(Error::Config { op: VALUE_OP, arg: "clip_value", msg });
     }
     let found = gradients(VALUE_OP, vars, grads)?;
+    for (_, g) in &found {
+        let max = match g.dtype() {
+            DType::F32 => f32::MAX as f64,
+            DType::BF16 => half::bf16::MAX.to_f64(),
+            DType::F16 => half::f16::MAX.to_f64(),
+            _ => f64::MAX,
+        };
+        // PyTorch converts the bound to the gradient's dtype with an overflow check.
+        if clip_value.is_finite() && clip_value > max {
+            let msg = format!(
+                "{clip_value} cannot be converted to the {:?} of a gradient of shape {} without overflow (its largest value is {max}); pass a smaller value, or infinity to clip nothing",
+                g.dtype(),
+                fmt_shape(g.dims())
+            );
+            return Err(Error::Config { op: VALUE_OP, arg: "clip_value", msg });
+        }
+    }
     write(VALUE_OP, grads, found, &Write::Clamp(clip_value))
 }
 
@@ -231,22 +248,30 @@ fn bf16_bits(v: &mut [half::bf16]) -> &mut [u16] {
 }
 
 /// Writes `w` into each gradient: in place where the gradient is contiguous, f32, f64 or
-/// bf16, and shares its storage with no other gradient and no parameter here; as a new tensor
-/// in the store otherwise.
+/// bf16, and its storage is held by no other entry of the store and by no parameter here; as a
+/// new tensor in the store otherwise.
 fn write(
     op: &'static str,
     grads: &mut GradStore,
     found: Vec<(Var, Tensor)>,
     w: &Write,
 ) -> Result<()> {
-    let addrs: Vec<Option<usize>> = found.iter().map(|(_, g)| storage_addr(g)).collect();
+    // How many entries of the whole store hold each storage: the gradient of a variable not
+    // passed here, or of an intermediate tensor, can share one with a variable's (candle
+    // stores one tensor as the gradient of both inputs of an add).
+    let mut holders = std::collections::HashMap::<usize, usize>::new();
+    for id in grads.get_ids() {
+        if let Some(a) = grads.get_id(*id).and_then(storage_addr) {
+            *holders.entry(a).or_default() += 1;
+        }
+    }
     let params: Vec<Option<usize>> = found.iter().map(|(v, _)| storage_addr(v)).collect();
-    for (i, (var, g)) in found.iter().enumerate() {
-        // Shared with another gradient here, or with a parameter (a gradient that is a view of
-        // one): written in place, it would be clipped twice or change the parameter.
-        let shared = addrs[i].is_none()
-            || addrs.iter().filter(|&&a| a == addrs[i]).count() > 1
-            || params.contains(&addrs[i]);
+    for (var, g) in found.iter() {
+        let addr = storage_addr(g);
+        // Held by another entry too, or a parameter's own storage (a gradient that is a view
+        // of one): written in place, it would clip another gradient or change the parameter.
+        let shared = addr.is_none_or(|a| holders.get(&a).copied().unwrap_or(0) != 1)
+            || params.contains(&addr);
         let in_place = !shared
             && g.is_contiguous()
             && matches!(g.dtype(), DType::F32 | DType::F64 | DType::BF16);
@@ -282,7 +307,7 @@ fn gradients(op: &'static str, vars: &[Var], grads: &GradStore) -> Result<Vec<(V
             return Err(Error::Config { op, arg: "parameters", msg });
         }
         let Some(g) = grads.get(t) else { continue };
-        if g.dims() != t.dims() || g.dtype() != t.dtype() || !g.dtype().is_float() {
+        if g.dims() != t.dims() || g.dtype() != t.dtype() {
             let msg = format!(
                 "the gradient is {} {:?} but its parameter {} {:?}; pass the gradients of these variables",
                 fmt_shape(g.dims()),
@@ -291,6 +316,14 @@ fn gradients(op: &'static str, vars: &[Var], grads: &GradStore) -> Result<Vec<(V
                 t.dtype()
             );
             return Err(Error::Shape { op, arg: "grads", msg });
+        }
+        if !matches!(g.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16) {
+            let msg = format!(
+                "a gradient of shape {} is {:?}; clipping takes f32, f64, bf16 and f16 gradients",
+                fmt_shape(g.dims()),
+                g.dtype()
+            );
+            return Err(Error::DType { op, arg: "grads", msg });
         }
         if !matches!(g.device(), Device::Cpu) {
             let msg = format!(

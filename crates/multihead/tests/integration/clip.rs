@@ -257,3 +257,54 @@ fn a_gradient_viewing_a_parameter_leaves_the_parameter_alone() {
     let g = grads.get(w.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
     assert!((g[0] - 0.6).abs() < 1e-6 && (g[1] + 0.8).abs() < 1e-6, "{g:?}");
 }
+
+/// Clipping some variables leaves the others' gradients alone, though candle stores both
+/// inputs of an add with one gradient tensor (PyTorch: separate `.grad`s).
+#[test]
+fn clipping_a_subset_leaves_the_other_gradients_alone() {
+    let dev = Device::Cpu;
+    let a = Var::new(&[1f32, 2.0], &dev).unwrap();
+    let b = Var::new(&[0f32, 0.0], &dev).unwrap();
+    let y = Tensor::new(&[3f32, 4.0], &dev).unwrap();
+    let sum = (a.as_tensor() + b.as_tensor()).unwrap().mul(&y).unwrap().sum_all().unwrap();
+    let mut grads = sum.backward().unwrap();
+    let total = clip_grad_norm(std::slice::from_ref(&a), &mut grads, 1.0).unwrap();
+    assert!((total - 5.0).abs() < 1e-6, "{total}");
+    let ga = grads.get(a.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
+    assert!((ga[0] - 0.6).abs() < 1e-6 && (ga[1] - 0.8).abs() < 1e-6, "{ga:?}");
+    assert_eq!(grads.get(b.as_tensor()).unwrap().to_vec1::<f32>().unwrap(), [3.0, 4.0]);
+    // b's own call then sees b's own gradient.
+    let total = clip_grad_norm(std::slice::from_ref(&b), &mut grads, 1.0).unwrap();
+    assert!((total - 5.0).abs() < 1e-6, "{total}");
+    clip_grad_value(std::slice::from_ref(&a), &mut grads, 0.7).unwrap();
+    let gb = grads.get(b.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
+    assert!((gb[0] - 0.6).abs() < 1e-6 && (gb[1] - 0.8).abs() < 1e-6, "{gb:?}");
+}
+
+/// PyTorch's refusals at the edges: a bound the gradient's dtype cannot hold, and a negative
+/// order on an empty gradient; one element's norm is its magnitude even where its square
+/// overflows.
+#[test]
+fn clipping_edges_follow_pytorch() {
+    let dev = Device::Cpu;
+    let h = Var::zeros(2, DType::F16, &dev).unwrap();
+    let mut grads = empty_grads();
+    let g16 = Tensor::new(&[1f32, -2.0], &dev).unwrap().to_dtype(DType::F16).unwrap();
+    grads.insert(h.as_tensor(), g16);
+    let e = clip_grad_value(std::slice::from_ref(&h), &mut grads, 70000.0).unwrap_err();
+    assert!(e.to_string().contains("without overflow") && e.to_string().contains("F16"), "{e}");
+    clip_grad_value(std::slice::from_ref(&h), &mut grads, f64::INFINITY).unwrap();
+
+    let empty = Var::zeros(0, DType::F32, &dev).unwrap();
+    let mut grads = empty_grads();
+    grads.insert(empty.as_tensor(), Tensor::zeros(0, DType::F32, &dev).unwrap());
+    let neg = ClipGradNorm::new(1.0).norm_type(-1.0);
+    assert!(neg.clip(std::slice::from_ref(&empty), &mut grads).is_err());
+
+    let w = Var::zeros(1, DType::F32, &dev).unwrap();
+    let mut grads = empty_grads();
+    grads.insert(w.as_tensor(), Tensor::new(&[1e20f32], &dev).unwrap());
+    let total = clip_grad_norm(std::slice::from_ref(&w), &mut grads, 1.0).unwrap();
+    assert_eq!(total, 1e20f32 as f64);
+    assert_eq!(grads.get(w.as_tensor()).unwrap().to_vec1::<f32>().unwrap(), [1.0]);
+}
