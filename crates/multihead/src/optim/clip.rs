@@ -275,14 +275,20 @@ fn write(
         let in_place = !shared
             && g.is_contiguous()
             && matches!(g.dtype(), DType::F32 | DType::F64 | DType::BF16);
+        let err = |e| candle_err(op, e);
         if in_place {
-            g.inplace_op1(w).map_err(|e| candle_err(op, e))?;
+            g.inplace_op1(w).map_err(err)?;
+        } else if matches!(g.dtype(), DType::F32 | DType::F64 | DType::BF16) {
+            // A fresh contiguous copy of our own, then written in place.
+            let fresh = if g.is_contiguous() { g.copy() } else { g.contiguous() }.map_err(err)?;
+            fresh.inplace_op1(w).map_err(err)?;
+            grads.insert(var.as_tensor(), fresh);
         } else {
             let new = match *w {
                 Write::Scale(c) => scale(g, c),
                 Write::Clamp(v) => clamp(g, v),
             };
-            grads.insert(var.as_tensor(), new.map_err(|e| candle_err(op, e))?);
+            grads.insert(var.as_tensor(), new.map_err(err)?);
         }
     }
     Ok(())
