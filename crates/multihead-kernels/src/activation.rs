@@ -122,6 +122,19 @@ pub fn gelu_forward(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
     Ok(())
 }
 
+/// [`gelu_forward`] into memory that need not be initialised: on `Ok`, every element of `y`
+/// has been written.
+pub fn gelu_forward_uninit(
+    x: &[f32],
+    y: &mut [std::mem::MaybeUninit<f32>],
+) -> Result<(), KernelError> {
+    same_len("y", x.len(), y.len())?;
+    let (len, x, out) = (x.len(), ConstPtr(x.as_ptr()), SyncPtr(y.as_mut_ptr().cast::<f32>()));
+    // Every element of `0..len` is written once (whole blocks, the tail masked).
+    par_run(simd_level(), &GeluTask { x, len, dy: None, out });
+    Ok(())
+}
+
 /// `dx = dy · gelu'(x)`.
 // Mirrors the backward of torch.nn.functional.gelu(x, approximate='none').
 pub fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), KernelError> {
@@ -203,6 +216,19 @@ pub fn relu_forward(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
     Ok(())
 }
 
+/// [`relu_forward`] into memory that need not be initialised: on `Ok`, every element of `y`
+/// has been written.
+pub fn relu_forward_uninit(
+    x: &[f32],
+    y: &mut [std::mem::MaybeUninit<f32>],
+) -> Result<(), KernelError> {
+    same_len("y", x.len(), y.len())?;
+    let (x, out) = (ConstPtr(x.as_ptr()), SyncPtr(y.as_mut_ptr().cast::<f32>()));
+    // Every element of `0..len` is written once (whole blocks, the tail masked).
+    par_run(simd_level(), &ReluTask { x, len: y.len(), dy: None, out });
+    Ok(())
+}
+
 /// `dx = dy` where `y = relu(x)` is positive or NaN, 0 elsewhere (PyTorch's
 /// `threshold_backward(dy, y, 0)`).
 pub fn relu_backward(y: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), KernelError> {
@@ -213,6 +239,22 @@ pub fn relu_backward(y: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), Kernel
         simd_level(),
         &ReluTask { x, len: y.len(), dy: Some(dy), out: SyncPtr(dx.as_mut_ptr()) },
     );
+    Ok(())
+}
+
+/// [`relu_backward`] into memory that need not be initialised: on `Ok`, every element of `dx`
+/// has been written.
+pub fn relu_backward_uninit(
+    y: &[f32],
+    dy: &[f32],
+    dx: &mut [std::mem::MaybeUninit<f32>],
+) -> Result<(), KernelError> {
+    same_len("dy", y.len(), dy.len())?;
+    same_len("dx", y.len(), dx.len())?;
+    let (x, dy) = (ConstPtr(y.as_ptr()), ConstPtr(dy.as_ptr()));
+    let out = SyncPtr(dx.as_mut_ptr().cast::<f32>());
+    // Every element of `0..len` is written once (whole blocks, the tail masked).
+    par_run(simd_level(), &ReluTask { x, len: y.len(), dy: Some(dy), out });
     Ok(())
 }
 

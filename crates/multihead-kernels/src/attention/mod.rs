@@ -1028,6 +1028,48 @@ pub fn flash_backward_packed(
     dscores: Option<&mut [f32]>,
 ) -> Result<(), KernelError> {
     let d = p.dims;
+    packed_shape_check(d)?;
+    let ins = [(q, ql), (k, kl), (v, vl), (out, ol), (dout, dol)];
+    check_backward_inputs(p, ins, lse)?;
+    let [dq, dk, dv] = packed_outputs("dqkv", dqkv, dl, [d.batch, d.heads_q, d.l, d.d])?;
+    let dscores = scores_output(p, dscores)?;
+    run_backward(p, ins, lse, [(dq, dl), (dk, dl), (dv, dl)], dscores)
+}
+
+/// [`flash_backward_packed`] into a buffer that need not be initialised: on `Ok`, every
+/// element of the three parts has been written (so a whole `[.., 3·E]` gradient needs no
+/// zeroing first).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward_packed_uninit(
+    p: &AttnParams<'_>,
+    q: &[f32],
+    ql: Layout4,
+    k: &[f32],
+    kl: Layout4,
+    v: &[f32],
+    vl: Layout4,
+    out: &[f32],
+    ol: Layout4,
+    dout: &[f32],
+    dol: Layout4,
+    lse: &[f32],
+    dqkv: &mut [std::mem::MaybeUninit<f32>],
+    dl: Layout4,
+    dscores: Option<&mut [f32]>,
+) -> Result<(), KernelError> {
+    let d = p.dims;
+    packed_shape_check(d)?;
+    let ins = [(q, ql), (k, kl), (v, vl), (out, ol), (dout, dol)];
+    check_backward_inputs(p, ins, lse)?;
+    let [dq, dk, dv] = packed_outputs("dqkv", dqkv, dl, [d.batch, d.heads_q, d.l, d.d])?;
+    let dscores = scores_output(p, dscores)?;
+    // The backward writes each element of dq, dk and dv once per row block (stored, not
+    // added), so uninitialised memory is never read.
+    run_backward(p, ins, lse, [(dq, dl), (dk, dl), (dv, dl)], dscores)
+}
+
+/// What a q/k/v gradient packed in one buffer needs: one head count, one head width, self-attention.
+fn packed_shape_check(d: AttnDims) -> Result<(), KernelError> {
     if d.heads_q != d.heads_kv || d.d != d.dv || d.l != d.s {
         let msg = format!(
             "a packed gradient needs heads_q == heads_kv, d == dv and l == s, got heads {}/{}, \
@@ -1036,11 +1078,7 @@ pub fn flash_backward_packed(
         );
         return Err(KernelError::InvalidArgument { name: "dqkv", msg });
     }
-    let ins = [(q, ql), (k, kl), (v, vl), (out, ol), (dout, dol)];
-    check_backward_inputs(p, ins, lse)?;
-    let [dq, dk, dv] = packed_outputs("dqkv", dqkv, dl, [d.batch, d.heads_q, d.l, d.d])?;
-    let dscores = scores_output(p, dscores)?;
-    run_backward(p, ins, lse, [(dq, dl), (dk, dl), (dv, dl)], dscores)
+    Ok(())
 }
 
 /// The checked `[batch, heads_q, l, s]` buffer of the scores' gradient, when asked for.
@@ -1104,14 +1142,14 @@ pub fn flash_backward_kv_packed(
 /// part is `buf`'s start (no pointer is offset past an empty buffer).
 fn packed_outputs<const N: usize>(
     name: &'static str,
-    buf: &mut [f32],
+    buf: &mut [impl WritableF32],
     l: Layout4,
     [batch, heads, rows, width]: [usize; 4],
 ) -> Result<[exec::SyncPtr<f32>; N], KernelError> {
     let all = heads.checked_mul(N).ok_or(KernelError::Overflow { name })?;
     check_tensor(name, buf.len(), [batch, all, rows, width], l, true)?;
     let empty = batch == 0 || all == 0 || rows == 0 || width == 0;
-    let base = buf.as_mut_ptr();
+    let base = buf.as_mut_ptr().cast::<f32>();
     Ok(std::array::from_fn(|i| {
         let off = if empty { 0 } else { i * heads * l.head };
         // SAFETY: for a non-empty view, head `i·heads` (< `N·heads`) of row 0 of batch 0 is
@@ -1119,6 +1157,12 @@ fn packed_outputs<const N: usize>(
         exec::SyncPtr(unsafe { base.add(off) })
     }))
 }
+
+/// An element of an output buffer the kernels write f32s into: `f32`, or
+/// `MaybeUninit<f32>` for a buffer that was not initialised (the kernels only write it).
+trait WritableF32: Sized {}
+impl WritableF32 for f32 {}
+impl WritableF32 for std::mem::MaybeUninit<f32> {}
 
 /// Checks the backward's parameters and inputs: q, k, v, out, dout (each with its layout)
 /// and the row statistics.

@@ -602,6 +602,15 @@ fn packed_backward_equals_three_gradients() {
             .unwrap();
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&ds), bits(&r.dscores), "packed dscores ({level:?})");
+            // Into a buffer that was never initialised (here: garbage bits): the same bits.
+            let mut raw = vec![std::mem::MaybeUninit::new(f32::from_bits(0x7fc0_1234)); 3 * n];
+            flash_backward_packed_uninit(
+                &p, q, x.ql, k, x.kl, v, x.vl, ins.0, ins.1, ins.2, ins.3, &lse, &mut raw, dl, None,
+            )
+            .unwrap();
+            // SAFETY: on `Ok` every element was written (what this assertion checks).
+            let raw: Vec<f32> = raw.iter().map(|x| unsafe { x.assume_init() }).collect();
+            assert_eq!(bits(&raw), bits(&dqkv), "uninit packed backward ({level:?})");
             for (part, (what, g, gl)) in
                 [("dq", &r.dq, x.dql), ("dk", &r.dk, x.dkl), ("dv", &r.dv, x.dvl)]
                     .iter()

@@ -3,7 +3,9 @@
 //! instead of the composed forms' several.
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
-use multihead_kernels::activation::{gelu_backward, gelu_forward, relu_backward, relu_forward};
+use multihead_kernels::activation::{
+    gelu_backward_uninit, gelu_forward_uninit, relu_backward_uninit, relu_forward_uninit,
+};
 
 use crate::error::Result;
 
@@ -40,8 +42,12 @@ impl CustomOp1 for Gelu {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = contiguous(s, l, "fused gelu")?;
-        let mut y = crate::alloc::try_zeros::<f32>(x.len(), "fused gelu output")?;
-        gelu_forward(x, &mut y).map_err(|e| candle_core::Error::Msg(format!("fused gelu: {e}")))?;
+        let write = |y: &mut [std::mem::MaybeUninit<f32>]| {
+            gelu_forward_uninit(x, y)
+                .map_err(|e| candle_core::Error::Msg(format!("fused gelu: {e}")))
+        };
+        // SAFETY: on `Ok`, `gelu_forward_uninit` wrote every element of `y`.
+        let y = unsafe { crate::alloc::try_written(x.len(), "fused gelu output", write) }?;
         Ok((CpuStorage::F32(y), l.shape().clone()))
     }
 
@@ -50,9 +56,12 @@ impl CustomOp1 for Gelu {
         let (xs, xl) = x.storage_and_layout();
         let (gs, gl) = grad.storage_and_layout();
         let (xv, gv) = pair(&xs, xl, &gs, gl, "fused gelu")?;
-        let mut dx = crate::alloc::try_zeros::<f32>(xv.len(), "fused gelu dx")?;
-        gelu_backward(xv, gv, &mut dx)
-            .map_err(|e| candle_core::Error::Msg(format!("fused gelu backward: {e}")))?;
+        let write = |dx: &mut [std::mem::MaybeUninit<f32>]| {
+            gelu_backward_uninit(xv, gv, dx)
+                .map_err(|e| candle_core::Error::Msg(format!("fused gelu backward: {e}")))
+        };
+        // SAFETY: on `Ok`, `gelu_backward_uninit` wrote every element of `dx`.
+        let dx = unsafe { crate::alloc::try_written(xv.len(), "fused gelu dx", write) }?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
     }
 }
@@ -71,8 +80,12 @@ impl CustomOp1 for Relu {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = contiguous(s, l, "fused relu")?;
-        let mut y = crate::alloc::try_zeros::<f32>(x.len(), "fused relu output")?;
-        relu_forward(x, &mut y).map_err(|e| candle_core::Error::Msg(format!("fused relu: {e}")))?;
+        let write = |y: &mut [std::mem::MaybeUninit<f32>]| {
+            relu_forward_uninit(x, y)
+                .map_err(|e| candle_core::Error::Msg(format!("fused relu: {e}")))
+        };
+        // SAFETY: on `Ok`, `relu_forward_uninit` wrote every element of `y`.
+        let y = unsafe { crate::alloc::try_written(x.len(), "fused relu output", write) }?;
         Ok((CpuStorage::F32(y), l.shape().clone()))
     }
 
@@ -89,9 +102,12 @@ pub(crate) fn relu_grad(y: &Tensor, grad: &Tensor) -> candle_core::Result<Tensor
     let (ys, yl) = y.storage_and_layout();
     let (gs, gl) = grad.storage_and_layout();
     let (yv, gv) = pair(&ys, yl, &gs, gl, "fused relu")?;
-    let mut dx = crate::alloc::try_zeros::<f32>(yv.len(), "fused relu dx")?;
-    relu_backward(yv, gv, &mut dx)
-        .map_err(|e| candle_core::Error::Msg(format!("fused relu backward: {e}")))?;
+    let write = |dx: &mut [std::mem::MaybeUninit<f32>]| {
+        relu_backward_uninit(yv, gv, dx)
+            .map_err(|e| candle_core::Error::Msg(format!("fused relu backward: {e}")))
+    };
+    // SAFETY: on `Ok`, `relu_backward_uninit` wrote every element of `dx`.
+    let dx = unsafe { crate::alloc::try_written(yv.len(), "fused relu dx", write) }?;
     Tensor::from_vec(dx, y.shape(), y.device())
 }
 

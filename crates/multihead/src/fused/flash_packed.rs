@@ -8,7 +8,9 @@
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
-use multihead_kernels::attention::{flash_backward_kv_packed, flash_backward_packed, Layout4};
+use multihead_kernels::attention::{
+    flash_backward_kv_packed, flash_backward_packed_uninit, Layout4,
+};
 
 use super::flash::{contiguous_layout4, cpu_f32, f32s, Convention, FlashAttention};
 use crate::error::Result;
@@ -85,15 +87,22 @@ pub(super) fn backward_qkv(
 ) -> candle_core::Result<[Tensor; 1]> {
     let (xs, xl) = qkv.storage_and_layout();
     let [(qo, q4), (ko, k4), (vo, v4)] = parts::<3>(op.conv, xl)?;
-    // One (L, N, 3E) gradient written in place by the kernel: dq, dk and dv of a row are its
-    // three thirds.
-    let mut dqkv = crate::alloc::try_zeros::<f32>(qkv.elem_count(), "flash attention dqkv")?;
+    // One (L, N, 3E) gradient written by the kernel: dq, dk and dv of a row are its three
+    // thirds, which together are every element, so the buffer is not zeroed first.
     let [(_, d4), ..] = parts::<3>(op.conv, &Layout::contiguous(qkv.dims()))?;
     let x = f32s(&xs)?;
     let (q, k, v) = (&x[qo..], &x[ko..], &x[vo..]);
-    op.with_saved(res, grad_res, |p, (o, o4), (g, g4), lse| {
-        flash_backward_packed(p, q, q4, k, k4, v, v4, o, o4, g, g4, lse, &mut dqkv, d4, dscores)
-    })?;
+    let write = |dqkv: &mut [std::mem::MaybeUninit<f32>]| {
+        op.with_saved(res, grad_res, |p, (o, o4), (g, g4), lse| {
+            flash_backward_packed_uninit(
+                p, q, q4, k, k4, v, v4, o, o4, g, g4, lse, dqkv, d4, dscores,
+            )
+        })
+    };
+    // SAFETY: on `Ok`, the kernel wrote all three parts of the contiguous (L, N, 3E) buffer,
+    // which are all of its elements (`flash_backward_packed_uninit`).
+    let dqkv =
+        unsafe { crate::alloc::try_written(qkv.elem_count(), "flash attention dqkv", write) }?;
     Ok([Tensor::from_vec(dqkv, qkv.shape(), qkv.device())?])
 }
 
