@@ -20,8 +20,11 @@
 //! assert!(g[2].is_nan());
 //! ```
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
+use crate::attention::KernelError;
 use crate::convert::{bf16_bits_to_f32, f32_to_bf16_bits};
 
 /// Elements per task.
@@ -58,6 +61,94 @@ fn each<T: Send + Copy>(x: &mut [T], f: impl Fn(T) -> T + Sync + Send + Copy) {
     } else {
         x.par_chunks_mut(CHUNK).for_each(run);
     }
+}
+
+/// `dst[i] = f(src[i])` chunk by chunk, as [`each`] does, into memory that need not be
+/// initialised: every element of `dst` is written.
+fn each_to<T: Send + Sync + Copy>(
+    src: &[T],
+    dst: &mut [MaybeUninit<T>],
+    f: impl Fn(T) -> T + Sync + Send + Copy,
+) -> Result<(), KernelError> {
+    if src.len() != dst.len() {
+        let msg =
+            format!("has {} elements but the source {}; pass one length", dst.len(), src.len());
+        return Err(KernelError::InvalidArgument { name: "dst", msg });
+    }
+    #[inline(always)]
+    fn apply<T: Copy>(s: &[T], d: &mut [MaybeUninit<T>], f: impl Fn(T) -> T) {
+        for (d, &v) in d.iter_mut().zip(s) {
+            d.write(f(v));
+        }
+    }
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn apply_avx512<T: Copy>(s: &[T], d: &mut [MaybeUninit<T>], f: impl Fn(T) -> T) {
+        apply(s, d, f)
+    }
+    let avx512 = crate::attention::simd_level() == crate::attention::SimdLevel::Avx512;
+    let run = move |(d, s): (&mut [MaybeUninit<T>], &[T])| {
+        #[cfg(target_arch = "x86_64")]
+        if avx512 {
+            // SAFETY: the SIMD level is AVX-512 only where the CPU has AVX-512F.
+            return unsafe { apply_avx512(s, d, f) };
+        }
+        let _ = avx512;
+        apply(s, d, f)
+    };
+    if src.len() <= CHUNK {
+        run((dst, src));
+    } else {
+        dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(run);
+    }
+    Ok(())
+}
+
+/// [`scale_f32`] of `src` into `dst`, which need not be initialised (all of it is written).
+pub fn scale_f32_to(src: &[f32], c: f32, dst: &mut [MaybeUninit<f32>]) -> Result<(), KernelError> {
+    each_to(src, dst, move |v| v * c)
+}
+
+/// [`scale_f64`] of `src` into `dst`, which need not be initialised (all of it is written).
+pub fn scale_f64_to(src: &[f64], c: f64, dst: &mut [MaybeUninit<f64>]) -> Result<(), KernelError> {
+    each_to(src, dst, move |v| v * c)
+}
+
+/// [`scale_bf16`] of `src` into `dst`, which need not be initialised (all of it is written).
+pub fn scale_bf16_to(src: &[u16], c: f32, dst: &mut [MaybeUninit<u16>]) -> Result<(), KernelError> {
+    each_to(src, dst, move |b| f32_to_bf16_bits(bf16_bits_to_f32(b) * c))
+}
+
+/// [`clamp_f32`] of `src` into `dst`, which need not be initialised (all of it is written).
+pub fn clamp_f32_to(
+    src: &[f32],
+    lo: f32,
+    hi: f32,
+    dst: &mut [MaybeUninit<f32>],
+) -> Result<(), KernelError> {
+    each_to(src, dst, move |v| clamp(v, lo, hi))
+}
+
+/// [`clamp_f64`] of `src` into `dst`, which need not be initialised (all of it is written).
+pub fn clamp_f64_to(
+    src: &[f64],
+    lo: f64,
+    hi: f64,
+    dst: &mut [MaybeUninit<f64>],
+) -> Result<(), KernelError> {
+    each_to(src, dst, move |v| clamp(v, lo, hi))
+}
+
+/// [`clamp_bf16`] of `src` into `dst`, which need not be initialised (all of it is written).
+pub fn clamp_bf16_to(
+    src: &[u16],
+    lo: u16,
+    hi: u16,
+    dst: &mut [MaybeUninit<u16>],
+) -> Result<(), KernelError> {
+    each_to(src, dst, move |b| clamp_bf16_one(b, lo, hi))
 }
 
 /// `x[i] *= c`.
@@ -99,16 +190,18 @@ pub fn clamp_f64(x: &mut [f64], lo: f64, hi: f64) {
 /// The same clamp on bf16 bits, with bounds given as bf16 bits: an element is compared as its
 /// f32 value and replaced by a bound's bits.
 pub fn clamp_bf16(x: &mut [u16], lo: u16, hi: u16) {
-    let (l, h) = (bf16_bits_to_f32(lo), bf16_bits_to_f32(hi));
-    each(x, move |b| {
-        let v = bf16_bits_to_f32(b);
-        let b = if v < l { lo } else { b };
-        if bf16_bits_to_f32(b) > h {
-            hi
-        } else {
-            b
-        }
-    });
+    each(x, move |b| clamp_bf16_one(b, lo, hi));
+}
+
+/// One bf16 element clamped to bounds given as bf16 bits.
+#[inline(always)]
+fn clamp_bf16_one(b: u16, lo: u16, hi: u16) -> u16 {
+    let b = if bf16_bits_to_f32(b) < bf16_bits_to_f32(lo) { lo } else { b };
+    if bf16_bits_to_f32(b) > bf16_bits_to_f32(hi) {
+        hi
+    } else {
+        b
+    }
 }
 
 /// The same writes on one thread, element by element: the twin the tests compare with.
@@ -166,6 +259,21 @@ mod tests {
                     |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
                 assert!(same(&s, &s_ref) && same(&c, &c_ref), "n {n} t {threads}");
                 assert_eq!(b, b_ref, "n {n} t {threads}");
+                // Into fresh memory (here: garbage bits): the same bits.
+                let mut d = vec![MaybeUninit::new(f32::from_bits(0x7fc0_0bad)); n];
+                let mut db = vec![MaybeUninit::new(0xdeadu16); n];
+                let got = |d: &[MaybeUninit<f32>]| -> Vec<f32> {
+                    // SAFETY: the `_to` kernel wrote every element (what is checked).
+                    d.iter().map(|v| unsafe { v.assume_init() }).collect()
+                };
+                pool(threads).install(|| scale_f32_to(&x, 0.37, &mut d)).expect("lengths");
+                assert!(same(&got(&d), &s_ref), "scale_to n {n} t {threads}");
+                pool(threads).install(|| clamp_f32_to(&x, -0.25, 0.5, &mut d)).expect("lengths");
+                assert!(same(&got(&d), &c_ref), "clamp_to n {n} t {threads}");
+                pool(threads).install(|| scale_bf16_to(&bits, 0.37, &mut db)).expect("lengths");
+                // SAFETY: as above.
+                let gb: Vec<u16> = db.iter().map(|v| unsafe { v.assume_init() }).collect();
+                assert_eq!(gb, b_ref, "scale_bf16_to n {n} t {threads}");
             }
         }
     }
@@ -179,11 +287,26 @@ mod tests {
         let mut y = [2.0f64, -2.0];
         scale_f64(&mut y, 0.5);
         assert_eq!(y, [1.0, -1.0]);
+        let mut d = [MaybeUninit::new(0.0f64); 2];
+        scale_f64_to(&y, 3.0, &mut d).expect("lengths");
+        // SAFETY: both elements were written.
+        assert_eq!(unsafe { d[1].assume_init() }, -3.0);
+        clamp_f64_to(&[5.0, f64::NAN], -1.0, 1.0, &mut d).expect("lengths");
+        // SAFETY: both elements were written.
+        let d: Vec<f64> = d.iter().map(|v| unsafe { v.assume_init() }).collect();
+        assert!(d[0] == 1.0 && d[1].is_nan());
+        assert!(scale_f32_to(&[1.0], 2.0, &mut [MaybeUninit::new(0.0); 2]).is_err());
         let b = |v: f32| f32_to_bf16_bits(v);
         let mut z = [b(f32::NAN), b(-3.0), b(0.1), b(7.0)];
         let (lo, hi) = (b(-0.3), b(0.3));
+        let src = z;
         clamp_bf16(&mut z, lo, hi);
         assert!(bf16_bits_to_f32(z[0]).is_nan());
         assert_eq!(&z[1..], &[lo, b(0.1), hi]);
+        let mut d = [MaybeUninit::new(0u16); 4];
+        clamp_bf16_to(&src, lo, hi, &mut d).expect("lengths");
+        // SAFETY: every element was written.
+        let d: Vec<u16> = d.iter().map(|v| unsafe { v.assume_init() }).collect();
+        assert_eq!(d, z);
     }
 }

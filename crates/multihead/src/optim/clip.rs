@@ -240,6 +240,64 @@ impl candle_core::InplaceOp1 for Write {
     }
 }
 
+/// `w` applied to the contiguous f32, f64 or bf16 gradient `g`, into a new tensor (one pass,
+/// the new buffer not zeroed first).
+fn written(g: &Tensor, w: &Write) -> candle_core::Result<Tensor> {
+    use multihead_kernels::clip::{
+        clamp_bf16_to, clamp_f32_to, clamp_f64_to, scale_bf16_to, scale_f32_to, scale_f64_to,
+    };
+    use std::mem::MaybeUninit;
+    let (s, l) = g.storage_and_layout();
+    let Storage::Cpu(s) = &*s else { candle_core::bail!("clip-grad: not on the CPU") };
+    let (a, b) =
+        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("not contiguous".into()))?;
+    let kernel =
+        |e: multihead_kernels::attention::KernelError| candle_core::Error::Msg(e.to_string());
+    let n = b - a;
+    let (shape, dev) = (g.shape().clone(), g.device().clone());
+    match (s, *w) {
+        (CpuStorage::F32(v), w) => {
+            let write = |d: &mut [MaybeUninit<f32>]| match w {
+                Write::Scale(c) => scale_f32_to(&v[a..b], c as f32, d).map_err(kernel),
+                Write::Clamp(c) => clamp_f32_to(&v[a..b], -(c as f32), c as f32, d).map_err(kernel),
+            };
+            // SAFETY: on `Ok` the `_to` kernels wrote all `n` elements.
+            let out = unsafe { crate::alloc::try_written(n, "clipped gradient", write) }?;
+            Tensor::from_vec(out, shape, &dev)
+        }
+        (CpuStorage::F64(v), w) => {
+            let write = |d: &mut [MaybeUninit<f64>]| match w {
+                Write::Scale(c) => scale_f64_to(&v[a..b], c, d).map_err(kernel),
+                Write::Clamp(c) => clamp_f64_to(&v[a..b], -c, c, d).map_err(kernel),
+            };
+            // SAFETY: on `Ok` the `_to` kernels wrote all `n` elements.
+            let out = unsafe { crate::alloc::try_written(n, "clipped gradient", write) }?;
+            Tensor::from_vec(out, shape, &dev)
+        }
+        (CpuStorage::BF16(v), w) => {
+            // SAFETY: `half::bf16` is `repr(transparent)` over its `u16` bits.
+            let src: &[u16] = unsafe { std::slice::from_raw_parts(v[a..b].as_ptr().cast(), n) };
+            let write = |d: &mut [MaybeUninit<half::bf16>]| {
+                // SAFETY: `MaybeUninit<bf16>` and `MaybeUninit<u16>` share size and alignment
+                // (`bf16` is `repr(transparent)` over `u16`), and the kernels write only bits.
+                let d: &mut [MaybeUninit<u16>] =
+                    unsafe { std::slice::from_raw_parts_mut(d.as_mut_ptr().cast(), d.len()) };
+                match w {
+                    Write::Scale(c) => scale_bf16_to(src, c as f32, d).map_err(kernel),
+                    Write::Clamp(c) => {
+                        let (lo, hi) = (f32_to_bf16_bits(-(c as f32)), f32_to_bf16_bits(c as f32));
+                        clamp_bf16_to(src, lo, hi, d).map_err(kernel)
+                    }
+                }
+            };
+            // SAFETY: on `Ok` the `_to` kernels wrote all `n` elements.
+            let out = unsafe { crate::alloc::try_written(n, "clipped gradient", write) }?;
+            Tensor::from_vec(out, shape, &dev)
+        }
+        _ => candle_core::bail!("clip-grad: not an f32, f64 or bf16 gradient"),
+    }
+}
+
 /// The bits of bf16 values.
 fn bf16_bits(v: &mut [half::bf16]) -> &mut [u16] {
     // SAFETY: `half::bf16` is `repr(transparent)` over its `u16` bits, and every bit pattern
@@ -278,9 +336,12 @@ fn write(
         let err = |e| candle_err(op, e);
         if in_place {
             g.inplace_op1(w).map_err(err)?;
+        } else if g.is_contiguous() && matches!(g.dtype(), DType::F32 | DType::F64 | DType::BF16) {
+            // Read where it lies, written into a fresh buffer in one pass.
+            grads.insert(var.as_tensor(), written(g, w).map_err(err)?);
         } else if matches!(g.dtype(), DType::F32 | DType::F64 | DType::BF16) {
-            // A fresh contiguous copy of our own, then written in place.
-            let fresh = if g.is_contiguous() { g.copy() } else { g.contiguous() }.map_err(err)?;
+            // A strided view: a contiguous copy of our own, then written in place.
+            let fresh = g.contiguous().map_err(err)?;
             fresh.inplace_op1(w).map_err(err)?;
             grads.insert(var.as_tensor(), fresh);
         } else {

@@ -308,3 +308,36 @@ fn clipping_edges_follow_pytorch() {
     assert_eq!(total, 1e20f32 as f64);
     assert_eq!(grads.get(w.as_tensor()).unwrap().to_vec1::<f32>().unwrap(), [1.0]);
 }
+
+/// A gradient held by two store entries is written into a new buffer in every dtype, with the
+/// values an unshared one gets in place.
+#[test]
+fn shared_gradients_get_the_in_place_values_in_every_dtype() {
+    let dev = Device::Cpu;
+    for dtype in [DType::F32, DType::F64, DType::BF16] {
+        let vals = Tensor::new(&[3f32, -4.0, 0.5, 1e-3], &dev).unwrap().to_dtype(dtype).unwrap();
+        let run = |shared: bool| {
+            let w = Var::zeros(4, dtype, &dev).unwrap();
+            let other = Var::zeros(4, dtype, &dev).unwrap();
+            let mut grads = empty_grads();
+            let g = vals.copy().unwrap();
+            grads.insert(w.as_tensor(), g.clone());
+            if shared {
+                grads.insert(other.as_tensor(), g);
+            }
+            let w1 = std::slice::from_ref(&w);
+            clip_grad_norm(w1, &mut grads, 1.0).unwrap();
+            let normed = grads.get(w.as_tensor()).unwrap().clone();
+            clip_grad_value(w1, &mut grads, 0.3).unwrap();
+            let clamped = grads.get(w.as_tensor()).unwrap().clone();
+            if shared {
+                let kept = grads.get(other.as_tensor()).unwrap();
+                close(kept, &vals, 0.0).unwrap();
+            }
+            (normed, clamped)
+        };
+        let (a, b) = (run(false), run(true));
+        close(&b.0, &a.0, 0.0).unwrap_or_else(|e| panic!("{dtype:?} norm: {e}"));
+        close(&b.1, &a.1, 0.0).unwrap_or_else(|e| panic!("{dtype:?} value: {e}"));
+    }
+}
