@@ -22,23 +22,37 @@ pub const CHUNK: usize = 1 << 14;
 /// Running sums per chunk.
 const LANES: usize = 16;
 
-/// One chunk's sum: 16 running sums, then added pairwise.
+/// An accumulator of the chunked sums: f32 or f64.
+pub(crate) trait SumAcc: Copy + Send + Sync + std::ops::Add<Output = Self> {
+    /// The sum of nothing.
+    const ZERO: Self;
+}
+
+impl SumAcc for f32 {
+    const ZERO: Self = 0.0;
+}
+
+impl SumAcc for f64 {
+    const ZERO: Self = 0.0;
+}
+
+/// One chunk's sum of `f(x)`: 16 running sums, then added pairwise.
 #[inline(always)]
-fn chunk_sum<T: Copy>(c: &[T], f: impl Fn(T) -> f32) -> f32 {
-    let mut acc = [0f32; LANES];
+pub(crate) fn chunk_sum<T: Copy, A: SumAcc>(c: &[T], f: impl Fn(T) -> A) -> A {
+    let mut acc = [A::ZERO; LANES];
     let mut blocks = c.chunks_exact(LANES);
     for blk in &mut blocks {
         for (a, &x) in acc.iter_mut().zip(blk) {
-            *a += f(x);
+            *a = *a + f(x);
         }
     }
     for (a, &x) in acc.iter_mut().zip(blocks.remainder()) {
-        *a += f(x);
+        *a = *a + f(x);
     }
     let mut w = LANES / 2;
     while w > 0 {
         for l in 0..w {
-            acc[l] += acc[l + w];
+            acc[l] = acc[l] + acc[l + w];
         }
         w /= 2;
     }
@@ -53,12 +67,12 @@ fn chunk_sum<T: Copy>(c: &[T], f: impl Fn(T) -> f32) -> f32 {
 /// The CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn chunk_sum_avx512<T: Copy>(c: &[T], f: impl Fn(T) -> f32) -> f32 {
+unsafe fn chunk_sum_avx512<T: Copy, A: SumAcc>(c: &[T], f: impl Fn(T) -> A) -> A {
     chunk_sum(c, f)
 }
 
 /// [`chunk_sum`] at the SIMD level the kernels run at.
-fn chunk_sum_at<T: Copy>(c: &[T], f: impl Fn(T) -> f32, avx512: bool) -> f32 {
+fn chunk_sum_at<T: Copy, A: SumAcc>(c: &[T], f: impl Fn(T) -> A, avx512: bool) -> A {
     #[cfg(target_arch = "x86_64")]
     if avx512 {
         // SAFETY: the SIMD level is AVX-512 only where the CPU has AVX-512F.
@@ -68,24 +82,33 @@ fn chunk_sum_at<T: Copy>(c: &[T], f: impl Fn(T) -> f32, avx512: bool) -> f32 {
     chunk_sum(c, f)
 }
 
-/// The chunk sums added in order.
-fn sum_chunks<T: Copy + Sync>(x: &[T], f: impl Fn(T) -> f32 + Sync + Copy) -> f32 {
+/// The chunk sums of `f(x)` added in order; `parallel` spreads the chunks over rayon's
+/// threads (the same bits either way).
+pub(crate) fn sum_chunks<T: Copy + Sync, A: SumAcc>(
+    x: &[T],
+    f: impl Fn(T) -> A + Sync + Copy,
+    parallel: bool,
+) -> A {
     let avx512 = crate::attention::simd_level() == crate::attention::SimdLevel::Avx512;
     if x.len() <= CHUNK {
         return chunk_sum_at(x, f, avx512);
     }
-    let sums: Vec<f32> = x.par_chunks(CHUNK).map(|c| chunk_sum_at(c, f, avx512)).collect();
-    sums.iter().fold(0.0, |s, &c| s + c)
+    let sums: Vec<A> = if parallel {
+        x.par_chunks(CHUNK).map(|c| chunk_sum_at(c, f, avx512)).collect()
+    } else {
+        x.chunks(CHUNK).map(|c| chunk_sum_at(c, f, avx512)).collect()
+    };
+    sums.iter().fold(A::ZERO, |s, &c| s + c)
 }
 
 /// The sum of `x` in f32 (0 for an empty `x`; NaN and infinities propagate).
 pub fn sum_f32(x: &[f32]) -> f32 {
-    sum_chunks(x, |v| v)
+    sum_chunks(x, |v| v, true)
 }
 
 /// The sum of the bf16 values `x` (their bits) in f32, each widened exactly.
 pub fn sum_bf16(x: &[u16]) -> f32 {
-    sum_chunks(x, bf16_bits_to_f32)
+    sum_chunks(x, bf16_bits_to_f32, true)
 }
 
 /// The same sums on one thread, chunk after chunk: the twin the tests compare with.

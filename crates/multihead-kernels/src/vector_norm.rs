@@ -40,11 +40,8 @@ use rayon::prelude::*;
 
 use crate::attention::KernelError;
 use crate::convert::bf16_bits_to_f32;
-
-/// Elements per chunk (the unit of work of one task).
-pub const CHUNK: usize = 1 << 14;
-/// Running sums per chunk.
-const LANES: usize = 16;
+pub use crate::sum::CHUNK;
+use crate::sum::{sum_chunks, SumAcc};
 
 /// The order of a vector norm: `ord` of `torch.linalg.vector_norm`, `norm_type` of
 /// `clip_grad_norm_`.
@@ -96,8 +93,7 @@ impl NormOrd {
 }
 
 /// An accumulator type: f32 or f64.
-trait Acc: Copy + Send + Sync + PartialOrd + std::ops::Add<Output = Self> {
-    const ZERO: Self;
+trait Acc: SumAcc + PartialOrd {
     const ONE: Self;
     fn abs(self) -> Self;
     fn sq(self) -> Self;
@@ -111,7 +107,6 @@ trait Acc: Copy + Send + Sync + PartialOrd + std::ops::Add<Output = Self> {
 macro_rules! acc {
     ($t:ty) => {
         impl Acc for $t {
-            const ZERO: Self = 0.0;
             const ONE: Self = 1.0;
             #[inline(always)]
             fn abs(self) -> Self {
@@ -143,29 +138,6 @@ macro_rules! acc {
 acc!(f32);
 acc!(f64);
 
-/// One chunk's sum of `f(x)`: 16 running sums, then added pairwise.
-#[inline(always)]
-fn chunk_sum<T: Copy, A: Acc>(c: &[T], f: impl Fn(T) -> A) -> A {
-    let mut acc = [A::ZERO; LANES];
-    let mut blocks = c.chunks_exact(LANES);
-    for blk in &mut blocks {
-        for (a, &x) in acc.iter_mut().zip(blk) {
-            *a = *a + f(x);
-        }
-    }
-    for (a, &x) in acc.iter_mut().zip(blocks.remainder()) {
-        *a = *a + f(x);
-    }
-    let mut w = LANES / 2;
-    while w > 0 {
-        for l in 0..w {
-            acc[l] = acc[l] + acc[l + w];
-        }
-        w /= 2;
-    }
-    acc[0]
-}
-
 /// One chunk's largest (`max`) or smallest magnitude; NaN as soon as an element is NaN.
 #[inline(always)]
 fn chunk_extreme<T: Copy, A: Acc>(c: &[T], w: impl Fn(T) -> A, max: bool) -> A {
@@ -181,46 +153,6 @@ fn chunk_extreme<T: Copy, A: Acc>(c: &[T], w: impl Fn(T) -> A, max: bool) -> A {
         });
     }
     best.unwrap_or(A::ZERO)
-}
-
-/// [`chunk_sum`] compiled for AVX-512: the same operations in the same order, so the same
-/// bits, on sixteen lanes where the x86-64 baseline has four.
-///
-/// # Safety
-/// The CPU has AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn chunk_sum_avx512<T: Copy, A: Acc>(c: &[T], f: impl Fn(T) -> A) -> A {
-    chunk_sum(c, f)
-}
-
-/// [`chunk_sum`] at the SIMD level the kernels run at.
-fn chunk_sum_at<T: Copy, A: Acc>(c: &[T], f: impl Fn(T) -> A, avx512: bool) -> A {
-    #[cfg(target_arch = "x86_64")]
-    if avx512 {
-        // SAFETY: the SIMD level is AVX-512 only where the CPU has AVX-512F.
-        return unsafe { chunk_sum_avx512(c, f) };
-    }
-    let _ = avx512;
-    chunk_sum(c, f)
-}
-
-/// The chunk sums of `f(x)` added in order; `parallel` spreads the chunks over rayon's threads.
-fn sum_chunks<T: Copy + Sync, A: Acc>(
-    x: &[T],
-    f: impl Fn(T) -> A + Sync + Copy,
-    parallel: bool,
-) -> A {
-    let avx512 = crate::attention::simd_level() == crate::attention::SimdLevel::Avx512;
-    if x.len() <= CHUNK {
-        return chunk_sum_at(x, f, avx512);
-    }
-    let sums: Vec<A> = if parallel {
-        x.par_chunks(CHUNK).map(|c| chunk_sum_at(c, f, avx512)).collect()
-    } else {
-        x.chunks(CHUNK).map(|c| chunk_sum_at(c, f, avx512)).collect()
-    };
-    sums.iter().fold(A::ZERO, |s, &c| s + c)
 }
 
 /// The norm of the widened elements `w(x)`.

@@ -1007,8 +1007,10 @@ pub fn flash_backward_dscores(
 /// `2·heads·dl.head` later (`dqkv` is a `[batch, 3·heads, l, d]` tensor through `dl`).
 ///
 /// Needs `heads_q == heads_kv`, `d == dv` and `l == s`; writes every element of those three
-/// parts, so no separate gradients need interleaving afterwards. With `dscores`, also writes
-/// the scores' gradient there, as [`flash_backward_dscores`] does.
+/// parts (stored, never added to), so no separate gradients need interleaving afterwards, and
+/// `dqkv` may be uninitialised memory (`&mut [MaybeUninit<f32>]`) when the three parts are all
+/// of it. With `dscores`, also writes the scores' gradient there, as [`flash_backward_dscores`]
+/// does.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward_packed(
     p: &AttnParams<'_>,
@@ -1023,7 +1025,7 @@ pub fn flash_backward_packed(
     dout: &[f32],
     dol: Layout4,
     lse: &[f32],
-    dqkv: &mut [f32],
+    dqkv: &mut [impl OutputF32],
     dl: Layout4,
     dscores: Option<&mut [f32]>,
 ) -> Result<(), KernelError> {
@@ -1033,38 +1035,6 @@ pub fn flash_backward_packed(
     check_backward_inputs(p, ins, lse)?;
     let [dq, dk, dv] = packed_outputs("dqkv", dqkv, dl, [d.batch, d.heads_q, d.l, d.d])?;
     let dscores = scores_output(p, dscores)?;
-    run_backward(p, ins, lse, [(dq, dl), (dk, dl), (dv, dl)], dscores)
-}
-
-/// [`flash_backward_packed`] into a buffer that need not be initialised: on `Ok`, every
-/// element of the three parts has been written (so a whole `[.., 3·E]` gradient needs no
-/// zeroing first).
-#[allow(clippy::too_many_arguments)]
-pub fn flash_backward_packed_uninit(
-    p: &AttnParams<'_>,
-    q: &[f32],
-    ql: Layout4,
-    k: &[f32],
-    kl: Layout4,
-    v: &[f32],
-    vl: Layout4,
-    out: &[f32],
-    ol: Layout4,
-    dout: &[f32],
-    dol: Layout4,
-    lse: &[f32],
-    dqkv: &mut [std::mem::MaybeUninit<f32>],
-    dl: Layout4,
-    dscores: Option<&mut [f32]>,
-) -> Result<(), KernelError> {
-    let d = p.dims;
-    packed_shape_check(d)?;
-    let ins = [(q, ql), (k, kl), (v, vl), (out, ol), (dout, dol)];
-    check_backward_inputs(p, ins, lse)?;
-    let [dq, dk, dv] = packed_outputs("dqkv", dqkv, dl, [d.batch, d.heads_q, d.l, d.d])?;
-    let dscores = scores_output(p, dscores)?;
-    // The backward writes each element of dq, dk and dv once per row block (stored, not
-    // added), so uninitialised memory is never read.
     run_backward(p, ins, lse, [(dq, dl), (dk, dl), (dv, dl)], dscores)
 }
 
@@ -1142,7 +1112,7 @@ pub fn flash_backward_kv_packed(
 /// part is `buf`'s start (no pointer is offset past an empty buffer).
 fn packed_outputs<const N: usize>(
     name: &'static str,
-    buf: &mut [impl WritableF32],
+    buf: &mut [impl OutputF32],
     l: Layout4,
     [batch, heads, rows, width]: [usize; 4],
 ) -> Result<[exec::SyncPtr<f32>; N], KernelError> {
@@ -1158,11 +1128,17 @@ fn packed_outputs<const N: usize>(
     }))
 }
 
-/// An element of an output buffer the kernels write f32s into: `f32`, or
-/// `MaybeUninit<f32>` for a buffer that was not initialised (the kernels only write it).
-trait WritableF32: Sized {}
-impl WritableF32 for f32 {}
-impl WritableF32 for std::mem::MaybeUninit<f32> {}
+/// An element of an output buffer the kernels write f32s into without reading it: `f32`, or
+/// `MaybeUninit<f32>` for a buffer that was not initialised. Sealed: only these two.
+pub trait OutputF32: sealed::Sealed {}
+impl OutputF32 for f32 {}
+impl OutputF32 for std::mem::MaybeUninit<f32> {}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for std::mem::MaybeUninit<f32> {}
+}
 
 /// Checks the backward's parameters and inputs: q, k, v, out, dout (each with its layout)
 /// and the row statistics.

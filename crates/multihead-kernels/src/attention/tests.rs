@@ -604,7 +604,7 @@ fn packed_backward_equals_three_gradients() {
             assert_eq!(bits(&ds), bits(&r.dscores), "packed dscores ({level:?})");
             // Into a buffer that was never initialised (here: garbage bits): the same bits.
             let mut raw = vec![std::mem::MaybeUninit::new(f32::from_bits(0x7fc0_1234)); 3 * n];
-            flash_backward_packed_uninit(
+            flash_backward_packed(
                 &p, q, x.ql, k, x.kl, v, x.vl, ins.0, ins.1, ins.2, ins.3, &lse, &mut raw, dl, None,
             )
             .unwrap();

@@ -8,9 +8,7 @@
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
-use multihead_kernels::attention::{
-    flash_backward_kv_packed, flash_backward_packed_uninit, Layout4,
-};
+use multihead_kernels::attention::{flash_backward_kv_packed, flash_backward_packed, Layout4};
 
 use super::flash::{contiguous_layout4, cpu_f32, f32s, Convention, FlashAttention};
 use crate::error::Result;
@@ -94,13 +92,11 @@ pub(super) fn backward_qkv(
     let (q, k, v) = (&x[qo..], &x[ko..], &x[vo..]);
     let write = |dqkv: &mut [std::mem::MaybeUninit<f32>]| {
         op.with_saved(res, grad_res, |p, (o, o4), (g, g4), lse| {
-            flash_backward_packed_uninit(
-                p, q, q4, k, k4, v, v4, o, o4, g, g4, lse, dqkv, d4, dscores,
-            )
+            flash_backward_packed(p, q, q4, k, k4, v, v4, o, o4, g, g4, lse, dqkv, d4, dscores)
         })
     };
     // SAFETY: on `Ok`, the kernel wrote all three parts of the contiguous (L, N, 3E) buffer,
-    // which are all of its elements (`flash_backward_packed_uninit`).
+    // which are all of its elements (`flash_backward_packed`).
     let dqkv =
         unsafe { crate::alloc::try_written(qkv.elem_count(), "flash attention dqkv", write) }?;
     Ok([Tensor::from_vec(dqkv, qkv.shape(), qkv.device())?])

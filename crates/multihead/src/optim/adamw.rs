@@ -121,14 +121,7 @@ impl VarState {
     /// Checks gradient `g` against the parameter and returns the step's scalars.
     fn check(&self, g: &Tensor, params: &ParamsAdamW) -> candle_core::Result<AdamWStep> {
         let t = self.var.as_tensor();
-        if g.dims() != t.dims() || g.dtype() != t.dtype() {
-            let msg = format!(
-                "the gradient is {} {:?} but its parameter {} {:?}; pass the gradients of these variables",
-                fmt_shape(g.dims()),
-                g.dtype(),
-                fmt_shape(t.dims()),
-                t.dtype()
-            );
+        if let Some(msg) = super::grad_mismatch(g, t) {
             return Err(config("grads", msg));
         }
         step_of(params, self.step + 1)

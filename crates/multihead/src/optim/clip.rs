@@ -374,14 +374,7 @@ fn gradients(op: &'static str, vars: &[Var], grads: &GradStore) -> Result<Vec<(V
             return Err(Error::Config { op, arg: "parameters", msg });
         }
         let Some(g) = grads.get(t) else { continue };
-        if g.dims() != t.dims() || g.dtype() != t.dtype() {
-            let msg = format!(
-                "the gradient is {} {:?} but its parameter {} {:?}; pass the gradients of these variables",
-                fmt_shape(g.dims()),
-                g.dtype(),
-                fmt_shape(t.dims()),
-                t.dtype()
-            );
+        if let Some(msg) = super::grad_mismatch(g, t) {
             return Err(Error::Shape { op, arg: "grads", msg });
         }
         if !matches!(g.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16) {

@@ -35,3 +35,17 @@ fn storage_addr(t: &candle_core::Tensor) -> Option<usize> {
         _ => return None,
     })
 }
+
+/// Why gradient `g` cannot be variable `t`'s, if its shape or dtype is not `t`'s.
+fn grad_mismatch(g: &candle_core::Tensor, t: &candle_core::Tensor) -> Option<String> {
+    use crate::error::fmt_shape;
+    (g.dims() != t.dims() || g.dtype() != t.dtype()).then(|| {
+        format!(
+            "the gradient is {} {:?} but its parameter {} {:?}; pass the gradients of these variables",
+            fmt_shape(g.dims()),
+            g.dtype(),
+            fmt_shape(t.dims()),
+            t.dtype()
+        )
+    })
+}

@@ -196,16 +196,23 @@ fn clipping_refuses_bad_arguments_and_changes_nothing() {
     assert_eq!(clip_grad_norm(&[u], &mut empty_grads(), 1.0).unwrap(), 0.0);
 }
 
-/// Two variables holding one gradient tensor (candle stores the gradient of both inputs of an
-/// add as one tensor): each is scaled once.
-#[test]
-fn a_gradient_shared_by_two_variables_is_scaled_once() {
+/// `a = (1, 2)`, `b = (0, 0)` and the gradients of `sum((a + b)·(3, 4))`: candle stores the
+/// add's gradient `(3, 4)` once, as both variables' gradient.
+fn add_graph() -> (Var, Var, GradStore) {
     let dev = Device::Cpu;
     let a = Var::new(&[1f32, 2.0], &dev).unwrap();
     let b = Var::new(&[0f32, 0.0], &dev).unwrap();
     let y = Tensor::new(&[3f32, 4.0], &dev).unwrap();
     let sum = (a.as_tensor() + b.as_tensor()).unwrap().mul(&y).unwrap().sum_all().unwrap();
-    let mut grads = sum.backward().unwrap();
+    let grads = sum.backward().unwrap();
+    (a, b, grads)
+}
+
+/// Two variables holding one gradient tensor (candle stores the gradient of both inputs of an
+/// add as one tensor): each is scaled once.
+#[test]
+fn a_gradient_shared_by_two_variables_is_scaled_once() {
+    let (a, b, mut grads) = add_graph();
     // Total norm √(25 + 25); to 1: each gradient times 1/√50.
     let total = clip_grad_norm(&[a.clone(), b.clone()], &mut grads, 1.0).unwrap();
     assert!((total - 50f64.sqrt()).abs() < 1e-5, "{total}");
@@ -262,12 +269,7 @@ fn a_gradient_viewing_a_parameter_leaves_the_parameter_alone() {
 /// inputs of an add with one gradient tensor (PyTorch: separate `.grad`s).
 #[test]
 fn clipping_a_subset_leaves_the_other_gradients_alone() {
-    let dev = Device::Cpu;
-    let a = Var::new(&[1f32, 2.0], &dev).unwrap();
-    let b = Var::new(&[0f32, 0.0], &dev).unwrap();
-    let y = Tensor::new(&[3f32, 4.0], &dev).unwrap();
-    let sum = (a.as_tensor() + b.as_tensor()).unwrap().mul(&y).unwrap().sum_all().unwrap();
-    let mut grads = sum.backward().unwrap();
+    let (a, b, mut grads) = add_graph();
     let total = clip_grad_norm(std::slice::from_ref(&a), &mut grads, 1.0).unwrap();
     assert!((total - 5.0).abs() < 1e-6, "{total}");
     let ga = grads.get(a.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
