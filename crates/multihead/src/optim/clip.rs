@@ -4,10 +4,11 @@
 //! [`GradStore`] from `loss.backward()`. These functions clip the gradients of the given
 //! variables there, before the optimiser's `step(&grads)`, in place as PyTorch does (a clone
 //! of a gradient tensor taken before sees the change, as a reference to `.grad` does in
-//! PyTorch), with one exception: the store may hold one storage as the gradient of two
-//! variables (the two inputs of an add), a gradient as a broadcast view, or a gradient that is
-//! a view of a parameter; such a gradient is replaced by a clipped copy, as writing it in place
-//! would clip it twice, clip the wrong elements or change the parameter.
+//! PyTorch), except where that would change something else: a gradient whose storage another
+//! entry of the store holds too (candle stores the gradient of an add as the gradient of both
+//! its inputs and of itself), a strided or broadcast view, a gradient that is a view of a
+//! parameter, and f16 gradients, are replaced in the store by clipped copies with the same
+//! values.
 
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor, Var};
@@ -107,8 +108,8 @@ impl ClipGradNorm {
             return Err(Error::Config { op: NORM_OP, arg: "parameters", msg });
         }
         let coef = clip_coef(total, self.max_norm, total_dtype);
-        // x·1 is x for every x (NaN payloads included), so PyTorch's multiplication by a
-        // factor clamped to 1 changes nothing and is left out.
+        // x·1 is x for every number, so PyTorch's multiplication by a factor clamped to 1
+        // changes nothing and is left out.
         if coef != 1.0 {
             write(NORM_OP, grads, found, &Write::Scale(coef))?;
         }
