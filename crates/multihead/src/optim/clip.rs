@@ -6,7 +6,7 @@
 //! of a gradient tensor taken before sees the change, as a reference to `.grad` does in
 //! PyTorch), except where that would change something else: a gradient whose storage another
 //! entry of the store holds too (candle stores the gradient of an add as the gradient of both
-//! its inputs and of itself), a strided or broadcast view, a gradient that is a view of a
+//! its inputs and of itself), a broadcast or sliced view, a gradient that is a view of a
 //! parameter, and f16 gradients, are replaced in the store by clipped copies with the same
 //! values.
 
@@ -222,9 +222,7 @@ impl candle_core::InplaceOp1 for Write {
     }
 
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
-        let (a, b) = l
-            .contiguous_offsets()
-            .ok_or_else(|| candle_core::Error::Msg("not contiguous".into()))?;
+        let (a, b, _) = dense(l).ok_or_else(|| candle_core::Error::Msg("not dense".into()))?;
         match (s, *self) {
             (CpuStorage::F32(v), Write::Scale(c)) => scale_f32(&mut v[a..b], c as f32),
             (CpuStorage::F64(v), Write::Scale(c)) => scale_f64(&mut v[a..b], c),
@@ -241,8 +239,8 @@ impl candle_core::InplaceOp1 for Write {
     }
 }
 
-/// `w` applied to the contiguous f32, f64 or bf16 gradient `g`, into a new tensor (one pass,
-/// the new buffer not zeroed first).
+/// `w` applied to the f32, f64 or bf16 gradient `g`, whose layout is [`dense`], into a new
+/// tensor of the same layout (one pass in storage order, the new buffer not zeroed first).
 fn written(g: &Tensor, w: &Write) -> candle_core::Result<Tensor> {
     use multihead_kernels::clip::{
         clamp_bf16_to, clamp_f32_to, clamp_f64_to, scale_bf16_to, scale_f32_to, scale_f64_to,
@@ -250,13 +248,19 @@ fn written(g: &Tensor, w: &Write) -> candle_core::Result<Tensor> {
     use std::mem::MaybeUninit;
     let (s, l) = g.storage_and_layout();
     let Storage::Cpu(s) = &*s else { candle_core::bail!("clip-grad: not on the CPU") };
-    let (a, b) =
-        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("not contiguous".into()))?;
+    let (a, b, order) = dense(l).ok_or_else(|| candle_core::Error::Msg("not dense".into()))?;
     let kernel =
         |e: multihead_kernels::attention::KernelError| candle_core::Error::Msg(e.to_string());
     let n = b - a;
-    let (shape, dev) = (g.shape().clone(), g.device().clone());
-    match (s, *w) {
+    // The new buffer keeps the storage order: a tensor of the dimensions in that order,
+    // permuted back to the gradient's.
+    let shape: Vec<usize> = order.iter().map(|&d| g.dims()[d]).collect();
+    let mut back = vec![0; order.len()];
+    for (j, &d) in order.iter().enumerate() {
+        back[d] = j;
+    }
+    let dev = g.device().clone();
+    let new = match (s, *w) {
         (CpuStorage::F32(v), w) => {
             let write = |d: &mut [MaybeUninit<f32>]| match w {
                 Write::Scale(c) => scale_f32_to(&v[a..b], c as f32, d).map_err(kernel),
@@ -296,7 +300,34 @@ fn written(g: &Tensor, w: &Write) -> candle_core::Result<Tensor> {
             Tensor::from_vec(out, shape, &dev)
         }
         _ => candle_core::bail!("clip-grad: not an f32, f64 or bf16 gradient"),
+    }?;
+    new.permute(back)
+}
+
+/// Where a layout's elements lie when they fill a storage range exactly once, in some order of
+/// the dimensions (contiguous, or a transpose or permutation of a contiguous tensor): the range,
+/// and the dimensions from the outermost in storage to the innermost. An element-wise write or
+/// a norm can then run over the range in storage order, as ATen's iterators run over a permuted
+/// tensor.
+fn dense(l: &Layout) -> Option<(usize, usize, Vec<usize>)> {
+    let (dims, strides) = (l.dims(), l.stride());
+    let mut order: Vec<usize> = (0..dims.len()).collect();
+    if l.shape().elem_count() == 0 {
+        return Some((l.start_offset(), l.start_offset(), order));
     }
+    order.sort_by(|&a, &b| strides[b].cmp(&strides[a]));
+    let mut expected = 1usize;
+    for &d in order.iter().rev() {
+        if dims[d] == 1 {
+            continue;
+        }
+        if strides[d] != expected {
+            return None;
+        }
+        expected = expected.checked_mul(dims[d])?;
+    }
+    let start = l.start_offset();
+    Some((start, start.checked_add(l.shape().elem_count())?, order))
 }
 
 /// The bits of bf16 values.
@@ -331,17 +362,17 @@ fn write(
         // of one): written in place, it would clip another gradient or change the parameter.
         let shared = addr.is_none_or(|a| holders.get(&a).copied().unwrap_or(0) != 1)
             || params.contains(&addr);
-        let in_place = !shared
-            && g.is_contiguous()
-            && matches!(g.dtype(), DType::F32 | DType::F64 | DType::BF16);
+        let is_dense = dense(g.layout()).is_some();
+        let in_place =
+            !shared && is_dense && matches!(g.dtype(), DType::F32 | DType::F64 | DType::BF16);
         let err = |e| candle_err(op, e);
         if in_place {
             g.inplace_op1(w).map_err(err)?;
-        } else if g.is_contiguous() && matches!(g.dtype(), DType::F32 | DType::F64 | DType::BF16) {
+        } else if is_dense && matches!(g.dtype(), DType::F32 | DType::F64 | DType::BF16) {
             // Read where it lies, written into a fresh buffer in one pass.
             grads.insert(var.as_tensor(), written(g, w).map_err(err)?);
         } else if matches!(g.dtype(), DType::F32 | DType::F64 | DType::BF16) {
-            // A strided view: a contiguous copy of our own, then written in place.
+            // A broadcast or sliced view: a contiguous copy of our own, then written in place.
             let fresh = g.contiguous().map_err(err)?;
             fresh.inplace_op1(w).map_err(err)?;
             grads.insert(var.as_tensor(), fresh);
@@ -436,14 +467,15 @@ fn norm_of(g: &Tensor, ord: NormOrd) -> Result<f64> {
         }
         _ => g,
     };
-    let g = g.contiguous().map_err(err)?;
+    // A transposed or permuted gradient is read in storage order, as ATen reads it; any other
+    // view (a broadcast, a strided slice) is copied first.
+    let g = if dense(g.layout()).is_some() { g.clone() } else { g.contiguous().map_err(err)? };
     let (s, l) = g.storage_and_layout();
     let Storage::Cpu(s) = &*s else {
         return Err(candle_err(NORM_OP, candle_core::Error::Msg("not on the CPU".into())));
     };
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| candle_err(NORM_OP, candle_core::Error::Msg("not contiguous".into())))?;
+    let (a, b, _) =
+        dense(l).ok_or_else(|| candle_err(NORM_OP, candle_core::Error::Msg("not dense".into())))?;
     let n = match s {
         CpuStorage::F32(v) => vector_norm_f32(&v[a..b], ord).map_err(kernel)? as f64,
         CpuStorage::F64(v) => vector_norm_f64(&v[a..b], ord).map_err(kernel)?,

@@ -223,31 +223,66 @@ fn a_gradient_shared_by_two_variables_is_scaled_once() {
     }
 }
 
-/// A contiguous gradient is clipped in place (a clone taken before sees it, as a reference to
-/// `.grad` does in PyTorch); a transposed view is replaced by a clipped copy with its values.
+/// A contiguous or transposed gradient is clipped in place (a clone taken before sees it, as a
+/// reference to `.grad` does in PyTorch; a transpose is written in its storage order); a
+/// broadcast view is replaced by a clipped copy with its values.
 #[test]
 fn gradients_are_clipped_in_place_or_as_copies_with_the_same_values() {
     let dev = Device::Cpu;
     let a = Var::zeros(4, DType::F32, &dev).unwrap();
     let b = Var::zeros((3, 2), DType::F32, &dev).unwrap();
+    let c = Var::zeros((2, 3), DType::F32, &dev).unwrap();
     let ga = Tensor::new(&[3f32, 0.0, -4.0, 0.0], &dev).unwrap();
     let base = Tensor::new(&[[1f32, 2.0, 3.0], [4.0, 5.0, 6.0]], &dev).unwrap();
     let gb = base.t().unwrap();
-    assert!(!gb.is_contiguous());
+    let row = Tensor::new(&[[0.5f32, -9.0, 1.0]], &dev).unwrap();
+    let gc = row.broadcast_as((2, 3)).unwrap();
+    assert!(!gb.is_contiguous() && !gc.is_contiguous());
     let mut grads = empty_grads();
     grads.insert(a.as_tensor(), ga.clone());
     grads.insert(b.as_tensor(), gb.clone());
-    let vars = [a.clone(), b.clone()];
+    grads.insert(c.as_tensor(), gc.clone());
+    let vars = [a.clone(), b.clone(), c.clone()];
     clip_grad_value(&vars, &mut grads, 3.5).unwrap();
     assert_eq!(ga.to_vec1::<f32>().unwrap(), [3.0, 0.0, -3.5, 0.0], "in place");
     let got = grads.get(b.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
-    assert_eq!(got, [[1.0, 3.5], [2.0, 3.5], [3.0, 3.5]], "the view's values, clamped");
-    assert_eq!(base.to_vec2::<f32>().unwrap()[1], [4.0, 5.0, 6.0], "the view's storage kept");
-    // 2-norm of (3, 0, -3.5, 0) and the clamped view: √(9 + 12.25 + 14 + 3·12.25) = √72.
-    let total = clip_grad_norm(&vars, &mut grads, 72f64.sqrt() / 2.0).unwrap();
-    assert!((total - 72f64.sqrt()).abs() < 1e-5, "{total}");
+    assert_eq!(got, [[1.0, 3.5], [2.0, 3.5], [3.0, 3.5]], "the transpose's values, clamped");
+    assert_eq!(base.to_vec2::<f32>().unwrap()[1], [3.5, 3.5, 3.5], "written in place");
+    let got = grads.get(c.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
+    assert_eq!(got, [[0.5, -3.5, 1.0], [0.5, -3.5, 1.0]], "the broadcast's values, clamped");
+    assert_eq!(row.to_vec2::<f32>().unwrap(), [[0.5, -9.0, 1.0]], "a broadcast is copied");
+    // 2-norm of (3, 0, -3.5, 0), the clamped transpose and the clamped broadcast:
+    // √(21.25 + 50.75 + 2·13.5) = √99.
+    let total = clip_grad_norm(&vars, &mut grads, 99f64.sqrt() / 2.0).unwrap();
+    assert!((total - 99f64.sqrt()).abs() < 1e-5, "{total}");
     let ga_now = ga.to_vec1::<f32>().unwrap();
     assert!((ga_now[0] - 1.5).abs() < 1e-5 && (ga_now[2] + 1.75).abs() < 1e-5, "{ga_now:?}");
+    let gb_now = grads.get(b.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
+    assert!((gb_now[2][0] - 1.5).abs() < 1e-5 && (gb_now[0][1] - 1.75).abs() < 1e-5, "{gb_now:?}");
+}
+
+/// A transposed gradient whose storage another store entry also holds is clipped into a new
+/// transposed buffer with its values, the other entry kept. (candle's backward stores
+/// contiguous gradients; a view comes from a caller's own `insert`.)
+#[test]
+fn a_shared_transposed_gradient_is_copied_with_its_layout() {
+    let dev = Device::Cpu;
+    let v = Var::zeros((3, 2), DType::F32, &dev).unwrap();
+    let other = Var::zeros((2, 3), DType::F32, &dev).unwrap();
+    let base = Tensor::new(&[[3f32, 0.0, 4.0], [0.0, -12.0, 0.0]], &dev).unwrap();
+    let mut grads = empty_grads();
+    grads.insert(v.as_tensor(), base.t().unwrap());
+    grads.insert(other.as_tensor(), base.clone());
+    let total = clip_grad_norm(std::slice::from_ref(&v), &mut grads, 1.0).unwrap();
+    assert!((total - 13.0).abs() < 1e-5, "{total}");
+    let got = grads.get(v.as_tensor()).unwrap();
+    assert_eq!(got.dims(), [3, 2]);
+    let want = [[3.0 / 13.0, 0.0], [0.0, -12.0 / 13.0], [4.0 / 13.0, 0.0]];
+    for (g, w) in got.to_vec2::<f32>().unwrap().iter().flatten().zip(want.iter().flatten()) {
+        assert!((*g as f64 - w).abs() < 1e-6, "{got}");
+    }
+    let kept = grads.get(other.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
+    assert_eq!(kept, [[3.0, 0.0, 4.0], [0.0, -12.0, 0.0]]);
 }
 
 /// A gradient that is a view of a parameter (its own here) is clipped as a copy: the parameter
