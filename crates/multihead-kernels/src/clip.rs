@@ -1,6 +1,7 @@
-//! The in-place writes of gradient clipping: `grad.mul_(coef)` of
-//! `torch.nn.utils.clip_grad_norm_` and `grad.clamp_(-v, v)` of `clip_grad_value_`, over f32,
-//! f64 and bf16 (bits) slices, with rayon over chunks.
+//! The writes of gradient clipping: `grad.mul_(coef)` of `torch.nn.utils.clip_grad_norm_` and
+//! `grad.clamp_(-v, v)` of `clip_grad_value_`, over f32, f64 and bf16 (bits) slices, with rayon
+//! over chunks; in place, or (the `_to` forms) from a source into a buffer that need not be
+//! initialised.
 //!
 //! Each element is independent, so the bits do not depend on the thread count. A bf16 element
 //! is widened, multiplied in f32 and rounded to nearest even, as PyTorch's `mul_` of a bf16
