@@ -12,12 +12,14 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor, Var};
+use half::slice::HalfFloatSliceExt;
 use multihead_kernels::clip::{clamp_bf16, clamp_f32, clamp_f64, scale_bf16, scale_f32, scale_f64};
 use multihead_kernels::convert::f32_to_bf16_bits;
 use multihead_kernels::vector_norm::{vector_norm_bf16, vector_norm_f32, vector_norm_f64, NormOrd};
 
 use super::storage_addr;
 use crate::error::{fmt_shape, Error, Result};
+use crate::fused::convert::{bits, from_bits};
 
 const NORM_OP: &str = "clip_grad_norm_";
 const VALUE_OP: &str = "clip_grad_value_";
@@ -226,12 +228,14 @@ impl candle_core::InplaceOp1 for Write {
         match (s, *self) {
             (CpuStorage::F32(v), Write::Scale(c)) => scale_f32(&mut v[a..b], c as f32),
             (CpuStorage::F64(v), Write::Scale(c)) => scale_f64(&mut v[a..b], c),
-            (CpuStorage::BF16(v), Write::Scale(c)) => scale_bf16(bf16_bits(&mut v[a..b]), c as f32),
+            (CpuStorage::BF16(v), Write::Scale(c)) => {
+                scale_bf16(v[a..b].reinterpret_cast_mut(), c as f32)
+            }
             (CpuStorage::F32(v), Write::Clamp(c)) => clamp_f32(&mut v[a..b], -(c as f32), c as f32),
             (CpuStorage::F64(v), Write::Clamp(c)) => clamp_f64(&mut v[a..b], -c, c),
             (CpuStorage::BF16(v), Write::Clamp(c)) => {
                 let (lo, hi) = (f32_to_bf16_bits(-(c as f32)), f32_to_bf16_bits(c as f32));
-                clamp_bf16(bf16_bits(&mut v[a..b]), lo, hi)
+                clamp_bf16(v[a..b].reinterpret_cast_mut(), lo, hi)
             }
             _ => candle_core::bail!("clip-grad: not an f32, f64 or bf16 gradient"),
         }
@@ -280,24 +284,17 @@ fn written(g: &Tensor, w: &Write) -> candle_core::Result<Tensor> {
             Tensor::from_vec(out, shape, &dev)
         }
         (CpuStorage::BF16(v), w) => {
-            // SAFETY: `half::bf16` is `repr(transparent)` over its `u16` bits.
-            let src: &[u16] = unsafe { std::slice::from_raw_parts(v[a..b].as_ptr().cast(), n) };
-            let write = |d: &mut [MaybeUninit<half::bf16>]| {
-                // SAFETY: `MaybeUninit<bf16>` and `MaybeUninit<u16>` share size and alignment
-                // (`bf16` is `repr(transparent)` over `u16`), and the kernels write only bits.
-                let d: &mut [MaybeUninit<u16>] =
-                    unsafe { std::slice::from_raw_parts_mut(d.as_mut_ptr().cast(), d.len()) };
-                match w {
-                    Write::Scale(c) => scale_bf16_to(src, c as f32, d).map_err(kernel),
-                    Write::Clamp(c) => {
-                        let (lo, hi) = (f32_to_bf16_bits(-(c as f32)), f32_to_bf16_bits(c as f32));
-                        clamp_bf16_to(src, lo, hi, d).map_err(kernel)
-                    }
+            let src = bits(&v[a..b]);
+            let write = |d: &mut [MaybeUninit<u16>]| match w {
+                Write::Scale(c) => scale_bf16_to(src, c as f32, d).map_err(kernel),
+                Write::Clamp(c) => {
+                    let (lo, hi) = (f32_to_bf16_bits(-(c as f32)), f32_to_bf16_bits(c as f32));
+                    clamp_bf16_to(src, lo, hi, d).map_err(kernel)
                 }
             };
             // SAFETY: on `Ok` the `_to` kernels wrote all `n` elements.
             let out = unsafe { crate::alloc::try_written(n, "clipped gradient", write) }?;
-            Tensor::from_vec(out, shape, &dev)
+            Tensor::from_vec(from_bits(out), shape, &dev)
         }
         _ => candle_core::bail!("clip-grad: not an f32, f64 or bf16 gradient"),
     }?;
@@ -328,13 +325,6 @@ fn dense(l: &Layout) -> Option<(usize, usize, Vec<usize>)> {
     }
     let start = l.start_offset();
     Some((start, start.checked_add(l.shape().elem_count())?, order))
-}
-
-/// The bits of bf16 values.
-fn bf16_bits(v: &mut [half::bf16]) -> &mut [u16] {
-    // SAFETY: `half::bf16` is `repr(transparent)` over its `u16` bits, and every bit pattern
-    // is a valid `u16` and a valid `bf16`.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len()) }
 }
 
 /// Writes `w` into each gradient: in place where the gradient is contiguous, f32, f64 or
@@ -479,12 +469,7 @@ fn norm_of(g: &Tensor, ord: NormOrd) -> Result<f64> {
     let n = match s {
         CpuStorage::F32(v) => vector_norm_f32(&v[a..b], ord).map_err(kernel)? as f64,
         CpuStorage::F64(v) => vector_norm_f64(&v[a..b], ord).map_err(kernel)?,
-        CpuStorage::BF16(v) => {
-            // SAFETY: `half::bf16` is `repr(transparent)` over its `u16` bits.
-            let bits: &[u16] =
-                unsafe { std::slice::from_raw_parts(v[a..b].as_ptr().cast(), b - a) };
-            vector_norm_bf16(bits, ord).map_err(kernel)? as f64
-        }
+        CpuStorage::BF16(v) => vector_norm_bf16(bits(&v[a..b]), ord).map_err(kernel)? as f64,
         _ => return Err(candle_err(NORM_OP, candle_core::Error::Msg("not a float".into()))),
     };
     Ok(round_to(n, dtype))

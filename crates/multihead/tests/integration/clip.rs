@@ -378,3 +378,18 @@ fn shared_gradients_get_the_in_place_values_in_every_dtype() {
         close(&b.1, &a.1, 0.0).unwrap_or_else(|e| panic!("{dtype:?} value: {e}"));
     }
 }
+
+/// An integer gradient (of an integer variable) is refused by name, before anything changes.
+#[test]
+fn an_integer_gradient_is_refused() {
+    let dev = Device::Cpu;
+    let i = Var::zeros(3, DType::I64, &dev).unwrap();
+    let mut grads = empty_grads();
+    grads.insert(i.as_tensor(), Tensor::new(&[1i64, -2, 3], &dev).unwrap());
+    let vars = std::slice::from_ref(&i);
+    let e = clip_grad_norm(vars, &mut grads, 1.0).unwrap_err().to_string();
+    assert!(e.contains("clip_grad_norm_: grads:") && e.contains("I64"), "{e}");
+    let e = clip_grad_value(vars, &mut grads, 1.0).unwrap_err().to_string();
+    assert!(e.contains("clip_grad_value_: grads:") && e.contains("I64"), "{e}");
+    assert_eq!(grads.get(i.as_tensor()).unwrap().to_vec1::<i64>().unwrap(), [1, -2, 3]);
+}
