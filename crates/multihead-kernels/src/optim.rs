@@ -1,17 +1,22 @@
-//! AdamW's update of one parameter in one pass over its four arrays (parameter, gradient,
-//! first and second moment), with the operations and roundings of PyTorch's
-//! `torch.optim.AdamW` (its single-tensor path, the one it takes for CPU tensors), over f32
-//! slices with the run-time AVX-512 / AVX2 / scalar dispatch of
-//! [`attention`](crate::attention) and rayon over blocks; f64 slices in plain loops; and the
-//! five passes PyTorch makes as the reference twin ([`reference`](mod@reference)).
+//! Adam's and AdamW's update of one parameter in one pass over its arrays (parameter,
+//! gradient, first and second moment, and with `amsgrad` the second moment's running maximum),
+//! with the operations and roundings of PyTorch's `torch.optim.Adam` / `torch.optim.AdamW`
+//! (their single-tensor path, the one they take for CPU tensors), over f32 slices with the
+//! run-time AVX-512 / AVX2 / scalar dispatch of [`attention`](crate::attention) and rayon over
+//! blocks; f64 slices in plain loops; and the passes PyTorch makes as the reference twin
+//! ([`reference`](mod@reference)).
 //!
-//! Per element, for step `t` (PyTorch's order, each line one of its in-place operations):
+//! Per element, for step `t` (PyTorch's order, each line one of its in-place operations; the
+//! bracketed lines only where their option is set):
 //!
 //! ```text
-//! p = p · (1 − lr·weight_decay)                    param.mul_
+//! [g = −g]                                          maximize
+//! [g = g + weight_decay·p]  (fused multiply-add)    Adam: grad.add(param, alpha=weight_decay)
+//! [p = p · (1 − lr·weight_decay)]                   AdamW: param.mul_
 //! m = m + (1 − β₁)·(g − m)                          exp_avg.lerp_ (fused multiply-add)
 //! v = v·β₂ + ((1 − β₂)·g)·g                         exp_avg_sq.mul_(β₂).addcmul_ (fused)
-//! d = √v / √(1 − β₂ᵗ) + eps                         denom
+//! [w = max(w, v), NaN if either is]                 amsgrad: torch.maximum(max_exp_avg_sq, ..)
+//! d = √v / √(1 − β₂ᵗ) + eps                         denom (of w with amsgrad)
 //! p = p + ((−lr / (1 − β₁ᵗ))·m) / d                 param.addcdiv_
 //! ```
 //!
@@ -26,7 +31,7 @@
 //! use multihead_kernels::optim::{adamw, AdamWStep};
 //! let (mut p, g, mut m, mut v) = (vec![1.0f32; 3], vec![0.5f32; 3], vec![0.0f32; 3], vec![0.0f32; 3]);
 //! let step = AdamWStep::new(1e-3, (0.9, 0.999), 1e-8, 0.01, 1)?;
-//! adamw(&mut p, &g, &mut m, &mut v, &step)?;
+//! adamw(&mut p, &g, &mut m, &mut v, None, &step)?;
 //! // The first step moves each weight by about lr against its gradient's sign.
 //! assert!((p[0] - (1.0 - 1e-5 - 1e-3)).abs() < 1e-6);
 //! # Ok::<(), multihead_kernels::attention::KernelError>(())
@@ -56,6 +61,11 @@ pub struct AdamWStep {
     pub eps: f64,
     /// `−lr / (1 − β₁ᵗ)`.
     pub neg_step_size: f64,
+    /// The weight decay added to the gradient (`torch.optim.Adam`'s L2 penalty), or 0 (AdamW,
+    /// whose decay is [`decay`](Self::decay)).
+    pub l2: f64,
+    /// Whether the gradient is negated first (`maximize=True`).
+    pub maximize: bool,
 }
 
 impl AdamWStep {
@@ -95,7 +105,24 @@ impl AdamWStep {
             bias_correction2_sqrt: bias_correction2.sqrt(),
             eps,
             neg_step_size: -(lr / bias_correction1),
+            l2: 0.0,
+            maximize: false,
         })
+    }
+
+    /// The same step as `torch.optim.Adam` takes it (`decoupled_weight_decay=False`): the
+    /// weight decay `weight_decay` is added to the gradient (`g + weight_decay·p`) instead of
+    /// shrinking the parameter.
+    pub fn l2_weight_decay(mut self, weight_decay: f64) -> Self {
+        self.decay = 1.0;
+        self.l2 = weight_decay;
+        self
+    }
+
+    /// The same step ascending (`maximize=True`): the gradient is negated first.
+    pub fn maximize(mut self, on: bool) -> Self {
+        self.maximize = on;
+        self
     }
 }
 
@@ -112,6 +139,9 @@ struct Scalars32 {
     bias_correction2_sqrt: f32,
     eps: f32,
     neg_step_size: f32,
+    l2: f32,
+    /// The gradient's factor: −1 with `maximize`, else 1 (exact either way).
+    sign: f32,
 }
 
 impl Scalars32 {
@@ -127,20 +157,29 @@ impl Scalars32 {
             bias_correction2_sqrt: s.bias_correction2_sqrt as f32,
             eps: s.eps as f32,
             neg_step_size: s.neg_step_size as f32,
+            l2: s.l2 as f32,
+            sign: if s.maximize { -1.0 } else { 1.0 },
         }
     }
 }
 
-/// Checks that the four arrays have one length.
-fn check_lengths(p: usize, g: usize, m: usize, v: usize) -> Result<(), KernelError> {
-    if g == p && m == p && v == p {
+/// Checks that the arrays have one length.
+fn check_lengths(
+    p: usize,
+    g: usize,
+    m: usize,
+    v: usize,
+    vmax: Option<usize>,
+) -> Result<(), KernelError> {
+    if g == p && m == p && v == p && vmax.is_none_or(|w| w == p) {
         return Ok(());
     }
+    let w = vmax.map(|w| format!(", its running maximum {w}")).unwrap_or_default();
     Err(KernelError::InvalidArgument {
         name: "grad",
         msg: format!(
             "the parameter has {p} elements but its gradient {g}, first moment {m} and second \
-             moment {v}; pass arrays of one length"
+             moment {v}{w}; pass arrays of one length"
         ),
     })
 }
@@ -150,6 +189,8 @@ struct AdamWTask {
     g: ConstPtr<f32>,
     m: SyncPtr<f32>,
     v: SyncPtr<f32>,
+    /// `amsgrad`'s running maximum of `v`, or null.
+    vmax: SyncPtr<f32>,
     len: usize,
     s: Scalars32,
 }
@@ -170,8 +211,10 @@ impl Task for AdamWTask {
         let start = t * BLOCK;
         let end = self.len.min(start + BLOCK);
         let s = &self.s;
-        // SAFETY: the four arrays hold `len` elements (checked by `adamw`); this task reads
-        // and writes `start..end` only, which no other task touches; `S` is available.
+        let amsgrad = !self.vmax.0.is_null();
+        // SAFETY: the arrays hold `len` elements (checked by `adamw`; `vmax` is null or holds
+        // as many); this task reads and writes `start..end` only, which no other task
+        // touches; `S` is available.
         unsafe {
             let c = |x: f32| S::splat(x);
             let mut i = start;
@@ -180,15 +223,27 @@ impl Task for AdamWTask {
                 let mask = if n == S::LANES { S::full_mask() } else { S::tail_mask(n) };
                 let (pp, gp, mp, vp) =
                     (self.p.0.add(i), self.g.0.add(i), self.m.0.add(i), self.v.0.add(i));
-                let g = S::load_m(gp, mask);
+                let p = S::load_m(pp, mask);
+                let mut g = S::mul(S::load_m(gp, mask), c(s.sign));
+                if s.l2 != 0.0 {
+                    g = S::fma_fused(p, c(s.l2), g);
+                }
                 let m = S::load_m(mp, mask);
                 let v = S::load_m(vp, mask);
-                let p = S::mul(S::load_m(pp, mask), c(s.decay));
+                let p = S::mul(p, c(s.decay));
                 let diff = S::sub(g, m);
                 let base = if s.lerp_small { m } else { g };
                 let m = S::fma_fused(c(s.lerp_coeff), diff, base);
                 let v = S::fma_fused(S::mul(c(s.one_minus_beta2), g), g, S::mul(v, c(s.beta2)));
-                let d = S::add(S::div(S::sqrt(v), c(s.bias_correction2_sqrt)), c(s.eps));
+                let w = if amsgrad {
+                    let wp = self.vmax.0.add(i);
+                    let w = S::max_nan(S::load_m(wp, mask), v);
+                    S::store_m(wp, w, mask);
+                    w
+                } else {
+                    v
+                };
+                let d = S::add(S::div(S::sqrt(w), c(s.bias_correction2_sqrt)), c(s.eps));
                 let p = S::add(p, S::div(S::mul(c(s.neg_step_size), m), d));
                 S::store_m(pp, p, mask);
                 S::store_m(mp, m, mask);
@@ -199,26 +254,38 @@ impl Task for AdamWTask {
     }
 }
 
-/// One AdamW step of an f32 parameter `p` with gradient `g`, updating `p` and its moments `m`
-/// and `v` in place (see the module's formulas).
+/// One Adam / AdamW step of an f32 parameter `p` with gradient `g`, updating `p`, its moments
+/// `m` and `v` and, with `amsgrad`, the running maximum `vmax` of `v` in place (see the
+/// module's formulas; [`AdamWStep`] says which variant).
 pub fn adamw(
     p: &mut [f32],
     g: &[f32],
     m: &mut [f32],
     v: &mut [f32],
+    vmax: Option<&mut [f32]>,
     step: &AdamWStep,
 ) -> Result<(), KernelError> {
-    check_lengths(p.len(), g.len(), m.len(), v.len())?;
+    check_lengths(p.len(), g.len(), m.len(), v.len(), vmax.as_ref().map(|w| w.len()))?;
     let task = AdamWTask {
         p: SyncPtr(p.as_mut_ptr()),
         g: ConstPtr(g.as_ptr()),
         m: SyncPtr(m.as_mut_ptr()),
         v: SyncPtr(v.as_mut_ptr()),
+        vmax: SyncPtr(vmax.map_or(std::ptr::null_mut(), |w| w.as_mut_ptr())),
         len: p.len(),
         s: Scalars32::new(step),
     };
     par_run(simd_level(), &task);
     Ok(())
+}
+
+/// `torch.maximum` on one pair: NaN where either is NaN.
+fn max_nan_f64(a: f64, b: f64) -> f64 {
+    if a.is_nan() || a > b {
+        a
+    } else {
+        b
+    }
 }
 
 /// [`adamw`] for an f64 parameter: the same operations in f64 (PyTorch's double kernels).
@@ -227,24 +294,38 @@ pub fn adamw_f64(
     g: &[f64],
     m: &mut [f64],
     v: &mut [f64],
+    mut vmax: Option<&mut [f64]>,
     s: &AdamWStep,
 ) -> Result<(), KernelError> {
-    check_lengths(p.len(), g.len(), m.len(), v.len())?;
+    check_lengths(p.len(), g.len(), m.len(), v.len(), vmax.as_ref().map(|w| w.len()))?;
     let w = s.one_minus_beta1;
     let (coeff, small) = if w.abs() < 0.5 { (w, true) } else { (w - 1.0, false) };
-    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+    let sign = if s.maximize { -1.0 } else { 1.0 };
+    for i in 0..p.len() {
+        let mut g = g[i] * sign;
+        if s.l2 != 0.0 {
+            g = p[i].mul_add(s.l2, g);
+        }
+        let (p, m, v) = (&mut p[i], &mut m[i], &mut v[i]);
         let base = if small { *m } else { g };
         *p *= s.decay;
         *m = coeff.mul_add(g - *m, base);
         *v = (s.one_minus_beta2 * g).mul_add(g, *v * s.beta2);
-        let d = v.sqrt() / s.bias_correction2_sqrt + s.eps;
+        let w = match vmax.as_deref_mut() {
+            Some(w) => {
+                w[i] = max_nan_f64(w[i], *v);
+                w[i]
+            }
+            None => *v,
+        };
+        let d = w.sqrt() / s.bias_correction2_sqrt + s.eps;
         *p += (s.neg_step_size * *m) / d;
     }
     Ok(())
 }
 
-/// The reference twin: PyTorch's five in-place operations as five passes over f32 arrays,
-/// element by element in plain scalar code.
+/// The reference twin: PyTorch's in-place operations as passes over f32 arrays, element by
+/// element in plain scalar code.
 pub mod reference {
     use super::{check_lengths, AdamWStep, KernelError, Scalars32};
 
@@ -254,25 +335,45 @@ pub mod reference {
         g: &[f32],
         m: &mut [f32],
         v: &mut [f32],
+        vmax: Option<&mut [f32]>,
         step: &AdamWStep,
     ) -> Result<(), KernelError> {
-        check_lengths(p.len(), g.len(), m.len(), v.len())?;
+        check_lengths(p.len(), g.len(), m.len(), v.len(), vmax.as_ref().map(|w| w.len()))?;
         let s = Scalars32::new(step);
-        // param.mul_(1 - lr * weight_decay)
+        // grad = -grad (maximize), as a product with −1: the same number, a NaN's sign kept
+        // (NaN payloads and signs are not part of the contract).
+        let mut g: Vec<f32> = g.iter().map(|&g| g * s.sign).collect();
+        // grad = grad.add(param, alpha=weight_decay) (Adam): ATen's vectorised add is a fused
+        // multiply-add.
+        if s.l2 != 0.0 {
+            g.iter_mut().zip(p.iter()).for_each(|(g, &p)| *g = p.mul_add(s.l2, *g));
+        }
+        // param.mul_(1 - lr * weight_decay) (AdamW)
         p.iter_mut().for_each(|p| *p *= s.decay);
         // exp_avg.lerp_(grad, 1 - beta1): ATen's lerp, a fused multiply-add from `m` (small
         // weight) or from `g`.
-        for (m, &g) in m.iter_mut().zip(g) {
+        for (m, &g) in m.iter_mut().zip(&g) {
             let base = if s.lerp_small { *m } else { g };
             *m = s.lerp_coeff.mul_add(g - *m, base);
         }
         // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         v.iter_mut().for_each(|v| *v *= s.beta2);
-        for (v, &g) in v.iter_mut().zip(g) {
+        for (v, &g) in v.iter_mut().zip(&g) {
             *v = (s.one_minus_beta2 * g).mul_add(g, *v);
         }
+        // torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq) (amsgrad)
+        let w: &[f32] = match vmax {
+            Some(w) => {
+                for (w, &v) in w.iter_mut().zip(v.iter()) {
+                    // The NaN that is there: `w`'s, else `v`'s.
+                    *w = if w.is_nan() || v.is_nan() { *w + v } else { w.max(v) };
+                }
+                w
+            }
+            None => v,
+        };
         // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        let d: Vec<f32> = v.iter().map(|v| v.sqrt() / s.bias_correction2_sqrt + s.eps).collect();
+        let d: Vec<f32> = w.iter().map(|v| v.sqrt() / s.bias_correction2_sqrt + s.eps).collect();
         // param.addcdiv_(exp_avg, denom, value=-step_size)
         for ((p, &m), d) in p.iter_mut().zip(m.iter()).zip(d) {
             *p += (s.neg_step_size * m) / d;
@@ -302,24 +403,80 @@ mod tests {
         [p, g, m, v]
     }
 
+    /// The bits of the values, NaNs included.
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Each variant (plain AdamW, Adam's L2 decay, maximize, amsgrad) at every level against
+    /// the passes, a NaN and an infinite gradient among the elements.
     #[test]
-    fn every_level_gives_the_bits_of_the_five_passes() {
+    fn every_level_gives_the_bits_of_the_passes() {
+        let variants = [(false, false, false), (true, true, true), (false, true, false)];
         for n in [0, 1, 7, 16, 17, 33, BLOCK + 5, 3 * BLOCK] {
             for (step, betas, wd) in [(1, (0.9, 0.999), 0.01), (7, (0.6, 0.95), 0.0)] {
-                let s = AdamWStep::new(3e-3, betas, 1e-8, wd, step).expect("valid");
-                let [p0, g, m0, v0] = arrays(n, n as u32 + step as u32);
-                let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
-                reference::adamw(&mut p, &g, &mut m, &mut v, &s).expect("lengths");
-                for level in levels() {
-                    let (mut q, mut mq, mut vq) = (p0.clone(), m0.clone(), v0.clone());
-                    with_simd_level(level, || adamw(&mut q, &g, &mut mq, &mut vq, &s))
-                        .expect("lengths");
-                    let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&q), bits(&p), "p, n {n}, step {step}, {level:?}");
-                    assert_eq!(bits(&mq), bits(&m), "m, n {n}, step {step}, {level:?}");
-                    assert_eq!(bits(&vq), bits(&v), "v, n {n}, step {step}, {level:?}");
+                for (l2, maximize, amsgrad) in variants {
+                    let mut s = AdamWStep::new(3e-3, betas, 1e-8, wd, step).expect("valid");
+                    if l2 {
+                        s = s.l2_weight_decay(wd);
+                    }
+                    let s = s.maximize(maximize);
+                    let [p0, mut g, m0, v0] = arrays(n, n as u32 + step as u32);
+                    if n > 20 {
+                        (g[3], g[18]) = (f32::NAN, f32::INFINITY);
+                    }
+                    let w0: Vec<f32> = v0.iter().map(|v| v * 1.5).collect();
+                    let (mut p, mut m, mut v, mut w) =
+                        (p0.clone(), m0.clone(), v0.clone(), w0.clone());
+                    let ws = amsgrad.then_some(&mut w[..]);
+                    reference::adamw(&mut p, &g, &mut m, &mut v, ws, &s).expect("lengths");
+                    for level in levels() {
+                        let (mut q, mut mq, mut vq, mut wq) =
+                            (p0.clone(), m0.clone(), v0.clone(), w0.clone());
+                        let ws = amsgrad.then_some(&mut wq[..]);
+                        with_simd_level(level, || adamw(&mut q, &g, &mut mq, &mut vq, ws, &s))
+                            .expect("lengths");
+                        let at =
+                            format!("n {n}, step {step}, {:?}, {level:?}", (l2, maximize, amsgrad));
+                        assert_eq!(bits(&q), bits(&p), "p, {at}");
+                        assert_eq!(bits(&mq), bits(&m), "m, {at}");
+                        assert_eq!(bits(&vq), bits(&v), "v, {at}");
+                        assert_eq!(bits(&wq), bits(&w), "vmax, {at}");
+                    }
                 }
             }
+        }
+    }
+
+    /// Adam's L2 decay, maximize and amsgrad in f32 and f64 against the textbook formulas in
+    /// f64.
+    #[test]
+    fn variants_agree_with_the_formulas_in_f64() {
+        let (wd, t) = (0.1, 4);
+        let s = AdamWStep::new(1e-2, (0.9, 0.999), 1e-8, wd, t)
+            .expect("valid")
+            .l2_weight_decay(wd)
+            .maximize(true);
+        let [p0, g, m0, v0] = arrays(100, 5);
+        let w0: Vec<f32> =
+            v0.iter().enumerate().map(|(i, v)| if i % 2 == 0 { v * 3.0 } else { 0.0 }).collect();
+        let (mut p, mut m, mut v, mut w) = (p0.clone(), m0.clone(), v0.clone(), w0.clone());
+        adamw(&mut p, &g, &mut m, &mut v, Some(&mut w), &s).expect("lengths");
+        let wide = |x: &[f32]| x.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+        let (mut pd, gd, mut md, mut vd, mut wd64) =
+            (wide(&p0), wide(&g), wide(&m0), wide(&v0), wide(&w0));
+        adamw_f64(&mut pd, &gd, &mut md, &mut vd, Some(&mut wd64), &s).expect("lengths");
+        for i in 0..100 {
+            let gi = -gd[i] + wd * f64::from(p0[i]);
+            let mm = 0.9 * f64::from(m0[i]) + 0.1 * gi;
+            let vv = 0.999 * f64::from(v0[i]) + 0.001 * gi * gi;
+            let ww = vv.max(f64::from(w0[i]));
+            let (mh, wh) =
+                (mm / (1.0 - 0.9f64.powi(t as i32)), ww / (1.0 - 0.999f64.powi(t as i32)));
+            let want = f64::from(p0[i]) - 1e-2 * mh / (wh.sqrt() + 1e-8);
+            assert!((pd[i] - want).abs() < 1e-12, "f64 {i}: {} vs {want}", pd[i]);
+            assert!((f64::from(p[i]) - want).abs() < 1e-6, "f32 {i}: {} vs {want}", p[i]);
+            assert!((wd64[i] - ww).abs() <= 1e-15 * ww, "f64 vmax {i}");
         }
     }
 
@@ -328,10 +485,10 @@ mod tests {
         let s = AdamWStep::new(1e-2, (0.9, 0.999), 1e-8, 0.1, 3).expect("valid");
         let [p0, g, m0, v0] = arrays(100, 9);
         let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
-        adamw(&mut p, &g, &mut m, &mut v, &s).expect("lengths");
+        adamw(&mut p, &g, &mut m, &mut v, None, &s).expect("lengths");
         let wide = |x: &[f32]| x.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
         let (mut pd, gd, mut md, mut vd) = (wide(&p0), wide(&g), wide(&m0), wide(&v0));
-        adamw_f64(&mut pd, &gd, &mut md, &mut vd, &s).expect("lengths");
+        adamw_f64(&mut pd, &gd, &mut md, &mut vd, None, &s).expect("lengths");
         for i in 0..100 {
             // The textbook update, in f64.
             let mm = 0.9 * f64::from(m0[i]) + 0.1 * gd[i];
@@ -351,7 +508,10 @@ mod tests {
         assert!(AdamWStep::new(1e-3, (0.9, 0.999), 1e-8, 0.0, 0).is_err());
         let s = AdamWStep::new(1e-3, (0.9, 0.999), 1e-8, 0.0, 1).expect("valid");
         let (mut p, mut m, mut v) = (vec![0.0f32; 3], vec![0.0f32; 3], vec![0.0f32; 2]);
-        let err = adamw(&mut p, &[0.0; 3], &mut m, &mut v, &s).expect_err("short v");
+        let err = adamw(&mut p, &[0.0; 3], &mut m, &mut v, None, &s).expect_err("short v");
         assert!(err.to_string().contains("second moment 2"), "{err}");
+        let (mut v, mut w) = (vec![0.0f32; 3], vec![0.0f32; 4]);
+        let err = adamw(&mut p, &[0.0; 3], &mut m, &mut v, Some(&mut w), &s).expect_err("long w");
+        assert!(err.to_string().contains("running maximum 4"), "{err}");
     }
 }

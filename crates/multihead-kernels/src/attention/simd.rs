@@ -127,6 +127,8 @@ pub(crate) unsafe trait Simd: Copy + Send + Sync + 'static {
     unsafe fn min(a: Self::V, b: Self::V) -> Self::V;
     /// `|a|` (the sign bit cleared; NaN stays NaN).
     unsafe fn abs(a: Self::V) -> Self::V;
+    /// `torch.maximum(a, b)`: the larger, NaN where either is NaN.
+    unsafe fn max_nan(a: Self::V, b: Self::V) -> Self::V;
     /// `a * b + c` rounded once, at every level (the scalar level through `f32::mul_add`, a
     /// libm call where the CPU lacks FMA: for the few sums that must match a fused kernel).
     #[inline(always)]
@@ -390,6 +392,15 @@ unsafe impl Simd for Scalar {
         a.abs()
     }
     #[inline(always)]
+    unsafe fn max_nan(a: f32, b: f32) -> f32 {
+        // `a > b` is false where `b` is NaN, so `b` (NaN) is returned.
+        if a.is_nan() || a > b {
+            a
+        } else {
+            b
+        }
+    }
+    #[inline(always)]
     unsafe fn fma_fused(a: f32, b: f32, c: f32) -> f32 {
         a.mul_add(b, c)
     }
@@ -594,6 +605,12 @@ unsafe impl Simd for Avx2 {
     unsafe fn abs(a: __m256) -> __m256 {
         // SAFETY: AVX is available (trait contract).
         unsafe { _mm256_andnot_ps(_mm256_set1_ps(-0.0), a) }
+    }
+    #[inline(always)]
+    unsafe fn max_nan(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX is available (trait contract). `maxps` returns `b` where either is
+        // NaN; the lanes where `a` is NaN take `a`.
+        unsafe { _mm256_blendv_ps(_mm256_max_ps(a, b), a, _mm256_cmp_ps::<_CMP_UNORD_Q>(a, a)) }
     }
     #[inline(always)]
     unsafe fn flush(x: __m256) -> __m256 {
@@ -847,6 +864,15 @@ unsafe impl Simd for Avx512 {
     unsafe fn abs(a: __m512) -> __m512 {
         // SAFETY: AVX-512F is available (trait contract).
         unsafe { _mm512_abs_ps(a) }
+    }
+    #[inline(always)]
+    unsafe fn max_nan(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (trait contract). `maxps` returns `b` where either
+        // is NaN; the lanes where `a` is NaN take `a`.
+        unsafe {
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(a, a);
+            _mm512_mask_blend_ps(nan, _mm512_max_ps(a, b), a)
+        }
     }
     #[inline(always)]
     unsafe fn flush(x: __m512) -> __m512 {

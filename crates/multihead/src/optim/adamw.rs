@@ -2,24 +2,29 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::{Optimizer, ParamsAdamW};
+use candle_nn::{Optimizer, ParamsAdamW, VarMap};
 use multihead_kernels::optim::{adamw, adamw_f64, AdamWStep};
 
 use crate::error::{fmt_shape, Error};
 
 const OP: &str = "AdamW";
 
-/// `torch.optim.AdamW(params, lr, betas, eps, weight_decay)` (no `amsgrad`, no `maximize`) over
-/// f32 or f64 CPU [`Var`]s, a drop-in for `candle_nn::AdamW`: build it with
-/// [`Optimizer::new`] from a `VarMap`'s variables and a [`ParamsAdamW`] (whose defaults are
-/// PyTorch's: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2), then call
-/// [`Optimizer::backward_step`] or [`Optimizer::step`].
+/// `torch.optim.AdamW(params, lr, betas, eps, weight_decay, amsgrad, maximize)` over f32 or
+/// f64 CPU [`Var`]s, a drop-in for `candle_nn::AdamW`: build it with [`Optimizer::new`] from a
+/// `VarMap`'s variables (or with [`AdamW::from_varmap`], which keys each parameter's state by
+/// its name) and a [`ParamsAdamW`] (whose defaults are PyTorch's: lr 1e-3, betas (0.9, 0.999),
+/// eps 1e-8, weight_decay 1e-2), then call [`Optimizer::backward_step`] or
+/// [`Optimizer::step`]. [`AdamW::amsgrad`] and [`AdamW::maximize`] are PyTorch's options of
+/// those names; [`AdamW::decoupled_weight_decay`]`(false)` makes it `torch.optim.Adam` (the
+/// weight decay added to the gradient).
 ///
 /// Each parameter keeps its own step count and is skipped on a step where the gradients hold
 /// none for it, as PyTorch skips a parameter whose `.grad` is `None`. The numbers are
 /// PyTorch's to about an ulp per step (its CPU build takes the f32 square root from MKL, which
 /// is not always correctly rounded; every other operation is the same, fused multiply-adds
-/// included).
+/// included). Training resumes where it stopped: [`AdamW::save_state`] and
+/// [`AdamW::load_state`] write and read the state as PyTorch's `optimizer.state_dict()` holds
+/// it, and `tools/optim_state.py` converts PyTorch's (docs/pytorch-behaviour.md §7.9).
 ///
 /// # Shapes
 /// * Any parameter shape; its gradient has the same shape and dtype.
@@ -35,7 +40,7 @@ const OP: &str = "AdamW";
 /// # Example
 /// ```
 /// use candle_core::{DType, Device, Tensor, Var};
-/// use candle_nn::{Optimizer, ParamsAdamW};
+/// use candle_nn::{Optimizer, ParamsAdamW, VarMap};
 /// use multihead::optim::AdamW;
 ///
 /// let w = Var::from_tensor(&Tensor::new(&[1.0f32, -2.0], &Device::Cpu)?)?;
@@ -50,41 +55,86 @@ const OP: &str = "AdamW";
 /// ```
 #[derive(Debug)]
 pub struct AdamW {
-    vars: Vec<VarState>,
-    params: ParamsAdamW,
+    pub(super) vars: Vec<VarState>,
+    pub(super) params: ParamsAdamW,
+    pub(super) flags: Flags,
 }
 
-/// One parameter, its moments and its step count.
+/// The options `ParamsAdamW` has no field for (PyTorch's `amsgrad`, `maximize` and
+/// `decoupled_weight_decay`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Flags {
+    pub(super) amsgrad: bool,
+    pub(super) maximize: bool,
+    pub(super) decoupled: bool,
+}
+
+/// One parameter, the key its state is saved under, its moments and its step count.
 #[derive(Debug)]
-struct VarState {
-    var: Var,
-    moments: Moments,
-    step: u64,
+pub(super) struct VarState {
+    pub(super) key: String,
+    pub(super) var: Var,
+    pub(super) moments: Moments,
+    pub(super) step: u64,
 }
 
-/// The first and second moments (PyTorch's `exp_avg` and `exp_avg_sq`), in the parameter's dtype.
+/// PyTorch's `exp_avg`, `exp_avg_sq` and, with `amsgrad`, `max_exp_avg_sq` (made at the first
+/// step that needs it), in the parameter's dtype.
 #[derive(Debug)]
-enum Moments {
-    F32(Vec<f32>, Vec<f32>),
-    F64(Vec<f64>, Vec<f64>),
+pub(super) struct Arrays<T> {
+    pub(super) m: Vec<T>,
+    pub(super) v: Vec<T>,
+    pub(super) vmax: Option<Vec<T>>,
 }
 
-fn config(arg: &'static str, msg: String) -> candle_core::Error {
+#[derive(Debug)]
+pub(super) enum Moments {
+    F32(Arrays<f32>),
+    F64(Arrays<f64>),
+}
+
+pub(super) fn config(arg: &'static str, msg: String) -> candle_core::Error {
     Error::Config { op: OP, arg, msg }.into()
 }
 
 /// PyTorch's checks of the hyper-parameters, as a kernel step of them makes them.
-fn step_of(p: &ParamsAdamW, step: u64) -> candle_core::Result<AdamWStep> {
-    AdamWStep::new(p.lr, (p.beta1, p.beta2), p.eps, p.weight_decay, step).map_err(|e| {
+pub(super) fn step_of(p: &ParamsAdamW, f: Flags, step: u64) -> candle_core::Result<AdamWStep> {
+    let s = AdamWStep::new(p.lr, (p.beta1, p.beta2), p.eps, p.weight_decay, step).map_err(|e| {
         let msg = format!(
             "{e}; PyTorch's AdamW takes 0 <= lr, 0 <= eps, 0 <= beta < 1 and 0 <= weight_decay"
         );
         config("params", msg)
-    })
+    })?;
+    let s = if f.decoupled { s } else { s.l2_weight_decay(p.weight_decay) };
+    Ok(s.maximize(f.maximize))
+}
+
+impl<T: Copy + Default + Send + Sync> Arrays<T> {
+    pub(super) fn zeros(n: usize) -> candle_core::Result<Self> {
+        Ok(Self {
+            m: crate::alloc::try_zeros(n, "AdamW exp_avg")?,
+            v: crate::alloc::try_zeros(n, "AdamW exp_avg_sq")?,
+            vmax: None,
+        })
+    }
+
+    /// Makes the running maximum (zeros) at the first `amsgrad` step.
+    fn make_vmax(&mut self) -> candle_core::Result<()> {
+        if self.vmax.is_none() {
+            self.vmax = Some(crate::alloc::try_zeros(self.m.len(), "AdamW max_exp_avg_sq")?);
+        }
+        Ok(())
+    }
+
+    /// The moments and, with `amsgrad`, the running maximum (made by `make_vmax`).
+    fn split(&mut self, amsgrad: bool) -> (&mut [T], &mut [T], Option<&mut [T]>) {
+        let vmax = if amsgrad { self.vmax.as_deref_mut() } else { None };
+        (&mut self.m, &mut self.v, vmax)
+    }
 }
 
 impl VarState {
-    fn new(var: Var) -> candle_core::Result<Self> {
+    pub(super) fn new(key: String, var: Var) -> candle_core::Result<Self> {
         let dims = var.dims().to_vec();
         if !matches!(var.device(), Device::Cpu) {
             let msg = format!(
@@ -99,14 +149,8 @@ impl VarState {
         }
         let n = var.elem_count();
         let moments = match var.dtype() {
-            DType::F32 => Moments::F32(
-                crate::alloc::try_zeros(n, "AdamW exp_avg")?,
-                crate::alloc::try_zeros(n, "AdamW exp_avg_sq")?,
-            ),
-            DType::F64 => Moments::F64(
-                crate::alloc::try_zeros(n, "AdamW exp_avg")?,
-                crate::alloc::try_zeros(n, "AdamW exp_avg_sq")?,
-            ),
+            DType::F32 => Moments::F32(Arrays::zeros(n)?),
+            DType::F64 => Moments::F64(Arrays::zeros(n)?),
             dt => {
                 let msg = format!(
                     "a variable of shape {} is {dt:?}; this AdamW updates f32 or f64 parameters (keep f32 master weights and compute in bf16 under multihead::autocast), or use candle_nn::AdamW",
@@ -115,23 +159,30 @@ impl VarState {
                 return Err(config("vars", msg));
             }
         };
-        Ok(Self { var, moments, step: 0 })
+        Ok(Self { key, var, moments, step: 0 })
     }
 
     /// Checks gradient `g` against the parameter and returns the step's scalars.
-    fn check(&self, g: &Tensor, params: &ParamsAdamW) -> candle_core::Result<AdamWStep> {
+    fn check(&self, g: &Tensor, params: &ParamsAdamW, f: Flags) -> candle_core::Result<AdamWStep> {
         let t = self.var.as_tensor();
         if let Some(msg) = super::grad_mismatch(g, t) {
             return Err(config("grads", msg));
         }
-        step_of(params, self.step + 1)
+        step_of(params, f, self.step + 1)
     }
 
     /// One step with the checked gradient `g` and scalars `s`, written into the variable's
     /// own storage (candle's in-place op: no copy of the parameter out and back).
-    fn update(&mut self, g: &Tensor, s: &AdamWStep) -> candle_core::Result<()> {
+    fn update(&mut self, g: &Tensor, s: &AdamWStep, amsgrad: bool) -> candle_core::Result<()> {
         let g = g.contiguous()?;
-        let op = InPlace { moments: std::cell::RefCell::new(&mut self.moments), step: *s };
+        if amsgrad {
+            // Made here, before the in-place op, so that its allocation can fail cleanly.
+            match &mut self.moments {
+                Moments::F32(a) => a.make_vmax()?,
+                Moments::F64(a) => a.make_vmax()?,
+            }
+        }
+        let op = InPlace { moments: std::cell::RefCell::new(&mut self.moments), step: *s, amsgrad };
         self.var.as_tensor().inplace_op2(&g, &op).map_err(|e| match e {
             // Ours, from `cpu_fwd`.
             e @ candle_core::Error::Wrapped(_) => e,
@@ -153,6 +204,7 @@ impl VarState {
 struct InPlace<'a> {
     moments: std::cell::RefCell<&'a mut Moments>,
     step: AdamWStep,
+    amsgrad: bool,
 }
 
 impl candle_core::InplaceOp2 for InPlace<'_> {
@@ -174,11 +226,13 @@ impl candle_core::InplaceOp2 for InPlace<'_> {
         let ((p0, p1), (g0, g1)) = (range(pl)?, range(gl)?);
         let mut moments = self.moments.borrow_mut();
         let done = match (p, g, &mut **moments) {
-            (S::F32(p), S::F32(g), Moments::F32(m, v)) => {
-                adamw(&mut p[p0..p1], &g[g0..g1], m, v, &self.step)
+            (S::F32(p), S::F32(g), Moments::F32(a)) => {
+                let (m, v, vmax) = a.split(self.amsgrad);
+                adamw(&mut p[p0..p1], &g[g0..g1], m, v, vmax, &self.step)
             }
-            (S::F64(p), S::F64(g), Moments::F64(m, v)) => {
-                adamw_f64(&mut p[p0..p1], &g[g0..g1], m, v, &self.step)
+            (S::F64(p), S::F64(g), Moments::F64(a)) => {
+                let (m, v, vmax) = a.split(self.amsgrad);
+                adamw_f64(&mut p[p0..p1], &g[g0..g1], m, v, vmax, &self.step)
             }
             _ => return Err(config("grads", "the gradient's dtype is not its parameter's".into())),
         };
@@ -186,15 +240,44 @@ impl candle_core::InplaceOp2 for InPlace<'_> {
     }
 }
 
-impl Optimizer for AdamW {
-    type Config = ParamsAdamW;
+impl AdamW {
+    /// The optimiser over the float variables of `varmap`, each keyed by its name (so that a
+    /// saved state, [`AdamW::save_state`], finds its parameters again whatever order the map
+    /// lists them in: `VarMap::all_vars` follows a hash map's order, which differs from one
+    /// process to the next). Errors as [`Optimizer::new`].
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{DType, Device};
+    /// use candle_nn::{Init, ParamsAdamW, VarMap};
+    /// use multihead::optim::AdamW;
+    ///
+    /// let varmap = VarMap::new();
+    /// varmap.get(3, "layer.bias", Init::Const(0.5), DType::F32, &Device::Cpu)?;
+    /// let opt = AdamW::from_varmap(&varmap, ParamsAdamW::default())?;
+    /// // No step taken yet: the hyper-parameters, and no parameter's state.
+    /// assert!(opt.state_dict()?.iter().all(|(k, _)| k.starts_with("param_groups.0.")));
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
+    pub fn from_varmap(varmap: &VarMap, params: ParamsAdamW) -> candle_core::Result<Self> {
+        let mut named: Vec<(String, Var)> = match varmap.data().lock() {
+            Ok(map) => map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            Err(_) => {
+                return Err(config(
+                    "varmap",
+                    "its lock is poisoned (a thread panicked while holding it)".into(),
+                ))
+            }
+        };
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        Self::from_named(named, params)
+    }
 
-    /// The optimiser over the float variables among `vars` (others are left out, as
-    /// `candle_nn::AdamW` leaves them), with zeroed moments.
-    fn new(vars: Vec<Var>, params: ParamsAdamW) -> candle_core::Result<Self> {
-        step_of(&params, 1)?;
+    fn from_named(vars: Vec<(String, Var)>, params: ParamsAdamW) -> candle_core::Result<Self> {
+        let flags = Flags { amsgrad: false, maximize: false, decoupled: true };
+        step_of(&params, flags, 1)?;
         let mut seen = std::collections::HashSet::new();
-        if let Some(v) = vars.iter().find(|v| !seen.insert(v.as_tensor().id())) {
+        if let Some((_, v)) = vars.iter().find(|(_, v)| !seen.insert(v.as_tensor().id())) {
             // Two states for one parameter would update it twice a step.
             let msg = format!(
                 "a variable of shape {} appears twice; pass each parameter once (a VarMap's all_vars does)",
@@ -204,10 +287,50 @@ impl Optimizer for AdamW {
         }
         let vars = vars
             .into_iter()
-            .filter(|v| v.dtype().is_float())
-            .map(VarState::new)
+            .filter(|(_, v)| v.dtype().is_float())
+            .map(|(k, v)| VarState::new(k, v))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Self { vars, params })
+        Ok(Self { vars, params, flags })
+    }
+
+    /// PyTorch's `amsgrad=True`: the denominator takes the running maximum of the second
+    /// moment (`max_exp_avg_sq`, zeros at the first step that uses it).
+    pub fn amsgrad(mut self, on: bool) -> Self {
+        self.flags.amsgrad = on;
+        self
+    }
+
+    /// PyTorch's `maximize=True`: steps up the gradient instead of down.
+    pub fn maximize(mut self, on: bool) -> Self {
+        self.flags.maximize = on;
+        self
+    }
+
+    /// PyTorch's `decoupled_weight_decay` (true here, as in `torch.optim.AdamW`): `false` gives
+    /// `torch.optim.Adam`, whose weight decay is added to the gradient (`g + weight_decay·p`)
+    /// instead of shrinking the parameter.
+    pub fn decoupled_weight_decay(mut self, on: bool) -> Self {
+        self.flags.decoupled = on;
+        self
+    }
+
+    /// The hyper-parameters ([`ParamsAdamW`]'s fields; set the learning rate with
+    /// [`Optimizer::set_learning_rate`]).
+    pub fn params(&self) -> &ParamsAdamW {
+        &self.params
+    }
+}
+
+impl Optimizer for AdamW {
+    type Config = ParamsAdamW;
+
+    /// The optimiser over the float variables among `vars` (others are left out, as
+    /// `candle_nn::AdamW` leaves them), with zeroed moments.
+    /// Each variable's state is saved under its position in `vars` (`state.0.exp_avg`, ...:
+    /// PyTorch's `optimizer.state_dict()` keys); [`AdamW::from_varmap`] keys it by name.
+    fn new(vars: Vec<Var>, params: ParamsAdamW) -> candle_core::Result<Self> {
+        let keyed = vars.into_iter().enumerate().map(|(i, v)| (i.to_string(), v)).collect();
+        Self::from_named(keyed, params)
     }
 
     // Mirrors torch.optim.AdamW.step (foreach=False, the path PyTorch takes for CPU tensors).
@@ -217,7 +340,7 @@ impl Optimizer for AdamW {
         let mut planned = Vec::with_capacity(self.vars.len());
         for (i, state) in self.vars.iter().enumerate() {
             if let Some(g) = grads.get(state.var.as_tensor()) {
-                planned.push((i, g, state.check(g, &self.params)?));
+                planned.push((i, g, state.check(g, &self.params, self.flags)?));
             }
         }
         // A gradient sharing its elements with a parameter would be read while it is written
@@ -234,7 +357,7 @@ impl Optimizer for AdamW {
             }
         }
         for (i, g, s) in planned {
-            self.vars[i].update(g, &s)?;
+            self.vars[i].update(g, &s, self.flags.amsgrad)?;
         }
         Ok(())
     }

@@ -16,6 +16,7 @@
 //! last bits, and for a parameter that skipped a step by more.)
 
 mod adamw;
+mod adamw_state;
 mod clip;
 
 pub use adamw::AdamW;

@@ -1,13 +1,15 @@
-//! `multihead::optim::AdamW` against `torch.optim.AdamW` (`tools/adamw_golden.py`): four steps
-//! of two configurations in f32 and f64, with a parameter skipped on one step and the learning
-//! rate changed; and its refusals.
+//! `multihead::optim::AdamW` against `torch.optim.AdamW` and `Adam` (`tools/adamw_golden.py`):
+//! four steps of four configurations (`amsgrad`, `maximize` and Adam's L2 decay among them) in
+//! f32 and f64, with a parameter skipped on one step and the learning rate changed; its state
+//! against PyTorch's `optimizer.state_dict()`, training resumed from PyTorch's state and from
+//! its own; and its refusals.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::{Optimizer, ParamsAdamW};
+use candle_nn::{Optimizer, ParamsAdamW, VarMap};
 use multihead::optim::AdamW;
 
 fn golden() -> (HashMap<String, Tensor>, HashMap<String, String>) {
@@ -66,31 +68,335 @@ fn replay<O: Optimizer>(
     worst_seen
 }
 
+/// One configuration of the golden file: its hyper-parameters, options, and parameter names
+/// (for the configuration whose state is keyed by name).
+#[derive(Clone)]
+struct Config {
+    name: String,
+    params: ParamsAdamW,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled: bool,
+    names: Option<Vec<String>>,
+}
+
+fn configs(meta: &HashMap<String, String>) -> Vec<Config> {
+    let configs: serde_json::Value = serde_json::from_str(&meta["configs"]).unwrap();
+    let names: serde_json::Value = serde_json::from_str(&meta["names"]).unwrap();
+    let mut out = Vec::new();
+    for (name, cfg) in configs.as_object().unwrap() {
+        let f = |k: &str| cfg[k].as_f64().unwrap();
+        let flag = |k: &str, default: bool| cfg.get(k).and_then(|v| v.as_bool()).unwrap_or(default);
+        out.push(Config {
+            name: name.clone(),
+            params: ParamsAdamW {
+                lr: f("lr"),
+                beta1: cfg["betas"][0].as_f64().unwrap(),
+                beta2: cfg["betas"][1].as_f64().unwrap(),
+                eps: f("eps"),
+                weight_decay: f("weight_decay"),
+            },
+            amsgrad: flag("amsgrad", false),
+            maximize: flag("maximize", false),
+            decoupled: flag("decoupled_weight_decay", true),
+            names: names.get(name).map(|n| {
+                n.as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect()
+            }),
+        });
+    }
+    assert_eq!(out.len(), 4, "the golden file's configurations");
+    out
+}
+
+impl Config {
+    /// The optimiser over `vars`, keyed by name (through a `VarMap`) where the configuration
+    /// has names.
+    fn build(&self, vars: Vec<Var>) -> AdamW {
+        let opt = match &self.names {
+            Some(names) => {
+                let map = VarMap::new();
+                let mut data = map.data().lock().unwrap();
+                for (n, v) in names.iter().zip(&vars) {
+                    data.insert(n.clone(), v.clone());
+                }
+                drop(data);
+                AdamW::from_varmap(&map, self.params.clone()).unwrap()
+            }
+            None => AdamW::new(vars, self.params.clone()).unwrap(),
+        };
+        opt.amsgrad(self.amsgrad).maximize(self.maximize).decoupled_weight_decay(self.decoupled)
+    }
+
+    /// The key of parameter `i`'s state.
+    fn key(&self, i: usize) -> String {
+        self.names.as_ref().map_or(i.to_string(), |n| n[i].clone())
+    }
+}
+
+/// The golden file's state after step `s` (`{prefix}.state{s}.*`), its prefix taken off.
+fn state_at(t: &HashMap<String, Tensor>, prefix: &str, s: usize) -> HashMap<String, Tensor> {
+    let p = format!("{prefix}.state{s}.");
+    t.iter().filter_map(|(k, v)| Some((k.strip_prefix(&p)?.to_string(), v.clone()))).collect()
+}
+
+// f64: PyTorch's bits (measured: 0). f32: PyTorch's MKL square root is an ulp off for about one
+// element in six, so a few ulps of the parameter after four steps (measured: up to 3.0e-7).
+const TOLS: [(&str, f64); 2] = [("f32", 5e-7), ("f64", 0.0)];
+
 #[test]
 fn adamw_follows_torch_optim_adamw_step_by_step() {
     let (t, meta) = golden();
-    let configs: serde_json::Value = serde_json::from_str(&meta["configs"]).unwrap();
     let lr_at_3: f64 = meta["lr_at_3"].parse().unwrap();
-    for (name, cfg) in configs.as_object().unwrap() {
-        let f = |k: &str| cfg[k].as_f64().unwrap();
-        let params = ParamsAdamW {
-            lr: f("lr"),
-            beta1: cfg["betas"][0].as_f64().unwrap(),
-            beta2: cfg["betas"][1].as_f64().unwrap(),
-            eps: f("eps"),
-            weight_decay: f("weight_decay"),
-        };
-        // f64: PyTorch's bits (measured: 0). f32: PyTorch's MKL square root is an ulp off for
-        // about one element in six, so a few ulps of the parameter after four steps (measured:
-        // 1.8e-7 and 3.0e-7).
-        for (dtype, tol) in [("f32", 5e-7), ("f64", 0.0)] {
-            let make = |vars| AdamW::new(vars, params.clone()).unwrap();
-            let got = replay(&t, &format!("{name}.{dtype}"), make, lr_at_3, 1e-3);
-            assert!(got <= tol, "{name} {dtype}: worst relative difference {got:e} > {tol:e}");
+    for cfg in configs(&meta) {
+        for (dtype, tol) in TOLS {
+            let got = replay(&t, &format!("{}.{dtype}", cfg.name), |v| cfg.build(v), lr_at_3, 1e-3);
+            assert!(
+                got <= tol,
+                "{} {dtype}: worst relative difference {got:e} > {tol:e}",
+                cfg.name
+            );
         }
     }
 }
 
+/// After four steps the saved state is PyTorch's `optimizer.state_dict()` (as
+/// `tools/optim_state.py` writes it): the same keys, step counts and hyper-parameters, and the
+/// moments within the parameters' tolerance.
+#[test]
+fn adamw_state_dict_is_pytorchs() {
+    let (t, meta) = golden();
+    let lr_at_3: f64 = meta["lr_at_3"].parse().unwrap();
+    for cfg in configs(&meta) {
+        for (dtype, tol) in TOLS {
+            let prefix = format!("{}.{dtype}", cfg.name);
+            let vars: Vec<Var> = (0..3)
+                .map(|i| Var::from_tensor(&t[&format!("{prefix}.p{i}.init")]).unwrap())
+                .collect();
+            let mut opt = cfg.build(vars.clone());
+            for s in 1..=4 {
+                if s == 3 {
+                    opt.set_learning_rate(cfg.params.lr * lr_at_3);
+                }
+                let mut grads = empty_grads();
+                for (i, v) in vars.iter().enumerate() {
+                    if let Some(g) = t.get(&format!("{prefix}.p{i}.grad{s}")) {
+                        grads.insert(v.as_tensor(), g.clone());
+                    }
+                }
+                opt.step(&grads).unwrap();
+            }
+            let ours: HashMap<String, Tensor> = opt.state_dict().unwrap().into_iter().collect();
+            let want = state_at(&t, &prefix, 4);
+            let mut keys: Vec<_> = ours.keys().collect();
+            let mut want_keys: Vec<_> = want.keys().collect();
+            keys.sort();
+            want_keys.sort();
+            assert_eq!(keys, want_keys, "{prefix}");
+            for (k, w) in &want {
+                let o = &ours[k];
+                assert_eq!((o.dims(), o.dtype()), (w.dims(), w.dtype()), "{prefix} {k}");
+                // The moments: their relative difference, floored at a thousandth of the
+                // largest (the same few ulps as the parameters).
+                let scale = w.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+                let floor = scale.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap() * 1e-3;
+                let d = worst(o, w, floor.max(f64::MIN_POSITIVE));
+                let tol =
+                    if k.contains("param_groups") || k.ends_with(".step") { 0.0 } else { tol };
+                assert!(d <= tol, "{prefix} {k}: {d:e} > {tol:e}");
+            }
+            // The key of the parameter the second step skipped counts one step less.
+            let step = ours[&format!("state.{}.step", cfg.key(1))].to_scalar::<f32>().unwrap();
+            assert_eq!(step, 3.0, "{prefix}");
+        }
+    }
+}
+
+/// PyTorch's state after two steps, loaded into a new optimiser over PyTorch's parameters of
+/// that moment, takes steps three and four as PyTorch took them.
+#[test]
+fn adamw_resumes_from_pytorchs_state() {
+    let (t, meta) = golden();
+    let lr_at_3: f64 = meta["lr_at_3"].parse().unwrap();
+    for cfg in configs(&meta) {
+        for (dtype, tol) in TOLS {
+            let prefix = format!("{}.{dtype}", cfg.name);
+            let vars: Vec<Var> = (0..3)
+                .map(|i| Var::from_tensor(&t[&format!("{prefix}.p{i}.after2")]).unwrap())
+                .collect();
+            // Built with the defaults: the loaded state brings the hyper-parameters and flags.
+            let fresh = Config {
+                params: ParamsAdamW::default(),
+                amsgrad: false,
+                maximize: false,
+                decoupled: true,
+                ..cfg.clone()
+            };
+            let mut opt = fresh.build(vars.clone());
+            opt.load_state_dict(&state_at(&t, &prefix, 2)).unwrap();
+            assert_eq!(opt.learning_rate(), cfg.params.lr, "{prefix}");
+            let mut seen: f64 = 0.0;
+            for s in 3..=4 {
+                if s == 3 {
+                    opt.set_learning_rate(cfg.params.lr * lr_at_3);
+                }
+                let mut grads = empty_grads();
+                for (i, v) in vars.iter().enumerate() {
+                    grads.insert(v.as_tensor(), t[&format!("{prefix}.p{i}.grad{s}")].clone());
+                }
+                opt.step(&grads).unwrap();
+                for (i, v) in vars.iter().enumerate() {
+                    seen = seen.max(worst(
+                        v.as_tensor(),
+                        &t[&format!("{prefix}.p{i}.after{s}")],
+                        1e-3,
+                    ));
+                }
+            }
+            assert!(seen <= tol, "{prefix}: resumed {seen:e} > {tol:e}");
+        }
+    }
+}
+
+/// Two steps, a save to a file, a new optimiser loading it, two more steps: the bits of four
+/// steps in one optimiser, in f32 and f64, with `amsgrad`.
+#[test]
+fn adamw_saved_state_resumes_bit_for_bit() {
+    let (t, meta) = golden();
+    let cfg = configs(&meta).into_iter().find(|c| c.name == "amsgrad_maximize").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for dtype in ["f32", "f64"] {
+        let prefix = format!("{}.{dtype}", cfg.name);
+        let init = |i: usize| t[&format!("{prefix}.p{i}.init")].clone();
+        let grads_at = |vars: &[Var], s: usize| {
+            let mut grads = empty_grads();
+            for (i, v) in vars.iter().enumerate() {
+                if let Some(g) = t.get(&format!("{prefix}.p{i}.grad{s}")) {
+                    grads.insert(v.as_tensor(), g.clone());
+                }
+            }
+            grads
+        };
+        let straight: Vec<Var> = (0..3).map(|i| Var::from_tensor(&init(i)).unwrap()).collect();
+        let mut opt = cfg.build(straight.clone());
+        for s in 1..=4 {
+            opt.step(&grads_at(&straight, s)).unwrap();
+        }
+        let resumed: Vec<Var> = (0..3).map(|i| Var::from_tensor(&init(i)).unwrap()).collect();
+        let mut first = cfg.build(resumed.clone());
+        for s in 1..=2 {
+            first.step(&grads_at(&resumed, s)).unwrap();
+        }
+        let path = dir.path().join(format!("{dtype}.safetensors"));
+        first.save_state(&path).unwrap();
+        drop(first);
+        let mut second = AdamW::new(resumed.clone(), ParamsAdamW::default()).unwrap();
+        second.load_state(&path).unwrap();
+        for s in 3..=4 {
+            second.step(&grads_at(&resumed, s)).unwrap();
+        }
+        for (a, b) in straight.iter().zip(&resumed) {
+            let bits = |v: &Var| {
+                v.as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap()
+            };
+            assert_eq!(bits(a), bits(b), "{dtype}");
+        }
+    }
+}
+
+/// A state that is not this optimiser's is refused with every problem named, and nothing is
+/// changed.
+#[test]
+fn adamw_load_state_refuses_what_does_not_fit() {
+    let dev = Device::Cpu;
+    let w = Var::from_tensor(&Tensor::new(&[[1.0f32, 2.0], [3.0, 4.0]], &dev).unwrap()).unwrap();
+    let b = Var::from_tensor(&Tensor::new(&[0.5f32, -0.5], &dev).unwrap()).unwrap();
+    let mut opt = AdamW::new(vec![w.clone(), b.clone()], ParamsAdamW::default()).unwrap();
+    opt.backward_step(
+        &(w.as_tensor().sum_all().unwrap() + b.as_tensor().sqr().unwrap().sum_all().unwrap())
+            .unwrap(),
+    )
+    .unwrap();
+    let good: HashMap<String, Tensor> = opt.state_dict().unwrap().into_iter().collect();
+    let before = good.clone();
+    let check = |state: HashMap<String, Tensor>, wants: &[&str], opt: &mut AdamW| {
+        let err = opt.load_state_dict(&state).unwrap_err().to_string();
+        for want in wants {
+            assert!(err.contains(want), "{want:?} not in {err}");
+        }
+        assert!(err.starts_with("load_state_dict:") && err.contains("AdamW::save_state"), "{err}");
+        // Unchanged: the state, and the hyper-parameters.
+        let now: HashMap<String, Tensor> = opt.state_dict().unwrap().into_iter().collect();
+        for (k, v) in &before {
+            let same = now[k]
+                .flatten_all()
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap()
+                == v.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+            assert!(same, "{k} changed by a refused load");
+        }
+    };
+    let with = |k: &str, t: Tensor| {
+        let mut s = good.clone();
+        s.insert(k.to_string(), t);
+        s
+    };
+    let without = |k: &str| {
+        let mut s = good.clone();
+        s.remove(k);
+        s
+    };
+    let z = |dims: &[usize]| Tensor::zeros(dims, DType::F32, &dev).unwrap();
+    // Another parameter's key, and an entry PyTorch's Adam does not have.
+    check(with("state.2.exp_avg", z(&[2])), &["unexpected keys", "state.2.exp_avg"], &mut opt);
+    check(with("state.0.momentum_buffer", z(&[2, 2])), &["state.0.momentum_buffer"], &mut opt);
+    // An incomplete entry; a wrong shape; an integer moment.
+    check(without("state.1.exp_avg_sq"), &["missing keys", "state.1.exp_avg_sq"], &mut opt);
+    check(
+        with("state.0.exp_avg", z(&[4])),
+        &["state.0.exp_avg: is (4,) F32 but its parameter (2, 2) F32"],
+        &mut opt,
+    );
+    let ints = Tensor::zeros((2, 2), DType::U8, &dev).unwrap();
+    check(with("state.0.exp_avg_sq", ints), &["state.0.exp_avg_sq", "U8"], &mut opt);
+    // Steps that are not whole numbers of steps.
+    for bad in [-1.0f32, 2.5, f32::NAN] {
+        check(
+            with("state.1.step", Tensor::new(bad, &dev).unwrap()),
+            &["state.1.step: must be a whole number"],
+            &mut opt,
+        );
+    }
+    check(with("state.1.step", z(&[3])), &["state.1.step: must be a 0-dim tensor"], &mut opt);
+    // Hyper-parameters: out of range, incomplete, a flag that is not 0 or 1.
+    let betas = Tensor::new(&[0.9f64, 1.5], &dev).unwrap();
+    check(with("param_groups.0.betas", betas), &["beta2", "[0, 1)"], &mut opt);
+    check(without("param_groups.0.eps"), &["missing keys", "param_groups.0.eps"], &mut opt);
+    check(
+        with("param_groups.0.amsgrad", Tensor::new(2u8, &dev).unwrap()),
+        &["param_groups.0.amsgrad: must be 0 or 1"],
+        &mut opt,
+    );
+
+    // What does fit: f64 moments converted to the f32 parameter's dtype; a parameter without
+    // an entry starts again.
+    let mut ok = without("state.1.step");
+    ok.remove("state.1.exp_avg");
+    ok.remove("state.1.exp_avg_sq");
+    ok.insert("state.0.exp_avg".into(), good["state.0.exp_avg"].to_dtype(DType::F64).unwrap());
+    opt.load_state_dict(&ok).unwrap();
+    let now: HashMap<String, Tensor> = opt.state_dict().unwrap().into_iter().collect();
+    assert!(!now.contains_key("state.1.step"), "parameter 1's state was not reset");
+    assert_eq!(now["state.0.exp_avg"].dtype(), DType::F32);
+}
 /// candle's own AdamW differs from PyTorch's (one step count for all parameters, the moments
 /// scaled before the square root): on the step a parameter skips, by far more than ours.
 #[test]
