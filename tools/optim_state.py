@@ -81,9 +81,32 @@ def export_state(optimizer, path, names=None, group=0):
 
 def import_state(optimizer, path, names=None, group=0):
     """Loads a file into parameter group ``group`` of a live ``torch.optim.Adam`` / ``AdamW``
-    (its state replaced as ``load_state_dict`` replaces it)."""
+    (its state replaced as ``load_state_dict`` replaces it). Every ``state.*`` key must name a
+    parameter of the group with the parameter's shape; nothing is changed otherwise."""
     t = load_file(str(path))
     g = optimizer.param_groups[group]
+    keys = {(names[p] if names is not None else str(i)): p for i, p in enumerate(g["params"])}
+    states, problems = {}, []
+    for name, value in t.items():
+        if name.startswith("param_groups.0."):
+            continue
+        key, _, entry = name[len("state."):].rpartition(".") if name.startswith("state.") else ("", "", "")
+        if entry not in ENTRIES or key not in keys:
+            problems.append(f"{name}: not a state entry of this group's parameters"
+                            + ("" if names is not None else " (a file keyed by name needs names=)"))
+            continue
+        p = keys[key]
+        if entry != "step" and tuple(value.shape) != tuple(p.shape):
+            problems.append(f"{name}: shape {tuple(value.shape)}, its parameter {tuple(p.shape)}")
+            continue
+        states.setdefault(p, {})[entry] = (value.to(torch.float32) if entry == "step"
+                                           else value.to(p.dtype))
+    for p, state in states.items():
+        missing = [e for e in ("step", "exp_avg", "exp_avg_sq") if e not in state]
+        if missing:
+            problems.append(f"a parameter's state lacks {missing}")
+    if problems:
+        raise ValueError(f"{path}: " + "; ".join(problems))
     for k in ("lr", "eps", "weight_decay"):
         g[k] = float(t[f"param_groups.0.{k}"])
     g["betas"] = tuple(float(b) for b in t["param_groups.0.betas"])
@@ -91,16 +114,9 @@ def import_state(optimizer, path, names=None, group=0):
         g[k] = bool(int(t[f"param_groups.0.{k}"]))
     if "decoupled_weight_decay" in g:
         g["decoupled_weight_decay"] = bool(int(t["param_groups.0.decoupled_weight_decay"]))
-    for i, p in enumerate(g["params"]):
-        key = names[p] if names is not None else str(i)
-        state = {}
-        for entry in ENTRIES:
-            name = f"state.{key}.{entry}"
-            if name in t:
-                value = t[name]
-                state[entry] = value.to(torch.float32) if entry == "step" else value.to(p.dtype)
-        if state:
-            optimizer.state[p] = state
+    for p in g["params"]:
+        if p in states:
+            optimizer.state[p] = states[p]
         else:
             optimizer.state.pop(p, None)
 
@@ -109,6 +125,9 @@ def convert(state_dict, group=0, decoupled=True):
     """A saved ``optimizer.state_dict()``'s group ``group`` as the file's tensors, keyed by
     position within the group."""
     g = state_dict["param_groups"][group]
+    if "betas" not in g:
+        raise ValueError("not an Adam or AdamW state (its parameter group has no 'betas'); "
+                         "multihead::optim::AdamW takes Adam's and AdamW's")
     out = _group_tensors(g, _decoupled(g, decoupled))
     for i, index in enumerate(g["params"]):
         state = state_dict["state"].get(index)
@@ -136,7 +155,10 @@ def main(argv=None):
         sys.exit(f"{args.optimizer_pt}: not an optimizer.state_dict() (no 'state' and 'param_groups')")
     if not 0 <= args.group < len(sd["param_groups"]):
         sys.exit(f"--group {args.group}: the state has {len(sd['param_groups'])} parameter groups")
-    out = convert(sd, args.group, decoupled=not args.adam)
+    try:
+        out = convert(sd, args.group, decoupled=not args.adam)
+    except ValueError as e:
+        sys.exit(f"{args.optimizer_pt}: {e}")
     save_file(out, args.out)
     n = sum(1 for k in out if k.endswith(".step"))
     print(f"wrote {len(out)} tensors ({n} parameters with state) to {args.out}")

@@ -23,9 +23,9 @@
 //! The scalars are computed in f64 (Python's floats) and rounded to the parameter's dtype, as
 //! PyTorch rounds a Python scalar for a float tensor's kernel. Every operation is an IEEE one
 //! (the multiply-adds fused at every SIMD level), so the bits do not depend on the level or the
-//! thread count. PyTorch's CPU build takes its f32 square root from MKL, which is not always
-//! correctly rounded (one ulp off for about one element in six), so the two agree to an ulp or
-//! so per step, not bit for bit.
+//! thread count. PyTorch's CPU build takes its tensors' square roots from MKL, which is not
+//! always correctly rounded (one ulp off for about one f32 element in six and one f64 element
+//! in seventy), so the two agree to an ulp or so per step, not always bit for bit.
 //!
 //! ```
 //! use multihead_kernels::optim::{adamw, AdamWStep};
@@ -102,7 +102,10 @@ impl AdamWStep {
             one_minus_beta1: 1.0 - beta1,
             beta2,
             one_minus_beta2: 1.0 - beta2,
-            bias_correction2_sqrt: bias_correction2.sqrt(),
+            // Python's `bias_correction2 ** 0.5`: libm's `pow`, which is not always the
+            // correctly rounded square root (`1 - 0.995**69` differs by an ulp).
+            // `black_box` keeps LLVM from rewriting `pow(x, 0.5)` as `sqrt(x)`.
+            bias_correction2_sqrt: bias_correction2.powf(std::hint::black_box(0.5)),
             eps,
             neg_step_size: -(lr / bias_correction1),
             l2: 0.0,
@@ -140,6 +143,9 @@ struct Scalars32 {
     eps: f32,
     neg_step_size: f32,
     l2: f32,
+    /// Whether the L2 term is added: PyTorch tests the Python float (`weight_decay != 0`), so a
+    /// decay that rounds to 0 in f32 still adds `0·p` (NaN where `p` is infinite).
+    has_l2: bool,
     /// The gradient's factor: −1 with `maximize`, else 1 (exact either way).
     sign: f32,
 }
@@ -158,6 +164,7 @@ impl Scalars32 {
             eps: s.eps as f32,
             neg_step_size: s.neg_step_size as f32,
             l2: s.l2 as f32,
+            has_l2: s.l2 != 0.0,
             sign: if s.maximize { -1.0 } else { 1.0 },
         }
     }
@@ -225,7 +232,7 @@ impl Task for AdamWTask {
                     (self.p.0.add(i), self.g.0.add(i), self.m.0.add(i), self.v.0.add(i));
                 let p = S::load_m(pp, mask);
                 let mut g = S::mul(S::load_m(gp, mask), c(s.sign));
-                if s.l2 != 0.0 {
+                if s.has_l2 {
                     g = S::fma_fused(p, c(s.l2), g);
                 }
                 let m = S::load_m(mp, mask);
@@ -340,12 +347,12 @@ pub mod reference {
     ) -> Result<(), KernelError> {
         check_lengths(p.len(), g.len(), m.len(), v.len(), vmax.as_ref().map(|w| w.len()))?;
         let s = Scalars32::new(step);
-        // grad = -grad (maximize), as a product with −1: the same number, a NaN's sign kept
-        // (NaN payloads and signs are not part of the contract).
+        // grad = -grad (maximize), as a product with −1: the same number (a NaN's sign may
+        // differ; NaN signs and payloads are not part of the contract).
         let mut g: Vec<f32> = g.iter().map(|&g| g * s.sign).collect();
         // grad = grad.add(param, alpha=weight_decay) (Adam): ATen's vectorised add is a fused
         // multiply-add.
-        if s.l2 != 0.0 {
+        if s.has_l2 {
             g.iter_mut().zip(p.iter()).for_each(|(g, &p)| *g = p.mul_add(s.l2, *g));
         }
         // param.mul_(1 - lr * weight_decay) (AdamW)
@@ -403,9 +410,11 @@ mod tests {
         [p, g, m, v]
     }
 
-    /// The bits of the values, NaNs included.
+    /// The bits of the values, every NaN as one: a NaN's sign and payload are not part of the
+    /// contract (the compiler may fold the reference's product with ±1 into a negation, which
+    /// flips a NaN's sign where the kernel's product keeps it).
     fn bits(x: &[f32]) -> Vec<u32> {
-        x.iter().map(|x| x.to_bits()).collect()
+        x.iter().map(|x| if x.is_nan() { f32::NAN.to_bits() } else { x.to_bits() }).collect()
     }
 
     /// Each variant (plain AdamW, Adam's L2 decay, maximize, amsgrad) at every level against
@@ -498,6 +507,34 @@ mod tests {
             assert!((pd[i] - want).abs() < 1e-12, "f64 {i}: {} vs {want}", pd[i]);
             assert!((f64::from(p[i]) - want).abs() < 1e-6, "f32 {i}: {} vs {want}", p[i]);
         }
+    }
+
+    /// The scalars are Python's: `(1 - 0.995**69) ** 0.5` and `(1 - 0.999**1270) ** 0.5` as
+    /// CPython 3 prints them (libm's `pow`), an ulp above the correctly rounded square roots
+    /// (0.5407330813559809, 0.8481431297801915), where PyTorch's f64 steps part from `sqrt`.
+    #[test]
+    fn bias_correction_is_pythons_power() {
+        let sqrt2 = |b2: f64, t: u64| {
+            AdamWStep::new(1e-3, (0.9, b2), 1e-8, 0.0, t).expect("valid").bias_correction2_sqrt
+        };
+        assert_eq!(sqrt2(0.995, 69), 0.540733081355981);
+        assert_eq!(sqrt2(0.999, 1270), 0.8481431297801916);
+    }
+
+    /// A weight decay that rounds to 0 in f32 still adds `0·p` to the gradient, as PyTorch
+    /// (which tests the Python float) does: NaN where the parameter is infinite.
+    #[test]
+    fn a_tiny_l2_decay_still_adds_its_term() {
+        let s = AdamWStep::new(1e-3, (0.9, 0.999), 1e-8, 1e-50, 1)
+            .expect("valid")
+            .l2_weight_decay(1e-50);
+        let (mut p, g, mut m, mut v) =
+            (vec![f32::INFINITY, 1.0], vec![0.5f32; 2], vec![0.0; 2], vec![0.0; 2]);
+        let (mut q, mut mq, mut vq) = (p.clone(), m.clone(), v.clone());
+        adamw(&mut p, &g, &mut m, &mut v, None, &s).expect("lengths");
+        reference::adamw(&mut q, &g, &mut mq, &mut vq, None, &s).expect("lengths");
+        assert!(p[0].is_nan() && q[0].is_nan() && m[0].is_nan(), "{p:?} {m:?}");
+        assert!(p[1].is_finite() && p[1] == q[1]);
     }
 
     #[test]

@@ -20,7 +20,7 @@ const OP: &str = "AdamW";
 ///
 /// Each parameter keeps its own step count and is skipped on a step where the gradients hold
 /// none for it, as PyTorch skips a parameter whose `.grad` is `None`. The numbers are
-/// PyTorch's to about an ulp per step (its CPU build takes the f32 square root from MKL, which
+/// PyTorch's to about an ulp per step (its CPU build takes tensor square roots from MKL, which
 /// is not always correctly rounded; every other operation is the same, fused multiply-adds
 /// included). Training resumes where it stopped: [`AdamW::save_state`] and
 /// [`AdamW::load_state`] write and read the state as PyTorch's `optimizer.state_dict()` holds
@@ -76,6 +76,9 @@ pub(super) struct VarState {
     pub(super) var: Var,
     pub(super) moments: Moments,
     pub(super) step: u64,
+    /// Whether PyTorch would hold a state for it: after its first step, or a loaded entry
+    /// (which may have step 0).
+    pub(super) stored: bool,
 }
 
 /// PyTorch's `exp_avg`, `exp_avg_sq` and, with `amsgrad`, `max_exp_avg_sq` (made at the first
@@ -159,7 +162,7 @@ impl VarState {
                 return Err(config("vars", msg));
             }
         };
-        Ok(Self { key, var, moments, step: 0 })
+        Ok(Self { key, var, moments, step: 0, stored: false })
     }
 
     /// Checks gradient `g` against the parameter and returns the step's scalars.
@@ -173,8 +176,8 @@ impl VarState {
 
     /// One step with the checked gradient `g` and scalars `s`, written into the variable's
     /// own storage (candle's in-place op: no copy of the parameter out and back).
+    /// `g` is contiguous (made so while the step was planned).
     fn update(&mut self, g: &Tensor, s: &AdamWStep, amsgrad: bool) -> candle_core::Result<()> {
-        let g = g.contiguous()?;
         if amsgrad {
             // Made here, before the in-place op, so that its allocation can fail cleanly.
             match &mut self.moments {
@@ -182,8 +185,14 @@ impl VarState {
                 Moments::F64(a) => a.make_vmax()?,
             }
         }
+        if self.var.elem_count() == 0 {
+            // Nothing to write (and candle refuses an in-place op on an empty tensor whose
+            // shape gives it a zero stride); PyTorch counts the step.
+            (self.step, self.stored) = (self.step + 1, true);
+            return Ok(());
+        }
         let op = InPlace { moments: std::cell::RefCell::new(&mut self.moments), step: *s, amsgrad };
-        self.var.as_tensor().inplace_op2(&g, &op).map_err(|e| match e {
+        self.var.as_tensor().inplace_op2(g, &op).map_err(|e| match e {
             // Ours, from `cpu_fwd`.
             e @ candle_core::Error::Wrapped(_) => e,
             // candle's own refusals (`step` refuses a gradient sharing a parameter's storage
@@ -195,7 +204,7 @@ impl VarState {
                 other => other.into(),
             },
         })?;
-        self.step += 1;
+        (self.step, self.stored) = (self.step + 1, true);
         Ok(())
     }
 }
@@ -340,14 +349,17 @@ impl Optimizer for AdamW {
         let mut planned = Vec::with_capacity(self.vars.len());
         for (i, state) in self.vars.iter().enumerate() {
             if let Some(g) = grads.get(state.var.as_tensor()) {
-                planned.push((i, g, state.check(g, &self.params, self.flags)?));
+                let s = state.check(g, &self.params, self.flags)?;
+                // A strided or broadcast gradient is copied now, so that an allocation that
+                // fails does so before any parameter is written.
+                planned.push((i, g, g.contiguous()?, s));
             }
         }
         // A gradient sharing its elements with a parameter would be read while it is written
         // (its own) or after it was (another's, updated earlier in this loop).
         let params: std::collections::HashSet<usize> =
             self.vars.iter().filter_map(|s| super::storage_addr(s.var.as_tensor())).collect();
-        for (i, g, _) in &planned {
+        for (i, g, _, _) in &planned {
             if super::storage_addr(g).is_some_and(|a| params.contains(&a)) {
                 let msg = format!(
                     "the gradient of the parameter of shape {} shares its storage with a parameter (a view of one); pass a gradient that is not a view of a parameter",
@@ -356,8 +368,8 @@ impl Optimizer for AdamW {
                 return Err(config("grads", msg));
             }
         }
-        for (i, g, s) in planned {
-            self.vars[i].update(g, &s, self.flags.amsgrad)?;
+        for (i, _, g, s) in planned {
+            self.vars[i].update(&g, &s, self.flags.amsgrad)?;
         }
         Ok(())
     }

@@ -67,7 +67,7 @@ impl AdamW {
     /// ```
     pub fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
-        for s in self.vars.iter().filter(|s| s.step > 0) {
+        for s in self.vars.iter().filter(|s| s.stored) {
             let dims = s.var.dims();
             let k = |e: &str| format!("state.{}.{e}", s.key);
             // PyTorch keeps the step as an f32 tensor (exact to 2^24 steps).
@@ -159,8 +159,8 @@ impl AdamW {
         }
         for ((s, f), r) in self.vars.iter_mut().zip(fresh).zip(reset) {
             match (f, r) {
-                (Some((step, moments)), _) => (s.step, s.moments) = (step, moments),
-                (None, Some(moments)) => (s.step, s.moments) = (0, moments),
+                (Some((step, moments)), _) => (s.step, s.moments, s.stored) = (step, moments, true),
+                (None, Some(moments)) => (s.step, s.moments, s.stored) = (0, moments, false),
                 (None, None) => {}
             }
         }

@@ -22,19 +22,22 @@ mod clip;
 pub use adamw::AdamW;
 pub use clip::{clip_grad_norm, clip_grad_value, ClipGradNorm};
 
-/// Where a tensor's elements live: its storage's address, when it is a float tensor on the CPU
-/// (two tensors share their elements exactly when they share a storage).
+/// Where a tensor's elements live: its storage's address, when it is a non-empty float tensor on
+/// the CPU (two tensors share their elements exactly when they share a storage).
 fn storage_addr(t: &candle_core::Tensor) -> Option<usize> {
     use candle_core::{CpuStorage, Storage};
     let (s, _) = t.storage_and_layout();
     let Storage::Cpu(s) = &*s else { return None };
-    Some(match s {
-        CpuStorage::F32(v) => v.as_ptr() as usize,
-        CpuStorage::F64(v) => v.as_ptr() as usize,
-        CpuStorage::BF16(v) => v.as_ptr() as usize,
-        CpuStorage::F16(v) => v.as_ptr() as usize,
+    // An empty storage has no elements to share: every empty vector has the same dangling
+    // address.
+    let (addr, len) = match s {
+        CpuStorage::F32(v) => (v.as_ptr() as usize, v.len()),
+        CpuStorage::F64(v) => (v.as_ptr() as usize, v.len()),
+        CpuStorage::BF16(v) => (v.as_ptr() as usize, v.len()),
+        CpuStorage::F16(v) => (v.as_ptr() as usize, v.len()),
         _ => return None,
-    })
+    };
+    (len > 0).then_some(addr)
 }
 
 /// Why gradient `g` cannot be variable `t`'s, if its shape or dtype is not `t`'s.

@@ -492,3 +492,61 @@ fn adamw_takes_views_and_keeps_nan_to_its_element() {
     assert!(got[0][0].is_nan());
     assert!(got.iter().flatten().skip(1).all(|x| x.is_finite()), "{got:?}");
 }
+
+/// Parameters without elements, `(0,)` and `(2, 0)`, beside one with elements: the step
+/// updates the other as it would alone and counts the step for all three, as PyTorch does
+/// (before 2026-12-08 every empty storage looked shared with every other, and the `(2, 0)`
+/// one, whose shape gives it a zero stride, was refused by candle after the others were
+/// written).
+#[test]
+fn adamw_steps_past_parameters_without_elements() {
+    let dev = Device::Cpu;
+    let w0 = Tensor::new(&[1.0f32, -2.0, 3.0], &dev).unwrap();
+    let alone = Var::from_tensor(&w0).unwrap();
+    let mut opt = AdamW::new(vec![alone.clone()], ParamsAdamW::default()).unwrap().amsgrad(true);
+    opt.backward_step(&alone.as_tensor().sqr().unwrap().sum_all().unwrap()).unwrap();
+
+    let w = Var::from_tensor(&w0).unwrap();
+    let e = Var::zeros(0, DType::F32, &dev).unwrap();
+    let z = Var::zeros((2, 0), DType::F32, &dev).unwrap();
+    let mut opt = AdamW::new(vec![e.clone(), w.clone(), z.clone()], ParamsAdamW::default())
+        .unwrap()
+        .amsgrad(true);
+    let loss = (w.as_tensor().sqr().unwrap().sum_all().unwrap()
+        + z.as_tensor().sum_all().unwrap()
+        + e.as_tensor().sum_all().unwrap())
+    .unwrap();
+    opt.backward_step(&loss).unwrap();
+    assert_eq!(
+        w.as_tensor().to_vec1::<f32>().unwrap(),
+        alone.as_tensor().to_vec1::<f32>().unwrap()
+    );
+    let state: HashMap<String, Tensor> = opt.state_dict().unwrap().into_iter().collect();
+    for i in 0..3 {
+        assert_eq!(state[&format!("state.{i}.step")].to_scalar::<f32>().unwrap(), 1.0, "{i}");
+    }
+    assert_eq!(state["state.2.max_exp_avg_sq"].dims(), &[2, 0]);
+}
+
+/// A loaded entry with step 0 is a state PyTorch would keep: it is used by the next step and
+/// saved again until then.
+#[test]
+fn adamw_keeps_a_loaded_entry_at_step_zero() {
+    let dev = Device::Cpu;
+    let w = Var::from_tensor(&Tensor::new(&[1.0f32, 2.0], &dev).unwrap()).unwrap();
+    let mut opt = AdamW::new(vec![w.clone()], ParamsAdamW::default()).unwrap();
+    let mut state = HashMap::new();
+    state.insert("state.0.step".to_string(), Tensor::new(0f32, &dev).unwrap());
+    state.insert("state.0.exp_avg".to_string(), Tensor::new(&[7.0f32, 7.0], &dev).unwrap());
+    state.insert("state.0.exp_avg_sq".to_string(), Tensor::new(&[1.0f32, 1.0], &dev).unwrap());
+    opt.load_state_dict(&state).unwrap();
+    let saved: HashMap<String, Tensor> = opt.state_dict().unwrap().into_iter().collect();
+    assert_eq!(saved["state.0.exp_avg"].to_vec1::<f32>().unwrap(), vec![7.0, 7.0]);
+    assert_eq!(saved["state.0.step"].to_scalar::<f32>().unwrap(), 0.0);
+    // The next step is step 1 from those moments: m = 0.9·7 + 0.1·g.
+    opt.backward_step(&w.as_tensor().sum_all().unwrap()).unwrap();
+    let saved: HashMap<String, Tensor> = opt.state_dict().unwrap().into_iter().collect();
+    let m = saved["state.0.exp_avg"].to_vec1::<f32>().unwrap();
+    assert!((m[0] - 6.4).abs() < 1e-6, "{m:?}");
+    assert_eq!(saved["state.0.step"].to_scalar::<f32>().unwrap(), 1.0);
+}
