@@ -4,7 +4,8 @@
 
     python3 tools/adamw_golden.py      # writes tests/fixtures/optim/adamw.safetensors
 
-Four configurations, each in float32 and float64, over three parameters of awkward sizes:
+Four configurations, each in float32, float64 and bfloat16 (PyTorch rounds each in-place
+operation's result to bf16), over three parameters of awkward sizes:
 PyTorch's defaults with lr 2e-3 and weight decay 1e-2; betas (0.3, 0.95), eps 1e-6, no weight
 decay (the first-moment lerp takes ATen's large-weight branch); ``amsgrad`` with ``maximize``;
 and ``torch.optim.Adam`` (weight decay added to the gradient) with ``amsgrad``. Four steps with
@@ -82,13 +83,13 @@ def run(name, cfg, dtype, out):
 
 
 def dtype_name(dtype):
-    return {torch.float32: "f32", torch.float64: "f64"}[dtype]
+    return {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}[dtype]
 
 
 def main():
     out = {}
     for name, cfg in CONFIGS.items():
-        for dtype in (torch.float32, torch.float64):
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
             run(name, cfg, dtype, out)
     meta = {"configs": json.dumps(CONFIGS), "names": json.dumps(NAMES), "steps": str(STEPS),
             "lr_at_3": str(LR_AT_3), "torch": torch.__version__}

@@ -3,14 +3,17 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW, VarMap};
-use multihead_kernels::optim::{adamw, adamw_f64, AdamWStep};
+use half::bf16;
+use half::slice::HalfFloatSliceExt;
+use multihead_kernels::optim::{adamw, adamw_bf16, adamw_f64, AdamWStep};
 
 use crate::error::{fmt_shape, Error};
 
 const OP: &str = "AdamW";
 
-/// `torch.optim.AdamW(params, lr, betas, eps, weight_decay, amsgrad, maximize)` over f32 or
-/// f64 CPU [`Var`]s, a drop-in for `candle_nn::AdamW`: build it with [`Optimizer::new`] from a
+/// `torch.optim.AdamW(params, lr, betas, eps, weight_decay, amsgrad, maximize)` over f32, f64
+/// or bf16 CPU [`Var`]s (bf16 ones with bf16 moments, each operation rounded to bf16 as
+/// PyTorch rounds it), a drop-in for `candle_nn::AdamW`: build it with [`Optimizer::new`] from a
 /// `VarMap`'s variables (or with [`AdamW::from_varmap`], which keys each parameter's state by
 /// its name) and a [`ParamsAdamW`] (whose defaults are PyTorch's: lr 1e-3, betas (0.9, 0.999),
 /// eps 1e-8, weight_decay 1e-2), then call [`Optimizer::backward_step`] or
@@ -30,8 +33,8 @@ const OP: &str = "AdamW";
 /// * Any parameter shape; its gradient has the same shape and dtype.
 ///
 /// # Errors
-/// [`Optimizer::new`] refuses a variable passed twice, a variable of another float dtype (bf16, f16: keep f32 master
-/// weights, as mixed-precision training does), on another device, or not contiguous, and
+/// [`Optimizer::new`] refuses a variable passed twice, an f16 variable (keep f32 master
+/// weights, as mixed-precision training does), one on another device, or not contiguous, and
 /// parameters out of PyTorch's ranges; [`Optimizer::step`] refuses a gradient whose shape or
 /// dtype is not its parameter's, a gradient that shares its storage with a parameter (a view
 /// of one), and a learning rate set out of range, before it writes any parameter. The errors
@@ -94,6 +97,7 @@ pub(super) struct Arrays<T> {
 pub(super) enum Moments {
     F32(Arrays<f32>),
     F64(Arrays<f64>),
+    BF16(Arrays<bf16>),
 }
 
 pub(super) fn config(arg: &'static str, msg: String) -> candle_core::Error {
@@ -154,9 +158,10 @@ impl VarState {
         let moments = match var.dtype() {
             DType::F32 => Moments::F32(Arrays::zeros(n)?),
             DType::F64 => Moments::F64(Arrays::zeros(n)?),
+            DType::BF16 => Moments::BF16(Arrays::zeros(n)?),
             dt => {
                 let msg = format!(
-                    "a variable of shape {} is {dt:?}; this AdamW updates f32 or f64 parameters (keep f32 master weights and compute in bf16 under multihead::autocast), or use candle_nn::AdamW",
+                    "a variable of shape {} is {dt:?}; this AdamW updates f32, f64 or bf16 parameters (keep f32 master weights for f16 training), or use candle_nn::AdamW",
                     fmt_shape(&dims)
                 );
                 return Err(config("vars", msg));
@@ -183,6 +188,7 @@ impl VarState {
             match &mut self.moments {
                 Moments::F32(a) => a.make_vmax()?,
                 Moments::F64(a) => a.make_vmax()?,
+                Moments::BF16(a) => a.make_vmax()?,
             }
         }
         if self.var.elem_count() == 0 {
@@ -242,6 +248,19 @@ impl candle_core::InplaceOp2 for InPlace<'_> {
             (S::F64(p), S::F64(g), Moments::F64(a)) => {
                 let (m, v, vmax) = a.split(self.amsgrad);
                 adamw_f64(&mut p[p0..p1], &g[g0..g1], m, v, vmax, &self.step)
+            }
+            (S::BF16(p), S::BF16(g), Moments::BF16(a)) => {
+                let (m, v, vmax) = a.split(self.amsgrad);
+                let (p, g) = (p[p0..p1].reinterpret_cast_mut(), g[g0..g1].reinterpret_cast());
+                let vmax = vmax.map(|w| w.reinterpret_cast_mut());
+                adamw_bf16(
+                    p,
+                    g,
+                    m.reinterpret_cast_mut(),
+                    v.reinterpret_cast_mut(),
+                    vmax,
+                    &self.step,
+                )
             }
             _ => return Err(config("grads", "the gradient's dtype is not its parameter's".into())),
         };

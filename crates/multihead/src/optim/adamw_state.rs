@@ -81,6 +81,10 @@ impl AdamW {
                     let vmax = a.vmax.as_deref().map(|w| tensor_of(w, dims)).transpose()?;
                     (tensor_of(&a.m, dims)?, tensor_of(&a.v, dims)?, vmax)
                 }
+                Moments::BF16(a) => {
+                    let vmax = a.vmax.as_deref().map(|w| tensor_of(w, dims)).transpose()?;
+                    (tensor_of(&a.m, dims)?, tensor_of(&a.v, dims)?, vmax)
+                }
             };
             out.push((k("exp_avg"), m));
             out.push((k("exp_avg_sq"), v));
@@ -154,6 +158,7 @@ impl AdamW {
             reset.push(match (f, s.var.dtype()) {
                 (Some(_), _) => None,
                 (None, DType::F64) => Some(Moments::F64(Arrays::zeros(s.var.elem_count())?)),
+                (None, DType::BF16) => Some(Moments::BF16(Arrays::zeros(s.var.elem_count())?)),
                 (None, _) => Some(Moments::F32(Arrays::zeros(s.var.elem_count())?)),
             });
         }
@@ -314,6 +319,7 @@ fn read_entry(
     };
     let moments = match dtype {
         DType::F64 => arrays(&m, &v, w.as_ref()).map(Moments::F64),
+        DType::BF16 => arrays(&m, &v, w.as_ref()).map(Moments::BF16),
         _ => arrays(&m, &v, w.as_ref()).map(Moments::F32),
     };
     match moments {

@@ -133,6 +133,19 @@ impl Config {
     }
 }
 
+/// Largest |a − b| (in f64).
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+}
+
+/// Largest |b|.
+fn max_abs(b: &Tensor) -> f64 {
+    let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    b.iter().fold(0.0, |m, x| m.max(x.abs()))
+}
+
 /// The golden file's state after step `s` (`{prefix}.state{s}.*`), its prefix taken off.
 fn state_at(t: &HashMap<String, Tensor>, prefix: &str, s: usize) -> HashMap<String, Tensor> {
     let p = format!("{prefix}.state{s}.");
@@ -140,8 +153,9 @@ fn state_at(t: &HashMap<String, Tensor>, prefix: &str, s: usize) -> HashMap<Stri
 }
 
 // f64: PyTorch's bits (measured: 0). f32: PyTorch's MKL square root is an ulp off for about one
-// element in six, so a few ulps of the parameter after four steps (measured: up to 3.0e-7).
-const TOLS: [(&str, f64); 2] = [("f32", 5e-7), ("f64", 0.0)];
+// element in six, so a few ulps of the parameter after four steps (measured: up to 2.0e-7).
+// bf16: each operation rounded to bf16 as PyTorch rounds it, its bits (measured: 0).
+const TOLS: [(&str, f64); 3] = [("f32", 5e-7), ("f64", 0.0), ("bf16", 0.0)];
 
 #[test]
 fn adamw_follows_torch_optim_adamw_step_by_step() {
@@ -202,7 +216,19 @@ fn adamw_state_dict_is_pytorchs() {
                 let d = worst(o, w, floor.max(f64::MIN_POSITIVE));
                 let tol =
                     if k.contains("param_groups") || k.ends_with(".step") { 0.0 } else { tol };
-                assert!(d <= tol, "{prefix} {k}: {d:e} > {tol:e}");
+                if dtype == "bf16" && cfg.name == "adam_l2" && !k.starts_with("param_groups") {
+                    // Adam's L2 sum on the elements of PyTorch's scalar remainder loop (up to
+                    // 31 at the end of each thread's range, here most of the two small
+                    // parameters) rounds its product to bf16 first (kernels' optim/bf16.rs):
+                    // a bf16 ulp of that gradient, carried into the moments, where a small
+                    // moment beside a large gradient reads it as several of its own ulps. So
+                    // against the tensor's largest value: within a few bf16 ulps of it
+                    // (measured: 2^-7.2).
+                    let u = max_diff(o, w) / max_abs(w);
+                    assert!(u <= 2f64.powi(-6), "{prefix} {k}: {u:e} of the largest value");
+                } else {
+                    assert!(d <= tol, "{prefix} {k}: {d:e} > {tol:e}");
+                }
             }
             // The key of the parameter the second step skipped counts one step less.
             let step = ours[&format!("state.{}.step", cfg.key(1))].to_scalar::<f32>().unwrap();
@@ -414,9 +440,9 @@ fn candles_adamw_is_further_from_pytorch_than_this_one() {
 #[test]
 fn adamw_refuses_what_it_cannot_update() {
     let dev = Device::Cpu;
-    let bf16 = Var::zeros(4, DType::BF16, &dev).unwrap();
-    let err = AdamW::new(vec![bf16], ParamsAdamW::default()).unwrap_err().to_string();
-    assert!(err.contains("AdamW: vars:") && err.contains("BF16") && err.contains("f32"), "{err}");
+    let f16 = Var::zeros(4, DType::F16, &dev).unwrap();
+    let err = AdamW::new(vec![f16], ParamsAdamW::default()).unwrap_err().to_string();
+    assert!(err.contains("AdamW: vars:") && err.contains("F16") && err.contains("f32"), "{err}");
 
     let w = Var::zeros(3, DType::F32, &dev).unwrap();
     let err = AdamW::new(vec![w.clone(), w], ParamsAdamW::default()).unwrap_err().to_string();

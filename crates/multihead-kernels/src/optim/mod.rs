@@ -37,6 +37,10 @@
 //! # Ok::<(), multihead_kernels::attention::KernelError>(())
 //! ```
 
+mod bf16;
+
+pub use bf16::adamw_bf16;
+
 use crate::attention::exec::{par_run, ConstPtr, SyncPtr, Task};
 use crate::attention::simd::Simd;
 use crate::attention::{simd_level, KernelError};
@@ -129,7 +133,8 @@ impl AdamWStep {
     }
 }
 
-/// The scalars rounded to f32, as PyTorch hands them to an f32 tensor's kernels.
+/// The scalars rounded to f32, as PyTorch hands them to an f32 tensor's kernels (and, as f32
+/// "opmath" scalars, to a bf16 tensor's).
 #[derive(Clone, Copy)]
 struct Scalars32 {
     decay: f32,
@@ -143,6 +148,9 @@ struct Scalars32 {
     eps: f32,
     neg_step_size: f32,
     l2: f32,
+    /// `l2` as a bf16 tensor's `add(param, alpha=weight_decay)` takes it: rounded to bf16 (through
+    /// f32, as `c10::BFloat16` converts a double).
+    l2_bf16: f32,
     /// Whether the L2 term is added: PyTorch tests the Python float (`weight_decay != 0`), so a
     /// decay that rounds to 0 in f32 still adds `0·p` (NaN where `p` is infinite).
     has_l2: bool,
@@ -164,6 +172,9 @@ impl Scalars32 {
             eps: s.eps as f32,
             neg_step_size: s.neg_step_size as f32,
             l2: s.l2 as f32,
+            l2_bf16: crate::convert::bf16_bits_to_f32(crate::convert::f32_to_bf16_bits(
+                s.l2 as f32,
+            )),
             has_l2: s.l2 != 0.0,
             sign: if s.maximize { -1.0 } else { 1.0 },
         }
@@ -171,7 +182,7 @@ impl Scalars32 {
 }
 
 /// Checks that the arrays have one length.
-fn check_lengths(
+pub(super) fn check_lengths(
     p: usize,
     g: usize,
     m: usize,
@@ -334,6 +345,8 @@ pub fn adamw_f64(
 /// The reference twin: PyTorch's in-place operations as passes over f32 arrays, element by
 /// element in plain scalar code.
 pub mod reference {
+    pub use super::bf16::reference::adamw_bf16;
+
     use super::{check_lengths, AdamWStep, KernelError, Scalars32};
 
     /// [`adamw`](super::adamw), pass by pass.

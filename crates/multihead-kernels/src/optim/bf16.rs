@@ -1,0 +1,321 @@
+//! Adam's and AdamW's step for bfloat16 parameters (their bits as `u16`), as PyTorch's
+//! single-tensor path runs it on bf16 tensors: each in-place operation computes in f32 from the
+//! bf16 operands and f32 scalars, and rounds its result to bf16 (ties to even) before the next
+//! one reads it; the moments are bf16 too.
+//!
+//! One scalar differs: Adam's `grad.add(param, alpha=weight_decay)` takes its `alpha` as a
+//! bf16 value (the other operations take f32 scalars). PyTorch's vector loop computes that sum
+//! in f32 and rounds once, as here; the few elements its scalar remainder loop takes (up to 31
+//! at the end of each thread's range, which depends on the vector width and the thread count)
+//! round the product to bf16 before the sum, and can differ from this by a bf16 ulp.
+//!
+//! ```text
+//! [g = −g]                                   maximize (exact)
+//! [g = bf16(g + bf16(weight_decay)·p)]       Adam (a fused multiply-add, rounded)
+//! [p = bf16(p · (1 − lr·weight_decay))]      AdamW
+//! m = bf16(lerp(m, g, 1 − β₁))
+//! v = bf16(v·β₂);  v = bf16(((1 − β₂)·g)·g + v)
+//! [w = max(w, v)]                            amsgrad (exact)
+//! d = bf16(√v);  d = bf16(d / √(1 − β₂ᵗ));  d = bf16(d + eps)
+//! p = bf16(p + ((−lr / (1 − β₁ᵗ))·m) / d)
+//! ```
+
+use super::{check_lengths, AdamWStep, Scalars32, BLOCK};
+use crate::attention::exec::{par_run, ConstPtr, SyncPtr, Task};
+use crate::attention::simd::Simd;
+use crate::attention::{simd_level, KernelError};
+
+struct Bf16Task {
+    p: SyncPtr<u16>,
+    g: ConstPtr<u16>,
+    m: SyncPtr<u16>,
+    v: SyncPtr<u16>,
+    /// `amsgrad`'s running maximum of `v`, or null.
+    vmax: SyncPtr<u16>,
+    len: usize,
+    s: Scalars32,
+}
+
+/// One step of `S::LANES` elements at the pointers (`w` null without `amsgrad`).
+///
+/// # Safety
+/// `S` is available; each pointer is valid for `S::LANES` elements (`w` where not null).
+#[inline(always)]
+unsafe fn lanes<S: Simd>(
+    s: &Scalars32,
+    p: *mut u16,
+    g: *const u16,
+    m: *mut u16,
+    v: *mut u16,
+    w: *mut u16,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let c = |x: f32| S::splat(x);
+        let r = |x: S::V| S::round_bf16(x);
+        let pv = S::load_bf16(p);
+        let mut gv = S::mul(S::load_bf16(g), c(s.sign));
+        if s.has_l2 {
+            gv = r(S::fma_fused(pv, c(s.l2_bf16), gv));
+        }
+        let mv = S::load_bf16(m);
+        let vv = S::load_bf16(v);
+        let pv = r(S::mul(pv, c(s.decay)));
+        let base = if s.lerp_small { mv } else { gv };
+        let mv = r(S::fma_fused(c(s.lerp_coeff), S::sub(gv, mv), base));
+        let vv = r(S::mul(vv, c(s.beta2)));
+        let vv = r(S::fma_fused(S::mul(c(s.one_minus_beta2), gv), gv, vv));
+        let wv = if w.is_null() {
+            vv
+        } else {
+            let wv = S::max_nan(S::load_bf16(w), vv);
+            S::store_bf16(w, wv);
+            wv
+        };
+        let d = r(S::sqrt(wv));
+        let d = r(S::div(d, c(s.bias_correction2_sqrt)));
+        let d = r(S::add(d, c(s.eps)));
+        let pv = S::add(pv, S::div(S::mul(c(s.neg_step_size), mv), d));
+        S::store_bf16(p, pv);
+        S::store_bf16(m, mv);
+        S::store_bf16(v, vv);
+    }
+}
+
+impl Task for Bf16Task {
+    fn count(&self) -> usize {
+        self.len.div_ceil(BLOCK)
+    }
+    fn scratch_len(&self, _lanes: usize) -> usize {
+        0
+    }
+    fn work(&self) -> usize {
+        // About twenty operations an element with the roundings.
+        self.len.saturating_mul(20)
+    }
+    #[inline(always)]
+    unsafe fn run<S: Simd>(&self, t: usize, _buf: &mut [f32]) {
+        let start = t * BLOCK;
+        let end = self.len.min(start + BLOCK);
+        let s = &self.s;
+        let amsgrad = !self.vmax.0.is_null();
+        // SAFETY: the arrays hold `len` elements (checked by `adamw_bf16`; `vmax` is null or
+        // holds as many); this task reads and writes `start..end` only, which no other task
+        // touches; a tail shorter than `S::LANES` goes through stack buffers of 16 elements.
+        unsafe {
+            let at = |ptr: *mut u16, i: usize| if ptr.is_null() { ptr } else { ptr.add(i) };
+            let mut i = start;
+            while i + S::LANES <= end {
+                let (p, g, m, v) =
+                    (self.p.0.add(i), self.g.0.add(i), self.m.0.add(i), self.v.0.add(i));
+                lanes::<S>(s, p, g, m, v, at(self.vmax.0, i));
+                i += S::LANES;
+            }
+            let n = end - i;
+            if n > 0 {
+                let mut b = [[0u16; 16]; 5];
+                let src = [
+                    self.p.0.add(i) as *const u16,
+                    self.g.0.add(i),
+                    self.m.0.add(i),
+                    self.v.0.add(i),
+                ];
+                for (buf, &ptr) in b.iter_mut().zip(&src) {
+                    std::ptr::copy_nonoverlapping(ptr, buf.as_mut_ptr(), n);
+                }
+                if amsgrad {
+                    std::ptr::copy_nonoverlapping(self.vmax.0.add(i), b[4].as_mut_ptr(), n);
+                }
+                let [bp, bg, bm, bv, bw] = &mut b;
+                let w = if amsgrad { bw.as_mut_ptr() } else { std::ptr::null_mut() };
+                lanes::<S>(s, bp.as_mut_ptr(), bg.as_ptr(), bm.as_mut_ptr(), bv.as_mut_ptr(), w);
+                for (buf, ptr) in [(&b[0], self.p.0), (&b[2], self.m.0), (&b[3], self.v.0)] {
+                    std::ptr::copy_nonoverlapping(buf.as_ptr(), ptr.add(i), n);
+                }
+                if amsgrad {
+                    std::ptr::copy_nonoverlapping(b[4].as_ptr(), self.vmax.0.add(i), n);
+                }
+            }
+        }
+    }
+}
+
+/// [`adamw`](super::adamw) for a bfloat16 parameter and bfloat16 moments (their bits), each
+/// operation rounded to bf16 as PyTorch rounds it (see the module's formulas).
+pub fn adamw_bf16(
+    p: &mut [u16],
+    g: &[u16],
+    m: &mut [u16],
+    v: &mut [u16],
+    vmax: Option<&mut [u16]>,
+    step: &AdamWStep,
+) -> Result<(), KernelError> {
+    check_lengths(p.len(), g.len(), m.len(), v.len(), vmax.as_ref().map(|w| w.len()))?;
+    let task = Bf16Task {
+        p: SyncPtr(p.as_mut_ptr()),
+        g: ConstPtr(g.as_ptr()),
+        m: SyncPtr(m.as_mut_ptr()),
+        v: SyncPtr(v.as_mut_ptr()),
+        vmax: SyncPtr(vmax.map_or(std::ptr::null_mut(), |w| w.as_mut_ptr())),
+        len: p.len(),
+        s: Scalars32::new(step),
+    };
+    par_run(simd_level(), &task);
+    Ok(())
+}
+
+/// The reference twin: PyTorch's in-place operations on bf16 tensors as passes in plain
+/// scalar code, each widening its operands, computing in f32 and rounding to bf16.
+pub mod reference {
+    use super::{check_lengths, AdamWStep, KernelError, Scalars32};
+    use crate::convert::{bf16_bits_to_f32 as wide, f32_to_bf16_bits as bf};
+
+    fn pass(x: &mut [u16], f: impl Fn(f32, usize) -> f32) {
+        x.iter_mut().enumerate().for_each(|(i, x)| *x = bf(f(wide(*x), i)));
+    }
+
+    /// [`adamw_bf16`](super::adamw_bf16), pass by pass.
+    pub fn adamw_bf16(
+        p: &mut [u16],
+        g: &[u16],
+        m: &mut [u16],
+        v: &mut [u16],
+        vmax: Option<&mut [u16]>,
+        step: &AdamWStep,
+    ) -> Result<(), KernelError> {
+        check_lengths(p.len(), g.len(), m.len(), v.len(), vmax.as_ref().map(|w| w.len()))?;
+        let s = Scalars32::new(step);
+        // grad = -grad; grad = grad.add(param, alpha=weight_decay)
+        let mut g: Vec<u16> = g.iter().map(|&g| bf(wide(g) * s.sign)).collect();
+        if s.has_l2 {
+            pass(&mut g, |g, i| wide(p[i]).mul_add(s.l2_bf16, g));
+        }
+        // param.mul_(1 - lr * weight_decay)
+        pass(p, |p, _| p * s.decay);
+        // exp_avg.lerp_(grad, 1 - beta1)
+        pass(m, |m, i| {
+            let gi = wide(g[i]);
+            s.lerp_coeff.mul_add(gi - m, if s.lerp_small { m } else { gi })
+        });
+        // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        pass(v, |v, _| v * s.beta2);
+        pass(v, |v, i| (s.one_minus_beta2 * wide(g[i])).mul_add(wide(g[i]), v));
+        // torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+        let w: &[u16] = match vmax {
+            Some(w) => {
+                pass(w, |w, i| {
+                    let vi = wide(v[i]);
+                    if w.is_nan() || vi.is_nan() {
+                        w + vi
+                    } else {
+                        w.max(vi)
+                    }
+                });
+                w
+            }
+            None => v,
+        };
+        // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        let mut d: Vec<u16> = w.iter().map(|&w| bf(wide(w).sqrt())).collect();
+        pass(&mut d, |d, _| d / s.bias_correction2_sqrt);
+        pass(&mut d, |d, _| d + s.eps);
+        // param.addcdiv_(exp_avg, denom, value=-step_size)
+        pass(p, |p, i| p + (s.neg_step_size * wide(m[i])) / wide(d[i]));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::with_simd_level;
+    use crate::convert::f32_to_bf16_bits as bf;
+    use crate::testutil::levels;
+
+    fn arrays(n: usize, seed: u32) -> [Vec<u16>; 4] {
+        let mut x = seed.wrapping_mul(2_654_435_761).max(1);
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x as f32 / u32::MAX as f32) * 2.0 - 1.0
+        };
+        let p: Vec<u16> = (0..n).map(|_| bf(next())).collect();
+        let g: Vec<u16> = (0..n).map(|_| bf(next() * 3.0)).collect();
+        let m: Vec<u16> = (0..n).map(|_| bf(next() * 0.1)).collect();
+        let v: Vec<u16> = (0..n).map(|_| bf(next().abs() * 0.01)).collect();
+        [p, g, m, v]
+    }
+
+    /// Every NaN as one (signs and payloads are not part of the contract).
+    fn canon(x: &[u16]) -> Vec<u16> {
+        x.iter().map(|&b| if (b & 0x7fff) > 0x7f80 { 0x7fc0 } else { b }).collect()
+    }
+
+    /// Each variant at every level against the passes, at sizes around the vector width and a
+    /// block, with a NaN and an infinite gradient.
+    #[test]
+    fn every_level_gives_the_bits_of_the_passes() {
+        let variants = [(false, false, false), (true, true, true), (false, true, false)];
+        for n in [0, 1, 7, 16, 17, 33, BLOCK + 5, 2 * BLOCK] {
+            for (step, betas, wd) in [(1, (0.9, 0.999), 0.01), (7, (0.6, 0.95), 0.0)] {
+                for (l2, maximize, amsgrad) in variants {
+                    let mut s = AdamWStep::new(3e-3, betas, 1e-8, wd, step).expect("valid");
+                    if l2 {
+                        s = s.l2_weight_decay(wd);
+                    }
+                    let s = s.maximize(maximize);
+                    let [p0, mut g, m0, v0] = arrays(n, n as u32 + step as u32);
+                    if n > 20 {
+                        (g[3], g[18]) = (bf(f32::NAN), bf(f32::INFINITY));
+                    }
+                    let w0: Vec<u16> = v0.iter().map(|&v| bf(wide(v) * 1.5)).collect();
+                    let (mut p, mut m, mut v, mut w) =
+                        (p0.clone(), m0.clone(), v0.clone(), w0.clone());
+                    let ws = amsgrad.then_some(&mut w[..]);
+                    reference::adamw_bf16(&mut p, &g, &mut m, &mut v, ws, &s).expect("lengths");
+                    for level in levels() {
+                        let (mut q, mut mq, mut vq, mut wq) =
+                            (p0.clone(), m0.clone(), v0.clone(), w0.clone());
+                        let ws = amsgrad.then_some(&mut wq[..]);
+                        with_simd_level(level, || adamw_bf16(&mut q, &g, &mut mq, &mut vq, ws, &s))
+                            .expect("lengths");
+                        let at =
+                            format!("n {n}, step {step}, {:?}, {level:?}", (l2, maximize, amsgrad));
+                        assert_eq!(canon(&q), canon(&p), "p, {at}");
+                        assert_eq!(canon(&mq), canon(&m), "m, {at}");
+                        assert_eq!(canon(&vq), canon(&v), "v, {at}");
+                        assert_eq!(canon(&wq), canon(&w), "vmax, {at}");
+                    }
+                }
+            }
+        }
+    }
+
+    use crate::convert::bf16_bits_to_f32 as wide;
+
+    /// Within a few bf16 ulps of the f32 kernel's step from the same (bf16) values: the
+    /// roundings are the only difference.
+    #[test]
+    fn close_to_the_f32_step() {
+        let s = AdamWStep::new(1e-2, (0.9, 0.999), 1e-8, 0.1, 3).expect("valid");
+        let [p0, g, m0, v0] = arrays(300, 4);
+        let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+        adamw_bf16(&mut p, &g, &mut m, &mut v, None, &s).expect("lengths");
+        let f = |x: &[u16]| x.iter().map(|&b| wide(b)).collect::<Vec<f32>>();
+        let (mut pf, gf, mut mf, mut vf) = (f(&p0), f(&g), f(&m0), f(&v0));
+        super::super::adamw(&mut pf, &gf, &mut mf, &mut vf, None, &s).expect("lengths");
+        for i in 0..300 {
+            let (a, b) = (wide(p[i]), pf[i]);
+            assert!((a - b).abs() <= 2.0 * b.abs() * 2f32.powi(-8) + 1e-6, "{i}: {a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn lengths_are_checked() {
+        let s = AdamWStep::new(1e-3, (0.9, 0.999), 1e-8, 0.0, 1).expect("valid");
+        let (mut p, mut m, mut v) = (vec![0u16; 3], vec![0u16; 3], vec![0u16; 2]);
+        let err = adamw_bf16(&mut p, &[0; 3], &mut m, &mut v, None, &s).expect_err("short v");
+        assert!(err.to_string().contains("second moment 2"), "{err}");
+    }
+}
