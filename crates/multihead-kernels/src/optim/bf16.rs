@@ -227,10 +227,9 @@ pub mod reference {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::{check_levels, Step};
     use super::*;
-    use crate::attention::with_simd_level;
     use crate::convert::f32_to_bf16_bits as bf;
-    use crate::testutil::levels;
 
     fn arrays(n: usize, seed: u32) -> [Vec<u16>; 4] {
         let mut x = seed.wrapping_mul(2_654_435_761).max(1);
@@ -247,49 +246,16 @@ mod tests {
         [p, g, m, v]
     }
 
-    /// Every NaN as one (signs and payloads are not part of the contract).
-    fn canon(x: &[u16]) -> Vec<u16> {
-        x.iter().map(|&b| if (b & 0x7fff) > 0x7f80 { 0x7fc0 } else { b }).collect()
+    /// The bits, every NaN as one (signs and payloads are not part of the contract).
+    fn canon(x: &[u16]) -> Vec<u32> {
+        x.iter().map(|&b| u32::from(if (b & 0x7fff) > 0x7f80 { 0x7fc0 } else { b })).collect()
     }
 
-    /// Each variant at every level against the passes, at sizes around the vector width and a
-    /// block, with a NaN and an infinite gradient.
     #[test]
     fn every_level_gives_the_bits_of_the_passes() {
-        let variants = [(false, false, false), (true, true, true), (false, true, false)];
-        for n in [0, 1, 7, 16, 17, 33, BLOCK + 5, 2 * BLOCK] {
-            for (step, betas, wd) in [(1, (0.9, 0.999), 0.01), (7, (0.6, 0.95), 0.0)] {
-                for (l2, maximize, amsgrad) in variants {
-                    let mut s = AdamWStep::new(3e-3, betas, 1e-8, wd, step).expect("valid");
-                    if l2 {
-                        s = s.l2_weight_decay(wd);
-                    }
-                    let s = s.maximize(maximize);
-                    let [p0, mut g, m0, v0] = arrays(n, n as u32 + step as u32);
-                    if n > 20 {
-                        (g[3], g[18]) = (bf(f32::NAN), bf(f32::INFINITY));
-                    }
-                    let w0: Vec<u16> = v0.iter().map(|&v| bf(wide(v) * 1.5)).collect();
-                    let (mut p, mut m, mut v, mut w) =
-                        (p0.clone(), m0.clone(), v0.clone(), w0.clone());
-                    let ws = amsgrad.then_some(&mut w[..]);
-                    reference::adamw_bf16(&mut p, &g, &mut m, &mut v, ws, &s).expect("lengths");
-                    for level in levels() {
-                        let (mut q, mut mq, mut vq, mut wq) =
-                            (p0.clone(), m0.clone(), v0.clone(), w0.clone());
-                        let ws = amsgrad.then_some(&mut wq[..]);
-                        with_simd_level(level, || adamw_bf16(&mut q, &g, &mut mq, &mut vq, ws, &s))
-                            .expect("lengths");
-                        let at =
-                            format!("n {n}, step {step}, {:?}, {level:?}", (l2, maximize, amsgrad));
-                        assert_eq!(canon(&q), canon(&p), "p, {at}");
-                        assert_eq!(canon(&mq), canon(&m), "m, {at}");
-                        assert_eq!(canon(&vq), canon(&v), "v, {at}");
-                        assert_eq!(canon(&wq), canon(&w), "vmax, {at}");
-                    }
-                }
-            }
-        }
+        let pair: (Step<u16>, Step<u16>) = (adamw_bf16, reference::adamw_bf16);
+        let special = [bf(f32::NAN), bf(f32::INFINITY)];
+        check_levels(arrays, special, |v| bf(wide(v) * 1.5), pair, canon);
     }
 
     use crate::convert::bf16_bits_to_f32 as wide;

@@ -35,6 +35,22 @@ fn worst(a: &Tensor, b: &Tensor, floor: f64) -> f64 {
     a.iter().zip(&b).map(|(x, y)| (x - y).abs() / (y.abs() + floor)).fold(0.0, f64::max)
 }
 
+/// The golden gradients of step `s` for `vars` (none for a parameter the step skips).
+fn grads_at(t: &HashMap<String, Tensor>, prefix: &str, vars: &[Var], s: usize) -> GradStore {
+    let mut grads = empty_grads();
+    for (i, v) in vars.iter().enumerate() {
+        if let Some(g) = t.get(&format!("{prefix}.p{i}.grad{s}")) {
+            grads.insert(v.as_tensor(), g.clone());
+        }
+    }
+    grads
+}
+
+/// The three golden parameters as PyTorch had them at `when` (`init`, `after2`, ...).
+fn vars_at(t: &HashMap<String, Tensor>, prefix: &str, when: &str) -> Vec<Var> {
+    (0..3).map(|i| Var::from_tensor(&t[&format!("{prefix}.p{i}.{when}")]).unwrap()).collect()
+}
+
 /// Replays one configuration's steps with the optimiser `make` builds over the parameters, and
 /// returns the worst relative difference to PyTorch's parameters after any step.
 fn replay<O: Optimizer>(
@@ -44,8 +60,7 @@ fn replay<O: Optimizer>(
     lr_at_3: f64,
     floor: f64,
 ) -> f64 {
-    let vars: Vec<Var> =
-        (0..3).map(|i| Var::from_tensor(&t[&format!("{prefix}.p{i}.init")]).unwrap()).collect();
+    let vars = vars_at(t, prefix, "init");
     let mut opt = make(vars.clone());
     let lr = opt.learning_rate();
     let mut worst_seen: f64 = 0.0;
@@ -53,13 +68,7 @@ fn replay<O: Optimizer>(
         if s == 3 {
             opt.set_learning_rate(lr * lr_at_3);
         }
-        let mut grads = empty_grads();
-        for (i, v) in vars.iter().enumerate() {
-            if let Some(g) = t.get(&format!("{prefix}.p{i}.grad{s}")) {
-                grads.insert(v.as_tensor(), g.clone());
-            }
-        }
-        opt.step(&grads).unwrap();
+        opt.step(&grads_at(t, prefix, &vars, s)).unwrap();
         for (i, v) in vars.iter().enumerate() {
             let want = &t[&format!("{prefix}.p{i}.after{s}")];
             worst_seen = worst_seen.max(worst(v.as_tensor(), want, floor));
@@ -183,21 +192,13 @@ fn adamw_state_dict_is_pytorchs() {
     for cfg in configs(&meta) {
         for (dtype, tol) in TOLS {
             let prefix = format!("{}.{dtype}", cfg.name);
-            let vars: Vec<Var> = (0..3)
-                .map(|i| Var::from_tensor(&t[&format!("{prefix}.p{i}.init")]).unwrap())
-                .collect();
+            let vars = vars_at(&t, &prefix, "init");
             let mut opt = cfg.build(vars.clone());
             for s in 1..=4 {
                 if s == 3 {
                     opt.set_learning_rate(cfg.params.lr * lr_at_3);
                 }
-                let mut grads = empty_grads();
-                for (i, v) in vars.iter().enumerate() {
-                    if let Some(g) = t.get(&format!("{prefix}.p{i}.grad{s}")) {
-                        grads.insert(v.as_tensor(), g.clone());
-                    }
-                }
-                opt.step(&grads).unwrap();
+                opt.step(&grads_at(&t, &prefix, &vars, s)).unwrap();
             }
             let ours: HashMap<String, Tensor> = opt.state_dict().unwrap().into_iter().collect();
             let want = state_at(&t, &prefix, 4);
@@ -246,9 +247,7 @@ fn adamw_resumes_from_pytorchs_state() {
     for cfg in configs(&meta) {
         for (dtype, tol) in TOLS {
             let prefix = format!("{}.{dtype}", cfg.name);
-            let vars: Vec<Var> = (0..3)
-                .map(|i| Var::from_tensor(&t[&format!("{prefix}.p{i}.after2")]).unwrap())
-                .collect();
+            let vars = vars_at(&t, &prefix, "after2");
             // Built with the defaults: the loaded state brings the hyper-parameters and flags.
             let fresh = Config {
                 params: ParamsAdamW::default(),
@@ -265,17 +264,10 @@ fn adamw_resumes_from_pytorchs_state() {
                 if s == 3 {
                     opt.set_learning_rate(cfg.params.lr * lr_at_3);
                 }
-                let mut grads = empty_grads();
+                opt.step(&grads_at(&t, &prefix, &vars, s)).unwrap();
                 for (i, v) in vars.iter().enumerate() {
-                    grads.insert(v.as_tensor(), t[&format!("{prefix}.p{i}.grad{s}")].clone());
-                }
-                opt.step(&grads).unwrap();
-                for (i, v) in vars.iter().enumerate() {
-                    seen = seen.max(worst(
-                        v.as_tensor(),
-                        &t[&format!("{prefix}.p{i}.after{s}")],
-                        1e-3,
-                    ));
+                    let want = &t[&format!("{prefix}.p{i}.after{s}")];
+                    seen = seen.max(worst(v.as_tensor(), want, 1e-3));
                 }
             }
             assert!(seen <= tol, "{prefix}: resumed {seen:e} > {tol:e}");
@@ -284,33 +276,23 @@ fn adamw_resumes_from_pytorchs_state() {
 }
 
 /// Two steps, a save to a file, a new optimiser loading it, two more steps: the bits of four
-/// steps in one optimiser, in f32 and f64, with `amsgrad`.
+/// steps in one optimiser, in f32, f64 and bf16, with `amsgrad`.
 #[test]
 fn adamw_saved_state_resumes_bit_for_bit() {
     let (t, meta) = golden();
     let cfg = configs(&meta).into_iter().find(|c| c.name == "amsgrad_maximize").unwrap();
     let dir = tempfile::tempdir().unwrap();
-    for dtype in ["f32", "f64"] {
+    for dtype in ["f32", "f64", "bf16"] {
         let prefix = format!("{}.{dtype}", cfg.name);
-        let init = |i: usize| t[&format!("{prefix}.p{i}.init")].clone();
-        let grads_at = |vars: &[Var], s: usize| {
-            let mut grads = empty_grads();
-            for (i, v) in vars.iter().enumerate() {
-                if let Some(g) = t.get(&format!("{prefix}.p{i}.grad{s}")) {
-                    grads.insert(v.as_tensor(), g.clone());
-                }
-            }
-            grads
-        };
-        let straight: Vec<Var> = (0..3).map(|i| Var::from_tensor(&init(i)).unwrap()).collect();
+        let straight = vars_at(&t, &prefix, "init");
         let mut opt = cfg.build(straight.clone());
         for s in 1..=4 {
-            opt.step(&grads_at(&straight, s)).unwrap();
+            opt.step(&grads_at(&t, &prefix, &straight, s)).unwrap();
         }
-        let resumed: Vec<Var> = (0..3).map(|i| Var::from_tensor(&init(i)).unwrap()).collect();
+        let resumed = vars_at(&t, &prefix, "init");
         let mut first = cfg.build(resumed.clone());
         for s in 1..=2 {
-            first.step(&grads_at(&resumed, s)).unwrap();
+            first.step(&grads_at(&t, &prefix, &resumed, s)).unwrap();
         }
         let path = dir.path().join(format!("{dtype}.safetensors"));
         first.save_state(&path).unwrap();
@@ -318,7 +300,7 @@ fn adamw_saved_state_resumes_bit_for_bit() {
         let mut second = AdamW::new(resumed.clone(), ParamsAdamW::default()).unwrap();
         second.load_state(&path).unwrap();
         for s in 3..=4 {
-            second.step(&grads_at(&resumed, s)).unwrap();
+            second.step(&grads_at(&t, &prefix, &resumed, s)).unwrap();
         }
         for (a, b) in straight.iter().zip(&resumed) {
             let bits = |v: &Var| {
