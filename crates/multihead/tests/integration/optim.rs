@@ -558,3 +558,89 @@ fn adamw_keeps_a_loaded_entry_at_step_zero() {
     assert!((m[0] - 6.4).abs() < 1e-6, "{m:?}");
     assert_eq!(saved["state.0.step"].to_scalar::<f32>().unwrap(), 1.0);
 }
+
+/// A real training run resumed from files: a `TransformerEncoderLayer` trained six steps
+/// (AdamW keyed by name, `amsgrad`, a learning-rate schedule) ends with the same bits as one
+/// trained three steps, saved (`VarMap::save` and `AdamW::save_state`), rebuilt in a fresh
+/// `VarMap` (whose hash map lists the variables in another order), loaded and trained three
+/// more.
+#[test]
+fn a_layer_resumes_training_from_its_saved_weights_and_optimiser_state() {
+    use multihead::transformer::{LayerConfig, TransformerEncoderLayer};
+
+    let dir = tempfile::tempdir().unwrap();
+    let dev = Device::Cpu;
+    let build = |weights: &std::path::Path| {
+        let mut vm = VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev);
+        let cfg = LayerConfig::new(16, 2)
+            .with_dim_feedforward(24)
+            .with_dropout(0.0)
+            .with_batch_first(true);
+        let layer = TransformerEncoderLayer::new(cfg, vb.pp("layer")).unwrap();
+        vm.load(weights).unwrap();
+        (vm, layer)
+    };
+    let det = |salt: f64| {
+        let data: Vec<f32> =
+            (0..2 * 5 * 16).map(|i| ((i as f64 * 0.7311 + salt * 13.17).sin()) as f32).collect();
+        Tensor::from_vec(data, (2, 5, 16), &dev).unwrap()
+    };
+    let train = |vm: &VarMap,
+                 layer: &TransformerEncoderLayer,
+                 opt: &mut AdamW,
+                 steps: std::ops::Range<usize>| {
+        for s in steps {
+            opt.set_learning_rate(1e-2 * (1.0 - s as f64 / 8.0));
+            let y = layer.forward(&det(s as f64), None, None, false).unwrap();
+            let loss = y.mul(&det(100.0 + s as f64)).unwrap().sum_all().unwrap();
+            opt.backward_step(&loss).unwrap();
+        }
+        let mut all: Vec<(String, Vec<u32>)> = vm
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| {
+                let bits = v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                (k.clone(), bits.iter().map(|x| x.to_bits()).collect())
+            })
+            .collect();
+        all.sort();
+        all
+    };
+    // The initial weights, from one random initialisation.
+    let w0 = dir.path().join("w0.safetensors");
+    {
+        let vm = VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &dev);
+        let cfg = LayerConfig::new(16, 2)
+            .with_dim_feedforward(24)
+            .with_dropout(0.0)
+            .with_batch_first(true);
+        TransformerEncoderLayer::new(cfg, vb.pp("layer")).unwrap();
+        vm.save(&w0).unwrap();
+    }
+    let params = ParamsAdamW { lr: 1e-2, weight_decay: 0.05, ..Default::default() };
+    let (vm, layer) = build(&w0);
+    let mut opt = AdamW::from_varmap(&vm, params.clone()).unwrap().amsgrad(true);
+    let straight = train(&vm, &layer, &mut opt, 0..6);
+
+    let (w3, s3) = (dir.path().join("w3.safetensors"), dir.path().join("s3.safetensors"));
+    {
+        let (vm, layer) = build(&w0);
+        let mut opt = AdamW::from_varmap(&vm, params.clone()).unwrap().amsgrad(true);
+        train(&vm, &layer, &mut opt, 0..3);
+        vm.save(&w3).unwrap();
+        opt.save_state(&s3).unwrap();
+    }
+    let (vm, layer) = build(&w3);
+    // Built without amsgrad: the state file brings it back.
+    let mut opt = AdamW::from_varmap(&vm, ParamsAdamW::default()).unwrap();
+    opt.load_state(&s3).unwrap();
+    let resumed = train(&vm, &layer, &mut opt, 3..6);
+    assert_eq!(straight.len(), 12, "the layer's parameters");
+    assert_eq!(straight, resumed);
+    let (vm0, layer0) = build(&w0);
+    assert_ne!(straight, train(&vm0, &layer0, &mut opt, 0..0), "nothing trained");
+}
