@@ -323,12 +323,42 @@ impl AdamW {
 
     /// PyTorch's `amsgrad=True`: the denominator takes the running maximum of the second
     /// moment (`max_exp_avg_sq`, zeros at the first step that uses it).
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{Device, Tensor, Var};
+    /// use candle_nn::{Optimizer, ParamsAdamW};
+    /// use multihead::optim::AdamW;
+    ///
+    /// let w = Var::from_tensor(&Tensor::new(&[1.0f32, -2.0], &Device::Cpu)?)?;
+    /// // torch.optim.Adam(params, lr=0.1, weight_decay=0.01, amsgrad=True)
+    /// let params = ParamsAdamW { lr: 0.1, weight_decay: 0.01, ..Default::default() };
+    /// let mut opt = AdamW::new(vec![w.clone()], params)?
+    ///     .amsgrad(true)
+    ///     .decoupled_weight_decay(false);
+    /// opt.backward_step(&w.as_tensor().sqr()?.sum_all()?)?;
+    /// assert!(w.as_tensor().to_vec1::<f32>()?[0] < 1.0);
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
     pub fn amsgrad(mut self, on: bool) -> Self {
         self.flags.amsgrad = on;
         self
     }
 
     /// PyTorch's `maximize=True`: steps up the gradient instead of down.
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{Device, Tensor, Var};
+    /// use candle_nn::{Optimizer, ParamsAdamW};
+    /// use multihead::optim::AdamW;
+    ///
+    /// let w = Var::from_tensor(&Tensor::new(&[1.0f32], &Device::Cpu)?)?;
+    /// let mut opt = AdamW::new(vec![w.clone()], ParamsAdamW::default())?.maximize(true);
+    /// opt.backward_step(&w.as_tensor().sum_all()?)?; // d/dw = 1: w grows
+    /// assert!(w.as_tensor().to_vec1::<f32>()?[0] > 1.0);
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
     pub fn maximize(mut self, on: bool) -> Self {
         self.flags.maximize = on;
         self
@@ -336,14 +366,24 @@ impl AdamW {
 
     /// PyTorch's `decoupled_weight_decay` (true here, as in `torch.optim.AdamW`): `false` gives
     /// `torch.optim.Adam`, whose weight decay is added to the gradient (`g + weight_decay·p`)
-    /// instead of shrinking the parameter.
+    /// instead of shrinking the parameter (example at [`AdamW::amsgrad`]).
     pub fn decoupled_weight_decay(mut self, on: bool) -> Self {
         self.flags.decoupled = on;
         self
     }
 
     /// The hyper-parameters ([`ParamsAdamW`]'s fields; set the learning rate with
-    /// [`Optimizer::set_learning_rate`]).
+    /// [`Optimizer::set_learning_rate`]); a loaded state may have changed them.
+    ///
+    /// # Example
+    /// ```
+    /// use candle_nn::{Optimizer, ParamsAdamW};
+    /// use multihead::optim::AdamW;
+    ///
+    /// let opt = AdamW::new(vec![], ParamsAdamW { eps: 1e-6, ..Default::default() })?;
+    /// assert_eq!(opt.params().eps, 1e-6);
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
     pub fn params(&self) -> &ParamsAdamW {
         &self.params
     }

@@ -35,6 +35,15 @@ fn tensor_of<T: WithDType>(values: &[T], dims: &[usize]) -> Result<Tensor> {
     Ok(Tensor::from_vec(out, dims, &Device::Cpu)?)
 }
 
+/// A parameter's moments (and running maximum) as tensors of its shape.
+fn moment_tensors<T: WithDType>(
+    a: &Arrays<T>,
+    dims: &[usize],
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let vmax = a.vmax.as_deref().map(|w| tensor_of(w, dims)).transpose()?;
+    Ok((tensor_of(&a.m, dims)?, tensor_of(&a.v, dims)?, vmax))
+}
+
 /// One parameter's entries found in a loaded state, by entry name.
 type Found<'a> = BTreeMap<&'static str, &'a Tensor>;
 
@@ -73,18 +82,9 @@ impl AdamW {
             // PyTorch keeps the step as an f32 tensor (exact to 2^24 steps).
             out.push((k("step"), Tensor::new(s.step as f32, &Device::Cpu)?));
             let (m, v, vmax) = match &s.moments {
-                Moments::F32(a) => {
-                    let vmax = a.vmax.as_deref().map(|w| tensor_of(w, dims)).transpose()?;
-                    (tensor_of(&a.m, dims)?, tensor_of(&a.v, dims)?, vmax)
-                }
-                Moments::F64(a) => {
-                    let vmax = a.vmax.as_deref().map(|w| tensor_of(w, dims)).transpose()?;
-                    (tensor_of(&a.m, dims)?, tensor_of(&a.v, dims)?, vmax)
-                }
-                Moments::BF16(a) => {
-                    let vmax = a.vmax.as_deref().map(|w| tensor_of(w, dims)).transpose()?;
-                    (tensor_of(&a.m, dims)?, tensor_of(&a.v, dims)?, vmax)
-                }
+                Moments::F32(a) => moment_tensors(a, dims)?,
+                Moments::F64(a) => moment_tensors(a, dims)?,
+                Moments::BF16(a) => moment_tensors(a, dims)?,
             };
             out.push((k("exp_avg"), m));
             out.push((k("exp_avg_sq"), v));
@@ -108,13 +108,37 @@ impl AdamW {
 
     /// Writes [`AdamW::state_dict`] to a safetensors file (as
     /// [`state_dict::save_safetensors`](crate::state_dict::save_safetensors) writes).
+    ///
+    /// # Shapes
+    /// As [`AdamW::state_dict`].
+    ///
+    /// # Example
+    /// ```
+    /// use candle_core::{Device, Tensor, Var};
+    /// use candle_nn::{Optimizer, ParamsAdamW};
+    /// use multihead::optim::AdamW;
+    ///
+    /// let w = Var::from_tensor(&Tensor::new(&[1.0f32, -2.0], &Device::Cpu)?)?;
+    /// let mut opt = AdamW::new(vec![w.clone()], ParamsAdamW::default())?.amsgrad(true);
+    /// opt.backward_step(&w.as_tensor().sqr()?.sum_all()?)?;
+    /// let path = std::env::temp_dir().join("multihead_adamw_state_doc.safetensors");
+    /// opt.save_state(&path)?;
+    /// // A new optimiser (say, in the next process) takes the state and the options.
+    /// let mut resumed = AdamW::new(vec![w.clone()], ParamsAdamW::default())?;
+    /// resumed.load_state(&path)?;
+    /// assert_eq!(resumed.state_dict()?.len(), opt.state_dict()?.len());
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
     pub fn save_state(&self, path: impl AsRef<Path>) -> Result<()> {
         let state = self.state_dict()?;
         crate::state_dict::save_safetensors(state.iter().map(|(k, t)| (k.as_str(), t)), path)
     }
 
     /// Reads a state that [`AdamW::save_state`] (or `tools/optim_state.py`) wrote and loads it
-    /// with [`AdamW::load_state_dict`].
+    /// with [`AdamW::load_state_dict`] (example at [`AdamW::save_state`]).
+    ///
+    /// # Shapes
+    /// As [`AdamW::state_dict`].
     pub fn load_state(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let state = crate::state_dict::load_safetensors(path, &Device::Cpu)?;
         self.load_state_dict(&state)
@@ -136,6 +160,24 @@ impl AdamW {
     /// without its `step`, `exp_avg` or `exp_avg_sq`, a moment of the wrong shape or not a
     /// float, a step that is not a whole number, hyper-parameters out of PyTorch's ranges.
     /// Nothing is changed when it fails.
+    ///
+    /// # Example
+    /// ```
+    /// use std::collections::HashMap;
+    /// use candle_core::{Device, Tensor, Var};
+    /// use candle_nn::{Optimizer, ParamsAdamW};
+    /// use multihead::optim::AdamW;
+    ///
+    /// let w = Var::from_tensor(&Tensor::new(&[1.0f32, -2.0], &Device::Cpu)?)?;
+    /// let mut opt = AdamW::new(vec![w.clone()], ParamsAdamW::default())?;
+    /// opt.backward_step(&w.as_tensor().sqr()?.sum_all()?)?;
+    /// let mut state: HashMap<String, Tensor> = opt.state_dict()?.into_iter().collect();
+    /// // Another parameter's entry is refused, naming it; nothing changes.
+    /// state.insert("state.1.exp_avg".into(), Tensor::zeros(3, candle_core::DType::F32, &Device::Cpu)?);
+    /// let err = opt.load_state_dict(&state).unwrap_err().to_string();
+    /// assert!(err.contains("unexpected keys") && err.contains("state.1.exp_avg"));
+    /// # Ok::<(), multihead::Error>(())
+    /// ```
     pub fn load_state_dict(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
         let mut problems = Problems::default();
         let (found, group) = self.sort_keys(state, &mut problems);
