@@ -4,11 +4,13 @@
 
     python3 tools/adamw_golden.py      # writes tests/fixtures/optim/adamw.safetensors
 
-Four configurations, each in float32, float64 and bfloat16 (PyTorch rounds each in-place
+Five configurations, each in float32, float64 and bfloat16 (PyTorch rounds each in-place
 operation's result to bf16), over three parameters of awkward sizes:
 PyTorch's defaults with lr 2e-3 and weight decay 1e-2; betas (0.3, 0.95), eps 1e-6, no weight
 decay (the first-moment lerp takes ATen's large-weight branch); ``amsgrad`` with ``maximize``;
-and ``torch.optim.Adam`` (weight decay added to the gradient) with ``amsgrad``. Four steps with
+``torch.optim.Adam`` (weight decay added to the gradient) with ``amsgrad``; and gradients a
+thousandth the size beside ``eps=1e-3`` (in bf16 the denominator's ``eps`` is a bf16 value).
+Four steps with
 gradients that shrink after the second (so that ``amsgrad``'s maximum matters): the second
 gives the second parameter no gradient (PyTorch skips it and does not count the step for it),
 the third changes the learning rate. Keys: ``{cfg}.{dtype}.p{i}.init``,
@@ -38,6 +40,10 @@ CONFIGS = {
                              amsgrad=True, maximize=True),
     "adam_l2": dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-7, weight_decay=0.1, amsgrad=True,
                     decoupled_weight_decay=False),
+    # Gradients small beside eps (which bf16 cannot hold): the denominator's eps matters.
+    # Parameters the size of a step, so that a step's last bits show.
+    "small_grads": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-3, weight_decay=0.0, grad_scale=1e-3,
+                        param_scale=1e-3),
 }
 NAMES = {"adam_l2": ["encoder.layers.0.linear1.weight", "norm.bias", "head.weight"]}
 STEPS = 4
@@ -47,10 +53,12 @@ GRAD_SCALE = [1.0, 2.0, 0.3, 0.1]  # per step: the second moment falls after ste
 
 def run(name, cfg, dtype, out):
     g = torch.Generator().manual_seed(7)
-    params = [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in SHAPES]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype) * cfg.get("param_scale", 1.0))
+              for s in SHAPES]
     for i, p in enumerate(params):
         out[f"{name}.{dtype_name(dtype)}.p{i}.init"] = p.detach().clone()
-    kwargs = {k: v for k, v in cfg.items() if k != "decoupled_weight_decay"}
+    extra = ("decoupled_weight_decay", "grad_scale", "param_scale")
+    kwargs = {k: v for k, v in cfg.items() if k not in extra}
     adam = cfg.get("decoupled_weight_decay", True) is False
     opt = (torch.optim.Adam if adam else torch.optim.AdamW)(params, **kwargs)
     names = NAMES.get(name)
@@ -63,7 +71,8 @@ def run(name, cfg, dtype, out):
             if s == 2 and i == 1:
                 p.grad = None
                 continue
-            grad = torch.randn(p.shape, generator=g, dtype=dtype) * (10.0 ** (i - 1)) * GRAD_SCALE[s - 1]
+            scale = (10.0 ** (i - 1)) * GRAD_SCALE[s - 1] * cfg.get("grad_scale", 1.0)
+            grad = torch.randn(p.shape, generator=g, dtype=dtype) * scale
             p.grad = grad
             out[f"{name}.{dtype_name(dtype)}.p{i}.grad{s}"] = grad.clone()
         opt.step()

@@ -3,8 +3,10 @@
 //! bf16 operands and f32 scalars, and rounds its result to bf16 (ties to even) before the next
 //! one reads it; the moments are bf16 too.
 //!
-//! One scalar differs: Adam's `grad.add(param, alpha=weight_decay)` takes its `alpha` as a
-//! bf16 value (the other operations take f32 scalars). PyTorch's vector loop computes that sum
+//! Two scalars are bf16 values, the two that reach an `add` (a ufunc that casts a Python number
+//! to the tensor's dtype, f64 → f32 → bf16): `eps` in `denom.add_(eps)`, and Adam's
+//! `alpha=weight_decay` in `grad.add(param, alpha=weight_decay)`; `mul`, `div`, `lerp`,
+//! `addcmul` and `addcdiv` keep f32 scalars. PyTorch's vector loop computes the L2 sum
 //! in f32 and rounds once, as here; the few elements its scalar remainder loop takes (up to 31
 //! at the end of each thread's range, which depends on the vector width and the thread count)
 //! round the product to bf16 before the sum, and can differ from this by a bf16 ulp.
@@ -16,7 +18,7 @@
 //! m = bf16(lerp(m, g, 1 − β₁))
 //! v = bf16(v·β₂);  v = bf16(((1 − β₂)·g)·g + v)
 //! [w = max(w, v)]                            amsgrad (exact)
-//! d = bf16(√v);  d = bf16(d / √(1 − β₂ᵗ));  d = bf16(d + eps)
+//! d = bf16(√v);  d = bf16(d / √(1 − β₂ᵗ));  d = bf16(d + bf16(eps))
 //! p = bf16(p + ((−lr / (1 − β₁ᵗ))·m) / d)
 //! ```
 
@@ -74,7 +76,7 @@ unsafe fn lanes<S: Simd>(
         };
         let d = r(S::sqrt(wv));
         let d = r(S::div(d, c(s.bias_correction2_sqrt)));
-        let d = r(S::add(d, c(s.eps)));
+        let d = r(S::add(d, c(s.eps_bf16)));
         let pv = S::add(pv, S::div(S::mul(c(s.neg_step_size), mv), d));
         S::store_bf16(p, pv);
         S::store_bf16(m, mv);
@@ -218,7 +220,7 @@ pub mod reference {
         // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         let mut d: Vec<u16> = w.iter().map(|&w| bf(wide(w).sqrt())).collect();
         pass(&mut d, |d, _| d / s.bias_correction2_sqrt);
-        pass(&mut d, |d, _| d + s.eps);
+        pass(&mut d, |d, _| d + s.eps_bf16);
         // param.addcdiv_(exp_avg, denom, value=-step_size)
         pass(p, |p, i| p + (s.neg_step_size * wide(m[i])) / wide(d[i]));
         Ok(())

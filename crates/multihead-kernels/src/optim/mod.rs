@@ -151,6 +151,10 @@ struct Scalars32 {
     /// `l2` as a bf16 tensor's `add(param, alpha=weight_decay)` takes it: rounded to bf16 (through
     /// f32, as `c10::BFloat16` converts a double).
     l2_bf16: f32,
+    /// `eps` as a bf16 tensor's `add_(eps)` takes it: rounded to bf16 through f32 (`add` casts
+    /// a Python number to the tensor's dtype; `mul`, `div`, `lerp`, `addcmul` and `addcdiv`
+    /// keep it in f32).
+    eps_bf16: f32,
     /// Whether the L2 term is added: PyTorch tests the Python float (`weight_decay != 0`), so a
     /// decay that rounds to 0 in f32 still adds `0·p` (NaN where `p` is infinite).
     has_l2: bool,
@@ -174,6 +178,9 @@ impl Scalars32 {
             l2: s.l2 as f32,
             l2_bf16: crate::convert::bf16_bits_to_f32(crate::convert::f32_to_bf16_bits(
                 s.l2 as f32,
+            )),
+            eps_bf16: crate::convert::bf16_bits_to_f32(crate::convert::f32_to_bf16_bits(
+                s.eps as f32,
             )),
             has_l2: s.l2 != 0.0,
             sign: if s.maximize { -1.0 } else { 1.0 },
