@@ -93,6 +93,7 @@ pub(super) struct Arrays<T> {
     pub(super) vmax: Option<Vec<T>>,
 }
 
+/// A parameter's moments, in its dtype.
 #[derive(Debug)]
 pub(super) enum Moments {
     F32(Arrays<f32>),
@@ -100,7 +101,7 @@ pub(super) enum Moments {
     BF16(Arrays<bf16>),
 }
 
-pub(super) fn config(arg: &'static str, msg: String) -> candle_core::Error {
+fn config(arg: &'static str, msg: String) -> candle_core::Error {
     Error::Config { op: OP, arg, msg }.into()
 }
 
