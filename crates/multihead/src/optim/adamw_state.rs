@@ -343,13 +343,9 @@ fn read_entry(
             problems.bad.push((name(e), msg));
             return None;
         }
-        // f64 to bf16 through f32, as PyTorch's cast goes (candle's direct conversion drops
-        // the low bits first and can round a value just below a tie the other way).
-        let t = match (t.dtype(), dtype) {
-            (DType::F64, DType::BF16) => t.to_dtype(DType::F32).and_then(|t| t.to_dtype(dtype)),
-            _ => t.to_dtype(dtype),
-        };
-        match t.and_then(|t| t.flatten_all()) {
+        // The library's conversion: f64 to bf16 through f32, as PyTorch's cast goes (candle's
+        // direct conversion can round a value just below a tie the other way).
+        match crate::fused::convert::to_dtype(t, dtype).and_then(|t| t.flatten_all()) {
             Ok(t) => Some(t),
             Err(c) => {
                 problems.bad.push((name(e), plain(c)));
