@@ -22,125 +22,10 @@
 //! p = bf16(p + ((−lr / (1 − β₁ᵗ))·m) / d)
 //! ```
 
-use super::{check_lengths, AdamWStep, Scalars32, BLOCK};
-use crate::attention::exec::{par_run, ConstPtr, SyncPtr, Task};
-use crate::attention::simd::Simd;
+use super::task::AdamWTask;
+use super::{check_lengths, AdamWStep, Scalars32};
+use crate::attention::exec::{par_run, ConstPtr, SyncPtr};
 use crate::attention::{simd_level, KernelError};
-
-struct Bf16Task {
-    p: SyncPtr<u16>,
-    g: ConstPtr<u16>,
-    m: SyncPtr<u16>,
-    v: SyncPtr<u16>,
-    /// `amsgrad`'s running maximum of `v`, or null.
-    vmax: SyncPtr<u16>,
-    len: usize,
-    s: Scalars32,
-}
-
-/// One step of `S::LANES` elements at the pointers (`w` null without `amsgrad`).
-///
-/// # Safety
-/// `S` is available; each pointer is valid for `S::LANES` elements (`w` where not null).
-#[inline(always)]
-unsafe fn lanes<S: Simd>(
-    s: &Scalars32,
-    p: *mut u16,
-    g: *const u16,
-    m: *mut u16,
-    v: *mut u16,
-    w: *mut u16,
-) {
-    // SAFETY: the caller's contract.
-    unsafe {
-        let c = |x: f32| S::splat(x);
-        let r = |x: S::V| S::round_bf16(x);
-        let pv = S::load_bf16(p);
-        let mut gv = S::mul(S::load_bf16(g), c(s.sign));
-        if s.has_l2 {
-            gv = r(S::fma_fused(pv, c(s.l2_bf16), gv));
-        }
-        let mv = S::load_bf16(m);
-        let vv = S::load_bf16(v);
-        let pv = r(S::mul(pv, c(s.decay)));
-        let base = if s.lerp_small { mv } else { gv };
-        let mv = r(S::fma_fused(c(s.lerp_coeff), S::sub(gv, mv), base));
-        let vv = r(S::mul(vv, c(s.beta2)));
-        let vv = r(S::fma_fused(S::mul(c(s.one_minus_beta2), gv), gv, vv));
-        let wv = if w.is_null() {
-            vv
-        } else {
-            let wv = S::max_nan(S::load_bf16(w), vv);
-            S::store_bf16(w, wv);
-            wv
-        };
-        let d = r(S::sqrt(wv));
-        let d = r(S::div(d, c(s.bias_correction2_sqrt)));
-        let d = r(S::add(d, c(s.eps_bf16)));
-        let pv = S::add(pv, S::div(S::mul(c(s.neg_step_size), mv), d));
-        S::store_bf16(p, pv);
-        S::store_bf16(m, mv);
-        S::store_bf16(v, vv);
-    }
-}
-
-impl Task for Bf16Task {
-    fn count(&self) -> usize {
-        self.len.div_ceil(BLOCK)
-    }
-    fn scratch_len(&self, _lanes: usize) -> usize {
-        0
-    }
-    fn work(&self) -> usize {
-        // About twenty operations an element with the roundings.
-        self.len.saturating_mul(20)
-    }
-    #[inline(always)]
-    unsafe fn run<S: Simd>(&self, t: usize, _buf: &mut [f32]) {
-        let start = t * BLOCK;
-        let end = self.len.min(start + BLOCK);
-        let s = &self.s;
-        let amsgrad = !self.vmax.0.is_null();
-        // SAFETY: the arrays hold `len` elements (checked by `adamw_bf16`; `vmax` is null or
-        // holds as many); this task reads and writes `start..end` only, which no other task
-        // touches; a tail shorter than `S::LANES` goes through stack buffers of 16 elements.
-        unsafe {
-            let at = |ptr: *mut u16, i: usize| if ptr.is_null() { ptr } else { ptr.add(i) };
-            let mut i = start;
-            while i + S::LANES <= end {
-                let (p, g, m, v) =
-                    (self.p.0.add(i), self.g.0.add(i), self.m.0.add(i), self.v.0.add(i));
-                lanes::<S>(s, p, g, m, v, at(self.vmax.0, i));
-                i += S::LANES;
-            }
-            let n = end - i;
-            if n > 0 {
-                let mut b = [[0u16; 16]; 5];
-                let src = [
-                    self.p.0.add(i) as *const u16,
-                    self.g.0.add(i),
-                    self.m.0.add(i),
-                    self.v.0.add(i),
-                ];
-                for (buf, &ptr) in b.iter_mut().zip(&src) {
-                    std::ptr::copy_nonoverlapping(ptr, buf.as_mut_ptr(), n);
-                }
-                if amsgrad {
-                    std::ptr::copy_nonoverlapping(self.vmax.0.add(i), b[4].as_mut_ptr(), n);
-                }
-                let [bp, bg, bm, bv, bw] = &mut b;
-                let w = if amsgrad { bw.as_mut_ptr() } else { std::ptr::null_mut() };
-                lanes::<S>(s, bp.as_mut_ptr(), bg.as_ptr(), bm.as_mut_ptr(), bv.as_mut_ptr(), w);
-                for (buf, ptr) in [(&b[0], self.p.0), (&b[2], self.m.0), (&b[3], self.v.0)] {
-                    std::ptr::copy_nonoverlapping(buf.as_ptr(), ptr.add(i), n);
-                }
-                if amsgrad {
-                    std::ptr::copy_nonoverlapping(b[4].as_ptr(), self.vmax.0.add(i), n);
-                }
-            }
-        }
-    }
-}
 
 /// [`adamw`](super::adamw) for a bfloat16 parameter and bfloat16 moments (their bits), each
 /// operation rounded to bf16 as PyTorch rounds it (see the module's formulas).
@@ -153,7 +38,7 @@ pub fn adamw_bf16(
     step: &AdamWStep,
 ) -> Result<(), KernelError> {
     check_lengths(p.len(), g.len(), m.len(), v.len(), vmax.as_ref().map(|w| w.len()))?;
-    let task = Bf16Task {
+    let task = AdamWTask::<u16> {
         p: SyncPtr(p.as_mut_ptr()),
         g: ConstPtr(g.as_ptr()),
         m: SyncPtr(m.as_mut_ptr()),

@@ -38,12 +38,13 @@
 //! ```
 
 mod bf16;
+mod task;
 
 pub use bf16::adamw_bf16;
 
-use crate::attention::exec::{par_run, ConstPtr, SyncPtr, Task};
-use crate::attention::simd::Simd;
+use crate::attention::exec::{par_run, ConstPtr, SyncPtr};
 use crate::attention::{simd_level, KernelError};
+use task::AdamWTask;
 
 /// Elements per task.
 const BLOCK: usize = 1 << 14;
@@ -209,76 +210,6 @@ pub(super) fn check_lengths(
     })
 }
 
-struct AdamWTask {
-    p: SyncPtr<f32>,
-    g: ConstPtr<f32>,
-    m: SyncPtr<f32>,
-    v: SyncPtr<f32>,
-    /// `amsgrad`'s running maximum of `v`, or null.
-    vmax: SyncPtr<f32>,
-    len: usize,
-    s: Scalars32,
-}
-
-impl Task for AdamWTask {
-    fn count(&self) -> usize {
-        self.len.div_ceil(BLOCK)
-    }
-    fn scratch_len(&self, _lanes: usize) -> usize {
-        0
-    }
-    fn work(&self) -> usize {
-        // About ten operations an element, a divide and a square root among them.
-        self.len.saturating_mul(10)
-    }
-    #[inline(always)]
-    unsafe fn run<S: Simd>(&self, t: usize, _buf: &mut [f32]) {
-        let start = t * BLOCK;
-        let end = self.len.min(start + BLOCK);
-        let s = &self.s;
-        let amsgrad = !self.vmax.0.is_null();
-        // SAFETY: the arrays hold `len` elements (checked by `adamw`; `vmax` is null or holds
-        // as many); this task reads and writes `start..end` only, which no other task
-        // touches; `S` is available.
-        unsafe {
-            let c = |x: f32| S::splat(x);
-            let mut i = start;
-            while i < end {
-                let n = (end - i).min(S::LANES);
-                let mask = if n == S::LANES { S::full_mask() } else { S::tail_mask(n) };
-                let (pp, gp, mp, vp) =
-                    (self.p.0.add(i), self.g.0.add(i), self.m.0.add(i), self.v.0.add(i));
-                let p = S::load_m(pp, mask);
-                let mut g = S::mul(S::load_m(gp, mask), c(s.sign));
-                if s.has_l2 {
-                    g = S::fma_fused(p, c(s.l2), g);
-                }
-                let m = S::load_m(mp, mask);
-                let v = S::load_m(vp, mask);
-                let p = S::mul(p, c(s.decay));
-                let diff = S::sub(g, m);
-                let base = if s.lerp_small { m } else { g };
-                let m = S::fma_fused(c(s.lerp_coeff), diff, base);
-                let v = S::fma_fused(S::mul(c(s.one_minus_beta2), g), g, S::mul(v, c(s.beta2)));
-                let w = if amsgrad {
-                    let wp = self.vmax.0.add(i);
-                    let w = S::max_nan(S::load_m(wp, mask), v);
-                    S::store_m(wp, w, mask);
-                    w
-                } else {
-                    v
-                };
-                let d = S::add(S::div(S::sqrt(w), c(s.bias_correction2_sqrt)), c(s.eps));
-                let p = S::add(p, S::div(S::mul(c(s.neg_step_size), m), d));
-                S::store_m(pp, p, mask);
-                S::store_m(mp, m, mask);
-                S::store_m(vp, v, mask);
-                i += n;
-            }
-        }
-    }
-}
-
 /// One Adam / AdamW step of an f32 parameter `p` with gradient `g`, updating `p`, its moments
 /// `m` and `v` and, with `amsgrad`, the running maximum `vmax` of `v` in place (see the
 /// module's formulas; [`AdamWStep`] says which variant).
@@ -291,7 +222,7 @@ pub fn adamw(
     step: &AdamWStep,
 ) -> Result<(), KernelError> {
     check_lengths(p.len(), g.len(), m.len(), v.len(), vmax.as_ref().map(|w| w.len()))?;
-    let task = AdamWTask {
+    let task = AdamWTask::<f32> {
         p: SyncPtr(p.as_mut_ptr()),
         g: ConstPtr(g.as_ptr()),
         m: SyncPtr(m.as_mut_ptr()),
