@@ -22,10 +22,8 @@
 //! p = bf16(p + ((−lr / (1 − β₁ᵗ))·m) / d)
 //! ```
 
-use super::task::AdamWTask;
-use super::{check_lengths, AdamWStep, Scalars32};
-use crate::attention::exec::{par_run, ConstPtr, SyncPtr};
-use crate::attention::{simd_level, KernelError};
+use super::{task, AdamWStep};
+use crate::attention::KernelError;
 
 /// [`adamw`](super::adamw) for a bfloat16 parameter and bfloat16 moments (their bits), each
 /// operation rounded to bf16 as PyTorch rounds it (see the module's formulas).
@@ -37,24 +35,14 @@ pub fn adamw_bf16(
     vmax: Option<&mut [u16]>,
     step: &AdamWStep,
 ) -> Result<(), KernelError> {
-    check_lengths(p.len(), g.len(), m.len(), v.len(), vmax.as_ref().map(|w| w.len()))?;
-    let task = AdamWTask::<u16> {
-        p: SyncPtr(p.as_mut_ptr()),
-        g: ConstPtr(g.as_ptr()),
-        m: SyncPtr(m.as_mut_ptr()),
-        v: SyncPtr(v.as_mut_ptr()),
-        vmax: SyncPtr(vmax.map_or(std::ptr::null_mut(), |w| w.as_mut_ptr())),
-        len: p.len(),
-        s: Scalars32::new(step),
-    };
-    par_run(simd_level(), &task);
-    Ok(())
+    task::step(p, g, m, v, vmax, step)
 }
 
 /// The reference twin: PyTorch's in-place operations on bf16 tensors as passes in plain
 /// scalar code, each widening its operands, computing in f32 and rounding to bf16.
 pub mod reference {
-    use super::{check_lengths, AdamWStep, KernelError, Scalars32};
+    use super::super::{check_lengths, Scalars32};
+    use super::{AdamWStep, KernelError};
     use crate::convert::{bf16_bits_to_f32 as wide, f32_to_bf16_bits as bf};
 
     fn pass(x: &mut [u16], f: impl Fn(f32, usize) -> f32) {

@@ -42,9 +42,7 @@ mod task;
 
 pub use bf16::adamw_bf16;
 
-use crate::attention::exec::{par_run, ConstPtr, SyncPtr};
-use crate::attention::{simd_level, KernelError};
-use task::AdamWTask;
+use crate::attention::KernelError;
 
 /// Elements per task.
 const BLOCK: usize = 1 << 14;
@@ -221,18 +219,7 @@ pub fn adamw(
     vmax: Option<&mut [f32]>,
     step: &AdamWStep,
 ) -> Result<(), KernelError> {
-    check_lengths(p.len(), g.len(), m.len(), v.len(), vmax.as_ref().map(|w| w.len()))?;
-    let task = AdamWTask::<f32> {
-        p: SyncPtr(p.as_mut_ptr()),
-        g: ConstPtr(g.as_ptr()),
-        m: SyncPtr(m.as_mut_ptr()),
-        v: SyncPtr(v.as_mut_ptr()),
-        vmax: SyncPtr(vmax.map_or(std::ptr::null_mut(), |w| w.as_mut_ptr())),
-        len: p.len(),
-        s: Scalars32::new(step),
-    };
-    par_run(simd_level(), &task);
-    Ok(())
+    task::step(p, g, m, v, vmax, step)
 }
 
 /// `torch.maximum` on one pair: NaN where either is NaN.

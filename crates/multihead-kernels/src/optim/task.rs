@@ -2,9 +2,34 @@
 //! widened to f32 and each operation's result rounded back to bf16, as PyTorch computes a bf16
 //! tensor's in-place operations.
 
-use super::{Scalars32, BLOCK};
-use crate::attention::exec::{ConstPtr, SyncPtr, Task};
+use super::{check_lengths, AdamWStep, Scalars32, BLOCK};
+use crate::attention::exec::{par_run, ConstPtr, SyncPtr, Task};
 use crate::attention::simd::Simd;
+use crate::attention::{simd_level, KernelError};
+
+/// One step over a parameter's arrays of element type `E`, after their lengths are checked
+/// (what [`adamw`](super::adamw) and [`adamw_bf16`](super::adamw_bf16) run).
+pub(super) fn step<E: Elem>(
+    p: &mut [E],
+    g: &[E],
+    m: &mut [E],
+    v: &mut [E],
+    vmax: Option<&mut [E]>,
+    step: &AdamWStep,
+) -> Result<(), KernelError> {
+    check_lengths(p.len(), g.len(), m.len(), v.len(), vmax.as_ref().map(|w| w.len()))?;
+    let task = AdamWTask::<E> {
+        p: SyncPtr(p.as_mut_ptr()),
+        g: ConstPtr(g.as_ptr()),
+        m: SyncPtr(m.as_mut_ptr()),
+        v: SyncPtr(v.as_mut_ptr()),
+        vmax: SyncPtr(vmax.map_or(std::ptr::null_mut(), |w| w.as_mut_ptr())),
+        len: p.len(),
+        s: Scalars32::new(step),
+    };
+    par_run(simd_level(), &task);
+    Ok(())
+}
 
 /// How an element type is read, rounded after each operation, and written, and which scalars
 /// it takes where PyTorch's `add` casts a Python number to the tensor's dtype.
@@ -71,15 +96,15 @@ impl Elem for u16 {
 }
 
 /// One step over a parameter's arrays.
-pub(super) struct AdamWTask<E> {
-    pub(super) p: SyncPtr<E>,
-    pub(super) g: ConstPtr<E>,
-    pub(super) m: SyncPtr<E>,
-    pub(super) v: SyncPtr<E>,
+struct AdamWTask<E> {
+    p: SyncPtr<E>,
+    g: ConstPtr<E>,
+    m: SyncPtr<E>,
+    v: SyncPtr<E>,
     /// `amsgrad`'s running maximum of `v`, or null.
-    pub(super) vmax: SyncPtr<E>,
-    pub(super) len: usize,
-    pub(super) s: Scalars32,
+    vmax: SyncPtr<E>,
+    len: usize,
+    s: Scalars32,
 }
 
 /// One step of `S::LANES` elements at the pointers (`w` null without `amsgrad`), in PyTorch's
